@@ -1,0 +1,34 @@
+# Each target builds .venv when it is missing. torch==2.13.0 goes in first: it is the
+# CPU wheel on local disk, and installing it first stops `torch>=2.4` from pulling a CUDA build.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint typecheck bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/torchscope doctor --out torchscope-report
+
+test: $(STAMP)
+	$(BIN)/python -m ruff check src tests benchmarks
+	$(BIN)/python -m mypy
+	$(BIN)/python -m pytest -n 2 --dist loadgroup
+
+lint: $(STAMP)
+	$(BIN)/python -m ruff check src tests benchmarks
+	$(BIN)/python -m mypy
+	$(BIN)/torchscope lint src
+
+bench: $(STAMP)
+	for b in benchmarks/*.py; do $(BIN)/python $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) torchscope-report .pytest_cache .mypy_cache .ruff_cache

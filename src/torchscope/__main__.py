@@ -1,0 +1,5 @@
+"""`python -m torchscope` runs the CLI."""
+
+from torchscope.cli import main
+
+main()

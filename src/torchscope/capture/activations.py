@@ -1,0 +1,316 @@
+"""Activation capture with forward hooks: one record per module call, stats reduced on device."""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from torchscope.capture.records import ActivationRecord, TensorStats
+from torchscope.capture.stats import (
+    DEAD, INFS, MAX, MEAN, MIN, N_STATS, NANS, NORM, STD, ZEROS, reduce_stats,
+)
+from torchscope.errors import BudgetError
+from torchscope.hooks.select import Selector, select_modules
+from torchscope.hooks.session import HookSession
+from torchscope.hooks.tree import iter_tensors
+from torchscope.models.target import ModelInputs, call_model
+
+__all__ = ["ActivationCapture", "activations", "capture_activations"]
+
+Store = Literal["stats", "tensors"]
+OnBudget = Literal["error", "skip"]
+
+# Modules whose outputs are >= 0 and whose dead channels mean dead units.
+_RELU_FAMILY = (nn.ReLU, nn.ReLU6, nn.Hardtanh, nn.Threshold)
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """A call recorded during a forward whose device stats are not on the host yet."""
+
+    module: str
+    module_type: str
+    call: int
+    order: int
+    # (path, shape, dtype, device, numel, row in the stats matrix)
+    leaves: tuple[tuple[str, tuple[int, ...], str, str, int, int], ...]
+    input_rows: tuple[int, ...]  # rows whose NaN/Inf slots describe the tensor inputs
+
+
+class ActivationCapture:
+    """Collects activation records while its `HookSession` is open.
+
+    Hooks only enqueue device reductions; `records` copies everything to the host in one
+    transfer per forward. Tensors kept with `store="tensors"` are in `tensors`.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        select: Selector = None,
+        depth: int | None = None,
+        store: Store = "stats",
+        max_bytes: int | None = None,
+        offload: bool = True,
+        on_budget: OnBudget = "error",
+        dead_units: bool = True,
+    ) -> None:
+        if store not in ("stats", "tensors"):
+            raise ValueError(f"store must be 'stats' or 'tensors', not {store!r}")
+        self._targets = select_modules(model, select, depth=depth)
+        self._session = HookSession(model)
+        self._store = store
+        self._max_bytes = max_bytes
+        self._offload = offload
+        self._on_budget = on_budget
+        self._dead_units = dead_units
+        self._records: list[ActivationRecord] = []
+        self._tensors: dict[tuple[int, str, str], torch.Tensor] = {}
+        self._stored_bytes = 0
+        self._warned_budget = False
+        self._step = -1
+        # Per forward: pending calls and the device vectors they wrote, flushed together.
+        self._pending: list[tuple[int, list[_Pending], list[torch.Tensor]]] = []
+        self._cur: list[_Pending] = []
+        self._vecs: list[torch.Tensor] = []
+        self._calls: dict[str, int] = {}
+        # Identity of tensors already reduced this forward -> row in `_vecs`.
+        self._seen: dict[int, tuple[weakref.ReferenceType[torch.Tensor], int]] = {}
+
+    # ------------------------------------------------------------------ session
+    def __enter__(self) -> ActivationCapture:
+        self.open()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def open(self) -> None:
+        """Register the hooks."""
+        s = self._session
+        model = s.model
+        s.forward_pre_hook(model, self._begin_forward, prepend=True)
+        s.forward_hook(model, self._end_forward, always_call=True)
+        for name, module in self._targets:
+            s.forward_hook(module, self._make_hook(name, type(module).__name__,
+                                                   isinstance(module, _RELU_FAMILY)))
+
+    def close(self) -> None:
+        """Remove the hooks; records stay readable."""
+        self._session.close()
+        self._end_forward(None, (), None)
+
+    @property
+    def session(self) -> HookSession:
+        """The session that owns this capture's hooks."""
+        return self._session
+
+    @property
+    def modules(self) -> list[str]:
+        """Qualified names of the hooked modules."""
+        return [n for n, _ in self._targets]
+
+    # ------------------------------------------------------------------ hooks
+    def _begin_forward(self, _m: nn.Module, _args: tuple[Any, ...]) -> None:
+        if self._cur or self._vecs:
+            self._end_forward(None, (), None)  # a forward that raised left pending calls
+        self._step += 1
+        self._calls = {}
+        self._seen = {}
+
+    def _end_forward(self, _m: nn.Module | None, _args: tuple[Any, ...], _out: Any) -> None:
+        if self._vecs or self._cur:
+            # (rows, N_STATS) stays on the device until `records` is read.
+            self._pending.append((self._step, self._cur, [torch.stack(self._vecs)]))
+        self._cur, self._vecs, self._seen = [], [], {}
+
+    def _row_for_input(self, t: torch.Tensor) -> int:
+        """Row whose NaN/Inf counts describe `t`: an earlier output when it is one."""
+        hit = self._seen.get(id(t))
+        if hit is not None and hit[0]() is t:
+            return hit[1]
+        vec = torch.zeros(N_STATS, dtype=torch.float64, device=t.device)
+        if t.is_floating_point() or t.is_complex():
+            vec[NANS] = (~torch.isfinite(t.detach())).sum()  # NaN and Inf lumped: finiteness
+        self._vecs.append(vec)
+        row = len(self._vecs) - 1
+        self._seen[id(t)] = (weakref.ref(t), row)
+        return row
+
+    def _make_hook(self, name: str, type_name: str, relu_family: bool) -> Any:
+        def hook(_module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+            call = self._calls.get(name, 0)
+            self._calls[name] = call + 1
+            input_rows = tuple(self._row_for_input(t) for _, t in iter_tensors(args))
+            leaves = []
+            for path, t in iter_tensors(output):
+                self._vecs.append(reduce_stats(t, dead_units=self._dead_units and relu_family))
+                row = len(self._vecs) - 1
+                self._seen[id(t)] = (weakref.ref(t), row)
+                leaves.append((path, tuple(t.shape), str(t.dtype), str(t.device), t.numel(), row))
+                if self._store == "tensors":
+                    self._keep(name, call, path, t)
+            self._cur.append(_Pending(name, type_name, call, len(self._cur), tuple(leaves),
+                                      input_rows))
+
+        return hook
+
+    def _keep(self, name: str, call: int, path: str, t: torch.Tensor) -> None:
+        nbytes = t.numel() * t.element_size()
+        if self._max_bytes is not None and self._stored_bytes + nbytes > self._max_bytes:
+            msg = (f"storing {name}#{call}{path} ({nbytes:,} B) would exceed max_bytes="
+                   f"{self._max_bytes:,} (already {self._stored_bytes:,} B stored)")
+            if self._on_budget == "error":
+                raise BudgetError(msg + ".", fix="raise max_bytes, narrow select=, or use "
+                                  "on_budget='skip' or store='stats'.")
+            if not self._warned_budget:
+                self._warned_budget = True
+                warnings.warn(msg + "; skipping this and further tensors over the budget.",
+                              RuntimeWarning, stacklevel=2)
+            return
+        copy = t.detach().to("cpu", copy=True) if self._offload else t.detach().clone()
+        self._stored_bytes += nbytes
+        self._tensors[(self._step, f"{name}#{call}", path)] = copy
+
+    # ------------------------------------------------------------------ results
+    @property
+    def records(self) -> tuple[ActivationRecord, ...]:
+        """Every record so far, in forward order then call-completion order."""
+        self._flush()
+        return tuple(self._records)
+
+    @property
+    def tensors(self) -> dict[tuple[int, str, str], torch.Tensor]:
+        """Stored tensors by `(step, "module#call", path)` (only with `store="tensors"`)."""
+        return dict(self._tensors)
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes held by `tensors`."""
+        return self._stored_bytes
+
+    def last(self) -> tuple[ActivationRecord, ...]:
+        """Records of the most recent forward."""
+        recs = self.records
+        if not recs:
+            return ()
+        return tuple(r for r in recs if r.step == recs[-1].step)
+
+    def get(self, module: str, call: int = 0, step: int | None = None) -> ActivationRecord:
+        """The record of `module`'s `call`-th call in `step` (the last forward by default).
+
+        Raises:
+            KeyError: no such record.
+        """
+        recs = self.records if step is not None else self.last()
+        for r in recs:
+            if r.module == module and r.call == call and (step is None or r.step == step):
+                return r
+        raise KeyError(f"no record for {module!r} call {call}" +
+                       (f" in step {step}" if step is not None else ""))
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        # One host copy for everything pending: cat on each device, then .cpu() once.
+        mats = [m for _, _, ms in self._pending for m in ms]
+        host = [m.cpu() for m in mats] if len({m.device for m in mats}) > 1 else \
+            torch.cat(mats).cpu().split([m.shape[0] for m in mats])
+        for (step, calls, _), mat in zip(self._pending, host, strict=True):
+            rows = mat.tolist()
+            for p in calls:
+                outs = []
+                for path, shape, dtype, device, numel, row in p.leaves:
+                    v = rows[row]
+                    dead = v[DEAD] >= 0
+                    outs.append(TensorStats(
+                        path, shape, dtype, device, numel,
+                        mean=v[MEAN], std=v[STD], min=v[MIN], max=v[MAX], norm=v[NORM],
+                        zero_frac=v[ZEROS], nan_count=int(v[NANS]), inf_count=int(v[INFS]),
+                        dead_units=int(v[DEAD]) if dead else None,
+                        channels=shape[1] if dead else None,
+                    ))
+                inputs_finite = all(rows[r][NANS] == 0 and rows[r][INFS] == 0
+                                    for r in p.input_rows)
+                self._records.append(ActivationRecord(
+                    p.module, p.module_type, step, p.call, p.order, tuple(outs), inputs_finite))
+        self._pending.clear()
+
+
+def capture_activations(
+    model: nn.Module,
+    inputs: Any,
+    *,
+    select: Selector = None,
+    depth: int | None = None,
+    store: Store = "stats",
+    max_bytes: int | None = None,
+    offload: bool = True,
+    on_budget: OnBudget = "error",
+    train: bool | None = None,
+    grad: bool = False,
+) -> ActivationCapture:
+    """Run one forward of `model` on `inputs` and capture every selected module's output.
+
+    Args:
+        model: any `nn.Module`.
+        inputs: a tensor, a tuple of positional inputs, a dict of keyword inputs, or
+            `ModelInputs`.
+        select: which modules to hook (see `select_modules`); default: the leaf modules.
+        depth: limit selection depth.
+        store: "stats" keeps statistics only; "tensors" also keeps detached copies.
+        max_bytes: budget for stored tensors.
+        offload: copy stored tensors to the CPU.
+        on_budget: over the budget, "error" raises `BudgetError`; "skip" warns and skips.
+        train: put the model in train (True) or eval (False) mode for the capture; the old
+            flags are restored. None leaves the mode as it is.
+        grad: run the forward with autograd enabled.
+
+    Returns:
+        The finished `ActivationCapture`; its hooks are already removed.
+
+    Raises:
+        ModelError: the model raised; hooks are removed and flags restored first.
+    """
+    capture = ActivationCapture(model, select=select, depth=depth, store=store,
+                                max_bytes=max_bytes, offload=offload, on_budget=on_budget)
+    with capture:
+        if train is not None:
+            capture.session.set_training(train)
+        with torch.set_grad_enabled(grad):
+            call_model(model, ModelInputs.of(inputs))
+    return capture
+
+
+@contextmanager
+def activations(
+    model: nn.Module,
+    *,
+    select: Selector = None,
+    depth: int | None = None,
+    store: Store = "stats",
+    max_bytes: int | None = None,
+    offload: bool = True,
+    on_budget: OnBudget = "error",
+) -> Iterator[ActivationCapture]:
+    """Capture activations in your own loop; every forward inside the block is recorded.
+
+    Example:
+        >>> with torchscope.activations(model, select="Conv2d") as acts:
+        ...     for x, y in loader:
+        ...         loss = F.cross_entropy(model(x), y)
+        ...         loss.backward()
+        >>> acts.last()[0].output.shape
+    """
+    capture = ActivationCapture(model, select=select, depth=depth, store=store,
+                                max_bytes=max_bytes, offload=offload, on_budget=on_budget)
+    with capture:
+        yield capture

@@ -1,0 +1,57 @@
+"""Analysis: where NaN/Inf first appears in a forward, and which modules only carry it on."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torchscope.capture.records import ActivationRecord
+
+__all__ = ["NonFiniteTrace", "trace_nonfinite"]
+
+
+@dataclass(frozen=True)
+class NonFiniteTrace:
+    """Result of `trace_nonfinite` for one forward.
+
+    Attributes:
+        producer: the first call, in execution order, whose output holds NaN/Inf while all its
+            tensor inputs were finite; None when the forward stayed finite.
+        passers: later calls whose output is non-finite because an input already was.
+        other_producers: later calls that created non-finite values from finite inputs too.
+    """
+
+    producer: ActivationRecord | None
+    passers: tuple[ActivationRecord, ...]
+    other_producers: tuple[ActivationRecord, ...]
+
+    @property
+    def clean(self) -> bool:
+        """True when no recorded output held NaN or Inf."""
+        return self.producer is None and not self.passers
+
+
+def trace_nonfinite(records: Sequence[ActivationRecord], step: int | None = None) -> NonFiniteTrace:
+    """Find the module that produced the first NaN/Inf of a forward.
+
+    Args:
+        records: activation records (from one or more forwards).
+        step: which forward to read; default the last one in `records`.
+    """
+    if not records:
+        return NonFiniteTrace(None, (), ())
+    step = records[-1].step if step is None else step
+    calls = sorted((r for r in records if r.step == step), key=lambda r: r.order)
+    producers = [r for r in calls if not r.finite and r.inputs_finite]
+    passers = tuple(r for r in calls if not r.finite and not r.inputs_finite)
+    if not producers:
+        return NonFiniteTrace(None, passers, ())
+    # A container finishes after its children: a parent flagged as producer only because its
+    # child produced the NaN is not another producer.
+    first = producers[0]
+    others = tuple(
+        r for r in producers[1:] if not (first.module == "" or r.module == "" or
+                                         first.module.startswith(r.module + "."))
+    )
+    parents = tuple(r for r in producers[1:] if r not in others)
+    return NonFiniteTrace(first, passers + parents, others)

@@ -1,0 +1,102 @@
+"""Frozen records that activation capture produces. They hold numbers, never formatted text."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["ActivationRecord", "TensorStats"]
+
+
+@dataclass(frozen=True)
+class TensorStats:
+    """Statistics of one tensor leaf of a module's output.
+
+    Attributes:
+        path: where the tensor sits in the output (`""` for a bare tensor, `[0]`, `['logits']`).
+        shape, dtype, device, numel: as torch reports them (`dtype` like `torch.float32`).
+        mean, std, min, max: over all elements; `std` is unbiased, as `Tensor.std()`.
+        norm: the L2 norm of the flattened tensor.
+        zero_frac: fraction of elements exactly zero.
+        nan_count, inf_count: non-finite elements.
+        dead_units: for ReLU-family outputs of rank >= 2, channels (dim 1) that are zero for
+            every sample and position; None where not measured.
+        channels: the size of dim 1 when `dead_units` is measured.
+    """
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    device: str
+    numel: int
+    mean: float
+    std: float
+    min: float
+    max: float
+    norm: float
+    zero_frac: float
+    nan_count: int
+    inf_count: int
+    dead_units: int | None = None
+    channels: int | None = None
+
+    @property
+    def finite(self) -> bool:
+        """True when the tensor holds no NaN and no Inf."""
+        return self.nan_count == 0 and self.inf_count == 0
+
+    @property
+    def nonfinite(self) -> int:
+        """NaN plus Inf elements."""
+        return self.nan_count + self.inf_count
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the tensor in bytes."""
+        itemsize = torch.empty((), dtype=getattr(torch, self.dtype.split(".")[-1])).element_size()
+        return self.numel * itemsize
+
+    def is_close_to_constant(self) -> bool:
+        """True when every element is equal (zero spread)."""
+        return self.numel > 1 and (self.std == 0.0 or math.isclose(self.min, self.max))
+
+
+@dataclass(frozen=True)
+class ActivationRecord:
+    """One call of one module during one forward.
+
+    Attributes:
+        module: qualified name ("" is the root).
+        module_type: the module's class name.
+        step: which forward of the capture this call belongs to (0-based).
+        call: how many times this module ran before in the same forward (0 for the first).
+        order: position of this call among all recorded calls of the forward, in the order
+            the calls finished.
+        outputs: statistics of each tensor leaf of the output.
+        inputs_finite: whether every tensor input was free of NaN and Inf.
+    """
+
+    module: str
+    module_type: str
+    step: int
+    call: int
+    order: int
+    outputs: tuple[TensorStats, ...]
+    inputs_finite: bool
+
+    @property
+    def output(self) -> TensorStats | None:
+        """The first tensor of the output, or None when the output holds no tensor."""
+        return self.outputs[0] if self.outputs else None
+
+    @property
+    def finite(self) -> bool:
+        """True when every output tensor is finite."""
+        return all(s.finite for s in self.outputs)
+
+    @property
+    def key(self) -> str:
+        """`module#call`, unique within a forward."""
+        return f"{self.module}#{self.call}"

@@ -1,0 +1,5 @@
+"""Command-line interface (`torchscope ...`)."""
+
+from torchscope.cli.app import app, main
+
+__all__ = ["app", "main"]

@@ -1,0 +1,100 @@
+"""What every CLI command shares: TARGET/--input options, one-line errors, JSON output."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Annotated, Any, NoReturn
+
+import typer
+from rich.console import Console
+
+from torchscope.errors import TorchscopeError
+from torchscope.models.target import LoadedTarget, ModelInputs, load_inputs, load_target
+
+__all__ = [
+    "DebugOpt",
+    "InputOpt",
+    "InputsFnOpt",
+    "JsonOpt",
+    "TargetArg",
+    "console",
+    "err_console",
+    "fail",
+    "guarded",
+    "load",
+]
+
+console = Console(width=None if sys.stdout.isatty() else 150)
+err_console = Console(stderr=True, soft_wrap=True)
+
+TargetArg = Annotated[
+    str | None,
+    typer.Argument(
+        help="Built-in model (tiny-cnn, mlp, deep-mlp, resnet-mini), path/to/file.py:factory "
+        "or package.module:factory. Default: tiny-cnn.",
+        show_default=False,
+    ),
+]
+InputOpt = Annotated[
+    list[str] | None,
+    typer.Option("--input", "-i", help="Input SPEC, e.g. 32x3x32x32 or int64[0,1000):4x128. "
+                 "Repeat for several positional inputs."),
+]
+InputsFnOpt = Annotated[
+    str | None,
+    typer.Option("--inputs", help="file.py:make_inputs returning a tensor, tuple or dict."),
+]
+JsonOpt = Annotated[str | None, typer.Option("--json", help="Write the records to this file.")]
+DebugOpt = Annotated[bool, typer.Option("--debug", help="Show the full traceback on errors.")]
+
+
+def fail(message: str, *, code: int = 2) -> NoReturn:
+    """Print one error line to stderr and exit."""
+    err_console.print(f"[bold red]error:[/] {message}", highlight=False, markup=True)
+    raise typer.Exit(code)
+
+
+@contextmanager
+def guarded(debug: bool) -> Iterator[None]:
+    """Turn every failure into one line and exit code 2; `--debug` re-raises for a traceback."""
+    os.environ.setdefault("KINETO_LOG_LEVEL", "5")
+    try:
+        yield
+    except typer.Exit:
+        raise
+    except TorchscopeError as exc:
+        if debug:
+            raise
+        fail(_escape(exc.one_line()))
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        fail("interrupted; every hook was removed.", code=130)
+    except Exception as exc:
+        if debug:
+            raise
+        first = (str(exc).strip().splitlines() or [""])[0]
+        fail(_escape(f"unexpected {type(exc).__name__}: {first}. Fix: rerun with --debug "
+                     "for the traceback."))
+
+
+def _escape(text: str) -> str:
+    return text.replace("[", r"\[")
+
+
+def load(target: str | None, specs: list[str] | None, inputs_fn: str | None
+         ) -> tuple[LoadedTarget, ModelInputs]:
+    """Load a TARGET and its example inputs (raises `TorchscopeError` subclasses)."""
+    loaded = load_target(target)
+    return loaded, load_inputs(loaded, specs or (), inputs_fn)
+
+
+def is_tty() -> bool:
+    """Whether stdout is a terminal (progress bars only then)."""
+    return sys.stdout.isatty()
+
+
+Command = Callable[..., Any]

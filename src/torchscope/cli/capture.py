@@ -1,0 +1,45 @@
+"""`torchscope capture`: record every selected module's output for one forward."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from torchscope.cli._common import (
+    DebugOpt, InputOpt, InputsFnOpt, JsonOpt, TargetArg, console, guarded, load,
+)
+
+
+def register(app: typer.Typer) -> None:
+    """Add `capture` to `app`."""
+    app.command("capture")(capture)
+
+
+def capture(
+    target: TargetArg = None,
+    input: InputOpt = None,  # noqa: A002 - the option is --input
+    inputs: InputsFnOpt = None,
+    select: Annotated[str | None, typer.Option(
+        "--select", "-s", help="Glob over module names (layer*.conv1) or a type (Conv2d).")] = None,
+    depth: Annotated[int | None, typer.Option(help="Only modules this deep or shallower.")] = None,
+    json_path: JsonOpt = None,
+    debug: DebugOpt = False,
+) -> None:
+    """Capture activations: shape, dtype and statistics of every module output."""
+    with guarded(debug):
+        from torchscope.capture import capture_activations, trace_nonfinite
+        from torchscope.report.capture import activation_table, nonfinite_lines
+        from torchscope.report.serialize import write_json
+
+        loaded, model_inputs = load(target, input, inputs)
+        cap = capture_activations(loaded.model, model_inputs, select=select, depth=depth)
+        records = cap.records
+        console.print(activation_table(records, title=f"Activations of {loaded.name}"))
+        trace = trace_nonfinite(records)
+        for line in nonfinite_lines(trace):
+            console.print(f"[red]{line}[/]")
+        if json_path:
+            write_json(json_path, {"target": loaded.name, "records": records,
+                                   "nonfinite": trace})
+            console.print(f"wrote {json_path}")

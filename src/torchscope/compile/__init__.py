@@ -1,0 +1,1 @@
+"""torchscope.compile (in progress)."""

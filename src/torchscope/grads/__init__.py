@@ -1,0 +1,1 @@
+"""torchscope.grads (in progress)."""

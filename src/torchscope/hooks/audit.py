@@ -1,0 +1,200 @@
+"""Hook audit: list every hook on a model, and warn when hook counts grow step over step."""
+
+from __future__ import annotations
+
+import warnings
+from collections import Counter
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules import module as _module_mod
+
+__all__ = ["HookAudit", "HookEntry", "HookGrowthGuard", "HookGrowthWarning", "audit_hooks"]
+
+# Per-module hook dicts, by the kind name torchscope reports.
+_MODULE_HOOK_ATTRS: dict[str, str] = {
+    "forward": "_forward_hooks",
+    "forward_pre": "_forward_pre_hooks",
+    "backward": "_backward_hooks",
+    "backward_pre": "_backward_pre_hooks",
+    "state_dict": "_state_dict_hooks",
+    "state_dict_pre": "_state_dict_pre_hooks",
+    "load_state_dict_pre": "_load_state_dict_pre_hooks",
+    "load_state_dict_post": "_load_state_dict_post_hooks",
+}
+# Process-wide module hooks (`torch.nn.modules.module.register_module_*_hook`).
+_GLOBAL_HOOK_ATTRS: dict[str, str] = {
+    "global_forward": "_global_forward_hooks",
+    "global_forward_pre": "_global_forward_pre_hooks",
+    "global_backward": "_global_backward_hooks",
+    "global_backward_pre": "_global_backward_pre_hooks",
+    "global_buffer_registration": "_global_buffer_registration_hooks",
+    "global_module_registration": "_global_module_registration_hooks",
+    "global_parameter_registration": "_global_parameter_registration_hooks",
+}
+
+
+@dataclass(frozen=True)
+class HookEntry:
+    """Hooks of one kind on one module or parameter.
+
+    Attributes:
+        owner: qualified module name ("" is the root; `fc.weight` for a parameter;
+            `<global>` for process-wide hooks).
+        kind: `forward`, `forward_pre`, `backward` (full), `backward_legacy` (the deprecated
+            `register_backward_hook`), `backward_pre`, `tensor` (a parameter's grad hook),
+            `post_accumulate_grad`, `state_dict*`, or `global_*`.
+        count: how many hooks of that kind.
+    """
+
+    owner: str
+    kind: str
+    count: int
+
+
+@dataclass(frozen=True)
+class HookAudit:
+    """Every hook found on a model, plus the process-wide module hooks."""
+
+    entries: tuple[HookEntry, ...]
+
+    @property
+    def total(self) -> int:
+        """All hooks found, global ones included."""
+        return sum(e.count for e in self.entries)
+
+    @property
+    def local_total(self) -> int:
+        """Hooks on the model's own modules and parameters, global ones excluded."""
+        return sum(e.count for e in self.entries if e.owner != "<global>")
+
+    def by_kind(self) -> dict[str, int]:
+        """Hook counts summed per kind."""
+        out: Counter[str] = Counter()
+        for e in self.entries:
+            out[e.kind] += e.count
+        return dict(out)
+
+    def counts(self) -> dict[tuple[str, str], int]:
+        """`{(owner, kind): count}`, for comparing two audits."""
+        return {(e.owner, e.kind): e.count for e in self.entries}
+
+
+def _len(d: Any) -> int:
+    return len(d) if d else 0
+
+
+def audit_hooks(model: nn.Module, *, include_global: bool = True) -> HookAudit:
+    """List every hook on every submodule and parameter of `model`, by kind.
+
+    Args:
+        model: the model to inspect; nothing is changed.
+        include_global: also count the process-wide module hooks.
+
+    Returns:
+        A `HookAudit` whose entries have a non-zero count.
+    """
+    entries: list[HookEntry] = []
+    for name, module in model.named_modules():
+        for kind, attr in _MODULE_HOOK_ATTRS.items():
+            hooks = getattr(module, attr, None)
+            n = _len(hooks)
+            if not n:
+                continue
+            if kind == "backward" and getattr(module, "_is_full_backward_hook", None) is False:
+                kind = "backward_legacy"
+            entries.append(HookEntry(name, kind, n))
+        for pname, param in module.named_parameters(recurse=False):
+            owner = f"{name}.{pname}" if name else pname
+            n = _len(getattr(param, "_backward_hooks", None))
+            if n:
+                entries.append(HookEntry(owner, "tensor", n))
+            n = _len(getattr(param, "_post_accumulate_grad_hooks", None))
+            if n:
+                entries.append(HookEntry(owner, "post_accumulate_grad", n))
+    if include_global:
+        for kind, attr in _GLOBAL_HOOK_ATTRS.items():
+            n = _len(getattr(_module_mod, attr, None))
+            if n:
+                entries.append(HookEntry("<global>", kind, n))
+    return HookAudit(tuple(entries))
+
+
+class HookGrowthWarning(UserWarning):
+    """Hook counts grew between two training steps: hooks are being registered in the loop."""
+
+
+@dataclass
+class HookGrowthGuard:
+    """Warn once when a model's hook counts grow from one step to the next.
+
+    Call `step()` once per training step, or use it as a context manager, which calls
+    `step()` at the start of every forward of the root module. Growth is the classic bug of
+    `register_forward_hook` inside the training loop: every step adds one more hook.
+
+    Attributes:
+        model: the watched model (held strongly only while the guard lives).
+        growth: after a warning, `{(owner, kind): (before, after)}` of what grew.
+    """
+
+    model: nn.Module
+    growth: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)
+    _last: dict[tuple[str, str], int] | None = None
+    _warned: bool = False
+    _handle: Any = None
+
+    def step(self) -> dict[tuple[str, str], tuple[int, int]]:
+        """Compare hook counts with the previous step; warn on the first growth.
+
+        Returns:
+            What grew since the previous call (empty when nothing did).
+        """
+        now = audit_hooks(self.model, include_global=True).counts()
+        if self._handle is not None:
+            # Our own pre-hook is not the user's growth.
+            now[("", "forward_pre")] = now.get(("", "forward_pre"), 0) - 1
+        grown: dict[tuple[str, str], tuple[int, int]] = {}
+        if self._last is not None:
+            for key, count in now.items():
+                before = self._last.get(key, 0)
+                if count > before:
+                    grown[key] = (before, count)
+        self._last = now
+        if grown and not self._warned:
+            self._warned = True
+            self.growth = grown
+            detail = ", ".join(
+                f"{owner or '<root>'} {kind} {a}→{b}" for (owner, kind), (a, b) in grown.items()
+            )
+            warnings.warn(
+                f"hook count grew between steps ({detail}): a hook is registered inside the "
+                "training loop and never removed. Register it once before the loop and call "
+                "handle.remove() after, or use `with torchscope.activations(model):`.",
+                HookGrowthWarning,
+                stacklevel=3,
+            )
+        return grown
+
+    def __enter__(self) -> HookGrowthGuard:
+        def pre(_m: nn.Module, _a: tuple[Any, ...]) -> None:
+            self.step()
+
+        self._handle = self.model.register_forward_pre_hook(pre)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+
+def _tensor_hook_count(t: torch.Tensor) -> int:
+    return _len(getattr(t, "_backward_hooks", None))

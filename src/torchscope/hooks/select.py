@@ -1,0 +1,132 @@
+"""Module selection shared by every capability: globs, type names, classes, predicates, depth."""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from torch import nn
+
+from torchscope.errors import SelectionError
+
+__all__ = ["Selector", "select_modules"]
+
+Predicate = Callable[[str, nn.Module], bool]
+Selector = str | type[nn.Module] | Predicate | Sequence["str | type[nn.Module]"] | None
+
+
+@dataclass(frozen=True)
+class SelectedModule:
+    """One selected module with its qualified name ("" is the root)."""
+
+    name: str
+    module: nn.Module
+
+
+def _is_leaf(module: nn.Module) -> bool:
+    return next(module.children(), None) is None
+
+
+def _depth(name: str) -> int:
+    return 0 if name == "" else name.count(".") + 1
+
+
+def _matches_pattern(pattern: str, name: str, module: nn.Module) -> bool:
+    if pattern == type(module).__name__:
+        return True
+    return fnmatch.fnmatchcase(name, pattern)
+
+
+def select_modules(
+    model: nn.Module,
+    select: Selector = None,
+    *,
+    depth: int | None = None,
+    include_root: bool = False,
+) -> list[tuple[str, nn.Module]]:
+    """Pick the modules of `model` that a capability should hook.
+
+    Args:
+        model: the model.
+        select: what to pick.
+            - None: the leaf modules (modules without children).
+            - a string: a glob over qualified names (`layer*.conv1`) or a type name (`Conv2d`);
+              several may be joined with commas.
+            - an `nn.Module` subclass: every instance of it.
+            - a callable `(name, module) -> bool`.
+            - a sequence of strings and classes: their union.
+        depth: keep only modules at most this many levels below the root (the root is 0);
+            with `select=None`, picks the modules exactly at this depth plus shallower leaves.
+        include_root: let the root module be selected too.
+
+    Returns:
+        `(qualified_name, module)` pairs in registration order, each module once.
+
+    Raises:
+        SelectionError: a pattern matched nothing; the message lists close names.
+    """
+    named = [(n, m) for n, m in model.named_modules() if include_root or n != ""]
+    if select is None:
+        if depth is None:
+            picked = [(n, m) for n, m in named if _is_leaf(m)]
+        else:
+            picked = [
+                (n, m)
+                for n, m in named
+                if _depth(n) == depth or (_depth(n) < depth and _is_leaf(m))
+            ]
+        if not picked and include_root is False and _is_leaf(model):
+            picked = [("", model)]
+        return picked
+
+    patterns: list[str | type[nn.Module]]
+    predicate: Predicate | None = None
+    if isinstance(select, str):
+        patterns = [p.strip() for p in select.split(",") if p.strip()]
+    elif isinstance(select, type):
+        patterns = [select]
+    elif callable(select):
+        predicate = select
+        patterns = []
+    else:
+        patterns = list(select)
+
+    if depth is not None:
+        named = [(n, m) for n, m in named if _depth(n) <= depth]
+
+    if predicate is not None:
+        return [(n, m) for n, m in named if predicate(n, m)]
+
+    picked_ids: set[int] = set()
+    for pattern in patterns:
+        hits = [
+            (n, m)
+            for n, m in named
+            if (isinstance(pattern, type) and isinstance(m, pattern))
+            or (isinstance(pattern, str) and _matches_pattern(pattern, n, m))
+        ]
+        if not hits:
+            raise _no_match(model, pattern)
+        picked_ids.update(id(m) for _, m in hits)
+    return [(n, m) for n, m in named if id(m) in picked_ids]
+
+
+def _no_match(model: nn.Module, pattern: str | type[nn.Module]) -> SelectionError:
+    names = [n for n, _ in model.named_modules() if n]
+    types = sorted({type(m).__name__ for m in model.modules()})
+    if isinstance(pattern, type):
+        return SelectionError(
+            f"no module of type {pattern.__name__} in {type(model).__name__}.",
+            fix=f"select one of the types present: {', '.join(types[:12])}.",
+        )
+    close = difflib.get_close_matches(pattern, names + types, n=5, cutoff=0.5)
+    hint = f"close matches: {', '.join(close)}." if close else (
+        f"module names look like: {', '.join(names[:6])}."
+    )
+    return SelectionError(
+        f"selection {pattern!r} matched no module of {type(model).__name__}.",
+        fix=f"{hint} Globs match qualified names (e.g. 'layer*.conv1'); bare words match type "
+        "names (e.g. 'Conv2d').",
+    )

@@ -1,0 +1,223 @@
+"""`HookSession`: the one owner of every hook handle torchscope creates.
+
+A session registers hooks through its own methods, keeps each handle, and on exit removes
+exactly those handles (never the user's), restores every `training` flag it changed, and
+keeps only weak references to the model so that it never extends the model's life.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from types import TracebackType
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+__all__ = ["HookSession"]
+
+
+class _Removable(Protocol):
+    def remove(self) -> None: ...
+
+
+ForwardHook = Callable[[nn.Module, tuple[Any, ...], Any], Any]
+ForwardPreHook = Callable[[nn.Module, tuple[Any, ...]], Any]
+TensorHook = Callable[[torch.Tensor], torch.Tensor | None]
+
+
+class HookSession:
+    """Owns the hooks torchscope puts on one model, and takes them all off again.
+
+    Use it as a context manager. It stays open across `forward()` and `backward()`, so
+    backward hooks fire while it is open. On exit, even through an exception or a
+    `KeyboardInterrupt`, it removes exactly the hooks it added, in reverse order, and
+    restores each `training` flag it changed. Nested sessions on the same model each remove
+    only their own hooks.
+
+    The session holds the model by weak reference: a model dropped by the user is garbage
+    collected even while a session object is still alive.
+
+    Example:
+        >>> with HookSession(model) as s:
+        ...     s.forward_hook(model.fc, lambda m, i, o: None)
+        ...     model(x).sum().backward()
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self._model_ref: weakref.ReferenceType[nn.Module] = weakref.ref(model)
+        self._handles: list[_Removable] = []
+        self._saved_flags: list[tuple[weakref.ReferenceType[nn.Module], bool]] = []
+        self._names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary(
+            {m: n for n, m in model.named_modules()}
+        )
+        self._closed = False
+        self._stack: list[str] | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def __enter__(self) -> HookSession:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Remove every hook this session added and restore changed state. Safe to call twice."""
+        try:
+            while self._handles:
+                handle = self._handles.pop()
+                handle.remove()
+        finally:
+            while self._saved_flags:
+                ref, flag = self._saved_flags.pop()
+                module = ref()
+                if module is not None:
+                    module.training = flag
+            self._closed = True
+
+    @property
+    def closed(self) -> bool:
+        """True once `close()` has run."""
+        return self._closed
+
+    @property
+    def model(self) -> nn.Module:
+        """The model, while it is alive.
+
+        Raises:
+            ReferenceError: the model was garbage collected.
+        """
+        model = self._model_ref()
+        if model is None:
+            raise ReferenceError("the model of this HookSession was garbage collected")
+        return model
+
+    def name_of(self, module: nn.Module) -> str:
+        """Qualified name of `module` inside the model (`""` for the root)."""
+        return self._names.get(module, type(module).__name__)
+
+    @property
+    def handle_count(self) -> int:
+        """How many hooks this session currently owns."""
+        return len(self._handles)
+
+    # ------------------------------------------------------------------ state
+    def set_training(self, mode: bool) -> None:
+        """Put the model in train or eval mode; the old flag of every module is restored on exit."""
+        for module in self.model.modules():
+            self._saved_flags.append((weakref.ref(module), module.training))
+        self.model.train(mode)
+
+    # ------------------------------------------------------------------ registration
+    def track(self, handle: _Removable) -> _Removable:
+        """Take ownership of a handle created elsewhere; it is removed on exit."""
+        self._check_open()
+        self._handles.append(handle)
+        return handle
+
+    def forward_hook(
+        self,
+        module: nn.Module,
+        fn: ForwardHook,
+        *,
+        always_call: bool = False,
+        with_kwargs: bool = False,
+        prepend: bool = False,
+    ) -> _Removable:
+        """Register a forward hook on `module`, owned by this session."""
+        self._check_open()
+        return self.track(
+            module.register_forward_hook(
+                fn, always_call=always_call, with_kwargs=with_kwargs, prepend=prepend
+            )
+        )
+
+    def forward_pre_hook(
+        self,
+        module: nn.Module,
+        fn: ForwardPreHook,
+        *,
+        with_kwargs: bool = False,
+        prepend: bool = False,
+    ) -> _Removable:
+        """Register a forward-pre hook on `module`, owned by this session."""
+        self._check_open()
+        return self.track(
+            module.register_forward_pre_hook(fn, with_kwargs=with_kwargs, prepend=prepend)
+        )
+
+    def full_backward_hook(
+        self, module: nn.Module, fn: Callable[..., Any], *, prepend: bool = False
+    ) -> _Removable:
+        """Register a full backward hook on `module`, owned by this session."""
+        self._check_open()
+        return self.track(module.register_full_backward_hook(fn, prepend=prepend))
+
+    def backward_pre_hook(
+        self, module: nn.Module, fn: Callable[..., Any], *, prepend: bool = False
+    ) -> _Removable:
+        """Register a full backward-pre hook on `module`, owned by this session."""
+        self._check_open()
+        return self.track(module.register_full_backward_pre_hook(fn, prepend=prepend))
+
+    def tensor_hook(self, tensor: torch.Tensor, fn: TensorHook) -> _Removable:
+        """Register a gradient hook on a tensor (for example a module output), owned here."""
+        self._check_open()
+        return self.track(tensor.register_hook(fn))
+
+    def post_accumulate_grad_hook(
+        self, param: torch.Tensor, fn: Callable[[torch.Tensor], None]
+    ) -> _Removable:
+        """Register a post-accumulate-grad hook on a leaf tensor (a parameter), owned here."""
+        self._check_open()
+        return self.track(param.register_post_accumulate_grad_hook(fn))
+
+    # ------------------------------------------------------------------ module stack
+    def enable_module_stack(self) -> list[str]:
+        """Keep a stack of the qualified names of the modules currently in `forward`.
+
+        Returns the live list (innermost module last). Pops use `always_call=True`, so the
+        stack unwinds even when a forward raises.
+        """
+        if self._stack is not None:
+            return self._stack
+        stack: list[str] = []
+        self._stack = stack
+        for name, module in self.model.named_modules():
+
+            def push(_m: nn.Module, _a: tuple[Any, ...], _n: str = name) -> None:
+                stack.append(_n)
+
+            def pop(_m: nn.Module, _a: tuple[Any, ...], _o: Any, _n: str = name) -> None:
+                # Pop down to this module: a child that raised never popped itself.
+                while stack:
+                    if stack.pop() == _n:
+                        break
+
+            self.forward_pre_hook(module, push)
+            self.forward_hook(module, pop, always_call=True)
+        return stack
+
+    @contextmanager
+    def opened(self) -> Iterator[HookSession]:
+        """Context manager form for callers that build a session without `with`."""
+        try:
+            yield self
+        finally:
+            self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            from torchscope.errors import TorchscopeError
+
+            raise TorchscopeError(
+                "this HookSession is closed; it removed its hooks on exit.",
+                fix="open a new session (a `with` block) for each capture.",
+            )

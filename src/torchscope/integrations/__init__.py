@@ -1,0 +1,1 @@
+"""torchscope.integrations (in progress)."""

@@ -1,0 +1,1 @@
+"""torchscope.lint (in progress)."""

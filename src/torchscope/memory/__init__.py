@@ -1,0 +1,1 @@
+"""torchscope.memory (in progress)."""

@@ -1,0 +1,232 @@
+"""Load a TARGET (built-in name, `path/to/file.py:factory`, `package.module:factory`) and its inputs."""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import importlib.util
+import sys
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType, TracebackType
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchscope.errors import InputSpecError, ModelError, TargetError
+from torchscope.models.spec import parse_spec
+from torchscope.models.zoo import BUILTINS
+
+__all__ = ["LoadedTarget", "ModelInputs", "call_model", "load_inputs", "load_target"]
+
+DEFAULT_TARGET = "tiny-cnn"
+
+
+@dataclass(frozen=True)
+class ModelInputs:
+    """Example inputs for a model call: `model(*args, **kwargs)`."""
+
+    args: tuple[Any, ...] = ()
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+    @staticmethod
+    def of(value: Any) -> ModelInputs:
+        """Wrap what a factory or `make_inputs` returned: a tensor, a tuple/list, or a dict."""
+        if isinstance(value, ModelInputs):
+            return value
+        if isinstance(value, Mapping):
+            return ModelInputs((), dict(value))
+        if isinstance(value, (tuple, list)):
+            return ModelInputs(tuple(value))
+        return ModelInputs((value,))
+
+    def to(self, device: torch.device | str) -> ModelInputs:
+        """The same inputs with every tensor moved to `device`."""
+
+        def move(v: Any) -> Any:
+            return v.to(device) if isinstance(v, torch.Tensor) else v
+
+        return ModelInputs(tuple(move(a) for a in self.args),
+                           {k: move(v) for k, v in self.kwargs.items()})
+
+    def describe(self) -> str:
+        """Shapes for messages: `(32x3x32x32)` or `(input_ids=4x128)`."""
+
+        def one(v: Any) -> str:
+            if isinstance(v, torch.Tensor):
+                return "x".join(map(str, v.shape)) or "scalar"
+            return type(v).__name__
+
+        parts = [one(a) for a in self.args] + [f"{k}={one(v)}" for k, v in self.kwargs.items()]
+        return "(" + ", ".join(parts) + ")"
+
+
+@dataclass(frozen=True)
+class LoadedTarget:
+    """A model loaded from a TARGET, with the example inputs its factory gave (if any)."""
+
+    name: str
+    model: nn.Module
+    inputs: ModelInputs | None
+
+
+def _import_file(path: Path) -> ModuleType:
+    mod_name = f"_torchscope_target_{abs(hash(path.resolve()))}"
+    spec = importlib.util.spec_from_file_location(mod_name, path)
+    if spec is None or spec.loader is None:
+        raise TargetError(f"cannot import {path} as Python.", fix="point at a .py file.")
+    module = importlib.util.module_from_spec(spec)
+    # Let the file import its siblings, as `python file.py` would.
+    sys.path.insert(0, str(path.resolve().parent))
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        raise TargetError(
+            f"importing {path} raised {type(exc).__name__}: {exc}.",
+            fix="fix the error in that file (run `python " + str(path) + "` to see it), or --debug.",
+        ) from exc
+    finally:
+        sys.path.remove(str(path.resolve().parent))
+    return module
+
+
+def _resolve(target: str) -> tuple[ModuleType, str, str]:
+    if ":" not in target:
+        raise TargetError(
+            f"target {target!r} is neither a built-in model nor 'file.py:factory'.",
+            fix=f"use one of {', '.join(BUILTINS)}, 'path/to/file.py:build' or 'pkg.mod:build'.",
+        )
+    where, _, attr = target.rpartition(":")
+    if not attr:
+        raise TargetError(f"target {target!r} names no factory after ':'.",
+                          fix="write it as 'file.py:build'.")
+    if where.endswith(".py") or "/" in where or "\\" in where:
+        path = Path(where)
+        if not path.is_file():
+            raise TargetError(f"file {where!r} does not exist.",
+                              fix="check the path, relative to the current directory.")
+        return _import_file(path), attr, where
+    try:
+        module = importlib.import_module(where)
+    except ModuleNotFoundError as exc:
+        raise TargetError(f"module {where!r} cannot be imported ({exc}).",
+                          fix="check the module path, or install the package.") from exc
+    except Exception as exc:
+        raise TargetError(f"importing {where!r} raised {type(exc).__name__}: {exc}.",
+                          fix="fix the error in that module, or rerun with --debug.") from exc
+    return module, attr, where
+
+
+def _get_callable(module: ModuleType, attr: str, where: str) -> Callable[..., Any]:
+    factory = getattr(module, attr, None)
+    if factory is None:
+        names = [n for n, v in vars(module).items() if callable(v) and not n.startswith("_")]
+        close = difflib.get_close_matches(attr, names, n=3)
+        hint = f"did you mean {', '.join(close)}?" if close else f"callables there: {', '.join(names[:8])}."
+        raise TargetError(f"{where} has no attribute {attr!r}.", fix=hint)
+    if not callable(factory):
+        raise TargetError(f"{where}:{attr} is a {type(factory).__name__}, not a callable.",
+                          fix="point at a function that builds the model.")
+    return factory  # type: ignore[no-any-return]
+
+
+def load_target(target: str | None = None) -> LoadedTarget:
+    """Build the model a TARGET names.
+
+    Args:
+        target: a built-in name (`tiny-cnn`, `mlp`, `deep-mlp`, `resnet-mini`),
+            `path/to/file.py:factory` or `package.module:factory`; None means `tiny-cnn`.
+            The factory takes no arguments and returns a Module or `(Module, example_inputs)`.
+
+    Raises:
+        TargetError: the target cannot be found or returns something other than a Module.
+        ModelError: the factory raised.
+    """
+    target = target or DEFAULT_TARGET
+    if target in BUILTINS:
+        b = BUILTINS[target]
+        torch.manual_seed(0)
+        return LoadedTarget(target, b.build(), ModelInputs.of(b.example_input()))
+    module, attr, where = _resolve(target)
+    factory = _get_callable(module, attr, where)
+    try:
+        built = factory()
+    except Exception as exc:
+        raise ModelError(
+            f"factory {target} raised {type(exc).__name__}: {exc}.",
+            fix="fix the factory so it builds the model with no arguments, or rerun with --debug.",
+        ) from exc
+    inputs: ModelInputs | None = None
+    if isinstance(built, tuple) and len(built) == 2 and isinstance(built[0], nn.Module):
+        built, raw = built
+        inputs = ModelInputs.of(raw)
+    if not isinstance(built, nn.Module):
+        raise TargetError(
+            f"factory {target} returned {type(built).__name__}, not a torch.nn.Module.",
+            fix="return the model, or a (model, example_inputs) tuple.",
+        )
+    return LoadedTarget(target, built, inputs)
+
+
+def load_inputs(
+    loaded: LoadedTarget, specs: Sequence[str] = (), inputs_fn: str | None = None
+) -> ModelInputs:
+    """Pick the example inputs: `--inputs fn`, then `--input SPEC`s, then the factory's own.
+
+    Raises:
+        InputSpecError: a SPEC is malformed, or no inputs are known for this model.
+        TargetError: the `--inputs` function cannot be loaded.
+        ModelError: the `--inputs` function raised.
+    """
+    if inputs_fn:
+        module, attr, where = _resolve(inputs_fn)
+        fn = _get_callable(module, attr, where)
+        try:
+            return ModelInputs.of(fn())
+        except Exception as exc:
+            raise ModelError(f"inputs function {inputs_fn} raised {type(exc).__name__}: {exc}.",
+                             fix="fix that function, or rerun with --debug.") from exc
+    if specs:
+        g = torch.Generator().manual_seed(0)
+        return ModelInputs(tuple(parse_spec(s).make(g) for s in specs))
+    if loaded.inputs is not None:
+        return loaded.inputs
+    raise InputSpecError(
+        f"no example input is known for {loaded.name}.",
+        fix="pass --input SHAPE (e.g. --input 32x3x32x32) or --inputs file.py:make_inputs.",
+    )
+
+
+def _failing_module(model: nn.Module, tb: TracebackType | None) -> str | None:
+    """Qualified name of the innermost module of `model` whose forward is in the traceback."""
+    names = {id(m): n for n, m in model.named_modules()}
+    found: str | None = None
+    for frame, _ in traceback.walk_tb(tb):
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, nn.Module) and id(owner) in names:
+            found = names[id(owner)] or "<root>"
+    return found
+
+
+def call_model(model: nn.Module, inputs: ModelInputs) -> Any:
+    """Run `model(*inputs.args, **inputs.kwargs)`, turning a failure into a `ModelError`.
+
+    The message names the innermost module that raised and the input shapes, so a shape
+    mismatch reads as "conv1 (Conv2d) raised ... with inputs (32x4x32x32)".
+    """
+    try:
+        return model(*inputs.args, **inputs.kwargs)
+    except Exception as exc:
+        where = _failing_module(model, exc.__traceback__)
+        mod = dict(model.named_modules()).get("" if where == "<root>" else where or "")
+        label = f"{where} ({type(mod).__name__})" if where and mod is not None else type(model).__name__
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise ModelError(
+            f"the model raised in {label}: {type(exc).__name__}: {first} "
+            f"(inputs {inputs.describe()}).",
+            fix="pass inputs that fit the model with --input SHAPE or --inputs file.py:fn, or "
+            "rerun with --debug for the traceback.",
+        ) from exc

@@ -1,0 +1,1 @@
+"""torchscope.profiling (in progress)."""

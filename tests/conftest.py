@@ -1,0 +1,38 @@
+"""Suite-wide fixtures: every test fails if it leaves a hook on a module it built."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from torchscope.hooks.leakcheck import HookLeakTracker
+
+
+@pytest.fixture(autouse=True)
+def _no_hook_leaks() -> Iterator[None]:
+    """Fail the test if any module created during it still carries hooks at its end."""
+    with HookLeakTracker() as tracker:
+        yield
+    leaks = tracker.leaks()
+    assert not leaks, "test left hooks behind: " + ", ".join(
+        f"{e.owner} {e.kind}×{e.count}" for e in leaks
+    )
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)
+
+
+@pytest.fixture
+def tiny_gpt2() -> torch.nn.Module:
+    """A 2-layer GPT-2 built from a config: no download."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=100, n_positions=32)
+    return GPT2LMHeadModel(cfg).eval()
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
