@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import functools
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -33,10 +35,39 @@ def _depth(name: str) -> int:
     return 0 if name == "" else name.count(".") + 1
 
 
+@functools.lru_cache(maxsize=256)
+def _glob_regex(pattern: str) -> re.Pattern[str]:
+    # Names are dotted paths: `*` stays within one level, `**` crosses levels.
+    out = []
+    i = 0
+    while i < len(pattern):
+        if pattern.startswith("**", i):
+            out.append(".*")
+            i += 2
+        elif pattern[i] == "*":
+            out.append("[^.]*")
+            i += 1
+        elif pattern[i] == "?":
+            out.append("[^.]")
+            i += 1
+        elif pattern[i] == "[":
+            end = pattern.find("]", i + 1)
+            if end == -1:
+                out.append(re.escape("["))
+                i += 1
+            else:
+                out.append(fnmatch.translate(pattern[i : end + 1]).removeprefix("(?s:")[:-3])
+                i = end + 1
+        else:
+            out.append(re.escape(pattern[i]))
+            i += 1
+    return re.compile("".join(out) + r"\Z")
+
+
 def _matches_pattern(pattern: str, name: str, module: nn.Module) -> bool:
     if pattern == type(module).__name__:
         return True
-    return fnmatch.fnmatchcase(name, pattern)
+    return _glob_regex(pattern).match(name) is not None
 
 
 def select_modules(
@@ -52,8 +83,9 @@ def select_modules(
         model: the model.
         select: what to pick.
             - None: the leaf modules (modules without children).
-            - a string: a glob over qualified names (`layer*.conv1`) or a type name (`Conv2d`);
-              several may be joined with commas.
+            - a string: a glob over qualified names (`layer*.conv1`; `*` stays within one
+              dotted level, `**` crosses levels) or a type name (`Conv2d`); several may be
+              joined with commas.
             - an `nn.Module` subclass: every instance of it.
             - a callable `(name, module) -> bool`.
             - a sequence of strings and classes: their union.

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchscope.errors import InputSpecError, ModelError, TargetError
+from torchscope.errors import InputSpecError, ModelError, TargetError, TorchscopeError
 from torchscope.models.spec import parse_spec
 from torchscope.models.zoo import BUILTINS
 
@@ -219,6 +219,8 @@ def call_model(model: nn.Module, inputs: ModelInputs) -> Any:
     """
     try:
         return model(*inputs.args, **inputs.kwargs)
+    except TorchscopeError:
+        raise  # raised on purpose by a torchscope hook: already says what to do
     except Exception as exc:
         where = _failing_module(model, exc.__traceback__)
         mod = dict(model.named_modules()).get("" if where == "<root>" else where or "")

@@ -1,0 +1,233 @@
+"""Activation capture against torch's own numbers, on real models and awkward outputs."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+from torchscope import BudgetError, ModelError, audit_hooks, activations, capture_activations
+from torchscope.capture import trace_nonfinite
+from torchscope.models import TinyCNN
+
+
+def rel_close(a: float, b: float, tol: float = 1e-6) -> bool:
+    return abs(a - b) <= tol * max(abs(b), 1e-12)
+
+
+def test_tiny_cnn_shapes_and_stats_equal_torch() -> None:
+    model = TinyCNN().eval()
+    x = torch.randn(32, 3, 32, 32)
+    cap = capture_activations(model, x)
+    conv1 = cap.get("conv1").output
+    conv2 = cap.get("conv2").output
+    assert conv1 is not None and conv2 is not None
+    assert conv1.shape == (32, 8, 30, 30)
+    assert conv2.shape == (32, 16, 28, 28)
+    with torch.no_grad():
+        refs = {"conv1": model.conv1(x)}
+        refs["conv2"] = model.conv2(model.relu(refs["conv1"]))
+    for name, ref in refs.items():
+        s = cap.get(name).output
+        assert s is not None
+        assert rel_close(s.mean, ref.mean().item())
+        assert rel_close(s.std, ref.std().item())
+        assert s.min == ref.min().item() and s.max == ref.max().item()
+        assert rel_close(s.norm, ref.norm().item())
+        assert rel_close(s.zero_frac, (ref == 0).float().mean().item())
+        assert s.numel == ref.numel() and s.dtype == "torch.float32" and s.device == "cpu"
+        assert s.nan_count == 0 and s.inf_count == 0
+    relu = cap.get("relu").output
+    assert relu is not None and relu.dead_units is not None
+    assert relu.dead_units == int((refs["conv1"].clamp(min=0).amax(dim=(0, 2, 3)) == 0).sum())
+    assert audit_hooks(model).local_total == 0
+
+
+class Reuse(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(self.lin(x) * 2)
+
+
+def test_module_reused_within_one_forward_gives_one_record_per_call() -> None:
+    model = Reuse()
+    x = torch.randn(3, 4)
+    cap = capture_activations(model, x)
+    recs = [r for r in cap.records if r.module == "lin"]
+    assert [r.call for r in recs] == [0, 1]
+    with torch.no_grad():
+        first = model.lin(x)
+        second = model.lin(first * 2)
+    assert recs[0].output is not None and recs[1].output is not None
+    assert rel_close(recs[0].output.mean, first.mean().item())
+    assert rel_close(recs[1].output.mean, second.mean().item())
+
+
+@dataclasses.dataclass
+class Out:
+    hidden: torch.Tensor
+    extra: str
+    nothing: None = None
+
+
+class Structured(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> dict[str, object]:
+        h = self.a(x)
+        return {"pair": (h, None, 3), "list": [h * 2], "dc": Out(h + 1, "x")}
+
+
+class TupleLeaf(nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x.relu(), -x
+
+
+def test_nested_tuple_dict_dataclass_outputs() -> None:
+    model = Structured()
+    cap = capture_activations(model, torch.randn(2, 4), select=None, depth=None)
+    root = capture_activations(model, torch.randn(2, 4), select=lambda n, m: True,
+                               depth=None).records
+    assert {r.module for r in cap.records} == {"a"}
+    top = [r for r in root if r.module == ""]
+    assert top == []  # the root is only selectable with include_root; predicates see children
+    leaf = capture_activations(TupleLeaf(), torch.randn(2, 4), select=lambda n, m: True)
+    assert leaf.records == ()  # a leaf root is never hooked implicitly
+    cap2 = capture_activations(nn.Sequential(Structured()), torch.randn(2, 4), select="0")
+    paths = [s.path for s in cap2.get("0").outputs]
+    assert paths == ["['pair'][0]", "['list'][0]", "['dc'].hidden"]
+
+
+def test_hf_model_output_and_gpt2(tiny_gpt2: nn.Module) -> None:
+    ids = torch.randint(0, 100, (2, 8))
+    cap = capture_activations(tiny_gpt2, {"input_ids": ids}, select="transformer.h.*,lm_head")
+    names = [r.module for r in cap.records]
+    assert names == ["transformer.h.0", "transformer.h.1", "lm_head"]
+    logits = cap.get("lm_head").output
+    with torch.no_grad():
+        ref = tiny_gpt2(input_ids=ids).logits
+    assert logits is not None and logits.shape == (2, 8, 100)
+    assert rel_close(logits.mean, ref.mean().item(), 1e-5)
+    # The HF block returns a tuple whose first item is the hidden state.
+    block = cap.get("transformer.h.0").outputs[0]
+    assert block.shape == (2, 8, 32)
+    whole = capture_activations(nn.ModuleDict({"m": tiny_gpt2}).m, {"input_ids": ids},
+                                select="transformer")
+    out = whole.get("transformer").outputs
+    assert out[0].path == "['last_hidden_state']" and out[0].shape == (2, 8, 32)
+    assert audit_hooks(tiny_gpt2).local_total == 0
+
+
+def test_inplace_relu_stats_taken_before_modification() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 2))
+    x = torch.randn(16, 8)
+    cap = capture_activations(model, x)
+    with torch.no_grad():
+        pre = model[0](x)
+    lin = cap.get("0").output
+    relu = cap.get("1").output
+    assert lin is not None and relu is not None
+    assert lin.min == pre.min().item() < 0  # not clobbered by the in-place ReLU
+    assert relu.min == 0.0
+    assert rel_close(relu.zero_frac, (pre <= 0).float().mean().item())
+
+
+def test_nan_producer_and_passers() -> None:
+    class Bad(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = x.clone()
+            y[0, 0] = float("nan")
+            return y
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), Bad(), nn.Linear(4, 4), nn.Tanh())
+    cap = capture_activations(model, torch.randn(3, 4))
+    trace = trace_nonfinite(cap.records)
+    assert trace.producer is not None and trace.producer.module == "2"
+    assert trace.producer.output is not None and trace.producer.output.nan_count == 1
+    assert [r.module for r in trace.passers] == ["3", "4"]
+    clean = capture_activations(nn.Sequential(nn.Linear(4, 4)), torch.randn(3, 4))
+    assert trace_nonfinite(clean.records).clean
+
+
+def test_inf_counted_separately_from_nan() -> None:
+    class Inf(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x / torch.tensor([0.0, 1.0, 1.0, float("nan")])
+
+    cap = capture_activations(nn.Sequential(Inf()), torch.ones(2, 4))
+    s = cap.get("0").output
+    assert s is not None and s.inf_count == 2 and s.nan_count == 2
+
+
+def test_store_tensors_budget_error_and_skip() -> None:
+    model = TinyCNN()
+    x = torch.randn(4, 3, 16, 16)
+    cap = capture_activations(model, x, store="tensors", select="conv1,conv2")
+    kept = cap.tensors
+    with torch.no_grad():
+        ref = model.conv1(x)
+    assert torch.equal(kept[(0, "conv1#0", "")], ref)
+    assert kept[(0, "conv1#0", "")].device.type == "cpu"
+    assert cap.stored_bytes == sum(t.numel() * t.element_size() for t in kept.values())
+    conv1_bytes = ref.numel() * 4
+    with pytest.raises(BudgetError, match="max_bytes"):
+        capture_activations(model, x, store="tensors", max_bytes=conv1_bytes)
+    assert audit_hooks(model).local_total == 0
+    with pytest.warns(RuntimeWarning, match="skipping"):
+        cap = capture_activations(model, x, store="tensors", max_bytes=conv1_bytes,
+                                  on_budget="skip", select="conv1,conv2")
+    assert list(cap.tensors) == [(0, "conv1#0", "")]
+    assert len(cap.records) == 2  # stats are still recorded for the skipped tensor
+
+
+def test_context_manager_in_user_loop_records_each_step() -> None:
+    model = TinyCNN()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with activations(model, select="Conv2d") as acts:
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(2, 3, 10, 10)).sum().backward()
+            opt.step()
+            assert audit_hooks(model).local_total > 0
+    assert audit_hooks(model).local_total == 0
+    assert [(r.step, r.module) for r in acts.records] == [
+        (0, "conv1"), (0, "conv2"), (1, "conv1"), (1, "conv2"), (2, "conv1"), (2, "conv2")]
+    assert [r.step for r in acts.last()] == [2, 2]
+
+
+def test_model_error_cleans_up_and_restores_mode() -> None:
+    model = TinyCNN().train()
+    with pytest.raises(ModelError, match=r"conv1 \(Conv2d\).*3 channels"):
+        capture_activations(model, torch.randn(2, 4, 8, 8), train=False)
+    assert audit_hooks(model).local_total == 0
+    assert all(m.training for m in model.modules())
+
+
+def test_model_collected_after_capture() -> None:
+    model = TinyCNN()
+    ref = weakref.ref(model)
+    cap = capture_activations(model, torch.randn(1, 3, 8, 8))
+    del model
+    gc.collect()
+    assert ref() is None
+    assert len(cap.records) == 5  # the records outlive the model
+
+
+def test_half_precision_stats() -> None:
+    model = nn.Sequential(nn.Linear(8, 8)).to(torch.bfloat16)
+    x = torch.randn(4, 8, dtype=torch.bfloat16)
+    cap = capture_activations(model, x)
+    with torch.no_grad():
+        ref = model(x).float()
+    s = cap.get("0").output
+    assert s is not None and s.dtype == "torch.bfloat16"
+    assert rel_close(s.mean, ref.mean().item(), 1e-5)

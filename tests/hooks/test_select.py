@@ -1,0 +1,44 @@
+"""Module selection by glob, type, class, predicate and depth."""
+
+from __future__ import annotations
+
+import pytest
+from torch import nn
+
+from torchscope import SelectionError, select_modules
+from torchscope.models import ResNetMini, TinyCNN
+
+
+def names(pairs: list[tuple[str, nn.Module]]) -> list[str]:
+    return [n for n, _ in pairs]
+
+
+def test_default_is_leaves_in_order() -> None:
+    assert names(select_modules(TinyCNN())) == ["conv1", "relu", "conv2", "pool", "fc"]
+
+
+def test_glob_type_name_class_and_predicate() -> None:
+    model = ResNetMini(blocks=3)
+    assert names(select_modules(model, "blocks.*.conv")) == [
+        "blocks.0.conv", "blocks.1.conv", "blocks.2.conv"]
+    assert len(select_modules(model, "Conv2d")) == 4
+    assert len(select_modules(model, nn.BatchNorm2d)) == 4
+    assert names(select_modules(model, lambda n, m: n.endswith("relu"))) == [
+        "blocks.0.relu", "blocks.1.relu", "blocks.2.relu"]
+    assert names(select_modules(model, "fc,stem.0")) == ["stem.0", "fc"]
+    assert len(select_modules(model, "blocks.**")) == 3 + 3 * 3  # blocks and their children
+    assert names(select_modules(model, "blocks.[01]")) == ["blocks.0", "blocks.1"]
+
+
+def test_depth() -> None:
+    model = ResNetMini(blocks=2)
+    assert names(select_modules(model, depth=1)) == ["stem", "blocks", "pool", "fc"]
+    assert "blocks.0" in names(select_modules(model, depth=2))
+
+
+def test_no_match_lists_close_matches() -> None:
+    with pytest.raises(SelectionError) as info:
+        select_modules(TinyCNN(), "conv3")
+    assert "conv1" in str(info.value) and "conv2" in str(info.value)
+    with pytest.raises(SelectionError, match="LSTM"):
+        select_modules(TinyCNN(), nn.LSTM)

@@ -1,0 +1,132 @@
+"""HookSession: removes exactly its own hooks, always; restores flags; never keeps the model alive."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+from torchscope import HookSession, TorchscopeError, audit_hooks
+from torchscope.models import TinyCNN
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def _raise_at(model: nn.Module, name: str) -> None:
+    def bad(_m: nn.Module, _a: object) -> None:
+        raise Boom(name)
+
+    # The user's own hook; torchscope must not remove it.
+    return dict(model.named_modules())[name].register_forward_pre_hook(bad)
+
+
+def test_removes_all_hooks_of_every_kind() -> None:
+    model = TinyCNN()
+    x = torch.randn(2, 3, 12, 12)
+    with HookSession(model) as s:
+        s.forward_hook(model.conv1, lambda m, i, o: None)
+        s.forward_pre_hook(model.conv2, lambda m, i: None)
+        s.full_backward_hook(model.fc, lambda m, gi, go: None)
+        s.backward_pre_hook(model.fc, lambda m, go: None)
+        s.post_accumulate_grad_hook(model.fc.weight, lambda p: None)
+        out = model(x)
+        s.tensor_hook(out, lambda g: None)
+        assert audit_hooks(model).local_total == 5
+        out.sum().backward()  # the session stays usable across backward
+        assert s.handle_count == 6
+    assert audit_hooks(model).local_total == 0
+    assert s.closed
+
+
+@pytest.mark.parametrize("where", ["conv1", "relu", "conv2", "pool", "fc"])
+def test_forward_raising_at_any_module_leaves_zero_hooks(where: str) -> None:
+    model = TinyCNN()
+    user_handle = _raise_at(model, where)
+    with pytest.raises(Boom), HookSession(model) as s:
+        for _, m in model.named_modules():
+            s.forward_hook(m, lambda m, i, o: None)
+        s.enable_module_stack()
+        model(torch.randn(2, 3, 12, 12))
+    audit = audit_hooks(model)
+    assert audit.local_total == 1  # only the user's own pre-hook is left
+    user_handle.remove()
+
+
+def test_keyboard_interrupt_still_cleans_up() -> None:
+    model = TinyCNN()
+    with pytest.raises(KeyboardInterrupt), HookSession(model) as s:
+        s.forward_hook(model.conv1, lambda m, i, o: None)
+        raise KeyboardInterrupt
+    assert audit_hooks(model).local_total == 0
+
+
+def test_nested_sessions_remove_only_their_own_and_keep_user_hooks() -> None:
+    model = TinyCNN()
+    fired: list[str] = []
+    user = model.conv1.register_forward_hook(lambda m, i, o: fired.append("user"))
+    with HookSession(model) as outer:
+        outer.forward_hook(model.conv1, lambda m, i, o: fired.append("outer"))
+        with HookSession(model) as inner:
+            inner.forward_hook(model.conv1, lambda m, i, o: fired.append("inner"))
+            model(torch.randn(1, 3, 8, 8))
+            assert fired == ["user", "outer", "inner"]
+        fired.clear()
+        model(torch.randn(1, 3, 8, 8))
+        assert fired == ["user", "outer"]
+    fired.clear()
+    model(torch.randn(1, 3, 8, 8))
+    assert fired == ["user"]
+    user.remove()
+
+
+def test_restores_training_flags_per_module() -> None:
+    model = TinyCNN().train()
+    model.conv2.eval()  # a mixed state must come back exactly
+    with HookSession(model) as s:
+        s.set_training(False)
+        assert not any(m.training for m in model.modules())
+    assert model.training and model.conv1.training and not model.conv2.training
+
+
+def test_session_does_not_keep_model_alive() -> None:
+    model = TinyCNN()
+    ref = weakref.ref(model)
+    s = HookSession(model)
+    with s:
+        s.forward_hook(model.conv1, lambda m, i, o: None)
+        model(torch.randn(1, 3, 8, 8))
+    del model
+    gc.collect()
+    assert ref() is None
+    with pytest.raises(ReferenceError):
+        _ = s.model
+
+
+def test_closed_session_refuses_new_hooks_and_close_is_idempotent() -> None:
+    model = TinyCNN()
+    s = HookSession(model)
+    s.close()
+    s.close()
+    with pytest.raises(TorchscopeError, match="closed"):
+        s.forward_hook(model.conv1, lambda m, i, o: None)
+
+
+def test_module_stack_tracks_nesting_and_unwinds_on_error() -> None:
+    model = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), nn.Linear(4, 2))
+    seen: list[list[str]] = []
+    with HookSession(model) as s:
+        stack = s.enable_module_stack()
+        s.forward_pre_hook(model[0][1], lambda m, i: seen.append(list(stack)))
+        model(torch.randn(3, 4))
+        assert stack == []
+        bad = model[1].register_forward_pre_hook(lambda m, i: (_ for _ in ()).throw(Boom()))
+        with pytest.raises(Boom):
+            model(torch.randn(3, 4))
+        bad.remove()
+        assert stack == []
+    assert seen == [["", "0", "0.1"], ["", "0", "0.1"]]
