@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from torchscope import BudgetError, ModelError, audit_hooks, activations, capture_activations
+from torchscope import BudgetError, ModelError, activations, audit_hooks, capture_activations
 from torchscope.capture import trace_nonfinite
 from torchscope.models import TinyCNN
 
@@ -95,8 +95,9 @@ class TupleLeaf(nn.Module):
 def test_nested_tuple_dict_dataclass_outputs() -> None:
     model = Structured()
     cap = capture_activations(model, torch.randn(2, 4), select=None, depth=None)
-    root = capture_activations(model, torch.randn(2, 4), select=lambda n, m: True,
-                               depth=None).records
+    root = capture_activations(
+        model, torch.randn(2, 4), select=lambda n, m: True, depth=None
+    ).records
     assert {r.module for r in cap.records} == {"a"}
     top = [r for r in root if r.module == ""]
     assert top == []  # the root is only selectable with include_root; predicates see children
@@ -120,8 +121,9 @@ def test_hf_model_output_and_gpt2(tiny_gpt2: nn.Module) -> None:
     # The HF block returns a tuple whose first item is the hidden state.
     block = cap.get("transformer.h.0").outputs[0]
     assert block.shape == (2, 8, 32)
-    whole = capture_activations(nn.ModuleDict({"m": tiny_gpt2}).m, {"input_ids": ids},
-                                select="transformer")
+    whole = capture_activations(
+        nn.ModuleDict({"m": tiny_gpt2}).m, {"input_ids": ids}, select="transformer"
+    )
     out = whole.get("transformer").outputs
     assert out[0].path == "['last_hidden_state']" and out[0].shape == (2, 8, 32)
     assert audit_hooks(tiny_gpt2).local_total == 0
@@ -183,8 +185,9 @@ def test_store_tensors_budget_error_and_skip() -> None:
         capture_activations(model, x, store="tensors", max_bytes=conv1_bytes)
     assert audit_hooks(model).local_total == 0
     with pytest.warns(RuntimeWarning, match="skipping"):
-        cap = capture_activations(model, x, store="tensors", max_bytes=conv1_bytes,
-                                  on_budget="skip", select="conv1,conv2")
+        cap = capture_activations(
+            model, x, store="tensors", max_bytes=conv1_bytes, on_budget="skip", select="conv1,conv2"
+        )
     assert list(cap.tensors) == [(0, "conv1#0", "")]
     assert len(cap.records) == 2  # stats are still recorded for the skipped tensor
 
@@ -200,7 +203,13 @@ def test_context_manager_in_user_loop_records_each_step() -> None:
             assert audit_hooks(model).local_total > 0
     assert audit_hooks(model).local_total == 0
     assert [(r.step, r.module) for r in acts.records] == [
-        (0, "conv1"), (0, "conv2"), (1, "conv1"), (1, "conv2"), (2, "conv1"), (2, "conv2")]
+        (0, "conv1"),
+        (0, "conv2"),
+        (1, "conv1"),
+        (1, "conv2"),
+        (2, "conv1"),
+        (2, "conv2"),
+    ]
     assert [r.step for r in acts.last()] == [2, 2]
 
 

@@ -56,8 +56,10 @@ def test_growth_guard_warns_once_naming_module() -> None:
     model = TinyCNN()
     x = torch.randn(1, 3, 8, 8)
     handles = []
-    with pytest.warns(HookGrowthWarning, match=r"conv1 forward 1→2") as rec, \
-            HookGrowthGuard(model) as guard:
+    with (
+        pytest.warns(HookGrowthWarning, match=r"conv1 forward 1→2") as rec,
+        HookGrowthGuard(model) as guard,
+    ):
         for _ in range(4):  # the classic bug: a new hook every step
             handles.append(model.conv1.register_forward_hook(lambda m, i, o: None))
             model(x)

@@ -20,11 +20,17 @@ def test_default_is_leaves_in_order() -> None:
 def test_glob_type_name_class_and_predicate() -> None:
     model = ResNetMini(blocks=3)
     assert names(select_modules(model, "blocks.*.conv")) == [
-        "blocks.0.conv", "blocks.1.conv", "blocks.2.conv"]
+        "blocks.0.conv",
+        "blocks.1.conv",
+        "blocks.2.conv",
+    ]
     assert len(select_modules(model, "Conv2d")) == 4
     assert len(select_modules(model, nn.BatchNorm2d)) == 4
     assert names(select_modules(model, lambda n, m: n.endswith("relu"))) == [
-        "blocks.0.relu", "blocks.1.relu", "blocks.2.relu"]
+        "blocks.0.relu",
+        "blocks.1.relu",
+        "blocks.2.relu",
+    ]
     assert names(select_modules(model, "fc,stem.0")) == ["stem.0", "fc"]
     assert len(select_modules(model, "blocks.**")) == 3 + 3 * 3  # blocks and their children
     assert names(select_modules(model, "blocks.[01]")) == ["blocks.0", "blocks.1"]

@@ -1,4 +1,4 @@
-"""HookSession: removes exactly its own hooks, always; restores flags; never keeps the model alive."""
+"""HookSession removes exactly its own hooks, restores flags, never keeps the model alive."""
 
 from __future__ import annotations
 

@@ -14,7 +14,17 @@ from torch import nn
 
 from torchscope.capture.records import ActivationRecord, TensorStats
 from torchscope.capture.stats import (
-    DEAD, INFS, MAX, MEAN, MIN, N_STATS, NANS, NORM, STD, ZEROS, reduce_stats,
+    DEAD,
+    INFS,
+    MAX,
+    MEAN,
+    MIN,
+    N_STATS,
+    NANS,
+    NORM,
+    STD,
+    ZEROS,
+    reduce_stats,
 )
 from torchscope.errors import BudgetError
 from torchscope.hooks.select import Selector, select_modules
@@ -100,8 +110,10 @@ class ActivationCapture:
         s.forward_pre_hook(model, self._begin_forward, prepend=True)
         s.forward_hook(model, self._end_forward, always_call=True)
         for name, module in self._targets:
-            s.forward_hook(module, self._make_hook(name, type(module).__name__,
-                                                   isinstance(module, _RELU_FAMILY)))
+            s.forward_hook(
+                module,
+                self._make_hook(name, type(module).__name__, isinstance(module, _RELU_FAMILY)),
+            )
 
     def close(self) -> None:
         """Remove the hooks; records stay readable."""
@@ -158,23 +170,32 @@ class ActivationCapture:
                 leaves.append((path, tuple(t.shape), str(t.dtype), str(t.device), t.numel(), row))
                 if self._store == "tensors":
                     self._keep(name, call, path, t)
-            self._cur.append(_Pending(name, type_name, call, len(self._cur), tuple(leaves),
-                                      input_rows))
+            self._cur.append(
+                _Pending(name, type_name, call, len(self._cur), tuple(leaves), input_rows)
+            )
 
         return hook
 
     def _keep(self, name: str, call: int, path: str, t: torch.Tensor) -> None:
         nbytes = t.numel() * t.element_size()
         if self._max_bytes is not None and self._stored_bytes + nbytes > self._max_bytes:
-            msg = (f"storing {name}#{call}{path} ({nbytes:,} B) would exceed max_bytes="
-                   f"{self._max_bytes:,} (already {self._stored_bytes:,} B stored)")
+            msg = (
+                f"storing {name}#{call}{path} ({nbytes:,} B) would exceed max_bytes="
+                f"{self._max_bytes:,} (already {self._stored_bytes:,} B stored)"
+            )
             if self._on_budget == "error":
-                raise BudgetError(msg + ".", fix="raise max_bytes, narrow select=, or use "
-                                  "on_budget='skip' or store='stats'.")
+                raise BudgetError(
+                    msg + ".",
+                    fix="raise max_bytes, narrow select=, or use "
+                    "on_budget='skip' or store='stats'.",
+                )
             if not self._warned_budget:
                 self._warned_budget = True
-                warnings.warn(msg + "; skipping this and further tensors over the budget.",
-                              RuntimeWarning, stacklevel=2)
+                warnings.warn(
+                    msg + "; skipping this and further tensors over the budget.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
             return
         copy = t.detach().to("cpu", copy=True) if self._offload else t.detach().clone()
         self._stored_bytes += nbytes
@@ -214,16 +235,21 @@ class ActivationCapture:
         for r in recs:
             if r.module == module and r.call == call and (step is None or r.step == step):
                 return r
-        raise KeyError(f"no record for {module!r} call {call}" +
-                       (f" in step {step}" if step is not None else ""))
+        raise KeyError(
+            f"no record for {module!r} call {call}"
+            + (f" in step {step}" if step is not None else "")
+        )
 
     def _flush(self) -> None:
         if not self._pending:
             return
         # One host copy for everything pending: cat on each device, then .cpu() once.
         mats = [m for _, _, ms in self._pending for m in ms]
-        host = [m.cpu() for m in mats] if len({m.device for m in mats}) > 1 else \
-            torch.cat(mats).cpu().split([m.shape[0] for m in mats])
+        host = (
+            [m.cpu() for m in mats]
+            if len({m.device for m in mats}) > 1
+            else torch.cat(mats).cpu().split([m.shape[0] for m in mats])
+        )
         for (step, calls, _), mat in zip(self._pending, host, strict=True):
             rows = mat.tolist()
             for p in calls:
@@ -231,17 +257,31 @@ class ActivationCapture:
                 for path, shape, dtype, device, numel, row in p.leaves:
                     v = rows[row]
                     dead = v[DEAD] >= 0
-                    outs.append(TensorStats(
-                        path, shape, dtype, device, numel,
-                        mean=v[MEAN], std=v[STD], min=v[MIN], max=v[MAX], norm=v[NORM],
-                        zero_frac=v[ZEROS], nan_count=int(v[NANS]), inf_count=int(v[INFS]),
-                        dead_units=int(v[DEAD]) if dead else None,
-                        channels=shape[1] if dead else None,
-                    ))
-                inputs_finite = all(rows[r][NANS] == 0 and rows[r][INFS] == 0
-                                    for r in p.input_rows)
-                self._records.append(ActivationRecord(
-                    p.module, p.module_type, step, p.call, p.order, tuple(outs), inputs_finite))
+                    outs.append(
+                        TensorStats(
+                            path,
+                            shape,
+                            dtype,
+                            device,
+                            numel,
+                            mean=v[MEAN],
+                            std=v[STD],
+                            min=v[MIN],
+                            max=v[MAX],
+                            norm=v[NORM],
+                            zero_frac=v[ZEROS],
+                            nan_count=int(v[NANS]),
+                            inf_count=int(v[INFS]),
+                            dead_units=int(v[DEAD]) if dead else None,
+                            channels=shape[1] if dead else None,
+                        )
+                    )
+                inputs_finite = all(rows[r][NANS] == 0 and rows[r][INFS] == 0 for r in p.input_rows)
+                self._records.append(
+                    ActivationRecord(
+                        p.module, p.module_type, step, p.call, p.order, tuple(outs), inputs_finite
+                    )
+                )
         self._pending.clear()
 
 
@@ -280,8 +320,15 @@ def capture_activations(
     Raises:
         ModelError: the model raised; hooks are removed and flags restored first.
     """
-    capture = ActivationCapture(model, select=select, depth=depth, store=store,
-                                max_bytes=max_bytes, offload=offload, on_budget=on_budget)
+    capture = ActivationCapture(
+        model,
+        select=select,
+        depth=depth,
+        store=store,
+        max_bytes=max_bytes,
+        offload=offload,
+        on_budget=on_budget,
+    )
     with capture:
         if train is not None:
             capture.session.set_training(train)
@@ -310,7 +357,14 @@ def activations(
         ...         loss.backward()
         >>> acts.last()[0].output.shape
     """
-    capture = ActivationCapture(model, select=select, depth=depth, store=store,
-                                max_bytes=max_bytes, offload=offload, on_budget=on_budget)
+    capture = ActivationCapture(
+        model,
+        select=select,
+        depth=depth,
+        store=store,
+        max_bytes=max_bytes,
+        offload=offload,
+        on_budget=on_budget,
+    )
     with capture:
         yield capture

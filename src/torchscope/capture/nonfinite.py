@@ -50,8 +50,9 @@ def trace_nonfinite(records: Sequence[ActivationRecord], step: int | None = None
     # child produced the NaN is not another producer.
     first = producers[0]
     others = tuple(
-        r for r in producers[1:] if not (first.module == "" or r.module == "" or
-                                         first.module.startswith(r.module + "."))
+        r
+        for r in producers[1:]
+        if not (first.module == "" or r.module == "" or first.module.startswith(r.module + "."))
     )
     parents = tuple(r for r in producers[1:] if r not in others)
     return NonFiniteTrace(first, passers + parents, others)

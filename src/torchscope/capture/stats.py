@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["N_STATS", "reduce_stats", "dead_unit_count"]
+__all__ = ["N_STATS", "dead_unit_count", "reduce_stats"]
 
 # Layout of the vector `reduce_stats` returns.
 MEAN, STD, MIN, MAX, NORM, ZEROS, NANS, INFS, DEAD = range(9)

@@ -40,8 +40,12 @@ TargetArg = Annotated[
 ]
 InputOpt = Annotated[
     list[str] | None,
-    typer.Option("--input", "-i", help="Input SPEC, e.g. 32x3x32x32 or int64[0,1000):4x128. "
-                 "Repeat for several positional inputs."),
+    typer.Option(
+        "--input",
+        "-i",
+        help="Input SPEC, e.g. 32x3x32x32 or int64[0,1000):4x128. "
+        "Repeat for several positional inputs.",
+    ),
 ]
 InputsFnOpt = Annotated[
     str | None,
@@ -77,16 +81,21 @@ def guarded(debug: bool) -> Iterator[None]:
         if debug:
             raise
         first = (str(exc).strip().splitlines() or [""])[0]
-        fail(_escape(f"unexpected {type(exc).__name__}: {first}. Fix: rerun with --debug "
-                     "for the traceback."))
+        fail(
+            _escape(
+                f"unexpected {type(exc).__name__}: {first}. Fix: rerun with --debug "
+                "for the traceback."
+            )
+        )
 
 
 def _escape(text: str) -> str:
     return text.replace("[", r"\[")
 
 
-def load(target: str | None, specs: list[str] | None, inputs_fn: str | None
-         ) -> tuple[LoadedTarget, ModelInputs]:
+def load(
+    target: str | None, specs: list[str] | None, inputs_fn: str | None
+) -> tuple[LoadedTarget, ModelInputs]:
     """Load a TARGET and its example inputs (raises `TorchscopeError` subclasses)."""
     loaded = load_target(target)
     return loaded, load_inputs(loaded, specs or (), inputs_fn)

@@ -7,7 +7,14 @@ from typing import Annotated
 import typer
 
 from torchscope.cli._common import (
-    DebugOpt, InputOpt, InputsFnOpt, JsonOpt, TargetArg, console, guarded, load,
+    DebugOpt,
+    InputOpt,
+    InputsFnOpt,
+    JsonOpt,
+    TargetArg,
+    console,
+    guarded,
+    load,
 )
 
 
@@ -18,10 +25,14 @@ def register(app: typer.Typer) -> None:
 
 def capture(
     target: TargetArg = None,
-    input: InputOpt = None,  # noqa: A002 - the option is --input
+    input: InputOpt = None,
     inputs: InputsFnOpt = None,
-    select: Annotated[str | None, typer.Option(
-        "--select", "-s", help="Glob over module names (layer*.conv1) or a type (Conv2d).")] = None,
+    select: Annotated[
+        str | None,
+        typer.Option(
+            "--select", "-s", help="Glob over module names (layer*.conv1) or a type (Conv2d)."
+        ),
+    ] = None,
     depth: Annotated[int | None, typer.Option(help="Only modules this deep or shallower.")] = None,
     json_path: JsonOpt = None,
     debug: DebugOpt = False,
@@ -40,6 +51,5 @@ def capture(
         for line in nonfinite_lines(trace):
             console.print(f"[red]{line}[/]")
         if json_path:
-            write_json(json_path, {"target": loaded.name, "records": records,
-                                   "nonfinite": trace})
+            write_json(json_path, {"target": loaded.name, "records": records, "nonfinite": trace})
             console.print(f"wrote {json_path}")

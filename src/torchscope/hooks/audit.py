@@ -104,9 +104,10 @@ def audit_hooks(model: nn.Module, *, include_global: bool = True) -> HookAudit:
             n = _len(hooks)
             if not n:
                 continue
-            if kind == "backward" and getattr(module, "_is_full_backward_hook", None) is False:
-                kind = "backward_legacy"
-            entries.append(HookEntry(name, kind, n))
+            legacy = getattr(module, "_is_full_backward_hook", None) is False
+            entries.append(
+                HookEntry(name, "backward_legacy" if kind == "backward" and legacy else kind, n)
+            )
         for pname, param in module.named_parameters(recurse=False):
             owner = f"{name}.{pname}" if name else pname
             n = _len(getattr(param, "_backward_hooks", None))

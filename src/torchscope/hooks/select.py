@@ -154,8 +154,10 @@ def _no_match(model: nn.Module, pattern: str | type[nn.Module]) -> SelectionErro
             fix=f"select one of the types present: {', '.join(types[:12])}.",
         )
     close = difflib.get_close_matches(pattern, names + types, n=5, cutoff=0.5)
-    hint = f"close matches: {', '.join(close)}." if close else (
-        f"module names look like: {', '.join(names[:6])}."
+    hint = (
+        f"close matches: {', '.join(close)}."
+        if close
+        else (f"module names look like: {', '.join(names[:6])}.")
     )
     return SelectionError(
         f"selection {pattern!r} matched no module of {type(model).__name__}.",

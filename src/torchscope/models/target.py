@@ -1,4 +1,4 @@
-"""Load a TARGET (built-in name, `path/to/file.py:factory`, `package.module:factory`) and its inputs."""
+"""Load a TARGET (a built-in name, `file.py:factory`, `pkg.module:factory`) and its inputs."""
 
 from __future__ import annotations
 
@@ -49,8 +49,9 @@ class ModelInputs:
         def move(v: Any) -> Any:
             return v.to(device) if isinstance(v, torch.Tensor) else v
 
-        return ModelInputs(tuple(move(a) for a in self.args),
-                           {k: move(v) for k, v in self.kwargs.items()})
+        return ModelInputs(
+            tuple(move(a) for a in self.args), {k: move(v) for k, v in self.kwargs.items()}
+        )
 
     def describe(self) -> str:
         """Shapes for messages: `(32x3x32x32)` or `(input_ids=4x128)`."""
@@ -86,7 +87,9 @@ def _import_file(path: Path) -> ModuleType:
     except Exception as exc:
         raise TargetError(
             f"importing {path} raised {type(exc).__name__}: {exc}.",
-            fix="fix the error in that file (run `python " + str(path) + "` to see it), or --debug.",
+            fix="fix the error in that file (run `python "
+            + str(path)
+            + "` to see it), or --debug.",
         ) from exc
     finally:
         sys.path.remove(str(path.resolve().parent))
@@ -101,22 +104,29 @@ def _resolve(target: str) -> tuple[ModuleType, str, str]:
         )
     where, _, attr = target.rpartition(":")
     if not attr:
-        raise TargetError(f"target {target!r} names no factory after ':'.",
-                          fix="write it as 'file.py:build'.")
+        raise TargetError(
+            f"target {target!r} names no factory after ':'.", fix="write it as 'file.py:build'."
+        )
     if where.endswith(".py") or "/" in where or "\\" in where:
         path = Path(where)
         if not path.is_file():
-            raise TargetError(f"file {where!r} does not exist.",
-                              fix="check the path, relative to the current directory.")
+            raise TargetError(
+                f"file {where!r} does not exist.",
+                fix="check the path, relative to the current directory.",
+            )
         return _import_file(path), attr, where
     try:
         module = importlib.import_module(where)
     except ModuleNotFoundError as exc:
-        raise TargetError(f"module {where!r} cannot be imported ({exc}).",
-                          fix="check the module path, or install the package.") from exc
+        raise TargetError(
+            f"module {where!r} cannot be imported ({exc}).",
+            fix="check the module path, or install the package.",
+        ) from exc
     except Exception as exc:
-        raise TargetError(f"importing {where!r} raised {type(exc).__name__}: {exc}.",
-                          fix="fix the error in that module, or rerun with --debug.") from exc
+        raise TargetError(
+            f"importing {where!r} raised {type(exc).__name__}: {exc}.",
+            fix="fix the error in that module, or rerun with --debug.",
+        ) from exc
     return module, attr, where
 
 
@@ -125,11 +135,17 @@ def _get_callable(module: ModuleType, attr: str, where: str) -> Callable[..., An
     if factory is None:
         names = [n for n, v in vars(module).items() if callable(v) and not n.startswith("_")]
         close = difflib.get_close_matches(attr, names, n=3)
-        hint = f"did you mean {', '.join(close)}?" if close else f"callables there: {', '.join(names[:8])}."
+        hint = (
+            f"did you mean {', '.join(close)}?"
+            if close
+            else f"callables there: {', '.join(names[:8])}."
+        )
         raise TargetError(f"{where} has no attribute {attr!r}.", fix=hint)
     if not callable(factory):
-        raise TargetError(f"{where}:{attr} is a {type(factory).__name__}, not a callable.",
-                          fix="point at a function that builds the model.")
+        raise TargetError(
+            f"{where}:{attr} is a {type(factory).__name__}, not a callable.",
+            fix="point at a function that builds the model.",
+        )
     return factory  # type: ignore[no-any-return]
 
 
@@ -187,8 +203,10 @@ def load_inputs(
         try:
             return ModelInputs.of(fn())
         except Exception as exc:
-            raise ModelError(f"inputs function {inputs_fn} raised {type(exc).__name__}: {exc}.",
-                             fix="fix that function, or rerun with --debug.") from exc
+            raise ModelError(
+                f"inputs function {inputs_fn} raised {type(exc).__name__}: {exc}.",
+                fix="fix that function, or rerun with --debug.",
+            ) from exc
     if specs:
         g = torch.Generator().manual_seed(0)
         return ModelInputs(tuple(parse_spec(s).make(g) for s in specs))
@@ -224,7 +242,9 @@ def call_model(model: nn.Module, inputs: ModelInputs) -> Any:
     except Exception as exc:
         where = _failing_module(model, exc.__traceback__)
         mod = dict(model.named_modules()).get("" if where == "<root>" else where or "")
-        label = f"{where} ({type(mod).__name__})" if where and mod is not None else type(model).__name__
+        label = (
+            f"{where} ({type(mod).__name__})" if where and mod is not None else type(model).__name__
+        )
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise ModelError(
             f"the model raised in {label}: {type(exc).__name__}: {first} "

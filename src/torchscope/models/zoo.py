@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["BUILTINS", "DeepMLP", "MLP", "ResNetMini", "TinyCNN", "BuiltinModel"]
+__all__ = ["BUILTINS", "MLP", "BuiltinModel", "DeepMLP", "ResNetMini", "TinyCNN"]
 
 
 class TinyCNN(nn.Module):
@@ -25,7 +25,8 @@ class TinyCNN(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.relu(self.conv1(x))  # (B, 8, H-2, W-2)
         x = self.pool(self.conv2(x))  # (B, 16, 1, 1)
-        return self.fc(torch.flatten(x, 1))  # (B, classes)
+        out: torch.Tensor = self.fc(torch.flatten(x, 1))  # (B, classes)
+        return out
 
 
 class MLP(nn.Module):
@@ -38,14 +39,17 @@ class MLP(nn.Module):
         self.fc2 = nn.Linear(d_hidden, d_out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.relu(self.fc1(x)))  # (B, d_in) -> (B, d_out)
+        out: torch.Tensor = self.fc2(self.relu(self.fc1(x)))  # (B, d_in) -> (B, d_out)
+        return out
 
 
 class DeepMLP(nn.Sequential):
     """The lesson's 8-block network: `blocks` × [Linear(width, width) + ReLU]."""
 
     def __init__(self, width: int = 64, blocks: int = 8) -> None:
-        super().__init__(*[nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(blocks)])
+        super().__init__(
+            *[nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(blocks)]
+        )
 
 
 class _ResBlock(nn.Module):
@@ -56,7 +60,8 @@ class _ResBlock(nn.Module):
         self.relu = nn.ReLU()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.relu(self.bn(self.conv(x)))  # (B, C, H, W)
+        out: torch.Tensor = x + self.relu(self.bn(self.conv(x)))  # (B, C, H, W)
+        return out
 
 
 class ResNetMini(nn.Module):
@@ -73,7 +78,8 @@ class ResNetMini(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.blocks(self.stem(x))  # (B, C, H, W)
-        return self.fc(torch.flatten(self.pool(x), 1))  # (B, classes)
+        out: torch.Tensor = self.fc(torch.flatten(self.pool(x), 1))  # (B, classes)
+        return out
 
 
 @dataclass(frozen=True)

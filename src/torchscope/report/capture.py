@@ -16,31 +16,55 @@ __all__ = ["activation_table", "nonfinite_lines"]
 def activation_table(records: Sequence[ActivationRecord], title: str = "Activations") -> Table:
     """One row per recorded output tensor: module, call, shape, stats, zeros and non-finite."""
     table = Table(title=title, title_justify="left")
-    for col, justify in (("module", "left"), ("call", "right"), ("output shape", "left"),
-                         ("dtype", "left"), ("mean", "right"), ("std", "right"),
-                         ("min", "right"), ("max", "right"), ("zeros %", "right"),
-                         ("non-finite", "right")):
+    for col, justify in (
+        ("module", "left"),
+        ("call", "right"),
+        ("output shape", "left"),
+        ("dtype", "left"),
+        ("mean", "right"),
+        ("std", "right"),
+        ("min", "right"),
+        ("max", "right"),
+        ("zeros %", "right"),
+        ("non-finite", "right"),
+    ):
         table.add_column(col, justify=justify)  # type: ignore[arg-type]
     for r in records:
         for s in r.outputs:
             name = (r.module or "<root>") + (s.path if s.path else "")
             dead = f" ({s.dead_units}/{s.channels} dead)" if s.dead_units else ""
             nonfinite = "0" if s.finite else f"[red]{s.nan_count} NaN, {s.inf_count} Inf[/]"
-            table.add_row(name, str(r.call), fmt_shape(s.shape), s.dtype.replace("torch.", ""),
-                          fmt_num(s.mean), fmt_num(s.std), fmt_num(s.min), fmt_num(s.max),
-                          fmt_pct(s.zero_frac) + dead, nonfinite)
+            table.add_row(
+                name,
+                str(r.call),
+                fmt_shape(s.shape),
+                s.dtype.replace("torch.", ""),
+                fmt_num(s.mean),
+                fmt_num(s.std),
+                fmt_num(s.min),
+                fmt_num(s.max),
+                fmt_pct(s.zero_frac) + dead,
+                nonfinite,
+            )
     return table
 
 
 def nonfinite_lines(trace: NonFiniteTrace) -> list[str]:
     """Plain sentences about where NaN/Inf appeared (empty when the forward was finite)."""
     if trace.producer is None:
-        return [] if trace.clean else [
-            f"non-finite values entered the model's input and passed through "
-            f"{len(trace.passers)} module(s)."]
+        return (
+            []
+            if trace.clean
+            else [
+                f"non-finite values entered the model's input and passed through "
+                f"{len(trace.passers)} module(s)."
+            ]
+        )
     p = trace.producer
-    lines = [f"first NaN/Inf produced by {p.module or '<root>'} ({p.module_type}), call "
-             f"{p.call}, from finite inputs."]
+    lines = [
+        f"first NaN/Inf produced by {p.module or '<root>'} ({p.module_type}), call "
+        f"{p.call}, from finite inputs."
+    ]
     if trace.passers:
         names = ", ".join(r.module or "<root>" for r in trace.passers[:6])
         lines.append(f"carried on by {len(trace.passers)} later module(s): {names}.")

@@ -1,0 +1,49 @@
+"""Built-in models, input SPECs and TARGET loading."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torchscope import InputSpecError
+from torchscope.models import BUILTINS, ModelInputs, call_model, load_target, parse_spec
+
+
+@pytest.mark.parametrize("name", list(BUILTINS))
+def test_builtins_run_on_their_default_input(name: str) -> None:
+    loaded = load_target(name)
+    assert loaded.inputs is not None
+    with torch.no_grad():
+        out = call_model(loaded.model, loaded.inputs)
+    assert out.shape[0] == BUILTINS[name].input_shape[0]
+
+
+def test_deep_mlp_structure() -> None:
+    model = load_target("deep-mlp").model
+    assert len(model) == 8
+    assert all(isinstance(b[0], torch.nn.Linear) and b[0].in_features == 64 for b in model)
+
+
+def test_parse_spec_forms() -> None:
+    s = parse_spec("32x3x32x32")
+    assert s.shape == (32, 3, 32, 32) and s.dtype == torch.float32
+    t = parse_spec("int64[0,1000):4x128").make()
+    assert t.dtype == torch.int64 and t.shape == (4, 128)
+    assert int(t.min()) >= 0 and int(t.max()) < 1000
+    h = parse_spec("float16:2x3").make()
+    assert h.dtype == torch.float16
+    u = parse_spec("float32[-1,1):1000").make()
+    assert float(u.min()) >= -1 and float(u.max()) < 1
+
+
+@pytest.mark.parametrize("bad", ["", "x3", "3x", "3xx4", "int64[5,1):3", "foo:3", "0x3", "3x-2"])
+def test_parse_spec_rejects(bad: str) -> None:
+    with pytest.raises(InputSpecError):
+        parse_spec(bad)
+
+
+def test_model_inputs_of() -> None:
+    x = torch.ones(2)
+    assert ModelInputs.of(x).args == (x,)
+    assert ModelInputs.of((x, x)).args == (x, x)
+    assert dict(ModelInputs.of({"a": x}).kwargs) == {"a": x}
