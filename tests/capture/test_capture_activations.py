@@ -240,3 +240,30 @@ def test_half_precision_stats() -> None:
     s = cap.get("0").output
     assert s is not None and s.dtype == "torch.bfloat16"
     assert rel_close(s.mean, ref.mean().item(), 1e-5)
+
+
+def test_uncounted_mode_keeps_exact_finiteness_and_producer() -> None:
+    class Bad(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x / torch.tensor([0.0, 1.0, 1.0, 1.0])
+
+    model = nn.Sequential(nn.Linear(4, 4), Bad(), nn.Linear(4, 4))
+    cap = capture_activations(model, torch.ones(2, 4), count_nonfinite=False)
+    bad = cap.get("1").output
+    assert bad is not None and bad.nan_count is None and not bad.finite
+    good = cap.get("0").output
+    assert good is not None and good.finite
+    trace = trace_nonfinite(cap.records)
+    assert trace.producer is not None and trace.producer.module == "1"
+    assert [r.module for r in trace.passers] == ["2"]
+
+
+@pytest.mark.parametrize("shift", [0.0, 50.0])
+def test_std_and_norm_accurate_with_large_mean(shift: float) -> None:
+    x = torch.randn(64, 256) + shift
+    cap = capture_activations(nn.Sequential(nn.Identity()), x)
+    s = cap.get("0").output
+    assert s is not None
+    assert rel_close(s.std, x.std().item(), 1e-5)
+    assert rel_close(s.norm, x.norm().item())
+    assert rel_close(s.mean, x.mean().item(), 1e-5)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 import weakref
 from collections.abc import Iterator
@@ -19,11 +20,11 @@ from torchscope.capture.stats import (
     MAX,
     MEAN,
     MIN,
-    N_STATS,
     NANS,
     NORM,
     STD,
     ZEROS,
+    finiteness,
     reduce_stats,
 )
 from torchscope.errors import BudgetError
@@ -72,6 +73,7 @@ class ActivationCapture:
         offload: bool = True,
         on_budget: OnBudget = "error",
         dead_units: bool = True,
+        count_nonfinite: bool = True,
     ) -> None:
         if store not in ("stats", "tensors"):
             raise ValueError(f"store must be 'stats' or 'tensors', not {store!r}")
@@ -82,6 +84,7 @@ class ActivationCapture:
         self._offload = offload
         self._on_budget = on_budget
         self._dead_units = dead_units
+        self._count_nonfinite = count_nonfinite
         self._records: list[ActivationRecord] = []
         self._tensors: dict[tuple[int, str, str], torch.Tensor] = {}
         self._stored_bytes = 0
@@ -149,10 +152,7 @@ class ActivationCapture:
         hit = self._seen.get(id(t))
         if hit is not None and hit[0]() is t:
             return hit[1]
-        vec = torch.zeros(N_STATS, dtype=torch.float64, device=t.device)
-        if t.is_floating_point() or t.is_complex():
-            vec[NANS] = (~torch.isfinite(t.detach())).sum()  # NaN and Inf lumped: finiteness
-        self._vecs.append(vec)
+        self._vecs.append(finiteness(t))
         row = len(self._vecs) - 1
         self._seen[id(t)] = (weakref.ref(t), row)
         return row
@@ -164,7 +164,13 @@ class ActivationCapture:
             input_rows = tuple(self._row_for_input(t) for _, t in iter_tensors(args))
             leaves = []
             for path, t in iter_tensors(output):
-                self._vecs.append(reduce_stats(t, dead_units=self._dead_units and relu_family))
+                self._vecs.append(
+                    reduce_stats(
+                        t,
+                        dead_units=self._dead_units and relu_family,
+                        count_nonfinite=self._count_nonfinite,
+                    )
+                )
                 row = len(self._vecs) - 1
                 self._seen[id(t)] = (weakref.ref(t), row)
                 leaves.append((path, tuple(t.shape), str(t.dtype), str(t.device), t.numel(), row))
@@ -270,13 +276,20 @@ class ActivationCapture:
                             max=v[MAX],
                             norm=v[NORM],
                             zero_frac=v[ZEROS],
-                            nan_count=int(v[NANS]),
-                            inf_count=int(v[INFS]),
+                            nan_count=None if v[NANS] < 0 else int(v[NANS]),
+                            inf_count=None if v[INFS] < 0 else int(v[INFS]),
                             dead_units=int(v[DEAD]) if dead else None,
                             channels=shape[1] if dead else None,
                         )
                     )
-                inputs_finite = all(rows[r][NANS] == 0 and rows[r][INFS] == 0 for r in p.input_rows)
+                # Input rows come from `finiteness` (NANS is 0/1) or from an earlier output's
+                # stats (counts, or -1 when uncounted); min/max decide in every case.
+                inputs_finite = all(
+                    rows[r][NANS] <= 0
+                    and math.isfinite(rows[r][MIN])
+                    and math.isfinite(rows[r][MAX])
+                    for r in p.input_rows
+                )
                 self._records.append(
                     ActivationRecord(
                         p.module, p.module_type, step, p.call, p.order, tuple(outs), inputs_finite
@@ -297,6 +310,7 @@ def capture_activations(
     on_budget: OnBudget = "error",
     train: bool | None = None,
     grad: bool = False,
+    count_nonfinite: bool = True,
 ) -> ActivationCapture:
     """Run one forward of `model` on `inputs` and capture every selected module's output.
 
@@ -313,6 +327,8 @@ def capture_activations(
         train: put the model in train (True) or eval (False) mode for the capture; the old
             flags are restored. None leaves the mode as it is.
         grad: run the forward with autograd enabled.
+        count_nonfinite: count NaN and Inf elements exactly (two extra passes per tensor);
+            with False, finiteness and the NaN producer are still exact, counts are None.
 
     Returns:
         The finished `ActivationCapture`; its hooks are already removed.
@@ -328,6 +344,7 @@ def capture_activations(
         max_bytes=max_bytes,
         offload=offload,
         on_budget=on_budget,
+        count_nonfinite=count_nonfinite,
     )
     with capture:
         if train is not None:
@@ -347,6 +364,7 @@ def activations(
     max_bytes: int | None = None,
     offload: bool = True,
     on_budget: OnBudget = "error",
+    count_nonfinite: bool = True,
 ) -> Iterator[ActivationCapture]:
     """Capture activations in your own loop; every forward inside the block is recorded.
 
@@ -365,6 +383,7 @@ def activations(
         max_bytes=max_bytes,
         offload=offload,
         on_budget=on_budget,
+        count_nonfinite=count_nonfinite,
     )
     with capture:
         yield capture

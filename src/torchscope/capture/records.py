@@ -20,7 +20,8 @@ class TensorStats:
         mean, std, min, max: over all elements; `std` is unbiased, as `Tensor.std()`.
         norm: the L2 norm of the flattened tensor.
         zero_frac: fraction of elements exactly zero.
-        nan_count, inf_count: non-finite elements.
+        nan_count, inf_count: non-finite elements; None when not counted (capture with
+            `count_nonfinite=False`), in which case `finite` still holds exactly, from min/max.
         dead_units: for ReLU-family outputs of rank >= 2, channels (dim 1) that are zero for
             every sample and position; None where not measured.
         channels: the size of dim 1 when `dead_units` is measured.
@@ -37,19 +38,23 @@ class TensorStats:
     max: float
     norm: float
     zero_frac: float
-    nan_count: int
-    inf_count: int
+    nan_count: int | None
+    inf_count: int | None
     dead_units: int | None = None
     channels: int | None = None
 
     @property
     def finite(self) -> bool:
         """True when the tensor holds no NaN and no Inf."""
+        if self.nan_count is None or self.inf_count is None:
+            return (math.isfinite(self.min) and math.isfinite(self.max)) or self.numel == 0
         return self.nan_count == 0 and self.inf_count == 0
 
     @property
-    def nonfinite(self) -> int:
-        """NaN plus Inf elements."""
+    def nonfinite(self) -> int | None:
+        """NaN plus Inf elements (None when not counted)."""
+        if self.nan_count is None or self.inf_count is None:
+            return None
         return self.nan_count + self.inf_count
 
     @property

@@ -1,0 +1,31 @@
+"""Shared timing helpers for the benchmark scripts: interleaved medians, one process."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Mapping
+
+
+def interleaved_medians(
+    runs: Mapping[str, Callable[[], object]], *, repeats: int = 15, warmup: int = 3
+) -> dict[str, float]:
+    """Median seconds per call of each function, timed round-robin so drift hits all alike."""
+    for fn in runs.values():
+        for _ in range(warmup):
+            fn()
+    samples: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, fn in runs.items():
+            t0 = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def print_ratios(title: str, medians: Mapping[str, float], baseline: str) -> None:
+    """One line per variant: median ms and the ratio to `baseline`."""
+    base = medians[baseline]
+    print(title)
+    for name, sec in medians.items():
+        print(f"  {name:<38} {sec * 1e3:9.2f} ms   {sec / base:6.3f}x")
