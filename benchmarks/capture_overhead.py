@@ -10,13 +10,13 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
+from torch.nn import functional
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _timing import interleaved_medians, print_ratios  # noqa: E402
+from _timing import interleaved_medians, print_ratios
 
-import torchscope  # noqa: E402
-from torchscope.models import ResNetMini  # noqa: E402
+import torchscope
+from torchscope.models import ResNetMini
 
 
 def main() -> None:
@@ -28,7 +28,7 @@ def main() -> None:
 
     def step() -> None:
         model.zero_grad(set_to_none=True)
-        F.cross_entropy(model(x), y).backward()
+        functional.cross_entropy(model(x), y).backward()
 
     def hand_written() -> None:
         # What users write by hand: five .item() stats per leaf module, a host sync each.
