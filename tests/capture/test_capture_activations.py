@@ -224,10 +224,11 @@ def test_model_error_cleans_up_and_restores_mode() -> None:
 def test_model_collected_after_capture() -> None:
     model = TinyCNN()
     ref = weakref.ref(model)
+    conv_ref = weakref.ref(model.conv1)
     cap = capture_activations(model, torch.randn(1, 3, 8, 8))
     del model
     gc.collect()
-    assert ref() is None
+    assert ref() is None and conv_ref() is None
     assert len(cap.records) == 5  # the records outlive the model
 
 

@@ -78,6 +78,7 @@ class ActivationCapture:
         if store not in ("stats", "tensors"):
             raise ValueError(f"store must be 'stats' or 'tensors', not {store!r}")
         self._targets = select_modules(model, select, depth=depth)
+        self._names = [n for n, _ in self._targets]
         self._session = HookSession(model)
         self._store = store
         self._max_bytes = max_bytes
@@ -121,6 +122,7 @@ class ActivationCapture:
     def close(self) -> None:
         """Remove the hooks; records stay readable."""
         self._session.close()
+        self._targets = []  # drop the module references: records must not keep a model alive
         self._end_forward(None, (), None)
 
     @property
@@ -131,7 +133,7 @@ class ActivationCapture:
     @property
     def modules(self) -> list[str]:
         """Qualified names of the hooked modules."""
-        return [n for n, _ in self._targets]
+        return list(self._names)
 
     # ------------------------------------------------------------------ hooks
     def _begin_forward(self, _m: nn.Module, _args: tuple[Any, ...]) -> None:
