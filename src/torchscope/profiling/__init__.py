@@ -20,6 +20,7 @@ from torchscope.profiling.steps import (
     phase,
     profile_steps,
     quiet_kineto,
+    random_target_loss,
 )
 from torchscope.profiling.trace import export_trace
 
@@ -44,6 +45,7 @@ __all__ = [
     "profile_findings",
     "profile_steps",
     "quiet_kineto",
+    "random_target_loss",
     "range_label",
     "sort_ops",
 ]

@@ -23,7 +23,14 @@ from torchscope.profiling.ops import op_records
 from torchscope.profiling.records import ProfileResult, ProfilingError, StepTiming
 from torchscope.profiling.trace import export_trace
 
-__all__ = ["default_loss", "make_train_step", "phase", "profile_steps", "quiet_kineto"]
+__all__ = [
+    "default_loss",
+    "make_train_step",
+    "phase",
+    "profile_steps",
+    "quiet_kineto",
+    "random_target_loss",
+]
 
 StepFn = Callable[[], Any]
 LossFn = Callable[..., torch.Tensor]
@@ -67,6 +74,48 @@ def default_loss(output: Any, targets: Any = None) -> torch.Tensor:
         "build a loss from.",
         fix="pass loss_fn=... that turns the output into a scalar loss.",
     )
+
+
+def _logits(output: Any) -> torch.Tensor:
+    if isinstance(output, torch.Tensor):
+        return output
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    for _path, t in iter_tensors(output):
+        if t.is_floating_point():
+            return t
+    raise ProfilingError(
+        f"the model output ({type(output).__name__}) holds no floating-point tensor.",
+        fix="profile a model that returns logits, or pass your own loss_fn.",
+    )
+
+
+def random_target_loss(seed: int = 0) -> LossFn:
+    """Cross-entropy against random integer class targets, drawn once and reused every step.
+
+    Logits `(B, C)` get targets `(B,)`; sequence logits `(B, T, V)` get `(B, T)`; any other
+    floating output falls back to mean squared error against zeros. This is what the CLI
+    trains with: a realistic classification step without needing a dataset.
+    """
+    cache: dict[str, torch.Tensor] = {}
+
+    def loss(output: Any) -> torch.Tensor:
+        logits = _logits(output)
+        if logits.dim() < 2 or not logits.is_floating_point():
+            return torch.nn.functional.mse_loss(logits.float(),
+                                                torch.zeros_like(logits, dtype=torch.float32))
+        classes = logits.shape[-1]
+        target = cache.get("t")
+        if target is None or target.shape != logits.shape[:-1]:
+            g = torch.Generator().manual_seed(seed)
+            target = torch.randint(0, classes, logits.shape[:-1], generator=g)
+            target = cache["t"] = target.to(logits.device)
+        # (N, C) against (N,): sequence positions become rows.
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, classes).float(),
+                                                 target.reshape(-1))
+
+    return loss
 
 
 def _check_loss(loss: Any) -> torch.Tensor:
