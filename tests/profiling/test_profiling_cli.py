@@ -53,3 +53,21 @@ def test_bad_input_is_one_line_exit_2(args: list[str]) -> None:
     assert len(lines) == 1, res.output
     assert lines[0].startswith("error:")
     assert "Traceback" not in res.output
+
+
+def test_kineto_lines_stay_out_of_cli_output() -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2] / "src")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torchscope", "profile", "mlp", "--steps", "1", "--wait", "0",
+         "--warmup", "0", "--limit", "3"],
+        capture_output=True, text=True, env=env, timeout=120, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "aten::" in proc.stdout
+    assert "profiler_start" not in proc.stderr + proc.stdout
+    assert "profiler_stop" not in proc.stderr + proc.stdout

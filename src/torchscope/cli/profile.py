@@ -45,7 +45,7 @@ def profile(  # noqa: PLR0917 - one parameter per CLI option
     lr: Annotated[float, typer.Option(help="SGD learning rate of the profiled steps.")] = 0.01,
     trace: Annotated[str | None, typer.Option(
         help="Write a Chrome/Perfetto trace (.json or .json.gz).")] = None,
-    trace_steps: Annotated[int, typer.Option(help="Profiled steps kept in the trace.")] = 2,
+    trace_steps: Annotated[int, typer.Option(help="Profiled steps kept in the trace.")] = 3,
     text: Annotated[str | None, typer.Option(help="Also write the tables as text here.")
                     ] = None,
     json_path: JsonOpt = None,

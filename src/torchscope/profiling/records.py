@@ -182,6 +182,7 @@ class ProfileResult:
         timing: step wall time with and without profiling.
         by_module: whether per-module ranges were recorded.
         trace_path: where the Chrome/Perfetto trace was written, if asked.
+        notes: caveats about the attribution (unmatched backward nodes, no phases).
     """
 
     steps: int

@@ -74,7 +74,7 @@ def phase_table(result: ProfileResult) -> Table:
     n = max(result.steps, 1)
     step_ms = result.timing.profiled_total_ms / n
     device = any(p.device_ms for p in result.phases)
-    table = Table(title=f"Phases (ms per step, mean of {n} profiled steps)", title_justify="left")
+    table = Table(title=f"Phases (ms/step, {n} steps)", title_justify="left")
     table.add_column("phase")
     table.add_column("host ms", justify="right")
     table.add_column("% of step", justify="right")
