@@ -34,7 +34,7 @@ def profile(  # noqa: PLR0917 - one parameter per CLI option
     sort: Annotated[str, typer.Option(
         help="Op order: self_cpu, total, self_cuda, cuda_total or calls.")] = "self_cpu",
     by: Annotated[str, typer.Option(help="Table: op or module.")] = "op",
-    limit: Annotated[int, typer.Option(help="Rows of the op table.")] = 15,
+    limit: Annotated[int, typer.Option(help="Rows of the op or module table.")] = 15,
     group_by_shape: Annotated[bool, typer.Option(
         "--group-by-shape", help="One op row per input shape.")] = False,
     select: Annotated[str | None, typer.Option(
@@ -106,7 +106,7 @@ def profile(  # noqa: PLR0917 - one parameter per CLI option
         findings = profile_findings(result)
         console.print(phase_table(result))
         if by == "module":
-            console.print(module_table(result))
+            console.print(module_table(result, limit))
         else:
             console.print(op_table(result, sort, limit))
         console.print(timing_line(result))

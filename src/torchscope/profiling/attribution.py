@@ -112,7 +112,8 @@ def attribute(events: Iterable[Any], labels: Mapping[str, tuple[str, str]]) -> A
         ev, ctx = stack.pop()
         name: str = ev.name
         new = ctx
-        if name in PHASES and not ctx.in_backward:
+        if name in PHASES and not ctx.in_backward and ctx.phase is None:
+            # Only outermost phase ranges count, so nested labels never double-count.
             phase_seen.add(name)
             slot = phase_us[name]
             slot[0] += 1

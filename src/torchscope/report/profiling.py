@@ -10,7 +10,7 @@ from rich.table import Table
 
 from torchscope.findings import Finding, Severity
 from torchscope.profiling.ops import sort_ops
-from torchscope.profiling.records import OpRecord, ProfileResult
+from torchscope.profiling.records import ModuleTime, OpRecord, ProfileResult
 from torchscope.report.fmt import fmt_pct
 
 __all__ = [
@@ -97,7 +97,9 @@ def phase_table(result: ProfileResult) -> Table:
 def module_table(result: ProfileResult, limit: int | None = None) -> Table:
     """Per module, per step: calls, forward and backward (inclusive and self) time.
 
-    Footer rows add the time outside modules, so the self columns sum to the phase totals.
+    With `limit`, only the modules with the most self time are listed (in model order) and
+    the others are summed in one row. Footer rows add the time outside modules, so the self
+    columns sum to the phase totals.
     """
     n = max(result.steps, 1)
     rec = result.reconciliation
@@ -113,19 +115,28 @@ def module_table(result: ProfileResult, limit: int | None = None) -> Table:
         table.add_column("CUDA bwd", justify="right")
     total_self = (rec.forward_ms + rec.backward_ms) or sum(m.total_self_ms for m in result.modules)
     mods = list(result.modules)
-    if limit is not None:
+    hidden: list[ModuleTime] = []
+    if limit is not None and len(mods) > limit:
         keep = {m.module for m in sorted(mods, key=lambda m: -m.total_self_ms)[:limit]}
+        hidden = [m for m in mods if m.module not in keep]
         mods = [m for m in mods if m.module in keep]
     blank = [""] * (2 if device else 0)
     for m in mods:
         depth = 0 if m.module == "" else m.module.count(".") + 1
-        label = "  " * depth + (m.module.rsplit(".", 1)[-1] if m.module else "<root>")
+        label = "  " * depth + (m.module or "<root>")
         row = [label, m.module_type, f"{m.calls / n:g}", _ms(m.forward_ms / n),
                _ms(m.forward_self_ms / n), _ms(m.backward_ms / n), _ms(m.backward_self_ms / n),
                fmt_pct(m.total_self_ms / total_self if total_self else None)]
         if device:
             row += [_ms(m.forward_device_ms / n), _ms(m.backward_device_ms / n)]
         table.add_row(*row)
+    if hidden:
+        fwd = sum(m.forward_self_ms for m in hidden)
+        bwd = sum(m.backward_self_ms for m in hidden)
+        table.add_row(f"[dim]{len(hidden)} more modules[/]", "", "", "", f"[dim]{_ms(fwd / n)}[/]",
+                      "", f"[dim]{_ms(bwd / n)}[/]",
+                      f"[dim]{fmt_pct((fwd + bwd) / total_self if total_self else None)}[/]",
+                      *blank)
     if rec.forward_ms or rec.backward_ms:
         table.add_section()
         for label, fwd, bwd in (
@@ -171,7 +182,7 @@ def profile_text(result: ProfileResult, findings: Sequence[Finding] = (), *,
     console = Console(file=io.StringIO(), width=width, record=True, color_system=None)
     console.print(phase_table(result))
     if by == "module" and result.modules:
-        console.print(module_table(result))
+        console.print(module_table(result, limit))
     else:
         console.print(op_table(result, sort, limit))
     console.print(timing_line(result))
