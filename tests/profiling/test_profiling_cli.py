@@ -45,6 +45,8 @@ def test_profile_mlp_ops_sorted_by_total(tmp_path: Path) -> None:
     ["profile", "--by", "layer"],
     ["profile", "--steps", "0"],
     ["profile", "no-such-model"],
+    ["profile", "--select", "nothing*", "--by", "module", "--steps", "1"],
+    ["profile", "--device", "tpu"],
 ])
 def test_bad_input_is_one_line_exit_2(args: list[str]) -> None:
     res = runner.invoke(app, args)

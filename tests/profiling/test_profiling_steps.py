@@ -274,3 +274,16 @@ def test_cuda_device_times() -> None:
     assert any(o.self_device_ms > 0 for o in result.ops)
     assert result.module("conv2").forward_device_ms > 0
     assert result.module("conv2").backward_device_ms > 0
+
+
+def test_select_times_only_chosen_modules() -> None:
+    model = TinyCNN()
+    x = torch.randn(4, 3, 12, 12)
+    result = profile_steps(model, x, loss_fn=F.cross_entropy, targets=torch.randint(0, 10, (4,)),
+                           optimizer=torch.optim.SGD(model.parameters(), lr=0.01), steps=2,
+                           baseline_steps=0, select="Conv2d")
+    assert [m.module for m in result.modules] == ["conv1", "conv2"]
+    rec = result.reconciliation
+    # fc, relu and pool are now outside the timed modules, in forward and in backward.
+    assert rec.forward_outside_ms > 0 and rec.backward_outside_ms > 0
+    assert rec.forward_modules_ms + rec.forward_outside_ms == pytest.approx(rec.forward_ms)
