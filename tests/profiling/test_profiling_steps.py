@@ -287,3 +287,26 @@ def test_select_times_only_chosen_modules() -> None:
     # fc, relu and pool are now outside the timed modules, in forward and in backward.
     assert rec.forward_outside_ms > 0 and rec.backward_outside_ms > 0
     assert rec.forward_modules_ms + rec.forward_outside_ms == pytest.approx(rec.forward_ms)
+
+
+def test_checkpoint_recompute_counts_as_backward() -> None:
+    from torch.utils.checkpoint import checkpoint
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 32))
+            self.head = nn.Linear(32, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(checkpoint(self.block, x, use_reentrant=False))
+
+    net = Net()
+    result = profile_steps(net, torch.randn(8, 32, requires_grad=True), steps=2,
+                           baseline_steps=0)
+    block = result.module("block")
+    # The recomputation inside backward is not a second forward call...
+    assert block.calls == 2
+    # ...and block's backward nodes (and their recompute) are still attributed to it.
+    assert block.backward_nodes > 0 and block.backward_ms > 0
+    assert result.module("block.0").backward_nodes > 0
