@@ -1,9 +1,127 @@
-"""Placeholder: this command's module registers nothing until its capability lands."""
+"""`torchscope profile`: top ops, the forward/backward/optimizer split and time per module."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Annotated
+
 import typer
+
+from torchscope.cli._common import (
+    DebugOpt,
+    InputOpt,
+    InputsFnOpt,
+    JsonOpt,
+    TargetArg,
+    console,
+    guarded,
+    load,
+)
 
 
 def register(app: typer.Typer) -> None:
-    """Add this module's command to `app`."""
+    """Add `profile` to `app`."""
+    app.command("profile")(profile)
+
+
+def profile(  # noqa: PLR0917 - one parameter per CLI option
+    target: TargetArg = None,
+    input: InputOpt = None,
+    inputs: InputsFnOpt = None,
+    steps: Annotated[int, typer.Option(help="Profiled (active) steps.")] = 5,
+    wait: Annotated[int, typer.Option(help="Schedule steps skipped first.")] = 1,
+    warmup: Annotated[int, typer.Option(help="Schedule steps profiled but discarded.")] = 1,
+    sort: Annotated[str, typer.Option(
+        help="Op order: self_cpu, total, self_cuda, cuda_total or calls.")] = "self_cpu",
+    by: Annotated[str, typer.Option(help="Table: op or module.")] = "op",
+    limit: Annotated[int, typer.Option(help="Rows of the op or module table.")] = 15,
+    group_by_shape: Annotated[bool, typer.Option(
+        "--group-by-shape", help="One op row per input shape.")] = False,
+    select: Annotated[str | None, typer.Option(
+        "--select", "-s", help="Time only these modules (glob or type name).")] = None,
+    depth: Annotated[int | None, typer.Option(help="Time modules this deep or shallower.")
+                     ] = None,
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+    lr: Annotated[float, typer.Option(help="SGD learning rate of the profiled steps.")] = 0.01,
+    trace: Annotated[str | None, typer.Option(
+        help="Write a Chrome/Perfetto trace (.json or .json.gz).")] = None,
+    trace_steps: Annotated[int, typer.Option(help="Profiled steps kept in the trace.")] = 3,
+    text: Annotated[str | None, typer.Option(help="Also write the tables as text here.")
+                    ] = None,
+    json_path: JsonOpt = None,
+    debug: DebugOpt = False,
+) -> None:
+    """Profile training steps: top ops, phase split and time per module (SGD, cross-entropy
+    on random targets)."""
+    from torchscope.profiling import quiet_kineto
+
+    quiet_kineto()  # before guarded(): its default level does not hide Kineto's USDT lines
+    with guarded(debug):
+        import torch
+
+        from torchscope.profiling import (
+            SORT_KEYS,
+            ProfilingError,
+            profile_findings,
+            profile_steps,
+            random_target_loss,
+        )
+        from torchscope.report.profiling import (
+            finding_lines,
+            module_table,
+            op_table,
+            phase_table,
+            profile_text,
+            timing_line,
+        )
+        from torchscope.report.serialize import write_json
+
+        if sort not in SORT_KEYS:
+            raise ProfilingError(f"--sort {sort} is not known.",
+                                 fix=f"use one of {', '.join(SORT_KEYS)}.")
+        if by not in ("op", "module"):
+            raise ProfilingError(f"--by {by} is not known.", fix="use --by op or --by module.")
+        if device not in ("auto", "cpu", "cuda"):
+            raise ProfilingError(f"--device {device} is not known.",
+                                 fix="use --device auto, cpu or cuda.")
+        if device == "cuda" and not torch.cuda.is_available():
+            raise ProfilingError("--device cuda was asked but no CUDA device is available.",
+                                 fix="drop --device cuda, or run on a machine with a GPU.")
+        dev = "cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) \
+            else "cpu"
+        loaded, model_inputs = load(target, input, inputs)
+        model = loaded.model.to(dev).train()
+        model_inputs = model_inputs.to(dev)
+        params = [p for p in model.parameters() if p.requires_grad]
+        if not params:
+            raise ProfilingError(f"{loaded.name} has no trainable parameters to step.",
+                                 fix="profile a model with parameters that require grad.")
+        result = profile_steps(
+            model, model_inputs, loss_fn=random_target_loss(),
+            optimizer=torch.optim.SGD(params, lr=lr), steps=steps, wait=wait, warmup=warmup,
+            by_module=by == "module" or json_path is not None or text is not None,
+            select=select, depth=depth, group_by_input_shape=group_by_shape,
+            trace=trace, trace_steps=trace_steps,
+        )
+        findings = profile_findings(result)
+        console.print(phase_table(result))
+        if by == "module":
+            console.print(module_table(result, limit))
+        else:
+            console.print(op_table(result, sort, limit))
+        console.print(timing_line(result))
+        for line in finding_lines(findings):
+            console.print(line)
+        for note in result.notes:
+            console.print(f"[dim]note: {note}[/]")
+        if trace:
+            console.print(f"wrote trace {trace} (last {trace_steps} profiled steps; open it in "
+                          "https://ui.perfetto.dev or chrome://tracing)")
+        if text:
+            Path(text).parent.mkdir(parents=True, exist_ok=True)
+            Path(text).write_text(profile_text(result, findings, sort=sort, by=by, limit=limit))
+            console.print(f"wrote {text}")
+        if json_path:
+            write_json(json_path, {"target": loaded.name, "inputs": model_inputs.describe(),
+                                   "result": result, "findings": findings})
+            console.print(f"wrote {json_path}")

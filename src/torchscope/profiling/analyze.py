@@ -1,0 +1,117 @@
+"""Findings from a `ProfileResult`: the top op, the phase balance, the costliest module."""
+
+from __future__ import annotations
+
+from torchscope.findings import Finding, Severity, rank
+from torchscope.profiling.ops import sort_ops
+from torchscope.profiling.records import ProfileResult
+
+__all__ = ["profile_findings"]
+
+# Ops that block the host until the device (or a queue) has caught up.
+_SYNC_OPS = ("aten::_local_scalar_dense", "aten::item", "cudaDeviceSynchronize",
+             "cudaStreamSynchronize", "cudaMemcpy")
+_COMPUTE = ("mm", "addmm", "bmm", "matmul", "conv", "convolution", "linear", "baddbmm",
+            "scaled_dot_product")
+
+#: Backward usually costs about twice the forward; above this something extra runs.
+BACKWARD_RATIO_HIGH = 3.5
+#: Optimizer share of a step above which a fused or foreach optimizer pays off.
+OPTIMIZER_SHARE_HIGH = 0.25
+#: Step slowdown under the profiler above which absolute times are unreliable.
+OVERHEAD_HIGH = 1.5
+
+
+def _op_fix(name: str) -> str:
+    base = name.rsplit("::", maxsplit=1)[-1]
+    if any(k in base for k in _COMPUTE):
+        return ("this is the model's arithmetic: mixed precision (torch.autocast), a larger "
+                "batch per step or torch.compile make it cheaper.")
+    if base in ("copy_", "to", "_to_copy", "contiguous", "clone"):
+        return "look for .to()/.contiguous() copies inside the step and move them out."
+    return ""
+
+
+def profile_findings(result: ProfileResult) -> list[Finding]:
+    """Conclusions about one profile, most severe first.
+
+    Codes: `profiling.top_op`, `profiling.host_sync`, `profiling.backward_ratio`,
+    `profiling.optimizer_share`, `profiling.top_module`, `profiling.overhead`,
+    `profiling.no_phases`.
+    """
+    out: list[Finding] = []
+    on_device = result.device == "cuda" and any(o.self_device_ms > 0 for o in result.ops)
+    sort = "self_cuda" if on_device else "self_cpu"
+    top = sort_ops([o for o in result.ops if not o.name.startswith("autograd::")], sort, 1)
+    if top:
+        o = top[0]
+        frac = o.self_device_frac if on_device else o.self_cpu_frac
+        ms = o.self_device_ms if on_device else o.self_cpu_ms
+        where = "device" if on_device else "CPU"
+        out.append(Finding(
+            "profiling.top_op", Severity.INFO,
+            f"{o.name} takes {100 * frac:.0f}% of self {where} time "
+            f"({o.calls} calls, {ms / result.steps:.3g} ms per step).",
+            {"op": o.name, "calls": o.calls, "self_ms": ms, "share": frac},
+            fix=_op_fix(o.name),
+        ))
+    syncs = [o for o in result.ops if o.name in _SYNC_OPS]
+    if syncs:
+        calls = sum(o.calls for o in syncs)
+        out.append(Finding(
+            "profiling.host_sync", Severity.WARNING,
+            f"the step synchronises host and device {calls / result.steps:.3g} time(s) per "
+            f"step ({', '.join(sorted({o.name for o in syncs}))}).",
+            {"calls": calls, "ops": ", ".join(sorted({o.name for o in syncs}))},
+            fix="drop .item()/.cpu()/print of tensors from the step, or do it every N steps.",
+        ))
+    fwd, bwd, opt = (result.phase(p) for p in ("forward", "backward", "optimizer"))
+    if fwd is not None and bwd is not None and fwd.cpu_ms > 0:
+        ratio = bwd.cpu_ms / fwd.cpu_ms
+        high = ratio > BACKWARD_RATIO_HIGH
+        out.append(Finding(
+            "profiling.backward_ratio", Severity.WARNING if high else Severity.INFO,
+            f"backward takes {ratio:.2f}× the forward time"
+            + (" — more than the usual ~2×." if high else "."),
+            {"backward_ms": bwd.cpu_ms, "forward_ms": fwd.cpu_ms, "ratio": ratio},
+            fix=("look for activation checkpointing, backward hooks or retain_graph in the "
+                 "step; the module table shows where backward time goes.") if high else "",
+        ))
+    total = result.phase_total_ms
+    if opt is not None and total > 0 and opt.cpu_ms / total > OPTIMIZER_SHARE_HIGH:
+        out.append(Finding(
+            "profiling.optimizer_share", Severity.WARNING,
+            f"the optimizer takes {100 * opt.cpu_ms / total:.0f}% of the step.",
+            {"optimizer_ms": opt.cpu_ms, "step_ms": total},
+            fix="use foreach=True or fused=True in the optimizer, or a larger batch per step.",
+        ))
+    if result.modules:
+        leaf = max(result.modules, key=lambda m: m.total_self_ms)
+        mod_total = sum(m.total_self_ms for m in result.modules) or 1.0
+        out.append(Finding(
+            "profiling.top_module", Severity.INFO,
+            f"{leaf.module or '<root>'} ({leaf.module_type}) is the costliest module: "
+            f"{leaf.forward_self_ms / result.steps:.3g} ms forward + "
+            f"{leaf.backward_self_ms / result.steps:.3g} ms backward per step "
+            f"({100 * leaf.total_self_ms / mod_total:.0f}% of module time).",
+            {"forward_self_ms": leaf.forward_self_ms, "backward_self_ms": leaf.backward_self_ms,
+             "share": leaf.total_self_ms / mod_total},
+            module=leaf.module,
+        ))
+    overhead = result.timing.overhead
+    if overhead is not None and overhead > OVERHEAD_HIGH:
+        out.append(Finding(
+            "profiling.overhead", Severity.WARNING,
+            f"steps ran {overhead:.2f}× slower under the profiler; absolute times are "
+            "inflated, shares between ops hold better.",
+            {"overhead": overhead, "baseline_ms": result.timing.baseline_ms,
+             "profiled_ms": result.timing.profiled_ms},
+            fix="time fewer modules (select=/depth=) or turn by_module off for absolute times.",
+        ))
+    if not result.phases:
+        out.append(Finding(
+            "profiling.no_phases", Severity.INFO,
+            "the step labelled no forward/backward/optimizer phase.",
+            fix="wrap the step's parts in torchscope.profiling.phase('forward') etc.",
+        ))
+    return rank(out)

@@ -1,0 +1,220 @@
+"""Time per module from profiler events: forward ranges, and backward through sequence numbers.
+
+Forward: each timed module's forward ran inside a range named by `range_label`. Its time is
+the range's duration; its self time subtracts the timed modules nested in it.
+
+Backward: when an op runs in forward with autograd recording, the profiler stores the
+sequence number of the autograd node it creates. The engine later runs that node inside
+`autograd::engine::evaluate_function: <Node>`, an event that carries the same sequence number
+and the forward thread (`fwd_thread`). Matching `(fwd_thread, sequence_nr)` leads from the
+backward node back to the forward op, hence to the innermost module range around it.
+Nodes whose forward op ran outside every module (the loss) or before profiling began, and
+`AccumulateGrad` (which has no sequence number), are reported separately so that module,
+outside and engine times add up to the backward phase.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from torchscope.profiling.records import PHASES, ModuleTime, PhaseTime, Reconciliation
+
+__all__ = ["EVALUATE_PREFIX", "Attribution", "attribute"]
+
+EVALUATE_PREFIX = "autograd::engine::evaluate_function: "
+_ACCUMULATE = "AccumulateGrad"
+
+
+@dataclass
+class _Acc:
+    module: str
+    module_type: str
+    order: int
+    calls: int = 0
+    fwd_us: float = 0.0
+    fwd_self_us: float = 0.0
+    fwd_dev_us: float = 0.0
+    fwd_dev_self_us: float = 0.0
+    bwd_us: float = 0.0
+    bwd_self_us: float = 0.0
+    bwd_dev_us: float = 0.0
+    nodes: int = 0
+
+
+@dataclass
+class _Ctx:
+    """What encloses an event: its timed-module chain, backward node and phase."""
+
+    modules: tuple[tuple[str, int], ...] = ()  # (module name, range event id), outermost first
+    in_backward: bool = False
+    phase: str | None = None
+
+
+@dataclass(frozen=True)
+class Attribution:
+    """Result of `attribute`: module rows, phase totals and the reconciliation."""
+
+    modules: tuple[ModuleTime, ...]
+    phases: tuple[PhaseTime, ...]
+    reconciliation: Reconciliation
+    unmatched_nodes: int = 0
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+
+def _dur(e: Any) -> float:
+    return float(e.time_range.end - e.time_range.start)
+
+
+def _dev(e: Any) -> float:
+    try:
+        return float(e.device_time_total)
+    except (AttributeError, TypeError):  # async or device-side events have no total
+        return 0.0
+
+
+def _is_host(e: Any) -> bool:
+    return str(getattr(e.device_type, "name", e.device_type)).upper() == "CPU" and not getattr(
+        e, "is_async", False
+    )
+
+
+def attribute(events: Iterable[Any], labels: Mapping[str, tuple[str, str]]) -> Attribution:
+    """Attribute profiler events to modules and phases.
+
+    Args:
+        events: `prof.events()` (`FunctionEvent`s with `cpu_children` populated).
+        labels: range name -> (qualified module name, type name), from `ModuleRanges.labels`.
+            Empty when modules were not timed: only phases are reported then.
+
+    Returns:
+        An `Attribution` whose module self times plus the outside/engine terms add up to
+        the phase totals.
+    """
+    host = [e for e in events if _is_host(e)]
+    roots = [e for e in host if e.cpu_parent is None]
+    acc: dict[str, _Acc] = {}
+    phase_us: dict[str, list[float]] = {p: [0, 0.0, 0.0] for p in PHASES}
+    phase_seen: set[str] = set()
+    # (forward thread, sequence number) -> chain of timed modules around the forward op.
+    seq_owner: dict[tuple[int, int], tuple[str, ...]] = {}
+    nodes: list[tuple[Any, _Ctx]] = []
+    fwd_modules_in_phase = 0.0
+
+    # Depth-first walk with an explicit stack: models nest deep enough to hit recursion limits.
+    stack: list[tuple[Any, _Ctx]] = [(r, _Ctx()) for r in reversed(roots)]
+    # Self-time bookkeeping: duration of nested timed ranges, keyed by the enclosing range id.
+    child_us: dict[int, float] = {}
+    child_dev: dict[int, float] = {}
+    ranges: dict[int, tuple[Any, str, str | None]] = {}
+    while stack:
+        ev, ctx = stack.pop()
+        name: str = ev.name
+        new = ctx
+        if name in PHASES and not ctx.in_backward and ctx.phase is None:
+            # Only outermost phase ranges count, so nested labels never double-count.
+            phase_seen.add(name)
+            slot = phase_us[name]
+            slot[0] += 1
+            slot[1] += _dur(ev)
+            slot[2] += _dev(ev)
+            new = _Ctx(ctx.modules, ctx.in_backward, name)
+        elif name in labels:
+            mod, mtype = labels[name]
+            if not ctx.in_backward:
+                a = acc.get(mod)
+                if a is None:
+                    a = acc[mod] = _Acc(mod, mtype, len(acc))
+                a.calls += 1
+                a.fwd_us += _dur(ev)
+                a.fwd_dev_us += _dev(ev)
+                ranges[ev.id] = (ev, mod, ctx.phase)
+                if ctx.modules:
+                    parent_id = ctx.modules[-1][1]
+                    child_us[parent_id] = child_us.get(parent_id, 0.0) + _dur(ev)
+                    child_dev[parent_id] = child_dev.get(parent_id, 0.0) + _dev(ev)
+                new = _Ctx((*ctx.modules, (mod, ev.id)), ctx.in_backward, ctx.phase)
+        elif name.startswith(EVALUATE_PREFIX):
+            if not ctx.in_backward:
+                nodes.append((ev, ctx))
+            new = _Ctx(ctx.modules, True, ctx.phase)
+        elif not ctx.in_backward and ev.sequence_nr is not None and ev.sequence_nr >= 0:
+            key = (int(ev.thread), int(ev.sequence_nr))
+            if key not in seq_owner:
+                seq_owner[key] = tuple(m for m, _ in ctx.modules)
+        for child in reversed(ev.cpu_children):
+            stack.append((child, new))
+
+    for rid, (ev, mod, phase) in ranges.items():
+        a = acc[mod]
+        self_us = _dur(ev) - child_us.get(rid, 0.0)
+        a.fwd_self_us += self_us
+        a.fwd_dev_self_us += _dev(ev) - child_dev.get(rid, 0.0)
+        if phase == "forward":
+            fwd_modules_in_phase += self_us
+
+    bwd_modules = bwd_outside = bwd_accum = 0.0
+    unmatched = 0
+    for ev, _ctx in nodes:
+        d = _dur(ev)
+        node_name = ev.name[len(EVALUATE_PREFIX):]
+        seq = ev.sequence_nr
+        fwd_thread = ev.fwd_thread
+        chain = None
+        if seq is not None and seq >= 0 and fwd_thread is not None:
+            chain = seq_owner.get((int(fwd_thread), int(seq)))
+        if chain is None:
+            if node_name.endswith(_ACCUMULATE):
+                bwd_accum += d
+            else:
+                unmatched += 1
+                bwd_outside += d
+            continue
+        if not chain:
+            bwd_outside += d
+            continue
+        bwd_modules += d
+        acc[chain[-1]].bwd_self_us += d
+        # A module re-entered by recursion appears twice in the chain; count it once.
+        for mod in dict.fromkeys(chain):
+            a = acc[mod]
+            a.bwd_us += d
+            a.bwd_dev_us += _dev(ev)
+            a.nodes += 1
+
+    phases = tuple(
+        PhaseTime(p, int(phase_us[p][0]), phase_us[p][1] / 1e3, phase_us[p][2] / 1e3)
+        for p in PHASES if p in phase_seen
+    )
+    fwd_total = phase_us["forward"][1]
+    bwd_total = phase_us["backward"][1]
+    engine = max(bwd_total - bwd_modules - bwd_outside - bwd_accum, 0.0)
+    rec = Reconciliation(
+        forward_ms=fwd_total / 1e3,
+        forward_modules_ms=fwd_modules_in_phase / 1e3,
+        forward_outside_ms=max(fwd_total - fwd_modules_in_phase, 0.0) / 1e3,
+        backward_ms=bwd_total / 1e3,
+        backward_modules_ms=bwd_modules / 1e3,
+        backward_outside_ms=bwd_outside / 1e3,
+        backward_accumulate_ms=bwd_accum / 1e3,
+        backward_engine_ms=engine / 1e3,
+    )
+    modules = tuple(
+        ModuleTime(
+            module=a.module, module_type=a.module_type, calls=a.calls,
+            forward_ms=a.fwd_us / 1e3, forward_self_ms=a.fwd_self_us / 1e3,
+            backward_ms=a.bwd_us / 1e3, backward_self_ms=a.bwd_self_us / 1e3,
+            forward_device_ms=a.fwd_dev_us / 1e3, backward_device_ms=a.bwd_dev_us / 1e3,
+            backward_nodes=a.nodes,
+        )
+        for a in sorted(acc.values(), key=lambda a: a.order)
+    )
+    notes: list[str] = []
+    if unmatched:
+        notes.append(
+            f"{unmatched} backward node(s) had no forward op in the profiled window "
+            "(graph built before profiling, or on another thread); counted as outside modules."
+        )
+    return Attribution(modules, phases, rec, unmatched, tuple(notes))
+

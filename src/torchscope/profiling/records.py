@@ -1,0 +1,218 @@
+"""Frozen records of a profiled training step: ops, phases, modules and step timing.
+
+Every time is in milliseconds, summed over the profiled (active) steps unless a field says
+"per step". Records hold numbers only; renderers in `torchscope.report.profiling` format them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from torchscope.errors import TorchscopeError
+
+__all__ = [
+    "PHASES",
+    "ModuleTime",
+    "OpRecord",
+    "PhaseTime",
+    "ProfileResult",
+    "ProfilingError",
+    "Reconciliation",
+    "SortKey",
+    "StepTiming",
+]
+
+#: The phase labels `profile_steps` opens with `record_function`, in step order.
+PHASES: tuple[str, ...] = ("forward", "backward", "optimizer")
+
+SortKey = Literal["self_cpu", "total", "self_cuda", "cuda_total", "calls"]
+
+
+class ProfilingError(TorchscopeError):
+    """A step could not be profiled (bad arguments, a loss that cannot be backpropagated)."""
+
+
+@dataclass(frozen=True)
+class OpRecord:
+    """One row of `key_averages()`: an operator (or a `record_function` range) over all steps.
+
+    Attributes:
+        name: the event name, e.g. `aten::addmm` or `autograd::engine::evaluate_function: ...`.
+        calls: how many times it ran in the profiled steps.
+        self_cpu_ms: CPU time inside it, excluding the ops it called.
+        cpu_total_ms: CPU time including the ops it called.
+        self_device_ms: accelerator (CUDA) kernel time it launched itself.
+        device_total_ms: accelerator time including the ops it called.
+        self_cpu_frac: share of all profiled self CPU time (0..1).
+        self_device_frac: share of all profiled self device time (0..1; 0 without a device).
+        input_shapes: the input shapes of this group, when grouped by input shape.
+    """
+
+    name: str
+    calls: int
+    self_cpu_ms: float
+    cpu_total_ms: float
+    self_device_ms: float
+    device_total_ms: float
+    self_cpu_frac: float
+    self_device_frac: float
+    input_shapes: tuple[tuple[int, ...], ...] | None = None
+
+
+@dataclass(frozen=True)
+class PhaseTime:
+    """A labelled phase (`forward`, `backward`, `optimizer`) over all profiled steps.
+
+    Attributes:
+        name: the phase label.
+        calls: how many ranges with this label closed (one per step normally).
+        cpu_ms: wall time of the ranges on the host.
+        device_ms: accelerator kernel time launched inside them (0 on CPU).
+    """
+
+    name: str
+    calls: int
+    cpu_ms: float
+    device_ms: float
+
+
+@dataclass(frozen=True)
+class ModuleTime:
+    """Time of one `nn.Module`: its forward ranges and the backward nodes its forward created.
+
+    Attributes:
+        module: qualified name (`""` is the root model).
+        module_type: class name, e.g. `Conv2d`.
+        calls: forward calls in the profiled steps.
+        forward_ms: host time of its forward, including its child modules.
+        forward_self_ms: `forward_ms` minus the forward time of the timed modules it called.
+        backward_ms: host time of the autograd nodes created by ops inside its forward
+            (child modules included), matched through autograd sequence numbers.
+        backward_self_ms: the part of `backward_ms` whose forward op ran in this module and in
+            none of its timed children.
+        forward_device_ms: accelerator time launched by its forward (children included).
+        backward_device_ms: accelerator time launched by its backward nodes (children included).
+        backward_nodes: how many backward nodes were matched to it (children included).
+    """
+
+    module: str
+    module_type: str
+    calls: int
+    forward_ms: float
+    forward_self_ms: float
+    backward_ms: float
+    backward_self_ms: float
+    forward_device_ms: float
+    backward_device_ms: float
+    backward_nodes: int
+
+    @property
+    def total_self_ms(self) -> float:
+        """Forward plus backward self time: what this module costs on its own."""
+        return self.forward_self_ms + self.backward_self_ms
+
+
+@dataclass(frozen=True)
+class Reconciliation:
+    """How the module table adds up to the phase totals.
+
+    `forward_modules_ms + forward_outside_ms == forward_ms`, and
+    `backward_modules_ms + backward_outside_ms + backward_accumulate_ms + backward_engine_ms
+    == backward_ms` (the last term absorbs rounding and is never negative).
+
+    Attributes:
+        forward_ms: the forward phase total (0 when no phase was labelled).
+        forward_modules_ms: sum of `forward_self_ms` over timed modules inside the phase.
+        forward_outside_ms: forward-phase time outside every timed module (e.g. the loss).
+        backward_ms: the backward phase total.
+        backward_modules_ms: sum of `backward_self_ms` over timed modules.
+        backward_outside_ms: backward nodes whose forward op ran outside every timed module.
+        backward_accumulate_ms: `AccumulateGrad` nodes (writing `.grad` of parameters).
+        backward_engine_ms: the rest: autograd engine work, the initial `ones_like`, hooks.
+    """
+
+    forward_ms: float
+    forward_modules_ms: float
+    forward_outside_ms: float
+    backward_ms: float
+    backward_modules_ms: float
+    backward_outside_ms: float
+    backward_accumulate_ms: float
+    backward_engine_ms: float
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """Step wall time with and without the profiler.
+
+    Attributes:
+        baseline_ms: median step time without any profiler (None when not measured).
+        profiled_ms: median step time while the profiler recorded (with module ranges).
+        profiled_total_ms: sum of the profiled steps' wall times.
+        baseline_steps: how many unprofiled steps were timed.
+        profiled_steps: how many profiled steps were timed.
+    """
+
+    baseline_ms: float | None
+    profiled_ms: float
+    profiled_total_ms: float
+    baseline_steps: int
+    profiled_steps: int
+
+    @property
+    def overhead(self) -> float | None:
+        """`profiled_ms / baseline_ms`: how much slower a step runs under the profiler."""
+        if self.baseline_ms is None or self.baseline_ms <= 0:
+            return None
+        return self.profiled_ms / self.baseline_ms
+
+
+@dataclass(frozen=True)
+class ProfileResult:
+    """Everything `profile_steps` measured.
+
+    Attributes:
+        steps: profiled (active) steps; every total below covers all of them.
+        device: `cpu` or `cuda`.
+        ops: one record per op name (and input shape, when grouped), unsorted.
+        phases: the labelled phases, in step order; empty when the step labelled none.
+        modules: one record per timed module that ran, in first-call order.
+        reconciliation: how module times add up to the phase totals.
+        timing: step wall time with and without profiling.
+        by_module: whether per-module ranges were recorded.
+        trace_path: where the Chrome/Perfetto trace was written, if asked.
+        notes: caveats about the attribution (unmatched backward nodes, no phases).
+    """
+
+    steps: int
+    device: str
+    ops: tuple[OpRecord, ...]
+    phases: tuple[PhaseTime, ...]
+    modules: tuple[ModuleTime, ...]
+    reconciliation: Reconciliation
+    timing: StepTiming
+    by_module: bool = True
+    trace_path: str | None = None
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def op(self, name: str) -> OpRecord | None:
+        """The record of op `name` (first one, when grouped by shape), or None."""
+        return next((o for o in self.ops if o.name == name), None)
+
+    def calls(self, name: str) -> int:
+        """Total calls of op `name` over every input-shape group (0 when it never ran)."""
+        return sum(o.calls for o in self.ops if o.name == name)
+
+    def module(self, name: str) -> ModuleTime | None:
+        """The record of module `name` (`""` for the root), or None."""
+        return next((m for m in self.modules if m.module == name), None)
+
+    def phase(self, name: str) -> PhaseTime | None:
+        """The phase `name`, or None when the step did not label it."""
+        return next((p for p in self.phases if p.name == name), None)
+
+    @property
+    def phase_total_ms(self) -> float:
+        """Sum of the labelled phases' host time."""
+        return sum(p.cpu_ms for p in self.phases)

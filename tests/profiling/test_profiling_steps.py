@@ -1,0 +1,312 @@
+"""profile_steps on the lesson's models: op counts, phases, per-module attribution."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchscope.errors import ModelError
+from torchscope.models import MLP, TinyCNN
+from torchscope.profiling import (
+    ProfilingError,
+    phase,
+    profile_findings,
+    profile_steps,
+    sort_ops,
+)
+
+
+def _nll(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.nll_loss(F.log_softmax(out, dim=1), target)
+
+
+def _mlp_run(**kw: object):
+    model = MLP(128, 256, 10)
+    x = torch.randn(64, 128)
+    y = torch.randint(0, 10, (64,))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    return profile_steps(model, x, loss_fn=_nll, targets=y, optimizer=opt, steps=5,
+                         baseline_steps=0, **kw)
+
+
+def test_lesson_mlp_op_counts_from_records() -> None:
+    result = _mlp_run()
+    calls = {o.name: o.calls for o in result.ops}
+    assert calls["aten::addmm"] == 10  # 2 Linear forwards × 5 steps
+    assert calls["aten::mm"] == 15  # fc2: grad input + grad weight, fc1: grad weight; × 5
+    assert calls["aten::nll_loss_backward"] == 5
+    assert calls["aten::_log_softmax"] == 5
+    assert result.steps == 5 and result.timing.profiled_steps == 5
+    # torchscope's own ranges are not reported as ops.
+    assert not any(o.name.startswith("nn.Module: ") or o.name in ("forward", "backward")
+                   for o in result.ops)
+
+
+def test_module_ranges_do_not_change_op_counts() -> None:
+    with_modules = _mlp_run()
+    without = _mlp_run(by_module=False)
+    assert without.modules == ()
+    for name in ("aten::addmm", "aten::mm", "aten::_log_softmax", "aten::threshold_backward"):
+        assert with_modules.calls(name) == without.calls(name)
+
+
+def test_op_shares_and_sorting() -> None:
+    result = _mlp_run()
+    assert sum(o.self_cpu_frac for o in result.ops) <= 1.0 + 1e-9
+    by_self = sort_ops(result.ops, "self_cpu")
+    assert [o.self_cpu_ms for o in by_self] == sorted((o.self_cpu_ms for o in by_self),
+                                                       reverse=True)
+    by_total = sort_ops(result.ops, "total", limit=3)
+    assert len(by_total) == 3
+    assert by_total[0].cpu_total_ms == max(o.cpu_total_ms for o in result.ops)
+    with pytest.raises(ProfilingError):
+        sort_ops(result.ops, "bogus")
+
+
+def test_group_by_input_shape() -> None:
+    result = _mlp_run(group_by_input_shape=True)
+    addmm = [o for o in result.ops if o.name == "aten::addmm"]
+    shapes = {o.input_shapes for o in addmm}
+    # fc1: bias (256,), input (64, 128), weight.T (128, 256); fc2 likewise with 256 -> 10.
+    assert any(s is not None and (64, 128) in s for s in shapes)
+    assert any(s is not None and (64, 256) in s for s in shapes)
+    assert sum(o.calls for o in addmm) == 10
+
+
+def test_tiny_cnn_modules_and_phases_reconcile() -> None:
+    model = TinyCNN()
+    x = torch.randn(8, 3, 16, 16)
+    y = torch.randint(0, 10, (8,))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    result = profile_steps(model, x, loss_fn=F.cross_entropy, targets=y, optimizer=opt,
+                           steps=3, baseline_steps=2)
+    for name in ("conv1", "conv2", "fc"):
+        m = result.module(name)
+        assert m is not None, name
+        assert m.calls == 3
+        assert m.forward_ms > 0 and m.backward_ms > 0, m
+    # Autograd nodes per step: one ConvolutionBackward0 per conv, AddmmBackward0 + TBackward0.
+    assert result.module("conv1").backward_nodes == 3
+    assert result.module("fc").backward_nodes == 6
+    root = result.module("")
+    children = [m for m in result.modules if m.module]
+    # The root's own node is flatten's view backward, one per step.
+    assert root is not None and root.backward_nodes == sum(m.backward_nodes for m in children) + 3
+    assert root.backward_ms == pytest.approx(
+        root.backward_self_ms + sum(m.backward_ms for m in children), rel=1e-6)
+    assert root.forward_ms == pytest.approx(
+        root.forward_self_ms + sum(m.forward_ms for m in children), rel=1e-6)
+    # Phases cover the step: within 10% of the profiled steps' wall time.
+    assert [p.name for p in result.phases] == ["forward", "backward", "optimizer"]
+    wall = result.timing.profiled_total_ms
+    assert abs(result.phase_total_ms - wall) <= 0.10 * wall
+    # Module self times plus the outside terms add up to the phase totals.
+    rec = result.reconciliation
+    fwd_self = sum(m.forward_self_ms for m in result.modules)
+    assert fwd_self + rec.forward_outside_ms == pytest.approx(result.phase("forward").cpu_ms,
+                                                              rel=1e-6)
+    bwd_self = sum(m.backward_self_ms for m in result.modules)
+    assert bwd_self == pytest.approx(rec.backward_modules_ms, rel=1e-6)
+    assert (rec.backward_modules_ms + rec.backward_outside_ms + rec.backward_accumulate_ms
+            + rec.backward_engine_ms) == pytest.approx(result.phase("backward").cpu_ms, rel=1e-6)
+    assert rec.backward_accumulate_ms > 0  # five parameters' .grad written every step
+    assert result.timing.baseline_ms is not None and result.timing.overhead is not None
+
+
+def test_backward_goes_to_the_module_whose_forward_made_it() -> None:
+    class Heavy(nn.Module):
+        """Cheap forward, expensive backward: a custom Function that sleeps-by-work in backward."""
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return _Expensive.apply(x)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(16, 16)
+            self.heavy = Heavy()
+            self.b = nn.Linear(16, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(self.heavy(self.a(x)))
+
+    net = Net()
+    result = profile_steps(net, torch.randn(4, 16), steps=2, baseline_steps=0)
+    heavy, a, b = result.module("heavy"), result.module("a"), result.module("b")
+    assert heavy.backward_self_ms > 5 * max(a.backward_self_ms, b.backward_self_ms)
+    assert heavy.backward_ms > heavy.forward_ms
+
+
+class _Expensive(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx: object, g: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        m = torch.randn(192, 192)
+        for _ in range(30):
+            m = m @ m / 192
+        return g + 0 * m.sum()
+
+
+def test_shared_module_counts_every_call() -> None:
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(torch.relu(self.lin(x)))
+
+    net = Twice()
+    result = profile_steps(net, torch.randn(2, 8), steps=3, baseline_steps=0)
+    lin = result.module("lin")
+    assert lin.calls == 6
+    assert lin.backward_nodes == 3 * 2 * 2  # AddmmBackward0 + TBackward0 per call
+
+
+def test_step_function_with_own_phases() -> None:
+    model = MLP(16, 32, 4)
+    x = torch.randn(8, 16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def train_step() -> None:
+        with phase("forward"):
+            loss = model(x).square().mean()
+        with phase("backward"):
+            loss.backward()
+        with phase("optimizer"):
+            opt.step()
+            opt.zero_grad()
+
+    result = profile_steps(train_step, model=model, steps=2, baseline_steps=0)
+    assert [p.name for p in result.phases] == ["forward", "backward", "optimizer"]
+    assert all(p.calls == 2 for p in result.phases)
+    assert result.module("fc1").backward_ms > 0
+
+
+def test_unlabelled_step_function_reports_no_phases() -> None:
+    model = MLP(16, 32, 4)
+    x = torch.randn(8, 16)
+
+    def train_step() -> None:
+        model(x).sum().backward()
+
+    result = profile_steps(train_step, steps=2, baseline_steps=0)
+    assert result.phases == () and result.modules == ()
+    assert result.calls("aten::addmm") == 4
+    assert "profiling.no_phases" in {f.code for f in profile_findings(result)}
+
+
+def test_findings_name_top_op_and_ratio() -> None:
+    result = _mlp_run()
+    codes = {f.code: f for f in profile_findings(result)}
+    assert "profiling.top_op" in codes and "profiling.backward_ratio" in codes
+    top = sort_ops([o for o in result.ops if not o.name.startswith("autograd::")], "self_cpu",
+                   1)[0]
+    assert codes["profiling.top_op"].evidence["op"] == top.name
+    ratio = result.phase("backward").cpu_ms / result.phase("forward").cpu_ms
+    assert codes["profiling.backward_ratio"].evidence["ratio"] == pytest.approx(ratio)
+
+
+def test_model_error_leaves_no_hooks_and_no_profiler() -> None:
+    class Broken(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.calls = 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            if self.calls > 3:  # fails inside the profiled steps
+                raise RuntimeError("boom")
+            return self.fc(x)
+
+    net = Broken()
+    with pytest.raises(ModelError, match="boom"):
+        profile_steps(net, torch.randn(2, 4), steps=3, baseline_steps=1)
+    assert not torch.autograd._profiler_enabled()
+    assert not net._forward_hooks and not net._forward_pre_hooks
+    assert not net.fc._forward_hooks and not net.fc._forward_pre_hooks
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"steps": 0}, "steps=0"),
+    ({"warmup": -1}, "warmup=-1"),
+])
+def test_bad_arguments(kwargs: dict[str, int], match: str) -> None:
+    with pytest.raises(ProfilingError, match=match):
+        profile_steps(MLP(4, 4, 2), torch.randn(2, 4), **kwargs)
+
+
+def test_model_without_inputs_is_an_error() -> None:
+    with pytest.raises(ProfilingError, match="without inputs"):
+        profile_steps(MLP(4, 4, 2))
+
+
+def test_non_scalar_loss_is_an_error() -> None:
+    with pytest.raises(ProfilingError, match="scalar"):
+        profile_steps(MLP(4, 4, 2), torch.randn(2, 4), loss_fn=lambda out: out, steps=1)
+
+
+def test_gpt2_modules(tiny_gpt2: nn.Module) -> None:
+    tiny_gpt2.train()
+    ids = torch.randint(0, 100, (2, 8))
+    result = profile_steps(tiny_gpt2, {"input_ids": ids, "labels": ids}, steps=1, wait=0,
+                           warmup=1, baseline_steps=0, depth=4)
+    attn = result.module("transformer.h.0.attn")
+    assert attn is not None and attn.forward_ms > 0 and attn.backward_ms > 0
+    assert result.module("transformer.h.0.attn.c_attn") is None  # deeper than depth=4
+    assert result.phase("backward") is not None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_device_times() -> None:
+    model = TinyCNN().cuda()
+    x = torch.randn(16, 3, 32, 32, device="cuda")
+    y = torch.randint(0, 10, (16,), device="cuda")
+    result = profile_steps(model, x, loss_fn=F.cross_entropy, targets=y,
+                           optimizer=torch.optim.SGD(model.parameters(), lr=0.01), steps=3)
+    assert result.device == "cuda"
+    assert any(o.self_device_ms > 0 for o in result.ops)
+    assert result.module("conv2").forward_device_ms > 0
+    assert result.module("conv2").backward_device_ms > 0
+
+
+def test_select_times_only_chosen_modules() -> None:
+    model = TinyCNN()
+    x = torch.randn(4, 3, 12, 12)
+    result = profile_steps(model, x, loss_fn=F.cross_entropy, targets=torch.randint(0, 10, (4,)),
+                           optimizer=torch.optim.SGD(model.parameters(), lr=0.01), steps=2,
+                           baseline_steps=0, select="Conv2d")
+    assert [m.module for m in result.modules] == ["conv1", "conv2"]
+    rec = result.reconciliation
+    # fc, relu and pool are now outside the timed modules, in forward and in backward.
+    assert rec.forward_outside_ms > 0 and rec.backward_outside_ms > 0
+    assert rec.forward_modules_ms + rec.forward_outside_ms == pytest.approx(rec.forward_ms)
+
+
+def test_checkpoint_recompute_counts_as_backward() -> None:
+    from torch.utils.checkpoint import checkpoint
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 32))
+            self.head = nn.Linear(32, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(checkpoint(self.block, x, use_reentrant=False))
+
+    net = Net()
+    result = profile_steps(net, torch.randn(8, 32, requires_grad=True), steps=2,
+                           baseline_steps=0)
+    block = result.module("block")
+    # The recomputation inside backward is not a second forward call...
+    assert block.calls == 2
+    # ...and block's backward nodes (and their recompute) are still attributed to it.
+    assert block.backward_nodes > 0 and block.backward_ms > 0
+    assert result.module("block.0").backward_nodes > 0
