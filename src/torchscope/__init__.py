@@ -29,6 +29,15 @@ from torchscope.hooks import (
     audit_hooks,
     select_modules,
 )
+from torchscope.profiling import (
+    ModuleTime,
+    OpRecord,
+    PhaseTime,
+    ProfileResult,
+    ProfilingError,
+    profile_findings,
+    profile_steps,
+)
 
 __version__ = "0.1.0"
 
@@ -43,6 +52,11 @@ __all__ = [
     "HookSession",
     "InputSpecError",
     "ModelError",
+    "ModuleTime",
+    "OpRecord",
+    "PhaseTime",
+    "ProfileResult",
+    "ProfilingError",
     "SelectionError",
     "TargetError",
     "TensorStats",
@@ -52,6 +66,8 @@ __all__ = [
     "activations",
     "audit_hooks",
     "capture_activations",
+    "profile_findings",
+    "profile_steps",
     "select_modules",
     "trace_nonfinite",
 ]

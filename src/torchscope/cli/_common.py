@@ -64,7 +64,7 @@ def fail(message: str, *, code: int = 2) -> NoReturn:
 @contextmanager
 def guarded(debug: bool) -> Iterator[None]:
     """Turn every failure into one line and exit code 2; `--debug` re-raises for a traceback."""
-    os.environ.setdefault("KINETO_LOG_LEVEL", "5")
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # 6 silences profiler_start/stop lines
     try:
         yield
     except typer.Exit:

@@ -24,7 +24,7 @@ def register(app: typer.Typer) -> None:
     app.command("profile")(profile)
 
 
-def profile(  # noqa: PLR0917 - one parameter per CLI option
+def profile(
     target: TargetArg = None,
     input: InputOpt = None,
     inputs: InputsFnOpt = None,

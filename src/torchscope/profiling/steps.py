@@ -155,7 +155,7 @@ def make_train_step(
             out = call_model(model, inputs)
             loss = _check_loss(fn(out) if targets is None else fn(out, targets))
         with record_function("backward"):
-            loss.backward()  # type: ignore[no-untyped-call]
+            loss.backward()
         if optimizer is not None:
             with record_function("optimizer"):
                 optimizer.step()
