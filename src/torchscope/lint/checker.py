@@ -344,8 +344,8 @@ class _Checker:
             for loop in self.tree.loops(call):
                 if refs(target) & loop.varying or self._cache_guarded(call, loop.node):
                     continue  # compiles a different model each iteration, or only once
-                self.report("TS004", call, _compile_message(what, f"the loop at line "
-                                                            f"{loop.line}"))
+                self.report("TS004", call, _compile_message(
+                    f"{what} runs on every iteration of the loop at line {loop.line}"))
                 break
             else:
                 func = next((s for s in self.tree.scopes(call) if isinstance(s, FUNCS)), None)
@@ -354,8 +354,8 @@ class _Checker:
                 if self._cache_guarded(call, func):
                     continue
                 self.report("TS004", call, _compile_message(
-                    what, f"`{func.name}`, which this file calls from the loop at line "
-                          f"{per_iteration[func]}"))
+                    f"{what} in `{func.name}` runs on every iteration of the loop at line "
+                    f"{per_iteration[func]}, which calls `{func.name}`"))
 
     def _functions_called_per_iteration(
             self) -> dict[ast.FunctionDef | ast.AsyncFunctionDef, int]:
@@ -461,13 +461,13 @@ class _Checker:
     def _ts006(self) -> None:
         for hook in self._hook_functions():
             fn = hook.node
-            label = "a lambda" if isinstance(fn, ast.Lambda) else f"`{fn.name}`"
+            label = "a lambda hook" if isinstance(fn, ast.Lambda) else f"hook `{fn.name}`"
             tensors = _hook_tensor_params(fn, hook.module_hook,
                                           is_method=isinstance(self.tree.parent(fn),
                                                                ast.ClassDef))
             body: list[ast.AST] = [fn.body] if isinstance(fn, ast.Lambda) else list(fn.body)
             _propagate_tensors(body, tensors)
-            where = (f"inside hook {label} (registered at line {hook.registered_line}) "
+            where = (f"inside {label} (registered at line {hook.registered_line}) "
                      "copies to the host and waits for the device on every call: the hot "
                      "path stalls, and under torch.compile it is a graph break.")
             for node in walk_local(body):
@@ -499,8 +499,8 @@ def _fmt(names: set[str]) -> str:
     return ", ".join(sorted(names)) or "the handle"
 
 
-def _compile_message(what: str, where: str) -> str:
-    return (f"{what} runs on every iteration of {where}: each call builds a new compiled "
+def _compile_message(head: str) -> str:
+    return (f"{head}: each call builds a new compiled "
             "wrapper (`model = torch.compile(model)` nests one more per step) that goes "
             "through dynamo's cache and guard checks again, and any guard change recompiles "
             "until the recompile limit, after which the model silently runs eager.")
