@@ -34,7 +34,7 @@ def lint(
         "--format", "-f", help="Output format: text, json or sarif (SARIF 2.1.0).")] = "text",
     select: Annotated[list[str] | None, typer.Option(
         "--select", help="Rules to enable, comma-separated codes or prefixes (TS001,TS00); "
-                         "replaces the config's select.")] = None,
+                         "replaces the config's select and ignore.")] = None,
     ignore: Annotated[list[str] | None, typer.Option(
         "--ignore", help="Rules to disable, comma-separated codes or prefixes; added to the "
                          "config's ignore.")] = None,

@@ -87,7 +87,8 @@ def lint_paths(paths: Sequence[str | Path], *, select: Iterable[str] | None = No
 
     Args:
         paths: files and folders.
-        select: rule codes or prefixes to enable; replaces the config's `select`.
+        select: rule codes or prefixes to enable; replaces the config's `select` and
+            `ignore`.
         ignore: rule codes or prefixes to disable, on top of the config's `ignore`.
         config: True finds the nearest pyproject.toml with `[tool.torchscope.lint]` above the
             first path; a path reads that file; False reads none.
@@ -112,9 +113,11 @@ def lint_paths(paths: Sequence[str | Path], *, select: Iterable[str] | None = No
         cfg = LintConfig(root=Path.cwd())
     else:
         cfg = load_config(Path(config))
-    select_list = list(select) if select is not None else None
-    codes = resolve_codes(select_list if select_list is not None else cfg.select,
-                          [*cfg.ignore, *ignore])
+    if select is not None:
+        # An explicit selection asks for exactly these rules: the config's choice is replaced.
+        codes = resolve_codes(list(select), ignore)
+    else:
+        codes = resolve_codes(cfg.select, [*cfg.ignore, *ignore])
     violations: list[LintViolation] = []
     errors: list[LintError] = []
     files = 0
