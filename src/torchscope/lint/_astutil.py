@@ -73,6 +73,9 @@ class Loop:
     node: ast.AST
     body: tuple[ast.AST, ...]
     varying: frozenset[str]
+    targets: frozenset[str] = frozenset()
+    counted: bool = False
+    """Whether it counts steps (`while`, `for ... in range(...)`) rather than walking items."""
 
     @property
     def line(self) -> int:
@@ -220,15 +223,19 @@ def _is_worklist_call(value: ast.AST | None) -> bool:
 def _analyze_loop(node: ast.AST) -> Loop:
     seeds: set[str] = set()
     body: list[ast.AST]
+    counted = False
     if isinstance(node, (ast.For, ast.AsyncFor)):
         seeds |= target_names(node.target)
         body = list(node.body)
+        counted = isinstance(node.iter, ast.Call) and dotted(node.iter.func) == "range"
     elif isinstance(node, ast.While):
         body = [*node.body, node.test]
+        counted = True
     else:
         for gen in getattr(node, "generators", []):
             seeds |= target_names(gen.target)
         body = _comp_parts(node)
+    targets = frozenset(seeds)
     bindings = _bindings(body)
     for names, value, always in bindings:
         if always or (isinstance(node, ast.While) and _is_worklist_call(value)):
@@ -240,7 +247,7 @@ def _analyze_loop(node: ast.AST) -> Loop:
             if names - seeds and refs(value) & seeds:
                 seeds |= names
                 changed = True
-    return Loop(node, tuple(body), frozenset(seeds))
+    return Loop(node, tuple(body), frozenset(seeds), targets, counted)
 
 
 class ImportMap:

@@ -13,13 +13,15 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from torchscope.lint._astutil import FUNCS, ImportMap, Tree, dotted, refs, walk_local
+from torchscope.lint._astutil import FUNCS, ImportMap, Loop, Tree, dotted, refs, walk_local
 from torchscope.lint.records import LintViolation
 from torchscope.lint.rules import RULES
 
 __all__ = ["check_tree"]
 
 _HOOK_NAME = re.compile(r"^register_\w*hook$")
+# torch registrations named like hooks that return no handle: nothing to keep or remove.
+_NO_HANDLE = frozenset({"register_comm_hook", "register_python_privateuseone_hook"})
 # Module hooks: the hook's first argument is the module, the rest are tensors.
 _MODULE_HOOKS = frozenset({
     "register_forward_hook", "register_forward_pre_hook", "register_full_backward_hook",
@@ -62,6 +64,15 @@ _CHECKPOINT = frozenset({
 _CACHE_DECORATORS = frozenset({"cache", "lru_cache", "cached_property"})
 # Keyword arguments of keras' Model.compile: not a torch model.
 _NOT_TORCH_COMPILE_KW = frozenset({"optimizer", "loss", "metrics"})
+
+
+@dataclass(frozen=True)
+class _Site:
+    """A call that runs a function on every iteration of a loop (`call` None: indirectly)."""
+
+    call: ast.Call | None
+    loop: Loop | None
+    line: int
 
 
 @dataclass(frozen=True)
@@ -142,7 +153,9 @@ class _Checker:
 
     def _hook_name(self, call: ast.Call) -> str | None:
         name = self._method(call)
-        return name if name is not None and _HOOK_NAME.match(name) else None
+        if name is None or name in _NO_HANDLE or not _HOOK_NAME.match(name):
+            return None
+        return name
 
     @staticmethod
     def _receiver(call: ast.Call) -> ast.AST | None:
@@ -248,9 +261,12 @@ class _Checker:
         if kind == "owned":
             return
         receiver = refs(self._receiver(call))
+        hook_fn = refs(_arg(call, 0, "hook"))
         for loop in loops:
             if receiver & loop.varying:
                 continue  # a different object every iteration: one hook each, not a pile
+            if hook_fn & loop.targets and not loop.counted:
+                continue  # `for fn in hooks: m.register_forward_hook(fn)`: each hook once
             if kind != "discarded" and self._removed_in(loop.body, kind, names):
                 continue
             what = "its handle is discarded" if kind == "discarded" else \
@@ -266,7 +282,7 @@ class _Checker:
     def _ts002(self, call: ast.Call, name: str) -> None:
         if "TS002" not in self.codes or not isinstance(self.tree.parent(call), ast.Expr):
             return
-        if name == "register_hook" and self._transient_tensor(call):
+        if name in ("register_hook", "register_prehook") and self._transient_tensor(call):
             return
         self.report("TS002", call, (
             f"the handle returned by `{name}` is discarded, so this hook can never be removed: "
@@ -274,8 +290,11 @@ class _Checker:
             "(evaluation included) and keeps everything its closure references alive."))
 
     def _transient_tensor(self, call: ast.Call) -> bool:
-        """`t.register_hook` on a tensor computed in this function: it dies with the graph."""
+        """`t.register_hook` on a tensor computed in this function, or on an autograd node
+        (`out.grad_fn`): it dies with the graph."""
         receiver = self._receiver(call)
+        if isinstance(receiver, ast.Attribute) and receiver.attr == "grad_fn":
+            return True
         scope = self.tree.scope(call)
         if isinstance(scope, FUNCS) and scope.name == "forward":
             return receiver is not None and not (dotted(receiver) or "").startswith("self.")
@@ -284,7 +303,9 @@ class _Checker:
         for node in walk_local(list(getattr(scope, "body", []))):
             if isinstance(node, ast.Assign) and any(
                     isinstance(t, ast.Name) and t.id == receiver.id for t in node.targets):
-                return isinstance(node.value, (ast.Call, ast.BinOp, ast.UnaryOp, ast.Subscript))
+                value = node.value
+                return isinstance(value, (ast.Call, ast.BinOp, ast.UnaryOp, ast.Subscript)) or (
+                    isinstance(value, ast.Attribute) and value.attr == "grad_fn")
         return False
 
     # ------------------------------------------------------------------ TS003
@@ -341,43 +362,76 @@ class _Checker:
         for call, target in compiles:
             what = "`torch.compile`" if self.imports.qualify(call.func) == _COMPILE \
                 else f"`{dotted(call.func) or 'compile'}()`"
-            for loop in self.tree.loops(call):
+            loops = self.tree.loops(call)
+            for loop in loops:
                 if refs(target) & loop.varying or self._cache_guarded(call, loop.node):
                     continue  # compiles a different model each iteration, or only once
                 self.report("TS004", call, _compile_message(
                     f"{what} runs on every iteration of the loop at line {loop.line}"))
                 break
-            else:
-                func = next((s for s in self.tree.scopes(call) if isinstance(s, FUNCS)), None)
-                if func is None or func not in per_iteration or self.tree.loops(call):
-                    continue
-                if self._cache_guarded(call, func):
-                    continue
+            if loops:
+                continue
+            func = next((s for s in self.tree.scopes(call) if isinstance(s, FUNCS)), None)
+            if func is None or func not in per_iteration or self._cache_guarded(call, func):
+                continue
+            line = self._same_compile_each_iteration(call, func, per_iteration[func])
+            if line is not None:
                 self.report("TS004", call, _compile_message(
                     f"{what} in `{func.name}` runs on every iteration of the loop at line "
-                    f"{per_iteration[func]}, which calls `{func.name}`"))
+                    f"{line}, which calls `{func.name}`"))
+
+    def _same_compile_each_iteration(self, call: ast.Call,
+                                     func: ast.FunctionDef | ast.AsyncFunctionDef,
+                                     sites: list[_Site]) -> int | None:
+        """The loop line of a call site that compiles the same thing every iteration.
+
+        `for backend in backends: bench(model, backend)` with `torch.compile(model,
+        backend=backend)` inside `bench` compiles something different each time: not flagged.
+        """
+        params = [a.arg for a in (*func.args.posonlyargs, *func.args.args)]
+        used = refs(call) & {*params, *(a.arg for a in func.args.kwonlyargs)}
+        for site in sites:
+            if site.call is None or site.loop is None or not used:
+                return site.line
+            offset = 1 if isinstance(site.call.func, ast.Attribute) and params[:1] in (
+                ["self"], ["cls"]) else 0
+            bound: list[ast.AST] = []
+            for i, arg in enumerate(site.call.args):
+                if isinstance(arg, ast.Starred) or (
+                        i + offset < len(params) and params[i + offset] in used):
+                    bound.append(arg)
+            bound.extend(k.value for k in site.call.keywords if k.arg is None or k.arg in used)
+            if not any(refs(b) & site.loop.varying for b in bound):
+                return site.line
+        return None
 
     def _functions_called_per_iteration(
-            self) -> dict[ast.FunctionDef | ast.AsyncFunctionDef, int]:
-        """Functions of this file that run on every iteration of some loop, and that loop."""
-        found: dict[ast.FunctionDef | ast.AsyncFunctionDef, int] = {}
+            self) -> dict[ast.FunctionDef | ast.AsyncFunctionDef, list[_Site]]:
+        """Functions of this file that run on every iteration of some loop, with the calls."""
+        found: dict[ast.FunctionDef | ast.AsyncFunctionDef, list[_Site]] = {}
         work: list[ast.FunctionDef | ast.AsyncFunctionDef] = []
 
-        def add(defs: list[ast.FunctionDef | ast.AsyncFunctionDef], line: int) -> None:
+        def add(defs: list[ast.FunctionDef | ast.AsyncFunctionDef], site: _Site) -> None:
             for d in defs:
-                if d not in found and not _is_cached(d):
-                    found[d] = line
+                if _is_cached(d):
+                    continue
+                if d not in found:
+                    found[d] = []
                     work.append(d)
+                found[d].append(site)
 
         for call in self.calls:
             loops = self.tree.loops(call)
             if loops:
-                add(self._resolve_defs(call.func, call), loops[0].line)
+                add(self._resolve_defs(call.func, call), _Site(call, loops[0], loops[0].line))
         while work:
             func = work.pop()
+            line = found[func][0].line
             for node in walk_local(list(func.body)):
                 if isinstance(node, ast.Call):
-                    add(self._resolve_defs(node.func, node), found[func])
+                    # Called from a per-iteration function: runs every iteration whatever
+                    # its arguments are.
+                    add(self._resolve_defs(node.func, node), _Site(None, None, line))
         return found
 
     # ------------------------------------------------------------------ TS005
@@ -399,6 +453,21 @@ class _Checker:
                     return quals[0] if quals else "(bare except)"
         return None
 
+    def _releases(self, node: ast.AST) -> bool:
+        """`del x`, `gc.collect()`, `x = None`, or moving a module off the device in place
+        (`model.cpu()`, `model.to("cpu")`, `self.fc = self.fc.to("cpu")`)."""
+        if isinstance(node, ast.Delete):
+            return True
+        if isinstance(node, ast.Call) and self.imports.qualify(node.func) == _GC_COLLECT:
+            return True
+        if isinstance(node, (ast.Assign, ast.Expr)):
+            value = node.value
+            if isinstance(value, ast.Constant) and value.value is None:
+                return isinstance(node, ast.Assign)
+            return isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) \
+                and value.func.attr in ("cpu", "to")
+        return False
+
     def _ts005(self, call: ast.Call, qual: str) -> None:
         shown = dotted(call.func) or qual
         caught = self._oom_handler(call)
@@ -414,15 +483,13 @@ class _Checker:
             return
         stmt = self.tree.statement(call)
         before = self.tree.block_before(stmt) if stmt is not None else []
-        for node in walk_local(list(before)):
-            if isinstance(node, ast.Delete):
-                return
-            if isinstance(node, ast.Call) and self.imports.qualify(node.func) == _GC_COLLECT:
-                return
+        if any(self._releases(node) for node in walk_local(list(before))):
+            return
         self.report("TS005", call, (
-            f"`{shown}()` with no `del` and no `gc.collect()` before it in this block: it "
-            "only returns cached blocks that no tensor uses, so memory still referenced is "
-            "not freed, and the next allocations pay for cudaMalloc again."),
+            f"`{shown}()` with nothing released before it in this block (no `del`, "
+            "`gc.collect()` or `x = None`): it only returns cached blocks that no tensor "
+            "uses, so memory still referenced is not freed, and the next allocations pay for "
+            "cudaMalloc again."),
             fix="Drop the references first (`del out, loss`; `gc.collect()` for cycles) and "
                 "then call it, or remove it: the caching allocator reuses freed blocks itself.")
 
