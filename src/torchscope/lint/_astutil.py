@@ -9,7 +9,8 @@ from dataclasses import dataclass
 SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef, ast.Module)
 FUNCS = (ast.FunctionDef, ast.AsyncFunctionDef)
 _COMPS = (ast.ListComp, ast.SetComp, ast.GeneratorExp, ast.DictComp)
-_LOOPS = (ast.For, ast.AsyncFor, ast.While, *_COMPS)
+# Load/Store and operator nodes: shared singletons with nothing below them.
+_LEAVES = (ast.expr_context, ast.operator, ast.boolop, ast.cmpop, ast.unaryop)
 # Calls that hand out the next item of a worklist: in a `while` loop their results change
 # every iteration, like a `for` target does.
 _WORKLIST_METHODS = frozenset({"pop", "popleft", "popitem", "get", "get_nowait"})
@@ -102,9 +103,16 @@ class Tree:
                 self.funcs.append(node)
             elif isinstance(node, (ast.Import, ast.ImportFrom)):
                 self.imports.append(node)
-            for child in ast.iter_child_nodes(node):
-                self._parent[child] = node
-                stack.append(child)
+            for field in node._fields:
+                value = getattr(node, field, None)
+                if isinstance(value, list):
+                    for child in value:
+                        if isinstance(child, ast.AST) and not isinstance(child, _LEAVES):
+                            self._parent[child] = node
+                            stack.append(child)
+                elif isinstance(value, ast.AST) and not isinstance(value, _LEAVES):
+                    self._parent[value] = node
+                    stack.append(value)
         self._loops: dict[ast.AST, Loop] = {}
 
     def parent(self, node: ast.AST) -> ast.AST | None:

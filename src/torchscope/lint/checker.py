@@ -389,7 +389,7 @@ class _Checker:
         backend=backend)` inside `bench` compiles something different each time: not flagged.
         """
         params = [a.arg for a in (*func.args.posonlyargs, *func.args.args)]
-        used = refs(call) & {*params, *(a.arg for a in func.args.kwonlyargs)}
+        used = _params_behind(call, func, {*params, *(a.arg for a in func.args.kwonlyargs)})
         for site in sites:
             if site.call is None or site.loop is None or not used:
                 return site.line
@@ -584,6 +584,24 @@ def _iter_base(node: ast.AST) -> str | None:
         else:
             return None
     return dotted(node)
+
+
+def _params_behind(expr: ast.AST, func: ast.FunctionDef | ast.AsyncFunctionDef,
+                   params: set[str]) -> set[str]:
+    """Parameters of `func` that `expr` reads, directly or through locals computed from them."""
+    origin: dict[str, set[str]] = {p: {p} for p in params}
+    assigns = [(t, n.value) for n in walk_local(list(func.body)) if isinstance(n, ast.Assign)
+               for t in n.targets]
+    changed = True
+    while changed:
+        changed = False
+        for target, value in assigns:
+            source = set().union(*(origin.get(r, set()) for r in refs(value)))
+            for name in (x.id for x in ast.walk(target) if isinstance(x, ast.Name)):
+                if not source <= origin.setdefault(name, set()):
+                    origin[name] |= source
+                    changed = True
+    return set().union(*(origin.get(r, set()) for r in refs(expr)))
 
 
 def _removes(node: ast.AST, names: set[str], iter_names: set[str]) -> bool:
