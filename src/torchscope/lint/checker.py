@@ -517,6 +517,10 @@ class _Checker:
             targets: list[ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda]
             if isinstance(fn_arg, ast.Lambda):
                 targets = [fn_arg]
+            elif isinstance(fn_arg, ast.Call):
+                # A hook factory: `register_forward_hook(self._make_hook(name))`.
+                targets = [h for f in self._resolve_defs(fn_arg.func, call)
+                           for h in self._returned_functions(f)]
             elif fn_arg is not None:
                 targets = list(self._resolve_defs(fn_arg, call))
             else:
@@ -524,6 +528,19 @@ class _Checker:
             for t in targets:
                 found.setdefault(t, _HookFn(t, module_hook, call.lineno))
         return list(found.values())
+
+    def _returned_functions(self, factory: ast.FunctionDef | ast.AsyncFunctionDef
+                            ) -> list[ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda]:
+        """The nested functions or lambdas a factory returns."""
+        out: list[ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda] = []
+        for node in walk_local(list(factory.body)):
+            if not isinstance(node, ast.Return) or node.value is None:
+                continue
+            if isinstance(node.value, ast.Lambda):
+                out.append(node.value)
+            elif isinstance(node.value, ast.Name):
+                out.extend(self._defs.get(factory, {}).get(node.value.id, []))
+        return out
 
     def _ts006(self) -> None:
         for hook in self._hook_functions():
