@@ -82,3 +82,12 @@ def test_usage_errors_exit_2_with_one_line(args: list[str], needle: str) -> None
     assert out == ""
     assert len(err.strip().splitlines()) == 1, err
     assert needle in err and "Traceback" not in err
+
+
+def test_default_path_is_the_current_folder(tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "train.py").write_text("for b in data:\n    m.compile()\n")
+    monkeypatch.chdir(tmp_path)
+    code, out, _ = _lint("--no-fixes")
+    assert code == 1
+    assert out.splitlines()[0].startswith("train.py:2:7: TS004 `m.compile()` runs on every")

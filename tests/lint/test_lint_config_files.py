@@ -143,3 +143,26 @@ def test_parse_error_names_file_and_line_and_other_files_are_still_linted(
     assert {v.code for v in result.violations} == {"TS001", "TS002"}
     assert result.files == 4
     assert result.exit_code == 2
+
+
+def test_unreadable_path_is_an_error_not_a_crash(tmp_path: Path) -> None:
+    from torchscope.lint import lint_file
+
+    violations, error = lint_file(tmp_path)  # a folder cannot be read as a file
+    assert violations == []
+    assert error is not None and error.message.startswith("cannot read")
+    (tmp_path / "nul.py").write_bytes(b"x = 1\x00\n")
+    _, error = lint_file(tmp_path / "nul.py")
+    assert error is not None and error.message.startswith("cannot parse")
+
+
+def test_encoding_cookie_and_bom_are_honoured(tmp_path: Path) -> None:
+    from torchscope.lint import lint_file
+
+    (tmp_path / "latin.py").write_bytes(
+        b"# -*- coding: latin-1 -*-\ns = '\xe9'; m.register_forward_hook(f)\n")
+    (tmp_path / "bom.py").write_bytes(b"\xef\xbb\xbfm.register_forward_hook(f)\n")
+    (v,), err = lint_file(tmp_path / "latin.py")
+    assert err is None and (v.line, v.col) == (2, 12)
+    (w,), err = lint_file(tmp_path / "bom.py")
+    assert err is None and (w.line, w.col) == (1, 3)
