@@ -235,3 +235,15 @@ def test_select_and_ignore_prefixes() -> None:
     assert _codes(src, select=["TS003"]) == [(1, "TS003")]
     assert _codes(src, ignore=["TS00"]) == []
     assert _codes(src, select=["TS"], ignore=["TS002"]) == [(1, "TS003")]
+
+
+def test_violation_converts_to_a_finding() -> None:
+    from torchscope.findings import Severity
+
+    (v,) = lint_source("h = m.register_backward_hook(f)\n", "train.py")
+    finding = v.to_finding()
+    assert finding.code == "lint.TS003"
+    assert finding.severity is Severity.ERROR
+    assert finding.evidence == {"path": "train.py", "line": 1, "col": 7,
+                                "rule": "deprecated-backward-hook"}
+    assert finding.fix == v.fix and finding.summary == v.message

@@ -273,7 +273,8 @@ class _Checker:
                 f"`{_fmt(names)}` is never removed in the loop body"
             self.report("TS001", call, (
                 f"`{name}` runs on every iteration of the loop at line {loop.line} and {what}: "
-                "each step adds one more hook to the same module, so after N steps it fires N "
+                "each step adds one more hook to the same module or tensor, so after N steps "
+                "it fires N "
                 "times per call and keeps N copies of what it captures (time and memory grow "
                 "until out of memory)."))
             return
