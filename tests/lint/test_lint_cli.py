@@ -53,6 +53,7 @@ def test_sarif_to_stdout_and_to_a_file(tmp_path: Path) -> None:
     log = json.loads(out)
     assert log["version"] == "2.1.0"
     assert [r["ruleId"] for r in log["runs"][0]["results"]] == ["TS003", "TS003"]
+    assert _lint(path, "-f", "sarif", "--exit-zero")[0] == 0
     target = tmp_path / "lint.sarif"
     code, out, err = _lint(path, "-f", "sarif", "-o", str(target))
     assert code == 1 and out == "" and "wrote" in err

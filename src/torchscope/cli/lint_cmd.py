@@ -47,6 +47,9 @@ def lint(
         "--output", "-o", help="Write the report to this file instead of stdout.")] = None,
     no_fixes: Annotated[bool, typer.Option(
         "--no-fixes", help="Text format: do not print the fix under each finding.")] = False,
+    exit_zero: Annotated[bool, typer.Option(
+        "--exit-zero", help="Exit 0 even when there are findings (files that cannot be "
+                            "checked still exit 2); for CI steps that upload SARIF.")] = False,
     debug: DebugOpt = False,
 ) -> None:
     """Lint PyTorch code for hook leaks, per-step compiles, empty_cache fixes and host syncs.
@@ -85,4 +88,5 @@ def lint(
                 sys.stdout.flush()
         if output:
             err_console.print(f"wrote {output}", highlight=False, markup=False)
-    raise typer.Exit(result.exit_code)
+    code = result.exit_code
+    raise typer.Exit(0 if exit_zero and code == 1 else code)
