@@ -166,3 +166,17 @@ def test_encoding_cookie_and_bom_are_honoured(tmp_path: Path) -> None:
     assert err is None and (v.line, v.col) == (2, 12)
     (w,), err = lint_file(tmp_path / "bom.py")
     assert err is None and (w.line, w.col) == (1, 3)
+
+
+def test_a_checker_crash_is_reported_per_file(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    from torchscope.lint import engine
+
+    def boom(*args: object, **kwargs: object) -> list[object]:
+        raise KeyError("bug")
+
+    monkeypatch.setattr(engine, "check_tree", boom)
+    _tree(tmp_path, {"a.py": LEAK})
+    result = lint_paths([tmp_path], config=False)
+    assert result.exit_code == 2
+    assert "internal error" in result.errors[0].message

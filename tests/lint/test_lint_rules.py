@@ -122,7 +122,9 @@ def test_ts004_ignores_non_torch_compile_methods() -> None:
     src = """
     import re
     from re import compile
+    from .compat import triton
     for line in lines:
+        triton.compile(src, target=t)
         re.compile(line)
         compile(line, "<x>", "exec")
         pattern.compile("a+")

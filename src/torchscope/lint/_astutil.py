@@ -271,10 +271,12 @@ class ImportMap:
                     else:
                         root = alias.name.split(".")[0]
                         self.aliases[root] = root
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            elif isinstance(node, ast.ImportFrom):
+                # Relative imports keep their dots: bound names, but never torch's.
+                base = "." * node.level + (node.module or "")
                 for alias in node.names:
                     if alias.name != "*":
-                        self.aliases[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+                        self.aliases[alias.asname or alias.name] = f"{base}.{alias.name}"
 
     def qualify(self, node: ast.AST) -> str | None:
         """The fully qualified dotted name of `node` (`torch.cuda.empty_cache`), or None."""

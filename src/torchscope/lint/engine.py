@@ -78,6 +78,9 @@ def lint_file(path: str | Path, codes: Iterable[str] | None = None
         return [], LintError(shown, f"cannot parse: {exc.msg}", exc.lineno, exc.offset)
     except (ValueError, RecursionError, MemoryError) as exc:
         return [], LintError(shown, f"cannot parse: {type(exc).__name__}: {exc}")
+    except Exception as exc:  # a checker bug must not stop the other files
+        return [], LintError(shown, f"internal error in torchscope lint "
+                                    f"({type(exc).__name__}: {exc}); please report it")
 
 
 def lint_paths(paths: Sequence[str | Path], *, select: Iterable[str] | None = None,
