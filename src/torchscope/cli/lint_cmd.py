@@ -1,9 +1,92 @@
-"""Placeholder: this command's module registers nothing until its capability lands."""
+"""`torchscope lint PATH...`: find the lesson's traps in source code, before it runs."""
 
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
 import typer
+
+from torchscope.cli._common import DebugOpt, console, err_console, fail, guarded
+
+_FORMATS = ("text", "json", "sarif")
 
 
 def register(app: typer.Typer) -> None:
-    """Add this module's command to `app`."""
+    """Add `lint` to `app`."""
+    app.command("lint")(lint)
+
+
+def _split(values: list[str] | None) -> list[str] | None:
+    if values is None:
+        return None
+    return [part.strip() for v in values for part in v.split(",") if part.strip()]
+
+
+def lint(
+    paths: Annotated[list[str] | None, typer.Argument(
+        help="Files or folders to lint (folders recursively; .gitignore is honoured). "
+             "Default: the current folder.", show_default=False)] = None,
+    *,
+    fmt: Annotated[str, typer.Option(
+        "--format", "-f", help="Output format: text, json or sarif (SARIF 2.1.0).")] = "text",
+    select: Annotated[list[str] | None, typer.Option(
+        "--select", help="Rules to enable, comma-separated codes or prefixes (TS001,TS00); "
+                         "replaces the config's select and ignore.")] = None,
+    ignore: Annotated[list[str] | None, typer.Option(
+        "--ignore", help="Rules to disable, comma-separated codes or prefixes; added to the "
+                         "config's ignore.")] = None,
+    config: Annotated[str | None, typer.Option(
+        "--config", help="pyproject.toml whose tool.torchscope.lint table to use (default: "
+                         "the nearest one above the first PATH that has one).")] = None,
+    no_config: Annotated[bool, typer.Option(
+        "--no-config", help="Ignore every pyproject.toml.")] = False,
+    output: Annotated[str | None, typer.Option(
+        "--output", "-o", help="Write the report to this file instead of stdout.")] = None,
+    no_fixes: Annotated[bool, typer.Option(
+        "--no-fixes", help="Text format: do not print the fix under each finding.")] = False,
+    exit_zero: Annotated[bool, typer.Option(
+        "--exit-zero", help="Exit 0 even when there are findings (files that cannot be "
+                            "checked still exit 2); for CI steps that upload SARIF.")] = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Lint PyTorch code for hook leaks, per-step compiles, empty_cache fixes and host syncs.
+
+    Exit status: 0 clean, 1 findings, 2 usage error or a file that cannot be read or parsed.
+    Silence one line with `# noqa: TS001` (or a bare `# noqa`).
+    """
+    with guarded(debug):
+        from torchscope.lint import lint_paths
+        from torchscope.report.lint import json_payload, sarif_log, text_lines
+
+        if fmt not in _FORMATS:
+            fail(f"unknown --format {fmt!r}; expected one of {', '.join(_FORMATS)}.")
+        if config is not None and no_config:
+            fail("--config and --no-config contradict each other; pass one.")
+        result = lint_paths(
+            paths or ["."], select=_split(select), ignore=_split(ignore) or (),
+            config=config if config is not None else not no_config,
+        )
+        for note in result.notes:
+            err_console.print(f"note: {note}", highlight=False, markup=False)
+        if fmt == "text":
+            lines = text_lines(result, show_fixes=not no_fixes)
+            if output:
+                Path(output).write_text("\n".join(t.plain for t in lines) + "\n")
+            else:
+                for line in lines:
+                    console.print(line, soft_wrap=True, highlight=False)
+        else:
+            payload = json_payload(result) if fmt == "json" else sarif_log(result)
+            text = json.dumps(payload, indent=2) + "\n"
+            if output:
+                Path(output).write_text(text)
+            else:
+                sys.stdout.write(text)
+                sys.stdout.flush()
+        if output:
+            err_console.print(f"wrote {output}", highlight=False, markup=False)
+    code = result.exit_code
+    raise typer.Exit(0 if exit_zero and code == 1 else code)

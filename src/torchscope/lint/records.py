@@ -1,0 +1,101 @@
+"""Lint records: what the checker found in a file, and files it could not check."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from torchscope.findings import Finding, Severity
+from torchscope.lint.rules import RULES
+
+__all__ = ["LintError", "LintResult", "LintViolation"]
+
+
+@dataclass(frozen=True)
+class LintViolation:
+    """One rule violation at one place.
+
+    Attributes:
+        path: the file, as given or found (relative paths stay relative).
+        line: 1-based line of the flagged name.
+        col: 1-based column (in characters) of the flagged name.
+        end_line: 1-based last line of the flagged expression.
+        end_col: 1-based column just after the flagged expression.
+        code: rule code, e.g. `TS001`.
+        message: what breaks, specific to this place.
+        fix: what to do about it.
+    """
+
+    path: str
+    line: int
+    col: int
+    end_line: int
+    end_col: int
+    code: str
+    message: str
+    fix: str
+
+    @property
+    def severity(self) -> Severity:
+        """The rule's severity."""
+        return RULES[self.code].severity
+
+    def to_finding(self) -> Finding:
+        """The same violation as a generic `Finding` (`code` = `lint.TS001`)."""
+        return Finding(
+            code=f"lint.{self.code}",
+            severity=self.severity,
+            summary=self.message,
+            evidence={"path": self.path, "line": self.line, "col": self.col,
+                      "rule": RULES[self.code].name},
+            fix=self.fix,
+        )
+
+
+@dataclass(frozen=True)
+class LintError:
+    """A file that could not be checked (unreadable, undecodable or unparsable).
+
+    Attributes:
+        path: the file.
+        message: what went wrong, e.g. `cannot parse: invalid syntax`.
+        line: 1-based line of a syntax error, or None.
+        col: 1-based column of a syntax error, or None.
+    """
+
+    path: str
+    message: str
+    line: int | None = None
+    col: int | None = None
+
+
+@dataclass(frozen=True)
+class LintResult:
+    """Everything one lint run produced.
+
+    Attributes:
+        violations: sorted by path, line, column, code.
+        errors: files that could not be checked.
+        files: how many files were checked (errors included).
+        codes: the rule codes that were enabled.
+        notes: remarks about the run (e.g. a config file that could not be read).
+        root: folder that relative paths and SARIF URIs are relative to.
+    """
+
+    violations: tuple[LintViolation, ...]
+    errors: tuple[LintError, ...]
+    files: int
+    codes: frozenset[str]
+    notes: tuple[str, ...] = ()
+    root: str = "."
+
+    @property
+    def exit_code(self) -> int:
+        """0 clean, 1 violations, 2 a file could not be checked."""
+        if self.errors:
+            return 2
+        return 1 if self.violations else 0
+
+    def counts(self) -> dict[str, int]:
+        """Violations per rule code, most frequent first."""
+        return dict(Counter(v.code for v in self.violations).most_common())

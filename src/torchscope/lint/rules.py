@@ -1,0 +1,159 @@
+"""The rule catalog: stable codes, what each rule catches, what breaks, and the fix."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from torchscope.errors import TorchscopeError
+from torchscope.findings import Severity
+
+__all__ = ["RULES", "LintUsageError", "Rule", "resolve_codes"]
+
+
+class LintUsageError(TorchscopeError):
+    """A rule selection, a path or a `[tool.torchscope.lint]` table is not usable."""
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One lint rule.
+
+    Attributes:
+        code: stable identifier, `TS` + three digits.
+        name: short kebab-case name (SARIF `rule.name`).
+        summary: one sentence: the pattern the rule flags.
+        breaks: what goes wrong at run time when the pattern runs.
+        fix: the default fix; a finding may carry a more specific one.
+        severity: how much it matters.
+    """
+
+    code: str
+    name: str
+    summary: str
+    breaks: str
+    fix: str
+    severity: Severity
+
+
+RULES: dict[str, Rule] = {
+    r.code: r
+    for r in (
+        Rule(
+            "TS001",
+            "hook-registered-in-loop",
+            "A `register_*hook` call inside a `for`/`while` body whose handle is neither removed "
+            "in the same body nor used as a context manager.",
+            "Every iteration adds one more hook to the same module: after N steps the hook runs "
+            "N times per forward and keeps N copies of whatever it captures, so time and memory "
+            "grow until the run slows down or runs out of memory.",
+            "Register the hook once before the loop and call `handle.remove()` after it (in a "
+            "`finally`), or scope it with `with module.register_forward_hook(fn):`.",
+            Severity.ERROR,
+        ),
+        Rule(
+            "TS002",
+            "discarded-hook-handle",
+            "The handle returned by `register_*hook` is neither assigned nor otherwise used.",
+            "Without the handle the hook can never be removed: it stays on the module for the "
+            "rest of the process, fires in every later forward or backward (evaluation "
+            "included) and keeps everything its closure references alive.",
+            "Keep the handle (`handle = m.register_forward_hook(fn)`) and call "
+            "`handle.remove()` when done, or use `with m.register_forward_hook(fn):`.",
+            Severity.WARNING,
+        ),
+        Rule(
+            "TS003",
+            "deprecated-backward-hook",
+            "A call to the deprecated `register_backward_hook`.",
+            "On a module whose forward runs more than one autograd operation the legacy hook "
+            "sees the gradients of the last operation only, so the grad_input it reports or "
+            "rewrites is silently wrong.",
+            "Use `register_full_backward_hook` (same `(module, grad_input, grad_output)` "
+            "signature).",
+            Severity.ERROR,
+        ),
+        Rule(
+            "TS004",
+            "compile-in-loop",
+            "`torch.compile(...)` or `model.compile()` inside a loop body, or inside a function "
+            "that the same file calls from a loop.",
+            "Every iteration builds a new compiled wrapper (`model = torch.compile(model)` nests "
+            "one more each step) that goes through dynamo's cache and guard checks again; any "
+            "guard change recompiles until the recompile limit, after which the model silently "
+            "runs eager.",
+            "Compile once, before the loop (`model = torch.compile(model)`), and call the "
+            "compiled model inside it.",
+            Severity.ERROR,
+        ),
+        Rule(
+            "TS005",
+            "empty-cache-as-fix",
+            "`torch.cuda.empty_cache()` with no preceding `del` and no `gc.collect()` in the "
+            "same block, or inside an `except torch.cuda.OutOfMemoryError` / `except "
+            "RuntimeError` handler as the out-of-memory fix.",
+            "empty_cache only returns cached blocks that no tensor uses; memory still "
+            "referenced is not freed, so the out-of-memory error comes back, and the next "
+            "allocations pay for cudaMalloc again.",
+            "Drop the references first (`del out, loss`; `gc.collect()` for cycles) outside any "
+            "except block, then retry; or need less memory (smaller batch, activation "
+            "checkpointing, mixed precision).",
+            Severity.WARNING,
+        ),
+        Rule(
+            "TS006",
+            "host-sync-in-hook",
+            "`.item()`, `.cpu()`, `.tolist()` or `print` of a tensor inside a function that "
+            "is registered as a hook.",
+            "Each one copies to the host and waits for the device on every forward or "
+            "backward, stalling the hot path, and is a graph break under torch.compile.",
+            "Reduce on the device inside the hook (keep tensors, `torch.stack` them) and copy "
+            "to the host once per step, after the step.",
+            Severity.WARNING,
+        ),
+        Rule(
+            "TS007",
+            "checkpoint-without-use-reentrant",
+            "`torch.utils.checkpoint.checkpoint` or `checkpoint_sequential` without an "
+            "explicit `use_reentrant=`.",
+            "Without it PyTorch warns on every call and falls back to the reentrant "
+            "implementation, which gives the checkpointed parameters no gradient when no "
+            "input requires grad, rejects keyword arguments and does not work with "
+            "`torch.autograd.grad`; PyTorch has announced the argument becomes required.",
+            "Pass `use_reentrant=False` (recommended), or `use_reentrant=True` to keep the "
+            "current behaviour explicitly.",
+            Severity.WARNING,
+        ),
+    )
+}
+
+
+def resolve_codes(select: Iterable[str] | None, ignore: Iterable[str] = ()) -> frozenset[str]:
+    """The rule codes enabled by `select` (default: all) minus `ignore`.
+
+    Each entry is a code or a code prefix (`TS`, `TS00`, `TS001`), case-insensitive.
+
+    Raises:
+        LintUsageError: an entry matches no rule.
+    """
+
+    def expand(entries: Iterable[str], what: str) -> set[str]:
+        out: set[str] = set()
+        for raw in entries:
+            entry = raw.strip().upper()
+            if not entry:
+                continue
+            if entry == "ALL":
+                out.update(RULES)
+                continue
+            matched = {code for code in RULES if code.startswith(entry)}
+            if not matched:
+                raise LintUsageError(
+                    f"{what} {raw!r} matches no rule (known: {', '.join(RULES)}).",
+                    fix="use a code such as TS001 or a prefix such as TS.",
+                )
+            out.update(matched)
+        return out
+
+    chosen = set(RULES) if select is None else expand(select, "--select/select entry")
+    return frozenset(chosen - expand(ignore, "--ignore/ignore entry"))

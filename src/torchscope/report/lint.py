@@ -1,0 +1,178 @@
+"""Render lint results: ruff-like text, JSON, and SARIF 2.1.0 for code-scanning UIs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+from rich.text import Text
+
+from torchscope.findings import Severity
+from torchscope.lint.records import LintError, LintResult, LintViolation
+from torchscope.lint.rules import RULES
+
+__all__ = ["SARIF_SCHEMA_URI", "json_payload", "sarif_log", "text_lines"]
+
+SARIF_SCHEMA_URI = (
+    "https://docs.oasis-open.org/sarif/sarif/v2.1.0/errata01/os/schemas/sarif-schema-2.1.0.json"
+)
+_LEVEL = {Severity.ERROR: "error", Severity.WARNING: "warning", Severity.INFO: "note"}
+
+
+def _version() -> str:
+    import torchscope
+
+    return str(getattr(torchscope, "__version__", "0"))
+
+
+def _where(error: LintError) -> str:
+    if error.line is None:
+        return error.path
+    return f"{error.path}:{error.line}:{error.col or 1}"
+
+
+def text_lines(result: LintResult, *, show_fixes: bool = True) -> list[Text]:
+    """One `path:line:col: CODE message` line per violation (plus its fix), errors, a summary.
+
+    Styled with rich; printed to a file or pipe the styles disappear and the lines are plain.
+    """
+    out: list[Text] = []
+    for v in result.violations:
+        line = Text()
+        line.append(f"{v.path}:{v.line}:{v.col}:", style="bold")
+        line.append(" ")
+        line.append(v.code, style="bold red" if v.severity is Severity.ERROR else "bold yellow")
+        line.append(f" {v.message}")
+        out.append(line)
+        if show_fixes:
+            out.append(Text(f"    fix: {v.fix}", style="cyan"))
+    for e in result.errors:
+        line = Text()
+        line.append(f"{_where(e)}:", style="bold")
+        line.append(" error:", style="bold red")
+        line.append(f" {e.message}")
+        out.append(line)
+    out.append(_summary(result))
+    return out
+
+
+def _summary(result: LintResult) -> Text:
+    files = f"{result.files} file{'s' if result.files != 1 else ''}"
+    if not result.violations and not result.errors:
+        return Text(f"All checks passed ({files}, {len(result.codes)} rules).", style="green")
+    parts: list[str] = []
+    if result.violations:
+        n = len(result.violations)
+        counts = ", ".join(f"{code} ×{k}" for code, k in result.counts().items())
+        parts.append(f"Found {n} problem{'s' if n != 1 else ''} ({counts})")
+    if result.errors:
+        n = len(result.errors)
+        parts.append(f"{n} file{'s' if n != 1 else ''} could not be checked")
+    return Text(f"{'; '.join(parts)} in {files}.", style="bold")
+
+
+def _violation_json(v: LintViolation) -> dict[str, Any]:
+    rule = RULES[v.code]
+    return {
+        "path": v.path, "line": v.line, "col": v.col, "end_line": v.end_line,
+        "end_col": v.end_col, "code": v.code, "name": rule.name,
+        "severity": v.severity.label, "message": v.message, "fix": v.fix,
+    }
+
+
+def json_payload(result: LintResult) -> dict[str, Any]:
+    """The whole result as JSON-ready data (`--format json`)."""
+    return {
+        "tool": "torchscope lint",
+        "version": _version(),
+        "files": result.files,
+        "exit_code": result.exit_code,
+        "rules": sorted(result.codes),
+        "counts": result.counts(),
+        "violations": [_violation_json(v) for v in result.violations],
+        "errors": [{"path": e.path, "line": e.line, "col": e.col, "message": e.message}
+                   for e in result.errors],
+        "notes": list(result.notes),
+    }
+
+
+def _artifact(path: str, root: Path) -> dict[str, Any]:
+    absolute = Path(path).resolve()
+    try:
+        rel = absolute.relative_to(root)
+    except ValueError:
+        return {"uri": absolute.as_uri()}
+    return {"uri": quote(rel.as_posix()), "uriBaseId": "%SRCROOT%"}
+
+
+def _location(path: str, root: Path, region: dict[str, int] | None) -> dict[str, Any]:
+    physical: dict[str, Any] = {"artifactLocation": _artifact(path, root)}
+    if region:
+        physical["region"] = region
+    return {"physicalLocation": physical}
+
+
+def _rule_descriptor(code: str) -> dict[str, Any]:
+    rule = RULES[code]
+    return {
+        "id": rule.code,
+        "name": rule.name,
+        "shortDescription": {"text": rule.summary},
+        "fullDescription": {"text": f"{rule.summary} {rule.breaks}"},
+        "help": {"text": f"Fix: {rule.fix}", "markdown": f"**Fix:** {rule.fix}"},
+        "defaultConfiguration": {"level": _LEVEL[rule.severity]},
+        "properties": {"tags": ["pytorch", "correctness"], "precision": "high"},
+    }
+
+
+def sarif_log(result: LintResult, *, root: str | Path | None = None) -> dict[str, Any]:
+    """The result as a SARIF 2.1.0 log (`--format sarif`), one run, paths relative to `root`.
+
+    Args:
+        result: what `lint_paths` returned.
+        root: folder the artifact URIs are relative to (`%SRCROOT%`); default `result.root`.
+    """
+    base = Path(root if root is not None else result.root).resolve()
+    codes = sorted(RULES)
+    index = {code: i for i, code in enumerate(codes)}
+    results = []
+    for v in result.violations:
+        region: dict[str, int] | None = {"startLine": v.line, "startColumn": v.col,
+                  "endLine": v.end_line, "endColumn": v.end_col}
+        results.append({
+            "ruleId": v.code,
+            "ruleIndex": index[v.code],
+            "level": _LEVEL[v.severity],
+            "message": {"text": f"{v.message} Fix: {v.fix}"},
+            "locations": [_location(v.path, base, region)],
+        })
+    notifications = []
+    for e in result.errors:
+        region = {"startLine": e.line, "startColumn": e.col or 1} if e.line else None
+        notifications.append({
+            "level": "error",
+            "message": {"text": f"{e.path}: {e.message}"},
+            "locations": [_location(e.path, base, region)],
+        })
+    for note in result.notes:
+        notifications.append({"level": "note", "message": {"text": note}})
+    return {
+        "$schema": SARIF_SCHEMA_URI,
+        "version": "2.1.0",
+        "runs": [{
+            "tool": {"driver": {
+                "name": "torchscope",
+                "fullName": "torchscope lint",
+                "version": _version(),
+                "rules": [_rule_descriptor(c) for c in codes],
+            }},
+            "originalUriBaseIds": {"%SRCROOT%": {"uri": base.as_uri() + "/"}},
+            "invocations": [{
+                "executionSuccessful": not result.errors,
+                "toolExecutionNotifications": notifications,
+            }],
+            "results": results,
+            "columnKind": "unicodeCodePoints",
+        }],
+    }

@@ -1,0 +1,251 @@
+"""Rules TS001-TS007 on positive and negative fixture files, and on targeted snippets."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from torchscope.lint import RULES, lint_file, lint_source
+
+from ._fixtures import FIXTURES, expected, fixture_files
+
+
+def _codes(src: str, **kw: object) -> list[tuple[int, str]]:
+    return [(v.line, v.code) for v in lint_source(textwrap.dedent(src), **kw)]  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("path", fixture_files(), ids=lambda p: p.name)
+def test_fixture_findings_match_expect_comments(path: Path) -> None:
+    violations, error = lint_file(path)
+    assert error is None
+    assert {(v.line, v.code) for v in violations} == expected(path)
+
+
+def test_every_rule_has_positive_and_negative_fixtures() -> None:
+    names = {p.name for p in fixture_files()}
+    for code in RULES:
+        low = code.lower()
+        positives = [n for n in names if n.startswith(low) and "negative" not in n]
+        assert positives, f"{code} has no positive fixture"
+        assert f"{low}_negative.py" in names, f"{code} has no negative fixture"
+        flagged = set().union(*(expected(FIXTURES / n) for n in positives))
+        assert any(c == code for _, c in flagged), f"{code}'s positive fixtures expect nothing"
+        assert not expected(FIXTURES / f"{low}_negative.py")
+
+
+def test_lesson_breaks_examples_are_flagged_with_message_and_fix() -> None:
+    hook, _ = lint_file(FIXTURES / "ts001_breaks_hook_in_training_loop.py")
+    assert [v.code for v in hook] == ["TS001"]
+    assert "every iteration of the loop at line 16" in hook[0].message
+    assert "handle.remove()" in hook[0].fix
+    oom, _ = lint_file(FIXTURES / "ts005_breaks_empty_cache_oom_fix.py")
+    assert [v.code for v in oom] == ["TS005"]
+    assert "except torch.cuda.OutOfMemoryError" in oom[0].message
+    assert "nothing is freed" in oom[0].message
+
+
+def test_location_points_at_the_called_name_with_character_columns() -> None:
+    src = 'x = "é"; model.register_forward_hook(f)\n'
+    (v,) = lint_source(src, select=["TS002"])
+    assert (v.line, v.col) == (1, src.index("register_forward_hook") + 1)
+    assert v.end_col == len(src.rstrip("\n")) + 1
+
+
+def test_ts001_discarded_handle_in_loop_reports_both_rules() -> None:
+    src = """
+    for step in range(10):
+        model.fc.register_forward_hook(save)
+    """
+    assert _codes(src) == [(3, "TS001"), (3, "TS002")]
+
+
+def test_ts001_handle_removed_from_dict_of_handles() -> None:
+    src = """
+    for x in loader:
+        hooks = {}
+        hooks["fc"] = model.fc.register_forward_hook(save)
+        model(x)
+        for h in hooks.values():
+            h.remove()
+    """
+    assert _codes(src) == []
+
+
+def test_ts001_while_loop_over_a_worklist_is_per_module() -> None:
+    src = """
+    todo = list(model.children())
+    handles = []
+    while todo:
+        m = todo.pop()
+        handles.append(m.register_forward_hook(save))
+    """
+    assert _codes(src) == []
+
+
+def test_ts002_ignores_intermediate_tensor_hooks_but_not_parameter_hooks() -> None:
+    src = """
+    def f(model, x):
+        y = model(x)
+        y.register_hook(print)
+        model.fc.weight.register_hook(print)
+    """
+    assert _codes(src) == [(5, "TS002")]
+
+
+def test_ts003_fix_names_the_full_backward_hook() -> None:
+    (v,) = lint_source("h = m.register_backward_hook(f)\n")
+    assert v.code == "TS003"
+    assert "register_full_backward_hook" in v.fix
+    (g,) = lint_source(
+        "import torch\nh = torch.nn.modules.module.register_module_backward_hook(f)\n")
+    assert "register_module_full_backward_hook" in g.fix
+
+
+def test_ts004_transitive_call_from_loop() -> None:
+    src = """
+    import torch
+    def build(m):
+        return torch.compile(m)
+    def step(m, x):
+        return build(m)(x)
+    for x in data:
+        step(model, x)
+    """
+    (v,) = lint_source(textwrap.dedent(src))
+    assert (v.line, v.code) == (4, "TS004")
+    assert "`build`" in v.message and "line 7" in v.message
+
+
+def test_ts004_ignores_non_torch_compile_methods() -> None:
+    src = """
+    import re
+    from re import compile
+    from .compat import triton
+    for line in lines:
+        triton.compile(src, target=t)
+        re.compile(line)
+        compile(line, "<x>", "exec")
+        pattern.compile("a+")
+        keras_model.compile(optimizer="adam", loss="mse")
+    """
+    assert _codes(src) == []
+
+
+def test_ts004_aliased_torch_import() -> None:
+    src = """
+    import torch as T
+    for x in data:
+        T.compile(model)(x)
+    """
+    assert _codes(src) == [(4, "TS004")]
+
+
+def test_ts005_release_must_precede_in_the_same_block() -> None:
+    ok = """
+    import gc, torch
+    def f(out):
+        gc.collect()
+        torch.cuda.empty_cache()
+    def g(out):
+        if out is not None:
+            del out
+        torch.cuda.empty_cache()
+    """
+    bad = """
+    import torch
+    def f(out):
+        del out
+    def g(out):
+        torch.cuda.empty_cache()
+        del out
+    """
+    assert _codes(ok) == []
+    assert _codes(bad) == [(6, "TS005")]
+
+
+def test_ts005_handler_is_flagged_even_with_del() -> None:
+    src = """
+    import torch
+    try:
+        run()
+    except torch.cuda.OutOfMemoryError:
+        del batch
+        torch.cuda.empty_cache()
+    """
+    assert _codes(src) == [(7, "TS005")]
+
+
+def test_ts006_session_hooks_and_closure_defaults() -> None:
+    src = """
+    def attach(session, model, stack):
+        for name, m in model.named_modules():
+            def hook(mod, args, out, _n=name):
+                print(_n, out.sum())
+            def meta(mod, args, out, _n=name):
+                print(_n, out.shape)
+            session.forward_hook(m, hook)
+            session.forward_hook(m, meta)
+    """
+    assert _codes(src) == [(5, "TS006")]
+
+
+def test_ts006_module_argument_is_not_a_tensor() -> None:
+    src = """
+    def hook(module, inputs, output):
+        print(module)
+    h = model.register_forward_hook(hook)
+    """
+    assert _codes(src) == []
+
+
+def test_ts007_kwargs_may_carry_use_reentrant() -> None:
+    src = """
+    from torch.utils.checkpoint import checkpoint
+    y = checkpoint(f, x, **opts)
+    z = checkpoint(f, x)
+    """
+    assert _codes(src) == [(4, "TS007")]
+
+
+def test_noqa_specific_and_bare() -> None:
+    src = """
+    for x in data:
+        model.fc.register_forward_hook(save)  # noqa: TS002
+        model.fc.register_forward_hook(save)  # noqa: TS001, TS002
+        model.fc.register_forward_hook(save)  # noqa
+        model.fc.register_forward_hook(save)  # noqa: E501
+        s = "# noqa"; model.fc.register_forward_hook(save)
+    """
+    assert _codes(src) == [(3, "TS001"), (6, "TS001"), (6, "TS002"), (7, "TS001"),
+                           (7, "TS002")]
+
+
+def test_noqa_on_last_line_of_a_multiline_call() -> None:
+    src = """
+    model.register_forward_hook(
+        save,
+    )  # noqa: TS002
+    """
+    assert _codes(src) == []
+
+
+def test_select_and_ignore_prefixes() -> None:
+    src = "m.register_backward_hook(f)\n"
+    assert {c for _, c in _codes(src)} == {"TS002", "TS003"}
+    assert _codes(src, select=["TS003"]) == [(1, "TS003")]
+    assert _codes(src, ignore=["TS00"]) == []
+    assert _codes(src, select=["TS"], ignore=["TS002"]) == [(1, "TS003")]
+
+
+def test_violation_converts_to_a_finding() -> None:
+    from torchscope.findings import Severity
+
+    (v,) = lint_source("h = m.register_backward_hook(f)\n", "train.py")
+    finding = v.to_finding()
+    assert finding.code == "lint.TS003"
+    assert finding.severity is Severity.ERROR
+    assert finding.evidence == {"path": "train.py", "line": 1, "col": 7,
+                                "rule": "deprecated-backward-hook"}
+    assert finding.fix == v.fix and finding.summary == v.message
