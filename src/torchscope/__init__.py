@@ -1,56 +1,83 @@
 """torchscope: see inside any PyTorch model's training step, safely.
 
-The public API is what `__all__` lists; everything else is private implementation.
+The public API is what `__all__` lists; everything else is private implementation. Names are
+imported on first use (PEP 562), so `import torchscope` and the CLI start without loading
+torch until a capability needs it.
 """
 
-from torchscope.capture import (
-    ActivationCapture,
-    ActivationRecord,
-    TensorStats,
-    activations,
-    capture_activations,
-    trace_nonfinite,
-)
-from torchscope.errors import (
-    BudgetError,
-    CompileError,
-    InputSpecError,
-    ModelError,
-    SelectionError,
-    TargetError,
-    TorchscopeError,
-    VerificationError,
-)
-from torchscope.hooks import (
-    HookAudit,
-    HookGrowthGuard,
-    HookGrowthWarning,
-    HookSession,
-    audit_hooks,
-    select_modules,
-)
-from torchscope.profiling import (
-    ModuleTime,
-    OpRecord,
-    PhaseTime,
-    ProfileResult,
-    ProfilingError,
-    profile_findings,
-    profile_steps,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+# Public name -> the module that defines it.
+_EXPORTS: dict[str, str] = {
+    "ActivationCapture": "torchscope.capture",
+    "ActivationRecord": "torchscope.capture",
+    "TensorStats": "torchscope.capture",
+    "activations": "torchscope.capture",
+    "capture_activations": "torchscope.capture",
+    "trace_nonfinite": "torchscope.capture",
+    "BudgetError": "torchscope.errors",
+    "CompileError": "torchscope.errors",
+    "InputSpecError": "torchscope.errors",
+    "ModelError": "torchscope.errors",
+    "SelectionError": "torchscope.errors",
+    "TargetError": "torchscope.errors",
+    "TorchscopeError": "torchscope.errors",
+    "VerificationError": "torchscope.errors",
+    "Finding": "torchscope.findings",
+    "Severity": "torchscope.findings",
+    "HookAudit": "torchscope.hooks",
+    "HookGrowthGuard": "torchscope.hooks",
+    "HookGrowthWarning": "torchscope.hooks",
+    "HookSession": "torchscope.hooks",
+    "audit_hooks": "torchscope.hooks",
+    "select_modules": "torchscope.hooks",
+    "ModuleTime": "torchscope.profiling",
+    "OpRecord": "torchscope.profiling",
+    "PhaseTime": "torchscope.profiling",
+    "ProfileResult": "torchscope.profiling",
+    "ProfilingError": "torchscope.profiling",
+    "profile_findings": "torchscope.profiling",
+    "profile_steps": "torchscope.profiling",
+    "LintResult": "torchscope.lint",
+    "LintViolation": "torchscope.lint",
+    "lint_paths": "torchscope.lint",
+    "lint_source": "torchscope.lint",
+}
+
+_SUBMODULES = {
+    "checkpointing",
+    "compile",
+    "grads",
+    "integrations",
+    "memory",
+    "models",
+    "profiling",
+    "lint",
+    "capture",
+    "hooks",
+    "report",
+    "errors",
+    "findings",
+}
 
 __all__ = [
     "ActivationCapture",
     "ActivationRecord",
     "BudgetError",
     "CompileError",
+    "Finding",
     "HookAudit",
     "HookGrowthGuard",
     "HookGrowthWarning",
     "HookSession",
     "InputSpecError",
+    "LintResult",
+    "LintViolation",
     "ModelError",
     "ModuleTime",
     "OpRecord",
@@ -58,6 +85,7 @@ __all__ = [
     "ProfileResult",
     "ProfilingError",
     "SelectionError",
+    "Severity",
     "TargetError",
     "TensorStats",
     "TorchscopeError",
@@ -66,8 +94,72 @@ __all__ = [
     "activations",
     "audit_hooks",
     "capture_activations",
+    "lint_paths",
+    "lint_source",
     "profile_findings",
     "profile_steps",
     "select_modules",
     "trace_nonfinite",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    if name in _SUBMODULES:
+        return importlib.import_module(f"torchscope.{name}")
+    raise AttributeError(f"module 'torchscope' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(__all__) | _SUBMODULES)
+
+
+if TYPE_CHECKING:
+    from torchscope.capture import (
+        ActivationCapture,
+        ActivationRecord,
+        TensorStats,
+        activations,
+        capture_activations,
+        trace_nonfinite,
+    )
+    from torchscope.errors import (
+        BudgetError,
+        CompileError,
+        InputSpecError,
+        ModelError,
+        SelectionError,
+        TargetError,
+        TorchscopeError,
+        VerificationError,
+    )
+    from torchscope.findings import (
+        Finding,
+        Severity,
+    )
+    from torchscope.hooks import (
+        HookAudit,
+        HookGrowthGuard,
+        HookGrowthWarning,
+        HookSession,
+        audit_hooks,
+        select_modules,
+    )
+    from torchscope.lint import (
+        LintResult,
+        LintViolation,
+        lint_paths,
+        lint_source,
+    )
+    from torchscope.profiling import (
+        ModuleTime,
+        OpRecord,
+        PhaseTime,
+        ProfileResult,
+        ProfilingError,
+        profile_findings,
+        profile_steps,
+    )

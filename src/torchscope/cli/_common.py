@@ -6,13 +6,15 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Annotated, Any, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
 
 from torchscope.errors import TorchscopeError
-from torchscope.models.target import LoadedTarget, ModelInputs, load_inputs, load_target
+
+if TYPE_CHECKING:
+    from torchscope.models.target import LoadedTarget, ModelInputs
 
 __all__ = [
     "DebugOpt",
@@ -97,6 +99,9 @@ def load(
     target: str | None, specs: list[str] | None, inputs_fn: str | None
 ) -> tuple[LoadedTarget, ModelInputs]:
     """Load a TARGET and its example inputs (raises `TorchscopeError` subclasses)."""
+    # Imported here: loading torch is the slow part of starting the CLI, and `lint` never needs it.
+    from torchscope.models.target import load_inputs, load_target
+
     loaded = load_target(target)
     return loaded, load_inputs(loaded, specs or (), inputs_fn)
 
