@@ -73,15 +73,18 @@ class ReportDiff:
 def parse_thresholds(items: Sequence[str]) -> dict[str, float]:
     """`["0.2", "profile.step_ms=0.5", "gradients=1"]` → thresholds over the defaults.
 
-    A bare number sets the default for every metric; `NAME=FRAC` sets it for metrics whose
-    name starts with NAME. FRAC is a fraction (0.2 = 20%) or a percentage (`20%`).
+    A bare number replaces every default threshold; `NAME=FRAC` sets it for metrics whose
+    name starts with NAME (the longest matching NAME wins). FRAC is a fraction (0.2 = 20%) or a percentage (`20%`).
 
     Raises:
         ThresholdError: an item is not `FRAC` or `NAME=FRAC` with FRAC >= 0.
     """
-    out = dict(DEFAULT_THRESHOLDS)
-    for item in items:
-        for part in (p.strip() for p in item.split(",") if p.strip()):
+    parts = [p.strip() for item in items for p in item.split(",") if p.strip()]
+    bare = [p for p in parts if "=" not in p]
+    # A bare number replaces every default; NAME=FRAC then refines, whatever the order.
+    out = {"": _fraction(bare[-1], bare[-1])} if bare else dict(DEFAULT_THRESHOLDS)
+    for part in parts:
+        if "=" in part:
             key, _, value = part.rpartition("=")
             out[key.strip()] = _fraction(value.strip(), part)
     return out
