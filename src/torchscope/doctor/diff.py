@@ -74,7 +74,8 @@ def parse_thresholds(items: Sequence[str]) -> dict[str, float]:
     """`["0.2", "profile.step_ms=0.5", "gradients=1"]` → thresholds over the defaults.
 
     A bare number replaces every default threshold; `NAME=FRAC` sets it for metrics whose
-    name starts with NAME (the longest matching NAME wins). FRAC is a fraction (0.2 = 20%) or a percentage (`20%`).
+    name starts with NAME (the longest matching NAME wins). FRAC is a fraction (0.2 = 20%)
+    or a percentage (`20%`).
 
     Raises:
         ThresholdError: an item is not `FRAC` or `NAME=FRAC` with FRAC >= 0.
