@@ -34,6 +34,7 @@ __all__ = [
     "SectionOutcome",
     "Status",
     "load_capability",
+    "optional_capability",
 ]
 
 R = TypeVar("R")
@@ -106,6 +107,14 @@ def load_capability(dotted: str) -> Any:
         return getattr(module, attr)
     except (ImportError, AttributeError) as exc:
         raise CapabilityMissingError(f"this install has no {dotted}") from exc
+
+
+def optional_capability(dotted: str) -> Any:
+    """Like `load_capability`, but None when the name is missing."""
+    try:
+        return load_capability(dotted)
+    except CapabilityMissingError:
+        return None
 
 
 class Section(ABC, Generic[R]):

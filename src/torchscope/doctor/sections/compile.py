@@ -13,8 +13,14 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from torchscope.doctor.section import DoctorOptions, Metric, Section, load_capability
-from torchscope.doctor.sections._adapt import first_attr, num, opt_int, seq
+from torchscope.doctor.section import (
+    DoctorOptions,
+    Metric,
+    Section,
+    load_capability,
+    optional_capability,
+)
+from torchscope.doctor.sections._adapt import num
 from torchscope.findings import Finding, Severity
 from torchscope.models.target import ModelInputs
 
@@ -24,6 +30,7 @@ if TYPE_CHECKING:
 __all__ = ["CAPABILITY", "CompileMode", "CompileResult", "CompileSection", "analyze_compile"]
 
 CAPABILITY = "torchscope.compile.compile_report"
+COMPILE_TIMEOUT_S = 300.0  # per mode, in its child process
 
 
 @dataclass(frozen=True)
@@ -59,40 +66,31 @@ class CompileResult:
     """One row per compile mode."""
 
     modes: tuple[CompileMode, ...]
-    findings: tuple[Finding, ...] = ()
+    findings: tuple[Finding, ...] | None = None  # None: the capability gave no analysis
 
 
 def _call(model: nn.Module, inputs: ModelInputs, options: DoctorOptions) -> Any:
     compile_report = load_capability(CAPABILITY)
-    return compile_report(model, inputs, modes=options.compile_modes, iters=options.compile_iters)
+    return compile_report(model, inputs, modes=options.compile_modes, iters=options.compile_iters,
+                          timeout_s=COMPILE_TIMEOUT_S)
 
 
 def _convert(raw: Any) -> CompileResult:
-    rows = []
-    for m in seq(first_attr(raw, "modes", "rows", default=raw)):
-        eager = num(first_attr(m, "eager_ms", default=None))
-        compiled = num(first_attr(m, "compiled_ms", default=None))
-        speedup = num(first_attr(m, "speedup", default=None))
-        if speedup is None and eager and compiled:
-            speedup = eager / compiled
-        rows.append(CompileMode(
-            str(first_attr(m, "mode", default="default")),
-            str(first_attr(m, "error", default="") or ""),
-            num(first_attr(m, "cold_s", "cold_compile_s", default=None)),
-            num(first_attr(m, "warm_s", "warm_compile_s", default=None)),
-            eager, compiled, speedup,
-            num(first_attr(m, "break_even_calls", "break_even", default=None)),
-            opt_int(first_attr(m, "graph_breaks", default=None)),
-            opt_int(first_attr(m, "recompiles", default=None)),
-            num(first_attr(m, "max_abs_diff", default=None))))
-    findings = tuple(f for f in seq(first_attr(raw, "findings", default=()))
-                     if isinstance(f, Finding))
-    return CompileResult(tuple(rows), findings)
+    """`torchscope.compile.CompileReport` → the section's record (one row per mode)."""
+    breaks = len(raw.graph_breaks)
+    rows = tuple(CompileMode(
+        m.mode, "" if m.status == "ok" else f"{m.status}: {m.error or ''}".strip(": "),
+        num(m.cold_compile_s), num(m.warm_compile_s), num(m.eager_ms), num(m.compiled_ms),
+        num(m.speedup), num(m.break_even_calls), breaks, len(m.recompiles), num(m.max_abs_diff))
+        for m in raw.modes)
+    analyzer = optional_capability("torchscope.compile.compile_findings")
+    findings = None if analyzer is None else tuple(analyzer(raw))
+    return CompileResult(rows, findings)
 
 
 def analyze_compile(result: CompileResult) -> list[Finding]:
     """The capability's findings when it gives any; else is compile worth it, per mode."""
-    if result.findings:
+    if result.findings is not None:
         return list(result.findings)
     out: list[Finding] = []
     for m in result.modes:

@@ -7,14 +7,22 @@ only; the record below is what the report, `diff` and the renderers read.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from torchscope.doctor.section import DoctorOptions, Metric, Section, load_capability
-from torchscope.doctor.sections._adapt import first_attr, num, seq
+from torchscope.doctor.section import (
+    DoctorOptions,
+    Metric,
+    Section,
+    load_capability,
+    optional_capability,
+)
+from torchscope.doctor.sections._adapt import num
+from torchscope.errors import TorchscopeError
 from torchscope.findings import Finding, Severity
 from torchscope.models.target import ModelInputs
 
@@ -51,7 +59,7 @@ class GradientsResult:
 
     layers: tuple[GradLayer, ...]
     total_norm: float | None
-    findings: tuple[Finding, ...] = ()
+    findings: tuple[Finding, ...] | None = None  # None: the capability gave no analysis
 
     def ratio(self) -> tuple[str, str, float] | None:
         """(nearest, farthest, nearest norm / farthest norm) over layers with a norm."""
@@ -64,33 +72,39 @@ class GradientsResult:
 
 def _call(model: nn.Module, inputs: ModelInputs, options: DoctorOptions) -> Any:
     gradient_flow = load_capability(CAPABILITY)
-    loss = None if options.loss == "auto" else options.loss
-    return gradient_flow(model, inputs, loss_fn=loss)
+    # gradient_flow takes loss names itself; "auto" lets it use a scalar output or `.loss`,
+    # and a classifier-shaped output falls back to cross-entropy on seeded targets.
+    if options.loss != "auto":
+        return gradient_flow(model, inputs, loss_fn=options.loss)
+    try:
+        return gradient_flow(model, inputs, loss_fn=None)
+    except TorchscopeError:
+        return gradient_flow(model, inputs, loss_fn="cross_entropy")
 
 
 def _convert(raw: Any) -> GradientsResult:
-    records = seq(first_attr(raw, "records", "layers", default=raw))
+    """`torchscope.grads.GradFlow` → the section's record (first call of each module)."""
+    by_module: dict[str, list[float]] = {}
+    for p in raw.params:
+        if p.norm is not None:
+            by_module.setdefault(p.module, []).append(p.norm)
     layers = []
-    for r in records:
-        gi = [num(first_attr(g, "norm", default=g)) for g in
-              seq(first_attr(r, "grad_input_norms", "grad_input", default=()))]
-        params = [num(first_attr(p, "norm", default=p)) for p in
-                  seq(first_attr(r, "param_norms", "param_grad_norms", default=()))]
-        known = [p for p in params if p is not None]
-        layers.append(GradLayer(
-            str(first_attr(r, "module", "name", default="?")),
-            num(first_attr(r, "grad_output_norm", "grad_output", default=None)),
-            next((g for g in gi if g is not None), None),
-            (sum(p * p for p in known) ** 0.5) if known else None))
-    findings = tuple(f for f in seq(first_attr(raw, "findings", default=()))
-                     if isinstance(f, Finding))
-    return GradientsResult(tuple(layers), num(first_attr(raw, "total_norm", default=None)),
-                           findings)
+    seen: set[str] = set()
+    for r in raw.modules:  # backward order, nearest the loss first
+        if r.module in seen or r.order is None:
+            continue
+        seen.add(r.module)
+        own = by_module.get(r.module)
+        layers.append(GradLayer(r.module, num(r.output_norm), num(r.input_norm),
+                                math.sqrt(math.fsum(n * n for n in own)) if own else None))
+    analyzer = optional_capability("torchscope.grads.diagnose")
+    findings = None if analyzer is None else tuple(analyzer(raw))
+    return GradientsResult(tuple(layers), num(raw.total_norm), findings)
 
 
 def analyze_gradients(result: GradientsResult) -> list[Finding]:
-    """The capability's findings when it gives any; else the vanishing-gradient ratio."""
-    if result.findings:
+    """`torchscope.grads.diagnose`'s findings when it gave any; else the vanishing ratio."""
+    if result.findings is not None:
         return list(result.findings)
     ratio = result.ratio()
     if ratio is None or ratio[2] < VANISHING_RATIO:

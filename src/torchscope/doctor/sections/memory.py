@@ -1,4 +1,4 @@
-"""The `memory` section: adapter over `torchscope.memory.memory_report`.
+"""The `memory` section: adapter over `torchscope.memory.analyze_memory`.
 
 Until the memory capability is installed, `run` raises `CapabilityMissingError` and the doctor
 shows the section as not available. Wiring it means editing `_call` and `_convert` only.
@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from torchscope.doctor.section import DoctorOptions, Metric, Section, load_capability
-from torchscope.doctor.sections._adapt import first_attr, num, opt_int, seq
+from torchscope.doctor.sections._adapt import named_loss, num
+from torchscope.errors import BudgetError, SelectionError
 from torchscope.findings import Finding, Severity
 from torchscope.models.target import ModelInputs
 
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
 __all__ = ["CAPABILITY", "CheckpointPlan", "MemoryResult", "MemorySection", "ModuleMemory",
            "analyze_memory"]
 
-CAPABILITY = "torchscope.memory.memory_report"
+CAPABILITY = "torchscope.memory.analyze_memory"
 DOMINANT_SHARE = 0.3  # a module type holding this share of saved bytes is reported
 
 
@@ -69,46 +70,49 @@ class MemoryResult:
     measured_peak_bytes: int | None
     step_ms: float | None
     plans: tuple[CheckpointPlan, ...] = ()
-    findings: tuple[Finding, ...] = ()
+    findings: tuple[Finding, ...] | None = None  # None: the capability gave no analysis
 
 
 def _call(model: nn.Module, inputs: ModelInputs, options: DoctorOptions) -> Any:
-    memory_report = load_capability(CAPABILITY)
-    loss = None if options.loss == "auto" else options.loss
-    return memory_report(model, inputs, loss_fn=loss)
+    analyze_memory = load_capability(CAPABILITY)
+    loss = named_loss(options.loss, options.seed)
+    if options.fast:
+        return analyze_memory(model, inputs, loss_fn=loss, checkpoint="none", repeats=1)
+    try:
+        # The least-recompute plan within what √L segments keep, verified bitwise.
+        return analyze_memory(model, inputs, loss_fn=loss, checkpoint="auto")
+    except (BudgetError, SelectionError):
+        return analyze_memory(model, inputs, loss_fn=loss, checkpoint="none")
 
 
 def _convert(raw: Any) -> MemoryResult:
-    modules = tuple(
-        ModuleMemory(str(first_attr(m, "module", "name", default="?")),
-                     str(first_attr(m, "module_type", "type", default="")),
-                     opt_int(first_attr(m, "saved_bytes", "bytes", default=0)) or 0,
-                     opt_int(first_attr(m, "tensors", "count", default=0)) or 0)
-        for m in seq(first_attr(raw, "modules", "per_module", default=())))
-    plans = tuple(
-        CheckpointPlan(str(first_attr(p, "name", default="?")),
-                       tuple(str(b) for b in seq(first_attr(p, "blocks", default=()))),
-                       opt_int(first_attr(p, "saved_bytes", default=0)) or 0,
-                       num(first_attr(p, "recompute_ms", "measured_recompute_ms", default=None)),
-                       first_attr(p, "verified", "bitwise_equal", default=None))
-        for p in seq(first_attr(raw, "plans", default=())))
-    saved = opt_int(first_attr(raw, "saved_bytes", "activation_bytes", default=None))
+    """`torchscope.memory.MemoryReport` → the section's record."""
+    modules = tuple(ModuleMemory(m.module, m.module_type, int(m.bytes), int(m.storages))
+                    for m in raw.saved.modules)
+    t = raw.totals
+    plans: list[CheckpointPlan] = []
+    step_ms = None
+    if raw.plans is not None:
+        measured = {m.plan: m for m in raw.plans.measurements}
+        base = measured.get("none")
+        step_ms = num(base.step_ms) if base is not None else None
+        for p in raw.plans.plans:
+            m = measured.get(p.name)
+            verified = None if m is None or m.verification is None else bool(m.verification.ok)
+            plans.append(CheckpointPlan(
+                p.name, tuple(p.blocks), int(p.saved_bytes),
+                num(m.recompute_ms) if m is not None else num(p.recompute_ms), verified))
     return MemoryResult(
-        modules, saved if saved is not None else sum(m.saved_bytes for m in modules),
-        opt_int(first_attr(raw, "param_bytes", default=None)),
-        opt_int(first_attr(raw, "grad_bytes", default=None)),
-        opt_int(first_attr(raw, "optimizer_bytes", default=None)),
-        opt_int(first_attr(raw, "peak_estimate_bytes", "estimated_peak", default=None)),
-        opt_int(first_attr(raw, "measured_peak_bytes", "measured_peak", default=None)),
-        num(first_attr(raw, "step_ms", default=None)),
-        plans,
-        tuple(f for f in seq(first_attr(raw, "findings", default=())) if isinstance(f, Finding)))
+        modules, int(raw.saved.total_bytes), int(t.parameters), int(t.gradients),
+        None if t.optimizer_state is None else int(t.optimizer_state), int(t.peak_estimate),
+        None if raw.measured is None else int(raw.measured.peak_bytes), step_ms,
+        tuple(plans), None if raw.findings is None else tuple(raw.findings))
 
 
 def analyze_memory(result: MemoryResult) -> list[Finding]:
     """The capability's findings when it gives any; else the dominant module type and the
     best verified checkpoint plan."""
-    if result.findings:
+    if result.findings is not None:
         return list(result.findings)
     out: list[Finding] = []
     if result.saved_bytes > 0:

@@ -12,8 +12,14 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from torchscope.doctor.section import DoctorOptions, Metric, Section, load_capability
-from torchscope.doctor.sections._adapt import first_attr, num, opt_int, seq
+from torchscope.doctor.section import (
+    DoctorOptions,
+    Metric,
+    Section,
+    load_capability,
+    optional_capability,
+)
+from torchscope.doctor.sections._adapt import named_loss, num, trainable_sgd
 from torchscope.findings import Finding, Severity
 from torchscope.models.target import ModelInputs
 
@@ -50,7 +56,7 @@ class ModuleTime:
 
 @dataclass(frozen=True)
 class ProfileResult:
-    """Top ops, time per module and the phase split of the profiled steps."""
+    """Top ops and time per module over the profiled steps; step and phase times per step."""
 
     steps: int
     ops: tuple[OpTime, ...]
@@ -59,7 +65,7 @@ class ProfileResult:
     forward_ms: float | None
     backward_ms: float | None
     optimizer_ms: float | None
-    findings: tuple[Finding, ...] = ()
+    findings: tuple[Finding, ...] | None = None  # None: the capability gave no analysis
 
     @property
     def self_cpu_total_us(self) -> float:
@@ -69,37 +75,33 @@ class ProfileResult:
 
 def _call(model: nn.Module, inputs: ModelInputs, options: DoctorOptions) -> Any:
     profile_steps = load_capability(CAPABILITY)
-    loss = None if options.loss == "auto" else options.loss
-    return profile_steps(model, inputs, loss_fn=loss, steps=options.profile_steps)
+    return profile_steps(model, inputs, loss_fn=named_loss(options.loss, options.seed),
+                         optimizer=trainable_sgd(model), steps=options.profile_steps,
+                         baseline_steps=0 if options.fast else None)
 
 
-def _convert(raw: Any, steps: int) -> ProfileResult:
-    ops = tuple(
-        OpTime(str(first_attr(o, "name", "key", default="?")),
-               opt_int(first_attr(o, "calls", "count", default=0)) or 0,
-               num(first_attr(o, "self_cpu_us", "self_cpu_time_total", default=0)) or 0.0,
-               num(first_attr(o, "total_cpu_us", "cpu_time_total", default=0)) or 0.0,
-               num(first_attr(o, "self_device_us", "self_cuda_us", default=None)))
-        for o in seq(first_attr(raw, "ops", "op_records", default=())))
-    modules = tuple(
-        ModuleTime(str(first_attr(m, "module", "name", default="?")),
-                   opt_int(first_attr(m, "calls", default=0)) or 0,
-                   num(first_attr(m, "forward_ms", default=0)) or 0.0,
-                   num(first_attr(m, "backward_ms", default=None)))
-        for m in seq(first_attr(raw, "modules", "module_records", default=())))
-    return ProfileResult(
-        opt_int(first_attr(raw, "steps", default=steps)) or steps,
-        tuple(sorted(ops, key=lambda o: -o.self_cpu_us)), modules,
-        num(first_attr(raw, "step_ms", default=None)),
-        num(first_attr(raw, "forward_ms", default=None)),
-        num(first_attr(raw, "backward_ms", default=None)),
-        num(first_attr(raw, "optimizer_ms", default=None)),
-        tuple(f for f in seq(first_attr(raw, "findings", default=())) if isinstance(f, Finding)))
+def _convert(raw: Any) -> ProfileResult:
+    """`torchscope.profiling.ProfileResult` → the section's record (phases per step)."""
+    ops = tuple(OpTime(o.name, int(o.calls), o.self_cpu_ms * 1e3, o.cpu_total_ms * 1e3,
+                       o.self_device_ms * 1e3 if o.self_device_ms else None) for o in raw.ops)
+    modules = tuple(ModuleTime(m.module, int(m.calls), m.forward_ms, m.backward_ms)
+                    for m in raw.modules)
+    steps = int(raw.steps)
+
+    def phase(name: str) -> float | None:
+        ph = raw.phase(name)
+        return None if ph is None else ph.cpu_ms / max(steps, 1)
+
+    analyzer = optional_capability("torchscope.profiling.profile_findings")
+    findings = None if analyzer is None else tuple(analyzer(raw))
+    return ProfileResult(steps, tuple(sorted(ops, key=lambda o: -o.self_cpu_us)), modules,
+                         num(raw.timing.profiled_ms), phase("forward"), phase("backward"),
+                         phase("optimizer"), findings)
 
 
 def analyze_profile(result: ProfileResult) -> list[Finding]:
     """The capability's findings when it gives any; else the top op and the phase split."""
-    if result.findings:
+    if result.findings is not None:
         return list(result.findings)
     out: list[Finding] = []
     total = result.self_cpu_total_us
@@ -134,7 +136,7 @@ class ProfileSection(Section[ProfileResult]):
 
     def run(self, model: nn.Module, inputs: ModelInputs, options: DoctorOptions
             ) -> ProfileResult:
-        return _convert(_call(model, inputs, options), options.profile_steps)
+        return _convert(_call(model, inputs, options))
 
     def analyze(self, result: ProfileResult) -> list[Finding]:
         return analyze_profile(result)
