@@ -10,7 +10,6 @@ reason (for example, CUDA-only claims on a CPU machine).
 from __future__ import annotations
 
 import contextlib
-import os
 import platform
 import shutil
 import statistics
@@ -25,6 +24,7 @@ import torch
 from torch import nn
 from torch.nn import functional
 
+from torchscope.doctor._env import quiet_kineto
 from torchscope.hooks.session import HookSession
 from torchscope.models.zoo import MLP, DeepMLP, TinyCNN
 
@@ -215,7 +215,7 @@ def _backward_hooks(device: torch.device) -> _Part:
 def _profile(device: torch.device) -> _Part:
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    os.environ.setdefault("KINETO_LOG_LEVEL", "5")
+    quiet_kineto()
     torch.manual_seed(0)
     model = MLP().to(device)  # 128 -> 256 -> 10
     opt = torch.optim.SGD(model.parameters(), lr=0.01)

@@ -14,6 +14,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from torchscope.doctor._env import quiet_kineto
 from torchscope.doctor.section import (
     CapabilityMissingError,
     DoctorOptions,
@@ -208,6 +209,7 @@ def run_doctor(
     """
     from torchscope.doctor.sections import registered_sections
 
+    quiet_kineto()
     options = options or DoctorOptions()
     model_inputs = ModelInputs.of(inputs)
     chosen = list(sections) if sections is not None else registered_sections()
