@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from typer.testing import CliRunner
 
@@ -58,3 +59,25 @@ def test_lab_bad_milestone_exit_2() -> None:
     assert res.exit_code == 2
     lines = [ln for ln in res.output.splitlines() if ln.strip()]
     assert len(lines) == 1 and "unknown milestone" in lines[0]
+
+
+@pytest.mark.slow
+def test_lab_compile_cost_column_is_measured() -> None:
+    from torchscope.doctor import run_lab
+
+    result = run_lab(fast=True, skip=("forward", "backward", "profile", "checkpoint", "memory"))
+    (table,) = result.milestones
+    mode, cost_s, compiled_ms, eager_ms, speedup, error = table.rows[0]
+    assert mode == "default" and error == ""
+    assert cost_s > 0 and compiled_ms > 0 and eager_ms > 0
+    assert speedup == pytest.approx(eager_ms / compiled_ms)
+    by = {c.claim: c for c in result.claims}
+    first = by["the first call pays the compile cost"]
+    assert first.measured == round(cost_s * 1e3 / compiled_ms)
+    assert first.held == (cost_s * 1e3 > 10 * compiled_ms)
+    wrappers = by["torch.compile returns a new wrapper object on every call"]
+    assert wrappers.measured == 3 and wrappers.held
+    loop = by["calling torch.compile in the loop recompiles on every iteration"]
+    assert isinstance(loop.measured, int) and loop.held == (loop.measured == 3)
+    for c in result.claims:
+        assert (c.held is None) == (c.measured is None), c
