@@ -55,9 +55,11 @@ def fake_analyze_memory(model: nn.Module, inputs: Any, **_: Any) -> Any:
     mods = [SimpleNamespace(module=n, module_type=type(m).__name__, bytes=4096 * (i + 1),
                             storages=1) for i, (n, m) in enumerate(model.named_children())]
     saved = sum(m.bytes for m in mods)
-    plans = [SimpleNamespace(name="none", blocks=(), saved_bytes=saved, recompute_ms=0.0),
-             SimpleNamespace(name="sqrt", blocks=(mods[0].module,), saved_bytes=saved // 2,
-                             recompute_ms=1.0)]
+    names = tuple(m.module for m in mods)
+    plans = [SimpleNamespace(name="none", blocks=names, segments=(), saved_bytes=saved,
+                             recompute_ms=0.0),
+             SimpleNamespace(name="sqrt", blocks=names, segments=((0, 1),),
+                             saved_bytes=saved // 2, recompute_ms=1.0)]
     measured = [SimpleNamespace(plan=p.name, step_ms=10.0, recompute_ms=p.recompute_ms * 1.5,
                                 verification=SimpleNamespace(ok=True)) for p in plans]
     return SimpleNamespace(

@@ -107,6 +107,9 @@ def test_adapters_with_capabilities_fill_records_findings_and_metrics(
         grads.layers[0].grad_output_norm / grads.layers[-1].grad_output_norm)
     assert m["compile.speedup:default"].value == pytest.approx(2.0)
     assert m["compile.speedup:default"].better == "higher"
+    mem = report.outcome("memory").result
+    assert [(p.name, p.blocks, p.verified) for p in mem.plans] == [
+        ("none", (), True), ("sqrt", ("conv1",), True)]
     prof = report.outcome("profile").result
     assert prof.ops[0].self_cpu_us == max(o.self_cpu_us for o in prof.ops)
 

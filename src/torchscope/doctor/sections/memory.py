@@ -99,8 +99,10 @@ def _convert(raw: Any) -> MemoryResult:
         for p in raw.plans.plans:
             m = measured.get(p.name)
             verified = None if m is None or m.verification is None else bool(m.verification.ok)
+            # `blocks` lists the candidates; `segments` are the [start, end) runs checkpointed.
+            chosen = tuple(p.blocks[i] for start, end in p.segments for i in range(start, end))
             plans.append(CheckpointPlan(
-                p.name, tuple(p.blocks), int(p.saved_bytes),
+                p.name, chosen, int(p.saved_bytes),
                 num(m.recompute_ms) if m is not None else num(p.recompute_ms), verified))
     return MemoryResult(
         modules, int(raw.saved.total_bytes), int(t.parameters), int(t.gradients),
