@@ -76,17 +76,27 @@ def test_constant_and_scale_drift_findings() -> None:
     assert drift[0].evidence["ratio"] == pytest.approx(float(out3.std() / out0.std()), rel=1e-4)
 
 
-def test_adapters_not_available_are_reported_not_fatal() -> None:
+def test_adapters_not_available_are_reported_not_fatal(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torchscope.grads
+    import torchscope.memory
+    import torchscope.profiling
+
+    # As on a branch where those capabilities are not merged (or an install without them).
+    monkeypatch.delattr(torchscope.grads, "gradient_flow", raising=False)
+    monkeypatch.delattr(torchscope.memory, "analyze_memory", raising=False)
+    monkeypatch.delattr(torchscope.profiling, "profile_steps", raising=False)
     report = run_doctor(TinyCNN(), torch.randn(2, 3, 32, 32),
                         options=DoctorOptions(skip=frozenset({"compile"})))
     status = {o.name: o.status for o in report.outcomes}
-    assert status["activations"] == "ok" and status["compile"] == "skipped"
+    assert status == {"activations": "ok", "gradients": "unavailable", "memory": "unavailable",
+                      "profile": "unavailable", "compile": "skipped"}
     for name, dotted in (("gradients", "torchscope.grads.gradient_flow"),
                          ("memory", "torchscope.memory.analyze_memory"),
                          ("profile", "torchscope.profiling.profile_steps")):
         o = report.outcome(name)
-        if o.status == "unavailable":  # until that capability is merged
-            assert dotted in o.note and "not available" in o.note
+        assert o.note == f"not available: this install has no {dotted}"
+        assert o.result is None and not o.findings and not o.metrics
+    assert report.outcome("compile").note == "skipped by --skip"
 
 
 def test_adapters_with_capabilities_fill_records_findings_and_metrics(
