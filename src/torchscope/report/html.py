@@ -240,9 +240,19 @@ def _section_html(outcome: SectionOutcome) -> str:
     if outcome.status == "ok" and outcome.section is not None:
         from torchscope.report.plots_doctor import figure_svg
 
-        figures = outcome.section.plots(outcome.result)
-        svgs = {pid: figure_svg(fig) for pid, fig in figures.items()}
-        body = outcome.section.html(outcome.result, svgs)
+        svgs: dict[str, str] = {}
+        failed: list[str] = []
+        try:
+            figures = outcome.section.plots(outcome.result)
+        except Exception as exc:  # a plot must not cost the user the whole report
+            figures, failed = {}, [f"plots: {type(exc).__name__}: {exc}"]
+        for pid, fig in figures.items():
+            try:
+                svgs[pid] = figure_svg(fig)
+            except Exception as exc:
+                failed.append(f"{pid}: {type(exc).__name__}: {exc}")
+        body = outcome.section.html(outcome.result, svgs) + "".join(
+            f'<p class="note">could not draw {_e(f)}</p>' for f in failed)
     note = f'<p class="note">{_e(outcome.note)}</p>' if outcome.note else ""
     timing = f" · {outcome.seconds:.1f} s" if outcome.status in ("ok", "failed") else ""
     return (f'<section id="section-{_e(outcome.name)}" class="doctor-section" '
