@@ -18,6 +18,11 @@ demo: $(STAMP)
 	$(BIN)/torchscope doctor --out torchscope-report
 
 test: $(STAMP)
+	@# The report's browser test needs headless Chromium; install it where apt-get can.
+	@if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null; then \
+		$$( [ "$$(id -u)" = 0 ] || echo sudo ) apt-get update -q && \
+		$$( [ "$$(id -u)" = 0 ] || echo sudo ) apt-get install -y -q chromium || \
+		echo "chromium not installed: the browser test will be skipped"; fi
 	$(BIN)/python -m ruff check src tests benchmarks
 	$(BIN)/python -m mypy
 	$(BIN)/python -m pytest -n 2 --dist loadgroup

@@ -1,9 +1,219 @@
-"""Placeholder: this command's module registers nothing until its capability lands."""
+"""`torchscope doctor`, `torchscope diff` and `torchscope lab`."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Annotated
+
 import typer
+
+from torchscope.cli._common import (
+    DebugOpt,
+    InputOpt,
+    InputsFnOpt,
+    TargetArg,
+    console,
+    fail,
+    guarded,
+    is_tty,
+    load,
+)
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from torchscope.doctor import DoctorOptions, DoctorReport
+    from torchscope.models.target import ModelInputs
+
+_LOSSES = ("auto", "cross_entropy", "mse", "sum")
 
 
 def register(app: typer.Typer) -> None:
-    """Add this module's command to `app`."""
+    """Add `doctor`, `diff` and `lab` to `app`."""
+    app.command("doctor")(doctor)
+    app.command("diff")(diff)
+    app.command("lab")(lab)
+
+
+def _split(text: str | None) -> list[str]:
+    return [p.strip() for p in (text or "").split(",") if p.strip()]
+
+
+def _device(name: str) -> str:
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        fail(f"--device {name} asked for CUDA, but torch sees no CUDA device. Fix: use "
+             "--device cpu (or auto).")
+    if name != "cpu" and not name.startswith("cuda"):
+        fail(f"--device {name!r} is not cpu, cuda, cuda:N or auto. Fix: use one of those.")
+    return name
+
+
+def doctor(  # noqa: PLR0917 - typer maps parameters to options
+    target: TargetArg = None,
+    input: InputOpt = None,
+    inputs: InputsFnOpt = None,
+    skip: Annotated[str | None, typer.Option(
+        "--skip", help="Sections not to run, comma-separated: activations, gradients, memory, "
+        "profile, compile.")] = None,
+    fast: Annotated[bool, typer.Option(
+        "--fast", help="Skip torch.compile (seconds of cold compile per mode) and profile 3 "
+        "steps instead of --steps; keeps `make demo` under 2 minutes on 2 cores.")] = False,
+    out: Annotated[str, typer.Option("--out", "-o", help="Folder for report.html and "
+                                     "report.json.")] = "torchscope-report",
+    loss: Annotated[str, typer.Option(help="Loss for the backward passes: auto, cross_entropy, "
+                                      "mse or sum.")] = "auto",
+    steps: Annotated[int, typer.Option(min=1, help="Profiled training steps.")] = 5,
+    compile_modes: Annotated[str, typer.Option(
+        "--compile-modes", help="torch.compile modes to measure, comma-separated.")] = "default",
+    device: Annotated[str, typer.Option(help="cpu, cuda, cuda:N or auto.")] = "auto",
+    fail_on: Annotated[str | None, typer.Option(
+        "--fail-on", help="Exit 1 when a finding is at least this severe: error or warning.")
+    ] = None,
+    debug: DebugOpt = False,
+) -> None:
+    """Examine a model end to end and write report.html + report.json with ranked findings."""
+    with guarded(debug):
+        from torchscope.doctor import DoctorOptions, section_names, write_report
+        from torchscope.findings import Severity
+        from torchscope.report.doctor import findings_table, sections_table
+
+        skipped = _split(skip)
+        unknown = [s for s in skipped if s not in section_names()]
+        if unknown:
+            fail(f"--skip names unknown section(s) {', '.join(unknown)}. Fix: choose from "
+                 f"{', '.join(section_names())}.")
+        if loss not in _LOSSES:
+            fail(f"--loss {loss!r} is not one of {', '.join(_LOSSES)}. Fix: pick one of those.")
+        if fail_on not in (None, "error", "warning"):
+            fail(f"--fail-on {fail_on!r} is not error or warning. Fix: pick one of those.")
+        modes = tuple(_split(compile_modes)) or ("default",)
+        dev = _device(device)
+        loaded, model_inputs = load(target, input, inputs)
+        model = loaded.model.to(dev)
+        options = DoctorOptions(fast=fast, skip=frozenset(skipped), loss=loss, steps=steps,
+                                compile_modes=modes, device=dev)
+        report = _run_with_progress(model, model_inputs.to(dev), options, loaded.name)
+        html_path, json_path = write_report(report, out)
+        console.print(sections_table(report))
+        if report.findings:
+            console.print(findings_table(report.findings,
+                                         title="Findings, most severe first"))
+        else:
+            console.print("No findings: nothing looked wrong in the sections that ran.")
+        console.print(f"wrote {html_path} and {json_path}")
+        if fail_on is not None:
+            floor = Severity.ERROR if fail_on == "error" else Severity.WARNING
+            if any(f.severity >= floor for _, f in report.findings):
+                raise typer.Exit(1)
+
+
+def _run_with_progress(model: nn.Module, inputs: ModelInputs, options: DoctorOptions,
+                       name: str) -> DoctorReport:
+    """Run the doctor with a rich progress bar on a terminal, one line per section otherwise."""
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from torchscope.doctor import DoctorEvent, run_doctor
+
+    if not is_tty():
+        def line(ev: DoctorEvent) -> None:
+            if ev.phase == "done" and ev.outcome is not None:
+                o = ev.outcome
+                console.print(f"[{ev.index + 1}/{ev.total}] {o.title}: {o.status} "
+                              f"({o.seconds:.1f} s){' - ' + o.note if o.note else ''}",
+                              highlight=False)
+
+        return run_doctor(model, inputs, options=options, name=name, on_event=line)
+
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                  TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
+                  console=console, transient=True) as progress:
+        task = progress.add_task("starting", total=None)
+
+        def bar(ev: DoctorEvent) -> None:
+            if ev.phase == "start":
+                progress.update(task, total=ev.total,
+                                description=f"doctor: {ev.title} ({ev.section})")
+            elif ev.outcome is not None:
+                progress.advance(task)
+                progress.console.print(f"  {ev.outcome.title}: {ev.outcome.status} "
+                                       f"({ev.outcome.seconds:.1f} s)", highlight=False)
+
+        return run_doctor(model, inputs, options=options, name=name, on_event=bar)
+
+
+def diff(
+    old: Annotated[str, typer.Argument(help="The earlier report.json (or its folder).")],
+    new: Annotated[str, typer.Argument(help="The later report.json (or its folder).")],
+    threshold: Annotated[list[str] | None, typer.Option(
+        "--threshold", "-t", help="Allowed relative worsening: 0.1 for every metric, or "
+        "NAME=FRAC for metrics starting with NAME (profile.step_ms=25%). Repeatable.")] = None,
+    json_path: Annotated[str | None, typer.Option("--json", help="Write the comparison "
+                                                  "here.")] = None,
+    debug: DebugOpt = False,
+) -> None:
+    """Compare two doctor reports; exit 1 when a metric regressed beyond its threshold."""
+    with guarded(debug):
+        from torchscope.doctor import diff_documents, load_document, parse_thresholds
+        from torchscope.report.doctor import diff_table
+        from torchscope.report.serialize import write_json
+
+        thresholds = parse_thresholds(threshold or [])
+        result = diff_documents(load_document(old), load_document(new), thresholds,
+                                old_name=old, new_name=new)
+        console.print(diff_table(result))
+        if json_path:
+            write_json(json_path, result)
+        if not result.changes:
+            console.print("the two reports share no metric.")
+        regressions = result.regressions
+        if regressions:
+            console.print(f"[bold red]{len(regressions)} regression(s):[/] "
+                          + ", ".join(c.name for c in regressions))
+            raise typer.Exit(1)
+        console.print("no regression beyond the thresholds.")
+
+
+def lab(  # noqa: PLR0917 - typer maps parameters to options
+    skip: Annotated[str | None, typer.Option(
+        "--skip", help="Milestones not to run, comma-separated: forward, backward, profile, "
+        "checkpoint, memory, compile.")] = None,
+    fast: Annotated[bool, typer.Option(
+        "--fast", help="Compile only in default mode, with fewer timed calls.")] = False,
+    device: Annotated[str, typer.Option(help="cpu, cuda, cuda:N or auto.")] = "cpu",
+    json_path: Annotated[str | None, typer.Option("--json", help="Write tables and claims "
+                                                  "here.")] = None,
+    strict: Annotated[bool, typer.Option("--strict", help="Exit 1 when a claim failed.")
+                      ] = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Reproduce the lesson's milestones on its models and check each claim."""
+    with guarded(debug):
+        from torchscope.doctor import run_lab
+        from torchscope.doctor.lab import MILESTONES
+        from torchscope.report.doctor import lab_tables
+        from torchscope.report.serialize import write_json
+
+        skipped = _split(skip)
+        unknown = [s for s in skipped if s not in MILESTONES]
+        if unknown:
+            fail(f"--skip names unknown milestone(s) {', '.join(unknown)}. Fix: choose from "
+                 f"{', '.join(MILESTONES)}.")
+        dev = _device(device)
+
+        def say(name: str) -> None:
+            if is_tty():
+                console.print(f"[dim]running {name}...[/]")
+
+        result = run_lab(skip=skipped, fast=fast, device=dev, on_milestone=say)
+        for table in lab_tables(result):
+            console.print(table)
+        console.print(f"{result.held} held, {result.failed} failed, {result.unchecked} not "
+                      f"checked here.")
+        if json_path:
+            write_json(json_path, {"milestones": result.milestones, "claims": result.claims})
+            console.print(f"wrote {json_path}")
+        if strict and result.failed:
+            raise typer.Exit(1)

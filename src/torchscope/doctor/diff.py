@@ -1,0 +1,162 @@
+"""Compare the headline metrics of two doctor reports against thresholds (pure)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from torchscope.errors import TorchscopeError
+
+__all__ = ["DEFAULT_THRESHOLDS", "MetricChange", "ReportDiff", "ThresholdError", "diff_documents",
+           "parse_thresholds"]
+
+ChangeStatus = Literal["regressed", "improved", "unchanged", "new", "gone", "n/a"]
+
+# Relative change, in the worse direction, that counts as a regression; the longest matching
+# prefix of a metric's name applies. Counts of broken things tolerate no increase at all.
+DEFAULT_THRESHOLDS: dict[str, float] = {
+    "": 0.10,
+    "activations.nonfinite_modules": 0.0,
+    "activations.dead_units": 0.0,
+    "gradients": 0.5,
+    "memory": 0.10,
+    "profile.step_ms": 0.25,  # wall time on a shared machine is noisy
+    "compile.speedup": 0.20,
+    "compile.cold_s": 0.50,
+}
+
+
+class ThresholdError(TorchscopeError):
+    """A `--threshold` value is malformed."""
+
+
+@dataclass(frozen=True)
+class MetricChange:
+    """One metric in both reports.
+
+    Attributes:
+        name, label, unit: the metric's.
+        better: `lower` or `higher`.
+        old, new: the values (None where a report lacks it).
+        change: (new - old) / |old|; ±inf when old is 0 and new is not; None when unknown.
+        threshold: the relative change in the worse direction that counts as a regression.
+        status: regressed, improved, unchanged, new (only in new), gone (only in old), or n/a.
+    """
+
+    name: str
+    label: str
+    unit: str
+    better: str
+    old: float | None
+    new: float | None
+    change: float | None
+    threshold: float
+    status: ChangeStatus
+
+
+@dataclass(frozen=True)
+class ReportDiff:
+    """Every compared metric, in name order."""
+
+    old: str
+    new: str
+    changes: tuple[MetricChange, ...]
+
+    @property
+    def regressions(self) -> tuple[MetricChange, ...]:
+        """Changes beyond their threshold in the worse direction."""
+        return tuple(c for c in self.changes if c.status == "regressed")
+
+
+def parse_thresholds(items: Sequence[str]) -> dict[str, float]:
+    """`["0.2", "profile.step_ms=0.5", "gradients=1"]` → thresholds over the defaults.
+
+    A bare number replaces every default threshold; `NAME=FRAC` sets it for metrics whose
+    name starts with NAME (the longest matching NAME wins). FRAC is a fraction (0.2 = 20%)
+    or a percentage (`20%`).
+
+    Raises:
+        ThresholdError: an item is not `FRAC` or `NAME=FRAC` with FRAC >= 0.
+    """
+    parts = [p.strip() for item in items for p in item.split(",") if p.strip()]
+    bare = [p for p in parts if "=" not in p]
+    # A bare number replaces every default; NAME=FRAC then refines, whatever the order.
+    out = {"": _fraction(bare[-1], bare[-1])} if bare else dict(DEFAULT_THRESHOLDS)
+    for part in parts:
+        if "=" in part:
+            key, _, value = part.rpartition("=")
+            out[key.strip()] = _fraction(value.strip(), part)
+    return out
+
+
+def _fraction(text: str, item: str) -> float:
+    try:
+        value = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    except ValueError:
+        value = -1.0
+    if not math.isfinite(value) or value < 0:
+        raise ThresholdError(
+            f"threshold {item!r} is not FRAC or NAME=FRAC with a non-negative FRAC.",
+            fix="write e.g. --threshold 0.1 or --threshold profile.step_ms=25%.")
+    return value
+
+
+def _threshold_for(name: str, thresholds: Mapping[str, float]) -> float:
+    best = max((k for k in thresholds if name.startswith(k)), key=len, default="")
+    return thresholds.get(best, DEFAULT_THRESHOLDS[""])
+
+
+def _value(entry: Any) -> float | None:
+    v = entry.get("value") if isinstance(entry, Mapping) else None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        return None
+    return float(v)
+
+
+def diff_documents(
+    old: Mapping[str, Any],
+    new: Mapping[str, Any],
+    thresholds: Mapping[str, float] | None = None,
+    *,
+    old_name: str = "old",
+    new_name: str = "new",
+) -> ReportDiff:
+    """Compare the `metrics` of two report.json documents.
+
+    Args:
+        old, new: documents as `load_document` returns them.
+        thresholds: as `parse_thresholds` returns them; default `DEFAULT_THRESHOLDS`.
+        old_name, new_name: how to call the two reports in output.
+    """
+    th = dict(thresholds) if thresholds is not None else dict(DEFAULT_THRESHOLDS)
+    om: Mapping[str, Any] = old.get("metrics", {})
+    nm: Mapping[str, Any] = new.get("metrics", {})
+    changes = []
+    for name in sorted(set(om) | set(nm)):
+        meta = nm.get(name) or om.get(name) or {}
+        better = str(meta.get("better", "lower"))
+        a, b = _value(om.get(name)), _value(nm.get(name))
+        limit = _threshold_for(name, th)
+        change: float | None = None
+        status: ChangeStatus
+        if name not in om:
+            status = "new"
+        elif name not in nm:
+            status = "gone"
+        elif a is None or b is None:
+            status = "n/a"
+        else:
+            if a == b:
+                change = 0.0
+            elif a == 0:
+                change = math.copysign(math.inf, b - a)
+            else:
+                change = (b - a) / abs(a)
+            worse = change if better == "lower" else -change
+            status = ("regressed" if worse > limit else
+                      "improved" if worse < -limit or (limit == 0 and worse < 0) else "unchanged")
+        changes.append(MetricChange(name, str(meta.get("label", name)), str(meta.get("unit", "")),
+                                    better, a, b, change, limit, status))
+    return ReportDiff(old_name, new_name, tuple(changes))

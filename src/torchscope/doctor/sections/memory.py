@@ -1,0 +1,210 @@
+"""The `memory` section: adapter over `torchscope.memory.analyze_memory`.
+
+Until the memory capability is installed, `run` raises `CapabilityMissingError` and the doctor
+shows the section as not available. Wiring it means editing `_call` and `_convert` only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from torchscope.doctor.section import DoctorOptions, Metric, Section, load_capability
+from torchscope.doctor.sections._adapt import named_loss, num
+from torchscope.errors import BudgetError, SelectionError
+from torchscope.findings import Finding, Severity
+from torchscope.models.target import ModelInputs
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+__all__ = ["CAPABILITY", "CheckpointPlan", "MemoryResult", "MemorySection", "ModuleMemory",
+           "analyze_memory"]
+
+CAPABILITY = "torchscope.memory.analyze_memory"
+DOMINANT_SHARE = 0.3  # a module type holding this share of saved bytes is reported
+
+
+@dataclass(frozen=True)
+class ModuleMemory:
+    """Activations autograd saved while one module ran."""
+
+    module: str
+    module_type: str
+    saved_bytes: int
+    tensors: int
+
+
+@dataclass(frozen=True)
+class CheckpointPlan:
+    """One checkpointing plan as measured.
+
+    Attributes:
+        name: `none`, `all`, `sqrt`, `budget`, ...
+        blocks: the checkpointed blocks.
+        saved_bytes: activations saved under the plan.
+        recompute_ms: measured extra time per step (None when not measured).
+        verified: gradients bitwise identical with and without the plan (None: not checked).
+    """
+
+    name: str
+    blocks: tuple[str, ...]
+    saved_bytes: int
+    recompute_ms: float | None
+    verified: bool | None
+
+
+@dataclass(frozen=True)
+class MemoryResult:
+    """Saved activations per module, the step's memory totals and checkpoint plans."""
+
+    modules: tuple[ModuleMemory, ...]
+    saved_bytes: int
+    param_bytes: int | None
+    grad_bytes: int | None
+    optimizer_bytes: int | None
+    peak_estimate_bytes: int | None
+    measured_peak_bytes: int | None
+    step_ms: float | None
+    plans: tuple[CheckpointPlan, ...] = ()
+    findings: tuple[Finding, ...] | None = None  # None: the capability gave no analysis
+
+
+def _call(model: nn.Module, inputs: ModelInputs, options: DoctorOptions) -> Any:
+    analyze_memory = load_capability(CAPABILITY)
+    loss = named_loss(options.loss, options.seed)
+    if options.fast:
+        return analyze_memory(model, inputs, loss_fn=loss, checkpoint="none", repeats=1)
+    try:
+        # The least-recompute plan within what √L segments keep, verified bitwise.
+        return analyze_memory(model, inputs, loss_fn=loss, checkpoint="auto")
+    except (BudgetError, SelectionError):
+        return analyze_memory(model, inputs, loss_fn=loss, checkpoint="none")
+
+
+def _convert(raw: Any) -> MemoryResult:
+    """`torchscope.memory.MemoryReport` → the section's record."""
+    modules = tuple(ModuleMemory(m.module, m.module_type, int(m.bytes), int(m.storages))
+                    for m in raw.saved.modules)
+    t = raw.totals
+    plans: list[CheckpointPlan] = []
+    step_ms = None
+    if raw.plans is not None:
+        measured = {m.plan: m for m in raw.plans.measurements}
+        base = measured.get("none")
+        step_ms = num(base.step_ms) if base is not None else None
+        for p in raw.plans.plans:
+            m = measured.get(p.name)
+            verified = None if m is None or m.verification is None else bool(m.verification.ok)
+            # `blocks` lists the candidates; `segments` are the [start, end) runs checkpointed.
+            chosen = tuple(p.blocks[i] for start, end in p.segments for i in range(start, end))
+            plans.append(CheckpointPlan(
+                p.name, chosen, int(p.saved_bytes),
+                num(m.recompute_ms) if m is not None else num(p.recompute_ms), verified))
+    return MemoryResult(
+        modules, int(raw.saved.total_bytes), int(t.parameters), int(t.gradients),
+        None if t.optimizer_state is None else int(t.optimizer_state), int(t.peak_estimate),
+        None if raw.measured is None else int(raw.measured.peak_bytes), step_ms,
+        tuple(plans), None if raw.findings is None else tuple(raw.findings))
+
+
+def analyze_memory(result: MemoryResult) -> list[Finding]:
+    """The capability's findings when it gives any; else the dominant module type and the
+    best verified checkpoint plan."""
+    if result.findings is not None:
+        return list(result.findings)
+    out: list[Finding] = []
+    if result.saved_bytes > 0:
+        by_type: dict[str, int] = {}
+        for m in result.modules:
+            by_type[m.module_type or m.module] = by_type.get(m.module_type or m.module, 0) \
+                + m.saved_bytes
+        if by_type:
+            kind, nbytes = max(by_type.items(), key=lambda kv: kv[1])
+            share = nbytes / result.saved_bytes
+            if share >= DOMINANT_SHARE:
+                out.append(Finding(
+                    "memory.dominant", Severity.INFO,
+                    f"{kind} outputs hold {100 * share:.0f}% of saved activations",
+                    {"module_type": kind, "saved_bytes": nbytes, "share": share},
+                    fix="checkpoint the blocks that contain them, or use in-place variants "
+                        "where autograd allows"))
+    for p in result.plans:
+        if p.verified is False:
+            out.append(Finding(
+                "memory.verification_failed", Severity.ERROR,
+                f"checkpoint plan {p.name} changed the gradients",
+                {"plan": p.name}, fix="do not use this plan; report the model"))
+    base = result.saved_bytes
+    good = [p for p in result.plans if p.verified and p.saved_bytes < base and p.name != "none"]
+    if good:
+        best = min(good, key=lambda p: p.saved_bytes)
+        extra = (None if best.recompute_ms is None or not result.step_ms
+                 else best.recompute_ms / result.step_ms)
+        cost = "" if extra is None else f" at +{100 * extra:.0f}% step time"
+        out.append(Finding(
+            "memory.checkpoint_plan", Severity.INFO,
+            f"checkpointing {', '.join(best.blocks) or best.name} saves "
+            f"{base - best.saved_bytes:,} B of activations{cost}, gradients verified identical",
+            {"plan": best.name, "saved_before": base, "saved_after": best.saved_bytes,
+             "extra_step_frac": extra},
+            fix="torchscope.checkpointing.apply(model, blocks=...) when memory is the limit"))
+    return out
+
+
+class MemorySection(Section[MemoryResult]):
+    """What autograd keeps for backward, per module, and what checkpointing would save."""
+
+    name = "memory"
+    title = "Memory"
+    capability = CAPABILITY
+
+    def run(self, model: nn.Module, inputs: ModelInputs, options: DoctorOptions
+            ) -> MemoryResult:
+        return _convert(_call(model, inputs, options))
+
+    def analyze(self, result: MemoryResult) -> list[Finding]:
+        return analyze_memory(result)
+
+    def metrics(self, result: MemoryResult) -> dict[str, Metric]:
+        out = {"memory.saved_bytes": Metric(float(result.saved_bytes), "lower", "bytes",
+                                            "activations saved for backward")}
+        if result.peak_estimate_bytes is not None:
+            out["memory.peak_estimate_bytes"] = Metric(
+                float(result.peak_estimate_bytes), "lower", "bytes", "estimated step peak")
+        return out
+
+    def to_json(self, result: MemoryResult) -> dict[str, Any]:
+        return {
+            "saved_bytes": result.saved_bytes, "param_bytes": result.param_bytes,
+            "grad_bytes": result.grad_bytes, "optimizer_bytes": result.optimizer_bytes,
+            "peak_estimate_bytes": result.peak_estimate_bytes,
+            "measured_peak_bytes": result.measured_peak_bytes, "step_ms": result.step_ms,
+            "modules": [{"module": m.module, "type": m.module_type,
+                         "saved_bytes": m.saved_bytes, "tensors": m.tensors}
+                        for m in result.modules],
+            "plans": [{"name": p.name, "blocks": list(p.blocks), "saved_bytes": p.saved_bytes,
+                       "recompute_ms": p.recompute_ms, "verified": p.verified}
+                      for p in result.plans],
+        }
+
+    def plots(self, result: MemoryResult) -> dict[str, Figure]:
+        from torchscope.report.plots_doctor import memory_plans_plot, memory_saved_plot
+
+        out: dict[str, Figure] = {}
+        if result.modules:
+            out["memory-saved"] = memory_saved_plot(result.modules)
+        if result.plans:
+            out["memory-plans"] = memory_plans_plot(result.plans)
+        return out
+
+    def html(self, result: MemoryResult, plots: Mapping[str, str]) -> str:
+        from torchscope.report.html import memory_fragment
+
+        return memory_fragment(result, plots)
+
+
+SECTION = MemorySection()

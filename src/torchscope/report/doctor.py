@@ -1,0 +1,142 @@
+"""Terminal rendering of doctor runs, report diffs and the lab (rich)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from rich.table import Table
+from rich.text import Text
+
+from torchscope.findings import Finding, Severity
+from torchscope.report.fmt import fmt_bytes, fmt_num
+
+if TYPE_CHECKING:
+    from torchscope.doctor.diff import MetricChange, ReportDiff
+    from torchscope.doctor.lab import LabClaim, LabResult
+    from torchscope.doctor.runner import DoctorReport
+
+__all__ = ["diff_table", "findings_table", "lab_tables", "metric_text", "sections_table"]
+
+_SEV_STYLE = {Severity.ERROR: "bold red", Severity.WARNING: "yellow", Severity.INFO: "green"}
+_STATUS_STYLE = {"ok": "green", "skipped": "dim", "unavailable": "yellow", "failed": "red",
+                 "regressed": "bold red", "improved": "green", "unchanged": "dim", "new": "cyan",
+                 "gone": "cyan", "n/a": "dim"}
+
+
+def _evidence(evidence: Mapping[str, Any]) -> str:
+    out = []
+    for k, v in evidence.items():
+        if isinstance(v, float):
+            out.append(f"{k}={fmt_num(v)}")
+        elif isinstance(v, int) and not isinstance(v, bool):
+            out.append(f"{k}={v:,}")
+        else:
+            out.append(f"{k}={v}")
+    return ", ".join(out)
+
+
+def findings_table(findings: Sequence[tuple[str, Finding]], title: str = "Findings") -> Table:
+    """Findings most severe first: severity, section, summary with evidence, and the fix."""
+    table = Table(title=title, title_justify="left", show_lines=True)
+    table.add_column("severity")
+    table.add_column("section")
+    table.add_column("finding (evidence)", ratio=3)
+    table.add_column("suggested fix", ratio=2)
+    for section, f in findings:
+        body = Text(f.summary)
+        if f.evidence:
+            body.append("\n" + _evidence(f.evidence), style="dim")
+        table.add_row(Text(f.severity.label, style=_SEV_STYLE[f.severity]), section, body,
+                      f.fix or "—")
+    return table
+
+
+def sections_table(report: DoctorReport) -> Table:
+    """One row per section: status, time, note."""
+    table = Table(title=f"torchscope doctor: {report.target.name}", title_justify="left")
+    for col in ("section", "status", "seconds", "findings", "note"):
+        table.add_column(col, justify="right" if col in ("seconds", "findings") else "left")
+    for o in report.outcomes:
+        table.add_row(o.title, Text(o.status, style=_STATUS_STYLE[o.status]),
+                      f"{o.seconds:.1f}", str(len(o.findings)), o.note or "")
+    return table
+
+
+def metric_text(value: float | None, unit: str) -> str:
+    """A metric value in its unit."""
+    if value is None:
+        return "—"
+    if unit == "bytes":
+        return fmt_bytes(value)
+    if unit == "x":
+        return f"{value:.2f}×"
+    if unit == "ms":
+        return f"{value:.2f} ms"
+    if unit == "s":
+        return f"{value:.2f} s"
+    if unit == "count":
+        return f"{value:,.0f}"
+    return fmt_num(value)
+
+
+def _change(c: MetricChange) -> str:
+    if c.change is None:
+        return "—"
+    if math.isinf(c.change):
+        return "+∞" if c.change > 0 else "−∞"
+    return f"{100 * c.change:+.1f}%"
+
+
+def diff_table(diff: ReportDiff) -> Table:
+    """One row per metric: old, new, change, threshold, verdict."""
+    table = Table(title=f"torchscope diff: {diff.old} → {diff.new}", title_justify="left")
+    for col in ("metric", "old", "new", "change", "threshold", "better", "verdict"):
+        table.add_column(col, justify="left" if col in ("metric", "better", "verdict") else "right")
+    for c in diff.changes:
+        table.add_row(c.name, metric_text(c.old, c.unit), metric_text(c.new, c.unit), _change(c),
+                      f"{100 * c.threshold:.0f}%", c.better,
+                      Text(c.status, style=_STATUS_STYLE.get(c.status, "")))
+    return table
+
+
+def _claim_status(claim: LabClaim) -> Text:
+    if claim.held is None:
+        return Text("not checked", style="dim")
+    return Text("held", style="green") if claim.held else Text("failed", style="bold red")
+
+
+def lab_tables(result: LabResult) -> list[Table]:
+    """The lesson's comparison tables as measured, then every claim with its verdict."""
+    tables = []
+    for m in result.milestones:
+        t = Table(title=m.title, title_justify="left")
+        for col in m.columns:
+            t.add_column(col)
+        for row in m.rows:
+            t.add_row(*[_lab_cell(v) for v in row])
+        tables.append(t)
+    claims = Table(title="Lesson claims", title_justify="left", show_lines=False)
+    for col in ("#", "milestone", "claim", "expected", "measured", "verdict"):
+        claims.add_column(col, justify="right" if col == "#" else "left")
+    for i, c in enumerate(result.claims, 1):
+        measured = _lab_cell(c.measured) + (f" ({c.note})" if c.note else "")
+        claims.add_row(str(i), c.milestone, c.claim, _lab_cell(c.expected), measured,
+                       _claim_status(c))
+    tables.append(claims)
+    return tables
+
+
+def _lab_cell(v: object) -> str:
+    if v is None:
+        return "None"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        return fmt_num(v)
+    if isinstance(v, int):
+        return f"{v:,}"
+    if isinstance(v, tuple):
+        return "(" + ", ".join(_lab_cell(x) for x in v) + ("," if len(v) == 1 else "") + ")"
+    return str(v)

@@ -1,0 +1,204 @@
+"""Plots of the doctor report (matplotlib, no pyplot state): each function returns a Figure.
+
+`figure_svg` turns a figure into a self-contained inline `<svg>` (glyphs as paths, no
+metadata, no external reference) for report.html.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from matplotlib.figure import Figure
+
+if TYPE_CHECKING:
+    from torchscope.capture.records import ActivationRecord
+    from torchscope.doctor.sections.compile import CompileMode
+    from torchscope.doctor.sections.gradients import GradLayer
+    from torchscope.doctor.sections.memory import CheckpointPlan, ModuleMemory
+    from torchscope.doctor.sections.profile import ModuleTime, OpTime
+
+__all__ = [
+    "activation_stats_plot",
+    "activation_zeros_plot",
+    "compile_speedup_plot",
+    "figure_svg",
+    "gradient_flow_plot",
+    "memory_plans_plot",
+    "memory_saved_plot",
+    "profile_modules_plot",
+    "profile_ops_plot",
+]
+
+MAX_BARS = 60  # beyond this, labels are unreadable; the tables hold the rest
+_ACCENT = "#3b6ea8"
+_ACCENT2 = "#d9822b"
+_WARN = "#c0392b"
+_RC: dict[str, Any] = {"font.size": 8, "svg.fonttype": "path", "svg.hashsalt": "torchscope",
+       "axes.spines.top": False, "axes.spines.right": False}
+
+
+def _figure(n: int, height: float = 3.2) -> Figure:
+    width = min(max(6.0, 0.22 * n + 2.5), 14.0)
+    fig = Figure(figsize=(width, height), layout="constrained")
+    return fig
+
+
+def figure_svg(fig: Figure) -> str:
+    """The figure as an inline `<svg>` element: no XML prolog, DOCTYPE or metadata."""
+    import matplotlib
+
+    buf = io.StringIO()
+    with matplotlib.rc_context(_RC):  # type: ignore[arg-type]
+        fig.savefig(buf, format="svg", metadata={"Date": None, "Creator": None, "Format": None,
+                                                 "Type": None})
+    svg = buf.getvalue()
+    svg = svg[svg.index("<svg"):]
+    svg = re.sub(r"<metadata>.*?</metadata>", "", svg, flags=re.S)
+    return svg.strip()
+
+
+def _label(r: ActivationRecord) -> str:
+    name = r.module or "<root>"
+    return f"{name}#{r.call}" if r.call else name
+
+
+def activation_stats_plot(records: Sequence[ActivationRecord]) -> Figure:
+    """Mean ± std of each leaf output in forward order, with its min and max."""
+    rows = [r for r in records if r.output is not None and "float" in r.output.dtype][:MAX_BARS]
+    fig = _figure(len(rows))
+    ax = fig.add_subplot()
+    xs = list(range(len(rows)))
+    means = [r.output.mean for r in rows if r.output is not None]
+    stds = [r.output.std for r in rows if r.output is not None]
+    ax.errorbar(xs, means, yerr=stds, fmt="o", color=_ACCENT, capsize=3, label="mean ± std")
+    ax.scatter(xs, [r.output.min for r in rows if r.output is not None], marker="v", s=14,
+               color="#777777", label="min")
+    ax.scatter(xs, [r.output.max for r in rows if r.output is not None], marker="^", s=14,
+               color="#777777", label="max")
+    bad = [i for i, r in enumerate(rows) if not r.finite]
+    if bad:
+        ax.scatter(bad, [0.0] * len(bad), marker="x", s=40, color=_WARN, label="NaN/Inf")
+    ax.axhline(0.0, color="#bbbbbb", linewidth=0.8)
+    ax.set_xticks(xs, [_label(r) for r in rows], rotation=60, ha="right")
+    ax.set_ylabel("output value")
+    ax.set_title("Activation statistics per module (forward order)")
+    ax.legend(loc="best", fontsize=7)
+    return fig
+
+
+def activation_zeros_plot(records: Sequence[ActivationRecord]) -> Figure:
+    """Fraction of exactly-zero output elements per leaf module; dead channels annotated."""
+    rows = [r for r in records if r.output is not None][:MAX_BARS]
+    fig = _figure(len(rows))
+    ax = fig.add_subplot()
+    xs = list(range(len(rows)))
+    fracs = [100 * r.output.zero_frac for r in rows if r.output is not None]
+    colors = [_WARN if (r.output is not None and r.output.dead_units) else _ACCENT for r in rows]
+    ax.bar(xs, fracs, color=colors)
+    for x, r in zip(xs, rows, strict=True):
+        s = r.output
+        if s is not None and s.dead_units:
+            ax.annotate(f"{s.dead_units}/{s.channels} dead", (x, 100 * s.zero_frac),
+                        ha="center", va="bottom", fontsize=7, color=_WARN)
+    ax.set_ylim(0, 110)
+    ax.set_xticks(xs, [_label(r) for r in rows], rotation=60, ha="right")
+    ax.set_ylabel("zeros (%)")
+    ax.set_title("Zero fraction of each module's output (red: dead channels)")
+    return fig
+
+
+def gradient_flow_plot(layers: Sequence[GradLayer]) -> Figure:
+    """Gradient norm reaching each layer, input side on the left, log scale."""
+    rows = [ly for ly in reversed(layers) if ly.grad_output_norm is not None][-MAX_BARS:]
+    fig = _figure(len(rows))
+    ax = fig.add_subplot()
+    xs = list(range(len(rows)))
+    ax.bar(xs, [ly.grad_output_norm or 0.0 for ly in rows], color=_ACCENT, label="grad_output")
+    params = [(x, ly.param_grad_norm) for x, ly in zip(xs, rows, strict=True)
+              if ly.param_grad_norm]
+    if params:
+        ax.scatter([p[0] for p in params], [p[1] for p in params], color=_ACCENT2, zorder=3,
+                   label="parameter grads")
+    ax.set_yscale("log")
+    ax.set_xticks(xs, [ly.module for ly in rows], rotation=60, ha="right")
+    ax.set_ylabel("gradient norm (log)")
+    ax.set_title("Gradient flow (input side left, loss side right)")
+    ax.legend(loc="best", fontsize=7)
+    return fig
+
+
+def memory_saved_plot(modules: Sequence[ModuleMemory]) -> Figure:
+    """Bytes autograd saved per module, largest first."""
+    rows = sorted(modules, key=lambda m: -m.saved_bytes)[:30]
+    fig = _figure(10, height=max(2.5, 0.22 * len(rows) + 1))
+    ax = fig.add_subplot()
+    ys = list(range(len(rows)))
+    ax.barh(ys, [m.saved_bytes / 1024 for m in rows], color=_ACCENT)
+    ax.set_yticks(ys, [m.module or "<root>" for m in rows])
+    ax.invert_yaxis()
+    ax.set_xlabel("saved for backward (KiB)")
+    ax.set_title("Saved activations per module")
+    return fig
+
+
+def memory_plans_plot(plans: Sequence[CheckpointPlan]) -> Figure:
+    """Each checkpoint plan: saved bytes against recompute time."""
+    fig = _figure(8)
+    ax = fig.add_subplot()
+    for p in plans:
+        x = p.recompute_ms or 0.0
+        ax.scatter([x], [p.saved_bytes / 1024], color=_WARN if p.verified is False else _ACCENT)
+        ax.annotate(p.name, (x, p.saved_bytes / 1024), textcoords="offset points",
+                    xytext=(4, 4), fontsize=7)
+    ax.set_xlabel("recompute time per step (ms)")
+    ax.set_ylabel("saved activations (KiB)")
+    ax.set_title("Checkpoint plans: memory against recompute")
+    return fig
+
+
+def profile_ops_plot(ops: Sequence[OpTime]) -> Figure:
+    """Top ops by self CPU time."""
+    rows = sorted(ops, key=lambda o: -o.self_cpu_us)[:12]
+    fig = _figure(10, height=max(2.5, 0.25 * len(rows) + 1))
+    ax = fig.add_subplot()
+    ys = list(range(len(rows)))
+    ax.barh(ys, [o.self_cpu_us / 1e3 for o in rows], color=_ACCENT)
+    ax.set_yticks(ys, [f"{o.name} ×{o.calls}" for o in rows])
+    ax.invert_yaxis()
+    ax.set_xlabel("self CPU (ms, all profiled steps)")
+    ax.set_title("Top ops by self CPU time")
+    return fig
+
+
+def profile_modules_plot(modules: Sequence[ModuleTime]) -> Figure:
+    """Forward and backward time per module, stacked."""
+    rows = sorted(modules, key=lambda m: -(m.forward_ms + (m.backward_ms or 0.0)))[:30]
+    fig = _figure(10, height=max(2.5, 0.22 * len(rows) + 1))
+    ax = fig.add_subplot()
+    ys = list(range(len(rows)))
+    fwd = [m.forward_ms for m in rows]
+    ax.barh(ys, fwd, color=_ACCENT, label="forward")
+    ax.barh(ys, [m.backward_ms or 0.0 for m in rows], left=fwd, color=_ACCENT2, label="backward")
+    ax.set_yticks(ys, [m.module or "<root>" for m in rows])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms")
+    ax.set_title("Time per module")
+    ax.legend(loc="best", fontsize=7)
+    return fig
+
+
+def compile_speedup_plot(modes: Sequence[CompileMode]) -> Figure:
+    """Speedup of each torch.compile mode over eager; the line at 1× is break-even per call."""
+    fig = _figure(6)
+    ax = fig.add_subplot()
+    xs = list(range(len(modes)))
+    vals = [m.speedup or 0.0 for m in modes]
+    ax.bar(xs, vals, color=[_ACCENT if v >= 1 else _WARN for v in vals])
+    ax.axhline(1.0, color="#555555", linestyle="--", linewidth=1)
+    ax.set_xticks(xs, [m.mode for m in modes])
+    ax.set_ylabel("speedup over eager (×)")
+    ax.set_title("torch.compile speedup per mode")
+    return fig

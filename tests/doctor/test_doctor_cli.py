@@ -1,0 +1,106 @@
+"""`torchscope doctor` end to end: files written, schema-valid JSON, findings printed, bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from torchscope.cli import app
+from torchscope.doctor import SCHEMA_VERSION, load_schema
+
+runner = CliRunner()
+
+
+def _validate(doc: dict) -> None:
+    schema = load_schema()
+    jsonschema.Draft202012Validator.check_schema(schema)
+    jsonschema.Draft202012Validator(schema).validate(doc)
+
+
+def test_demo_equivalent_run_writes_valid_report(tmp_path: Path) -> None:
+    # What `make demo` runs, with --fast: the default target is tiny-cnn.
+    res = runner.invoke(app, ["doctor", "--fast", "--out", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    html = (tmp_path / "report.html").read_text()
+    doc = json.loads((tmp_path / "report.json").read_text())
+    _validate(doc)
+    assert doc["schema_version"] == SCHEMA_VERSION
+    assert doc["target"]["name"] == "tiny-cnn"
+    assert doc["options"]["fast"] is True
+    sections = doc["sections"]
+    assert list(sections) == ["activations", "gradients", "memory", "profile", "compile"]
+    assert sections["activations"]["status"] == "ok"
+    assert sections["compile"]["status"] == "skipped"
+    assert "--fast" in sections["compile"]["note"]
+    # Every section that is not ok says why, in the page and in the terminal.
+    for name, sec in sections.items():
+        if sec["status"] != "ok":
+            assert sec["note"] and sec["data"] is None
+        assert f'data-section="{name}"' in html
+    # The activation records match torch: conv1 of tiny-cnn is (32, 8, 30, 30).
+    mods = {m["module"]: m for m in sections["activations"]["data"]["modules"]}
+    assert mods["conv1"]["outputs"][0]["shape"] == [32, 8, 30, 30]
+    assert mods["relu"]["outputs"][0]["dead_units"] is not None
+    assert "wrote" in res.output and "report.html" in res.output
+    assert "Activations" in res.output
+
+
+def test_doctor_prints_ranked_findings_with_evidence_and_fix(tmp_path: Path) -> None:
+    factory = tmp_path / "deadnet.py"
+    factory.write_text(
+        "import torch\nfrom torch import nn\n"
+        "def build():\n"
+        "    torch.manual_seed(0)\n"
+        "    lin = nn.Linear(16, 8)\n"
+        "    with torch.no_grad():\n"
+        "        lin.bias[:6] = -100.0  # 6 of 8 units can never fire\n"
+        "    m = nn.Sequential(lin, nn.ReLU(), nn.Linear(8, 4))\n"
+        "    return m, torch.randn(32, 16)\n")
+    res = runner.invoke(app, ["doctor", f"{factory}:build", "--skip", "compile,profile,memory,"
+                              "gradients", "--out", str(tmp_path / "r"), "--fail-on", "warning"])
+    assert res.exit_code == 1, res.output  # --fail-on warning with a warning present
+    doc = json.loads((tmp_path / "r" / "report.json").read_text())
+    _validate(doc)
+    dead = [f for f in doc["findings"] if f["code"] == "activations.dead_units"]
+    assert dead and dead[0]["evidence"]["dead"] == 6 and dead[0]["evidence"]["channels"] == 8
+    assert dead[0]["severity"] == "warning" and dead[0]["fix"]
+    sev = [f["severity"] for f in doc["findings"]]
+    order = {"error": 0, "warning": 1, "info": 2}
+    assert sev == sorted(sev, key=order.__getitem__)
+    assert "6 of 8 channels" in res.output
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["--input", "32xbad"], "malformed"),
+    (["--skip", "nonsense"], "unknown section"),
+    (["no-such-model"], "neither a built-in"),
+    (["--input", "32x4x32x32"], "raised in conv1"),
+    (["--loss", "hinge"], "--loss"),
+])
+def test_doctor_bad_input_is_one_line_exit_2(tmp_path: Path, args: list[str], needle: str
+                                             ) -> None:
+    res = runner.invoke(app, ["doctor", *args, "--out", str(tmp_path)])
+    assert res.exit_code == 2, res.output
+    lines = [ln for ln in res.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and needle in lines[0], res.output
+    assert "Traceback" not in res.output
+    assert not (tmp_path / "report.json").exists()
+
+
+def test_doctor_leaves_model_untouched(fake_capabilities: None) -> None:
+    from torchscope.doctor import run_doctor
+    from torchscope.models import TinyCNN
+
+    model = TinyCNN()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    flags = [m.training for m in model.modules()]
+    report = run_doctor(model, torch.randn(4, 3, 32, 32))
+    assert report.outcome("gradients").status == "ok"  # it ran backward on the model
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+    assert [m.training for m in model.modules()] == flags

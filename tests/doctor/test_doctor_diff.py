@@ -1,0 +1,106 @@
+"""`torchscope diff`: thresholds, an injected regression, exit codes."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from torchscope.cli import app
+from torchscope.doctor import diff_documents, parse_thresholds
+from torchscope.doctor.diff import ThresholdError
+
+runner = CliRunner()
+
+
+def _doc(**metrics: tuple[float | None, str]) -> dict:
+    return {"schema": "torchscope.report", "schema_version": "1.0",
+            "metrics": {k: {"value": v, "better": b, "unit": "x", "label": k}
+                        for k, (v, b) in metrics.items()}}
+
+
+@pytest.fixture(scope="module")
+def real_report(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("diffbase")
+    res = runner.invoke(app, ["doctor", "--fast", "--skip", "gradients,memory,profile",
+                              "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    return json.loads((out / "report.json").read_text())
+
+
+def _write(path: Path, doc: dict) -> str:
+    path.write_text(json.dumps(doc))
+    return str(path)
+
+
+def test_same_report_has_no_regression(tmp_path: Path, real_report: dict) -> None:
+    a = _write(tmp_path / "a.json", real_report)
+    res = runner.invoke(app, ["diff", a, a])
+    assert res.exit_code == 0, res.output
+    assert "activations.dead_units" in res.output and "no regression" in res.output
+
+
+def test_injected_regressions_exit_1(tmp_path: Path, real_report: dict) -> None:
+    new = copy.deepcopy(real_report)
+    # Inject what a bad commit would do: more saved bytes, a slower step, a lost speedup.
+    new["metrics"]["activations.output_bytes"]["value"] *= 1.5
+    new["metrics"]["activations.nonfinite_modules"]["value"] = 2
+    old = copy.deepcopy(real_report)
+    for doc, step, speed in ((old, 10.0, 2.0), (new, 30.0, 1.1)):
+        doc["metrics"]["profile.step_ms"] = {"value": step, "better": "lower", "unit": "ms",
+                                             "label": "step"}
+        doc["metrics"]["compile.speedup:default"] = {"value": speed, "better": "higher",
+                                                     "unit": "x", "label": "speedup"}
+    res = runner.invoke(app, ["diff", _write(tmp_path / "old.json", old),
+                              _write(tmp_path / "new.json", new)])
+    assert res.exit_code == 1, res.output
+    assert "4 regression(s)" in res.output
+    for name in ("activations.output_bytes", "activations.nonfinite_modules",
+                 "profile.step_ms", "compile.speedup:default"):
+        assert name in res.output
+    res = runner.invoke(app, ["diff", str(tmp_path / "old.json"), str(tmp_path / "new.json"),
+                              "-t", "activations.nonfinite_modules=inf%"])
+    assert res.exit_code == 2  # inf% is not a valid fraction
+    # A generous threshold lets the relative changes through; NaN appearing from zero does not.
+    res = runner.invoke(app, ["diff", str(tmp_path / "old.json"), str(tmp_path / "new.json"),
+                              "-t", "10"])
+    assert res.exit_code == 1, res.output
+    assert "1 regression(s): activations.nonfinite_modules" in res.output
+
+
+def test_diff_pure_function_directions_and_zero_baseline() -> None:
+    old = _doc(**{"a.lower": (10.0, "lower"), "b.higher": (2.0, "higher"),
+                  "c.count": (0.0, "lower"), "d.gone": (1.0, "lower")})
+    new = _doc(**{"a.lower": (9.0, "lower"), "b.higher": (1.5, "higher"),
+                  "c.count": (1.0, "lower"), "e.new": (1.0, "lower")})
+    d = {c.name: c for c in diff_documents(old, new, parse_thresholds(["0.2"])).changes}
+    assert d["a.lower"].status == "unchanged" and math.isclose(d["a.lower"].change, -0.1)
+    assert d["b.higher"].status == "regressed"  # -25% of a higher-is-better metric
+    assert d["c.count"].status == "regressed" and d["c.count"].change == math.inf
+    assert d["d.gone"].status == "gone" and d["e.new"].status == "new"
+
+
+def test_thresholds_parse_prefixes_and_percent() -> None:
+    th = parse_thresholds(["profile=50%", "0.05"])
+    assert th == {"": 0.05, "profile": 0.5}  # the bare number replaced every default
+    assert parse_thresholds([])["profile.step_ms"] == 0.25
+    with pytest.raises(ThresholdError):
+        parse_thresholds(["profile=-1"])
+
+
+@pytest.mark.parametrize("content", [None, "not json", json.dumps({"schema": "other"}),
+                                     json.dumps({"schema": "torchscope.report",
+                                                 "schema_version": "2.0", "metrics": {}})])
+def test_diff_bad_input_exit_2_one_line(tmp_path: Path, content: str | None) -> None:
+    good = _write(tmp_path / "good.json", _doc(**{"a.b": (1.0, "lower")}))
+    bad = tmp_path / "bad.json"
+    if content is not None:
+        bad.write_text(content)
+    res = runner.invoke(app, ["diff", good, str(bad)])
+    assert res.exit_code == 2, res.output
+    lines = [ln for ln in res.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "Traceback" not in res.output
