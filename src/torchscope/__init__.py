@@ -47,6 +47,12 @@ _EXPORTS: dict[str, str] = {
     "LintViolation": "torchscope.lint",
     "lint_paths": "torchscope.lint",
     "lint_source": "torchscope.lint",
+    "run_doctor": "torchscope.doctor",
+    "DoctorOptions": "torchscope.doctor",
+    "DoctorReport": "torchscope.doctor",
+    "write_report": "torchscope.doctor",
+    "run_lab": "torchscope.doctor",
+    "diff_documents": "torchscope.doctor",
 }
 
 _SUBMODULES = {
@@ -70,6 +76,8 @@ __all__ = [
     "ActivationRecord",
     "BudgetError",
     "CompileError",
+    "DoctorOptions",
+    "DoctorReport",
     "Finding",
     "HookAudit",
     "HookGrowthGuard",
@@ -94,12 +102,16 @@ __all__ = [
     "activations",
     "audit_hooks",
     "capture_activations",
+    "diff_documents",
     "lint_paths",
     "lint_source",
     "profile_findings",
     "profile_steps",
+    "run_doctor",
+    "run_lab",
     "select_modules",
     "trace_nonfinite",
+    "write_report",
 ]
 
 
@@ -125,6 +137,14 @@ if TYPE_CHECKING:
         activations,
         capture_activations,
         trace_nonfinite,
+    )
+    from torchscope.doctor import (
+        DoctorOptions,
+        DoctorReport,
+        diff_documents,
+        run_doctor,
+        run_lab,
+        write_report,
     )
     from torchscope.errors import (
         BudgetError,

@@ -51,7 +51,7 @@ def _device(name: str) -> str:
     return name
 
 
-def doctor(  # noqa: PLR0917 - typer maps parameters to options
+def doctor(
     target: TargetArg = None,
     input: InputOpt = None,
     inputs: InputsFnOpt = None,
@@ -176,7 +176,7 @@ def diff(
         console.print("no regression beyond the thresholds.")
 
 
-def lab(  # noqa: PLR0917 - typer maps parameters to options
+def lab(
     skip: Annotated[str | None, typer.Option(
         "--skip", help="Milestones not to run, comma-separated: forward, backward, profile, "
         "checkpoint, memory, compile.")] = None,

@@ -187,7 +187,7 @@ def _backward_hooks(device: torch.device) -> _Part:
 
             s.full_backward_hook(getattr(model, name), hook)
         loss = functional.cross_entropy(model(x), y)
-        loss.backward()  # type: ignore[no-untyped-call]
+        loss.backward()
     lesson = {"fc": 3.16, "conv2": None, "conv1": 0.047}
     table = LabTable(
         "Milestone 2: backward hooks on tiny-cnn (cross-entropy, batch 32)",
@@ -231,7 +231,7 @@ def _profile(device: torch.device) -> _Part:
             with record_function("forward"):
                 loss = functional.nll_loss(functional.log_softmax(model(x), dim=1), y)
             with record_function("backward"):
-                loss.backward()  # type: ignore[no-untyped-call]
+                loss.backward()
             with record_function("optimizer"):
                 opt.step()
         if device.type == "cuda":
@@ -302,7 +302,7 @@ def _checkpoint(device: torch.device) -> _Part:
         for i in range(len(forward_calls)):
             forward_calls[i] = 0
         with _saved_activations(params) as saved:
-            out = model(x) if segments is None else checkpoint_sequential(  # type: ignore[no-untyped-call]
+            out = model(x) if segments is None else checkpoint_sequential(
                 model, segments, x, use_reentrant=False)
         out.sum().backward()
         return saved, [p.grad.detach().clone() for p in params if p.grad is not None], \
@@ -367,10 +367,10 @@ def _memory(device: torch.device) -> _Part:
                     LabClaim("memory", claim_b, True, None, None, why)]
     dev = device if device.type == "cuda" else torch.device("cuda")
     torch.cuda.synchronize(dev)
-    torch.cuda.empty_cache()
+    torch.cuda.empty_cache()  # noqa: TS005 - a clean baseline before measuring
     base_alloc = torch.cuda.memory_allocated(dev)
     t = torch.empty(64 * 2**20, dtype=torch.uint8, device=dev)  # 64 MiB
-    torch.cuda.empty_cache()
+    torch.cuda.empty_cache()  # noqa: TS005 - the lesson's trap, reproduced on purpose
     kept = torch.cuda.memory_allocated(dev) - base_alloc
     reserved_with = torch.cuda.memory_reserved(dev)
     del t
@@ -441,7 +441,7 @@ def _compile(device: torch.device, modes: tuple[str, ...], iters: int) -> _Part:
         wrappers = []
         for _ in range(3):
             t0 = time.perf_counter()
-            c = torch.compile(model)
+            c = torch.compile(model)  # noqa: TS004 - the lesson's trap, reproduced on purpose
             c(x)
             sync()
             loop_times.append(time.perf_counter() - t0)

@@ -364,9 +364,14 @@ class _Checker:
             what = "`torch.compile`" if self.imports.qualify(call.func) == _COMPILE \
                 else f"`{dotted(call.func) or 'compile'}()`"
             loops = self.tree.loops(call)
+            # Any argument the loop changes (the model, `mode=`, `backend=`, `options=`) means
+            # each iteration compiles something different: a sweep, not the trap.
+            used = refs(target) if target is not None else set()
+            for arg in (*call.args, *(k.value for k in call.keywords)):
+                used |= refs(arg)
             for loop in loops:
-                if refs(target) & loop.varying or self._cache_guarded(call, loop.node):
-                    continue  # compiles a different model each iteration, or only once
+                if used & loop.varying or self._cache_guarded(call, loop.node):
+                    continue  # compiles something different each iteration, or only once
                 self.report("TS004", call, _compile_message(
                     f"{what} runs on every iteration of the loop at line {loop.line}"))
                 break

@@ -130,8 +130,8 @@ def analyze_activations(
     trace = result.trace
     if trace.producer is not None:
         p = trace.producer
-        nan = sum(s.nan_count for s in p.outputs)
-        inf = sum(s.inf_count for s in p.outputs)
+        nan = sum(s.nan_count or 0 for s in p.outputs)
+        inf = sum(s.inf_count or 0 for s in p.outputs)
         out.append(Finding(
             "activations.nonfinite", Severity.ERROR,
             f"{p.module or '<root>'} ({p.module_type}) produces the first NaN/Inf of the forward "
