@@ -35,7 +35,6 @@ from torchscope.memory.records import Verification
 
 __all__ = ["BlockSpec", "Blocks", "CheckpointHandle", "apply", "resolve_blocks"]
 
-BlockSpec = str | nn.Module | Sequence[str | nn.Module] | None
 _MISSING = object()
 # Modules whose forward a live handle replaced -> that handle (one owner per module).
 _OWNERS: weakref.WeakKeyDictionary[nn.Module, CheckpointHandle] = weakref.WeakKeyDictionary()
@@ -58,6 +57,10 @@ class Blocks:
     def groupable(self) -> bool:
         """Whether consecutive blocks can be checkpointed as one segment."""
         return self.parent is not None
+
+
+BlockSpec = str | nn.Module | Blocks | Sequence[str | nn.Module] | None
+"""What `apply` and the planner accept as `blocks=` (see `resolve_blocks`)."""
 
 
 def _plain_sequential(m: nn.Module) -> bool:
@@ -83,11 +86,14 @@ def resolve_blocks(model: nn.Module, blocks: BlockSpec = None) -> Blocks:
             - any other module, or its qualified name: that single block;
             - a glob over qualified names or a type name (`layer*`, `GPT2Block`), as in
               `torchscope.select_modules`;
-            - a sequence of the above: their union.
+            - a sequence of the above: their union;
+            - a `Blocks` (returned as is).
 
     Raises:
         SelectionError: nothing matched, or one block contains another.
     """
+    if isinstance(blocks, Blocks):
+        return blocks
     named = dict(model.named_modules())
     names_of = {id(m): n for n, m in named.items()}
     if blocks is None:

@@ -197,6 +197,8 @@ class CheckpointPlan:
             segment's recomputed activations.
         recompute_ms: predicted recompute time: the forward time of every checkpointed block.
         budget: the byte budget it was planned for, if any.
+        parent: the `nn.Sequential` whose children the blocks are, when segments may span
+            several blocks.
     """
 
     name: str
@@ -206,6 +208,7 @@ class CheckpointPlan:
     peak_activation_bytes: int
     recompute_ms: float
     budget: int | None = None
+    parent: str | None = None
 
     @property
     def checkpointed(self) -> tuple[str, ...]:
