@@ -378,7 +378,8 @@ def plan_checkpointing(
         model: the model; left exactly as it was.
         inputs: tensor, tuple, dict or `ModelInputs`.
         blocks: which blocks may be checkpointed (see `resolve_blocks`).
-        budget: bytes of saved activations the budget plan may keep (int or `"64KB"`).
+        budget: bytes of saved activations the budget plan may keep (int or `"64KB"`);
+            `"sqrt"` means as many as the √L plan keeps (the least recompute at √L memory).
         loss_fn: maps the output to the scalar loss.
         measure: apply each plan for real: verify it (always), count its saved bytes, time
             its step and measure its peak.
@@ -405,7 +406,7 @@ def plan_checkpointing(
     lean_segs = ((0, n),) if resolved.groupable else tuple((i, i + 1) for i in range(n))
     smallest = min(costs.evaluate(lean_segs)[0], *(p.saved_bytes for p in plans))
     if budget is not None:
-        limit = parse_bytes(budget)
+        limit = plans[-1].saved_bytes if budget == "sqrt" else parse_bytes(budget)
         found, least = (_search_exact if search == "exact" else _search_dp)(
             costs, resolved.groupable, limit)
         smallest = min(smallest, least)
