@@ -85,7 +85,7 @@ def resolve_blocks(model: nn.Module, blocks: BlockSpec = None) -> Blocks:
             - an `nn.Sequential` / `nn.ModuleList` (or its name): its children;
             - any other module, or its qualified name: that single block;
             - a glob over qualified names or a type name (`layer*`, `GPT2Block`), as in
-              `torchscope.select_modules`;
+              `torchscope.select_modules`; of nested matches only the outermost are kept;
             - a sequence of the above: their union;
             - a `Blocks` (returned as is).
 
@@ -125,7 +125,10 @@ def resolve_blocks(model: nn.Module, blocks: BlockSpec = None) -> Blocks:
         elif item in named:
             picked.add(item)
         else:
-            picked.update(n for n, _ in select_modules(model, item))
+            # A glob like 'layers.*' also matches every descendant; keep the outermost.
+            hits = [n for n, _ in select_modules(model, item)]
+            picked.update(n for n in hits
+                          if not any(h != n and (h == "" or n.startswith(h + ".")) for h in hits))
     ordered = tuple(n for n in named if n in picked)
     for a in ordered:
         for b in ordered:

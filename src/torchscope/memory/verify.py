@@ -43,7 +43,8 @@ _TOLERANCE: dict[torch.dtype, tuple[float, float]] = {
 def _grad_leaves(model: nn.Module, inputs: ModelInputs) -> list[tuple[str, torch.Tensor]]:
     leaves = list(model.named_parameters())
     seen = {id(p) for _, p in leaves}
-    for path, t in iter_tensors((inputs.args, dict(inputs.kwargs))):
+    named = [*iter_tensors(inputs.args), *iter_tensors(dict(inputs.kwargs))]
+    for path, t in named:
         if t.requires_grad and t.is_leaf and id(t) not in seen:
             leaves.append((f"input{path}", t))
             seen.add(id(t))
@@ -109,7 +110,16 @@ def verify(
             for _, t in leaves:
                 t.grad = None
             seed_all(seed)
-            got_loss = forward_backward(model, model_inputs, loss_fn)
+            try:
+                got_loss = forward_backward(model, model_inputs, loss_fn)
+            except Exception as exc:
+                first = (str(exc).strip().splitlines() or [""])[0]
+                raise VerificationError(
+                    f"the checkpointed step raised {type(exc).__name__}: {first} "
+                    "(the same step without checkpointing ran fine).",
+                    fix="a checkpointed block must recompute exactly what it computed: do not "
+                    "mutate state in forward (Hugging Face models: call with use_cache=False).",
+                ) from exc
             got_grads = _grads(leaves)
             got_buffers = snapshot_buffers(model)
     finally:
