@@ -13,6 +13,7 @@ referrer to show; a tensor with a `grad_fn` is reported as keeping its graph ali
 from __future__ import annotations
 
 import gc
+import inspect
 import sys
 import types
 import warnings
@@ -109,15 +110,28 @@ def _frame_locals(t: torch.Tensor, start: types.FrameType | None, ignore: set[in
     frame = start
     while frame is not None:
         f_locals = frame.f_locals
-        if f_locals is not frame.f_globals:
+        snapshot = _is_snapshot(frame, f_locals)
+        if snapshot:
             ignore.add(id(f_locals))  # the snapshot dict must not show up as a referrer
         for name, value in f_locals.items():
             if value is t:
                 code = frame.f_code
                 out.append(f"local {name!r} in {code.co_name}() at "
                            f"{code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno}")
+        if snapshot:
+            # Before Python 3.13, reading f_locals of a function frame stores a dict copy of
+            # its locals on the frame; clear it so that it keeps no tensor alive after a `del`
+            # (the real locals are untouched; the next read rebuilds the copy).
+            f_locals.clear()
         frame = frame.f_back
     return out
+
+
+def _is_snapshot(frame: types.FrameType, f_locals: Any) -> bool:
+    """Whether `f_locals` is the throw-away copy of an optimized function frame's locals."""
+    return (sys.version_info < (3, 13) and type(f_locals) is dict
+            and f_locals is not frame.f_globals
+            and bool(frame.f_code.co_flags & inspect.CO_OPTIMIZED))
 
 
 def _is_tensor(obj: Any) -> bool:
