@@ -178,20 +178,30 @@ def live_tensors(limit: int = 20, *, device: str | torch.device | None = None,
               *map(id, groups.values())}
     frame = sys._getframe()
     ignore.add(id(frame))
+    top = sized[:limit]
+    views = [v for g in top for v in g]
+    local_refs = {id(v): _frame_locals(v, frame.f_back, ignore) for v in views}
+    # One heap scan for all listed tensors' referrers, then split them by tensor.
+    referrers_of: dict[int, list[Any]] = {id(v): [] for v in views}
+    ignore.update({id(views), id(top), id(referrers_of)})
+    found_refs = gc.get_referrers(*views) if views else []
+    ignore.add(id(found_refs))
+    for ref in found_refs:
+        if id(ref) in ignore or ref is frame:
+            continue
+        for target in gc.get_referents(ref):
+            bucket = referrers_of.get(id(target))
+            if bucket is not None and not any(r is ref for r in bucket):
+                bucket.append(ref)
     rows: list[LiveTensor] = []
-    for group in sized[:limit]:
+    for group in top:
         t = max(group, key=lambda v: (isinstance(v, nn.Parameter), v.numel()))
         refs: list[str] = []
         for view in group:
-            for text in _frame_locals(view, frame.f_back, ignore):
-                if text not in refs:
-                    refs.append(text)
-            for ref in gc.get_referrers(view):
-                if id(ref) in ignore or ref is frame:
-                    continue
-                text = _describe(ref, view, ignore)
-                if text is not None and text not in refs:
-                    refs.append(text)
+            texts = list(local_refs[id(view)])
+            texts += [d for ref in referrers_of[id(view)]
+                      if (d := _describe(ref, view, ignore)) is not None]
+            refs.extend(x for x in texts if x not in refs)
         owner = grad_of.get(id(t))
         if owner is not None:
             kind = "parameter" if isinstance(owner, nn.Parameter) else "tensor"
@@ -202,7 +212,7 @@ def live_tensors(limit: int = 20, *, device: str | torch.device | None = None,
                                len(group), t.requires_grad, isinstance(t, nn.Parameter),
                                tuple(refs[:referrers])))
     count = len(sized)
-    del found, groups, sized, objects, frame, grad_of
+    del found, groups, sized, objects, frame, grad_of, top, views, found_refs, referrers_of
     before = after = (None, None)
     if torch.cuda.is_available() and torch.cuda.is_initialized() and (
             want is None or want.type == "cuda"):
