@@ -11,7 +11,7 @@ A thin public front for `torchscope.memory`'s checkpointing:
     >>> handle.remove()  # the model is exactly as before
 """
 
-from torchscope.memory.checkpoint import BlockSpec, Blocks, CheckpointHandle, apply, resolve_blocks
+from torchscope.memory.checkpoint import Blocks, BlockSpec, CheckpointHandle, apply, resolve_blocks
 from torchscope.memory.planner import apply_plan, parse_bytes
 from torchscope.memory.planner import plan_checkpointing as plan
 from torchscope.memory.records import CheckpointPlan, PlanReport, Verification

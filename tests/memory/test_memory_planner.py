@@ -10,8 +10,7 @@ import torchscope.checkpointing as ckpt
 from torchscope.errors import BudgetError
 from torchscope.memory import analyze_memory, parse_bytes, plan_checkpointing
 from torchscope.memory.planner import _costs, _search_dp, _search_exact
-from torchscope.models import ModelInputs
-from torchscope.models import DeepMLP
+from torchscope.models import DeepMLP, ModelInputs
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +48,7 @@ def test_every_plan_is_measured_and_verified_bitwise(deep_report) -> None:
 
 
 def test_model_untouched_by_planning(deep_report) -> None:
-    model, x, _ = deep_report
+    model, _, _ = deep_report
     assert not any("forward" in vars(m) for m in model.modules())
     assert all(p.grad is None for p in model.parameters())
 

@@ -26,9 +26,9 @@ def register(app: typer.Typer) -> None:
     app.command("memory")(memory)
 
 
-def memory(
+def memory(  # noqa: PLR0917 - typer maps each parameter to an option
     target: TargetArg = None,
-    input: InputOpt = None,  # noqa: A002 - the option is --input
+    input: InputOpt = None,
     inputs: InputsFnOpt = None,
     checkpoint: Annotated[str, typer.Option(
         "--checkpoint", "-c",

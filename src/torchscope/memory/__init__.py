@@ -9,7 +9,7 @@ from torchscope.memory.analysis import (
     describe_segments,
 )
 from torchscope.memory.api import CheckpointChoice, analyze_memory
-from torchscope.memory.checkpoint import BlockSpec, Blocks, CheckpointHandle, apply, resolve_blocks
+from torchscope.memory.checkpoint import Blocks, BlockSpec, CheckpointHandle, apply, resolve_blocks
 from torchscope.memory.live import live_tensors
 from torchscope.memory.measure import measure_step, memory_totals, optimizer_state_bytes
 from torchscope.memory.planner import apply_plan, parse_bytes, plan_checkpointing

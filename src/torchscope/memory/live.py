@@ -213,8 +213,9 @@ def live_tensors(limit: int = 20, *, device: str | torch.device | None = None,
                                tuple(refs[:referrers])))
     count = len(sized)
     del found, groups, sized, objects, frame, grad_of, top, views, found_refs, referrers_of
-    before = after = (None, None)
-    if torch.cuda.is_available() and torch.cuda.is_initialized() and (
+    before: tuple[int | None, int | None] = (None, None)
+    after = before
+    if torch.cuda.is_available() and torch.cuda.is_initialized() and (  # type: ignore[no-untyped-call]
             want is None or want.type == "cuda"):
         before = (torch.cuda.memory_allocated(), torch.cuda.memory_reserved())
         if empty_cache:

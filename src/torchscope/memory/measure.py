@@ -36,6 +36,8 @@ from torchscope.models.target import ModelInputs
 
 __all__ = ["measure_step", "memory_totals", "optimizer_state_bytes"]
 
+_CPU = torch.autograd.DeviceType.CPU  # type: ignore[attr-defined]
+
 
 def measure_step(model: nn.Module, inputs: Any, *, loss_fn: LossFn | None = None
                  ) -> MeasuredMemory:
@@ -76,7 +78,7 @@ def _memory_events(prof: Any) -> list[tuple[int, int]]:
     out: list[tuple[int, int]] = []
     if results is not None:
         for e in results.events():
-            if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU:
+            if e.name() == "[memory]" and e.device_type() == _CPU:
                 out.append((int(e.start_ns()), int(e.nbytes())))
         return out
     # Older layouts: each op's self memory at its start time (coarser, same sign convention).

@@ -43,8 +43,8 @@ from torchscope.memory._step import (
     timed_steps,
 )
 from torchscope.memory.checkpoint import (
-    BlockSpec,
     Blocks,
+    BlockSpec,
     CheckpointHandle,
     apply,
     resolve_blocks,
@@ -143,7 +143,7 @@ def _costs(model: nn.Module, blocks: Blocks, inputs: ModelInputs, loss_fn: LossF
 
     def owner(module: str) -> int | None:
         for b, name in enumerate(blocks.names):
-            if module == name or name == "" or module.startswith(name + "."):
+            if name in (module, "") or module.startswith(name + "."):
                 return b
         return None
 
@@ -273,8 +273,8 @@ def _search_dp(costs: _Costs, groupable: bool, budget: int) -> tuple[Segments | 
     """
     n = len(costs.times)
     input_of: dict[int, list[int]] = {}
-    for j, ins in enumerate(costs.inputs):
-        for k in ins:
+    for j, block_inputs in enumerate(costs.inputs):
+        for k in block_inputs:
             input_of.setdefault(k, []).append(j)
     savers: dict[int, set[int]] = {}
     for b, s in enumerate(costs.saves):
@@ -420,7 +420,8 @@ def plan_checkpointing(
         plans.append(_plan("budget", resolved, costs, found, limit))
     measurements: tuple[PlanMeasurement, ...] = ()
     if measure:
-        measurements = tuple(_measure(model, model_inputs, p, loss_fn, repeats, seed)
+        measurements = tuple(_measure(model, model_inputs, p, loss_fn=loss_fn, repeats=repeats,
+                                      seed=seed)
                              for p in plans)
         base_ms = measurements[0].step_ms
         measurements = tuple(
@@ -452,7 +453,7 @@ def apply_plan(model: nn.Module, plan: CheckpointPlan, inputs: Any, *,
                  require_bitwise=require_bitwise)
 
 
-def _measure(model: nn.Module, inputs: ModelInputs, plan: CheckpointPlan,
+def _measure(model: nn.Module, inputs: ModelInputs, plan: CheckpointPlan, *,
              loss_fn: LossFn | None, repeats: int, seed: int) -> PlanMeasurement:
     handle: CheckpointHandle | None = None
     if plan.segments:

@@ -41,7 +41,7 @@ _TOLERANCE: dict[torch.dtype, tuple[float, float]] = {
 
 
 def _grad_leaves(model: nn.Module, inputs: ModelInputs) -> list[tuple[str, torch.Tensor]]:
-    leaves = list(model.named_parameters())
+    leaves: list[tuple[str, torch.Tensor]] = [*model.named_parameters()]
     seen = {id(p) for _, p in leaves}
     named = [*iter_tensors(inputs.args), *iter_tensors(dict(inputs.kwargs))]
     for path, t in named:
