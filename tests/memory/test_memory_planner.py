@@ -15,10 +15,15 @@ from torchscope.models import DeepMLP, ModelInputs
 
 @pytest.fixture(scope="module")
 def deep_report():
-    torch.manual_seed(0)
-    model = DeepMLP()
-    x = torch.randn(32, 64)
-    return model, x, plan_checkpointing(model, x, budget="64KB", repeats=1)
+    threads = torch.get_num_threads()  # module scope runs before the one-thread fixture
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        model = DeepMLP()
+        x = torch.randn(32, 64)
+        return model, x, plan_checkpointing(model, x, budget="64KB", repeats=1)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_sqrt_and_budget_plans_reduce_saved_bytes(deep_report) -> None:

@@ -78,13 +78,15 @@ def analyze_totals(totals: MemoryTotals, measured: MeasuredMemory | None = None
             f"({fmt_bytes(totals.optimizer_state)}, {totals.optimizer_state_source}).",
             {"optimizer_state": totals.optimizer_state, "ratio": ratio},
         ))
-    if measured is not None and measured.method == "cuda-allocator" and measured.peak_bytes:
-        ratio = totals.peak_estimate / measured.peak_bytes
+    if measured is not None and measured.peak_above_baseline > 0:
+        ratio = totals.step_estimate / measured.peak_above_baseline
         out.append(Finding(
             "memory.estimate_vs_measured", Severity.INFO,
-            f"estimated peak {fmt_bytes(totals.peak_estimate)} vs measured "
-            f"{fmt_bytes(measured.peak_bytes)} ({ratio:.2f}×).",
-            {"estimate": totals.peak_estimate, "measured": measured.peak_bytes, "ratio": ratio},
+            f"the step allocates at most {fmt_bytes(totals.step_estimate)} by estimate "
+            f"(activations + outputs + gradients); measured peak "
+            f"{fmt_bytes(measured.peak_above_baseline)} ({ratio:.2f}× estimate/measured).",
+            {"estimate": totals.step_estimate, "measured": measured.peak_above_baseline,
+             "ratio": ratio, "method": measured.method},
         ))
     return out
 

@@ -173,5 +173,6 @@ def memory_totals(model: nn.Module, saved: SavedActivations,
         opt_bytes, source = optimizer_state_bytes(optimizer)
     peak = (p_bytes + b_bytes + (opt_bytes or 0) + saved.total_bytes + saved.output_bytes
             + g_bytes)
+    step = saved.total_bytes + saved.output_bytes + g_bytes
     return MemoryTotals(p_bytes, b_bytes, g_bytes, opt_bytes, source, saved.total_bytes,
-                        saved.output_bytes, peak)
+                        saved.output_bytes, peak, step)

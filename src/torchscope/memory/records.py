@@ -124,6 +124,9 @@ class MemoryTotals:
         peak_estimate: params + buffers + optimizer state + saved activations + outputs +
             gradients: the memory held when backward starts plus every gradient it will
             write, an upper bound that ignores kernels' temporary workspaces.
+        step_estimate: saved activations + outputs + gradients: what the forward + backward
+            itself allocates on top of the model's state (upper bound). This is what the CPU
+            measurement, which sees only allocations made during the step, compares to.
     """
 
     parameters: int
@@ -134,6 +137,7 @@ class MemoryTotals:
     saved_activations: int
     outputs: int
     peak_estimate: int
+    step_estimate: int = 0
 
 
 @dataclass(frozen=True)

@@ -86,17 +86,19 @@ def totals_table(totals: MemoryTotals, measured: MeasuredMemory | None = None,
         table.add_row("outputs (not saved)", fmt_bytes(totals.outputs), f"{totals.outputs:,}")
     table.add_row("[bold]estimated peak[/]", f"[bold]{fmt_bytes(totals.peak_estimate)}[/]",
                   f"{totals.peak_estimate:,}", end_section=True)
+    table.add_row("estimated: allocated by the step", fmt_bytes(totals.step_estimate),
+                  f"{totals.step_estimate:,}")
     if measured is not None:
+        table.add_row("[bold]measured: peak allocated by the step[/]",
+                      f"[bold]{fmt_bytes(measured.peak_above_baseline)}[/]",
+                      f"{measured.peak_above_baseline:,}")
         if measured.method == "cuda-allocator":
-            table.add_row("measured: allocated before step", fmt_bytes(measured.baseline_bytes),
-                          f"{measured.baseline_bytes:,}")
-            table.add_row("measured: peak allocated", fmt_bytes(measured.peak_bytes),
+            table.add_row("measured: allocated before the step",
+                          fmt_bytes(measured.baseline_bytes), f"{measured.baseline_bytes:,}")
+            table.add_row("measured: peak allocated (absolute)", fmt_bytes(measured.peak_bytes),
                           f"{measured.peak_bytes:,}")
-            table.add_row("measured: reserved (peak)", fmt_bytes(measured.reserved_bytes),
+            table.add_row("measured: reserved after / peak", fmt_bytes(measured.reserved_bytes),
                           fmt_bytes(measured.peak_reserved_bytes))
-        else:
-            table.add_row("measured: peak allocated during step", fmt_bytes(measured.peak_bytes),
-                          f"{measured.peak_bytes:,}")
         table.caption = _method_note(measured)
     return table
 
@@ -106,7 +108,8 @@ def _method_note(measured: MeasuredMemory) -> str:
         return ("measured with torch.cuda.max_memory_allocated after reset_peak_memory_stats; "
                 "reserved = allocated + the caching allocator's cache.")
     return ("CPU: torch.profiler memory events summed in time order; the peak counts only "
-            "what the step allocated above what was live when it began (parameters excluded).")
+            "what the step allocated above what was live when it began (parameters excluded). "
+            "Estimates are upper bounds: backward frees activations as it writes gradients.")
 
 
 def blocks_table(report: PlanReport, title: str = "Checkpointable blocks") -> Table:
