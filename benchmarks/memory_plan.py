@@ -100,14 +100,14 @@ def main() -> None:
             finally:
                 if handle is not None:
                     handle.remove()
-    L = args.blocks
-    k = math.ceil(math.sqrt(L))
-    print(f"model: {L} blocks of Linear({args.width},{4 * args.width})→GELU→"
+    n_blocks = args.blocks
+    k = math.ceil(math.sqrt(n_blocks))
+    print(f"model: {n_blocks} blocks of Linear({args.width},{4 * args.width})→GELU→"
           f"Linear→LayerNorm, batch {args.batch}, {args.threads} thread(s), torch "
           f"{torch.__version__}, best of {args.repeats}")
     print(f"one forward pass: {fwd:.2f} ms; without checkpointing autograd keeps "
           f"{fmt_bytes(base)} ({base:,} B)")
-    print(f"Chen et al.: √L plan = {math.ceil(L / k)} segments of ≤{k} blocks; memory "
+    print(f"Chen et al.: √L plan = {math.ceil(n_blocks / k)} segments of ≤{k} blocks; memory "
           f"O(√L), recompute ≤ 1 forward\n")
     head = (f"{'plan':<12}{'segments':>9}{'saved':>12}{'vs none':>9}{'peak act.':>12}"
             f"{'step ms':>9}{'recompute':>11}{'/ forward':>10}{'grads':>9}")
