@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import gc
+
 import torch
 from torch import nn
 
+import torchscope.checkpointing as ckpt
+
 from torchscope.memory import memory_totals, saved_activations
 from torchscope.memory.records import OUTSIDE
-from torchscope.models import DeepMLP
+from torchscope.models import DeepMLP, TinyCNN
 
 
 def _plain_count(model: nn.Module, *args: torch.Tensor, **kwargs: torch.Tensor) -> int:
@@ -15,14 +19,12 @@ def _plain_count(model: nn.Module, *args: torch.Tensor, **kwargs: torch.Tensor) 
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     params |= {b.untyped_storage().data_ptr() for b in model.buffers()}
     seen: dict[int, int] = {}
-    kept: list[torch.Tensor] = []
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        kept.append(t)
         ptr = t.untyped_storage().data_ptr()
         if ptr not in params:
             seen[ptr] = t.untyped_storage().nbytes()
-        return t
+        return t.detach()  # the output itself would form a cycle through its grad_fn
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = model(*args, **kwargs)
@@ -59,6 +61,23 @@ def test_accounting_leaves_model_and_rng_untouched() -> None:
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert torch.equal(rng, torch.get_rng_state())
     assert all(p.grad is None for p in model.parameters())
+
+
+def _graph_tensors() -> int:
+    gc.collect()
+    return sum(1 for o in gc.get_objects()
+               if issubclass(type(o), torch.Tensor) and o.grad_fn is not None)
+
+
+def test_accounting_keeps_no_graph_alive() -> None:
+    """A pack hook returning a saved output itself would leak it (a cycle via its grad_fn)."""
+    model = TinyCNN()
+    x = torch.randn(4, 3, 16, 16)
+    before = _graph_tensors()
+    saved_activations(model, x)
+    with ckpt.apply(model, blocks=["conv1", "conv2"]):
+        saved_activations(model, x)
+    assert _graph_tensors() == before
 
 
 def test_tiny_gpt2_table_sums_to_total(tiny_gpt2: nn.Module) -> None:

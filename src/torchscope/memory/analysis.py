@@ -79,14 +79,19 @@ def analyze_totals(totals: MemoryTotals, measured: MeasuredMemory | None = None
             {"optimizer_state": totals.optimizer_state, "ratio": ratio},
         ))
     if measured is not None and measured.peak_above_baseline > 0:
-        ratio = totals.step_estimate / measured.peak_above_baseline
+        meas = measured.peak_above_baseline
+        ratio = meas / max(totals.step_estimate, 1)
+        extra = (f"; transient buffers (unsaved intermediates, kernel workspaces) add "
+                 f"{fmt_bytes(meas - totals.step_estimate)} at the peak"
+                 if meas > totals.step_estimate else
+                 "; backward frees activations while it writes gradients")
         out.append(Finding(
             "memory.estimate_vs_measured", Severity.INFO,
-            f"the step allocates at most {fmt_bytes(totals.step_estimate)} by estimate "
-            f"(activations + outputs + gradients); measured peak "
-            f"{fmt_bytes(measured.peak_above_baseline)} ({ratio:.2f}× estimate/measured).",
-            {"estimate": totals.step_estimate, "measured": measured.peak_above_baseline,
-             "ratio": ratio, "method": measured.method},
+            f"the step keeps {fmt_bytes(totals.step_estimate)} by count (saved activations, "
+            f"outputs, gradients); its measured peak is {fmt_bytes(meas)} "
+            f"({ratio:.2f}×){extra}.",
+            {"estimate": totals.step_estimate, "measured": meas, "ratio": ratio,
+             "method": measured.method},
         ))
     return out
 

@@ -136,7 +136,7 @@ def _is_snapshot(frame: types.FrameType, f_locals: Any) -> bool:
 
 def _is_tensor(obj: Any) -> bool:
     try:
-        return isinstance(obj, torch.Tensor) and obj.device.type != "meta"
+        return issubclass(type(obj), torch.Tensor) and obj.device.type != "meta"
     except Exception:  # proxies whose isinstance or device raise are not ours to inspect
         return False
 

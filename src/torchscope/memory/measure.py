@@ -160,7 +160,8 @@ def memory_totals(model: nn.Module, saved: SavedActivations,
     """Parameters, buffers, gradients, optimizer state, saved activations and the peak.
 
     The peak estimate is params + buffers + optimizer state + saved activations + outputs +
-    gradients: what is held when backward starts, plus every gradient backward writes.
+    gradients: what is held when backward starts, plus every gradient backward writes;
+    transient buffers (unsaved intermediates, kernel workspaces) are not in it.
     """
     params, buffers = state_keys(model)
     p_bytes = _unique_bytes(model.parameters())

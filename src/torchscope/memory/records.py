@@ -122,11 +122,12 @@ class MemoryTotals:
         saved_activations: bytes autograd saves for backward.
         outputs: bytes of the forward outputs that are not saved anyway.
         peak_estimate: params + buffers + optimizer state + saved activations + outputs +
-            gradients: the memory held when backward starts plus every gradient it will
-            write, an upper bound that ignores kernels' temporary workspaces.
+            gradients: what is held when backward starts plus every gradient it writes.
+            Transient buffers (intermediates that are not saved, kernel workspaces such as
+            im2col) come on top; the measurement shows them.
         step_estimate: saved activations + outputs + gradients: what the forward + backward
-            itself allocates on top of the model's state (upper bound). This is what the CPU
-            measurement, which sees only allocations made during the step, compares to.
+            keeps on top of the model's state. The CPU measurement, which sees only
+            allocations made during the step, compares to this.
     """
 
     parameters: int

@@ -90,7 +90,7 @@ class _Recorder:
         self._anon = 0
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
-        # Called for every tensor an autograd node saves; must not change what is saved.
+        # Called for every tensor an autograd node saves.
         self.saves += 1
         module, module_type = self._where()
         key = storage_key(t)
@@ -117,7 +117,11 @@ class _Recorder:
         entry.saves += 1
         if module not in entry.savers:
             entry.savers.append(module)
-        return t
+        # A detached alias (same storage): when a node saves its own output, keeping `t`
+        # itself would hold that output's grad_fn from inside the graph, a cycle through C++
+        # that Python's gc cannot break. The accounting never runs backward, so no gradient
+        # depends on what is returned here.
+        return t.detach()
 
     def _where(self) -> tuple[str, str]:
         if not self._stack:

@@ -109,7 +109,8 @@ def _method_note(measured: MeasuredMemory) -> str:
                 "reserved = allocated + the caching allocator's cache.")
     return ("CPU: torch.profiler memory events summed in time order; the peak counts only "
             "what the step allocated above what was live when it began (parameters excluded). "
-            "Estimates are upper bounds: backward frees activations as it writes gradients.")
+            "Estimates count what the step keeps; transient buffers (unsaved intermediates, "
+            "kernel workspaces) add to the measurement, early frees in backward subtract.")
 
 
 def blocks_table(report: PlanReport, title: str = "Checkpointable blocks") -> Table:
