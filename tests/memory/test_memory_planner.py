@@ -110,4 +110,15 @@ def test_analyze_memory_auto_defaults_to_sqrt_memory(tiny_gpt2: nn.Module) -> No
     m = report.plans.measurement("budget")
     assert m is not None and m.verification is not None and m.verification.ok
     assert any(f.code == "memory.checkpoint_plan" for f in report.findings)
+    assert report.verification is m.verification
+
+
+def test_analyze_memory_verifies_the_chosen_plan_without_measuring() -> None:
+    model = DeepMLP()
+    report = analyze_memory(model, torch.randn(32, 64), checkpoint="sqrt", measure=False,
+                            repeats=1)
+    assert report.measured is None and report.plans is not None
+    assert report.plans.measurements == ()
+    assert report.verification is not None and report.verification.bitwise_equal
+    assert len(report.verification.grads) == 16
     assert not report.plans.groupable  # GPT-2's blocks live in a ModuleList

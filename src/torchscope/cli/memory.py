@@ -96,10 +96,9 @@ def memory(  # noqa: PLR0917 - typer maps each parameter to an option
         if report.plans is not None:
             console.print(blocks_table(report.plans))
             console.print(plans_table(report.plans, report.chosen))
-            m = report.plans.measurement(report.chosen or "")
-            if m is not None and m.verification is not None:
+            if report.verification is not None:
                 console.print(verification_table(
-                    m.verification, title=f"Verification of plan {report.chosen}"))
+                    report.verification, title=f"Verification of plan {report.chosen}"))
         findings = list(report.findings)
         live_report = None
         if live:

@@ -12,7 +12,7 @@ from torchscope.memory.analysis import analyze_plans, analyze_saved, analyze_tot
 from torchscope.memory.checkpoint import BlockSpec
 from torchscope.memory.measure import measure_step, memory_totals
 from torchscope.memory.planner import apply_plan, plan_checkpointing
-from torchscope.memory.records import MemoryReport
+from torchscope.memory.records import MemoryReport, Verification
 from torchscope.memory.saved import saved_activations
 from torchscope.models.target import ModelInputs
 
@@ -69,15 +69,19 @@ def analyze_memory(
     findings = [*analyze_saved(saved), *analyze_totals(totals, measured)]
     plans = None
     chosen = None
+    verification: Verification | None = None
     if checkpoint != "none":
         plan_budget = budget if budget is not None else ("sqrt" if checkpoint == "auto" else None)
         plans = plan_checkpointing(model, model_inputs, blocks=blocks, budget=plan_budget,
                                    loss_fn=loss_fn, measure=measure, repeats=repeats, seed=seed)
         chosen = _PLAN_OF[checkpoint]
-        if not measure:  # measured plans were verified when applied; verify this one now
+        measured_plan = plans.measurement(chosen)
+        if measured_plan is not None:  # measured plans were verified when applied
+            verification = measured_plan.verification
+        else:
             with apply_plan(model, plans.plan(chosen), model_inputs, loss_fn=loss_fn,
-                            seed=seed):
-                pass
+                            seed=seed) as handle:
+                verification = handle.verification
         findings += analyze_plans(plans, chosen)
     return MemoryReport(name or type(model).__name__, saved, totals, measured, plans, chosen,
-                        tuple(findings))
+                        tuple(findings), verification)

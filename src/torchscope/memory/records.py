@@ -377,7 +377,18 @@ class LiveTensors:
 
 @dataclass(frozen=True)
 class MemoryReport:
-    """Everything `analyze_memory` found about one training step."""
+    """Everything `analyze_memory` found about one training step.
+
+    Attributes:
+        model: a label for the model.
+        saved: saved-activation accounting.
+        totals: memory by part and the estimated peak.
+        measured: the measurement, unless `measure=False`.
+        plans: the checkpointing plans, when checkpointing was asked for.
+        chosen: the name of the plan that was applied and verified.
+        findings: what the analysis concluded.
+        verification: the chosen plan's verification.
+    """
 
     model: str
     saved: SavedActivations
@@ -386,3 +397,4 @@ class MemoryReport:
     plans: PlanReport | None = None
     chosen: str | None = None
     findings: tuple[Finding, ...] = field(default_factory=tuple)
+    verification: Verification | None = None

@@ -162,13 +162,16 @@ def plans_table(report: PlanReport, chosen: str | None = None,
 
 
 def verification_table(v: Verification, limit: int = 12, title: str = "Verification") -> Table:
-    """Loss and the gradients that differ most (all, when fewer than `limit`)."""
+    """The loss and the gradients that are not bitwise equal (the worst `limit` of them);
+    when every gradient is equal, the loss and the first three as a sample."""
     table = Table(title=title, title_justify="left")
     table.add_column("tensor")
     table.add_column("bitwise equal")
     table.add_column("max |diff|", justify="right")
     table.add_row("loss", "yes" if v.loss_equal else "[yellow]no[/]", f"{v.loss_abs_diff:.3g}")
-    worst = sorted(v.grads, key=lambda g: -g.max_abs_diff)[:limit]
+    differing = [g for g in v.grads if not g.bitwise_equal]
+    worst = (sorted(differing, key=lambda g: -g.max_abs_diff)[:limit] if differing
+             else list(v.grads[:3]))
     for g in worst:
         state = ("[red]missing[/]" if g.missing else "[red]extra[/]" if g.extra
                  else "yes" if g.bitwise_equal else "[yellow]no[/]")
