@@ -111,6 +111,7 @@ def test_analyze_memory_auto_defaults_to_sqrt_memory(tiny_gpt2: nn.Module) -> No
     assert m is not None and m.verification is not None and m.verification.ok
     assert any(f.code == "memory.checkpoint_plan" for f in report.findings)
     assert report.verification is m.verification
+    assert not report.plans.groupable  # GPT-2's blocks live in a ModuleList
 
 
 def test_analyze_memory_verifies_the_chosen_plan_without_measuring() -> None:
@@ -121,4 +122,3 @@ def test_analyze_memory_verifies_the_chosen_plan_without_measuring() -> None:
     assert report.plans.measurements == ()
     assert report.verification is not None and report.verification.bitwise_equal
     assert len(report.verification.grads) == 16
-    assert not report.plans.groupable  # GPT-2's blocks live in a ModuleList
