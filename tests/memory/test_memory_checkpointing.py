@@ -128,3 +128,24 @@ def test_block_resolution_and_errors(tiny_gpt2: nn.Module) -> None:
     with ckpt.apply(model), pytest.raises(TorchscopeError, match="already checkpointed"):
         ckpt.apply(model)
     assert not any("forward" in vars(m) for m in model.modules())
+
+
+def test_deepcopy_and_pickle_of_a_checkpointed_model() -> None:
+    import copy
+    import pickle
+
+    model = DeepMLP()
+    x = torch.randn(32, 64)
+    ref = model(x).detach()
+    with ckpt.apply(model, segments=[(0, 4), (4, 5), (7, 8)]):
+        twin = copy.deepcopy(model)
+        clone = pickle.loads(pickle.dumps(model))
+    for other in (twin, clone):
+        with torch.no_grad():
+            other[0][0].weight.zero_()  # the copy must not run the original's parameters
+        assert not torch.equal(other(x), ref)
+        other(x).sum().backward()
+        assert all(p.grad is not None for p in other.parameters())
+        assert all(p.grad is None for p in model.parameters())
+    assert torch.equal(model(x), ref)
+    assert not any("forward" in vars(m) for m in model.modules())

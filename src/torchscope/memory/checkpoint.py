@@ -258,46 +258,81 @@ class CheckpointHandle:
                 del _OWNERS[module]
 
     def _single(self, module: nn.Module) -> Callable[..., Any]:
-        original = module.forward
-        keep_rng = self.preserve_rng_state
-
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            if not torch.is_grad_enabled():
-                return original(*args, **kwargs)  # nothing is saved without grad
-            return checkpoint(original, *args, use_reentrant=False,
-                              preserve_rng_state=keep_rng, **kwargs)
-
-        return forward
+        previous = vars(module).get("forward")
+        return _CheckpointedForward(module, previous, self.preserve_rng_state)
 
     def _grouped(self, parent: nn.Module, multi: dict[int, int]) -> Callable[..., Any]:
-        children = [m for m in parent._modules.values() if m is not None]
-        parent_name = self.blocks.parent or ""
         names = self.blocks.names
-        keep_rng = self.preserve_rng_state
+        labels = {a: names[a] for a in multi}
+        return _SegmentedForward(parent, self.blocks.parent or "", dict(multi), labels,
+                                 self.preserve_rng_state)
 
-        def run(start: int, stop: int, x: Any) -> Any:
-            for child in children[start:stop]:
-                x = child(x)
-            return x
 
-        def forward(input: Any) -> Any:  # same loop as nn.Sequential.forward
-            x, i = input, 0
-            while i < len(children):
-                stop = multi.get(i)
-                if stop is None or not torch.is_grad_enabled():
-                    x, i = children[i](x), i + 1
-                    continue
-                label = (parent_name, names[i], type(children[i]).__name__)
-                token = SEGMENT_LABEL.set(label)
-                try:
-                    x = checkpoint(run, i, stop, x, use_reentrant=False,
-                                   preserve_rng_state=keep_rng)
-                finally:
-                    SEGMENT_LABEL.reset(token)
-                i = stop
-            return x
+class _CheckpointedForward:
+    """The `forward` a checkpointed block gets: its own forward under one checkpoint.
 
-        return forward
+    A plain object rather than a closure, so that `copy.deepcopy(model)` rebinds it to the
+    copied module and `pickle` can store it (a copy made while checkpointing is applied stays
+    checkpointed; the handle only restores the original model).
+    """
+
+    def __init__(self, module: nn.Module, previous: Callable[..., Any] | None,
+                 preserve_rng_state: bool) -> None:
+        self.module = module
+        self.previous = previous  # an instance-level forward the user had set, if any
+        self.preserve_rng_state = preserve_rng_state
+
+    def original(self, *args: Any, **kwargs: Any) -> Any:
+        """The block's forward as it was before checkpointing."""
+        if self.previous is not None:
+            return self.previous(*args, **kwargs)
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return self.original(*args, **kwargs)  # nothing is saved without grad
+        return checkpoint(self.original, *args, use_reentrant=False,
+                          preserve_rng_state=self.preserve_rng_state, **kwargs)
+
+
+class _SegmentedForward:
+    """The `forward` of an `nn.Sequential` whose consecutive children share checkpoints: the
+    same loop as `nn.Sequential.forward`, with each segment run under one checkpoint."""
+
+    def __init__(self, parent: nn.Module, parent_name: str, segments: dict[int, int],
+                 labels: dict[int, str], preserve_rng_state: bool) -> None:
+        self.parent = parent
+        self.parent_name = parent_name
+        self.segments = segments  # start -> stop (exclusive)
+        self.labels = labels  # start -> qualified name of the segment's first block
+        self.preserve_rng_state = preserve_rng_state
+
+    def _run(self, start: int, stop: int, x: Any) -> Any:
+        for child in self._children()[start:stop]:
+            x = child(x)
+        return x
+
+    def _children(self) -> list[nn.Module]:
+        return [m for m in self.parent._modules.values() if m is not None]
+
+    def __call__(self, input: Any) -> Any:
+        children = self._children()
+        x, i = input, 0
+        while i < len(children):
+            stop = self.segments.get(i)
+            if stop is None or not torch.is_grad_enabled():
+                x, i = children[i](x), i + 1
+                continue
+            # Attribute the checkpoint's saved inputs to the segment's first block.
+            token = SEGMENT_LABEL.set((self.parent_name, self.labels[i],
+                                       type(children[i]).__name__))
+            try:
+                x = checkpoint(self._run, i, stop, x, use_reentrant=False,
+                               preserve_rng_state=self.preserve_rng_state)
+            finally:
+                SEGMENT_LABEL.reset(token)
+            i = stop
+        return x
 
 
 def apply(
