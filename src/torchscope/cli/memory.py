@@ -1,9 +1,135 @@
-"""Placeholder: this command's module registers nothing until its capability lands."""
+"""`torchscope memory`: what one training step keeps, and checkpointing planned and verified."""
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import typer
+
+from torchscope.cli._common import (
+    DebugOpt,
+    InputOpt,
+    InputsFnOpt,
+    JsonOpt,
+    TargetArg,
+    console,
+    guarded,
+    load,
+)
+
+_CHOICES = ("none", "all", "sqrt", "auto")
+_OPTIMIZERS = ("none", "sgd", "momentum", "adam", "adamw")
 
 
 def register(app: typer.Typer) -> None:
-    """Add this module's command to `app`."""
+    """Add `memory` to `app`."""
+    app.command("memory")(memory)
+
+
+def memory(  # noqa: PLR0917 - typer maps each parameter to an option
+    target: TargetArg = None,
+    input: InputOpt = None,
+    inputs: InputsFnOpt = None,
+    checkpoint: Annotated[str, typer.Option(
+        "--checkpoint", "-c",
+        help="Plan gradient checkpointing: none, all (every block), sqrt (√L segments, "
+        "Chen et al. 2016) or auto (least recompute within --budget). The chosen plan is "
+        "applied, verified against a normal step, and removed again.")] = "none",
+    budget: Annotated[str | None, typer.Option(
+        "--budget", "-b", help="Saved-activation budget for auto, e.g. 64KB or 2GB "
+        "(1024-based). Implies --checkpoint auto.")] = None,
+    blocks: Annotated[str | None, typer.Option(
+        "--blocks", help="Blocks to checkpoint: a container name (transformer.h), a glob or "
+        "a type name. Default: the longest nn.Sequential / nn.ModuleList.")] = None,
+    optimizer: Annotated[str, typer.Option(
+        help="Count this optimizer's state too: none, sgd, momentum, adam, adamw.")] = "none",
+    eval_mode: Annotated[bool, typer.Option(
+        "--eval", help="Analyse in eval mode (default: train mode, dropout active).")] = False,
+    repeats: Annotated[int, typer.Option(help="Timed repeats per plan (best kept).")] = 3,
+    live: Annotated[bool, typer.Option(
+        "--live", help="Also list the largest live tensors and what holds them.")] = False,
+    json_path: JsonOpt = None,
+    plot: Annotated[str | None, typer.Option(
+        "--plot", help="Save a PNG/SVG: saved bytes per module, plans' memory vs recompute.")
+    ] = None,
+    debug: DebugOpt = False,
+) -> None:
+    """Memory of one training step: saved activations per module, totals, measured peak, and
+    gradient checkpointing plans (verified: gradients identical with and without)."""
+    with guarded(debug):
+        import torch
+
+        from torchscope.errors import TorchscopeError
+        from torchscope.memory import analyze_live, analyze_memory, live_tensors, parse_bytes
+        from torchscope.report.memory import (
+            blocks_table,
+            findings_lines,
+            live_table,
+            plans_table,
+            saved_table,
+            totals_table,
+            verification_table,
+        )
+        from torchscope.report.serialize import write_json
+
+        if checkpoint not in _CHOICES:
+            raise TorchscopeError(f"--checkpoint {checkpoint!r} is not a plan.",
+                                  fix=f"use one of {', '.join(_CHOICES)}.")
+        if optimizer not in _OPTIMIZERS:
+            raise TorchscopeError(f"--optimizer {optimizer!r} is not supported.",
+                                  fix=f"use one of {', '.join(_OPTIMIZERS)}.")
+        if repeats < 1:
+            raise TorchscopeError(f"--repeats {repeats} must be at least 1.", fix="use 1+.")
+        limit = parse_bytes(budget) if budget is not None else None
+        loaded, model_inputs = load(target, input, inputs)
+        model = loaded.model
+        model.train(not eval_mode)
+        opt = _make_optimizer(optimizer, model)
+        report = analyze_memory(model, model_inputs, optimizer=opt, checkpoint=checkpoint,  # type: ignore[arg-type]
+                                budget=limit, blocks=blocks, repeats=repeats,
+                                name=loaded.name)
+        mode = "eval" if eval_mode else "train"
+        console.print(saved_table(report.saved,
+                                  title=f"Saved activations of {loaded.name} ({mode} mode, "
+                                  f"inputs {model_inputs.describe()})"))
+        console.print(totals_table(report.totals, report.measured))
+        if report.plans is not None:
+            console.print(blocks_table(report.plans))
+            console.print(plans_table(report.plans, report.chosen))
+            if report.verification is not None:
+                console.print(verification_table(
+                    report.verification, title=f"Verification of plan {report.chosen}"))
+        findings = list(report.findings)
+        live_report = None
+        if live:
+            del opt
+            live_report = live_tensors(15)
+            console.print(live_table(live_report))
+            findings += analyze_live(live_report)
+        for line in findings_lines(findings):
+            console.print(line)
+        if plot:
+            from torchscope.report.plots_memory import plot_memory
+
+            plot_memory(report.saved, report.plans, plot)
+            console.print(f"wrote {plot}")
+        if json_path:
+            write_json(json_path, {"target": loaded.name, "report": report,
+                                   "live": live_report,
+                                   "torch": torch.__version__})
+            console.print(f"wrote {json_path}")
+
+
+def _make_optimizer(name: str, model: object) -> object:
+    import torch
+
+    params = [p for p in model.parameters() if p.requires_grad]  # type: ignore[attr-defined]
+    if name == "none" or not params:
+        return None
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.01)
+    if name == "momentum":
+        return torch.optim.SGD(params, lr=0.01, momentum=0.9)
+    if name == "adam":
+        return torch.optim.Adam(params)
+    return torch.optim.AdamW(params)

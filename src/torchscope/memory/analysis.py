@@ -1,0 +1,195 @@
+"""Analysis: pure functions from memory records to `Finding`s (no formatting of tables)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torchscope.findings import Finding, Severity
+from torchscope.memory.records import (
+    CheckpointPlan,
+    LiveTensors,
+    MeasuredMemory,
+    MemoryTotals,
+    PlanReport,
+    SavedActivations,
+)
+from torchscope.report.fmt import fmt_bytes
+
+__all__ = [
+    "analyze_live",
+    "analyze_plans",
+    "analyze_saved",
+    "analyze_totals",
+    "describe_segments",
+]
+
+
+def analyze_saved(saved: SavedActivations) -> list[Finding]:
+    """Which module types hold the saved activations, and the largest single holder."""
+    out: list[Finding] = []
+    total = saved.total_bytes
+    if total <= 0:
+        return out
+    by_type: dict[str, int] = {}
+    for row in saved.modules:
+        by_type[row.module_type or "(no module)"] = (
+            by_type.get(row.module_type or "(no module)", 0) + row.bytes)
+    kind, nbytes = max(by_type.items(), key=lambda kv: kv[1])
+    share = nbytes / total
+    out.append(Finding(
+        "memory.saved_by_type", Severity.INFO,
+        f"{kind} outputs hold {share:.0%} of saved activations "
+        f"({fmt_bytes(nbytes)} of {fmt_bytes(total)}).",
+        {"module_type": kind, "bytes": nbytes, "total_bytes": total, "share": share},
+    ))
+    top = max(saved.modules, key=lambda r: r.bytes)
+    if len(saved.modules) > 2 and top.bytes / total >= 0.25:
+        out.append(Finding(
+            "memory.largest_saver", Severity.INFO,
+            f"{top.module or '<root>'} ({top.module_type}) alone keeps "
+            f"{top.bytes / total:.0%} of saved activations ({fmt_bytes(top.bytes)}).",
+            {"bytes": top.bytes, "share": top.bytes / total, "storages": top.storages},
+            fix="checkpoint the block containing it, or lower its batch or sequence size.",
+            module=top.module,
+        ))
+    return out
+
+
+def analyze_totals(totals: MemoryTotals, measured: MeasuredMemory | None = None
+                   ) -> list[Finding]:
+    """What dominates the step's memory, and how the estimate compares to the measurement."""
+    out: list[Finding] = []
+    state = totals.parameters + totals.gradients + (totals.optimizer_state or 0)
+    if totals.saved_activations > state and totals.saved_activations > 0:
+        out.append(Finding(
+            "memory.activations_dominate", Severity.INFO,
+            f"saved activations ({fmt_bytes(totals.saved_activations)}) exceed parameters, "
+            f"gradients and optimizer state together ({fmt_bytes(state)}).",
+            {"saved_activations": totals.saved_activations, "state": state},
+            fix="gradient checkpointing trades recompute for this memory: "
+            "torchscope memory --checkpoint sqrt (or --budget SIZE).",
+        ))
+    if totals.optimizer_state and totals.parameters and (
+            totals.optimizer_state >= 1.5 * totals.parameters):
+        ratio = totals.optimizer_state / totals.parameters
+        out.append(Finding(
+            "memory.optimizer_state", Severity.INFO,
+            f"optimizer state is {ratio:.1f}× the parameters "
+            f"({fmt_bytes(totals.optimizer_state)}, {totals.optimizer_state_source}).",
+            {"optimizer_state": totals.optimizer_state, "ratio": ratio},
+        ))
+    if measured is not None and measured.peak_above_baseline > 0:
+        meas = measured.peak_above_baseline
+        ratio = meas / max(totals.step_estimate, 1)
+        extra = (f"; transient buffers (unsaved intermediates, kernel workspaces) add "
+                 f"{fmt_bytes(meas - totals.step_estimate)} at the peak"
+                 if meas > totals.step_estimate else
+                 "; backward frees activations while it writes gradients")
+        out.append(Finding(
+            "memory.estimate_vs_measured", Severity.INFO,
+            f"the step keeps {fmt_bytes(totals.step_estimate)} by count (saved activations, "
+            f"outputs, gradients); its measured peak is {fmt_bytes(meas)} "
+            f"({ratio:.2f}×){extra}.",
+            {"estimate": totals.step_estimate, "measured": meas, "ratio": ratio,
+             "method": measured.method},
+        ))
+    return out
+
+
+def describe_segments(plan: CheckpointPlan) -> str:
+    """`blocks 2–7` / `all 8 blocks in 3 segments` / `blocks 1, 3` for a plan."""
+    n = len(plan.blocks)
+    ckpt = [i for a, b in plan.segments for i in range(a, b)]
+    if not ckpt:
+        return "no blocks"
+    if len(ckpt) == n:
+        return (f"all {n} blocks" if len(plan.segments) == n
+                else f"all {n} blocks in {len(plan.segments)} segments")
+    runs: list[tuple[int, int]] = []
+    for i in ckpt:
+        if runs and runs[-1][1] == i - 1:
+            runs[-1] = (runs[-1][0], i)
+        else:
+            runs.append((i, i))
+    parts = [str(a) if a == b else f"{a}–{b}" for a, b in runs]
+    word = "block" if len(ckpt) == 1 else "blocks"
+    return f"{word} {', '.join(parts)} of {n}"
+
+
+def analyze_plans(report: PlanReport, chosen: str | None = None) -> list[Finding]:
+    """One finding per measured plan (or the chosen one): saving, cost, verification."""
+    out: list[Finding] = []
+    base = report.measurement("none")
+    names: Sequence[str] = [chosen] if chosen else [p.name for p in report.plans
+                                                    if p.name != "none"]
+    for name in names:
+        plan = report.plan(name)
+        m = report.measurement(name)
+        saved = m.saved_bytes if m is not None else plan.saved_bytes
+        saving = report.baseline_saved_bytes - saved
+        cost = ""
+        evidence: dict[str, float | int | str | bool | None] = {
+            "plan": name, "saved_bytes": saved, "saving_bytes": saving,
+            "predicted_recompute_ms": plan.recompute_ms}
+        if m is not None and base is not None and base.step_ms > 0:
+            overhead = m.recompute_ms / base.step_ms
+            cost = f" at {overhead:+.0%} step time"
+            evidence.update(step_ms=m.step_ms, overhead=overhead)
+        verified = ""
+        v = m.verification if m is not None else None
+        if v is not None:
+            verified = (", gradients verified identical" if v.bitwise_equal
+                        else f", gradients verified within tolerance (max diff "
+                        f"{v.max_abs_diff:.2g})")
+            evidence.update(bitwise_equal=v.bitwise_equal, max_abs_diff=v.max_abs_diff)
+        out.append(Finding(
+            "memory.checkpoint_plan", Severity.INFO,
+            f"{name}: checkpointing {describe_segments(plan)} saves {fmt_bytes(saving)} "
+            f"of saved activations ({saving / max(report.baseline_saved_bytes, 1):.0%})"
+            f"{cost}{verified}.",
+            evidence,
+            fix=f"torchscope.checkpointing.apply(model, segments={list(plan.segments)})",
+        ))
+        if v is not None and not v.bitwise_equal:
+            out.append(Finding(
+                "memory.not_bitwise", Severity.WARNING,
+                f"{name}: gradients are within tolerance but not bitwise equal "
+                f"(max diff {v.max_abs_diff:.3g}).",
+                {"max_abs_diff": v.max_abs_diff},
+                fix="nondeterministic kernels (atomic adds on GPU) can cause this; "
+                "torch.use_deterministic_algorithms(True) makes runs comparable bitwise.",
+            ))
+        if v is not None and not v.buffers_equal:
+            out.append(Finding(
+                "memory.buffers_recomputed", Severity.WARNING,
+                f"{name}: buffers (e.g. BatchNorm running stats) end differently with "
+                "checkpointing: recomputation runs their forward, and its update, again.",
+                {"plan": name},
+                fix="keep BatchNorm outside checkpointed blocks, or accept the double update.",
+            ))
+    return out
+
+
+def analyze_live(live: LiveTensors) -> list[Finding]:
+    """The lesson's trap: `empty_cache()` cannot free what is still referenced."""
+    out: list[Finding] = []
+    if live.reserved_before is not None and live.reserved_after is not None:
+        released = live.reserved_before - live.reserved_after
+        held = live.allocated_after or 0
+        out.append(Finding(
+            "memory.empty_cache", Severity.WARNING if held > released else Severity.INFO,
+            f"empty_cache() released {fmt_bytes(released)} of cached memory; "
+            f"{fmt_bytes(held)} stays allocated by {live.count} live tensor storages.",
+            {"released": released, "still_allocated": held, "live_storages": live.count},
+            fix="del the tensors (and anything referring to them) first, then empty_cache().",
+        ))
+    if live.tensors:
+        top = live.tensors[0]
+        who = top.referrers[0] if top.referrers else "no Python referrer (held from C++)"
+        out.append(Finding(
+            "memory.largest_live", Severity.INFO,
+            f"the largest live tensor {tuple(top.shape)} {top.dtype.replace('torch.', '')} "
+            f"({fmt_bytes(top.nbytes)}) is held by {who}.",
+            {"bytes": top.nbytes, "device": top.device},
+        ))
+    return out

@@ -1,0 +1,393 @@
+"""Reversible gradient checkpointing of chosen blocks with `torch.utils.checkpoint`.
+
+A checkpointed block's `forward` is replaced, on that instance only, by one that calls the
+original through `torch.utils.checkpoint.checkpoint(use_reentrant=False,
+preserve_rng_state=True)`. Nothing else changes: no wrapper module (so `state_dict()` keys stay
+the same), the block's own hooks still fire once per forward, and `remove()` deletes the
+instance attribute again, leaving the model exactly as before.
+
+Consecutive children of an `nn.Sequential` may share one checkpoint (a *segment*, as in
+Chen et al. 2016); then the Sequential's `forward` is replaced by the same loop that
+`nn.Sequential.forward` runs, with the segment called under one checkpoint.
+
+Non-reentrant checkpointing is used on purpose: the reentrant variant returns no gradient
+for the parameters inside a block whose inputs do not require grad, and
+`checkpoint_sequential` never checkpoints its last segment.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from torchscope.errors import SelectionError, TorchscopeError
+from torchscope.hooks.select import select_modules
+from torchscope.memory._step import SEGMENT_LABEL, LossFn
+from torchscope.memory.records import Verification
+
+__all__ = ["BlockSpec", "Blocks", "CheckpointHandle", "apply", "resolve_blocks"]
+
+_MISSING = object()
+# Modules whose forward a live handle replaced -> that handle (one owner per module).
+_OWNERS: weakref.WeakKeyDictionary[nn.Module, CheckpointHandle] = weakref.WeakKeyDictionary()
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """The checkpointable blocks of a model, in execution order.
+
+    Attributes:
+        names: qualified module names.
+        parent: name of the `nn.Sequential` they are all the children of, when they are;
+            only then can consecutive blocks share one checkpoint.
+    """
+
+    names: tuple[str, ...]
+    parent: str | None = None
+
+    @property
+    def groupable(self) -> bool:
+        """Whether consecutive blocks can be checkpointed as one segment."""
+        return self.parent is not None
+
+
+BlockSpec = str | nn.Module | Blocks | Sequence[str | nn.Module] | None
+"""What `apply` and the planner accept as `blocks=` (see `resolve_blocks`)."""
+
+
+def _plain_sequential(m: nn.Module) -> bool:
+    return (isinstance(m, nn.Sequential) and type(m).forward is nn.Sequential.forward
+            and "forward" not in vars(m))
+
+
+def _container_blocks(name: str, m: nn.Module) -> Blocks:
+    prefix = f"{name}." if name else ""
+    names = tuple(prefix + child for child in m._modules if m._modules[child] is not None)
+    return Blocks(names, name if _plain_sequential(m) else None)
+
+
+def resolve_blocks(model: nn.Module, blocks: BlockSpec = None) -> Blocks:
+    """Turn a block specification into qualified names.
+
+    Args:
+        model: the model.
+        blocks: one of
+            - None: the children of the longest `nn.Sequential` / `nn.ModuleList` in the
+              model (the shallowest on ties), e.g. GPT-2's `transformer.h`;
+            - an `nn.Sequential` / `nn.ModuleList` (or its name): its children;
+            - any other module, or its qualified name: that single block;
+            - a glob over qualified names or a type name (`layer*`, `GPT2Block`), as in
+              `torchscope.select_modules`; of nested matches only the outermost are kept;
+            - a sequence of the above: their union;
+            - a `Blocks` (returned as is).
+
+    Raises:
+        SelectionError: nothing matched, or one block contains another.
+    """
+    if isinstance(blocks, Blocks):
+        return blocks
+    named = dict(model.named_modules())
+    names_of = {id(m): n for n, m in named.items()}
+    if blocks is None:
+        containers = [(n, m) for n, m in named.items()
+                      if isinstance(m, (nn.Sequential, nn.ModuleList)) and len(m) >= 2]
+        if not containers:
+            raise SelectionError(
+                f"{type(model).__name__} has no nn.Sequential or nn.ModuleList of 2+ blocks "
+                "to checkpoint.",
+                fix="name the blocks: blocks=['layer1', 'layer2'] or a glob like 'layers.*'.",
+            )
+        n, m = max(containers, key=lambda nm: (len(nm[1]), -nm[0].count(".") - bool(nm[0])))
+        return _container_blocks(n, m)
+    if isinstance(blocks, (nn.Sequential, nn.ModuleList)) and id(blocks) in names_of:
+        return _container_blocks(names_of[id(blocks)], blocks)
+    if isinstance(blocks, str) and isinstance(named.get(blocks), (nn.Sequential, nn.ModuleList)):
+        return _container_blocks(blocks, named[blocks])
+    items: Sequence[str | nn.Module] = (
+        [blocks] if isinstance(blocks, (str, nn.Module)) else list(blocks)
+    )
+    picked: set[str] = set()
+    for item in items:
+        if isinstance(item, nn.Module):
+            if id(item) not in names_of:
+                raise SelectionError(f"the {type(item).__name__} given as a block is not part "
+                                     f"of {type(model).__name__}.",
+                                     fix="pass a submodule of the model, or its name.")
+            picked.add(names_of[id(item)])
+        elif item in named:
+            picked.add(item)
+        else:
+            # A glob like 'layers.*' also matches every descendant; keep the outermost.
+            hits = [n for n, _ in select_modules(model, item)]
+            picked.update(n for n in hits
+                          if not any(h != n and (h == "" or n.startswith(h + ".")) for h in hits))
+    ordered = tuple(n for n in named if n in picked)
+    for a in ordered:
+        for b in ordered:
+            if a != b and (a == "" or b.startswith(a + ".")):
+                raise SelectionError(
+                    f"block {a or '<root>'!r} contains block {b!r}; checkpointing both would "
+                    "recompute the inner one twice.",
+                    fix="pick blocks that do not nest.",
+                )
+    return Blocks(ordered)
+
+
+def _validate_segments(blocks: Blocks, segments: Sequence[tuple[int, int]]) -> tuple[
+        tuple[int, int], ...]:
+    n = len(blocks.names)
+    out = tuple(sorted((int(a), int(b)) for a, b in segments))
+    last = 0
+    for a, b in out:
+        if not 0 <= a < b <= n or a < last:
+            raise SelectionError(
+                f"checkpoint segments {list(out)} are not disjoint ranges within 0..{n}.",
+                fix="give sorted, non-overlapping (start, stop) pairs, stop exclusive.",
+            )
+        if b - a > 1 and not blocks.groupable:
+            raise SelectionError(
+                f"segment ({a}, {b}) spans {b - a} blocks, but these blocks are not the "
+                "children of a plain nn.Sequential, so they cannot run under one checkpoint.",
+                fix="use one-block segments, e.g. segments=[(i, i + 1) ...].",
+            )
+        last = b
+    return out
+
+
+class CheckpointHandle:
+    """Checkpointing installed on a model; `remove()` (or leaving the `with`) undoes it.
+
+    Attributes:
+        blocks: the blocks it was chosen from.
+        segments: `(start, stop)` block-index ranges, each under one checkpoint.
+        verification: the verification run when example inputs were given, else None.
+    """
+
+    def __init__(self, model: nn.Module, blocks: Blocks,
+                 segments: tuple[tuple[int, int], ...], preserve_rng_state: bool) -> None:
+        self._model_ref = weakref.ref(model)
+        self.blocks = blocks
+        self.segments = segments
+        self.preserve_rng_state = preserve_rng_state
+        self.verification: Verification | None = None
+        # (module, previous instance attribute `forward` or _MISSING)
+        self._patched: list[tuple[nn.Module, object]] = []
+        self._removed = False
+
+    # ------------------------------------------------------------------ lifecycle
+    def __enter__(self) -> CheckpointHandle:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.remove()
+
+    @property
+    def active(self) -> bool:
+        """True while the checkpointed forwards are installed."""
+        return bool(self._patched)
+
+    @property
+    def checkpointed(self) -> tuple[str, ...]:
+        """Names of the checkpointed blocks."""
+        return tuple(self.blocks.names[i] for a, b in self.segments for i in range(a, b))
+
+    def remove(self) -> None:
+        """Restore every replaced `forward`; the model is exactly as before. Safe twice."""
+        self._uninstall()
+        self._removed = True
+
+    @contextmanager
+    def suspended(self) -> Iterator[None]:
+        """Run without checkpointing inside the block (for a reference run)."""
+        was = self.active
+        self._uninstall()
+        try:
+            yield
+        finally:
+            if was and not self._removed:
+                self._install()
+
+    # ------------------------------------------------------------------ patching
+    def _install(self) -> None:
+        model = self._model_ref()
+        if model is None:
+            raise ReferenceError("the model of this CheckpointHandle was garbage collected")
+        named = dict(model.named_modules())
+        targets: list[tuple[nn.Module, Callable[..., Any]]] = []
+        multi = {a: b for a, b in self.segments if b - a > 1}
+        for a, b in self.segments:
+            if b - a == 1:
+                module = named[self.blocks.names[a]]
+                targets.append((module, self._single(module)))
+        if multi:
+            parent = named[self.blocks.parent or ""]
+            targets.append((parent, self._grouped(parent, multi)))
+        for module, _ in targets:
+            owner = _OWNERS.get(module)
+            if owner is not None and owner is not self:
+                raise TorchscopeError(
+                    f"{type(module).__name__} is already checkpointed by another handle.",
+                    fix="remove() the earlier checkpointing before applying a new plan.",
+                )
+        try:
+            for module, fwd in targets:
+                self._patched.append((module, vars(module).get("forward", _MISSING)))
+                vars(module)["forward"] = fwd
+                _OWNERS[module] = self
+        except BaseException:
+            self._uninstall()
+            raise
+
+    def _uninstall(self) -> None:
+        while self._patched:
+            module, previous = self._patched.pop()
+            if previous is _MISSING:
+                vars(module).pop("forward", None)
+            else:
+                vars(module)["forward"] = previous
+            if _OWNERS.get(module) is self:
+                del _OWNERS[module]
+
+    def _single(self, module: nn.Module) -> Callable[..., Any]:
+        previous = vars(module).get("forward")
+        return _CheckpointedForward(module, previous, self.preserve_rng_state)
+
+    def _grouped(self, parent: nn.Module, multi: dict[int, int]) -> Callable[..., Any]:
+        names = self.blocks.names
+        labels = {a: names[a] for a in multi}
+        return _SegmentedForward(parent, self.blocks.parent or "", dict(multi), labels,
+                                 self.preserve_rng_state)
+
+
+class _CheckpointedForward:
+    """The `forward` a checkpointed block gets: its own forward under one checkpoint.
+
+    A plain object rather than a closure, so that `copy.deepcopy(model)` rebinds it to the
+    copied module and `pickle` can store it (a copy made while checkpointing is applied stays
+    checkpointed; the handle only restores the original model).
+    """
+
+    def __init__(self, module: nn.Module, previous: Callable[..., Any] | None,
+                 preserve_rng_state: bool) -> None:
+        self.module = module
+        self.previous = previous  # an instance-level forward the user had set, if any
+        self.preserve_rng_state = preserve_rng_state
+
+    def original(self, *args: Any, **kwargs: Any) -> Any:
+        """The block's forward as it was before checkpointing."""
+        if self.previous is not None:
+            return self.previous(*args, **kwargs)
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return self.original(*args, **kwargs)  # nothing is saved without grad
+        return checkpoint(self.original, *args, use_reentrant=False,
+                          preserve_rng_state=self.preserve_rng_state, **kwargs)
+
+
+class _SegmentedForward:
+    """The `forward` of an `nn.Sequential` whose consecutive children share checkpoints: the
+    same loop as `nn.Sequential.forward`, with each segment run under one checkpoint."""
+
+    def __init__(self, parent: nn.Module, parent_name: str, segments: dict[int, int],
+                 labels: dict[int, str], preserve_rng_state: bool) -> None:
+        self.parent = parent
+        self.parent_name = parent_name
+        self.segments = segments  # start -> stop (exclusive)
+        self.labels = labels  # start -> qualified name of the segment's first block
+        self.preserve_rng_state = preserve_rng_state
+
+    def _run(self, start: int, stop: int, x: Any) -> Any:
+        for child in self._children()[start:stop]:
+            x = child(x)
+        return x
+
+    def _children(self) -> list[nn.Module]:
+        return [m for m in self.parent._modules.values() if m is not None]
+
+    def __call__(self, input: Any) -> Any:
+        children = self._children()
+        x, i = input, 0
+        while i < len(children):
+            stop = self.segments.get(i)
+            if stop is None or not torch.is_grad_enabled():
+                x, i = children[i](x), i + 1
+                continue
+            # Attribute the checkpoint's saved inputs to the segment's first block.
+            token = SEGMENT_LABEL.set((self.parent_name, self.labels[i],
+                                       type(children[i]).__name__))
+            try:
+                x = checkpoint(self._run, i, stop, x, use_reentrant=False,
+                               preserve_rng_state=self.preserve_rng_state)
+            finally:
+                SEGMENT_LABEL.reset(token)
+            i = stop
+        return x
+
+
+def apply(
+    model: nn.Module,
+    blocks: BlockSpec = None,
+    *,
+    segments: Sequence[tuple[int, int]] | None = None,
+    preserve_rng_state: bool = True,
+    example_inputs: Any = None,
+    loss_fn: LossFn | None = None,
+    seed: int = 0,
+    require_bitwise: bool = False,
+) -> CheckpointHandle:
+    """Checkpoint blocks of `model` with `torch.utils.checkpoint` (non-reentrant).
+
+    Args:
+        model: the model; changed in place until `remove()`.
+        blocks: which blocks (see `resolve_blocks`); default: the children of the longest
+            `nn.Sequential` / `nn.ModuleList`.
+        segments: `(start, stop)` ranges over the blocks, each run under one checkpoint;
+            default: every block on its own, the last one included.
+        preserve_rng_state: restore the RNG for recomputation, so dropout recomputes the
+            same mask (keep True unless the blocks draw no random numbers).
+        example_inputs: when given (tensor, tuple, dict or `ModelInputs`), verify at once
+            that the loss and every gradient match a run without checkpointing.
+        loss_fn: the loss for that verification (default: see `default_loss`).
+        seed: the seed both verification runs start from.
+        require_bitwise: make a verification that is not bitwise equal fail.
+
+    Returns:
+        A handle: use it in a `with` block or call `remove()`.
+
+    Raises:
+        SelectionError: bad blocks or segments.
+        VerificationError: the verification failed; checkpointing was removed again.
+
+    Example:
+        >>> with torchscope.checkpointing.apply(model, blocks="transformer.h"):
+        ...     model(**batch).loss.backward()
+    """
+    resolved = resolve_blocks(model, blocks)
+    if segments is None:
+        segments = [(i, i + 1) for i in range(len(resolved.names))]
+    handle = CheckpointHandle(model, resolved, _validate_segments(resolved, segments),
+                              preserve_rng_state)
+    handle._install()
+    if example_inputs is not None:
+        from torchscope.memory.verify import check, verify
+        from torchscope.models.target import ModelInputs
+
+        try:
+            handle.verification = verify(model, handle, ModelInputs.of(example_inputs),
+                                         loss_fn=loss_fn, seed=seed)
+            check(handle.verification, require_bitwise=require_bitwise)
+        except BaseException:
+            handle.remove()
+            raise
+    return handle

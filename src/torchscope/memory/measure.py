@@ -1,0 +1,179 @@
+"""Measured memory of one forward + backward, and the totals a training step holds.
+
+On CUDA the caching allocator's own counters are read: `reset_peak_memory_stats()` before the
+step, `max_memory_allocated()` / `max_memory_reserved()` after it. Allocated is what tensors
+occupy; reserved is what the allocator holds from the driver (allocated plus its cache).
+
+On CPU there is no allocator counter, so `torch.profiler` runs with `profile_memory=True` and
+its `[memory]` events (one per allocation and free made by a tensor op in the step, with the
+signed byte count) are summed in time order. The running sum's maximum is the peak of memory
+allocated *during* the step above what was allocated when it began: parameters, inputs and
+anything allocated earlier are not in it, and neither are allocations that bypass the c10 CPU
+allocator (Python objects, some third-party kernels' scratch memory).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchscope.memory._step import (
+    LossFn,
+    forward_backward,
+    model_device,
+    preserved_state,
+    state_keys,
+    storage_key,
+    storage_nbytes,
+    sync,
+)
+from torchscope.memory.records import MeasuredMemory, MemoryTotals, SavedActivations
+from torchscope.models.target import ModelInputs
+
+__all__ = ["measure_step", "memory_totals", "optimizer_state_bytes"]
+
+_CPU = torch.autograd.DeviceType.CPU  # type: ignore[attr-defined]
+
+
+def measure_step(model: nn.Module, inputs: Any, *, loss_fn: LossFn | None = None
+                 ) -> MeasuredMemory:
+    """Measure the memory of one forward + backward (no optimizer step: the model is left
+    exactly as it was, gradients and buffers included).
+
+    Args:
+        model: the model (its device decides the method).
+        inputs: tensor, tuple, dict or `ModelInputs`.
+        loss_fn: maps the output to the scalar loss.
+    """
+    model_inputs = ModelInputs.of(inputs)
+    device = model_device(model, model_inputs)
+    if device.type == "cuda":
+        return _measure_cuda(model, model_inputs, loss_fn, device)
+    return _measure_profiler(model, model_inputs, loss_fn, device)
+
+
+def _measure_cuda(model: nn.Module, inputs: ModelInputs, loss_fn: LossFn | None,
+                  device: torch.device) -> MeasuredMemory:
+    with preserved_state(model):
+        sync(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        forward_backward(model, inputs, loss_fn)
+        sync(device)
+        peak = torch.cuda.max_memory_allocated(device)
+        end = torch.cuda.memory_allocated(device)
+        reserved = torch.cuda.memory_reserved(device)
+        peak_reserved = torch.cuda.max_memory_reserved(device)
+    return MeasuredMemory(str(device), "cuda-allocator", base, peak, peak - base, end,
+                          reserved, peak_reserved)
+
+
+def _memory_events(prof: Any) -> list[tuple[int, int]]:
+    """(time ns, signed bytes) of every CPU allocation and free the profiler recorded."""
+    results = getattr(getattr(prof, "profiler", None), "kineto_results", None)
+    out: list[tuple[int, int]] = []
+    if results is not None:
+        for e in results.events():
+            if e.name() == "[memory]" and e.device_type() == _CPU:
+                out.append((int(e.start_ns()), int(e.nbytes())))
+        return out
+    # Older layouts: each op's self memory at its start time (coarser, same sign convention).
+    for fe in prof.events():
+        usage = int(getattr(fe, "self_cpu_memory_usage", 0) or 0)
+        if usage:
+            out.append((int(fe.time_range.start * 1000), usage))
+    return out
+
+
+def _measure_profiler(model: nn.Module, inputs: ModelInputs, loss_fn: LossFn | None,
+                      device: torch.device) -> MeasuredMemory:
+    from torch.profiler import ProfilerActivity, profile
+
+    os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # keep kineto's start/stop lines quiet
+    with preserved_state(model), profile(activities=[ProfilerActivity.CPU],
+                                         profile_memory=True) as prof:
+        forward_backward(model, inputs, loss_fn)
+    running = peak = 0
+    for _, nbytes in sorted(_memory_events(prof)):
+        running += nbytes
+        peak = max(peak, running)
+    return MeasuredMemory(str(device), "cpu-profiler", 0, peak, peak, running)
+
+
+def _unique_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    seen: set[tuple[str, int]] = set()
+    total = 0
+    for t in tensors:
+        key = storage_key(t)
+        if key is None or key in seen:
+            continue
+        seen.add(key)
+        total += storage_nbytes(t)
+    return total
+
+
+# Per-parameter state tensors of the same size as the parameter, by optimizer class, as a
+# function of its param-group options; used before the first step fills `optimizer.state`.
+def _state_multiplier(opt: torch.optim.Optimizer, group: dict[str, Any]) -> float | None:
+    name = type(opt).__name__
+    if name in ("Adam", "AdamW", "NAdam", "RAdam", "Adamax"):
+        return 2.0 + (1.0 if group.get("amsgrad") else 0.0)
+    if name == "SGD":
+        return 1.0 if group.get("momentum", 0) else 0.0
+    if name == "RMSprop":
+        return 1.0 + (1.0 if group.get("momentum", 0) else 0.0) + (
+            1.0 if group.get("centered") else 0.0)
+    if name in ("Adagrad",):
+        return 1.0
+    if name in ("Adadelta", "Rprop", "ASGD"):
+        return 2.0
+    return None
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> tuple[int | None, str]:
+    """Bytes of the optimizer's state and how they were found.
+
+    `measured` when `optimizer.state` is populated (after a step), else `estimated` from the
+    optimizer type (Adam keeps 2 tensors per parameter, SGD with momentum 1, ...), or
+    `unknown` for an optimizer type not in that table.
+    """
+    tensors = [v for state in optimizer.state.values() for v in state.values()
+               if isinstance(v, torch.Tensor)]
+    if tensors:
+        return _unique_bytes(tensors), "measured"
+    total = 0.0
+    for group in optimizer.param_groups:
+        mult = _state_multiplier(optimizer, group)
+        if mult is None:
+            return None, "unknown"
+        params = [p for p in group["params"] if p.requires_grad]
+        total += mult * _unique_bytes(params)
+    return int(total), "estimated"
+
+
+def memory_totals(model: nn.Module, saved: SavedActivations,
+                  optimizer: torch.optim.Optimizer | None = None) -> MemoryTotals:
+    """Parameters, buffers, gradients, optimizer state, saved activations and the peak.
+
+    The peak estimate is params + buffers + optimizer state + saved activations + outputs +
+    gradients: what is held when backward starts, plus every gradient backward writes;
+    transient buffers (unsaved intermediates, kernel workspaces) are not in it.
+    """
+    params, buffers = state_keys(model)
+    p_bytes = _unique_bytes(model.parameters())
+    b_bytes = _unique_bytes(b for b in model.buffers() if storage_key(b) not in params)
+    del buffers
+    g_bytes = _unique_bytes(p for p in model.parameters() if p.requires_grad)
+    opt_bytes: int | None = None
+    source = "none"
+    if optimizer is not None:
+        opt_bytes, source = optimizer_state_bytes(optimizer)
+    peak = (p_bytes + b_bytes + (opt_bytes or 0) + saved.total_bytes + saved.output_bytes
+            + g_bytes)
+    step = saved.total_bytes + saved.output_bytes + g_bytes
+    return MemoryTotals(p_bytes, b_bytes, g_bytes, opt_bytes, source, saved.total_bytes,
+                        saved.output_bytes, peak, step)

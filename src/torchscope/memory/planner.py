@@ -1,0 +1,469 @@
+"""Checkpointing planner: per-block costs, four plans, and their measured cost.
+
+Each block is measured once during a normal forward: the storages autograd saves inside it,
+the storages of its inputs (what a checkpoint keeps instead) and its forward time (what
+recomputing it costs). From these, the saved bytes of any plan are computed exactly as a
+union of storages, so a storage shared by two blocks (a ReLU output that the next Linear
+saves too) is counted once, and only dropped when both savers are checkpointed.
+
+Plans:
+    - `none`: nothing checkpointed.
+    - `all`: every block checkpointed on its own, the last one included.
+    - `sqrt`: ⌈√L⌉ consecutive blocks per checkpoint (Chen et al. 2016, "Training Deep Nets
+      with Sublinear Memory Cost"): O(√L) block inputs kept, and at most one extra forward.
+    - `budget`: the plan with the least recompute time whose saved bytes fit the budget;
+      exhaustive search for up to `exact_limit` blocks, otherwise dynamic programming over
+      the blocks (state: whether the previous block is checkpointed), after which long
+      segments are split while the budget allows, to lower the recompute peak.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+import statistics
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchscope.errors import BudgetError
+from torchscope.hooks.session import HookSession
+from torchscope.memory._step import (
+    LossFn,
+    StorageKey,
+    model_device,
+    preserved_state,
+    state_keys,
+    sync,
+    timed_steps,
+)
+from torchscope.memory.checkpoint import (
+    Blocks,
+    BlockSpec,
+    CheckpointHandle,
+    apply,
+    resolve_blocks,
+)
+from torchscope.memory.measure import measure_step
+from torchscope.memory.records import (
+    BlockProfile,
+    CheckpointPlan,
+    PlanMeasurement,
+    PlanReport,
+)
+from torchscope.memory.saved import _account, saved_activations
+from torchscope.models.target import ModelInputs, call_model
+
+__all__ = ["apply_plan", "parse_bytes", "plan_checkpointing"]
+
+Segments = tuple[tuple[int, int], ...]
+
+_UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1024, "kib": 1024, "m": 1024**2, "mb": 1024**2,
+          "mib": 1024**2, "g": 1024**3, "gb": 1024**3, "gib": 1024**3, "t": 1024**4,
+          "tb": 1024**4, "tib": 1024**4}
+_BYTES = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(text: str | int) -> int:
+    """Parse a byte budget: `73728`, `64KB`, `1.5 MiB`, `2GB`.
+
+    KB, MB, GB and TB are binary (1024-based), as `torch.cuda.memory_summary` and most GPU
+    tools report memory; KiB, MiB, GiB and TiB are accepted as synonyms.
+
+    Raises:
+        BudgetError: the text is not a size.
+    """
+    if isinstance(text, int):
+        value = text
+    else:
+        m = _BYTES.match(text.replace(",", "").replace("_", ""))
+        unit = m[2].lower() if m else ""
+        if m is None or unit not in _UNITS:
+            raise BudgetError(f"budget {text!r} is not a size.",
+                              fix="write it like 65536, 64KB, 1.5MiB or 2GB.")
+        value = int(float(m[1]) * _UNITS[unit])
+    if value < 0:
+        raise BudgetError(f"budget {text!r} is negative.", fix="give a size of 0 or more.")
+    return value
+
+
+# --------------------------------------------------------------------------- cost model
+@dataclass(frozen=True)
+class _Costs:
+    """Storages (as indices) and times per block, for exact plan evaluation."""
+
+    nbytes: tuple[int, ...]  # per storage index
+    always: frozenset[int]  # saved outside every block: kept whatever the plan
+    saves: tuple[frozenset[int], ...]  # per block: storages saved inside it
+    inputs: tuple[frozenset[int], ...]  # per block: storages of its positional inputs
+    times: tuple[float, ...]  # per block, ms
+
+    def bytes_of(self, items: set[int] | frozenset[int]) -> int:
+        return sum(self.nbytes[i] for i in items)
+
+    def evaluate(self, segments: Segments) -> tuple[int, int, float]:
+        """(saved bytes, activation peak, recompute ms) of a plan, exactly."""
+        ckpt = {i for a, b in segments for i in range(a, b)}
+        retained: set[int] = set(self.always)
+        for i, s in enumerate(self.saves):
+            if i not in ckpt:
+                retained |= s
+        for a, _ in segments:
+            retained |= self.inputs[a]
+        saved = self.bytes_of(retained)
+        extra = 0
+        for a, b in segments:
+            inner: set[int] = set()
+            for i in range(a, b):
+                inner |= self.saves[i]
+            extra = max(extra, self.bytes_of(inner - retained))
+        recompute = sum(self.times[i] for i in sorted(ckpt))
+        return saved, saved + extra, recompute
+
+
+def _costs(model: nn.Module, blocks: Blocks, inputs: ModelInputs, loss_fn: LossFn | None,
+           repeats: int) -> tuple[_Costs, tuple[BlockProfile, ...], int]:
+    named = dict(model.named_modules())
+    watch = [(n, named[n]) for n in blocks.names]
+    acc = _account(model, inputs, loss_fn, watch)
+    params, buffers = state_keys(model)
+    index: dict[StorageKey, int] = {}
+    nbytes: list[int] = []
+
+    def idx(key: StorageKey, n: int) -> int:
+        if key not in index:
+            index[key] = len(nbytes)
+            nbytes.append(n)
+        return index[key]
+
+    def owner(module: str) -> int | None:
+        for b, name in enumerate(blocks.names):
+            if name in (module, "") or module.startswith(name + "."):
+                return b
+        return None
+
+    saves: list[set[int]] = [set() for _ in blocks.names]
+    always: set[int] = set()
+    first_bytes = [0] * len(blocks.names)
+    for key, s in zip(acc.keys, acc.saved.storages, strict=True):
+        if s.kind not in ("activation", "input"):
+            continue
+        i = idx(key, s.nbytes)
+        first = owner(s.module)
+        if first is not None:
+            first_bytes[first] += s.nbytes
+        for saver in s.savers:
+            b = owner(saver)
+            if b is None:
+                always.add(i)
+            else:
+                saves[b].add(i)
+    inputs_idx: list[frozenset[int]] = []
+    input_bytes: list[int] = []
+    for name in blocks.names:
+        found = {idx(k, n) for k, n in acc.block_inputs.get(name, ())
+                 if k not in params and k not in buffers}
+        inputs_idx.append(frozenset(found))
+        input_bytes.append(sum(nbytes[i] for i in found))
+    times = _block_times(model, watch, inputs, repeats)
+    costs = _Costs(tuple(nbytes), frozenset(always), tuple(frozenset(s) for s in saves),
+                   tuple(inputs_idx), tuple(times))
+    profiles = tuple(
+        BlockProfile(i, n, type(named[n]).__name__, times[i], first_bytes[i], input_bytes[i])
+        for i, n in enumerate(blocks.names)
+    )
+    return costs, profiles, acc.saved.total_bytes
+
+
+def _block_times(model: nn.Module, watch: Sequence[tuple[str, nn.Module]],
+                 inputs: ModelInputs, repeats: int) -> list[float]:
+    """Median forward time of each block in ms (grad mode on, as in recomputation)."""
+    device = model_device(model, inputs)
+    samples: dict[str, list[float]] = {n: [] for n, _ in watch}
+    starts: dict[str, float] = {}
+    with preserved_state(model), HookSession(model) as session:
+        for name, module in watch:
+
+            def pre(_m: nn.Module, _a: tuple[Any, ...], _n: str = name) -> None:
+                sync(device)
+                starts[_n] = time.perf_counter()
+
+            def post(_m: nn.Module, _a: tuple[Any, ...], _o: Any, _n: str = name) -> None:
+                sync(device)
+                samples[_n].append((time.perf_counter() - starts[_n]) * 1e3)
+
+            session.forward_pre_hook(module, pre)
+            session.forward_hook(module, post)
+        for _ in range(max(repeats, 1) + 1):
+            with torch.enable_grad():
+                out = call_model(model, inputs)
+            del out
+    # The first forward pays one-time costs; drop its samples when there are others.
+    return [statistics.median(s[1:] or s) if s else 0.0 for s in samples.values()]
+
+
+# --------------------------------------------------------------------------- plans
+def _runs(ckpt: Sequence[bool], groupable: bool) -> Segments:
+    """Checkpointed blocks as segments: maximal runs when groupable, else one per block."""
+    out: list[tuple[int, int]] = []
+    i = 0
+    while i < len(ckpt):
+        if not ckpt[i]:
+            i += 1
+            continue
+        j = i + 1
+        while groupable and j < len(ckpt) and ckpt[j]:
+            j += 1
+        out.append((i, j))
+        i = j
+    return tuple(out)
+
+
+def _all_segmentations(n: int, groupable: bool) -> Iterator[Segments]:
+    """Every plan over n blocks: each block normal, starting a segment or continuing one."""
+    choices = ("N", "S", "K") if groupable else ("N", "S")
+    for combo in itertools.product(choices, repeat=n):
+        segs: list[tuple[int, int]] = []
+        ok = True
+        for i, c in enumerate(combo):
+            if c == "S":
+                segs.append((i, i + 1))
+            elif c == "K":
+                if not segs or segs[-1][1] != i:
+                    ok = False
+                    break
+                segs[-1] = (segs[-1][0], i + 1)
+        if ok:
+            yield tuple(segs)
+
+
+def _rank(costs: _Costs, segs: Segments) -> tuple[float, int, int]:
+    _, peak, rec = costs.evaluate(segs)
+    return rec, peak, len(segs)
+
+
+def _search_exact(costs: _Costs, groupable: bool, budget: int) -> tuple[Segments | None, int]:
+    """Least-recompute plan within budget by enumeration; also the smallest saved bytes."""
+    best: Segments | None = None
+    best_key: tuple[float, int, int] | None = None
+    smallest = None
+    for segs in _all_segmentations(len(costs.times), groupable):
+        saved, peak, rec = costs.evaluate(segs)
+        smallest = saved if smallest is None else min(smallest, saved)
+        if saved <= budget:
+            key = (rec, peak, len(segs))
+            if best_key is None or key < best_key:
+                best, best_key = segs, key
+    return best, smallest if smallest is not None else 0
+
+
+def _search_dp(costs: _Costs, groupable: bool, budget: int) -> tuple[Segments | None, int]:
+    """Least-recompute set of checkpointed blocks within budget, by dynamic programming.
+
+    Bytes are split into parts that depend on at most two neighbouring blocks: each block's
+    interior storages (kept unless it is checkpointed) and each block's input storages (kept
+    when the block before or the block itself saves them unchecked, or when a segment starts
+    there). Storages that fit neither shape are counted as always kept, so the model never
+    under-counts; the chosen plan is then evaluated exactly.
+    """
+    n = len(costs.times)
+    input_of: dict[int, list[int]] = {}
+    for j, block_inputs in enumerate(costs.inputs):
+        for k in block_inputs:
+            input_of.setdefault(k, []).append(j)
+    savers: dict[int, set[int]] = {}
+    for b, s in enumerate(costs.saves):
+        for k in s:
+            savers.setdefault(k, set()).add(b)
+    const = set(costs.always)
+    interior = [0] * n
+    boundary: list[list[tuple[int, bool, bool]]] = [[] for _ in range(n)]
+    for k in set(savers) | set(input_of):
+        if k in const:
+            continue
+        ins = input_of.get(k, [])
+        sv = savers.get(k, set())
+        if len(ins) == 1 and sv <= {ins[0] - 1, ins[0]}:
+            j = ins[0]
+            boundary[j].append((costs.nbytes[k], j - 1 in sv, j in sv))
+        elif not ins and len(sv) == 1:
+            interior[next(iter(sv))] += costs.nbytes[k]
+        else:
+            const.add(k)
+    base = costs.bytes_of(const)
+    # Frontier per state (previous block checkpointed?): (bytes, recompute, ckpt bitmask),
+    # keeping only points that no other point beats on both bytes and recompute.
+    frontier: dict[bool, list[tuple[int, float, int]]] = {False: [(base, 0.0, 0)]}
+    for i in range(n):
+        nxt: dict[bool, list[tuple[int, float, int]]] = {False: [], True: []}
+        for prev_c, points in frontier.items():
+            for x_c in (False, True):
+                add = 0 if x_c else interior[i]
+                for nb, left, right in boundary[i]:
+                    kept = ((i > 0 and not prev_c and left) or (not x_c and right)
+                            or (x_c and (not prev_c or not groupable or i == 0)))
+                    add += nb if kept else 0
+                rec = costs.times[i] if x_c else 0.0
+                for b, r, mask in points:
+                    nxt[x_c].append((b + add, r + rec, mask | (1 << i) if x_c else mask))
+        frontier = {k: _pareto(v) for k, v in nxt.items() if v}
+    points = [p for v in frontier.values() for p in v]
+    smallest = min(p[0] for p in points)
+    feasible = [p for p in points if p[0] <= budget]
+    if not feasible:
+        # The DP over-counts shared storages; the exact bytes of its leanest plan may fit.
+        lean = min(points, key=lambda p: p[0])
+        segs = _runs([bool(lean[2] >> i & 1) for i in range(n)], groupable)
+        exact = costs.evaluate(segs)[0]
+        return (segs if exact <= budget else None), min(smallest, exact)
+    b, r, mask = min(feasible, key=lambda p: (p[1], p[0]))
+    segs = _runs([bool(mask >> i & 1) for i in range(n)], groupable)
+    return _split(costs, segs, budget), smallest
+
+
+def _pareto(points: list[tuple[int, float, int]]) -> list[tuple[int, float, int]]:
+    out: list[tuple[int, float, int]] = []
+    best = float("inf")
+    for p in sorted(points, key=lambda p: (p[0], p[1])):
+        if p[1] < best:
+            out.append(p)
+            best = p[1]
+    return out
+
+
+def _split(costs: _Costs, segs: Segments, budget: int) -> Segments:
+    """Split segments while the budget allows, to lower the recompute peak (same recompute)."""
+    current = segs
+    _, peak, _ = costs.evaluate(current)
+    while True:
+        best: tuple[int, Segments] | None = None
+        for k, (a, b) in enumerate(current):
+            for cut in range(a + 1, b):
+                cand = (*current[:k], (a, cut), (cut, b), *current[k + 1:])
+                saved, p, _ = costs.evaluate(cand)
+                if saved <= budget and p < peak and (best is None or p < best[0]):
+                    best = (p, cand)
+        if best is None:
+            return current
+        peak, current = best
+
+
+def _plan(name: str, blocks: Blocks, costs: _Costs, segs: Segments,
+          budget: int | None = None) -> CheckpointPlan:
+    saved, peak, rec = costs.evaluate(segs)
+    return CheckpointPlan(name, blocks.names, segs, saved, peak, rec, budget, blocks.parent)
+
+
+def plan_checkpointing(
+    model: nn.Module,
+    inputs: Any,
+    *,
+    blocks: BlockSpec = None,
+    budget: int | str | None = None,
+    loss_fn: LossFn | None = None,
+    measure: bool = True,
+    repeats: int = 3,
+    seed: int = 0,
+    exact_limit: int = 8,
+) -> PlanReport:
+    """Measure every block and plan checkpointing: none, all, √L and (with a budget) the
+    least-recompute plan whose saved bytes fit the budget.
+
+    Args:
+        model: the model; left exactly as it was.
+        inputs: tensor, tuple, dict or `ModelInputs`.
+        blocks: which blocks may be checkpointed (see `resolve_blocks`).
+        budget: bytes of saved activations the budget plan may keep (int or `"64KB"`);
+            `"sqrt"` means as many as the √L plan keeps (the least recompute at √L memory).
+        loss_fn: maps the output to the scalar loss.
+        measure: apply each plan for real: verify it (always), count its saved bytes, time
+            its step and measure its peak.
+        repeats: timed repeats per plan (the best is kept).
+        seed: seed of the verification runs.
+        exact_limit: search every plan exhaustively up to this many blocks.
+
+    Raises:
+        BudgetError: the budget is below what the leanest plan keeps; the message names
+            that smallest feasible budget.
+        VerificationError: a plan changed the loss or a gradient.
+    """
+    model_inputs = ModelInputs.of(inputs)
+    resolved = resolve_blocks(model, blocks)
+    costs, profiles, baseline = _costs(model, resolved, model_inputs, loss_fn, repeats)
+    n = len(resolved.names)
+    plans = [_plan("none", resolved, costs, ()),
+             _plan("all", resolved, costs, tuple((i, i + 1) for i in range(n)))]
+    k = max(1, math.ceil(math.sqrt(n)))
+    sqrt_segs = (tuple((i, min(i + k, n)) for i in range(0, n, k)) if resolved.groupable
+                 else tuple((i, i + 1) for i in range(n)))
+    plans.append(_plan("sqrt", resolved, costs, sqrt_segs))
+    search = "exact" if n <= exact_limit else "dp"
+    lean_segs = ((0, n),) if resolved.groupable else tuple((i, i + 1) for i in range(n))
+    smallest = min(costs.evaluate(lean_segs)[0], *(p.saved_bytes for p in plans))
+    if budget is not None:
+        limit = plans[-1].saved_bytes if budget == "sqrt" else parse_bytes(budget)
+        found, least = (_search_exact if search == "exact" else _search_dp)(
+            costs, resolved.groupable, limit)
+        smallest = min(smallest, least)
+        if found is None:
+            raise BudgetError(
+                f"a saved-activation budget of {limit:,} B cannot be met: the leanest "
+                f"checkpointing plan over {n} block(s) still keeps {smallest:,} B "
+                f"(without checkpointing: {baseline:,} B).",
+                fix=f"use a budget of at least {smallest:,} B ({_human(smallest)}).",
+            )
+        plans.append(_plan("budget", resolved, costs, found, limit))
+    measurements: tuple[PlanMeasurement, ...] = ()
+    if measure:
+        measurements = tuple(_measure(model, model_inputs, p, loss_fn=loss_fn, repeats=repeats,
+                                      seed=seed)
+                             for p in plans)
+        base_ms = measurements[0].step_ms
+        measurements = tuple(
+            PlanMeasurement(m.plan, m.saved_bytes, m.step_ms, m.step_ms - base_ms,
+                            m.peak_bytes, m.verification) for m in measurements)
+    return PlanReport(profiles, resolved.groupable, baseline, smallest, tuple(plans),
+                      measurements, search)
+
+
+def _human(n: int) -> str:
+    from torchscope.report.fmt import fmt_bytes
+
+    return fmt_bytes(n)
+
+
+def apply_plan(model: nn.Module, plan: CheckpointPlan, inputs: Any, *,
+               loss_fn: LossFn | None = None, seed: int = 0,
+               require_bitwise: bool = False) -> CheckpointHandle:
+    """Install a plan and verify it at once (loss and every gradient vs no checkpointing).
+
+    Returns:
+        The handle (`remove()` or a `with` block undoes it); its `verification` is set.
+
+    Raises:
+        VerificationError: the plan changed the result; it was removed again.
+    """
+    return apply(model, Blocks(plan.blocks, plan.parent), segments=plan.segments,
+                 example_inputs=inputs, loss_fn=loss_fn, seed=seed,
+                 require_bitwise=require_bitwise)
+
+
+def _measure(model: nn.Module, inputs: ModelInputs, plan: CheckpointPlan, *,
+             loss_fn: LossFn | None, repeats: int, seed: int) -> PlanMeasurement:
+    handle: CheckpointHandle | None = None
+    if plan.segments:
+        handle = apply_plan(model, plan, inputs, loss_fn=loss_fn, seed=seed)
+    try:
+        saved = saved_activations(model, inputs, loss_fn=loss_fn).total_bytes
+        step_ms = timed_steps(model, inputs, loss_fn, repeats)
+        peak = measure_step(model, inputs, loss_fn=loss_fn).peak_bytes
+    finally:
+        if handle is not None:
+            handle.remove()
+    return PlanMeasurement(plan.name, saved, step_ms, 0.0, peak,
+                           handle.verification if handle is not None else None)

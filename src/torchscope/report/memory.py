@@ -1,0 +1,214 @@
+"""Terminal rendering of the memory records (rich tables). Formatting only."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from rich.table import Table
+
+from torchscope.findings import Finding, rank
+from torchscope.memory.analysis import describe_segments
+from torchscope.memory.records import (
+    OUTSIDE,
+    LiveTensors,
+    MeasuredMemory,
+    MemoryTotals,
+    PlanReport,
+    SavedActivations,
+    Verification,
+)
+from torchscope.report.fmt import fmt_bytes, fmt_pct, fmt_shape
+
+__all__ = [
+    "blocks_table",
+    "findings_lines",
+    "live_table",
+    "plans_table",
+    "saved_table",
+    "totals_table",
+    "verification_table",
+]
+
+
+def _module_label(name: str) -> str:
+    return name if name == OUTSIDE else (name or "<root>")
+
+
+def saved_table(saved: SavedActivations, title: str = "Saved activations", limit: int = 40
+                ) -> Table:
+    """One row per module that saved activations; the last row is the total."""
+    table = Table(title=title, title_justify="left")
+    for col, justify in (("module", "left"), ("type", "left"), ("saved", "right"),
+                         ("share", "right"), ("storages", "right"), ("saves", "right"),
+                         ("dtypes", "left")):
+        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    total = max(saved.total_bytes, 1)
+    rows = list(saved.modules)
+    shown = rows if len(rows) <= limit else sorted(rows, key=lambda r: -r.bytes)[:limit]
+    for r in rows:
+        if r not in shown:
+            continue
+        table.add_row(_module_label(r.module), r.module_type, fmt_bytes(r.bytes),
+                      fmt_pct(r.bytes / total), str(r.storages), str(r.saves),
+                      ", ".join(d.replace("torch.", "") for d in r.dtypes))
+    if len(shown) < len(rows):
+        rest = [r for r in rows if r not in shown]
+        table.add_row(f"… {len(rest)} more", "", fmt_bytes(sum(r.bytes for r in rest)),
+                      fmt_pct(sum(r.bytes for r in rest) / total),
+                      str(sum(r.storages for r in rest)), str(sum(r.saves for r in rest)), "")
+    n_storages = sum(r.storages for r in rows)
+    table.add_row("[bold]total[/]", "", f"[bold]{fmt_bytes(saved.total_bytes)}[/]", "100.0%",
+                  str(n_storages), str(sum(r.saves for r in rows)), "", end_section=True)
+    table.caption = (f"{saved.total_bytes:,} B in {n_storages} storages (inputs "
+                     f"{fmt_bytes(saved.input_bytes)}); parameters/buffers saved too: "
+                     f"{fmt_bytes(saved.state_bytes)}, counted as model state.")
+    return table
+
+
+def totals_table(totals: MemoryTotals, measured: MeasuredMemory | None = None,
+                 title: str = "Training-step memory") -> Table:
+    """The parts of a step's memory, the estimated peak and the measurement beside it."""
+    table = Table(title=title, title_justify="left")
+    table.add_column("part")
+    table.add_column("bytes", justify="right")
+    table.add_column("", justify="right")
+    table.add_row("parameters", fmt_bytes(totals.parameters), f"{totals.parameters:,}")
+    if totals.buffers:
+        table.add_row("buffers", fmt_bytes(totals.buffers), f"{totals.buffers:,}")
+    table.add_row("gradients", fmt_bytes(totals.gradients), f"{totals.gradients:,}")
+    if totals.optimizer_state is not None or totals.optimizer_state_source == "unknown":
+        table.add_row(f"optimizer state ({totals.optimizer_state_source})",
+                      fmt_bytes(totals.optimizer_state),
+                      "—" if totals.optimizer_state is None else f"{totals.optimizer_state:,}")
+    table.add_row("saved activations", fmt_bytes(totals.saved_activations),
+                  f"{totals.saved_activations:,}")
+    if totals.outputs:
+        table.add_row("outputs (not saved)", fmt_bytes(totals.outputs), f"{totals.outputs:,}")
+    table.add_row("[bold]estimated peak[/]", f"[bold]{fmt_bytes(totals.peak_estimate)}[/]",
+                  f"{totals.peak_estimate:,}", end_section=True)
+    table.add_row("estimated: allocated by the step", fmt_bytes(totals.step_estimate),
+                  f"{totals.step_estimate:,}")
+    if measured is not None:
+        table.add_row("[bold]measured: peak allocated by the step[/]",
+                      f"[bold]{fmt_bytes(measured.peak_above_baseline)}[/]",
+                      f"{measured.peak_above_baseline:,}")
+        if measured.method == "cuda-allocator":
+            table.add_row("measured: allocated before the step",
+                          fmt_bytes(measured.baseline_bytes), f"{measured.baseline_bytes:,}")
+            table.add_row("measured: peak allocated (absolute)", fmt_bytes(measured.peak_bytes),
+                          f"{measured.peak_bytes:,}")
+            table.add_row("measured: reserved after / peak", fmt_bytes(measured.reserved_bytes),
+                          fmt_bytes(measured.peak_reserved_bytes))
+        table.caption = _method_note(measured)
+    return table
+
+
+def _method_note(measured: MeasuredMemory) -> str:
+    if measured.method == "cuda-allocator":
+        return ("measured with torch.cuda.max_memory_allocated after reset_peak_memory_stats; "
+                "reserved = allocated + the caching allocator's cache.")
+    return ("CPU: torch.profiler memory events summed in time order; the peak counts only "
+            "what the step allocated above what was live when it began (parameters excluded). "
+            "Estimates count what the step keeps; transient buffers (unsaved intermediates, "
+            "kernel workspaces) add to the measurement, early frees in backward subtract.")
+
+
+def blocks_table(report: PlanReport, title: str = "Checkpointable blocks") -> Table:
+    """Per block: forward time (the cost of recomputing it), saved bytes, input bytes."""
+    table = Table(title=title, title_justify="left")
+    for col, justify in (("#", "right"), ("block", "left"), ("type", "left"),
+                         ("forward", "right"), ("saved inside", "right"),
+                         ("input kept", "right")):
+        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    for b in report.blocks:
+        table.add_row(str(b.index), b.name or "<root>", b.module_type, f"{b.forward_ms:.3f} ms",
+                      fmt_bytes(b.saved_bytes), fmt_bytes(b.input_bytes))
+    return table
+
+
+def plans_table(report: PlanReport, chosen: str | None = None,
+                title: str = "Checkpointing plans") -> Table:
+    """Each plan: what it checkpoints, saved bytes, recompute time and peak; measured too."""
+    table = Table(title=title, title_justify="left")
+    for col, justify in (("plan", "left"), ("checkpointed", "left"), ("saved", "right"),
+                         ("vs none", "right"), ("peak act. (pred.)", "right"),
+                         ("recompute pred.", "right"), ("saved (meas.)", "right"),
+                         ("recompute meas.", "right"), ("peak (meas.)", "right"),
+                         ("gradients", "left")):
+        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    base = max(report.baseline_saved_bytes, 1)
+    for p in report.plans:
+        m = report.measurement(p.name)
+        v = m.verification if m is not None else None
+        grads = "—" if v is None else ("[green]bitwise equal[/]" if v.bitwise_equal
+                                       else f"[yellow]max diff {v.max_abs_diff:.2g}[/]")
+        label = f"[bold]{p.name}[/] ←" if p.name == chosen else p.name
+        if p.budget is not None:
+            label += f" (≤ {fmt_bytes(p.budget)})"
+        table.add_row(
+            label, describe_segments(p), fmt_bytes(p.saved_bytes),
+            fmt_pct(p.saved_bytes / base), fmt_bytes(p.peak_activation_bytes),
+            f"{p.recompute_ms:.3f} ms",
+            fmt_bytes(m.saved_bytes) if m else "—",
+            f"{m.recompute_ms:+.3f} ms" if m else "—",
+            fmt_bytes(m.peak_bytes) if m else "—",
+            grads,
+        )
+    segs = "" if report.groupable else (" Blocks are not children of an nn.Sequential, so "
+                                         "each segment is one block.")
+    table.caption = (f"smallest feasible budget: {report.min_feasible_bytes:,} B; budget "
+                     f"search: {report.search}.{segs}")
+    return table
+
+
+def verification_table(v: Verification, limit: int = 12, title: str = "Verification") -> Table:
+    """The loss and the gradients that are not bitwise equal (the worst `limit` of them);
+    when every gradient is equal, the loss and the first three as a sample."""
+    table = Table(title=title, title_justify="left")
+    table.add_column("tensor")
+    table.add_column("bitwise equal")
+    table.add_column("max |diff|", justify="right")
+    table.add_row("loss", "yes" if v.loss_equal else "[yellow]no[/]", f"{v.loss_abs_diff:.3g}")
+    differing = [g for g in v.grads if not g.bitwise_equal]
+    worst = (sorted(differing, key=lambda g: -g.max_abs_diff)[:limit] if differing
+             else list(v.grads[:3]))
+    for g in worst:
+        state = ("[red]missing[/]" if g.missing else "[red]extra[/]" if g.extra
+                 else "yes" if g.bitwise_equal else "[yellow]no[/]")
+        table.add_row(g.name, state, f"{g.max_abs_diff:.3g}")
+    table.caption = (f"{len(v.grads)} gradients compared, seed {v.seed}: "
+                     + ("all bitwise equal" if v.bitwise_equal else
+                        f"max diff {v.max_abs_diff:.3g}") +
+                     ("" if v.buffers_equal else "; buffers differ (updated again in recompute)"))
+    return table
+
+
+def live_table(live: LiveTensors, title: str = "Largest live tensors") -> Table:
+    """The largest live tensors and what holds them; CUDA cache before/after empty_cache."""
+    table = Table(title=title, title_justify="left")
+    for col, justify in (("shape", "left"), ("dtype", "left"), ("device", "left"),
+                         ("bytes", "right"), ("views", "right"), ("held by", "left")):
+        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    for t in live.tensors:
+        kind = " (param)" if t.is_parameter else ""
+        table.add_row(fmt_shape(t.shape), t.dtype.replace("torch.", "") + kind, t.device,
+                      fmt_bytes(t.nbytes), str(t.views), "; ".join(t.referrers) or "—")
+    cap = f"{live.count} live storages, {fmt_bytes(live.total_bytes)} in all."
+    if live.reserved_before is not None:
+        cap += (f" CUDA allocated {fmt_bytes(live.allocated_before)} → "
+                f"{fmt_bytes(live.allocated_after)}, reserved {fmt_bytes(live.reserved_before)}"
+                f" → {fmt_bytes(live.reserved_after)} across empty_cache().")
+    table.caption = cap
+    return table
+
+
+def findings_lines(findings: Sequence[Finding]) -> list[str]:
+    """Findings as rich-markup lines, most severe first."""
+    colors = {0: "cyan", 1: "yellow", 2: "red"}
+    out = []
+    for f in rank(findings):
+        line = f"[{colors[int(f.severity)]}]{f.severity.label}[/] {f.summary}"
+        if f.fix and f.severity > 0:
+            line += f" [dim]Fix: {f.fix}[/]"
+        out.append(line)
+    return out

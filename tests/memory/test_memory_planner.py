@@ -1,0 +1,124 @@
+"""Planner: none / all / √L / budget plans on deep-mlp, exact vs DP, budget errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import torchscope.checkpointing as ckpt
+from torchscope.errors import BudgetError
+from torchscope.memory import analyze_memory, parse_bytes, plan_checkpointing
+from torchscope.memory.planner import _costs, _search_dp, _search_exact
+from torchscope.models import DeepMLP, ModelInputs
+
+
+@pytest.fixture(scope="module")
+def deep_report():
+    threads = torch.get_num_threads()  # module scope runs before the one-thread fixture
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        model = DeepMLP()
+        x = torch.randn(32, 64)
+        return model, x, plan_checkpointing(model, x, budget="64KB", repeats=1)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_sqrt_and_budget_plans_reduce_saved_bytes(deep_report) -> None:
+    _, _, report = deep_report
+    assert report.baseline_saved_bytes == 73_728
+    none, every, sqrt, budget = (report.plan(n) for n in ("none", "all", "sqrt", "budget"))
+    assert none.saved_bytes == 73_728 and none.segments == ()
+    assert every.segments == tuple((i, i + 1) for i in range(8))  # the last block too
+    assert every.saved_bytes == 65_536
+    assert sqrt.segments == ((0, 3), (3, 6), (6, 8))  # ⌈√8⌉ = 3 blocks per segment
+    assert sqrt.saved_bytes == 3 * 8_192
+    assert budget.saved_bytes <= 65_536 < 73_728
+    assert budget.segments == ((7, 8),)  # the cheapest way: checkpoint only the last block
+    assert budget.recompute_ms < sqrt.recompute_ms
+    assert report.min_feasible_bytes == 8_192
+
+
+def test_every_plan_is_measured_and_verified_bitwise(deep_report) -> None:
+    _, _, report = deep_report
+    for plan in report.plans:
+        m = report.measurement(plan.name)
+        assert m is not None
+        assert m.saved_bytes == plan.saved_bytes  # prediction = count with the plan applied
+        if plan.segments:
+            assert m.verification is not None and m.verification.bitwise_equal
+    assert report.measurement("none").verification is None
+
+
+def test_model_untouched_by_planning(deep_report) -> None:
+    model, _, _ = deep_report
+    assert not any("forward" in vars(m) for m in model.modules())
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_dp_matches_exhaustive_search() -> None:
+    model = DeepMLP()
+    x = torch.randn(32, 64)
+    blocks = ckpt.resolve_blocks(model)
+    costs, _, _ = _costs(model, blocks, ModelInputs.of(x), None, 1)
+    for budget in (8_192, 30_000, 50_000, 65_536, 73_728):
+        exact, least_e = _search_exact(costs, True, budget)
+        dp, least_d = _search_dp(costs, True, budget)
+        assert exact is not None and dp is not None
+        e_saved, _, e_rec = costs.evaluate(exact)
+        d_saved, _, d_rec = costs.evaluate(dp)
+        assert e_saved <= budget and d_saved <= budget
+        assert d_rec == pytest.approx(e_rec), budget
+        assert least_e == least_d == 8_192
+
+
+def test_unmeetable_budget_names_the_smallest_feasible_one() -> None:
+    model = DeepMLP()
+    with pytest.raises(BudgetError, match=r"at least 8,192 B"):
+        plan_checkpointing(model, torch.randn(32, 64), budget="1KB", measure=False)
+
+
+def test_parse_bytes() -> None:
+    assert parse_bytes("64KB") == parse_bytes("64 KiB") == 65_536
+    assert parse_bytes("2GB") == 2 * 1024**3
+    assert parse_bytes("1.5MiB") == 1_572_864
+    assert parse_bytes("73728") == parse_bytes(73_728) == 73_728
+    for bad in ("", "12 parsecs", "-1KB", "KB"):
+        with pytest.raises(BudgetError):
+            parse_bytes(bad)
+
+
+def test_apply_plan_is_always_verified_and_dropout_passes() -> None:
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.2), nn.ReLU())
+                            for _ in range(4)]).train()
+    x = torch.randn(8, 16)
+    report = plan_checkpointing(model, x, measure=False, repeats=1)
+    with ckpt.apply_plan(model, report.plan("sqrt"), x) as handle:
+        assert handle.segments == ((0, 2), (2, 4))
+        assert handle.verification is not None and handle.verification.bitwise_equal
+
+
+def test_analyze_memory_auto_defaults_to_sqrt_memory(tiny_gpt2: nn.Module) -> None:
+    inputs = {"input_ids": torch.randint(0, 100, (2, 16)), "use_cache": False}
+    report = analyze_memory(tiny_gpt2, inputs, checkpoint="auto", repeats=1)
+    assert report.plans is not None and report.chosen == "budget"
+    chosen = report.plans.plan("budget")
+    assert chosen.saved_bytes <= report.plans.plan("sqrt").saved_bytes
+    assert chosen.saved_bytes < report.saved.total_bytes
+    m = report.plans.measurement("budget")
+    assert m is not None and m.verification is not None and m.verification.ok
+    assert any(f.code == "memory.checkpoint_plan" for f in report.findings)
+    assert report.verification is m.verification
+    assert not report.plans.groupable  # GPT-2's blocks live in a ModuleList
+
+
+def test_analyze_memory_verifies_the_chosen_plan_without_measuring() -> None:
+    model = DeepMLP()
+    report = analyze_memory(model, torch.randn(32, 64), checkpoint="sqrt", measure=False,
+                            repeats=1)
+    assert report.measured is None and report.plans is not None
+    assert report.plans.measurements == ()
+    assert report.verification is not None and report.verification.bitwise_equal
+    assert len(report.verification.grads) == 16

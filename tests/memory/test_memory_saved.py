@@ -1,0 +1,107 @@
+"""Saved-activation accounting against counts made with torch's own hooks."""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+from torch import nn
+
+import torchscope.checkpointing as ckpt
+from torchscope.memory import memory_totals, saved_activations
+from torchscope.memory.records import OUTSIDE
+from torchscope.models import DeepMLP, TinyCNN
+
+
+def _plain_count(model: nn.Module, *args: torch.Tensor, **kwargs: torch.Tensor) -> int:
+    """Saved bytes by storage, parameters excluded, with a bare saved_tensors_hooks."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    params |= {b.untyped_storage().data_ptr() for b in model.buffers()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t.detach()  # the output itself would form a cycle through its grad_fn
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(*args, **kwargs)
+    del out
+    return sum(seen.values())
+
+
+def test_deep_mlp_saves_nine_storages_of_8192_bytes() -> None:
+    model = DeepMLP()
+    x = torch.randn(32, 64)  # does not require grad
+    saved = saved_activations(model, x)
+    acts = saved.activation_storages
+    assert saved.total_bytes == 73_728
+    assert len(acts) == 9
+    assert all(s.nbytes == 8_192 for s in acts)
+    assert sum(r.bytes for r in saved.modules) == saved.total_bytes
+    assert saved.total_bytes == _plain_count(model, x)
+    # The input is saved by the first Linear; each ReLU output once, though two nodes save it.
+    assert saved.input_bytes == 8_192
+    assert [r.module for r in saved.modules] == ["0.0"] + [f"{i}.1" for i in range(8)]
+    relu_rows = [r for r in saved.modules if r.module_type == "ReLU"]
+    assert [r.saves for r in relu_rows] == [2] * 7 + [1]
+    # Linear 1..7 save their weight (model state, not activations); Linear 0 does not,
+    # because its input needs no gradient.
+    assert saved.state_bytes == 7 * 64 * 64 * 4
+
+
+def test_accounting_leaves_model_and_rng_untouched() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.5)).train()
+    x = torch.randn(16, 8)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    saved_activations(model, x)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert torch.equal(rng, torch.get_rng_state())
+    assert all(p.grad is None for p in model.parameters())
+
+
+def _graph_tensors() -> int:
+    gc.collect()
+    return sum(1 for o in gc.get_objects()
+               if issubclass(type(o), torch.Tensor) and o.grad_fn is not None)
+
+
+def test_accounting_keeps_no_graph_alive() -> None:
+    """A pack hook returning a saved output itself would leak it (a cycle via its grad_fn)."""
+    model = TinyCNN()
+    x = torch.randn(4, 3, 16, 16)
+    before = _graph_tensors()
+    saved_activations(model, x)
+    with ckpt.apply(model, blocks=["conv1", "conv2"]):
+        saved_activations(model, x)
+    assert _graph_tensors() == before
+
+
+def test_tiny_gpt2_table_sums_to_total(tiny_gpt2: nn.Module) -> None:
+    ids = torch.randint(0, 100, (2, 16))
+    saved = saved_activations(tiny_gpt2, ids)
+    assert saved.total_bytes > 0
+    assert sum(r.bytes for r in saved.modules) == saved.total_bytes
+    assert saved.total_bytes == _plain_count(tiny_gpt2, ids)
+    names = {n for n, _ in tiny_gpt2.named_modules()} | {OUTSIDE}
+    assert {r.module for r in saved.modules} <= names
+    assert any(r.module.startswith("transformer.h.1.") for r in saved.modules)
+
+
+def test_totals_count_params_grads_and_adam_state() -> None:
+    model = DeepMLP()
+    x = torch.randn(32, 64)
+    saved = saved_activations(model, x)
+    n_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    opt = torch.optim.Adam(model.parameters())
+    totals = memory_totals(model, saved, opt)
+    assert totals.parameters == totals.gradients == n_bytes
+    assert (totals.optimizer_state, totals.optimizer_state_source) == (2 * n_bytes, "estimated")
+    assert totals.peak_estimate == 4 * n_bytes + 73_728
+    model(x).sum().backward()
+    opt.step()
+    after = memory_totals(model, saved, opt)
+    real = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values())
+    assert (after.optimizer_state, after.optimizer_state_source) == (real, "measured")
