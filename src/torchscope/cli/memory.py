@@ -26,7 +26,7 @@ def register(app: typer.Typer) -> None:
     app.command("memory")(memory)
 
 
-def memory(  # noqa: PLR0917 - typer maps each parameter to an option
+def memory(
     target: TargetArg = None,
     input: InputOpt = None,
     inputs: InputsFnOpt = None,

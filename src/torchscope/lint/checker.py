@@ -487,10 +487,15 @@ class _Checker:
                     "retry with a smaller batch; or need less memory (smaller batch, "
                     "activation checkpointing, mixed precision).")
             return
-        stmt = self.tree.statement(call)
-        before = self.tree.block_before(stmt) if stmt is not None else []
-        if any(self._releases(node) for node in walk_local(list(before))):
-            return
+        # What ran before it: its own block, then each enclosing block of the same function
+        # (`del out` followed by `if cuda: empty_cache()` releases first too).
+        stmt: ast.AST | None = self.tree.statement(call)
+        while isinstance(stmt, ast.stmt) and not isinstance(stmt, (*FUNCS, ast.ClassDef)):
+            before = self.tree.block_before(stmt)
+            if any(self._releases(node) for node in walk_local(list(before))):
+                return
+            parent = self.tree.parent(stmt)
+            stmt = self.tree.statement(parent) if parent is not None else None
         self.report("TS005", call, (
             f"`{shown}()` with nothing released before it in this block (no `del`, "
             "`gc.collect()` or `x = None`): it only returns cached blocks that no tensor "

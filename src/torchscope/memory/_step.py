@@ -145,7 +145,7 @@ def _cuda_devices(model: nn.Module) -> list[int]:
 def seed_all(seed: int) -> None:
     """Seed CPU and every CUDA device (the same seed a comparison run will use)."""
     torch.manual_seed(seed)
-    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.manual_seed_all(seed)
 
 
@@ -156,7 +156,7 @@ def forward_backward(
     with torch.enable_grad():
         out = call_model(model, inputs)
         loss = (loss_fn or default_loss)(out)
-        loss.backward()  # type: ignore[no-untyped-call]
+        loss.backward()
     return loss.detach()
 
 

@@ -215,7 +215,7 @@ def live_tensors(limit: int = 20, *, device: str | torch.device | None = None,
     del found, groups, sized, objects, frame, grad_of, top, views, found_refs, referrers_of
     before: tuple[int | None, int | None] = (None, None)
     after = before
-    if torch.cuda.is_available() and torch.cuda.is_initialized() and (  # type: ignore[no-untyped-call]
+    if torch.cuda.is_available() and torch.cuda.is_initialized() and (
             want is None or want.type == "cuda"):
         before = (torch.cuda.memory_allocated(), torch.cuda.memory_reserved())
         if empty_cache:

@@ -99,9 +99,9 @@ class _Recorder:
             self._anon += 1
             key = ("nostorage", -self._anon)
         else:
-            ref = StorageWeakRef(t.untyped_storage())  # type: ignore[no-untyped-call]
+            ref = StorageWeakRef(t.untyped_storage())
         entry = self.live.get(key)
-        if entry is not None and entry.ref is not None and entry.ref.expired():  # type: ignore[no-untyped-call]
+        if entry is not None and entry.ref is not None and entry.ref.expired():
             self.dead.append((key, entry))  # freed, and its address reused by a new storage
             entry = None
         if entry is None:
@@ -179,7 +179,7 @@ def _account(
             if k is not None:
                 out_keys.setdefault(k, storage_nbytes(t))
         alive = [(k, e) for k, e in recorder.live.items()
-                 if e.ref is None or not e.ref.expired()]  # type: ignore[no-untyped-call]
+                 if e.ref is None or not e.ref.expired()]
         saves = recorder.saves
         # The graph (and everything saved) is released when out/loss go out of scope here.
         del out, loss
