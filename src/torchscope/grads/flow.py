@@ -178,6 +178,8 @@ class GradWatch:
     def _end_step(self) -> None:
         if self._collector.active:
             self._sample()
+        else:
+            self._collector.discard()  # counters of an unsampled step
         self.steps += 1
         self._collector.active = self._due(self.steps)
 
