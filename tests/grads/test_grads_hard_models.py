@@ -11,7 +11,11 @@ from torch import nn
 
 from torchscope.grads import gradient_flow
 from torchscope.grads.records import (
-    FROZEN, INPUT_NO_GRAD, NO_GRAD, NOT_REACHED, OUTPUT_NO_GRAD,
+    FROZEN,
+    INPUT_NO_GRAD,
+    NO_GRAD,
+    NOT_REACHED,
+    OUTPUT_NO_GRAD,
 )
 from torchscope.hooks import audit_hooks
 
@@ -203,7 +207,7 @@ def test_checkpointed_block_records_once() -> None:
 def test_tiny_gpt2_gradients_bitwise_identical(tiny_gpt2) -> None:
     model = tiny_gpt2
     ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(1))
-    before = _plain_grads(model, lambda: model(input_ids=ids, labels=ids).loss.backward())
+    before = _plain_grads(model, model(input_ids=ids, labels=ids).loss.backward)
     flow = gradient_flow(model, {"input_ids": ids, "labels": ids})
     _assert_same_grads(model, before)
     assert flow.modules[0].module == "lm_head"
