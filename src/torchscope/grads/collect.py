@@ -207,6 +207,7 @@ class GradCollector:
         self._counts: dict[str, int] = {}
         self._step_handles: list[Any] = []
         self._backwards = 0
+        self._last: tuple[torch.Tensor, int] | None = None  # previous gradient and its norm
 
     # ------------------------------------------------------------------ hooks
     def _on_root_forward(self, _m: nn.Module, _args: tuple[Any, ...]) -> None:
@@ -219,11 +220,26 @@ class GradCollector:
         t = g.detach()
         if t.is_sparse:
             t = t.coalesce().values()
+        # The gradient a layer passes down usually reaches the layer below as a view of the
+        # same memory (through the input alias). `_last` holds that previous gradient, so its
+        # memory cannot have been reused: same address, elements and version = same values.
+        last = self._last
+        if last is not None:
+            prev, prev_val = last
+            if (t.data_ptr() == prev.data_ptr() and t.dtype == prev.dtype
+                    and t.device == prev.device and t._version == prev._version
+                    and t.numel() == prev.numel() and t.numel() > 0
+                    and ((t.is_contiguous() and prev.is_contiguous())
+                         or (t.shape == prev.shape and t.stride() == prev.stride()))):
+                self._last = (t, prev_val)
+                return prev_val
         # One read of the gradient; half precision is summed in float32 so it cannot overflow.
         n = torch.linalg.vector_norm(t, dtype=torch.float32) if t.dtype in _HALF else \
             torch.linalg.vector_norm(t)  # () on g.device
         self._vals.append(n)
-        return len(self._vals) - 1
+        index = len(self._vals) - 1
+        self._last = (t, index)
+        return index
 
     def _queue_end(self) -> None:
         if self._bw_queued:
@@ -233,6 +249,7 @@ class GradCollector:
 
     def _backward_done(self) -> None:
         self._bw_queued = False
+        self._last = None
         self._backwards += 1
         if self.on_backward_end is not None:
             self.on_backward_end()
