@@ -56,13 +56,15 @@ def main() -> None:
             sink.extend(p.grad.norm().item() for p in params)  # type: ignore[union-attr]
         opt.step()
 
-    def timed(ctx: Callable[[], AbstractContextManager[object]], log_params: bool) -> float:
+    def timed(ctx: Callable[[], AbstractContextManager[object]], log_params: bool
+              ) -> tuple[float, float]:
+        """Wall and process-CPU seconds of one step (CPU time is less hit by other load)."""
         with ctx():
             sync()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             step(log_params)
             sync()
-            return time.perf_counter() - t0
+            return time.perf_counter() - t0, time.process_time() - c0
 
     modes: dict[str, tuple[Callable[[], AbstractContextManager[object]], bool]] = {
         "bare": (nullcontext, False),
@@ -71,18 +73,27 @@ def main() -> None:
     }
     for ctx, log in modes.values():  # warm up every path once
         timed(ctx, log)
-    times: dict[str, list[float]] = {k: [] for k in modes}
+    times: dict[str, list[tuple[float, float]]] = {k: [] for k in modes}
     # Interleave the modes so that load on the machine hits all of them alike. The watch is
     # opened per step, so its setup (hook registration) is included in its cost.
     for _ in range(args.steps):
         for name, (ctx, log) in modes.items():
             times[name].append(timed(ctx, log))
 
-    med = {k: statistics.median(v) for k, v in times.items()}
     print(f"resnet-mini, batch {args.batch}x3x{args.size}x{args.size}, {args.device}, "
-          f"{args.threads} threads, {args.steps} interleaved steps per mode (median)")
-    for name, t in med.items():
-        print(f"  {name:10s} {t * 1e3:9.1f} ms/step   {t / med['bare']:.3f}x bare")
+          f"{args.threads} threads, {args.steps} interleaved steps per mode")
+    print(f"  {'mode':10s} {'median wall':>12s} {'ratio':>7s} {'min wall':>10s} {'ratio':>7s} "
+          f"{'median cpu':>11s} {'ratio':>7s}")
+    base = times["bare"]
+    b_med = statistics.median(w for w, _ in base)
+    b_min = min(w for w, _ in base)
+    b_cpu = statistics.median(c for _, c in base)
+    for name, v in times.items():
+        med = statistics.median(w for w, _ in v)
+        low = min(w for w, _ in v)
+        cpu = statistics.median(c for _, c in v)
+        print(f"  {name:10s} {med * 1e3:9.1f} ms {med / b_med:6.3f}x {low * 1e3:7.1f} ms "
+              f"{low / b_min:6.3f}x {cpu * 1e3:8.1f} ms {cpu / b_cpu:6.3f}x")
 
 
 if __name__ == "__main__":
