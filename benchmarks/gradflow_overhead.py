@@ -15,10 +15,9 @@ Prints the median step time of each and the ratios to the bare step (goal: gradf
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import time
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
 
 import torch
 from torch import nn
@@ -38,47 +37,51 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     device = torch.device(args.device)
-    model = ResNetMini().to(device).train()
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    # Two identical models: one never hooked (bare, per-param), one watched for the whole
+    # run, as in a real loop where the watch is opened once.
+    bare_model = ResNetMini().to(device).train()
+    watched_model = copy.deepcopy(bare_model)
+    bare_opt = torch.optim.SGD(bare_model.parameters(), lr=1e-3)
+    watched_opt = torch.optim.SGD(watched_model.parameters(), lr=1e-3)
     x = torch.randn(args.batch, 3, args.size, args.size, device=device)
     y = torch.randint(0, 10, (args.batch,), device=device)
-    params = [p for p in model.parameters() if p.requires_grad]
     sink: list[float] = []
 
     def sync() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    def step(log_params: bool) -> None:
+    def step(model: nn.Module, opt: torch.optim.Optimizer, log_params: bool) -> None:
         opt.zero_grad(set_to_none=True)
         nn.functional.cross_entropy(model(x), y).backward()
         if log_params:
-            sink.extend(p.grad.norm().item() for p in params)  # type: ignore[union-attr]
+            sink.extend(p.grad.norm().item() for p in model.parameters()  # type: ignore[union-attr]
+                        if p.grad is not None)
         opt.step()
 
-    def timed(ctx: Callable[[], AbstractContextManager[object]], log_params: bool
+    def timed(model: nn.Module, opt: torch.optim.Optimizer, log_params: bool
               ) -> tuple[float, float]:
         """Wall and process-CPU seconds of one step (CPU time is less hit by other load)."""
-        with ctx():
-            sync()
-            t0, c0 = time.perf_counter(), time.process_time()
-            step(log_params)
-            sync()
-            return time.perf_counter() - t0, time.process_time() - c0
+        sync()
+        t0, c0 = time.perf_counter(), time.process_time()
+        step(model, opt, log_params)
+        sync()
+        return time.perf_counter() - t0, time.process_time() - c0
 
-    modes: dict[str, tuple[Callable[[], AbstractContextManager[object]], bool]] = {
-        "bare": (nullcontext, False),
-        "gradflow": (lambda: watch_gradients(model, every=1, optimizer=opt), False),
-        "per-param": (nullcontext, True),
+    modes = {
+        "bare": (bare_model, bare_opt, False),
+        "gradflow": (watched_model, watched_opt, False),
+        "per-param": (bare_model, bare_opt, True),
     }
-    for ctx, log in modes.values():  # warm up every path once
-        timed(ctx, log)
     times: dict[str, list[tuple[float, float]]] = {k: [] for k in modes}
-    # Interleave the modes so that load on the machine hits all of them alike. The watch is
-    # opened per step, so its setup (hook registration) is included in its cost.
-    for _ in range(args.steps):
-        for name, (ctx, log) in modes.items():
-            times[name].append(timed(ctx, log))
+    with watch_gradients(watched_model, every=1, optimizer=watched_opt) as watch:
+        for model, opt, log in modes.values():  # warm up every path once
+            timed(model, opt, log)
+        # Interleave the modes so that load on the machine hits all of them alike.
+        for _ in range(args.steps):
+            for name, (model, opt, log) in modes.items():
+                times[name].append(timed(model, opt, log))
+    assert watch.samples == args.steps + 1, "every step must have been sampled"
 
     print(f"resnet-mini, batch {args.batch}x3x{args.size}x{args.size}, {args.device}, "
           f"{args.threads} threads, {args.steps} interleaved steps per mode")
