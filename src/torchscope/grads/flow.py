@@ -13,6 +13,7 @@ from torch import nn
 
 from torchscope.errors import ModelError, TorchscopeError
 from torchscope.findings import Finding
+from torchscope.grads.analyze import GradThresholds, diagnose, diagnose_history
 from torchscope.grads.collect import GradCollector
 from torchscope.grads.losses import LossFn, LossName, compute_loss
 from torchscope.grads.records import GradFlow, GradHistory
@@ -214,10 +215,8 @@ class GradWatch:
             total_norms=tuple(r[3] for r in self._rows),
         )
 
-    def findings(self, thresholds: Any = None) -> list[Finding]:
+    def findings(self, thresholds: GradThresholds | None = None) -> list[Finding]:
         """Diagnosis of the last sample and of the history (see `torchscope.grads.diagnose`)."""
-        from torchscope.grads.analyze import diagnose, diagnose_history
-
         found = diagnose(self._last, thresholds) if self._last is not None else []
         return found + diagnose_history(self.history, thresholds)
 
