@@ -221,3 +221,39 @@ def test_tiny_gpt2_gradients_bitwise_identical(tiny_gpt2) -> None:
         if rec.norm is not None:
             assert _close(rec.norm, before[rec.name].norm().item()), rec.name
     assert audit_hooks(model, include_global=False).local_total == 0
+
+
+class SeqNet(nn.Module):
+    """Self-attention (query is key is value), an LSTM with tuple outputs, and LayerNorm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Linear(6, 16)
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.norm = nn.LayerNorm(16)
+        self.lstm = nn.LSTM(16, 8, batch_first=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        a, _ = self.attn(h, h, h, need_weights=False)
+        out, (hn, _) = self.lstm(self.norm(h + a))
+        return self.head(out[:, -1]) + hn[0].sum()
+
+
+def test_attention_and_lstm_bitwise_and_shared_inputs() -> None:
+    model = SeqNet()
+    x = torch.randn(2, 5, 6)
+    before = _plain_grads(model, lambda: model(x).sum().backward())
+    flow = gradient_flow(model, x, loss_fn="sum", select=["emb", "attn", "norm", "lstm",
+                                                          "head"])
+    _assert_same_grads(model, before)
+    attn = flow.get("attn")
+    # query, key and value are one tensor: one gradient, reported under each position.
+    assert [g.path for g in attn.grad_input] == ["[0]", "[1]", "[2]"]
+    assert attn.grad_input[0].norm is not None
+    assert attn.grad_input[0].norm == attn.grad_input[1].norm == attn.grad_input[2].norm
+    lstm = flow.get("lstm")
+    assert [g.path for g in lstm.grad_output] == ["[0]", "[1][0]", "[1][1]"]
+    assert lstm.grad_output[0].norm is not None and lstm.grad_output[1].norm is not None
+    assert lstm.grad_output[2].reason == NOT_REACHED  # the cell state is unused

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -54,7 +54,7 @@ _MAX_WALK = 10_000  # nodes followed back from an in-place op to the input's pro
 class _Slot:
     """One tensor of one call; the hook fills `val`, the index of its norm in `_vals`."""
 
-    __slots__ = ("dtype", "path", "reason", "shape", "use_node", "val")
+    __slots__ = ("dtype", "path", "reason", "same_as", "shape", "use_node", "val")
 
     def __init__(self, path: str, t: torch.Tensor, reason: str | None = None) -> None:
         self.path = path
@@ -63,6 +63,11 @@ class _Slot:
         self.val: int | None = None
         self.reason = reason
         self.use_node = False  # measured on an autograd node; ignore the alias hook
+        self.same_as: _Slot | None = None  # the same tensor passed again: one measurement
+
+    def value(self) -> int | None:
+        """Index of this tensor's norm, following `same_as`."""
+        return self.same_as.val if self.same_as is not None else self.val
 
 
 class _Call:
@@ -93,6 +98,16 @@ class _PendingInput:
     producer: Any  # the input's grad_fn before the call (an autograd Node or None)
     version: int
     aliased: bool
+
+
+@dataclass
+class _Intake:
+    """Inputs of one call between its pre-hook and its forward hook."""
+
+    call: _Call
+    inplace: bool
+    pending: list[_PendingInput] = field(default_factory=list)
+    seen: dict[int, tuple[torch.Tensor, _Slot]] = field(default_factory=dict)
 
 
 def _is_plain(t: torch.Tensor) -> bool:
@@ -286,9 +301,22 @@ class GradCollector:
 
         return hook
 
-    def _take_input(self, call: _Call, path: str, t: torch.Tensor, inplace: bool,
-                    pending: list[_PendingInput]) -> torch.Tensor:
+    def _take_input(self, intake: _Intake, path: str, t: torch.Tensor) -> torch.Tensor:
         """Record one tensor input; return what the module should receive instead."""
+        hit = intake.seen.get(id(t))
+        if hit is not None:
+            # The same tensor again (self-attention's query is key is value): hand out the
+            # same alias so identity checks inside the module still hold.
+            slot = _Slot(path, t, hit[1].reason)
+            slot.same_as = hit[1]
+            intake.call.ins.append(slot)
+            return hit[0]
+        replacement = self._take_one_input(intake, path, t)
+        intake.seen[id(t)] = (replacement, intake.call.ins[-1])
+        return replacement
+
+    def _take_one_input(self, intake: _Intake, path: str, t: torch.Tensor) -> torch.Tensor:
+        call, pending = intake.call, intake.pending
         if not t.requires_grad:
             call.ins.append(_Slot(path, t, INPUT_NO_GRAD))
             return t
@@ -297,7 +325,7 @@ class GradCollector:
         if not _is_plain(t):
             slot.reason = NOT_MEASURED
             return t
-        if inplace:
+        if intake.inplace:
             pending.append(_PendingInput(slot, t, t.grad_fn, t._version, aliased=False))
             return t
         alias = t.view_as(t)  # same storage; its gradient is this call's share only
@@ -321,20 +349,20 @@ class GradCollector:
             self._counts[name] = count + 1
             call = _Call(name, type_name, max(self._micro, 0), count, self._seq, owns)
             self._seq += 1
-            pending: list[_PendingInput] = []
+            intake = _Intake(call, inplace)
             changed = False
             new_args = list(args)
             new_kwargs = dict(kwargs)
             if self._inputs:
                 for i, a in enumerate(args):
                     if isinstance(a, torch.Tensor):
-                        new_args[i] = self._take_input(call, f"[{i}]", a, inplace, pending)
+                        new_args[i] = self._take_input(intake, f"[{i}]", a)
                         changed = changed or new_args[i] is not a
                 for k, v in kwargs.items():
                     if isinstance(v, torch.Tensor):
-                        new_kwargs[k] = self._take_input(call, f"[{k!r}]", v, inplace, pending)
+                        new_kwargs[k] = self._take_input(intake, f"[{k!r}]", v)
                         changed = changed or new_kwargs[k] is not v
-            stack.append((call, pending))
+            stack.append((call, intake.pending))
             return (tuple(new_args), new_kwargs) if changed else None
 
         def post(_m: nn.Module, _args: tuple[Any, ...], output: Any) -> None:
@@ -402,8 +430,9 @@ class GradCollector:
             return None if val is None else host[val] * inv
 
         def tensor_grad(s: _Slot, missing: str) -> TensorGrad:
-            n = norm_of(s.val)
-            reason = None if n is not None else (s.reason or missing)
+            n = norm_of(s.value())
+            reason = None if n is not None else (
+                (s.same_as.reason if s.same_as is not None else s.reason) or missing)
             return TensorGrad(s.path, s.shape, s.dtype, n, reason)
 
         calls = sorted(self._calls, key=lambda c: (c.order is None, c.order or 0, c.seq))
