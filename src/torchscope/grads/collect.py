@@ -227,7 +227,7 @@ class GradCollector:
     # ------------------------------------------------------------------ hooks
     def _on_root_forward(self, _m: nn.Module, _args: tuple[Any, ...]) -> None:
         self._bw_queued = False  # a backward that raised never ran its end callback
-        if self.active:
+        if self.active and torch.is_grad_enabled():  # eval forwards are no micro-batch
             self._micro += 1
             self._counts = {}
 
