@@ -56,3 +56,16 @@ def test_cuda_amp_scaler_unscaled() -> None:
     assert flow is not None and flow.scale == 2.0**12
     assert math.isclose(flow.total_norm, want, rel_tol=1e-4)
     assert flow.get("conv1").grad_output[0].dtype == "torch.float16"
+
+
+def test_sparse_embedding_gradient() -> None:
+    model = nn.Sequential(nn.Embedding(20, 4, sparse=True), nn.Linear(4, 2))
+    ids = torch.tensor([[1, 2, 2, 5]])
+    flow = gradient_flow(model, ids, loss_fn="sum")
+    grad = model[0].weight.grad
+    assert grad is not None and grad.is_sparse
+    want = torch.linalg.vector_norm(grad.coalesce().values()).item()
+    assert math.isclose(flow.param("0.weight").norm, want, rel_tol=1e-6)
+    # clip_grad_norm_ has no sparse kernel; the same total, written out:
+    dense = model[1].weight.grad.norm() ** 2 + model[1].bias.grad.norm() ** 2
+    assert math.isclose(flow.total_norm, math.sqrt(want**2 + dense.item()), rel_tol=1e-6)
