@@ -257,3 +257,15 @@ def test_attention_and_lstm_bitwise_and_shared_inputs() -> None:
     assert [g.path for g in lstm.grad_output] == ["[0]", "[1][0]", "[1][1]"]
     assert lstm.grad_output[0].norm is not None and lstm.grad_output[1].norm is not None
     assert lstm.grad_output[2].reason == NOT_REACHED  # the cell state is unused
+
+
+def test_inplace_module_that_leaves_input_alone() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5, inplace=True), nn.Linear(4, 2))
+    model.eval()  # dropout is the identity and returns its input
+    x = torch.randn(3, 4)
+    before = _plain_grads(model, lambda: model(x).sum().backward())
+    flow = gradient_flow(model, x, loss_fn="sum")
+    _assert_same_grads(model, before)
+    drop = flow.get("1")
+    assert drop.grad_input[0].norm == drop.grad_output[0].norm is not None
+    assert _close(drop.grad_input[0].norm, flow.get("0").grad_output[0].norm)

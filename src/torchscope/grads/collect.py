@@ -370,8 +370,11 @@ class GradCollector:
             if entry is None:
                 return
             call, pending = entry
+            untouched: list[_PendingInput] = []
             for p in pending:
                 if p.tensor._version == p.version:
+                    if not p.aliased:
+                        untouched.append(p)
                     continue
                 # Changed in place during this call: the alias' own node left the graph.
                 base = p.tensor._base if p.aliased and p.tensor._base is not None else p.tensor
@@ -384,6 +387,7 @@ class GradCollector:
                 p.slot.use_node = True
                 self._step_handles.append(self._session.track(
                     node.register_hook(self._node_hook(p.slot))))
+            outs: dict[int, _Slot] = {}
             for path, t in iter_tensors(output):
                 if t.requires_grad and torch.is_grad_enabled():
                     slot = _Slot(path, t)
@@ -392,6 +396,15 @@ class GradCollector:
                 else:
                     slot = _Slot(path, t, OUTPUT_NO_GRAD)
                 call.outs.append(slot)
+                outs.setdefault(id(t), slot)
+            for p in untouched:
+                # An in-place module that left its input alone (Dropout in eval) and returned
+                # it: what it passes down is what it receives.
+                same = outs.get(id(p.tensor))
+                if same is not None:
+                    p.slot.same_as = same
+                else:
+                    p.slot.reason = NOT_MEASURED
             self._calls.append(call)
 
         return pre, post
