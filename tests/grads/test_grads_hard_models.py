@@ -269,3 +269,47 @@ def test_inplace_module_that_leaves_input_alone() -> None:
     drop = flow.get("1")
     assert drop.grad_input[0].norm == drop.grad_output[0].norm is not None
     assert _close(drop.grad_input[0].norm, flow.get("0").grad_output[0].norm)
+
+
+class BasicBlock(nn.Module):
+    """torchvision's pattern: one inplace ReLU used twice and `out += identity`."""
+
+    def __init__(self, inplace: bool = True) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(4, 4, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(4)
+        self.relu = nn.ReLU(inplace=inplace)
+        self.conv2 = nn.Conv2d(4, 4, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(4)
+        self.inplace = inplace
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        out = out.add_(x) if self.inplace else out + x
+        return self.relu(out)
+
+
+def test_torchvision_style_block() -> None:
+    stem = nn.Conv2d(3, 4, 1)
+    model = nn.Sequential(stem, BasicBlock(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                          nn.Linear(4, 2))
+    twin = nn.Sequential(nn.Conv2d(3, 4, 1), BasicBlock(inplace=False), nn.AdaptiveAvgPool2d(1),
+                         nn.Flatten(), nn.Linear(4, 2))
+    twin.load_state_dict(model.state_dict())
+    x = torch.randn(2, 3, 6, 6)
+    before = _plain_grads(model, lambda: model(x).sum().backward())
+    twin_grads = _plain_grads(twin, lambda: twin(x).sum().backward())
+    flow = gradient_flow(model, x, loss_fn="sum")
+    _assert_same_grads(model, before)
+    ref = gradient_flow(twin, x, loss_fn="sum")  # no in-place ops anywhere
+    assert [r.key for r in flow.modules] == [r.key for r in ref.modules]
+    assert [r.key for r in flow.modules if r.module == "1.relu"] == ["1.relu#1", "1.relu#0"]
+    for a, b in zip(flow.modules, ref.modules, strict=True):
+        for ga, gb in zip(a.grad_output + a.grad_input, b.grad_output + b.grad_input,
+                          strict=True):
+            assert (ga.norm is None) == (gb.norm is None), a.key
+            if ga.norm is not None:
+                assert math.isclose(ga.norm, gb.norm, rel_tol=1e-5), a.key
+    for name, g in twin_grads.items():
+        assert torch.allclose(before[name], g, rtol=1e-5, atol=1e-7)
