@@ -48,7 +48,7 @@ from torchscope.hooks.tree import iter_tensors
 __all__ = ["GradCollector"]
 
 _HALF = (torch.float16, torch.bfloat16)
-_MAX_WALK = 10_000  # nodes followed back from an in-place op to the input's producer
+_MAX_WALK = 256  # nodes followed back from an in-place op to the input's producer
 
 
 class _Slot:
@@ -65,9 +65,12 @@ class _Slot:
         self.use_node = False  # measured on an autograd node; ignore the alias hook
         self.same_as: _Slot | None = None  # the same tensor passed again: one measurement
 
-    def value(self) -> int | None:
-        """Index of this tensor's norm, following `same_as`."""
-        return self.same_as.val if self.same_as is not None else self.val
+    def root(self) -> _Slot:
+        """The slot that holds the measurement, following `same_as`."""
+        s = self
+        while s.same_as is not None:
+            s = s.same_as
+        return s
 
 
 class _Call:
@@ -307,7 +310,7 @@ class GradCollector:
         if hit is not None:
             # The same tensor again (self-attention's query is key is value): hand out the
             # same alias so identity checks inside the module still hold.
-            slot = _Slot(path, t, hit[1].reason)
+            slot = _Slot(path, t)
             slot.same_as = hit[1]
             intake.call.ins.append(slot)
             return hit[0]
@@ -443,9 +446,8 @@ class GradCollector:
             return None if val is None else host[val] * inv
 
         def tensor_grad(s: _Slot, missing: str) -> TensorGrad:
-            n = norm_of(s.value())
-            reason = None if n is not None else (
-                (s.same_as.reason if s.same_as is not None else s.reason) or missing)
+            n = norm_of(s.root().val)
+            reason = None if n is not None else (s.reason or s.root().reason or missing)
             return TensorGrad(s.path, s.shape, s.dtype, n, reason)
 
         calls = sorted(self._calls, key=lambda c: (c.order is None, c.order or 0, c.seq))
