@@ -30,23 +30,30 @@ def _norms(grads: Sequence[TensorGrad]) -> str:
 
 
 def grad_table(flow: GradFlow, title: str | None = None) -> Table:
-    """One row per module call in backward order: grad_output, grad_input, own param norm."""
+    """One row per module call in backward order: grad_output, grad_input, and the module's
+    own parameter gradients (weight, bias, ...)."""
     table = Table(title=title or f"Gradient flow, step {flow.step} (backward order)",
                   title_justify="left")
     for col, justify in (("#", "right"), ("module", "left"), ("type", "left"),
                          ("call", "right"), ("grad_output norm", "right"),
-                         ("grad_input norm", "right"), ("param grad norm", "right")):
+                         ("grad_input norm", "right"), ("param grad norms", "left")):
         table.add_column(col, justify=justify)  # type: ignore[arg-type]
-    params = flow.param_norms()
+    own: dict[str, list[str]] = {}
+    for p in flow.params:
+        short = p.name[len(p.module) + 1:] if p.module else p.name
+        value = f"None [dim]({p.reason})[/]" if p.norm is None else (
+            fmt_num(p.norm) if math.isfinite(p.norm) else f"[red]{fmt_num(p.norm)}[/]")
+        own.setdefault(p.module, []).append(f"{short}={value}")
     shown: set[str] = set()
     micro = flow.micro_batches > 1
     for r in flow.modules:
         call = f"{r.micro}.{r.call}" if micro else str(r.call)
-        pnorm = params.get(r.module) if r.owns_params and r.module not in shown else None
+        # Parameters hold one gradient per step: shown on the module's first row only.
+        pnorms = "\n".join(own.get(r.module, [])) if r.module not in shown else ""
         shown.add(r.module)
         table.add_row("—" if r.order is None else str(r.order), r.module or "<root>",
                       r.module_type, call, _norms(r.grad_output), _norms(r.grad_input),
-                      fmt_num(pnorm) if pnorm is not None else "")
+                      pnorms)
     scale = f", GradScaler scale {flow.scale:g} divided out" if flow.scale else ""
     table.caption = (f"total norm (as clip_grad_norm_): {fmt_num(flow.total_norm)}"
                      f"{scale}")
