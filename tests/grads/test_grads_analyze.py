@@ -77,9 +77,10 @@ def test_exploding_ratio_and_total() -> None:
 def test_dead_layers() -> None:
     flow = GradFlow(0, (_rec("fc", 0, 1.0, 0.0), _rec("conv1", 1, 0.0, None)),
                     (_param("conv1", 0.0), _param("fc", 1.0)), 1.0)
-    (f,) = find_dead(flow)
-    assert f.code == "grads.dead" and f.module == "conv1"
-    assert "all-zero" in f.summary
+    blocks, zero = find_dead(flow)
+    assert blocks.module == "fc" and blocks.evidence["kind"] == "blocks"
+    assert zero.code == "grads.dead" and zero.module == "conv1"
+    assert zero.summary == "conv1 receives an all-zero gradient"
     assert find_dead(flow, GradThresholds(dead_norm=-1.0)) == []
 
 
@@ -118,3 +119,15 @@ def test_history_findings() -> None:
 
 def test_healthy_flow_has_no_findings() -> None:
     assert diagnose(_lesson_flow(fc=1.0, conv2=0.9, conv1=0.8)) == []
+
+
+def test_dead_layer_end_to_end() -> None:
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    with torch.no_grad():
+        model[0].bias.fill_(-100.0)  # every ReLU unit is off: nothing flows below it
+    flow = gradient_flow(model, torch.randn(5, 4), loss_fn="sum")
+    dead = {f.module: f for f in find_dead(flow)}
+    assert set(dead) == {"1", "0"}  # the ReLU passes zeros down; fc1 gets only zeros
+    assert dead["1"].summary == "1 (ReLU) receives gradient but passes an all-zero gradient down"
+    assert dead["0"].evidence["zero_params"] == 2
+    assert flow.param("0.weight").norm == 0.0 and flow.param("2.bias").norm > 0

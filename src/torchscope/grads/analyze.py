@@ -150,7 +150,8 @@ def find_exploding(flow: GradFlow, thresholds: GradThresholds | None = None) -> 
 
 
 def find_dead(flow: GradFlow, thresholds: GradThresholds | None = None) -> list[Finding]:
-    """Modules whose gradient is all zeros: every output gradient, or every parameter's."""
+    """Modules whose gradient is all zeros (every output gradient, or every parameter's),
+    and modules that receive gradient but pass an all-zero gradient down."""
     t = _t(thresholds)
     dead_out: dict[str, list[float]] = {}
     alive_out: set[str] = set()
@@ -174,6 +175,23 @@ def find_dead(flow: GradFlow, thresholds: GradThresholds | None = None) -> list[
     found = []
     modules = [m for m in flow.layers() if m in dead_out and m not in alive_out]
     modules += [m for m in dead_params if m not in alive_params and m not in modules]
+    # Receives gradient but passes none down (every ReLU unit off, a zero mask): the cause.
+    blockers: dict[str, str] = {}
+    for r in flow.modules:
+        out_n, in_n = r.output_norm, r.input_norm
+        if out_n is not None and in_n is not None and out_n > t.dead_norm >= in_n:
+            blockers.setdefault(r.module, r.module_type)
+    for m, type_name in blockers.items():
+        found.append(Finding(
+            code="grads.dead",
+            severity=Severity.WARNING,
+            summary=f"{m or '<root>'} ({type_name}) receives gradient but passes an all-zero "
+            "gradient down",
+            evidence={"kind": "blocks", "step": flow.step},
+            fix="look for dead ReLUs (lower the learning rate, LeakyReLU/GELU, check biases "
+            "and init) or a mask that blocks every position.",
+            module=m,
+        ))
     for m in modules:
         names = dead_params.get(m, []) if m not in alive_params else []
         what = "an all-zero gradient" if m in dead_out and m not in alive_out else \
@@ -182,7 +200,8 @@ def find_dead(flow: GradFlow, thresholds: GradThresholds | None = None) -> list[
             code="grads.dead",
             severity=Severity.WARNING,
             summary=f"{m or '<root>'} receives {what}",
-            evidence={"zero_outputs": len(dead_out.get(m, [])), "zero_params": len(names),
+            evidence={"kind": "zero", "zero_outputs": len(dead_out.get(m, [])),
+                      "zero_params": len(names),
                       "params": ", ".join(names), "step": flow.step},
             fix="look for dead ReLUs (lower the learning rate, LeakyReLU/GELU), a branch "
             "multiplied by zero, or a mask that blocks every position.",
