@@ -1,4 +1,23 @@
-"""Gradient flow: per-call gradient norms from tensor hooks, their history, and diagnosis."""
+"""Gradient flow: per-call gradient norms from tensor hooks, their history, and diagnosis.
+
+One step:
+
+    flow = gradient_flow(model, x, loss_fn="cross_entropy", target=y)
+    flow.modules          # per call, backward order: grad_output / grad_input norms
+    flow.params           # per parameter: .grad norm, or why there is none
+    flow.total_norm       # what clip_grad_norm_ returns
+    diagnose(flow)        # vanishing / exploding / dead / NaN findings
+
+A training loop (samples on optimizer steps, keeps norms only):
+
+    with watch_gradients(model, every=10, optimizer=opt, scaler=scaler) as watch:
+        ...
+    watch.history, watch.last, watch.findings()
+
+Unlike `register_full_backward_hook`, this works with in-place ops after a module, reused
+modules, frozen parameters and modules the loss does not reach, and leaves every gradient
+bitwise unchanged.
+"""
 
 from torchscope.grads.analyze import (
     GradThresholds,

@@ -18,6 +18,7 @@ from torchscope.grads.collect import GradCollector
 from torchscope.grads.losses import LossFn, LossName, compute_loss
 from torchscope.grads.records import GradFlow, GradHistory
 from torchscope.hooks.select import Selector
+from torchscope.hooks.session import HookSession
 from torchscope.models.target import ModelInputs, call_model
 
 __all__ = ["GradWatch", "gradient_flow", "watch_gradients"]
@@ -62,9 +63,14 @@ def gradient_flow(
         TorchscopeError: the loss does not depend on anything that requires grad.
 
     Example:
-        >>> flow = torchscope.gradient_flow(model, x, loss_fn="cross_entropy", target=y)
+        >>> flow = torchscope.gradient_flow(model, x, loss_fn="cross_entropy", target=y,
+        ...                                 select=["conv1", "conv2", "fc"])
         >>> [r.module for r in flow.modules]
         ['fc', 'conv2', 'conv1']
+        >>> flow.get("conv1").grad_input[0].reason
+        'input does not require grad'
+        >>> torchscope.grads.diagnose(flow)[0].summary
+        'conv1 receives 67× less gradient than fc'
     """
     model_inputs = ModelInputs.of(inputs)
     collector = GradCollector(model, select=select, depth=depth, scaler=scaler)
@@ -164,7 +170,7 @@ class GradWatch:
             self._collector.close()
 
     @property
-    def session(self) -> Any:
+    def session(self) -> HookSession:
         """The `HookSession` owning every hook of this watch."""
         return self._collector.session
 
