@@ -313,3 +313,38 @@ def test_torchvision_style_block() -> None:
                 assert math.isclose(ga.norm, gb.norm, rel_tol=1e-5), a.key
     for name, g in twin_grads.items():
         assert torch.allclose(before[name], g, rtol=1e-5, atol=1e-7)
+
+
+class Diamond(nn.Module):
+    """`h` feeds the ReLU and a skip path: its gradient is accumulated from both."""
+
+    def __init__(self, skip_first: bool) -> None:
+        super().__init__()
+        self.a = nn.Linear(64, 64)
+        self.relu = nn.ReLU()
+        self.b = nn.Linear(64, 64)
+        self.skip_first = skip_first  # which branch's gradient reaches `h` first
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if self.skip_first:
+            s = h * 0.5
+            return self.b(self.relu(h)) + s
+        return self.b(self.relu(h)) + h * 0.5
+
+
+@pytest.mark.parametrize("skip_first", [False, True])
+def test_accumulated_gradient_is_not_mistaken_for_its_first_part(skip_first: bool) -> None:
+    model = Diamond(skip_first)
+    x = torch.randn(8, 64)
+    # Plain reference values with retain_grad.
+    h = model.a(x)
+    h.retain_grad()
+    r = model.relu(h)
+    r.retain_grad()
+    (model.b(r) + h * 0.5).pow(2).sum().backward()
+    relu_in = (h > 0) * r.grad
+    flow = gradient_flow(model, x, loss_fn=lambda out: out.pow(2).sum())
+    assert _close(flow.get("relu").grad_input[0].norm, relu_in.norm().item())
+    assert _close(flow.get("a").grad_output[0].norm, h.grad.norm().item())
+    assert not math.isclose(h.grad.norm().item(), relu_in.norm().item(), rel_tol=1e-3)

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from torchscope.grads.records import (
     FROZEN,
@@ -225,7 +226,8 @@ class GradCollector:
         self._counts: dict[str, int] = {}
         self._step_handles: list[Any] = []
         self._backwards = 0
-        self._last: tuple[torch.Tensor, int] | None = None  # previous gradient and its norm
+        # The previous gradient: weak ref to its storage, identity key, index of its norm.
+        self._last: tuple[StorageWeakRef, tuple[Any, ...], int] | None = None
 
     # ------------------------------------------------------------------ hooks
     def _on_root_forward(self, _m: nn.Module, _args: tuple[Any, ...]) -> None:
@@ -239,24 +241,24 @@ class GradCollector:
         if t.is_sparse:
             t = t.coalesce().values()
         # The gradient a layer passes down usually reaches the layer below as a view of the
-        # same memory (through the input alias). `_last` holds that previous gradient, so its
-        # memory cannot have been reused: same address, elements and version = same values.
+        # same memory (through the input alias): reuse its norm. A weak reference to the
+        # storage proves the memory was not freed and reused in between, and the shared
+        # version counter that nothing wrote to it; a strong reference would instead stop
+        # autograd from accumulating into that buffer in place.
+        key = (t.data_ptr(), t.numel(), t.dtype, t.device, t._version,
+               tuple(t.shape), t.stride(), t.is_contiguous())
         last = self._last
-        if last is not None:
-            prev, prev_val = last
-            if (t.data_ptr() == prev.data_ptr() and t.dtype == prev.dtype
-                    and t.device == prev.device and t._version == prev._version
-                    and t.numel() == prev.numel() and t.numel() > 0
-                    and ((t.is_contiguous() and prev.is_contiguous())
-                         or (t.shape == prev.shape and t.stride() == prev.stride()))):
-                self._last = (t, prev_val)
-                return prev_val
+        if last is not None and t.numel() > 0:
+            ref, prev, index = last
+            if (key[:5] == prev[:5] and (key[5:7] == prev[5:7] or (key[7] and prev[7]))
+                    and not ref.expired()):  # type: ignore[no-untyped-call]
+                return index
         # One read of the gradient; half precision is summed in float32 so it cannot overflow.
         n = torch.linalg.vector_norm(t, dtype=torch.float32) if t.dtype in _HALF else \
             torch.linalg.vector_norm(t)  # () on g.device
         self._vals.append(n)
         index = len(self._vals) - 1
-        self._last = (t, index)
+        self._last = (StorageWeakRef(t.untyped_storage()), key, index)  # type: ignore[no-untyped-call]
         return index
 
     def _queue_end(self) -> None:
