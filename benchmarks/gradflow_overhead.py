@@ -6,6 +6,8 @@ Runs, side by side in one process and interleaved round by round:
             grad_input norms of every leaf module plus every parameter's gradient norm
   per-param the per-parameter logger baseline: `p.grad.norm().item()` for each parameter
             after backward
+  no-inputs gradflow without grad_input (grad_output and parameter norms only)
+  every-10  gradflow sampling one step in ten, as in a long training run
 
 Prints the median step time of each and the ratios to the bare step (goal: gradflow <= 1.03x).
 
@@ -18,6 +20,7 @@ import argparse
 import copy
 import statistics
 import time
+from contextlib import ExitStack
 
 import torch
 from torch import nn
@@ -40,9 +43,9 @@ def main() -> None:
     # Two identical models: one never hooked (bare, per-param), one watched for the whole
     # run, as in a real loop where the watch is opened once.
     bare_model = ResNetMini().to(device).train()
-    watched_model = copy.deepcopy(bare_model)
+    twins = {k: copy.deepcopy(bare_model) for k in ("gradflow", "no-inputs", "every-10")}
     bare_opt = torch.optim.SGD(bare_model.parameters(), lr=1e-3)
-    watched_opt = torch.optim.SGD(watched_model.parameters(), lr=1e-3)
+    opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in twins.items()}
     x = torch.randn(args.batch, 3, args.size, args.size, device=device)
     y = torch.randint(0, 10, (args.batch,), device=device)
     sink: list[float] = []
@@ -70,18 +73,26 @@ def main() -> None:
 
     modes = {
         "bare": (bare_model, bare_opt, False),
-        "gradflow": (watched_model, watched_opt, False),
+        "gradflow": (twins["gradflow"], opts["gradflow"], False),
         "per-param": (bare_model, bare_opt, True),
+        "no-inputs": (twins["no-inputs"], opts["no-inputs"], False),
+        "every-10": (twins["every-10"], opts["every-10"], False),
     }
     times: dict[str, list[tuple[float, float]]] = {k: [] for k in modes}
-    with watch_gradients(watched_model, every=1, optimizer=watched_opt) as watch:
+    with ExitStack() as stack:
+        full = stack.enter_context(watch_gradients(twins["gradflow"], every=1,
+                                                   optimizer=opts["gradflow"]))
+        stack.enter_context(watch_gradients(twins["no-inputs"], every=1,
+                                            optimizer=opts["no-inputs"], inputs=False))
+        stack.enter_context(watch_gradients(twins["every-10"], every=10,
+                                            optimizer=opts["every-10"]))
         for model, opt, log in modes.values():  # warm up every path once
             timed(model, opt, log)
         # Interleave the modes so that load on the machine hits all of them alike.
         for _ in range(args.steps):
             for name, (model, opt, log) in modes.items():
                 times[name].append(timed(model, opt, log))
-    assert watch.samples == args.steps + 1, "every step must have been sampled"
+    assert full.samples == args.steps + 1, "every step must have been sampled"
 
     print(f"resnet-mini, batch {args.batch}x3x{args.size}x{args.size}, {args.device}, "
           f"{args.threads} threads, {args.steps} interleaved steps per mode")
