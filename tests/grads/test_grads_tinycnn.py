@@ -114,3 +114,12 @@ def test_loss_errors_are_torchscope_errors(setup) -> None:
         p.requires_grad_(False)
     with pytest.raises(TorchscopeError, match="does not require grad"):
         gradient_flow(model, x, loss_fn="sum")
+
+
+def test_without_grad_input(setup) -> None:
+    model, x, y = setup
+    flow = gradient_flow(model, x, loss_fn="cross_entropy", target=y, select=SELECT,
+                         inputs_grad=False)
+    assert [r.module for r in flow.modules] == ["fc", "conv2", "conv1"]
+    assert all(r.grad_input == () for r in flow.modules)
+    assert flow.get("fc").grad_output[0].norm is not None

@@ -35,6 +35,7 @@ def gradient_flow(
     train: bool | None = None,
     zero_grad: bool = True,
     scaler: Any = None,
+    inputs_grad: bool = True,
 ) -> GradFlow:
     """Run one forward and backward of `model` and measure the gradient through every
     selected module call and every parameter.
@@ -53,6 +54,7 @@ def gradient_flow(
             None leaves the mode as it is.
         zero_grad: set every `.grad` to None first, so the reading is this step's alone.
         scaler: a `torch.amp.GradScaler`; the loss is scaled by it and the scale divided out.
+        inputs_grad: also measure each call's grad_input (aliases the module inputs).
 
     Returns:
         The step's `GradFlow`. The parameters' `.grad` hold this step's gradients, exactly
@@ -73,7 +75,8 @@ def gradient_flow(
         'conv1 receives 67× less gradient than fc'
     """
     model_inputs = ModelInputs.of(inputs)
-    collector = GradCollector(model, select=select, depth=depth, scaler=scaler)
+    collector = GradCollector(model, select=select, depth=depth, inputs=inputs_grad,
+                              scaler=scaler)
     with collector:
         if train is not None:
             collector.session.set_training(train)
