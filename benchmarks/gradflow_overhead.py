@@ -83,7 +83,7 @@ def main() -> None:
         full = stack.enter_context(watch_gradients(twins["gradflow"], every=1,
                                                    optimizer=opts["gradflow"]))
         stack.enter_context(watch_gradients(twins["no-inputs"], every=1,
-                                            optimizer=opts["no-inputs"], inputs=False))
+                                            optimizer=opts["no-inputs"], inputs_grad=False))
         stack.enter_context(watch_gradients(twins["every-10"], every=10,
                                             optimizer=opts["every-10"]))
         for model, opt, log in modes.values():  # warm up every path once

@@ -122,7 +122,7 @@ class GradWatch:
         scaler: Any = None,
         select: Selector = None,
         depth: int | None = None,
-        inputs: bool = True,
+        inputs_grad: bool = True,
         max_samples: int = 1000,
         on_sample: Callable[[GradFlow], None] | None = None,
     ) -> None:
@@ -136,7 +136,7 @@ class GradWatch:
         self.steps = 0
         self.samples = 0
         self._optimizer = optimizer
-        self._collector = GradCollector(model, select=select, depth=depth, inputs=inputs,
+        self._collector = GradCollector(model, select=select, depth=depth, inputs=inputs_grad,
                                         scaler=scaler)
         self._on_sample = on_sample
         self._last: GradFlow | None = None
@@ -239,7 +239,7 @@ def watch_gradients(
     scaler: Any = None,
     select: Selector = None,
     depth: int | None = None,
-    inputs: bool = True,
+    inputs_grad: bool = True,
     max_samples: int = 1000,
     on_sample: Callable[[GradFlow], None] | None = None,
 ) -> Iterator[GradWatch]:
@@ -260,7 +260,7 @@ def watch_gradients(
             is not an optimizer step: its gradients count with the next one.
         select: modules recorded per call (see `select_modules`); default the leaves.
         depth: limit the selection depth.
-        inputs: also measure grad_input of each call.
+        inputs_grad: also measure grad_input of each call (aliases the module inputs).
         max_samples: how many samples the history keeps (the newest).
         on_sample: called with each sampled `GradFlow` (e.g. a TensorBoard logger).
 
@@ -272,6 +272,6 @@ def watch_gradients(
         >>> watch.history.series("fc")
     """
     watch = GradWatch(model, every=every, optimizer=optimizer, scaler=scaler, select=select,
-                      depth=depth, inputs=inputs, max_samples=max_samples, on_sample=on_sample)
+                      depth=depth, inputs_grad=inputs_grad, max_samples=max_samples, on_sample=on_sample)
     with watch:
         yield watch
