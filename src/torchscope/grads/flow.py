@@ -272,6 +272,7 @@ def watch_gradients(
         >>> watch.history.series("fc")
     """
     watch = GradWatch(model, every=every, optimizer=optimizer, scaler=scaler, select=select,
-                      depth=depth, inputs_grad=inputs_grad, max_samples=max_samples, on_sample=on_sample)
+                      depth=depth, inputs_grad=inputs_grad, max_samples=max_samples,
+                      on_sample=on_sample)
     with watch:
         yield watch
