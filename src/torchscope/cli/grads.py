@@ -1,9 +1,129 @@
-"""Placeholder: this command's module registers nothing until its capability lands."""
+"""`torchscope grads`: per-layer gradient norms for one or more training steps."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Annotated, cast
+
 import typer
+
+from torchscope.cli._common import (
+    DebugOpt,
+    InputOpt,
+    InputsFnOpt,
+    JsonOpt,
+    TargetArg,
+    console,
+    guarded,
+    load,
+)
 
 
 def register(app: typer.Typer) -> None:
-    """Add this module's command to `app`."""
+    """Add `grads` to `app`."""
+    app.command("grads")(grads)
+
+
+def grads(  # noqa: PLR0917 - typer maps parameters to options
+    target: TargetArg = None,
+    input: InputOpt = None,
+    inputs: InputsFnOpt = None,
+    loss: Annotated[str, typer.Option(
+        "--loss", help="cross_entropy (targets drawn from the output's last dimension), "
+        "mse or sum.")] = "cross_entropy",
+    steps: Annotated[int, typer.Option(
+        "--steps", help="Training steps (SGD) to run; each one is sampled.")] = 1,
+    lr: Annotated[float, typer.Option("--lr", help="SGD learning rate for --steps > 1.")] = 0.01,
+    select: Annotated[str | None, typer.Option(
+        "--select", "-s", help="Glob over module names (layer*.conv1) or a type (Conv2d).")] = None,
+    depth: Annotated[int | None, typer.Option(help="Only modules this deep or shallower.")] = None,
+    plot: Annotated[str | None, typer.Option(
+        "--plot", help="Write the gradient-flow plot here (.png or .svg); with --steps > 1 "
+        "also a layers × steps heatmap next to it.")] = None,
+    json_path: JsonOpt = None,
+    debug: DebugOpt = False,
+) -> None:
+    """Gradient flow: the norm of the gradient reaching and leaving every layer."""
+    with guarded(debug):
+        import torch
+
+        from torchscope.errors import TorchscopeError
+        from torchscope.grads import watch_gradients
+        from torchscope.grads.losses import (
+            LOSSES,
+            LossName,
+            compute_loss,
+            main_output,
+            synthesize_target,
+        )
+        from torchscope.models import call_model
+        from torchscope.report.grads import findings_lines, grad_table, history_table
+
+        if loss not in LOSSES:
+            raise TorchscopeError(f"--loss {loss!r} is not a known loss.",
+                                  fix=f"use one of {', '.join(LOSSES)}.")
+        loss_name = cast(LossName, loss)
+        if steps < 1:
+            raise TorchscopeError(f"--steps {steps} runs nothing.", fix="pass --steps 1 or more.")
+        if not lr > 0:
+            raise TorchscopeError(f"--lr {lr} is not a positive learning rate.",
+                                  fix="pass e.g. --lr 0.01.")
+        if plot and Path(plot).suffix.lower() not in (".png", ".svg"):
+            raise TorchscopeError(f"--plot {plot!r} must end in .png or .svg.",
+                                  fix="write e.g. --plot grads.png.")
+
+        loaded, model_inputs = load(target, input, inputs)
+        model = loaded.model
+        model.train()
+        params = [p for p in model.parameters() if p.requires_grad]
+        if not params:
+            raise TorchscopeError(f"{loaded.name} has no parameter that requires grad.",
+                                  fix="unfreeze some parameters.")
+        opt = torch.optim.SGD(params, lr=lr)
+        generator = torch.Generator().manual_seed(0)
+        y = None
+        with watch_gradients(model, every=1, optimizer=opt, select=select,
+                             depth=depth) as watch:
+            for _ in range(steps):
+                opt.zero_grad(set_to_none=True)
+                out = call_model(model, model_inputs)
+                if y is None:
+                    y = synthesize_target(loss, main_output(out), generator)
+                value = compute_loss(out, loss_name, y)
+                if not value.requires_grad:
+                    raise TorchscopeError("the loss does not require grad.",
+                                          fix="check that the model output is not detached.")
+                value.backward()  # type: ignore[no-untyped-call]
+                opt.step()
+        flow = watch.last
+        if flow is None:
+            raise TorchscopeError("no step was sampled.", fix="rerun with --debug.")
+        console.print(grad_table(flow, title=f"Gradient flow of {loaded.name}, step {flow.step} "
+                                 f"({loss} loss, backward order)"))
+        history = watch.history
+        if steps > 1:
+            console.print(history_table(history))
+        found = watch.findings()
+        for line in findings_lines(found):
+            console.print(line)
+        if not found:
+            console.print("no gradient problem found.")
+        if plot:
+            from torchscope.report.plots_grads import (
+                plot_grad_heatmap,
+                plot_gradient_flow,
+                save_figure,
+            )
+
+            written = [save_figure(plot_gradient_flow(flow), plot)]
+            if steps > 1:
+                p = Path(plot)
+                written.append(save_figure(plot_grad_heatmap(history),
+                                           p.with_name(f"{p.stem}-heatmap{p.suffix}")))
+            console.print("wrote " + ", ".join(str(w) for w in written))
+        if json_path:
+            from torchscope.report.serialize import write_json
+
+            write_json(json_path, {"target": loaded.name, "loss": loss, "steps": steps,
+                                   "flow": flow, "history": history, "findings": found})
+            console.print(f"wrote {json_path}")

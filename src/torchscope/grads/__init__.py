@@ -1,1 +1,62 @@
-"""torchscope.grads (in progress)."""
+"""Gradient flow: per-call gradient norms from tensor hooks, their history, and diagnosis.
+
+One step:
+
+    flow = gradient_flow(model, x, loss_fn="cross_entropy", target=y)
+    flow.modules          # per call, backward order: grad_output / grad_input norms
+    flow.params           # per parameter: .grad norm, or why there is none
+    flow.total_norm       # what clip_grad_norm_ returns
+    diagnose(flow)        # vanishing / exploding / dead / NaN findings
+
+A training loop (samples on optimizer steps, keeps norms only):
+
+    with watch_gradients(model, every=10, optimizer=opt, scaler=scaler) as watch:
+        ...
+    watch.history, watch.last, watch.findings()
+
+Unlike `register_full_backward_hook`, this works with in-place ops after a module, reused
+modules, frozen parameters and modules the loss does not reach, and leaves every gradient
+bitwise unchanged.
+"""
+
+from torchscope.grads.analyze import (
+    GradThresholds,
+    diagnose,
+    diagnose_history,
+    find_dead,
+    find_exploding,
+    find_nonfinite,
+    find_unreached,
+    find_vanishing,
+    layer_norms,
+)
+from torchscope.grads.collect import GradCollector
+from torchscope.grads.flow import GradWatch, gradient_flow, watch_gradients
+from torchscope.grads.records import (
+    GradFlow,
+    GradHistory,
+    ModuleGradRecord,
+    ParamGradRecord,
+    TensorGrad,
+)
+
+__all__ = [
+    "GradCollector",
+    "GradFlow",
+    "GradHistory",
+    "GradThresholds",
+    "GradWatch",
+    "ModuleGradRecord",
+    "ParamGradRecord",
+    "TensorGrad",
+    "diagnose",
+    "diagnose_history",
+    "find_dead",
+    "find_exploding",
+    "find_nonfinite",
+    "find_unreached",
+    "find_vanishing",
+    "gradient_flow",
+    "layer_norms",
+    "watch_gradients",
+]

@@ -8,7 +8,7 @@ keeps only weak references to the model so that it never extends the model's lif
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from types import TracebackType
 from typing import Any, Protocol
@@ -121,6 +121,19 @@ class HookSession:
         self._check_open()
         self._handles.append(handle)
         return handle
+
+    def release(self, handles: Iterable[_Removable]) -> None:
+        """Remove these handles now and stop owning them.
+
+        For hooks that live one step (tensor hooks on a step's activations): releasing them
+        each step keeps a long-running session from accumulating handles.
+        """
+        doomed = {id(h): h for h in handles}
+        if not doomed:
+            return
+        for h in doomed.values():
+            h.remove()
+        self._handles = [h for h in self._handles if id(h) not in doomed]
 
     def forward_hook(
         self,

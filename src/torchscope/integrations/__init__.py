@@ -1,1 +1,2 @@
-"""torchscope.integrations (in progress)."""
+"""Integrations with other tools (TensorBoard). Import the submodule you need; each imports
+its tool lazily."""

@@ -1,0 +1,278 @@
+"""Entry points: `gradient_flow` for one step, `watch_gradients` for a training loop."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchscope.errors import ModelError, TorchscopeError
+from torchscope.findings import Finding
+from torchscope.grads.analyze import GradThresholds, diagnose, diagnose_history
+from torchscope.grads.collect import GradCollector
+from torchscope.grads.losses import LossFn, LossName, compute_loss
+from torchscope.grads.records import GradFlow, GradHistory
+from torchscope.hooks.select import Selector
+from torchscope.hooks.session import HookSession
+from torchscope.models.target import ModelInputs, call_model
+
+__all__ = ["GradWatch", "gradient_flow", "watch_gradients"]
+
+
+def gradient_flow(
+    model: nn.Module,
+    inputs: Any,
+    *,
+    loss_fn: LossName | LossFn | None = None,
+    target: Any = None,
+    select: Selector = None,
+    depth: int | None = None,
+    train: bool | None = None,
+    zero_grad: bool = True,
+    scaler: Any = None,
+    inputs_grad: bool = True,
+) -> GradFlow:
+    """Run one forward and backward of `model` and measure the gradient through every
+    selected module call and every parameter.
+
+    Args:
+        model: any `nn.Module`.
+        inputs: a tensor, a tuple of positional inputs, a dict of keyword inputs, or
+            `ModelInputs`.
+        loss_fn: "cross_entropy" (the last dimension holds classes), "mse", "sum", a callable
+            `(output, target) -> loss` (`(output) -> loss` when `target` is None), or None to
+            use a scalar output or a transformers `.loss`.
+        target: the target for `loss_fn`; None with a named loss synthesises a seeded one.
+        select: modules to record per call (see `select_modules`); default the leaves.
+        depth: limit the selection depth.
+        train: put the model in train (True) or eval (False) mode; restored afterwards.
+            None leaves the mode as it is.
+        zero_grad: set every `.grad` to None first, so the reading is this step's alone.
+        scaler: a `torch.amp.GradScaler`; the loss is scaled by it and the scale divided out.
+        inputs_grad: also measure each call's grad_input (aliases the module inputs).
+
+    Returns:
+        The step's `GradFlow`. The parameters' `.grad` hold this step's gradients, exactly
+        as a plain `loss.backward()` leaves them; every hook is already removed.
+
+    Raises:
+        ModelError: the model or the loss raised.
+        TorchscopeError: the loss does not depend on anything that requires grad.
+
+    Example:
+        >>> flow = torchscope.gradient_flow(model, x, loss_fn="cross_entropy", target=y,
+        ...                                 select=["conv1", "conv2", "fc"])
+        >>> [r.module for r in flow.modules]
+        ['fc', 'conv2', 'conv1']
+        >>> flow.get("conv1").grad_input[0].reason
+        'input does not require grad'
+        >>> torchscope.grads.diagnose(flow)[0].summary
+        'conv1 receives 67× less gradient than fc'
+    """
+    model_inputs = ModelInputs.of(inputs)
+    collector = GradCollector(model, select=select, depth=depth, inputs=inputs_grad,
+                              scaler=scaler)
+    with collector:
+        if train is not None:
+            collector.session.set_training(train)
+        if zero_grad:
+            model.zero_grad(set_to_none=True)
+        with torch.enable_grad():
+            output = call_model(model, model_inputs)
+            loss = compute_loss(output, loss_fn, target)
+            if not loss.requires_grad:
+                raise TorchscopeError(
+                    "the loss does not require grad: no parameter or input it depends on "
+                    "requires grad.",
+                    fix="unfreeze some parameters (requires_grad=True) or check that the "
+                    "output is not detached.",
+                )
+            if scaler is not None:
+                loss = scaler.scale(loss)
+            try:
+                loss.backward()  # type: ignore[no-untyped-call]
+            except RuntimeError as exc:
+                first = (str(exc).strip().splitlines() or [""])[0]
+                raise ModelError(f"backward raised RuntimeError: {first}.",
+                                 fix="rerun with --debug (or without torchscope) to see "
+                                 "the traceback.") from exc
+        return collector.finish(step=0)
+
+
+class GradWatch:
+    """Samples gradient flow in the user's own training loop; see `watch_gradients`.
+
+    Attributes:
+        every: sample one step in `every`.
+        steps: steps counted so far (optimizer steps, or backward calls without one).
+        samples: samples taken so far (unbounded count; the history keeps the newest).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        every: int = 1,
+        optimizer: torch.optim.Optimizer | None = None,
+        scaler: Any = None,
+        select: Selector = None,
+        depth: int | None = None,
+        inputs_grad: bool = True,
+        max_samples: int = 1000,
+        on_sample: Callable[[GradFlow], None] | None = None,
+    ) -> None:
+        if every < 1:
+            raise TorchscopeError(f"every={every} samples nothing.",
+                                  fix="pass every=1 or more.")
+        if max_samples < 1:
+            raise TorchscopeError(f"max_samples={max_samples} keeps no history.",
+                                  fix="pass max_samples=1 or more.")
+        self.every = every
+        self.steps = 0
+        self.samples = 0
+        self._optimizer = optimizer
+        self._collector = GradCollector(model, select=select, depth=depth, inputs=inputs_grad,
+                                        scaler=scaler)
+        self._on_sample = on_sample
+        self._last: GradFlow | None = None
+        # Newest `max_samples` samples: (step, {layer: output norm}, {layer: param norm}, total)
+        self._rows: deque[tuple[int, dict[str, float], dict[str, float], float]] = deque(
+            maxlen=max_samples)
+        self._layers: dict[str, None] = {}
+
+    # ------------------------------------------------------------------ lifecycle
+    def __enter__(self) -> GradWatch:
+        self.open()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def open(self) -> None:
+        """Register the hooks (and the optimizer step hook when an optimizer is given)."""
+        c = self._collector
+        c.open()
+        if self._optimizer is not None:
+            c.session.track(self._optimizer.register_step_pre_hook(self._on_optimizer_step))
+        else:
+            c.on_backward_end = self._end_step
+        c.active = self._due(self.steps)
+
+    def close(self) -> None:
+        """Sample a due step left unfinished, then remove every hook."""
+        try:
+            if self._collector.active and self._collector.backward_calls > 0:
+                self._sample()
+        finally:
+            self._collector.on_backward_end = None
+            self._collector.close()
+
+    @property
+    def session(self) -> HookSession:
+        """The `HookSession` owning every hook of this watch."""
+        return self._collector.session
+
+    # ------------------------------------------------------------------ stepping
+    def _due(self, step: int) -> bool:
+        return step % self.every == 0
+
+    def _on_optimizer_step(self, _opt: Any, _args: Any, _kwargs: Any) -> None:
+        # Before the update: `.grad` is final and not yet zeroed.
+        self._end_step()
+
+    def _end_step(self) -> None:
+        if self._collector.active:
+            self._sample()
+        else:
+            self._collector.discard()  # counters of an unsampled step
+        self.steps += 1
+        self._collector.active = self._due(self.steps)
+
+    def _sample(self) -> None:
+        flow = self._collector.finish(self.steps)
+        self.samples += 1
+        self._last = flow
+        outs = {k: v for k, v in flow.output_norms().items() if v is not None}
+        params = {k: v for k, v in flow.param_norms().items() if v is not None}
+        for name in list(outs) + list(params):
+            self._layers.setdefault(name, None)
+        self._rows.append((flow.step, outs, params, flow.total_norm))
+        if self._on_sample is not None:
+            self._on_sample(flow)
+
+    # ------------------------------------------------------------------ results
+    @property
+    def last(self) -> GradFlow | None:
+        """The most recent sampled step in full (per call and per parameter), or None."""
+        return self._last
+
+    @property
+    def history(self) -> GradHistory:
+        """Per-layer norms of the newest `max_samples` samples."""
+        layers = tuple(self._layers)
+        nan = math.nan
+        return GradHistory(
+            steps=tuple(r[0] for r in self._rows),
+            layers=layers,
+            output_norms=tuple(tuple(r[1].get(k, nan) for k in layers) for r in self._rows),
+            param_norms=tuple(tuple(r[2].get(k, nan) for k in layers) for r in self._rows),
+            total_norms=tuple(r[3] for r in self._rows),
+        )
+
+    def findings(self, thresholds: GradThresholds | None = None) -> list[Finding]:
+        """Diagnosis of the last sample and of the history (see `torchscope.grads.diagnose`)."""
+        found = diagnose(self._last, thresholds) if self._last is not None else []
+        return found + diagnose_history(self.history, thresholds)
+
+
+@contextmanager
+def watch_gradients(
+    model: nn.Module,
+    every: int = 1,
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    scaler: Any = None,
+    select: Selector = None,
+    depth: int | None = None,
+    inputs_grad: bool = True,
+    max_samples: int = 1000,
+    on_sample: Callable[[GradFlow], None] | None = None,
+) -> Iterator[GradWatch]:
+    """Watch gradient flow in your own training loop, sampling one step in `every`.
+
+    With `optimizer`, a step is one `optimizer.step()` call, so gradient accumulation over
+    several micro-batches is one step, and a sample is taken just before the update, when
+    `.grad` is final. Without one, every backward is a step. Unsampled steps cost one
+    Python call per hook and no device work. Only norms are kept: the last sample in full
+    and a history of per-layer norms bounded by `max_samples`.
+
+    Args:
+        model: the model.
+        every: sample steps 0, every, 2*every, ...
+        optimizer: the optimizer whose `step()` calls define steps.
+        scaler: the `torch.amp.GradScaler` of the loop; its scale is divided out, so the
+            norms are those of the unscaled gradients. A step the scaler skips (inf/NaN)
+            is not an optimizer step: its gradients count with the next one.
+        select: modules recorded per call (see `select_modules`); default the leaves.
+        depth: limit the selection depth.
+        inputs_grad: also measure grad_input of each call (aliases the module inputs).
+        max_samples: how many samples the history keeps (the newest).
+        on_sample: called with each sampled `GradFlow` (e.g. a TensorBoard logger).
+
+    Example:
+        >>> with torchscope.watch_gradients(model, every=10, optimizer=opt) as watch:
+        ...     for x, y in loader:
+        ...         F.cross_entropy(model(x), y).backward()
+        ...         opt.step(); opt.zero_grad()
+        >>> watch.history.series("fc")
+    """
+    watch = GradWatch(model, every=every, optimizer=optimizer, scaler=scaler, select=select,
+                      depth=depth, inputs_grad=inputs_grad, max_samples=max_samples,
+                      on_sample=on_sample)
+    with watch:
+        yield watch

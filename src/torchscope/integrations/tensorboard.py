@@ -1,0 +1,95 @@
+"""Write gradient-flow norms to TensorBoard through `torch.utils.tensorboard.SummaryWriter`.
+
+Scalars, per sampled step:
+    `{prefix}/total_norm`
+    `{prefix}/grad_output/{layer}`   norm of the gradient arriving at the layer
+    `{prefix}/params/{layer}`        norm of the layer's own parameter gradients
+
+Example:
+    >>> from torch.utils.tensorboard import SummaryWriter
+    >>> writer = SummaryWriter("runs/exp1")
+    >>> with torchscope.watch_gradients(model, every=10, optimizer=opt,
+    ...                                 on_sample=grad_logger(writer)):
+    ...     train()
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from torchscope.errors import TorchscopeError
+from torchscope.grads.records import GradFlow, GradHistory
+
+__all__ = ["grad_logger", "log_grad_history", "log_gradient_flow", "open_writer"]
+
+
+def open_writer(log_dir: str | Path, **kwargs: Any) -> Any:
+    """A `torch.utils.tensorboard.SummaryWriter` on `log_dir` (kwargs passed through).
+
+    Raises:
+        TorchscopeError: the `tensorboard` package is not installed.
+    """
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as exc:  # torch raises ImportError when tensorboard is missing
+        raise TorchscopeError(
+            f"TensorBoard logging needs the tensorboard package ({exc}).",
+            fix="pip install tensorboard.",
+        ) from exc
+    return SummaryWriter(log_dir=str(log_dir), **kwargs)
+
+
+def _tag(layer: str) -> str:
+    return layer or "<root>"
+
+
+def log_gradient_flow(writer: Any, flow: GradFlow, *, step: int | None = None,
+                      prefix: str = "grads") -> int:
+    """Add one step's per-layer norms as scalars; returns how many scalars were written.
+
+    Args:
+        writer: a `torch.utils.tensorboard.SummaryWriter`.
+        flow: the step's records.
+        step: the global step written (default `flow.step`).
+        prefix: tag prefix.
+
+    Non-finite and missing norms are skipped (TensorBoard cannot plot them on a log axis).
+    """
+    gstep = flow.step if step is None else step
+    n = 0
+    scalars: list[tuple[str, float | None]] = [(f"{prefix}/total_norm", flow.total_norm)]
+    scalars += [(f"{prefix}/grad_output/{_tag(k)}", v) for k, v in flow.output_norms().items()]
+    scalars += [(f"{prefix}/params/{_tag(k)}", v) for k, v in flow.param_norms().items()]
+    for tag, value in scalars:
+        if value is not None and math.isfinite(value):
+            writer.add_scalar(tag, value, global_step=gstep)
+            n += 1
+    return n
+
+
+def log_grad_history(writer: Any, history: GradHistory, *, prefix: str = "grads") -> int:
+    """Write a whole `GradHistory` (e.g. after training); returns the scalar count."""
+    n = 0
+    for i, step in enumerate(history.steps):
+        rows = [(f"{prefix}/total_norm", history.total_norms[i])]
+        rows += [(f"{prefix}/grad_output/{_tag(k)}", history.output_norms[i][j])
+                 for j, k in enumerate(history.layers)]
+        rows += [(f"{prefix}/params/{_tag(k)}", history.param_norms[i][j])
+                 for j, k in enumerate(history.layers)]
+        for tag, value in rows:
+            if math.isfinite(value):
+                writer.add_scalar(tag, value, global_step=step)
+                n += 1
+    return n
+
+
+def grad_logger(writer: Any, *, prefix: str = "grads") -> Callable[[GradFlow], None]:
+    """An `on_sample` callback for `watch_gradients` that logs each sample to `writer`."""
+
+    def log(flow: GradFlow) -> None:
+        log_gradient_flow(writer, flow, prefix=prefix)
+
+    return log

@@ -1,0 +1,111 @@
+"""Terminal rendering of gradient flow (rich tables). Formats only; never analyses."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from rich.table import Table
+
+from torchscope.findings import Finding
+from torchscope.grads.records import GradFlow, GradHistory, TensorGrad
+from torchscope.report.fmt import fmt_num, fmt_shape
+
+__all__ = ["findings_lines", "grad_table", "history_table", "param_table"]
+
+
+def _norms(grads: Sequence[TensorGrad]) -> str:
+    if not grads:
+        return "—"
+    parts = []
+    for g in grads:
+        label = f"{g.path}=" if len(grads) > 1 and g.path else ""
+        if g.norm is None:
+            parts.append(f"{label}None [dim]({g.reason})[/]")
+        elif not math.isfinite(g.norm):
+            parts.append(f"{label}[red]{fmt_num(g.norm)}[/]")
+        else:
+            parts.append(f"{label}{fmt_num(g.norm)}")
+    return "\n".join(parts)
+
+
+def grad_table(flow: GradFlow, title: str | None = None) -> Table:
+    """One row per module call in backward order: grad_output, grad_input, and the module's
+    own parameter gradients (weight, bias, ...)."""
+    table = Table(title=title or f"Gradient flow, step {flow.step} (backward order)",
+                  title_justify="left")
+    for col, justify in (("#", "right"), ("module", "left"), ("type", "left"),
+                         ("call", "right"), ("grad_output norm", "right"),
+                         ("grad_input norm", "right"), ("param grad norms", "left")):
+        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    own: dict[str, list[str]] = {}
+    for p in flow.params:
+        short = p.name[len(p.module) + 1:] if p.module else p.name
+        value = f"None [dim]({p.reason})[/]" if p.norm is None else (
+            fmt_num(p.norm) if math.isfinite(p.norm) else f"[red]{fmt_num(p.norm)}[/]")
+        own.setdefault(p.module, []).append(f"{short}={value}")
+    shown: set[str] = set()
+    micro = flow.micro_batches > 1
+    for r in flow.modules:
+        call = f"{r.micro}.{r.call}" if micro else str(r.call)
+        # Parameters hold one gradient per step: shown on the module's first row only.
+        pnorms = "\n".join(own.get(r.module, [])) if r.module not in shown else ""
+        shown.add(r.module)
+        table.add_row("—" if r.order is None else str(r.order), r.module or "<root>",
+                      r.module_type, call, _norms(r.grad_output), _norms(r.grad_input),
+                      pnorms)
+    scale = f", GradScaler scale {flow.scale:g} divided out" if flow.scale else ""
+    table.caption = (f"total norm (as clip_grad_norm_): {fmt_num(flow.total_norm)}"
+                     f"{scale}")
+    table.caption_justify = "left"
+    return table
+
+
+def param_table(flow: GradFlow, title: str = "Parameter gradients") -> Table:
+    """One row per parameter: shape, gradient norm, or why there is none."""
+    table = Table(title=title, title_justify="left")
+    for col, justify in (("parameter", "left"), ("shape", "left"), ("grad norm", "right"),
+                         ("note", "left")):
+        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    for p in flow.params:
+        norm = "None" if p.norm is None else fmt_num(p.norm)
+        if p.norm is not None and not math.isfinite(p.norm):
+            norm = f"[red]{norm}[/]"
+        table.add_row(p.name, fmt_shape(p.shape), norm, p.reason or "")
+    return table
+
+
+def history_table(history: GradHistory, kind: str = "output", max_cols: int = 8) -> Table:
+    """One row per layer, one column per sampled step (at most `max_cols`, evenly spread,
+    first and last always shown), and the last/first change."""
+    label = "grad_output" if kind == "output" else "param grad"
+    table = Table(title=f"{label} norm history ({len(history)} samples)", title_justify="left")
+    n = len(history)
+    if n <= max_cols:
+        cols = list(range(n))
+    else:
+        cols = sorted({round(i * (n - 1) / (max_cols - 1)) for i in range(max_cols)})
+    table.add_column("layer", justify="left")
+    for i in cols:
+        table.add_column(f"step {history.steps[i]}", justify="right")
+    table.add_column("last/first", justify="right")
+    rows = history.output_norms if kind == "output" else history.param_norms
+    series = [(name, [rows[i][j] for i in range(n)]) for j, name in enumerate(history.layers)]
+    series.append(("total", list(history.total_norms)))
+    for name, values in series:
+        finite = [v for v in values if math.isfinite(v) and v > 0]
+        change = fmt_num(finite[-1] / finite[0]) + "×" if len(finite) >= 2 else "—"
+        table.add_row(name or "<root>", *(fmt_num(values[i]) if not math.isnan(values[i])
+                                          else "—" for i in cols), change)
+    return table
+
+
+def findings_lines(findings: Sequence[Finding]) -> list[str]:
+    """One rich-markup line per finding: severity, summary and fix."""
+    colors = {"error": "red", "warning": "yellow", "info": "cyan"}
+    lines = []
+    for f in findings:
+        c = colors[f.severity.label]
+        fix = f" [dim]Fix: {f.fix}[/]" if f.fix else ""
+        lines.append(f"[{c}]{f.severity.label}[/] {f.summary}.{fix}")
+    return lines

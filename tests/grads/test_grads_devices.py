@@ -1,0 +1,71 @@
+"""Half precision and CUDA: norms reduced on the gradient's device, unscaled under AMP."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from torchscope.grads import gradient_flow, watch_gradients
+from torchscope.models import TinyCNN
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def test_bfloat16_model_norms_in_float32() -> None:
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).to(torch.bfloat16)
+    x = torch.randn(4, 8, dtype=torch.bfloat16)
+    flow = gradient_flow(model, x, loss_fn="sum")
+    assert flow.get("0").grad_output[0].dtype == "torch.bfloat16"
+    for p in flow.params:
+        want = dict(model.named_parameters())[p.name].grad.float().norm().item()
+        assert math.isclose(p.norm, want, rel_tol=1e-6)
+
+
+@needs_cuda
+def test_cuda_matches_cpu() -> None:
+    model = TinyCNN()
+    x = torch.randn(4, 3, 16, 16)
+    y = torch.randint(0, 10, (4,))
+    cpu = gradient_flow(model, x, loss_fn="cross_entropy", target=y)
+    gpu = gradient_flow(model.cuda(), x.cuda(), loss_fn="cross_entropy", target=y.cuda())
+    assert [r.key for r in gpu.modules] == [r.key for r in cpu.modules]
+    for a, b in zip(cpu.params, gpu.params, strict=True):
+        assert math.isclose(a.norm, b.norm, rel_tol=1e-2)  # cuDNN may use TF32
+
+
+@needs_cuda
+def test_cuda_amp_scaler_unscaled() -> None:
+    model = TinyCNN().cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**12)
+    x = torch.randn(8, 3, 16, 16, device="cuda")
+    y = torch.randint(0, 10, (8,), device="cuda")
+    with watch_gradients(model, optimizer=opt, scaler=scaler) as watch:
+        opt.zero_grad()
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = nn.functional.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        want = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")).item()
+        scaler.step(opt)
+        scaler.update()
+    flow = watch.last
+    assert flow is not None and flow.scale == 2.0**12
+    assert math.isclose(flow.total_norm, want, rel_tol=1e-4)
+    assert flow.get("conv1").grad_output[0].dtype == "torch.float16"
+
+
+def test_sparse_embedding_gradient() -> None:
+    model = nn.Sequential(nn.Embedding(20, 4, sparse=True), nn.Linear(4, 2))
+    ids = torch.tensor([[1, 2, 2, 5]])
+    flow = gradient_flow(model, ids, loss_fn="sum")
+    grad = model[0].weight.grad
+    assert grad is not None and grad.is_sparse
+    want = torch.linalg.vector_norm(grad.coalesce().values()).item()
+    assert math.isclose(flow.param("0.weight").norm, want, rel_tol=1e-6)
+    # clip_grad_norm_ has no sparse kernel; the same total, written out:
+    dense = model[1].weight.grad.norm() ** 2 + model[1].bias.grad.norm() ** 2
+    assert math.isclose(flow.total_norm, math.sqrt(want**2 + dense.item()), rel_tol=1e-6)

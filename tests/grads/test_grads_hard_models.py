@@ -1,0 +1,350 @@
+"""Models where `register_full_backward_hook` fails or misleads: in-place ops, reused modules,
+frozen and unreached parameters, and a transformers GPT-2. Gradients must stay bitwise equal."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from torchscope.grads import gradient_flow
+from torchscope.grads.records import (
+    FROZEN,
+    INPUT_NO_GRAD,
+    NO_GRAD,
+    NOT_REACHED,
+    OUTPUT_NO_GRAD,
+)
+from torchscope.hooks import audit_hooks
+
+
+def _close(a: float | None, b: float | None) -> bool:
+    assert a is not None and b is not None
+    return math.isclose(a, b, rel_tol=1e-6)
+
+
+def _plain_grads(model: nn.Module, step) -> dict[str, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    step()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_same_grads(model: nn.Module, before: dict[str, torch.Tensor]) -> None:
+    after = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert after.keys() == before.keys()
+    for n, g in before.items():
+        assert torch.equal(after[n], g), n
+
+
+class InplaceNet(nn.Module):
+    """nn.ReLU(inplace=True) right after a hooked layer, and x.relu_() inside forward."""
+
+    def __init__(self, inplace: bool = True) -> None:
+        super().__init__()
+        self.inplace = inplace
+        self.fc1 = nn.Linear(16, 32)
+        self.act = nn.ReLU(inplace=inplace)
+        self.fc2 = nn.Linear(32, 32)
+        self.fc3 = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.fc1(x))
+        h = self.fc2(h)
+        h = h.relu_() if self.inplace else h.relu()
+        return self.fc3(h)
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")
+def test_inplace_model_full_backward_hook_raises_but_torchscope_works() -> None:
+    model = InplaceNet()
+    x = torch.randn(8, 16)
+
+    # The problem this solves: the classic approach raises on this model.
+    h = model.fc1.register_full_backward_hook(lambda *a: None)
+    try:
+        with pytest.raises(RuntimeError, match="inplace"):
+            model(x).sum().backward()
+    finally:
+        h.remove()
+
+    before = _plain_grads(model, lambda: model(x).sum().backward())
+    flow = gradient_flow(model, x, loss_fn="sum")
+    _assert_same_grads(model, before)
+    assert [r.module for r in flow.modules] == ["fc3", "fc2", "act", "fc1"]
+
+    # Reference: the same weights without in-place ops, read with full backward hooks.
+    twin = InplaceNet(inplace=False)
+    twin.load_state_dict(model.state_dict())
+    ref: dict[str, tuple[float, float | None]] = {}
+    handles = [
+        getattr(twin, n).register_full_backward_hook(
+            lambda _m, gi, go, _n=n: ref.__setitem__(
+                _n, (go[0].norm().item(), None if gi[0] is None else gi[0].norm().item())))
+        for n in ("fc1", "act", "fc2", "fc3")
+    ]
+    try:
+        twin(x).sum().backward()
+    finally:
+        for h in handles:
+            h.remove()
+    for name, (out_norm, in_norm) in ref.items():
+        rec = flow.get(name)
+        assert _close(rec.grad_output[0].norm, out_norm), name
+        if in_norm is None:
+            assert rec.grad_input[0].norm is None
+            assert rec.grad_input[0].reason == INPUT_NO_GRAD
+        else:
+            assert _close(rec.grad_input[0].norm, in_norm), name
+    assert audit_hooks(model, include_global=False).local_total == 0
+
+
+class ReusedNet(nn.Module):
+    """One block called twice in the same forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.block = nn.Sequential(nn.Linear(16, 16), nn.Tanh())
+        self.out = nn.Linear(16, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.block(self.block(self.inp(x))))
+
+
+def test_reused_module_one_record_per_call() -> None:
+    model = ReusedNet()
+    x = torch.randn(4, 8)
+    before = _plain_grads(model, lambda: model(x).pow(2).sum().backward())
+    flow = gradient_flow(model, x, loss_fn=lambda out: out.pow(2).sum(),
+                         select=["block", "block.0", "out"])
+    _assert_same_grads(model, before)
+    keys = [(r.module, r.call) for r in flow.modules]
+    # Backward meets the second call first.
+    assert keys == [("out", 0), ("block", 1), ("block.0", 1), ("block", 0), ("block.0", 0)]
+    # Each call has its own gradient: the input of call 1 is the output of call 0.
+    assert _close(flow.get("block", 1).grad_input[0].norm,
+                  flow.get("block", 0).grad_output[0].norm)
+    assert flow.get("block", 0).grad_output[0].norm != flow.get("block", 1).grad_output[0].norm
+
+    ref: list[float] = []
+    h = model.block.register_full_backward_hook(
+        lambda _m, gi, go: ref.append(go[0].norm().item()))
+    try:
+        model(x).pow(2).sum().backward()
+    finally:
+        h.remove()
+    assert _close(flow.get("block", 1).output_norm, ref[0])
+    assert _close(flow.get("block", 0).output_norm, ref[1])
+    # The shared parameters hold one accumulated gradient.
+    assert _close(flow.param("block.0.weight").norm, before["block.0.weight"].norm().item())
+
+
+class PartialNet(nn.Module):
+    """A frozen stem, an auxiliary head the loss ignores, and a module never called."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(8, 8).requires_grad_(False)
+        self.body = nn.Linear(8, 8)
+        self.aux = nn.Linear(8, 3)
+        self.head = nn.Linear(8, 2)
+        self.unused = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.body(self.stem(x))
+        self.last_aux = self.aux(h)  # computed, never part of the loss
+        return self.head(h)
+
+
+def test_frozen_and_unreached() -> None:
+    model = PartialNet()
+    x = torch.randn(4, 8)
+    before = _plain_grads(model, lambda: model(x).sum().backward())
+    flow = gradient_flow(model, x, loss_fn="sum")
+    _assert_same_grads(model, before)
+    stem = flow.get("stem")
+    assert stem.grad_output[0].norm is None and stem.grad_output[0].reason == OUTPUT_NO_GRAD
+    assert stem.order is None
+    assert flow.get("body").grad_input[0].reason == INPUT_NO_GRAD
+    aux = flow.get("aux")
+    assert not aux.reached and aux.grad_output[0].reason == NOT_REACHED
+    assert flow.param("stem.weight").reason == FROZEN
+    assert flow.param("aux.weight").reason == NOT_REACHED
+    assert flow.param("unused.bias").reason == NO_GRAD
+    assert flow.param("head.weight").norm is not None
+    total = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+    assert _close(flow.total_norm, total.item())
+    from torchscope.grads import find_unreached
+
+    (finding,) = find_unreached(flow)
+    assert "aux" in str(finding.evidence["modules"]) and "unused" in str(
+        finding.evidence["modules"])
+
+
+def test_checkpointed_block_records_once() -> None:
+    from torch.utils.checkpoint import checkpoint
+
+    class Ckpt(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(8, 8)
+            self.b = nn.Linear(8, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(checkpoint(self.a, x, use_reentrant=False))
+
+    model = Ckpt()
+    x = torch.randn(4, 8)
+    before = _plain_grads(model, lambda: model(x).sum().backward())
+    flow = gradient_flow(model, x, loss_fn="sum")
+    _assert_same_grads(model, before)
+    assert [(r.module, r.call) for r in flow.modules] == [("b", 0), ("a", 0)]
+    assert flow.get("a").reached
+
+
+def test_tiny_gpt2_gradients_bitwise_identical(tiny_gpt2) -> None:
+    model = tiny_gpt2
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(1))
+    before = _plain_grads(model, model(input_ids=ids, labels=ids).loss.backward)
+    flow = gradient_flow(model, {"input_ids": ids, "labels": ids})
+    _assert_same_grads(model, before)
+    assert flow.modules[0].module == "lm_head"
+    wte = flow.get("transformer.wte")
+    assert wte.grad_input[0].reason == INPUT_NO_GRAD and wte.reached
+    # Tied lm_head/wte weight is counted once, as clip_grad_norm_ does.
+    assert sum(p.name.endswith("wte.weight") for p in flow.params) == 1
+    total = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+    assert _close(flow.total_norm, total.item())
+    for rec in flow.params:
+        if rec.norm is not None:
+            assert _close(rec.norm, before[rec.name].norm().item()), rec.name
+    assert audit_hooks(model, include_global=False).local_total == 0
+
+
+class SeqNet(nn.Module):
+    """Self-attention (query is key is value), an LSTM with tuple outputs, and LayerNorm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Linear(6, 16)
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.norm = nn.LayerNorm(16)
+        self.lstm = nn.LSTM(16, 8, batch_first=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        a, _ = self.attn(h, h, h, need_weights=False)
+        out, (hn, _) = self.lstm(self.norm(h + a))
+        return self.head(out[:, -1]) + hn[0].sum()
+
+
+def test_attention_and_lstm_bitwise_and_shared_inputs() -> None:
+    model = SeqNet()
+    x = torch.randn(2, 5, 6)
+    before = _plain_grads(model, lambda: model(x).sum().backward())
+    flow = gradient_flow(model, x, loss_fn="sum", select=["emb", "attn", "norm", "lstm",
+                                                          "head"])
+    _assert_same_grads(model, before)
+    attn = flow.get("attn")
+    # query, key and value are one tensor: one gradient, reported under each position.
+    assert [g.path for g in attn.grad_input] == ["[0]", "[1]", "[2]"]
+    assert attn.grad_input[0].norm is not None
+    assert attn.grad_input[0].norm == attn.grad_input[1].norm == attn.grad_input[2].norm
+    lstm = flow.get("lstm")
+    assert [g.path for g in lstm.grad_output] == ["[0]", "[1][0]", "[1][1]"]
+    assert lstm.grad_output[0].norm is not None and lstm.grad_output[1].norm is not None
+    assert lstm.grad_output[2].reason == NOT_REACHED  # the cell state is unused
+
+
+def test_inplace_module_that_leaves_input_alone() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5, inplace=True), nn.Linear(4, 2))
+    model.eval()  # dropout is the identity and returns its input
+    x = torch.randn(3, 4)
+    before = _plain_grads(model, lambda: model(x).sum().backward())
+    flow = gradient_flow(model, x, loss_fn="sum")
+    _assert_same_grads(model, before)
+    drop = flow.get("1")
+    assert drop.grad_input[0].norm == drop.grad_output[0].norm is not None
+    assert _close(drop.grad_input[0].norm, flow.get("0").grad_output[0].norm)
+
+
+class BasicBlock(nn.Module):
+    """torchvision's pattern: one inplace ReLU used twice and `out += identity`."""
+
+    def __init__(self, inplace: bool = True) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(4, 4, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(4)
+        self.relu = nn.ReLU(inplace=inplace)
+        self.conv2 = nn.Conv2d(4, 4, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(4)
+        self.inplace = inplace
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        out = out.add_(x) if self.inplace else out + x
+        return self.relu(out)
+
+
+def test_torchvision_style_block() -> None:
+    stem = nn.Conv2d(3, 4, 1)
+    model = nn.Sequential(stem, BasicBlock(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                          nn.Linear(4, 2))
+    twin = nn.Sequential(nn.Conv2d(3, 4, 1), BasicBlock(inplace=False), nn.AdaptiveAvgPool2d(1),
+                         nn.Flatten(), nn.Linear(4, 2))
+    twin.load_state_dict(model.state_dict())
+    x = torch.randn(2, 3, 6, 6)
+    before = _plain_grads(model, lambda: model(x).sum().backward())
+    twin_grads = _plain_grads(twin, lambda: twin(x).sum().backward())
+    flow = gradient_flow(model, x, loss_fn="sum")
+    _assert_same_grads(model, before)
+    ref = gradient_flow(twin, x, loss_fn="sum")  # no in-place ops anywhere
+    assert [r.key for r in flow.modules] == [r.key for r in ref.modules]
+    assert [r.key for r in flow.modules if r.module == "1.relu"] == ["1.relu#1", "1.relu#0"]
+    for a, b in zip(flow.modules, ref.modules, strict=True):
+        for ga, gb in zip(a.grad_output + a.grad_input, b.grad_output + b.grad_input,
+                          strict=True):
+            assert (ga.norm is None) == (gb.norm is None), a.key
+            if ga.norm is not None:
+                assert math.isclose(ga.norm, gb.norm, rel_tol=1e-5), a.key
+    for name, g in twin_grads.items():
+        assert torch.allclose(before[name], g, rtol=1e-5, atol=1e-7)
+
+
+class Diamond(nn.Module):
+    """`h` feeds the ReLU and a skip path: its gradient is accumulated from both."""
+
+    def __init__(self, skip_first: bool) -> None:
+        super().__init__()
+        self.a = nn.Linear(64, 64)
+        self.relu = nn.ReLU()
+        self.b = nn.Linear(64, 64)
+        self.skip_first = skip_first  # which branch's gradient reaches `h` first
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if self.skip_first:
+            s = h * 0.5
+            return self.b(self.relu(h)) + s
+        return self.b(self.relu(h)) + h * 0.5
+
+
+@pytest.mark.parametrize("skip_first", [False, True])
+def test_accumulated_gradient_is_not_mistaken_for_its_first_part(skip_first: bool) -> None:
+    model = Diamond(skip_first)
+    x = torch.randn(8, 64)
+    # Plain reference values with retain_grad.
+    h = model.a(x)
+    h.retain_grad()
+    r = model.relu(h)
+    r.retain_grad()
+    (model.b(r) + h * 0.5).pow(2).sum().backward()
+    relu_in = (h > 0) * r.grad
+    flow = gradient_flow(model, x, loss_fn=lambda out: out.pow(2).sum())
+    assert _close(flow.get("relu").grad_input[0].norm, relu_in.norm().item())
+    assert _close(flow.get("a").grad_output[0].norm, h.grad.norm().item())
+    assert not math.isclose(h.grad.norm().item(), relu_in.norm().item(), rel_tol=1e-3)
