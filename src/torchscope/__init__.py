@@ -61,6 +61,15 @@ _EXPORTS: dict[str, str] = {
     "MemoryReport": "torchscope.memory",
     "SavedActivations": "torchscope.memory",
     "CheckpointHandle": "torchscope.memory",
+    "gradient_flow": "torchscope.grads",
+    "watch_gradients": "torchscope.grads",
+    "GradWatch": "torchscope.grads",
+    "GradFlow": "torchscope.grads",
+    "GradHistory": "torchscope.grads",
+    "GradThresholds": "torchscope.grads",
+    "ModuleGradRecord": "torchscope.grads",
+    "ParamGradRecord": "torchscope.grads",
+    "TensorGrad": "torchscope.grads",
 }
 
 _SUBMODULES = {
@@ -89,6 +98,10 @@ __all__ = [
     "DoctorOptions",
     "DoctorReport",
     "Finding",
+    "GradFlow",
+    "GradHistory",
+    "GradThresholds",
+    "GradWatch",
     "HookAudit",
     "HookGrowthGuard",
     "HookGrowthWarning",
@@ -98,8 +111,10 @@ __all__ = [
     "LintViolation",
     "MemoryReport",
     "ModelError",
+    "ModuleGradRecord",
     "ModuleTime",
     "OpRecord",
+    "ParamGradRecord",
     "PhaseTime",
     "ProfileResult",
     "ProfilingError",
@@ -107,6 +122,7 @@ __all__ = [
     "SelectionError",
     "Severity",
     "TargetError",
+    "TensorGrad",
     "TensorStats",
     "TorchscopeError",
     "VerificationError",
@@ -116,6 +132,7 @@ __all__ = [
     "audit_hooks",
     "capture_activations",
     "diff_documents",
+    "gradient_flow",
     "lint_paths",
     "lint_source",
     "live_tensors",
@@ -128,6 +145,7 @@ __all__ = [
     "saved_activations",
     "select_modules",
     "trace_nonfinite",
+    "watch_gradients",
     "write_report",
 ]
 
@@ -176,6 +194,17 @@ if TYPE_CHECKING:
     from torchscope.findings import (
         Finding,
         Severity,
+    )
+    from torchscope.grads import (
+        GradFlow,
+        GradHistory,
+        GradThresholds,
+        GradWatch,
+        ModuleGradRecord,
+        ParamGradRecord,
+        TensorGrad,
+        gradient_flow,
+        watch_gradients,
     )
     from torchscope.hooks import (
         HookAudit,

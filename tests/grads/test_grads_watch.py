@@ -57,7 +57,8 @@ def test_thousand_steps_bounded_memory_and_no_hooks_left() -> None:
         growth = sum(s.size_diff for s in snap_after.filter_traces(ours).compare_to(
             snap_before.filter_traces(ours), "filename"))
         assert watch.session.handle_count == handles  # step hooks are released each step
-        assert _live_tensors() == tensors  # no gradients or norms kept
+        # No gradients or norms kept: the count cannot grow (other tests' garbage may shrink it).
+        assert _live_tensors() <= tensors
     assert growth < 16 * 1024, f"memory grew by {growth} bytes over 200 steps"
     assert watch.steps == 1000
     assert watch.samples == 100

@@ -24,7 +24,7 @@ def register(app: typer.Typer) -> None:
     app.command("grads")(grads)
 
 
-def grads(  # noqa: PLR0917 - typer maps parameters to options
+def grads(
     target: TargetArg = None,
     input: InputOpt = None,
     inputs: InputsFnOpt = None,
@@ -93,7 +93,7 @@ def grads(  # noqa: PLR0917 - typer maps parameters to options
                 if not value.requires_grad:
                     raise TorchscopeError("the loss does not require grad.",
                                           fix="check that the model output is not detached.")
-                value.backward()  # type: ignore[no-untyped-call]
+                value.backward()
                 opt.step()
         flow = watch.last
         if flow is None:

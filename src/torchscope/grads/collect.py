@@ -80,7 +80,7 @@ class _Call:
     __slots__ = ("call", "ins", "micro", "module", "module_type", "order", "outs",
                  "owns_params", "seq")
 
-    def __init__(self, module: str, module_type: str, micro: int, call: int, seq: int,  # noqa: PLR0917
+    def __init__(self, module: str, module_type: str, micro: int, call: int, seq: int,
                  owns_params: bool) -> None:
         self.module = module
         self.module_type = module_type
@@ -251,14 +251,14 @@ class GradCollector:
         if last is not None and t.numel() > 0:
             ref, prev, index = last
             if (key[:5] == prev[:5] and (key[5:7] == prev[5:7] or (key[7] and prev[7]))
-                    and not ref.expired()):  # type: ignore[no-untyped-call]
+                    and not ref.expired()):
                 return index
         # One read of the gradient; half precision is summed in float32 so it cannot overflow.
         n = torch.linalg.vector_norm(t, dtype=torch.float32) if t.dtype in _HALF else \
             torch.linalg.vector_norm(t)  # () on g.device
         self._vals.append(n)
         index = len(self._vals) - 1
-        self._last = (StorageWeakRef(t.untyped_storage()), key, index)  # type: ignore[no-untyped-call]
+        self._last = (StorageWeakRef(t.untyped_storage()), key, index)
         return index
 
     def _queue_end(self) -> None:

@@ -95,7 +95,7 @@ def gradient_flow(
             if scaler is not None:
                 loss = scaler.scale(loss)
             try:
-                loss.backward()  # type: ignore[no-untyped-call]
+                loss.backward()
             except RuntimeError as exc:
                 first = (str(exc).strip().splitlines() or [""])[0]
                 raise ModelError(f"backward raised RuntimeError: {first}.",
