@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.machinery
 import json
 import os
 import pickle
@@ -67,11 +68,25 @@ def _device(model: nn.Module, inputs: ModelInputs) -> torch.device:
     return torch.device("cpu")
 
 
+def _importable(module_name: str) -> bool:
+    """Whether a fresh interpreter with this `sys.path` can import `module_name`."""
+    top = module_name.split(".", 1)[0]
+    if top in sys.builtin_module_names:
+        return True
+    try:
+        # PathFinder searches sys.path only: modules loaded from a file path under a made-up
+        # name (TARGET files, pytest's importlib mode) are not found, as in the child.
+        return importlib.machinery.PathFinder.find_spec(top, sys.path) is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def _not_sendable(model: nn.Module) -> str | None:
     """Why a child process could not rebuild `model` from a pickle, or None."""
     for name, m in model.named_modules():
-        if type(m).__module__ == "__main__":
-            return (f"{name or 'the model'} is a {type(m).__name__} defined in __main__, which "
+        mod = type(m).__module__
+        if mod == "__main__" or not _importable(mod):
+            return (f"{name or 'the model'} is a {type(m).__name__} defined in {mod}, which "
                     "a child process cannot import")
     return None
 
