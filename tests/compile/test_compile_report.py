@@ -11,7 +11,11 @@ import torch
 from rich.console import Console
 
 from torchscope.compile import (
-    CompileReport, compile_findings, compile_report, derive_speed, recompile_limit,
+    CompileReport,
+    compile_findings,
+    compile_report,
+    derive_speed,
+    recompile_limit,
 )
 from torchscope.errors import CompileError
 from torchscope.models import TinyCNN
@@ -151,7 +155,7 @@ def test_no_cpp_compiler_is_said_clearly(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def test_bad_settings_raise() -> None:
-    with pytest.raises(CompileError, match="unknown torch.compile mode"):
+    with pytest.raises(CompileError, match=r"unknown torch\.compile mode"):
         compile_report(TinyCNN(), torch.randn(2, 3, 8, 8), modes=("fastest",))
     with pytest.raises(CompileError, match="iters"):
         compile_report(TinyCNN(), torch.randn(2, 3, 8, 8), modes=("default",), iters=0)

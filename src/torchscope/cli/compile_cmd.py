@@ -7,7 +7,15 @@ from typing import Annotated
 import typer
 
 from torchscope.cli._common import (
-    DebugOpt, InputOpt, InputsFnOpt, JsonOpt, TargetArg, console, err_console, guarded, is_tty,
+    DebugOpt,
+    InputOpt,
+    InputsFnOpt,
+    JsonOpt,
+    TargetArg,
+    console,
+    err_console,
+    guarded,
+    is_tty,
     load,
 )
 from torchscope.errors import CompileError
@@ -43,9 +51,9 @@ def _dynamic(text: str) -> bool | None:
     return table[text.lower()]
 
 
-def compile_command(
+def compile_command(  # noqa: PLR0917 - typer maps parameters to options
     target: TargetArg = None,
-    input: InputOpt = None,  # noqa: A002 - the option is --input
+    input: InputOpt = None,
     inputs: InputsFnOpt = None,
     modes: Annotated[str, typer.Option(
         "--modes", "-m", help="Comma-separated torch.compile modes.")
@@ -69,7 +77,11 @@ def compile_command(
     with guarded(debug):
         from torchscope.compile import compile_findings, compile_report
         from torchscope.report.compile import (
-            compile_table, findings_table, graph_break_table, recompile_table, shape_call_lines,
+            compile_table,
+            findings_table,
+            graph_break_table,
+            recompile_table,
+            shape_call_lines,
         )
         from torchscope.report.serialize import write_json
 

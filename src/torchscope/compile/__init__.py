@@ -5,14 +5,31 @@ from torchscope.compile.analyze import compile_findings, recompile_findings
 from torchscope.compile.breaks import BreakScan, find_graph_breaks
 from torchscope.compile.doctor import DEFAULT_MODES, compile_report, cpp_compiler, known_modes
 from torchscope.compile.guard import (
-    CompiledCapture, check_compiled, compiled_capture, compiled_parts, unwrap_compiled,
+    CompiledCapture,
+    check_compiled,
+    compiled_capture,
+    compiled_parts,
+    unwrap_compiled,
 )
 from torchscope.compile.hygiene import (
-    CompileGuard, CompileLoopWarning, LateHook, RecompileWarning, audit_compiled_hooks,
-    compile_guard, compile_once, late_hooks, track_compiled,
+    CompileGuard,
+    CompileLoopWarning,
+    LateHook,
+    RecompileWarning,
+    audit_compiled_hooks,
+    compile_guard,
+    compile_once,
+    late_hooks,
+    track_compiled,
 )
 from torchscope.compile.records import (
-    CompiledCheck, CompileReport, GraphBreak, ModeResult, Recompile, ShapeCall, derive_speed,
+    CompiledCheck,
+    CompileReport,
+    GraphBreak,
+    ModeResult,
+    Recompile,
+    ShapeCall,
+    derive_speed,
 )
 from torchscope.compile.watch import RecompileWatcher, recompile_limit, watch_recompiles
 

@@ -50,7 +50,7 @@ def classify_break(reason: str) -> str:
         return "Tensor.item()"
     if "tolist" in low or "numpy" in low:
         return "tensor to Python"
-    if "skip" in low or "unsupported" in low or "call_function" in low or "attempted to call" in low:
+    if any(w in low for w in ("skip", "unsupported", "call_function", "attempted to call")):
         return "unsupported call"
     return "other"
 

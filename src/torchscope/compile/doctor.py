@@ -22,7 +22,12 @@ from torch import nn
 from torchscope.compile._measure import MeasureJob, run_job
 from torchscope.compile.breaks import BreakScan
 from torchscope.compile.records import (
-    CompileReport, GraphBreak, ModeResult, Recompile, ShapeCall, derive_speed,
+    CompileReport,
+    GraphBreak,
+    ModeResult,
+    Recompile,
+    ShapeCall,
+    derive_speed,
 )
 from torchscope.compile.watch import recompile_limit
 from torchscope.errors import CompileError

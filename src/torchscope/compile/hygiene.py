@@ -48,7 +48,7 @@ _TRACKED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 def _optimized_module_type() -> type[nn.Module]:
-    return torch._dynamo.eval_frame.OptimizedModule  # type: ignore[no-any-return]
+    return torch._dynamo.eval_frame.OptimizedModule
 
 
 class CompileLoopWarning(UserWarning):
@@ -343,7 +343,7 @@ class CompileGuard:
                 track_compiled(out)
             return out
 
-        torch.compile = counting_compile  # type: ignore[assignment]
+        torch.compile = counting_compile
         self._watcher.install()
         return self
 
@@ -354,7 +354,7 @@ class CompileGuard:
         tb: TracebackType | None,
     ) -> None:
         if self._orig is not None:
-            torch.compile = self._orig  # type: ignore[assignment]
+            torch.compile = self._orig
             self._orig = None
         self._watcher.uninstall()
         if self._watcher.limit_hit and exc_type is None:

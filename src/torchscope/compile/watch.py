@@ -7,6 +7,7 @@ recompile starts) and the warning torch logs when a frame hits the recompile lim
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import threading
@@ -15,6 +16,8 @@ from types import CodeType, TracebackType
 from typing import Any
 
 import torch
+import torch._dynamo.callback
+import torch._dynamo.guards
 
 from torchscope.compile.records import Recompile
 
@@ -39,11 +42,13 @@ def recompile_limit() -> int:
 
 def _guard_failures() -> dict[CodeType, list[str]]:
     """Dynamo's `{code: [guard failure text, ...]}`; empty when this torch has none."""
-    try:
-        from torch._dynamo.guards import guard_failures
-    except ImportError:  # pragma: no cover - older or newer torch
-        return {}
-    return guard_failures  # type: ignore[no-any-return]
+    failures = getattr(torch._dynamo.guards, "guard_failures", None)
+    return failures if isinstance(failures, dict) else {}
+
+
+def _callbacks() -> Any:
+    """Dynamo's compile-callback registry (`torch._dynamo.callback.callback_handler`)."""
+    return torch._dynamo.callback.callback_handler
 
 
 def parse_guard(text: str) -> tuple[str, str | None]:
@@ -100,7 +105,7 @@ class RecompileWatcher:
         if self._installed:
             return
         self._snapshot()
-        torch._dynamo.callback_handler.register_start_callback(self._on_start)
+        _callbacks().register_start_callback(self._on_start)
         logging.getLogger(_LIMIT_LOGGER).addHandler(self._handler)
         self._installed = True
 
@@ -108,10 +113,8 @@ class RecompileWatcher:
         """Stop watching; records stay readable."""
         if not self._installed:
             return
-        try:
-            torch._dynamo.callback_handler.remove_start_callback(self._on_start)
-        except ValueError:  # torch._dynamo.reset() already cleared it
-            pass
+        with contextlib.suppress(ValueError):  # torch._dynamo.reset() already cleared it
+            _callbacks().remove_start_callback(self._on_start)
         logging.getLogger(_LIMIT_LOGGER).removeHandler(self._handler)
         self._installed = False
 
