@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from rich.console import Console
+from torch import nn
 
 from torchscope.compile import (
     CompileReport,
@@ -159,3 +160,21 @@ def test_bad_settings_raise() -> None:
         compile_report(TinyCNN(), torch.randn(2, 3, 8, 8), modes=("fastest",))
     with pytest.raises(CompileError, match="iters"):
         compile_report(TinyCNN(), torch.randn(2, 3, 8, 8), modes=("default",), iters=0)
+
+
+def test_model_a_child_cannot_import_is_measured_here() -> None:
+    class Local(nn.Module):  # defined in a function: no child process can import it
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x).relu()
+
+    report = compile_report(Local(), torch.randn(4, 8), modes=("default",), iters=2, warmup=0)
+    m = report.mode("default")
+    assert m.status == "ok", m.error
+    assert not m.isolated
+    assert any("in this process" in n for n in report.notes)
+    assert m.speedup == pytest.approx(m.eager_ms / m.compiled_ms)  # type: ignore[operator]
+    assert m.max_abs_diff is not None and m.max_abs_diff < 1e-5

@@ -138,7 +138,7 @@ def compile_findings(report: CompileReport) -> list[Finding]:
     if best is not None and len(ok) > 1:
         out.append(Finding(
             "compile.best_mode", Severity.INFO,
-            f"fastest mode: {best.mode!r}, {best.speedup:.2f}× eager"
+            f"best mode: {best.mode!r}, {best.speedup:.2f}× eager"
             + (f", paid back after {_calls(best.break_even_calls)}."
                if best.break_even_calls is not None else "."),
             {"mode": best.mode, "speedup": best.speedup,

@@ -13,6 +13,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -342,9 +343,10 @@ def compile_report(
             send_target = True
         else:
             in_process = True
-            notes.append(f"measured in this process without a timeout: {why}.")
+            notes.append(f"measured in this process without a timeout (Dynamo was reset "
+                         f"after): {why}.")
     for mode in modes:
-        job = MeasureJob(**{**base.__dict__, "mode": mode, "explain": scan is None})
+        job = replace(base, mode=mode, explain=scan is None)
         t0 = time.perf_counter()
         if in_process:
             say(f"{mode}: measuring in this process")
@@ -370,8 +372,7 @@ def compile_report(
         wall = time.perf_counter() - t0
         if scan is None:
             scan = _scan_from(payload.get("scan"))
-        result = _mode_from(mode, payload, wall, not in_process)
-        results.append(ModeResult(**{**result.__dict__, "iters": iters}))
+        results.append(replace(_mode_from(mode, payload, wall, not in_process), iters=iters))
     if scan is None:
         notes.append("graph breaks were not scanned: the scan failed in every mode.")
     return CompileReport(

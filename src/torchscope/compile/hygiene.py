@@ -292,7 +292,8 @@ def _key_of(fn: Any) -> tuple[Any, str]:
         return owner, type(owner).__name__
     if isinstance(fn, nn.Module):
         return fn, type(fn).__name__
-    return fn, getattr(fn, "__qualname__", type(fn).__name__)
+    func = getattr(fn, "__func__", fn)  # a bound method is a new object on every access
+    return func, getattr(func, "__qualname__", type(func).__name__)
 
 
 class CompileGuard:

@@ -204,9 +204,13 @@ class CompileReport:
 
     @property
     def best(self) -> ModeResult | None:
-        """The fastest measured mode that beats eager, if any."""
+        """The mode with the highest speedup over eager, among those that beat it.
+
+        Speedups are ratios timed side by side within one child, so they compare across
+        modes even when the machine's load changed between children; raw times do not.
+        """
         fast = [m for m in self.modes if m.ok and m.faster]
-        return min(fast, key=lambda m: m.compiled_ms or math.inf) if fast else None
+        return max(fast, key=lambda m: m.speedup or -math.inf) if fast else None
 
 
 @dataclass(frozen=True)
