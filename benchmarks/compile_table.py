@@ -2,7 +2,7 @@
 training, measured side by side in one run (each mode in its own child process).
 
     PYTHONPATH=src python benchmarks/compile_table.py [--modes default,max-autotune]
-        [--models tiny-cnn,resnet-mini] [--iters 20] [--threads 2] [--json out.json]
+        [--models tiny-cnn,resnet-mini] [--iters 20] [--threads 1] [--json out.json]
 
 Prints one table per (model, inference|training) and a summary line per mode: speedup
 (eager ms / compiled ms), cold and warm compile seconds, and calls to break even.
@@ -27,7 +27,7 @@ def main() -> None:
     parser.add_argument("--modes", default="default,reduce-overhead,max-autotune")
     parser.add_argument("--models", default="tiny-cnn,resnet-mini")
     parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=900.0)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -59,7 +59,9 @@ def main() -> None:
                     f"eager {m.eager_ms:8.2f} ms  compiled {m.compiled_ms:8.2f} ms  "
                     f"cold {m.cold_compile_s:6.1f} s  warm {m.warm_compile_s:5.2f} s  "
                     f"break-even {be} calls  recompiles {len(m.recompiles)}  "
-                    f"max diff {m.max_abs_diff:.1e}")
+                    f"max diff {m.max_abs_diff:.1e}"
+                    + (f" (grads {m.grad_max_abs_diff:.1e})"
+                       if m.grad_max_abs_diff is not None else ""))
     console.print(f"\ntorch {torch.__version__}, {args.threads} threads, "
                   f"{args.iters} timed calls each; total {time.perf_counter() - t_all:.0f} s")
     for line in summary:

@@ -160,6 +160,10 @@ def test_bad_settings_raise() -> None:
         compile_report(TinyCNN(), torch.randn(2, 3, 8, 8), modes=("fastest",))
     with pytest.raises(CompileError, match="iters"):
         compile_report(TinyCNN(), torch.randn(2, 3, 8, 8), modes=("default",), iters=0)
+    inplace = TinyCNN()
+    inplace.conv1.compile(backend="eager")
+    with pytest.raises(CompileError, match="conv1 is already compiled"):
+        compile_report(inplace, torch.randn(2, 3, 8, 8), modes=("default",))
 
 
 def test_model_a_child_cannot_import_is_measured_here() -> None:

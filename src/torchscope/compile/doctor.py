@@ -22,6 +22,7 @@ from torch import nn
 
 from torchscope.compile._measure import MeasureJob, run_job
 from torchscope.compile.breaks import BreakScan
+from torchscope.compile.guard import compiled_parts
 from torchscope.compile.records import (
     CompileReport,
     GraphBreak,
@@ -320,6 +321,12 @@ def compile_report(
     if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
         notes.append("measured the original module of the torch.compile wrapper.")
         model = model._orig_mod
+    inner = compiled_parts(model)
+    if inner:
+        raise CompileError(
+            f"compile_report needs the eager model, but {', '.join(p or '<root>' for p in inner)} "
+            "is already compiled, so the eager baseline would run compiled code.",
+            fix="pass the model as it was before torch.compile / module.compile().")
     mi = ModelInputs.of(inputs)
     device = _device(model, mi)
     limit = recompile_limit()
