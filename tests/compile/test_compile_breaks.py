@@ -83,3 +83,13 @@ def test_breaks_render_and_become_findings() -> None:
     found = [f for f in compile_findings(report) if f.code == "compile.graph_break"]
     assert [f.evidence["line"] for f in found] == [b.line for b in scan.breaks]
     assert all(f.fix for f in found)
+
+
+def test_scan_survives_the_trip_from_the_child() -> None:
+    import json
+
+    from torchscope.compile.doctor import _scan_from
+    from torchscope.report.serialize import to_jsonable
+
+    scan = find_graph_breaks(BreakNet(), torch.randn(4, 8))
+    assert _scan_from(json.loads(json.dumps(to_jsonable(scan)))) == scan

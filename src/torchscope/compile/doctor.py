@@ -342,6 +342,9 @@ def compile_report(
         return CompileReport(name or type(model).__name__, mi.describe(), str(device), train,
                              tuple(results), (), None, limit, torch.__version__, (msg,))
 
+    if device.type != "cuda" and any(m.startswith("reduce-overhead") for m in modes):
+        notes.append("reduce-overhead removes launch overhead with CUDA graphs; on "
+                     f"{device.type} there are none, so it compiles like default.")
     in_process = not isolate
     why = _not_sendable(model) if isolate else None
     send_target = False
