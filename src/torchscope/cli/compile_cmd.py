@@ -1,9 +1,118 @@
-"""Placeholder: this command's module registers nothing until its capability lands."""
+"""`torchscope compile`: is torch.compile worth it? One row per mode."""
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import typer
+
+from torchscope.cli._common import (
+    DebugOpt,
+    InputOpt,
+    InputsFnOpt,
+    JsonOpt,
+    TargetArg,
+    console,
+    err_console,
+    guarded,
+    is_tty,
+    load,
+)
+from torchscope.errors import CompileError
 
 
 def register(app: typer.Typer) -> None:
-    """Add this module's command to `app`."""
+    """Add `compile` to `app`."""
+    app.command("compile")(compile_command)
+
+
+def _split(text: str, what: str) -> list[str]:
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        raise CompileError(f"{what} {text!r} lists nothing.", fix=f"pass e.g. --{what} a,b.")
+    return items
+
+
+def _batch_sizes(text: str | None) -> tuple[int, ...]:
+    if not text:
+        return ()
+    try:
+        return tuple(int(t) for t in _split(text, "batch-sizes"))
+    except ValueError:
+        raise CompileError(f"--batch-sizes {text!r} is not a list of integers.",
+                           fix="pass e.g. --batch-sizes 16,8.") from None
+
+
+def _dynamic(text: str) -> bool | None:
+    table = {"auto": None, "on": True, "true": True, "off": False, "false": False}
+    if text.lower() not in table:
+        raise CompileError(f"--dynamic {text!r} is not auto, on or off.",
+                           fix="pass --dynamic auto (torch's default), on or off.")
+    return table[text.lower()]
+
+
+def compile_command(  # noqa: PLR0917 - typer maps parameters to options
+    target: TargetArg = None,
+    input: InputOpt = None,
+    inputs: InputsFnOpt = None,
+    modes: Annotated[str, typer.Option(
+        "--modes", "-m", help="Comma-separated torch.compile modes.")
+    ] = "default,reduce-overhead,max-autotune",
+    train: Annotated[bool, typer.Option(
+        "--train", help="Time a training step (forward + backward) instead of inference.")
+    ] = False,
+    iters: Annotated[int, typer.Option(help="Timed calls of eager and of compiled.")] = 30,
+    warmup: Annotated[int, typer.Option(help="Untimed calls of each before timing.")] = 3,
+    timeout: Annotated[float, typer.Option(help="Seconds allowed per mode.")] = 600.0,
+    batch_sizes: Annotated[str | None, typer.Option(
+        "--batch-sizes", help="After timing, call the compiled model with these batch sizes "
+        "(e.g. 16,8) to show shape recompiles and their guards.")] = None,
+    dynamic: Annotated[str, typer.Option(
+        help="torch.compile(dynamic=...): auto (torch's default), on, off.")] = "auto",
+    json_path: JsonOpt = None,
+    debug: DebugOpt = False,
+) -> None:
+    """Measure torch.compile per mode: compile cost, speedup, break-even calls, graph breaks,
+    recompiles and numerical drift. Each mode runs in a child process with a timeout."""
+    with guarded(debug):
+        from torchscope.compile import compile_findings, compile_report
+        from torchscope.report.compile import (
+            compile_table,
+            findings_table,
+            graph_break_table,
+            recompile_table,
+            shape_call_lines,
+        )
+        from torchscope.report.serialize import write_json
+
+        mode_list = _split(modes, "modes")
+        sizes = _batch_sizes(batch_sizes)
+        dyn = _dynamic(dynamic)
+        loaded, model_inputs = load(target, input, inputs)
+
+        def progress(line: str) -> None:
+            if is_tty():
+                err_console.print(f"[dim]{line}[/]", highlight=False)
+
+        report = compile_report(
+            loaded.model, model_inputs, mode_list, train=train, iters=iters, warmup=warmup,
+            timeout_s=timeout, batch_sizes=sizes, dynamic=dyn, name=loaded.name,
+            target=loaded.name, progress=progress)
+        console.print(compile_table(report))
+        if report.graph_breaks:
+            console.print(graph_break_table(report.graph_breaks))
+        for m in report.modes:
+            if m.recompiles:
+                console.print(recompile_table(m.recompiles, m.recompile_limit,
+                                              title=f"Recompiles in mode {m.mode}"))
+            for line in shape_call_lines(m):
+                console.print(line, highlight=False, markup=False)
+        for note in report.notes:
+            console.print(f"note: {note}", highlight=False, markup=False)
+        findings = compile_findings(report)
+        if findings:
+            console.print(findings_table(findings))
+        if json_path:
+            write_json(json_path, {"target": loaded.name, "report": report,
+                                   "findings": findings})
+            console.print(f"wrote {json_path}")

@@ -1,0 +1,154 @@
+"""Findings from a `CompileReport`: does compile pay off, after how many calls, what breaks."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torchscope.compile.records import CompileReport, GraphBreak, ModeResult, Recompile
+from torchscope.findings import Finding, Severity, rank
+
+__all__ = ["compile_findings", "recompile_findings"]
+
+#: Largest output drift (relative to the largest |eager output|) taken as rounding noise.
+REL_TOLERANCE = 1e-3
+
+_BREAK_FIX = {
+    "print() call": "remove the print from forward, or log outside the compiled region "
+                    "(torch._dynamo.config.reorderable_logging_functions.add(print)).",
+    "data-dependent branch": "replace the Python `if` on a tensor value with torch.where / "
+                             "torch.cond, or move it out of forward.",
+    "Tensor.item()": "keep the value a tensor, or set "
+                     "torch._dynamo.config.capture_scalar_outputs = True.",
+    "tensor to Python": "keep the computation in torch ops; avoid .tolist()/.numpy() in "
+                        "forward.",
+    "unsupported call": "wrap the call with torch.compiler.disable, or replace it with a "
+                        "torch op.",
+}
+
+
+def _calls(n: int) -> str:
+    return f"{n:,} call" + ("" if n == 1 else "s")
+
+
+def _mode_findings(m: ModeResult) -> list[Finding]:
+    label = f"mode {m.mode!r}"
+    if m.status == "no_compiler":
+        return [Finding("compile.no_compiler", Severity.ERROR,
+                        f"{label} could not compile: inductor on CPU found no C++ compiler.",
+                        {"mode": m.mode, "error": m.error},
+                        fix="install g++ (or clang++) or set CXX to a working C++ compiler.")]
+    if m.status != "ok":
+        fix = {"timeout": "raise the timeout, or skip this mode (max-autotune compiles for "
+                          "long on CPU).",
+               "crashed": "rerun that mode alone with TORCH_LOGS=+dynamo to see the crash; "
+                          "report it to PyTorch with the model.",
+               }.get(m.status, "rerun with --debug, or fix the error shown.")
+        return [Finding(f"compile.{m.status}", Severity.ERROR,
+                        f"{label} failed ({m.status}): {m.error}",
+                        {"mode": m.mode, "status": m.status, "error": m.error}, fix=fix)]
+    out: list[Finding] = []
+    evidence = {"mode": m.mode, "speedup": m.speedup, "eager_ms": m.eager_ms,
+                "compiled_ms": m.compiled_ms, "cold_compile_s": m.cold_compile_s,
+                "warm_compile_s": m.warm_compile_s, "break_even_calls": m.break_even_calls,
+                "break_even_calls_warm": m.break_even_calls_warm}
+    if m.break_even_calls is not None and m.speedup is not None:
+        warm = (f" ({_calls(m.break_even_calls_warm)} with a warm cache)"
+                if m.break_even_calls_warm is not None else "")
+        out.append(Finding(
+            "compile.pays_off", Severity.INFO,
+            f"{label} pays off after {_calls(m.break_even_calls)}{warm}: {m.speedup:.2f}× "
+            f"faster ({m.eager_ms:.3g} → {m.compiled_ms:.3g} ms per call) for a "
+            f"{m.cold_compile_s:.1f} s cold compile.",
+            evidence,
+            fix="compile once before the loop; the first call pays the compile."))
+    elif m.speedup is not None:
+        out.append(Finding(
+            "compile.never_pays_off", Severity.WARNING,
+            f"{label} never pays off: compiled calls take {m.compiled_ms:.3g} ms vs "
+            f"{m.eager_ms:.3g} ms eager ({m.speedup:.2f}×), after a "
+            f"{m.cold_compile_s:.1f} s compile.",
+            evidence,
+            fix="keep this model eager, or compile a larger piece of work (bigger batch, "
+                "the whole training step)."))
+    drift = [(what, a, r) for what, a, r in (("outputs", m.max_abs_diff, m.max_rel_diff),
+                                             ("gradients", m.grad_max_abs_diff,
+                                              m.grad_max_rel_diff))
+             if r is not None and r > REL_TOLERANCE]
+    for what, a, r in drift:
+        out.append(Finding(
+            "compile.numerics", Severity.WARNING,
+            f"{label} changes the {what}: max abs diff {a:.3g}, {r:.2%} of the largest "
+            "eager value.",
+            {"mode": m.mode, "what": what, "max_abs_diff": a, "max_rel_diff": r},
+            fix="check the model with torch._dynamo.utils.same / lower-precision ops; "
+                "try mode='default' or options={'fallback_random': True}."))
+    out.extend(recompile_findings(m.recompiles, m.recompile_limit, m.limit_hit, label))
+    return out
+
+
+def recompile_findings(recompiles: Sequence[Recompile], limit: int, limit_hit: bool = False,
+                       label: str = "the compiled model") -> list[Finding]:
+    """One finding per recompiled function: count vs the limit, and the last failing guard."""
+    by_fn: dict[tuple[str, str, int], list[Recompile]] = {}
+    for r in recompiles:
+        by_fn.setdefault((r.function, r.file, r.line), []).append(r)
+    out = []
+    for (fn, file, line), recs in by_fn.items():
+        last = recs[-1]
+        where = f"{fn} ({file.rsplit('/', 1)[-1]}:{line})"
+        shape = "size mismatch" in last.guard
+        severity = Severity.ERROR if limit_hit or len(recs) >= limit else Severity.WARNING
+        summary = (f"{label} recompiled {where} {len(recs)}× (limit {limit}); last failing "
+                   f"guard: {last.guard}")
+        if limit_hit:
+            summary += ". It hit the limit: torch now runs that frame eagerly."
+        fix = ("mark the varying dimension dynamic (torch._dynamo.mark_dynamic(x, 0)) or "
+               "compile with dynamic=True; pad inputs to a few fixed shapes."
+               if shape else
+               "make the guarded Python value constant across calls (do not mutate lists, "
+               "counters or globals that forward or a hook reads).")
+        out.append(Finding("compile.recompiles", severity, summary,
+                           {"function": fn, "file": file, "line": line,
+                            "recompiles": len(recs), "limit": limit, "guard": last.guard,
+                            "source": last.source, "limit_hit": limit_hit},
+                           fix=fix, module=fn))
+    return out
+
+
+def _break_finding(b: GraphBreak) -> Finding:
+    inside = f" inside {b.hook}" if b.hook else ""
+    return Finding(
+        "compile.graph_break", Severity.WARNING,
+        f"graph break at {b.where} in {b.function or '?'}{inside}: {b.kind} ({b.reason}).",
+        {"kind": b.kind, "reason": b.reason, "file": b.file, "line": b.line,
+         "function": b.function, "hook": b.hook},
+        fix=_BREAK_FIX.get(b.kind, "see torch's reason; wrap the code in "
+                                   "torch.compiler.disable if it must stay Python."),
+        module=b.function)
+
+
+def compile_findings(report: CompileReport) -> list[Finding]:
+    """Everything worth saying about a `CompileReport`, most severe first."""
+    out: list[Finding] = []
+    for m in report.modes:
+        out.extend(_mode_findings(m))
+    out.extend(_break_finding(b) for b in report.graph_breaks)
+    best = report.best
+    ok = [m for m in report.modes if m.ok]
+    if best is not None and len(ok) > 1:
+        out.append(Finding(
+            "compile.best_mode", Severity.INFO,
+            f"best mode: {best.mode!r}, {best.speedup:.2f}× eager"
+            + (f", paid back after {_calls(best.break_even_calls)}."
+               if best.break_even_calls is not None else "."),
+            {"mode": best.mode, "speedup": best.speedup,
+             "break_even_calls": best.break_even_calls},
+            fix=f"torch.compile(model, mode={best.mode!r})" if best.mode != "default"
+            else "torch.compile(model)"))
+    elif ok and best is None:
+        out.append(Finding(
+            "compile.no_gain", Severity.WARNING,
+            f"no measured mode beats eager on {report.inputs} ({report.device}).",
+            {"modes": ", ".join(m.mode for m in ok)},
+            fix="keep the model eager; compile pays off for larger work per call."))
+    return rank(out)

@@ -1,0 +1,150 @@
+"""Graph breaks of one forward, from `torch._dynamo.explain`, located in the user's source."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchscope.compile.records import GraphBreak
+from torchscope.models.target import ModelInputs
+
+__all__ = ["BreakScan", "find_graph_breaks"]
+
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_RESUME = re.compile(r"^torch_dynamo_resume_in_(.+)_at_\d+$")
+_HOOK_DICTS = {
+    "forward": "_forward_hooks",
+    "forward_pre": "_forward_pre_hooks",
+    "backward": "_backward_hooks",
+    "backward_pre": "_backward_pre_hooks",
+}
+
+
+@dataclass(frozen=True)
+class BreakScan:
+    """What `find_graph_breaks` saw.
+
+    Attributes:
+        graph_count: graphs Dynamo produced for one call (graph breaks + 1 per frame).
+        breaks: every graph break, in the order Dynamo met them.
+    """
+
+    graph_count: int
+    breaks: tuple[GraphBreak, ...]
+
+
+def classify_break(reason: str) -> str:
+    """A short class for torch's break reason text."""
+    low = reason.lower()
+    if "`print`" in reason or "builtin operator print" in low:
+        return "print() call"
+    if "generic_jump" in low or "data-dependent" in low or "data dependent" in low:
+        return "data-dependent branch"
+    if "item()" in low:
+        return "Tensor.item()"
+    if "tolist" in low or "numpy" in low:
+        return "tensor to Python"
+    if any(w in low for w in ("skip", "unsupported", "call_function", "attempted to call")):
+        return "unsupported call"
+    return "other"
+
+
+def _split_reason(text: str) -> tuple[str, str]:
+    lines = [ln.strip() for ln in str(text).splitlines() if ln.strip()]
+    first = lines[0] if lines else str(text)
+    explanation = next((ln.split(":", 1)[1].strip() for ln in lines
+                        if ln.startswith("Explanation:")), "")
+    return first, explanation
+
+
+def _function_name(name: str | None) -> str | None:
+    """`forward` for Dynamo's resume functions such as `torch_dynamo_resume_in_forward_at_9`."""
+    if name is None:
+        return None
+    m = _RESUME.match(name)
+    return m.group(1) if m else name
+
+
+def _user_frame(stack: Any) -> tuple[str | None, int | None, str | None]:
+    """The innermost frame outside torch's own package."""
+    frames = list(stack or ())
+    for fr in reversed(frames):
+        filename = os.path.abspath(str(getattr(fr, "filename", "")))
+        if not filename.startswith(_TORCH_DIR):
+            return filename, getattr(fr, "lineno", None), _function_name(getattr(fr, "name", None))
+    if frames:
+        fr = frames[-1]
+        return str(fr.filename), fr.lineno, _function_name(fr.name)
+    return None, None, None
+
+
+def _code_lines(fn: Callable[..., Any]) -> tuple[str, set[int]] | None:
+    code = getattr(fn, "__code__", None) or getattr(getattr(fn, "__func__", None), "__code__", None)
+    if code is None:
+        return None
+    lines = {ln for _, _, ln in code.co_lines() if ln is not None}
+    lines.add(code.co_firstlineno)
+    return os.path.abspath(code.co_filename), lines
+
+
+def iter_module_hooks(model: nn.Module) -> Iterator[tuple[str, str, int, Callable[..., Any]]]:
+    """`(module name, kind, handle id, hook)` for every module hook inside `model`."""
+    for name, module in model.named_modules():
+        for kind, attr in _HOOK_DICTS.items():
+            for hook_id, fn in list((getattr(module, attr, None) or {}).items()):
+                yield name, kind, int(hook_id), fn
+
+
+def hook_at(model: nn.Module, file: str | None, line: int | None) -> str | None:
+    """`"<module> <kind> hook <fn name>"` of the registered hook whose code holds file:line."""
+    if file is None or line is None:
+        return None
+    target = os.path.abspath(file)
+    for name, kind, _, fn in iter_module_hooks(model):
+        found = _code_lines(fn)
+        if found is not None and found[0] == target and line in found[1]:
+            label = getattr(fn, "__name__", type(fn).__name__)
+            return f"{name or '<root>'} {kind} hook {label}"
+    return None
+
+
+def find_graph_breaks(model: nn.Module, inputs: Any, *, train: bool = False) -> BreakScan:
+    """Run `torch._dynamo.explain` on one call of `model` and locate every graph break.
+
+    Like `torch._dynamo.explain`, this resets Dynamo (`torch._dynamo.reset()`) before and
+    after: graphs compiled earlier in this process are dropped. `compile_report` runs it in
+    its child process.
+
+    Args:
+        model: the eager model (not a `torch.compile` wrapper).
+        inputs: a tensor, tuple, dict or `ModelInputs`.
+        train: trace with autograd enabled (False: under `torch.no_grad()`).
+
+    Returns:
+        The graph count and the breaks, each with torch's reason, the user's file and line,
+        and the hook it sits in when it is inside a registered hook.
+    """
+    mi = ModelInputs.of(inputs)
+    with torch.set_grad_enabled(train):
+        out = torch._dynamo.explain(model)(*mi.args, **dict(mi.kwargs))
+    breaks = []
+    for r in out.break_reasons:
+        first, explanation = _split_reason(getattr(r, "reason", ""))
+        file, line, function = _user_frame(getattr(r, "user_stack", ()))
+        breaks.append(GraphBreak(
+            kind=classify_break(str(getattr(r, "reason", ""))),
+            reason=first,
+            explanation=explanation,
+            file=file,
+            line=line,
+            function=function,
+            hook=hook_at(model, file, line),
+            detail=str(getattr(r, "reason", "")),
+        ))
+    return BreakScan(int(out.graph_count), tuple(breaks))

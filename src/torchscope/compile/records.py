@@ -1,0 +1,253 @@
+"""Frozen records of the torch.compile doctor: numbers and torch's own texts, never formatted."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = [
+    "CompileReport",
+    "CompiledCheck",
+    "GraphBreak",
+    "ModeResult",
+    "Recompile",
+    "ShapeCall",
+    "derive_speed",
+]
+
+#: Every `ModeResult.status`.
+STATUSES = ("ok", "error", "crashed", "timeout", "no_compiler")
+
+
+@dataclass(frozen=True)
+class GraphBreak:
+    """One place where Dynamo had to split the graph and fall back to Python.
+
+    Attributes:
+        kind: a short class of the break: `print() call`, `data-dependent branch`,
+            `Tensor.item()`, `unsupported call` or `other`.
+        reason: the first line of torch's reason, e.g. `Failed to trace builtin operator`.
+        explanation: torch's `Explanation:` line when it gives one, else "".
+        file: the user's source file of the break (the innermost frame outside torch).
+        line: its line number.
+        function: the function the break is in.
+        hook: `"<module> <kind> hook <name>"` when the break is inside a registered hook.
+        detail: torch's full reason text.
+    """
+
+    kind: str
+    reason: str
+    explanation: str
+    file: str | None
+    line: int | None
+    function: str | None
+    hook: str | None = None
+    detail: str = ""
+
+    @property
+    def where(self) -> str:
+        """`file:line` (just the file name), or `?` when torch gave no user frame."""
+        if self.file is None:
+            return "?"
+        name = self.file.replace("\\", "/").rsplit("/", 1)[-1]
+        return f"{name}:{self.line}"
+
+
+@dataclass(frozen=True)
+class Recompile:
+    """One recompilation of an already compiled frame, with the guard that failed.
+
+    Attributes:
+        compile_id: Dynamo's id, `frame/attempt` (`0/1` is the first recompile of frame 0).
+        function: the recompiled code object's name.
+        file: its file.
+        line: its first line.
+        guard: the failing guard of the most recent cached graph, e.g.
+            `tensor 'x' size mismatch at index 0. expected 32, actual 16`.
+        reasons: one failure text per cached graph tried, most recent first.
+        source: `file:line` of the user code the guard came from, when torch names it.
+    """
+
+    compile_id: str
+    function: str
+    file: str
+    line: int
+    guard: str
+    reasons: tuple[str, ...]
+    source: str | None = None
+
+
+@dataclass(frozen=True)
+class ShapeCall:
+    """A compiled call with another batch size, made to show shape recompiles.
+
+    Attributes:
+        batch_size: the first dimension of the inputs of this call.
+        call_s: the wall time of the call, compile included.
+        compiled: whether the call made Dynamo compile a frame.
+    """
+
+    batch_size: int
+    call_s: float
+    compiled: bool
+
+
+@dataclass(frozen=True)
+class ModeResult:
+    """What one `torch.compile` mode costs and gains, measured in one child process.
+
+    Times are seconds (`*_s`) or milliseconds (`*_ms`). Fields are None when the mode did
+    not get that far (see `status` and `error`).
+
+    Attributes:
+        mode: the `torch.compile(mode=...)` value.
+        status: `ok`, `error` (the model or compile raised), `crashed` (the child died),
+            `timeout`, or `no_compiler` (inductor on CPU found no C++ compiler).
+        error: what went wrong, one line.
+        cold_compile_s: first compiled call with an empty inductor cache, minus one
+            steady-state call.
+        warm_compile_s: first call after `torch._dynamo.reset()` and clearing inductor's
+            in-memory caches, with the on-disk cache of the cold compile reused.
+        eager_ms: median steady-state eager call (forward; forward+backward when training).
+        compiled_ms: median steady-state compiled call, timed interleaved with eager.
+        speedup: `eager_ms / compiled_ms`.
+        break_even_calls: calls until the cold compile is paid back by the time saved per
+            call; None ("never") when compiled is not faster.
+        break_even_calls_warm: the same for the warm compile.
+        max_abs_diff: largest |compiled - eager| over every output element.
+        max_rel_diff: `max_abs_diff` divided by the largest |eager output|.
+        grad_max_abs_diff: largest |compiled - eager| over every parameter gradient (train).
+        grad_max_rel_diff: that divided by the largest |eager gradient|.
+        graphs: graphs compiled by the cold call (1 + graph breaks, per frame).
+        recompiles: every recompile seen in this mode's child.
+        recompile_limit: torch's recompile limit per frame at the time.
+        limit_hit: whether a frame hit that limit (torch then runs it eagerly).
+        shape_calls: the extra calls with other batch sizes.
+        iters: timed calls of each kind.
+        isolated: measured in a child process (False: in this process).
+        wall_s: wall time of the whole measurement, process start included.
+    """
+
+    mode: str
+    status: str
+    error: str | None = None
+    cold_compile_s: float | None = None
+    warm_compile_s: float | None = None
+    eager_ms: float | None = None
+    compiled_ms: float | None = None
+    speedup: float | None = None
+    break_even_calls: int | None = None
+    break_even_calls_warm: int | None = None
+    max_abs_diff: float | None = None
+    max_rel_diff: float | None = None
+    grad_max_abs_diff: float | None = None
+    grad_max_rel_diff: float | None = None
+    graphs: int | None = None
+    recompiles: tuple[Recompile, ...] = ()
+    recompile_limit: int = 8
+    limit_hit: bool = False
+    shape_calls: tuple[ShapeCall, ...] = ()
+    iters: int = 0
+    isolated: bool = True
+    wall_s: float | None = None
+
+    @property
+    def ok(self) -> bool:
+        """True when every figure was measured."""
+        return self.status == "ok"
+
+    @property
+    def faster(self) -> bool:
+        """True when compiled steady-state calls beat eager ones."""
+        return self.speedup is not None and self.speedup > 1.0
+
+
+@dataclass(frozen=True)
+class CompileReport:
+    """The torch.compile doctor's answer for one model and input.
+
+    Attributes:
+        target: the model's name.
+        inputs: the input shapes, e.g. `(32x3x32x32)`.
+        device: where the model ran (`cpu`, `cuda:0`).
+        train: measured forward+backward (True) or inference under `no_grad` (False).
+        modes: one result per mode, in the order asked.
+        graph_breaks: every graph break in the forward (from `torch._dynamo.explain`).
+        graph_count: graphs Dynamo produced for one forward.
+        recompile_limit: torch's per-frame recompile limit.
+        torch_version: `torch.__version__`.
+        notes: plain sentences about how the figures were obtained (fallbacks).
+    """
+
+    target: str
+    inputs: str
+    device: str
+    train: bool
+    modes: tuple[ModeResult, ...]
+    graph_breaks: tuple[GraphBreak, ...]
+    graph_count: int | None
+    recompile_limit: int
+    torch_version: str
+    notes: tuple[str, ...] = ()
+
+    def mode(self, name: str) -> ModeResult:
+        """The result of mode `name`.
+
+        Raises:
+            KeyError: that mode was not measured.
+        """
+        for m in self.modes:
+            if m.mode == name:
+                return m
+        raise KeyError(f"mode {name!r} was not measured (measured: "
+                       f"{', '.join(m.mode for m in self.modes)})")
+
+    @property
+    def best(self) -> ModeResult | None:
+        """The mode with the highest speedup over eager, among those that beat it.
+
+        Speedups are ratios timed side by side within one child, so they compare across
+        modes even when the machine's load changed between children; raw times do not.
+        """
+        fast = [m for m in self.modes if m.ok and m.faster]
+        return max(fast, key=lambda m: m.speedup or -math.inf) if fast else None
+
+
+@dataclass(frozen=True)
+class CompiledCheck:
+    """Whether a model contains compiled parts, and how a torchscope capture handles them.
+
+    Attributes:
+        compiled: qualified names of compiled modules inside the model (`""` is the root):
+            `torch.compile(module)` wrappers and modules compiled in place with
+            `module.compile()`.
+        policy: `eager` (compiled parts run eagerly while torchscope captures, through
+            `torch.compiler.set_stance("force_eager")`) or `refuse`.
+        compiles: Dynamo compiles seen during the capture (0 when nothing was recompiled).
+    """
+
+    compiled: tuple[str, ...]
+    policy: str
+    compiles: int = 0
+
+    @property
+    def is_compiled(self) -> bool:
+        """True when any part of the model is compiled."""
+        return bool(self.compiled)
+
+
+def derive_speed(
+    eager_ms: float | None, compiled_ms: float | None, compile_s: float | None
+) -> tuple[float | None, int | None]:
+    """Speedup (`eager_ms / compiled_ms`) and calls to break even on `compile_s`.
+
+    Break-even is `ceil(compile_s / time saved per call)`; None ("never") when the
+    compiled call is not faster.
+    """
+    if eager_ms is None or compiled_ms is None or compiled_ms <= 0:
+        return None, None
+    speedup = eager_ms / compiled_ms
+    saved_s = (eager_ms - compiled_ms) / 1e3
+    if compile_s is None or saved_s <= 0:
+        return speedup, None
+    return speedup, max(1, math.ceil(compile_s / saved_s))

@@ -1,0 +1,211 @@
+"""Watch Dynamo compile: every frame compile, every recompile and the guard that failed.
+
+Uses torch's compile callbacks (`torch._dynamo.callback_handler`), the per-code
+guard-failure texts Dynamo keeps (`torch._dynamo.guards.guard_failures`, filled before a
+recompile starts) and the warning torch logs when a frame hits the recompile limit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import threading
+from collections.abc import Callable
+from types import CodeType, TracebackType
+from typing import Any
+
+import torch
+import torch._dynamo.callback
+import torch._dynamo.guards
+
+from torchscope.compile.records import Recompile
+
+__all__ = ["RecompileWatcher", "recompile_limit", "watch_recompiles"]
+
+_COMPILE_ID = re.compile(r"(\d+)/(\d+)")
+_USER_FRAME = re.compile(r'File "([^"]+)", line (\d+), in ')
+_LIMIT_LOGGER = "torch._dynamo.convert_frame"
+
+
+def recompile_limit() -> int:
+    """torch's per-frame recompile limit: `config.recompile_limit`, or the older
+    `config.cache_size_limit`, whichever this torch has."""
+    cfg = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):
+        try:
+            return int(getattr(cfg, name))
+        except AttributeError:
+            continue
+    return 8
+
+
+def _guard_failures() -> dict[CodeType, list[str]]:
+    """Dynamo's `{code: [guard failure text, ...]}`; empty when this torch has none."""
+    failures = getattr(torch._dynamo.guards, "guard_failures", None)
+    return failures if isinstance(failures, dict) else {}
+
+
+def _callbacks() -> Any:
+    """Dynamo's compile-callback registry (`torch._dynamo.callback.callback_handler`)."""
+    return torch._dynamo.callback.callback_handler
+
+
+def parse_guard(text: str) -> tuple[str, str | None]:
+    """The failing guard of one failure text, and the user `file:line` it came from.
+
+    A text reads `0/1: len(G['lst']) == 1  # <source>  # f.py:17 in <lambda>` followed by a
+    `User stack trace:`; size guards read `0/0: tensor 'x' size mismatch at index 0. ...`.
+    """
+    first = text.split("\n", 1)[0]
+    first = re.sub(r"^\s*\d+/\d+:\s*", "", first)
+    guard = first.split("  #", 1)[0].split(" # ", 1)[0].strip()
+    frames = _USER_FRAME.findall(text)
+    source = f"{frames[-1][0]}:{frames[-1][1]}" if frames else None
+    return guard or first.strip(), source
+
+
+class RecompileWatcher:
+    """Record every Dynamo frame compile while open; recompiles carry their failing guard.
+
+    Use it as a context manager around compiled calls. `torch._dynamo.reset()` clears
+    torch's callbacks: call `reinstall()` after a reset inside the block.
+
+    Attributes:
+        compiles: frame compiles seen (first compiles and recompiles).
+        recompiles: every recompile, in order.
+        limit_hits: `"function (file:line): last reason"` per frame that hit the limit.
+    """
+
+    def __init__(self, on_recompile: Callable[[Recompile], None] | None = None) -> None:
+        self.compiles = 0
+        self.recompiles: list[Recompile] = []
+        self.limit_hits: list[str] = []
+        self._on_recompile = on_recompile
+        self._seen: dict[CodeType, int] = {}
+        self._lock = threading.Lock()
+        self._installed = False
+        self._handler = _LimitHandler(self)
+
+    # ------------------------------------------------------------------ lifecycle
+    def __enter__(self) -> RecompileWatcher:
+        self.install()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.uninstall()
+
+    def install(self) -> None:
+        """Start watching (idempotent)."""
+        if self._installed:
+            return
+        self._snapshot()
+        _callbacks().register_start_callback(self._on_start)
+        logging.getLogger(_LIMIT_LOGGER).addHandler(self._handler)
+        self._installed = True
+
+    def uninstall(self) -> None:
+        """Stop watching; records stay readable."""
+        if not self._installed:
+            return
+        with contextlib.suppress(ValueError):  # torch._dynamo.reset() already cleared it
+            _callbacks().remove_start_callback(self._on_start)
+        logging.getLogger(_LIMIT_LOGGER).removeHandler(self._handler)
+        self._installed = False
+
+    def reinstall(self) -> None:
+        """Register again after `torch._dynamo.reset()`, which drops every compile callback."""
+        self.uninstall()
+        self.install()
+
+    # ------------------------------------------------------------------ results
+    def recompiles_of(self, function: str) -> list[Recompile]:
+        """Recompiles of code objects named `function`."""
+        return [r for r in self.recompiles if r.function == function]
+
+    @property
+    def limit_hit(self) -> bool:
+        """Whether any frame hit the recompile limit while watched."""
+        return bool(self.limit_hits)
+
+    # ------------------------------------------------------------------ internals
+    def _snapshot(self) -> None:
+        self._seen = {code: len(texts) for code, texts in list(_guard_failures().items())}
+
+    def _new_failures(self) -> tuple[CodeType | None, list[str]]:
+        """Guard failures added since the last look, and their code object."""
+        found: CodeType | None = None
+        new: list[str] = []
+        for code, texts in list(_guard_failures().items()):
+            before = self._seen.get(code, 0)
+            if before > len(texts):  # torch._dynamo.reset() cleared it
+                before = 0
+            if len(texts) > before:
+                found = code
+                new = list(texts[before:])
+            self._seen[code] = len(texts)
+        return found, new
+
+    def _on_start(self, args: Any) -> None:
+        trigger = getattr(args, "callback_trigger", None)
+        if getattr(trigger, "name", "DYNAMO") != "DYNAMO":
+            return  # lazy backward compiles and autotuning are not frame compiles
+        compile_id = str(getattr(args, "compile_id", ""))
+        with self._lock:
+            self.compiles += 1
+            code, texts = self._new_failures()
+            m = _COMPILE_ID.search(compile_id)
+            if m is None or int(m.group(2)) == 0:
+                return
+            guard, source = parse_guard(texts[0]) if texts else ("unknown guard failure", None)
+            rec = Recompile(
+                compile_id=f"{m.group(1)}/{m.group(2)}",
+                function=code.co_name if code is not None else "?",
+                file=code.co_filename if code is not None else "?",
+                line=code.co_firstlineno if code is not None else 0,
+                guard=guard,
+                reasons=tuple(texts),
+                source=source,
+            )
+            self.recompiles.append(rec)
+        if self._on_recompile is not None:
+            self._on_recompile(rec)
+
+    def _on_limit(self, record: logging.LogRecord) -> None:
+        args = record.args if isinstance(record.args, tuple) else ()
+        if len(args) >= 4:
+            self.limit_hits.append(f"{args[2]}: {parse_guard(str(args[3]))[0]}")
+        else:
+            self.limit_hits.append(record.getMessage().split("\n", 1)[0])
+
+
+class _LimitHandler(logging.Handler):
+    """Catches torch's `torch._dynamo hit config.recompile_limit` warning."""
+
+    def __init__(self, watcher: RecompileWatcher) -> None:
+        super().__init__(level=logging.WARNING)
+        self._watcher = watcher
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if isinstance(record.msg, str) and record.msg.startswith("torch._dynamo hit config."):
+            self._watcher._on_limit(record)
+
+
+def watch_recompiles(
+    on_recompile: Callable[[Recompile], None] | None = None,
+) -> RecompileWatcher:
+    """A `RecompileWatcher` to use as a context manager.
+
+    Example:
+        >>> with torchscope.compile.watch_recompiles() as w:
+        ...     for bs in (32, 16, 8):
+        ...         compiled(torch.randn(bs, 3, 32, 32))
+        >>> [r.guard for r in w.recompiles]
+        ["tensor 'x' size mismatch at index 0. expected 32, actual 16", ...]
+    """
+    return RecompileWatcher(on_recompile)

@@ -1,0 +1,122 @@
+"""Terminal rendering of the torch.compile doctor: the per-mode table, breaks, recompiles."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from rich.markup import escape
+from rich.table import Table
+
+from torchscope.compile.records import CompileReport, GraphBreak, ModeResult, Recompile
+from torchscope.findings import Finding, Severity
+from torchscope.report.fmt import fmt_num
+
+__all__ = [
+    "compile_table",
+    "findings_table",
+    "graph_break_table",
+    "recompile_table",
+    "shape_call_lines",
+]
+
+_STATUS_STYLE = {"ok": "green", "error": "red", "crashed": "red", "timeout": "yellow",
+                 "no_compiler": "red"}
+_SEVERITY_STYLE = {Severity.ERROR: "bold red", Severity.WARNING: "yellow", Severity.INFO: "cyan"}
+
+
+def _s(x: float | None) -> str:
+    return "—" if x is None else f"{x:.2f}"
+
+
+def _ms(x: float | None) -> str:
+    return "—" if x is None else f"{x:.3g}"
+
+
+def _speedup(m: ModeResult) -> str:
+    if m.speedup is None:
+        return "—"
+    style = "green" if m.speedup > 1 else "red"
+    return f"[{style}]{m.speedup:.2f}×[/]"
+
+
+def _break_even(m: ModeResult) -> str:
+    if not m.ok:
+        return "—"
+    return "never" if m.break_even_calls is None else f"{m.break_even_calls:,}"
+
+
+def _diff(m: ModeResult) -> str:
+    parts = []
+    if m.max_abs_diff is not None:
+        parts.append(fmt_num(m.max_abs_diff, 2))
+    if m.grad_max_abs_diff is not None:
+        parts.append(f"grad {fmt_num(m.grad_max_abs_diff, 2)}")
+    return " / ".join(parts) or "—"
+
+
+def compile_table(report: CompileReport, title: str | None = None) -> Table:
+    """One row per mode: compile cost, latency, speedup, break-even, breaks, recompiles, diff."""
+    kind = "training step" if report.train else "inference"
+    table = Table(
+        title=title or f"torch.compile on {report.target} {report.inputs}, {kind}, "
+                       f"{report.device} (torch {report.torch_version})",
+        title_justify="left")
+    for col, justify in (("mode", "left"), ("status", "left"), ("cold s", "right"),
+                         ("warm s", "right"), ("eager ms", "right"), ("compiled ms", "right"),
+                         ("speedup", "right"), ("break-even calls", "right"),
+                         ("breaks", "right"), ("recompiles", "right"), ("max diff", "right")):
+        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    breaks = str(len(report.graph_breaks)) if report.graph_count is not None else "?"
+    for m in report.modes:
+        style = _STATUS_STYLE.get(m.status, "red")
+        rec = f"{len(m.recompiles)}/{m.recompile_limit}" + (" [red]limit hit[/]"
+                                                             if m.limit_hit else "")
+        table.add_row(escape(m.mode), f"[{style}]{m.status}[/]", _s(m.cold_compile_s),
+                      _s(m.warm_compile_s), _ms(m.eager_ms), _ms(m.compiled_ms), _speedup(m),
+                      _break_even(m), breaks if m.ok else "—", rec if m.ok else "—", _diff(m))
+    return table
+
+
+def graph_break_table(breaks: Sequence[GraphBreak], title: str = "Graph breaks") -> Table:
+    """One row per graph break: where, what kind, torch's reason."""
+    table = Table(title=title, title_justify="left")
+    for col in ("#", "where", "function", "kind", "reason"):
+        table.add_column(col, overflow="fold")
+    for i, b in enumerate(breaks, 1):
+        reason = b.reason + (f" — {b.explanation}" if b.explanation else "")
+        kind = b.kind + (f" (in {b.hook})" if b.hook else "")
+        table.add_row(str(i), escape(b.where), escape(b.function or "?"), escape(kind),
+                      escape(reason))
+    return table
+
+
+def recompile_table(recompiles: Sequence[Recompile], limit: int,
+                    title: str = "Recompiles") -> Table:
+    """One row per recompile: id, function, failing guard, shown against the limit."""
+    table = Table(title=f"{title} (limit {limit} per frame)", title_justify="left")
+    for col in ("id", "function", "failing guard", "from"):
+        table.add_column(col, overflow="fold")
+    for r in recompiles:
+        where = f"{r.function} ({r.file.rsplit('/', 1)[-1]}:{r.line})"
+        src = r.source.rsplit("/", 1)[-1] if r.source else "—"
+        table.add_row(r.compile_id, escape(where), escape(r.guard), escape(src))
+    return table
+
+
+def shape_call_lines(m: ModeResult) -> list[str]:
+    """`batch 16: 2.08 s, recompiled` per extra batch size."""
+    return [f"{m.mode}: batch {c.batch_size}: {c.call_s:.2f} s"
+            + (", recompiled" if c.compiled else ", reused the compiled graph")
+            for c in m.shape_calls]
+
+
+def findings_table(findings: Sequence[Finding], title: str = "Findings") -> Table:
+    """Severity, summary and fix of each finding, in the order given."""
+    table = Table(title=title, title_justify="left", show_lines=False)
+    table.add_column("severity")
+    table.add_column("finding", overflow="fold")
+    table.add_column("fix", overflow="fold")
+    for f in findings:
+        style = _SEVERITY_STYLE.get(f.severity, "")
+        table.add_row(f"[{style}]{f.severity.label}[/]", escape(f.summary), escape(f.fix or ""))
+    return table

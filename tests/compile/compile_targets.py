@@ -1,0 +1,25 @@
+"""TARGET factories for the compile tests; the child process rebuilds models from here."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import torch
+from torch import nn
+
+
+class CrashNet(nn.Module):
+    """Kills its own process with SIGSEGV on the first forward, as a broken kernel would."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        os.kill(os.getpid(), signal.SIGSEGV)
+        return self.fc(x)
+
+
+def crash() -> tuple[nn.Module, torch.Tensor]:
+    return CrashNet(), torch.randn(2, 4)

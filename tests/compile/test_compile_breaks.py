@@ -1,0 +1,95 @@
+"""Graph breaks located in the user's source (torch._dynamo.explain, no inductor compile)."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from rich.console import Console
+from torch import nn
+
+from torchscope.compile import compile_findings, find_graph_breaks
+from torchscope.compile.records import CompileReport
+from torchscope.report.compile import graph_break_table
+
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("compile")]
+
+
+class BreakNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.a(x)
+        print("debug: after a")
+        if x.sum() > 0:
+            x = self.b(x)
+        return x.relu()
+
+
+def _line_of(fn: object, needle: str) -> int:
+    lines, start = inspect.getsourcelines(fn)  # type: ignore[arg-type]
+    return start + next(i for i, text in enumerate(lines) if needle in text)
+
+
+def test_print_and_data_dependent_branch_give_two_breaks() -> None:
+    scan = find_graph_breaks(BreakNet(), torch.randn(4, 8))
+    assert len(scan.breaks) == 2
+    assert scan.graph_count == 3
+    printed, branch = scan.breaks
+    assert printed.kind == "print() call"
+    assert "print" in printed.explanation
+    assert printed.line == _line_of(BreakNet.forward, 'print("debug')
+    assert branch.kind == "data-dependent branch"
+    assert branch.line == _line_of(BreakNet.forward, "if x.sum() > 0")
+    for b in scan.breaks:
+        assert b.file == __file__
+        assert b.function == "forward"  # Dynamo's resume function is named back
+        assert b.reason
+        assert b.hook is None
+
+
+def test_break_inside_a_hook_names_the_hook() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+    seen: list[float] = []
+
+    def log_mean(_m: nn.Module, _i: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
+        seen.append(out.mean().item())
+
+    handle = model[0].register_forward_hook(log_mean)
+    try:
+        scan = find_graph_breaks(model, torch.randn(2, 8))
+    finally:
+        handle.remove()
+    assert seen  # explain really ran the hook
+    item = [b for b in scan.breaks if b.kind == "Tensor.item()"]
+    assert len(item) == 1
+    assert item[0].hook == "0 forward hook log_mean"
+    assert item[0].line == _line_of(log_mean, ".item()")
+
+
+def test_breaks_render_and_become_findings() -> None:
+    scan = find_graph_breaks(BreakNet(), torch.randn(4, 8))
+    console = Console(width=200, record=True)
+    console.print(graph_break_table(scan.breaks))
+    text = console.export_text()
+    assert f"test_compile_breaks.py:{scan.breaks[0].line}" in text
+    assert "data-dependent branch" in text
+    report = CompileReport("BreakNet", "(4x8)", "cpu", False, (), scan.breaks, scan.graph_count,
+                           8, torch.__version__)
+    found = [f for f in compile_findings(report) if f.code == "compile.graph_break"]
+    assert [f.evidence["line"] for f in found] == [b.line for b in scan.breaks]
+    assert all(f.fix for f in found)
+
+
+def test_scan_survives_the_trip_from_the_child() -> None:
+    import json
+
+    from torchscope.compile.doctor import _scan_from
+    from torchscope.report.serialize import to_jsonable
+
+    scan = find_graph_breaks(BreakNet(), torch.randn(4, 8))
+    assert _scan_from(json.loads(json.dumps(to_jsonable(scan)))) == scan

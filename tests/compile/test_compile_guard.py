@@ -1,0 +1,97 @@
+"""torchscope's own hooks on compiled models: captured eagerly with no recompile, or refused."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import nn
+
+from torchscope.capture import capture_activations
+from torchscope.compile import (
+    check_compiled,
+    compiled_capture,
+    compiled_parts,
+    unwrap_compiled,
+    watch_recompiles,
+)
+from torchscope.errors import CompileError
+from torchscope.hooks import HookSession
+from torchscope.models import TinyCNN
+
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("compile")]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo() -> Iterator[None]:
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _called_compiled() -> tuple[nn.Module, nn.Module, torch.Tensor]:
+    model = TinyCNN()
+    compiled = torch.compile(model, backend="eager")
+    x = torch.randn(4, 3, 16, 16)
+    with torch.no_grad():
+        compiled(x)  # traced and cached without any hook
+    return model, compiled, x
+
+
+def test_plain_capture_on_compiled_model_silently_records_nothing() -> None:
+    # The trap the guard exists for: torch's behaviour, not torchscope's.
+    _, compiled, x = _called_compiled()
+    with watch_recompiles() as w:
+        cap = capture_activations(compiled, x)
+    assert cap.records == ()
+    assert w.compiles == 0
+
+
+def test_guarded_capture_records_every_module_without_recompiling() -> None:
+    model, compiled, x = _called_compiled()
+    with watch_recompiles() as w:
+        with compiled_capture(compiled, what="capture_activations") as guard:
+            cap = capture_activations(compiled, x)
+        with torch.no_grad():
+            compiled(x)  # the cached graph is still used afterwards
+    assert guard.check.compiled == ("",)
+    assert guard.check.compiles == 0
+    assert w.compiles == 0
+    eager = capture_activations(model, x)
+    assert [r.module for r in cap.records] == [f"_orig_mod.{r.module}" for r in eager.records]
+    for got, ref in zip(cap.records, eager.records, strict=True):
+        assert got.outputs[0].mean == pytest.approx(ref.outputs[0].mean, rel=1e-6, abs=1e-7)
+
+
+def test_guarded_backward_hooks_fire_and_gradients_match_eager() -> None:
+    model, compiled, x = _called_compiled()
+    seen: list[float] = []
+    with compiled_capture(compiled, what="gradient flow") as guard, HookSession(model) as s:
+        s.full_backward_hook(model.conv2, lambda _m, _gi, go: seen.append(float(go[0].norm())))
+        compiled(x).square().mean().backward()
+    assert len(seen) == 1 and guard.check.compiles == 0
+    grads = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    model.zero_grad()
+    model(x).square().mean().backward()
+    for got, p in zip(grads, model.parameters(), strict=True):
+        torch.testing.assert_close(got, p.grad)
+
+
+def test_refuse_policy_and_inner_compiled_parts() -> None:
+    outer = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    outer[0] = torch.compile(outer[0], backend="eager")
+    assert compiled_parts(outer) == ("0",)
+    with pytest.raises(CompileError, match="compiled model") as info:
+        check_compiled(outer, policy="refuse", what="capture_activations")
+    assert info.value.fix
+    assert not check_compiled(TinyCNN()).is_compiled
+    inplace = TinyCNN()
+    inplace.compile(backend="eager")
+    assert compiled_parts(inplace) == ("",)
+
+
+def test_unwrap_compiled() -> None:
+    model = TinyCNN()
+    assert unwrap_compiled(torch.compile(model, backend="eager")) is model
+    assert unwrap_compiled(model) is model

@@ -1,0 +1,184 @@
+"""compile_report on tiny-cnn (one child process, shared by every test here)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from rich.console import Console
+from torch import nn
+
+from torchscope.compile import (
+    CompileReport,
+    compile_findings,
+    compile_report,
+    derive_speed,
+    recompile_limit,
+)
+from torchscope.errors import CompileError
+from torchscope.models import TinyCNN
+from torchscope.report.compile import compile_table, recompile_table
+from torchscope.report.serialize import to_jsonable
+
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("compile")]
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(scope="module")
+def tiny_report() -> CompileReport:
+    """tiny-cnn, inference, default mode, then batch 32 -> 16 -> 8 with dynamic=False."""
+    torch.manual_seed(0)
+    return compile_report(TinyCNN(), torch.randn(32, 3, 32, 32), modes=("default",), iters=5,
+                          warmup=1, batch_sizes=(16, 8), dynamic=False, name="tiny-cnn")
+
+
+def _render(obj: object) -> str:
+    console = Console(width=200, record=True)
+    console.print(obj)
+    return console.export_text()
+
+
+def test_figures_are_consistent(tiny_report: CompileReport) -> None:
+    m = tiny_report.mode("default")
+    assert m.status == "ok", m.error
+    assert m.isolated
+    assert m.eager_ms is not None and m.eager_ms > 0
+    assert m.compiled_ms is not None and m.compiled_ms > 0
+    assert m.speedup == pytest.approx(m.eager_ms / m.compiled_ms, rel=1e-12)
+    assert m.cold_compile_s is not None and m.cold_compile_s > 0
+    assert m.warm_compile_s is not None and m.warm_compile_s >= 0
+    saved_s = (m.eager_ms - m.compiled_ms) / 1e3
+    if saved_s > 0:
+        assert m.break_even_calls == math.ceil(m.cold_compile_s / saved_s)
+    else:
+        assert m.break_even_calls is None  # "never"
+    assert (m.speedup, m.break_even_calls) == derive_speed(m.eager_ms, m.compiled_ms,
+                                                           m.cold_compile_s)
+    assert m.iters == 5
+
+
+def test_outputs_match_eager(tiny_report: CompileReport) -> None:
+    m = tiny_report.mode("default")
+    assert m.max_abs_diff is not None and m.max_abs_diff < 1e-4
+    assert m.max_rel_diff is not None and m.max_rel_diff < 1e-4
+    assert m.grad_max_abs_diff is None  # inference: no gradients
+
+
+def test_no_graph_breaks_in_tiny_cnn(tiny_report: CompileReport) -> None:
+    assert tiny_report.graph_breaks == ()
+    assert tiny_report.graph_count == 1
+    assert tiny_report.mode("default").graphs == 1
+
+
+def test_batch_size_changes_recompile_with_guard_text(tiny_report: CompileReport) -> None:
+    m = tiny_report.mode("default")
+    assert [c.batch_size for c in m.shape_calls] == [16, 8]
+    assert all(c.compiled for c in m.shape_calls)  # dynamic=False: each new size recompiles
+    assert len(m.recompiles) == 2
+    first, second = m.recompiles
+    assert first.compile_id.endswith("/1") and second.compile_id.endswith("/2")
+    assert "size mismatch at index 0" in first.guard
+    assert "expected 32, actual 16" in first.guard
+    assert "expected 16, actual 8" in second.guard
+    assert first.function == "forward" and first.file.endswith("zoo.py")
+    assert m.recompile_limit == recompile_limit() == torch._dynamo.config.recompile_limit
+    assert not m.limit_hit
+    text = _render(recompile_table(m.recompiles, m.recompile_limit))
+    assert "expected 32, actual 16" in text and "limit 8" in text
+
+
+def test_findings_and_table(tiny_report: CompileReport) -> None:
+    m = tiny_report.mode("default")
+    codes = [f.code for f in compile_findings(tiny_report)]
+    assert "compile.recompiles" in codes
+    assert ("compile.pays_off" in codes) == (m.break_even_calls is not None)
+    assert ("compile.never_pays_off" in codes) == (m.break_even_calls is None)
+    text = _render(compile_table(tiny_report))
+    assert f"{m.speedup:.2f}×" in text
+    assert "2/8" in text  # recompiles against the limit
+    expected = "never" if m.break_even_calls is None else f"{m.break_even_calls:,}"
+    assert expected in text
+
+
+def test_report_is_json_ready(tiny_report: CompileReport) -> None:
+    data = json.loads(json.dumps(to_jsonable(tiny_report), allow_nan=False))
+    assert data["modes"][0]["speedup"] == pytest.approx(tiny_report.modes[0].speedup)
+    assert data["modes"][0]["recompiles"][0]["guard"].startswith("tensor 'x'")
+
+
+def test_training_compares_gradients() -> None:
+    from torchscope.models import MLP
+
+    torch.manual_seed(0)
+    report = compile_report(MLP(), torch.randn(16, 128), modes=("default",), train=True,
+                            iters=3, warmup=1)
+    m = report.mode("default")
+    assert m.status == "ok", m.error
+    assert report.train
+    assert m.grad_max_abs_diff is not None and m.grad_max_abs_diff < 1e-4
+    assert m.max_abs_diff is not None and m.max_abs_diff < 1e-4
+    assert m.speedup == pytest.approx(m.eager_ms / m.compiled_ms)  # type: ignore[operator]
+
+
+def test_hang_is_reported_not_fatal() -> None:
+    report = compile_report(TinyCNN(), torch.randn(32, 3, 32, 32), modes=("default",),
+                            iters=1, timeout_s=3)
+    m = report.mode("default")
+    assert m.status == "timeout"
+    assert "killed" in (m.error or "")
+    assert "compile.timeout" in [f.code for f in compile_findings(report)]
+
+
+def test_crash_is_reported_not_fatal() -> None:
+    from torchscope.models import load_target
+
+    target = f"{HERE / 'compile_targets.py'}:crash"
+    loaded = load_target(target)
+    assert loaded.inputs is not None
+    report = compile_report(loaded.model, loaded.inputs, modes=("default",), iters=1,
+                            target=target, timeout_s=120)
+    m = report.mode("default")
+    assert m.status == "crashed"
+    assert "SIGSEGV" in (m.error or "")
+
+
+def test_no_cpp_compiler_is_said_clearly(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    report = compile_report(TinyCNN(), torch.randn(2, 3, 8, 8), modes=("default", "max-autotune"))
+    assert [m.status for m in report.modes] == ["no_compiler", "no_compiler"]
+    assert "no C++ compiler" in (report.modes[0].error or "")
+    assert "/nonexistent/c++" in (report.modes[0].error or "")
+    assert "compile.no_compiler" in [f.code for f in compile_findings(report)]
+
+
+def test_bad_settings_raise() -> None:
+    with pytest.raises(CompileError, match=r"unknown torch\.compile mode"):
+        compile_report(TinyCNN(), torch.randn(2, 3, 8, 8), modes=("fastest",))
+    with pytest.raises(CompileError, match="iters"):
+        compile_report(TinyCNN(), torch.randn(2, 3, 8, 8), modes=("default",), iters=0)
+    inplace = TinyCNN()
+    inplace.conv1.compile(backend="eager")
+    with pytest.raises(CompileError, match="conv1 is already compiled"):
+        compile_report(inplace, torch.randn(2, 3, 8, 8), modes=("default",))
+
+
+def test_model_a_child_cannot_import_is_measured_here() -> None:
+    class Local(nn.Module):  # defined in a function: no child process can import it
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x).relu()
+
+    report = compile_report(Local(), torch.randn(4, 8), modes=("default",), iters=2, warmup=0)
+    m = report.mode("default")
+    assert m.status == "ok", m.error
+    assert not m.isolated
+    assert any("in this process" in n for n in report.notes)
+    assert m.speedup == pytest.approx(m.eager_ms / m.compiled_ms)  # type: ignore[operator]
+    assert m.max_abs_diff is not None and m.max_abs_diff < 1e-5
