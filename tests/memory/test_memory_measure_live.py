@@ -86,3 +86,19 @@ def test_empty_cache_cannot_free_a_referenced_tensor() -> None:
     finding = next(f for f in analyze_live(live) if f.code == "memory.empty_cache")
     assert finding.severity in (Severity.INFO, Severity.WARNING)
     del kept
+
+
+def test_live_tensors_skips_tensors_without_a_data_pointer() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+
+    # What torch.compile can leave alive in gc: fake and functional tensors.
+    with FakeTensorMode():
+        fake = torch.empty(1000, 1000)
+    with FunctionalTensorMode():
+        functional = FunctionalTensor.to_functional(torch.ones(900, 900))
+    real = torch.ones(700, 700)
+    live = live_tensors(5)
+    assert any(t.nbytes == 700 * 700 * 4 for t in live.tensors)
+    assert all(t.nbytes != 1000 * 1000 * 4 for t in live.tensors)
+    del fake, functional, real

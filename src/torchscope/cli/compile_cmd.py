@@ -51,7 +51,7 @@ def _dynamic(text: str) -> bool | None:
     return table[text.lower()]
 
 
-def compile_command(  # noqa: PLR0917 - typer maps parameters to options
+def compile_command(
     target: TargetArg = None,
     input: InputOpt = None,
     inputs: InputsFnOpt = None,

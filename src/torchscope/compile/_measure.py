@@ -159,12 +159,12 @@ def measure_mode(model: nn.Module, inputs: ModelInputs, job: MeasureJob,
     def step(m: Callable[..., Any], a: tuple[Any, ...] = args, k: dict[str, Any] = kwargs,
              compiled: bool = False) -> Any:
         if compiled and cudagraphs:
-            torch.compiler.cudagraph_mark_step_begin()  # type: ignore[no-untyped-call]
+            torch.compiler.cudagraph_mark_step_begin()
         if job.train:
             for p in target.parameters() if compiled else eager.parameters():
                 p.grad = None
             out = m(*a, **k)
-            _scalar_loss(out).backward()  # type: ignore[no-untyped-call]
+            _scalar_loss(out).backward()
             return out
         with torch.no_grad():
             return m(*a, **k)

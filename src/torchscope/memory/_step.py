@@ -51,9 +51,10 @@ def storage_key(t: torch.Tensor) -> StorageKey | None:
     """Identity of `t`'s storage (device, data pointer); None for tensors without one."""
     try:
         storage = t.untyped_storage()
+        # Fake and functional tensors (left alive by torch.compile) refuse data_ptr().
+        ptr = storage.data_ptr()
     except (RuntimeError, NotImplementedError, TypeError):
         return None
-    ptr = storage.data_ptr()
     if ptr == 0 and storage.nbytes() > 0:
         return None  # a meta or fake tensor: no memory behind it
     return (str(t.device), ptr)
