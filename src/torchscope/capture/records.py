@@ -19,7 +19,7 @@ class TensorStats:
         shape, dtype, device, numel: as torch reports them (`dtype` like `torch.float32`).
         mean, std, min, max: over all elements; `std` is unbiased, as `Tensor.std()`.
         norm: the L2 norm of the flattened tensor.
-        zero_frac: fraction of elements exactly zero.
+        zero_frac: fraction of elements exactly zero (NaN when uncounted NaNs hide it).
         nan_count, inf_count: non-finite elements; None when not counted (capture with
             `count_nonfinite=False`), in which case `finite` still holds exactly, from min/max.
         dead_units: for ReLU-family outputs of rank >= 2, channels (dim 1) that are zero for
