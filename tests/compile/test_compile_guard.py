@@ -39,27 +39,32 @@ def _called_compiled() -> tuple[nn.Module, nn.Module, torch.Tensor]:
     return model, compiled, x
 
 
-def test_plain_capture_on_compiled_model_silently_records_nothing() -> None:
+def test_raw_hooks_on_compiled_model_never_fire() -> None:
     # The trap the guard exists for: torch's behaviour, not torchscope's.
-    _, compiled, x = _called_compiled()
-    with watch_recompiles() as w:
-        cap = capture_activations(compiled, x)
-    assert cap.records == ()
+    model, compiled, x = _called_compiled()
+    fired: list[str] = []
+    handle = model.conv1.register_forward_hook(lambda *_: fired.append("conv1"))
+    try:
+        with watch_recompiles() as w, torch.no_grad():
+            compiled(x)
+    finally:
+        handle.remove()
+    assert fired == []
     assert w.compiles == 0
 
 
-def test_guarded_capture_records_every_module_without_recompiling() -> None:
+def test_capture_on_compiled_model_records_every_module_without_recompiling() -> None:
+    # HookSession runs compiled parts eagerly while it holds hooks, for every capability.
     model, compiled, x = _called_compiled()
     with watch_recompiles() as w:
-        with compiled_capture(compiled, what="capture_activations") as guard:
-            cap = capture_activations(compiled, x)
+        cap = capture_activations(compiled, x)
         with torch.no_grad():
             compiled(x)  # the cached graph is still used afterwards
-    assert guard.check.compiled == ("",)
-    assert guard.check.compiles == 0
+    check = cap.session.compiled_check
+    assert check is not None and check.compiled == ("",) and check.compiles == 0
     assert w.compiles == 0
     eager = capture_activations(model, x)
-    assert [r.module for r in cap.records] == [f"_orig_mod.{r.module}" for r in eager.records]
+    assert [r.module for r in cap.records] == [r.module for r in eager.records]
     for got, ref in zip(cap.records, eager.records, strict=True):
         assert got.outputs[0].mean == pytest.approx(ref.outputs[0].mean, rel=1e-6, abs=1e-7)
 

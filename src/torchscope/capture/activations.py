@@ -77,9 +77,10 @@ class ActivationCapture:
     ) -> None:
         if store not in ("stats", "tensors"):
             raise ValueError(f"store must be 'stats' or 'tensors', not {store!r}")
-        self._targets = select_modules(model, select, depth=depth)
-        self._names = [n for n, _ in self._targets]
         self._session = HookSession(model)
+        # The session's model: a torch.compile wrapper is unwrapped, so names stay plain.
+        self._targets = select_modules(self._session.model, select, depth=depth)
+        self._names = [n for n, _ in self._targets]
         self._store = store
         self._max_bytes = max_bytes
         self._offload = offload
@@ -105,7 +106,7 @@ class ActivationCapture:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
+        self.close(failed=exc[0] is not None)
 
     def open(self) -> None:
         """Register the hooks."""
@@ -119,9 +120,9 @@ class ActivationCapture:
                 self._make_hook(name, type(module).__name__, isinstance(module, _RELU_FAMILY)),
             )
 
-    def close(self) -> None:
+    def close(self, *, failed: bool = False) -> None:
         """Remove the hooks; records stay readable."""
-        self._session.close()
+        self._session.close(failed=failed)
         self._targets = []  # drop the module references: records must not keep a model alive
         self._end_forward(None, (), None)
 

@@ -133,7 +133,8 @@ def track_compiled(compiled: nn.Module) -> nn.Module:
     if compiled in _TRACKED:
         return compiled
     _TRACKED.add(compiled)
-    session = HookSession(compiled)
+    # "as_is": this hook belongs on the wrapper itself and must not change how it runs.
+    session = HookSession(compiled, compiled="as_is")
 
     def stamp(module: nn.Module, _args: tuple[Any, ...]) -> None:
         _FIRST_CALL.setdefault(module, RemovableHandle.next_id)

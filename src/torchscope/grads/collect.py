@@ -154,8 +154,9 @@ class GradCollector:
         inputs: bool = True,
         scaler: Any = None,
     ) -> None:
-        self._targets = select_modules(model, select, depth=depth)
         self._session = HookSession(model)
+        model = self._session.model  # a torch.compile wrapper is unwrapped: plain names
+        self._targets = select_modules(model, select, depth=depth)
         self._inputs = inputs
         self._scaler = scaler
         self.active = True
@@ -177,7 +178,7 @@ class GradCollector:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
+        self.close(failed=exc[0] is not None)
 
     @property
     def session(self) -> HookSession:
@@ -211,9 +212,9 @@ class GradCollector:
             if p.requires_grad:
                 s.post_accumulate_grad_hook(p, self._make_param_hook(i))
 
-    def close(self) -> None:
+    def close(self, *, failed: bool = False) -> None:
         """Remove every hook; step state is dropped."""
-        self._session.close()
+        self._session.close(failed=failed)
         self._reset()
 
     def _reset(self) -> None:

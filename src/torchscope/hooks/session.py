@@ -7,11 +7,12 @@ keeps only weak references to the model so that it never extends the model's lif
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from types import TracebackType
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 from torch import nn
@@ -22,6 +23,8 @@ __all__ = ["HookSession"]
 class _Removable(Protocol):
     def remove(self) -> None: ...
 
+
+CompiledPolicy = Literal["eager", "refuse", "as_is"]
 
 ForwardHook = Callable[[nn.Module, tuple[Any, ...], Any], Any]
 ForwardPreHook = Callable[[nn.Module, tuple[Any, ...]], Any]
@@ -40,14 +43,40 @@ class HookSession:
     The session holds the model by weak reference: a model dropped by the user is garbage
     collected even while a session object is still alive.
 
+    A `torch.compile`d model (or one with compiled parts) is handled here, once for every
+    capability: the session works on the original module behind the wrapper, and while it
+    holds hooks the compiled parts run eagerly (`torch.compiler.set_stance("force_eager")`),
+    because hooks added after the first compiled call would never fire. Dynamo compiles
+    seen meanwhile are counted in `compiled_check`; more than none raises `CompileError`.
+    With `compiled="refuse"` a compiled model raises `CompileError` instead; `"as_is"` hooks
+    exactly the modules given, wrapper included, and changes nothing about compilation.
+
     Example:
         >>> with HookSession(model) as s:
         ...     s.forward_hook(model.fc, lambda m, i, o: None)
         ...     model(x).sum().backward()
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, *, compiled: CompiledPolicy = "eager") -> None:
+        self._compiled_guard: Any = None
+        self.compiled_check: Any = None  # a `torchscope.compile.CompiledCheck` when compiled
+        # torch.compile imports torch._dynamo: without it nothing can be compiled.
+        if compiled != "as_is" and "torch._dynamo" in sys.modules:
+            from torchscope.compile.guard import compiled_capture, compiled_parts
+
+            if compiled_parts(model):
+                self._compiled_guard = compiled_capture(
+                    model, policy=compiled, what="torchscope"
+                )
+                self.compiled_check = self._compiled_guard.check
+        inner = getattr(model, "_orig_mod", None)
+        while compiled != "as_is" and type(model).__name__ == "OptimizedModule" and isinstance(
+            inner, nn.Module
+        ):
+            model = inner  # hook the module itself, not the compile wrapper
+            inner = getattr(model, "_orig_mod", None)
         self._model_ref: weakref.ReferenceType[nn.Module] = weakref.ref(model)
+        self._guard_entered = False
         self._handles: list[_Removable] = []
         self._saved_flags: list[tuple[weakref.ReferenceType[nn.Module], bool]] = []
         self._names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary(
@@ -66,10 +95,15 @@ class HookSession:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.close()
+        self.close(failed=exc_type is not None)
 
-    def close(self) -> None:
-        """Remove every hook this session added and restore changed state. Safe to call twice."""
+    def close(self, *, failed: bool = False) -> None:
+        """Remove every hook this session added and restore changed state. Safe to call twice.
+
+        Args:
+            failed: the caller is unwinding an exception; a compile-count check must not
+                replace it.
+        """
         try:
             while self._handles:
                 handle = self._handles.pop()
@@ -81,6 +115,13 @@ class HookSession:
                 if module is not None:
                     module.training = flag
             self._closed = True
+            if self._guard_entered:
+                self._guard_entered = False
+                guard = self._compiled_guard
+                try:
+                    guard.__exit__(RuntimeError if failed else None, None, None)
+                finally:
+                    self.compiled_check = guard.check
 
     @property
     def closed(self) -> bool:
@@ -120,6 +161,10 @@ class HookSession:
         """Take ownership of a handle created elsewhere; it is removed on exit."""
         self._check_open()
         self._handles.append(handle)
+        if self._compiled_guard is not None and not self._guard_entered:
+            # From the first hook on, compiled parts must run eagerly for hooks to fire.
+            self._compiled_guard.__enter__()
+            self._guard_entered = True
         return handle
 
     def release(self, handles: Iterable[_Removable]) -> None:

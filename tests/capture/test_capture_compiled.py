@@ -1,0 +1,68 @@
+"""Capture and gradient flow on torch.compile'd models: they record everything, or refuse."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import torchscope
+from torchscope import CompileError, audit_hooks
+from torchscope.hooks import HookSession
+from torchscope.models import TinyCNN
+
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("compile")]
+
+
+@pytest.fixture(scope="module")
+def compiled_cnn() -> tuple[nn.Module, nn.Module, torch.Tensor]:
+    torch._dynamo.reset()
+    model = TinyCNN().eval()
+    compiled = torch.compile(model)
+    x = torch.randn(4, 3, 16, 16)
+    with torch.no_grad():
+        compiled(x)  # the first call compiles: later hooks would never fire without care
+    return model, compiled, x
+
+
+def test_capture_on_compiled_model_records_every_module(
+    compiled_cnn: tuple[nn.Module, nn.Module, torch.Tensor],
+) -> None:
+    model, compiled, x = compiled_cnn
+    cap = torchscope.capture_activations(compiled, x)
+    assert [r.module for r in cap.records] == ["conv1", "relu", "conv2", "pool", "fc"]
+    with torch.no_grad():
+        ref = model.conv1(x)
+    conv1 = cap.get("conv1").output
+    assert conv1 is not None and abs(conv1.mean - ref.mean().item()) <= 1e-6 * abs(
+        ref.mean().item()) + 1e-9
+    check = cap.session.compiled_check
+    assert check is not None and check.compiled == ("",) and check.compiles == 0
+    assert audit_hooks(model).local_total == 0
+    # The compiled wrapper still runs compiled code afterwards, with no recompile.
+    with torch.no_grad():
+        assert torch.allclose(compiled(x), model(x), atol=1e-5)
+
+
+def test_gradient_flow_on_compiled_model(
+    compiled_cnn: tuple[nn.Module, nn.Module, torch.Tensor],
+) -> None:
+    model, compiled, x = compiled_cnn
+    flow = torchscope.gradient_flow(compiled, x, loss_fn="sum",
+                                    select=["conv1", "conv2", "fc"])
+    assert [r.module for r in flow.modules] == ["fc", "conv2", "conv1"]
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    model(x).sum().backward()
+    for n, p in model.named_parameters():
+        assert p.grad is not None and torch.equal(p.grad, grads[n])
+    model.zero_grad(set_to_none=True)
+    assert audit_hooks(model).local_total == 0
+
+
+def test_refuse_policy_raises_clear_error(
+    compiled_cnn: tuple[nn.Module, nn.Module, torch.Tensor],
+) -> None:
+    _, compiled, _ = compiled_cnn
+    with pytest.raises(CompileError, match="compiled"):
+        HookSession(compiled, compiled="refuse")
