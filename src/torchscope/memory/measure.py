@@ -14,7 +14,6 @@ allocator (Python objects, some third-party kernels' scratch memory).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -93,7 +92,9 @@ def _measure_profiler(model: nn.Module, inputs: ModelInputs, loss_fn: LossFn | N
                       device: torch.device) -> MeasuredMemory:
     from torch.profiler import ProfilerActivity, profile
 
-    os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # keep kineto's start/stop lines quiet
+    from torchscope.profiling.steps import quiet_kineto
+
+    quiet_kineto()  # keep Kineto's profiler_start/stop lines off stderr
     with preserved_state(model), profile(activities=[ProfilerActivity.CPU],
                                          profile_memory=True) as prof:
         forward_backward(model, inputs, loss_fn)
