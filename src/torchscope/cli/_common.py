@@ -18,9 +18,11 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DebugOpt",
+    "DepthOpt",
     "InputOpt",
     "InputsFnOpt",
     "JsonOpt",
+    "SelectOpt",
     "TargetArg",
     "console",
     "err_console",
@@ -55,6 +57,12 @@ InputsFnOpt = Annotated[
 ]
 JsonOpt = Annotated[str | None, typer.Option("--json", help="Write the records to this file.")]
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show the full traceback on errors.")]
+SelectOpt = Annotated[
+    str | None,
+    typer.Option("--select", "-s",
+                 help="Modules to hook: a glob over names (layer*.conv1) or a type (Conv2d)."),
+]
+DepthOpt = Annotated[int | None, typer.Option(help="Only modules this deep or shallower.")]
 
 
 def fail(message: str, *, code: int = 2) -> NoReturn:

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Annotated
-
 import typer
 
 from torchscope.cli._common import (
     DebugOpt,
+    DepthOpt,
     InputOpt,
     InputsFnOpt,
     JsonOpt,
+    SelectOpt,
     TargetArg,
     console,
     guarded,
@@ -27,13 +27,8 @@ def capture(
     target: TargetArg = None,
     input: InputOpt = None,
     inputs: InputsFnOpt = None,
-    select: Annotated[
-        str | None,
-        typer.Option(
-            "--select", "-s", help="Glob over module names (layer*.conv1) or a type (Conv2d)."
-        ),
-    ] = None,
-    depth: Annotated[int | None, typer.Option(help="Only modules this deep or shallower.")] = None,
+    select: SelectOpt = None,
+    depth: DepthOpt = None,
     json_path: JsonOpt = None,
     debug: DebugOpt = False,
 ) -> None:

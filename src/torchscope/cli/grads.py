@@ -9,9 +9,11 @@ import typer
 
 from torchscope.cli._common import (
     DebugOpt,
+    DepthOpt,
     InputOpt,
     InputsFnOpt,
     JsonOpt,
+    SelectOpt,
     TargetArg,
     console,
     guarded,
@@ -34,9 +36,8 @@ def grads(
     steps: Annotated[int, typer.Option(
         "--steps", help="Training steps (SGD) to run; each one is sampled.")] = 1,
     lr: Annotated[float, typer.Option("--lr", help="SGD learning rate for --steps > 1.")] = 0.01,
-    select: Annotated[str | None, typer.Option(
-        "--select", "-s", help="Glob over module names (layer*.conv1) or a type (Conv2d).")] = None,
-    depth: Annotated[int | None, typer.Option(help="Only modules this deep or shallower.")] = None,
+    select: SelectOpt = None,
+    depth: DepthOpt = None,
     plot: Annotated[str | None, typer.Option(
         "--plot", help="Write the gradient-flow plot here (.png or .svg); with --steps > 1 "
         "also a layers × steps heatmap next to it.")] = None,
