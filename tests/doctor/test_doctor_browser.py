@@ -1,26 +1,40 @@
-"""report.html in a real browser: headless Chromium renders every section and plot, no network.
-
-Skipped when Chromium is not installed (`make test` installs it with apt-get when it can).
+"""One real full doctor run (every section, torch.compile included) shared by this module:
+report.json against the schema, the compile and memory sections against their capabilities,
+the model left untouched, and report.html in headless Chromium (every section and plot drawn,
+no network). The browser tests are skipped when Chromium is not installed (`make test`
+installs it with apt-get when it can).
 """
 
 from __future__ import annotations
 
 import json
+import pickle
 import re
 import shutil
 import subprocess
+from dataclasses import dataclass
 from html.parser import HTMLParser
 from pathlib import Path
 
+import jsonschema
 import pytest
 import torch
+from filelock import FileLock
 
-from torchscope.doctor import DoctorOptions, run_doctor, section_names, write_report
-from torchscope.models import TinyCNN
+from torchscope.doctor import (
+    DoctorOptions,
+    DoctorReport,
+    load_schema,
+    run_doctor,
+    section_names,
+    write_report,
+)
+from torchscope.models import DeepMLP
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed")]
+# The shared run compiles: keep it on one xdist worker with the other compile tests.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("compile")]
+needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed")
 
 PLOTS = {"activations-stats", "activations-zeros", "gradients-flow", "memory-saved",
          "memory-plans", "profile-ops", "profile-modules", "compile-speedup"}
@@ -78,17 +92,102 @@ class _Dom(HTMLParser):
             self._plot = None
 
 
-@pytest.fixture
-def full_report(fake_capabilities: None, tmp_path: Path) -> Path:
-    """A report in which every section ran, so every plot kind is on the page."""
-    report = run_doctor(TinyCNN(), torch.randn(8, 3, 32, 32), name="tiny-cnn",
-                        options=DoctorOptions(steps=2))
-    html, _ = write_report(report, tmp_path / "report")
-    return html
+@dataclass(frozen=True)
+class FullRun:
+    """The shared full doctor run, and which model tensors/flags changed across it."""
+
+    report: DoctorReport
+    html: Path
+    json: Path
+    changed: tuple[str, ...]
 
 
-def test_chromium_renders_every_section_and_plot_without_network(full_report: Path,
+def _full_run(out: Path) -> FullRun:
+    torch.manual_seed(0)
+    model = DeepMLP()
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    flags = [m.training for m in model.modules()]
+    report = run_doctor(model, torch.randn(32, 64), name="deep-mlp",
+                        options=DoctorOptions(steps=2, compile_modes=("default",),
+                                              compile_iters=5))
+    html, js = write_report(report, out)
+    changed = [k for k, v in model.state_dict().items() if not torch.equal(before[k], v)]
+    changed += [f"{n}.grad" for n, p in model.named_parameters() if p.grad is not None]
+    if [m.training for m in model.modules()] != flags:
+        changed.append("training flags")
+    return FullRun(report, html, js, tuple(changed))
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> FullRun:
+    """Every section for real on deep-mlp (it has a block sequence, so checkpoint plans are
+    drawn too); compile in its default mode only, with few timed calls.
+
+    Run once per pytest run: under xdist the first worker to get here runs it and the others
+    load its pickle. (`--dist loadgroup` should keep these tests on one worker, but with
+    pytest 9 and xdist 3.8 the group suffix is not applied, so they may be split.)
+    """
+    if worker_id == "master":
+        return _full_run(tmp_path_factory.mktemp("doctor") / "report")
+    shared = tmp_path_factory.getbasetemp().parent / "doctor-full-run"  # one per pytest run
+    with FileLock(f"{shared}.lock"):
+        cached = shared / "run.pkl"
+        if cached.is_file():
+            run: FullRun = pickle.loads(cached.read_bytes())
+            return run
+        shared.mkdir(exist_ok=True)
+        run = _full_run(shared / "report")
+        cached.write_bytes(pickle.dumps(run))
+        return run
+
+
+def test_full_run_report_json_is_schema_valid(full_run: FullRun) -> None:
+    assert {o.name: o.status for o in full_run.report.outcomes} == dict.fromkeys(
+        section_names(), "ok"), [(o.name, o.note) for o in full_run.report.outcomes]
+    doc = json.loads(full_run.json.read_text())
+    schema = load_schema()
+    jsonschema.Draft202012Validator.check_schema(schema)
+    jsonschema.Draft202012Validator(schema).validate(doc)
+    assert list(doc["sections"]) == section_names()
+    assert all(s["status"] == "ok" and s["data"] is not None for s in doc["sections"].values())
+    assert doc["options"]["fast"] is False
+    assert {f["code"].split(".")[0] for f in doc["findings"]} <= {
+        "activations", "grads", "memory", "profiling", "compile"}
+
+
+def test_full_run_compile_section_is_the_capabilitys(full_run: FullRun) -> None:
+    outcome = full_run.report.outcome("compile")
+    (mode,) = outcome.result.modes
+    assert mode.mode == "default" and mode.error == ""
+    assert mode.eager_ms and mode.compiled_ms and mode.cold_s and mode.cold_s > 0
+    assert mode.speedup == pytest.approx(mode.eager_ms / mode.compiled_ms)
+    assert mode.graph_breaks == 0 and mode.recompiles == 0  # a plain Sequential of Linear/ReLU
+    assert mode.max_abs_diff is not None and mode.max_abs_diff < 1e-3
+    codes = [f.code for f in outcome.findings]
+    assert codes and all(c.startswith("compile.") for c in codes)
+    m = outcome.metrics["compile.speedup:default"]
+    assert m.value == pytest.approx(mode.speedup) and m.better == "higher"
+
+
+def test_full_run_memory_plans_are_verified(full_run: FullRun) -> None:
+    mem = full_run.report.outcome("memory").result
+    plans = {p.name: p for p in mem.plans}
+    assert plans["none"].blocks == () and plans["none"].saved_bytes == mem.saved_bytes
+    assert plans["all"].blocks == tuple(str(i) for i in range(8))
+    assert all(p.verified for name, p in plans.items() if name != "none")
+    assert "memory.checkpoint_plan" in [f.code for f in full_run.report.outcome(
+        "memory").findings]
+
+
+def test_full_run_leaves_model_untouched(full_run: FullRun) -> None:
+    # Memory, profile and gradients trained and ran backward on the very model.
+    assert full_run.changed == ()
+
+
+@needs_chromium
+def test_chromium_renders_every_section_and_plot_without_network(full_run: FullRun,
                                                                  tmp_path: Path) -> None:
+    full_report = full_run.html
     text = full_report.read_text()
     assert not re.search(r"""(?:src|href)\s*=\s*["']?\s*(?:https?:)?//""", text, re.I)
     assert not re.search(r"""url\(\s*["']?\s*(?:https?:)?//""", text, re.I)
@@ -118,6 +217,7 @@ def test_chromium_renders_every_section_and_plot_without_network(full_report: Pa
     assert len(colours) > 30  # text, bars, badges: many colours, not one fill
 
 
+@needs_chromium
 def test_netlog_check_sees_a_page_request(tmp_path: Path) -> None:
     # The detector must be able to fail: a page that loads a remote image is caught.
     page = tmp_path / "leaky.html"

@@ -99,29 +99,66 @@ def test_adapters_not_available_are_reported_not_fatal(monkeypatch: pytest.Monke
     assert report.outcome("compile").note == "skipped by --skip"
 
 
-def test_adapters_with_capabilities_fill_records_findings_and_metrics(
-        fake_capabilities: None) -> None:
-    report = run_doctor(TinyCNN(), torch.randn(4, 3, 32, 32),
-                        options=DoctorOptions(compile_modes=("default", "max-autotune")))
-    assert {o.name: o.status for o in report.outcomes} == dict.fromkeys(section_names(), "ok")
+def test_adapters_run_the_real_capabilities_and_their_analyzers() -> None:
+    import torchscope.grads
+
+    torch.manual_seed(0)
+    model, x = TinyCNN(), torch.randn(4, 3, 32, 32)
+    report = run_doctor(model, x, options=DoctorOptions(loss="sum", steps=2,
+                                                        skip=frozenset({"compile"})))
+    assert {o.name: o.status for o in report.outcomes} == {
+        "activations": "ok", "gradients": "ok", "memory": "ok", "profile": "ok",
+        "compile": "skipped"}
+
+    # Gradients against torch: the same loss, backward by hand.
+    model.zero_grad(set_to_none=True)
+    model(x).sum().backward()
+    want_total = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()
+                                                       if p.grad is not None]))
     grads = report.outcome("gradients").result
-    assert [ly.module for ly in grads.layers] == ["fc", "conv2", "conv1"]
-    assert grads.layers[-1].grad_input_norm is None  # conv1's input needs no grad
-    assert grads.total_norm is not None and grads.total_norm > 0
-    codes = [f.code for _, f in report.findings]
-    assert "grads.vanishing" in codes  # fc vs conv1 over 10x on tiny-cnn
-    assert "memory.checkpoint_plan" in codes and "compile.break_even" in codes
-    assert "compile.graph_breaks" in codes  # the stand-in reports one break
-    m = report.metrics
-    assert m["gradients.vanishing_ratio"].value == pytest.approx(
-        grads.layers[0].grad_output_norm / grads.layers[-1].grad_output_norm)
-    assert m["compile.speedup:default"].value == pytest.approx(2.0)
-    assert m["compile.speedup:default"].better == "higher"
+    assert [ly.module for ly in grads.layers] == ["fc", "pool", "conv2", "relu", "conv1"]
+    assert grads.layers[-1].grad_input_norm is None  # the input needs no grad
+    assert grads.total_norm == pytest.approx(float(want_total), rel=1e-5)
+    conv1 = next(ly for ly in grads.layers if ly.module == "conv1")
+    want_conv1 = torch.linalg.vector_norm(torch.stack(
+        [model.conv1.weight.grad.norm(), model.conv1.bias.grad.norm()]))
+    assert conv1.param_grad_norm == pytest.approx(float(want_conv1), rel=1e-5)
+    model.zero_grad(set_to_none=True)
+    # The findings are diagnose's own, on the same step.
+    flow = torchscope.grads.gradient_flow(model, x, loss_fn="sum")
+    model.zero_grad(set_to_none=True)
+    assert [f.code for f in report.outcome("gradients").findings] == [
+        f.code for f in torchscope.grads.diagnose(flow)]
+    near, far, ratio = torchscope.grads.layer_norms(flow)[0], \
+        torchscope.grads.layer_norms(flow)[-1], grads.ratio()
+    assert ratio is not None and ratio[:2] == (near[0], far[0])
+    assert report.metrics["gradients.vanishing_ratio"].value == pytest.approx(
+        near[1] / far[1], rel=1e-5)
+
+    # Memory: conv1 saves its input, relu its output (float32), as autograd does.
     mem = report.outcome("memory").result
-    assert [(p.name, p.blocks, p.verified) for p in mem.plans] == [
-        ("none", (), True), ("sqrt", ("conv1",), True)]
+    saved = {m.module: m.saved_bytes for m in mem.modules}
+    assert saved["conv1"] == x.numel() * 4
+    assert saved["relu"] == 4 * 8 * 30 * 30 * 4
+    assert mem.saved_bytes == sum(saved.values())
+    assert mem.param_bytes == 4 * sum(p.numel() for p in model.parameters())
+    assert mem.plans == ()  # TinyCNN has no block sequence to checkpoint
+    mem_codes = [f.code for f in report.outcome("memory").findings]
+    assert "memory.saved_by_type" in mem_codes and all(c.startswith("memory.")
+                                                       for c in mem_codes)
+
+    # Profile: torch.profiler's counts, per step; self times sorted; the capability's findings.
     prof = report.outcome("profile").result
+    assert prof.steps == 2
+    ops = {o.name: o for o in prof.ops}
+    assert ops["aten::convolution_backward"].calls == 2 * prof.steps  # conv1, conv2
+    assert ops["aten::addmm"].calls == prof.steps  # fc
     assert prof.ops[0].self_cpu_us == max(o.self_cpu_us for o in prof.ops)
+    mods = {m.module: m for m in prof.modules}
+    assert mods["conv1"].calls == 1 and mods["conv1"].forward_ms > 0
+    assert prof.step_ms is not None and prof.forward_ms and prof.backward_ms
+    codes = [f.code for f in report.outcome("profile").findings]
+    assert "profiling.top_op" in codes and all(c.startswith("profiling.") for c in codes)
 
 
 class _Boom(Section[None]):

@@ -197,12 +197,13 @@ def profile_fragment(result: ProfileResult, plots: Mapping[str, str]) -> str:
     modules = ""
     if result.modules:
         modules = "<h3>Time per module</h3>" + table(
-            ("module", "calls", "forward ms", "backward ms"),
+            ("module", "calls/step", "forward self ms/step", "backward self ms/step"),
             [(m.module or "<root>", m.calls, m.forward_ms, m.backward_ms)
              for m in result.modules], numeric=(1, 2, 3))
     return (f'<p class="note">{result.steps} profiled training steps.</p>' + phases
             + _plots(plots, {"profile-ops": "Top ops by self CPU time over the profiled steps.",
-                             "profile-modules": "Forward and backward time per module."})
+                             "profile-modules": "Forward and backward time per step of each module "
+                                                "itself (its timed children excluded)."})
             + "<h3>Top ops</h3>" + ops + modules)
 
 

@@ -174,7 +174,7 @@ def profile_ops_plot(ops: Sequence[OpTime]) -> Figure:
 
 
 def profile_modules_plot(modules: Sequence[ModuleTime]) -> Figure:
-    """Forward and backward time per module, stacked."""
+    """Forward and backward self time per step of each module, stacked."""
     rows = sorted(modules, key=lambda m: -(m.forward_ms + (m.backward_ms or 0.0)))[:30]
     fig = _figure(10, height=max(2.5, 0.22 * len(rows) + 1))
     ax = fig.add_subplot()
@@ -184,8 +184,8 @@ def profile_modules_plot(modules: Sequence[ModuleTime]) -> Figure:
     ax.barh(ys, [m.backward_ms or 0.0 for m in rows], left=fwd, color=_ACCENT2, label="backward")
     ax.set_yticks(ys, [m.module or "<root>" for m in rows])
     ax.invert_yaxis()
-    ax.set_xlabel("ms")
-    ax.set_title("Time per module")
+    ax.set_xlabel("ms per step")
+    ax.set_title("Self time per module")
     ax.legend(loc="best", fontsize=7)
     return fig
 

@@ -1,8 +1,9 @@
 """The `compile` section: adapter over `torchscope.compile.compile_report`.
 
-Until the compile capability is installed, `run` raises `CapabilityMissingError` and the doctor
-shows the section as not available. Wiring it means editing `_call` and `_convert` only.
-`--fast` skips this section: a cold inductor compile costs seconds per mode.
+Each mode is measured in its own child process (inference, `torch.no_grad`); the findings are
+`torchscope.compile.compile_findings`'. Without the capability `run` raises
+`CapabilityMissingError` and the doctor shows the section as not available. `--fast` skips this
+section: a cold inductor compile costs seconds per mode.
 """
 
 from __future__ import annotations
@@ -13,15 +14,9 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from torchscope.doctor.section import (
-    DoctorOptions,
-    Metric,
-    Section,
-    load_capability,
-    optional_capability,
-)
+from torchscope.doctor.section import DoctorOptions, Metric, Section, load_capability
 from torchscope.doctor.sections._adapt import num
-from torchscope.findings import Finding, Severity
+from torchscope.findings import Finding
 from torchscope.models.target import ModelInputs
 
 if TYPE_CHECKING:
@@ -63,10 +58,10 @@ class CompileMode:
 
 @dataclass(frozen=True)
 class CompileResult:
-    """One row per compile mode."""
+    """One row per compile mode and `torchscope.compile.compile_findings`' findings."""
 
     modes: tuple[CompileMode, ...]
-    findings: tuple[Finding, ...] | None = None  # None: the capability gave no analysis
+    findings: tuple[Finding, ...] = ()
 
 
 def _call(model: nn.Module, inputs: ModelInputs, options: DoctorOptions) -> Any:
@@ -77,50 +72,20 @@ def _call(model: nn.Module, inputs: ModelInputs, options: DoctorOptions) -> Any:
 
 def _convert(raw: Any) -> CompileResult:
     """`torchscope.compile.CompileReport` → the section's record (one row per mode)."""
-    breaks = len(raw.graph_breaks)
+    compile_findings = load_capability("torchscope.compile.compile_findings")
+    breaks = len(raw.graph_breaks)  # from one `torch._dynamo.explain` of the forward
     rows = tuple(CompileMode(
         m.mode, "" if m.status == "ok" else f"{m.status}: {m.error or ''}".strip(": "),
         num(m.cold_compile_s), num(m.warm_compile_s), num(m.eager_ms), num(m.compiled_ms),
         num(m.speedup), num(m.break_even_calls), breaks, len(m.recompiles), num(m.max_abs_diff))
         for m in raw.modes)
-    analyzer = optional_capability("torchscope.compile.compile_findings")
-    findings = None if analyzer is None else tuple(analyzer(raw))
-    return CompileResult(rows, findings)
+    return CompileResult(rows, tuple(compile_findings(raw)))
 
 
 def analyze_compile(result: CompileResult) -> list[Finding]:
-    """The capability's findings when it gives any; else is compile worth it, per mode."""
-    if result.findings is not None:
-        return list(result.findings)
-    out: list[Finding] = []
-    for m in result.modes:
-        if m.error:
-            out.append(Finding("compile.failed", Severity.WARNING,
-                               f"torch.compile mode {m.mode} could not be measured: {m.error}",
-                               {"mode": m.mode}, fix="rerun `torchscope compile --debug`"))
-            continue
-        if m.speedup is not None and m.speedup < 1:
-            out.append(Finding(
-                "compile.slower", Severity.WARNING,
-                f"compile ({m.mode}) runs at {m.speedup:.2f}× eager speed: it never pays off",
-                {"mode": m.mode, "speedup": m.speedup, "eager_ms": m.eager_ms,
-                 "compiled_ms": m.compiled_ms},
-                fix="stay eager for this model, or compile a larger part of the program"))
-        elif m.speedup is not None and m.break_even_calls is not None:
-            out.append(Finding(
-                "compile.break_even", Severity.INFO,
-                f"compile ({m.mode}) pays off after {m.break_even_calls:,.0f} calls "
-                f"({m.speedup:.2f}× faster)",
-                {"mode": m.mode, "speedup": m.speedup, "break_even_calls": m.break_even_calls,
-                 "cold_s": m.cold_s},
-                fix="compile once before the loop and reuse the wrapper"))
-        if m.graph_breaks:
-            out.append(Finding(
-                "compile.graph_breaks", Severity.WARNING,
-                f"compile ({m.mode}) splits the model at {m.graph_breaks} graph break(s)",
-                {"mode": m.mode, "graph_breaks": m.graph_breaks},
-                fix="run `torchscope compile` for the reasons and source lines"))
-    return out
+    """`torchscope.compile.compile_findings`' findings: speedup and break-even per mode,
+    failures, recompiles, numerical differences, each graph break."""
+    return list(result.findings)
 
 
 class CompileSection(Section[CompileResult]):

@@ -1,29 +1,23 @@
 """The `gradients` section: adapter over `torchscope.grads.gradient_flow`.
 
-Until the gradient-flow capability is installed, `run` raises `CapabilityMissingError` and the
-doctor shows the section as not available. Wiring it means editing `_call` and `_convert`
-only; the record below is what the report, `diff` and the renderers read.
+One forward and backward through `gradient_flow`; the findings are `torchscope.grads.diagnose`'s
+and the vanishing ratio is read from `torchscope.grads.layer_norms`, the norms `diagnose`
+judges. Without the capability `run` raises `CapabilityMissingError` and the doctor shows the
+section as not available. The record below is what the report, `diff` and the renderers read.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from torchscope.doctor.section import (
-    DoctorOptions,
-    Metric,
-    Section,
-    load_capability,
-    optional_capability,
-)
+from torchscope.doctor.section import DoctorOptions, Metric, Section, load_capability
 from torchscope.doctor.sections._adapt import num
 from torchscope.errors import TorchscopeError
-from torchscope.findings import Finding, Severity
+from torchscope.findings import Finding
 from torchscope.models.target import ModelInputs
 
 if TYPE_CHECKING:
@@ -32,12 +26,11 @@ if TYPE_CHECKING:
 __all__ = ["CAPABILITY", "GradLayer", "GradientsResult", "GradientsSection", "analyze_gradients"]
 
 CAPABILITY = "torchscope.grads.gradient_flow"
-VANISHING_RATIO = 10.0  # nearest/farthest grad norm ratio reported as vanishing
 
 
 @dataclass(frozen=True)
 class GradLayer:
-    """Gradient reaching one module call in one backward.
+    """Gradient reaching one module in one backward, every call of it combined.
 
     Attributes:
         module: qualified name.
@@ -54,20 +47,27 @@ class GradLayer:
 
 @dataclass(frozen=True)
 class GradientsResult:
-    """Layers in backward order (nearest the loss first), the total norm and the
-    capability's own findings."""
+    """The gradient step as the report shows it.
+
+    Attributes:
+        layers: reached modules in backward order (nearest the loss first).
+        total_norm: the norm `clip_grad_norm_` would return.
+        norms: `(module, grad_output norm)` of the layers `diagnose` compares (modules that
+            own parameters, finite and positive norms), nearest the loss first.
+        findings: `torchscope.grads.diagnose`'s findings.
+    """
 
     layers: tuple[GradLayer, ...]
     total_norm: float | None
-    findings: tuple[Finding, ...] | None = None  # None: the capability gave no analysis
+    norms: tuple[tuple[str, float], ...] = ()
+    findings: tuple[Finding, ...] = ()
 
     def ratio(self) -> tuple[str, str, float] | None:
-        """(nearest, farthest, nearest norm / farthest norm) over layers with a norm."""
-        normed = [(ly.module, ly.grad_output_norm) for ly in self.layers
-                  if ly.grad_output_norm is not None]
-        if len(normed) < 2 or not normed[-1][1]:
+        """(nearest, farthest, nearest norm / farthest norm) over `norms`."""
+        if len(self.norms) < 2:
             return None
-        return normed[0][0], normed[-1][0], normed[0][1] / normed[-1][1]
+        (near, n_near), (far, n_far) = self.norms[0], self.norms[-1]
+        return near, far, n_near / n_far
 
 
 def _call(model: nn.Module, inputs: ModelInputs, options: DoctorOptions) -> Any:
@@ -83,38 +83,27 @@ def _call(model: nn.Module, inputs: ModelInputs, options: DoctorOptions) -> Any:
 
 
 def _convert(raw: Any) -> GradientsResult:
-    """`torchscope.grads.GradFlow` → the section's record (first call of each module)."""
-    by_module: dict[str, list[float]] = {}
-    for p in raw.params:
-        if p.norm is not None:
-            by_module.setdefault(p.module, []).append(p.norm)
-    layers = []
-    seen: set[str] = set()
-    for r in raw.modules:  # backward order, nearest the loss first
-        if r.module in seen or r.order is None:
-            continue
-        seen.add(r.module)
-        own = by_module.get(r.module)
-        layers.append(GradLayer(r.module, num(r.output_norm), num(r.input_norm),
-                                math.sqrt(math.fsum(n * n for n in own)) if own else None))
-    analyzer = optional_capability("torchscope.grads.diagnose")
-    findings = None if analyzer is None else tuple(analyzer(raw))
-    return GradientsResult(tuple(layers), num(raw.total_norm), findings)
+    """`torchscope.grads.GradFlow` → the section's record."""
+    from torchscope.grads.records import combine_norms
+
+    diagnose = load_capability("torchscope.grads.diagnose")
+    layer_norms = load_capability("torchscope.grads.layer_norms")
+    outputs = raw.output_norms()  # per module, every call combined
+    params = raw.param_norms()
+    inputs: dict[str, list[float | None]] = {}
+    for r in raw.modules:
+        inputs.setdefault(r.module, []).append(r.input_norm)
+    reached = {r.module for r in raw.modules if r.reached}
+    layers = tuple(
+        GradLayer(m, num(outputs.get(m)), num(combine_norms(inputs[m])), num(params.get(m)))
+        for m in raw.layers() if m in reached)
+    norms = tuple((m, float(n)) for m, n in layer_norms(raw))
+    return GradientsResult(layers, num(raw.total_norm), norms, tuple(diagnose(raw)))
 
 
 def analyze_gradients(result: GradientsResult) -> list[Finding]:
-    """`torchscope.grads.diagnose`'s findings when it gave any; else the vanishing ratio."""
-    if result.findings is not None:
-        return list(result.findings)
-    ratio = result.ratio()
-    if ratio is None or ratio[2] < VANISHING_RATIO:
-        return []
-    near, far, r = ratio
-    return [Finding("grads.vanishing", Severity.WARNING,
-                    f"{far} receives {r:.0f}× less gradient than {near}",
-                    {"nearest": near, "farthest": far, "ratio": r},
-                    fix="use a residual path or normalisation, or check the init of the layers "
-                        "in between", module=far)]
+    """`torchscope.grads.diagnose`'s findings (vanishing, exploding, dead, NaN, unreached)."""
+    return list(result.findings)
 
 
 class GradientsSection(Section[GradientsResult]):
@@ -137,12 +126,10 @@ class GradientsSection(Section[GradientsResult]):
         if ratio is not None:
             out["gradients.vanishing_ratio"] = Metric(
                 ratio[2], "lower", "ratio", f"{ratio[0]} / {ratio[1]} grad norm")
-            nearest = result.layers[0].grad_output_norm
-            for ly in result.layers[1:]:
-                if nearest and ly.grad_output_norm:
-                    out[f"gradients.ratio:{ly.module}"] = Metric(
-                        nearest / ly.grad_output_norm, "lower", "ratio",
-                        f"{ratio[0]} / {ly.module} grad norm")
+            nearest = result.norms[0][1]
+            for module, norm in result.norms[1:]:
+                out[f"gradients.ratio:{module}"] = Metric(
+                    nearest / norm, "lower", "ratio", f"{ratio[0]} / {module} grad norm")
         return out
 
     def to_json(self, result: GradientsResult) -> dict[str, Any]:

@@ -1,7 +1,9 @@
 """The `memory` section: adapter over `torchscope.memory.analyze_memory`.
 
-Until the memory capability is installed, `run` raises `CapabilityMissingError` and the doctor
-shows the section as not available. Wiring it means editing `_call` and `_convert` only.
+Saved activations per module, the step's totals, the measured peak and (when the model has a
+sequence of blocks) checkpoint plans, measured and verified; the findings are the ones
+`analyze_memory` draws itself. Without the capability `run` raises `CapabilityMissingError`
+and the doctor shows the section as not available.
 """
 
 from __future__ import annotations
@@ -13,9 +15,9 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from torchscope.doctor.section import DoctorOptions, Metric, Section, load_capability
-from torchscope.doctor.sections._adapt import named_loss, num
+from torchscope.doctor.sections._adapt import named_loss, num, trainable_sgd
 from torchscope.errors import BudgetError, SelectionError
-from torchscope.findings import Finding, Severity
+from torchscope.findings import Finding
 from torchscope.models.target import ModelInputs
 
 if TYPE_CHECKING:
@@ -25,7 +27,6 @@ __all__ = ["CAPABILITY", "CheckpointPlan", "MemoryResult", "MemorySection", "Mod
            "analyze_memory"]
 
 CAPABILITY = "torchscope.memory.analyze_memory"
-DOMINANT_SHARE = 0.3  # a module type holding this share of saved bytes is reported
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,18 @@ class CheckpointPlan:
 
 @dataclass(frozen=True)
 class MemoryResult:
-    """Saved activations per module, the step's memory totals and checkpoint plans."""
+    """Saved activations per module, the step's memory totals and checkpoint plans.
+
+    Attributes:
+        modules: bytes autograd saved while each module ran.
+        saved_bytes: every saved activation byte.
+        param_bytes, grad_bytes, optimizer_bytes: the step's state (optimizer None: unknown).
+        peak_estimate_bytes: the peak counted from tensor sizes.
+        measured_peak_bytes: the measured peak (CPU: above the step's start).
+        step_ms: measured step time without checkpointing (None when no plan was measured).
+        plans: the checkpoint plans; empty when the model has no block sequence.
+        findings: `analyze_memory`'s findings.
+    """
 
     modules: tuple[ModuleMemory, ...]
     saved_bytes: int
@@ -70,19 +82,22 @@ class MemoryResult:
     measured_peak_bytes: int | None
     step_ms: float | None
     plans: tuple[CheckpointPlan, ...] = ()
-    findings: tuple[Finding, ...] | None = None  # None: the capability gave no analysis
+    findings: tuple[Finding, ...] = ()
 
 
 def _call(model: nn.Module, inputs: ModelInputs, options: DoctorOptions) -> Any:
     analyze_memory = load_capability(CAPABILITY)
     loss = named_loss(options.loss, options.seed)
+    # The same optimizer as the profile section's steps, so its state is counted (SGD: none).
+    opt = trainable_sgd(model)
     if options.fast:
-        return analyze_memory(model, inputs, loss_fn=loss, checkpoint="none", repeats=1)
+        return analyze_memory(model, inputs, optimizer=opt, loss_fn=loss, checkpoint="none",
+                              repeats=1)
     try:
         # The least-recompute plan within what √L segments keep, verified bitwise.
-        return analyze_memory(model, inputs, loss_fn=loss, checkpoint="auto")
-    except (BudgetError, SelectionError):
-        return analyze_memory(model, inputs, loss_fn=loss, checkpoint="none")
+        return analyze_memory(model, inputs, optimizer=opt, loss_fn=loss, checkpoint="auto")
+    except (BudgetError, SelectionError):  # no block sequence to checkpoint, or no plan fits
+        return analyze_memory(model, inputs, optimizer=opt, loss_fn=loss, checkpoint="none")
 
 
 def _convert(raw: Any) -> MemoryResult:
@@ -99,60 +114,20 @@ def _convert(raw: Any) -> MemoryResult:
         for p in raw.plans.plans:
             m = measured.get(p.name)
             verified = None if m is None or m.verification is None else bool(m.verification.ok)
-            # `blocks` lists the candidates; `segments` are the [start, end) runs checkpointed.
-            chosen = tuple(p.blocks[i] for start, end in p.segments for i in range(start, end))
             plans.append(CheckpointPlan(
-                p.name, chosen, int(p.saved_bytes),
+                p.name, tuple(p.checkpointed), int(p.saved_bytes),
                 num(m.recompute_ms) if m is not None else num(p.recompute_ms), verified))
     return MemoryResult(
         modules, int(raw.saved.total_bytes), int(t.parameters), int(t.gradients),
         None if t.optimizer_state is None else int(t.optimizer_state), int(t.peak_estimate),
         None if raw.measured is None else int(raw.measured.peak_bytes), step_ms,
-        tuple(plans), None if raw.findings is None else tuple(raw.findings))
+        tuple(plans), tuple(raw.findings))
 
 
 def analyze_memory(result: MemoryResult) -> list[Finding]:
-    """The capability's findings when it gives any; else the dominant module type and the
-    best verified checkpoint plan."""
-    if result.findings is not None:
-        return list(result.findings)
-    out: list[Finding] = []
-    if result.saved_bytes > 0:
-        by_type: dict[str, int] = {}
-        for m in result.modules:
-            by_type[m.module_type or m.module] = by_type.get(m.module_type or m.module, 0) \
-                + m.saved_bytes
-        if by_type:
-            kind, nbytes = max(by_type.items(), key=lambda kv: kv[1])
-            share = nbytes / result.saved_bytes
-            if share >= DOMINANT_SHARE:
-                out.append(Finding(
-                    "memory.dominant", Severity.INFO,
-                    f"{kind} outputs hold {100 * share:.0f}% of saved activations",
-                    {"module_type": kind, "saved_bytes": nbytes, "share": share},
-                    fix="checkpoint the blocks that contain them, or use in-place variants "
-                        "where autograd allows"))
-    for p in result.plans:
-        if p.verified is False:
-            out.append(Finding(
-                "memory.verification_failed", Severity.ERROR,
-                f"checkpoint plan {p.name} changed the gradients",
-                {"plan": p.name}, fix="do not use this plan; report the model"))
-    base = result.saved_bytes
-    good = [p for p in result.plans if p.verified and p.saved_bytes < base and p.name != "none"]
-    if good:
-        best = min(good, key=lambda p: p.saved_bytes)
-        extra = (None if best.recompute_ms is None or not result.step_ms
-                 else best.recompute_ms / result.step_ms)
-        cost = "" if extra is None else f" at +{100 * extra:.0f}% step time"
-        out.append(Finding(
-            "memory.checkpoint_plan", Severity.INFO,
-            f"checkpointing {', '.join(best.blocks) or best.name} saves "
-            f"{base - best.saved_bytes:,} B of activations{cost}, gradients verified identical",
-            {"plan": best.name, "saved_before": base, "saved_after": best.saved_bytes,
-             "extra_step_frac": extra},
-            fix="torchscope.checkpointing.apply(model, blocks=...) when memory is the limit"))
-    return out
+    """`torchscope.memory.analyze_memory`'s findings: saved activations by module and type,
+    state vs activations, estimate vs measured peak, and the checkpoint plan."""
+    return list(result.findings)
 
 
 class MemorySection(Section[MemoryResult]):

@@ -1,7 +1,8 @@
 """The `profile` section: adapter over `torchscope.profiling.profile_steps`.
 
-Until the profiling capability is installed, `run` raises `CapabilityMissingError` and the doctor
-shows the section as not available. Wiring it means editing `_call` and `_convert` only.
+A few real training steps (forward, loss, backward, SGD step) under `torch.profiler`; the
+findings are `torchscope.profiling.profile_findings`'. Without the capability `run` raises
+`CapabilityMissingError` and the doctor shows the section as not available.
 """
 
 from __future__ import annotations
@@ -12,15 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from torchscope.doctor.section import (
-    DoctorOptions,
-    Metric,
-    Section,
-    load_capability,
-    optional_capability,
-)
+from torchscope.doctor.section import DoctorOptions, Metric, Section, load_capability
 from torchscope.doctor.sections._adapt import named_loss, num, trainable_sgd
-from torchscope.findings import Finding, Severity
+from torchscope.findings import Finding
 from torchscope.models.target import ModelInputs
 
 if TYPE_CHECKING:
@@ -30,12 +25,11 @@ __all__ = ["CAPABILITY", "ModuleTime", "OpTime", "ProfileResult", "ProfileSectio
            "analyze_profile"]
 
 CAPABILITY = "torchscope.profiling.profile_steps"
-TOP_OP_SHARE = 0.25  # an op taking this share of self CPU time is reported
 
 
 @dataclass(frozen=True)
 class OpTime:
-    """One op over the profiled steps (times in microseconds, as torch.profiler gives)."""
+    """One op summed over every profiled step (microseconds, as torch.profiler gives)."""
 
     name: str
     calls: int
@@ -46,7 +40,14 @@ class OpTime:
 
 @dataclass(frozen=True)
 class ModuleTime:
-    """Forward and backward time attributed to one module over the profiled steps."""
+    """Time of one module per step, its timed child modules excluded (so rows add up).
+
+    Attributes:
+        module: qualified name (`""` is the root).
+        calls: forward calls per step.
+        forward_ms: its own forward time per step.
+        backward_ms: time per step of the backward nodes its own forward ops created.
+    """
 
     module: str
     calls: int
@@ -56,7 +57,16 @@ class ModuleTime:
 
 @dataclass(frozen=True)
 class ProfileResult:
-    """Top ops and time per module over the profiled steps; step and phase times per step."""
+    """Top ops (summed over the steps), per-step module, step and phase times, findings.
+
+    Attributes:
+        steps: profiled steps.
+        ops: ops by self CPU time, largest first, summed over the steps.
+        modules: per-step self time of each timed module, in first-call order.
+        step_ms: median profiled step time.
+        forward_ms, backward_ms, optimizer_ms: the phases, per step.
+        findings: `torchscope.profiling.profile_findings`' findings.
+    """
 
     steps: int
     ops: tuple[OpTime, ...]
@@ -65,7 +75,7 @@ class ProfileResult:
     forward_ms: float | None
     backward_ms: float | None
     optimizer_ms: float | None
-    findings: tuple[Finding, ...] | None = None  # None: the capability gave no analysis
+    findings: tuple[Finding, ...] = ()
 
     @property
     def self_cpu_total_us(self) -> float:
@@ -81,50 +91,27 @@ def _call(model: nn.Module, inputs: ModelInputs, options: DoctorOptions) -> Any:
 
 
 def _convert(raw: Any) -> ProfileResult:
-    """`torchscope.profiling.ProfileResult` → the section's record (phases per step)."""
+    """`torchscope.profiling.ProfileResult` (totals over the steps) → the section's record."""
+    profile_findings = load_capability("torchscope.profiling.profile_findings")
+    steps = max(int(raw.steps), 1)
     ops = tuple(OpTime(o.name, int(o.calls), o.self_cpu_ms * 1e3, o.cpu_total_ms * 1e3,
                        o.self_device_ms * 1e3 if o.self_device_ms else None) for o in raw.ops)
-    modules = tuple(ModuleTime(m.module, int(m.calls), m.forward_ms, m.backward_ms)
-                    for m in raw.modules)
-    steps = int(raw.steps)
+    modules = tuple(ModuleTime(m.module, round(m.calls / steps), m.forward_self_ms / steps,
+                               m.backward_self_ms / steps) for m in raw.modules)
 
     def phase(name: str) -> float | None:
         ph = raw.phase(name)
-        return None if ph is None else ph.cpu_ms / max(steps, 1)
+        return None if ph is None else ph.cpu_ms / steps
 
-    analyzer = optional_capability("torchscope.profiling.profile_findings")
-    findings = None if analyzer is None else tuple(analyzer(raw))
-    return ProfileResult(steps, tuple(sorted(ops, key=lambda o: -o.self_cpu_us)), modules,
-                         num(raw.timing.profiled_ms), phase("forward"), phase("backward"),
-                         phase("optimizer"), findings)
+    return ProfileResult(int(raw.steps), tuple(sorted(ops, key=lambda o: -o.self_cpu_us)),
+                         modules, num(raw.timing.profiled_ms), phase("forward"),
+                         phase("backward"), phase("optimizer"), tuple(profile_findings(raw)))
 
 
 def analyze_profile(result: ProfileResult) -> list[Finding]:
-    """The capability's findings when it gives any; else the top op and the phase split."""
-    if result.findings is not None:
-        return list(result.findings)
-    out: list[Finding] = []
-    total = result.self_cpu_total_us
-    if result.ops and total > 0:
-        top = result.ops[0]
-        share = top.self_cpu_us / total
-        if share >= TOP_OP_SHARE:
-            out.append(Finding(
-                "profile.top_op", Severity.INFO,
-                f"{top.name} takes {100 * share:.0f}% of self CPU time "
-                f"({top.calls} calls over {result.steps} steps)",
-                {"op": top.name, "share": share, "calls": top.calls,
-                 "self_cpu_us": top.self_cpu_us},
-                fix="look at the modules that call it (--by module); a bigger batch or fused op "
-                    "amortises per-call cost"))
-    if result.forward_ms and result.backward_ms:
-        ratio = result.backward_ms / result.forward_ms
-        out.append(Finding(
-            "profile.backward_forward", Severity.INFO,
-            f"backward takes {ratio:.1f}× the forward time",
-            {"forward_ms": result.forward_ms, "backward_ms": result.backward_ms,
-             "ratio": ratio}))
-    return out
+    """`torchscope.profiling.profile_findings`' findings: top op, host syncs, backward
+    ratio, optimizer share, costliest module, profiler overhead."""
+    return list(result.findings)
 
 
 class ProfileSection(Section[ProfileResult]):
