@@ -161,6 +161,32 @@ def test_adapters_run_the_real_capabilities_and_their_analyzers() -> None:
     assert "profiling.top_op" in codes and all(c.startswith("profiling.") for c in codes)
 
 
+class _Counting(nn.Module):
+    """Mutates state in forward: a checkpoint's recompute sees another scale."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return torch.relu(self.lin(x)) * self.calls
+
+
+def test_memory_keeps_its_analysis_when_the_checkpoint_plan_fails_verification() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_Counting() for _ in range(4)])
+    report = run_doctor(model, torch.randn(4, 8), options=DoctorOptions(
+        steps=1, skip=frozenset({"compile", "profile"})))
+    mem = report.outcome("memory")
+    assert mem.status == "ok" and mem.result.plans == ()
+    assert mem.result.plans_note.startswith("no checkpoint plan: checkpointing changed the")
+    failed = [f for f in mem.findings if f.code == "memory.checkpoint_failed"]
+    assert len(failed) == 1 and failed[0].severity == Severity.WARNING and failed[0].fix
+    assert "memory.saved_by_type" in [f.code for f in mem.findings]  # the rest still stands
+
+
 class _Boom(Section[None]):
     name = "boom"
     title = "Boom"

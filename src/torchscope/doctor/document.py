@@ -21,7 +21,7 @@ __all__ = ["SCHEMA_ID", "SCHEMA_VERSION", "ReportFormatError", "build_document",
            "load_schema"]
 
 SCHEMA_ID = "torchscope.report"
-SCHEMA_VERSION = "1.0"
+SCHEMA_VERSION = "1.1"
 
 
 class ReportFormatError(TorchscopeError):

@@ -179,6 +179,8 @@ def memory_fragment(result: MemoryResult, plots: Mapping[str, str]) -> str:
             [(p.name, ", ".join(p.blocks) or "—", fmt_bytes(p.saved_bytes), p.recompute_ms,
               p.verified) for p in result.plans],
             numeric=(2, 3), bad_rows=[i for i, p in enumerate(result.plans) if p.verified is False])
+    elif result.plans_note:
+        plans = f'<h3>Checkpoint plans</h3><p class="note">{_e(result.plans_note)}</p>'
     return totals + _plots(plots, {
         "memory-saved": "Bytes autograd saved for backward, per module.",
         "memory-plans": "Checkpoint plans: saved memory against recompute time.",

@@ -16,8 +16,8 @@ from torch import nn
 
 from torchscope.doctor.section import DoctorOptions, Metric, Section, load_capability
 from torchscope.doctor.sections._adapt import named_loss, num, trainable_sgd
-from torchscope.errors import BudgetError, SelectionError
-from torchscope.findings import Finding
+from torchscope.errors import BudgetError, SelectionError, TorchscopeError, VerificationError
+from torchscope.findings import Finding, Severity
 from torchscope.models.target import ModelInputs
 
 if TYPE_CHECKING:
@@ -69,8 +69,10 @@ class MemoryResult:
         peak_estimate_bytes: the peak counted from tensor sizes.
         measured_peak_bytes: the measured peak (CPU: above the step's start).
         step_ms: measured step time without checkpointing (None when no plan was measured).
-        plans: the checkpoint plans; empty when the model has no block sequence.
-        findings: `analyze_memory`'s findings.
+        plans: the checkpoint plans; empty when none could be made (see `plans_note`).
+        findings: `analyze_memory`'s findings, and the checkpoint plan's failure if it failed.
+        plans_note: why there are no plans (no block sequence, no plan fits, or the plan
+            failed its verification); empty when there are, or when none were asked (--fast).
     """
 
     modules: tuple[ModuleMemory, ...]
@@ -83,24 +85,31 @@ class MemoryResult:
     step_ms: float | None
     plans: tuple[CheckpointPlan, ...] = ()
     findings: tuple[Finding, ...] = ()
+    plans_note: str = ""
 
 
-def _call(model: nn.Module, inputs: ModelInputs, options: DoctorOptions) -> Any:
+def _call(model: nn.Module, inputs: ModelInputs, options: DoctorOptions
+          ) -> tuple[Any, TorchscopeError | None]:
+    """The capability's report, and the error that stopped checkpoint planning (if any)."""
     analyze_memory = load_capability(CAPABILITY)
     loss = named_loss(options.loss, options.seed)
     # The same optimizer as the profile section's steps, so its state is counted (SGD: none).
     opt = trainable_sgd(model)
     if options.fast:
         return analyze_memory(model, inputs, optimizer=opt, loss_fn=loss, checkpoint="none",
-                              repeats=1)
+                              repeats=1), None
     try:
         # The least-recompute plan within what √L segments keep, verified bitwise.
-        return analyze_memory(model, inputs, optimizer=opt, loss_fn=loss, checkpoint="auto")
-    except (BudgetError, SelectionError):  # no block sequence to checkpoint, or no plan fits
-        return analyze_memory(model, inputs, optimizer=opt, loss_fn=loss, checkpoint="none")
+        return analyze_memory(model, inputs, optimizer=opt, loss_fn=loss,
+                              checkpoint="auto"), None
+    except (BudgetError, SelectionError, VerificationError) as exc:
+        # No block sequence, no plan that fits, or a plan that does not recompute exactly
+        # (e.g. a model that mutates state in forward): the rest of the analysis stands.
+        return analyze_memory(model, inputs, optimizer=opt, loss_fn=loss,
+                              checkpoint="none"), exc
 
 
-def _convert(raw: Any) -> MemoryResult:
+def _convert(raw: Any, plan_error: TorchscopeError | None = None) -> MemoryResult:
     """`torchscope.memory.MemoryReport` → the section's record."""
     modules = tuple(ModuleMemory(m.module, m.module_type, int(m.bytes), int(m.storages))
                     for m in raw.saved.modules)
@@ -121,7 +130,17 @@ def _convert(raw: Any) -> MemoryResult:
         modules, int(raw.saved.total_bytes), int(t.parameters), int(t.gradients),
         None if t.optimizer_state is None else int(t.optimizer_state), int(t.peak_estimate),
         None if raw.measured is None else int(raw.measured.peak_bytes), step_ms,
-        tuple(plans), tuple(raw.findings))
+        tuple(plans), tuple(raw.findings) + _plan_failure(plan_error),
+        "" if plan_error is None else f"no checkpoint plan: {plan_error.one_line()}")
+
+
+def _plan_failure(exc: TorchscopeError | None) -> tuple[Finding, ...]:
+    """The capability's verification verdict, when the checkpointed step failed it."""
+    if not isinstance(exc, VerificationError):
+        return ()
+    return (Finding("memory.checkpoint_failed", Severity.WARNING,
+                    f"checkpointing failed its verification: {' '.join(exc.message.split())}",
+                    {"plan": "auto"}, fix=exc.fix),)
 
 
 def analyze_memory(result: MemoryResult) -> list[Finding]:
@@ -139,7 +158,7 @@ class MemorySection(Section[MemoryResult]):
 
     def run(self, model: nn.Module, inputs: ModelInputs, options: DoctorOptions
             ) -> MemoryResult:
-        return _convert(_call(model, inputs, options))
+        return _convert(*_call(model, inputs, options))
 
     def analyze(self, result: MemoryResult) -> list[Finding]:
         return analyze_memory(result)
@@ -156,7 +175,7 @@ class MemorySection(Section[MemoryResult]):
         return {
             "saved_bytes": result.saved_bytes, "param_bytes": result.param_bytes,
             "grad_bytes": result.grad_bytes, "optimizer_bytes": result.optimizer_bytes,
-            "peak_estimate_bytes": result.peak_estimate_bytes,
+            "peak_estimate_bytes": result.peak_estimate_bytes, "plans_note": result.plans_note,
             "measured_peak_bytes": result.measured_peak_bytes, "step_ms": result.step_ms,
             "modules": [{"module": m.module, "type": m.module_type,
                          "saved_bytes": m.saved_bytes, "tensors": m.tensors}
