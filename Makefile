@@ -25,7 +25,7 @@ test: $(STAMP)
 		echo "chromium not installed: the browser test will be skipped"; fi
 	$(BIN)/python -m ruff check src tests benchmarks
 	$(BIN)/python -m mypy
-	$(BIN)/python -m pytest -n 2 --dist loadgroup
+	$(BIN)/python -m pytest -n 2 --dist loadfile
 
 lint: $(STAMP)
 	$(BIN)/python -m ruff check src tests benchmarks

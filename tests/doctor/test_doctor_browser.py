@@ -8,7 +8,6 @@ installs it with apt-get when it can).
 from __future__ import annotations
 
 import json
-import pickle
 import re
 import shutil
 import subprocess
@@ -19,7 +18,6 @@ from pathlib import Path
 import jsonschema
 import pytest
 import torch
-from filelock import FileLock
 
 from torchscope.doctor import (
     DoctorOptions,
@@ -119,26 +117,11 @@ def _full_run(out: Path) -> FullRun:
 
 
 @pytest.fixture(scope="module")
-def full_run(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> FullRun:
+def full_run(tmp_path_factory: pytest.TempPathFactory) -> FullRun:
     """Every section for real on deep-mlp (it has a block sequence, so checkpoint plans are
-    drawn too); compile in its default mode only, with few timed calls.
-
-    Run once per pytest run: under xdist the first worker to get here runs it and the others
-    load its pickle. (`--dist loadgroup` should keep these tests on one worker, but with
-    pytest 9 and xdist 3.8 the group suffix is not applied, so they may be split.)
-    """
-    if worker_id == "master":
-        return _full_run(tmp_path_factory.mktemp("doctor") / "report")
-    shared = tmp_path_factory.getbasetemp().parent / "doctor-full-run"  # one per pytest run
-    with FileLock(f"{shared}.lock"):
-        cached = shared / "run.pkl"
-        if cached.is_file():
-            run: FullRun = pickle.loads(cached.read_bytes())
-            return run
-        shared.mkdir(exist_ok=True)
-        run = _full_run(shared / "report")
-        cached.write_bytes(pickle.dumps(run))
-        return run
+    drawn too); compile in its default mode only, with few timed calls. Module-scoped, and
+    `make test` distributes tests by file, so it runs once per test run."""
+    return _full_run(tmp_path_factory.mktemp("doctor") / "report")
 
 
 def test_full_run_report_json_is_schema_valid(full_run: FullRun) -> None:
