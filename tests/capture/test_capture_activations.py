@@ -268,3 +268,21 @@ def test_std_and_norm_accurate_with_large_mean(shift: float) -> None:
     assert rel_close(s.std, x.std().item(), 1e-5)
     assert rel_close(s.norm, x.norm().item())
     assert rel_close(s.mean, x.mean().item(), 1e-5)
+
+
+@pytest.mark.parametrize("count_nonfinite", [True, False])
+def test_empty_int_and_bool_outputs_give_records(count_nonfinite: bool) -> None:
+    class Odd(nn.Module):
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            return x[:0], x > 0, x.long()
+
+    model = nn.Sequential(nn.ReLU(), Odd())
+    x = torch.randn(3, 4)
+    rec = capture_activations(model, x, count_nonfinite=count_nonfinite).get("1")
+    empty, flags, ints = rec.outputs
+    assert empty.numel == 0 and empty.shape == (0, 4) and empty.finite
+    assert empty.nan_count == (0 if count_nonfinite else None)
+    assert empty.dead_units is None
+    assert rel_close(flags.mean, (x.relu() > 0).float().mean().item())
+    assert ints.dtype == "torch.int64" and ints.max == x.relu().long().max().item()
+    assert rec.finite and rec.inputs_finite

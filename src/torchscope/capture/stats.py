@@ -40,7 +40,12 @@ def reduce_stats(
         t = t.to(torch.float32)  # half sums lose digits; the copy is worth it
     n = t.numel()
     if n == 0:
-        return torch.full((N_STATS,), float("nan"), dtype=torch.float64, device=t.device)
+        # No elements: the moments are undefined (NaN), but there are exactly no NaN/Inf
+        # values, and no channel to call dead.
+        out = torch.full((N_STATS,), float("nan"), dtype=torch.float64, device=t.device)
+        out[NANS] = out[INFS] = 0.0 if count_nonfinite else -1.0
+        out[DEAD] = -1.0
+        return out  # (N_STATS,)
     flat = t.reshape(-1)  # (N,)
     mean32 = flat.sum() / n
     norm = torch.linalg.vector_norm(flat).double()  # the very op behind Tensor.norm()
