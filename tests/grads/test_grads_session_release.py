@@ -1,12 +1,17 @@
-"""`HookSession.release`: per-step hooks are removed and forgotten, the rest stay owned."""
+"""What the gradient tools let go of: per-step hooks (`HookSession.release`), the hooks of an
+`open()` that failed, an unfinished step on an exception, and the model's weights on exit."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
+import pytest
 import torch
 from torch import nn
 
-from torchscope.grads import watch_gradients
-from torchscope.hooks import HookSession
+from torchscope.grads import GradCollector, watch_gradients
+from torchscope.hooks import HookSession, audit_hooks
 
 
 def test_release_removes_and_forgets() -> None:
@@ -36,3 +41,43 @@ def test_eval_forward_in_sampled_step_is_no_micro_batch() -> None:
         opt.step()
     assert watch.last is not None and watch.last.micro_batches == 1
     assert [r.micro for r in watch.last.modules] == [0]
+
+
+@pytest.mark.parametrize("with_optimizer", [True, False])
+def test_watch_kept_for_its_results_does_not_keep_the_weights_alive(
+    with_optimizer: bool,
+) -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1) if with_optimizer else None
+    with watch_gradients(model, optimizer=opt) as watch:
+        model(torch.randn(1, 2)).sum().backward()
+        if opt is not None:
+            opt.step()
+    weight = weakref.ref(model[0].weight)
+    layer = weakref.ref(model[0])
+    del model, opt
+    gc.collect()
+    assert weight() is None and layer() is None
+    assert watch.last is not None and watch.last.param("0.weight").norm is not None
+    assert watch.history.series("0") and len(watch.history) == 1
+
+
+def test_watch_left_by_an_exception_drops_the_unfinished_step() -> None:
+    model = nn.Sequential(nn.Linear(2, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(KeyboardInterrupt), watch_gradients(model, optimizer=opt) as watch:
+        model(torch.randn(1, 2)).sum().backward()
+        opt.step()  # step 0 is sampled here
+        model(torch.randn(1, 2)).sum().backward()  # step 1 never reaches its optimizer step
+        raise KeyboardInterrupt
+    assert watch.samples == 1 and watch.last is not None and watch.last.step == 0
+    assert audit_hooks(model).local_total == 0
+
+
+def test_collector_whose_open_fails_removes_the_hooks_it_added() -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    model[1].weight.register_post_accumulate_grad_hook = None  # type: ignore[method-assign]
+    with pytest.raises(TypeError), GradCollector(model):
+        pass
+    del model[1].weight.register_post_accumulate_grad_hook
+    assert audit_hooks(model).local_total == 0

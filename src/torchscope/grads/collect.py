@@ -157,6 +157,7 @@ class GradCollector:
         self._session = HookSession(model)
         model = self._session.model  # a torch.compile wrapper is unwrapped: plain names
         self._targets = select_modules(model, select, depth=depth)
+        self._names = [n for n, _ in self._targets]
         self._inputs = inputs
         self._scaler = scaler
         self.active = True
@@ -174,7 +175,11 @@ class GradCollector:
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> GradCollector:
-        self.open()
+        try:
+            self.open()
+        except BaseException:
+            self.close(failed=True)  # hooks registered before the failure come off too
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -188,7 +193,7 @@ class GradCollector:
     @property
     def modules(self) -> list[str]:
         """Qualified names of the modules recorded per call."""
-        return [n for n, _ in self._targets]
+        return list(self._names)
 
     @property
     def pending(self) -> bool:
@@ -213,8 +218,14 @@ class GradCollector:
                 s.post_accumulate_grad_hook(p, self._make_param_hook(i))
 
     def close(self, *, failed: bool = False) -> None:
-        """Remove every hook; step state is dropped."""
+        """Remove every hook; step state is dropped.
+
+        The modules and parameters are forgotten too, so that a collector (or a `GradWatch`)
+        kept for its results does not keep the model's weights alive.
+        """
         self._session.close(failed=failed)
+        self._targets = []
+        self._params = []
         self._reset()
 
     def _reset(self) -> None:

@@ -147,11 +147,15 @@ class GradWatch:
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> GradWatch:
-        self.open()
+        try:
+            self.open()
+        except BaseException:
+            self.close(failed=True)  # hooks registered before the failure come off too
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
+        self.close(failed=exc[0] is not None)
 
     def open(self) -> None:
         """Register the hooks (and the optimizer step hook when an optimizer is given)."""
@@ -163,14 +167,20 @@ class GradWatch:
             c.on_backward_end = self._end_step
         c.active = self._due(self.steps)
 
-    def close(self) -> None:
-        """Sample a due step left unfinished, then remove every hook."""
+    def close(self, *, failed: bool = False) -> None:
+        """Sample a due step left unfinished, then remove every hook.
+
+        Args:
+            failed: the caller is unwinding an exception: the unfinished step is dropped
+                rather than sampled, so that nothing can raise over the original error.
+        """
         try:
-            if self._collector.active and self._collector.backward_calls > 0:
+            if not failed and self._collector.active and self._collector.backward_calls > 0:
                 self._sample()
         finally:
             self._collector.on_backward_end = None
-            self._collector.close()
+            self._optimizer = None  # it holds the parameters: results must not keep them
+            self._collector.close(failed=failed)
 
     @property
     def session(self) -> HookSession:
