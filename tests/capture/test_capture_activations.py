@@ -286,3 +286,47 @@ def test_empty_int_and_bool_outputs_give_records(count_nonfinite: bool) -> None:
     assert rel_close(flags.mean, (x.relu() > 0).float().mean().item())
     assert ints.dtype == "torch.int64" and ints.max == x.relu().long().max().item()
     assert rec.finite and rec.inputs_finite
+
+
+def test_call_without_any_tensor_gives_a_record_with_no_outputs() -> None:
+    class Tick(nn.Module):
+        def forward(self) -> None:
+            return None
+
+    class Root(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tick = Tick()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.tick()
+            return x * 2
+
+    cap = capture_activations(Root(), torch.ones(2))
+    (rec,) = cap.records
+    assert rec.module == "tick" and rec.outputs == () and rec.output is None and rec.finite
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_model_with_cpu_tensors_in_its_calls() -> None:
+    # A PackedSequence keeps batch_sizes on the CPU while its data is on the GPU.
+    lstm = nn.LSTM(4, 3).cuda()
+    x = torch.randn(5, 2, 4, device="cuda")
+    packed = nn.utils.rnn.pack_padded_sequence(x, torch.tensor([5, 3]))
+    cap = capture_activations(lstm, (packed,))
+    (rec,) = cap.records
+    with torch.no_grad():
+        ref = lstm(packed)[0].data
+    data = rec.outputs[0]
+    assert data.device.startswith("cuda") and rel_close(data.mean, ref.mean().item(), 1e-5)
+    sizes = rec.outputs[1]
+    assert sizes.device == "cpu" and sizes.max == 2.0 and rec.inputs_finite
+
+
+def test_capture_whose_open_fails_removes_the_hooks_it_added() -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    model[1].register_forward_hook = None  # type: ignore[method-assign,assignment]
+    with pytest.raises(TypeError), activations(model):
+        pass
+    del model[1].register_forward_hook
+    assert audit_hooks(model).local_total == 0

@@ -55,6 +55,20 @@ class _Pending:
     input_rows: tuple[int, ...]  # rows whose NaN/Inf slots describe the tensor inputs
 
 
+_Rows = tuple[list[int], torch.Tensor]
+"""Rows of one forward that live on one device: their row numbers, and their stats stacked
+into a (rows, N_STATS) matrix that stays on that device until `records` is read."""
+
+
+def _stack_by_device(vecs: list[torch.Tensor]) -> list[_Rows]:
+    # A CUDA model still sees CPU tensors (a PackedSequence's batch_sizes, lengths): one
+    # stack per device, since torch.stack refuses to mix them.
+    rows: dict[torch.device, list[int]] = {}
+    for i, v in enumerate(vecs):
+        rows.setdefault(v.device, []).append(i)
+    return [(idx, torch.stack([vecs[i] for i in idx])) for idx in rows.values()]
+
+
 class ActivationCapture:
     """Collects activation records while its `HookSession` is open.
 
@@ -93,7 +107,7 @@ class ActivationCapture:
         self._warned_budget = False
         self._step = -1
         # Per forward: pending calls and the device vectors they wrote, flushed together.
-        self._pending: list[tuple[int, list[_Pending], list[torch.Tensor]]] = []
+        self._pending: list[tuple[int, list[_Pending], list[_Rows]]] = []
         self._cur: list[_Pending] = []
         self._vecs: list[torch.Tensor] = []
         self._calls: dict[str, int] = {}
@@ -102,7 +116,11 @@ class ActivationCapture:
 
     # ------------------------------------------------------------------ session
     def __enter__(self) -> ActivationCapture:
-        self.open()
+        try:
+            self.open()
+        except BaseException:
+            self.close(failed=True)  # hooks registered before the failure come off too
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -146,8 +164,7 @@ class ActivationCapture:
 
     def _end_forward(self, _m: nn.Module | None, _args: tuple[Any, ...], _out: Any) -> None:
         if self._vecs or self._cur:
-            # (rows, N_STATS) stays on the device until `records` is read.
-            self._pending.append((self._step, self._cur, [torch.stack(self._vecs)]))
+            self._pending.append((self._step, self._cur, _stack_by_device(self._vecs)))
         self._cur, self._vecs, self._seen = [], [], {}
 
     def _row_for_input(self, t: torch.Tensor) -> int:
@@ -249,18 +266,34 @@ class ActivationCapture:
             + (f" in step {step}" if step is not None else "")
         )
 
+    def _host_rows(self) -> list[list[list[float]]]:
+        """Each pending forward's stats rows on the host, in that forward's row numbering.
+
+        One host copy per device for everything pending: cat there, then `.cpu()` once.
+        """
+        mats = [m for _, _, groups in self._pending for _, m in groups]
+        by_device: dict[torch.device, list[int]] = {}
+        for j, m in enumerate(mats):
+            by_device.setdefault(m.device, []).append(j)
+        host: dict[int, torch.Tensor] = {}
+        for js in by_device.values():
+            parts = torch.cat([mats[j] for j in js]).cpu().split([mats[j].shape[0] for j in js])
+            host.update(zip(js, parts, strict=True))
+        out: list[list[list[float]]] = []
+        j = 0
+        for _, _, groups in self._pending:
+            rows: list[list[float]] = [[] for _ in range(sum(len(i) for i, _ in groups))]
+            for indices, _ in groups:
+                for i, row in zip(indices, host[j].tolist(), strict=True):
+                    rows[i] = row
+                j += 1
+            out.append(rows)
+        return out
+
     def _flush(self) -> None:
         if not self._pending:
             return
-        # One host copy for everything pending: cat on each device, then .cpu() once.
-        mats = [m for _, _, ms in self._pending for m in ms]
-        host = (
-            [m.cpu() for m in mats]
-            if len({m.device for m in mats}) > 1
-            else torch.cat(mats).cpu().split([m.shape[0] for m in mats])
-        )
-        for (step, calls, _), mat in zip(self._pending, host, strict=True):
-            rows = mat.tolist()
+        for (step, calls, _), rows in zip(self._pending, self._host_rows(), strict=True):
             for p in calls:
                 outs = []
                 for path, shape, dtype, device, numel, row in p.leaves:
