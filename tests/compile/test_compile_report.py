@@ -160,6 +160,8 @@ def test_bad_settings_raise() -> None:
         compile_report(TinyCNN(), torch.randn(2, 3, 8, 8), modes=("fastest",))
     with pytest.raises(CompileError, match="iters"):
         compile_report(TinyCNN(), torch.randn(2, 3, 8, 8), modes=("default",), iters=0)
+    with pytest.raises(CompileError, match="timeout_s=0"):
+        compile_report(TinyCNN(), torch.randn(2, 3, 8, 8), modes=("default",), timeout_s=0)
     inplace = TinyCNN()
     inplace.conv1.compile(backend="eager")
     with pytest.raises(CompileError, match="conv1 is already compiled"):

@@ -236,6 +236,7 @@ def test_model_error_leaves_no_hooks_and_no_profiler() -> None:
 @pytest.mark.parametrize(("kwargs", "match"), [
     ({"steps": 0}, "steps=0"),
     ({"warmup": -1}, "warmup=-1"),
+    ({"trace_steps": 0}, "trace_steps=0"),
 ])
 def test_bad_arguments(kwargs: dict[str, int], match: str) -> None:
     with pytest.raises(ProfilingError, match=match):

@@ -6,6 +6,7 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
@@ -24,6 +25,7 @@ __all__ = [
     "JsonOpt",
     "SelectOpt",
     "TargetArg",
+    "check_output",
     "console",
     "err_console",
     "fail",
@@ -97,6 +99,27 @@ def guarded(debug: bool) -> Iterator[None]:
                 "for the traceback."
             )
         )
+
+
+def check_output(path: str | None, option: str, *, folder: bool = False) -> None:
+    """Fail before any work when an output option cannot be written where it points.
+
+    Args:
+        path: the option's value; None (option not given) passes.
+        option: the option's name as the user typed it, e.g. `--json`.
+        folder: the option names a folder to create (`doctor --out`), not a file.
+    """
+    if path is None:
+        return
+    out = Path(path)
+    if folder and out.exists() and not out.is_dir():
+        fail(f"{option} {path} is an existing file, not a folder. Fix: pass a folder path.")
+    if not folder and out.is_dir():
+        fail(f"{option} {path} is a folder, not a file. Fix: pass a file path inside it.")
+    blocking = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        fail(f"{option} {path} lies under {blocking}, which is a file. Fix: pass a path whose "
+             "parent folders are folders.")
 
 
 def _escape(text: str) -> str:

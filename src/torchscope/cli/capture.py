@@ -12,6 +12,7 @@ from torchscope.cli._common import (
     JsonOpt,
     SelectOpt,
     TargetArg,
+    check_output,
     console,
     guarded,
     load,
@@ -34,6 +35,7 @@ def capture(
 ) -> None:
     """Capture activations: shape, dtype and statistics of every module output."""
     with guarded(debug):
+        check_output(json_path, "--json")
         from torchscope.capture import capture_activations, trace_nonfinite
         from torchscope.report.capture import activation_table, nonfinite_lines
         from torchscope.report.serialize import write_json

@@ -12,6 +12,7 @@ from torchscope.cli._common import (
     InputsFnOpt,
     JsonOpt,
     TargetArg,
+    check_output,
     console,
     err_console,
     guarded,
@@ -75,6 +76,7 @@ def compile_command(
     """Measure torch.compile per mode: compile cost, speedup, break-even calls, graph breaks,
     recompiles and numerical drift. Each mode runs in a child process with a timeout."""
     with guarded(debug):
+        check_output(json_path, "--json")
         from torchscope.compile import compile_findings, compile_report
         from torchscope.report.compile import (
             compile_table,

@@ -11,6 +11,7 @@ from torchscope.cli._common import (
     InputOpt,
     InputsFnOpt,
     TargetArg,
+    check_output,
     console,
     fail,
     guarded,
@@ -65,7 +66,7 @@ def doctor(
                                      "report.json.")] = "torchscope-report",
     loss: Annotated[str, typer.Option(help="Loss for the backward passes: auto, cross_entropy, "
                                       "mse or sum.")] = "auto",
-    steps: Annotated[int, typer.Option(min=1, help="Profiled training steps.")] = 5,
+    steps: Annotated[int, typer.Option(help="Profiled training steps.")] = 5,
     compile_modes: Annotated[str, typer.Option(
         "--compile-modes", help="torch.compile modes to measure, comma-separated.")] = "default",
     device: Annotated[str, typer.Option(help="cpu, cuda, cuda:N or auto.")] = "auto",
@@ -76,6 +77,8 @@ def doctor(
 ) -> None:
     """Examine a model end to end and write report.html + report.json with ranked findings."""
     with guarded(debug):
+        check_output(out, "--out", folder=True)
+        from torchscope.compile import known_modes
         from torchscope.doctor import DoctorOptions, section_names, write_report
         from torchscope.findings import Severity
         from torchscope.report.doctor import findings_table, sections_table
@@ -89,7 +92,13 @@ def doctor(
             fail(f"--loss {loss!r} is not one of {', '.join(_LOSSES)}. Fix: pick one of those.")
         if fail_on not in (None, "error", "warning"):
             fail(f"--fail-on {fail_on!r} is not error or warning. Fix: pick one of those.")
+        if steps < 1:
+            fail(f"--steps {steps} profiles nothing. Fix: pass --steps 1 or more.")
         modes = tuple(_split(compile_modes)) or ("default",)
+        unknown_modes = [m for m in modes if m not in known_modes()]
+        if unknown_modes:
+            fail(f"--compile-modes names unknown mode(s) {', '.join(unknown_modes)}. Fix: "
+                 f"choose from {', '.join(known_modes())}.")
         dev = _device(device)
         loaded, model_inputs = load(target, input, inputs)
         model = loaded.model.to(dev)
@@ -156,6 +165,7 @@ def diff(
 ) -> None:
     """Compare two doctor reports; exit 1 when a metric regressed beyond its threshold."""
     with guarded(debug):
+        check_output(json_path, "--json")
         from torchscope.doctor import diff_documents, load_document, parse_thresholds
         from torchscope.report.doctor import diff_table
         from torchscope.report.serialize import write_json
@@ -191,6 +201,7 @@ def lab(
 ) -> None:
     """Reproduce the lesson's milestones on its models and check each claim."""
     with guarded(debug):
+        check_output(json_path, "--json")
         from torchscope.doctor import run_lab
         from torchscope.doctor.lab import MILESTONES
         from torchscope.report.doctor import lab_tables

@@ -15,6 +15,7 @@ from torchscope.cli._common import (
     JsonOpt,
     SelectOpt,
     TargetArg,
+    check_output,
     console,
     guarded,
     load,
@@ -46,6 +47,8 @@ def grads(
 ) -> None:
     """Gradient flow: the norm of the gradient reaching and leaving every layer."""
     with guarded(debug):
+        check_output(json_path, "--json")
+        check_output(plot, "--plot")
         import torch
 
         from torchscope.errors import TorchscopeError

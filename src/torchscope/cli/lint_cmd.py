@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from torchscope.cli._common import DebugOpt, console, err_console, fail, guarded
+from torchscope.cli._common import DebugOpt, check_output, console, err_console, fail, guarded
 
 _FORMATS = ("text", "json", "sarif")
 
@@ -58,6 +58,7 @@ def lint(
     Silence one line with `# noqa: TS001` (or a bare `# noqa`).
     """
     with guarded(debug):
+        check_output(output, "--output")
         from torchscope.lint import lint_paths
         from torchscope.report.lint import json_payload, sarif_log, text_lines
 

@@ -12,6 +12,7 @@ from torchscope.cli._common import (
     InputsFnOpt,
     JsonOpt,
     TargetArg,
+    check_output,
     console,
     guarded,
     load,
@@ -57,6 +58,8 @@ def memory(
     """Memory of one training step: saved activations per module, totals, measured peak, and
     gradient checkpointing plans (verified: gradients identical with and without)."""
     with guarded(debug):
+        check_output(json_path, "--json")
+        check_output(plot, "--plot")
         import torch
 
         from torchscope.errors import TorchscopeError

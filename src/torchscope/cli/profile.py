@@ -13,6 +13,7 @@ from torchscope.cli._common import (
     InputsFnOpt,
     JsonOpt,
     TargetArg,
+    check_output,
     console,
     guarded,
     load,
@@ -57,6 +58,8 @@ def profile(
 
     quiet_kineto()  # before guarded(): its default level does not hide Kineto's USDT lines
     with guarded(debug):
+        for path, option in ((trace, "--trace"), (text, "--text"), (json_path, "--json")):
+            check_output(path, option)
         import torch
 
         from torchscope.profiling import (
@@ -81,6 +84,17 @@ def profile(
                                  fix=f"use one of {', '.join(SORT_KEYS)}.")
         if by not in ("op", "module"):
             raise ProfilingError(f"--by {by} is not known.", fix="use --by op or --by module.")
+        if limit < 1:
+            raise ProfilingError(f"--limit {limit} shows no row.", fix="pass --limit 1 or more.")
+        if depth is not None and depth < 0:
+            raise ProfilingError(f"--depth {depth} selects no module.",
+                                 fix="pass --depth 0 (the model itself) or more.")
+        if trace_steps < 1:
+            raise ProfilingError(f"--trace-steps {trace_steps} keeps no step in the trace.",
+                                 fix="pass --trace-steps 1 or more.")
+        if not lr > 0:
+            raise ProfilingError(f"--lr {lr} is not a positive learning rate.",
+                                 fix="pass e.g. --lr 0.01.")
         if device not in ("auto", "cpu", "cuda"):
             raise ProfilingError(f"--device {device} is not known.",
                                  fix="use --device auto, cpu or cuda.")
@@ -115,7 +129,8 @@ def profile(
         for note in result.notes:
             console.print(f"[dim]note: {note}[/]")
         if trace:
-            console.print(f"wrote trace {trace} (last {trace_steps} profiled steps; open it in "
+            console.print(f"wrote trace {trace} (last {min(trace_steps, steps)} profiled steps; "
+                          "open it in "
                           "https://ui.perfetto.dev or chrome://tracing)")
         if text:
             Path(text).parent.mkdir(parents=True, exist_ok=True)

@@ -314,6 +314,9 @@ def compile_report(
     if iters < 1 or warmup < 0:
         raise CompileError(f"iters={iters}, warmup={warmup}: need iters >= 1, warmup >= 0.",
                            fix="pass --iters 20 or more.")
+    if not timeout_s > 0:
+        raise CompileError(f"timeout_s={timeout_s} leaves no time to compile.",
+                           fix="pass --timeout 600 (seconds per mode) or another positive value.")
     if any(b < 1 for b in batch_sizes):
         raise CompileError(f"batch sizes {list(batch_sizes)} must be positive.",
                            fix="pass e.g. --batch-sizes 16,8.")

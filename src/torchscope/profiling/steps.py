@@ -251,6 +251,9 @@ def profile_steps(
         if int(value) < low:
             raise ProfilingError(f"{label}={value} is out of range.",
                                  fix=f"pass {label} >= {low}.")
+    if trace_steps is not None and trace_steps < 1:
+        raise ProfilingError(f"trace_steps={trace_steps} keeps no step in the trace.",
+                             fix="pass trace_steps >= 1, or None to keep every profiled step.")
     net: nn.Module | None
     model_inputs: ModelInputs | None
     if isinstance(step, nn.Module):

@@ -1,0 +1,79 @@
+"""Bad option values of every command fail before any work: one line, exit code 2."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from torchscope.cli import app
+
+runner = CliRunner()
+
+
+def _assert_one_line_error(argv: list[str], *needles: str) -> None:
+    result = runner.invoke(app, argv)
+    out = result.output
+    assert result.exit_code == 2, out
+    lines = [line for line in out.splitlines() if line.strip()]
+    assert len(lines) == 1, out
+    assert lines[0].startswith("error:"), out
+    assert "Traceback" not in out and "unexpected" not in out, out
+    for needle in needles:
+        assert needle in lines[0], out
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["capture", "mlp", "--json", "{d}"],
+        ["grads", "mlp", "--json", "{d}"],
+        ["grads", "mlp", "--plot", "{d}/flow.png"],
+        ["memory", "mlp", "--json", "{d}"],
+        ["memory", "mlp", "--plot", "{d}"],
+        ["profile", "mlp", "--json", "{d}"],
+        ["profile", "mlp", "--text", "{d}"],
+        ["profile", "mlp", "--trace", "{d}"],
+        ["compile", "mlp", "--json", "{d}"],
+        ["lint", "--no-config", "--output", "{d}", "{d}"],
+        ["diff", "{d}/a.json", "{d}/b.json", "--json", "{d}"],
+        ["lab", "--skip", "forward,backward,profile,checkpoint,memory,compile", "--json", "{d}"],
+    ],
+)
+def test_output_file_that_is_a_folder(tmp_path: Path, argv: list[str]) -> None:
+    (tmp_path / "flow.png").mkdir()
+    _assert_one_line_error([a.format(d=tmp_path) for a in argv], "is a folder, not a file")
+
+
+def test_output_under_a_file(tmp_path: Path) -> None:
+    blocker = tmp_path / "blocker"
+    blocker.write_text("")
+    _assert_one_line_error(["capture", "mlp", "--json", str(blocker / "acts.json")],
+                           "which is a file")
+    assert blocker.read_text() == ""
+
+
+def test_doctor_out_that_is_a_file(tmp_path: Path) -> None:
+    existing = tmp_path / "report"
+    existing.write_text("keep me")
+    _assert_one_line_error(["doctor", "mlp", "--out", str(existing)], "is an existing file")
+    assert existing.read_text() == "keep me"
+
+
+@pytest.mark.parametrize(
+    ("argv", "needles"),
+    [
+        (["profile", "mlp", "--limit", "0"], ["--limit 0"]),
+        (["profile", "mlp", "--limit", "-1"], ["--limit -1"]),
+        (["profile", "mlp", "--by", "module", "--depth", "-1"], ["--depth -1"]),
+        (["profile", "mlp", "--trace-steps", "0"], ["--trace-steps 0"]),
+        (["profile", "mlp", "--lr", "-1"], ["--lr -1.0"]),
+        (["compile", "mlp", "--timeout", "0"], ["timeout_s=0.0"]),
+        (["compile", "mlp", "--timeout", "-1"], ["timeout_s=-1.0"]),
+        (["doctor", "mlp", "--steps", "0"], ["--steps 0"]),
+        (["doctor", "mlp", "--compile-modes", "default,bogus"], ["bogus", "reduce-overhead"]),
+    ],
+)
+def test_bad_option_value(argv: list[str], needles: list[str]) -> None:
+    _assert_one_line_error(argv, *needles)
