@@ -10,7 +10,14 @@ import pytest
 import torch
 from torch import nn
 
-from torchscope import BudgetError, ModelError, activations, audit_hooks, capture_activations
+from torchscope import (
+    BudgetError,
+    ModelError,
+    TorchscopeError,
+    activations,
+    audit_hooks,
+    capture_activations,
+)
 from torchscope.capture import trace_nonfinite
 from torchscope.models import TinyCNN
 
@@ -329,4 +336,20 @@ def test_capture_whose_open_fails_removes_the_hooks_it_added() -> None:
     with pytest.raises(TypeError), activations(model):
         pass
     del model[1].register_forward_hook
+    assert audit_hooks(model).local_total == 0
+
+
+@pytest.mark.parametrize(
+    ("option", "match"),
+    [
+        ({"store": "all"}, r"store='all' is not a capture mode.*Fix: pass store="),
+        ({"on_budget": "warn"}, r"on_budget='warn' is not a budget policy.*Fix: pass on_budget="),
+        ({"max_bytes": -1}, r"max_bytes=-1 is negative.*Fix: pass max_bytes=0"),
+    ],
+)
+def test_bad_options_are_one_clear_error_before_any_hook(option: dict, match: str) -> None:
+    model = TinyCNN()
+    with pytest.raises(TorchscopeError, match=match) as info:
+        capture_activations(model, torch.randn(1, 3, 8, 8), **option)
+    assert "\n" not in str(info.value)
     assert audit_hooks(model).local_total == 0

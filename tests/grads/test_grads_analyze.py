@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from torch import nn
 
+from torchscope.errors import TorchscopeError
 from torchscope.findings import Severity
 from torchscope.grads import (
     GradThresholds,
@@ -17,6 +19,7 @@ from torchscope.grads import (
     find_nonfinite,
     find_vanishing,
     gradient_flow,
+    layer_norms,
 )
 from torchscope.grads.records import (
     INPUT_NO_GRAD,
@@ -131,3 +134,13 @@ def test_dead_layer_end_to_end() -> None:
     assert dead["1"].summary == "1 (ReLU) receives gradient but passes an all-zero gradient down"
     assert dead["0"].evidence["zero_params"] == 2
     assert flow.param("0.weight").norm == 0.0 and flow.param("2.bias").norm > 0
+
+
+def test_unknown_metric_or_series_kind_is_a_clear_error() -> None:
+    flow = GradFlow(0, (), (), 0.0)
+    with pytest.raises(TorchscopeError, match=r"metric='norm' is not a gradient metric.*Fix"):
+        layer_norms(flow, "norm")  # type: ignore[arg-type]
+    history = GradHistory((0,), ("fc",), ((1.0,),), ((2.0,),), (2.0,))
+    assert history.series("fc") == [1.0] and history.series("fc", "params") == [2.0]
+    with pytest.raises(TorchscopeError, match=r"kind='param' is not a series.*Fix"):
+        history.series("fc", "param")

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import torchscope.checkpointing as ckpt
-from torchscope.errors import BudgetError
+from torchscope.errors import BudgetError, TorchscopeError
 from torchscope.memory import analyze_memory, parse_bytes, plan_checkpointing
 from torchscope.memory.planner import _costs, _search_dp, _search_exact
 from torchscope.models import DeepMLP, ModelInputs
@@ -122,3 +122,11 @@ def test_analyze_memory_verifies_the_chosen_plan_without_measuring() -> None:
     assert report.plans.measurements == ()
     assert report.verification is not None and report.verification.bitwise_equal
     assert len(report.verification.grads) == 16
+
+
+def test_bad_plan_name_or_repeats_is_a_clear_error() -> None:
+    model, x = DeepMLP(), torch.randn(2, 64)
+    with pytest.raises(TorchscopeError, match=r"checkpoint='half' is not a plan.*Fix"):
+        analyze_memory(model, x, checkpoint="half", measure=False)  # type: ignore[arg-type]
+    with pytest.raises(TorchscopeError, match=r"repeats=0 times nothing.*Fix"):
+        plan_checkpointing(model, x, repeats=0)

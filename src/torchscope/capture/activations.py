@@ -27,7 +27,7 @@ from torchscope.capture.stats import (
     finiteness,
     reduce_stats,
 )
-from torchscope.errors import BudgetError
+from torchscope.errors import BudgetError, TorchscopeError
 from torchscope.hooks.select import Selector, select_modules
 from torchscope.hooks.session import HookSession
 from torchscope.hooks.tree import iter_tensors
@@ -90,7 +90,15 @@ class ActivationCapture:
         count_nonfinite: bool = True,
     ) -> None:
         if store not in ("stats", "tensors"):
-            raise ValueError(f"store must be 'stats' or 'tensors', not {store!r}")
+            raise TorchscopeError(f"store={store!r} is not a capture mode; expected 'stats' "
+                                  "or 'tensors'.", fix="pass store='stats' or store='tensors'.")
+        if on_budget not in ("error", "skip"):
+            raise TorchscopeError(f"on_budget={on_budget!r} is not a budget policy; expected "
+                                  "'error' or 'skip'.",
+                                  fix="pass on_budget='error' or on_budget='skip'.")
+        if max_bytes is not None and max_bytes < 0:
+            raise BudgetError(f"max_bytes={max_bytes} is negative; expected 0 or more bytes.",
+                              fix="pass max_bytes=0 or more, or None for no budget.")
         self._session = HookSession(model)
         # The session's model: a torch.compile wrapper is unwrapped, so names stay plain.
         self._targets = select_modules(self._session.model, select, depth=depth)

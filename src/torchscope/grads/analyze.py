@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from torchscope.errors import TorchscopeError
 from torchscope.findings import Finding, Severity, rank
 from torchscope.grads.records import NO_GRAD, NOT_REACHED, GradFlow, GradHistory
 
@@ -67,6 +68,9 @@ def layer_norms(flow: GradFlow, metric: Metric = "grad_output") -> list[tuple[st
     Layers are the recorded modules that own parameters, or every recorded module when
     none does. "grad_output" combines all calls and micro-batches of a module; "params"
     combines the module's own parameter gradients.
+
+    Raises:
+        TorchscopeError: `metric` is neither "grad_output" nor "params".
     """
     owners = {r.module for r in flow.modules if r.owns_params}
     order = [m for m in flow.layers() if not owners or m in owners]
@@ -75,7 +79,9 @@ def layer_norms(flow: GradFlow, metric: Metric = "grad_output") -> list[tuple[st
     elif metric == "grad_output":
         source = flow.output_norms()
     else:
-        raise ValueError(f"metric must be 'grad_output' or 'params', not {metric!r}")
+        raise TorchscopeError(f"metric={metric!r} is not a gradient metric; expected "
+                              "'grad_output' or 'params'.",
+                              fix="pass metric='grad_output' or metric='params'.")
     out = []
     for m in order:
         n = source.get(m)

@@ -7,6 +7,8 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from torchscope.errors import TorchscopeError
+
 __all__ = [
     "GradFlow",
     "GradHistory",
@@ -256,7 +258,11 @@ class GradHistory:
 
         Raises:
             KeyError: unknown layer.
+            TorchscopeError: `kind` is neither "output" nor "params".
         """
+        if kind not in ("output", "params"):
+            raise TorchscopeError(f"kind={kind!r} is not a series; expected 'output' or "
+                                  "'params'.", fix="pass kind='output' or kind='params'.")
         if layer not in self.layers:
             raise KeyError(f"no layer {layer!r} in the history")
         j = self.layers.index(layer)

@@ -7,6 +7,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from torchscope.errors import TorchscopeError
 from torchscope.memory._step import LossFn
 from torchscope.memory.analysis import analyze_plans, analyze_saved, analyze_totals
 from torchscope.memory.checkpoint import BlockSpec
@@ -55,6 +56,7 @@ def analyze_memory(
         name: a label for the report (default: the model's class name).
 
     Raises:
+        TorchscopeError: `checkpoint` is not one of the plans.
         BudgetError: the budget cannot be met (the message names the smallest that can).
         VerificationError: the chosen plan changed the loss or a gradient.
     """
@@ -62,7 +64,9 @@ def analyze_memory(
     if budget is not None and checkpoint == "none":
         checkpoint = "auto"
     if checkpoint not in ("none", "all", "sqrt", "auto"):
-        raise ValueError(f"checkpoint must be none, all, sqrt or auto, not {checkpoint!r}")
+        raise TorchscopeError(f"checkpoint={checkpoint!r} is not a plan; expected 'none', "
+                              "'all', 'sqrt' or 'auto'.",
+                              fix="pass checkpoint='sqrt' (or 'all', 'auto', 'none').")
     saved = saved_activations(model, model_inputs, loss_fn=loss_fn)
     totals = memory_totals(model, saved, optimizer)
     measured = measure_step(model, model_inputs, loss_fn=loss_fn) if measure else None

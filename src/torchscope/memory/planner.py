@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchscope.errors import BudgetError
+from torchscope.errors import BudgetError, TorchscopeError
 from torchscope.hooks.session import HookSession
 from torchscope.memory._step import (
     LossFn,
@@ -388,10 +388,14 @@ def plan_checkpointing(
         exact_limit: search every plan exhaustively up to this many blocks.
 
     Raises:
+        TorchscopeError: `repeats` is below 1.
         BudgetError: the budget is below what the leanest plan keeps; the message names
             that smallest feasible budget.
         VerificationError: a plan changed the loss or a gradient.
     """
+    if repeats < 1:
+        raise TorchscopeError(f"repeats={repeats} times nothing; expected 1 or more.",
+                              fix="pass repeats=1 or more.")
     model_inputs = ModelInputs.of(inputs)
     resolved = resolve_blocks(model, blocks)
     costs, profiles, baseline = _costs(model, resolved, model_inputs, loss_fn, repeats)
