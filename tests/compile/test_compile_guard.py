@@ -100,3 +100,24 @@ def test_unwrap_compiled() -> None:
     model = TinyCNN()
     assert unwrap_compiled(torch.compile(model, backend="eager")) is model
     assert unwrap_compiled(model) is model
+
+
+def test_compiled_capture_whose_enter_fails_restores_the_stance(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch._dynamo.eval_frame as eval_frame
+
+    import torchscope.compile.guard as guard
+
+    class Broken:
+        def __enter__(self) -> None:
+            raise RuntimeError("no watcher")
+
+        def __exit__(self, *_exc: object) -> None:
+            return None
+
+    monkeypatch.setattr(guard, "RecompileWatcher", Broken)
+    compiled = torch.compile(TinyCNN(), backend="eager")
+    with pytest.raises(RuntimeError, match="no watcher"), compiled_capture(compiled):
+        pass
+    assert eval_frame._stance.stance == "default"

@@ -311,3 +311,20 @@ def test_checkpoint_recompute_counts_as_backward() -> None:
     # ...and block's backward nodes (and their recompute) are still attributed to it.
     assert block.backward_nodes > 0 and block.backward_ms > 0
     assert result.module("block.0").backward_nodes > 0
+
+
+def test_module_ranges_whose_open_fails_removes_the_hooks_it_added(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from torchscope.profiling import ModuleRanges
+
+    net = MLP(4, 4, 2)
+
+    def refuse(*_a: object, **_k: object) -> None:
+        raise RuntimeError("no more hooks")
+
+    monkeypatch.setattr(net.fc2, "register_forward_hook", refuse)
+    with pytest.raises(RuntimeError, match="no more hooks"), ModuleRanges(net):
+        pass
+    for module in net.modules():
+        assert not module._forward_hooks and not module._forward_pre_hooks

@@ -95,8 +95,13 @@ class CompiledCapture:
 
     def __enter__(self) -> CompiledCapture:
         if self.check.is_compiled:
-            self._stack.enter_context(torch.compiler.set_stance("force_eager"))
-            self._watcher = self._stack.enter_context(RecompileWatcher())
+            try:
+                self._stack.enter_context(torch.compiler.set_stance("force_eager"))
+                self._watcher = self._stack.enter_context(RecompileWatcher())
+            except BaseException:
+                # `with` never calls __exit__ when __enter__ raises: restore the stance here.
+                self._stack.close()
+                raise
         return self
 
     def __exit__(

@@ -82,13 +82,18 @@ class ModuleRanges:
         return [n for n, _ in self._targets]
 
     def open(self) -> None:
-        """Register the hooks."""
-        for name, module in self._targets:
-            label = range_label(name, type(module).__name__)
-            self.labels[label] = (name, type(module).__name__)
-            stack: list[Any] = self._open.setdefault(id(module), [])
-            self._session.forward_pre_hook(module, self._make_pre(label, stack))
-            self._session.forward_hook(module, self._make_post(stack), always_call=True)
+        """Register the hooks; if one cannot be registered, those already added are removed."""
+        try:
+            for name, module in self._targets:
+                label = range_label(name, type(module).__name__)
+                self.labels[label] = (name, type(module).__name__)
+                stack: list[Any] = self._open.setdefault(id(module), [])
+                self._session.forward_pre_hook(module, self._make_pre(label, stack))
+                self._session.forward_hook(module, self._make_post(stack), always_call=True)
+        except BaseException:
+            # `with` never calls __exit__ when __enter__ raises: remove them here.
+            self.close()
+            raise
 
     def close(self) -> None:
         """Remove the hooks and close any range a crash left open."""
