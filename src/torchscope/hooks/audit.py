@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
-import torch
 from torch import nn
 from torch.nn.modules import module as _module_mod
 
@@ -195,7 +194,3 @@ class HookGrowthGuard:
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
-
-
-def _tensor_hook_count(t: torch.Tensor) -> int:
-    return _len(getattr(t, "_backward_hooks", None))

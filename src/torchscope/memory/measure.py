@@ -164,10 +164,10 @@ def memory_totals(model: nn.Module, saved: SavedActivations,
     gradients: what is held when backward starts, plus every gradient backward writes;
     transient buffers (unsaved intermediates, kernel workspaces) are not in it.
     """
-    params, buffers = state_keys(model)
+    params, _ = state_keys(model)
     p_bytes = _unique_bytes(model.parameters())
+    # A buffer that shares a parameter's storage is already counted with the parameters.
     b_bytes = _unique_bytes(b for b in model.buffers() if storage_key(b) not in params)
-    del buffers
     g_bytes = _unique_bytes(p for p in model.parameters() if p.requires_grad)
     opt_bytes: int | None = None
     source = "none"
