@@ -94,7 +94,14 @@ def test_thresholds_parse_prefixes_and_percent() -> None:
 
 @pytest.mark.parametrize("content", [None, "not json", json.dumps({"schema": "other"}),
                                      json.dumps({"schema": "torchscope.report",
-                                                 "schema_version": "2.0", "metrics": {}})])
+                                                 "schema_version": "2.0", "metrics": {}}),
+                                     json.dumps({"schema": "torchscope.report",
+                                                 "schema_version": "1.0",
+                                                 "metrics": {"a.b": 1.0}}),
+                                     json.dumps({"schema": "torchscope.report",
+                                                 "schema_version": "1.0",
+                                                 "metrics": {"a.b": {"value": 1.0,
+                                                                     "better": "up"}}})])
 def test_diff_bad_input_exit_2_one_line(tmp_path: Path, content: str | None) -> None:
     good = _write(tmp_path / "good.json", _doc(**{"a.b": (1.0, "lower")}))
     bad = tmp_path / "bad.json"
@@ -104,3 +111,4 @@ def test_diff_bad_input_exit_2_one_line(tmp_path: Path, content: str | None) -> 
     assert res.exit_code == 2, res.output
     lines = [ln for ln in res.output.splitlines() if ln.strip()]
     assert len(lines) == 1 and "Traceback" not in res.output
+    assert "unexpected" not in res.output, res.output

@@ -105,4 +105,10 @@ def load_document(path: str | Path) -> dict[str, Any]:
     if not isinstance(doc.get("metrics"), dict):
         raise ReportFormatError(f"{str(path)!r} has no \"metrics\" object.",
                                 fix="regenerate it with `torchscope doctor`.")
+    for name, entry in doc["metrics"].items():
+        if not isinstance(entry, dict) or entry.get("better", "lower") not in ("lower", "higher"):
+            raise ReportFormatError(
+                f"{str(path)!r}: metric {name!r} is not an object with \"better\" lower or "
+                f"higher (got {json.dumps(entry)[:60]}).",
+                fix="regenerate it with `torchscope doctor`.")
     return doc
