@@ -6,11 +6,14 @@ sent to a child). Everything here returns plain numbers and records.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import os
 import statistics
+import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +63,32 @@ class RawMode:
     recompile_limit: int
     limit_hit: bool
     shape_calls: tuple[ShapeCall, ...]
+
+
+@contextlib.contextmanager
+def fresh_inductor_cache() -> Iterator[None]:
+    """An empty on-disk inductor cache and empty in-memory caches; Dynamo reset on both ends.
+
+    Without it a later mode reuses the C++ kernels an earlier mode compiled (same source,
+    same hash) and its "cold" compile looks cheap. TORCHINDUCTOR_CACHE_DIR is restored after.
+    """
+    import torch._dynamo
+    from torch._inductor.utils import clear_caches
+
+    old = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    with tempfile.TemporaryDirectory(prefix="torchscope-compile-") as tmp:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tmp
+        torch._dynamo.reset()
+        clear_caches()
+        try:
+            yield
+        finally:
+            if old is None:
+                os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+            else:
+                os.environ["TORCHINDUCTOR_CACHE_DIR"] = old
+            torch._dynamo.reset()
+            clear_caches()
 
 
 def _device_of(model: nn.Module, inputs: ModelInputs) -> torch.device:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchscope.compile._measure import MeasureJob, run_job
+from torchscope.compile._measure import MeasureJob, fresh_inductor_cache, run_job
 from torchscope.compile.breaks import BreakScan
 from torchscope.compile.guard import compiled_parts
 from torchscope.compile.records import (
@@ -232,21 +232,8 @@ def _run_child(payload: dict[str, Any], timeout_s: float) -> dict[str, Any]:
 
 def _run_here(model: nn.Module, inputs: ModelInputs, job: MeasureJob) -> dict[str, Any]:
     """Measure in this process, with a fresh inductor cache dir; Dynamo is reset after."""
-    from torch._inductor.utils import clear_caches
-
-    old = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    with tempfile.TemporaryDirectory(prefix="torchscope-compile-") as tmp:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tmp
-        clear_caches()
-        try:
-            return _jsonable(run_job(model, inputs, job))
-        finally:
-            if old is None:
-                os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
-            else:
-                os.environ["TORCHINDUCTOR_CACHE_DIR"] = old
-            torch._dynamo.reset()
-            clear_caches()
+    with fresh_inductor_cache():
+        return _jsonable(run_job(model, inputs, job))
 
 
 def compile_report(

@@ -10,11 +10,9 @@ reason (for example, CUDA-only claims on a CPU machine).
 from __future__ import annotations
 
 import contextlib
-import os
 import platform
 import shutil
 import statistics
-import tempfile
 import time
 import warnings
 from collections.abc import Callable, Collection, Iterator
@@ -401,36 +399,12 @@ def _time_calls(fn: Callable[[], Any], n: int, sync: Callable[[], None]) -> floa
     return statistics.median(times) * 1e3
 
 
-@contextlib.contextmanager
-def _fresh_inductor_cache() -> Iterator[None]:
-    """An empty on-disk inductor cache and empty in-memory caches, restored afterwards.
-
-    Without it a later mode reuses the C++ kernels an earlier mode compiled (same source,
-    same hash) and its "cold" compile looks cheap.
-    """
-    import torch._dynamo
-    from torch._inductor.utils import clear_caches
-
-    old = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    with tempfile.TemporaryDirectory(prefix="torchscope-lab-") as tmp:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tmp
-        torch._dynamo.reset()
-        clear_caches()
-        try:
-            yield
-        finally:
-            if old is None:
-                os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
-            else:
-                os.environ["TORCHINDUCTOR_CACHE_DIR"] = old
-            torch._dynamo.reset()
-            clear_caches()
-
-
 def _compile(device: torch.device, modes: tuple[str, ...], iters: int) -> _Part:
     import torch._dynamo
     import torch._inductor.config as inductor_config
     from torch._dynamo.utils import counters
+
+    from torchscope.compile._measure import fresh_inductor_cache
 
     torch.manual_seed(0)
     model = TinyCNN().to(device).eval()
@@ -448,12 +422,12 @@ def _compile(device: torch.device, modes: tuple[str, ...], iters: int) -> _Part:
         eager_ms = _time_calls(lambda: model(x), iters, sync)
         # One-time start-up (imports, compiler probe, first trace of these ops) is paid here,
         # by no mode: otherwise the first mode measured looks the most expensive.
-        with _fresh_inductor_cache():
+        with fresh_inductor_cache():
             torch.compile(model)(x)
         for mode in modes:
             try:
                 # Cold: empty caches and no FX graph cache, so each mode pays its full compile.
-                with _fresh_inductor_cache(), inductor_config.patch(fx_graph_cache=False):
+                with fresh_inductor_cache(), inductor_config.patch(fx_graph_cache=False):
                     compiled = torch.compile(model, mode=mode)
                     t0 = time.perf_counter()
                     compiled(x)
