@@ -69,14 +69,7 @@ def profile(
             profile_steps,
             random_target_loss,
         )
-        from torchscope.report.profiling import (
-            finding_lines,
-            module_table,
-            op_table,
-            phase_table,
-            profile_text,
-            timing_line,
-        )
+        from torchscope.report.profiling import profile_text, summary_renderables
         from torchscope.report.serialize import write_json
 
         if sort not in SORT_KEYS:
@@ -118,14 +111,8 @@ def profile(
             trace=trace, trace_steps=trace_steps,
         )
         findings = profile_findings(result)
-        console.print(phase_table(result))
-        if by == "module":
-            console.print(module_table(result, limit))
-        else:
-            console.print(op_table(result, sort, limit))
-        console.print(timing_line(result))
-        for line in finding_lines(findings):
-            console.print(line)
+        for part in summary_renderables(result, findings, sort=sort, by=by, limit=limit):
+            console.print(part)
         for note in result.notes:
             console.print(f"[dim]note: {note}[/]")
         if trace:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 from collections.abc import Sequence
 
-from rich.console import Console
+from rich.console import Console, RenderableType
 from rich.table import Table
 
 from torchscope.findings import Finding, Severity
@@ -19,6 +19,7 @@ __all__ = [
     "op_table",
     "phase_table",
     "profile_text",
+    "summary_renderables",
     "timing_line",
 ]
 
@@ -175,17 +176,30 @@ def finding_lines(findings: Sequence[Finding]) -> list[str]:
     return lines
 
 
+def summary_renderables(result: ProfileResult, findings: Sequence[Finding] = (), *,
+                        sort: str = "self_cpu", by: str = "op", limit: int | None = 15
+                        ) -> list[RenderableType]:
+    """The summary in print order: phase table, op or module table, timing, findings.
+
+    Args:
+        result: the profile.
+        findings: its findings (`profile_findings`).
+        sort: op order (see `SORT_KEYS`).
+        by: `module` for the module table (when modules were timed), else the op table.
+        limit: rows of the op or module table.
+    """
+    if by == "module" and result.modules:
+        table = module_table(result, limit)
+    else:
+        table = op_table(result, sort, limit)
+    return [phase_table(result), table, timing_line(result), *finding_lines(findings)]
+
+
 def profile_text(result: ProfileResult, findings: Sequence[Finding] = (), *,
                  sort: str = "self_cpu", by: str = "op", limit: int | None = 15,
                  width: int = 140) -> str:
     """The whole summary as plain text (tables without colour), e.g. to save with the run."""
     console = Console(file=io.StringIO(), width=width, record=True, color_system=None)
-    console.print(phase_table(result))
-    if by == "module" and result.modules:
-        console.print(module_table(result, limit))
-    else:
-        console.print(op_table(result, sort, limit))
-    console.print(timing_line(result))
-    for line in finding_lines(findings):
-        console.print(line)
+    for part in summary_renderables(result, findings, sort=sort, by=by, limit=limit):
+        console.print(part)
     return console.export_text()
