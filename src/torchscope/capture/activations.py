@@ -72,8 +72,27 @@ def _stack_by_device(vecs: list[torch.Tensor]) -> list[_Rows]:
 class ActivationCapture:
     """Collects activation records while its `HookSession` is open.
 
-    Hooks only enqueue device reductions; `records` copies everything to the host in one
-    transfer per forward. Tensors kept with `store="tensors"` are in `tensors`.
+    Hooks only enqueue device reductions; reading `records` copies everything pending to
+    the host at once, one transfer per device. Tensors kept with `store="tensors"` are in
+    `tensors`; keeping one is a device-to-host copy inside the hook (with `offload=True`),
+    so that mode is for inspection, not for every step of a long run.
+
+    Args:
+        model: any `nn.Module` (a `torch.compile` wrapper is unwrapped).
+        select: which modules to hook (see `select_modules`); default: the leaf modules.
+        depth: limit the selection depth.
+        store: "stats" keeps statistics only; "tensors" also keeps detached copies.
+        max_bytes: budget for stored tensors, in bytes; None for no budget.
+        offload: copy stored tensors to the CPU (else clone them on their device).
+        on_budget: over the budget, "error" raises `BudgetError`; "skip" warns once and
+            skips the tensors that do not fit.
+        dead_units: count all-zero channels of ReLU-family outputs.
+        count_nonfinite: count NaN and Inf elements exactly (see `capture_activations`).
+
+    Raises:
+        TorchscopeError: `store` or `on_budget` is not one of its values.
+        BudgetError: `max_bytes` is negative.
+        SelectionError: `select` matched no module.
     """
 
     def __init__(
@@ -411,6 +430,12 @@ def activations(
     count_nonfinite: bool = True,
 ) -> Iterator[ActivationCapture]:
     """Capture activations in your own loop; every forward inside the block is recorded.
+
+    The hooks come off when the block ends, through an exception or a `KeyboardInterrupt`
+    too. The arguments are those of `ActivationCapture`.
+
+    Yields:
+        The `ActivationCapture`; its records stay readable after the block.
 
     Example:
         >>> with torchscope.activations(model, select="Conv2d") as acts:

@@ -37,6 +37,10 @@ def trace_nonfinite(records: Sequence[ActivationRecord], step: int | None = None
     Args:
         records: activation records (from one or more forwards).
         step: which forward to read; default the last one in `records`.
+
+    Returns:
+        The producer (None when that forward stayed finite), the calls that only passed
+        NaN/Inf on, and any later independent producers.
     """
     if not records:
         return NonFiniteTrace(None, (), ())

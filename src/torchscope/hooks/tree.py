@@ -18,7 +18,14 @@ __all__ = ["iter_tensors"]
 def iter_tensors(obj: Any, path: str = "", _depth: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(path, tensor)` for every tensor inside `obj`, depth first, in order.
 
-    Paths read like the access: `""` for a bare tensor, `"[0]"`, `"['logits']"`, `".hidden"`.
+    Args:
+        obj: a tensor, or a tuple, list, mapping or dataclass holding tensors at any depth
+            (32 levels at most, which also stops a cycle).
+        path: prefix of every yielded path.
+
+    Yields:
+        `(path, tensor)`; paths read like the access: `""` for a bare tensor, `"[0]"`,
+        `"['logits']"`, `".hidden"`.
     """
     if _depth > 32:  # a cycle or a pathological structure: stop rather than recurse forever
         return
