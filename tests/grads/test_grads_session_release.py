@@ -81,3 +81,26 @@ def test_collector_whose_open_fails_removes_the_hooks_it_added() -> None:
         pass
     del model[1].weight.register_post_accumulate_grad_hook
     assert audit_hooks(model).local_total == 0
+
+
+def test_forward_interrupted_by_keyboard_interrupt_leaves_nothing_behind() -> None:
+    class Stop(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise KeyboardInterrupt
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    with watch_gradients(model) as watch:
+        x = torch.randn(1, 2, requires_grad=True)
+        stop = model[1].register_forward_pre_hook(lambda m, a: Stop()(a[0]))
+        with pytest.raises(KeyboardInterrupt):  # torch runs no forward hook after it
+            model(x)
+        stop.remove()
+        ref = weakref.ref(x)
+        del x
+        model(torch.randn(1, 2)).sum().backward()
+        gc.collect()
+        assert ref() is None  # no input alias of the interrupted call is kept
+    assert watch.last is not None
+    # The interrupted forward's finished call of "0" stays, reached by no gradient.
+    assert [(r.module, r.micro, r.order) for r in watch.last.modules] == [
+        ("1", 1, 0), ("0", 1, 1), ("0", 0, None)]

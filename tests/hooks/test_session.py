@@ -130,3 +130,19 @@ def test_module_stack_tracks_nesting_and_unwinds_on_error() -> None:
         bad.remove()
         assert stack == []
     assert seen == [["", "0", "0.1"], ["", "0", "0.1"]]
+
+
+def test_module_stack_starts_afresh_after_a_keyboard_interrupt() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    seen: list[list[str]] = []
+    with HookSession(model) as s:
+        stack = s.enable_module_stack()
+        stop = model[1].register_forward_pre_hook(lambda m, i: (_ for _ in ()).throw(
+            KeyboardInterrupt()))
+        with pytest.raises(KeyboardInterrupt):  # torch runs no always_call hook after it
+            model(torch.randn(3, 4))
+        stop.remove()
+        s.forward_pre_hook(model[0], lambda m, i: seen.append(list(stack)))
+        model(torch.randn(3, 4))
+        assert stack == []
+    assert seen == [["", "0"]]

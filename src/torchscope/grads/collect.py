@@ -171,6 +171,8 @@ class GradCollector:
                 seen.add(id(p))
                 self._params.append((f"{mname}.{pname}" if mname else pname, mname, p))
         self._bw_queued = False
+        # Per hooked module: its calls between pre-hook and forward hook.
+        self._in_flight: list[list[tuple[_Call, list[_PendingInput]] | None]] = []
         self._reset()
 
     # ------------------------------------------------------------------ lifecycle
@@ -226,6 +228,7 @@ class GradCollector:
         self._session.close(failed=failed)
         self._targets = []
         self._params = []
+        self._in_flight = []
         self._reset()
 
     def _reset(self) -> None:
@@ -244,6 +247,10 @@ class GradCollector:
     # ------------------------------------------------------------------ hooks
     def _on_root_forward(self, _m: nn.Module, _args: tuple[Any, ...]) -> None:
         self._bw_queued = False  # a backward that raised never ran its end callback
+        for stack in self._in_flight:
+            # torch runs no forward hook after a KeyboardInterrupt: drop the calls (and the
+            # input aliases, which hold their graph) that an interrupted forward left here.
+            stack.clear()
         if self.active and torch.is_grad_enabled():  # eval forwards are no micro-batch
             self._micro += 1
             self._counts = {}
@@ -352,6 +359,7 @@ class GradCollector:
 
     def _make_module_hooks(self, name: str, module: nn.Module) -> tuple[Any, Any]:
         stack: list[tuple[_Call, list[_PendingInput]] | None] = []
+        self._in_flight.append(stack)
         type_name = type(module).__name__
         owns = next(module.parameters(recurse=False), None) is not None
         inplace = getattr(module, "inplace", False) is True

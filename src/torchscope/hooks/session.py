@@ -242,7 +242,8 @@ class HookSession:
         """Keep a stack of the qualified names of the modules currently in `forward`.
 
         Returns the live list (innermost module last). Pops use `always_call=True`, so the
-        stack unwinds even when a forward raises.
+        stack unwinds even when a forward raises an `Exception`; torch runs no forward hook
+        after a `KeyboardInterrupt`, so the root's next forward starts the stack afresh.
         """
         if self._stack is not None:
             return self._stack
@@ -251,6 +252,8 @@ class HookSession:
         for name, module in self.model.named_modules():
 
             def push(_m: nn.Module, _a: tuple[Any, ...], _n: str = name) -> None:
+                if not _n:
+                    stack.clear()  # names an interrupted forward never popped
                 stack.append(_n)
 
             def pop(_m: nn.Module, _a: tuple[Any, ...], _o: Any, _n: str = name) -> None:
