@@ -81,3 +81,13 @@ def test_lab_compile_cost_column_is_measured() -> None:
     assert isinstance(loop.measured, int) and loop.held == (loop.measured == 3)
     for c in result.claims:
         assert (c.held is None) == (c.measured is None), c
+
+
+def test_lab_leaves_the_callers_rng_state_alone() -> None:
+    from torchscope.doctor import run_lab
+
+    torch.manual_seed(4321)
+    before = torch.get_rng_state()
+    result = run_lab(skip=("backward", "profile", "checkpoint", "memory", "compile"))
+    assert result.claims
+    assert torch.equal(torch.get_rng_state(), before)

@@ -224,3 +224,13 @@ def test_register_section_places_and_replaces() -> None:
             register_section(type("X", (_Boom,), {"name": "x"})(), before="nope")
     finally:
         _REGISTRY[:] = saved
+
+
+def test_sections_are_seeded_but_the_callers_rng_state_is_restored() -> None:
+    torch.manual_seed(1234)
+    model, x = TinyCNN(), torch.randn(2, 3, 32, 32)
+    before = torch.get_rng_state()
+    report = run_doctor(model, x, sections=[get_section("activations")])
+    assert report.outcomes[0].status == "ok"
+    # The plain forward that checks the inputs draws nothing (TinyCNN has no dropout).
+    assert torch.equal(torch.get_rng_state(), before)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
-__all__ = ["quiet_kineto"]
+__all__ = ["quiet_kineto", "seeded"]
 
 
 def quiet_kineto() -> None:
@@ -17,3 +19,18 @@ def quiet_kineto() -> None:
     """
     if os.environ.get("KINETO_LOG_LEVEL") in (None, "", "5"):
         os.environ["KINETO_LOG_LEVEL"] = "6"
+
+
+@contextlib.contextmanager
+def seeded(seed: int) -> Iterator[None]:
+    """Seed torch's RNGs (CPU and every CUDA device) inside; the caller's states come back.
+
+    Sections and milestones are seeded for reproducible numbers, but a user's script that
+    calls `run_doctor` or `run_lab` must not find its random stream reset afterwards.
+    """
+    import torch
+
+    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=cuda):
+        torch.manual_seed(seed)
+        yield

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.nn import functional
 
-from torchscope.doctor._env import quiet_kineto
+from torchscope.doctor._env import quiet_kineto, seeded
 from torchscope.hooks.session import HookSession
 from torchscope.models.zoo import MLP, DeepMLP, TinyCNN
 
@@ -547,7 +547,8 @@ def run_lab(
             continue
         if on_milestone is not None:
             on_milestone(name)
-        t, c = parts[name]()
+        with seeded(0):
+            t, c = parts[name]()
         tables += t
         claims += c
     return LabResult(tuple(tables), tuple(claims))

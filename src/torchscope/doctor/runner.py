@@ -14,7 +14,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from torchscope.doctor._env import quiet_kineto
+from torchscope.doctor._env import quiet_kineto, seeded
 from torchscope.doctor.section import (
     CapabilityMissingError,
     DoctorOptions,
@@ -160,8 +160,7 @@ def _one(section: Section[Any], model: nn.Module, inputs: ModelInputs,
         return SectionOutcome(status="skipped", note="skipped by --fast", **base)
     t0 = time.perf_counter()
     try:
-        torch.manual_seed(options.seed)
-        with _preserved(model):
+        with seeded(options.seed), _preserved(model):
             result = section.run(model, inputs, options)
         findings = tuple(section.analyze(result))
         metrics = section.metrics(result)
@@ -191,7 +190,8 @@ def run_doctor(
     """Examine `model` on `inputs` with every registered section.
 
     The model is left exactly as it was (parameters, buffers, `.grad`, `requires_grad`,
-    training flags), even though sections run backward and optimizer steps.
+    training flags), even though sections run backward and optimizer steps. Each section
+    runs with torch's RNGs seeded from `options.seed`; the caller's RNG states are restored.
 
     Args:
         model: the model, already on `options.device`.
