@@ -40,6 +40,8 @@ def test_depth() -> None:
     model = ResNetMini(blocks=2)
     assert names(select_modules(model, depth=1)) == ["stem", "blocks", "pool", "fc"]
     assert "blocks.0" in names(select_modules(model, depth=2))
+    with pytest.raises(SelectionError, match=r"depth=-1 selects no module.*Fix: pass depth=1"):
+        select_modules(model, depth=-1)
 
 
 def test_no_match_lists_close_matches() -> None:

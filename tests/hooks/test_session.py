@@ -114,6 +114,9 @@ def test_closed_session_refuses_new_hooks_and_close_is_idempotent() -> None:
     s.close()
     with pytest.raises(TorchscopeError, match="closed"):
         s.forward_hook(model.conv1, lambda m, i, o: None)
+    with pytest.raises(TorchscopeError, match="closed"):
+        s.set_training(False)  # nothing would restore the flags
+    assert all(m.training for m in model.modules())
 
 
 def test_module_stack_tracks_nesting_and_unwinds_on_error() -> None:

@@ -97,8 +97,14 @@ def select_modules(
         `(qualified_name, module)` pairs in registration order, each module once.
 
     Raises:
-        SelectionError: a pattern matched nothing; the message lists close names.
+        SelectionError: a pattern matched nothing (the message lists close names), or
+            `depth` is negative.
     """
+    if depth is not None and depth < 0:
+        raise SelectionError(
+            f"depth={depth} selects no module; expected 0 (the root) or more levels.",
+            fix="pass depth=1 for the root's children, or depth=None for no limit.",
+        )
     named = [(n, m) for n, m in model.named_modules() if include_root or n != ""]
     if select is None:
         if depth is None:

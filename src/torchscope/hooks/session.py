@@ -151,7 +151,12 @@ class HookSession:
 
     # ------------------------------------------------------------------ state
     def set_training(self, mode: bool) -> None:
-        """Put the model in train or eval mode; the old flag of every module is restored on exit."""
+        """Put the model in train or eval mode; the old flag of every module is restored on exit.
+
+        Raises:
+            TorchscopeError: the session is closed, so nothing would restore the flags.
+        """
+        self._check_open()
         for module in self.model.modules():
             self._saved_flags.append((weakref.ref(module), module.training))
         self.model.train(mode)
