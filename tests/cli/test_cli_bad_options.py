@@ -77,3 +77,26 @@ def test_doctor_out_that_is_a_file(tmp_path: Path) -> None:
 )
 def test_bad_option_value(argv: list[str], needles: list[str]) -> None:
     _assert_one_line_error(argv, *needles)
+
+
+@pytest.mark.parametrize(
+    ("argv", "needles"),
+    [
+        (["bogus"], ["No such command 'bogus'", "torchscope --help"]),
+        (["memory", "mlp", "--depth", "1"],
+         ["No such option: --depth", "torchscope memory --help"]),
+        (["profile", "--steps", "abc"], ["'--steps'", "torchscope profile --help"]),
+        (["grads", "--lr"], ["'--lr' requires an argument"]),
+        (["diff", "only-one.json"], ["Missing argument"]),
+        (["lint", "--no-config", "--select", "", "src"], ["--select lists no rule"]),
+        (["compile", "mlp", "--modes", ","], ["--modes ','"]),
+    ],
+)
+def test_usage_error_is_one_line(argv: list[str], needles: list[str]) -> None:
+    _assert_one_line_error(argv, *needles)
+
+
+def test_bare_command_still_shows_the_help() -> None:
+    result = runner.invoke(app, [])
+    assert result.exit_code == 2
+    assert "Usage" in result.output and "capture" in result.output and "error:" not in result.output

@@ -2,11 +2,61 @@
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Sequence
+from typing import Any
+
 import typer
+from rich.text import Text
+from typer.core import TyperGroup
 
 from torchscope.cli import capture, compile_cmd, doctor, grads, lint_cmd, memory, profile
+from torchscope.cli._common import err_console
+
+
+class _OneLineUsageErrors(TyperGroup):
+    """Usage errors (an unknown option, a value of the wrong type) as one line, exit code 2.
+
+    Click would print a usage banner and a boxed message; every other torchscope error is one
+    `error:` line, so these are too.
+    """
+
+    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,
+             complete_var: str | None = None, standalone_mode: bool = True,
+             windows_expand_args: bool = True, **extra: Any) -> Any:
+        def run() -> Any:
+            return super(_OneLineUsageErrors, self).main(
+                args, prog_name, complete_var, standalone_mode=False,
+                windows_expand_args=windows_expand_args, **extra)
+
+        if not standalone_mode:
+            return run()
+        try:
+            rv = run()
+        except typer.Abort:
+            err_console.print("Aborted!", highlight=False, markup=False)
+            sys.exit(1)
+        except typer.TyperException as exc:
+            # Click's exceptions derive from TyperException.
+            show = getattr(exc, "show", None)
+            if show is None:
+                raise
+            if type(exc).__name__ == "NoArgsIsHelpError":  # a bare `torchscope`: the help
+                show()
+                sys.exit(getattr(exc, "exit_code", 2))
+            ctx = getattr(exc, "ctx", None)
+            where = ctx.command_path if ctx is not None else "torchscope"
+            message = " ".join(exc.format_message().split())
+            if not message.endswith((".", "?", "!")):
+                message += "."
+            err_console.print(Text.assemble(("error:", "bold red"),
+                                            f" {message} Fix: see `{where} --help`."))
+            sys.exit(getattr(exc, "exit_code", 2))
+        sys.exit(rv if isinstance(rv, int) else 0)
+
 
 app = typer.Typer(
+    cls=_OneLineUsageErrors,
     name="torchscope",
     help="See inside any PyTorch model's training step: activations, gradient flow, memory, "
     "time and torch.compile.",

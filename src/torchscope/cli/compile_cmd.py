@@ -30,7 +30,7 @@ def register(app: typer.Typer) -> None:
 def _split(text: str, what: str) -> list[str]:
     items = [t.strip() for t in text.split(",") if t.strip()]
     if not items:
-        raise CompileError(f"{what} {text!r} lists nothing.", fix=f"pass e.g. --{what} a,b.")
+        raise CompileError(f"--{what} {text!r} lists nothing.", fix=f"pass e.g. --{what} a,b.")
     return items
 
 

@@ -64,6 +64,9 @@ def lint(
 
         if fmt not in _FORMATS:
             fail(f"unknown --format {fmt!r}; expected one of {', '.join(_FORMATS)}.")
+        if select is not None and not _split(select):
+            fail("--select lists no rule code; lint would check nothing. Fix: pass codes or "
+                 "prefixes such as --select TS001,TS00, or drop --select.")
         if config is not None and no_config:
             fail("--config and --no-config contradict each other; pass one.")
         result = lint_paths(
