@@ -80,3 +80,15 @@ def test_growth_guard_silent_for_register_once() -> None:
             model(torch.randn(1, 3, 8, 8))
             assert guard.step() == {}
     h.remove()
+
+
+def test_growth_guard_refuses_a_second_enter_and_cleans_up() -> None:
+    from torchscope import TorchscopeError
+
+    model = TinyCNN()
+    guard = HookGrowthGuard(model)
+    with guard:
+        with pytest.raises(TorchscopeError, match="already active"):
+            guard.__enter__()
+        assert audit_hooks(model, include_global=False).local_total == 1
+    assert audit_hooks(model, include_global=False).local_total == 0

@@ -11,6 +11,9 @@ from typing import Any
 from torch import nn
 from torch.nn.modules import module as _module_mod
 
+from torchscope.errors import TorchscopeError
+from torchscope.hooks.session import HookSession
+
 __all__ = ["HookAudit", "HookEntry", "HookGrowthGuard", "HookGrowthWarning", "audit_hooks"]
 
 # Per-module hook dicts, by the kind name torchscope reports.
@@ -179,10 +182,20 @@ class HookGrowthGuard:
         return grown
 
     def __enter__(self) -> HookGrowthGuard:
+        if self._handle is not None:
+            raise TorchscopeError(
+                "this HookGrowthGuard is already active: a second `with` would add a second "
+                "hook.",
+                fix="use one `with` block per guard.",
+            )
+
         def pre(_m: nn.Module, _a: tuple[Any, ...]) -> None:
             self.step()
 
-        self._handle = self.model.register_forward_pre_hook(pre)
+        # "as_is": the guard only counts hooks; it must not change how a compiled model runs.
+        session = HookSession(self.model, compiled="as_is")
+        session.forward_pre_hook(self.model, pre)
+        self._handle = session
         return self
 
     def __exit__(
@@ -192,5 +205,5 @@ class HookGrowthGuard:
         tb: TracebackType | None,
     ) -> None:
         if self._handle is not None:
-            self._handle.remove()
+            self._handle.close()
             self._handle = None
