@@ -13,6 +13,7 @@ from torch import nn
 from torchscope import (
     BudgetError,
     ModelError,
+    SelectionError,
     TorchscopeError,
     activations,
     audit_hooks,
@@ -108,8 +109,8 @@ def test_nested_tuple_dict_dataclass_outputs() -> None:
     assert {r.module for r in cap.records} == {"a"}
     top = [r for r in root if r.module == ""]
     assert top == []  # the root is only selectable with include_root; predicates see children
-    leaf = capture_activations(TupleLeaf(), torch.randn(2, 4), select=lambda n, m: True)
-    assert leaf.records == ()  # a leaf root is never hooked implicitly
+    with pytest.raises(SelectionError, match="predicate matched no module"):
+        capture_activations(TupleLeaf(), torch.randn(2, 4), select=lambda n, m: True)
     cap2 = capture_activations(nn.Sequential(Structured()), torch.randn(2, 4), select="0")
     paths = [s.path for s in cap2.get("0").outputs]
     assert paths == ["['pair'][0]", "['list'][0]", "['dc'].hidden"]

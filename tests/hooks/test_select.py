@@ -50,3 +50,10 @@ def test_no_match_lists_close_matches() -> None:
     assert "conv1" in str(info.value) and "conv2" in str(info.value)
     with pytest.raises(SelectionError, match="LSTM"):
         select_modules(TinyCNN(), nn.LSTM)
+
+
+def test_predicate_or_empty_list_matching_nothing_is_an_error() -> None:
+    with pytest.raises(SelectionError, match="predicate"):
+        select_modules(TinyCNN(), lambda n, m: False)
+    with pytest.raises(SelectionError, match="empty list"):
+        select_modules(TinyCNN(), [])

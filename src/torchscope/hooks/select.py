@@ -135,7 +135,19 @@ def select_modules(
         named = [(n, m) for n, m in named if _depth(n) <= depth]
 
     if predicate is not None:
-        return [(n, m) for n, m in named if predicate(n, m)]
+        picked = [(n, m) for n, m in named if predicate(n, m)]
+        if not picked:
+            # A capture over no module would silently record nothing.
+            raise SelectionError(
+                f"the selection predicate matched no module of {type(model).__name__}"
+                + (f" at depth <= {depth}" if depth is not None else "") + ".",
+                fix="check the predicate against model.named_modules(); the root is never "
+                "selected.",
+            )
+        return picked
+    if not patterns:
+        raise SelectionError("the selection is an empty list.",
+                             fix="pass None for the leaf modules, or name some modules.")
 
     picked_ids: set[int] = set()
     for pattern in patterns:
