@@ -88,7 +88,14 @@ def _mode_findings(m: ModeResult) -> list[Finding]:
 
 def recompile_findings(recompiles: Sequence[Recompile], limit: int, limit_hit: bool = False,
                        label: str = "the compiled model") -> list[Finding]:
-    """One finding per recompiled function: count vs the limit, and the last failing guard."""
+    """One finding per recompiled function: count vs the limit, and the last failing guard.
+
+    Args:
+        recompiles: the recompiles seen (`RecompileWatcher.recompiles`).
+        limit: Dynamo's recompile limit in effect.
+        limit_hit: whether Dynamo reported hitting the limit (it then runs eagerly).
+        label: how the findings name what was compiled.
+    """
     by_fn: dict[tuple[str, str, int], list[Recompile]] = {}
     for r in recompiles:
         by_fn.setdefault((r.function, r.file, r.line), []).append(r)

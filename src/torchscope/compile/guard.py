@@ -126,6 +126,13 @@ def compiled_capture(model: nn.Module, *, policy: Policy = "eager", what: str = 
                      max_compiles: int = 0) -> CompiledCapture:
     """Wrap a torchscope capture of `model` so that compiled parts are captured correctly.
 
+    Args:
+        model: the model, compiled as a whole, in parts, or not at all.
+        policy: `eager` runs compiled parts eagerly while open (hooks fire, nothing is
+            recompiled); `refuse` raises on a compiled model.
+        what: the capture's name in messages.
+        max_compiles: Dynamo compiles allowed while open before `CompileError` on exit.
+
     Example:
         >>> with compiled_capture(model, what="capture_activations") as cc:
         ...     model(x)                 # hooks fire, no recompile

@@ -243,6 +243,11 @@ def derive_speed(
 
     Break-even is `ceil(compile_s / time saved per call)`; None ("never") when the
     compiled call is not faster.
+
+    Args:
+        eager_ms: one eager call.
+        compiled_ms: one compiled call, after compiling.
+        compile_s: the one-time compile cost.
     """
     if eager_ms is None or compiled_ms is None or compiled_ms <= 0:
         return None, None

@@ -71,7 +71,13 @@ def log_gradient_flow(writer: Any, flow: GradFlow, *, step: int | None = None,
 
 
 def log_grad_history(writer: Any, history: GradHistory, *, prefix: str = "grads") -> int:
-    """Write a whole `GradHistory` (e.g. after training); returns the scalar count."""
+    """Write a whole `GradHistory` (e.g. after training); returns the scalar count.
+
+    Args:
+        writer: a `torch.utils.tensorboard.SummaryWriter`.
+        history: the sampled steps; each is written at its own step number.
+        prefix: tag prefix.
+    """
     n = 0
     for i, step in enumerate(history.steps):
         rows = [(f"{prefix}/total_norm", history.total_norms[i])]

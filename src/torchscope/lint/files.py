@@ -148,6 +148,12 @@ def discover(paths: Iterable[str | Path], *, exclude: Iterable[str] = (),
     (gitignore syntax, relative to `exclude_base`, default the current folder) and every
     `.gitignore` from the repository root down are honoured.
 
+    Args:
+        paths: files and folders.
+        exclude: extra gitignore-style patterns to skip inside folders.
+        exclude_base: the folder `exclude` patterns are relative to.
+        use_gitignore: honour `.gitignore` files.
+
     Raises:
         LintUsageError: a path does not exist.
     """

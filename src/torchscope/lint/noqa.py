@@ -44,7 +44,13 @@ def noqa_map(source: str) -> dict[int, frozenset[str] | None]:
 
 def suppressed(noqa: dict[int, frozenset[str] | None], code: str, lines: tuple[int, ...]
                ) -> bool:
-    """Whether a finding of `code` spanning `lines` is silenced by a noqa comment."""
+    """Whether a finding of `code` spanning `lines` is silenced by a noqa comment.
+
+    Args:
+        noqa: line number -> the codes its `# noqa:` names, or None for a bare `# noqa`.
+        code: the finding's rule code.
+        lines: the line numbers the finding spans.
+    """
     for line in lines:
         if line in noqa:
             codes = noqa[line]

@@ -192,6 +192,11 @@ def load_inputs(
 ) -> ModelInputs:
     """Pick the example inputs: `--inputs fn`, then `--input SPEC`s, then the factory's own.
 
+    Args:
+        loaded: the loaded target (its example inputs are the last resort).
+        specs: `--input` SPECs, one per positional input.
+        inputs_fn: `file.py:fn` or `package.module:fn` returning the inputs.
+
     Raises:
         InputSpecError: a SPEC is malformed, or no inputs are known for this model.
         TargetError: the `--inputs` function cannot be loaded.

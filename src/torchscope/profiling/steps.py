@@ -147,6 +147,16 @@ def make_train_step(
     `loss_fn(output)` when `targets` is None), `backward()`, then `optimizer.step()` and
     `optimizer.zero_grad(set_to_none=True)`. Without an optimizer the gradients are just
     cleared (outside any phase).
+
+    Args:
+        model: the model to train.
+        inputs: its inputs.
+        loss_fn: `loss_fn(output, targets)` or `loss_fn(output)`; default `default_loss`.
+        targets: passed to `loss_fn` when not None.
+        optimizer: stepped and zeroed in the `optimizer` phase.
+
+    Returns:
+        A zero-argument function that runs one step.
     """
     fn = loss_fn or default_loss
 

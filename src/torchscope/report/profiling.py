@@ -40,7 +40,14 @@ def _shapes(r: OpRecord) -> str:
 
 def op_table(result: ProfileResult, sort: str = "self_cpu", limit: int | None = 15,
              title: str | None = None) -> Table:
-    """Top ops, per step: calls, self and total CPU time, device times when recorded."""
+    """Top ops, per step: calls, self and total CPU time, device times when recorded.
+
+    Args:
+        result: the profile.
+        sort: row order, one of `SORT_KEYS`.
+        limit: rows shown; None for all.
+        title: the table's title; default names the sort key.
+    """
     device = any(o.self_device_ms or o.device_total_ms for o in result.ops)
     shapes = any(o.input_shapes is not None for o in result.ops)
     n = max(result.steps, 1)
@@ -198,7 +205,12 @@ def summary_renderables(result: ProfileResult, findings: Sequence[Finding] = (),
 def profile_text(result: ProfileResult, findings: Sequence[Finding] = (), *,
                  sort: str = "self_cpu", by: str = "op", limit: int | None = 15,
                  width: int = 140) -> str:
-    """The whole summary as plain text (tables without colour), e.g. to save with the run."""
+    """The whole summary as plain text (tables without colour), e.g. to save with the run.
+
+    Args:
+        result, findings, sort, by, limit: as for `summary_renderables`.
+        width: the text's width in characters.
+    """
     console = Console(file=io.StringIO(), width=width, record=True, color_system=None)
     for part in summary_renderables(result, findings, sort=sort, by=by, limit=limit):
         console.print(part)
