@@ -162,3 +162,18 @@ def test_hook_appending_to_a_list_recompiles_every_call() -> None:
     assert "every call" in hook[0].summary
     rec = [w for w in caught if issubclass(w.category, RecompileWarning)]
     assert len(rec) == 1 and "recompiled 3×" in str(rec[0].message)
+
+
+def test_guard_whose_watcher_cannot_start_leaves_torch_compile_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from torchscope.compile.watch import RecompileWatcher
+
+    def refuse(self: RecompileWatcher) -> None:
+        raise RuntimeError("no callbacks")
+
+    original = torch.compile
+    monkeypatch.setattr(RecompileWatcher, "install", refuse)
+    with pytest.raises(RuntimeError, match="no callbacks"), compile_guard():
+        pass
+    assert torch.compile is original

@@ -333,6 +333,8 @@ class CompileGuard:
         return list(self._watcher.recompiles)
 
     def __enter__(self) -> CompileGuard:
+        # First, so that a watcher that cannot start leaves torch.compile unpatched.
+        self._watcher.install()
         self._orig = torch.compile
         orig = self._orig
 
@@ -346,7 +348,6 @@ class CompileGuard:
             return out
 
         torch.compile = counting_compile
-        self._watcher.install()
         return self
 
     def __exit__(
