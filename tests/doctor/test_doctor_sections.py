@@ -234,3 +234,16 @@ def test_sections_are_seeded_but_the_callers_rng_state_is_restored() -> None:
     assert report.outcomes[0].status == "ok"
     # The plain forward that checks the inputs draws nothing (TinyCNN has no dropout).
     assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_existing_gradients_come_back_unchanged() -> None:
+    model, x = TinyCNN(), torch.randn(2, 3, 32, 32)
+    model(x).sum().backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    values = {n: g.clone() for n, g in grads.items() if g is not None}
+    report = run_doctor(model, x, options=DoctorOptions(fast=True),
+                        sections=[get_section("profile"), get_section("gradients")])
+    assert [o.status for o in report.outcomes] == ["ok", "ok"]
+    for n, p in model.named_parameters():
+        assert p.grad is grads[n]  # the same tensor object...
+        assert torch.equal(p.grad, values[n])  # ...holding the same values

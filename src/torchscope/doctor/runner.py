@@ -113,12 +113,15 @@ def _preserved(model: nn.Module) -> Iterator[None]:
     """Give the model back exactly as it was: values, grads, requires_grad, training flags.
 
     Sections run optimizer steps and backward passes; the user's model must not notice.
-    This costs one copy of the parameters and buffers for the duration of a section.
+    This costs one copy of the parameters, buffers and existing gradients for the duration
+    of a section. Gradients are copied too: a backward accumulates into an existing `.grad`
+    in place, so restoring the tensor object alone would hand back changed values.
     """
     with torch.no_grad():
         tensors = model.state_dict(keep_vars=True)
         saved = {k: v.detach().clone() for k, v in tensors.items()}
-    grads = [(p, p.grad) for p in model.parameters()]
+        grads = [(p, p.grad, None if p.grad is None else p.grad.detach().clone())
+                 for p in model.parameters()]
     requires = [(p, p.requires_grad) for p in model.parameters()]
     flags = [(m, m.training) for m in model.modules()]
     try:
@@ -128,8 +131,10 @@ def _preserved(model: nn.Module) -> Iterator[None]:
             for k, v in model.state_dict(keep_vars=True).items():
                 if k in saved and v.shape == saved[k].shape:
                     v.copy_(saved[k])
-        for p, g in grads:
-            p.grad = g
+            for p, g, values in grads:
+                if g is not None and values is not None:
+                    g.copy_(values)
+                p.grad = g
         for p, r in requires:
             p.requires_grad_(r)
         for m, f in flags:
