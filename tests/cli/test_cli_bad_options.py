@@ -72,6 +72,8 @@ def test_doctor_out_that_is_a_file(tmp_path: Path) -> None:
         (["compile", "mlp", "--timeout", "0"], ["timeout_s=0.0"]),
         (["compile", "mlp", "--timeout", "-1"], ["timeout_s=-1.0"]),
         (["doctor", "mlp", "--steps", "0"], ["--steps 0"]),
+        (["memory", "mlp", "--plot", "memory.txt"], ["must end in .png or .svg"]),
+        (["grads", "mlp", "--plot", "flow.jpg"], ["must end in .png or .svg"]),
         (["doctor", "mlp", "--compile-modes", "default,bogus"], ["bogus", "reduce-overhead"]),
     ],
 )

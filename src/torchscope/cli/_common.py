@@ -101,13 +101,15 @@ def guarded(debug: bool) -> Iterator[None]:
         )
 
 
-def check_output(path: str | None, option: str, *, folder: bool = False) -> None:
+def check_output(path: str | None, option: str, *, folder: bool = False,
+                 suffixes: tuple[str, ...] = ()) -> None:
     """Fail before any work when an output option cannot be written where it points.
 
     Args:
         path: the option's value; None (option not given) passes.
         option: the option's name as the user typed it, e.g. `--json`.
         folder: the option names a folder to create (`doctor --out`), not a file.
+        suffixes: the file endings the writer supports (lower case), e.g. `(".png", ".svg")`.
     """
     if path is None:
         return
@@ -120,6 +122,9 @@ def check_output(path: str | None, option: str, *, folder: bool = False) -> None
     if blocking is not None:
         fail(f"{option} {path} lies under {blocking}, which is a file. Fix: pass a path whose "
              "parent folders are folders.")
+    if suffixes and out.suffix.lower() not in suffixes:
+        fail(f"{option} {path!r} must end in {' or '.join(suffixes)}. Fix: write e.g. "
+             f"{option} out{suffixes[0]}.")
 
 
 def _escape(text: str) -> str:

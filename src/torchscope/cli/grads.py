@@ -48,7 +48,7 @@ def grads(
     """Gradient flow: the norm of the gradient reaching and leaving every layer."""
     with guarded(debug):
         check_output(json_path, "--json")
-        check_output(plot, "--plot")
+        check_output(plot, "--plot", suffixes=(".png", ".svg"))
         import torch
 
         from torchscope.errors import TorchscopeError
@@ -72,9 +72,6 @@ def grads(
         if not lr > 0:
             raise TorchscopeError(f"--lr {lr} is not a positive learning rate.",
                                   fix="pass e.g. --lr 0.01.")
-        if plot and Path(plot).suffix.lower() not in (".png", ".svg"):
-            raise TorchscopeError(f"--plot {plot!r} must end in .png or .svg.",
-                                  fix="write e.g. --plot grads.png.")
 
         loaded, model_inputs = load(target, input, inputs)
         model = loaded.model

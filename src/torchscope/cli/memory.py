@@ -59,7 +59,7 @@ def memory(
     gradient checkpointing plans (verified: gradients identical with and without)."""
     with guarded(debug):
         check_output(json_path, "--json")
-        check_output(plot, "--plot")
+        check_output(plot, "--plot", suffixes=(".png", ".svg"))
         import torch
 
         from torchscope.errors import TorchscopeError
