@@ -3,6 +3,7 @@ measurement must leave exactly as it found it (grads, buffers, RNG), and device 
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -49,9 +50,12 @@ def default_loss(output: Any) -> torch.Tensor:
 
 def storage_key(t: torch.Tensor) -> StorageKey | None:
     """Identity of `t`'s storage (device, data pointer); None for tensors without one."""
+    fake = sys.modules.get("torch._subclasses.fake_tensor")
+    if fake is not None and isinstance(t, fake.FakeTensor):
+        return None  # torch.compile's shape-only tensors: no memory behind them
     try:
         storage = t.untyped_storage()
-        # Fake and functional tensors (left alive by torch.compile) refuse data_ptr().
+        # Functional tensors (also left alive by torch.compile) refuse data_ptr().
         ptr = storage.data_ptr()
     except (RuntimeError, NotImplementedError, TypeError):
         return None
