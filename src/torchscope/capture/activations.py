@@ -28,6 +28,7 @@ from torchscope.capture.stats import (
     reduce_stats,
 )
 from torchscope.errors import BudgetError, TorchscopeError
+from torchscope.hooks.lifecycle import HookedContext
 from torchscope.hooks.select import Selector, select_modules
 from torchscope.hooks.session import HookSession
 from torchscope.hooks.tree import iter_tensors
@@ -69,7 +70,7 @@ def _stack_by_device(vecs: list[torch.Tensor]) -> list[_Rows]:
     return [(idx, torch.stack([vecs[i] for i in idx])) for idx in rows.values()]
 
 
-class ActivationCapture:
+class ActivationCapture(HookedContext):
     """Collects activation records while its `HookSession` is open.
 
     Hooks only enqueue device reductions; reading `records` copies everything pending to
@@ -142,17 +143,6 @@ class ActivationCapture:
         self._seen: dict[int, tuple[weakref.ReferenceType[torch.Tensor], int]] = {}
 
     # ------------------------------------------------------------------ session
-    def __enter__(self) -> ActivationCapture:
-        try:
-            self.open()
-        except BaseException:
-            self.close(failed=True)  # hooks registered before the failure come off too
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close(failed=exc[0] is not None)
-
     def open(self) -> None:
         """Register the hooks."""
         s = self._session

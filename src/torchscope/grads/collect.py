@@ -42,6 +42,7 @@ from torchscope.grads.records import (
     ParamGradRecord,
     TensorGrad,
 )
+from torchscope.hooks.lifecycle import HookedContext
 from torchscope.hooks.select import Selector, select_modules
 from torchscope.hooks.session import HookSession
 from torchscope.hooks.tree import iter_tensors
@@ -131,7 +132,7 @@ def _find_inplace_node(start: Any, producer: Any) -> Any:
     return None
 
 
-class GradCollector:
+class GradCollector(HookedContext):
     """Collects gradient norms while its `HookSession` is open.
 
     Set `active` to False to make every hook return at once (unsampled steps). Call
@@ -176,17 +177,6 @@ class GradCollector:
         self._reset()
 
     # ------------------------------------------------------------------ lifecycle
-    def __enter__(self) -> GradCollector:
-        try:
-            self.open()
-        except BaseException:
-            self.close(failed=True)  # hooks registered before the failure come off too
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close(failed=exc[0] is not None)
-
     @property
     def session(self) -> HookSession:
         """The session that owns every hook of this collector."""

@@ -17,6 +17,7 @@ from torchscope.grads.analyze import GradThresholds, diagnose, diagnose_history
 from torchscope.grads.collect import GradCollector
 from torchscope.grads.losses import LossFn, LossName, compute_loss
 from torchscope.grads.records import GradFlow, GradHistory
+from torchscope.hooks.lifecycle import HookedContext
 from torchscope.hooks.select import Selector
 from torchscope.hooks.session import HookSession
 from torchscope.models.target import ModelInputs, call_model
@@ -104,7 +105,7 @@ def gradient_flow(
         return collector.finish(step=0)
 
 
-class GradWatch:
+class GradWatch(HookedContext):
     """Samples gradient flow in the user's own training loop; see `watch_gradients`.
 
     Attributes:
@@ -146,17 +147,6 @@ class GradWatch:
         self._layers: dict[str, None] = {}
 
     # ------------------------------------------------------------------ lifecycle
-    def __enter__(self) -> GradWatch:
-        try:
-            self.open()
-        except BaseException:
-            self.close(failed=True)  # hooks registered before the failure come off too
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close(failed=exc[0] is not None)
-
     def open(self) -> None:
         """Register the hooks (and the optimizer step hook when an optimizer is given)."""
         c = self._collector
