@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 from torch import nn
@@ -20,14 +18,8 @@ from torchscope.errors import CompileError
 from torchscope.hooks import HookSession
 from torchscope.models import TinyCNN
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("compile")]
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo() -> Iterator[None]:
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("compile"),
+              pytest.mark.usefixtures("fresh_dynamo")]
 
 
 def _called_compiled() -> tuple[nn.Module, nn.Module, torch.Tensor]:

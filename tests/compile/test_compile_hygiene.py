@@ -10,7 +10,6 @@ import copy
 import inspect
 import pickle
 import warnings
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -29,14 +28,8 @@ from torchscope.compile import (
 from torchscope.errors import CompileError
 from torchscope.models import TinyCNN
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("compile")]
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo() -> Iterator[None]:
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("compile"),
+              pytest.mark.usefixtures("fresh_dynamo")]
 
 
 def x4() -> torch.Tensor:

@@ -5,8 +5,6 @@ from __future__ import annotations
 import math
 import warnings
 import weakref
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -389,7 +387,7 @@ def capture_activations(
     Raises:
         ModelError: the model raised; hooks are removed and flags restored first.
     """
-    capture = ActivationCapture(
+    with activations(
         model,
         select=select,
         depth=depth,
@@ -398,8 +396,7 @@ def capture_activations(
         offload=offload,
         on_budget=on_budget,
         count_nonfinite=count_nonfinite,
-    )
-    with capture:
+    ) as capture:
         if train is not None:
             capture.session.set_training(train)
         with torch.set_grad_enabled(grad):
@@ -407,7 +404,6 @@ def capture_activations(
     return capture
 
 
-@contextmanager
 def activations(
     model: nn.Module,
     *,
@@ -418,14 +414,15 @@ def activations(
     offload: bool = True,
     on_budget: OnBudget = "error",
     count_nonfinite: bool = True,
-) -> Iterator[ActivationCapture]:
+) -> ActivationCapture:
     """Capture activations in your own loop; every forward inside the block is recorded.
 
     The hooks come off when the block ends, through an exception or a `KeyboardInterrupt`
     too. The arguments are those of `ActivationCapture`.
 
-    Yields:
-        The `ActivationCapture`; its records stay readable after the block.
+    Returns:
+        An `ActivationCapture` to use as a context manager: hooks go on at `with` and come
+        off at its end; its records stay readable after the block.
 
     Example:
         >>> with torchscope.activations(model, select="Conv2d") as acts:
@@ -434,7 +431,7 @@ def activations(
         ...         loss.backward()
         >>> acts.last()[0].output.shape
     """
-    capture = ActivationCapture(
+    return ActivationCapture(
         model,
         select=select,
         depth=depth,
@@ -444,5 +441,3 @@ def activations(
         on_budget=on_budget,
         count_nonfinite=count_nonfinite,
     )
-    with capture:
-        yield capture
