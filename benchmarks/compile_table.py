@@ -16,10 +16,10 @@ import time
 import torch
 from rich.console import Console
 
+from torchscope._util import write_json
 from torchscope.compile import compile_findings, compile_report
 from torchscope.models import BUILTINS
 from torchscope.report.compile import compile_table, findings_table
-from torchscope.report.serialize import write_json
 
 
 def main() -> None:

@@ -22,7 +22,8 @@ import time
 import torch
 from torch import nn
 
-import torchscope.checkpointing as ckpt
+import torchscope.memory as ckpt
+from torchscope._util import fmt_bytes
 from torchscope.memory import (
     Blocks,
     CheckpointPlan,
@@ -30,7 +31,6 @@ from torchscope.memory import (
     plan_checkpointing,
     saved_activations,
 )
-from torchscope.report.fmt import fmt_bytes
 
 
 def build(blocks: int, width: int) -> nn.Sequential:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from torchscope._util import __version__
 
 # Public name -> the module that defines it.
 _EXPORTS: dict[str, str] = {

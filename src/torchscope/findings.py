@@ -1,12 +1,22 @@
-"""`Finding`: what every analyzer returns, and what every renderer ranks and prints."""
+"""`Finding`: what every analyzer returns, and what every renderer ranks and prints.
+
+Every result type of every capability derives from `Analyzed`, so findings are read the same
+way everywhere: `result.findings()` (or `result.findings(thresholds)`). The analysis itself
+stays a pure function in its capability's `analyze` module, registered for its record type
+with `@analyzer(RecordType)`; the record never imports its analyzer, so records stay below
+analysis in the import graph.
+"""
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
-__all__ = ["Finding", "Severity", "rank"]
+from torchscope.errors import TorchscopeError
+
+__all__ = ["Analyzed", "Finding", "Severity", "analyzer", "rank"]
 
 
 class Severity(enum.IntEnum):
@@ -46,3 +56,43 @@ class Finding:
 def rank(findings: Iterable[Finding]) -> list[Finding]:
     """Most severe first; stable within one severity."""
     return sorted(findings, key=lambda f: -int(f.severity))
+
+
+Analyzer = Callable[..., list[Finding]]
+_A = TypeVar("_A", bound=Analyzer)
+_ANALYZERS: dict[type, Analyzer] = {}
+
+
+def analyzer(record_type: type) -> Callable[[_A], _A]:
+    """Register `fn(record, thresholds=None) -> list[Finding]` as the analyzer of a type.
+
+    Subclasses of `record_type` use it too, unless they register their own.
+    """
+
+    def register(fn: _A) -> _A:
+        _ANALYZERS[record_type] = fn
+        return fn
+
+    return register
+
+
+class Analyzed:
+    """Base of every result type: `findings()` runs the capability's registered analyzer."""
+
+    __slots__ = ()
+
+    def findings(self, thresholds: Any = None) -> list[Finding]:
+        """What the capability's analyzer concludes from this result (pure, repeatable).
+
+        Args:
+            thresholds: the capability's thresholds object (e.g. `GradThresholds`); None
+                uses its defaults.
+        """
+        for cls in type(self).__mro__:
+            fn = _ANALYZERS.get(cls)
+            if fn is not None:
+                return fn(self, thresholds)
+        raise TorchscopeError(
+            f"no analyzer is registered for {type(self).__name__}.",
+            fix="import the capability's package (e.g. torchscope.grads) before asking for "
+            "findings.")

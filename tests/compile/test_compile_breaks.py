@@ -88,8 +88,8 @@ def test_breaks_render_and_become_findings() -> None:
 def test_scan_survives_the_trip_from_the_child() -> None:
     import json
 
+    from torchscope._util import to_jsonable
     from torchscope.compile.doctor import _scan_from
-    from torchscope.report.serialize import to_jsonable
 
     scan = find_graph_breaks(BreakNet(), torch.randn(4, 8))
     assert _scan_from(json.loads(json.dumps(to_jsonable(scan)))) == scan

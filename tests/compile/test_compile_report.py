@@ -11,6 +11,7 @@ import torch
 from rich.console import Console
 from torch import nn
 
+from torchscope._util import to_jsonable
 from torchscope.compile import (
     CompileReport,
     compile_findings,
@@ -21,7 +22,6 @@ from torchscope.compile import (
 from torchscope.errors import CompileError
 from torchscope.models import TinyCNN
 from torchscope.report.compile import compile_table, recompile_table
-from torchscope.report.serialize import to_jsonable
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("compile")]
 

@@ -119,7 +119,7 @@ def test_history_to_tensorboard(watched: GradWatch, tmp_path: Path) -> None:
 
 
 def test_json_roundtrip(tmp_path: Path) -> None:
-    from torchscope.report.serialize import write_json
+    from torchscope._util import write_json
 
     flow = gradient_flow(TinyCNN(), torch.randn(2, 3, 8, 8), loss_fn="cross_entropy")
     data = json.loads(write_json(tmp_path / "g.json", {"flow": flow}).read_text())

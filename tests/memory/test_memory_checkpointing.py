@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint_sequential
 
-import torchscope.checkpointing as ckpt
+import torchscope.memory as ckpt
 from torchscope.errors import SelectionError, TorchscopeError, VerificationError
 from torchscope.memory import saved_activations
 from torchscope.models import DeepMLP

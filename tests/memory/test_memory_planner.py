@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-import torchscope.checkpointing as ckpt
+import torchscope.memory as ckpt
 from torchscope.errors import BudgetError, TorchscopeError
 from torchscope.memory import analyze_memory, parse_bytes, plan_checkpointing
 from torchscope.memory.planner import _costs, _search_dp, _search_exact

@@ -7,7 +7,7 @@ import gc
 import torch
 from torch import nn
 
-import torchscope.checkpointing as ckpt
+import torchscope.memory as ckpt
 from torchscope.memory import memory_totals, saved_activations
 from torchscope.memory.records import OUTSIDE
 from torchscope.models import DeepMLP, TinyCNN

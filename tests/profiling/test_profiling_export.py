@@ -10,10 +10,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from torchscope._util import to_jsonable
 from torchscope.models import TinyCNN
 from torchscope.profiling import ModuleRanges, profile_findings, profile_steps
 from torchscope.report.profiling import module_table, op_table, phase_table, profile_text
-from torchscope.report.serialize import to_jsonable
 
 
 def _cnn(tmp_path: Path, trace: str, **kw: object):

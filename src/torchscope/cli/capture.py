@@ -36,9 +36,9 @@ def capture(
     """Capture activations: shape, dtype and statistics of every module output."""
     with guarded(debug):
         check_output(json_path, "--json")
+        from torchscope._util import write_json
         from torchscope.capture import capture_activations, trace_nonfinite
         from torchscope.report.capture import activation_table, nonfinite_lines
-        from torchscope.report.serialize import write_json
 
         loaded, model_inputs = load(target, input, inputs)
         cap = capture_activations(loaded.model, model_inputs, select=select, depth=depth)

@@ -77,6 +77,7 @@ def compile_command(
     recompiles and numerical drift. Each mode runs in a child process with a timeout."""
     with guarded(debug):
         check_output(json_path, "--json")
+        from torchscope._util import write_json
         from torchscope.compile import compile_findings, compile_report
         from torchscope.report.compile import (
             compile_table,
@@ -85,7 +86,6 @@ def compile_command(
             recompile_table,
             shape_call_lines,
         )
-        from torchscope.report.serialize import write_json
 
         mode_list = _split(modes, "modes")
         sizes = _batch_sizes(batch_sizes)

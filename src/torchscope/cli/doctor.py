@@ -166,9 +166,9 @@ def diff(
     """Compare two doctor reports; exit 1 when a metric regressed beyond its threshold."""
     with guarded(debug):
         check_output(json_path, "--json")
+        from torchscope._util import write_json
         from torchscope.doctor import diff_documents, load_document, parse_thresholds
         from torchscope.report.doctor import diff_table
-        from torchscope.report.serialize import write_json
 
         thresholds = parse_thresholds(threshold or [])
         result = diff_documents(load_document(old), load_document(new), thresholds,
@@ -202,10 +202,10 @@ def lab(
     """Reproduce the lesson's milestones on its models and check each claim."""
     with guarded(debug):
         check_output(json_path, "--json")
+        from torchscope._util import write_json
         from torchscope.doctor import run_lab
         from torchscope.doctor.lab import MILESTONES
         from torchscope.report.doctor import lab_tables
-        from torchscope.report.serialize import write_json
 
         skipped = _split(skip)
         unknown = [s for s in skipped if s not in MILESTONES]

@@ -123,7 +123,7 @@ def grads(
                                            p.with_name(f"{p.stem}-heatmap{p.suffix}")))
             console.print("wrote " + ", ".join(str(w) for w in written))
         if json_path:
-            from torchscope.report.serialize import write_json
+            from torchscope._util import write_json
 
             write_json(json_path, {"target": loaded.name, "loss": loss, "steps": steps,
                                    "flow": flow, "history": history, "findings": found})

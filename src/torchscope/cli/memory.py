@@ -62,6 +62,7 @@ def memory(
         check_output(plot, "--plot", suffixes=(".png", ".svg"))
         import torch
 
+        from torchscope._util import write_json
         from torchscope.errors import TorchscopeError
         from torchscope.memory import analyze_live, analyze_memory, live_tensors, parse_bytes
         from torchscope.report.memory import (
@@ -73,7 +74,6 @@ def memory(
             totals_table,
             verification_table,
         )
-        from torchscope.report.serialize import write_json
 
         if checkpoint not in _CHOICES:
             raise TorchscopeError(f"--checkpoint {checkpoint!r} is not a plan.",

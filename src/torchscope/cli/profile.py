@@ -62,6 +62,7 @@ def profile(
             check_output(path, option)
         import torch
 
+        from torchscope._util import write_json
         from torchscope.profiling import (
             SORT_KEYS,
             ProfilingError,
@@ -70,7 +71,6 @@ def profile(
             random_target_loss,
         )
         from torchscope.report.profiling import profile_text, summary_renderables
-        from torchscope.report.serialize import write_json
 
         if sort not in SORT_KEYS:
             raise ProfilingError(f"--sort {sort} is not known.",

@@ -16,7 +16,7 @@ __all__ = ["main"]
 
 
 def _write(path: str, payload: dict[str, Any]) -> None:
-    from torchscope.report.serialize import to_jsonable
+    from torchscope._util import to_jsonable
 
     Path(path).write_text(json.dumps(to_jsonable(payload)))
 

@@ -146,7 +146,7 @@ def _mode_from(mode: str, payload: dict[str, Any], wall_s: float, isolated: bool
 
 
 def _jsonable(payload: dict[str, Any]) -> dict[str, Any]:
-    from torchscope.report.serialize import to_jsonable
+    from torchscope._util import to_jsonable
 
     return json.loads(json.dumps(to_jsonable(payload)))  # type: ignore[no-any-return]
 

@@ -12,10 +12,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from torchscope import __version__
+from torchscope._util import __version__, to_jsonable
 from torchscope.doctor.runner import DoctorReport
 from torchscope.errors import TorchscopeError
-from torchscope.report.serialize import to_jsonable
 
 __all__ = ["SCHEMA_ID", "SCHEMA_VERSION", "ReportFormatError", "build_document", "load_document",
            "load_schema"]

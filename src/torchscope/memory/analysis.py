@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from torchscope._util import fmt_bytes
 from torchscope.findings import Finding, Severity
 from torchscope.memory.records import (
     CheckpointPlan,
@@ -13,7 +14,6 @@ from torchscope.memory.records import (
     PlanReport,
     SavedActivations,
 )
-from torchscope.report.fmt import fmt_bytes
 
 __all__ = [
     "analyze_live",

@@ -436,7 +436,7 @@ def plan_checkpointing(
 
 
 def _human(n: int) -> str:
-    from torchscope.report.fmt import fmt_bytes
+    from torchscope._util import fmt_bytes
 
     return fmt_bytes(n)
 

@@ -6,9 +6,9 @@ from collections.abc import Sequence
 
 from rich.table import Table
 
+from torchscope._util import fmt_num, fmt_pct, fmt_shape
 from torchscope.capture.nonfinite import NonFiniteTrace
 from torchscope.capture.records import ActivationRecord
-from torchscope.report.fmt import fmt_num, fmt_pct, fmt_shape
 
 __all__ = ["activation_table", "nonfinite_lines"]
 

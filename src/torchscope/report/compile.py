@@ -7,9 +7,9 @@ from collections.abc import Sequence
 from rich.markup import escape
 from rich.table import Table
 
+from torchscope._util import fmt_num
 from torchscope.compile.records import CompileReport, GraphBreak, ModeResult, Recompile
 from torchscope.findings import Finding, Severity
-from torchscope.report.fmt import fmt_num
 
 __all__ = [
     "compile_table",

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any
 from rich.table import Table
 from rich.text import Text
 
+from torchscope._util import fmt_bytes, fmt_num
 from torchscope.findings import Finding, Severity
-from torchscope.report.fmt import fmt_bytes, fmt_num
 
 if TYPE_CHECKING:
     from torchscope.doctor.diff import MetricChange, ReportDiff

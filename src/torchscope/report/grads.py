@@ -7,9 +7,9 @@ from collections.abc import Sequence
 
 from rich.table import Table
 
+from torchscope._util import fmt_num, fmt_shape
 from torchscope.findings import Finding
 from torchscope.grads.records import GradFlow, GradHistory, TensorGrad
-from torchscope.report.fmt import fmt_num, fmt_shape
 
 __all__ = ["findings_lines", "grad_table", "history_table", "param_table"]
 

@@ -12,8 +12,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
+from torchscope._util import fmt_bytes, fmt_num, fmt_pct, fmt_shape
 from torchscope.findings import Finding
-from torchscope.report.fmt import fmt_bytes, fmt_num, fmt_pct, fmt_shape
 
 if TYPE_CHECKING:
     from torchscope.doctor.runner import DoctorReport

@@ -8,6 +8,7 @@ from urllib.parse import quote
 
 from rich.text import Text
 
+from torchscope._util import __version__
 from torchscope.findings import Severity
 from torchscope.lint.records import LintError, LintResult, LintViolation
 from torchscope.lint.rules import RULES
@@ -21,9 +22,7 @@ _LEVEL = {Severity.ERROR: "error", Severity.WARNING: "warning", Severity.INFO: "
 
 
 def _version() -> str:
-    import torchscope
-
-    return str(getattr(torchscope, "__version__", "0"))
+    return __version__
 
 
 def _where(error: LintError) -> str:

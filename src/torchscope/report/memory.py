@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from rich.table import Table
 
+from torchscope._util import fmt_bytes, fmt_pct, fmt_shape
 from torchscope.findings import Finding, rank
 from torchscope.memory.analysis import describe_segments
 from torchscope.memory.records import (
@@ -17,7 +18,6 @@ from torchscope.memory.records import (
     SavedActivations,
     Verification,
 )
-from torchscope.report.fmt import fmt_bytes, fmt_pct, fmt_shape
 
 __all__ = [
     "blocks_table",

@@ -8,10 +8,10 @@ from collections.abc import Sequence
 from rich.console import Console, RenderableType
 from rich.table import Table
 
+from torchscope._util import fmt_pct
 from torchscope.findings import Finding, Severity
 from torchscope.profiling.ops import sort_ops
 from torchscope.profiling.records import ModuleTime, OpRecord, ProfileResult
-from torchscope.report.fmt import fmt_pct
 
 __all__ = [
     "finding_lines",

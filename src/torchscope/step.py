@@ -1,0 +1,666 @@
+"""The training step, defined once: model, inputs, loss, target, optimizer, AMP, accumulation.
+
+Every capability that runs backward (gradient flow, memory, profiling, compile in training
+mode), the doctor, the lab, the run monitor and the framework integrations run their steps
+through `Step`. So "the step" means one computation everywhere: the bytes the memory section
+counts, the time the profile section measures and the gradients the gradients section reads
+belong to the same loss on the same targets.
+
+The loss (`loss_fn=`) is one of:
+
+- `"auto"` (the default), resolved on the model's output, in this order:
+    1. a target was given: an integer target means cross-entropy, a floating one shaped
+       like the output means mean squared error, other floating targets are class
+       probabilities for cross-entropy;
+    2. the output carries its own `.loss` (a Hugging Face model called with labels);
+    3. the output is a scalar tensor: it is the loss;
+    4. the main output (the output itself, its `.logits`, else its first floating tensor)
+       is logits, `(N, C)` or `(N, T, C)`: cross-entropy against seeded class targets;
+    5. any other floating output: mean squared error against seeded standard-normal targets.
+- `"cross_entropy"`: the main output's last dimension holds the classes; targets are the
+  given ones, else seeded integers in `[0, C)`.
+- `"mse"`: mean squared error against the given target, else a seeded standard-normal one.
+- `"sum"`: the sum of the main output (accumulated in float32); it saves nothing for
+  backward, so memory accounting sees the model's own tensors only.
+- a callable: `loss_fn(output, target)`, or `loss_fn(output)` when there is no target.
+
+Seeded targets come from a private `torch.Generator` seeded with `Step.seed` (plus the
+micro-batch index), never from the global generator, so they are the same in every
+capability and leave the caller's random stream alone. Every result records what the loss
+resolved to (`StepInfo.loss`, e.g. "auto → cross-entropy vs seeded targets").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.nn import functional
+from torch.profiler import record_function
+
+from torchscope.errors import ModelError, TorchscopeError
+from torchscope.hooks.tree import iter_tensors
+from torchscope.models.target import ModelInputs, call_model
+
+__all__ = [
+    "LOSSES",
+    "LossFn",
+    "LossName",
+    "LossSpec",
+    "ResolvedLoss",
+    "Step",
+    "StepInfo",
+    "main_output",
+    "preserved",
+]
+
+LossName = Literal["auto", "cross_entropy", "mse", "sum"]
+LossFn = Callable[..., torch.Tensor]
+LossSpec = LossName | LossFn
+LOSSES: tuple[LossName, ...] = ("auto", "cross_entropy", "mse", "sum")
+
+LossKind = Literal["model", "scalar", "cross_entropy", "mse", "sum", "callable"]
+TargetKind = Literal["given", "seeded", "none"]
+BeforeBackward = Callable[[int, Any, torch.Tensor], None]
+
+_AMP_DTYPES = (torch.float16, torch.bfloat16)
+_HALF = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class ResolvedLoss:
+    """What a step's loss turned out to be for one model output.
+
+    Attributes:
+        requested: the `loss_fn` as given: `auto`, a loss name, or the callable's name.
+        kind: `model` (the output's own `.loss`), `scalar` (the output is the loss),
+            `cross_entropy`, `mse`, `sum` or `callable`.
+        target: `given`, `seeded` or `none`.
+    """
+
+    requested: str
+    kind: LossKind
+    target: TargetKind
+
+    def describe(self) -> str:
+        """E.g. `auto → cross-entropy vs seeded targets`, `mse vs given targets`."""
+        what = {
+            "model": "the model's own loss (output.loss)",
+            "scalar": "the model's scalar output",
+            "cross_entropy": "cross-entropy",
+            "mse": "mean squared error",
+            "sum": "sum of the output",
+            "callable": f"{self.requested}(output{', target' if self.target != 'none' else ''})",
+        }[self.kind]
+        if self.kind in ("cross_entropy", "mse"):
+            what += f" vs {self.target} targets"
+        if self.kind == "callable":
+            return what
+        if self.requested == "auto":
+            return f"auto → {what}"
+        return what
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """The training step a result was measured on, as every report states it.
+
+    Attributes:
+        loss: what the loss resolved to (`ResolvedLoss.describe()`).
+        loss_value: the loss of the measurement's first step on the unchanged model: the
+            mean over its micro-batches, unscaled; None when no loss was computed.
+        optimizer: the optimizer's class name, or None (no optimizer step).
+        autocast: the autocast dtype (`torch.bfloat16`), or None.
+        scaler: whether a GradScaler scaled the loss.
+        accumulate: micro-batches per optimizer step.
+    """
+
+    loss: str
+    loss_value: float | None
+    optimizer: str | None = None
+    autocast: str | None = None
+    scaler: bool = False
+    accumulate: int = 1
+
+    def describe(self) -> str:
+        """One line: `loss: auto → cross-entropy vs seeded targets = 2.303 · optimizer: SGD`."""
+        text = f"loss: {self.loss}"
+        if self.loss_value is not None:
+            text += f" = {self.loss_value:.4g}"
+        parts = [text, f"optimizer: {self.optimizer or 'none'}"]
+        if self.autocast:
+            parts.append(f"autocast: {self.autocast}" + (" + GradScaler" if self.scaler else ""))
+        elif self.scaler:
+            parts.append("GradScaler")
+        if self.accumulate > 1:
+            parts.append(f"accumulate: {self.accumulate} micro-batches")
+        return " · ".join(parts)
+
+
+def main_output(output: Any) -> torch.Tensor:
+    """The tensor a loss is computed from: the output itself, `.logits` of a transformers
+    output, else its first floating-point tensor.
+
+    Raises:
+        ModelError: the output holds no floating-point tensor.
+    """
+    if isinstance(output, torch.Tensor):
+        return output
+    logits = output.get("logits") if isinstance(output, Mapping) else getattr(
+        output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    for _, t in iter_tensors(output):
+        if t.is_floating_point():
+            return t
+    raise ModelError(
+        f"the model returned {type(output).__name__} with no floating-point tensor to take a "
+        "loss of.",
+        fix="pass loss_fn= a callable that takes the model output and returns a scalar loss.",
+    )
+
+
+def _own_loss(output: Any) -> torch.Tensor | None:
+    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+    return loss if isinstance(loss, torch.Tensor) else None
+
+
+def _scalar(loss: Any, what: str) -> torch.Tensor:
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise ModelError(f"{what} is {shape}, not a scalar tensor.",
+                         fix="return loss.mean() or loss.sum().")
+    return loss.reshape(())
+
+
+def _callable_name(fn: Callable[..., Any]) -> str:
+    return str(getattr(fn, "__name__", None) or type(fn).__name__)
+
+
+@dataclass(frozen=True, eq=False)
+class Step:
+    """One training step: what it runs, and the one way it is run.
+
+    Build it with keyword options, or let a capability build it from its `loss_fn=`,
+    `target=` and `optimizer=` arguments (`Step.of`). A step object is reusable: running
+    it changes the model (gradients, and parameters when it has an optimizer), never the
+    step.
+
+    Attributes:
+        model: the model.
+        inputs: its inputs (a tensor, tuple, dict or `ModelInputs`; stored as `ModelInputs`).
+        loss_fn: `"auto"`, `"cross_entropy"`, `"mse"`, `"sum"` or a callable (see the module
+            docstring for what each means).
+        target: the target; None draws seeded targets for the named losses.
+        optimizer: stepped by `run()`; None means no optimizer step.
+        autocast: run forward and loss under `torch.autocast` with this dtype
+            (`torch.bfloat16` or `torch.float16`); None runs in the model's own precision.
+        scaler: a `torch.amp.GradScaler`: the loss is scaled before backward and the
+            optimizer steps through it.
+        accumulate: micro-batches per optimizer step. The inputs (and a given target) are
+            split into this many equal chunks along dimension 0, and each micro-batch's loss
+            is divided by it, so the accumulated gradient is the full batch's.
+        seed: seeds the generator of synthesized targets.
+
+    Example:
+        >>> step = torchscope.Step(model, x, loss_fn="cross_entropy", target=y, optimizer=opt)
+        >>> flow = torchscope.gradient_flow(step)
+        >>> report = torchscope.analyze_memory(step)
+        >>> flow.step.loss_value == report.step.loss_value
+        True
+    """
+
+    model: nn.Module
+    inputs: ModelInputs
+    loss_fn: LossSpec = "auto"
+    target: Any = None
+    optimizer: torch.optim.Optimizer | None = None
+    autocast: torch.dtype | None = None
+    scaler: Any = None
+    accumulate: int = 1
+    seed: int = 0
+    _cache: dict[Any, Any] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, nn.Module):
+            raise TorchscopeError(f"the model is a {type(self.model).__name__}, not an "
+                                  "nn.Module.", fix="pass the model (an nn.Module) first.")
+        object.__setattr__(self, "inputs", ModelInputs.of(self.inputs))
+        if not callable(self.loss_fn) and self.loss_fn not in LOSSES:
+            raise TorchscopeError(f"loss_fn={self.loss_fn!r} is not a known loss.",
+                                  fix=f"use one of {', '.join(LOSSES)}, or a callable "
+                                  "(output, target) -> scalar.")
+        if isinstance(self.accumulate, bool) or not isinstance(self.accumulate, int) or \
+                self.accumulate < 1:
+            raise TorchscopeError(f"accumulate={self.accumulate!r} is not a number of "
+                                  "micro-batches.", fix="pass accumulate=1 or more.")
+        if self.autocast is not None and self.autocast not in _AMP_DTYPES:
+            raise TorchscopeError(f"autocast={self.autocast!r} is not an autocast dtype.",
+                                  fix="pass autocast=torch.bfloat16 or torch.float16, or None.")
+        if self.scaler is not None and not callable(getattr(self.scaler, "scale", None)):
+            raise TorchscopeError(f"scaler is a {type(self.scaler).__name__}, not a "
+                                  "GradScaler.", fix="pass a torch.amp.GradScaler, or None.")
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def of(
+        cls,
+        model: nn.Module | Step,
+        inputs: Any = None,
+        *,
+        loss_fn: LossSpec = "auto",
+        target: Any = None,
+        optimizer: torch.optim.Optimizer | None = None,
+    ) -> Step:
+        """The step a capability runs: `model` itself when it is a `Step`, else a new one.
+
+        Every capability's one-shot function takes `(model, inputs, *, loss_fn=, target=,
+        optimizer=)` or a ready `Step` (for AMP and accumulation) and builds it here.
+
+        Raises:
+            TorchscopeError: a `Step` was given together with inputs or step options, or a
+                model without inputs.
+        """
+        if isinstance(model, Step):
+            given = [name for name, is_set in (
+                ("inputs", inputs is not None),
+                ("loss_fn", callable(loss_fn) or loss_fn != "auto"),
+                ("target", target is not None), ("optimizer", optimizer is not None)) if is_set]
+            if given:
+                raise TorchscopeError(
+                    f"a Step was given together with {', '.join(given)}.",
+                    fix="set them on the Step (Step(model, x, loss_fn=..., target=...)), or "
+                    "pass the model and its inputs instead of a Step.")
+            return model
+        if inputs is None:
+            raise TorchscopeError("a model was given without inputs.",
+                                  fix="pass the inputs too: f(model, x, ...), or a Step.")
+        return cls(model, inputs, loss_fn=loss_fn, target=target, optimizer=optimizer)
+
+    def with_model(self, model: nn.Module) -> Step:
+        """The same step on another model (a compiled or checkpointed copy, say)."""
+        return replace(self, model=model)
+
+    # ------------------------------------------------------------------ facts
+    @property
+    def device(self) -> torch.device:
+        """The device of the first parameter (else of the first input tensor; else CPU)."""
+        for p in self.model.parameters():
+            return p.device
+        for _, t in iter_tensors((self.inputs.args, dict(self.inputs.kwargs))):
+            return t.device
+        return torch.device("cpu")
+
+    @property
+    def resolved(self) -> ResolvedLoss | None:
+        """What the loss resolved to on the last output it saw (None before any)."""
+        found: ResolvedLoss | None = self._cache.get("resolved")
+        return found
+
+    def info(self, loss_value: float | torch.Tensor | None) -> StepInfo:
+        """The `StepInfo` a result carries, with the loss value it measured.
+
+        Args:
+            loss_value: the loss of the first step (a 0-d tensor is read once, here).
+        """
+        value = None if loss_value is None else float(loss_value)
+        resolved = self.resolved
+        loss = resolved.describe() if resolved is not None else self._requested()
+        return StepInfo(
+            loss=loss, loss_value=value,
+            optimizer=None if self.optimizer is None else type(self.optimizer).__name__,
+            autocast=None if self.autocast is None else str(self.autocast),
+            scaler=self.scaler is not None, accumulate=self.accumulate)
+
+    def _requested(self) -> str:
+        return _callable_name(self.loss_fn) if callable(self.loss_fn) else str(self.loss_fn)
+
+    # ------------------------------------------------------------------ micro-batches
+    def micro_batches(self) -> list[tuple[ModelInputs, Any]]:
+        """`(inputs, target)` per micro-batch: the step's own for `accumulate=1`, else equal
+        chunks along dimension 0 (tensors whose first dimension is not the batch are passed
+        to every micro-batch whole).
+
+        Raises:
+            TorchscopeError: the batch does not split into `accumulate` equal chunks.
+        """
+        n = self.accumulate
+        if n == 1:
+            return [(self.inputs, self.target)]
+        tensors = [t for _, t in iter_tensors((self.inputs.args, dict(self.inputs.kwargs)))]
+        batch = next((t.shape[0] for t in tensors if t.dim() > 0), None)
+        if batch is None or batch % n:
+            raise TorchscopeError(
+                f"accumulate={n} needs a batch that splits into {n} equal micro-batches; the "
+                f"inputs are {self.inputs.describe()}.",
+                fix=f"use a batch size divisible by {n}, or another accumulate=.")
+        size = batch // n
+
+        def chunk(v: Any, i: int) -> Any:
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == batch:
+                return v[i * size:(i + 1) * size]  # (batch, ...) -> (batch / n, ...)
+            return v
+
+        out = []
+        for i in range(n):
+            args = tuple(chunk(a, i) for a in self.inputs.args)
+            kwargs = {k: chunk(v, i) for k, v in self.inputs.kwargs.items()}
+            out.append((ModelInputs(args, kwargs), chunk(self.target, i)))
+        return out
+
+    # ------------------------------------------------------------------ forward and loss
+    def autocast_context(self) -> contextlib.AbstractContextManager[Any]:
+        """`torch.autocast` for the step's device and dtype, or a no-op without AMP."""
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.autocast)
+
+    def forward(self, inputs: ModelInputs | None = None) -> Any:
+        """`model(*inputs)` under the step's autocast (a failure becomes a `ModelError`)."""
+        with self.autocast_context():
+            return call_model(self.model, self.inputs if inputs is None else inputs)
+
+    def resolve(self, output: Any, target: Any = None) -> ResolvedLoss:
+        """What the loss is for this output (and target), without computing it.
+
+        Raises:
+            ModelError: `auto` finds nothing to take a loss of.
+        """
+        spec = self.loss_fn
+        if callable(spec):
+            return ResolvedLoss(_callable_name(spec), "callable",
+                                "none" if target is None else "given")
+        given: TargetKind = "none" if target is None else "given"
+        if spec == "sum":
+            return ResolvedLoss(spec, "sum", "none")
+        if spec in ("cross_entropy", "mse"):
+            return ResolvedLoss(spec, spec, "seeded" if target is None else "given")
+        # auto
+        if target is not None:
+            out = main_output(output)
+            if isinstance(target, torch.Tensor) and target.is_floating_point() and \
+                    tuple(target.shape) == tuple(out.shape):
+                return ResolvedLoss("auto", "mse", given)
+            return ResolvedLoss("auto", "cross_entropy", given)
+        if _own_loss(output) is not None:
+            return ResolvedLoss("auto", "model", "none")
+        if isinstance(output, torch.Tensor) and output.dim() == 0:
+            return ResolvedLoss("auto", "scalar", "none")
+        out = main_output(output)
+        if out.dim() in (2, 3):
+            return ResolvedLoss("auto", "cross_entropy", "seeded")
+        return ResolvedLoss("auto", "mse", "seeded")
+
+    def loss(self, output: Any, target: Any = None, *, micro: int = 0) -> torch.Tensor:
+        """The scalar loss of one micro-batch's output (not divided by `accumulate`).
+
+        Args:
+            output: what the model returned.
+            target: this micro-batch's target (None: the step's own for that micro-batch,
+                else a seeded one).
+            micro: the micro-batch index (seeds its synthesized target).
+
+        Raises:
+            ModelError: the loss cannot be computed from this output, or `loss_fn` raised.
+        """
+        if target is None and self.target is not None:
+            target = self.micro_batches()[micro][1]
+        resolved = self.resolve(output, target)
+        self._cache["resolved"] = resolved
+        with self.autocast_context():
+            return self._compute(resolved, output, target, micro)
+
+    def _compute(self, r: ResolvedLoss, output: Any, target: Any, micro: int) -> torch.Tensor:
+        if r.kind == "callable":
+            fn = self.loss_fn
+            assert callable(fn)
+            try:
+                value = fn(output) if target is None else fn(output, target)
+            except TorchscopeError:
+                raise
+            except Exception as exc:
+                raise ModelError(f"loss_fn raised {type(exc).__name__}: {exc}.",
+                                 fix="check that loss_fn accepts (output, target), or "
+                                 "(output) without a target.") from exc
+            return _scalar(value, "the value loss_fn returned")
+        if r.kind == "model":
+            own = _own_loss(output)
+            assert own is not None
+            return _scalar(own, "the model's .loss")
+        if r.kind == "scalar":
+            return _scalar(output, "the model's output")
+        out = main_output(output)
+        if r.kind == "sum":
+            return out.sum(dtype=torch.float32) if out.dtype in _HALF else out.sum()
+        if target is None:
+            target = self._seeded_target(r.kind, out, micro)
+        try:
+            if r.kind == "cross_entropy":
+                if out.dim() == 0:
+                    raise ValueError("cross-entropy needs a class dimension, got a scalar")
+                classes = out.shape[-1]
+                # (..., C) logits -> (N, C) rows; (...) class indices -> (N,), or (..., C)
+                # probabilities -> (N, C).
+                flat_target = target.reshape(-1) if target.dim() == out.dim() - 1 else \
+                    target.reshape(-1, classes)
+                return functional.cross_entropy(out.reshape(-1, classes), flat_target)
+            return functional.mse_loss(out, target)
+        except Exception as exc:
+            first = (str(exc).strip().splitlines() or [""])[0]
+            against = f" and target {tuple(target.shape)}" if isinstance(
+                target, torch.Tensor) else ""
+            raise ModelError(
+                f"{r.kind} loss failed on output {tuple(out.shape)}{against}: "
+                f"{type(exc).__name__}: {first}.",
+                fix="pass a target that fits the output, or another loss_fn.") from exc
+
+    def _seeded_target(self, kind: str, out: torch.Tensor, micro: int) -> torch.Tensor:
+        key = (kind, tuple(out.shape), out.device, out.dtype, micro)
+        cached: torch.Tensor | None = self._cache.get(key)
+        if cached is not None:
+            return cached
+        g = torch.Generator().manual_seed(self.seed + micro)
+        if kind == "cross_entropy":
+            if out.dim() == 0:
+                raise ModelError("cross-entropy needs an output with a class dimension, got "
+                                 "a scalar.", fix="use loss_fn='sum' or 'mse'.")
+            # (..., C) logits -> (...) class indices, drawn on the CPU for reproducibility.
+            made = torch.randint(0, out.shape[-1], tuple(out.shape[:-1]), generator=g)
+            made = made.to(out.device)
+        else:
+            dtype = out.dtype if out.is_floating_point() else torch.float32
+            made = torch.randn(tuple(out.shape), generator=g).to(out.device, dtype)
+        self._cache[key] = made
+        return made
+
+    # ------------------------------------------------------------------ running
+    def zero_grad(self) -> None:
+        """Set every gradient of the model (and of the optimizer's parameters) to None."""
+        self.model.zero_grad(set_to_none=True)
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def forward_backward(
+        self, *, before_backward: BeforeBackward | None = None, backward: bool = True
+    ) -> torch.Tensor:
+        """Forward, loss and backward of every micro-batch; no optimizer step.
+
+        The parts are labelled `forward` (model and loss) and `backward` with
+        `torch.profiler.record_function`, so a profiler sees the split. Gradients accumulate
+        into `.grad` as a plain loop's would (nothing is zeroed here).
+
+        Args:
+            before_backward: called as `before_backward(micro, output, loss)` between a
+                micro-batch's loss and its backward (what autograd saved is alive then).
+            backward: False stops after the loss (forward-only accounting).
+
+        Returns:
+            The detached mean loss over the micro-batches (0-d, on the loss's device,
+            unscaled and not divided by `accumulate`).
+
+        Raises:
+            ModelError: the model, the loss or backward raised.
+            TorchscopeError: the loss does not require grad (nothing to differentiate).
+        """
+        total: torch.Tensor | None = None
+        n = self.accumulate
+        for micro, (inputs, target) in enumerate(self.micro_batches()):
+            with torch.enable_grad():
+                with record_function("forward"):
+                    output = self.forward(inputs)
+                    loss = self.loss(output, target, micro=micro)
+                if before_backward is not None:
+                    before_backward(micro, output, loss)
+                if backward:
+                    self._backward(loss)
+            value = loss.detach()
+            total = value if total is None else total + value
+            del output, loss
+        assert total is not None
+        return total / n if n > 1 else total
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        if not loss.requires_grad:
+            raise TorchscopeError(
+                "the loss does not require grad: no parameter or input it depends on "
+                "requires grad.",
+                fix="unfreeze some parameters (requires_grad=True), run outside "
+                "torch.no_grad(), and check that the output is not detached.")
+        with record_function("backward"):
+            scaled = loss / self.accumulate if self.accumulate > 1 else loss
+            if self.scaler is not None:
+                scaled = self.scaler.scale(scaled)
+            try:
+                scaled.backward()
+            except TorchscopeError:
+                raise
+            except RuntimeError as exc:
+                first = (str(exc).strip().splitlines() or [""])[0]
+                raise ModelError(f"backward raised RuntimeError: {first}.",
+                                 fix="rerun with --debug (or without torchscope) to see the "
+                                 "traceback.") from exc
+
+    def optimizer_step(self) -> bool:
+        """Step the optimizer (through the scaler when there is one), labelled `optimizer`.
+
+        Returns:
+            False when the step has no optimizer.
+        """
+        if self.optimizer is None:
+            return False
+        with record_function("optimizer"):
+            if self.scaler is not None:
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+            else:
+                self.optimizer.step()
+        return True
+
+    def run(self, *, before_backward: BeforeBackward | None = None) -> torch.Tensor:
+        """One whole training step: zero the gradients, forward/backward every micro-batch,
+        then the optimizer step. The gradients of this step stay in `.grad`.
+
+        Returns:
+            The detached mean loss (see `forward_backward`).
+        """
+        self.zero_grad()
+        loss = self.forward_backward(before_backward=before_backward)
+        self.optimizer_step()
+        return loss
+
+    # ------------------------------------------------------------------ state
+    def preserved(self, *, clear_grads: bool = False) -> contextlib.AbstractContextManager[None]:
+        """`preserved(self.model, optimizer=..., scaler=...)`: run steps, change nothing."""
+        return preserved(self.model, optimizer=self.optimizer, scaler=self.scaler,
+                         clear_grads=clear_grads)
+
+
+def _cuda_devices(model: nn.Module) -> list[int]:
+    if not torch.cuda.is_available():
+        return []
+    found = {t.device.index for t in (*model.parameters(), *model.buffers())
+             if t.device.type == "cuda"}
+    return sorted(i for i in found if i is not None)
+
+
+@contextlib.contextmanager
+def preserved(
+    model: nn.Module,
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    scaler: Any = None,
+    clear_grads: bool = False,
+    rng: bool = True,
+) -> Iterator[None]:
+    """Give the model back exactly as it was, whatever runs inside.
+
+    Restored on exit, also when the block raises: every parameter and buffer (persistent
+    or not) as the same tensor object in the same module slot, with its values (a tensor
+    whose shape changed is given its old storage back); `.grad` (the same tensor objects,
+    with their values: backward accumulates into an existing `.grad` in place);
+    `requires_grad`; every module's `training` flag; the optimizer's and the scaler's
+    state; the CPU and CUDA random generators. This costs one copy of the parameters,
+    buffers, gradients and optimizer state while the block runs.
+
+    Args:
+        model: the model.
+        optimizer: an optimizer the block may step.
+        scaler: a GradScaler the block may update.
+        clear_grads: start the block with every `.grad` set to None.
+        rng: fork the random generators (False leaves them to the caller).
+    """
+    slots: list[tuple[dict[str, Any], str, torch.Tensor | None, torch.Tensor | None]] = []
+    grads: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = []
+    seen: set[int] = set()
+    with torch.no_grad():
+        for module in model.modules():
+            tables: tuple[dict[str, Any], ...] = (module._parameters, module._buffers)
+            for table in tables:
+                for name, t in table.items():
+                    slots.append((table, name, t, None if t is None else t.detach().clone()))
+                    if isinstance(t, nn.Parameter) and id(t) not in seen:
+                        seen.add(id(t))
+                        g = t.grad
+                        grads.append((t, g, None if g is None else g.detach().clone()))
+    requires = [(p, p.requires_grad) for p in model.parameters()]
+    flags = [(m, m.training) for m in model.modules()]
+    opt_state = None if optimizer is None else copy.deepcopy(optimizer.state_dict())
+    scaler_state = None if scaler is None else copy.deepcopy(scaler.state_dict())
+    fork = torch.random.fork_rng(devices=_cuda_devices(model)) if rng else \
+        contextlib.nullcontext()
+    with fork:
+        try:
+            if clear_grads:
+                for p, _, _ in grads:
+                    p.grad = None
+            yield
+        finally:
+            with torch.no_grad():
+                for table, name, t, values in slots:
+                    table[name] = t
+                    if t is None or values is None:
+                        continue
+                    if t.shape != values.shape:
+                        t.data = values
+                    else:
+                        t.copy_(values)
+                for p, g, values in grads:
+                    if g is not None and values is not None:
+                        if g.shape == values.shape:
+                            g.copy_(values)
+                        else:
+                            g.data = values
+                    p.grad = g
+            for p, r in requires:
+                p.requires_grad_(r)
+            for m, f in flags:
+                m.training = f
+            if optimizer is not None and opt_state is not None:
+                optimizer.load_state_dict(opt_state)
+            if scaler is not None and scaler_state is not None:
+                scaler.load_state_dict(scaler_state)

@@ -1,0 +1,265 @@
+"""`torchscope.Step`: one definition of the training step, checked against plain torch loops."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional
+
+from torchscope.errors import ModelError, TorchscopeError
+from torchscope.models import TinyCNN
+from torchscope.step import Step, preserved
+
+
+def _grads(model: nn.Module) -> list[torch.Tensor | None]:
+    return [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+
+
+def _same(a: list[torch.Tensor | None], b: list[torch.Tensor | None]) -> bool:
+    return len(a) == len(b) and all(
+        (x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
+        for x, y in zip(a, b, strict=True))
+
+
+@pytest.fixture
+def cnn() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    model = TinyCNN()
+    x = torch.randn(8, 3, 32, 32)
+    y = torch.randint(0, 10, (8,))
+    return model, x, y
+
+
+def test_step_gradients_equal_a_plain_loop(cnn: tuple[nn.Module, torch.Tensor, torch.Tensor]
+                                           ) -> None:
+    model, x, y = cnn
+    functional.cross_entropy(model(x), y).backward()
+    expected = _grads(model)
+    model.zero_grad(set_to_none=True)
+    loss = Step(model, x, loss_fn="cross_entropy", target=y).forward_backward()
+    assert _same(_grads(model), expected)
+    assert torch.equal(loss, functional.cross_entropy(model(x), y).detach())
+
+
+def test_auto_resolves_and_says_so(cnn: tuple[nn.Module, torch.Tensor, torch.Tensor]) -> None:
+    model, x, y = cnn
+    step = Step(model, x)
+    step.forward_backward()
+    assert step.resolved is not None
+    assert step.resolved.describe() == "auto → cross-entropy vs seeded targets"
+    given = Step(model, x, target=y)
+    given.forward_backward()
+    assert given.info(None).loss == "auto → cross-entropy vs given targets"
+    floats = Step(model, x, target=torch.randn(8, 10))
+    floats.forward_backward()
+    assert floats.info(None).loss == "auto → mean squared error vs given targets"
+
+
+class _Own(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = self.fc(x)
+        return {"logits": logits, "loss": logits.square().mean()}
+
+
+class _Image(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x)
+
+
+class _Scalar(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x).mean()
+
+
+@pytest.mark.parametrize(("model", "x", "said"), [
+    (_Own(), torch.randn(2, 4), "auto → the model's own loss (output.loss)"),
+    (_Scalar(), torch.randn(2, 4), "auto → the model's scalar output"),
+    (_Image(), torch.randn(2, 3, 4, 4), "auto → mean squared error vs seeded targets"),
+])
+def test_auto_order(model: nn.Module, x: torch.Tensor, said: str) -> None:
+    step = Step(model, x)
+    loss = step.forward_backward()
+    assert step.info(loss).loss == said
+    assert step.info(loss).loss_value == pytest.approx(float(loss))
+
+
+def test_own_loss_is_used_as_is() -> None:
+    model = _Own()
+    x = torch.randn(2, 4)
+    out = model(x)
+    assert torch.equal(Step(model, x).loss(out), out["loss"])
+
+
+def test_seeded_targets_are_reproducible_and_leave_the_global_rng_alone(
+        cnn: tuple[nn.Module, torch.Tensor, torch.Tensor]) -> None:
+    model, x, _ = cnn
+    out = model(x)
+    state = torch.get_rng_state()
+    a = Step(model, x, loss_fn="cross_entropy").loss(out)
+    b = Step(model, x, loss_fn="cross_entropy", seed=0).loss(out)
+    c = Step(model, x, loss_fn="cross_entropy", seed=1).loss(out)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
+    mse = Step(model, x, loss_fn="mse").loss(out)
+    target = torch.randn(8, 10, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(mse, functional.mse_loss(out, target))
+
+
+def test_sum_and_callable(cnn: tuple[nn.Module, torch.Tensor, torch.Tensor]) -> None:
+    model, x, y = cnn
+    out = model(x)
+    assert torch.equal(Step(model, x, loss_fn="sum").loss(out), out.sum())
+
+    def my_loss(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return functional.nll_loss(o.log_softmax(-1), t)
+
+    step = Step(model, x, loss_fn=my_loss, target=y)
+    assert torch.equal(step.loss(out), my_loss(out, y))
+    assert step.info(None).loss == "my_loss(output, target)"
+
+
+def test_accumulation_matches_a_plain_accumulating_loop(
+        cnn: tuple[nn.Module, torch.Tensor, torch.Tensor]) -> None:
+    model, x, y = cnn
+    for xs, ys in zip(x.chunk(4), y.chunk(4), strict=True):
+        (functional.cross_entropy(model(xs), ys) / 4).backward()
+    expected = _grads(model)
+    model.zero_grad(set_to_none=True)
+    step = Step(model, x, loss_fn="cross_entropy", target=y, accumulate=4)
+    loss = step.forward_backward()
+    assert _same(_grads(model), expected)
+    full = functional.cross_entropy(model(x), y).detach()
+    assert float(loss) == pytest.approx(float(full), rel=1e-5)
+    assert step.info(loss).accumulate == 4
+
+
+def test_accumulation_needs_a_divisible_batch(
+        cnn: tuple[nn.Module, torch.Tensor, torch.Tensor]) -> None:
+    model, x, _ = cnn
+    with pytest.raises(TorchscopeError, match="accumulate=3"):
+        Step(model, x, accumulate=3).forward_backward()
+
+
+def test_run_steps_the_optimizer_like_a_plain_loop() -> None:
+    torch.manual_seed(0)
+    a = TinyCNN()
+    b = TinyCNN()
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(4, 3, 32, 32)
+    y = torch.randint(0, 10, (4,))
+    opt_a = torch.optim.Adam(a.parameters(), lr=1e-2)
+    opt_b = torch.optim.Adam(b.parameters(), lr=1e-2)
+    step = Step(b, x, loss_fn="cross_entropy", target=y, optimizer=opt_b)
+    for _ in range(3):
+        opt_a.zero_grad()
+        functional.cross_entropy(a(x), y).backward()
+        opt_a.step()
+        step.run()
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(pa, pb)
+
+
+def test_scaler_steps_through_the_scaler() -> None:
+    model = nn.Linear(4, 3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(2, 4)
+    step = Step(model, x, loss_fn="sum", optimizer=opt, scaler=scaler)
+    before = model.weight.detach().clone()
+    step.forward_backward()
+    assert model.weight.grad is not None
+    assert torch.allclose(model.weight.grad, 1024 * x.sum(0).expand(3, 4))  # scaled loss
+    step.run()
+    # scaler.step unscaled the gradient before the update.
+    assert torch.allclose(model.weight.grad, x.sum(0).expand(3, 4))
+    assert torch.allclose(model.weight, before - 0.1 * x.sum(0).expand(3, 4))
+
+
+def test_before_backward_sees_each_micro_batch(
+        cnn: tuple[nn.Module, torch.Tensor, torch.Tensor]) -> None:
+    model, x, _ = cnn
+    seen: list[tuple[int, bool]] = []
+    Step(model, x, accumulate=2).forward_backward(
+        before_backward=lambda m, out, loss: seen.append((m, loss.requires_grad)))
+    assert seen == [(0, True), (1, True)]
+
+
+def test_bad_options_are_torchscope_errors(cnn: tuple[nn.Module, torch.Tensor, torch.Tensor]
+                                           ) -> None:
+    model, x, y = cnn
+    with pytest.raises(TorchscopeError, match="not a known loss"):
+        Step(model, x, loss_fn="hinge")  # type: ignore[arg-type]
+    with pytest.raises(TorchscopeError, match="autocast"):
+        Step(model, x, autocast=torch.float32)
+    with pytest.raises(TorchscopeError, match="together with target"):
+        Step.of(Step(model, x), target=y)
+    with pytest.raises(TorchscopeError, match="without inputs"):
+        Step.of(model)
+    assert Step.of(model, x, loss_fn="mse").loss_fn == "mse"
+
+
+def test_loss_that_cannot_fit_is_a_model_error(
+        cnn: tuple[nn.Module, torch.Tensor, torch.Tensor]) -> None:
+    model, x, _ = cnn
+    with pytest.raises(ModelError, match="cross_entropy loss failed"):
+        Step(model, x, loss_fn="cross_entropy", target=torch.zeros(3, dtype=torch.long)
+             ).forward_backward()
+    frozen = TinyCNN().requires_grad_(False)
+    with pytest.raises(TorchscopeError, match="does not require grad"):
+        Step(frozen, x).forward_backward()
+
+
+class _WithBuffers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.bn = nn.BatchNorm1d(4)
+        self.register_buffer("calls", torch.zeros(()), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.bn(self.fc(x))
+
+
+def test_preserved_restores_everything() -> None:
+    model = _WithBuffers().train()
+    model.bn.eval()
+    x = torch.randn(8, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(x).sum().backward()
+    opt.step()
+    grad = model.fc.weight.grad
+    assert grad is not None
+    before = {k: v.clone() for k, v in [*model.named_parameters(), *model.named_buffers()]}
+    grad_values = grad.clone()
+    momentum = opt.state[model.fc.weight]["momentum_buffer"].clone()
+    rng = torch.get_rng_state()
+    with preserved(model, optimizer=opt):
+        model.train()
+        for _ in range(3):
+            model(x).sum().backward()
+            opt.step()
+        torch.randn(5)
+        model.fc.weight.data = torch.zeros(2, 2)  # a shape change is undone too
+    for k, v in [*model.named_parameters(), *model.named_buffers()]:
+        assert torch.equal(v, before[k]), k
+    assert model.calls.item() == 1.0  # the non-persistent buffer too
+    assert model.fc.weight.grad is grad
+    assert torch.equal(grad, grad_values)
+    assert not model.bn.training
+    assert model.training
+    assert torch.equal(opt.state[model.fc.weight]["momentum_buffer"], momentum)
+    assert torch.equal(torch.get_rng_state(), rng)
