@@ -47,3 +47,22 @@ def test_model_inputs_of() -> None:
     assert ModelInputs.of(x).args == (x,)
     assert ModelInputs.of((x, x)).args == (x, x)
     assert dict(ModelInputs.of({"a": x}).kwargs) == {"a": x}
+
+
+def test_load_target_is_reproducible_and_leaves_the_rng_alone(tmp_path: pytest.TempPathFactory
+                                                              ) -> None:
+    factory = tmp_path / "factory.py"  # type: ignore[operator]
+    factory.write_text(
+        "import torch\n"
+        "def build():\n"
+        "    torch.manual_seed(123)  # a factory that reseeds the global generator\n"
+        "    return torch.nn.Linear(4, 2), torch.randn(3, 4)\n")
+    torch.manual_seed(7)
+    state = torch.get_rng_state()
+    a = load_target("tiny-cnn")
+    b = load_target("tiny-cnn")
+    c = load_target(f"{factory}:build")
+    assert torch.equal(torch.get_rng_state(), state)
+    for pa, pb in zip(a.model.parameters(), b.model.parameters(), strict=True):
+        assert torch.equal(pa, pb)
+    assert c.inputs is not None

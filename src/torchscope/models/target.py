@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchscope._process import seeded
 from torchscope.errors import InputSpecError, ModelError, TargetError, TorchscopeError
 from torchscope.models.spec import parse_spec
 from torchscope.models.zoo import BUILTINS
@@ -157,6 +158,10 @@ def load_target(target: str | None = None) -> LoadedTarget:
             `path/to/file.py:factory` or `package.module:factory`; None means `tiny-cnn`.
             The factory takes no arguments and returns a Module or `(Module, example_inputs)`.
 
+    The model is built with torch's generators seeded with 0 (so the same TARGET gives the
+    same weights and inputs in every run), inside `torch.random.fork_rng`: the caller's
+    random streams continue as if nothing had run, even if the factory reseeds.
+
     Raises:
         TargetError: the target cannot be found or returns something other than a Module.
         ModelError: the factory raised.
@@ -164,12 +169,13 @@ def load_target(target: str | None = None) -> LoadedTarget:
     target = target or DEFAULT_TARGET
     if target in BUILTINS:
         b = BUILTINS[target]
-        torch.manual_seed(0)
-        return LoadedTarget(target, b.build(), ModelInputs.of(b.example_input()))
+        with seeded(0):
+            return LoadedTarget(target, b.build(), ModelInputs.of(b.example_input()))
     module, attr, where = _resolve(target)
     factory = _get_callable(module, attr, where)
     try:
-        built = factory()
+        with seeded(0):
+            built = factory()
     except Exception as exc:
         raise ModelError(
             f"factory {target} raised {type(exc).__name__}: {exc}.",
@@ -206,7 +212,8 @@ def load_inputs(
         module, attr, where = _resolve(inputs_fn)
         fn = _get_callable(module, attr, where)
         try:
-            return ModelInputs.of(fn())
+            with seeded(0):
+                return ModelInputs.of(fn())
         except Exception as exc:
             raise ModelError(
                 f"inputs function {inputs_fn} raised {type(exc).__name__}: {exc}.",
