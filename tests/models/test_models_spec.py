@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -49,9 +51,8 @@ def test_model_inputs_of() -> None:
     assert dict(ModelInputs.of({"a": x}).kwargs) == {"a": x}
 
 
-def test_load_target_is_reproducible_and_leaves_the_rng_alone(tmp_path: pytest.TempPathFactory
-                                                              ) -> None:
-    factory = tmp_path / "factory.py"  # type: ignore[operator]
+def test_load_target_is_reproducible_and_leaves_the_rng_alone(tmp_path: Path) -> None:
+    factory = tmp_path / "factory.py"
     factory.write_text(
         "import torch\n"
         "def build():\n"
