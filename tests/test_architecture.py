@@ -26,7 +26,6 @@ PEERS = {"capabilities"}  # layers whose packages may not import each other
 # Imports that point the wrong way today; the work on issue 11 empties this list.
 KNOWN: set[tuple[str, str]] = {
     ("torchscope.hooks.session", "torchscope.compile.guard"),
-    ("torchscope.memory.measure", "torchscope.profiling.steps"),
     ("torchscope.report.doctor", "torchscope.doctor.diff"),
     ("torchscope.report.doctor", "torchscope.doctor.lab"),
     ("torchscope.report.doctor", "torchscope.doctor.runner"),
@@ -45,10 +44,6 @@ KNOWN: set[tuple[str, str]] = {
 }
 # Cycles that exist today; the work on issue 11 empties this list too.
 KNOWN_CYCLES: list[list[str]] = [
-    [
-        "torchscope.memory.checkpoint",
-        "torchscope.memory.verify",
-    ],
     [
         "torchscope.doctor.document",
         "torchscope.doctor.runner",
