@@ -15,7 +15,7 @@ from torch.nn import functional
 sys.path.insert(0, str(Path(__file__).parent))
 from _timing import interleaved_medians, print_ratios
 
-import torchscope
+from torchscope.capture import capture_activations, watch_activations
 from torchscope.models import ResNetMini
 
 
@@ -47,7 +47,7 @@ def main() -> None:
                 h.remove()
 
     def with_torchscope(counts: bool = True) -> None:
-        with torchscope.activations(model, count_nonfinite=counts) as acts:
+        with watch_activations(model, count_nonfinite=counts) as acts:
             step()
         assert acts.records
 
@@ -71,7 +71,7 @@ def main() -> None:
             torchinfo.summary(model, input_data=x, verbose=0)
 
         def ts_fwd() -> None:
-            torchscope.capture_activations(model, x)
+            capture_activations(model, x)
 
         peers = interleaved_medians({"bare forward": fwd, "torchscope capture_activations": ts_fwd,
                                      "torchinfo.summary": info}, repeats=5, warmup=1)

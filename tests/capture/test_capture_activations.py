@@ -10,16 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from torchscope import (
-    BudgetError,
-    ModelError,
-    SelectionError,
-    TorchscopeError,
-    activations,
-    audit_hooks,
-    capture_activations,
-)
-from torchscope.capture import trace_nonfinite
+from torchscope.capture import capture_activations, trace_nonfinite, watch_activations
+from torchscope.errors import BudgetError, ModelError, SelectionError, TorchscopeError
+from torchscope.hooks import audit_hooks
 from torchscope.models import TinyCNN
 
 
@@ -203,7 +196,7 @@ def test_store_tensors_budget_error_and_skip() -> None:
 def test_context_manager_in_user_loop_records_each_step() -> None:
     model = TinyCNN()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with activations(model, select="Conv2d") as acts:
+    with watch_activations(model, select="Conv2d") as acts:
         for _ in range(3):
             opt.zero_grad()
             model(torch.randn(2, 3, 10, 10)).sum().backward()
@@ -334,7 +327,7 @@ def test_cuda_model_with_cpu_tensors_in_its_calls() -> None:
 def test_capture_whose_open_fails_removes_the_hooks_it_added() -> None:
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     model[1].register_forward_hook = None  # type: ignore[method-assign,assignment]
-    with pytest.raises(TypeError), activations(model):
+    with pytest.raises(TypeError), watch_activations(model):
         pass
     del model[1].register_forward_hook
     assert audit_hooks(model).local_total == 0

@@ -10,16 +10,13 @@ from torch import nn
 
 from torchscope.errors import TorchscopeError
 from torchscope.findings import Severity
-from torchscope.grads import (
-    GradThresholds,
-    diagnose,
+from torchscope.grads import GradThresholds, diagnose, gradient_flow, layer_norms
+from torchscope.grads.analyze import (
     diagnose_history,
     find_dead,
     find_exploding,
     find_nonfinite,
     find_vanishing,
-    gradient_flow,
-    layer_norms,
 )
 from torchscope.grads.records import (
     INPUT_NO_GRAD,

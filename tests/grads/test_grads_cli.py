@@ -25,6 +25,17 @@ def test_default_target_tiny_cnn(tmp_path: Path) -> None:
         "fc", "pool", "conv2", "relu", "conv1"]
     assert data["flow"]["total_norm"] > 0
     assert plot.read_bytes()[:4] == b"\x89PNG"
+    # The step is stated, and it is the step gradient_flow runs on the same model and input.
+    assert "loss: auto → cross-entropy vs seeded targets" in res.output
+    assert "optimizer: SGD" in res.output
+    from torchscope.grads import gradient_flow
+    from torchscope.models.target import load_inputs, load_target
+
+    loaded = load_target("tiny-cnn")
+    flow = gradient_flow(loaded.model, load_inputs(loaded, ["4x3x16x16"]))
+    assert flow.step is not None and flow.step.loss == data["step"]["loss"]
+    assert data["step"]["loss_value"] == flow.step.loss_value
+    assert data["flow"]["total_norm"] == flow.total_norm
     # Targets come from a seeded generator: a second run gives the same numbers.
     out2 = tmp_path / "g2.json"
     runner.invoke(app, ["grads", "--input", "4x3x16x16", "--json", str(out2)])
@@ -38,7 +49,9 @@ def test_steps_mse_heatmap(tmp_path: Path) -> None:
                               "--steps", "3", "--plot", str(plot), "--json", str(out)])
     assert res.exit_code == 0, res.output
     assert (tmp_path / "m-heatmap.svg").exists() and plot.exists()
+    assert "loss: mean squared error vs seeded targets" in res.output
     data = json.loads(out.read_text())
+    assert data["step"]["loss"] == "mean squared error vs seeded targets"
     assert data["history"]["steps"] == [0, 1, 2]
     assert data["history"]["layers"] == ["fc2", "relu", "fc1"]
 

@@ -176,7 +176,7 @@ def test_frozen_and_unreached() -> None:
     assert flow.param("head.weight").norm is not None
     total = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
     assert _close(flow.total_norm, total.item())
-    from torchscope.grads import find_unreached
+    from torchscope.grads.analyze import find_unreached
 
     (finding,) = find_unreached(flow)
     assert "aux" in str(finding.evidence["modules"]) and "unused" in str(

@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from torchscope.grads import GradCollector, watch_gradients
+from torchscope.grads import watch_gradients
+from torchscope.grads.collect import GradCollector
 from torchscope.hooks import HookSession, audit_hooks
 
 
@@ -70,7 +71,7 @@ def test_watch_left_by_an_exception_drops_the_unfinished_step() -> None:
         opt.step()  # step 0 is sampled here
         model(torch.randn(1, 2)).sum().backward()  # step 1 never reaches its optimizer step
         raise KeyboardInterrupt
-    assert watch.samples == 1 and watch.last is not None and watch.last.step == 0
+    assert watch.samples == 1 and watch.last is not None and watch.last.index == 0
     assert audit_hooks(model).local_total == 0
 
 

@@ -109,7 +109,7 @@ def test_loss_errors_are_torchscope_errors(setup) -> None:
 
     model, x, _ = setup
     with pytest.raises(TorchscopeError, match="not a scalar"):
-        gradient_flow(model, x)
+        gradient_flow(model, x, loss_fn=lambda out: out)  # (8, 10) logits: no loss
     for p in model.parameters():
         p.requires_grad_(False)
     with pytest.raises(TorchscopeError, match="does not require grad"):

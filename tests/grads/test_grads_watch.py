@@ -100,7 +100,7 @@ def test_accumulation_samples_follow_optimizer_steps(every: int, expected: int) 
     assert watch.steps == 5
     assert watch.samples == expected
     last = watch.last
-    assert last is not None and last.step == 4
+    assert last is not None and last.index == 4
     assert last.micro_batches == 4 and last.backward_calls == 4
     assert sorted({r.micro for r in last.modules}) == [0, 1, 2, 3]
     assert len([r for r in last.modules if r.module == "0"]) == 4
@@ -115,7 +115,7 @@ def test_without_optimizer_every_backward_is_a_step() -> None:
         for _ in range(7):
             model(torch.randn(2, 4)).sum().backward()
     assert watch.steps == 7
-    assert [f.step for f in seen] == [0, 3, 6]
+    assert [f.index for f in seen] == [0, 3, 6]
     assert watch.samples == 3
 
 

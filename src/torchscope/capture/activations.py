@@ -26,19 +26,22 @@ from torchscope.capture.stats import (
     reduce_stats,
 )
 from torchscope.errors import BudgetError, TorchscopeError
+from torchscope.findings import Analyzed
 from torchscope.hooks.lifecycle import HookedContext
 from torchscope.hooks.select import Selector, select_modules
 from torchscope.hooks.session import HookSession
 from torchscope.hooks.tree import iter_tensors
-from torchscope.models.target import ModelInputs, call_model
+from torchscope.step import Step
 
-__all__ = ["ActivationCapture", "activations", "capture_activations"]
+__all__ = ["ActivationCapture", "capture_activations", "watch_activations"]
 
 Store = Literal["stats", "tensors"]
 OnBudget = Literal["error", "skip"]
 
 # Modules whose outputs are >= 0 and whose dead channels mean dead units.
 _RELU_FAMILY = (nn.ReLU, nn.ReLU6, nn.Hardtanh, nn.Threshold)
+# Modules whose weights set the scale of what follows; scale drift is read between these.
+_WEIGHTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding)
 
 
 @dataclass(frozen=True)
@@ -68,8 +71,12 @@ def _stack_by_device(vecs: list[torch.Tensor]) -> list[_Rows]:
     return [(idx, torch.stack([vecs[i] for i in idx])) for idx in rows.values()]
 
 
-class ActivationCapture(HookedContext):
+class ActivationCapture(HookedContext, Analyzed):
     """Collects activation records while its `HookSession` is open.
+
+    `findings()` judges what it recorded (see `torchscope.capture.analyze`): the module that
+    makes the first NaN/Inf, dead ReLU channels, constant, mostly-zero, large and
+    near-overflow outputs, and activation scale drifting across the weighted layers.
 
     Hooks only enqueue device reductions; reading `records` copies everything pending to
     the host at once, one transfer per device. Tensors kept with `store="tensors"` are in
@@ -121,6 +128,7 @@ class ActivationCapture(HookedContext):
         # The session's model: a torch.compile wrapper is unwrapped, so names stay plain.
         self._targets = select_modules(self._session.model, select, depth=depth)
         self._names = [n for n, _ in self._targets]
+        self._weighted = frozenset(n for n, m in self._targets if isinstance(m, _WEIGHTED))
         self._store = store
         self._max_bytes = max_bytes
         self._offload = offload
@@ -168,6 +176,12 @@ class ActivationCapture(HookedContext):
     def modules(self) -> list[str]:
         """Qualified names of the hooked modules."""
         return list(self._names)
+
+    @property
+    def weighted(self) -> frozenset[str]:
+        """Hooked modules with weights that set the scale of what follows (Linear, Conv,
+        Embedding)."""
+        return self._weighted
 
     # ------------------------------------------------------------------ hooks
     def _begin_forward(self, _m: nn.Module, _args: tuple[Any, ...]) -> None:
@@ -350,8 +364,8 @@ class ActivationCapture(HookedContext):
 
 
 def capture_activations(
-    model: nn.Module,
-    inputs: Any,
+    model: nn.Module | Step,
+    inputs: Any = None,
     *,
     select: Selector = None,
     depth: int | None = None,
@@ -363,10 +377,11 @@ def capture_activations(
     grad: bool = False,
     count_nonfinite: bool = True,
 ) -> ActivationCapture:
-    """Run one forward of `model` on `inputs` and capture every selected module's output.
+    """Run one forward of a model on its inputs and capture every selected module's output.
 
     Args:
-        model: any `nn.Module`.
+        model: any `nn.Module`, or a `Step`: then its forward runs as `step.forward()`, on
+            the step's whole batch and under its autocast (leave `inputs` unset).
         inputs: a tensor, a tuple of positional inputs, a dict of keyword inputs, or
             `ModelInputs`.
         select: which modules to hook (see `select_modules`); default: the leaf modules.
@@ -382,13 +397,21 @@ def capture_activations(
             with False, finiteness and the NaN producer are still exact, counts are None.
 
     Returns:
-        The finished `ActivationCapture`; its hooks are already removed.
+        The finished `ActivationCapture`; its hooks are already removed, and
+        `capture.findings()` judges what it recorded.
 
     Raises:
         ModelError: the model raised; hooks are removed and flags restored first.
+        TorchscopeError: a model without inputs, or a `Step` together with inputs.
+
+    Example:
+        >>> step = torchscope.Step(model, x, autocast=torch.bfloat16)
+        >>> torchscope.capture_activations(step).get("fc").output.dtype
+        'torch.bfloat16'
     """
-    with activations(
-        model,
+    step = Step.of(model, inputs)
+    with watch_activations(
+        step.model,
         select=select,
         depth=depth,
         store=store,
@@ -400,11 +423,11 @@ def capture_activations(
         if train is not None:
             capture.session.set_training(train)
         with torch.set_grad_enabled(grad):
-            call_model(model, ModelInputs.of(inputs))
+            step.forward()
     return capture
 
 
-def activations(
+def watch_activations(
     model: nn.Module,
     *,
     select: Selector = None,
@@ -422,10 +445,10 @@ def activations(
 
     Returns:
         An `ActivationCapture` to use as a context manager: hooks go on at `with` and come
-        off at its end; its records stay readable after the block.
+        off at its end; its records and `findings()` stay readable after the block.
 
     Example:
-        >>> with torchscope.activations(model, select="Conv2d") as acts:
+        >>> with torchscope.watch_activations(model, select="Conv2d") as acts:
         ...     for x, y in loader:
         ...         loss = F.cross_entropy(model(x), y)
         ...         loss.backward()

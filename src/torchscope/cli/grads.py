@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, cast
+from typing import Annotated
 
 import typer
 
@@ -32,8 +32,8 @@ def grads(
     input: InputOpt = None,
     inputs: InputsFnOpt = None,
     loss: Annotated[str, typer.Option(
-        "--loss", help="cross_entropy (targets drawn from the output's last dimension), "
-        "mse or sum.")] = "cross_entropy",
+        "--loss", help="auto (the model's own loss, else cross-entropy for logits, else mean "
+        "squared error; targets seeded), cross_entropy, mse or sum.")] = "auto",
     steps: Annotated[int, typer.Option(
         "--steps", help="Training steps (SGD) to run; each one is sampled.")] = 1,
     lr: Annotated[float, typer.Option("--lr", help="SGD learning rate for --steps > 1.")] = 0.01,
@@ -53,20 +53,12 @@ def grads(
 
         from torchscope.errors import TorchscopeError
         from torchscope.grads import watch_gradients
-        from torchscope.grads.losses import (
-            LOSSES,
-            LossName,
-            compute_loss,
-            main_output,
-            synthesize_target,
-        )
-        from torchscope.models import call_model
         from torchscope.report.grads import findings_lines, grad_table, history_table
+        from torchscope.step import LOSSES, Step
 
         if loss not in LOSSES:
             raise TorchscopeError(f"--loss {loss!r} is not a known loss.",
                                   fix=f"use one of {', '.join(LOSSES)}.")
-        loss_name = cast(LossName, loss)
         if steps < 1:
             raise TorchscopeError(f"--steps {steps} runs nothing.", fix="pass --steps 1 or more.")
         if not lr > 0:
@@ -81,26 +73,20 @@ def grads(
             raise TorchscopeError(f"{loaded.name} has no parameter that requires grad.",
                                   fix="unfreeze some parameters.")
         opt = torch.optim.SGD(params, lr=lr)
-        generator = torch.Generator().manual_seed(0)
-        y = None
+        step = Step(model, model_inputs, loss_fn=loss, optimizer=opt)
+        first: torch.Tensor | None = None
         with watch_gradients(model, every=1, optimizer=opt, select=select,
                              depth=depth) as watch:
             for _ in range(steps):
-                opt.zero_grad(set_to_none=True)
-                out = call_model(model, model_inputs)
-                if y is None:
-                    y = synthesize_target(loss, main_output(out), generator)
-                value = compute_loss(out, loss_name, y)
-                if not value.requires_grad:
-                    raise TorchscopeError("the loss does not require grad.",
-                                          fix="check that the model output is not detached.")
-                value.backward()
-                opt.step()
+                value = step.run()
+                first = value if first is None else first
+        info = step.info(first)
         flow = watch.last
         if flow is None:
             raise TorchscopeError("no step was sampled.", fix="rerun with --debug.")
-        console.print(grad_table(flow, title=f"Gradient flow of {loaded.name}, step {flow.step} "
-                                 f"({loss} loss, backward order)"))
+        console.print(info.describe())
+        console.print(grad_table(flow, title=f"Gradient flow of {loaded.name}, step "
+                                 f"{flow.index} (backward order)"))
         history = watch.history
         if steps > 1:
             console.print(history_table(history))
@@ -125,6 +111,6 @@ def grads(
         if json_path:
             from torchscope._util import write_json
 
-            write_json(json_path, {"target": loaded.name, "loss": loss, "steps": steps,
+            write_json(json_path, {"target": loaded.name, "step": info, "steps": steps,
                                    "flow": flow, "history": history, "findings": found})
             console.print(f"wrote {json_path}")

@@ -1,12 +1,13 @@
 """Gradient flow: per-call gradient norms from tensor hooks, their history, and diagnosis.
 
-One step:
+One step (a `Step`, or a model with its inputs and loss):
 
     flow = gradient_flow(model, x, loss_fn="cross_entropy", target=y)
     flow.modules          # per call, backward order: grad_output / grad_input norms
     flow.params           # per parameter: .grad norm, or why there is none
     flow.total_norm       # what clip_grad_norm_ returns
-    diagnose(flow)        # vanishing / exploding / dead / NaN findings
+    flow.step             # the step that ran: loss (and its value), optimizer, AMP
+    flow.findings()       # vanishing / exploding / dead / NaN findings (`diagnose`)
 
 A training loop (samples on optimizer steps, keeps norms only):
 
@@ -19,18 +20,7 @@ modules, frozen parameters and modules the loss does not reach, and leaves every
 bitwise unchanged.
 """
 
-from torchscope.grads.analyze import (
-    GradThresholds,
-    diagnose,
-    diagnose_history,
-    find_dead,
-    find_exploding,
-    find_nonfinite,
-    find_unreached,
-    find_vanishing,
-    layer_norms,
-)
-from torchscope.grads.collect import GradCollector
+from torchscope.grads.analyze import GradThresholds, diagnose, layer_norms
 from torchscope.grads.flow import GradWatch, gradient_flow, watch_gradients
 from torchscope.grads.records import (
     GradFlow,
@@ -41,7 +31,6 @@ from torchscope.grads.records import (
 )
 
 __all__ = [
-    "GradCollector",
     "GradFlow",
     "GradHistory",
     "GradThresholds",
@@ -50,12 +39,6 @@ __all__ = [
     "ParamGradRecord",
     "TensorGrad",
     "diagnose",
-    "diagnose_history",
-    "find_dead",
-    "find_exploding",
-    "find_nonfinite",
-    "find_unreached",
-    "find_vanishing",
     "gradient_flow",
     "layer_norms",
     "watch_gradients",

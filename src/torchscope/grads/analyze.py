@@ -1,4 +1,8 @@
-"""Diagnosis of gradient flow: pure functions from records to `Finding`s."""
+"""Diagnosis of gradient flow: pure functions from records to `Finding`s.
+
+`diagnose` is the analyzer of `GradFlow` and `diagnose_watch` that of `GradWatch`; read them
+as `flow.findings()` and `watch.findings()`.
+"""
 
 from __future__ import annotations
 
@@ -7,13 +11,15 @@ from dataclasses import dataclass
 from typing import Literal
 
 from torchscope.errors import TorchscopeError
-from torchscope.findings import Finding, Severity, rank
+from torchscope.findings import Finding, Severity, analyzer, rank
+from torchscope.grads.flow import GradWatch
 from torchscope.grads.records import NO_GRAD, NOT_REACHED, GradFlow, GradHistory
 
 __all__ = [
     "GradThresholds",
     "diagnose",
     "diagnose_history",
+    "diagnose_watch",
     "find_dead",
     "find_exploding",
     "find_nonfinite",
@@ -107,7 +113,7 @@ def find_vanishing(flow: GradFlow, thresholds: GradThresholds | None = None) -> 
         summary=f"{far} receives {_times(ratio)} less gradient than {near}",
         evidence={"nearest": near, "nearest_norm": n_near, "farthest": far,
                   "farthest_norm": n_far, "ratio": ratio, "layers": len(norms),
-                  "metric": t.metric, "step": flow.step},
+                  "metric": t.metric, "step": flow.index},
         fix="add normalization (BatchNorm/LayerNorm) or residual connections, use ReLU-family "
         "activations with Kaiming init, or shorten the path from the loss to early layers.",
         module=far,
@@ -129,7 +135,7 @@ def find_exploding(flow: GradFlow, thresholds: GradThresholds | None = None) -> 
                 summary=f"{far} receives {_times(ratio)} more gradient than {near}",
                 evidence={"nearest": near, "nearest_norm": n_near, "farthest": far,
                           "farthest_norm": n_far, "ratio": ratio, "metric": t.metric,
-                          "step": flow.step},
+                          "step": flow.index},
                 fix="clip with torch.nn.utils.clip_grad_norm_, lower the learning rate or the "
                 "init scale, and add normalization layers.",
                 module=far,
@@ -147,7 +153,7 @@ def find_exploding(flow: GradFlow, thresholds: GradThresholds | None = None) -> 
                else ""),
             evidence={"total_norm": total, "threshold": t.exploding_norm,
                       "largest_module": biggest[0], "largest_norm": biggest[1],
-                      "step": flow.step},
+                      "step": flow.index},
             fix="clip with torch.nn.utils.clip_grad_norm_ (max_norm around 1.0) and lower the "
             "learning rate.",
             module=biggest[0],
@@ -193,7 +199,7 @@ def find_dead(flow: GradFlow, thresholds: GradThresholds | None = None) -> list[
             severity=Severity.WARNING,
             summary=f"{m or '<root>'} ({type_name}) receives gradient but passes an all-zero "
             "gradient down",
-            evidence={"kind": "blocks", "step": flow.step},
+            evidence={"kind": "blocks", "step": flow.index},
             fix="look for dead ReLUs (lower the learning rate, LeakyReLU/GELU, check biases "
             "and init) or a mask that blocks every position.",
             module=m,
@@ -208,7 +214,7 @@ def find_dead(flow: GradFlow, thresholds: GradThresholds | None = None) -> list[
             summary=f"{m or '<root>'} receives {what}",
             evidence={"kind": "zero", "zero_outputs": len(dead_out.get(m, [])),
                       "zero_params": len(names),
-                      "params": ", ".join(names), "step": flow.step},
+                      "params": ", ".join(names), "step": flow.index},
             fix="look for dead ReLUs (lower the learning rate, LeakyReLU/GELU), a branch "
             "multiplied by zero, or a mask that blocks every position.",
             module=m,
@@ -225,7 +231,7 @@ def find_nonfinite(flow: GradFlow, thresholds: GradThresholds | None = None) -> 
         return []
     evidence: dict[str, float | int | str | bool | None] = {
         "nonfinite_params": len(bad_params), "total_norm": flow.total_norm,
-        "step": flow.step,
+        "step": flow.index,
     }
     if first is not None:
         from_above = not all(g.finite for g in first.grad_output)
@@ -268,15 +274,16 @@ def find_unreached(flow: GradFlow, thresholds: GradThresholds | None = None) -> 
         summary=f"{count} trainable parameter(s) in {len(mods)} module(s) received no "
         f"gradient, e.g. {mods[0] or '<root>'}",
         evidence={"params": count, "modules": ", ".join(m or "<root>" for m in mods[:10]),
-                  "step": flow.step},
+                  "step": flow.index},
         fix="if they should learn, make the loss depend on them; if not, freeze them "
         "(requires_grad_(False)) so optimizers and DDP skip them.",
         module=mods[0],
     )]
 
 
+@analyzer(GradFlow)
 def diagnose(flow: GradFlow, thresholds: GradThresholds | None = None) -> list[Finding]:
-    """Every gradient finding for one step, most severe first."""
+    """Every gradient finding for one step, most severe first (`flow.findings()`)."""
     found: list[Finding] = []
     for fn in (find_nonfinite, find_vanishing, find_exploding, find_dead, find_unreached):
         found += fn(flow, thresholds)
@@ -315,3 +322,12 @@ def diagnose_history(
                 fix="clip with torch.nn.utils.clip_grad_norm_ and lower the learning rate.",
             ))
     return rank(found)
+
+
+@analyzer(GradWatch)
+def diagnose_watch(watch: GradWatch, thresholds: GradThresholds | None = None) -> list[Finding]:
+    """Findings of a watched loop (`watch.findings()`): the last sample's, then the
+    history's, most severe first."""
+    last = watch.last
+    found = diagnose(last, thresholds) if last is not None else []
+    return rank(found + diagnose_history(watch.history, thresholds))

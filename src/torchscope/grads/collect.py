@@ -46,6 +46,7 @@ from torchscope.hooks.lifecycle import HookedContext
 from torchscope.hooks.select import Selector, select_modules
 from torchscope.hooks.session import HookSession
 from torchscope.hooks.tree import iter_tensors
+from torchscope.step import StepInfo
 
 __all__ = ["GradCollector"]
 
@@ -136,7 +137,7 @@ class GradCollector(HookedContext):
     """Collects gradient norms while its `HookSession` is open.
 
     Set `active` to False to make every hook return at once (unsampled steps). Call
-    `finish(step)` after the step's backward(s) to get its `GradFlow` and reset.
+    `finish(index)` after the step's backward(s) to get its `GradFlow` and reset.
 
     Args:
         model: the model.
@@ -448,8 +449,13 @@ class GradCollector(HookedContext):
         self._session.release(self._step_handles)
         self._reset()
 
-    def finish(self, step: int) -> GradFlow:
-        """Turn the current step's measurements into a `GradFlow` and start a new step."""
+    def finish(self, index: int, *, step: StepInfo | None = None) -> GradFlow:
+        """Turn the current step's measurements into a `GradFlow` and start a new step.
+
+        Args:
+            index: the step's index, as `GradFlow.index`.
+            step: the training step torchscope ran, when it ran one.
+        """
         host = self._to_host()
         scale = self._scale()
         inv = 1.0 / scale if scale else 1.0
@@ -465,7 +471,7 @@ class GradCollector(HookedContext):
         calls = sorted(self._calls, key=lambda c: (c.order is None, c.order or 0, c.seq))
         modules = tuple(
             ModuleGradRecord(
-                c.module, c.module_type, step, c.micro, c.call, c.order,
+                c.module, c.module_type, index, c.micro, c.call, c.order,
                 tuple(tensor_grad(s, NOT_REACHED) for s in c.outs),
                 tuple(tensor_grad(s, NOT_REACHED) for s in c.ins),
                 c.owns_params,
@@ -486,8 +492,8 @@ class GradCollector(HookedContext):
                                           p.requires_grad, n, reason))
         present = [p.norm for p in params if p.norm is not None]
         total = math.sqrt(math.fsum(n * n for n in present)) if present else 0.0
-        flow = GradFlow(step, modules, tuple(params), total, scale,
+        flow = GradFlow(index, modules, tuple(params), total, scale,
                         micro_batches=max(self._micro + 1, 1 if self._calls else 0),
-                        backward_calls=self._backwards)
+                        backward_calls=self._backwards, step=step)
         self.discard()
         return flow

@@ -11,59 +11,66 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchscope.errors import ModelError, TorchscopeError
-from torchscope.findings import Finding
-from torchscope.grads.analyze import GradThresholds, diagnose, diagnose_history
+from torchscope.errors import TorchscopeError
+from torchscope.findings import Analyzed
 from torchscope.grads.collect import GradCollector
-from torchscope.grads.losses import LossFn, LossName, compute_loss
 from torchscope.grads.records import GradFlow, GradHistory
 from torchscope.hooks.lifecycle import HookedContext
 from torchscope.hooks.select import Selector
 from torchscope.hooks.session import HookSession
-from torchscope.models.target import ModelInputs, call_model
+from torchscope.step import LossSpec, Step
 
 __all__ = ["GradWatch", "gradient_flow", "watch_gradients"]
 
 
 def gradient_flow(
-    model: nn.Module,
-    inputs: Any,
+    model: nn.Module | Step,
+    inputs: Any = None,
     *,
-    loss_fn: LossName | LossFn | None = None,
+    loss_fn: LossSpec = "auto",
     target: Any = None,
+    optimizer: torch.optim.Optimizer | None = None,
     select: Selector = None,
     depth: int | None = None,
     train: bool | None = None,
     zero_grad: bool = True,
-    scaler: Any = None,
     inputs_grad: bool = True,
 ) -> GradFlow:
-    """Run one forward and backward of `model` and measure the gradient through every
-    selected module call and every parameter.
+    """Run one forward and backward of a training step and measure the gradient through
+    every selected module call and every parameter.
+
+    The step is `Step.of(model, inputs, loss_fn=, target=, optimizer=)`, or the given `Step`
+    (for AMP and gradient accumulation). It runs as `step.forward_backward()`: every
+    micro-batch's forward, loss and backward, and no optimizer step (the optimizer is only
+    recorded in `flow.step`). With the step's GradScaler the loss is scaled and the scale
+    divided out of every norm.
 
     Args:
-        model: any `nn.Module`.
+        model: any `nn.Module`, or a `Step` (then leave `inputs`, `loss_fn`, `target` and
+            `optimizer` unset).
         inputs: a tensor, a tuple of positional inputs, a dict of keyword inputs, or
             `ModelInputs`.
-        loss_fn: "cross_entropy" (the last dimension holds classes), "mse", "sum", a callable
-            `(output, target) -> loss` (`(output) -> loss` when `target` is None), or None to
-            use a scalar output or a transformers `.loss`.
-        target: the target for `loss_fn`; None with a named loss synthesises a seeded one.
+        loss_fn: "auto" (default), "cross_entropy", "mse", "sum", or a callable
+            `(output, target) -> loss` (`(output) -> loss` when `target` is None); see
+            `torchscope.step` for what each means.
+        target: the target for `loss_fn`; None with a named loss draws a seeded one.
+        optimizer: recorded in `flow.step`; not stepped.
         select: modules to record per call (see `select_modules`); default the leaves.
         depth: limit the selection depth.
         train: put the model in train (True) or eval (False) mode; restored afterwards.
             None leaves the mode as it is.
         zero_grad: set every `.grad` to None first, so the reading is this step's alone.
-        scaler: a `torch.amp.GradScaler`; the loss is scaled by it and the scale divided out.
         inputs_grad: also measure each call's grad_input (aliases the module inputs).
 
     Returns:
-        The step's `GradFlow`. The parameters' `.grad` hold this step's gradients, exactly
-        as a plain `loss.backward()` leaves them; every hook is already removed.
+        The step's `GradFlow`, with `flow.step` saying which loss ran and its value. The
+        parameters' `.grad` hold this step's gradients, exactly as a plain `loss.backward()`
+        (per micro-batch) leaves them; every hook is already removed.
 
     Raises:
         ModelError: the model or the loss raised.
-        TorchscopeError: the loss does not depend on anything that requires grad.
+        TorchscopeError: the loss does not depend on anything that requires grad, or a
+            `Step` was given together with inputs or step options.
 
     Example:
         >>> flow = torchscope.gradient_flow(model, x, loss_fn="cross_entropy", target=y,
@@ -72,41 +79,26 @@ def gradient_flow(
         ['fc', 'conv2', 'conv1']
         >>> flow.get("conv1").grad_input[0].reason
         'input does not require grad'
-        >>> torchscope.grads.diagnose(flow)[0].summary
+        >>> flow.findings()[0].summary
         'conv1 receives 67× less gradient than fc'
     """
-    model_inputs = ModelInputs.of(inputs)
-    collector = GradCollector(model, select=select, depth=depth, inputs=inputs_grad,
-                              scaler=scaler)
+    step = Step.of(model, inputs, loss_fn=loss_fn, target=target, optimizer=optimizer)
+    collector = GradCollector(step.model, select=select, depth=depth, inputs=inputs_grad,
+                              scaler=step.scaler)
     with collector:
         if train is not None:
             collector.session.set_training(train)
         if zero_grad:
-            model.zero_grad(set_to_none=True)
-        with torch.enable_grad():
-            output = call_model(model, model_inputs)
-            loss = compute_loss(output, loss_fn, target)
-            if not loss.requires_grad:
-                raise TorchscopeError(
-                    "the loss does not require grad: no parameter or input it depends on "
-                    "requires grad.",
-                    fix="unfreeze some parameters (requires_grad=True) or check that the "
-                    "output is not detached.",
-                )
-            if scaler is not None:
-                loss = scaler.scale(loss)
-            try:
-                loss.backward()
-            except RuntimeError as exc:
-                first = (str(exc).strip().splitlines() or [""])[0]
-                raise ModelError(f"backward raised RuntimeError: {first}.",
-                                 fix="rerun with --debug (or without torchscope) to see "
-                                 "the traceback.") from exc
-        return collector.finish(step=0)
+            step.zero_grad()
+        loss = step.forward_backward()
+        return collector.finish(0, step=step.info(loss))
 
 
-class GradWatch(HookedContext):
+class GradWatch(HookedContext, Analyzed):
     """Samples gradient flow in the user's own training loop; see `watch_gradients`.
+
+    Its findings (`watch.findings()`) judge the last sample (as `torchscope.grads.diagnose`)
+    and the history (a total norm that turns NaN/Inf or grows out of bounds).
 
     Attributes:
         every: sample one step in `every`.
@@ -201,7 +193,7 @@ class GradWatch(HookedContext):
         params = {k: v for k, v in flow.param_norms().items() if v is not None}
         for name in list(outs) + list(params):
             self._layers.setdefault(name, None)
-        self._rows.append((flow.step, outs, params, flow.total_norm))
+        self._rows.append((flow.index, outs, params, flow.total_norm))
         if self._on_sample is not None:
             self._on_sample(flow)
 
@@ -223,11 +215,6 @@ class GradWatch(HookedContext):
             param_norms=tuple(tuple(r[2].get(k, nan) for k in layers) for r in self._rows),
             total_norms=tuple(r[3] for r in self._rows),
         )
-
-    def findings(self, thresholds: GradThresholds | None = None) -> list[Finding]:
-        """Diagnosis of the last sample and of the history (see `torchscope.grads.diagnose`)."""
-        found = diagnose(self._last, thresholds) if self._last is not None else []
-        return found + diagnose_history(self.history, thresholds)
 
 
 @contextmanager

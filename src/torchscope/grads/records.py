@@ -6,8 +6,13 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from torchscope.errors import TorchscopeError
+from torchscope.findings import Analyzed
+
+if TYPE_CHECKING:
+    from torchscope.step import StepInfo
 
 __all__ = [
     "GradFlow",
@@ -81,7 +86,7 @@ class ModuleGradRecord:
     Attributes:
         module: qualified name ("" is the root).
         module_type: the module's class name.
-        step: the sampled step (optimizer steps counted from 0) this call belongs to.
+        index: the sampled step (optimizer steps counted from 0) this call belongs to.
         micro: which forward of that step (micro-batch) made the call, from 0.
         call: how many times the module ran before in the same forward (0 for the first).
         order: position in backward order among the step's calls (0 is nearest the loss);
@@ -94,7 +99,7 @@ class ModuleGradRecord:
 
     module: str
     module_type: str
-    step: int
+    index: int
     micro: int
     call: int
     order: int | None
@@ -157,12 +162,14 @@ class ParamGradRecord:
 
 
 @dataclass(frozen=True)
-class GradFlow:
+class GradFlow(Analyzed):
     """Everything measured in one step: per-call module records and per-parameter norms.
 
+    Its findings (`flow.findings()`) are `torchscope.grads.diagnose`'s.
+
     Attributes:
-        step: the step index (optimizer steps counted from 0; backward calls without an
-            optimizer).
+        index: the sampled step's index (optimizer steps counted from 0; backward calls
+            without an optimizer); 0 for `gradient_flow`.
         modules: per-call records, in backward order (nearest the loss first); calls no
             gradient reached follow in forward order.
         params: one record per parameter of the model, in `named_parameters()` order.
@@ -171,15 +178,18 @@ class GradFlow:
         scale: the GradScaler scale that was divided out, or None without a scaler.
         micro_batches: forwards of the model seen in this step.
         backward_calls: backward passes that reached the parameters in this step.
+        step: the training step torchscope ran (loss, its value, optimizer, AMP,
+            accumulation); None for a step of the user's own loop (`watch_gradients`).
     """
 
-    step: int
+    index: int
     modules: tuple[ModuleGradRecord, ...]
     params: tuple[ParamGradRecord, ...]
     total_norm: float
     scale: float | None = None
     micro_batches: int = 1
     backward_calls: int = 1
+    step: StepInfo | None = None
 
     def get(self, module: str, call: int = 0, micro: int = 0) -> ModuleGradRecord:
         """The record of `module`'s `call`-th call in forward `micro`.

@@ -53,12 +53,12 @@ def log_gradient_flow(writer: Any, flow: GradFlow, *, step: int | None = None,
     Args:
         writer: a `torch.utils.tensorboard.SummaryWriter`.
         flow: the step's records.
-        step: the global step written (default `flow.step`).
+        step: the global step written (default `flow.index`).
         prefix: tag prefix.
 
     Non-finite and missing norms are skipped (TensorBoard cannot plot them on a log axis).
     """
-    gstep = flow.step if step is None else step
+    gstep = flow.index if step is None else step
     n = 0
     scalars: list[tuple[str, float | None]] = [(f"{prefix}/total_norm", flow.total_norm)]
     scalars += [(f"{prefix}/grad_output/{_tag(k)}", v) for k, v in flow.output_norms().items()]

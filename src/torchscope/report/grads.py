@@ -31,8 +31,9 @@ def _norms(grads: Sequence[TensorGrad]) -> str:
 
 def grad_table(flow: GradFlow, title: str | None = None) -> Table:
     """One row per module call in backward order: grad_output, grad_input, and the module's
-    own parameter gradients (weight, bias, ...)."""
-    table = Table(title=title or f"Gradient flow, step {flow.step} (backward order)",
+    own parameter gradients (weight, bias, ...); the caption gives the total norm and, when
+    torchscope ran the step, `flow.step.describe()`."""
+    table = Table(title=title or f"Gradient flow, step {flow.index} (backward order)",
                   title_justify="left")
     for col, justify in (("#", "right"), ("module", "left"), ("type", "left"),
                          ("call", "right"), ("grad_output norm", "right"),
@@ -55,8 +56,9 @@ def grad_table(flow: GradFlow, title: str | None = None) -> Table:
                       r.module_type, call, _norms(r.grad_output), _norms(r.grad_input),
                       pnorms)
     scale = f", GradScaler scale {flow.scale:g} divided out" if flow.scale else ""
+    step = f"\n{flow.step.describe()}" if flow.step is not None else ""
     table.caption = (f"total norm (as clip_grad_norm_): {fmt_num(flow.total_norm)}"
-                     f"{scale}")
+                     f"{scale}{step}")
     table.caption_justify = "left"
     return table
 

@@ -57,7 +57,7 @@ def plot_gradient_flow(flow: GradFlow, title: str | None = None) -> Figure:
     ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=8)
     ax.set_ylabel("L2 norm (log)")
     ax.set_xlabel("layer (input → loss)")
-    ax.set_title(title or f"Gradient flow, step {flow.step} "
+    ax.set_title(title or f"Gradient flow, step {flow.index} "
                  f"(total norm {flow.total_norm:.3g})")
     ax.grid(True, which="both", axis="y", alpha=0.3)
     if ax.get_legend_handles_labels()[0]:

@@ -1,0 +1,219 @@
+"""Analysis of captured activations: pure functions from records to `Finding`s.
+
+`analyze_activations` is the analyzer of `ActivationCapture`; read it as
+`capture.findings()`. It works on any capture: a selection of modules, containers included
+or not, one forward or many. It flags what an experienced user looks for first: the module
+that makes the first NaN/Inf (in the first forward that had one), and, in the last forward,
+dead ReLU channels, outputs that do not vary, all-zero ReLU outputs, values near the dtype's
+overflow or merely large, and activation scale drifting across the weighted layers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from torchscope.capture.activations import ActivationCapture
+from torchscope.capture.nonfinite import trace_nonfinite
+from torchscope.capture.records import ActivationRecord, TensorStats
+from torchscope.findings import Finding, Severity, analyzer, rank
+
+__all__ = ["ActivationThresholds", "analyze_activations", "leaf_modules", "weighted_order"]
+
+
+@dataclass(frozen=True)
+class ActivationThresholds:
+    """When an activation statistic becomes a finding.
+
+    Attributes:
+        dead_warn: fraction of dead channels from which a dead-unit finding is a warning
+            (any dead channel is reported; below this it is info).
+        mostly_zero: zero fraction of a ReLU-family output reported as mostly zero.
+        large_abs: absolute value above which an output is reported as large.
+        low_precision_headroom: fraction of a 16-bit dtype's max above which an output is
+            reported as near overflow.
+        scale_drift: ratio of output std between the first and last weighted layers that is
+            reported as scale drift (either direction).
+    """
+
+    dead_warn: float = 0.25
+    mostly_zero: float = 0.95
+    large_abs: float = 1e4
+    low_precision_headroom: float = 0.5
+    scale_drift: float = 100.0
+
+
+def leaf_modules(records: Iterable[ActivationRecord]) -> frozenset[str]:
+    """The recorded modules with no recorded module inside them: the leaves of what was
+    captured (a container's output repeats its last child's, so only these are judged).
+
+    A capture of every module gives the model's leaf modules (those that ran); a capture of
+    a selection gives the selection's innermost modules.
+    """
+    names = {r.module for r in records}
+    inner: set[str] = set()
+    for name in names:
+        if name:
+            inner.add("")  # the root holds every named module
+            parts = name.split(".")
+            inner.update(".".join(parts[:i]) for i in range(1, len(parts)))
+    return frozenset(names - inner)
+
+
+def weighted_order(records: Iterable[ActivationRecord], weighted: Iterable[str]
+                   ) -> tuple[str, ...]:
+    """The `weighted` modules (see `ActivationCapture.weighted`) in the order their first
+    call finished."""
+    wanted = set(weighted)
+    seen: dict[str, None] = {}
+    for r in records:
+        if r.module in wanted:
+            seen.setdefault(r.module, None)
+    return tuple(seen)
+
+
+@analyzer(ActivationCapture)
+def analyze_activations(
+    capture: ActivationCapture, thresholds: ActivationThresholds | None = None
+) -> list[Finding]:
+    """Findings from a capture (pure: no torch calls on tensors), most severe first.
+
+    Args:
+        capture: a finished (or open) `ActivationCapture`.
+        thresholds: when a statistic becomes a finding; defaults to `ActivationThresholds()`.
+    """
+    th = thresholds or ActivationThresholds()
+    records = capture.records
+    if not records:
+        return []
+    out = _nonfinite(records)
+    last = [r for r in records if r.step == records[-1].step]
+    leaves = leaf_modules(last)
+    judged = [r for r in last if r.module in leaves]
+    out += _per_module(judged, th)
+    out += _scale_drift(judged, weighted_order(judged, capture.weighted), th)
+    return rank(out)
+
+
+def _nonfinite(records: Sequence[ActivationRecord]) -> list[Finding]:
+    """The NaN/Inf producer of the first forward whose outputs held NaN/Inf."""
+    first = next((r.step for r in records if not r.finite), None)
+    if first is None:
+        return []
+    trace = trace_nonfinite(records, step=first)
+    if trace.producer is not None:
+        p = trace.producer
+        nan = sum(s.nan_count or 0 for s in p.outputs)
+        inf = sum(s.inf_count or 0 for s in p.outputs)
+        return [Finding(
+            "activations.nonfinite", Severity.ERROR,
+            f"{p.module or '<root>'} ({p.module_type}) produces the first NaN/Inf of the forward "
+            f"from finite inputs; {len(trace.passers)} later module(s) carry it on",
+            {"nan": nan, "inf": inf, "call": p.call, "carried_by": len(trace.passers),
+             "other_producers": len(trace.other_producers), "step": first},
+            fix=f"inspect {p.module_type}'s inputs: guard log/div/sqrt with an eps or clamp, and "
+                "check for fp16 overflow (run `torchscope capture` with --select on it)",
+            module=p.module or "<root>")]
+    return [Finding(
+        "activations.nonfinite_input", Severity.ERROR,
+        f"the model's input already holds NaN/Inf; {len(trace.passers)} module(s) carry it",
+        {"carried_by": len(trace.passers), "step": first},
+        fix="check the data pipeline: torch.isfinite(batch).all() before the forward")]
+
+
+def _float_stats(r: ActivationRecord) -> list[TensorStats]:
+    return [s for s in r.outputs if "float" in s.dtype or "complex" in s.dtype]
+
+
+def _per_module(judged: Sequence[ActivationRecord], th: ActivationThresholds) -> list[Finding]:
+    out: list[Finding] = []
+    seen: set[str] = set()
+    for r in judged:
+        if r.module in seen:  # judge each module on its first call only
+            continue
+        seen.add(r.module)
+        for s in _float_stats(r):
+            name = (r.module or "<root>") + s.path
+            all_dead = s.dead_units is not None and s.channels and s.dead_units == s.channels
+            if s.dead_units and s.channels:
+                frac = s.dead_units / s.channels
+                out.append(Finding(
+                    "activations.dead_units",
+                    Severity.WARNING if frac >= th.dead_warn else Severity.INFO,
+                    f"{name} ({r.module_type}): {s.dead_units} of {s.channels} channels "
+                    f"({100 * frac:.0f}%) are zero for every sample and position",
+                    {"dead": s.dead_units, "channels": s.channels, "fraction": frac,
+                     "zero_frac": s.zero_frac},
+                    fix="lower the learning rate or use LeakyReLU/GELU; check the init and the "
+                        "bias of the layer before it",
+                    module=r.module))
+            elif s.dead_units is not None and s.zero_frac >= th.mostly_zero:
+                out.append(Finding(
+                    "activations.mostly_zero", Severity.WARNING,
+                    f"{name} ({r.module_type}) outputs {100 * s.zero_frac:.0f}% zeros",
+                    {"zero_frac": s.zero_frac},
+                    fix="check the scale of the layer before it and its bias init",
+                    module=r.module))
+            if s.finite and s.is_close_to_constant() and not all_dead:
+                out.append(Finding(
+                    "activations.constant", Severity.WARNING,
+                    f"{name} ({r.module_type}) outputs the same value {s.min:.4g} everywhere",
+                    {"value": s.min, "numel": s.numel},
+                    fix="a constant output carries no information: check its input and weights "
+                        "(zero init? saturated?)",
+                    module=r.module))
+            if not s.finite:
+                continue
+            peak = max(abs(s.min), abs(s.max))
+            limit = _low_precision_max(s.dtype)
+            if limit is not None and peak >= th.low_precision_headroom * limit:
+                out.append(Finding(
+                    "activations.near_overflow", Severity.WARNING,
+                    f"{name} reaches {peak:.3g}, {100 * peak / limit:.0f}% of {s.dtype}'s max",
+                    {"max_abs": peak, "dtype_max": limit},
+                    fix="keep this op in float32 (autocast excludes it) or rescale its input",
+                    module=r.module))
+            elif peak >= th.large_abs:
+                out.append(Finding(
+                    "activations.large", Severity.WARNING,
+                    f"{name} ({r.module_type}) outputs values up to {peak:.3g}",
+                    {"max_abs": peak, "std": s.std},
+                    fix="normalise the input or add a normalisation layer; large activations "
+                        "overflow in fp16 and slow training",
+                    module=r.module))
+    return out
+
+
+def _low_precision_max(dtype: str) -> float | None:
+    if dtype in ("torch.float16", "torch.bfloat16"):
+        return float(torch.finfo(getattr(torch, dtype.split(".")[1])).max)
+    return None
+
+
+def _scale_drift(judged: Sequence[ActivationRecord], weighted: Sequence[str],
+                 th: ActivationThresholds) -> list[Finding]:
+    """Output std of the last weighted layer over that of the first, when measurable."""
+    stds: dict[str, float] = {}
+    for r in judged:
+        if r.module in weighted and r.module not in stds and r.output is not None:
+            s = r.output
+            if s.finite and s.std > 0 and math.isfinite(s.std):
+                stds[r.module] = s.std
+    names = [n for n in weighted if n in stds]
+    if len(names) < 2:
+        return []
+    first, last = names[0], names[-1]
+    ratio = stds[last] / stds[first]
+    if 1 / th.scale_drift < ratio < th.scale_drift:
+        return []
+    grows = ratio >= 1
+    return [Finding(
+        "activations.scale_drift", Severity.WARNING,
+        f"activation std {'grows' if grows else 'shrinks'} "
+        f"{ratio if grows else 1 / ratio:.0f}× from {first} to {last}",
+        {"first": first, "last": last, "ratio": ratio},
+        fix="check weight init (kaiming/xavier for the nonlinearity) or add normalisation",
+        module=last)]

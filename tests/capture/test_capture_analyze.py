@@ -1,0 +1,157 @@
+"""Capture on the shared `Step` (its autocast), and `capture.findings()`: silent on a healthy
+model, the NaN producer on a broken one, on any selection and over several forwards."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from torchscope.capture import (
+    ActivationCapture,
+    ActivationThresholds,
+    capture_activations,
+    watch_activations,
+)
+from torchscope.capture.analyze import leaf_modules
+from torchscope.errors import TorchscopeError
+from torchscope.findings import Analyzed, Severity
+from torchscope.hooks import audit_hooks
+from torchscope.models import TinyCNN
+from torchscope.step import Step
+
+
+class _Sqrt(nn.Module):
+    """NaN wherever its input is negative."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sqrt(x)
+
+
+def _sqrt_net() -> nn.Module:
+    return nn.Sequential(nn.Identity(), _Sqrt(), nn.Linear(4, 3))
+
+
+def test_capture_with_a_step_runs_under_its_autocast() -> None:
+    torch.manual_seed(0)
+    model, x = TinyCNN(), torch.randn(4, 3, 16, 16)
+    cap = capture_activations(Step(model, x, autocast=torch.bfloat16))
+    dtypes = {r.module: r.output.dtype for r in cap.records if r.output is not None}
+    assert dtypes == {"conv1": "torch.bfloat16", "relu": "torch.bfloat16",
+                      "conv2": "torch.bfloat16", "pool": "torch.bfloat16",
+                      "fc": "torch.bfloat16"}
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = model(x)
+    fc = cap.get("fc").output
+    assert fc is not None and fc.shape == (4, 10)
+    assert fc.mean == pytest.approx(ref.float().mean().item(), rel=1e-6, abs=1e-9)
+    assert fc.max == ref.float().max().item()
+    # Without autocast the same model records float32, from a model and its inputs.
+    plain = capture_activations(model, x)
+    assert plain.get("fc").output.dtype == "torch.float32"  # type: ignore[union-attr]
+    assert audit_hooks(model).local_total == 0
+
+
+def test_a_step_with_inputs_or_a_model_without_is_refused() -> None:
+    model, x = TinyCNN(), torch.randn(1, 3, 8, 8)
+    with pytest.raises(TorchscopeError, match="a Step was given together with inputs"):
+        capture_activations(Step(model, x), x)
+    with pytest.raises(TorchscopeError, match="without inputs"):
+        capture_activations(model)
+    assert audit_hooks(model).local_total == 0
+
+
+def test_healthy_tiny_cnn_is_silent() -> None:
+    torch.manual_seed(0)
+    cap = capture_activations(TinyCNN(), torch.randn(8, 3, 32, 32))
+    assert isinstance(cap, ActivationCapture) and isinstance(cap, Analyzed)
+    assert cap.findings() == []
+    # A few training steps in the user's loop, every module recorded: still silent.
+    model = TinyCNN()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with watch_activations(model, select=lambda n, m: True) as watched:
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            model(torch.randn(8, 3, 32, 32)).logsumexp(-1).mean().backward()
+            opt.step()
+    assert {r.step for r in watched.records} == {0, 1, 2}
+    assert watched.findings() == []
+
+
+def test_nan_producer_is_found() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(6, 4)
+    cap = capture_activations(_sqrt_net(), x)
+    (f,) = [f for f in cap.findings() if f.code.startswith("activations.nonfinite")]
+    assert f.code == "activations.nonfinite" and f.severity == Severity.ERROR
+    assert f.module == "1" and f.evidence["carried_by"] == 1  # the Linear carries it on
+    assert f.evidence["nan"] == int((x < 0).sum())
+    assert cap.findings()[0] == f  # errors first
+
+
+def test_nan_over_several_forwards_names_the_first_that_had_one() -> None:
+    torch.manual_seed(0)
+    model = _sqrt_net()
+    with watch_activations(model) as cap:
+        model(torch.rand(6, 4))        # forward 0: finite
+        model(-torch.rand(6, 4))       # forward 1: every sqrt is NaN
+        model(torch.rand(6, 4))        # forward 2: finite again
+    (f,) = [f for f in cap.findings() if f.code == "activations.nonfinite"]
+    assert f.evidence["step"] == 1 and f.module == "1" and f.evidence["nan"] == 24
+    # The input itself non-finite: not a module's fault.
+    with watch_activations(model) as bad_input:
+        model(torch.full((2, 4), float("nan")))
+    codes = [f.code for f in bad_input.findings()]
+    assert "activations.nonfinite_input" in codes and "activations.nonfinite" not in codes
+
+
+def test_any_selection_judges_its_innermost_modules_once() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Tanh(), nn.Linear(8, 8)))
+    with torch.no_grad():
+        model[1][1].weight.zero_()
+        model[1][1].bias.fill_(0.5)  # constant output, which the container "1" returns too
+    x = torch.randn(16, 8)
+    everything = capture_activations(model, x, select=lambda n, m: True)
+    assert [r.module for r in everything.records] == ["0", "1.0", "1.1", "1"]
+    assert leaf_modules(everything.records) == {"0", "1.0", "1.1"}
+    const = [f for f in everything.findings() if f.code == "activations.constant"]
+    assert [f.module for f in const] == ["1.1"] and const[0].evidence["value"] == 0.5
+    # A selection of the container alone judges the container.
+    only = capture_activations(model, x, select="1")
+    assert [f.module for f in only.findings() if f.code == "activations.constant"] == ["1"]
+    # Thresholds are the analyzer's, passed through findings().
+    big = ActivationThresholds(large_abs=0.25)
+    assert "activations.large" in {f.code for f in everything.findings(big)}
+
+
+def test_dead_units_scale_drift_and_near_overflow() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU())
+    with torch.no_grad():
+        model[0].bias[:2].fill_(-1e3)  # channels 0 and 1 never fire
+    dead = next(f for f in capture_activations(model, torch.randn(4, 3, 8, 8)).findings()
+                if f.code == "activations.dead_units")
+    assert dead.module == "1" and dead.evidence["dead"] == 2 and dead.evidence["channels"] == 4
+    assert dead.severity == Severity.WARNING  # half the channels
+
+    deep = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    with torch.no_grad():
+        deep[2].weight.mul_(1e3)  # the last weighted layer's std grows a lot
+    x = torch.randn(16, 8)
+    (drift,) = [f for f in capture_activations(deep, x).findings()
+                if f.code == "activations.scale_drift"]
+    with torch.no_grad():
+        ratio = deep(x).std() / deep[0](x).std()
+    assert (drift.evidence["first"], drift.evidence["last"]) == ("0", "2")
+    assert drift.evidence["ratio"] == pytest.approx(ratio.item(), rel=1e-4)
+    assert capture_activations(deep, x).findings(ActivationThresholds(scale_drift=1e9)) == []
+
+    # bfloat16 under the step's autocast: an output near its dtype's max.
+    huge = nn.Sequential(nn.Linear(4, 4))
+    with torch.no_grad():
+        huge[0].weight.fill_(5e37)  # 2e38 out: 59% of bfloat16 max
+        huge[0].bias.zero_()
+    near = capture_activations(Step(huge, torch.ones(1, 4), autocast=torch.bfloat16))
+    (f,) = [f for f in near.findings() if f.code == "activations.near_overflow"]
+    assert f.module == "0" and f.evidence["dtype_max"] == torch.finfo(torch.bfloat16).max
