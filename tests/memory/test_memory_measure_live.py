@@ -9,22 +9,17 @@ import torch
 from torch import nn
 
 from torchscope.findings import Severity
-from torchscope.memory import (
-    analyze_live,
-    analyze_saved,
-    live_tensors,
-    measure_step,
-    saved_activations,
-)
+from torchscope.memory import live_tensors, measure_step, saved_activations
 from torchscope.models import DeepMLP
 
 
 def test_cpu_profiler_measurement_covers_gradients() -> None:
     model = DeepMLP()
     x = torch.randn(32, 64)
-    m = measure_step(model, x)
+    m = measure_step(model, x, loss_fn="sum")
     grads = sum(p.numel() * p.element_size() for p in model.parameters())
     assert m.method == "cpu-profiler"
+    assert m.step is not None and m.step.loss == "sum of the output"
     # After backward the step still holds every gradient (and the scalar loss).
     assert grads <= m.end_bytes <= grads + 64
     assert m.peak_bytes >= m.end_bytes
@@ -35,15 +30,15 @@ def test_cpu_profiler_measurement_covers_gradients() -> None:
 def test_cuda_allocator_measurement() -> None:
     model = DeepMLP().cuda()
     x = torch.randn(32, 64, device="cuda")
-    m = measure_step(model, x)
+    m = measure_step(model, x, loss_fn="sum")
     assert m.method == "cuda-allocator"
     assert m.peak_bytes >= m.baseline_bytes + 73_728
     assert m.reserved_bytes is not None and m.reserved_bytes >= m.end_bytes
 
 
 def test_relu_finding_names_its_share() -> None:
-    saved = saved_activations(DeepMLP(), torch.randn(32, 64))
-    finding = next(f for f in analyze_saved(saved) if f.code == "memory.saved_by_type")
+    saved = saved_activations(DeepMLP(), torch.randn(32, 64), loss_fn="sum")
+    finding = next(f for f in saved.findings() if f.code == "memory.saved_by_type")
     assert finding.summary.startswith("ReLU outputs hold 89% of saved activations")
     assert finding.evidence["bytes"] == 8 * 8_192
 
@@ -70,7 +65,7 @@ def test_live_tensors_name_their_holders_and_keep_nothing_alive() -> None:
     ref = weakref.ref(holder.cache)
     del holder, view, local_big
     assert ref() is None  # the report holds no tensor
-    assert any(f.code == "memory.largest_live" for f in analyze_live(live))
+    assert any(f.code == "memory.largest_live" for f in live.findings())
     del model
 
 
@@ -83,7 +78,7 @@ def test_empty_cache_cannot_free_a_referenced_tensor() -> None:
     assert live.allocated_after is not None and live.reserved_after is not None
     assert live.allocated_after >= kept.numel()
     assert live.reserved_before is not None and live.reserved_after <= live.reserved_before
-    finding = next(f for f in analyze_live(live) if f.code == "memory.empty_cache")
+    finding = next(f for f in live.findings() if f.code == "memory.empty_cache")
     released = live.reserved_before - live.reserved_after
     assert finding.evidence["released"] == released
     assert finding.evidence["still_allocated"] == live.allocated_after >= kept.numel()

@@ -10,7 +10,8 @@ import torchscope.memory as ckpt
 from torchscope.errors import BudgetError, TorchscopeError
 from torchscope.memory import analyze_memory, parse_bytes, plan_checkpointing
 from torchscope.memory.planner import _costs, _search_dp, _search_exact
-from torchscope.models import DeepMLP, ModelInputs
+from torchscope.models import DeepMLP
+from torchscope.step import Step
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +22,7 @@ def deep_report():
         torch.manual_seed(0)
         model = DeepMLP()
         x = torch.randn(32, 64)
-        return model, x, plan_checkpointing(model, x, budget="64KB", repeats=1)
+        return model, x, plan_checkpointing(model, x, loss_fn="sum", budget="64KB", repeats=1)
     finally:
         torch.set_num_threads(threads)
 
@@ -62,7 +63,7 @@ def test_dp_matches_exhaustive_search() -> None:
     model = DeepMLP()
     x = torch.randn(32, 64)
     blocks = ckpt.resolve_blocks(model)
-    costs, _, _ = _costs(model, blocks, ModelInputs.of(x), None, 1)
+    costs, _, _, _ = _costs(Step(model, x, loss_fn="sum"), blocks, 1)
     for budget in (8_192, 30_000, 50_000, 65_536, 73_728):
         exact, least_e = _search_exact(costs, True, budget)
         dp, least_d = _search_dp(costs, True, budget)
@@ -77,7 +78,8 @@ def test_dp_matches_exhaustive_search() -> None:
 def test_unmeetable_budget_names_the_smallest_feasible_one() -> None:
     model = DeepMLP()
     with pytest.raises(BudgetError, match=r"at least 8,192 B"):
-        plan_checkpointing(model, torch.randn(32, 64), budget="1KB", measure=False)
+        plan_checkpointing(model, torch.randn(32, 64), loss_fn="sum", budget="1KB",
+                           measure=False)
 
 
 def test_parse_bytes() -> None:
@@ -109,7 +111,7 @@ def test_analyze_memory_auto_defaults_to_sqrt_memory(tiny_gpt2: nn.Module) -> No
     assert chosen.saved_bytes < report.saved.total_bytes
     m = report.plans.measurement("budget")
     assert m is not None and m.verification is not None and m.verification.ok
-    assert any(f.code == "memory.checkpoint_plan" for f in report.findings)
+    assert any(f.code == "memory.checkpoint_plan" for f in report.findings())
     assert report.verification is m.verification
     assert not report.plans.groupable  # GPT-2's blocks live in a ModuleList
 

@@ -34,7 +34,7 @@ def _plain_count(model: nn.Module, *args: torch.Tensor, **kwargs: torch.Tensor) 
 def test_deep_mlp_saves_nine_storages_of_8192_bytes() -> None:
     model = DeepMLP()
     x = torch.randn(32, 64)  # does not require grad
-    saved = saved_activations(model, x)
+    saved = saved_activations(model, x, loss_fn="sum")  # the sum saves nothing itself
     acts = saved.activation_storages
     assert saved.total_bytes == 73_728
     assert len(acts) == 9
@@ -81,7 +81,7 @@ def test_accounting_keeps_no_graph_alive() -> None:
 
 def test_tiny_gpt2_table_sums_to_total(tiny_gpt2: nn.Module) -> None:
     ids = torch.randint(0, 100, (2, 16))
-    saved = saved_activations(tiny_gpt2, ids)
+    saved = saved_activations(tiny_gpt2, ids, loss_fn="sum")
     assert saved.total_bytes > 0
     assert sum(r.bytes for r in saved.modules) == saved.total_bytes
     assert saved.total_bytes == _plain_count(tiny_gpt2, ids)
@@ -93,7 +93,7 @@ def test_tiny_gpt2_table_sums_to_total(tiny_gpt2: nn.Module) -> None:
 def test_totals_count_params_grads_and_adam_state() -> None:
     model = DeepMLP()
     x = torch.randn(32, 64)
-    saved = saved_activations(model, x)
+    saved = saved_activations(model, x, loss_fn="sum")
     n_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     opt = torch.optim.Adam(model.parameters())
     totals = memory_totals(model, saved, opt)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, cast
 
 import typer
 
@@ -17,6 +17,12 @@ from torchscope.cli._common import (
     guarded,
     load,
 )
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from torchscope.memory import CheckpointChoice
 
 _CHOICES = ("none", "all", "sqrt", "auto")
 _OPTIMIZERS = ("none", "sgd", "momentum", "adam", "adamw")
@@ -42,6 +48,10 @@ def memory(
     blocks: Annotated[str | None, typer.Option(
         "--blocks", help="Blocks to checkpoint: a container name (transformer.h), a glob or "
         "a type name. Default: the longest nn.Sequential / nn.ModuleList.")] = None,
+    loss: Annotated[str, typer.Option(
+        "--loss", help="The step's loss: auto (the model's .loss, else cross-entropy on "
+        "logits or mse, against seeded targets), cross_entropy, mse or sum (saves nothing: "
+        "only the model's own tensors are counted).")] = "auto",
     optimizer: Annotated[str, typer.Option(
         help="Count this optimizer's state too: none, sgd, momentum, adam, adamw.")] = "none",
     eval_mode: Annotated[bool, typer.Option(
@@ -64,7 +74,7 @@ def memory(
 
         from torchscope._util import write_json
         from torchscope.errors import TorchscopeError
-        from torchscope.memory import analyze_live, analyze_memory, live_tensors, parse_bytes
+        from torchscope.memory import analyze_memory, live_tensors, parse_bytes
         from torchscope.report.memory import (
             blocks_table,
             findings_lines,
@@ -74,10 +84,14 @@ def memory(
             totals_table,
             verification_table,
         )
+        from torchscope.step import LOSSES, Step
 
         if checkpoint not in _CHOICES:
             raise TorchscopeError(f"--checkpoint {checkpoint!r} is not a plan.",
                                   fix=f"use one of {', '.join(_CHOICES)}.")
+        if loss not in LOSSES:
+            raise TorchscopeError(f"--loss {loss!r} is not a known loss.",
+                                  fix=f"use one of {', '.join(LOSSES)}.")
         if optimizer not in _OPTIMIZERS:
             raise TorchscopeError(f"--optimizer {optimizer!r} is not supported.",
                                   fix=f"use one of {', '.join(_OPTIMIZERS)}.")
@@ -88,13 +102,15 @@ def memory(
         model = loaded.model
         model.train(not eval_mode)
         opt = _make_optimizer(optimizer, model)
-        report = analyze_memory(model, model_inputs, optimizer=opt, checkpoint=checkpoint,  # type: ignore[arg-type]
+        step = Step(model, model_inputs, loss_fn=loss, optimizer=opt)
+        report = analyze_memory(step, checkpoint=cast("CheckpointChoice", checkpoint),
                                 budget=limit, blocks=blocks, repeats=repeats,
                                 name=loaded.name)
         mode = "eval" if eval_mode else "train"
         console.print(saved_table(report.saved,
                                   title=f"Saved activations of {loaded.name} ({mode} mode, "
                                   f"inputs {model_inputs.describe()})"))
+        console.print(report.step.describe())
         console.print(totals_table(report.totals, report.measured))
         if report.plans is not None:
             console.print(blocks_table(report.plans))
@@ -102,13 +118,13 @@ def memory(
             if report.verification is not None:
                 console.print(verification_table(
                     report.verification, title=f"Verification of plan {report.chosen}"))
-        findings = list(report.findings)
+        findings = report.findings()
         live_report = None
         if live:
-            del opt
+            del opt, step
             live_report = live_tensors(15)
             console.print(live_table(live_report))
-            findings += analyze_live(live_report)
+            findings += live_report.findings()
         for line in findings_lines(findings):
             console.print(line)
         if plot:
@@ -118,15 +134,15 @@ def memory(
             console.print(f"wrote {plot}")
         if json_path:
             write_json(json_path, {"target": loaded.name, "report": report,
-                                   "live": live_report,
+                                   "findings": findings, "live": live_report,
                                    "torch": torch.__version__})
             console.print(f"wrote {json_path}")
 
 
-def _make_optimizer(name: str, model: object) -> object:
+def _make_optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer | None:
     import torch
 
-    params = [p for p in model.parameters() if p.requires_grad]  # type: ignore[attr-defined]
+    params = [p for p in model.parameters() if p.requires_grad]
     if name == "none" or not params:
         return None
     if name == "sgd":

@@ -1,26 +1,29 @@
-"""Memory: what autograd keeps for backward, layer by layer; measured memory; gradient
-checkpointing planned under a budget and verified; live tensors."""
+"""Memory: what autograd keeps for backward, module by module; measured memory; gradient
+checkpointing planned under a budget and verified; live tensors; and the same accounting
+sampled in your own training loop (`watch_memory`).
 
-from torchscope.memory.analysis import (
-    analyze_live,
-    analyze_plans,
-    analyze_saved,
-    analyze_totals,
-    describe_segments,
-)
+Every step this package runs is a `torchscope.Step`'s `forward_backward`: pass the model and
+its inputs (with `loss_fn=`, `target=`, `optimizer=`) or a ready `Step`. Findings come from
+`result.findings()`.
+"""
+
+from torchscope.memory import analysis as _analysis  # registers the analyzers
 from torchscope.memory.api import CheckpointChoice, analyze_memory
 from torchscope.memory.checkpoint import Blocks, BlockSpec, CheckpointHandle, apply, resolve_blocks
 from torchscope.memory.live import live_tensors
-from torchscope.memory.measure import measure_step, memory_totals, optimizer_state_bytes
+from torchscope.memory.measure import measure_step, memory_totals
 from torchscope.memory.planner import apply_plan, parse_bytes, plan_checkpointing
 from torchscope.memory.records import (
+    OUTSIDE,
     BlockProfile,
     CheckpointPlan,
     GradComparison,
     LiveTensor,
     LiveTensors,
     MeasuredMemory,
+    MemoryHistory,
     MemoryReport,
+    MemorySample,
     MemoryTotals,
     ModuleSaved,
     PlanMeasurement,
@@ -29,10 +32,14 @@ from torchscope.memory.records import (
     SavedStorage,
     Verification,
 )
-from torchscope.memory.saved import default_loss, saved_activations
+from torchscope.memory.saved import saved_activations
 from torchscope.memory.verify import check, verify
+from torchscope.memory.watch import MemoryWatch, watch_memory
+
+del _analysis
 
 __all__ = [
+    "OUTSIDE",
     "BlockProfile",
     "BlockSpec",
     "Blocks",
@@ -43,31 +50,28 @@ __all__ = [
     "LiveTensor",
     "LiveTensors",
     "MeasuredMemory",
+    "MemoryHistory",
     "MemoryReport",
+    "MemorySample",
     "MemoryTotals",
+    "MemoryWatch",
     "ModuleSaved",
     "PlanMeasurement",
     "PlanReport",
     "SavedActivations",
     "SavedStorage",
     "Verification",
-    "analyze_live",
     "analyze_memory",
-    "analyze_plans",
-    "analyze_saved",
-    "analyze_totals",
     "apply",
     "apply_plan",
     "check",
-    "default_loss",
-    "describe_segments",
     "live_tensors",
     "measure_step",
     "memory_totals",
-    "optimizer_state_bytes",
     "parse_bytes",
     "plan_checkpointing",
     "resolve_blocks",
     "saved_activations",
     "verify",
+    "watch_memory",
 ]

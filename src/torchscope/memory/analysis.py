@@ -1,30 +1,51 @@
-"""Analysis: pure functions from memory records to `Finding`s (no formatting of tables)."""
+"""Analysis: pure functions from memory records to `Finding`s (no formatting of tables).
+
+Each is registered with `@analyzer` for its record type, so `record.findings()` runs it.
+The memory area has no thresholds object: the `thresholds` argument is accepted for the
+common signature and ignored.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 from torchscope._util import fmt_bytes
-from torchscope.findings import Finding, Severity
+from torchscope.findings import Finding, Severity, analyzer
 from torchscope.memory.records import (
     CheckpointPlan,
     LiveTensors,
     MeasuredMemory,
+    MemoryHistory,
+    MemoryReport,
     MemoryTotals,
     PlanReport,
     SavedActivations,
 )
 
 __all__ = [
+    "analyze_history",
     "analyze_live",
     "analyze_plans",
+    "analyze_report",
     "analyze_saved",
     "analyze_totals",
     "describe_segments",
 ]
 
+_GROWTH = 1.5  # a later sample this many times the first one's bytes is worth a finding
 
-def analyze_saved(saved: SavedActivations) -> list[Finding]:
+
+@analyzer(MemoryReport)
+def analyze_report(report: MemoryReport, thresholds: object = None) -> list[Finding]:
+    """Saved activations, the step's totals against its measurement, and the chosen plan."""
+    out = analyze_saved(report.saved) + _totals(report.totals, report.measured)
+    if report.plans is not None:
+        out += _plans(report.plans, report.chosen)
+    return out
+
+
+@analyzer(SavedActivations)
+def analyze_saved(saved: SavedActivations, thresholds: object = None) -> list[Finding]:
     """Which module types hold the saved activations, and the largest single holder."""
     out: list[Finding] = []
     total = saved.total_bytes
@@ -55,8 +76,13 @@ def analyze_saved(saved: SavedActivations) -> list[Finding]:
     return out
 
 
-def analyze_totals(totals: MemoryTotals, measured: MeasuredMemory | None = None
-                   ) -> list[Finding]:
+@analyzer(MemoryTotals)
+def analyze_totals(totals: MemoryTotals, thresholds: object = None) -> list[Finding]:
+    """What dominates the step's memory."""
+    return _totals(totals, None)
+
+
+def _totals(totals: MemoryTotals, measured: MeasuredMemory | None) -> list[Finding]:
     """What dominates the step's memory, and how the estimate compares to the measurement."""
     out: list[Finding] = []
     state = totals.parameters + totals.gradients + (totals.optimizer_state or 0)
@@ -116,8 +142,14 @@ def describe_segments(plan: CheckpointPlan) -> str:
     return f"{word} {', '.join(parts)} of {n}"
 
 
-def analyze_plans(report: PlanReport, chosen: str | None = None) -> list[Finding]:
-    """One finding per measured plan (or the chosen one): saving, cost, verification."""
+@analyzer(PlanReport)
+def analyze_plans(report: PlanReport, thresholds: object = None) -> list[Finding]:
+    """One finding per plan: saving, cost, verification."""
+    return _plans(report, None)
+
+
+def _plans(report: PlanReport, chosen: str | None) -> list[Finding]:
+    """One finding per plan (or the chosen one): saving, cost, verification."""
     out: list[Finding] = []
     base = report.measurement("none")
     names: Sequence[str] = [chosen] if chosen else [p.name for p in report.plans
@@ -148,7 +180,7 @@ def analyze_plans(report: PlanReport, chosen: str | None = None) -> list[Finding
             f"of saved activations ({saving / max(report.baseline_saved_bytes, 1):.0%})"
             f"{cost}{verified}.",
             evidence,
-            fix=f"torchscope.checkpointing.apply(model, segments={list(plan.segments)})",
+            fix=f"torchscope.memory.apply(model, segments={list(plan.segments)})",
         ))
         if v is not None and not v.bitwise_equal:
             out.append(Finding(
@@ -170,7 +202,8 @@ def analyze_plans(report: PlanReport, chosen: str | None = None) -> list[Finding
     return out
 
 
-def analyze_live(live: LiveTensors) -> list[Finding]:
+@analyzer(LiveTensors)
+def analyze_live(live: LiveTensors, thresholds: object = None) -> list[Finding]:
     """The lesson's trap: `empty_cache()` cannot free what is still referenced."""
     out: list[Finding] = []
     if live.reserved_before is not None and live.reserved_after is not None:
@@ -191,5 +224,38 @@ def analyze_live(live: LiveTensors) -> list[Finding]:
             f"the largest live tensor {tuple(top.shape)} {top.dtype.replace('torch.', '')} "
             f"({fmt_bytes(top.nbytes)}) is held by {who}.",
             {"bytes": top.nbytes, "device": top.device},
+        ))
+    return out
+
+
+@analyzer(MemoryHistory)
+def analyze_history(history: MemoryHistory, thresholds: object = None) -> list[Finding]:
+    """Growth across a watch's samples: saved activations, and the CUDA peak."""
+    out: list[Finding] = []
+    totals = history.total_bytes
+    saved_grew = len(totals) >= 2 and totals[0] > 0 and totals[-1] >= _GROWTH * totals[0]
+    if saved_grew:
+        out.append(Finding(
+            "memory.saved_growth", Severity.INFO,
+            f"saved activations grew from {fmt_bytes(totals[0])} (forward "
+            f"{history.forwards[0]}) to {fmt_bytes(totals[-1])} (forward "
+            f"{history.forwards[-1]}): the inputs grew (batch or sequence length), or "
+            "more of the model ran.",
+            {"first": totals[0], "last": totals[-1], "ratio": totals[-1] / totals[0]},
+        ))
+    peaks = [(f, p) for f, p in zip(history.forwards, history.peak_bytes, strict=True)
+             if p is not None]
+    if len(peaks) >= 2 and peaks[0][1] > 0 and peaks[-1][1] >= _GROWTH * peaks[0][1]:
+        (f0, p0), (f1, p1) = peaks[0], peaks[-1]
+        # Without more saved activations, a growing peak is memory kept across steps.
+        out.append(Finding(
+            "memory.peak_growth", Severity.INFO if saved_grew else Severity.WARNING,
+            f"the peak allocated per step grew from {fmt_bytes(p0)} (forward {f0}) to "
+            f"{fmt_bytes(p1)} (forward {f1})"
+            + ("." if saved_grew else
+               " while saved activations did not: something keeps tensors across steps."),
+            {"first": p0, "last": p1, "ratio": p1 / p0},
+            fix="" if saved_grew else "keep no graph across steps: log loss.item() or "
+            "loss.detach(), not loss; do not collect outputs that require grad.",
         ))
     return out

@@ -8,14 +8,13 @@ import torch
 from torch import nn
 
 from torchscope.errors import TorchscopeError
-from torchscope.memory._step import LossFn
-from torchscope.memory.analysis import analyze_plans, analyze_saved, analyze_totals
+from torchscope.hooks.select import Selector
 from torchscope.memory.checkpoint import BlockSpec
-from torchscope.memory.measure import measure_step, memory_totals
-from torchscope.memory.planner import apply_plan, plan_checkpointing
+from torchscope.memory.measure import _measure, memory_totals
+from torchscope.memory.planner import apply_plan, parse_bytes, plan_checkpointing
 from torchscope.memory.records import MemoryReport, Verification
 from torchscope.memory.saved import saved_activations
-from torchscope.models.target import ModelInputs
+from torchscope.step import LossSpec, Step
 
 __all__ = ["CheckpointChoice", "analyze_memory"]
 
@@ -24,11 +23,14 @@ _PLAN_OF = {"all": "all", "sqrt": "sqrt", "auto": "budget"}
 
 
 def analyze_memory(
-    model: nn.Module,
-    inputs: Any,
+    model: nn.Module | Step,
+    inputs: Any = None,
     *,
+    loss_fn: LossSpec = "auto",
+    target: Any = None,
     optimizer: torch.optim.Optimizer | None = None,
-    loss_fn: LossFn | None = None,
+    select: Selector = None,
+    depth: int | None = None,
     checkpoint: CheckpointChoice = "none",
     budget: int | str | None = None,
     blocks: BlockSpec = None,
@@ -39,11 +41,20 @@ def analyze_memory(
 ) -> MemoryReport:
     """What one training step keeps in memory, and what checkpointing would save.
 
+    Every step it runs is the `Step`'s `forward_backward` (no optimizer step); the first,
+    which counts the saved activations, gives `report.step` its loss value. The model is
+    left exactly as it was: parameters, buffers, gradients, flags, optimizer state, RNG.
+
     Args:
-        model: the model, in the train/eval mode to analyse; left exactly as it was.
+        model: the model, in the train/eval mode to analyse; or a `Step` (for AMP and
+            accumulation; then pass no inputs or step options).
         inputs: tensor, tuple, dict or `ModelInputs`.
+        loss_fn: the step's loss (see `torchscope.step`).
+        target: its target; None draws seeded targets where the loss needs one.
         optimizer: adds its state (measured, or estimated before its first step).
-        loss_fn: maps the output to the scalar loss.
+        select: per-module rows for these modules: each storage counts for its nearest
+            selected ancestor (see `saved_activations`).
+        depth: per-module rows down to this depth.
         checkpoint: `none`; `all`, `sqrt` or `auto` plan checkpointing and verify the
             chosen plan (`auto` = least recompute within `budget`, by default within what
             the √L plan keeps).
@@ -57,35 +68,42 @@ def analyze_memory(
 
     Raises:
         TorchscopeError: `checkpoint` is not one of the plans.
-        BudgetError: the budget cannot be met (the message names the smallest that can).
+        SelectionError: `select` matched nothing, or `depth` is negative.
+        BudgetError: the budget is not a size, or cannot be met (the message names the
+            smallest that can).
         VerificationError: the chosen plan changed the loss or a gradient.
+
+    Example:
+        >>> report = torchscope.analyze_memory(DeepMLP(), torch.randn(32, 64), loss_fn="sum")
+        >>> report.saved.total_bytes, report.step.loss
+        (73728, 'sum of the output')
     """
-    model_inputs = ModelInputs.of(inputs)
+    step = Step.of(model, inputs, loss_fn=loss_fn, target=target, optimizer=optimizer)
     if budget is not None and checkpoint == "none":
         checkpoint = "auto"
     if checkpoint not in ("none", "all", "sqrt", "auto"):
         raise TorchscopeError(f"checkpoint={checkpoint!r} is not a plan; expected 'none', "
                               "'all', 'sqrt' or 'auto'.",
                               fix="pass checkpoint='sqrt' (or 'all', 'auto', 'none').")
-    saved = saved_activations(model, model_inputs, loss_fn=loss_fn)
-    totals = memory_totals(model, saved, optimizer)
-    measured = measure_step(model, model_inputs, loss_fn=loss_fn) if measure else None
-    findings = [*analyze_saved(saved), *analyze_totals(totals, measured)]
+    if budget is not None:
+        parse_bytes(budget)  # a bad size fails before any work
+    saved = saved_activations(step, select=select, depth=depth)
+    assert saved.step is not None
+    totals = memory_totals(step.model, saved, step.optimizer)
+    measured = _measure(step) if measure else None
     plans = None
     chosen = None
     verification: Verification | None = None
     if checkpoint != "none":
         plan_budget = budget if budget is not None else ("sqrt" if checkpoint == "auto" else None)
-        plans = plan_checkpointing(model, model_inputs, blocks=blocks, budget=plan_budget,
-                                   loss_fn=loss_fn, measure=measure, repeats=repeats, seed=seed)
+        plans = plan_checkpointing(step, blocks=blocks, budget=plan_budget, measure=measure,
+                                   repeats=repeats, seed=seed)
         chosen = _PLAN_OF[checkpoint]
         measured_plan = plans.measurement(chosen)
         if measured_plan is not None:  # measured plans were verified when applied
             verification = measured_plan.verification
         else:
-            with apply_plan(model, plans.plan(chosen), model_inputs, loss_fn=loss_fn,
-                            seed=seed) as handle:
+            with apply_plan(step, plans.plan(chosen), seed=seed) as handle:
                 verification = handle.verification
-        findings += analyze_plans(plans, chosen)
-    return MemoryReport(name or type(model).__name__, saved, totals, measured, plans, chosen,
-                        tuple(findings), verification)
+    return MemoryReport(name or type(step.model).__name__, saved, totals, measured, saved.step,
+                        plans, chosen, verification)

@@ -30,8 +30,10 @@ from torch.utils.checkpoint import checkpoint
 
 from torchscope.errors import SelectionError, TorchscopeError
 from torchscope.hooks.select import select_modules
-from torchscope.memory._step import SEGMENT_LABEL, LossFn
+from torchscope.memory._common import SEGMENT_LABEL
 from torchscope.memory.records import Verification
+from torchscope.memory.verify import check, verify
+from torchscope.step import LossSpec, Step
 
 __all__ = ["BlockSpec", "Blocks", "CheckpointHandle", "apply", "resolve_blocks"]
 
@@ -336,20 +338,22 @@ class _SegmentedForward:
 
 
 def apply(
-    model: nn.Module,
+    model: nn.Module | Step,
     blocks: BlockSpec = None,
     *,
     segments: Sequence[tuple[int, int]] | None = None,
     preserve_rng_state: bool = True,
     example_inputs: Any = None,
-    loss_fn: LossFn | None = None,
+    loss_fn: LossSpec = "auto",
+    target: Any = None,
     seed: int = 0,
     require_bitwise: bool = False,
 ) -> CheckpointHandle:
     """Checkpoint blocks of `model` with `torch.utils.checkpoint` (non-reentrant).
 
     Args:
-        model: the model; changed in place until `remove()`.
+        model: the model, changed in place until `remove()`; or a `Step`, whose model is
+            checkpointed and whose step verifies it at once.
         blocks: which blocks (see `resolve_blocks`); default: the children of the longest
             `nn.Sequential` / `nn.ModuleList`.
         segments: `(start, stop)` ranges over the blocks, each run under one checkpoint;
@@ -357,8 +361,10 @@ def apply(
         preserve_rng_state: restore the RNG for recomputation, so dropout recomputes the
             same mask (keep True unless the blocks draw no random numbers).
         example_inputs: when given (tensor, tuple, dict or `ModelInputs`), verify at once
-            that the loss and every gradient match a run without checkpointing.
-        loss_fn: the loss for that verification (default: see `default_loss`).
+            that the loss and every gradient of a training step match a run without
+            checkpointing.
+        loss_fn: the loss of that step (see `torchscope.step`).
+        target: its target; None draws seeded targets where the loss needs one.
         seed: the seed both verification runs start from.
         require_bitwise: make a verification that is not bitwise equal fail.
 
@@ -370,23 +376,23 @@ def apply(
         VerificationError: the verification failed; checkpointing was removed again.
 
     Example:
-        >>> with torchscope.checkpointing.apply(model, blocks="transformer.h"):
+        >>> with torchscope.memory.apply(model, blocks="transformer.h"):
         ...     model(**batch).loss.backward()
     """
-    resolved = resolve_blocks(model, blocks)
+    step = (Step.of(model, example_inputs, loss_fn=loss_fn, target=target)
+            if isinstance(model, Step) or example_inputs is not None else None)
+    module = step.model if step is not None else model
+    assert isinstance(module, nn.Module)
+    resolved = resolve_blocks(module, blocks)
     if segments is None:
         segments = [(i, i + 1) for i in range(len(resolved.names))]
-    handle = CheckpointHandle(model, resolved, _validate_segments(resolved, segments),
+    handle = CheckpointHandle(module, resolved, _validate_segments(resolved, segments),
                               preserve_rng_state)
     handle._install()
-    if example_inputs is not None:
-        from torchscope.memory.verify import check, verify
-        from torchscope.models.target import ModelInputs
-
+    if step is not None:
         try:
-            handle.verification = verify(model, handle, ModelInputs.of(example_inputs),
-                                         loss_fn=loss_fn, seed=seed)
-            check(handle.verification, require_bitwise=require_bitwise)
+            handle.verification = check(verify(step, handle, seed=seed),
+                                        require_bitwise=require_bitwise)
         except BaseException:
             handle.remove()
             raise

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchscope.memory._step import storage_key, storage_nbytes
+from torchscope.memory._common import storage_key, storage_nbytes
 from torchscope.memory.records import LiveTensor, LiveTensors
 
 __all__ = ["live_tensors"]

@@ -20,55 +20,64 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchscope.memory._step import (
-    LossFn,
-    forward_backward,
-    model_device,
-    preserved_state,
-    state_keys,
-    storage_key,
-    storage_nbytes,
-    sync,
-)
+from torchscope._process import quiet_kineto
+from torchscope.memory._common import left_as_found, state_keys, storage_key, storage_nbytes, sync
 from torchscope.memory.records import MeasuredMemory, MemoryTotals, SavedActivations
-from torchscope.models.target import ModelInputs
+from torchscope.step import LossSpec, Step
 
 __all__ = ["measure_step", "memory_totals", "optimizer_state_bytes"]
 
 _CPU = torch.autograd.DeviceType.CPU  # type: ignore[attr-defined]
 
 
-def measure_step(model: nn.Module, inputs: Any, *, loss_fn: LossFn | None = None
-                 ) -> MeasuredMemory:
-    """Measure the memory of one forward + backward (no optimizer step: the model is left
-    exactly as it was, gradients and buffers included).
+def measure_step(
+    model: nn.Module | Step,
+    inputs: Any = None,
+    *,
+    loss_fn: LossSpec = "auto",
+    target: Any = None,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> MeasuredMemory:
+    """Measure the memory of one training step's forward + backward (`Step.forward_backward`;
+    no optimizer step). The model is left exactly as it was, gradients and buffers included.
 
     Args:
-        model: the model (its device decides the method).
+        model: the model (its device decides the method), or a `Step`.
         inputs: tensor, tuple, dict or `ModelInputs`.
-        loss_fn: maps the output to the scalar loss.
+        loss_fn: the step's loss (see `torchscope.step`).
+        target: the loss target; None draws seeded targets where the loss needs one.
+        optimizer: recorded in `step` (not stepped).
     """
-    model_inputs = ModelInputs.of(inputs)
-    device = model_device(model, model_inputs)
+    return _measure(Step.of(model, inputs, loss_fn=loss_fn, target=target, optimizer=optimizer))
+
+
+def _measure(step: Step) -> MeasuredMemory:
+    device = step.device
     if device.type == "cuda":
-        return _measure_cuda(model, model_inputs, loss_fn, device)
-    return _measure_profiler(model, model_inputs, loss_fn, device)
+        with left_as_found(step):
+            sync(device)
+            base = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            loss = step.forward_backward()
+            sync(device)
+            peak = torch.cuda.max_memory_allocated(device)
+            end = torch.cuda.memory_allocated(device)
+            reserved = torch.cuda.memory_reserved(device)
+            peak_reserved = torch.cuda.max_memory_reserved(device)
+        return MeasuredMemory(str(device), "cuda-allocator", base, peak, peak - base, end,
+                              reserved, peak_reserved, step=step.info(loss))
+    from torch.profiler import ProfilerActivity, profile
 
-
-def _measure_cuda(model: nn.Module, inputs: ModelInputs, loss_fn: LossFn | None,
-                  device: torch.device) -> MeasuredMemory:
-    with preserved_state(model):
-        sync(device)
-        base = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        forward_backward(model, inputs, loss_fn)
-        sync(device)
-        peak = torch.cuda.max_memory_allocated(device)
-        end = torch.cuda.memory_allocated(device)
-        reserved = torch.cuda.memory_reserved(device)
-        peak_reserved = torch.cuda.max_memory_reserved(device)
-    return MeasuredMemory(str(device), "cuda-allocator", base, peak, peak - base, end,
-                          reserved, peak_reserved)
+    # Kineto prints profiler_start/stop lines unless its log level is raised before start.
+    with left_as_found(step), quiet_kineto(), profile(activities=[ProfilerActivity.CPU],
+                                                      profile_memory=True) as prof:
+        loss = step.forward_backward()
+    running = peak = 0
+    for _, nbytes in sorted(_memory_events(prof)):
+        running += nbytes
+        peak = max(peak, running)
+    return MeasuredMemory(str(device), "cpu-profiler", 0, peak, peak, running,
+                          step=step.info(loss))
 
 
 def _memory_events(prof: Any) -> list[tuple[int, int]]:
@@ -86,23 +95,6 @@ def _memory_events(prof: Any) -> list[tuple[int, int]]:
         if usage:
             out.append((int(fe.time_range.start * 1000), usage))
     return out
-
-
-def _measure_profiler(model: nn.Module, inputs: ModelInputs, loss_fn: LossFn | None,
-                      device: torch.device) -> MeasuredMemory:
-    from torch.profiler import ProfilerActivity, profile
-
-    from torchscope.profiling.steps import quiet_kineto
-
-    quiet_kineto()  # keep Kineto's profiler_start/stop lines off stderr
-    with preserved_state(model), profile(activities=[ProfilerActivity.CPU],
-                                         profile_memory=True) as prof:
-        forward_backward(model, inputs, loss_fn)
-    running = peak = 0
-    for _, nbytes in sorted(_memory_events(prof)):
-        running += nbytes
-        peak = max(peak, running)
-    return MeasuredMemory(str(device), "cpu-profiler", 0, peak, peak, running)
 
 
 def _unique_bytes(tensors: Iterable[torch.Tensor]) -> int:

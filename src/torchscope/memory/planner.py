@@ -31,17 +31,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchscope._util import fmt_bytes
 from torchscope.errors import BudgetError, TorchscopeError
 from torchscope.hooks.session import HookSession
-from torchscope.memory._step import (
-    LossFn,
-    StorageKey,
-    model_device,
-    preserved_state,
-    state_keys,
-    sync,
-    timed_steps,
-)
+from torchscope.memory._common import StorageKey, left_as_found, state_keys, sync
 from torchscope.memory.checkpoint import (
     Blocks,
     BlockSpec,
@@ -49,15 +42,15 @@ from torchscope.memory.checkpoint import (
     apply,
     resolve_blocks,
 )
-from torchscope.memory.measure import measure_step
+from torchscope.memory.measure import _measure as _measure_memory
 from torchscope.memory.records import (
     BlockProfile,
     CheckpointPlan,
     PlanMeasurement,
     PlanReport,
 )
-from torchscope.memory.saved import _account, saved_activations
-from torchscope.models.target import ModelInputs, call_model
+from torchscope.memory.saved import _account
+from torchscope.step import LossSpec, Step, StepInfo
 
 __all__ = ["apply_plan", "parse_bytes", "plan_checkpointing"]
 
@@ -126,11 +119,14 @@ class _Costs:
         return saved, saved + extra, recompute
 
 
-def _costs(model: nn.Module, blocks: Blocks, inputs: ModelInputs, loss_fn: LossFn | None,
-           repeats: int) -> tuple[_Costs, tuple[BlockProfile, ...], int]:
+def _costs(step: Step, blocks: Blocks, repeats: int
+           ) -> tuple[_Costs, tuple[BlockProfile, ...], int, StepInfo | None]:
+    """Block costs from one accounted step and timed forwards: (costs, profiles, saved
+    bytes without checkpointing, the accounted step's `StepInfo`)."""
+    model = step.model
     named = dict(model.named_modules())
     watch = [(n, named[n]) for n in blocks.names]
-    acc = _account(model, inputs, loss_fn, watch)
+    acc = _account(step, watch)
     params, buffers = state_keys(model)
     index: dict[StorageKey, int] = {}
     nbytes: list[int] = []
@@ -170,23 +166,24 @@ def _costs(model: nn.Module, blocks: Blocks, inputs: ModelInputs, loss_fn: LossF
                  if k not in params and k not in buffers}
         inputs_idx.append(frozenset(found))
         input_bytes.append(sum(nbytes[i] for i in found))
-    times = _block_times(model, watch, inputs, repeats)
+    times = _block_times(step, watch, repeats)
     costs = _Costs(tuple(nbytes), frozenset(always), tuple(frozenset(s) for s in saves),
                    tuple(inputs_idx), tuple(times))
     profiles = tuple(
         BlockProfile(i, n, type(named[n]).__name__, times[i], first_bytes[i], input_bytes[i])
         for i, n in enumerate(blocks.names)
     )
-    return costs, profiles, acc.saved.total_bytes
+    return costs, profiles, acc.saved.total_bytes, acc.saved.step
 
 
-def _block_times(model: nn.Module, watch: Sequence[tuple[str, nn.Module]],
-                 inputs: ModelInputs, repeats: int) -> list[float]:
-    """Median forward time of each block in ms (grad mode on, as in recomputation)."""
-    device = model_device(model, inputs)
-    samples: dict[str, list[float]] = {n: [] for n, _ in watch}
+def _block_times(step: Step, watch: Sequence[tuple[str, nn.Module]], repeats: int
+                 ) -> list[float]:
+    """Forward time of each block per step in ms (every call, every micro-batch; grad mode
+    on, as in recomputation): the median over `repeats` forwards after a warm-up."""
+    device = step.device
+    rounds: dict[str, list[float]] = {n: [] for n, _ in watch}
     starts: dict[str, float] = {}
-    with preserved_state(model), HookSession(model) as session:
+    with left_as_found(step), HookSession(step.model) as session:
         for name, module in watch:
 
             def pre(_m: nn.Module, _a: tuple[Any, ...], _n: str = name) -> None:
@@ -195,16 +192,35 @@ def _block_times(model: nn.Module, watch: Sequence[tuple[str, nn.Module]],
 
             def post(_m: nn.Module, _a: tuple[Any, ...], _o: Any, _n: str = name) -> None:
                 sync(device)
-                samples[_n].append((time.perf_counter() - starts[_n]) * 1e3)
+                rounds[_n][-1] += (time.perf_counter() - starts[_n]) * 1e3
 
             session.forward_pre_hook(module, pre)
             session.forward_hook(module, post)
         for _ in range(max(repeats, 1) + 1):
+            for times in rounds.values():
+                times.append(0.0)
             with torch.enable_grad():
-                out = call_model(model, inputs)
-            del out
-    # The first forward pays one-time costs; drop its samples when there are others.
-    return [statistics.median(s[1:] or s) if s else 0.0 for s in samples.values()]
+                for inputs, _ in step.micro_batches():
+                    out = step.forward(inputs)
+                    del out
+    # The first round pays one-time costs (allocator, lazy init): dropped.
+    return [statistics.median(r[1:]) for r in rounds.values()]
+
+
+def _step_ms(step: Step, repeats: int) -> float:
+    """Best forward + backward time of the step in ms over `repeats` (after a warm-up)."""
+    device = step.device
+    best = float("inf")
+    with left_as_found(step):
+        for i in range(repeats + 1):
+            step.zero_grad()
+            sync(device)
+            t0 = time.perf_counter()
+            step.forward_backward()
+            sync(device)
+            if i > 0:  # the first run pays one-time costs (allocator, lazy init)
+                best = min(best, (time.perf_counter() - t0) * 1e3)
+    return best
 
 
 # --------------------------------------------------------------------------- plans
@@ -360,12 +376,14 @@ def _plan(name: str, blocks: Blocks, costs: _Costs, segs: Segments,
 
 
 def plan_checkpointing(
-    model: nn.Module,
-    inputs: Any,
+    model: nn.Module | Step,
+    inputs: Any = None,
     *,
+    loss_fn: LossSpec = "auto",
+    target: Any = None,
+    optimizer: torch.optim.Optimizer | None = None,
     blocks: BlockSpec = None,
     budget: int | str | None = None,
-    loss_fn: LossFn | None = None,
     measure: bool = True,
     repeats: int = 3,
     seed: int = 0,
@@ -375,12 +393,14 @@ def plan_checkpointing(
     least-recompute plan whose saved bytes fit the budget.
 
     Args:
-        model: the model; left exactly as it was.
+        model: the model, left exactly as it was; or a `Step`.
         inputs: tensor, tuple, dict or `ModelInputs`.
+        loss_fn: the step's loss (see `torchscope.step`).
+        target: its target; None draws seeded targets where the loss needs one.
+        optimizer: recorded in `step` (not stepped).
         blocks: which blocks may be checkpointed (see `resolve_blocks`).
         budget: bytes of saved activations the budget plan may keep (int or `"64KB"`);
             `"sqrt"` means as many as the √L plan keeps (the least recompute at √L memory).
-        loss_fn: maps the output to the scalar loss.
         measure: apply each plan for real: verify it (always), count its saved bytes, time
             its step and measure its peak.
         repeats: timed repeats per plan (the best is kept).
@@ -389,16 +409,17 @@ def plan_checkpointing(
 
     Raises:
         TorchscopeError: `repeats` is below 1.
-        BudgetError: the budget is below what the leanest plan keeps; the message names
-            that smallest feasible budget.
+        BudgetError: the budget is not a size, or is below what the leanest plan keeps; the
+            message names that smallest feasible budget.
         VerificationError: a plan changed the loss or a gradient.
     """
     if repeats < 1:
         raise TorchscopeError(f"repeats={repeats} times nothing; expected 1 or more.",
                               fix="pass repeats=1 or more.")
-    model_inputs = ModelInputs.of(inputs)
-    resolved = resolve_blocks(model, blocks)
-    costs, profiles, baseline = _costs(model, resolved, model_inputs, loss_fn, repeats)
+    step = Step.of(model, inputs, loss_fn=loss_fn, target=target, optimizer=optimizer)
+    limit = None if budget is None or budget == "sqrt" else parse_bytes(budget)
+    resolved = resolve_blocks(step.model, blocks)
+    costs, profiles, baseline, info = _costs(step, resolved, repeats)
     n = len(resolved.names)
     plans = [_plan("none", resolved, costs, ()),
              _plan("all", resolved, costs, tuple((i, i + 1) for i in range(n)))]
@@ -410,7 +431,7 @@ def plan_checkpointing(
     lean_segs = ((0, n),) if resolved.groupable else tuple((i, i + 1) for i in range(n))
     smallest = min(costs.evaluate(lean_segs)[0], *(p.saved_bytes for p in plans))
     if budget is not None:
-        limit = plans[-1].saved_bytes if budget == "sqrt" else parse_bytes(budget)
+        limit = plans[-1].saved_bytes if limit is None else limit
         found, least = (_search_exact if search == "exact" else _search_dp)(
             costs, resolved.groupable, limit)
         smallest = min(smallest, least)
@@ -419,32 +440,34 @@ def plan_checkpointing(
                 f"a saved-activation budget of {limit:,} B cannot be met: the leanest "
                 f"checkpointing plan over {n} block(s) still keeps {smallest:,} B "
                 f"(without checkpointing: {baseline:,} B).",
-                fix=f"use a budget of at least {smallest:,} B ({_human(smallest)}).",
+                fix=f"use a budget of at least {smallest:,} B ({fmt_bytes(smallest)}).",
             )
         plans.append(_plan("budget", resolved, costs, found, limit))
     measurements: tuple[PlanMeasurement, ...] = ()
     if measure:
-        measurements = tuple(_measure(model, model_inputs, p, loss_fn=loss_fn, repeats=repeats,
-                                      seed=seed)
-                             for p in plans)
+        measurements = tuple(_measure(step, p, repeats=repeats, seed=seed) for p in plans)
         base_ms = measurements[0].step_ms
         measurements = tuple(
             PlanMeasurement(m.plan, m.saved_bytes, m.step_ms, m.step_ms - base_ms,
                             m.peak_bytes, m.verification) for m in measurements)
     return PlanReport(profiles, resolved.groupable, baseline, smallest, tuple(plans),
-                      measurements, search)
+                      measurements, search, info)
 
 
-def _human(n: int) -> str:
-    from torchscope._util import fmt_bytes
-
-    return fmt_bytes(n)
-
-
-def apply_plan(model: nn.Module, plan: CheckpointPlan, inputs: Any, *,
-               loss_fn: LossFn | None = None, seed: int = 0,
+def apply_plan(model: nn.Module | Step, plan: CheckpointPlan, inputs: Any = None, *,
+               loss_fn: LossSpec = "auto", target: Any = None, seed: int = 0,
                require_bitwise: bool = False) -> CheckpointHandle:
-    """Install a plan and verify it at once (loss and every gradient vs no checkpointing).
+    """Install a plan and verify it at once (loss and every gradient of a training step vs
+    no checkpointing).
+
+    Args:
+        model: the model, or a `Step` on it (then pass no inputs or step options).
+        plan: a plan of `plan_checkpointing`.
+        inputs: tensor, tuple, dict or `ModelInputs` for the verification step.
+        loss_fn: the step's loss (see `torchscope.step`).
+        target: its target; None draws seeded targets where the loss needs one.
+        seed: the seed both verification runs start from.
+        require_bitwise: make a verification that is not bitwise equal fail.
 
     Returns:
         The handle (`remove()` or a `with` block undoes it); its `verification` is set.
@@ -452,20 +475,19 @@ def apply_plan(model: nn.Module, plan: CheckpointPlan, inputs: Any, *,
     Raises:
         VerificationError: the plan changed the result; it was removed again.
     """
-    return apply(model, Blocks(plan.blocks, plan.parent), segments=plan.segments,
-                 example_inputs=inputs, loss_fn=loss_fn, seed=seed,
+    step = Step.of(model, inputs, loss_fn=loss_fn, target=target)
+    return apply(step, Blocks(plan.blocks, plan.parent), segments=plan.segments, seed=seed,
                  require_bitwise=require_bitwise)
 
 
-def _measure(model: nn.Module, inputs: ModelInputs, plan: CheckpointPlan, *,
-             loss_fn: LossFn | None, repeats: int, seed: int) -> PlanMeasurement:
+def _measure(step: Step, plan: CheckpointPlan, *, repeats: int, seed: int) -> PlanMeasurement:
     handle: CheckpointHandle | None = None
     if plan.segments:
-        handle = apply_plan(model, plan, inputs, loss_fn=loss_fn, seed=seed)
+        handle = apply_plan(step, plan, seed=seed)
     try:
-        saved = saved_activations(model, inputs, loss_fn=loss_fn).total_bytes
-        step_ms = timed_steps(model, inputs, loss_fn, repeats)
-        peak = measure_step(model, inputs, loss_fn=loss_fn).peak_bytes
+        saved = _account(step).saved.total_bytes
+        step_ms = _step_ms(step, repeats)
+        peak = _measure_memory(step).peak_bytes
     finally:
         if handle is not None:
             handle.remove()

@@ -1,11 +1,15 @@
-"""Frozen records of the memory area: numbers only, formatted by `torchscope.report.memory`."""
+"""Frozen records of the memory area: numbers only, formatted by `torchscope.report.memory`.
+
+The result types derive from `Analyzed`: `result.findings()` runs the analyzer that
+`torchscope.memory.analysis` registers for them."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
-from torchscope.findings import Finding
+from torchscope.findings import Analyzed
+from torchscope.step import StepInfo
 
 __all__ = [
     "BlockProfile",
@@ -14,7 +18,9 @@ __all__ = [
     "LiveTensor",
     "LiveTensors",
     "MeasuredMemory",
+    "MemoryHistory",
     "MemoryReport",
+    "MemorySample",
     "MemoryTotals",
     "ModuleSaved",
     "PlanMeasurement",
@@ -35,7 +41,8 @@ class SavedStorage:
 
     Attributes:
         module: qualified name of the module running when it was first saved (`""` is the root,
-            `OUTSIDE` when none was).
+            `OUTSIDE` when none was), or its row with `select=`/`depth=` (the nearest
+            selected ancestor).
         module_type: that module's class name.
         shape: shape of the first saved view.
         dtype: dtype of the first saved view, e.g. `torch.float32`.
@@ -79,7 +86,7 @@ class ModuleSaved:
 
 
 @dataclass(frozen=True)
-class SavedActivations:
+class SavedActivations(Analyzed):
     """What autograd saved during one forward (and the loss), deduplicated by storage.
 
     Attributes:
@@ -92,6 +99,8 @@ class SavedActivations:
             part of `total_bytes`.
         output_bytes: bytes of the forward's output tensors that are not saved storages.
         saves: number of save events, all kinds.
+        step: the training step it was counted on (None for a forward in the user's own
+            loop, seen by `watch_memory`).
     """
 
     storages: tuple[SavedStorage, ...]
@@ -101,6 +110,7 @@ class SavedActivations:
     state_bytes: int
     output_bytes: int
     saves: int
+    step: StepInfo | None = None
 
     @property
     def activation_storages(self) -> tuple[SavedStorage, ...]:
@@ -109,7 +119,7 @@ class SavedActivations:
 
 
 @dataclass(frozen=True)
-class MemoryTotals:
+class MemoryTotals(Analyzed):
     """Memory of one training step, by part, and the estimated peak.
 
     Attributes:
@@ -156,6 +166,7 @@ class MeasuredMemory:
         end_bytes: allocated after backward, relative like `peak_bytes`.
         reserved_bytes: CUDA caching-allocator reserved memory after the step (None on CPU).
         peak_reserved_bytes: highest reserved during the step (None on CPU).
+        step: the training step measured.
     """
 
     device: str
@@ -166,6 +177,7 @@ class MeasuredMemory:
     end_bytes: int
     reserved_bytes: int | None = None
     peak_reserved_bytes: int | None = None
+    step: StepInfo | None = None
 
 
 @dataclass(frozen=True)
@@ -289,7 +301,7 @@ class PlanMeasurement:
 
 
 @dataclass(frozen=True)
-class PlanReport:
+class PlanReport(Analyzed):
     """The planner's output: blocks, plans and (optionally) their measurements.
 
     Attributes:
@@ -301,6 +313,7 @@ class PlanReport:
         plans: `none`, `all`, `sqrt` and, with a budget, `budget`.
         measurements: one per plan, when measured.
         search: `exact` or `dp`, how the budget plan was found.
+        step: the training step the blocks were measured on.
     """
 
     blocks: tuple[BlockProfile, ...]
@@ -310,6 +323,7 @@ class PlanReport:
     plans: tuple[CheckpointPlan, ...]
     measurements: tuple[PlanMeasurement, ...] = ()
     search: str = "exact"
+    step: StepInfo | None = None
 
     def plan(self, name: str) -> CheckpointPlan:
         """The plan called `name`.
@@ -353,7 +367,7 @@ class LiveTensor:
 
 
 @dataclass(frozen=True)
-class LiveTensors:
+class LiveTensors(Analyzed):
     """The largest live tensors, and what `empty_cache()` could release.
 
     Attributes:
@@ -376,7 +390,7 @@ class LiveTensors:
 
 
 @dataclass(frozen=True)
-class MemoryReport:
+class MemoryReport(Analyzed):
     """Everything `analyze_memory` found about one training step.
 
     Attributes:
@@ -384,9 +398,10 @@ class MemoryReport:
         saved: saved-activation accounting.
         totals: memory by part and the estimated peak.
         measured: the measurement, unless `measure=False`.
+        step: the training step: its loss, and the loss value of its first run (the
+            accounting's).
         plans: the checkpointing plans, when checkpointing was asked for.
         chosen: the name of the plan that was applied and verified.
-        findings: what the analysis concluded.
         verification: the chosen plan's verification.
     """
 
@@ -394,7 +409,54 @@ class MemoryReport:
     saved: SavedActivations
     totals: MemoryTotals
     measured: MeasuredMemory | None
+    step: StepInfo
     plans: PlanReport | None = None
     chosen: str | None = None
-    findings: tuple[Finding, ...] = field(default_factory=tuple)
     verification: Verification | None = None
+
+
+@dataclass(frozen=True)
+class MemorySample:
+    """One forward that `watch_memory` sampled in the user's loop.
+
+    Attributes:
+        forward: its index among the model's grad-enabled forwards (0 is the first).
+        saved: what autograd saved during it, per module (the loss, computed after the
+            forward, is not in it).
+        peak_bytes: on CUDA, the most memory allocated from the start of this forward until
+            the model's next forward (or the watch's end); None on CPU, or until then.
+    """
+
+    forward: int
+    saved: SavedActivations
+    peak_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class MemoryHistory(Analyzed):
+    """Saved bytes per module of the newest samples of a `watch_memory`.
+
+    Attributes:
+        forwards: the sampled forward indices, oldest first.
+        modules: every module (row) that saved something in any of them, first seen first.
+        saved_bytes: per sample, per module in `modules` (0 where it saved nothing).
+        total_bytes: per sample, the saved-activation total.
+        peak_bytes: per sample, the CUDA peak (see `MemorySample.peak_bytes`).
+    """
+
+    forwards: tuple[int, ...]
+    modules: tuple[str, ...]
+    saved_bytes: tuple[tuple[int, ...], ...]
+    total_bytes: tuple[int, ...]
+    peak_bytes: tuple[int | None, ...]
+
+    def series(self, module: str) -> tuple[int, ...]:
+        """Saved bytes of one module (row) across the samples.
+
+        Raises:
+            KeyError: no sample saved anything in it.
+        """
+        i = self.modules.index(module) if module in self.modules else None
+        if i is None:
+            raise KeyError(module)
+        return tuple(row[i] for row in self.saved_bytes)

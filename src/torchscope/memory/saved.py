@@ -2,9 +2,10 @@
 
 During one forward (and the loss), `torch.autograd.graph.saved_tensors_hooks` sees every
 tensor an autograd node saves. Each is attributed to the innermost module running at that
-moment (the `HookSession` module stack), and deduplicated by storage: a ReLU output saved by
-the ReLU and again by the next Linear is one allocation, counted once, for the module that
-saved it first. Parameters and buffers are model state, counted apart.
+moment (the `HookSession` module stack), or with `select=`/`depth=` to its nearest selected
+ancestor, and deduplicated by storage: a ReLU output saved by the ReLU and again by the next
+Linear is one allocation, counted once, for the module that saved it first. Parameters and
+buffers are model state, counted apart.
 
 Storages freed before backward (a branch whose result was dropped) are not kept for
 backward and are not counted; storage liveness is tracked with `StorageWeakRef`, which also
@@ -21,16 +22,15 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from torchscope.hooks.select import Selector, select_modules
 from torchscope.hooks.session import HookSession
-from torchscope.hooks.tree import iter_tensors
-from torchscope.memory._step import (
+from torchscope.memory._common import (
     SEGMENT_LABEL,
-    LossFn,
     StorageKey,
-    default_loss,
-    preserved_state,
+    left_as_found,
     state_keys,
     storage_key,
+    storage_keys,
     storage_nbytes,
 )
 from torchscope.memory.records import (
@@ -40,9 +40,9 @@ from torchscope.memory.records import (
     SavedStorage,
     StorageKind,
 )
-from torchscope.models.target import ModelInputs, call_model
+from torchscope.step import LossSpec, Step, StepInfo
 
-__all__ = ["default_loss", "saved_activations"]
+__all__ = ["saved_activations"]
 
 
 @dataclass
@@ -70,27 +70,62 @@ class _Accounting:
     block_inputs: dict[str, tuple[tuple[StorageKey, int], ...]]
 
 
+def row_owners(model: nn.Module, select: Selector = None, depth: int | None = None
+               ) -> dict[str, str] | None:
+    """The row each module's saves are counted in, by qualified name; None: its own.
+
+    With `select`, the nearest selected ancestor (the module itself when selected), else the
+    root `""`. With only `depth`, the ancestor at that depth (modules at most that deep keep
+    their own rows).
+
+    Raises:
+        SelectionError: `select` matched nothing, or `depth` is negative.
+    """
+    if select is None and depth is None:
+        return None
+    if select is None:
+        chosen = {n for n, _ in select_modules(model, lambda _n, _m: True, depth=depth,
+                                               include_root=True)}
+    else:
+        chosen = {n for n, _ in select_modules(model, select, depth=depth)}
+    chosen.add("")
+    owners: dict[str, str] = {}
+    for name, _ in model.named_modules():
+        row = name
+        while row not in chosen:
+            row = row.rpartition(".")[0]  # "a.b.c" -> "a.b" -> "a" -> ""
+        owners[name] = row
+    return owners
+
+
 class _Recorder:
+    """The saved-tensor pack hook: attributes and deduplicates every saved storage."""
+
     def __init__(
         self,
         stack: list[str],
         types: dict[str, str],
+        owners: dict[str, str] | None,
         params: dict[StorageKey, str],
         buffers: dict[StorageKey, str],
         inputs: set[StorageKey],
     ) -> None:
         self._stack = stack
         self._types = types
+        self._owners = owners
         self._params = params
         self._buffers = buffers
         self._inputs = inputs
         self.live: dict[StorageKey, _Entry] = {}
-        self.dead: list[tuple[StorageKey, _Entry]] = []
         self.saves = 0
         self._anon = 0
 
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        # Called for every tensor an autograd node saves.
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        """The `saved_tensors_hooks` context that feeds this recorder."""
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, _unpack)
+
+    def pack(self, t: torch.Tensor) -> tuple[torch.Tensor, int]:
+        # Called for every tensor an autograd node saves; reads metadata only (no sync).
         self.saves += 1
         module, module_type = self._where()
         key = storage_key(t)
@@ -102,8 +137,7 @@ class _Recorder:
             ref = StorageWeakRef(t.untyped_storage())
         entry = self.live.get(key)
         if entry is not None and entry.ref is not None and entry.ref.expired():
-            self.dead.append((key, entry))  # freed, and its address reused by a new storage
-            entry = None
+            entry = None  # freed before backward, and its address reused by a new storage
         if entry is None:
             kind: StorageKind = (
                 "parameter" if key in self._params
@@ -117,11 +151,11 @@ class _Recorder:
         entry.saves += 1
         if module not in entry.savers:
             entry.savers.append(module)
-        # A detached alias (same storage): when a node saves its own output, keeping `t`
-        # itself would hold that output's grad_fn from inside the graph, a cycle through C++
-        # that Python's gc cannot break. The accounting never runs backward, so no gradient
-        # depends on what is returned here.
-        return t.detach()
+        # A detached alias (same storage, same version counter): when a node saves its own
+        # output, keeping `t` itself would hold that output's grad_fn from inside the graph,
+        # a cycle through C++ that Python's gc cannot break. Autograd skips its in-place
+        # check for hooked tensors, so the version is kept to make that check in `_unpack`.
+        return t.detach(), t._version
 
     def _where(self) -> tuple[str, str]:
         if not self._stack:
@@ -129,66 +163,33 @@ class _Recorder:
         top = self._stack[-1]
         label = SEGMENT_LABEL.get()
         if label is not None and label[0] == top:
-            return label[1], label[2]
-        return top, self._types.get(top, "")
+            name, module_type = label[1], label[2]
+        else:
+            name, module_type = top, self._types.get(top, "")
+        if self._owners is None:
+            return name, module_type
+        row = self._owners.get(name, name)
+        return row, (module_type if row == name else self._types.get(row, ""))
+
+    def alive(self) -> list[tuple[StorageKey, _Entry]]:
+        """The storages still alive now, in save order."""
+        return [(k, e) for k, e in self.live.items() if e.ref is None or not e.ref.expired()]
 
 
-def _unpack(t: torch.Tensor) -> torch.Tensor:
+def _unpack(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
+    t, version = packed
+    if t._version != version:
+        # The error autograd itself raises for a saved tensor modified in place.
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an "
+            f"inplace operation: [{t.dtype} {list(t.shape)}] is at version {t._version}; "
+            f"expected version {version} instead.")
     return t
 
 
-def _account(
-    model: nn.Module,
-    inputs: ModelInputs,
-    loss_fn: LossFn | None = None,
-    watch: Sequence[tuple[str, nn.Module]] = (),
-) -> _Accounting:
-    """Run one forward + loss under the saved-tensor hooks and freeze what was saved.
-
-    `watch` modules get a pre-hook recording the storages of their positional tensor inputs
-    (what a checkpoint of that module would keep).
-    """
-    params, buffers = state_keys(model)
-    input_keys = {
-        k for _, t in iter_tensors((inputs.args, dict(inputs.kwargs)))
-        if (k := storage_key(t)) is not None
-    }
-    types = {name: type(m).__name__ for name, m in model.named_modules()}
-    block_inputs: dict[str, tuple[tuple[StorageKey, int], ...]] = {}
-    with preserved_state(model), HookSession(model) as session:
-        stack = session.enable_module_stack()
-        for name, module in watch:
-
-            def pre(_m: nn.Module, args: tuple[Any, ...], _n: str = name) -> None:
-                if _n in block_inputs:
-                    return  # a block called twice keeps its first call's inputs
-                found = [(k, storage_nbytes(t)) for _, t in iter_tensors(args)
-                         if (k := storage_key(t)) is not None]
-                block_inputs[_n] = tuple(found)
-
-            session.forward_pre_hook(module, pre)
-        recorder = _Recorder(stack, types, params, buffers, input_keys)
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(
-            recorder.pack, _unpack
-        ):
-            out = call_model(model, inputs)
-            loss = (loss_fn or default_loss)(out)
-        out_keys: dict[StorageKey, int] = {}
-        for _, t in iter_tensors(out):
-            k = storage_key(t)
-            if k is not None:
-                out_keys.setdefault(k, storage_nbytes(t))
-        alive = [(k, e) for k, e in recorder.live.items()
-                 if e.ref is None or not e.ref.expired()]
-        saves = recorder.saves
-        # The graph (and everything saved) is released when out/loss go out of scope here.
-        del out, loss
-    saved = _freeze(alive, out_keys, saves)
-    return _Accounting(saved, tuple(k for k, _ in alive), block_inputs)
-
-
 def _freeze(
-    alive: list[tuple[StorageKey, _Entry]], out_keys: dict[StorageKey, int], saves: int
+    alive: Sequence[tuple[StorageKey, _Entry]], out_keys: dict[StorageKey, int], saves: int,
+    step: StepInfo | None = None,
 ) -> SavedActivations:
     storages = tuple(
         SavedStorage(e.module, e.module_type, e.shape, e.dtype, e.device, e.nbytes, e.saves,
@@ -213,31 +214,101 @@ def _freeze(
         state_bytes=sum(s.nbytes for s in storages if s.kind in ("parameter", "buffer")),
         output_bytes=sum(n for k, n in out_keys.items() if k not in saved_keys),
         saves=saves,
+        step=step,
     )
 
 
-def saved_activations(
-    model: nn.Module, inputs: Any, *, loss_fn: LossFn | None = None
-) -> SavedActivations:
-    """Count what autograd saves for backward during one forward (and the loss).
+def _account(
+    step: Step,
+    watch: Sequence[tuple[str, nn.Module]] = (),
+    owners: dict[str, str] | None = None,
+) -> _Accounting:
+    """Run the step's `forward_backward` with the saved-tensor hooks on during micro-batch
+    0's forward and loss, and freeze what is alive just before its backward.
 
-    The model runs once in its current train/eval mode; its gradients, buffers and the RNG
-    are left as they were, and no backward runs.
+    `watch` modules get a pre-hook recording the storages of their positional tensor inputs
+    (what a checkpoint of that module would keep).
+    """
+    model = step.model
+    params, buffers = state_keys(model)
+    first_inputs = step.micro_batches()[0][0]
+    input_keys = set(storage_keys((first_inputs.args, dict(first_inputs.kwargs))))
+    types = {name: type(m).__name__ for name, m in model.named_modules()}
+    block_inputs: dict[str, tuple[tuple[StorageKey, int], ...]] = {}
+    seen: list[tuple[list[tuple[StorageKey, _Entry]], dict[StorageKey, int], int]] = []
+    with left_as_found(step), HookSession(model) as session:
+        stack = session.enable_module_stack()
+        for name, module in watch:
+
+            def pre(_m: nn.Module, args: tuple[Any, ...], _n: str = name) -> None:
+                if _n not in block_inputs:  # a block called twice keeps its first inputs
+                    block_inputs[_n] = tuple(storage_keys(args).items())
+
+            session.forward_pre_hook(module, pre)
+        recorder = _Recorder(stack, types, owners, params, buffers, input_keys)
+        hooks = recorder.hooks()
+        on = [True]
+
+        def before_backward(micro: int, output: Any, _loss: torch.Tensor) -> None:
+            # Everything autograd saved for micro-batch 0 is alive now.
+            if micro == 0:
+                hooks.__exit__(None, None, None)
+                on[0] = False
+                seen.append((recorder.alive(), storage_keys(output), recorder.saves))
+
+        hooks.__enter__()
+        try:
+            loss = step.forward_backward(before_backward=before_backward)
+        finally:
+            if on[0]:
+                hooks.__exit__(None, None, None)
+    alive, out_keys, saves = seen[0]
+    saved = _freeze(alive, out_keys, saves, step.info(loss))
+    return _Accounting(saved, tuple(k for k, _ in alive), block_inputs)
+
+
+def saved_activations(
+    model: nn.Module | Step,
+    inputs: Any = None,
+    *,
+    loss_fn: LossSpec = "auto",
+    target: Any = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    select: Selector = None,
+    depth: int | None = None,
+) -> SavedActivations:
+    """Count what autograd saves for backward during one training step's forward and loss.
+
+    The step runs once (`Step.forward_backward`, no optimizer step) in the model's current
+    train/eval mode; what micro-batch 0 saved is counted just before its backward, when all
+    of it is alive. Tensors the loss saves count under `OUTSIDE`. Parameters, buffers,
+    gradients (inputs' too), optimizer state and the RNG are left exactly as they were.
 
     Args:
-        model: the model.
+        model: the model, or a `Step` (then pass no inputs or step options).
         inputs: a tensor, a tuple of positional inputs, a dict of keyword inputs, or
             `ModelInputs`.
-        loss_fn: maps the model output to the scalar loss; default: the output's `loss`
-            entry, else the sum of its floating-point tensors (which saves nothing itself).
+        loss_fn: `"auto"`, `"cross_entropy"`, `"mse"`, `"sum"` or a callable (see
+            `torchscope.step`); `"sum"` saves nothing, so only the model's tensors count.
+        target: the loss target; None draws seeded targets where the loss needs one.
+        optimizer: recorded in `step` (not stepped).
+        select: count each storage for its nearest selected ancestor (see
+            `torchscope.select_modules`), else for the root `""`; default: the innermost
+            module that saved it.
+        depth: count deeper modules' storages for their ancestor at this depth.
 
     Returns:
-        Storages, per-module rows (summing to `total_bytes`) and totals.
+        Storages, per-module rows (summing to `total_bytes`), totals and the step's
+        `StepInfo`.
+
+    Raises:
+        ModelError: the model or the loss raised.
+        SelectionError: `select` matched nothing, or `depth` is negative.
 
     Example:
-        >>> s = saved_activations(DeepMLP(), torch.randn(32, 64))
+        >>> s = saved_activations(DeepMLP(), torch.randn(32, 64), loss_fn="sum")
         >>> s.total_bytes  # 9 storages of 32 × 64 float32
         73728
     """
-    return _account(model, ModelInputs.of(inputs), loss_fn).saved
-
+    step = Step.of(model, inputs, loss_fn=loss_fn, target=target, optimizer=optimizer)
+    return _account(step, owners=row_owners(step.model, select, depth)).saved

@@ -8,28 +8,28 @@ gradients, buffers and the global RNG are restored afterwards.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
+from torchscope._process import seeded
 from torchscope.errors import VerificationError
-from torchscope.hooks.tree import iter_tensors
-from torchscope.memory._step import (
-    LossFn,
-    forward_backward,
-    preserved_state,
-    restore_buffers,
-    seed_all,
-    snapshot_buffers,
-)
+from torchscope.memory._common import input_leaves, left_as_found
 from torchscope.memory.records import GradComparison, Verification
-from torchscope.models.target import ModelInputs
-
-if TYPE_CHECKING:
-    from torchscope.memory.checkpoint import CheckpointHandle
+from torchscope.step import LossSpec, Step
 
 __all__ = ["check", "verify"]
+
+
+class Suspendable(Protocol):
+    """What `verify` needs of checkpointing: a way to run without it (`CheckpointHandle`)."""
+
+    def suspended(self) -> AbstractContextManager[None]:
+        """Run without checkpointing inside the block."""
+        ...
+
 
 # (rtol, atol) past which a difference fails; bitwise equality is reported separately.
 _TOLERANCE: dict[torch.dtype, tuple[float, float]] = {
@@ -40,19 +40,17 @@ _TOLERANCE: dict[torch.dtype, tuple[float, float]] = {
 }
 
 
-def _grad_leaves(model: nn.Module, inputs: ModelInputs) -> list[tuple[str, torch.Tensor]]:
-    leaves: list[tuple[str, torch.Tensor]] = [*model.named_parameters()]
-    seen = {id(p) for _, p in leaves}
-    named = [*iter_tensors(inputs.args), *iter_tensors(dict(inputs.kwargs))]
-    for path, t in named:
-        if t.requires_grad and t.is_leaf and id(t) not in seen:
-            leaves.append((f"input{path}", t))
-            seen.add(id(t))
-    return leaves
-
-
 def _grads(leaves: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor | None]:
     return [None if t.grad is None else t.grad.detach().clone() for _, t in leaves]
+
+
+def _run(step: Step, leaves: list[tuple[str, torch.Tensor]], seed: int) -> tuple[
+        torch.Tensor, list[torch.Tensor | None], list[torch.Tensor]]:
+    """One seeded forward + backward from the model's current state, which is restored
+    after: (loss, gradients, buffers)."""
+    with left_as_found(step), seeded(seed):
+        loss = step.forward_backward()
+        return loss, _grads(leaves), [b.detach().clone() for b in step.model.buffers()]
 
 
 def _compare(name: str, ref: torch.Tensor | None, got: torch.Tensor | None) -> tuple[
@@ -76,55 +74,45 @@ def _compare(name: str, ref: torch.Tensor | None, got: torch.Tensor | None) -> t
 
 
 def verify(
-    model: nn.Module,
-    handle: CheckpointHandle,
-    inputs: Any,
+    model: nn.Module | Step,
+    handle: Suspendable,
+    inputs: Any = None,
     *,
-    loss_fn: LossFn | None = None,
+    loss_fn: LossSpec = "auto",
+    target: Any = None,
     seed: int = 0,
 ) -> Verification:
-    """Run one step without and one with `handle`'s checkpointing and compare.
+    """Run one training step without and one with `handle`'s checkpointing and compare.
+
+    Both runs are the step's `forward_backward`, start from the model as it is and from
+    `torch.manual_seed(seed)`; the model, its gradients, buffers and the RNG are left as
+    they were.
 
     Args:
-        model: the model `handle` is installed on.
+        model: the model `handle` is installed on, or a `Step` on it.
         handle: the checkpointing (suspended for the reference run).
         inputs: tensor, tuple, dict or `ModelInputs`.
-        loss_fn: maps the output to the scalar loss.
+        loss_fn: the step's loss (see `torchscope.step`).
+        target: its target; None draws seeded targets where the loss needs one.
         seed: both runs start from `torch.manual_seed(seed)`.
 
     Returns:
         The comparison; `check()` turns a failed one into a `VerificationError`.
     """
-    model_inputs = ModelInputs.of(inputs)
-    leaves = _grad_leaves(model, model_inputs)
-    input_grads = [(t, t.grad) for name, t in leaves if name.startswith("input")]
+    step = Step.of(model, inputs, loss_fn=loss_fn, target=target)
+    leaves = [*step.model.named_parameters(), *input_leaves(step.inputs)]
+    with handle.suspended():
+        ref_loss, ref_grads, ref_buffers = _run(step, leaves, seed)
     try:
-        with preserved_state(model):
-            start = snapshot_buffers(model)
-            with handle.suspended():
-                seed_all(seed)
-                ref_loss = forward_backward(model, model_inputs, loss_fn)
-            ref_grads = _grads(leaves)
-            ref_buffers = snapshot_buffers(model)
-            restore_buffers(model, start)
-            for _, t in leaves:
-                t.grad = None
-            seed_all(seed)
-            try:
-                got_loss = forward_backward(model, model_inputs, loss_fn)
-            except Exception as exc:
-                first = (str(exc).strip().splitlines() or [""])[0]
-                raise VerificationError(
-                    f"the checkpointed step raised {type(exc).__name__}: {first} "
-                    "(the same step without checkpointing ran fine).",
-                    fix="a checkpointed block must recompute exactly what it computed: do not "
-                    "mutate state in forward (Hugging Face models: call with use_cache=False).",
-                ) from exc
-            got_grads = _grads(leaves)
-            got_buffers = snapshot_buffers(model)
-    finally:
-        for t, g in input_grads:
-            t.grad = g
+        got_loss, got_grads, got_buffers = _run(step, leaves, seed)
+    except Exception as exc:
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise VerificationError(
+            f"the checkpointed step raised {type(exc).__name__}: {first} "
+            "(the same step without checkpointing ran fine).",
+            fix="a checkpointed block must recompute exactly what it computed: do not "
+            "mutate state in forward (Hugging Face models: call with use_cache=False).",
+        ) from exc
     loss_cmp, loss_ok = _compare("loss", ref_loss, got_loss)
     grads: list[GradComparison] = []
     ok = loss_ok

@@ -1,0 +1,116 @@
+"""Private helpers of the memory area: storage identity, the checkpoint-segment label, device
+sync, and running a measured step so that model and inputs are left exactly as found."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchscope.hooks.tree import iter_tensors
+from torchscope.models.target import ModelInputs
+from torchscope.step import Step
+
+StorageKey = tuple[str, int]
+
+SEGMENT_LABEL: ContextVar[tuple[str, str, str] | None] = ContextVar(
+    "torchscope_checkpoint_segment", default=None
+)
+"""Set by a checkpointed multi-block segment while `checkpoint()` saves its inputs:
+(parent module name, first block name, first block type). The saved-tensor accounting
+attributes those inputs to the first block rather than to the container."""
+
+
+def storage_key(t: torch.Tensor) -> StorageKey | None:
+    """Identity of `t`'s storage (device, data pointer); None for tensors without one.
+
+    Metadata only: no device sync, so it may run inside hooks.
+    """
+    fake = sys.modules.get("torch._subclasses.fake_tensor")
+    if fake is not None and isinstance(t, fake.FakeTensor):
+        return None  # torch.compile's shape-only tensors: no memory behind them
+    try:
+        storage = t.untyped_storage()
+        # Functional tensors (also left alive by torch.compile) refuse data_ptr().
+        ptr = storage.data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+    if ptr == 0 and storage.nbytes() > 0:
+        return None  # a meta or fake tensor: no memory behind it
+    return (str(t.device), ptr)
+
+
+def storage_nbytes(t: torch.Tensor) -> int:
+    """Bytes of `t`'s whole storage (falls back to the view's own bytes)."""
+    try:
+        return int(t.untyped_storage().nbytes())
+    except (RuntimeError, NotImplementedError, TypeError):
+        return t.numel() * t.element_size()
+
+
+def storage_keys(obj: Any) -> dict[StorageKey, int]:
+    """Storage key -> bytes of every tensor inside `obj` (a tensor, or a structure of them)."""
+    out: dict[StorageKey, int] = {}
+    for _, t in iter_tensors(obj):
+        key = storage_key(t)
+        if key is not None:
+            out.setdefault(key, storage_nbytes(t))
+    return out
+
+
+def state_keys(model: nn.Module) -> tuple[dict[StorageKey, str], dict[StorageKey, str]]:
+    """Storage keys of the model's parameters and of its buffers, with their names."""
+    params: dict[StorageKey, str] = {}
+    for name, p in model.named_parameters():
+        key = storage_key(p)
+        if key is not None:
+            params.setdefault(key, name)
+    buffers: dict[StorageKey, str] = {}
+    for name, b in model.named_buffers():
+        key = storage_key(b)
+        if key is not None and key not in params:
+            buffers.setdefault(key, name)
+    return params, buffers
+
+
+def sync(device: torch.device) -> None:
+    """Wait for queued kernels, so that host timers and peaks cover them."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def input_leaves(inputs: ModelInputs) -> list[tuple[str, torch.Tensor]]:
+    """`(input[path], tensor)` of every leaf input tensor that requires grad."""
+    named = [*iter_tensors(inputs.args), *iter_tensors(dict(inputs.kwargs))]
+    out: list[tuple[str, torch.Tensor]] = []
+    seen: set[int] = set()
+    for path, t in named:
+        if t.requires_grad and t.is_leaf and id(t) not in seen:
+            seen.add(id(t))
+            out.append((f"input{path}", t))
+    return out
+
+
+@contextmanager
+def left_as_found(step: Step) -> Iterator[None]:
+    """Run steps that leave the model and its inputs as they were.
+
+    `step.preserved(clear_grads=True)` (parameters, buffers, `.grad`, flags, optimizer and
+    scaler state, the RNG), plus the `.grad` of inputs that require grad: inside, every
+    gradient starts as None; on exit the caller's come back.
+    """
+    inputs = [t for _, t in input_leaves(step.inputs)]
+    grads = [t.grad for t in inputs]
+    try:
+        with step.preserved(clear_grads=True):
+            for t in inputs:
+                t.grad = None
+            yield
+    finally:
+        for t, g in zip(inputs, grads, strict=True):
+            t.grad = g

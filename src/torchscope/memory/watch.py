@@ -1,0 +1,240 @@
+"""`watch_memory`: what autograd saves per module, sampled in the user's own training loop.
+
+A forward-pre hook on the root module enters `torch.autograd.graph.saved_tensors_hooks` for
+a sampled forward and a forward hook (`always_call`) leaves it when that forward ends, so the
+accounting is `saved_activations`'s own (the same pack hook, storage-deduplicated, attributed
+by the module stack), but of the user's forward, not of a step torchscope runs. The loss is
+computed after the forward, outside the hooks: what it saves is not seen.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from collections import deque
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchscope.errors import TorchscopeError
+from torchscope.findings import Finding
+from torchscope.hooks.lifecycle import HookedContext
+from torchscope.hooks.select import Selector
+from torchscope.hooks.session import HookSession
+from torchscope.memory._common import state_keys, storage_keys
+from torchscope.memory.records import MemoryHistory, MemorySample
+from torchscope.memory.saved import _freeze, _Recorder, row_owners
+
+__all__ = ["MemoryWatch", "watch_memory"]
+
+
+@dataclass
+class _Active:
+    """The sampled forward in progress."""
+
+    forward: int
+    recorder: _Recorder
+    hooks: torch.autograd.graph.saved_tensors_hooks
+    exc: BaseException | None  # the exception being handled when it began (usually None)
+    device: torch.device | None  # the CUDA device whose peak it reads
+
+
+class MemoryWatch(HookedContext):
+    """Samples saved activations per module in the user's own loop; see `watch_memory`.
+
+    Attributes:
+        every: sample one grad-enabled forward of the model in `every`.
+        forwards: grad-enabled forwards of the model seen so far.
+        samples: samples taken so far (the history keeps the newest `max_samples`).
+    """
+
+    def __init__(self, model: nn.Module, *, every: int = 1, select: Selector = None,
+                 depth: int | None = None, max_samples: int = 1000) -> None:
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise TorchscopeError(f"every={every!r} samples nothing.",
+                                  fix="pass every=1 or more.")
+        if isinstance(max_samples, bool) or not isinstance(max_samples, int) or max_samples < 1:
+            raise TorchscopeError(f"max_samples={max_samples!r} keeps no history.",
+                                  fix="pass max_samples=1 or more.")
+        if not isinstance(model, nn.Module):
+            raise TorchscopeError(f"the model is a {type(model).__name__}, not an nn.Module.",
+                                  fix="pass the model (an nn.Module).")
+        self.every = every
+        self.forwards = 0
+        self.samples = 0
+        self._model_ref = weakref.ref(model)
+        self._select = select
+        self._depth = depth
+        self._session: HookSession | None = None
+        self._stack: list[str] = []
+        self._types: dict[str, str] = {}
+        self._owners: dict[str, str] | None = None
+        self._active: _Active | None = None
+        self._peak_device: torch.device | None = None  # the last sample's peak is pending
+        self._last: MemorySample | None = None
+        # Newest `max_samples` samples: [forward, {row: bytes}, total bytes, CUDA peak]
+        self._rows: deque[list[Any]] = deque(maxlen=max_samples)
+        self._modules: dict[str, None] = {}
+
+    # ------------------------------------------------------------------ lifecycle
+    def open(self) -> None:
+        """Register the root hooks and the module stack."""
+        model = self._model_ref()
+        if model is None:
+            raise ReferenceError("the model of this MemoryWatch was garbage collected")
+        session = HookSession(model)
+        self._session = session
+        root = session.model  # behind a torch.compile wrapper, the module itself
+        self._owners = row_owners(root, self._select, self._depth)
+        self._types = {name: type(m).__name__ for name, m in root.named_modules()}
+        self._stack = session.enable_module_stack()
+        # (HookSession.forward_pre_hook is typed for hooks without kwargs.)
+        session.track(root.register_forward_pre_hook(self._pre, with_kwargs=True))
+        session.forward_hook(root, self._post, always_call=True)
+
+    def close(self, *, failed: bool = False) -> None:
+        """Leave a forward still hooked (an interrupted one), read a pending CUDA peak, and
+        remove every hook.
+
+        Args:
+            failed: the caller is unwinding an exception.
+        """
+        try:
+            if self._active is not None:
+                self._stop()
+            if self._peak_device is not None:
+                self._read_peak()
+        finally:
+            if self._session is not None:
+                self._session.close(failed=failed)
+
+    @property
+    def session(self) -> HookSession:
+        """The `HookSession` owning every hook of this watch.
+
+        Raises:
+            TorchscopeError: the watch was never opened.
+        """
+        if self._session is None:
+            raise TorchscopeError("this MemoryWatch was never opened.",
+                                  fix="use it in a `with` block: with watch_memory(model) as w:")
+        return self._session
+
+    # ------------------------------------------------------------------ hooks
+    def _pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self._active is not None:
+            self._stop()  # a forward that never reached its end (KeyboardInterrupt)
+        if self._peak_device is not None:
+            self._read_peak()
+        if not torch.is_grad_enabled():
+            return  # nothing is saved: not a training forward
+        index = self.forwards
+        self.forwards += 1
+        if index % self.every:
+            return
+        params, buffers = state_keys(module)
+        inputs = set(storage_keys((args, kwargs)))
+        recorder = _Recorder(self._stack, self._types, self._owners, params, buffers, inputs)
+        device = next((p.device for p in module.parameters() if p.device.type == "cuda"), None)
+        if device is not None:
+            torch.cuda.reset_peak_memory_stats(device)  # host-side counter: no sync
+        hooks = recorder.hooks()
+        hooks.__enter__()
+        self._active = _Active(index, recorder, hooks, sys.exc_info()[1], device)
+
+    def _post(self, _module: nn.Module, _args: tuple[Any, ...], output: Any) -> None:
+        active = self._active
+        if active is None:
+            return
+        self._stop()
+        if sys.exc_info()[1] is not active.exc:
+            return  # always_call hooks run while the forward's exception is handled
+        rec = active.recorder
+        saved = _freeze(rec.alive(), storage_keys(output), rec.saves)
+        rows = {m.module: m.bytes for m in saved.modules}
+        for name in rows:
+            self._modules.setdefault(name, None)
+        self._rows.append([active.forward, rows, saved.total_bytes, None])
+        self._last = MemorySample(active.forward, saved)
+        self._peak_device = active.device
+        self.samples += 1
+
+    def _stop(self) -> None:
+        active = self._active
+        assert active is not None
+        self._active = None
+        active.hooks.__exit__(None, None, None)
+
+    def _read_peak(self) -> None:
+        device = self._peak_device
+        assert device is not None
+        self._peak_device = None
+        peak = int(torch.cuda.max_memory_allocated(device))
+        if self._last is not None:
+            self._last = replace(self._last, peak_bytes=peak)
+            if self._rows and self._rows[-1][0] == self._last.forward:
+                self._rows[-1][3] = peak
+
+    # ------------------------------------------------------------------ results
+    @property
+    def last(self) -> MemorySample | None:
+        """The most recent sample in full (every saved storage), or None."""
+        return self._last
+
+    @property
+    def history(self) -> MemoryHistory:
+        """Saved bytes per module of the newest `max_samples` samples."""
+        modules = tuple(self._modules)
+        return MemoryHistory(
+            forwards=tuple(r[0] for r in self._rows),
+            modules=modules,
+            saved_bytes=tuple(tuple(r[1].get(m, 0) for m in modules) for r in self._rows),
+            total_bytes=tuple(r[2] for r in self._rows),
+            peak_bytes=tuple(r[3] for r in self._rows),
+        )
+
+    def findings(self, thresholds: object = None) -> list[Finding]:
+        """Findings of the last sample's saved activations and of the history's growth."""
+        last = self._last.saved.findings(thresholds) if self._last is not None else []
+        return last + self.history.findings(thresholds)
+
+
+def watch_memory(model: nn.Module, *, every: int = 1, select: Selector = None,
+                 depth: int | None = None, max_samples: int = 1000) -> MemoryWatch:
+    """Watch what autograd saves for backward, per module, in your own training loop.
+
+    Use the result in a `with` block. Each sampled forward of the model (grad enabled; one
+    in `every`) is counted like `saved_activations` counts (storage-deduplicated, per module,
+    parameters and buffers apart), while it runs: the hooks see nothing outside the model's
+    forward, so tensors the loss saves are not in it. Unsampled forwards cost two Python
+    calls per module; hooks read tensor metadata only (no device sync).
+
+    On CUDA, each sample also reads the peak allocated from the start of its forward until
+    the model's next forward (or the end of the watch). That resets the CUDA peak counter
+    (`torch.cuda.reset_peak_memory_stats`) at every sampled forward: your own
+    `torch.cuda.max_memory_allocated()` then reads the peak since the last sample.
+
+    Args:
+        model: the model.
+        every: sample forwards 0, every, 2*every, ... (counting grad-enabled forwards).
+        select: rows for these modules: each storage counts for its nearest selected
+            ancestor, else the root `""` (see `torchscope.select_modules`).
+        depth: rows down to this depth.
+        max_samples: how many samples the history keeps (the newest).
+
+    Raises:
+        TorchscopeError: `every` or `max_samples` is below 1.
+        SelectionError: `select` matched nothing, or `depth` is negative (on entering).
+
+    Example:
+        >>> with torchscope.watch_memory(model, every=10, depth=1) as watch:
+        ...     for x, y in loader:
+        ...         F.cross_entropy(model(x), y).backward()
+        ...         opt.step(); opt.zero_grad()
+        >>> watch.history.series("layer1"), watch.last.saved.total_bytes
+    """
+    return MemoryWatch(model, every=every, select=select, depth=depth, max_samples=max_samples)
+
+
