@@ -58,8 +58,8 @@ def analyze_memory(
         checkpoint: `none`; `all`, `sqrt` or `auto` plan checkpointing and verify the
             chosen plan (`auto` = least recompute within `budget`, by default within what
             the √L plan keeps).
-        budget: saved-activation budget for `auto` (int bytes or `"64KB"`); implies `auto`
-            when `checkpoint` is `none`.
+        budget: saved-activation budget for `auto` (int bytes, `"64KB"`, or `"sqrt"`: what
+            the √L plan keeps); implies `auto` when `checkpoint` is `none`.
         blocks: which blocks may be checkpointed (see `resolve_blocks`).
         measure: measure memory (and each plan's time and peak), not only count.
         repeats: timed repeats per plan.
@@ -85,7 +85,7 @@ def analyze_memory(
         raise TorchscopeError(f"checkpoint={checkpoint!r} is not a plan; expected 'none', "
                               "'all', 'sqrt' or 'auto'.",
                               fix="pass checkpoint='sqrt' (or 'all', 'auto', 'none').")
-    if budget is not None:
+    if budget is not None and budget != "sqrt":
         parse_bytes(budget)  # a bad size fails before any work
     saved = saved_activations(step, select=select, depth=depth)
     assert saved.step is not None
