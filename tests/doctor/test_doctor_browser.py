@@ -19,15 +19,10 @@ import jsonschema
 import pytest
 import torch
 
-from torchscope.doctor import (
-    DoctorOptions,
-    DoctorReport,
-    load_schema,
-    run_doctor,
-    section_names,
-    write_report,
-)
+from torchscope.doctor import DoctorOptions, DoctorReport, run_doctor, section_names
 from torchscope.models import DeepMLP
+from torchscope.report.document import load_schema
+from torchscope.report.html import write_report
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 # The shared run compiles: keep it on one xdist worker with the other compile tests.
@@ -140,24 +135,27 @@ def test_full_run_report_json_is_schema_valid(full_run: FullRun) -> None:
 
 def test_full_run_compile_section_is_the_capabilitys(full_run: FullRun) -> None:
     outcome = full_run.report.outcome("compile")
-    (mode,) = outcome.result.modes
-    assert mode.mode == "default" and mode.error == ""
-    assert mode.eager_ms and mode.compiled_ms and mode.cold_s and mode.cold_s > 0
-    assert mode.speedup == pytest.approx(mode.eager_ms / mode.compiled_ms)
-    assert mode.graph_breaks == 0 and mode.recompiles == 0  # a plain Sequential of Linear/ReLU
-    assert mode.max_abs_diff is not None and mode.max_abs_diff < 1e-3
+    (mode,) = outcome.data["modes"]
+    assert mode["mode"] == "default" and mode["error"] == ""
+    assert mode["eager_ms"] and mode["compiled_ms"] and mode["cold_s"] and mode["cold_s"] > 0
+    assert mode["speedup"] == pytest.approx(mode["eager_ms"] / mode["compiled_ms"])
+    # A plain Sequential of Linear/ReLU.
+    assert mode["graph_breaks"] == 0 and mode["recompiles"] == 0
+    assert mode["max_abs_diff"] is not None and mode["max_abs_diff"] < 1e-3
+    (record,) = outcome.record.modes  # the capability's own record holds the same numbers
+    assert record.speedup == mode["speedup"] and record.cold_compile_s == mode["cold_s"]
     codes = [f.code for f in outcome.findings]
     assert codes and all(c.startswith("compile.") for c in codes)
     m = outcome.metrics["compile.speedup:default"]
-    assert m.value == pytest.approx(mode.speedup) and m.better == "higher"
+    assert m.value == pytest.approx(mode["speedup"]) and m.better == "higher"
 
 
 def test_full_run_memory_plans_are_verified(full_run: FullRun) -> None:
-    mem = full_run.report.outcome("memory").result
-    plans = {p.name: p for p in mem.plans}
-    assert plans["none"].blocks == () and plans["none"].saved_bytes == mem.saved_bytes
-    assert plans["all"].blocks == tuple(str(i) for i in range(8))
-    assert all(p.verified for name, p in plans.items() if name != "none")
+    mem = full_run.report.outcome("memory").data
+    plans = {p["name"]: p for p in mem["plans"]}
+    assert plans["none"]["blocks"] == [] and plans["none"]["saved_bytes"] == mem["saved_bytes"]
+    assert plans["all"]["blocks"] == [str(i) for i in range(8)]
+    assert all(p["verified"] for name, p in plans.items() if name != "none")
     assert "memory.checkpoint_plan" in [f.code for f in full_run.report.outcome(
         "memory").findings]
 

@@ -11,7 +11,7 @@ import torch
 from typer.testing import CliRunner
 
 from torchscope.cli import app
-from torchscope.doctor import SCHEMA_VERSION, load_schema
+from torchscope.report.document import SCHEMA_VERSION, load_schema
 
 runner = CliRunner()
 
@@ -48,6 +48,11 @@ def test_demo_equivalent_run_writes_valid_report(tmp_path: Path) -> None:
     assert mods["relu"]["outputs"][0]["dead_units"] is not None
     assert "wrote" in res.output and "report.html" in res.output
     assert "Activations" in res.output
+    # The step every section measured, stated once in each of terminal, JSON and page.
+    step = doc["step"]["text"]
+    assert step.startswith("loss: auto → cross-entropy vs seeded targets = ")
+    assert step.endswith(" · optimizer: SGD")
+    assert res.output.count(step) == 1 and html.count(step) == 1
 
 
 def test_doctor_prints_ranked_findings_with_evidence_and_fix(tmp_path: Path) -> None:

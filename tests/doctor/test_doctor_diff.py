@@ -11,8 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from torchscope.cli import app
-from torchscope.doctor import diff_documents, parse_thresholds
-from torchscope.doctor.diff import ThresholdError
+from torchscope.report.diff import ThresholdError, diff_documents, parse_thresholds
 
 runner = CliRunner()
 

@@ -9,7 +9,7 @@ import jsonschema
 from typer.testing import CliRunner
 
 from torchscope.cli import app
-from torchscope.doctor import load_schema
+from torchscope.report.document import load_schema
 
 FACTORY = '''
 import torch

@@ -1,4 +1,5 @@
-"""Sections: activation analysis on models built to fail, adapters, registry, failure isolation."""
+"""Sections: activation analysis on models built to fail, the capabilities composed on one
+step, registry, failure isolation."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from torchscope.capture import trace_nonfinite
 from torchscope.doctor import (
     DoctorOptions,
     Section,
@@ -17,9 +19,11 @@ from torchscope.doctor import (
     section_names,
 )
 from torchscope.doctor.sections import _REGISTRY
-from torchscope.doctor.sections.activations import ActivationsSection, analyze_activations
-from torchscope.findings import Finding, Severity
+from torchscope.doctor.sections.activations import ActivationsSection
+from torchscope.findings import Analyzed, Finding, Severity
 from torchscope.models import TinyCNN
+from torchscope.report.html import leaf_records
+from torchscope.step import Step
 
 
 class _LogNet(nn.Module):
@@ -45,13 +49,14 @@ def _codes(findings: list[Finding]) -> list[str]:
 
 
 def test_nonfinite_producer_found_and_carriers_counted() -> None:
-    result = ActivationsSection().run(_LogNet(), torch.randn(4, 8), DoctorOptions())
-    findings = analyze_activations(result)
+    capture = ActivationsSection().run(Step(_LogNet(), torch.randn(4, 8)), DoctorOptions())
+    findings = capture.findings()
     nan = [f for f in findings if f.code == "activations.nonfinite"]
     assert len(nan) == 1 and nan[0].severity == Severity.ERROR
     assert nan[0].module == "head" and nan[0].evidence["nan"] == 32  # (4, 8) all NaN
     assert nan[0].evidence["carried_by"] == 1  # fc2 only carries it
-    assert result.trace.producer is not None and result.trace.producer.module == "head"
+    trace = trace_nonfinite(capture.records)
+    assert trace.producer is not None and trace.producer.module == "head"
 
 
 def test_constant_and_scale_drift_findings() -> None:
@@ -62,13 +67,15 @@ def test_constant_and_scale_drift_findings() -> None:
         model[2].bias.fill_(0.5)  # constant output
         model[3].weight.mul_(1000.0)  # std grows a lot after
     x = torch.randn(16, 8)
-    res = ActivationsSection().run(model, x, DoctorOptions())
-    findings = analyze_activations(res)
+    capture = ActivationsSection().run(Step(model, x), DoctorOptions())
+    findings = capture.findings()
     const = [f for f in findings if f.code == "activations.constant"]
     assert [f.module for f in const] == ["2"] and const[0].evidence["value"] == 0.5
     with torch.no_grad():
         out0, out3 = model[0](x), model(x)
-    first, last = res.leaf_records[0].output, res.leaf_records[-1].output
+    leaves = leaf_records(capture)
+    assert [r.module for r in leaves] == ["0", "1", "2", "3"]  # the container is not a leaf
+    first, last = leaves[0].output, leaves[-1].output
     assert first is not None and last is not None
     assert first.std == pytest.approx(float(out0.std()), rel=1e-5)
     drift = [f for f in findings if f.code == "activations.scale_drift"]
@@ -76,31 +83,8 @@ def test_constant_and_scale_drift_findings() -> None:
     assert drift[0].evidence["ratio"] == pytest.approx(float(out3.std() / out0.std()), rel=1e-4)
 
 
-def test_adapters_not_available_are_reported_not_fatal(monkeypatch: pytest.MonkeyPatch) -> None:
-    import torchscope.grads
-    import torchscope.memory
-    import torchscope.profiling
-
-    # As on a branch where those capabilities are not merged (or an install without them).
-    monkeypatch.delattr(torchscope.grads, "gradient_flow", raising=False)
-    monkeypatch.delattr(torchscope.memory, "analyze_memory", raising=False)
-    monkeypatch.delattr(torchscope.profiling, "profile_steps", raising=False)
-    report = run_doctor(TinyCNN(), torch.randn(2, 3, 32, 32),
-                        options=DoctorOptions(skip=frozenset({"compile"})))
-    status = {o.name: o.status for o in report.outcomes}
-    assert status == {"activations": "ok", "gradients": "unavailable", "memory": "unavailable",
-                      "profile": "unavailable", "compile": "skipped"}
-    for name, dotted in (("gradients", "torchscope.grads.gradient_flow"),
-                         ("memory", "torchscope.memory.analyze_memory"),
-                         ("profile", "torchscope.profiling.profile_steps")):
-        o = report.outcome(name)
-        assert o.note == f"not available: this install has no {dotted}"
-        assert o.result is None and not o.findings and not o.metrics
-    assert report.outcome("compile").note == "skipped by --skip"
-
-
-def test_adapters_run_the_real_capabilities_and_their_analyzers() -> None:
-    import torchscope.grads
+def test_sections_run_the_real_capabilities_and_their_analyzers() -> None:
+    from torchscope.grads import gradient_flow, layer_norms
 
     torch.manual_seed(0)
     model, x = TinyCNN(), torch.randn(4, 3, 32, 32)
@@ -115,50 +99,61 @@ def test_adapters_run_the_real_capabilities_and_their_analyzers() -> None:
     model(x).sum().backward()
     want_total = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()
                                                        if p.grad is not None]))
-    grads = report.outcome("gradients").result
-    assert [ly.module for ly in grads.layers] == ["fc", "pool", "conv2", "relu", "conv1"]
-    assert grads.layers[-1].grad_input_norm is None  # the input needs no grad
-    assert grads.total_norm == pytest.approx(float(want_total), rel=1e-5)
-    conv1 = next(ly for ly in grads.layers if ly.module == "conv1")
+    grads = report.outcome("gradients")
+    layers = grads.data["layers"]
+    assert [ly["module"] for ly in layers] == ["fc", "pool", "conv2", "relu", "conv1"]
+    assert layers[-1]["grad_input_norm"] is None  # the input needs no grad
+    assert grads.record.total_norm == pytest.approx(float(want_total), rel=1e-5)
+    conv1 = next(ly for ly in layers if ly["module"] == "conv1")
     want_conv1 = torch.linalg.vector_norm(torch.stack(
         [model.conv1.weight.grad.norm(), model.conv1.bias.grad.norm()]))
-    assert conv1.param_grad_norm == pytest.approx(float(want_conv1), rel=1e-5)
+    assert conv1["param_grad_norm"] == pytest.approx(float(want_conv1), rel=1e-5)
     model.zero_grad(set_to_none=True)
-    # The findings are diagnose's own, on the same step.
-    flow = torchscope.grads.gradient_flow(model, x, loss_fn="sum")
+    # The findings are the capability's own, on the same step.
+    flow = gradient_flow(model, x, loss_fn="sum")
     model.zero_grad(set_to_none=True)
-    assert [f.code for f in report.outcome("gradients").findings] == [
-        f.code for f in torchscope.grads.diagnose(flow)]
-    near, far, ratio = torchscope.grads.layer_norms(flow)[0], \
-        torchscope.grads.layer_norms(flow)[-1], grads.ratio()
-    assert ratio is not None and ratio[:2] == (near[0], far[0])
+    assert [f.code for f in grads.findings] == [f.code for f in flow.findings()]
+    near, far = layer_norms(flow)[0], layer_norms(flow)[-1]
     assert report.metrics["gradients.vanishing_ratio"].value == pytest.approx(
         near[1] / far[1], rel=1e-5)
+    assert report.metrics["gradients.vanishing_ratio"].label == f"{near[0]} / {far[0]} grad norm"
 
     # Memory: conv1 saves its input, relu its output (float32), as autograd does.
-    mem = report.outcome("memory").result
-    saved = {m.module: m.saved_bytes for m in mem.modules}
+    mem = report.outcome("memory")
+    saved = {m.module: m.bytes for m in mem.record.saved.modules}
     assert saved["conv1"] == x.numel() * 4
     assert saved["relu"] == 4 * 8 * 30 * 30 * 4
-    assert mem.saved_bytes == sum(saved.values())
-    assert mem.param_bytes == 4 * sum(p.numel() for p in model.parameters())
-    assert mem.plans == ()  # TinyCNN has no block sequence to checkpoint
-    mem_codes = [f.code for f in report.outcome("memory").findings]
+    assert mem.record.saved.total_bytes == sum(saved.values())
+    assert mem.record.totals.parameters == 4 * sum(p.numel() for p in model.parameters())
+    # TinyCNN has no block sequence to checkpoint: the step's memory stands without a plan.
+    assert mem.record.plans is None and mem.data["plans"] == []
+    assert mem.note.startswith("no checkpoint plan: ")
+    mem_codes = [f.code for f in mem.findings]
     assert "memory.saved_by_type" in mem_codes and all(c.startswith("memory.")
                                                        for c in mem_codes)
 
-    # Profile: torch.profiler's counts, per step; self times sorted; the capability's findings.
-    prof = report.outcome("profile").result
-    assert prof.steps == 2
-    ops = {o.name: o for o in prof.ops}
-    assert ops["aten::convolution_backward"].calls == 2 * prof.steps  # conv1, conv2
-    assert ops["aten::addmm"].calls == prof.steps  # fc
-    assert prof.ops[0].self_cpu_us == max(o.self_cpu_us for o in prof.ops)
-    mods = {m.module: m for m in prof.modules}
-    assert mods["conv1"].calls == 1 and mods["conv1"].forward_ms > 0
-    assert prof.step_ms is not None and prof.forward_ms and prof.backward_ms
-    codes = [f.code for f in report.outcome("profile").findings]
+    # Profile: torch.profiler's counts over the steps; self times sorted; its findings.
+    prof = report.outcome("profile")
+    assert prof.record.steps == 2 and prof.data["steps"] == 2
+    ops = {o["name"]: o for o in prof.data["ops"]}
+    assert ops["aten::convolution_backward"]["calls"] == 2 * 2  # conv1, conv2
+    assert ops["aten::addmm"]["calls"] == 2  # fc
+    assert prof.data["ops"][0]["self_cpu_us"] == max(o["self_cpu_us"] for o in ops.values())
+    mods = {m["module"]: m for m in prof.data["modules"]}
+    assert mods["conv1"]["calls"] == 1 and mods["conv1"]["forward_ms"] > 0
+    assert prof.data["step_ms"] is not None and prof.data["forward_ms"]
+    assert prof.data["backward_ms"]
+    codes = [f.code for f in prof.findings]
     assert "profiling.top_op" in codes and all(c.startswith("profiling.") for c in codes)
+
+    # The report's findings are read like any result's: every section's, most severe first.
+    assert isinstance(report, Analyzed)
+    found = report.findings()
+    assert sorted(found, key=repr) == sorted((f for o in report.outcomes for f in o.findings),
+                                             key=repr)
+    assert [int(f.severity) for f in found] == sorted((int(f.severity) for f in found),
+                                                      reverse=True)
+    assert [f for _, f in report.section_findings()] == found
 
 
 class _Counting(nn.Module):
@@ -180,8 +175,9 @@ def test_memory_keeps_its_analysis_when_the_checkpoint_plan_fails_verification()
     report = run_doctor(model, torch.randn(4, 8), options=DoctorOptions(
         steps=1, skip=frozenset({"compile", "profile"})))
     mem = report.outcome("memory")
-    assert mem.status == "ok" and mem.result.plans == ()
-    assert mem.result.plans_note.startswith("no checkpoint plan: checkpointing changed the")
+    assert mem.status == "ok" and mem.record.plans is None and mem.data["plans"] == []
+    assert mem.note.startswith("no checkpoint plan: checkpointing changed the")
+    assert mem.error is not None  # kept for --debug
     failed = [f for f in mem.findings if f.code == "memory.checkpoint_failed"]
     assert len(failed) == 1 and failed[0].severity == Severity.WARNING and failed[0].fix
     assert "memory.saved_by_type" in [f.code for f in mem.findings]  # the rest still stands
@@ -191,14 +187,11 @@ class _Boom(Section[None]):
     name = "boom"
     title = "Boom"
 
-    def run(self, model: nn.Module, inputs: Any, options: DoctorOptions) -> None:
-        model.fc.weight.data.add_(1.0)  # a section that trains must not leak into the next
+    def run(self, step: Step, options: DoctorOptions) -> None:
+        step.model.fc.weight.data.add_(1.0)  # a section that trains must not leak
         raise RuntimeError("section bug\nsecond line")
 
-    def analyze(self, result: None) -> list[Finding]:
-        return []
-
-    def to_json(self, result: None) -> dict[str, Any]:
+    def to_json(self, record: None) -> dict[str, Any]:
         return {}
 
 
@@ -209,6 +202,7 @@ def test_failing_section_is_isolated_and_model_restored() -> None:
                         sections=[_Boom(), get_section("activations")])
     boom, acts = report.outcomes
     assert boom.status == "failed" and boom.note == "RuntimeError: section bug"
+    assert isinstance(boom.error, RuntimeError) and boom.error.__traceback__ is not None
     assert acts.status == "ok"
     assert torch.equal(model.fc.weight, w)
 

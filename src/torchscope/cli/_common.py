@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import os
 import sys
+import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -31,6 +31,7 @@ __all__ = [
     "fail",
     "guarded",
     "load",
+    "print_traceback",
 ]
 
 console = Console(width=None if sys.stdout.isatty() else 150)
@@ -76,7 +77,6 @@ def fail(message: str, *, code: int = 2) -> NoReturn:
 @contextmanager
 def guarded(debug: bool) -> Iterator[None]:
     """Turn every failure into one line and exit code 2; `--debug` re-raises for a traceback."""
-    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # 6 silences profiler_start/stop lines
     try:
         yield
     except typer.Exit:
@@ -99,6 +99,16 @@ def guarded(debug: bool) -> Iterator[None]:
                 "for the traceback."
             )
         )
+
+
+def print_traceback(exc: BaseException, title: str) -> None:
+    """Print `title`, then `exc`'s full traceback (its causes included) to stderr.
+
+    For an error that was caught and reported in one line (a doctor section that failed)
+    while the command went on: `--debug` shows where it came from.
+    """
+    sys.stderr.write(f"{title}\n{''.join(traceback.format_exception(exc))}")
+    sys.stderr.flush()
 
 
 def check_output(path: str | None, option: str, *, folder: bool = False,

@@ -17,6 +17,7 @@ from torchscope.cli._common import (
     guarded,
     is_tty,
     load,
+    print_traceback,
 )
 
 if TYPE_CHECKING:
@@ -24,8 +25,6 @@ if TYPE_CHECKING:
 
     from torchscope.doctor import DoctorOptions, DoctorReport
     from torchscope.models.target import ModelInputs
-
-_LOSSES = ("auto", "cross_entropy", "mse", "sum")
 
 
 def register(app: typer.Typer) -> None:
@@ -64,8 +63,8 @@ def doctor(
         "steps instead of --steps; keeps `make demo` under 2 minutes on 2 cores.")] = False,
     out: Annotated[str, typer.Option("--out", "-o", help="Folder for report.html and "
                                      "report.json.")] = "torchscope-report",
-    loss: Annotated[str, typer.Option(help="Loss for the backward passes: auto, cross_entropy, "
-                                      "mse or sum.")] = "auto",
+    loss: Annotated[str, typer.Option(help="Loss of the training step every section measures: "
+                                      "auto, cross_entropy, mse or sum.")] = "auto",
     steps: Annotated[int, typer.Option(help="Profiled training steps.")] = 5,
     compile_modes: Annotated[str, typer.Option(
         "--compile-modes", help="torch.compile modes to measure, comma-separated.")] = "default",
@@ -79,17 +78,19 @@ def doctor(
     with guarded(debug):
         check_output(out, "--out", folder=True)
         from torchscope.compile import known_modes
-        from torchscope.doctor import DoctorOptions, section_names, write_report
+        from torchscope.doctor import DoctorOptions, section_names
         from torchscope.findings import Severity
         from torchscope.report.doctor import findings_table, sections_table
+        from torchscope.report.html import write_report
+        from torchscope.step import LOSSES
 
         skipped = _split(skip)
         unknown = [s for s in skipped if s not in section_names()]
         if unknown:
             fail(f"--skip names unknown section(s) {', '.join(unknown)}. Fix: choose from "
                  f"{', '.join(section_names())}.")
-        if loss not in _LOSSES:
-            fail(f"--loss {loss!r} is not one of {', '.join(_LOSSES)}. Fix: pick one of those.")
+        if loss not in LOSSES:
+            fail(f"--loss {loss!r} is not one of {', '.join(LOSSES)}. Fix: pick one of those.")
         if fail_on not in (None, "error", "warning"):
             fail(f"--fail-on {fail_on!r} is not error or warning. Fix: pick one of those.")
         if steps < 1:
@@ -105,17 +106,23 @@ def doctor(
         options = DoctorOptions(fast=fast, skip=frozenset(skipped), loss=loss, steps=steps,
                                 compile_modes=modes, device=dev)
         report = _run_with_progress(model, model_inputs.to(dev), options, loaded.name)
+        if debug:
+            for o in report.outcomes:
+                if o.error is not None:
+                    print_traceback(o.error, f"section {o.name} failed:")
         html_path, json_path = write_report(report, out)
         console.print(sections_table(report))
-        if report.findings:
-            console.print(findings_table(report.findings,
-                                         title="Findings, most severe first"))
+        if report.step is not None:
+            console.print(report.step.describe(), highlight=False, soft_wrap=True)
+        findings = report.section_findings()
+        if findings:
+            console.print(findings_table(findings, title="Findings, most severe first"))
         else:
             console.print("No findings: nothing looked wrong in the sections that ran.")
         console.print(f"wrote {html_path} and {json_path}")
         if fail_on is not None:
             floor = Severity.ERROR if fail_on == "error" else Severity.WARNING
-            if any(f.severity >= floor for _, f in report.findings):
+            if any(f.severity >= floor for f in report.findings()):
                 raise typer.Exit(1)
 
 
@@ -132,7 +139,7 @@ def _run_with_progress(model: nn.Module, inputs: ModelInputs, options: DoctorOpt
                 o = ev.outcome
                 console.print(f"[{ev.index + 1}/{ev.total}] {o.title}: {o.status} "
                               f"({o.seconds:.1f} s){' - ' + o.note if o.note else ''}",
-                              highlight=False)
+                              highlight=False, markup=False, soft_wrap=True)
 
         return run_doctor(model, inputs, options=options, name=name, on_event=line)
 
@@ -167,8 +174,9 @@ def diff(
     with guarded(debug):
         check_output(json_path, "--json")
         from torchscope._util import write_json
-        from torchscope.doctor import diff_documents, load_document, parse_thresholds
+        from torchscope.report.diff import diff_documents, parse_thresholds
         from torchscope.report.doctor import diff_table
+        from torchscope.report.document import load_document
 
         thresholds = parse_thresholds(threshold or [])
         result = diff_documents(load_document(old), load_document(new), thresholds,
@@ -203,8 +211,7 @@ def lab(
     with guarded(debug):
         check_output(json_path, "--json")
         from torchscope._util import write_json
-        from torchscope.doctor import run_lab
-        from torchscope.doctor.lab import MILESTONES
+        from torchscope.lab import MILESTONES, run_lab
         from torchscope.report.doctor import lab_tables
 
         skipped = _split(skip)
@@ -219,7 +226,7 @@ def lab(
                 console.print(f"[dim]running {name}...[/]")
 
         result = run_lab(skip=skipped, fast=fast, device=dev, on_milestone=say)
-        for table in lab_tables(result):
+        for table in lab_tables(result.milestones, result.claims):
             console.print(table)
         console.print(f"{result.held} held, {result.failed} failed, {result.unchecked} not "
                       f"checked here.")

@@ -1,62 +1,33 @@
-"""`torchscope doctor`: every capability on one model, one report; plus `diff` and `lab`.
+"""`torchscope doctor`: every capability on one model and one training step, one report.
 
-The doctor is an orchestrator of pluggable sections (`Section`): each runs one capability,
-returns a frozen record, and analyses and renders it. See `torchscope.doctor.sections`.
+    report = run_doctor(model, x)                  # or run_doctor(Step(model, x, ...))
+    report.findings()                              # every section's findings, ranked
+    report.outcome("gradients").record             # the capability's own record (GradFlow)
+    torchscope.report.html.write_report(report, "torchscope-report")
+
+The doctor is a composition of sections (`Section`): each calls one capability's public
+function with the doctor's shared `Step` and keeps that capability's record; the report
+document, report.json, `diff` and the renderers live in `torchscope.report`.
 """
 
-from torchscope.doctor.diff import MetricChange, ReportDiff, diff_documents, parse_thresholds
-from torchscope.doctor.document import (
-    SCHEMA_VERSION,
-    ReportFormatError,
-    build_document,
-    load_document,
-    load_schema,
-)
-from torchscope.doctor.lab import LabClaim, LabResult, LabTable, run_lab
-from torchscope.doctor.runner import DoctorEvent, DoctorReport, TargetInfo, run_doctor
-from torchscope.doctor.section import (
-    CapabilityMissingError,
-    DoctorOptions,
-    Metric,
-    Section,
-    SectionOutcome,
-    load_capability,
-)
+from torchscope.doctor.runner import DoctorEvent, DoctorReport, run_doctor
+from torchscope.doctor.section import DoctorOptions, Fallback, Section
 from torchscope.doctor.sections import (
     get_section,
     register_section,
     registered_sections,
     section_names,
 )
-from torchscope.doctor.write import write_report
 
 __all__ = [
-    "SCHEMA_VERSION",
-    "CapabilityMissingError",
     "DoctorEvent",
     "DoctorOptions",
     "DoctorReport",
-    "LabClaim",
-    "LabResult",
-    "LabTable",
-    "Metric",
-    "MetricChange",
-    "ReportDiff",
-    "ReportFormatError",
+    "Fallback",
     "Section",
-    "SectionOutcome",
-    "TargetInfo",
-    "build_document",
-    "diff_documents",
     "get_section",
-    "load_capability",
-    "load_document",
-    "load_schema",
-    "parse_thresholds",
     "register_section",
     "registered_sections",
     "run_doctor",
-    "run_lab",
     "section_names",
-    "write_report",
 ]

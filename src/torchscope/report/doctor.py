@@ -1,31 +1,59 @@
-"""Terminal rendering of doctor runs, report diffs and the lab (rich)."""
+"""Terminal rendering of reports, report diffs and lab results (rich)."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from rich.table import Table
 from rich.text import Text
 
 from torchscope._util import fmt_bytes, fmt_num
 from torchscope.findings import Finding, Severity
+from torchscope.report.diff import MetricChange, ReportDiff
+from torchscope.report.document import Report
 
-if TYPE_CHECKING:
-    from torchscope.doctor.diff import MetricChange, ReportDiff
-    from torchscope.doctor.lab import LabClaim, LabResult
-    from torchscope.doctor.runner import DoctorReport
+__all__ = ["LabClaimView", "LabTableView", "diff_table", "evidence_text", "findings_table",
+           "lab_tables", "metric_text", "sections_table"]
 
-__all__ = ["diff_table", "findings_table", "lab_tables", "metric_text", "sections_table"]
+
+class LabTableView(Protocol):
+    """A comparison table of a lab run (`torchscope.lab.LabTable` is one)."""
+
+    @property
+    def title(self) -> str: ...
+    @property
+    def columns(self) -> tuple[str, ...]: ...
+    @property
+    def rows(self) -> tuple[tuple[Any, ...], ...]: ...
+
+
+class LabClaimView(Protocol):
+    """A checked claim of a lab run (`torchscope.lab.LabClaim` is one)."""
+
+    @property
+    def milestone(self) -> str: ...
+    @property
+    def claim(self) -> str: ...
+    @property
+    def expected(self) -> Any: ...
+    @property
+    def measured(self) -> Any: ...
+    @property
+    def held(self) -> bool | None: ...
+    @property
+    def note(self) -> str: ...
+
 
 _SEV_STYLE = {Severity.ERROR: "bold red", Severity.WARNING: "yellow", Severity.INFO: "green"}
-_STATUS_STYLE = {"ok": "green", "skipped": "dim", "unavailable": "yellow", "failed": "red",
+_STATUS_STYLE = {"ok": "green", "skipped": "dim", "failed": "red",
                  "regressed": "bold red", "improved": "green", "unchanged": "dim", "new": "cyan",
                  "gone": "cyan", "n/a": "dim"}
 
 
-def _evidence(evidence: Mapping[str, Any]) -> str:
+def evidence_text(evidence: Mapping[str, Any]) -> str:
+    """A finding's evidence on one line: `dead=6, fraction=0.75`."""
     out = []
     for k, v in evidence.items():
         if isinstance(v, float):
@@ -47,15 +75,15 @@ def findings_table(findings: Sequence[tuple[str, Finding]], title: str = "Findin
     for section, f in findings:
         body = Text(f.summary)
         if f.evidence:
-            body.append("\n" + _evidence(f.evidence), style="dim")
+            body.append("\n" + evidence_text(f.evidence), style="dim")
         table.add_row(Text(f.severity.label, style=_SEV_STYLE[f.severity]), section, body,
                       f.fix or "—")
     return table
 
 
-def sections_table(report: DoctorReport) -> Table:
+def sections_table(report: Report, title: str = "torchscope doctor") -> Table:
     """One row per section: status, time, note."""
-    table = Table(title=f"torchscope doctor: {report.target.name}", title_justify="left")
+    table = Table(title=f"{title}: {report.target.name}", title_justify="left")
     for col in ("section", "status", "seconds", "findings", "note"):
         table.add_column(col, justify="right" if col in ("seconds", "findings") else "left")
     for o in report.outcomes:
@@ -101,30 +129,31 @@ def diff_table(diff: ReportDiff) -> Table:
     return table
 
 
-def _claim_status(claim: LabClaim) -> Text:
+def _claim_status(claim: LabClaimView) -> Text:
     if claim.held is None:
         return Text("not checked", style="dim")
     return Text("held", style="green") if claim.held else Text("failed", style="bold red")
 
 
-def lab_tables(result: LabResult) -> list[Table]:
+def lab_tables(milestones: Sequence[LabTableView], claims: Sequence[LabClaimView]
+               ) -> list[Table]:
     """The lesson's comparison tables as measured, then every claim with its verdict."""
     tables = []
-    for m in result.milestones:
+    for m in milestones:
         t = Table(title=m.title, title_justify="left")
         for col in m.columns:
             t.add_column(col)
         for row in m.rows:
             t.add_row(*[_lab_cell(v) for v in row])
         tables.append(t)
-    claims = Table(title="Lesson claims", title_justify="left", show_lines=False)
+    verdicts = Table(title="Lesson claims", title_justify="left", show_lines=False)
     for col in ("#", "milestone", "claim", "expected", "measured", "verdict"):
-        claims.add_column(col, justify="right" if col == "#" else "left")
-    for i, c in enumerate(result.claims, 1):
+        verdicts.add_column(col, justify="right" if col == "#" else "left")
+    for i, c in enumerate(claims, 1):
         measured = _lab_cell(c.measured) + (f" ({c.note})" if c.note else "")
-        claims.add_row(str(i), c.milestone, c.claim, _lab_cell(c.expected), measured,
-                       _claim_status(c))
-    tables.append(claims)
+        verdicts.add_row(str(i), c.milestone, c.claim, _lab_cell(c.expected), measured,
+                         _claim_status(c))
+    tables.append(verdicts)
     return tables
 
 

@@ -1,7 +1,8 @@
-"""Plots of the doctor report (matplotlib, no pyplot state): each function returns a Figure.
+"""Plots of report.html that the capabilities' own plot modules do not draw (matplotlib, no
+pyplot state): each function takes a capability's record and returns a Figure.
 
-`figure_svg` turns a figure into a self-contained inline `<svg>` (glyphs as paths, no
-metadata, no external reference) for report.html.
+`figure_svg` turns any figure (these, or `plots_grads`'/`plots_memory`'s) into a
+self-contained inline `<svg>` (glyphs as paths, no metadata, no external reference).
 """
 
 from __future__ import annotations
@@ -9,25 +10,19 @@ from __future__ import annotations
 import io
 import re
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from matplotlib.figure import Figure
 
-if TYPE_CHECKING:
-    from torchscope.capture.records import ActivationRecord
-    from torchscope.doctor.sections.compile import CompileMode
-    from torchscope.doctor.sections.gradients import GradLayer
-    from torchscope.doctor.sections.memory import CheckpointPlan, ModuleMemory
-    from torchscope.doctor.sections.profile import ModuleTime, OpTime
+from torchscope.capture import ActivationRecord
+from torchscope.compile import ModeResult
+from torchscope.profiling import OpRecord, ProfileResult
 
 __all__ = [
     "activation_stats_plot",
     "activation_zeros_plot",
     "compile_speedup_plot",
     "figure_svg",
-    "gradient_flow_plot",
-    "memory_plans_plot",
-    "memory_saved_plot",
     "profile_modules_plot",
     "profile_ops_plot",
 ]
@@ -47,13 +42,20 @@ def _figure(n: int, height: float = 3.2) -> Figure:
 
 
 def figure_svg(fig: Figure) -> str:
-    """The figure as an inline `<svg>` element: no XML prolog, DOCTYPE or metadata."""
+    """The figure as an inline `<svg>` element: no XML prolog, DOCTYPE or metadata.
+
+    A figure made through pyplot is closed afterwards, so pyplot does not keep it alive.
+    """
     import matplotlib
 
     buf = io.StringIO()
     with matplotlib.rc_context(_RC):  # type: ignore[arg-type]
         fig.savefig(buf, format="svg", metadata={"Date": None, "Creator": None, "Format": None,
                                                  "Type": None})
+    if fig.canvas.manager is not None:  # only pyplot gives a figure a manager
+        from matplotlib import pyplot
+
+        pyplot.close(fig)
     svg = buf.getvalue()
     svg = svg[svg.index("<svg"):]
     svg = re.sub(r"<metadata>.*?</metadata>", "", svg, flags=re.S)
@@ -110,62 +112,13 @@ def activation_zeros_plot(records: Sequence[ActivationRecord]) -> Figure:
     return fig
 
 
-def gradient_flow_plot(layers: Sequence[GradLayer]) -> Figure:
-    """Gradient norm reaching each layer, input side on the left, log scale."""
-    rows = [ly for ly in reversed(layers) if ly.grad_output_norm is not None][-MAX_BARS:]
-    fig = _figure(len(rows))
-    ax = fig.add_subplot()
-    xs = list(range(len(rows)))
-    ax.bar(xs, [ly.grad_output_norm or 0.0 for ly in rows], color=_ACCENT, label="grad_output")
-    params = [(x, ly.param_grad_norm) for x, ly in zip(xs, rows, strict=True)
-              if ly.param_grad_norm]
-    if params:
-        ax.scatter([p[0] for p in params], [p[1] for p in params], color=_ACCENT2, zorder=3,
-                   label="parameter grads")
-    ax.set_yscale("log")
-    ax.set_xticks(xs, [ly.module for ly in rows], rotation=60, ha="right")
-    ax.set_ylabel("gradient norm (log)")
-    ax.set_title("Gradient flow (input side left, loss side right)")
-    ax.legend(loc="best", fontsize=7)
-    return fig
-
-
-def memory_saved_plot(modules: Sequence[ModuleMemory]) -> Figure:
-    """Bytes autograd saved per module, largest first."""
-    rows = sorted(modules, key=lambda m: -m.saved_bytes)[:30]
-    fig = _figure(10, height=max(2.5, 0.22 * len(rows) + 1))
-    ax = fig.add_subplot()
-    ys = list(range(len(rows)))
-    ax.barh(ys, [m.saved_bytes / 1024 for m in rows], color=_ACCENT)
-    ax.set_yticks(ys, [m.module or "<root>" for m in rows])
-    ax.invert_yaxis()
-    ax.set_xlabel("saved for backward (KiB)")
-    ax.set_title("Saved activations per module")
-    return fig
-
-
-def memory_plans_plot(plans: Sequence[CheckpointPlan]) -> Figure:
-    """Each checkpoint plan: saved bytes against recompute time."""
-    fig = _figure(8)
-    ax = fig.add_subplot()
-    for p in plans:
-        x = p.recompute_ms or 0.0
-        ax.scatter([x], [p.saved_bytes / 1024], color=_WARN if p.verified is False else _ACCENT)
-        ax.annotate(p.name, (x, p.saved_bytes / 1024), textcoords="offset points",
-                    xytext=(4, 4), fontsize=7)
-    ax.set_xlabel("recompute time per step (ms)")
-    ax.set_ylabel("saved activations (KiB)")
-    ax.set_title("Checkpoint plans: memory against recompute")
-    return fig
-
-
-def profile_ops_plot(ops: Sequence[OpTime]) -> Figure:
+def profile_ops_plot(ops: Sequence[OpRecord]) -> Figure:
     """Top ops by self CPU time."""
-    rows = sorted(ops, key=lambda o: -o.self_cpu_us)[:12]
+    rows = sorted(ops, key=lambda o: -o.self_cpu_ms)[:12]
     fig = _figure(10, height=max(2.5, 0.25 * len(rows) + 1))
     ax = fig.add_subplot()
     ys = list(range(len(rows)))
-    ax.barh(ys, [o.self_cpu_us / 1e3 for o in rows], color=_ACCENT)
+    ax.barh(ys, [o.self_cpu_ms for o in rows], color=_ACCENT)
     ax.set_yticks(ys, [f"{o.name} ×{o.calls}" for o in rows])
     ax.invert_yaxis()
     ax.set_xlabel("self CPU (ms, all profiled steps)")
@@ -173,15 +126,17 @@ def profile_ops_plot(ops: Sequence[OpTime]) -> Figure:
     return fig
 
 
-def profile_modules_plot(modules: Sequence[ModuleTime]) -> Figure:
+def profile_modules_plot(result: ProfileResult) -> Figure:
     """Forward and backward self time per step of each module, stacked."""
-    rows = sorted(modules, key=lambda m: -(m.forward_ms + (m.backward_ms or 0.0)))[:30]
+    steps = max(result.steps, 1)
+    rows = sorted(result.modules, key=lambda m: -(m.forward_self_ms + m.backward_self_ms))[:30]
     fig = _figure(10, height=max(2.5, 0.22 * len(rows) + 1))
     ax = fig.add_subplot()
     ys = list(range(len(rows)))
-    fwd = [m.forward_ms for m in rows]
+    fwd = [m.forward_self_ms / steps for m in rows]
     ax.barh(ys, fwd, color=_ACCENT, label="forward")
-    ax.barh(ys, [m.backward_ms or 0.0 for m in rows], left=fwd, color=_ACCENT2, label="backward")
+    ax.barh(ys, [m.backward_self_ms / steps for m in rows], left=fwd, color=_ACCENT2,
+            label="backward")
     ax.set_yticks(ys, [m.module or "<root>" for m in rows])
     ax.invert_yaxis()
     ax.set_xlabel("ms per step")
@@ -190,7 +145,7 @@ def profile_modules_plot(modules: Sequence[ModuleTime]) -> Figure:
     return fig
 
 
-def compile_speedup_plot(modes: Sequence[CompileMode]) -> Figure:
+def compile_speedup_plot(modes: Sequence[ModeResult]) -> Figure:
     """Speedup of each torch.compile mode over eager; the line at 1× is break-even per call."""
     fig = _figure(6)
     ax = fig.add_subplot()

@@ -1,90 +1,46 @@
 """`torchscope lab`: the lesson's milestones reproduced on its own models, each claim checked.
 
-Every check runs real torch: forward and full-backward hooks (through `HookSession`),
-`torch.profiler` call counts, `torch.utils.checkpoint.checkpoint_sequential` with
-`saved_tensors_hooks` accounting and `torch.equal` on gradients, and `torch.compile` timings.
-A claim is *held* or *failed* with the measured value beside it, or *not checked* with the
-reason (for example, CUDA-only claims on a CPU machine).
+The hook milestones show raw forward and full-backward hooks (through `HookSession`), which
+is their point; every other number is measured through torchscope's capabilities: gradient
+norms by `gradient_flow`, op counts and phase times by `profile_steps`, saved bytes,
+checkpointing and its gradient check by `torchscope.memory`, compile cost and speed by
+`compile_report` (child processes). The lab's own process never compiles. A claim is *held*
+or *failed* with the measured value beside it, or *not checked* with the reason (for
+example, CUDA-only claims on a CPU machine).
 """
 
 from __future__ import annotations
 
-import contextlib
+import json
+import os
 import platform
-import shutil
-import statistics
-import time
+import subprocess
+import sys
+import tempfile
 import warnings
-from collections.abc import Callable, Collection, Iterator
-from dataclasses import dataclass
-from functools import partial
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional
 
-from torchscope.doctor._env import quiet_kineto, seeded
+from torchscope._process import seeded
+from torchscope.compile import compile_report
+from torchscope.errors import TorchscopeError
+from torchscope.grads import gradient_flow
 from torchscope.hooks.session import HookSession
+from torchscope.lab.records import LabClaim, LabResult, LabTable
+from torchscope.memory import SavedActivations, SavedStorage, apply, saved_activations
 from torchscope.models.zoo import MLP, DeepMLP, TinyCNN
+from torchscope.profiling import profile_steps
+from torchscope.report.html import mode_error
+from torchscope.step import Step
 
-__all__ = ["MILESTONES", "LabClaim", "LabResult", "LabTable", "run_lab"]
+__all__ = ["MILESTONES", "run_lab"]
 
 MILESTONES = ("forward", "backward", "profile", "checkpoint", "memory", "compile")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
-
-
-@dataclass(frozen=True)
-class LabClaim:
-    """One claim of the lesson and what this machine measured.
-
-    Attributes:
-        milestone: which part of the lesson it belongs to.
-        claim: the claim, in the lesson's words where possible.
-        expected: the value the lesson states or implies.
-        measured: what was measured here (None when not checked).
-        held: True/False, or None when not checked.
-        note: how it was measured, or why it was not checked.
-    """
-
-    milestone: str
-    claim: str
-    expected: Any
-    measured: Any
-    held: bool | None
-    note: str = ""
-
-
-@dataclass(frozen=True)
-class LabTable:
-    """One of the lesson's comparison tables, refilled with measured values."""
-
-    title: str
-    columns: tuple[str, ...]
-    rows: tuple[tuple[Any, ...], ...]
-
-
-@dataclass(frozen=True)
-class LabResult:
-    """Every table and claim of a lab run."""
-
-    milestones: tuple[LabTable, ...]
-    claims: tuple[LabClaim, ...]
-
-    @property
-    def held(self) -> int:
-        """Claims that held."""
-        return sum(1 for c in self.claims if c.held is True)
-
-    @property
-    def failed(self) -> int:
-        """Claims that failed."""
-        return sum(1 for c in self.claims if c.held is False)
-
-    @property
-    def unchecked(self) -> int:
-        """Claims not checked here."""
-        return sum(1 for c in self.claims if c.held is None)
 
 
 _Part = tuple[list[LabTable], list[LabClaim]]
@@ -167,8 +123,8 @@ def _backward_hooks(device: torch.device) -> _Part:
     g = torch.Generator().manual_seed(1)
     x = torch.randn(32, 3, 32, 32, generator=g).to(device)
     y = torch.randint(0, 10, (32,), generator=g).to(device)
+    # The lesson's raw full backward hooks: when they fire and what they receive.
     order: list[str] = []
-    grad_out: dict[str, float] = {}
     grad_in: dict[str, tuple[Any, ...]] = {}
     shapes_ok = True
     with HookSession(model) as s, warnings.catch_warnings():
@@ -182,18 +138,22 @@ def _backward_hooks(device: torch.device) -> _Part:
                 order.append(_n)
                 shapes_ok &= isinstance(gi, tuple) and isinstance(go, tuple) and all(
                     t is None or isinstance(t, torch.Tensor) for t in (*gi, *go))
-                grad_out[_n] = float(go[0].norm())
                 grad_in[_n] = tuple(None if t is None else tuple(t.shape) for t in gi)
 
             s.full_backward_hook(getattr(model, name), hook)
-        loss = functional.cross_entropy(model(x), y)
-        loss.backward()
+        functional.cross_entropy(model(x), y).backward()
+    model.zero_grad(set_to_none=True)
+    # The norms of the gradient each layer receives (its grad_output), from gradient_flow.
+    flow = gradient_flow(model, x, loss_fn="cross_entropy", target=y)
+    model.zero_grad(set_to_none=True)
+    grad_out = flow.output_norms()
     lesson = {"fc": 3.16, "conv2": None, "conv1": 0.047}
     table = LabTable(
         "Milestone 2: backward hooks on tiny-cnn (cross-entropy, batch 32)",
         ("layer", "grad norm (lesson)", "grad norm (measured)", "grad_input"),
         tuple((n, lesson[n], grad_out.get(n), grad_in.get(n)) for n in order))
-    ratio = grad_out["fc"] / grad_out["conv1"] if grad_out.get("conv1") else float("inf")
+    fc, conv1 = grad_out.get("fc") or 0.0, grad_out.get("conv1") or 0.0
+    ratio = fc / conv1 if conv1 else float("inf")
     claims = [
         LabClaim("backward hooks", "full backward hooks fire from the loss down: fc, conv2, "
                  "conv1", ("fc", "conv2", "conv1"), tuple(order),
@@ -205,47 +165,39 @@ def _backward_hooks(device: torch.device) -> _Part:
                  "conv1 fed raw data"),
         LabClaim("backward hooks", "gradient norm drops from fc to conv1 (lesson: 3.16 → 0.047, "
                  "67×)", "≥ 10×", round(ratio, 1), ratio >= 10,
-                 f"fc {grad_out['fc']:.3g} → conv1 {grad_out['conv1']:.3g}; absolute norms "
-                 "depend on init, data and loss"),
+                 f"fc {fc:.3g} → conv1 {conv1:.3g} (grad_output norms from gradient_flow); "
+                 "absolute norms depend on init, data and loss"),
     ]
     return [table], claims
 
 
 # ------------------------------------------------------------------ milestone 3: profiler
-def _profile(device: torch.device) -> _Part:
-    from torch.profiler import ProfilerActivity, profile, record_function
+def _nll_of_log_softmax(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The lesson's loss, written as it writes it."""
+    return functional.nll_loss(functional.log_softmax(output, dim=1), target)
 
-    quiet_kineto()
+
+def _profile(device: torch.device) -> _Part:
     torch.manual_seed(0)
     model = MLP().to(device)  # 128 -> 256 -> 10
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x = torch.randn(64, 128, device=device)  # (B, 128)
     y = torch.randint(0, 10, (64,), device=device)
     steps = 5
-    activities = [ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(ProfilerActivity.CUDA)
-    with profile(activities=activities) as prof:
-        for _ in range(steps):
-            opt.zero_grad()
-            with record_function("forward"):
-                loss = functional.nll_loss(functional.log_softmax(model(x), dim=1), y)
-            with record_function("backward"):
-                loss.backward()
-            with record_function("optimizer"):
-                opt.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-    events = {e.key: e for e in prof.key_averages()}
+    step = Step.of(model, x, loss_fn=_nll_of_log_softmax, target=y,
+                   optimizer=torch.optim.SGD(model.parameters(), lr=0.01))
+    # Five profiled SGD steps, each labelled forward / backward / optimizer by the Step.
+    result = profile_steps(step, steps=steps, by_module=False, baseline_steps=0)
 
     def calls(op: str) -> int:
-        return int(events[op].count) if op in events else 0
+        return result.calls(op)
 
     def self_ms(op: str) -> float:
-        return float(events[op].self_cpu_time_total) / 1e3 if op in events else 0.0
+        rec = result.op(op)
+        return 0.0 if rec is None else rec.self_cpu_ms
 
     def total_ms(label: str) -> float:
-        return float(events[label].cpu_time_total) / 1e3 if label in events else 0.0
+        ph = result.phase(label)
+        return 0.0 if ph is None else ph.cpu_ms
 
     expected = {"aten::addmm": 10, "aten::mm": 15, "aten::nll_loss_backward": 5,
                 "aten::_log_softmax": 5}
@@ -256,7 +208,8 @@ def _profile(device: torch.device) -> _Part:
         ("op", "what", "calls (lesson)", "calls (measured)", "self CPU ms (5 steps)"),
         tuple((op, notes[op], n, calls(op), self_ms(op)) for op, n in expected.items()))
     claims = [LabClaim("profile", f"{op} is called {n} times in 5 steps", n, calls(op),
-                       calls(op) == n, "torch.profiler key_averages") for op, n in expected.items()]
+                       calls(op) == n, "profile_steps: torch.profiler op counts")
+              for op, n in expected.items()]
     fwd, bwd = total_ms("forward"), total_ms("backward")
     loss_bwd = self_ms("aten::nll_loss_backward") + self_ms("aten::_log_softmax_backward_data")
     r_loss = loss_bwd / fwd if fwd else float("nan")
@@ -272,41 +225,17 @@ def _profile(device: torch.device) -> _Part:
 
 
 # ------------------------------------------------------------------ milestone 3: checkpointing
-@contextlib.contextmanager
-def _saved_activations(params: Collection[torch.Tensor]) -> Iterator[dict[int, int]]:
-    """Storages autograd saves during the block, parameters excluded: {data_ptr: bytes}."""
-    param_ptrs = {p.untyped_storage().data_ptr() for p in params}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        st = t.untyped_storage()
-        if st.data_ptr() not in param_ptrs:
-            seen[st.data_ptr()] = st.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        yield seen
-
-
 def _checkpoint(device: torch.device) -> _Part:
-    from torch.utils.checkpoint import checkpoint_sequential
-
     torch.manual_seed(0)
     model = DeepMLP().to(device)  # 8 x [Linear(64, 64) + ReLU]
     x = torch.randn(32, 64, device=device)  # (B, hidden)
-    params = list(model.parameters())
+    step = Step.of(model, x, loss_fn="sum")  # the lesson's out.sum().backward()
     forward_calls = [0] * len(model)
 
-    def run(segments: int | None) -> tuple[dict[int, int], list[torch.Tensor], list[int]]:
-        model.zero_grad(set_to_none=True)
-        for i in range(len(forward_calls)):
-            forward_calls[i] = 0
-        with _saved_activations(params) as saved:
-            out = model(x) if segments is None else checkpoint_sequential(
-                model, segments, x, use_reentrant=False)
-        out.sum().backward()
-        return saved, [p.grad.detach().clone() for p in params if p.grad is not None], \
-            list(forward_calls)
+    def counted() -> SavedActivations:
+        """What one step saves, and which blocks started a forward during it."""
+        forward_calls[:] = [0] * len(model)
+        return saved_activations(step)
 
     with HookSession(model) as s:
         for i, block in enumerate(model):
@@ -316,45 +245,56 @@ def _checkpoint(device: torch.device) -> _Part:
                 forward_calls[_i] += 1
 
             s.forward_pre_hook(block, count)
-        saved_all, grads_all, calls_all = run(None)
-        saved_ck, grads_ck, calls_ck = run(2)
-    model.zero_grad(set_to_none=True)
+        saved_all = counted()
+        calls_all = list(forward_calls)
+        # checkpoint_sequential(model, 2 segments): blocks 0-3 under one checkpoint, 4-7
+        # stored; `apply` verifies at once that the loss and every gradient match a step
+        # without it.
+        with apply(step, segments=[(0, 4)]) as handle:
+            saved_ck = counted()
+            calls_ck = list(forward_calls)
+    verification = handle.verification
+    assert verification is not None
 
-    identical = len(grads_all) == len(grads_ck) == len(params) and all(
-        torch.equal(a, b) for a, b in zip(grads_all, grads_ck, strict=True))
-    norms_equal = all(float(a.norm()) == float(b.norm())
-                      for a, b in zip(grads_all, grads_ck, strict=True))
-    bytes_all, bytes_ck = sum(saved_all.values()), sum(saved_ck.values())
+    params = len(list(model.parameters()))
+    identical = verification.bitwise_equal and len(verification.grads) == params
+    bytes_all, bytes_ck = saved_all.total_bytes, saved_ck.total_bytes
     recomputed = tuple(i for i, c in enumerate(calls_ck) if c == 2)
     table = LabTable(
         "Milestone 3: storing all vs checkpointing at √8 ≈ 2 segments (deep-mlp, batch 32, "
         "hidden 64)",
         ("strategy", "saved tensors", "saved bytes", "blocks re-run in backward",
          "gradients identical"),
-        (("store all", len(saved_all), bytes_all, (), True),
-         ("checkpoint_sequential, 2 segments", len(saved_ck), bytes_ck, recomputed, identical)))
-    sizes = set(saved_all.values())
+        (("store all", len(_activations(saved_all)), bytes_all, (), True),
+         ("checkpoint blocks 0-3 as one segment", len(_activations(saved_ck)), bytes_ck,
+          recomputed, identical)))
+    sizes = {st.nbytes for st in _activations(saved_all)}
     expected_all = (len(model) + 1) * 32 * 64 * 4
     claims = [
         LabClaim("checkpoint", "each activation tensor is 32×64×4 B = 8 KB", 8192,
-                 sizes.pop() if len(sizes) == 1 else tuple(sorted(sizes)),
-                 set(saved_all.values()) == {8192}, "sizes of saved non-parameter storages"),
+                 next(iter(sizes)) if len(sizes) == 1 else tuple(sorted(sizes)),
+                 sizes == {8192}, "saved_activations: sizes of saved non-parameter storages"),
         LabClaim("checkpoint", "storing all keeps one 8 KB activation per block plus the input",
                  expected_all, bytes_all, bytes_all == expected_all,
-                 f"{len(saved_all)} storages seen by saved_tensors_hooks"),
+                 f"saved_activations: {len(_activations(saved_all))} storages"),
         LabClaim("checkpoint", "checkpointing at 2 segments stores less than storing all",
                  f"< {bytes_all:,} B", bytes_ck, bytes_ck < bytes_all,
-                 "checkpoint_sequential never checkpoints its last segment; the checkpointed "
-                 "segment saves only its input"),
+                 "the last segment is not checkpointed (as checkpoint_sequential does); the "
+                 "checkpointed segment saves only its input"),
         LabClaim("checkpoint", "gradient norms are identical with and without checkpointing",
-                 True, identical and norms_equal, identical and norms_equal,
-                 f"torch.equal on all {len(params)} parameter gradients"),
+                 True, identical, identical,
+                 f"torchscope.memory.verify: torch.equal on all {params} parameter gradients "
+                 "and the loss"),
         LabClaim("checkpoint", "backward re-runs the forward of each checkpointed segment",
                  (0, 1, 2, 3), recomputed,
                  recomputed == (0, 1, 2, 3) and calls_all == [1] * len(model),
                  "blocks whose forward started twice"),
     ]
     return [table], claims
+
+
+def _activations(saved: SavedActivations) -> list[SavedStorage]:
+    return [st for st in saved.storages if st.kind in ("activation", "input")]
 
 
 # ------------------------------------------------------------------ memory levers (CUDA)
@@ -389,117 +329,96 @@ def _memory(device: torch.device) -> _Part:
 
 
 # ------------------------------------------------------------------ milestone 4: compile
-def _time_calls(fn: Callable[[], Any], n: int, sync: Callable[[], None]) -> float:
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+_LOOP_ITERATIONS = 3
+_LOOP_TIMEOUT_S = 600.0
+
+
+def _compile_loop() -> tuple[dict[str, Any] | None, str]:
+    """The compile-in-the-loop trap, run in a child process with its own inductor cache:
+    (its JSON result, or None and why)."""
+    with tempfile.TemporaryDirectory(prefix="torchscope-lab-") as tmp:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": tmp}
+        cmd = [sys.executable, "-m", "torchscope.lab._compile_loop", str(_LOOP_ITERATIONS),
+               str(torch.get_num_threads())]
+        try:
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False,
+                                  timeout=_LOOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            return None, f"the child process ran past {_LOOP_TIMEOUT_S:.0f} s"
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return None, f"the child process failed (exit {done.returncode}): {tail}"
+    result: dict[str, Any] = json.loads(lines[-1])
+    return result, ""
 
 
 def _compile(device: torch.device, modes: tuple[str, ...], iters: int) -> _Part:
-    import torch._dynamo
-    import torch._inductor.config as inductor_config
-    from torch._dynamo.utils import counters
-
-    from torchscope.compile._measure import fresh_inductor_cache
-
     torch.manual_seed(0)
     model = TinyCNN().to(device).eval()
     x = torch.randn(32, 3, 32, 32, device=device)
-
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    rows = []
-    costs: dict[str, float] = {}
-    steady: dict[str, float] = {}
-    errors: dict[str, str] = {}
-    with torch.no_grad():
-        eager_ms = _time_calls(lambda: model(x), iters, sync)
-        # One-time start-up (imports, compiler probe, first trace of these ops) is paid here,
-        # by no mode: otherwise the first mode measured looks the most expensive.
-        with fresh_inductor_cache():
-            torch.compile(model)(x)
-        for mode in modes:
-            try:
-                # Cold: empty caches and no FX graph cache, so each mode pays its full compile.
-                with fresh_inductor_cache(), inductor_config.patch(fx_graph_cache=False):
-                    compiled = torch.compile(model, mode=mode)
-                    t0 = time.perf_counter()
-                    compiled(x)
-                    sync()
-                    costs[mode] = time.perf_counter() - t0
-                    steady[mode] = _time_calls(partial(compiled, x), iters, sync)
-            except Exception as exc:  # a mode that cannot compile here is reported, not fatal
-                errors[mode] = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
-            rows.append((mode, costs.get(mode), steady.get(mode), eager_ms,
-                         eager_ms / steady[mode] if mode in steady else None,
-                         errors.get(mode, "")))
-        # The trap: torch.compile inside the loop.
-        torch._dynamo.reset()
-        counters.clear()
-        loop_times = []
-        wrappers = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            c = torch.compile(model)  # noqa: TS004 - the lesson's trap, reproduced on purpose
-            c(x)
-            sync()
-            loop_times.append(time.perf_counter() - t0)
-            wrappers.append(c)
-        graphs = int(counters["stats"]["unique_graphs"])
-        distinct = len({id(w) for w in wrappers})
-        torch._dynamo.reset()
+    # Each mode in its own child process with an empty inductor cache: the cold first call,
+    # then the median eager and compiled calls (inference, no_grad).
+    report = compile_report(model, x, modes=modes, iters=iters)
+    rows = tuple((m.mode, m.cold_compile_s, m.compiled_ms, m.eager_ms, m.speedup,
+                  mode_error(m)) for m in report.modes)
+    ok = {m.mode: m for m in report.modes if m.ok}
+    loop, why = _compile_loop()
 
     table = LabTable(
         "Milestone 4: torch.compile on tiny-cnn inference (batch 32)",
-        ("mode", "compile cost (first call s)", "compiled ms", "eager ms", "speedup", "error"),
-        tuple(rows))
+        ("mode", "compile cost (cold first call, s)", "compiled ms", "eager ms", "speedup",
+         "error"),
+        rows)
     claims = []
-    if "default" in steady:
-        first_ms = costs["default"] * 1e3
+    default = ok.get("default")
+    if default is not None and default.cold_compile_s is not None and default.compiled_ms:
+        first_ms = default.cold_compile_s * 1e3
         claims.append(LabClaim(
             "compile", "the first call pays the compile cost", "first call ≫ steady call",
-            round(first_ms / steady["default"]), first_ms > 10 * steady["default"],
-            f"first call {costs['default']:.2f} s vs {steady['default']:.2f} ms per call "
-            "(ratio shown)"))
+            round(first_ms / default.compiled_ms), first_ms > 10 * default.compiled_ms,
+            f"first call {default.cold_compile_s:.2f} s vs {default.compiled_ms:.2f} ms per "
+            "call (ratio shown; compile_report, cold cache)"))
+    loop_note = why or "in a child process; later calls took " + ", ".join(
+        f"{t:.2f}" for t in (loop or {}).get("times", [])[1:]) + " s"
     claims.append(LabClaim(
-        "compile", "torch.compile returns a new wrapper object on every call", 3, distinct,
-        distinct == 3, "distinct wrappers from 3 calls on the same model"))
+        "compile", "torch.compile returns a new wrapper object on every call",
+        _LOOP_ITERATIONS, None if loop is None else loop["wrappers"],
+        None if loop is None else loop["wrappers"] == _LOOP_ITERATIONS,
+        f"distinct wrappers from {_LOOP_ITERATIONS} calls on the same model"
+        + (f"; {why}" if why else "")))
     claims.append(LabClaim(
-        "compile", "calling torch.compile in the loop recompiles on every iteration", 3, graphs,
-        graphs == 3, "graphs compiled over 3 iterations; later calls took "
-        + ", ".join(f"{t:.2f}" for t in loop_times[1:]) + " s"))
-    if "max-autotune" in costs and "default" in costs:
+        "compile", "calling torch.compile in the loop recompiles on every iteration",
+        _LOOP_ITERATIONS, None if loop is None else loop["graphs"],
+        None if loop is None else loop["graphs"] == _LOOP_ITERATIONS,
+        f"graphs compiled over {_LOOP_ITERATIONS} iterations; {loop_note}"))
+    auto = ok.get("max-autotune")
+    if auto is not None and default is not None and auto.cold_compile_s is not None and \
+            default.cold_compile_s is not None:
         claims.append(LabClaim(
             "compile", "max-autotune pays a higher compile cost than default",
-            f"> {costs['default']:.1f} s", round(costs["max-autotune"], 2),
-            costs["max-autotune"] > costs["default"], "cold first-call time"))
+            f"> {default.cold_compile_s:.1f} s", round(auto.cold_compile_s, 2),
+            auto.cold_compile_s > default.cold_compile_s, "cold first-call time"))
     else:
         claims.append(LabClaim("compile", "max-autotune pays a higher compile cost than default",
                                None, None, None, "max-autotune not measured (--fast or failed)"))
-    if device.type == "cuda" and "reduce-overhead" in steady and "default" in steady:
+    overhead = ok.get("reduce-overhead")
+    if device.type == "cuda" and overhead is not None and default is not None and \
+            overhead.compiled_ms is not None and default.compiled_ms is not None:
         claims.append(LabClaim(
             "compile", "reduce-overhead cuts per-call overhead (CUDA graphs)",
-            f"< {steady['default']:.3f} ms", round(steady["reduce-overhead"], 3),
-            steady["reduce-overhead"] < steady["default"], "steady-state median per call"))
+            f"< {default.compiled_ms:.3f} ms", round(overhead.compiled_ms, 3),
+            overhead.compiled_ms < default.compiled_ms, "steady-state median per call"))
     else:
         claims.append(LabClaim("compile", "reduce-overhead cuts per-call overhead (CUDA graphs)",
                                None, None, None, "needs CUDA: CUDA graphs do nothing on CPU"))
     if platform.system() == "Linux":
-        from torch._inductor.cpp_builder import get_cpp_compiler
-
-        try:
-            cxx: str | None = shutil.which(get_cpp_compiler()) or get_cpp_compiler()
-        except Exception:
-            cxx = None
+        asked = next((m for m in report.modes if m.mode == "default"), None)
         claims.append(LabClaim(
             "compile", "on Linux the inductor stack works out of the box", True,
-            "default" in costs, "default" in costs, f"C++ compiler: {cxx or 'none found'}"))
+            default is not None, default is not None,
+            "default mode: " + ("compiled and ran" if asked is None or asked.ok
+                                else mode_error(asked))))
     return [table], claims
 
 
@@ -524,12 +443,12 @@ def run_lab(
         Tables and claims in the lesson's order.
 
     Raises:
-        ValueError: `skip` names an unknown milestone.
+        TorchscopeError: `skip` names an unknown milestone.
     """
     unknown = set(skip) - set(MILESTONES)
     if unknown:
-        raise ValueError(f"unknown milestone(s) {', '.join(sorted(unknown))}; "
-                         f"choose from {', '.join(MILESTONES)}")
+        raise TorchscopeError(f"unknown milestone(s) {', '.join(sorted(unknown))}.",
+                              fix=f"choose from {', '.join(MILESTONES)}.")
     dev = torch.device(device)
     modes = compile_modes or (("default",) if fast else COMPILE_MODES)
     parts: dict[str, Callable[[], _Part]] = {

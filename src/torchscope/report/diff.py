@@ -1,4 +1,5 @@
-"""Compare the headline metrics of two doctor reports against thresholds (pure)."""
+"""`torchscope diff`: compare the headline metrics of two report.json documents against
+thresholds (pure)."""
 
 from __future__ import annotations
 

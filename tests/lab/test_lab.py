@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -63,9 +64,23 @@ def test_lab_bad_milestone_exit_2() -> None:
 
 @pytest.mark.slow
 def test_lab_compile_cost_column_is_measured() -> None:
-    from torchscope.doctor import run_lab
+    from torch._dynamo import eval_frame
+    from torch._dynamo.utils import counters
 
+    from torchscope.lab import run_lab
+
+    # A function the user compiled before: the lab must leave it compiled (no reset).
+    fn = torch.compile(lambda t: torch.cos(t) + 1, backend="eager")
+    fn(torch.randn(4))
+    graphs = counters["stats"]["unique_graphs"]
+    env, rng, stance, compile_fn = dict(os.environ), torch.get_rng_state(), \
+        eval_frame._stance, torch.compile
     result = run_lab(fast=True, skip=("forward", "backward", "profile", "checkpoint", "memory"))
+    assert dict(os.environ) == env and torch.equal(torch.get_rng_state(), rng)
+    assert eval_frame._stance == stance and torch.compile is compile_fn
+    assert counters["stats"]["unique_graphs"] == graphs  # the lab compiled nothing here
+    fn(torch.randn(4))
+    assert counters["stats"]["unique_graphs"] == graphs  # ...and fn did not recompile
     (table,) = result.milestones
     mode, cost_s, compiled_ms, eager_ms, speedup, error = table.rows[0]
     assert mode == "default" and error == ""
@@ -84,7 +99,7 @@ def test_lab_compile_cost_column_is_measured() -> None:
 
 
 def test_lab_leaves_the_callers_rng_state_alone() -> None:
-    from torchscope.doctor import run_lab
+    from torchscope.lab import run_lab
 
     torch.manual_seed(4321)
     before = torch.get_rng_state()

@@ -1,0 +1,275 @@
+"""The report document: what a report holds, and report.json built from it and read back.
+
+A report is made of *sections*, each the outcome of one measurement (a capability's record,
+its findings and headline metrics), plus what was examined (`TargetInfo`), the environment,
+the options the producer was asked for and the training step every section measured
+(`StepInfo`). `torchscope doctor` fills one; any other producer (a report over many training
+steps, say) can fill the same document and get the same renderers, JSON and `diff`.
+
+Rendering a section's record stays with whoever produced it: an outcome carries a
+`SectionRenderer` (the doctor's sections are), so this layer never needs to know the
+producer. report.json's schema ships as package data (`report.schema.json`), described in
+docs/report-schema.md; `SCHEMA_VERSION` follows semver: a reader accepts any document with
+the same major version.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+from torchscope._util import __version__, to_jsonable
+from torchscope.errors import TorchscopeError
+from torchscope.findings import Analyzed, Finding, Severity, analyzer, rank
+from torchscope.step import StepInfo
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+__all__ = [
+    "SCHEMA_ID",
+    "SCHEMA_VERSION",
+    "Better",
+    "Metric",
+    "Report",
+    "ReportFormatError",
+    "SectionOutcome",
+    "SectionRenderer",
+    "Status",
+    "TargetInfo",
+    "build_document",
+    "load_document",
+    "load_schema",
+]
+
+SCHEMA_ID = "torchscope.report"
+SCHEMA_VERSION = "1.2"
+
+Status = Literal["ok", "skipped", "failed"]
+Better = Literal["lower", "higher"]
+
+
+class ReportFormatError(TorchscopeError):
+    """A file given as a report is missing, not JSON, or not a report of this schema."""
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    """What was examined.
+
+    Attributes:
+        name: the TARGET as given (`tiny-cnn`, `factory.py:build`) or the class name.
+        model_class: the model's class.
+        parameters: every parameter element.
+        trainable: the elements of parameters that require grad.
+        inputs: the input shapes, as `ModelInputs.describe()` gives them.
+        device: where the model ran.
+    """
+
+    name: str
+    model_class: str
+    parameters: int
+    trainable: int
+    inputs: str
+    device: str
+
+
+@dataclass(frozen=True)
+class Metric:
+    """A headline number that `torchscope diff` compares between two reports.
+
+    Attributes:
+        value: the measured number (None when it could not be measured).
+        better: whether a `lower` or `higher` value is an improvement.
+        unit: `ratio`, `bytes`, `ms`, `s`, `count` or `x` (a speedup factor); for display.
+        label: what it measures, in a few words.
+    """
+
+    value: float | None
+    better: Better
+    unit: str
+    label: str
+
+
+class SectionRenderer(Protocol):
+    """What draws a section's record in report.html (the producer's section object)."""
+
+    def plots(self, record: Any) -> Mapping[str, Figure]:
+        """Figures to embed, by plot id."""
+
+    def html(self, record: Any, plots: Mapping[str, str]) -> str:
+        """An HTML fragment for the record; `plots` maps plot id to an inline `<svg>`."""
+
+
+@dataclass(frozen=True)
+class SectionOutcome:
+    """What one section of a report produced.
+
+    Attributes:
+        name: stable identifier, the key in report.json.
+        title: heading in the HTML report and the terminal.
+        status: `ok`, `skipped` (the user asked so) or `failed` (it raised).
+        note: why it was skipped or failed, or what an ok section had to leave out (one
+            line); empty otherwise.
+        seconds: wall time spent in the section.
+        capability: the public function the section measured with, for readers.
+        record: the capability's own record when ok (e.g. a `torchscope.grads.GradFlow`).
+        data: the JSON-ready `data` object of report.json for the record (None unless ok).
+        findings: the record's findings.
+        metrics: headline numbers for `diff`, keyed `"<section>.<what>"`.
+        error: the exception a failed section raised (or that an ok section worked
+            around, see `note`), traceback included.
+        renderer: draws `record` in report.html; None draws nothing but the envelope.
+    """
+
+    name: str
+    title: str
+    status: Status
+    note: str = ""
+    seconds: float = 0.0
+    capability: str = ""
+    record: Any = None
+    data: Mapping[str, Any] | None = None
+    findings: tuple[Finding, ...] = ()
+    metrics: Mapping[str, Metric] = field(default_factory=dict)
+    error: BaseException | None = field(default=None, compare=False, repr=False)
+    renderer: SectionRenderer | None = field(default=None, compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class Report(Analyzed):
+    """Everything one report holds; renderers, report.json and `diff` read only this.
+
+    Attributes:
+        target: what was examined.
+        options: what the producer was asked for, JSON-ready.
+        outcomes: one per section, in run order.
+        environment: torch/python/platform facts.
+        created: ISO-8601 UTC time the run started.
+        seconds: wall time of the whole run.
+        step: the training step the sections measured, stated once for the whole report
+            (None when no section ran one).
+    """
+
+    target: TargetInfo
+    options: Mapping[str, Any]
+    outcomes: tuple[SectionOutcome, ...]
+    environment: Mapping[str, str | int | bool]
+    created: str
+    seconds: float
+    step: StepInfo | None = None
+
+    def outcome(self, name: str) -> SectionOutcome:
+        """The outcome of the section called `name`.
+
+        Raises:
+            KeyError: no such section ran.
+        """
+        for o in self.outcomes:
+            if o.name == name:
+                return o
+        raise KeyError(name)
+
+    def section_findings(self) -> list[tuple[str, Finding]]:
+        """(section, finding) pairs, most severe first, in run order within a severity."""
+        return sorted(((o.name, f) for o in self.outcomes for f in o.findings),
+                      key=lambda p: -int(p[1].severity))
+
+    @property
+    def metrics(self) -> dict[str, Metric]:
+        """Every section's headline numbers."""
+        return {k: v for o in self.outcomes for k, v in o.metrics.items()}
+
+    def count(self, severity: Severity) -> int:
+        """How many findings have this severity."""
+        return sum(1 for o in self.outcomes for f in o.findings if f.severity == severity)
+
+
+@analyzer(Report)
+def report_findings(report: Report, thresholds: Any = None) -> list[Finding]:
+    """Every section's findings, most severe first.
+
+    Args:
+        report: the report.
+        thresholds: unused: each section's findings were drawn by its capability's analyzer
+            when the section ran.
+    """
+    return rank(f for o in report.outcomes for f in o.findings)
+
+
+def build_document(report: Report) -> dict[str, Any]:
+    """The JSON-ready report.json content for `report`."""
+    sections = {
+        o.name: {"title": o.title, "status": o.status, "note": o.note, "seconds": o.seconds,
+                 "capability": o.capability,
+                 "data": to_jsonable(o.data) if o.status == "ok" else None}
+        for o in report.outcomes}
+    findings = [
+        {"section": sec, "code": f.code, "severity": f.severity.label, "summary": f.summary,
+         "evidence": to_jsonable(dict(f.evidence)), "fix": f.fix, "module": f.module}
+        for sec, f in report.section_findings()]
+    metrics = {k: {"value": to_jsonable(m.value), "better": m.better, "unit": m.unit,
+                   "label": m.label} for k, m in report.metrics.items()}
+    doc: dict[str, Any] = {
+        "schema": SCHEMA_ID,
+        "schema_version": SCHEMA_VERSION,
+        "torchscope_version": __version__,
+        "created": report.created,
+        "seconds": report.seconds,
+        "target": asdict(report.target),
+        "environment": dict(report.environment),
+        "options": to_jsonable(report.options),
+    }
+    if report.step is not None:
+        doc["step"] = {**to_jsonable(report.step), "text": report.step.describe()}
+    doc.update({"sections": sections, "findings": findings, "metrics": metrics})
+    return doc
+
+
+def load_schema() -> dict[str, Any]:
+    """The shipped JSON Schema (draft 2020-12) of report.json."""
+    text = resources.files("torchscope.report").joinpath("report.schema.json").read_text()
+    schema: dict[str, Any] = json.loads(text)
+    return schema
+
+
+def _bad(path: str | Path, what: str, fix: str = "pass the report.json that `torchscope "
+         "doctor` wrote.") -> ReportFormatError:
+    return ReportFormatError(f"{str(path)!r}{what}", fix=fix)
+
+
+def load_document(path: str | Path) -> dict[str, Any]:
+    """Read a report.json (or the folder holding one) and check this version can read it.
+
+    Raises:
+        ReportFormatError: missing file, bad JSON, another schema or major version, or no
+            `metrics` object.
+    """
+    p = Path(path)
+    if p.is_dir() and (p / "report.json").is_file():
+        p = p / "report.json"
+    if not p.is_file():
+        raise _bad(path, " does not exist.")
+    try:
+        doc = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise _bad(path, f" is not JSON ({exc}).") from None
+    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA_ID:
+        raise _bad(path, f" is not a torchscope report (no \"schema\": \"{SCHEMA_ID}\").")
+    major = SCHEMA_VERSION.split(".", maxsplit=1)[0]
+    version = str(doc.get("schema_version", ""))
+    if version.split(".", maxsplit=1)[0] != major:
+        raise _bad(path, f" has schema_version {version!r}; this torchscope reads {major}.x.",
+                   fix="regenerate both reports with the same torchscope version.")
+    regenerate = "regenerate it with `torchscope doctor`."
+    if not isinstance(doc.get("metrics"), dict):
+        raise _bad(path, " has no \"metrics\" object.", fix=regenerate)
+    for name, entry in doc["metrics"].items():
+        if not isinstance(entry, dict) or entry.get("better", "lower") not in ("lower", "higher"):
+            raise _bad(path, f": metric {name!r} is not an object with \"better\" lower or "
+                       f"higher (got {json.dumps(entry)[:60]}).", fix=regenerate)
+    return doc
