@@ -109,7 +109,9 @@ def test_the_outcome_keeps_the_exception_and_its_cause(tmp_path: Path) -> None:
     assert calls.read_text().splitlines() == ["nograd", "grad"]
 
 
-def test_a_step_with_inputs_is_refused() -> None:
+def test_a_step_with_inputs_or_a_loss_is_refused() -> None:
     model, x = torch.nn.Linear(4, 2), torch.randn(3, 4)
     with pytest.raises(TorchscopeError, match="a Step was given together with inputs"):
         run_doctor(Step(model, x), x)
+    with pytest.raises(TorchscopeError, match=r"options\.loss='mse' was given with a Step"):
+        run_doctor(Step(model, x), options=DoctorOptions(loss="mse"))

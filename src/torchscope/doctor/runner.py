@@ -95,6 +95,9 @@ def _run_one(section: Section[Any], step: Step, options: DoctorOptions) -> Secti
 
 def _doctor_step(model: nn.Module | Step, inputs: Any, options: DoctorOptions) -> Step:
     if isinstance(model, Step):
+        if options.loss != "auto":
+            raise TorchscopeError(f"options.loss={options.loss!r} was given with a Step.",
+                                  fix="set loss_fn on the Step (Step(model, x, loss_fn=...)).")
         return Step.of(model, inputs)
     # Plain SGD over the trainable parameters: the optimizer phase is timed and its state
     # counted, without momentum buffers that would make later steps differ from the first.
@@ -124,8 +127,8 @@ def run_doctor(
 
     Args:
         model: the model, already on `options.device`; or a ready `Step` (AMP, accumulation,
-            your own loss, target or optimizer), in which case `inputs` stays None and
-            `options.loss` is not used.
+            your own loss, target or optimizer), in which case `inputs` and `options.loss`
+            stay unset.
         inputs: a tensor, tuple, dict or `ModelInputs`, on the same device.
         options: what to run; defaults to `DoctorOptions()`.
         sections: the sections to run; default: the registered ones.
@@ -137,8 +140,8 @@ def run_doctor(
 
     Raises:
         ModelError: the model cannot run on these inputs at all (checked once, first).
-        TorchscopeError: the step cannot be built (a `Step` given with inputs, an unknown
-            loss).
+        TorchscopeError: the step cannot be built (a `Step` given with inputs or with
+            `options.loss`, an unknown loss).
     """
     from torchscope.doctor.sections import registered_sections
 

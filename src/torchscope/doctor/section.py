@@ -38,7 +38,7 @@ class DoctorOptions:
             baseline steps, and memory plans no checkpointing.
         skip: section names not to run.
         loss: the loss of the doctor's training step (`auto`, `cross_entropy`, `mse` or
-            `sum`, as `torchscope.step` defines them); ignored when a `Step` is given.
+            `sum`, as `torchscope.step` defines them); leave it `auto` when giving a `Step`.
         steps: profiled training steps (`fast` lowers it to 3).
         compile_modes: the torch.compile modes to measure.
         compile_iters: timed calls per compile mode.
