@@ -17,7 +17,7 @@ import torch
 from rich.console import Console
 
 from torchscope._util import write_json
-from torchscope.compile import compile_findings, compile_report
+from torchscope.compile import compile_report
 from torchscope.models import BUILTINS
 from torchscope.report.compile import compile_table, findings_table
 
@@ -39,17 +39,19 @@ def main() -> None:
     t_all = time.perf_counter()
     for name in [m.strip() for m in args.models.split(",") if m.strip()]:
         builtin = BUILTINS[name]
-        for train in (False, True):
+        for measure in ("forward", "step"):
             torch.manual_seed(0)
             report = compile_report(
-                builtin.build(), builtin.example_input(), modes, train=train, iters=args.iters,
-                warmup=3, timeout_s=args.timeout, name=name,
+                builtin.build(), builtin.example_input(), measure=measure, modes=modes,
+                iters=args.iters, warmup=3, timeout_s=args.timeout, name=name,
                 progress=lambda line: console.print(f"[dim]{line}[/]"))
             reports.append(report)
+            if report.step is not None:
+                console.print(report.step.describe(), highlight=False, markup=False)
             console.print(compile_table(report))
-            console.print(findings_table(compile_findings(report)))
+            console.print(findings_table(report.findings()))
             for m in report.modes:
-                kind = "training" if train else "inference"
+                kind = "training" if measure == "step" else "inference"
                 if not m.ok:
                     summary.append(f"{name:12s} {kind:9s} {m.mode:16s} {m.status}: {m.error}")
                     continue

@@ -25,7 +25,6 @@ PEERS = {"capabilities"}  # layers whose packages may not import each other
 
 # Imports that point the wrong way today; the work on issue 11 empties this list.
 KNOWN: set[tuple[str, str]] = {
-    ("torchscope.hooks.session", "torchscope.compile.guard"),
     ("torchscope.report.doctor", "torchscope.doctor.diff"),
     ("torchscope.report.doctor", "torchscope.doctor.lab"),
     ("torchscope.report.doctor", "torchscope.doctor.runner"),

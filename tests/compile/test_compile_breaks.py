@@ -9,7 +9,7 @@ import torch
 from rich.console import Console
 from torch import nn
 
-from torchscope.compile import compile_findings, find_graph_breaks
+from torchscope.compile import find_graph_breaks
 from torchscope.compile.records import CompileReport
 from torchscope.report.compile import graph_break_table
 
@@ -78,9 +78,9 @@ def test_breaks_render_and_become_findings() -> None:
     text = console.export_text()
     assert f"test_compile_breaks.py:{scan.breaks[0].line}" in text
     assert "data-dependent branch" in text
-    report = CompileReport("BreakNet", "(4x8)", "cpu", False, (), scan.breaks, scan.graph_count,
-                           8, torch.__version__)
-    found = [f for f in compile_findings(report) if f.code == "compile.graph_break"]
+    report = CompileReport("BreakNet", "(4x8)", "cpu", "forward", (), scan.breaks,
+                           scan.graph_count, 8, torch.__version__)
+    found = [f for f in report.findings() if f.code == "compile.graph_break"]
     assert [f.evidence["line"] for f in found] == [b.line for b in scan.breaks]
     assert all(f.fix for f in found)
 

@@ -23,7 +23,7 @@ from torchscope.compile.records import (
 runner = CliRunner()
 
 
-def _fake_report(model: Any, inputs: Any, modes: Any, **kw: Any) -> CompileReport:
+def _fake_report(model: Any, inputs: Any, **kw: Any) -> CompileReport:
     speedup, break_even = derive_speed(4.0, 1.0, 9.0)
     rec = Recompile("0/1", "forward", "/x/zoo.py", 25,
                     "tensor 'x' size mismatch at index 0. expected 32, actual 16", ("r",))
@@ -35,27 +35,27 @@ def _fake_report(model: Any, inputs: Any, modes: Any, **kw: Any) -> CompileRepor
     )
     brk = GraphBreak("print() call", "Failed to trace builtin operator", "", "/x/m.py", 12,
                      "forward")
-    return CompileReport(kw["name"], inputs.describe(), "cpu", kw["train"], rows, (brk,), 2, 8,
-                         torch.__version__)
+    return CompileReport(kw["name"], inputs.describe(), "cpu", kw["measure"], rows, (brk,), 2,
+                         8, torch.__version__)
 
 
 def test_table_json_and_options(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     seen: dict[str, Any] = {}
 
-    def fake(model: Any, inputs: Any, modes: Any, **kw: Any) -> CompileReport:
-        seen.update(kw, modes=list(modes))
-        return _fake_report(model, inputs, modes, **kw)
+    def fake(model: Any, inputs: Any, **kw: Any) -> CompileReport:
+        seen.update(kw, modes=list(kw["modes"]))
+        return _fake_report(model, inputs, **kw)
 
     monkeypatch.setattr(tc, "compile_report", fake)
     out = tmp_path / "c.json"
     res = runner.invoke(app, ["compile", "tiny-cnn", "--modes", "default,max-autotune",
-                              "--train", "--iters", "7", "--batch-sizes", "16,8",
-                              "--dynamic", "off", "--json", str(out)])
+                              "--measure", "step", "--loss", "mse", "--iters", "7",
+                              "--batch-sizes", "16,8", "--dynamic", "off", "--json", str(out)])
     assert res.exit_code == 0, res.output
     assert seen["modes"] == ["default", "max-autotune"]
-    assert seen["train"] is True and seen["iters"] == 7
+    assert seen["measure"] == "step" and seen["loss_fn"] == "mse" and seen["iters"] == 7
     assert seen["batch_sizes"] == (16, 8) and seen["dynamic"] is False
-    assert seen["target"] == "tiny-cnn"
+    assert seen["factory"] == "tiny-cnn"
     for text in ("default", "4.00×", "2", "1/8", "timeout", "m.py:12", "print() call",
                  "expected 32, actual 16", "pays off after 3,000 calls", "3,000"):
         assert text in res.output, text
@@ -71,6 +71,9 @@ def test_table_json_and_options(monkeypatch: pytest.MonkeyPatch, tmp_path: Path)
     (["--batch-sizes", "16,x"], "--batch-sizes"),
     (["--iters", "0"], "iters"),
     (["--input", "3xx"], "malformed"),
+    (["--measure", "train"], "--measure"),
+    (["--loss", "hinge"], "--loss"),
+    (["--train"], "--train"),  # the old flag: typer's unknown-option error, in one line
 ])
 def test_bad_input_is_one_line_exit_2(args: list[str], needle: str) -> None:
     res = runner.invoke(app, ["compile", "tiny-cnn", *args])

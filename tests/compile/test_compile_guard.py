@@ -7,15 +7,15 @@ import torch
 from torch import nn
 
 from torchscope.capture import capture_activations
-from torchscope.compile import (
+from torchscope.compile import watch_recompiles
+from torchscope.errors import CompileError
+from torchscope.hooks import (
+    HookSession,
     check_compiled,
     compiled_capture,
     compiled_parts,
     unwrap_compiled,
-    watch_recompiles,
 )
-from torchscope.errors import CompileError
-from torchscope.hooks import HookSession
 from torchscope.models import TinyCNN
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("compile"),
@@ -99,7 +99,7 @@ def test_compiled_capture_whose_enter_fails_restores_the_stance(
 ) -> None:
     import torch._dynamo.eval_frame as eval_frame
 
-    import torchscope.compile.guard as guard
+    import torchscope.hooks.compiled as hooks_compiled
 
     class Broken:
         def __enter__(self) -> None:
@@ -108,8 +108,30 @@ def test_compiled_capture_whose_enter_fails_restores_the_stance(
         def __exit__(self, *_exc: object) -> None:
             return None
 
-    monkeypatch.setattr(guard, "RecompileWatcher", Broken)
+    monkeypatch.setattr(hooks_compiled, "CompileCounter", Broken)
     compiled = torch.compile(TinyCNN(), backend="eager")
     with pytest.raises(RuntimeError, match="no watcher"), compiled_capture(compiled):
         pass
     assert eval_frame._stance.stance == "default"
+
+
+def test_hook_session_on_a_compiled_model_leaves_the_process_as_found() -> None:
+    import os
+
+    import torch._dynamo.eval_frame as eval_frame
+
+    model, compiled, x = _called_compiled()
+    stance, compile_fn = eval_frame._stance.stance, torch.compile
+    env, rng = dict(os.environ), torch.get_rng_state()
+    fired: list[int] = []
+    with HookSession(compiled) as s:
+        s.forward_hook(model.conv1, lambda *_: fired.append(1))
+        assert eval_frame._stance.stance == "force_eager"  # compiled parts run eagerly
+        compiled(x).sum().backward()
+    assert fired == [1] and s.compiled_check is not None and s.compiled_check.compiles == 0
+    assert eval_frame._stance.stance == stance and torch.compile is compile_fn
+    assert dict(os.environ) == env and torch.equal(torch.get_rng_state(), rng)
+    assert not model.conv1._forward_hooks
+    with watch_recompiles() as w, torch.no_grad():
+        compiled(x)  # the graph cached before the session, as it was
+    assert w.compiles == 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -12,16 +13,13 @@ from rich.console import Console
 from torch import nn
 
 from torchscope._util import to_jsonable
-from torchscope.compile import (
-    CompileReport,
-    compile_findings,
-    compile_report,
-    derive_speed,
-    recompile_limit,
-)
+from torchscope.compile import CompileReport, compile_report
+from torchscope.compile.records import derive_speed
+from torchscope.compile.watch import recompile_limit
 from torchscope.errors import CompileError
 from torchscope.models import TinyCNN
 from torchscope.report.compile import compile_table, recompile_table
+from torchscope.step import Step
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("compile")]
 
@@ -29,11 +27,35 @@ HERE = Path(__file__).parent
 
 
 @pytest.fixture(scope="module")
-def tiny_report() -> CompileReport:
-    """tiny-cnn, inference, default mode, then batch 32 -> 16 -> 8 with dynamic=False."""
+def tiny_run() -> tuple[CompileReport, tuple[object, ...], tuple[object, ...]]:
+    """tiny-cnn, inference, default mode, then batch 32 -> 16 -> 8 with dynamic=False; with
+    the process state (environment, random generator, stance, torch.compile) around it."""
     torch.manual_seed(0)
-    return compile_report(TinyCNN(), torch.randn(32, 3, 32, 32), modes=("default",), iters=5,
-                          warmup=1, batch_sizes=(16, 8), dynamic=False, name="tiny-cnn")
+    model, x = TinyCNN(), torch.randn(32, 3, 32, 32)
+    before = _process()
+    report = compile_report(model, x, modes=("default",), iters=5, warmup=1,
+                            batch_sizes=(16, 8), dynamic=False, name="tiny-cnn")
+    return report, before, _process()
+
+
+@pytest.fixture(scope="module")
+def tiny_report(tiny_run: tuple[CompileReport, object, object]) -> CompileReport:
+    return tiny_run[0]
+
+
+def _process() -> tuple[object, ...]:
+    stance = str(torch._dynamo.eval_frame._stance.stance)  # imports Dynamo first
+    return dict(os.environ), torch.get_rng_state(), stance, torch.compile
+
+
+def test_child_run_leaves_this_process_as_found(
+    tiny_run: tuple[CompileReport, tuple[object, ...], tuple[object, ...]],
+) -> None:
+    report, (env, rng, stance, compile_fn), after = tiny_run
+    assert report.mode("default").isolated
+    assert after[0] == env
+    assert isinstance(rng, torch.Tensor) and torch.equal(after[1], rng)  # type: ignore[arg-type]
+    assert after[2] == stance and after[3] is compile_fn
 
 
 def _render(obj: object) -> str:
@@ -93,7 +115,7 @@ def test_batch_size_changes_recompile_with_guard_text(tiny_report: CompileReport
 
 def test_findings_and_table(tiny_report: CompileReport) -> None:
     m = tiny_report.mode("default")
-    codes = [f.code for f in compile_findings(tiny_report)]
+    codes = [f.code for f in tiny_report.findings()]
     assert "compile.recompiles" in codes
     assert ("compile.pays_off" in codes) == (m.break_even_calls is not None)
     assert ("compile.never_pays_off" in codes) == (m.break_even_calls is None)
@@ -114,11 +136,16 @@ def test_training_compares_gradients() -> None:
     from torchscope.models import MLP
 
     torch.manual_seed(0)
-    report = compile_report(MLP(), torch.randn(16, 128), modes=("default",), train=True,
-                            iters=3, warmup=1)
+    model, x = MLP(), torch.randn(16, 128)
+    report = compile_report(model, x, modes=("default",), measure="step", iters=3, warmup=1)
     m = report.mode("default")
     assert m.status == "ok", m.error
-    assert report.train
+    assert m.isolated
+    assert report.measure == "step"
+    # The measured step is the shared Step: the child's eager copy ran the same loss.
+    assert report.step is not None
+    assert report.step.loss == "auto → cross-entropy vs seeded targets"
+    assert report.step.loss_value == float(Step(model, x).forward_backward())
     assert m.grad_max_abs_diff is not None and m.grad_max_abs_diff < 1e-4
     assert m.max_abs_diff is not None and m.max_abs_diff < 1e-4
     assert m.speedup == pytest.approx(m.eager_ms / m.compiled_ms)  # type: ignore[operator]
@@ -130,7 +157,7 @@ def test_hang_is_reported_not_fatal() -> None:
     m = report.mode("default")
     assert m.status == "timeout"
     assert "killed" in (m.error or "")
-    assert "compile.timeout" in [f.code for f in compile_findings(report)]
+    assert "compile.timeout" in [f.code for f in report.findings()]
 
 
 def test_crash_is_reported_not_fatal() -> None:
@@ -140,7 +167,7 @@ def test_crash_is_reported_not_fatal() -> None:
     loaded = load_target(target)
     assert loaded.inputs is not None
     report = compile_report(loaded.model, loaded.inputs, modes=("default",), iters=1,
-                            target=target, timeout_s=120)
+                            factory=target, timeout_s=120)
     m = report.mode("default")
     assert m.status == "crashed"
     assert "SIGSEGV" in (m.error or "")
@@ -152,7 +179,7 @@ def test_no_cpp_compiler_is_said_clearly(monkeypatch: pytest.MonkeyPatch) -> Non
     assert [m.status for m in report.modes] == ["no_compiler", "no_compiler"]
     assert "no C++ compiler" in (report.modes[0].error or "")
     assert "/nonexistent/c++" in (report.modes[0].error or "")
-    assert "compile.no_compiler" in [f.code for f in compile_findings(report)]
+    assert "compile.no_compiler" in [f.code for f in report.findings()]
 
 
 def test_bad_settings_raise() -> None:

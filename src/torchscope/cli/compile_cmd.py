@@ -59,9 +59,13 @@ def compile_command(
     modes: Annotated[str, typer.Option(
         "--modes", "-m", help="Comma-separated torch.compile modes.")
     ] = "default,reduce-overhead,max-autotune",
-    train: Annotated[bool, typer.Option(
-        "--train", help="Time a training step (forward + backward) instead of inference.")
-    ] = False,
+    measure: Annotated[str, typer.Option(
+        "--measure", help="forward (inference under no_grad, eval mode) or step (the "
+        "training step's forward, loss and backward, train mode).")] = "forward",
+    loss: Annotated[str, typer.Option(
+        "--loss", help="The step's loss with --measure step: auto (the model's own loss, "
+        "else cross-entropy for logits, else mean squared error; targets seeded), "
+        "cross_entropy, mse or sum.")] = "auto",
     iters: Annotated[int, typer.Option(help="Timed calls of eager and of compiled.")] = 30,
     warmup: Annotated[int, typer.Option(help="Untimed calls of each before timing.")] = 3,
     timeout: Annotated[float, typer.Option(help="Seconds allowed per mode.")] = 600.0,
@@ -78,7 +82,7 @@ def compile_command(
     with guarded(debug):
         check_output(json_path, "--json")
         from torchscope._util import write_json
-        from torchscope.compile import compile_findings, compile_report
+        from torchscope.compile import compile_report
         from torchscope.report.compile import (
             compile_table,
             findings_table,
@@ -86,7 +90,14 @@ def compile_command(
             recompile_table,
             shape_call_lines,
         )
+        from torchscope.step import LOSSES
 
+        if measure not in ("forward", "step"):
+            raise CompileError(f"--measure {measure!r} is not known.",
+                               fix="pass --measure forward or --measure step.")
+        if loss not in LOSSES:
+            raise CompileError(f"--loss {loss!r} is not a known loss.",
+                               fix=f"use one of {', '.join(LOSSES)}.")
         mode_list = _split(modes, "modes")
         sizes = _batch_sizes(batch_sizes)
         dyn = _dynamic(dynamic)
@@ -97,9 +108,12 @@ def compile_command(
                 err_console.print(f"[dim]{line}[/]", highlight=False)
 
         report = compile_report(
-            loaded.model, model_inputs, mode_list, train=train, iters=iters, warmup=warmup,
-            timeout_s=timeout, batch_sizes=sizes, dynamic=dyn, name=loaded.name,
-            target=loaded.name, progress=progress)
+            loaded.model, model_inputs, loss_fn=loss,
+            measure="step" if measure == "step" else "forward", modes=mode_list, iters=iters,
+            warmup=warmup, timeout_s=timeout, batch_sizes=sizes, dynamic=dyn, name=loaded.name,
+            factory=loaded.name, progress=progress)
+        if report.step is not None:
+            console.print(report.step.describe(), highlight=False, markup=False)
         console.print(compile_table(report))
         if report.graph_breaks:
             console.print(graph_break_table(report.graph_breaks))
@@ -111,7 +125,7 @@ def compile_command(
                 console.print(line, highlight=False, markup=False)
         for note in report.notes:
             console.print(f"note: {note}", highlight=False, markup=False)
-        findings = compile_findings(report)
+        findings = report.findings()
         if findings:
             console.print(findings_table(findings))
         if json_path:

@@ -1,16 +1,17 @@
 """The torch.compile doctor: compile cost, speedup per mode, break-even, graph breaks,
-recompiles, compile hygiene, and safe torchscope captures on compiled models."""
+recompiles and compile hygiene.
 
-from torchscope.compile.analyze import compile_findings, recompile_findings
+`compile_report` answers "is torch.compile worth it here?" (`report.findings()` says it in
+words); `watch_recompiles` records recompiles and their failing guards in your own loop;
+`compile_once`, `compile_guard` and `audit_compiled_hooks` catch the compile-in-a-loop and
+late-hook traps. How torchscope's own hooks treat a compiled model lives in
+`torchscope.hooks` (`compiled_parts`, `compiled_capture`, `CompiledCheck`). Modules whose
+names start with `_` and names not listed here are private.
+"""
+
+from torchscope.compile import analyze as _analyze  # registers CompileReport's analyzer
 from torchscope.compile.breaks import BreakScan, find_graph_breaks
-from torchscope.compile.doctor import DEFAULT_MODES, compile_report, cpp_compiler, known_modes
-from torchscope.compile.guard import (
-    CompiledCapture,
-    check_compiled,
-    compiled_capture,
-    compiled_parts,
-    unwrap_compiled,
-)
+from torchscope.compile.doctor import DEFAULT_MODES, compile_report, known_modes
 from torchscope.compile.hygiene import (
     CompileGuard,
     CompileLoopWarning,
@@ -23,15 +24,15 @@ from torchscope.compile.hygiene import (
     track_compiled,
 )
 from torchscope.compile.records import (
-    CompiledCheck,
     CompileReport,
     GraphBreak,
     ModeResult,
     Recompile,
     ShapeCall,
-    derive_speed,
 )
-from torchscope.compile.watch import RecompileWatcher, recompile_limit, watch_recompiles
+from torchscope.compile.watch import RecompileWatcher, watch_recompiles
+
+del _analyze
 
 __all__ = [
     "DEFAULT_MODES",
@@ -39,8 +40,6 @@ __all__ = [
     "CompileGuard",
     "CompileLoopWarning",
     "CompileReport",
-    "CompiledCapture",
-    "CompiledCheck",
     "GraphBreak",
     "LateHook",
     "ModeResult",
@@ -49,21 +48,12 @@ __all__ = [
     "RecompileWatcher",
     "ShapeCall",
     "audit_compiled_hooks",
-    "check_compiled",
-    "compile_findings",
     "compile_guard",
     "compile_once",
     "compile_report",
-    "compiled_capture",
-    "compiled_parts",
-    "cpp_compiler",
-    "derive_speed",
     "find_graph_breaks",
     "known_modes",
     "late_hooks",
-    "recompile_findings",
-    "recompile_limit",
     "track_compiled",
-    "unwrap_compiled",
     "watch_recompiles",
 ]

@@ -1,35 +1,59 @@
 """Measure one torch.compile mode: cold/warm compile, interleaved latency, numerical drift.
 
-Runs inside the child process of `compile_report` (or in-process when the model cannot be
-sent to a child). Everything here returns plain numbers and records.
+Runs inside the child process of `compile_report` (or in this process when the model or
+its loss cannot be sent to a child). Everything here returns plain numbers and records.
+In this process the measurement goes through `torchscope.compile._isolate`, so that the
+user's own compiled code and the process environment are left as they were.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import os
 import statistics
-import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from torch import nn
 
+from torchscope.compile._isolate import private_code
 from torchscope.compile.breaks import find_graph_breaks
-from torchscope.compile.records import Recompile, ShapeCall
+from torchscope.compile.records import CompileMeasure, Recompile, ShapeCall
 from torchscope.compile.watch import RecompileWatcher, recompile_limit
 from torchscope.hooks.tree import iter_tensors
 from torchscope.models.target import ModelInputs
+from torchscope.step import LossSpec, Step
 
 __all__ = [
-    "MeasureJob", "RawMode", "first_line", "is_no_compiler_error", "measure_mode", "resize_batch",
-    "run_job",
+    "MeasureJob", "RawMode", "StepSpec", "first_line", "is_no_compiler_error", "measure_mode",
+    "resize_batch", "run_job",
 ]
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """What a child process needs to rebuild the caller's `Step` around its own copy of the
+    model: the loss, the target, AMP and accumulation (not the optimizer, which belongs to
+    the caller's parameters, nor the GradScaler)."""
+
+    loss_fn: LossSpec = "auto"
+    target: Any = None
+    autocast: torch.dtype | None = None
+    accumulate: int = 1
+    seed: int = 0
+
+    @classmethod
+    def of(cls, step: Step) -> StepSpec:
+        """The parts of `step` that travel."""
+        return cls(step.loss_fn, step.target, step.autocast, step.accumulate, step.seed)
+
+    def build(self, model: nn.Module, inputs: ModelInputs) -> Step:
+        """The step on `model` (a private copy, or a `torch.compile` wrapper of one)."""
+        return Step(model, inputs, loss_fn=self.loss_fn, target=self.target,
+                    autocast=self.autocast, accumulate=self.accumulate, seed=self.seed)
 
 
 @dataclass(frozen=True)
@@ -37,13 +61,19 @@ class MeasureJob:
     """Everything one mode's measurement needs besides the model and inputs."""
 
     mode: str
-    train: bool
+    measure: CompileMeasure
     iters: int
     warmup: int
     dynamic: bool | None
     explain: bool
+    step: StepSpec = field(default_factory=StepSpec)
     batch_sizes: tuple[int, ...] = ()
     options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def train(self) -> bool:
+        """Whether the measured call is the training step (train mode, with backward)."""
+        return self.measure == "step"
 
 
 @dataclass(frozen=True)
@@ -63,56 +93,16 @@ class RawMode:
     recompile_limit: int
     limit_hit: bool
     shape_calls: tuple[ShapeCall, ...]
+    loss: str | None = None
+    loss_value: float | None = None
 
 
-@contextlib.contextmanager
-def fresh_inductor_cache() -> Iterator[None]:
-    """An empty on-disk inductor cache and empty in-memory caches; Dynamo reset on both ends.
-
-    Without it a later mode reuses the C++ kernels an earlier mode compiled (same source,
-    same hash) and its "cold" compile looks cheap. TORCHINDUCTOR_CACHE_DIR is restored after.
-    """
-    import torch._dynamo
-    from torch._inductor.utils import clear_caches
-
-    old = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    with tempfile.TemporaryDirectory(prefix="torchscope-compile-") as tmp:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tmp
-        torch._dynamo.reset()
-        clear_caches()
-        try:
-            yield
-        finally:
-            if old is None:
-                os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
-            else:
-                os.environ["TORCHINDUCTOR_CACHE_DIR"] = old
-            torch._dynamo.reset()
-            clear_caches()
-
-
-def _device_of(model: nn.Module, inputs: ModelInputs) -> torch.device:
-    for p in model.parameters():
-        return p.device
-    for _, t in iter_tensors((inputs.args, dict(inputs.kwargs))):
-        return t.device
-    return torch.device("cpu")
-
-
+# ---------------------------------------------------------------------- figures
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     elif device.type != "cpu" and hasattr(torch, "accelerator"):
         torch.accelerator.synchronize()
-
-
-def _scalar_loss(out: Any) -> torch.Tensor:
-    """A scalar that depends on every floating output: sum of mean squares."""
-    parts = [t.float().square().mean() for _, t in iter_tensors(out)
-             if t.is_floating_point() and t.requires_grad]
-    if not parts:
-        raise ValueError("train=True needs a floating-point output that requires grad")
-    return torch.stack(parts).sum()
 
 
 def _detach(out: Any) -> list[torch.Tensor]:
@@ -138,24 +128,29 @@ def _grads(model: nn.Module) -> list[torch.Tensor]:
     return [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
 
 
-def resize_batch(inputs: ModelInputs, batch_size: int) -> ModelInputs:
-    """The same inputs with every tensor whose first dim is the batch cut or tiled to
-    `batch_size` (the batch is the first dim of the first tensor)."""
+def _batch_of(inputs: ModelInputs) -> int:
     leaves = list(iter_tensors((inputs.args, dict(inputs.kwargs))))
     if not leaves or leaves[0][1].dim() == 0:
         raise ValueError("the inputs have no batch dimension to resize")
-    batch = leaves[0][1].shape[0]
+    return int(leaves[0][1].shape[0])
 
-    def fit(v: Any) -> Any:
-        if not isinstance(v, torch.Tensor) or v.dim() == 0 or v.shape[0] != batch:
-            return v
-        if batch_size <= batch:
-            return v[:batch_size].clone()
-        reps = -(-batch_size // batch)
-        return torch.cat([v] * reps)[:batch_size]
 
-    return ModelInputs(tuple(fit(a) for a in inputs.args),
-                       {k: fit(v) for k, v in inputs.kwargs.items()})
+def _fit(v: Any, batch: int, batch_size: int) -> Any:
+    """A tensor whose first dim is the batch, cut or tiled to `batch_size`; else `v`."""
+    if not isinstance(v, torch.Tensor) or v.dim() == 0 or v.shape[0] != batch:
+        return v
+    if batch_size <= batch:
+        return v[:batch_size].clone()
+    reps = -(-batch_size // batch)
+    return torch.cat([v] * reps)[:batch_size]
+
+
+def resize_batch(inputs: ModelInputs, batch_size: int) -> ModelInputs:
+    """The same inputs with every tensor whose first dim is the batch cut or tiled to
+    `batch_size` (the batch is the first dim of the first tensor)."""
+    batch = _batch_of(inputs)
+    return ModelInputs(tuple(_fit(a, batch, batch_size) for a in inputs.args),
+                       {k: _fit(v, batch, batch_size) for k, v in inputs.kwargs.items()})
 
 
 def is_no_compiler_error(exc: BaseException) -> bool:
@@ -174,89 +169,98 @@ def measure_mode(model: nn.Module, inputs: ModelInputs, job: MeasureJob,
                  log: Callable[[str], None] = lambda _s: None) -> RawMode:
     """Measure one mode on private copies of `model` (the original is never called).
 
-    Order: cold compile (first compiled call, fresh inductor
-    cache) → eager reference and numerical diffs → warm compile (after
-    `torch._dynamo.reset()` and clearing inductor's in-memory caches; the on-disk cache is
-    reused) → warm-up → interleaved steady-state timing → calls with other batch sizes.
+    The measured call is the step's forward under `no_grad` (eval mode), or with
+    `measure="step"` the step's forward, loss and backward (train mode; no optimizer step).
+    Order: cold compile (first compiled call, private code objects, fresh inductor cache)
+    → eager reference (its loss is the step's loss) and numerical diffs → warm compile (new
+    private code objects, inductor's in-memory caches cleared, its on-disk cache reused) →
+    warm-up → interleaved steady-state timing → calls with other batch sizes.
     """
-    device = _device_of(model, inputs)
-    args, kwargs = inputs.args, dict(inputs.kwargs)
-    eager = copy.deepcopy(model).train(job.train)
-    target = copy.deepcopy(model).train(job.train)
-    cudagraphs = job.mode.startswith("reduce-overhead") and device.type == "cuda"
+    from torch._dynamo.utils import counters
+    from torch._inductor.utils import clear_caches
 
-    def step(m: Callable[..., Any], a: tuple[Any, ...] = args, k: dict[str, Any] = kwargs,
-             compiled: bool = False) -> Any:
+    eager = copy.deepcopy(model).train(job.train)
+    subject = copy.deepcopy(model).train(job.train)
+    eager_step = job.step.build(eager, inputs)
+    device = eager_step.device
+    cudagraphs = job.mode.startswith("reduce-overhead") and device.type == "cuda"
+    compiled_step = eager_step  # replaced by the compiled wrapper's step below
+
+    def call(s: Step, compiled: bool = False) -> tuple[Any, torch.Tensor | None]:
+        """One measured call: `(first micro-batch's output, loss or None)`."""
         if compiled and cudagraphs:
             torch.compiler.cudagraph_mark_step_begin()
-        if job.train:
-            for p in target.parameters() if compiled else eager.parameters():
-                p.grad = None
-            out = m(*a, **k)
-            _scalar_loss(out).backward()
-            return out
-        with torch.no_grad():
-            return m(*a, **k)
+        if not job.train:
+            with torch.no_grad():
+                return s.forward(), None
+        outputs: list[Any] = []
 
-    def timed(m: Callable[..., Any], compiled: bool) -> tuple[float, Any]:
+        def keep(micro: int, output: Any, _loss: torch.Tensor) -> None:
+            if micro == 0:
+                outputs.append(output)
+
+        s.zero_grad()
+        loss = s.forward_backward(before_backward=keep)
+        return outputs[0], loss
+
+    def timed(s: Step, compiled: bool) -> tuple[float, Any, torch.Tensor | None]:
         _sync(device)
         t0 = time.perf_counter()
-        out = step(m, compiled=compiled)
+        out, loss = call(s, compiled)
         _sync(device)
-        return time.perf_counter() - t0, out
+        return time.perf_counter() - t0, out, loss
 
-    def make() -> Callable[..., Any]:
-        return torch.compile(target, mode=None if job.mode == "default" else job.mode,
-                             dynamic=job.dynamic, options=job.options or None)
+    def make() -> Step:
+        wrapper = torch.compile(subject, mode=None if job.mode == "default" else job.mode,
+                                dynamic=job.dynamic, options=job.options or None)
+        assert isinstance(wrapper, nn.Module)
+        return job.step.build(wrapper, inputs)
 
-    torch._dynamo.reset()
     watcher = RecompileWatcher()
     with watcher:
-        counters = torch._dynamo.utils.counters
-        counters.clear()
-        log("cold compile")
-        compiled = make()
-        cold_first_s, out_c = timed(compiled, True)
-        graphs = int(counters["stats"]["unique_graphs"]) or None
-        got = _detach(out_c)
-        got_grads = _grads(target) if job.train else []
-        _, out_e = timed(eager, False)
+        graphs_before = int(counters["stats"]["unique_graphs"])
+        with private_code(subject):
+            log("cold compile")
+            compiled_step = make()
+            cold_first_s, out_c, _ = timed(compiled_step, True)
+            graphs = int(counters["stats"]["unique_graphs"]) - graphs_before or None
+            got = _detach(out_c)
+            got_grads = _grads(subject) if job.train else []
+        _, out_e, eager_loss = timed(eager_step, False)
         diffs = _max_diffs(got, _detach(out_e))
         grad_diffs = _max_diffs(got_grads, _grads(eager)) if job.train else None
+        resolved = eager_step.resolved
+        del out_c, out_e
 
         log("warm compile")
-        torch._dynamo.reset()
-        from torch._inductor.utils import clear_caches
-
         clear_caches()
-        watcher.reinstall()
-        compiled = make()
-        warm_first_s, _ = timed(compiled, True)
+        with private_code(subject):
+            compiled_step = make()
+            warm_first_s, _, _ = timed(compiled_step, True)
 
-        log("timing")
-        for _ in range(job.warmup):
-            step(eager)
-            step(compiled, compiled=True)
-        eager_s: list[float] = []
-        compiled_s: list[float] = []
-        for i in range(job.iters):
-            # Alternate who goes first so neither always runs on a cache the other warmed.
-            order = ((eager, False), (compiled, True)) if i % 2 == 0 else \
-                ((compiled, True), (eager, False))
-            for m, is_c in order:
-                dt, _ = timed(m, is_c)
-                (compiled_s if is_c else eager_s).append(dt)
+            log("timing")
+            for _ in range(job.warmup):
+                call(eager_step)
+                call(compiled_step, True)
+            eager_s: list[float] = []
+            compiled_s: list[float] = []
+            for i in range(job.iters):
+                # Alternate who goes first so neither always runs on a cache the other warmed.
+                order = ((eager_step, False), (compiled_step, True)) if i % 2 == 0 else \
+                    ((compiled_step, True), (eager_step, False))
+                for s, is_c in order:
+                    dt, _, _ = timed(s, is_c)
+                    (compiled_s if is_c else eager_s).append(dt)
 
-        shape_calls = []
-        for bs in job.batch_sizes:
-            log(f"batch size {bs}")
-            resized = resize_batch(inputs, bs)
-            before = watcher.compiles
-            _sync(device)
-            t0 = time.perf_counter()
-            step(compiled, resized.args, dict(resized.kwargs), compiled=True)
-            _sync(device)
-            shape_calls.append(ShapeCall(bs, time.perf_counter() - t0, watcher.compiles > before))
+            shape_calls = []
+            for bs in job.batch_sizes:
+                log(f"batch size {bs}")
+                batch = _batch_of(inputs)
+                resized = replace(compiled_step, inputs=resize_batch(inputs, bs),
+                                  target=_fit(compiled_step.target, batch, bs))
+                before = watcher.compiles
+                dt, _, _ = timed(resized, True)
+                shape_calls.append(ShapeCall(bs, dt, watcher.compiles > before))
 
     return RawMode(
         cold_first_s=cold_first_s,
@@ -272,6 +276,8 @@ def measure_mode(model: nn.Module, inputs: ModelInputs, job: MeasureJob,
         recompile_limit=recompile_limit(),
         limit_hit=watcher.limit_hit,
         shape_calls=tuple(shape_calls),
+        loss=None if resolved is None or not job.train else resolved.describe(),
+        loss_value=None if eager_loss is None else float(eager_loss),
     )
 
 

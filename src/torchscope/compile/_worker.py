@@ -35,7 +35,7 @@ def main(argv: list[str]) -> int:
         if model is None:
             from torchscope.models.target import load_target
 
-            model = load_target(job["target"]).model
+            model = load_target(job["factory"]).model
     except Exception as exc:
         _write(result_path, {"status": "load_error", "error": first_line(exc)})
         return 0

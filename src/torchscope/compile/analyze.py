@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from torchscope.compile.records import CompileReport, GraphBreak, ModeResult, Recompile
-from torchscope.findings import Finding, Severity, rank
+from torchscope.findings import Finding, Severity, analyzer, rank
 
 __all__ = ["compile_findings", "recompile_findings"]
 
@@ -134,8 +134,20 @@ def _break_finding(b: GraphBreak) -> Finding:
         module=b.function)
 
 
-def compile_findings(report: CompileReport) -> list[Finding]:
-    """Everything worth saying about a `CompileReport`, most severe first."""
+@analyzer(CompileReport)
+def compile_findings(report: CompileReport, thresholds: object = None) -> list[Finding]:
+    """Everything worth saying about a `CompileReport`, most severe first.
+
+    Registered for `CompileReport`: read it as `report.findings()`.
+
+    Args:
+        report: the report.
+        thresholds: unused (the compile findings have no thresholds yet).
+
+    Codes: `compile.pays_off`, `compile.never_pays_off`, `compile.numerics`,
+    `compile.recompiles`, `compile.graph_break`, `compile.best_mode`, `compile.no_gain`,
+    and `compile.<status>` for a mode that failed.
+    """
     out: list[Finding] = []
     for m in report.modes:
         out.extend(_mode_findings(m))

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchscope.compile._isolate import private_code
 from torchscope.compile.records import GraphBreak
 from torchscope.models.target import ModelInputs
 
@@ -115,14 +116,17 @@ def hook_at(model: nn.Module, file: str | None, line: int | None) -> str | None:
 
 
 def find_graph_breaks(model: nn.Module, inputs: Any, *, train: bool = False) -> BreakScan:
-    """Run `torch._dynamo.explain` on one call of `model` and locate every graph break.
+    """Trace one call of `model` with Dynamo and locate every graph break.
 
-    Like `torch._dynamo.explain`, this resets Dynamo (`torch._dynamo.reset()`) before and
-    after: graphs compiled earlier in this process are dropped. `compile_report` runs it in
-    its child process.
+    Dynamo traces `model` as `torch._dynamo.explain` does, with a backend that only
+    collects the graphs (nothing is compiled), but without `explain`'s
+    `torch._dynamo.reset()`: the model runs on private copies of its forward code objects
+    (see `torchscope.compile._isolate.private_code`), so graphs compiled earlier in this
+    process are neither reused nor dropped.
 
     Args:
-        model: the eager model (not a `torch.compile` wrapper).
+        model: the eager model (not a `torch.compile` wrapper). It is called once, hooks
+            included; its `forward` attributes are put back afterwards.
         inputs: a tensor, tuple, dict or `ModelInputs`.
         train: trace with autograd enabled (False: under `torch.no_grad()`).
 
@@ -131,10 +135,20 @@ def find_graph_breaks(model: nn.Module, inputs: Any, *, train: bool = False) -> 
         and the hook it sits in when it is inside a registered hook.
     """
     mi = ModelInputs.of(inputs)
-    with torch.set_grad_enabled(train):
-        out = torch._dynamo.explain(model)(*mi.args, **dict(mi.kwargs))
+    graphs: list[Any] = []
+    reasons: list[Any] = []
+
+    def collect(gm: torch.fx.GraphModule, _example_inputs: Any) -> Callable[..., Any]:
+        graphs.append(gm)
+        reason = getattr(gm, "compile_subgraph_reason", None)
+        if reason is not None and reason.graph_break:
+            reasons.append(reason)
+        return gm.forward
+
+    with private_code(model), torch.set_grad_enabled(train):
+        torch.compile(model, backend=collect)(*mi.args, **dict(mi.kwargs))
     breaks = []
-    for r in out.break_reasons:
+    for r in reasons:
         first, explanation = _split_reason(getattr(r, "reason", ""))
         file, line, function = _user_frame(getattr(r, "user_stack", ()))
         breaks.append(GraphBreak(
@@ -147,4 +161,4 @@ def find_graph_breaks(model: nn.Module, inputs: Any, *, train: bool = False) -> 
             hook=hook_at(model, file, line),
             detail=str(getattr(r, "reason", "")),
         ))
-    return BreakScan(int(out.graph_count), tuple(breaks))
+    return BreakScan(len(graphs), tuple(breaks))

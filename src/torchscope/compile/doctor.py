@@ -20,10 +20,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchscope.compile._measure import MeasureJob, fresh_inductor_cache, run_job
+from torchscope._process import seeded
+from torchscope.compile._isolate import fresh_inductor_cache
+from torchscope.compile._measure import MeasureJob, StepSpec, run_job
 from torchscope.compile.breaks import BreakScan
-from torchscope.compile.guard import compiled_parts
 from torchscope.compile.records import (
+    MEASURES,
+    CompileMeasure,
     CompileReport,
     GraphBreak,
     ModeResult,
@@ -33,7 +36,9 @@ from torchscope.compile.records import (
 )
 from torchscope.compile.watch import recompile_limit
 from torchscope.errors import CompileError
+from torchscope.hooks.compiled import compiled_parts, unwrap_compiled
 from torchscope.models.target import ModelInputs
+from torchscope.step import LossSpec, Step
 
 __all__ = ["DEFAULT_MODES", "compile_report", "cpp_compiler", "known_modes"]
 
@@ -64,15 +69,6 @@ def cpp_compiler() -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return path
-
-
-def _device(model: nn.Module, inputs: ModelInputs) -> torch.device:
-    for p in model.parameters():
-        return p.device
-    for v in (*inputs.args, *inputs.kwargs.values()):
-        if isinstance(v, torch.Tensor):
-            return v.device
-    return torch.device("cpu")
 
 
 def _importable(module_name: str) -> bool:
@@ -231,66 +227,31 @@ def _run_child(payload: dict[str, Any], timeout_s: float) -> dict[str, Any]:
 
 
 def _run_here(model: nn.Module, inputs: ModelInputs, job: MeasureJob) -> dict[str, Any]:
-    """Measure in this process, with a fresh inductor cache dir; Dynamo is reset after."""
-    with fresh_inductor_cache():
+    """Measure in this process: private code objects, a fresh inductor cache, the caller's
+    random streams, environment and compiler stance given back (no `torch._dynamo.reset()`:
+    what the caller compiled stays compiled)."""
+    with seeded(None), fresh_inductor_cache(), torch.compiler.set_stance("default"):
         return _jsonable(run_job(model, inputs, job))
 
 
-def compile_report(
-    model: nn.Module,
-    inputs: Any,
-    modes: Sequence[str] = DEFAULT_MODES,
-    *,
-    train: bool = False,
-    iters: int = 30,
-    warmup: int = 3,
-    timeout_s: float = 600.0,
-    batch_sizes: Sequence[int] = (),
-    dynamic: bool | None = None,
-    options: dict[str, Any] | None = None,
-    isolate: bool = True,
-    name: str | None = None,
-    target: str | None = None,
-    progress: Callable[[str], None] | None = None,
-) -> CompileReport:
-    """Measure what each `torch.compile` mode costs and gains on `model` with `inputs`.
+def _not_sendable_loss(loss_fn: Any) -> str | None:
+    """Why a child process could not get this loss function, or None."""
+    if not callable(loss_fn):
+        return None
+    name = getattr(loss_fn, "__qualname__", None) or type(loss_fn).__name__
+    try:
+        pickle.dumps(loss_fn)
+    except Exception as exc:
+        return f"the loss function {name} cannot be pickled ({type(exc).__name__})"
+    module = getattr(loss_fn, "__module__", None) or type(loss_fn).__module__
+    if module == "__main__" or not _importable(module):
+        return f"the loss function {name} is defined in {module}, which a child process " \
+               "cannot import"
+    return None
 
-    For every mode, in its own child process with a fresh inductor cache: the cold compile,
-    the warm compile (same cache, after `torch._dynamo.reset()`), the median eager and
-    compiled call timed interleaved, the speedup, the calls needed to pay the compile back,
-    the largest output difference (and gradient difference when `train=True`), and every
-    recompile with its failing guard. Graph breaks come from `torch._dynamo.explain`.
 
-    A mode that crashes, hangs past `timeout_s` or finds no C++ compiler is reported in its
-    `ModeResult.status`; the other modes still run. Your `model` is never called here.
-
-    Args:
-        model: the eager model (a `torch.compile` wrapper is unwrapped to its module).
-        inputs: a tensor, tuple, dict or `ModelInputs`, on the model's device.
-        modes: `torch.compile` modes; `default` means no `mode=`.
-        train: time forward+backward of a scalar loss in train mode; else inference under
-            `torch.no_grad()` in eval mode.
-        iters: timed calls of each of eager and compiled.
-        warmup: untimed calls of each before timing.
-        timeout_s: per-mode limit for the child process.
-        batch_sizes: after timing, call the compiled model once per batch size (inputs cut
-            or tiled along dim 0) to show shape recompiles and their guards.
-        dynamic: `torch.compile(dynamic=...)`; False recompiles for every new shape.
-        options: `torch.compile(options=...)` (inductor options; not with `modes`).
-        isolate: measure in child processes (False, or a model a child cannot import:
-            in this process, without timeout, and Dynamo is reset afterwards).
-        name: the model's name in the report.
-        target: a TARGET (`file.py:factory`) the child can rebuild the model from when
-            the model cannot be pickled.
-        progress: called with a short line before each step.
-
-    Returns:
-        A `CompileReport`; turn it into findings with `compile_findings`.
-
-    Raises:
-        CompileError: an unknown mode or bad settings.
-    """
-    say = progress or (lambda _s: None)
+def _check(modes: Sequence[str], measure: str, iters: int, warmup: int, timeout_s: float,
+           batch_sizes: Sequence[int]) -> None:
     if not modes:
         raise CompileError("no mode to measure.", fix="pass modes=('default',) or more.")
     valid = known_modes()
@@ -298,6 +259,10 @@ def compile_report(
     if bad:
         raise CompileError(f"unknown torch.compile mode(s) {', '.join(map(repr, bad))}.",
                            fix=f"use some of: {', '.join(valid)}.")
+    if measure not in MEASURES:
+        raise CompileError(f"measure={measure!r} is not something compile_report times.",
+                           fix="pass measure='forward' (inference) or measure='step' "
+                           "(forward, loss and backward of the training step).")
     if iters < 1 or warmup < 0:
         raise CompileError(f"iters={iters}, warmup={warmup}: need iters >= 1, warmup >= 0.",
                            fix="pass --iters 20 or more.")
@@ -307,21 +272,99 @@ def compile_report(
     if any(b < 1 for b in batch_sizes):
         raise CompileError(f"batch sizes {list(batch_sizes)} must be positive.",
                            fix="pass e.g. --batch-sizes 16,8.")
+
+
+def compile_report(
+    model: nn.Module | Step,
+    inputs: Any = None,
+    *,
+    loss_fn: LossSpec = "auto",
+    target: Any = None,
+    measure: CompileMeasure = "forward",
+    modes: Sequence[str] = DEFAULT_MODES,
+    iters: int = 30,
+    warmup: int = 3,
+    timeout_s: float = 600.0,
+    batch_sizes: Sequence[int] = (),
+    dynamic: bool | None = None,
+    options: dict[str, Any] | None = None,
+    isolate: bool = True,
+    name: str | None = None,
+    factory: str | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> CompileReport:
+    """Measure what each `torch.compile` mode costs and gains on a model and its inputs.
+
+    For every mode, in its own child process with a fresh inductor cache: the cold compile,
+    the warm compile (same on-disk cache, Dynamo tracing again), the median eager and
+    compiled call timed interleaved, the speedup, the calls needed to pay the compile back,
+    the largest output difference (and gradient difference with `measure="step"`), and
+    every recompile with its failing guard. Graph breaks come from one Dynamo trace of the
+    forward.
+
+    A mode that crashes, hangs past `timeout_s` or finds no C++ compiler is reported in its
+    `ModeResult.status`; the other modes still run. Your model is never called here: every
+    figure comes from private copies.
+
+    When the model (or a callable loss) cannot be sent to a child process, the modes are
+    measured in this process, without a timeout, and the report's notes say why. That path
+    leaves this process as it found it: your own compiled functions and models stay
+    compiled (no `torch._dynamo.reset()`; the copies run private code objects), and the
+    environment, random generators and compiler stance are restored.
+
+    Args:
+        model: the eager model (a `torch.compile` wrapper is unwrapped to its module), or a
+            `Step` (its loss, target, autocast and accumulation are used; its optimizer
+            is not stepped: it belongs to your model's parameters, not to the copies).
+        inputs: a tensor, tuple, dict or `ModelInputs`, on the model's device (not with a
+            `Step`).
+        loss_fn: the step's loss (see `torchscope.step`); used with `measure="step"`.
+        target: the loss target; None draws seeded targets for the named losses.
+        measure: `forward`: inference under `torch.no_grad()` in eval mode; `step`: the
+            training step's forward, loss and backward in train mode.
+        modes: `torch.compile` modes; `default` means no `mode=`.
+        iters: timed calls of each of eager and compiled.
+        warmup: untimed calls of each before timing.
+        timeout_s: per-mode limit for the child process.
+        batch_sizes: after timing, call the compiled model once per batch size (inputs cut
+            or tiled along dim 0) to show shape recompiles and their guards.
+        dynamic: `torch.compile(dynamic=...)`; False recompiles for every new shape.
+        options: `torch.compile(options=...)` (inductor options; not with `modes`).
+        isolate: measure in child processes (False: in this process, without timeout).
+        name: the model's name in the report.
+        factory: a TARGET (`file.py:factory`) the child can rebuild the model from when
+            the model cannot be pickled.
+        progress: called with a short line before each step.
+
+    Returns:
+        A `CompileReport`; `report.findings()` says whether compile pays off.
+
+    Raises:
+        CompileError: an unknown mode or bad settings, or a model already compiled.
+    """
+    say = progress or (lambda _s: None)
+    _check(modes, measure, iters, warmup, timeout_s, batch_sizes)
+    step = Step.of(model, inputs, loss_fn=loss_fn, target=target)
     notes: list[str] = []
-    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+    if isinstance(step.model, torch._dynamo.eval_frame.OptimizedModule):
         notes.append("measured the original module of the torch.compile wrapper.")
-        model = model._orig_mod
-    inner = compiled_parts(model)
+        step = step.with_model(unwrap_compiled(step.model))
+    inner = compiled_parts(step.model)
     if inner:
         raise CompileError(
             f"compile_report needs the eager model, but {', '.join(p or '<root>' for p in inner)} "
             "is already compiled, so the eager baseline would run compiled code.",
             fix="pass the model as it was before torch.compile / module.compile().")
-    mi = ModelInputs.of(inputs)
-    device = _device(model, mi)
+    train = measure == "step"
+    if train and (step.optimizer is not None or step.scaler is not None):
+        notes.append("the step's optimizer and GradScaler were not used: the measured step "
+                     "is forward, loss and backward on private copies of the model.")
+    net, mi, device = step.model, step.inputs, step.device
     limit = recompile_limit()
-    base = MeasureJob(mode="default", train=train, iters=iters, warmup=warmup, dynamic=dynamic,
-                      explain=True, batch_sizes=tuple(batch_sizes), options=dict(options or {}))
+    base = MeasureJob(mode="default", measure=measure, iters=iters, warmup=warmup,
+                      dynamic=dynamic, explain=True, step=StepSpec.of(step),
+                      batch_sizes=tuple(batch_sizes), options=dict(options or {}))
+    label = name or type(net).__name__
 
     results: list[ModeResult] = []
     scan: BreakScan | None = None
@@ -329,61 +372,76 @@ def compile_report(
         cxx = os.environ.get("CXX") or "g++"
         msg = _NO_CXX.format(cxx=cxx)
         results = [ModeResult(m, "no_compiler", error=msg, recompile_limit=limit) for m in modes]
-        return CompileReport(name or type(model).__name__, mi.describe(), str(device), train,
-                             tuple(results), (), None, limit, torch.__version__, (msg,))
+        return CompileReport(label, mi.describe(), str(device), measure, tuple(results), (),
+                             None, limit, torch.__version__, (msg,))
 
     if device.type != "cuda" and any(m.startswith("reduce-overhead") for m in modes):
         notes.append("reduce-overhead removes launch overhead with CUDA graphs; on "
                      f"{device.type} there are none, so it compiles like default.")
     in_process = not isolate
-    why = _not_sendable(model) if isolate else None
-    send_target = False
-    if why is not None:
-        if target is not None:
-            send_target = True
-        else:
+    send_factory = False
+    if isolate:
+        why = _not_sendable_loss(step.loss_fn)
+        if why is not None:
             in_process = True
-            notes.append(f"measured in this process without a timeout (Dynamo was reset "
-                         f"after): {why}.")
+            notes.append(f"measured in this process without a timeout: {why}.")
+        else:
+            why = _not_sendable(net)
+            if why is not None and factory is not None:
+                send_factory = True
+            elif why is not None:
+                in_process = True
+                notes.append(f"measured in this process without a timeout: {why}.")
+    loss_text: str | None = None
+    loss_value: float | None = None
     for mode in modes:
         job = replace(base, mode=mode, explain=scan is None)
         t0 = time.perf_counter()
         if in_process:
             say(f"{mode}: measuring in this process")
-            payload = _run_here(model, mi, job)
+            payload = _run_here(net, mi, job)
         else:
             say(f"{mode}: measuring in a child process (timeout {timeout_s:.0f} s)")
-            job_payload: dict[str, Any] = {"model": None if send_target else model,
-                                           "target": target, "inputs": mi, "job": job,
+            job_payload: dict[str, Any] = {"model": None if send_factory else net,
+                                           "factory": factory, "inputs": mi, "job": job,
                                            "threads": torch.get_num_threads()}
             try:
                 payload = _run_child(job_payload, timeout_s)
             except _UnpicklableError as exc:
                 # A local class or a lambda hook: the model cannot travel to a child.
                 in_process = True
-                notes.append(f"measured in this process without a timeout: the model "
-                             f"cannot be pickled ({exc}).")
-                payload = _run_here(model, mi, job)
+                notes.append(f"measured in this process without a timeout: the model or "
+                             f"its inputs cannot be pickled ({exc}).")
+                payload = _run_here(net, mi, job)
             if payload.get("status") == "load_error":
                 in_process = True
                 notes.append(f"measured in this process without a timeout: the child could "
                              f"not load the model ({payload.get('error')}).")
-                payload = _run_here(model, mi, job)
+                payload = _run_here(net, mi, job)
         wall = time.perf_counter() - t0
         if scan is None:
             scan = _scan_from(payload.get("scan"))
+        raw = payload.get("raw")
+        if train and loss_value is None and isinstance(raw, dict) and \
+                raw.get("loss_value") is not None:
+            loss_text, loss_value = raw.get("loss"), float(raw["loss_value"])
         results.append(replace(_mode_from(mode, payload, wall, not in_process), iters=iters))
     if scan is None:
         notes.append("graph breaks were not scanned: the scan failed in every mode.")
+    info = None
+    if train and loss_value is not None:
+        measured = replace(step, optimizer=None, scaler=None).info(loss_value)
+        info = replace(measured, loss=loss_text or measured.loss)
     return CompileReport(
-        target=name or type(model).__name__,
+        model=label,
         inputs=mi.describe(),
         device=str(device),
-        train=train,
+        measure=measure,
         modes=tuple(results),
         graph_breaks=scan.breaks if scan else (),
         graph_count=scan.graph_count if scan else None,
         recompile_limit=limit,
         torch_version=torch.__version__,
         notes=tuple(notes),
+        step=info,
     )

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
+
+from torchscope.findings import Analyzed
+from torchscope.step import StepInfo
 
 __all__ = [
+    "CompileMeasure",
     "CompileReport",
-    "CompiledCheck",
     "GraphBreak",
     "ModeResult",
     "Recompile",
@@ -17,6 +21,11 @@ __all__ = [
 
 #: Every `ModeResult.status`.
 STATUSES = ("ok", "error", "crashed", "timeout", "no_compiler")
+
+#: What `compile_report` times: the forward under `no_grad` in eval mode, or the shared
+#: training step's forward, loss and backward in train mode.
+CompileMeasure = Literal["forward", "step"]
+MEASURES: tuple[CompileMeasure, ...] = ("forward", "step")
 
 
 @dataclass(frozen=True)
@@ -108,7 +117,8 @@ class ModeResult:
             steady-state call.
         warm_compile_s: first call after `torch._dynamo.reset()` and clearing inductor's
             in-memory caches, with the on-disk cache of the cold compile reused.
-        eager_ms: median steady-state eager call (forward; forward+backward when training).
+        eager_ms: median steady-state eager call (the forward, or the step's forward, loss
+            and backward with `measure="step"`).
         compiled_ms: median steady-state compiled call, timed interleaved with eager.
         speedup: `eager_ms / compiled_ms`.
         break_even_calls: calls until the cold compile is paid back by the time saved per
@@ -116,7 +126,8 @@ class ModeResult:
         break_even_calls_warm: the same for the warm compile.
         max_abs_diff: largest |compiled - eager| over every output element.
         max_rel_diff: `max_abs_diff` divided by the largest |eager output|.
-        grad_max_abs_diff: largest |compiled - eager| over every parameter gradient (train).
+        grad_max_abs_diff: largest |compiled - eager| over every parameter gradient
+            (`measure="step"`).
         grad_max_rel_diff: that divided by the largest |eager gradient|.
         graphs: graphs compiled by the cold call (1 + graph breaks, per frame).
         recompiles: every recompile seen in this mode's child.
@@ -163,32 +174,39 @@ class ModeResult:
 
 
 @dataclass(frozen=True)
-class CompileReport:
+class CompileReport(Analyzed):
     """The torch.compile doctor's answer for one model and input.
 
+    Findings: `report.findings()` (pays off or not per mode, numerics, recompiles, graph
+    breaks, the best mode).
+
     Attributes:
-        target: the model's name.
+        model: the model's name.
         inputs: the input shapes, e.g. `(32x3x32x32)`.
         device: where the model ran (`cpu`, `cuda:0`).
-        train: measured forward+backward (True) or inference under `no_grad` (False).
+        measure: `forward` (inference under `no_grad`, eval mode) or `step` (the training
+            step's forward, loss and backward, train mode).
         modes: one result per mode, in the order asked.
-        graph_breaks: every graph break in the forward (from `torch._dynamo.explain`).
+        graph_breaks: every graph break in the forward.
         graph_count: graphs Dynamo produced for one forward.
         recompile_limit: torch's per-frame recompile limit.
         torch_version: `torch.__version__`.
         notes: plain sentences about how the figures were obtained (fallbacks).
+        step: the training step measured (`measure="step"`), with the loss of the eager
+            copy's first step; None for `measure="forward"` or when no mode ran it.
     """
 
-    target: str
+    model: str
     inputs: str
     device: str
-    train: bool
+    measure: CompileMeasure
     modes: tuple[ModeResult, ...]
     graph_breaks: tuple[GraphBreak, ...]
     graph_count: int | None
     recompile_limit: int
     torch_version: str
     notes: tuple[str, ...] = ()
+    step: StepInfo | None = None
 
     def mode(self, name: str) -> ModeResult:
         """The result of mode `name`.
@@ -211,29 +229,6 @@ class CompileReport:
         """
         fast = [m for m in self.modes if m.ok and m.faster]
         return max(fast, key=lambda m: m.speedup or -math.inf) if fast else None
-
-
-@dataclass(frozen=True)
-class CompiledCheck:
-    """Whether a model contains compiled parts, and how a torchscope capture handles them.
-
-    Attributes:
-        compiled: qualified names of compiled modules inside the model (`""` is the root):
-            `torch.compile(module)` wrappers and modules compiled in place with
-            `module.compile()`.
-        policy: `eager` (compiled parts run eagerly while torchscope captures, through
-            `torch.compiler.set_stance("force_eager")`) or `refuse`.
-        compiles: Dynamo compiles seen during the capture (0 when nothing was recompiled).
-    """
-
-    compiled: tuple[str, ...]
-    policy: str
-    compiles: int = 0
-
-    @property
-    def is_compiled(self) -> bool:
-        """True when any part of the model is compiled."""
-        return bool(self.compiled)
 
 
 def derive_speed(

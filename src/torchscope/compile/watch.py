@@ -7,19 +7,17 @@ recompile starts) and the warning torch logs when a frame hits the recompile lim
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import re
-import threading
 from collections.abc import Callable
-from types import CodeType, TracebackType
+from types import CodeType
 from typing import Any
 
 import torch
-import torch._dynamo.callback
 import torch._dynamo.guards
 
 from torchscope.compile.records import Recompile
+from torchscope.hooks.compiled import CompileCounter
 
 __all__ = ["RecompileWatcher", "recompile_limit", "watch_recompiles"]
 
@@ -46,11 +44,6 @@ def _guard_failures() -> dict[CodeType, list[str]]:
     return failures if isinstance(failures, dict) else {}
 
 
-def _callbacks() -> Any:
-    """Dynamo's compile-callback registry (`torch._dynamo.callback.callback_handler`)."""
-    return torch._dynamo.callback.callback_handler
-
-
 def parse_guard(text: str) -> tuple[str, str | None]:
     """The failing guard of one failure text, and the user `file:line` it came from.
 
@@ -65,11 +58,13 @@ def parse_guard(text: str) -> tuple[str, str | None]:
     return guard or first.strip(), source
 
 
-class RecompileWatcher:
+class RecompileWatcher(CompileCounter):
     """Record every Dynamo frame compile while open; recompiles carry their failing guard.
 
-    Use it as a context manager around compiled calls. `torch._dynamo.reset()` clears
-    torch's callbacks: call `reinstall()` after a reset inside the block.
+    Use it as a context manager around compiled calls. It counts compiles the way
+    `HookSession` does on compiled models (`torchscope.hooks.compiled.CompileCounter`) and
+    adds, per recompile, the guard that failed. `torch._dynamo.reset()` clears torch's
+    callbacks: call `reinstall()` after a reset inside the block.
 
     Attributes:
         compiles: frame compiles seen (first compiles and recompiles).
@@ -78,50 +73,33 @@ class RecompileWatcher:
     """
 
     def __init__(self, on_recompile: Callable[[Recompile], None] | None = None) -> None:
-        self.compiles = 0
+        super().__init__()
         self.recompiles: list[Recompile] = []
         self.limit_hits: list[str] = []
         self._on_recompile = on_recompile
         self._seen: dict[CodeType, int] = {}
-        self._lock = threading.Lock()
-        self._installed = False
         self._handler = _LimitHandler(self)
+        self._pending: list[Recompile] = []
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> RecompileWatcher:
         self.install()
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.uninstall()
-
     def install(self) -> None:
         """Start watching (idempotent)."""
         if self._installed:
             return
         self._snapshot()
-        _callbacks().register_start_callback(self._on_start)
+        super().install()
         logging.getLogger(_LIMIT_LOGGER).addHandler(self._handler)
-        self._installed = True
 
     def uninstall(self) -> None:
         """Stop watching; records stay readable."""
         if not self._installed:
             return
-        with contextlib.suppress(ValueError):  # torch._dynamo.reset() already cleared it
-            _callbacks().remove_start_callback(self._on_start)
+        super().uninstall()
         logging.getLogger(_LIMIT_LOGGER).removeHandler(self._handler)
-        self._installed = False
-
-    def reinstall(self) -> None:
-        """Register again after `torch._dynamo.reset()`, which drops every compile callback."""
-        self.uninstall()
-        self.install()
 
     # ------------------------------------------------------------------ results
     def recompiles_of(self, function: str) -> list[Recompile]:
@@ -152,29 +130,31 @@ class RecompileWatcher:
         return found, new
 
     def _on_start(self, args: Any) -> None:
-        trigger = getattr(args, "callback_trigger", None)
-        if getattr(trigger, "name", "DYNAMO") != "DYNAMO":
-            return  # lazy backward compiles and autotuning are not frame compiles
+        super()._on_start(args)
+        # The user's callback runs outside the lock: it may warn, log or raise.
+        while self._pending:
+            rec = self._pending.pop(0)
+            if self._on_recompile is not None:
+                self._on_recompile(rec)
+
+    def _on_compile(self, args: Any) -> None:
         compile_id = str(getattr(args, "compile_id", ""))
-        with self._lock:
-            self.compiles += 1
-            code, texts = self._new_failures()
-            m = _COMPILE_ID.search(compile_id)
-            if m is None or int(m.group(2)) == 0:
-                return
-            guard, source = parse_guard(texts[0]) if texts else ("unknown guard failure", None)
-            rec = Recompile(
-                compile_id=f"{m.group(1)}/{m.group(2)}",
-                function=code.co_name if code is not None else "?",
-                file=code.co_filename if code is not None else "?",
-                line=code.co_firstlineno if code is not None else 0,
-                guard=guard,
-                reasons=tuple(texts),
-                source=source,
-            )
-            self.recompiles.append(rec)
-        if self._on_recompile is not None:
-            self._on_recompile(rec)
+        code, texts = self._new_failures()
+        m = _COMPILE_ID.search(compile_id)
+        if m is None or int(m.group(2)) == 0:
+            return
+        guard, source = parse_guard(texts[0]) if texts else ("unknown guard failure", None)
+        rec = Recompile(
+            compile_id=f"{m.group(1)}/{m.group(2)}",
+            function=code.co_name if code is not None else "?",
+            file=code.co_filename if code is not None else "?",
+            line=code.co_firstlineno if code is not None else 0,
+            guard=guard,
+            reasons=tuple(texts),
+            source=source,
+        )
+        self.recompiles.append(rec)
+        self._pending.append(rec)
 
     def _on_limit(self, record: logging.LogRecord) -> None:
         args = record.args if isinstance(record.args, tuple) else ()

@@ -1,4 +1,5 @@
-"""Hook plumbing: the session that owns handles, module selection, audits and leak checks."""
+"""Hook plumbing: the session that owns handles, module selection, audits, leak checks, and
+compiled-model handling."""
 
 from torchscope.hooks.audit import (
     HookAudit,
@@ -7,12 +8,22 @@ from torchscope.hooks.audit import (
     HookGrowthWarning,
     audit_hooks,
 )
+from torchscope.hooks.compiled import (
+    CompiledCapture,
+    CompiledCheck,
+    check_compiled,
+    compiled_capture,
+    compiled_parts,
+    unwrap_compiled,
+)
 from torchscope.hooks.leakcheck import HookLeakTracker
 from torchscope.hooks.select import select_modules
 from torchscope.hooks.session import HookSession
 from torchscope.hooks.tree import iter_tensors
 
 __all__ = [
+    "CompiledCapture",
+    "CompiledCheck",
     "HookAudit",
     "HookEntry",
     "HookGrowthGuard",
@@ -20,6 +31,10 @@ __all__ = [
     "HookLeakTracker",
     "HookSession",
     "audit_hooks",
+    "check_compiled",
+    "compiled_capture",
+    "compiled_parts",
     "iter_tensors",
     "select_modules",
+    "unwrap_compiled",
 ]

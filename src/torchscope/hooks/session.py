@@ -17,6 +17,13 @@ from typing import Any, Literal, Protocol
 import torch
 from torch import nn
 
+from torchscope.hooks.compiled import (
+    CompiledCapture,
+    CompiledCheck,
+    compiled_capture,
+    compiled_parts,
+)
+
 __all__ = ["HookSession"]
 
 
@@ -58,17 +65,12 @@ class HookSession:
     """
 
     def __init__(self, model: nn.Module, *, compiled: CompiledPolicy = "eager") -> None:
-        self._compiled_guard: Any = None
-        self.compiled_check: Any = None  # a `torchscope.compile.CompiledCheck` when compiled
+        self._compiled_guard: CompiledCapture | None = None
+        self.compiled_check: CompiledCheck | None = None  # set when the model is compiled
         # torch.compile imports torch._dynamo: without it nothing can be compiled.
-        if compiled != "as_is" and "torch._dynamo" in sys.modules:
-            from torchscope.compile.guard import compiled_capture, compiled_parts
-
-            if compiled_parts(model):
-                self._compiled_guard = compiled_capture(
-                    model, policy=compiled, what="torchscope"
-                )
-                self.compiled_check = self._compiled_guard.check
+        if compiled != "as_is" and "torch._dynamo" in sys.modules and compiled_parts(model):
+            self._compiled_guard = compiled_capture(model, policy=compiled, what="torchscope")
+            self.compiled_check = self._compiled_guard.check
         inner = getattr(model, "_orig_mod", None)
         while compiled != "as_is" and type(model).__name__ == "OptimizedModule" and isinstance(
             inner, nn.Module
@@ -115,9 +117,9 @@ class HookSession:
                 if module is not None:
                     module.training = flag
             self._closed = True
-            if self._guard_entered:
+            guard = self._compiled_guard
+            if self._guard_entered and guard is not None:
                 self._guard_entered = False
-                guard = self._compiled_guard
                 try:
                     guard.__exit__(RuntimeError if failed else None, None, None)
                 finally:

@@ -56,9 +56,9 @@ def _diff(m: ModeResult) -> str:
 
 def compile_table(report: CompileReport, title: str | None = None) -> Table:
     """One row per mode: compile cost, latency, speedup, break-even, breaks, recompiles, diff."""
-    kind = "training step" if report.train else "inference"
+    kind = "training step" if report.measure == "step" else "inference"
     table = Table(
-        title=title or f"torch.compile on {report.target} {report.inputs}, {kind}, "
+        title=title or f"torch.compile on {report.model} {report.inputs}, {kind}, "
                        f"{report.device} (torch {report.torch_version})",
         title_justify="left")
     for col, justify in (("mode", "left"), ("status", "left"), ("cold s", "right"),

@@ -1,46 +1,153 @@
-"""Make torchscope's own captures safe on compiled models.
+"""Compiled models under torchscope's hooks: find the compiled parts, run them eagerly while
+hooks are held, and count the Dynamo compiles that happen meanwhile.
 
 Hooks on a compiled module are traced into the graph at the first call; hooks added later
 never fire, and hooks that append to Python lists recompile every call. So while torchscope
-captures (activations, gradient flow), compiled parts run eagerly via
-`torch.compiler.set_stance("force_eager")`: every hook fires, nothing is recompiled, and the
-compiled code cached by Dynamo is left as it was.
+holds hooks on a model with compiled parts (`HookSession` does this for every capability),
+those parts run eagerly via `torch.compiler.set_stance("force_eager")`: every hook fires,
+nothing is recompiled, and the compiled code cached by Dynamo is left as it was.
+
+This module imports only torch at load time; `torch._dynamo` is touched when a model
+actually holds compiled parts (nothing can be compiled without it being imported).
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import replace
+import threading
+from dataclasses import dataclass, replace
 from types import TracebackType
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
-from torchscope.compile.records import CompiledCheck
-from torchscope.compile.watch import RecompileWatcher
 from torchscope.errors import CompileError
 
-__all__ = ["CompiledCapture", "check_compiled", "compiled_capture", "compiled_parts",
-           "unwrap_compiled"]
+__all__ = [
+    "CompileCounter",
+    "CompiledCapture",
+    "CompiledCheck",
+    "check_compiled",
+    "compiled_capture",
+    "compiled_parts",
+    "unwrap_compiled",
+]
 
 Policy = Literal["eager", "refuse"]
+
+
+@dataclass(frozen=True)
+class CompiledCheck:
+    """Whether a model contains compiled parts, and how a torchscope capture handles them.
+
+    Attributes:
+        compiled: qualified names of compiled modules inside the model (`""` is the root):
+            `torch.compile(module)` wrappers and modules compiled in place with
+            `module.compile()`.
+        policy: `eager` (compiled parts run eagerly while torchscope captures, through
+            `torch.compiler.set_stance("force_eager")`) or `refuse`.
+        compiles: Dynamo compiles seen during the capture (0 when nothing was recompiled).
+    """
+
+    compiled: tuple[str, ...]
+    policy: str
+    compiles: int = 0
+
+    @property
+    def is_compiled(self) -> bool:
+        """True when any part of the model is compiled."""
+        return bool(self.compiled)
+
+
+def _optimized_module() -> type[nn.Module]:
+    return torch._dynamo.eval_frame.OptimizedModule
 
 
 def compiled_parts(model: nn.Module) -> tuple[str, ...]:
     """Qualified names of compiled modules inside `model`: `torch.compile` wrappers and
     modules compiled in place with `module.compile()` (`""` is the root)."""
-    opt = torch._dynamo.eval_frame.OptimizedModule
+    opt = _optimized_module()
     return tuple(name for name, m in model.named_modules()
                  if isinstance(m, opt) or getattr(m, "_compiled_call_impl", None) is not None)
 
 
 def unwrap_compiled(model: nn.Module) -> nn.Module:
     """The original module behind (nested) `torch.compile` wrappers; `model` otherwise."""
-    opt = torch._dynamo.eval_frame.OptimizedModule
+    opt = _optimized_module()
     while isinstance(model, opt):
-        model = model._orig_mod
+        inner = model._orig_mod
+        assert isinstance(inner, nn.Module)
+        model = inner
     return model
+
+
+class CompileCounter:
+    """Count Dynamo frame compiles while open (first compiles and recompiles alike).
+
+    Registers a start callback with Dynamo (`torch._dynamo.callback.callback_handler`);
+    lazy backward compiles and autotuning are not frame compiles and are not counted.
+    `torch.compile` wrappers used inside are unaffected. Subclasses get every counted
+    compile in `_on_compile(args)` (`torchscope.compile.RecompileWatcher` builds its
+    recompile records there).
+
+    Attributes:
+        compiles: frame compiles seen while open.
+    """
+
+    def __init__(self) -> None:
+        self.compiles = 0
+        self._lock = threading.Lock()
+        self._installed = False
+
+    def __enter__(self) -> CompileCounter:
+        self.install()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.uninstall()
+
+    @staticmethod
+    def _callbacks() -> Any:
+        import torch._dynamo.callback
+
+        return torch._dynamo.callback.callback_handler
+
+    def install(self) -> None:
+        """Start counting (idempotent)."""
+        if self._installed:
+            return
+        self._callbacks().register_start_callback(self._on_start)
+        self._installed = True
+
+    def uninstall(self) -> None:
+        """Stop counting; the count stays readable."""
+        if not self._installed:
+            return
+        with contextlib.suppress(ValueError):  # torch._dynamo.reset() already cleared it
+            self._callbacks().remove_start_callback(self._on_start)
+        self._installed = False
+
+    def reinstall(self) -> None:
+        """Register again after `torch._dynamo.reset()`, which drops every compile callback."""
+        self.uninstall()
+        self.install()
+
+    def _on_start(self, args: Any) -> None:
+        trigger = getattr(args, "callback_trigger", None)
+        if getattr(trigger, "name", "DYNAMO") != "DYNAMO":
+            return
+        with self._lock:
+            self.compiles += 1
+            self._on_compile(args)
+
+    def _on_compile(self, args: Any) -> None:
+        """Called (under the lock) for every counted compile; nothing by default."""
 
 
 def check_compiled(model: nn.Module, *, policy: Policy = "eager", what: str = "capture"
@@ -79,7 +186,8 @@ class CompiledCapture:
 
     Keep it open across forward and backward. On exit `check.compiles` holds the Dynamo
     compiles seen inside (0 normally); more than `max_compiles` raises `CompileError`
-    rather than reporting a capture that disturbed the compiled model.
+    rather than reporting a capture that disturbed the compiled model. The compiler stance
+    is restored on exit, also when the block raises.
 
     Attributes:
         check: the `CompiledCheck`, with `compiles` filled in on exit.
@@ -91,13 +199,13 @@ class CompiledCapture:
         self._what = what
         self._max = max_compiles
         self._stack = contextlib.ExitStack()
-        self._watcher: RecompileWatcher | None = None
+        self._counter: CompileCounter | None = None
 
     def __enter__(self) -> CompiledCapture:
         if self.check.is_compiled:
             try:
                 self._stack.enter_context(torch.compiler.set_stance("force_eager"))
-                self._watcher = self._stack.enter_context(RecompileWatcher())
+                self._counter = self._stack.enter_context(CompileCounter())
             except BaseException:
                 # `with` never calls __exit__ when __enter__ raises: restore the stance here.
                 self._stack.close()
@@ -111,9 +219,9 @@ class CompiledCapture:
         tb: TracebackType | None,
     ) -> None:
         self._stack.close()
-        if self._watcher is None:
+        if self._counter is None:
             return
-        n = self._watcher.compiles
+        n = self._counter.compiles
         self.check = replace(self.check, compiles=n)
         if n > self._max and exc_type is None:
             raise CompileError(

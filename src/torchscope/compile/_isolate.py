@@ -1,0 +1,134 @@
+"""Compile in this process without disturbing what the user compiled: private code objects
+for the measured model, and a fresh inductor cache.
+
+Measuring a cold compile in a process that may hold the user's own compiled code, without
+`torch._dynamo.reset()` (which would throw that code away):
+
+- Dynamo caches compiled code per code object, and its guards accept another instance of
+  the same class: compiling a copy of a model the user compiled before would reuse the
+  user's graph and look free. `private_code` gives every module of the measured copy its
+  own copy of its forward's code object, so Dynamo traces it afresh, its recompiles count
+  against no limit of the user's, and on exit those code objects' cache entries are
+  dropped (`reset_code` on the private code objects only).
+- `fresh_inductor_cache` gives inductor an empty on-disk cache and empty in-memory caches
+  (torch's own `torch._inductor.utils.fresh_cache`), sets Dynamo's automatic-dynamic
+  state aside (it is keyed by file, line and name, which the private code shares with the
+  original), and puts the environment back as it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+import types
+from collections.abc import Iterator
+from typing import Any
+
+from torch import nn
+
+__all__ = ["fresh_inductor_cache", "private_code"]
+
+
+def _fresh_function(fn: types.FunctionType) -> types.FunctionType:
+    """`fn` with its own copy of its code object (closure, defaults and globals shared)."""
+    new = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
+                             fn.__defaults__, fn.__closure__)
+    new.__kwdefaults__ = fn.__kwdefaults__
+    new.__qualname__ = fn.__qualname__
+    new.__module__ = fn.__module__
+    new.__doc__ = fn.__doc__
+    new.__dict__.update(fn.__dict__)
+    return new
+
+
+_MISSING = object()
+
+
+def _release(codes: list[types.CodeType]) -> None:
+    """Drop Dynamo's cache entries of these private code objects and of the resume functions
+    generated from them, and Dynamo's guard-failure texts about them (a strong reference
+    that would keep compiled graphs alive)."""
+    try:
+        from torch._C._dynamo.eval_frame import reset_code
+        from torch._dynamo.resume_execution import ContinueExecutionCache
+        from torch._dynamo.utils import guard_failures
+    except ImportError:  # pragma: no cover - another torch: the code objects die unreleased
+        return
+    todo = list(codes)
+    seen: set[int] = set()
+    while todo:
+        code = todo.pop()
+        if id(code) in seen:
+            continue
+        seen.add(id(code))
+        resumed = ContinueExecutionCache.cache.get(code)
+        if isinstance(resumed, dict):
+            todo.extend(c for c in resumed.values() if isinstance(c, types.CodeType))
+        reset_code(code)
+        guard_failures.pop(code, None)
+
+
+@contextlib.contextmanager
+def private_code(model: nn.Module) -> Iterator[None]:
+    """Every module of `model` runs a private copy of its forward's code object while open.
+
+    Dynamo keys its compiled code on code objects. With private ones, compiling `model`
+    neither reuses nor adds to the cache entries of the user's own compiled models of the
+    same classes, and counts against none of their recompile limits. On exit the modules'
+    `forward` is as it was and the private code objects' cache entries are dropped. A
+    forward that is not a plain Python function (a C function, a `partial`) is left shared.
+    """
+    saved: list[tuple[nn.Module, Any]] = []
+    codes: list[types.CodeType] = []
+    try:
+        for m in model.modules():
+            own = m.__dict__.get("forward", _MISSING)
+            if own is _MISSING:
+                fn, bound = getattr(type(m), "forward", None), True
+            elif inspect.ismethod(own) and own.__self__ is m:
+                fn, bound = own.__func__, True
+            else:  # a function set on the instance: called without self
+                fn, bound = own, False
+            if not isinstance(fn, types.FunctionType) or fn is nn.Module.forward:
+                continue
+            new = _fresh_function(fn)
+            codes.append(new.__code__)
+            saved.append((m, own))
+            m.__dict__["forward"] = types.MethodType(new, m) if bound else new
+        yield
+    finally:
+        for m, own in reversed(saved):
+            if own is _MISSING:
+                m.__dict__.pop("forward", None)
+            else:
+                m.__dict__["forward"] = own
+        _release(codes)
+
+
+@contextlib.contextmanager
+def fresh_inductor_cache() -> Iterator[None]:
+    """An empty inductor cache for the block; the process's state given back on exit.
+
+    Inside: an empty on-disk cache directory and empty in-memory caches
+    (`torch._inductor.utils.fresh_cache`), and an empty automatic-dynamic (PGO) state for
+    Dynamo. On exit: the environment (inductor sets `TORCHINDUCTOR_CACHE_DIR` itself) and
+    Dynamo's automatic-dynamic state are as they were. Dynamo's compiled code is not
+    touched: compile private copies (`private_code`) to make Dynamo trace afresh.
+    """
+    from torch._dynamo import pgo
+    from torch._inductor.utils import fresh_cache
+
+    env = dict(os.environ)
+    state = (pgo._CODE_STATE, pgo._INIT_CODE_STATE)
+    pgo._CODE_STATE, pgo._INIT_CODE_STATE = None, None
+    try:
+        with fresh_cache():
+            yield
+    finally:
+        pgo._CODE_STATE, pgo._INIT_CODE_STATE = state
+        for key in [k for k in os.environ if k not in env]:
+            del os.environ[key]
+        for key, value in env.items():
+            if os.environ.get(key) != value:
+                os.environ[key] = value

@@ -1,0 +1,122 @@
+"""compile_report in this process leaves the process as it found it: the user's compiled code
+(no `torch._dynamo.reset()`), the environment, the random generators, the compiler stance and
+`torch.compile` itself."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from torchscope.compile import compile_report, find_graph_breaks, watch_recompiles
+from torchscope.models import MLP
+from torchscope.step import Step
+
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("compile"),
+              pytest.mark.usefixtures("fresh_dynamo")]
+
+
+def _local_class() -> type[nn.Module]:
+    class Local(nn.Module):
+        """Defined in a function: it cannot be pickled for a child process, so compile_report
+        measures it in this process."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x).relu()
+
+    return Local
+
+
+def _double_sin(x: torch.Tensor) -> torch.Tensor:
+    return (2 * x).sin()
+
+
+def _process() -> tuple[dict[str, str], torch.Tensor, str, Any]:
+    stance = str(torch._dynamo.eval_frame._stance.stance)  # imports Dynamo first
+    return dict(os.environ), torch.get_rng_state(), stance, torch.compile
+
+
+def _assert_same(before: tuple[dict[str, str], torch.Tensor, str, Any]) -> None:
+    env, rng, stance, compile_fn = _process()
+    assert env == before[0]
+    assert torch.equal(rng, before[1])
+    assert stance == before[2]
+    assert compile_fn is before[3]
+
+
+def test_in_process_report_keeps_the_users_compiled_code() -> None:
+    x = torch.randn(4, 8)
+    f = torch.compile(_double_sin)
+    f(x)
+    local = _local_class()
+    # The same class as the measured model, compiled for inference as compile_report
+    # measures it: Dynamo's guards would let the copy reuse this graph.
+    user = torch.compile(local().eval())
+    with torch.no_grad():
+        user(x)
+    net = local()
+    before = _process()
+    report = compile_report(net, x, modes=("default",), iters=2, warmup=0, batch_sizes=(2,),
+                            dynamic=False)
+    _assert_same(before)
+    m = report.mode("default")
+    assert m.status == "ok", m.error
+    assert not m.isolated and any("in this process" in n for n in report.notes)
+    # The copy was traced afresh although the user compiled a model of the same class (a
+    # reused graph would count none), and its shape recompile counts against its own limit.
+    assert m.graphs == 1 and m.cold_compile_s is not None and m.cold_compile_s > 0
+    assert [r.guard for r in m.recompiles] == [
+        "tensor 'x' size mismatch at index 0. expected 4, actual 2"]
+    assert [c.compiled for c in m.shape_calls] == [True]
+    assert "forward" not in net.__dict__  # the model's own forward is back
+    # What the user compiled before still runs compiled, without compiling anything.
+    graphs = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    with watch_recompiles() as w:
+        torch.testing.assert_close(f(x), _double_sin(x))
+        with torch.no_grad():
+            torch.testing.assert_close(user(x), user._orig_mod(x))
+    assert w.compiles == 0
+    assert int(torch._dynamo.utils.counters["stats"]["unique_graphs"]) == graphs
+
+
+def test_a_loss_a_child_cannot_get_measures_the_step_here() -> None:
+    torch.manual_seed(0)
+    model, x = MLP(16, 32, 4), torch.randn(8, 16)
+
+    def loss_fn(out: torch.Tensor) -> torch.Tensor:  # a local function: it cannot be pickled
+        return out.square().mean()
+
+    before = _process()
+    report = compile_report(model, x, measure="step", loss_fn=loss_fn, modes=("default",),
+                            iters=1, warmup=0)
+    _assert_same(before)
+    m = report.mode("default")
+    assert m.status == "ok", m.error
+    assert not m.isolated
+    assert any("the loss function" in n and "cannot be pickled" in n for n in report.notes)
+    assert report.measure == "step" and report.step is not None
+    assert report.step.loss == "loss_fn(output)"
+    assert report.step.loss_value == float(Step(model, x, loss_fn=loss_fn).forward_backward())
+    assert m.grad_max_abs_diff is not None and m.grad_max_abs_diff < 1e-4
+
+
+def test_graph_break_scan_keeps_the_users_compiled_code() -> None:
+    x = torch.randn(4, 8)
+    f = torch.compile(_double_sin)
+    f(x)
+    net = _local_class()()
+    before = _process()
+    scan = find_graph_breaks(net, x)
+    _assert_same(before)
+    assert scan.graph_count == 1 and scan.breaks == ()
+    assert "forward" not in net.__dict__ and "forward" not in net.fc.__dict__
+    with watch_recompiles() as w:
+        f(x)
+    assert w.compiles == 0
