@@ -2,7 +2,8 @@
 
 Run: `PYTHONPATH=src python benchmarks/profile_overhead.py [--steps 20] [--rounds 3]`.
 
-All three modes run the same labelled training step (forward, backward, SGD) side by side,
+All three modes run the same labelled training step (`Step.run()`: forward, backward, SGD)
+side by side,
 interleaved over several rounds; each figure is the median step time over all rounds. The
 goal is per-module attribution <= 1.10x plain torch.profiler. The last column is the one-off
 cost of torchscope's module attribution over the recorded events, per profiled step
@@ -21,12 +22,12 @@ os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
 import torch
 from torch import nn
-from torch.nn import functional
 from torch.profiler import ProfilerActivity, profile
 
 from torchscope.models import MLP, DeepMLP, ResNetMini, TinyCNN
-from torchscope.models.target import ModelInputs
-from torchscope.profiling import ModuleRanges, attribute, make_train_step
+from torchscope.profiling.attribution import attribute
+from torchscope.profiling.module_ranges import ModuleRanges
+from torchscope.step import Step
 
 
 def _cases() -> list[tuple[str, nn.Module, torch.Tensor]]:
@@ -39,7 +40,7 @@ def _cases() -> list[tuple[str, nn.Module, torch.Tensor]]:
     ]
 
 
-def _time(step: Callable[[], None], n: int) -> list[float]:
+def _time(step: Callable[[], object], n: int) -> list[float]:
     out = []
     for _ in range(n):
         t0 = time.perf_counter()
@@ -66,8 +67,7 @@ def main() -> None:
         logits_classes = 10
         y = torch.randint(0, logits_classes, (x.shape[0],))
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-        step = make_train_step(model, ModelInputs((x,)), loss_fn=functional.cross_entropy,
-                               targets=y, optimizer=opt)
+        step = Step(model, x, loss_fn="cross_entropy", target=y, optimizer=opt).run
         _time(step, 3)  # warm caches and allocator
         times: dict[str, list[float]] = {"none": [], "plain": [], "ts": []}
         analysis: list[float] = []

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 from torchscope._util import to_jsonable
 from torchscope.models import TinyCNN
-from torchscope.profiling import ModuleRanges, profile_findings, profile_steps
+from torchscope.profiling import profile_steps
+from torchscope.profiling.module_ranges import ModuleRanges
 from torchscope.report.profiling import module_table, op_table, phase_table, profile_text
 
 
@@ -21,7 +22,7 @@ def _cnn(tmp_path: Path, trace: str, **kw: object):
     x = torch.randn(4, 3, 12, 12)
     y = torch.randint(0, 10, (4,))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    return profile_steps(model, x, loss_fn=F.cross_entropy, targets=y, optimizer=opt,
+    return profile_steps(model, x, loss_fn=F.cross_entropy, target=y, optimizer=opt,
                          steps=3, baseline_steps=0, trace=tmp_path / trace, **kw)
 
 
@@ -54,7 +55,7 @@ def test_gz_trace_is_bounded_to_last_steps(tmp_path: Path) -> None:
 
 def test_json_summary_and_text(tmp_path: Path) -> None:
     result = _cnn(tmp_path, "t.json")
-    findings = profile_findings(result)
+    findings = result.findings()
     payload = json.loads(json.dumps(to_jsonable({"result": result, "findings": findings})))
     mods = {m["module"]: m for m in payload["result"]["modules"]}
     assert mods["conv2"]["backward_ms"] > 0

@@ -7,15 +7,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchscope.errors import ModelError
+from torchscope.errors import ModelError, TorchscopeError
 from torchscope.models import MLP, TinyCNN
-from torchscope.profiling import (
-    ProfilingError,
-    phase,
-    profile_findings,
-    profile_steps,
-    sort_ops,
-)
+from torchscope.profiling import ProfilingError, phase, profile_steps, sort_ops
 
 
 def _nll(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -27,7 +21,7 @@ def _mlp_run(**kw: object):
     x = torch.randn(64, 128)
     y = torch.randint(0, 10, (64,))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    return profile_steps(model, x, loss_fn=_nll, targets=y, optimizer=opt, steps=5,
+    return profile_steps(model, x, loss_fn=_nll, target=y, optimizer=opt, steps=5,
                          baseline_steps=0, **kw)
 
 
@@ -80,7 +74,7 @@ def test_tiny_cnn_modules_and_phases_reconcile() -> None:
     x = torch.randn(8, 3, 16, 16)
     y = torch.randint(0, 10, (8,))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    result = profile_steps(model, x, loss_fn=F.cross_entropy, targets=y, optimizer=opt,
+    result = profile_steps(model, x, loss_fn=F.cross_entropy, target=y, optimizer=opt,
                            steps=3, baseline_steps=2)
     for name in ("conv1", "conv2", "fc"):
         m = result.module(name)
@@ -198,12 +192,12 @@ def test_unlabelled_step_function_reports_no_phases() -> None:
     result = profile_steps(train_step, steps=2, baseline_steps=0)
     assert result.phases == () and result.modules == ()
     assert result.calls("aten::addmm") == 4
-    assert "profiling.no_phases" in {f.code for f in profile_findings(result)}
+    assert "profiling.no_phases" in {f.code for f in result.findings()}
 
 
 def test_findings_name_top_op_and_ratio() -> None:
     result = _mlp_run()
-    codes = {f.code: f for f in profile_findings(result)}
+    codes = {f.code: f for f in result.findings()}
     assert "profiling.top_op" in codes and "profiling.backward_ratio" in codes
     top = sort_ops([o for o in result.ops if not o.name.startswith("autograd::")], "self_cpu",
                    1)[0]
@@ -244,12 +238,12 @@ def test_bad_arguments(kwargs: dict[str, int], match: str) -> None:
 
 
 def test_model_without_inputs_is_an_error() -> None:
-    with pytest.raises(ProfilingError, match="without inputs"):
+    with pytest.raises(TorchscopeError, match="without inputs"):
         profile_steps(MLP(4, 4, 2))
 
 
 def test_non_scalar_loss_is_an_error() -> None:
-    with pytest.raises(ProfilingError, match="scalar"):
+    with pytest.raises(ModelError, match="scalar"):
         profile_steps(MLP(4, 4, 2), torch.randn(2, 4), loss_fn=lambda out: out, steps=1)
 
 
@@ -269,7 +263,7 @@ def test_cuda_device_times() -> None:
     model = TinyCNN().cuda()
     x = torch.randn(16, 3, 32, 32, device="cuda")
     y = torch.randint(0, 10, (16,), device="cuda")
-    result = profile_steps(model, x, loss_fn=F.cross_entropy, targets=y,
+    result = profile_steps(model, x, loss_fn=F.cross_entropy, target=y,
                            optimizer=torch.optim.SGD(model.parameters(), lr=0.01), steps=3)
     assert result.device == "cuda"
     assert any(o.self_device_ms > 0 for o in result.ops)
@@ -280,7 +274,7 @@ def test_cuda_device_times() -> None:
 def test_select_times_only_chosen_modules() -> None:
     model = TinyCNN()
     x = torch.randn(4, 3, 12, 12)
-    result = profile_steps(model, x, loss_fn=F.cross_entropy, targets=torch.randint(0, 10, (4,)),
+    result = profile_steps(model, x, loss_fn=F.cross_entropy, target=torch.randint(0, 10, (4,)),
                            optimizer=torch.optim.SGD(model.parameters(), lr=0.01), steps=2,
                            baseline_steps=0, select="Conv2d")
     assert [m.module for m in result.modules] == ["conv1", "conv2"]
@@ -316,7 +310,7 @@ def test_checkpoint_recompute_counts_as_backward() -> None:
 def test_module_ranges_whose_open_fails_removes_the_hooks_it_added(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from torchscope.profiling import ModuleRanges
+    from torchscope.profiling.module_ranges import ModuleRanges
 
     net = MLP(4, 4, 2)
 

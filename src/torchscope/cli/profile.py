@@ -29,6 +29,9 @@ def profile(
     target: TargetArg = None,
     input: InputOpt = None,
     inputs: InputsFnOpt = None,
+    loss: Annotated[str, typer.Option(
+        "--loss", help="auto (the model's own loss, else cross-entropy for logits, else mean "
+        "squared error; targets seeded), cross_entropy, mse or sum.")] = "auto",
     steps: Annotated[int, typer.Option(help="Profiled (active) steps.")] = 5,
     wait: Annotated[int, typer.Option(help="Schedule steps skipped first.")] = 1,
     warmup: Annotated[int, typer.Option(help="Schedule steps profiled but discarded.")] = 1,
@@ -52,26 +55,21 @@ def profile(
     json_path: JsonOpt = None,
     debug: DebugOpt = False,
 ) -> None:
-    """Profile training steps: top ops, phase split and time per module (SGD, cross-entropy
-    on random targets)."""
-    from torchscope.profiling import quiet_kineto
-
-    quiet_kineto()  # before guarded(): its default level does not hide Kineto's USDT lines
+    """Profile training steps: top ops, phase split and time per module (SGD; the loss is
+    --loss, by default cross-entropy on seeded targets for logits)."""
     with guarded(debug):
         for path, option in ((trace, "--trace"), (text, "--text"), (json_path, "--json")):
             check_output(path, option)
         import torch
 
         from torchscope._util import write_json
-        from torchscope.profiling import (
-            SORT_KEYS,
-            ProfilingError,
-            profile_findings,
-            profile_steps,
-            random_target_loss,
-        )
+        from torchscope.profiling import SORT_KEYS, ProfilingError, profile_steps
         from torchscope.report.profiling import profile_text, summary_renderables
+        from torchscope.step import LOSSES, Step
 
+        if loss not in LOSSES:
+            raise ProfilingError(f"--loss {loss!r} is not a known loss.",
+                                 fix=f"use one of {', '.join(LOSSES)}.")
         if sort not in SORT_KEYS:
             raise ProfilingError(f"--sort {sort} is not known.",
                                  fix=f"use one of {', '.join(SORT_KEYS)}.")
@@ -103,14 +101,14 @@ def profile(
         if not params:
             raise ProfilingError(f"{loaded.name} has no trainable parameters to step.",
                                  fix="profile a model with parameters that require grad.")
+        step = Step(model, model_inputs, loss_fn=loss, optimizer=torch.optim.SGD(params, lr=lr))
         result = profile_steps(
-            model, model_inputs, loss_fn=random_target_loss(),
-            optimizer=torch.optim.SGD(params, lr=lr), steps=steps, wait=wait, warmup=warmup,
+            step, steps=steps, wait=wait, warmup=warmup,
             by_module=by == "module" or json_path is not None or text is not None,
             select=select, depth=depth, group_by_input_shape=group_by_shape,
             trace=trace, trace_steps=trace_steps,
         )
-        findings = profile_findings(result)
+        findings = result.findings()
         for part in summary_renderables(result, findings, sort=sort, by=by, limit=limit):
             console.print(part)
         for note in result.notes:

@@ -1,51 +1,42 @@
-"""Profiling: top ops, the forward/backward/optimizer split and time per module."""
+"""Profiling: top ops, the forward/backward/optimizer split and time per module.
 
-from torchscope.profiling.analyze import profile_findings
-from torchscope.profiling.attribution import Attribution, attribute
-from torchscope.profiling.module_ranges import ModuleRanges, range_label
-from torchscope.profiling.ops import SORT_KEYS, op_records, sort_ops
+`profile_steps` runs training steps under `torch.profiler`; `watch_time` profiles steps of
+your own loop. Both give a `ProfileResult`, whose `findings()` reads it. Modules not
+listed here (`attribution`, `module_ranges`, `ops`, `trace`) are private.
+"""
+
+from torchscope.profiling import analyze as _analyze  # registers ProfileResult's analyzer
+from torchscope.profiling.ops import SORT_KEYS, sort_ops
 from torchscope.profiling.records import (
     PHASES,
     ModuleTime,
     OpRecord,
     PhaseTime,
     ProfileResult,
+    ProfileThresholds,
     ProfilingError,
     Reconciliation,
     StepTiming,
 )
-from torchscope.profiling.steps import (
-    default_loss,
-    make_train_step,
-    phase,
-    profile_steps,
-    quiet_kineto,
-    random_target_loss,
-)
-from torchscope.profiling.trace import export_trace
+from torchscope.profiling.steps import profile_steps
+from torchscope.profiling.watch import TimeWatch, phase, watch_time
+
+del _analyze
 
 __all__ = [
     "PHASES",
     "SORT_KEYS",
-    "Attribution",
-    "ModuleRanges",
     "ModuleTime",
     "OpRecord",
     "PhaseTime",
     "ProfileResult",
+    "ProfileThresholds",
     "ProfilingError",
     "Reconciliation",
     "StepTiming",
-    "attribute",
-    "default_loss",
-    "export_trace",
-    "make_train_step",
-    "op_records",
+    "TimeWatch",
     "phase",
-    "profile_findings",
     "profile_steps",
-    "quiet_kineto",
-    "random_target_loss",
-    "range_label",
     "sort_ops",
+    "watch_time",
 ]

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from torchscope.findings import Finding, Severity, rank
+from torchscope.findings import Finding, Severity, analyzer, rank
 from torchscope.profiling.ops import sort_ops
-from torchscope.profiling.records import ProfileResult
+from torchscope.profiling.records import ProfileResult, ProfileThresholds
 
 __all__ = ["profile_findings"]
 
@@ -13,13 +13,6 @@ _SYNC_OPS = ("aten::_local_scalar_dense", "aten::item", "cudaDeviceSynchronize",
              "cudaStreamSynchronize", "cudaMemcpy")
 _COMPUTE = ("mm", "addmm", "bmm", "matmul", "conv", "convolution", "linear", "baddbmm",
             "scaled_dot_product")
-
-#: Backward usually costs about twice the forward; above this something extra runs.
-BACKWARD_RATIO_HIGH = 3.5
-#: Optimizer share of a step above which a fused or foreach optimizer pays off.
-OPTIMIZER_SHARE_HIGH = 0.25
-#: Step slowdown under the profiler above which absolute times are unreliable.
-OVERHEAD_HIGH = 1.5
 
 
 def _op_fix(name: str) -> str:
@@ -32,13 +25,22 @@ def _op_fix(name: str) -> str:
     return ""
 
 
-def profile_findings(result: ProfileResult) -> list[Finding]:
+@analyzer(ProfileResult)
+def profile_findings(result: ProfileResult,
+                     thresholds: ProfileThresholds | None = None) -> list[Finding]:
     """Conclusions about one profile, most severe first.
+
+    Registered for `ProfileResult`: read it as `result.findings(thresholds)`.
+
+    Args:
+        result: the profile.
+        thresholds: when figures become warnings; None uses `ProfileThresholds()`.
 
     Codes: `profiling.top_op`, `profiling.host_sync`, `profiling.backward_ratio`,
     `profiling.optimizer_share`, `profiling.top_module`, `profiling.overhead`,
     `profiling.no_phases`.
     """
+    th = thresholds or ProfileThresholds()
     out: list[Finding] = []
     on_device = result.device == "cuda" and any(o.self_device_ms > 0 for o in result.ops)
     sort = "self_cuda" if on_device else "self_cpu"
@@ -68,7 +70,7 @@ def profile_findings(result: ProfileResult) -> list[Finding]:
     fwd, bwd, opt = (result.phase(p) for p in ("forward", "backward", "optimizer"))
     if fwd is not None and bwd is not None and fwd.cpu_ms > 0:
         ratio = bwd.cpu_ms / fwd.cpu_ms
-        high = ratio > BACKWARD_RATIO_HIGH
+        high = ratio > th.backward_ratio_high
         out.append(Finding(
             "profiling.backward_ratio", Severity.WARNING if high else Severity.INFO,
             f"backward takes {ratio:.2f}× the forward time"
@@ -78,7 +80,7 @@ def profile_findings(result: ProfileResult) -> list[Finding]:
                  "step; the module table shows where backward time goes.") if high else "",
         ))
     total = result.phase_total_ms
-    if opt is not None and total > 0 and opt.cpu_ms / total > OPTIMIZER_SHARE_HIGH:
+    if opt is not None and total > 0 and opt.cpu_ms / total > th.optimizer_share_high:
         out.append(Finding(
             "profiling.optimizer_share", Severity.WARNING,
             f"the optimizer takes {100 * opt.cpu_ms / total:.0f}% of the step.",
@@ -99,7 +101,7 @@ def profile_findings(result: ProfileResult) -> list[Finding]:
             module=leaf.module,
         ))
     overhead = result.timing.overhead
-    if overhead is not None and overhead > OVERHEAD_HIGH:
+    if overhead is not None and overhead > th.overhead_high:
         out.append(Finding(
             "profiling.overhead", Severity.WARNING,
             f"steps ran {overhead:.2f}× slower under the profiler; absolute times are "

@@ -140,9 +140,12 @@ def attribute(events: Iterable[Any], labels: Mapping[str, tuple[str, str]]) -> A
                 nodes.append((ev, ctx))
             new = _Ctx(ctx.modules, True, ctx.phase)
         elif not ctx.in_backward and ev.sequence_nr is not None and ev.sequence_nr >= 0:
-            key = (int(ev.thread), int(ev.sequence_nr))
-            if key not in seq_owner:
-                seq_owner[key] = tuple(m for m, _ in ctx.modules)
+            # Every op records the thread's next sequence number, but only an op that
+            # creates an autograd node moves it on: ops that create none (`loss.detach()`,
+            # the optimizer's updates) record the number the next node will take. So the
+            # last op to record a number is the one whose node carries it (the walk is in
+            # time order).
+            seq_owner[(int(ev.thread), int(ev.sequence_nr))] = tuple(m for m, _ in ctx.modules)
         for child in reversed(ev.cpu_children):
             stack.append((child, new))
 

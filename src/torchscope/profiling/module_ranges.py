@@ -7,12 +7,12 @@ modules it was inside) and never leaves a dangling range in the trace.
 
 from __future__ import annotations
 
-from types import TracebackType
 from typing import Any
 
 import torch
 from torch import nn
 
+from torchscope.hooks.lifecycle import HookedContext
 from torchscope.hooks.select import Selector, select_modules
 from torchscope.hooks.session import HookSession
 from torchscope.profiling.ops import MODULE_RANGE_PREFIX
@@ -33,7 +33,7 @@ def _fast_range_factory() -> Any:
     return fast if fast is not None else torch.autograd.profiler.record_function
 
 
-class ModuleRanges:
+class ModuleRanges(HookedContext):
     """Opens a profiler range around every selected module's forward while open.
 
     Ranges are only opened while a profiler is recording, so wait/warmup steps of a schedule
@@ -59,18 +59,6 @@ class ModuleRanges:
         # Per module: the ranges it has open (a module re-entered by recursion nests them).
         self._open: dict[int, list[Any]] = {}
 
-    def __enter__(self) -> ModuleRanges:
-        self.open()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
     @property
     def session(self) -> HookSession:
         """The session owning the hooks."""
@@ -82,23 +70,18 @@ class ModuleRanges:
         return [n for n, _ in self._targets]
 
     def open(self) -> None:
-        """Register the hooks; if one cannot be registered, those already added are removed."""
-        try:
-            for name, module in self._targets:
-                label = range_label(name, type(module).__name__)
-                self.labels[label] = (name, type(module).__name__)
-                stack: list[Any] = self._open.setdefault(id(module), [])
-                self._session.forward_pre_hook(module, self._make_pre(label, stack))
-                self._session.forward_hook(module, self._make_post(stack), always_call=True)
-        except BaseException:
-            # `with` never calls __exit__ when __enter__ raises: remove them here.
-            self.close()
-            raise
+        """Register the hooks (as a context manager: those added before a failure come off)."""
+        for name, module in self._targets:
+            label = range_label(name, type(module).__name__)
+            self.labels[label] = (name, type(module).__name__)
+            stack: list[Any] = self._open.setdefault(id(module), [])
+            self._session.forward_pre_hook(module, self._make_pre(label, stack))
+            self._session.forward_hook(module, self._make_post(stack), always_call=True)
 
-    def close(self) -> None:
+    def close(self, *, failed: bool = False) -> None:
         """Remove the hooks and close any range a crash left open."""
         try:
-            self._session.close()
+            self._session.close(failed=failed)
         finally:
             for stack in self._open.values():
                 while stack:

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from torchscope.errors import TorchscopeError
+from torchscope.findings import Analyzed
+from torchscope.step import StepInfo
 
 __all__ = [
     "PHASES",
@@ -17,6 +19,7 @@ __all__ = [
     "OpRecord",
     "PhaseTime",
     "ProfileResult",
+    "ProfileThresholds",
     "ProfilingError",
     "Reconciliation",
     "SortKey",
@@ -30,7 +33,25 @@ SortKey = Literal["self_cpu", "total", "self_cuda", "cuda_total", "calls"]
 
 
 class ProfilingError(TorchscopeError):
-    """A step could not be profiled (bad arguments, a loss that cannot be backpropagated)."""
+    """A step could not be profiled (bad arguments, or no step inside the profiled window)."""
+
+
+@dataclass(frozen=True)
+class ProfileThresholds:
+    """When a profile's figures become warnings (`result.findings(thresholds)`).
+
+    Attributes:
+        backward_ratio_high: backward over forward time above which something extra runs
+            in backward (it usually costs about twice the forward).
+        optimizer_share_high: optimizer share of the labelled step above which a fused or
+            foreach optimizer pays off.
+        overhead_high: step slowdown under the profiler above which absolute times are
+            unreliable.
+    """
+
+    backward_ratio_high: float = 3.5
+    optimizer_share_high: float = 0.25
+    overhead_high: float = 1.5
 
 
 @dataclass(frozen=True)
@@ -169,8 +190,11 @@ class StepTiming:
 
 
 @dataclass(frozen=True)
-class ProfileResult:
-    """Everything `profile_steps` measured.
+class ProfileResult(Analyzed):
+    """Everything `profile_steps` (or `watch_time`) measured.
+
+    Findings: `result.findings()` (top op, host syncs, backward ratio, optimizer share,
+    costliest module, profiler overhead, missing phase labels).
 
     Attributes:
         steps: profiled (active) steps; every total below covers all of them.
@@ -183,6 +207,9 @@ class ProfileResult:
         by_module: whether per-module ranges were recorded.
         trace_path: where the Chrome/Perfetto trace was written, if asked.
         notes: caveats about the attribution (unmatched backward nodes, no phases).
+        step: the training step profiled, with the loss of its first (warm-up) run on the
+            unchanged model; None when torchscope did not run the step (a step function,
+            or `watch_time` in your loop).
     """
 
     steps: int
@@ -195,6 +222,7 @@ class ProfileResult:
     by_module: bool = True
     trace_path: str | None = None
     notes: tuple[str, ...] = field(default_factory=tuple)
+    step: StepInfo | None = None
 
     def op(self, name: str) -> OpRecord | None:
         """The record of op `name` (first one, when grouped by shape), or None."""

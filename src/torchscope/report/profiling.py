@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from rich.console import Console, RenderableType
 from rich.table import Table
+from rich.text import Text
 
 from torchscope._util import fmt_pct
 from torchscope.findings import Finding, Severity
@@ -186,11 +187,12 @@ def finding_lines(findings: Sequence[Finding]) -> list[str]:
 def summary_renderables(result: ProfileResult, findings: Sequence[Finding] = (), *,
                         sort: str = "self_cpu", by: str = "op", limit: int | None = 15
                         ) -> list[RenderableType]:
-    """The summary in print order: phase table, op or module table, timing, findings.
+    """The summary in print order: the step (when torchscope ran it), phase table, op or
+    module table, timing, findings.
 
     Args:
         result: the profile.
-        findings: its findings (`profile_findings`).
+        findings: its findings (`result.findings()`).
         sort: op order (see `SORT_KEYS`).
         by: `module` for the module table (when modules were timed), else the op table.
         limit: rows of the op or module table.
@@ -199,7 +201,10 @@ def summary_renderables(result: ProfileResult, findings: Sequence[Finding] = (),
         table = module_table(result, limit)
     else:
         table = op_table(result, sort, limit)
-    return [phase_table(result), table, timing_line(result), *finding_lines(findings)]
+    head: list[RenderableType] = []
+    if result.step is not None:
+        head.append(Text(result.step.describe()))
+    return [*head, phase_table(result), table, timing_line(result), *finding_lines(findings)]
 
 
 def profile_text(result: ProfileResult, findings: Sequence[Finding] = (), *,

@@ -1,0 +1,137 @@
+"""watch_time in the user's own training loop: the same analysis as profile_steps, no trace
+left on the model, and training that goes exactly as without it."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchscope.models import TinyCNN
+from torchscope.profiling import ProfilingError, phase, watch_time
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(8, 3, 16, 16), torch.randint(0, 10, (8,))
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
+           steps: int, *, labelled: bool = True) -> None:
+    for _ in range(steps):
+        if labelled:
+            with phase("forward"):
+                loss = F.cross_entropy(model(x), y)
+            with phase("backward"):
+                loss.backward()
+            with phase("optimizer"):
+                opt.step()
+                opt.zero_grad()
+        else:
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+
+
+def _hooks(model: nn.Module) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+def test_watch_time_on_a_real_loop_trains_identically() -> None:
+    torch.manual_seed(0)
+    model = TinyCNN()
+    twin = copy.deepcopy(model)
+    x, y = _batch()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    twin_opt = torch.optim.SGD(twin.parameters(), lr=0.1, momentum=0.9)
+    opt_hooks = len(opt._optimizer_step_post_hooks)
+    with watch_time(model, optimizer=opt, steps=3, wait=1, warmup=1) as watch:
+        _train(model, opt, x, y, 7)
+    _train(twin, twin_opt, x, y, 7)
+
+    # The model trained exactly as the plain loop did, and nothing of the watch is left.
+    for got, ref in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(got, ref)
+    assert _hooks(model) == 0 and len(opt._optimizer_step_post_hooks) == opt_hooks
+    assert not torch.autograd._profiler_enabled()
+
+    result = watch.result
+    assert result is not None and watch.boundaries == 7
+    assert result.steps == 3 and result.timing.profiled_steps == 3
+    assert result.step is None  # torchscope did not run the step
+    # Per-module rows: one forward per step each, and backward reaches every layer.
+    for name in ("conv1", "conv2", "fc"):
+        m = result.module(name)
+        assert m is not None and m.calls == 3, name
+        assert m.backward_ms > 0 and m.backward_nodes > 0, name
+    assert result.module("conv1").backward_nodes == 3  # one ConvolutionBackward0 per step
+    # The phases the loop labelled, each closed once per profiled step.
+    assert [(p.name, p.calls) for p in result.phases] == [
+        ("forward", 3), ("backward", 3), ("optimizer", 3)]
+    assert result.calls("aten::convolution") == 2 * 3  # 2 convs × 3 profiled steps
+    codes = {f.code for f in result.findings()}
+    assert "profiling.top_op" in codes and "profiling.no_phases" not in codes
+
+
+def test_unlabelled_loop_has_modules_but_no_phases() -> None:
+    model = TinyCNN()
+    x, y = _batch()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with watch_time(model, optimizer=opt, steps=2, wait=0, warmup=1, select="Conv2d") as w:
+        _train(model, opt, x, y, 3, labelled=False)
+    result = w.result
+    assert result is not None
+    assert [m.module for m in result.modules] == ["conv1", "conv2"]
+    assert result.phases == ()
+    assert "profiling.no_phases" in {f.code for f in result.findings()}
+
+
+def test_explicit_steps_without_a_model() -> None:
+    x = torch.randn(16, 16)
+    w = torch.randn(16, 16, requires_grad=True)
+    with watch_time(steps=2, wait=0, warmup=1) as watch:
+        for _ in range(5):
+            (x @ w).sum().backward()
+            watch.step()
+    result = watch.result
+    assert result is not None and result.steps == 2 and result.modules == ()
+    assert result.calls("aten::mm") == 2 * 2  # forward + the gradient of w, per profiled step
+    assert not result.by_module
+
+
+def test_a_short_loop_is_said_and_the_process_is_left_alone() -> None:
+    model = TinyCNN()
+    x, y = _batch()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    env = dict(os.environ)
+    with pytest.raises(ProfilingError, match="saw 1 step"), \
+            watch_time(model, optimizer=opt, steps=3, wait=1, warmup=1):
+        _train(model, opt, x, y, 1)
+    assert dict(os.environ) == env
+    assert _hooks(model) == 0 and not torch.autograd._profiler_enabled()
+
+
+def test_loop_that_raises_leaves_no_hook() -> None:
+    model = TinyCNN()
+    x, y = _batch()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.raises(RuntimeError, match="boom"), \
+            watch_time(model, optimizer=opt, steps=2, wait=0, warmup=1) as watch:
+        _train(model, opt, x, y, 1)
+        raise RuntimeError("boom")
+    assert watch.result is None
+    assert _hooks(model) == 0 and not opt._optimizer_step_post_hooks
+    assert not torch.autograd._profiler_enabled()
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"steps": 0}, "steps=0"),
+    ({"wait": -1}, "wait=-1"),
+    ({"trace_steps": 0}, "trace_steps=0"),
+])
+def test_bad_arguments(kwargs: dict[str, int], match: str) -> None:
+    with pytest.raises(ProfilingError, match=match):
+        watch_time(TinyCNN(), **kwargs)
