@@ -24,38 +24,9 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
 PEERS = {"capabilities"}  # layers whose packages may not import each other
 
 # Imports that point the wrong way today; the work on issue 11 empties this list.
-KNOWN: set[tuple[str, str]] = {
-    ("torchscope.report.doctor", "torchscope.doctor.diff"),
-    ("torchscope.report.doctor", "torchscope.doctor.lab"),
-    ("torchscope.report.doctor", "torchscope.doctor.runner"),
-    ("torchscope.report.html", "torchscope.doctor.document"),
-    ("torchscope.report.html", "torchscope.doctor.runner"),
-    ("torchscope.report.html", "torchscope.doctor.section"),
-    ("torchscope.report.html", "torchscope.doctor.sections.activations"),
-    ("torchscope.report.html", "torchscope.doctor.sections.compile"),
-    ("torchscope.report.html", "torchscope.doctor.sections.gradients"),
-    ("torchscope.report.html", "torchscope.doctor.sections.memory"),
-    ("torchscope.report.html", "torchscope.doctor.sections.profile"),
-    ("torchscope.report.plots_doctor", "torchscope.doctor.sections.compile"),
-    ("torchscope.report.plots_doctor", "torchscope.doctor.sections.gradients"),
-    ("torchscope.report.plots_doctor", "torchscope.doctor.sections.memory"),
-    ("torchscope.report.plots_doctor", "torchscope.doctor.sections.profile"),
-}
+KNOWN: set[tuple[str, str]] = set()
 # Cycles that exist today; the work on issue 11 empties this list too.
-KNOWN_CYCLES: list[list[str]] = [
-    [
-        "torchscope.doctor.document",
-        "torchscope.doctor.runner",
-        "torchscope.doctor.sections",
-        "torchscope.doctor.sections.activations",
-        "torchscope.doctor.sections.compile",
-        "torchscope.doctor.sections.gradients",
-        "torchscope.doctor.sections.memory",
-        "torchscope.doctor.sections.profile",
-        "torchscope.report.html",
-        "torchscope.report.plots_doctor",
-    ],
-]
+KNOWN_CYCLES: list[list[str]] = []
 
 
 def _module_name(path: Path) -> str:
