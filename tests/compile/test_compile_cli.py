@@ -19,6 +19,7 @@ from torchscope.compile.records import (
     Recompile,
     derive_speed,
 )
+from torchscope.step import StepInfo
 
 runner = CliRunner()
 
@@ -35,8 +36,10 @@ def _fake_report(model: Any, inputs: Any, **kw: Any) -> CompileReport:
     )
     brk = GraphBreak("print() call", "Failed to trace builtin operator", "", "/x/m.py", 12,
                      "forward")
+    step = StepInfo("mean squared error vs seeded targets", 0.5) \
+        if kw["measure"] == "step" else None
     return CompileReport(kw["name"], inputs.describe(), "cpu", kw["measure"], rows, (brk,), 2,
-                         8, torch.__version__)
+                         8, torch.__version__, step=step)
 
 
 def test_table_json_and_options(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -56,7 +59,8 @@ def test_table_json_and_options(monkeypatch: pytest.MonkeyPatch, tmp_path: Path)
     assert seen["measure"] == "step" and seen["loss_fn"] == "mse" and seen["iters"] == 7
     assert seen["batch_sizes"] == (16, 8) and seen["dynamic"] is False
     assert seen["factory"] == "tiny-cnn"
-    for text in ("default", "4.00×", "2", "1/8", "timeout", "m.py:12", "print() call",
+    for text in ("loss: mean squared error vs seeded targets = 0.5",
+                 "default", "4.00×", "2", "1/8", "timeout", "m.py:12", "print() call",
                  "expected 32, actual 16", "pays off after 3,000 calls", "3,000"):
         assert text in res.output, text
     data = json.loads(out.read_text())

@@ -120,3 +120,23 @@ def test_graph_break_scan_keeps_the_users_compiled_code() -> None:
     with watch_recompiles() as w:
         f(x)
     assert w.compiles == 0
+
+
+def test_a_torch_module_at_the_root_is_measured_on_its_own_frame() -> None:
+    # torch.compile runs torch's own modules (nn.Sequential) through one wrapper frame that
+    # every compiled torch module shares; the measured copy must not use (or fill) it.
+    x = torch.randn(4, 8)
+    user = torch.compile(nn.Sequential(nn.Linear(8, 8), nn.ReLU()).eval())
+    with torch.no_grad():
+        user(x)
+    net = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+    before = _process()
+    report = compile_report(net, x, modes=("default",), iters=2, warmup=0, isolate=False)
+    _assert_same(before)
+    m = report.mode("default")
+    assert m.status == "ok", m.error
+    assert m.graphs == 1 and m.recompiles == ()  # traced afresh, nothing recompiled
+    assert "forward" not in net.__dict__
+    with watch_recompiles() as w, torch.no_grad():
+        torch.testing.assert_close(user(x), user._orig_mod(x))
+    assert w.compiles == 0

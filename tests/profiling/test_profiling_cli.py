@@ -22,9 +22,13 @@ def test_profile_default_target_by_module(tmp_path: Path) -> None:
                               "--trace", str(trace)])
     assert res.exit_code == 0, res.output
     assert "conv1" in res.output and "phase total" in res.output
+    assert "loss: auto → cross-entropy vs seeded targets = " in res.output
+    assert "optimizer: SGD" in res.output
     assert "profiler_start" not in res.output
     data = json.loads(out.read_text())
     assert data["target"] == "tiny-cnn"
+    assert data["result"]["step"]["loss"] == "auto → cross-entropy vs seeded targets"
+    assert data["result"]["step"]["optimizer"] == "SGD"
     assert {m["module"] for m in data["result"]["modules"]} >= {"conv1", "conv2", "fc"}
     assert "traceEvents" in json.loads(trace.read_text())
 
@@ -38,6 +42,12 @@ def test_profile_mlp_ops_sorted_by_total(tmp_path: Path) -> None:
     assert "aten::" in text.read_text()
 
 
+def test_profile_loss_option_is_the_shared_steps() -> None:
+    res = runner.invoke(app, ["profile", "mlp", *_FAST[2:], "--loss", "mse"])
+    assert res.exit_code == 0, res.output
+    assert "loss: mean squared error vs seeded targets = " in res.output
+
+
 @pytest.mark.parametrize("args", [
     ["profile", "--input", "4x3x"],
     ["profile", "--input", "4x5x12x12", "--steps", "1"],
@@ -47,6 +57,7 @@ def test_profile_mlp_ops_sorted_by_total(tmp_path: Path) -> None:
     ["profile", "no-such-model"],
     ["profile", "--select", "nothing*", "--by", "module", "--steps", "1"],
     ["profile", "--device", "tpu"],
+    ["profile", "--loss", "hinge"],
 ])
 def test_bad_input_is_one_line_exit_2(args: list[str]) -> None:
     res = runner.invoke(app, args)

@@ -25,15 +25,30 @@ import types
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from torch import nn
 
 __all__ = ["fresh_inductor_cache", "private_code"]
 
 
-def _fresh_function(fn: types.FunctionType) -> types.FunctionType:
-    """`fn` with its own copy of its code object (closure, defaults and globals shared)."""
-    new = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
-                             fn.__defaults__, fn.__closure__)
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+
+
+def _fresh_function(fn: types.FunctionType, *, root: bool = False) -> types.FunctionType:
+    """`fn` with its own copy of its code object (closure, defaults and globals shared).
+
+    A root forward from torch itself (`nn.Sequential`, say) gets a file name outside torch:
+    `torch.compile` would otherwise compile it through a wrapper frame that every compiled
+    torch module shares (`torch._dynamo.external_utils.wrap_inline`), not through the
+    private code.
+    """
+    code = fn.__code__
+    if root and os.path.abspath(code.co_filename).startswith(_TORCH_DIR):
+        code = code.replace(co_filename=f"<torchscope private copy of {fn.__qualname__}>")
+    else:
+        code = code.replace()
+    new = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__,
+                             fn.__closure__)
     new.__kwdefaults__ = fn.__kwdefaults__
     new.__qualname__ = fn.__qualname__
     new.__module__ = fn.__module__
@@ -77,7 +92,8 @@ def private_code(model: nn.Module) -> Iterator[None]:
     neither reuses nor adds to the cache entries of the user's own compiled models of the
     same classes, and counts against none of their recompile limits. On exit the modules'
     `forward` is as it was and the private code objects' cache entries are dropped. A
-    forward that is not a plain Python function (a C function, a `partial`) is left shared.
+    forward that is not a plain Python function (a C function, a `partial`) is left shared,
+    and so are helper functions a forward calls after a graph break.
     """
     saved: list[tuple[nn.Module, Any]] = []
     codes: list[types.CodeType] = []
@@ -92,7 +108,7 @@ def private_code(model: nn.Module) -> Iterator[None]:
                 fn, bound = own, False
             if not isinstance(fn, types.FunctionType) or fn is nn.Module.forward:
                 continue
-            new = _fresh_function(fn)
+            new = _fresh_function(fn, root=m is model)
             codes.append(new.__code__)
             saved.append((m, own))
             m.__dict__["forward"] = types.MethodType(new, m) if bound else new
