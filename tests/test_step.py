@@ -263,3 +263,31 @@ def test_preserved_restores_everything() -> None:
     assert model.training
     assert torch.equal(opt.state[model.fc.weight]["momentum_buffer"], momentum)
     assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_step_preserved_keeps_the_inputs_grad_too() -> None:
+    model = nn.Linear(4, 2)
+    x = torch.randn(3, 4, requires_grad=True)
+    model(x).sum().backward()
+    grad = x.grad
+    assert grad is not None
+    values = grad.clone()
+    step = Step(model, x, loss_fn="sum")
+    with step.preserved(clear_grads=True):
+        assert x.grad is None and model.weight.grad is None
+        step.forward_backward()
+        step.forward_backward()
+    assert x.grad is grad
+    assert torch.equal(grad, values)
+    assert [name for name, _ in step.input_leaves()] == ["input[0]"]
+
+
+def test_with_model_keeps_the_options_and_not_the_cache(
+        cnn: tuple[nn.Module, torch.Tensor, torch.Tensor]) -> None:
+    model, x, _ = cnn
+    step = Step(model, x, loss_fn="mse", target=torch.randn(8, 10), accumulate=2, seed=3)
+    step.forward_backward()
+    other = step.with_model(TinyCNN())
+    assert (other.loss_fn, other.accumulate, other.seed) == ("mse", 2, 3)
+    assert other.target is step.target
+    assert other.resolved is None and step.resolved is not None

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -182,7 +182,7 @@ def _callable_name(fn: Callable[..., Any]) -> str:
     return str(getattr(fn, "__name__", None) or type(fn).__name__)
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, init=False)
 class Step:
     """One training step: what it runs, and the one way it is run.
 
@@ -226,25 +226,40 @@ class Step:
     seed: int = 0
     _cache: dict[Any, Any] = field(default_factory=dict, init=False, repr=False)
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.model, nn.Module):
-            raise TorchscopeError(f"the model is a {type(self.model).__name__}, not an "
+    def __init__(
+        self,
+        model: nn.Module,
+        inputs: Any,
+        *,
+        loss_fn: LossSpec = "auto",
+        target: Any = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        autocast: torch.dtype | None = None,
+        scaler: Any = None,
+        accumulate: int = 1,
+        seed: int = 0,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TorchscopeError(f"the model is a {type(model).__name__}, not an "
                                   "nn.Module.", fix="pass the model (an nn.Module) first.")
-        object.__setattr__(self, "inputs", ModelInputs.of(self.inputs))
-        if not callable(self.loss_fn) and self.loss_fn not in LOSSES:
-            raise TorchscopeError(f"loss_fn={self.loss_fn!r} is not a known loss.",
+        if not callable(loss_fn) and loss_fn not in LOSSES:
+            raise TorchscopeError(f"loss_fn={loss_fn!r} is not a known loss.",
                                   fix=f"use one of {', '.join(LOSSES)}, or a callable "
                                   "(output, target) -> scalar.")
-        if isinstance(self.accumulate, bool) or not isinstance(self.accumulate, int) or \
-                self.accumulate < 1:
-            raise TorchscopeError(f"accumulate={self.accumulate!r} is not a number of "
+        if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+            raise TorchscopeError(f"accumulate={accumulate!r} is not a number of "
                                   "micro-batches.", fix="pass accumulate=1 or more.")
-        if self.autocast is not None and self.autocast not in _AMP_DTYPES:
-            raise TorchscopeError(f"autocast={self.autocast!r} is not an autocast dtype.",
+        if autocast is not None and autocast not in _AMP_DTYPES:
+            raise TorchscopeError(f"autocast={autocast!r} is not an autocast dtype.",
                                   fix="pass autocast=torch.bfloat16 or torch.float16, or None.")
-        if self.scaler is not None and not callable(getattr(self.scaler, "scale", None)):
-            raise TorchscopeError(f"scaler is a {type(self.scaler).__name__}, not a "
-                                  "GradScaler.", fix="pass a torch.amp.GradScaler, or None.")
+        if scaler is not None and not callable(getattr(scaler, "scale", None)):
+            raise TorchscopeError(f"scaler is a {type(scaler).__name__}, not a GradScaler.",
+                                  fix="pass a torch.amp.GradScaler, or None.")
+        values = {"model": model, "inputs": ModelInputs.of(inputs), "loss_fn": loss_fn,
+                  "target": target, "optimizer": optimizer, "autocast": autocast,
+                  "scaler": scaler, "accumulate": accumulate, "seed": seed, "_cache": {}}
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -574,10 +589,22 @@ class Step:
         return loss
 
     # ------------------------------------------------------------------ state
+    def input_leaves(self) -> list[tuple[str, torch.Tensor]]:
+        """`(input[path], tensor)` of every leaf input tensor that requires grad, once each."""
+        named = [*iter_tensors(self.inputs.args), *iter_tensors(dict(self.inputs.kwargs))]
+        out: list[tuple[str, torch.Tensor]] = []
+        seen: set[int] = set()
+        for path, t in named:
+            if t.requires_grad and t.is_leaf and id(t) not in seen:
+                seen.add(id(t))
+                out.append((f"input{path}", t))
+        return out
+
     def preserved(self, *, clear_grads: bool = False) -> contextlib.AbstractContextManager[None]:
-        """`preserved(self.model, optimizer=..., scaler=...)`: run steps, change nothing."""
+        """`preserved()` of the model, the optimizer, the scaler and the `.grad` of every
+        input that requires grad: run steps inside, and nothing has changed afterwards."""
         return preserved(self.model, optimizer=self.optimizer, scaler=self.scaler,
-                         clear_grads=clear_grads)
+                         tensors=[t for _, t in self.input_leaves()], clear_grads=clear_grads)
 
 
 def _cuda_devices(model: nn.Module) -> list[int]:
@@ -594,6 +621,7 @@ def preserved(
     *,
     optimizer: torch.optim.Optimizer | None = None,
     scaler: Any = None,
+    tensors: Iterable[torch.Tensor] = (),
     clear_grads: bool = False,
     rng: bool = True,
 ) -> Iterator[None]:
@@ -611,7 +639,9 @@ def preserved(
         model: the model.
         optimizer: an optimizer the block may step.
         scaler: a GradScaler the block may update.
-        clear_grads: start the block with every `.grad` set to None.
+        tensors: other leaf tensors whose `.grad` is kept too (inputs that require grad).
+        clear_grads: start the block with every `.grad` (the model's and of `tensors`) set
+            to None.
         rng: fork the random generators (False leaves them to the caller).
     """
     slots: list[tuple[dict[str, Any], str, torch.Tensor | None, torch.Tensor | None]] = []
@@ -627,6 +657,11 @@ def preserved(
                         seen.add(id(t))
                         g = t.grad
                         grads.append((t, g, None if g is None else g.detach().clone()))
+        for t in tensors:
+            if id(t) not in seen:
+                seen.add(id(t))
+                g = t.grad
+                grads.append((t, g, None if g is None else g.detach().clone()))
     requires = [(p, p.requires_grad) for p in model.parameters()]
     flags = [(m, m.training) for m in model.modules()]
     opt_state = None if optimizer is None else copy.deepcopy(optimizer.state_dict())

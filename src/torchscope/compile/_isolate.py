@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchscope._process import kept_environment
+
 __all__ = ["fresh_inductor_cache", "private_code"]
 
 
@@ -135,16 +137,10 @@ def fresh_inductor_cache() -> Iterator[None]:
     from torch._dynamo import pgo
     from torch._inductor.utils import fresh_cache
 
-    env = dict(os.environ)
     state = (pgo._CODE_STATE, pgo._INIT_CODE_STATE)
     pgo._CODE_STATE, pgo._INIT_CODE_STATE = None, None
     try:
-        with fresh_cache():
+        with kept_environment(), fresh_cache():
             yield
     finally:
         pgo._CODE_STATE, pgo._INIT_CODE_STATE = state
-        for key in [k for k in os.environ if k not in env]:
-            del os.environ[key]
-        for key, value in env.items():
-            if os.environ.get(key) != value:
-                os.environ[key] = value

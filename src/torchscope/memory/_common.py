@@ -4,8 +4,6 @@ sync, and running a measured step so that model and inputs are left exactly as f
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any
 
@@ -13,8 +11,6 @@ import torch
 from torch import nn
 
 from torchscope.hooks.tree import iter_tensors
-from torchscope.models.target import ModelInputs
-from torchscope.step import Step
 
 StorageKey = tuple[str, int]
 
@@ -84,33 +80,3 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def input_leaves(inputs: ModelInputs) -> list[tuple[str, torch.Tensor]]:
-    """`(input[path], tensor)` of every leaf input tensor that requires grad."""
-    named = [*iter_tensors(inputs.args), *iter_tensors(dict(inputs.kwargs))]
-    out: list[tuple[str, torch.Tensor]] = []
-    seen: set[int] = set()
-    for path, t in named:
-        if t.requires_grad and t.is_leaf and id(t) not in seen:
-            seen.add(id(t))
-            out.append((f"input{path}", t))
-    return out
-
-
-@contextmanager
-def left_as_found(step: Step) -> Iterator[None]:
-    """Run steps that leave the model and its inputs as they were.
-
-    `step.preserved(clear_grads=True)` (parameters, buffers, `.grad`, flags, optimizer and
-    scaler state, the RNG), plus the `.grad` of inputs that require grad: inside, every
-    gradient starts as None; on exit the caller's come back.
-    """
-    inputs = [t for _, t in input_leaves(step.inputs)]
-    grads = [t.grad for t in inputs]
-    try:
-        with step.preserved(clear_grads=True):
-            for t in inputs:
-                t.grad = None
-            yield
-    finally:
-        for t, g in zip(inputs, grads, strict=True):
-            t.grad = g

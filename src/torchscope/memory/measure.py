@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from torchscope._process import quiet_kineto
-from torchscope.memory._common import left_as_found, state_keys, storage_key, storage_nbytes, sync
+from torchscope.memory._common import state_keys, storage_key, storage_nbytes, sync
 from torchscope.memory.records import MeasuredMemory, MemoryTotals, SavedActivations
 from torchscope.step import LossSpec, Step
 
@@ -54,7 +54,7 @@ def measure_step(
 def _measure(step: Step) -> MeasuredMemory:
     device = step.device
     if device.type == "cuda":
-        with left_as_found(step):
+        with step.preserved(clear_grads=True):
             sync(device)
             base = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
@@ -69,8 +69,8 @@ def _measure(step: Step) -> MeasuredMemory:
     from torch.profiler import ProfilerActivity, profile
 
     # Kineto prints profiler_start/stop lines unless its log level is raised before start.
-    with left_as_found(step), quiet_kineto(), profile(activities=[ProfilerActivity.CPU],
-                                                      profile_memory=True) as prof:
+    with step.preserved(clear_grads=True), quiet_kineto(), profile(
+            activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         loss = step.forward_backward()
     running = peak = 0
     for _, nbytes in sorted(_memory_events(prof)):

@@ -34,7 +34,7 @@ from torch import nn
 from torchscope._util import fmt_bytes
 from torchscope.errors import BudgetError, TorchscopeError
 from torchscope.hooks.session import HookSession
-from torchscope.memory._common import StorageKey, left_as_found, state_keys, sync
+from torchscope.memory._common import StorageKey, state_keys, sync
 from torchscope.memory.checkpoint import (
     Blocks,
     BlockSpec,
@@ -183,7 +183,7 @@ def _block_times(step: Step, watch: Sequence[tuple[str, nn.Module]], repeats: in
     device = step.device
     rounds: dict[str, list[float]] = {n: [] for n, _ in watch}
     starts: dict[str, float] = {}
-    with left_as_found(step), HookSession(step.model) as session:
+    with step.preserved(clear_grads=True), HookSession(step.model) as session:
         for name, module in watch:
 
             def pre(_m: nn.Module, _a: tuple[Any, ...], _n: str = name) -> None:
@@ -211,7 +211,7 @@ def _step_ms(step: Step, repeats: int) -> float:
     """Best forward + backward time of the step in ms over `repeats` (after a warm-up)."""
     device = step.device
     best = float("inf")
-    with left_as_found(step):
+    with step.preserved(clear_grads=True):
         for i in range(repeats + 1):
             step.zero_grad()
             sync(device)

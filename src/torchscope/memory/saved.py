@@ -27,7 +27,6 @@ from torchscope.hooks.session import HookSession
 from torchscope.memory._common import (
     SEGMENT_LABEL,
     StorageKey,
-    left_as_found,
     state_keys,
     storage_key,
     storage_keys,
@@ -236,7 +235,7 @@ def _account(
     types = {name: type(m).__name__ for name, m in model.named_modules()}
     block_inputs: dict[str, tuple[tuple[StorageKey, int], ...]] = {}
     seen: list[tuple[list[tuple[StorageKey, _Entry]], dict[StorageKey, int], int]] = []
-    with left_as_found(step), HookSession(model) as session:
+    with step.preserved(clear_grads=True), HookSession(model) as session:
         stack = session.enable_module_stack()
         for name, module in watch:
 

@@ -16,7 +16,6 @@ from torch import nn
 
 from torchscope._process import seeded
 from torchscope.errors import VerificationError
-from torchscope.memory._common import input_leaves, left_as_found
 from torchscope.memory.records import GradComparison, Verification
 from torchscope.step import LossSpec, Step
 
@@ -48,7 +47,7 @@ def _run(step: Step, leaves: list[tuple[str, torch.Tensor]], seed: int) -> tuple
         torch.Tensor, list[torch.Tensor | None], list[torch.Tensor]]:
     """One seeded forward + backward from the model's current state, which is restored
     after: (loss, gradients, buffers)."""
-    with left_as_found(step), seeded(seed):
+    with step.preserved(clear_grads=True), seeded(seed):
         loss = step.forward_backward()
         return loss, _grads(leaves), [b.detach().clone() for b in step.model.buffers()]
 
@@ -100,7 +99,7 @@ def verify(
         The comparison; `check()` turns a failed one into a `VerificationError`.
     """
     step = Step.of(model, inputs, loss_fn=loss_fn, target=target)
-    leaves = [*step.model.named_parameters(), *input_leaves(step.inputs)]
+    leaves = [*step.model.named_parameters(), *step.input_leaves()]
     with handle.suspended():
         ref_loss, ref_grads, ref_buffers = _run(step, leaves, seed)
     try:

@@ -11,11 +11,9 @@ quieted only while the window is open.
 from __future__ import annotations
 
 import contextlib
-import os
 import statistics
 import threading
 import time
-from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
 from types import TracebackType
@@ -91,25 +89,6 @@ def _check_window(steps: int, wait: int, warmup: int, trace_steps: int | None) -
     if trace_steps is not None and trace_steps < 1:
         raise ProfilingError(f"trace_steps={trace_steps} keeps no step in the trace.",
                              fix="pass trace_steps >= 1, or None to keep every profiled step.")
-
-
-@contextlib.contextmanager
-def _environ_as_found() -> Iterator[None]:
-    """The process environment as it was on entry, again on exit.
-
-    The profiler's first trace imports `torch._dynamo`, whose import sets
-    `TORCHINDUCTOR_CACHE_DIR` for good; inductor derives the same value again when it
-    needs it, so putting the environment back changes nothing but the environment.
-    """
-    env = dict(os.environ)
-    try:
-        yield
-    finally:
-        for key in [k for k in os.environ if k not in env]:
-            del os.environ[key]
-        for key, value in env.items():
-            if os.environ.get(key) != value:
-                os.environ[key] = value
 
 
 def _device(model: nn.Module | None, cuda: bool) -> torch.device:
@@ -188,7 +167,6 @@ class TimeWatch(HookedContext):
     def open(self) -> None:
         """Start the window: hooks, then the profiler (use the watch as a context manager)."""
         stack = self._stack
-        stack.enter_context(_environ_as_found())
         stack.enter_context(quiet_kineto())
         session: HookSession | None = None
         if self._by_module:
