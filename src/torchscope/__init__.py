@@ -1,8 +1,11 @@
 """torchscope: see inside any PyTorch model's training step, safely.
 
-The public API is what `__all__` lists; everything else is private implementation. Names are
-imported on first use (PEP 562), so `import torchscope` and the CLI start without loading
-torch until a capability needs it.
+The public API is the table `_API` below, and `__all__` is generated from it: per capability
+a one-shot function and a context manager for your own training loop, the compositions, and
+the few shared types. Everything else is reached by exactly one subpackage path (for example
+`torchscope.grads.GradFlow`, `torchscope.errors.ModelError`). Names are imported on first
+use (PEP 562), so `import torchscope` and the CLI start without loading torch until a
+capability needs it.
 """
 
 from __future__ import annotations
@@ -10,175 +13,45 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from torchscope._util import __version__
+from torchscope._util import __version__ as __version__
 
-# Public name -> the module that defines it.
-_EXPORTS: dict[str, str] = {
-    "ActivationCapture": "torchscope.capture",
-    "ActivationRecord": "torchscope.capture",
-    "TensorStats": "torchscope.capture",
-    "activations": "torchscope.capture",
+# Public name -> the module that defines it. README.md's "API" table lists the same names.
+_API: dict[str, str] = {
+    # One-shot function, then the context manager for your own loop, per capability.
     "capture_activations": "torchscope.capture",
-    "trace_nonfinite": "torchscope.capture",
-    "BudgetError": "torchscope.errors",
-    "CompileError": "torchscope.errors",
-    "InputSpecError": "torchscope.errors",
-    "ModelError": "torchscope.errors",
-    "SelectionError": "torchscope.errors",
-    "TargetError": "torchscope.errors",
-    "TorchscopeError": "torchscope.errors",
-    "VerificationError": "torchscope.errors",
-    "Finding": "torchscope.findings",
-    "Severity": "torchscope.findings",
-    "HookAudit": "torchscope.hooks",
-    "HookGrowthGuard": "torchscope.hooks",
-    "HookGrowthWarning": "torchscope.hooks",
-    "HookSession": "torchscope.hooks",
-    "audit_hooks": "torchscope.hooks",
-    "select_modules": "torchscope.hooks",
-    "ModuleTime": "torchscope.profiling",
-    "OpRecord": "torchscope.profiling",
-    "PhaseTime": "torchscope.profiling",
-    "ProfileResult": "torchscope.profiling",
-    "ProfilingError": "torchscope.profiling",
-    "profile_findings": "torchscope.profiling",
-    "profile_steps": "torchscope.profiling",
-    "LintResult": "torchscope.lint",
-    "LintViolation": "torchscope.lint",
-    "lint_paths": "torchscope.lint",
-    "lint_source": "torchscope.lint",
-    "run_doctor": "torchscope.doctor",
-    "DoctorOptions": "torchscope.doctor",
-    "DoctorReport": "torchscope.doctor",
-    "write_report": "torchscope.doctor",
-    "run_lab": "torchscope.doctor",
-    "diff_documents": "torchscope.doctor",
-    "analyze_memory": "torchscope.memory",
-    "saved_activations": "torchscope.memory",
-    "plan_checkpointing": "torchscope.memory",
-    "live_tensors": "torchscope.memory",
-    "measure_step": "torchscope.memory",
-    "MemoryReport": "torchscope.memory",
-    "SavedActivations": "torchscope.memory",
-    "CheckpointHandle": "torchscope.memory",
+    "watch_activations": "torchscope.capture",
     "gradient_flow": "torchscope.grads",
     "watch_gradients": "torchscope.grads",
-    "GradWatch": "torchscope.grads",
-    "GradFlow": "torchscope.grads",
-    "GradHistory": "torchscope.grads",
-    "GradThresholds": "torchscope.grads",
-    "ModuleGradRecord": "torchscope.grads",
-    "ParamGradRecord": "torchscope.grads",
-    "TensorGrad": "torchscope.grads",
+    "analyze_memory": "torchscope.memory",
+    "watch_memory": "torchscope.memory",
+    "profile_steps": "torchscope.profiling",
+    "watch_time": "torchscope.profiling",
     "compile_report": "torchscope.compile",
-    "compile_findings": "torchscope.compile",
-    "compile_once": "torchscope.compile",
-    "compile_guard": "torchscope.compile",
-    "audit_compiled_hooks": "torchscope.compile",
     "watch_recompiles": "torchscope.compile",
-    "find_graph_breaks": "torchscope.compile",
-    "check_compiled": "torchscope.compile",
-    "compiled_capture": "torchscope.compile",
-    "CompileReport": "torchscope.compile",
-    "ModeResult": "torchscope.compile",
-    "CompileLoopWarning": "torchscope.compile",
-    "RecompileWarning": "torchscope.compile",
+    "lint_paths": "torchscope.lint",
+    # Compositions.
+    "run_doctor": "torchscope.doctor",
+    "run_lab": "torchscope.lab",
+    # Shared.
+    "Step": "torchscope.step",
+    "Finding": "torchscope.findings",
+    "Severity": "torchscope.findings",
+    "HookSession": "torchscope.hooks",
+    "audit_hooks": "torchscope.hooks",
+    "TorchscopeError": "torchscope.errors",
 }
 
-_SUBMODULES = {
-    "checkpointing",
-    "compile",
-    "grads",
-    "integrations",
-    "memory",
-    "models",
-    "profiling",
-    "lint",
-    "capture",
-    "hooks",
-    "report",
-    "errors",
-    "findings",
-    "doctor",
-}
+_SUBMODULES = frozenset({
+    "capture", "compile", "doctor", "errors", "findings", "grads", "hooks", "integrations",
+    "lab", "lint", "memory", "models", "profiling", "report", "step",
+})
 
-__all__ = [
-    "ActivationCapture",
-    "ActivationRecord",
-    "BudgetError",
-    "CheckpointHandle",
-    "CompileError",
-    "CompileLoopWarning",
-    "CompileReport",
-    "DoctorOptions",
-    "DoctorReport",
-    "Finding",
-    "GradFlow",
-    "GradHistory",
-    "GradThresholds",
-    "GradWatch",
-    "HookAudit",
-    "HookGrowthGuard",
-    "HookGrowthWarning",
-    "HookSession",
-    "InputSpecError",
-    "LintResult",
-    "LintViolation",
-    "MemoryReport",
-    "ModeResult",
-    "ModelError",
-    "ModuleGradRecord",
-    "ModuleTime",
-    "OpRecord",
-    "ParamGradRecord",
-    "PhaseTime",
-    "ProfileResult",
-    "ProfilingError",
-    "RecompileWarning",
-    "SavedActivations",
-    "SelectionError",
-    "Severity",
-    "TargetError",
-    "TensorGrad",
-    "TensorStats",
-    "TorchscopeError",
-    "VerificationError",
-    "__version__",
-    "activations",
-    "analyze_memory",
-    "audit_compiled_hooks",
-    "audit_hooks",
-    "capture_activations",
-    "check_compiled",
-    "compile_findings",
-    "compile_guard",
-    "compile_once",
-    "compile_report",
-    "compiled_capture",
-    "diff_documents",
-    "find_graph_breaks",
-    "gradient_flow",
-    "lint_paths",
-    "lint_source",
-    "live_tensors",
-    "measure_step",
-    "plan_checkpointing",
-    "profile_findings",
-    "profile_steps",
-    "run_doctor",
-    "run_lab",
-    "saved_activations",
-    "select_modules",
-    "trace_nonfinite",
-    "watch_gradients",
-    "watch_recompiles",
-    "write_report",
-]
+__all__ = list(_API)
 
 
 def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    if name in _API:
+        value = getattr(importlib.import_module(_API[name]), name)
         globals()[name] = value
         return value
     if name in _SUBMODULES:
@@ -187,96 +60,26 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(__all__) | _SUBMODULES)
+    return sorted({*__all__, *_SUBMODULES, "__version__"})
 
 
-if TYPE_CHECKING:
-    from torchscope.capture import (
-        ActivationCapture,
-        ActivationRecord,
-        TensorStats,
-        activations,
-        capture_activations,
-        trace_nonfinite,
-    )
-    from torchscope.compile import (
-        CompileLoopWarning,
-        CompileReport,
-        ModeResult,
-        RecompileWarning,
-        audit_compiled_hooks,
-        check_compiled,
-        compile_findings,
-        compile_guard,
-        compile_once,
-        compile_report,
-        compiled_capture,
-        find_graph_breaks,
-        watch_recompiles,
-    )
-    from torchscope.doctor import (
-        DoctorOptions,
-        DoctorReport,
-        diff_documents,
-        run_doctor,
-        run_lab,
-        write_report,
-    )
-    from torchscope.errors import (
-        BudgetError,
-        CompileError,
-        InputSpecError,
-        ModelError,
-        SelectionError,
-        TargetError,
-        TorchscopeError,
-        VerificationError,
-    )
-    from torchscope.findings import (
-        Finding,
-        Severity,
-    )
-    from torchscope.grads import (
-        GradFlow,
-        GradHistory,
-        GradThresholds,
-        GradWatch,
-        ModuleGradRecord,
-        ParamGradRecord,
-        TensorGrad,
-        gradient_flow,
-        watch_gradients,
-    )
-    from torchscope.hooks import (
-        HookAudit,
-        HookGrowthGuard,
-        HookGrowthWarning,
-        HookSession,
-        audit_hooks,
-        select_modules,
-    )
-    from torchscope.lint import (
-        LintResult,
-        LintViolation,
-        lint_paths,
-        lint_source,
-    )
-    from torchscope.memory import (
-        CheckpointHandle,
-        MemoryReport,
-        SavedActivations,
-        analyze_memory,
-        live_tensors,
-        measure_step,
-        plan_checkpointing,
-        saved_activations,
-    )
-    from torchscope.profiling import (
-        ModuleTime,
-        OpRecord,
-        PhaseTime,
-        ProfileResult,
-        ProfilingError,
-        profile_findings,
-        profile_steps,
-    )
+if TYPE_CHECKING:  # the same table, spelled out for type checkers (a test keeps them equal)
+    from torchscope.capture import capture_activations as capture_activations
+    from torchscope.capture import watch_activations as watch_activations
+    from torchscope.compile import compile_report as compile_report
+    from torchscope.compile import watch_recompiles as watch_recompiles
+    from torchscope.doctor import run_doctor as run_doctor
+    from torchscope.errors import TorchscopeError as TorchscopeError
+    from torchscope.findings import Finding as Finding
+    from torchscope.findings import Severity as Severity
+    from torchscope.grads import gradient_flow as gradient_flow
+    from torchscope.grads import watch_gradients as watch_gradients
+    from torchscope.hooks import HookSession as HookSession
+    from torchscope.hooks import audit_hooks as audit_hooks
+    from torchscope.lab import run_lab as run_lab
+    from torchscope.lint import lint_paths as lint_paths
+    from torchscope.memory import analyze_memory as analyze_memory
+    from torchscope.memory import watch_memory as watch_memory
+    from torchscope.profiling import profile_steps as profile_steps
+    from torchscope.profiling import watch_time as watch_time
+    from torchscope.step import Step as Step

@@ -577,13 +577,17 @@ class Step:
         return True
 
     def run(self, *, before_backward: BeforeBackward | None = None) -> torch.Tensor:
-        """One whole training step: zero the gradients, forward/backward every micro-batch,
-        then the optimizer step. The gradients of this step stay in `.grad`.
+        """One whole training step, as a training loop writes it: `optimizer.zero_grad()`
+        (the model's `zero_grad()` without an optimizer), forward/backward every
+        micro-batch, then the optimizer step. The gradients of this step stay in `.grad`.
 
         Returns:
             The detached mean loss (see `forward_backward`).
         """
-        self.zero_grad()
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            self.model.zero_grad(set_to_none=True)
         loss = self.forward_backward(before_backward=before_backward)
         self.optimizer_step()
         return loss

@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 import torchscope
-from torchscope import CompileError, audit_hooks
+from torchscope import audit_hooks
+from torchscope.errors import CompileError
 from torchscope.hooks import HookSession
 from torchscope.models import TinyCNN
 

@@ -85,8 +85,9 @@ def test_bad_option_value(argv: list[str], needles: list[str]) -> None:
     ("argv", "needles"),
     [
         (["bogus"], ["No such command 'bogus'", "torchscope --help"]),
-        (["memory", "mlp", "--depth", "1"],
-         ["No such option: --depth", "torchscope memory --help"]),
+        (["memory", "mlp", "--steps", "1"],
+         ["No such option: --steps", "torchscope memory --help"]),
+        (["memory", "mlp", "--depth", "-1"], ["depth"]),
         (["profile", "--steps", "abc"], ["'--steps'", "torchscope profile --help"]),
         (["grads", "--lr"], ["'--lr' requires an argument"]),
         (["diff", "only-one.json"], ["Missing argument"]),

@@ -113,5 +113,5 @@ def test_a_step_with_inputs_or_a_loss_is_refused() -> None:
     model, x = torch.nn.Linear(4, 2), torch.randn(3, 4)
     with pytest.raises(TorchscopeError, match="a Step was given together with inputs"):
         run_doctor(Step(model, x), x)
-    with pytest.raises(TorchscopeError, match=r"options\.loss='mse' was given with a Step"):
-        run_doctor(Step(model, x), options=DoctorOptions(loss="mse"))
+    with pytest.raises(TorchscopeError, match=r"options\.loss_fn='mse' was given with a Step"):
+        run_doctor(Step(model, x), options=DoctorOptions(loss_fn="mse"))

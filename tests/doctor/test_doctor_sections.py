@@ -88,7 +88,7 @@ def test_sections_run_the_real_capabilities_and_their_analyzers() -> None:
 
     torch.manual_seed(0)
     model, x = TinyCNN(), torch.randn(4, 3, 32, 32)
-    report = run_doctor(model, x, options=DoctorOptions(loss="sum", steps=2,
+    report = run_doctor(model, x, options=DoctorOptions(loss_fn="sum", steps=2,
                                                         skip=frozenset({"compile"})))
     assert {o.name: o.status for o in report.outcomes} == {
         "activations": "ok", "gradients": "ok", "memory": "ok", "profile": "ok",

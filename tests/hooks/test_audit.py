@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch.nn.modules import module as module_mod
 
-from torchscope import HookGrowthGuard, HookGrowthWarning, audit_hooks
+from torchscope import audit_hooks
+from torchscope.hooks import HookGrowthGuard, HookGrowthWarning
 from torchscope.models import TinyCNN
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from torch import nn
 
-from torchscope import SelectionError, select_modules
+from torchscope.errors import SelectionError
+from torchscope.hooks import select_modules
 from torchscope.models import ResNetMini, TinyCNN
 
 

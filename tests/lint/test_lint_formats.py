@@ -154,3 +154,16 @@ def test_sarif_uris_are_relative_to_the_root(tmp_path: Path) -> None:
     loc = run["results"][0]["locations"][0]["physicalLocation"]["artifactLocation"]
     assert loc == {"uri": "pkg/a.py", "uriBaseId": "%SRCROOT%"}
     assert run["originalUriBaseIds"]["%SRCROOT%"]["uri"] == tmp_path.resolve().as_uri() + "/"
+
+
+def test_lint_result_findings_are_its_violations(tmp_path: Path) -> None:
+    from torchscope.findings import Finding
+
+    src = tmp_path / "train.py"
+    src.write_text("import torch\nfor x in data:\n    model = torch.compile(model)\n")
+    result = lint_paths([src])
+    found = result.findings()
+    assert [f.code for f in found] == [f"lint.{v.code}" for v in result.violations]
+    assert found and all(isinstance(f, Finding) for f in found)
+    assert found[0].code == "lint.TS004"
+    assert lint_paths([src]).findings() == found  # pure: the same run, the same findings

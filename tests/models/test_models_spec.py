@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchscope import InputSpecError
+from torchscope.errors import InputSpecError
 from torchscope.models import BUILTINS, ModelInputs, call_model, load_target, parse_spec
 
 

@@ -103,7 +103,7 @@ def doctor(
         dev = _device(device)
         loaded, model_inputs = load(target, input, inputs)
         model = loaded.model.to(dev)
-        options = DoctorOptions(fast=fast, skip=frozenset(skipped), loss=loss, steps=steps,
+        options = DoctorOptions(fast=fast, skip=frozenset(skipped), loss_fn=loss, steps=steps,
                                 compile_modes=modes, device=dev)
         report = _run_with_progress(model, model_inputs.to(dev), options, loaded.name)
         if debug:

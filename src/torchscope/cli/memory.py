@@ -8,9 +8,11 @@ import typer
 
 from torchscope.cli._common import (
     DebugOpt,
+    DepthOpt,
     InputOpt,
     InputsFnOpt,
     JsonOpt,
+    SelectOpt,
     TargetArg,
     check_output,
     console,
@@ -54,6 +56,8 @@ def memory(
         "only the model's own tensors are counted).")] = "auto",
     optimizer: Annotated[str, typer.Option(
         help="Count this optimizer's state too: none, sgd, momentum, adam, adamw.")] = "none",
+    select: SelectOpt = None,
+    depth: DepthOpt = None,
     eval_mode: Annotated[bool, typer.Option(
         "--eval", help="Analyse in eval mode (default: train mode, dropout active).")] = False,
     repeats: Annotated[int, typer.Option(help="Timed repeats per plan (best kept).")] = 3,
@@ -105,7 +109,7 @@ def memory(
         step = Step(model, model_inputs, loss_fn=loss, optimizer=opt)
         report = analyze_memory(step, checkpoint=cast("CheckpointChoice", checkpoint),
                                 budget=limit, blocks=blocks, repeats=repeats,
-                                name=loaded.name)
+                                select=select, depth=depth, name=loaded.name)
         mode = "eval" if eval_mode else "train"
         console.print(saved_table(report.saved,
                                   title=f"Saved activations of {loaded.name} ({mode} mode, "

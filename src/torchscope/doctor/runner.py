@@ -95,15 +95,15 @@ def _run_one(section: Section[Any], step: Step, options: DoctorOptions) -> Secti
 
 def _doctor_step(model: nn.Module | Step, inputs: Any, options: DoctorOptions) -> Step:
     if isinstance(model, Step):
-        if options.loss != "auto":
-            raise TorchscopeError(f"options.loss={options.loss!r} was given with a Step.",
+        if options.loss_fn != "auto":
+            raise TorchscopeError(f"options.loss_fn={options.loss_fn!r} was given with a Step.",
                                   fix="set loss_fn on the Step (Step(model, x, loss_fn=...)).")
         return Step.of(model, inputs)
     # Plain SGD over the trainable parameters: the optimizer phase is timed and its state
     # counted, without momentum buffers that would make later steps differ from the first.
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(params, lr=1e-3) if params else None
-    return Step(model, inputs, loss_fn=options.loss, optimizer=optimizer, seed=options.seed)
+    return Step(model, inputs, loss_fn=options.loss_fn, optimizer=optimizer, seed=options.seed)
 
 
 def run_doctor(
@@ -117,7 +117,7 @@ def run_doctor(
 ) -> DoctorReport:
     """Examine a model with every registered section, all on one training step.
 
-    The doctor builds one `Step` (the loss of `options.loss`, targets seeded with
+    The doctor builds one `Step` (the loss of `options.loss_fn`, targets seeded with
     `options.seed`, plain SGD with lr 1e-3 over the trainable parameters), or takes the one
     given, and every section measures that step through its capability's public function.
     The model is given back exactly as it was after each section (`torchscope.step.preserved`:
@@ -127,7 +127,7 @@ def run_doctor(
 
     Args:
         model: the model, already on `options.device`; or a ready `Step` (AMP, accumulation,
-            your own loss, target or optimizer), in which case `inputs` and `options.loss`
+            your own loss, target or optimizer), in which case `inputs` and `options.loss_fn`
             stay unset.
         inputs: a tensor, tuple, dict or `ModelInputs`, on the same device.
         options: what to run; defaults to `DoctorOptions()`.
@@ -141,7 +141,7 @@ def run_doctor(
     Raises:
         ModelError: the model cannot run on these inputs at all (checked once, first).
         TorchscopeError: the step cannot be built (a `Step` given with inputs or with
-            `options.loss`, an unknown loss).
+            `options.loss_fn`, an unknown loss).
     """
     from torchscope.doctor.sections import registered_sections
 

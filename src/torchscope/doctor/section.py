@@ -37,7 +37,7 @@ class DoctorOptions:
         fast: trade depth for time: compile is skipped, profiling runs fewer steps without
             baseline steps, and memory plans no checkpointing.
         skip: section names not to run.
-        loss: the loss of the doctor's training step (`auto`, `cross_entropy`, `mse` or
+        loss_fn: the loss of the doctor's training step (`auto`, `cross_entropy`, `mse` or
             `sum`, as `torchscope.step` defines them); leave it `auto` when giving a `Step`.
         steps: profiled training steps (`fast` lowers it to 3).
         compile_modes: the torch.compile modes to measure.
@@ -49,7 +49,7 @@ class DoctorOptions:
 
     fast: bool = False
     skip: frozenset[str] = frozenset()
-    loss: LossName = "auto"
+    loss_fn: LossName = "auto"
     steps: int = 5
     compile_modes: tuple[str, ...] = ("default",)
     compile_iters: int = 20
@@ -63,7 +63,7 @@ class DoctorOptions:
 
     def to_json(self) -> dict[str, Any]:
         """The `options` object of report.json."""
-        return {"fast": self.fast, "skip": sorted(self.skip), "loss": self.loss,
+        return {"fast": self.fast, "skip": sorted(self.skip), "loss": self.loss_fn,
                 "steps": self.steps, "compile_modes": list(self.compile_modes),
                 "compile_iters": self.compile_iters, "device": self.device, "seed": self.seed}
 

@@ -175,7 +175,7 @@ class HookGrowthGuard:
             warnings.warn(
                 f"hook count grew between steps ({detail}): a hook is registered inside the "
                 "training loop and never removed. Register it once before the loop and call "
-                "handle.remove() after, or use `with torchscope.activations(model):`.",
+                "handle.remove() after, or use `with torchscope.watch_activations(model):`.",
                 HookGrowthWarning,
                 stacklevel=3,
             )

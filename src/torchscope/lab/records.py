@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from torchscope.findings import Analyzed
+
 __all__ = ["LabClaim", "LabResult", "LabTable"]
 
 
@@ -39,8 +41,9 @@ class LabTable:
 
 
 @dataclass(frozen=True)
-class LabResult:
-    """Every table and claim of a lab run."""
+class LabResult(Analyzed):
+    """Every table and claim of a lab run; `findings()` names the claims that did not hold
+    on this machine (warning) and those that could not be checked here (info)."""
 
     milestones: tuple[LabTable, ...]
     claims: tuple[LabClaim, ...]

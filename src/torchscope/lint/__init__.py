@@ -28,11 +28,14 @@ Example:
     ['TS004']
 """
 
+from torchscope.lint import analyze as _analyze  # registers LintResult's analyzer
 from torchscope.lint.config import LintConfig, find_config, load_config
 from torchscope.lint.engine import lint_file, lint_paths, lint_source
 from torchscope.lint.files import IgnoreRules, discover
 from torchscope.lint.records import LintError, LintResult, LintViolation
 from torchscope.lint.rules import RULES, LintUsageError, Rule, resolve_codes
+
+del _analyze
 
 __all__ = [
     "RULES",

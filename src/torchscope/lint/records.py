@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from torchscope.findings import Finding, Severity
+from torchscope.findings import Analyzed, Finding, Severity
 from torchscope.lint.rules import RULES
 
 __all__ = ["LintError", "LintResult", "LintViolation"]
@@ -70,8 +70,8 @@ class LintError:
 
 
 @dataclass(frozen=True)
-class LintResult:
-    """Everything one lint run produced.
+class LintResult(Analyzed):
+    """Everything one lint run produced; `findings()` gives its violations as `Finding`s.
 
     Attributes:
         violations: sorted by path, line, column, code.

@@ -39,7 +39,7 @@ def _shapes(raw: Any) -> tuple[tuple[int, ...], ...] | None:
 
 
 def op_records(averages: Iterable[Any], *, include_internal: bool = False) -> tuple[OpRecord, ...]:
-    """Turn `prof.key_averages()` rows into `OpRecord`s.
+    """Turn `prof.key_averages()` rows into `OpRecord`s, largest self CPU time first.
 
     Shares are computed against the self time of every row (torchscope's own ranges
     included, as `torch.profiler`'s table does), so they add up to 100% of profiled time.
@@ -70,6 +70,8 @@ def op_records(averages: Iterable[Any], *, include_internal: bool = False) -> tu
                 input_shapes=_shapes(getattr(a, "input_shapes", None)),
             )
         )
+    # Largest self CPU time first (then by name, for a stable order): `ops[0]` is the top op.
+    records.sort(key=lambda r: (-r.self_cpu_ms, r.name))
     return tuple(records)
 
 

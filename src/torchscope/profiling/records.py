@@ -199,7 +199,8 @@ class ProfileResult(Analyzed):
     Attributes:
         steps: profiled (active) steps; every total below covers all of them.
         device: `cpu` or `cuda`.
-        ops: one record per op name (and input shape, when grouped), unsorted.
+        ops: one record per op name (and input shape, when grouped), largest self CPU
+            time first.
         phases: the labelled phases, in step order; empty when the step labelled none.
         modules: one record per timed module that ran, in first-call order.
         reconciliation: how module times add up to the phase totals.

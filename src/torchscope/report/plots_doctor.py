@@ -42,20 +42,13 @@ def _figure(n: int, height: float = 3.2) -> Figure:
 
 
 def figure_svg(fig: Figure) -> str:
-    """The figure as an inline `<svg>` element: no XML prolog, DOCTYPE or metadata.
-
-    A figure made through pyplot is closed afterwards, so pyplot does not keep it alive.
-    """
+    """The figure as an inline `<svg>` element: no XML prolog, DOCTYPE or metadata."""
     import matplotlib
 
     buf = io.StringIO()
     with matplotlib.rc_context(_RC):  # type: ignore[arg-type]
         fig.savefig(buf, format="svg", metadata={"Date": None, "Creator": None, "Format": None,
                                                  "Type": None})
-    if fig.canvas.manager is not None:  # only pyplot gives a figure a manager
-        from matplotlib import pyplot
-
-        pyplot.close(fig)
     svg = buf.getvalue()
     svg = svg[svg.index("<svg"):]
     svg = re.sub(r"<metadata>.*?</metadata>", "", svg, flags=re.S)

@@ -1,6 +1,8 @@
-"""Gradient-flow plots with matplotlib (Agg): the classic per-layer plot and a heatmap.
+"""Gradient-flow plots with matplotlib: the classic per-layer plot and a heatmap.
 
 Renderers only: they take records and return `Figure`s; `save_figure` writes PNG or SVG.
+Figures are made with `matplotlib.figure.Figure`, not pyplot, so no backend is chosen and
+no global pyplot state is touched (a notebook's backend stays the user's).
 """
 
 from __future__ import annotations
@@ -8,11 +10,6 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")  # headless: never open a window
-
-import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
@@ -41,7 +38,7 @@ def plot_gradient_flow(flow: GradFlow, title: str | None = None) -> Figure:
     out_v = np.array([_positive(outs.get(m)) for m in layers], dtype=float)
     par_v = np.array([_positive(params.get(m)) for m in layers], dtype=float)
     width = max(6.0, 0.45 * len(layers) + 2.0)
-    fig = plt.figure(figsize=(min(width, 40.0), 4.5))
+    fig = Figure(figsize=(min(width, 40.0), 4.5))
     ax = fig.add_subplot(1, 1, 1)
     x = np.arange(len(layers))
     if np.isfinite(par_v).any():
@@ -73,7 +70,7 @@ def plot_grad_heatmap(history: GradHistory, kind: str = "output",
     layers = list(history.layers)
     data = np.array(rows, dtype=float).T if rows else np.zeros((len(layers), 0))  # (L, S)
     data = np.where(np.isfinite(data) & (data > 0), data, np.nan)
-    fig = plt.figure(figsize=(min(max(6.0, 0.08 * len(history) + 4.0), 30.0),
+    fig = Figure(figsize=(min(max(6.0, 0.08 * len(history) + 4.0), 30.0),
                               min(max(3.0, 0.3 * len(layers) + 1.5), 30.0)))
     ax = fig.add_subplot(1, 1, 1)
     finite = data[np.isfinite(data)]
@@ -98,7 +95,7 @@ def plot_grad_heatmap(history: GradHistory, kind: str = "output",
 
 
 def save_figure(fig: Figure, path: str | Path) -> Path:
-    """Write `fig` as PNG or SVG (chosen by the suffix) and close it.
+    """Write `fig` as PNG or SVG (chosen by the suffix).
 
     Raises:
         ValueError: the suffix is neither .png nor .svg.
@@ -108,5 +105,4 @@ def save_figure(fig: Figure, path: str | Path) -> Path:
         raise ValueError(f"plot path {str(out)!r} must end in .png or .svg")
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, format=out.suffix.lower()[1:], dpi=120)
-    plt.close(fig)
     return out

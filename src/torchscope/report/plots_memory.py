@@ -1,5 +1,5 @@
-"""Plots of the memory records (matplotlib, Agg): saved bytes per module, and each plan's
-activation memory against its recompute time."""
+"""Plots of the memory records: saved bytes per module, and each plan's activation memory
+against its recompute time (matplotlib `Figure`s, no pyplot: the user's backend is left alone)."""
 
 from __future__ import annotations
 
@@ -18,9 +18,6 @@ _KIB = 1024.0
 
 
 def _figure(ncols: int) -> tuple[Figure, list[Axes]]:
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(6.4 * ncols, 4.8), layout="constrained")
