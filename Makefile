@@ -33,6 +33,7 @@ lint: $(STAMP)
 	$(BIN)/torchscope lint src
 
 bench: $(STAMP)
+	$(BIN)/python -m pip install -q -e '.[dev,bench]'
 	for b in benchmarks/*.py; do $(BIN)/python $$b || exit 1; done
 
 clean:
