@@ -21,7 +21,6 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any
 
 import torch
@@ -188,8 +187,7 @@ class CheckpointHandle:
     def __enter__(self) -> CheckpointHandle:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.remove()
 
     @property
@@ -229,10 +227,13 @@ class CheckpointHandle:
         for a, b in self.segments:
             if b - a == 1:
                 module = named[self.blocks.names[a]]
-                targets.append((module, self._single(module)))
+                targets.append((module, _CheckpointedForward(
+                    module, vars(module).get("forward"), self.preserve_rng_state)))
         if multi:
             parent = named[self.blocks.parent or ""]
-            targets.append((parent, self._grouped(parent, multi)))
+            targets.append((parent, _SegmentedForward(
+                parent, self.blocks.parent or "", multi, self.blocks.names,
+                self.preserve_rng_state)))
         for module, _ in targets:
             owner = _OWNERS.get(module)
             if owner is not None and owner is not self:
@@ -258,17 +259,6 @@ class CheckpointHandle:
                 vars(module)["forward"] = previous
             if _OWNERS.get(module) is self:
                 del _OWNERS[module]
-
-    def _single(self, module: nn.Module) -> Callable[..., Any]:
-        previous = vars(module).get("forward")
-        return _CheckpointedForward(module, previous, self.preserve_rng_state)
-
-    def _grouped(self, parent: nn.Module, multi: dict[int, int]) -> Callable[..., Any]:
-        names = self.blocks.names
-        labels = {a: names[a] for a in multi}
-        return _SegmentedForward(parent, self.blocks.parent or "", dict(multi), labels,
-                                 self.preserve_rng_state)
-
 
 class _CheckpointedForward:
     """The `forward` a checkpointed block gets: its own forward under one checkpoint.
@@ -302,11 +292,11 @@ class _SegmentedForward:
     same loop as `nn.Sequential.forward`, with each segment run under one checkpoint."""
 
     def __init__(self, parent: nn.Module, parent_name: str, segments: dict[int, int],
-                 labels: dict[int, str], preserve_rng_state: bool) -> None:
+                 names: tuple[str, ...], preserve_rng_state: bool) -> None:
         self.parent = parent
         self.parent_name = parent_name
         self.segments = segments  # start -> stop (exclusive)
-        self.labels = labels  # start -> qualified name of the segment's first block
+        self.names = names  # qualified names of the children
         self.preserve_rng_state = preserve_rng_state
 
     def _run(self, start: int, stop: int, x: Any) -> Any:
@@ -326,7 +316,7 @@ class _SegmentedForward:
                 x, i = children[i](x), i + 1
                 continue
             # Attribute the checkpoint's saved inputs to the segment's first block.
-            token = SEGMENT_LABEL.set((self.parent_name, self.labels[i],
+            token = SEGMENT_LABEL.set((self.parent_name, self.names[i],
                                        type(children[i]).__name__))
             try:
                 x = checkpoint(self._run, i, stop, x, use_reentrant=False,

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from torchscope._process import quiet_kineto
-from torchscope.memory._common import state_keys, storage_key, storage_nbytes, sync
+from torchscope.memory._common import storage_keys, sync
 from torchscope.memory.records import MeasuredMemory, MemoryTotals, SavedActivations
 from torchscope.step import LossSpec, Step
 
@@ -72,41 +72,20 @@ def _measure(step: Step) -> MeasuredMemory:
     with step.preserved(clear_grads=True), quiet_kineto(), profile(
             activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         loss = step.forward_backward()
+    # Every CPU allocation (+bytes) and free (-bytes) the profiler recorded, in time order.
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]" and e.device_type() == _CPU)
     running = peak = 0
-    for _, nbytes in sorted(_memory_events(prof)):
+    for _, nbytes in events:
         running += nbytes
         peak = max(peak, running)
     return MeasuredMemory(str(device), "cpu-profiler", 0, peak, peak, running,
                           step=step.info(loss))
 
 
-def _memory_events(prof: Any) -> list[tuple[int, int]]:
-    """(time ns, signed bytes) of every CPU allocation and free the profiler recorded."""
-    results = getattr(getattr(prof, "profiler", None), "kineto_results", None)
-    out: list[tuple[int, int]] = []
-    if results is not None:
-        for e in results.events():
-            if e.name() == "[memory]" and e.device_type() == _CPU:
-                out.append((int(e.start_ns()), int(e.nbytes())))
-        return out
-    # Older layouts: each op's self memory at its start time (coarser, same sign convention).
-    for fe in prof.events():
-        usage = int(getattr(fe, "self_cpu_memory_usage", 0) or 0)
-        if usage:
-            out.append((int(fe.time_range.start * 1000), usage))
-    return out
-
-
 def _unique_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    seen: set[tuple[str, int]] = set()
-    total = 0
-    for t in tensors:
-        key = storage_key(t)
-        if key is None or key in seen:
-            continue
-        seen.add(key)
-        total += storage_nbytes(t)
-    return total
+    """Bytes of the distinct storages among `tensors`."""
+    return sum(storage_keys(list(tensors)).values())
 
 
 # Per-parameter state tensors of the same size as the parameter, by optimizer class, as a
@@ -120,7 +99,7 @@ def _state_multiplier(opt: torch.optim.Optimizer, group: dict[str, Any]) -> floa
     if name == "RMSprop":
         return 1.0 + (1.0 if group.get("momentum", 0) else 0.0) + (
             1.0 if group.get("centered") else 0.0)
-    if name in ("Adagrad",):
+    if name == "Adagrad":
         return 1.0
     if name in ("Adadelta", "Rprop", "ASGD"):
         return 2.0
@@ -156,10 +135,10 @@ def memory_totals(model: nn.Module, saved: SavedActivations,
     gradients: what is held when backward starts, plus every gradient backward writes;
     transient buffers (unsaved intermediates, kernel workspaces) are not in it.
     """
-    params, _ = state_keys(model)
-    p_bytes = _unique_bytes(model.parameters())
+    params = storage_keys(list(model.parameters()))
+    p_bytes = sum(params.values())
     # A buffer that shares a parameter's storage is already counted with the parameters.
-    b_bytes = _unique_bytes(b for b in model.buffers() if storage_key(b) not in params)
+    b_bytes = sum(n for k, n in storage_keys(list(model.buffers())).items() if k not in params)
     g_bytes = _unique_bytes(p for p in model.parameters() if p.requires_grad)
     opt_bytes: int | None = None
     source = "none"

@@ -25,7 +25,7 @@ import re
 import statistics
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -258,24 +258,15 @@ def _all_segmentations(n: int, groupable: bool) -> Iterator[Segments]:
             yield tuple(segs)
 
 
-def _rank(costs: _Costs, segs: Segments) -> tuple[float, int, int]:
-    _, peak, rec = costs.evaluate(segs)
-    return rec, peak, len(segs)
-
-
 def _search_exact(costs: _Costs, groupable: bool, budget: int) -> tuple[Segments | None, int]:
     """Least-recompute plan within budget by enumeration; also the smallest saved bytes."""
-    best: Segments | None = None
-    best_key: tuple[float, int, int] | None = None
-    smallest = None
-    for segs in _all_segmentations(len(costs.times), groupable):
-        saved, peak, rec = costs.evaluate(segs)
-        smallest = saved if smallest is None else min(smallest, saved)
-        if saved <= budget:
-            key = (rec, peak, len(segs))
-            if best_key is None or key < best_key:
-                best, best_key = segs, key
-    return best, smallest if smallest is not None else 0
+    scored = [(costs.evaluate(segs), segs)
+              for segs in _all_segmentations(len(costs.times), groupable)]
+    # Least recompute, then lowest peak, then fewest segments; the first found on ties.
+    fits = [((rec, peak, len(segs)), segs) for (saved, peak, rec), segs in scored
+            if saved <= budget]
+    best = min(fits, key=lambda f: f[0])[1] if fits else None
+    return best, min(saved for (saved, _, _), _ in scored)
 
 
 def _search_dp(costs: _Costs, groupable: bool, budget: int) -> tuple[Segments | None, int]:
@@ -421,14 +412,14 @@ def plan_checkpointing(
     resolved = resolve_blocks(step.model, blocks)
     costs, profiles, baseline, info = _costs(step, resolved, repeats)
     n = len(resolved.names)
-    plans = [_plan("none", resolved, costs, ()),
-             _plan("all", resolved, costs, tuple((i, i + 1) for i in range(n)))]
+    singles = tuple((i, i + 1) for i in range(n))
     k = max(1, math.ceil(math.sqrt(n)))
     sqrt_segs = (tuple((i, min(i + k, n)) for i in range(0, n, k)) if resolved.groupable
-                 else tuple((i, i + 1) for i in range(n)))
-    plans.append(_plan("sqrt", resolved, costs, sqrt_segs))
+                 else singles)
+    plans = [_plan("none", resolved, costs, ()), _plan("all", resolved, costs, singles),
+             _plan("sqrt", resolved, costs, sqrt_segs)]
     search = "exact" if n <= exact_limit else "dp"
-    lean_segs = ((0, n),) if resolved.groupable else tuple((i, i + 1) for i in range(n))
+    lean_segs = ((0, n),) if resolved.groupable else singles
     smallest = min(costs.evaluate(lean_segs)[0], *(p.saved_bytes for p in plans))
     if budget is not None:
         limit = plans[-1].saved_bytes if limit is None else limit
@@ -447,9 +438,7 @@ def plan_checkpointing(
     if measure:
         measurements = tuple(_measure(step, p, repeats=repeats, seed=seed) for p in plans)
         base_ms = measurements[0].step_ms
-        measurements = tuple(
-            PlanMeasurement(m.plan, m.saved_bytes, m.step_ms, m.step_ms - base_ms,
-                            m.peak_bytes, m.verification) for m in measurements)
+        measurements = tuple(replace(m, recompute_ms=m.step_ms - base_ms) for m in measurements)
     return PlanReport(profiles, resolved.groupable, baseline, smallest, tuple(plans),
                       measurements, search, info)
 

@@ -11,25 +11,6 @@ from typing import Literal
 from torchscope.findings import Analyzed
 from torchscope.step import StepInfo
 
-__all__ = [
-    "BlockProfile",
-    "CheckpointPlan",
-    "GradComparison",
-    "LiveTensor",
-    "LiveTensors",
-    "MeasuredMemory",
-    "MemoryHistory",
-    "MemoryReport",
-    "MemorySample",
-    "MemoryTotals",
-    "ModuleSaved",
-    "PlanMeasurement",
-    "PlanReport",
-    "SavedActivations",
-    "SavedStorage",
-    "Verification",
-]
-
 StorageKind = Literal["activation", "input", "parameter", "buffer"]
 OUTSIDE = "(outside modules)"
 """Module label of tensors saved while no module of the model was running (e.g. in the loss)."""
@@ -456,7 +437,7 @@ class MemoryHistory(Analyzed):
         Raises:
             KeyError: no sample saved anything in it.
         """
-        i = self.modules.index(module) if module in self.modules else None
-        if i is None:
+        if module not in self.modules:
             raise KeyError(module)
+        i = self.modules.index(module)
         return tuple(row[i] for row in self.saved_bytes)

@@ -15,7 +15,8 @@ keeps a reused address from being mistaken for the same storage.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from contextlib import ExitStack
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -46,17 +47,11 @@ __all__ = ["saved_activations"]
 
 @dataclass
 class _Entry:
-    """A storage while the forward runs (mutable; frozen into `SavedStorage` at the end)."""
+    """A storage while the forward runs: its first save, and the counts that grow after."""
 
-    module: str
-    module_type: str
-    shape: tuple[int, ...]
-    dtype: str
-    device: str
-    nbytes: int
-    kind: StorageKind
+    first: SavedStorage  # saves and savers are filled in by `_freeze`
     ref: StorageWeakRef | None
-    saves: int = 1
+    saves: int = 0
     savers: list[str] = field(default_factory=list)
 
 
@@ -144,8 +139,8 @@ class _Recorder:
                 else "input" if key in self._inputs
                 else "activation"
             )
-            entry = _Entry(module, module_type, tuple(t.shape), str(t.dtype), str(t.device),
-                           storage_nbytes(t), kind, ref, saves=0)
+            entry = _Entry(SavedStorage(module, module_type, tuple(t.shape), str(t.dtype),
+                                        str(t.device), storage_nbytes(t), 0, kind, ()), ref)
             self.live[key] = entry
         entry.saves += 1
         if module not in entry.savers:
@@ -190,11 +185,7 @@ def _freeze(
     alive: Sequence[tuple[StorageKey, _Entry]], out_keys: dict[StorageKey, int], saves: int,
     step: StepInfo | None = None,
 ) -> SavedActivations:
-    storages = tuple(
-        SavedStorage(e.module, e.module_type, e.shape, e.dtype, e.device, e.nbytes, e.saves,
-                     e.kind, tuple(e.savers))
-        for _, e in alive
-    )
+    storages = tuple(replace(e.first, saves=e.saves, savers=tuple(e.savers)) for _, e in alive)
     rows: dict[str, list[SavedStorage]] = {}
     for s in storages:
         if s.kind in ("activation", "input"):
@@ -235,7 +226,7 @@ def _account(
     types = {name: type(m).__name__ for name, m in model.named_modules()}
     block_inputs: dict[str, tuple[tuple[StorageKey, int], ...]] = {}
     seen: list[tuple[list[tuple[StorageKey, _Entry]], dict[StorageKey, int], int]] = []
-    with step.preserved(clear_grads=True), HookSession(model) as session:
+    with step.preserved(clear_grads=True), HookSession(model) as session, ExitStack() as saving:
         stack = session.enable_module_stack()
         for name, module in watch:
 
@@ -245,22 +236,15 @@ def _account(
 
             session.forward_pre_hook(module, pre)
         recorder = _Recorder(stack, types, owners, params, buffers, input_keys)
-        hooks = recorder.hooks()
-        on = [True]
+        saving.enter_context(recorder.hooks())
 
         def before_backward(micro: int, output: Any, _loss: torch.Tensor) -> None:
             # Everything autograd saved for micro-batch 0 is alive now.
             if micro == 0:
-                hooks.__exit__(None, None, None)
-                on[0] = False
+                saving.close()
                 seen.append((recorder.alive(), storage_keys(output), recorder.saves))
 
-        hooks.__enter__()
-        try:
-            loss = step.forward_backward(before_backward=before_backward)
-        finally:
-            if on[0]:
-                hooks.__exit__(None, None, None)
+        loss = step.forward_backward(before_backward=before_backward)
     alive, out_keys, saves = seen[0]
     saved = _freeze(alive, out_keys, saves, step.info(loss))
     return _Accounting(saved, tuple(k for k, _ in alive), block_inputs)

@@ -39,17 +39,14 @@ _TOLERANCE: dict[torch.dtype, tuple[float, float]] = {
 }
 
 
-def _grads(leaves: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor | None]:
-    return [None if t.grad is None else t.grad.detach().clone() for _, t in leaves]
-
-
 def _run(step: Step, leaves: list[tuple[str, torch.Tensor]], seed: int) -> tuple[
         torch.Tensor, list[torch.Tensor | None], list[torch.Tensor]]:
     """One seeded forward + backward from the model's current state, which is restored
     after: (loss, gradients, buffers)."""
     with step.preserved(clear_grads=True), seeded(seed):
         loss = step.forward_backward()
-        return loss, _grads(leaves), [b.detach().clone() for b in step.model.buffers()]
+        grads = [None if t.grad is None else t.grad.detach().clone() for _, t in leaves]
+        return loss, grads, [b.detach().clone() for b in step.model.buffers()]
 
 
 def _compare(name: str, ref: torch.Tensor | None, got: torch.Tensor | None) -> tuple[
