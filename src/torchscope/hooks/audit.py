@@ -5,7 +5,6 @@ from __future__ import annotations
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
-from types import TracebackType
 from typing import Any
 
 from torch import nn
@@ -37,6 +36,11 @@ _GLOBAL_HOOK_ATTRS: dict[str, str] = {
     "global_module_registration": "_global_module_registration_hooks",
     "global_parameter_registration": "_global_parameter_registration_hooks",
 }
+
+
+def global_hook_counts() -> dict[str, int]:
+    """How many process-wide module hooks of each kind are registered now."""
+    return {k: len(getattr(_module_mod, a, None) or ()) for k, a in _GLOBAL_HOOK_ATTRS.items()}
 
 
 @dataclass(frozen=True)
@@ -85,10 +89,6 @@ class HookAudit:
         return {(e.owner, e.kind): e.count for e in self.entries}
 
 
-def _len(d: Any) -> int:
-    return len(d) if d else 0
-
-
 def audit_hooks(model: nn.Module, *, include_global: bool = True) -> HookAudit:
     """List every hook on every submodule and parameter of `model`, by kind.
 
@@ -102,8 +102,7 @@ def audit_hooks(model: nn.Module, *, include_global: bool = True) -> HookAudit:
     entries: list[HookEntry] = []
     for name, module in model.named_modules():
         for kind, attr in _MODULE_HOOK_ATTRS.items():
-            hooks = getattr(module, attr, None)
-            n = _len(hooks)
+            n = len(getattr(module, attr, None) or ())
             if not n:
                 continue
             legacy = getattr(module, "_is_full_backward_hook", None) is False
@@ -112,17 +111,14 @@ def audit_hooks(model: nn.Module, *, include_global: bool = True) -> HookAudit:
             )
         for pname, param in module.named_parameters(recurse=False):
             owner = f"{name}.{pname}" if name else pname
-            n = _len(getattr(param, "_backward_hooks", None))
+            n = len(getattr(param, "_backward_hooks", None) or ())
             if n:
                 entries.append(HookEntry(owner, "tensor", n))
-            n = _len(getattr(param, "_post_accumulate_grad_hooks", None))
+            n = len(getattr(param, "_post_accumulate_grad_hooks", None) or ())
             if n:
                 entries.append(HookEntry(owner, "post_accumulate_grad", n))
     if include_global:
-        for kind, attr in _GLOBAL_HOOK_ATTRS.items():
-            n = _len(getattr(_module_mod, attr, None))
-            if n:
-                entries.append(HookEntry("<global>", kind, n))
+        entries += [HookEntry("<global>", k, n) for k, n in global_hook_counts().items() if n]
     return HookAudit(tuple(entries))
 
 
@@ -198,12 +194,7 @@ class HookGrowthGuard:
         self._handle = session
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self._handle is not None:
             self._handle.close()
             self._handle = None

@@ -8,19 +8,14 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from types import TracebackType
 from typing import Any
 
 from torch import nn
 from torch.nn.modules import module as _module_mod
 
-from torchscope.hooks.audit import _GLOBAL_HOOK_ATTRS, HookEntry, audit_hooks
+from torchscope.hooks.audit import HookEntry, audit_hooks, global_hook_counts
 
 __all__ = ["HookLeakTracker"]
-
-
-def _global_counts() -> dict[str, int]:
-    return {k: len(getattr(_module_mod, a, {}) or {}) for k, a in _GLOBAL_HOOK_ATTRS.items()}
 
 
 @dataclass
@@ -37,7 +32,7 @@ class HookLeakTracker:
 
     def __enter__(self) -> HookLeakTracker:
         # Read before registering our own registration hooks, which are excluded.
-        self._globals_before = _global_counts()
+        self._globals_before = global_hook_counts()
         self._handles.append(_module_mod.register_module_module_registration_hook(self._see))
         self._handles.append(_module_mod.register_module_parameter_registration_hook(self._see))
         return self
@@ -45,12 +40,7 @@ class HookLeakTracker:
     def _see(self, module: nn.Module, _name: str, _value: Any) -> None:
         self._modules.add(module)
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -72,7 +62,7 @@ class HookLeakTracker:
                     continue  # torch and libraries install these on construction by design
                 owner = f"{type(root).__name__}:{entry.owner}"
                 found.append(HookEntry(owner, entry.kind, entry.count))
-        now = _global_counts()
+        now = global_hook_counts()
         for kind, before in self._globals_before.items():
             if now.get(kind, 0) > before:
                 found.append(HookEntry("<global>", kind, now[kind] - before))

@@ -7,7 +7,6 @@ import fnmatch
 import functools
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from torch import nn
 
@@ -17,14 +16,6 @@ __all__ = ["Selector", "select_modules"]
 
 Predicate = Callable[[str, nn.Module], bool]
 Selector = str | type[nn.Module] | Predicate | Sequence["str | type[nn.Module]"] | None
-
-
-@dataclass(frozen=True)
-class SelectedModule:
-    """One selected module with its qualified name ("" is the root)."""
-
-    name: str
-    module: nn.Module
 
 
 def _is_leaf(module: nn.Module) -> bool:

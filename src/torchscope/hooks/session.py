@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import sys
 import weakref
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
-from types import TracebackType
+from collections.abc import Callable, Iterable
 from typing import Any, Literal, Protocol
 
 import torch
@@ -81,9 +79,6 @@ class HookSession:
         self._guard_entered = False
         self._handles: list[_Removable] = []
         self._saved_flags: list[tuple[weakref.ReferenceType[nn.Module], bool]] = []
-        self._names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary(
-            {m: n for n, m in model.named_modules()}
-        )
         self._closed = False
         self._stack: list[str] | None = None
 
@@ -91,13 +86,8 @@ class HookSession:
     def __enter__(self) -> HookSession:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close(failed=exc_type is not None)
+    def __exit__(self, *exc: object) -> None:
+        self.close(failed=exc[0] is not None)
 
     def close(self, *, failed: bool = False) -> None:
         """Remove every hook this session added and restore changed state. Safe to call twice.
@@ -141,10 +131,6 @@ class HookSession:
         if model is None:
             raise ReferenceError("the model of this HookSession was garbage collected")
         return model
-
-    def name_of(self, module: nn.Module) -> str:
-        """Qualified name of `module` inside the model (`""` for the root)."""
-        return self._names.get(module, type(module).__name__)
 
     @property
     def handle_count(self) -> int:
@@ -272,14 +258,6 @@ class HookSession:
             self.forward_pre_hook(module, push)
             self.forward_hook(module, pop, always_call=True)
         return stack
-
-    @contextmanager
-    def opened(self) -> Iterator[HookSession]:
-        """Context manager form for callers that build a session without `with`."""
-        try:
-            yield self
-        finally:
-            self.close()
 
     def _check_open(self) -> None:
         if self._closed:
