@@ -36,7 +36,6 @@ class _Acc:
     fwd_us: float = 0.0
     fwd_self_us: float = 0.0
     fwd_dev_us: float = 0.0
-    fwd_dev_self_us: float = 0.0
     bwd_us: float = 0.0
     bwd_self_us: float = 0.0
     bwd_dev_us: float = 0.0
@@ -59,7 +58,6 @@ class Attribution:
     modules: tuple[ModuleTime, ...]
     phases: tuple[PhaseTime, ...]
     reconciliation: Reconciliation
-    unmatched_nodes: int = 0
     notes: tuple[str, ...] = field(default_factory=tuple)
 
 
@@ -99,14 +97,13 @@ def attribute(events: Iterable[Any], labels: Mapping[str, tuple[str, str]]) -> A
     phase_seen: set[str] = set()
     # (forward thread, sequence number) -> chain of timed modules around the forward op.
     seq_owner: dict[tuple[int, int], tuple[str, ...]] = {}
-    nodes: list[tuple[Any, _Ctx]] = []
+    nodes: list[Any] = []  # backward node events, outermost ones only
     fwd_modules_in_phase = 0.0
 
     # Depth-first walk with an explicit stack: models nest deep enough to hit recursion limits.
     stack: list[tuple[Any, _Ctx]] = [(r, _Ctx()) for r in reversed(roots)]
     # Self-time bookkeeping: duration of nested timed ranges, keyed by the enclosing range id.
     child_us: dict[int, float] = {}
-    child_dev: dict[int, float] = {}
     ranges: dict[int, tuple[Any, str, str | None]] = {}
     while stack:
         ev, ctx = stack.pop()
@@ -133,11 +130,10 @@ def attribute(events: Iterable[Any], labels: Mapping[str, tuple[str, str]]) -> A
                 if ctx.modules:
                     parent_id = ctx.modules[-1][1]
                     child_us[parent_id] = child_us.get(parent_id, 0.0) + _dur(ev)
-                    child_dev[parent_id] = child_dev.get(parent_id, 0.0) + _dev(ev)
                 new = _Ctx((*ctx.modules, (mod, ev.id)), ctx.in_backward, ctx.phase)
         elif name.startswith(EVALUATE_PREFIX):
             if not ctx.in_backward:
-                nodes.append((ev, ctx))
+                nodes.append(ev)
             new = _Ctx(ctx.modules, True, ctx.phase)
         elif not ctx.in_backward and ev.sequence_nr is not None and ev.sequence_nr >= 0:
             # Every op records the thread's next sequence number, but only an op that
@@ -153,13 +149,12 @@ def attribute(events: Iterable[Any], labels: Mapping[str, tuple[str, str]]) -> A
         a = acc[mod]
         self_us = _dur(ev) - child_us.get(rid, 0.0)
         a.fwd_self_us += self_us
-        a.fwd_dev_self_us += _dev(ev) - child_dev.get(rid, 0.0)
         if phase == "forward":
             fwd_modules_in_phase += self_us
 
     bwd_modules = bwd_outside = bwd_accum = 0.0
     unmatched = 0
-    for ev, _ctx in nodes:
+    for ev in nodes:
         d = _dur(ev)
         node_name = ev.name[len(EVALUATE_PREFIX):]
         seq = ev.sequence_nr
@@ -219,5 +214,5 @@ def attribute(events: Iterable[Any], labels: Mapping[str, tuple[str, str]]) -> A
             f"{unmatched} backward node(s) had no forward op in the profiled window "
             "(graph built before profiling, or on another thread); counted as outside modules."
         )
-    return Attribution(modules, phases, rec, unmatched, tuple(notes))
+    return Attribution(modules, phases, rec, tuple(notes))
 

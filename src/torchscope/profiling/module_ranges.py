@@ -25,14 +25,6 @@ def range_label(name: str, module_type: str) -> str:
     return f"{MODULE_RANGE_PREFIX}{name or '<root>'} ({module_type})"
 
 
-def _fast_range_factory() -> Any:
-    # `_RecordFunctionFast` is the C++ context manager torch's own Inductor uses for its
-    # ranges; it skips the dispatcher round trip of `record_function`, which matters when a
-    # model has hundreds of modules. Fall back to the public API where it is missing.
-    fast = getattr(torch._C._profiler, "_RecordFunctionFast", None)
-    return fast if fast is not None else torch.autograd.profiler.record_function
-
-
 class ModuleRanges(HookedContext):
     """Opens a profiler range around every selected module's forward while open.
 
@@ -47,15 +39,16 @@ class ModuleRanges(HookedContext):
 
     def __init__(self, model: nn.Module, select: Selector = None, depth: int | None = None
                  ) -> None:
-        if select is None:
-            chosen = [(n, m) for n, m in model.named_modules()
-                      if depth is None or (0 if n == "" else n.count(".") + 1) <= depth]
-        else:
-            chosen = select_modules(model, select, depth=depth, include_root=True)
-        self._targets = chosen
+        # No selection times every module, containers and the root included.
+        self._targets = select_modules(model, (lambda _n, _m: True) if select is None else select,
+                                       depth=depth, include_root=True)
         self._session = HookSession(model)
         self.labels: dict[str, tuple[str, str]] = {}
-        self._factory = _fast_range_factory()
+        # `_RecordFunctionFast` is the C++ context manager torch's own Inductor uses for its
+        # ranges; it skips the dispatcher round trip of `record_function`, which matters when a
+        # model has hundreds of modules. Fall back to the public API where it is missing.
+        self._factory = getattr(torch._C._profiler, "_RecordFunctionFast", None) or \
+            torch.autograd.profiler.record_function
         # Per module: the ranges it has open (a module re-entered by recursion nests them).
         self._open: dict[int, list[Any]] = {}
 
@@ -63,11 +56,6 @@ class ModuleRanges(HookedContext):
     def session(self) -> HookSession:
         """The session owning the hooks."""
         return self._session
-
-    @property
-    def modules(self) -> list[str]:
-        """Qualified names of the timed modules."""
-        return [n for n, _ in self._targets]
 
     def open(self) -> None:
         """Register the hooks (as a context manager: those added before a failure come off)."""

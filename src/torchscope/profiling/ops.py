@@ -7,22 +7,15 @@ from typing import Any
 
 from torchscope.profiling.records import OpRecord, ProfilingError, SortKey
 
-__all__ = ["SORT_KEYS", "is_internal_range", "op_records", "sort_ops"]
+__all__ = ["SORT_KEYS", "op_records", "sort_ops"]
 
 #: Sort keys accepted by `sort_ops` and the CLI's `--sort`.
 SORT_KEYS: tuple[str, ...] = ("self_cpu", "total", "self_cuda", "cuda_total", "calls")
 
 MODULE_RANGE_PREFIX = "nn.Module: "
+# Ranges torchscope or the schedule opened (phases, modules, steps): no op rows.
 _INTERNAL_NAMES = frozenset({"forward", "backward", "optimizer", "ProfilerStep*"})
-
-
-def is_internal_range(name: str) -> bool:
-    """Whether `name` is a range torchscope or the schedule opened (phase, module, step)."""
-    return (
-        name in _INTERNAL_NAMES
-        or name.startswith(MODULE_RANGE_PREFIX)
-        or name.startswith("ProfilerStep#")
-    )
+_INTERNAL_PREFIXES = (MODULE_RANGE_PREFIX, "ProfilerStep#")
 
 
 def _shapes(raw: Any) -> tuple[tuple[int, ...], ...] | None:
@@ -38,15 +31,12 @@ def _shapes(raw: Any) -> tuple[tuple[int, ...], ...] | None:
     return tuple(out)
 
 
-def op_records(averages: Iterable[Any], *, include_internal: bool = False) -> tuple[OpRecord, ...]:
-    """Turn `prof.key_averages()` rows into `OpRecord`s, largest self CPU time first.
+def op_records(averages: Iterable[Any]) -> tuple[OpRecord, ...]:
+    """Turn `prof.key_averages()` rows into `OpRecord`s, largest self CPU time first; the
+    phase, module and `ProfilerStep` ranges are no rows.
 
     Shares are computed against the self time of every row (torchscope's own ranges
     included, as `torch.profiler`'s table does), so they add up to 100% of profiled time.
-
-    Args:
-        averages: the `FunctionEventAvg` rows of `key_averages()`.
-        include_internal: keep the phase, module and `ProfilerStep` ranges as rows.
     """
     rows = list(averages)
     self_cpu = sum(float(a.self_cpu_time_total) for a in rows) or 1.0
@@ -54,7 +44,7 @@ def op_records(averages: Iterable[Any], *, include_internal: bool = False) -> tu
     records: list[OpRecord] = []
     for a in rows:
         name = str(a.key)
-        if not include_internal and is_internal_range(name):
+        if name in _INTERNAL_NAMES or name.startswith(_INTERNAL_PREFIXES):
             continue
         sd = float(getattr(a, "self_device_time_total", 0.0))
         records.append(

@@ -12,12 +12,6 @@ from typing import Any
 __all__ = ["export_trace"]
 
 
-def _load(path: Path) -> dict[str, Any]:
-    with path.open("rb") as fh:
-        data: dict[str, Any] = json.loads(fh.read().decode("utf-8", errors="replace"))
-    return data
-
-
 def _bound(trace: dict[str, Any], steps: int) -> dict[str, Any]:
     """Drop events that start before the last `steps` `ProfilerStep#N` ranges.
 
@@ -61,7 +55,7 @@ def export_trace(prof: Any, path: str | Path, *, steps: int | None = None) -> Pa
     tmp = Path(tmp_name)
     try:
         prof.export_chrome_trace(str(tmp))
-        trace = _load(tmp)
+        trace: dict[str, Any] = json.loads(tmp.read_bytes().decode("utf-8", errors="replace"))
         if steps is not None:
             trace = _bound(trace, max(int(steps), 1))
         payload = json.dumps(trace).encode("utf-8")

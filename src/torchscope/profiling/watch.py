@@ -14,9 +14,9 @@ import contextlib
 import statistics
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import torch
@@ -46,31 +46,8 @@ def _phase_depth() -> int:
     return depth
 
 
-class _Phase:
-    def __init__(self, name: str) -> None:
-        self._name = name
-        self._range: Any = None
-
-    def __enter__(self) -> _Phase:
-        if _phase_depth() == 0:
-            for watch in list(_OPEN):
-                watch._boundary_if_pending()
-        self._range = record_function(self._name)
-        self._range.__enter__()
-        _phases.depth = _phase_depth() + 1
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        _phases.depth = _phase_depth() - 1
-        self._range.__exit__(exc_type, exc, tb)
-
-
-def phase(name: str) -> contextlib.AbstractContextManager[Any]:
+@contextlib.contextmanager
+def phase(name: str) -> Iterator[None]:
     """Label a phase of your own step: `with phase("forward"): ...`.
 
     A `torch.profiler.record_function(name)` range; use the names `forward`, `backward`
@@ -78,7 +55,15 @@ def phase(name: str) -> contextlib.AbstractContextManager[Any]:
     bare `record_function`, it keeps `watch_time`'s step boundaries out of the phase: a step
     that `optimizer.step()` ended inside a phase is closed when the next phase opens.
     """
-    return _Phase(name)
+    if _phase_depth() == 0:
+        for watch in list(_OPEN):
+            watch._boundary_if_pending()
+    with record_function(name):
+        _phases.depth = _phase_depth() + 1
+        try:
+            yield
+        finally:
+            _phases.depth = _phase_depth() - 1
 
 
 def _check_window(steps: int, wait: int, warmup: int, trace_steps: int | None) -> None:
