@@ -41,6 +41,7 @@ from torchscope.grads.records import (
     ModuleGradRecord,
     ParamGradRecord,
     TensorGrad,
+    combine_norms,
 )
 from torchscope.hooks.lifecycle import HookedContext
 from torchscope.hooks.select import Selector, select_modules
@@ -159,7 +160,6 @@ class GradCollector(HookedContext):
         self._session = HookSession(model)
         model = self._session.model  # a torch.compile wrapper is unwrapped: plain names
         self._targets = select_modules(model, select, depth=depth)
-        self._names = [n for n, _ in self._targets]
         self._inputs = inputs
         self._scaler = scaler
         self.active = True
@@ -182,16 +182,6 @@ class GradCollector(HookedContext):
     def session(self) -> HookSession:
         """The session that owns every hook of this collector."""
         return self._session
-
-    @property
-    def modules(self) -> list[str]:
-        """Qualified names of the modules recorded per call."""
-        return list(self._names)
-
-    @property
-    def pending(self) -> bool:
-        """True when the current step has measured something not yet `finish`ed."""
-        return bool(self._vals) or bool(self._calls)
 
     @property
     def backward_calls(self) -> int:
@@ -318,35 +308,28 @@ class GradCollector(HookedContext):
 
     def _take_input(self, intake: _Intake, path: str, t: torch.Tensor) -> torch.Tensor:
         """Record one tensor input; return what the module should receive instead."""
+        slot = _Slot(path, t)
+        intake.call.ins.append(slot)
         hit = intake.seen.get(id(t))
         if hit is not None:
             # The same tensor again (self-attention's query is key is value): hand out the
             # same alias so identity checks inside the module still hold.
-            slot = _Slot(path, t)
             slot.same_as = hit[1]
-            intake.call.ins.append(slot)
             return hit[0]
-        replacement = self._take_one_input(intake, path, t)
-        intake.seen[id(t)] = (replacement, intake.call.ins[-1])
-        return replacement
-
-    def _take_one_input(self, intake: _Intake, path: str, t: torch.Tensor) -> torch.Tensor:
-        call, pending = intake.call, intake.pending
+        given = t
         if not t.requires_grad:
-            call.ins.append(_Slot(path, t, INPUT_NO_GRAD))
-            return t
-        slot = _Slot(path, t)
-        call.ins.append(slot)
-        if not _is_plain(t):
+            slot.reason = INPUT_NO_GRAD
+        elif not _is_plain(t):
             slot.reason = NOT_MEASURED
-            return t
-        if intake.inplace:
-            pending.append(_PendingInput(slot, t, t.grad_fn, t._version, aliased=False))
-            return t
-        alias = t.view_as(t)  # same storage; its gradient is this call's share only
-        self._step_handles.append(self._session.tensor_hook(alias, self._input_hook(slot)))
-        pending.append(_PendingInput(slot, alias, t.grad_fn, alias._version, aliased=True))
-        return alias
+        elif intake.inplace:
+            intake.pending.append(_PendingInput(slot, t, t.grad_fn, t._version, aliased=False))
+        else:
+            given = t.view_as(t)  # same storage; its gradient is this call's share only
+            self._step_handles.append(self._session.tensor_hook(given, self._input_hook(slot)))
+            intake.pending.append(
+                _PendingInput(slot, given, t.grad_fn, given._version, aliased=True))
+        intake.seen[id(t)] = (given, slot)
+        return given
 
     def _make_module_hooks(self, name: str, module: nn.Module) -> tuple[Any, Any]:
         stack: list[tuple[_Call, list[_PendingInput]] | None] = []
@@ -490,8 +473,7 @@ class GradCollector(HookedContext):
                 reason = None
             params.append(ParamGradRecord(pname, mname, tuple(p.shape), str(p.dtype),
                                           p.requires_grad, n, reason))
-        present = [p.norm for p in params if p.norm is not None]
-        total = math.sqrt(math.fsum(n * n for n in present)) if present else 0.0
+        total = combine_norms(p.norm for p in params) or 0.0
         flow = GradFlow(index, modules, tuple(params), total, scale,
                         micro_batches=max(self._micro + 1, 1 if self._calls else 0),
                         backward_calls=self._backwards, step=step)

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -217,7 +216,6 @@ class GradWatch(HookedContext, Analyzed):
         )
 
 
-@contextmanager
 def watch_gradients(
     model: nn.Module,
     every: int = 1,
@@ -229,7 +227,7 @@ def watch_gradients(
     inputs_grad: bool = True,
     max_samples: int = 1000,
     on_sample: Callable[[GradFlow], None] | None = None,
-) -> Iterator[GradWatch]:
+) -> GradWatch:
     """Watch gradient flow in your own training loop, sampling one step in `every`.
 
     With `optimizer`, a step is one `optimizer.step()` call, so gradient accumulation over
@@ -251,6 +249,9 @@ def watch_gradients(
         max_samples: how many samples the history keeps (the newest).
         on_sample: called with each sampled `GradFlow` (e.g. a TensorBoard logger).
 
+    Returns:
+        A `GradWatch` for a `with` block; its hooks come off at the block's end.
+
     Example:
         >>> with torchscope.watch_gradients(model, every=10, optimizer=opt) as watch:
         ...     for x, y in loader:
@@ -258,8 +259,6 @@ def watch_gradients(
         ...         opt.step(); opt.zero_grad()
         >>> watch.history.series("fc")
     """
-    watch = GradWatch(model, every=every, optimizer=optimizer, scaler=scaler, select=select,
-                      depth=depth, inputs_grad=inputs_grad, max_samples=max_samples,
-                      on_sample=on_sample)
-    with watch:
-        yield watch
+    return GradWatch(model, every=every, optimizer=optimizer, scaler=scaler, select=select,
+                     depth=depth, inputs_grad=inputs_grad, max_samples=max_samples,
+                     on_sample=on_sample)
