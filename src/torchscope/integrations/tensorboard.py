@@ -16,7 +16,7 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -42,8 +42,18 @@ def open_writer(log_dir: str | Path, **kwargs: Any) -> Any:
     return SummaryWriter(log_dir=str(log_dir), **kwargs)
 
 
-def _tag(layer: str) -> str:
-    return layer or "<root>"
+def _write(writer: Any, prefix: str, step: int, total: float,
+           outputs: Mapping[str, float | None], params: Mapping[str, float | None]) -> int:
+    """Add one step's scalars, skipping missing and non-finite norms; returns the count."""
+    scalars: list[tuple[str, float | None]] = [(f"{prefix}/total_norm", total)]
+    scalars += [(f"{prefix}/grad_output/{k or '<root>'}", v) for k, v in outputs.items()]
+    scalars += [(f"{prefix}/params/{k or '<root>'}", v) for k, v in params.items()]
+    n = 0
+    for tag, value in scalars:
+        if value is not None and math.isfinite(value):
+            writer.add_scalar(tag, value, global_step=step)
+            n += 1
+    return n
 
 
 def log_gradient_flow(writer: Any, flow: GradFlow, *, step: int | None = None,
@@ -58,16 +68,8 @@ def log_gradient_flow(writer: Any, flow: GradFlow, *, step: int | None = None,
 
     Non-finite and missing norms are skipped (TensorBoard cannot plot them on a log axis).
     """
-    gstep = flow.index if step is None else step
-    n = 0
-    scalars: list[tuple[str, float | None]] = [(f"{prefix}/total_norm", flow.total_norm)]
-    scalars += [(f"{prefix}/grad_output/{_tag(k)}", v) for k, v in flow.output_norms().items()]
-    scalars += [(f"{prefix}/params/{_tag(k)}", v) for k, v in flow.param_norms().items()]
-    for tag, value in scalars:
-        if value is not None and math.isfinite(value):
-            writer.add_scalar(tag, value, global_step=gstep)
-            n += 1
-    return n
+    return _write(writer, prefix, flow.index if step is None else step, flow.total_norm,
+                  flow.output_norms(), flow.param_norms())
 
 
 def log_grad_history(writer: Any, history: GradHistory, *, prefix: str = "grads") -> int:
@@ -78,18 +80,11 @@ def log_grad_history(writer: Any, history: GradHistory, *, prefix: str = "grads"
         history: the sampled steps; each is written at its own step number.
         prefix: tag prefix.
     """
-    n = 0
-    for i, step in enumerate(history.steps):
-        rows = [(f"{prefix}/total_norm", history.total_norms[i])]
-        rows += [(f"{prefix}/grad_output/{_tag(k)}", history.output_norms[i][j])
-                 for j, k in enumerate(history.layers)]
-        rows += [(f"{prefix}/params/{_tag(k)}", history.param_norms[i][j])
-                 for j, k in enumerate(history.layers)]
-        for tag, value in rows:
-            if math.isfinite(value):
-                writer.add_scalar(tag, value, global_step=step)
-                n += 1
-    return n
+    return sum(
+        _write(writer, prefix, step, history.total_norms[i],
+               dict(zip(history.layers, history.output_norms[i], strict=True)),
+               dict(zip(history.layers, history.param_norms[i], strict=True)))
+        for i, step in enumerate(history.steps))
 
 
 def grad_logger(writer: Any, *, prefix: str = "grads") -> Callable[[GradFlow], None]:

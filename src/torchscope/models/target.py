@@ -88,9 +88,7 @@ def _import_file(path: Path) -> ModuleType:
     except Exception as exc:
         raise TargetError(
             f"importing {path} raised {type(exc).__name__}: {exc}.",
-            fix="fix the error in that file (run `python "
-            + str(path)
-            + "` to see it), or --debug.",
+            fix=f"fix the error in that file (run `python {path}` to see it), or --debug.",
         ) from exc
     finally:
         sys.path.remove(str(path.resolve().parent))
@@ -230,15 +228,16 @@ def load_inputs(
     )
 
 
-def _failing_module(model: nn.Module, tb: TracebackType | None) -> str | None:
-    """Qualified name of the innermost module of `model` whose forward is in the traceback."""
+def _failing_module(model: nn.Module, tb: TracebackType | None) -> str:
+    """`name (Type)` of the innermost module of `model` whose forward is in the traceback;
+    the model's type name when none is."""
     names = {id(m): n for n, m in model.named_modules()}
-    found: str | None = None
+    label = type(model).__name__
     for frame, _ in traceback.walk_tb(tb):
         owner = frame.f_locals.get("self")
         if isinstance(owner, nn.Module) and id(owner) in names:
-            found = names[id(owner)] or "<root>"
-    return found
+            label = f"{names[id(owner)] or '<root>'} ({type(owner).__name__})"
+    return label
 
 
 def call_model(model: nn.Module, inputs: ModelInputs) -> Any:
@@ -252,11 +251,7 @@ def call_model(model: nn.Module, inputs: ModelInputs) -> Any:
     except TorchscopeError:
         raise  # raised on purpose by a torchscope hook: already says what to do
     except Exception as exc:
-        where = _failing_module(model, exc.__traceback__)
-        mod = dict(model.named_modules()).get("" if where == "<root>" else where or "")
-        label = (
-            f"{where} ({type(mod).__name__})" if where and mod is not None else type(model).__name__
-        )
+        label = _failing_module(model, exc.__traceback__)
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise ModelError(
             f"the model raised in {label}: {type(exc).__name__}: {first} "

@@ -21,10 +21,6 @@ SARIF_SCHEMA_URI = (
 _LEVEL = {Severity.ERROR: "error", Severity.WARNING: "warning", Severity.INFO: "note"}
 
 
-def _version() -> str:
-    return __version__
-
-
 def _where(error: LintError) -> str:
     if error.line is None:
         return error.path
@@ -84,7 +80,7 @@ def json_payload(result: LintResult) -> dict[str, Any]:
     """The whole result as JSON-ready data (`--format json`)."""
     return {
         "tool": "torchscope lint",
-        "version": _version(),
+        "version": __version__,
         "files": result.files,
         "exit_code": result.exit_code,
         "rules": sorted(result.codes),
@@ -163,7 +159,7 @@ def sarif_log(result: LintResult, *, root: str | Path | None = None) -> dict[str
             "tool": {"driver": {
                 "name": "torchscope",
                 "fullName": "torchscope lint",
-                "version": _version(),
+                "version": __version__,
                 "rules": [_rule_descriptor(c) for c in codes],
             }},
             "originalUriBaseIds": {"%SRCROOT%": {"uri": base.as_uri() + "/"}},

@@ -130,33 +130,31 @@ def module_table(result: ProfileResult, limit: int | None = None) -> Table:
         hidden = [m for m in mods if m.module not in keep]
         mods = [m for m in mods if m.module in keep]
     blank = [""] * (2 if device else 0)
+
+    def share(ms: float) -> str:
+        return fmt_pct(ms / total_self if total_self else None)
+
+    def dim_row(label: str, fwd: float, bwd: float) -> None:
+        table.add_row(f"[dim]{label}[/]", "", "", "", f"[dim]{_ms(fwd / n)}[/]", "",
+                      f"[dim]{_ms(bwd / n)}[/]", f"[dim]{share(fwd + bwd)}[/]", *blank)
+
     for m in mods:
         depth = 0 if m.module == "" else m.module.count(".") + 1
         label = "  " * depth + (m.module or "<root>")
         row = [label, m.module_type, f"{m.calls / n:g}", _ms(m.forward_ms / n),
                _ms(m.forward_self_ms / n), _ms(m.backward_ms / n), _ms(m.backward_self_ms / n),
-               fmt_pct(m.total_self_ms / total_self if total_self else None)]
+               share(m.total_self_ms)]
         if device:
             row += [_ms(m.forward_device_ms / n), _ms(m.backward_device_ms / n)]
         table.add_row(*row)
     if hidden:
-        fwd = sum(m.forward_self_ms for m in hidden)
-        bwd = sum(m.backward_self_ms for m in hidden)
-        table.add_row(f"[dim]{len(hidden)} more modules[/]", "", "", "", f"[dim]{_ms(fwd / n)}[/]",
-                      "", f"[dim]{_ms(bwd / n)}[/]",
-                      f"[dim]{fmt_pct((fwd + bwd) / total_self if total_self else None)}[/]",
-                      *blank)
+        dim_row(f"{len(hidden)} more modules", sum(m.forward_self_ms for m in hidden),
+                sum(m.backward_self_ms for m in hidden))
     if rec.forward_ms or rec.backward_ms:
         table.add_section()
-        for label, fwd, bwd in (
-            ("outside modules (loss, glue)", rec.forward_outside_ms, rec.backward_outside_ms),
-            ("AccumulateGrad (param .grad)", 0.0, rec.backward_accumulate_ms),
-            ("autograd engine", 0.0, rec.backward_engine_ms),
-        ):
-            table.add_row(f"[dim]{label}[/]", "", "", "", f"[dim]{_ms(fwd / n)}[/]", "",
-                          f"[dim]{_ms(bwd / n)}[/]",
-                          f"[dim]{fmt_pct((fwd + bwd) / total_self if total_self else None)}[/]",
-                          *blank)
+        dim_row("outside modules (loss, glue)", rec.forward_outside_ms, rec.backward_outside_ms)
+        dim_row("AccumulateGrad (param .grad)", 0.0, rec.backward_accumulate_ms)
+        dim_row("autograd engine", 0.0, rec.backward_engine_ms)
         table.add_row("[bold]phase total[/]", "", "", "", f"[bold]{_ms(rec.forward_ms / n)}[/]",
                       "", f"[bold]{_ms(rec.backward_ms / n)}[/]", "100.0%", *blank)
     return table
