@@ -68,11 +68,7 @@ def weighted_order(records: Iterable[ActivationRecord], weighted: Iterable[str]
     """The `weighted` modules (see `ActivationCapture.weighted`) in the order their first
     call finished."""
     wanted = set(weighted)
-    seen: dict[str, None] = {}
-    for r in records:
-        if r.module in wanted:
-            seen.setdefault(r.module, None)
-    return tuple(seen)
+    return tuple(dict.fromkeys(r.module for r in records if r.module in wanted))
 
 
 @analyzer(ActivationCapture)

@@ -60,10 +60,6 @@ class GradThresholds:
     metric: Metric = "grad_output"
 
 
-def _t(thresholds: GradThresholds | None) -> GradThresholds:
-    return thresholds if thresholds is not None else GradThresholds()
-
-
 def _times(ratio: float) -> str:
     return f"{ratio:.0f}×" if ratio >= 10 else f"{ratio:.1f}×"
 
@@ -98,7 +94,7 @@ def layer_norms(flow: GradFlow, metric: Metric = "grad_output") -> list[tuple[st
 
 def find_vanishing(flow: GradFlow, thresholds: GradThresholds | None = None) -> list[Finding]:
     """Gradients that shrink from the layer nearest the loss to the farthest one."""
-    t = _t(thresholds)
+    t = thresholds or GradThresholds()
     norms = layer_norms(flow, t.metric)
     if len(norms) < 2:
         return []
@@ -122,7 +118,7 @@ def find_vanishing(flow: GradFlow, thresholds: GradThresholds | None = None) -> 
 
 def find_exploding(flow: GradFlow, thresholds: GradThresholds | None = None) -> list[Finding]:
     """Gradients that grow toward the input, or norms above the exploding threshold."""
-    t = _t(thresholds)
+    t = thresholds or GradThresholds()
     found: list[Finding] = []
     norms = layer_norms(flow, t.metric)
     if len(norms) >= 2:
@@ -164,7 +160,7 @@ def find_exploding(flow: GradFlow, thresholds: GradThresholds | None = None) -> 
 def find_dead(flow: GradFlow, thresholds: GradThresholds | None = None) -> list[Finding]:
     """Modules whose gradient is all zeros (every output gradient, or every parameter's),
     and modules that receive gradient but pass an all-zero gradient down."""
-    t = _t(thresholds)
+    t = thresholds or GradThresholds()
     dead_out: dict[str, list[float]] = {}
     alive_out: set[str] = set()
     for r in flow.modules:
@@ -294,7 +290,7 @@ def diagnose_history(
     history: GradHistory, thresholds: GradThresholds | None = None
 ) -> list[Finding]:
     """Findings over sampled steps: the first non-finite total, and a growing total norm."""
-    t = _t(thresholds)
+    t = thresholds or GradThresholds()
     found: list[Finding] = []
     totals = history.total_norms
     bad = next((i for i, v in enumerate(totals) if not math.isfinite(v)), None)

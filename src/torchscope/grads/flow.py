@@ -190,8 +190,7 @@ class GradWatch(HookedContext, Analyzed):
         self._last = flow
         outs = {k: v for k, v in flow.output_norms().items() if v is not None}
         params = {k: v for k, v in flow.param_norms().items() if v is not None}
-        for name in list(outs) + list(params):
-            self._layers.setdefault(name, None)
+        self._layers.update(dict.fromkeys([*outs, *params]))  # new layers join at the end
         self._rows.append((flow.index, outs, params, flow.total_norm))
         if self._on_sample is not None:
             self._on_sample(flow)

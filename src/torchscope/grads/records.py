@@ -14,15 +14,6 @@ from torchscope.findings import Analyzed
 if TYPE_CHECKING:
     from torchscope.step import StepInfo
 
-__all__ = [
-    "GradFlow",
-    "GradHistory",
-    "ModuleGradRecord",
-    "ParamGradRecord",
-    "TensorGrad",
-    "combine_norms",
-]
-
 # Why a gradient is missing. Fixed phrases, so tests and renderers can match them.
 INPUT_NO_GRAD = "input does not require grad"
 OUTPUT_NO_GRAD = "output does not require grad"
@@ -41,6 +32,14 @@ def combine_norms(norms: Iterable[float | None]) -> float | None:
     if not vals:
         return None
     return math.sqrt(math.fsum(n * n for n in vals))
+
+
+def _by_module(norms: Iterable[tuple[str, float | None]]) -> dict[str, float | None]:
+    """`combine_norms` of each module's norms, modules in first-seen order."""
+    grouped: dict[str, list[float | None]] = {}
+    for module, norm in norms:
+        grouped.setdefault(module, []).append(norm)
+    return {k: combine_norms(v) for k, v in grouped.items()}
 
 
 @dataclass(frozen=True)
@@ -215,25 +214,16 @@ class GradFlow(Analyzed):
 
     def layers(self) -> list[str]:
         """Module names in backward order of their first reached call, then the others."""
-        seen: dict[str, None] = {}
-        for r in self.modules:
-            seen.setdefault(r.module, None)
-        return list(seen)
+        return list(dict.fromkeys(r.module for r in self.modules))
 
     def output_norms(self) -> dict[str, float | None]:
         """Per module, the norm of every output gradient of every call and micro-batch."""
-        out: dict[str, list[float | None]] = {}
-        for r in self.modules:
-            out.setdefault(r.module, []).append(r.output_norm)
-        return {k: combine_norms(v) for k, v in out.items()}
+        return _by_module((r.module, r.output_norm) for r in self.modules)
 
     def param_norms(self) -> dict[str, float | None]:
         """Per module (of the records, else every owner), the norm of its own parameters'
         gradients together; None when none of them has a gradient."""
-        out: dict[str, list[float | None]] = {}
-        for p in self.params:
-            out.setdefault(p.module, []).append(p.norm)
-        return {k: combine_norms(v) for k, v in out.items()}
+        return _by_module((p.module, p.norm) for p in self.params)
 
     @property
     def finite(self) -> bool:

@@ -129,10 +129,7 @@ class Tree:
 
     def scope(self, node: ast.AST) -> ast.AST:
         """The function, lambda, class or module whose body holds `node`."""
-        for _child, parent in self.edges(node):
-            if isinstance(parent, SCOPES):
-                return parent
-        return self.module
+        return self.scopes(node)[0]
 
     def scopes(self, node: ast.AST) -> list[ast.AST]:
         """Enclosing scopes, innermost first, ending with the module."""

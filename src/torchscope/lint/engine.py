@@ -14,7 +14,7 @@ from torchscope.lint.config import LintConfig, find_config, load_config
 from torchscope.lint.files import discover
 from torchscope.lint.noqa import noqa_map, suppressed
 from torchscope.lint.records import LintError, LintResult, LintViolation
-from torchscope.lint.rules import resolve_codes
+from torchscope.lint.rules import LintUsageError, resolve_codes
 
 __all__ = ["lint_file", "lint_paths", "lint_source"]
 
@@ -105,8 +105,6 @@ def lint_paths(paths: Sequence[str | Path], *, select: Iterable[str] | None = No
         LintUsageError: no paths, a path that does not exist, an unknown rule code, or an
             unusable config.
     """
-    from torchscope.lint.rules import LintUsageError
-
     if not paths:
         raise LintUsageError("no PATH given.", fix="pass files or folders, e.g. `src`.")
     if config is True:

@@ -13,19 +13,6 @@ from torchscope.errors import TorchscopeError
 from torchscope.findings import Analyzed
 from torchscope.step import StepInfo
 
-__all__ = [
-    "PHASES",
-    "ModuleTime",
-    "OpRecord",
-    "PhaseTime",
-    "ProfileResult",
-    "ProfileThresholds",
-    "ProfilingError",
-    "Reconciliation",
-    "SortKey",
-    "StepTiming",
-]
-
 #: The phase labels `profile_steps` opens with `record_function`, in step order.
 PHASES: tuple[str, ...] = ("forward", "backward", "optimizer")
 
