@@ -1,5 +1,5 @@
-"""Private helpers of the memory area: storage identity, the checkpoint-segment label, device
-sync, and running a measured step so that model and inputs are left exactly as found."""
+"""Private helpers of the memory area: storage identity, the checkpoint-segment label and
+device sync."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from contextvars import ContextVar
 from typing import Any
 
 import torch
-from torch import nn
 
 from torchscope.hooks.tree import iter_tensors
 
@@ -59,24 +58,7 @@ def storage_keys(obj: Any) -> dict[StorageKey, int]:
     return out
 
 
-def state_keys(model: nn.Module) -> tuple[dict[StorageKey, str], dict[StorageKey, str]]:
-    """Storage keys of the model's parameters and of its buffers, with their names."""
-    params: dict[StorageKey, str] = {}
-    for name, p in model.named_parameters():
-        key = storage_key(p)
-        if key is not None:
-            params.setdefault(key, name)
-    buffers: dict[StorageKey, str] = {}
-    for name, b in model.named_buffers():
-        key = storage_key(b)
-        if key is not None and key not in params:
-            buffers.setdefault(key, name)
-    return params, buffers
-
-
 def sync(device: torch.device) -> None:
     """Wait for queued kernels, so that host timers and peaks cover them."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-

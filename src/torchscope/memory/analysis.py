@@ -7,6 +7,7 @@ common signature and ignored.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 
 from torchscope._util import fmt_bytes
@@ -47,22 +48,20 @@ def analyze_report(report: MemoryReport, thresholds: object = None) -> list[Find
 @analyzer(SavedActivations)
 def analyze_saved(saved: SavedActivations, thresholds: object = None) -> list[Finding]:
     """Which module types hold the saved activations, and the largest single holder."""
-    out: list[Finding] = []
     total = saved.total_bytes
     if total <= 0:
-        return out
-    by_type: dict[str, int] = {}
+        return []
+    by_type: Counter[str] = Counter()
     for row in saved.modules:
-        by_type[row.module_type or "(no module)"] = (
-            by_type.get(row.module_type or "(no module)", 0) + row.bytes)
+        by_type[row.module_type or "(no module)"] += row.bytes
     kind, nbytes = max(by_type.items(), key=lambda kv: kv[1])
     share = nbytes / total
-    out.append(Finding(
+    out = [Finding(
         "memory.saved_by_type", Severity.INFO,
         f"{kind} outputs hold {share:.0%} of saved activations "
         f"({fmt_bytes(nbytes)} of {fmt_bytes(total)}).",
         {"module_type": kind, "bytes": nbytes, "total_bytes": total, "share": share},
-    ))
+    )]
     top = max(saved.modules, key=lambda r: r.bytes)
     if len(saved.modules) > 2 and top.bytes / total >= 0.25:
         out.append(Finding(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Literal
 
 import torch
@@ -12,7 +13,7 @@ from torchscope.hooks.select import Selector
 from torchscope.memory.checkpoint import BlockSpec
 from torchscope.memory.measure import _measure, memory_totals
 from torchscope.memory.planner import apply_plan, parse_bytes, plan_checkpointing
-from torchscope.memory.records import MemoryReport, Verification
+from torchscope.memory.records import MemoryReport
 from torchscope.memory.saved import saved_activations
 from torchscope.step import LossSpec, Step
 
@@ -91,19 +92,17 @@ def analyze_memory(
     assert saved.step is not None
     totals = memory_totals(step.model, saved, step.optimizer)
     measured = _measure(step) if measure else None
-    plans = None
-    chosen = None
-    verification: Verification | None = None
-    if checkpoint != "none":
-        plan_budget = budget if budget is not None else ("sqrt" if checkpoint == "auto" else None)
-        plans = plan_checkpointing(step, blocks=blocks, budget=plan_budget, measure=measure,
-                                   repeats=repeats, seed=seed)
-        chosen = _PLAN_OF[checkpoint]
-        measured_plan = plans.measurement(chosen)
-        if measured_plan is not None:  # measured plans were verified when applied
-            verification = measured_plan.verification
-        else:
-            with apply_plan(step, plans.plan(chosen), seed=seed) as handle:
-                verification = handle.verification
-    return MemoryReport(name or type(step.model).__name__, saved, totals, measured, saved.step,
-                        plans, chosen, verification)
+    report = MemoryReport(name or type(step.model).__name__, saved, totals, measured, saved.step)
+    if checkpoint == "none":
+        return report
+    plan_budget = budget if budget is not None else ("sqrt" if checkpoint == "auto" else None)
+    plans = plan_checkpointing(step, blocks=blocks, budget=plan_budget, measure=measure,
+                               repeats=repeats, seed=seed)
+    chosen = _PLAN_OF[checkpoint]
+    measured_plan = plans.measurement(chosen)
+    if measured_plan is not None:  # measured plans were verified when applied
+        verification = measured_plan.verification
+    else:
+        with apply_plan(step, plans.plan(chosen), seed=seed) as handle:
+            verification = handle.verification
+    return replace(report, plans=plans, chosen=chosen, verification=verification)

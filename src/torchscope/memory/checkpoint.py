@@ -260,6 +260,7 @@ class CheckpointHandle:
             if _OWNERS.get(module) is self:
                 del _OWNERS[module]
 
+
 class _CheckpointedForward:
     """The `forward` a checkpointed block gets: its own forward under one checkpoint.
 

@@ -157,16 +157,12 @@ def live_tensors(limit: int = 20, *, device: str | torch.device | None = None,
     """
     gc.collect()
     want = torch.device(device) if device is not None else None
-    found: list[torch.Tensor] = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # isinstance() on deprecated aliases warns
         objects = [o for o in gc.get_objects() if _is_tensor(o)]
         grad_of = {id(o.grad): o for o in objects if o.is_leaf and o.grad is not None}
-    for obj in objects:
-        if want is not None and (obj.device.type != want.type or (
-                want.index is not None and obj.device.index != want.index)):
-            continue
-        found.append(obj)
+    found = [o for o in objects if want is None or (
+        o.device.type == want.type and want.index in (None, o.device.index))]
     groups: dict[tuple[str, int], list[torch.Tensor]] = {}
     for t in found:
         key = storage_key(t)

@@ -34,7 +34,7 @@ from torch import nn
 from torchscope._util import fmt_bytes
 from torchscope.errors import BudgetError, TorchscopeError
 from torchscope.hooks.session import HookSession
-from torchscope.memory._common import StorageKey, state_keys, sync
+from torchscope.memory._common import StorageKey, storage_keys, sync
 from torchscope.memory.checkpoint import (
     Blocks,
     BlockSpec,
@@ -127,7 +127,7 @@ def _costs(step: Step, blocks: Blocks, repeats: int
     named = dict(model.named_modules())
     watch = [(n, named[n]) for n in blocks.names]
     acc = _account(step, watch)
-    params, buffers = state_keys(model)
+    state = storage_keys(list(model.parameters())) | storage_keys(list(model.buffers()))
     index: dict[StorageKey, int] = {}
     nbytes: list[int] = []
 
@@ -162,8 +162,7 @@ def _costs(step: Step, blocks: Blocks, repeats: int
     inputs_idx: list[frozenset[int]] = []
     input_bytes: list[int] = []
     for name in blocks.names:
-        found = {idx(k, n) for k, n in acc.block_inputs.get(name, ())
-                 if k not in params and k not in buffers}
+        found = {idx(k, n) for k, n in acc.block_inputs.get(name, ()) if k not in state}
         inputs_idx.append(frozenset(found))
         input_bytes.append(sum(nbytes[i] for i in found))
     times = _block_times(step, watch, repeats)

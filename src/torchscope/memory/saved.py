@@ -28,7 +28,6 @@ from torchscope.hooks.session import HookSession
 from torchscope.memory._common import (
     SEGMENT_LABEL,
     StorageKey,
-    state_keys,
     storage_key,
     storage_keys,
     storage_nbytes,
@@ -92,6 +91,15 @@ def row_owners(model: nn.Module, select: Selector = None, depth: int | None = No
     return owners
 
 
+def known_kinds(model: nn.Module, inputs: Any) -> dict[StorageKey, StorageKind]:
+    """The storages of the model's parameters and buffers and of `inputs`, with their kind
+    (a parameter that is also a buffer or an input counts as a parameter)."""
+    kinds: dict[StorageKey, StorageKind] = dict.fromkeys(storage_keys(inputs), "input")
+    kinds.update(dict.fromkeys(storage_keys(list(model.buffers())), "buffer"))
+    kinds.update(dict.fromkeys(storage_keys(list(model.parameters())), "parameter"))
+    return kinds
+
+
 class _Recorder:
     """The saved-tensor pack hook: attributes and deduplicates every saved storage."""
 
@@ -100,16 +108,12 @@ class _Recorder:
         stack: list[str],
         types: dict[str, str],
         owners: dict[str, str] | None,
-        params: dict[StorageKey, str],
-        buffers: dict[StorageKey, str],
-        inputs: set[StorageKey],
+        kinds: dict[StorageKey, StorageKind],
     ) -> None:
         self._stack = stack
         self._types = types
         self._owners = owners
-        self._params = params
-        self._buffers = buffers
-        self._inputs = inputs
+        self._kinds = kinds  # storages that are not activations (see `known_kinds`)
         self.live: dict[StorageKey, _Entry] = {}
         self.saves = 0
         self._anon = 0
@@ -133,12 +137,7 @@ class _Recorder:
         if entry is not None and entry.ref is not None and entry.ref.expired():
             entry = None  # freed before backward, and its address reused by a new storage
         if entry is None:
-            kind: StorageKind = (
-                "parameter" if key in self._params
-                else "buffer" if key in self._buffers
-                else "input" if key in self._inputs
-                else "activation"
-            )
+            kind = self._kinds.get(key, "activation")
             entry = _Entry(SavedStorage(module, module_type, tuple(t.shape), str(t.dtype),
                                         str(t.device), storage_nbytes(t), 0, kind, ()), ref)
             self.live[key] = entry
@@ -220,9 +219,8 @@ def _account(
     (what a checkpoint of that module would keep).
     """
     model = step.model
-    params, buffers = state_keys(model)
     first_inputs = step.micro_batches()[0][0]
-    input_keys = set(storage_keys((first_inputs.args, dict(first_inputs.kwargs))))
+    kinds = known_kinds(model, (first_inputs.args, dict(first_inputs.kwargs)))
     types = {name: type(m).__name__ for name, m in model.named_modules()}
     block_inputs: dict[str, tuple[tuple[StorageKey, int], ...]] = {}
     seen: list[tuple[list[tuple[StorageKey, _Entry]], dict[StorageKey, int], int]] = []
@@ -235,7 +233,7 @@ def _account(
                     block_inputs[_n] = tuple(storage_keys(args).items())
 
             session.forward_pre_hook(module, pre)
-        recorder = _Recorder(stack, types, owners, params, buffers, input_keys)
+        recorder = _Recorder(stack, types, owners, kinds)
         saving.enter_context(recorder.hooks())
 
         def before_backward(micro: int, output: Any, _loss: torch.Tensor) -> None:

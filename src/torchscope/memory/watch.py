@@ -23,9 +23,9 @@ from torchscope.findings import Finding
 from torchscope.hooks.lifecycle import HookedContext
 from torchscope.hooks.select import Selector
 from torchscope.hooks.session import HookSession
-from torchscope.memory._common import state_keys, storage_keys
+from torchscope.memory._common import storage_keys
 from torchscope.memory.records import MemoryHistory, MemorySample
-from torchscope.memory.saved import _freeze, _Recorder, row_owners
+from torchscope.memory.saved import _freeze, _Recorder, known_kinds, row_owners
 
 __all__ = ["MemoryWatch", "watch_memory"]
 
@@ -76,7 +76,6 @@ class MemoryWatch(HookedContext):
         self._last: MemorySample | None = None
         # Newest `max_samples` samples: [forward, {row: bytes}, total bytes, CUDA peak]
         self._rows: deque[list[Any]] = deque(maxlen=max_samples)
-        self._modules: dict[str, None] = {}
 
     # ------------------------------------------------------------------ lifecycle
     def open(self) -> None:
@@ -134,9 +133,8 @@ class MemoryWatch(HookedContext):
         self.forwards += 1
         if index % self.every:
             return
-        params, buffers = state_keys(module)
-        inputs = set(storage_keys((args, kwargs)))
-        recorder = _Recorder(self._stack, self._types, self._owners, params, buffers, inputs)
+        kinds = known_kinds(module, (args, kwargs))
+        recorder = _Recorder(self._stack, self._types, self._owners, kinds)
         device = next((p.device for p in module.parameters() if p.device.type == "cuda"), None)
         if device is not None:
             torch.cuda.reset_peak_memory_stats(device)  # host-side counter: no sync
@@ -154,8 +152,6 @@ class MemoryWatch(HookedContext):
         rec = active.recorder
         saved = _freeze(rec.alive(), storage_keys(output), rec.saves)
         rows = {m.module: m.bytes for m in saved.modules}
-        for name in rows:
-            self._modules.setdefault(name, None)
         self._rows.append([active.forward, rows, saved.total_bytes, None])
         self._last = MemorySample(active.forward, saved)
         self._peak_device = active.device
@@ -168,14 +164,13 @@ class MemoryWatch(HookedContext):
         active.hooks.__exit__(None, None, None)
 
     def _read_peak(self) -> None:
+        # Set only by `_post`, right after it appended the newest sample: that one is pending.
         device = self._peak_device
-        assert device is not None
+        assert device is not None and self._last is not None
         self._peak_device = None
         peak = int(torch.cuda.max_memory_allocated(device))
-        if self._last is not None:
-            self._last = replace(self._last, peak_bytes=peak)
-            if self._rows and self._rows[-1][0] == self._last.forward:
-                self._rows[-1][3] = peak
+        self._last = replace(self._last, peak_bytes=peak)
+        self._rows[-1][3] = peak
 
     # ------------------------------------------------------------------ results
     @property
@@ -186,7 +181,7 @@ class MemoryWatch(HookedContext):
     @property
     def history(self) -> MemoryHistory:
         """Saved bytes per module of the newest `max_samples` samples."""
-        modules = tuple(self._modules)
+        modules = tuple(dict.fromkeys(name for r in self._rows for name in r[1]))
         return MemoryHistory(
             forwards=tuple(r[0] for r in self._rows),
             modules=modules,
@@ -236,5 +231,3 @@ def watch_memory(model: nn.Module, *, every: int = 1, select: Selector = None,
         >>> watch.history.series("layer1"), watch.last.saved.total_bytes
     """
     return MemoryWatch(model, every=every, select=select, depth=depth, max_samples=max_samples)
-
-

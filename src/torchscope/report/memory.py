@@ -10,7 +10,6 @@ from torchscope._util import fmt_bytes, fmt_pct, fmt_shape
 from torchscope.findings import Finding, rank
 from torchscope.memory.analysis import describe_segments
 from torchscope.memory.records import (
-    OUTSIDE,
     LiveTensors,
     MeasuredMemory,
     MemoryTotals,
@@ -30,10 +29,6 @@ __all__ = [
 ]
 
 
-def _module_label(name: str) -> str:
-    return name if name == OUTSIDE else (name or "<root>")
-
-
 def saved_table(saved: SavedActivations, title: str = "Saved activations", limit: int = 40
                 ) -> Table:
     """One row per module that saved activations; the last row is the total."""
@@ -43,18 +38,16 @@ def saved_table(saved: SavedActivations, title: str = "Saved activations", limit
                          ("dtypes", "left")):
         table.add_column(col, justify=justify)  # type: ignore[arg-type]
     total = max(saved.total_bytes, 1)
-    rows = list(saved.modules)
-    shown = rows if len(rows) <= limit else sorted(rows, key=lambda r: -r.bytes)[:limit]
-    for r in rows:
-        if r not in shown:
-            continue
-        table.add_row(_module_label(r.module), r.module_type, fmt_bytes(r.bytes),
+    rows = saved.modules
+    top = sorted(rows, key=lambda r: -r.bytes)[:limit]
+    for r in (r for r in rows if r in top):  # the largest, in the order they first saved
+        table.add_row(r.module or "<root>", r.module_type, fmt_bytes(r.bytes),
                       fmt_pct(r.bytes / total), str(r.storages), str(r.saves),
                       ", ".join(d.replace("torch.", "") for d in r.dtypes))
-    if len(shown) < len(rows):
-        rest = [r for r in rows if r not in shown]
-        table.add_row(f"… {len(rest)} more", "", fmt_bytes(sum(r.bytes for r in rest)),
-                      fmt_pct(sum(r.bytes for r in rest) / total),
+    rest = [r for r in rows if r not in top]
+    if rest:
+        rest_bytes = sum(r.bytes for r in rest)
+        table.add_row(f"… {len(rest)} more", "", fmt_bytes(rest_bytes), fmt_pct(rest_bytes / total),
                       str(sum(r.storages for r in rest)), str(sum(r.saves for r in rest)), "")
     n_storages = sum(r.storages for r in rows)
     table.add_row("[bold]total[/]", "", f"[bold]{fmt_bytes(saved.total_bytes)}[/]", "100.0%",
@@ -72,45 +65,42 @@ def totals_table(totals: MemoryTotals, measured: MeasuredMemory | None = None,
     table.add_column("part")
     table.add_column("bytes", justify="right")
     table.add_column("", justify="right")
-    table.add_row("parameters", fmt_bytes(totals.parameters), f"{totals.parameters:,}")
+
+    def row(label: str, n: int | None, *, bold: bool = False, end_section: bool = False
+            ) -> None:
+        size = fmt_bytes(n)
+        table.add_row(f"[bold]{label}[/]" if bold else label, f"[bold]{size}[/]" if bold else size,
+                      "—" if n is None else f"{n:,}", end_section=end_section)
+
+    row("parameters", totals.parameters)
     if totals.buffers:
-        table.add_row("buffers", fmt_bytes(totals.buffers), f"{totals.buffers:,}")
-    table.add_row("gradients", fmt_bytes(totals.gradients), f"{totals.gradients:,}")
+        row("buffers", totals.buffers)
+    row("gradients", totals.gradients)
     if totals.optimizer_state is not None or totals.optimizer_state_source == "unknown":
-        table.add_row(f"optimizer state ({totals.optimizer_state_source})",
-                      fmt_bytes(totals.optimizer_state),
-                      "—" if totals.optimizer_state is None else f"{totals.optimizer_state:,}")
-    table.add_row("saved activations", fmt_bytes(totals.saved_activations),
-                  f"{totals.saved_activations:,}")
+        row(f"optimizer state ({totals.optimizer_state_source})", totals.optimizer_state)
+    row("saved activations", totals.saved_activations)
     if totals.outputs:
-        table.add_row("outputs (not saved)", fmt_bytes(totals.outputs), f"{totals.outputs:,}")
-    table.add_row("[bold]estimated peak[/]", f"[bold]{fmt_bytes(totals.peak_estimate)}[/]",
-                  f"{totals.peak_estimate:,}", end_section=True)
-    table.add_row("estimated: allocated by the step", fmt_bytes(totals.step_estimate),
-                  f"{totals.step_estimate:,}")
+        row("outputs (not saved)", totals.outputs)
+    row("estimated peak", totals.peak_estimate, bold=True, end_section=True)
+    row("estimated: allocated by the step", totals.step_estimate)
     if measured is not None:
-        table.add_row("[bold]measured: peak allocated by the step[/]",
-                      f"[bold]{fmt_bytes(measured.peak_above_baseline)}[/]",
-                      f"{measured.peak_above_baseline:,}")
+        row("measured: peak allocated by the step", measured.peak_above_baseline, bold=True)
         if measured.method == "cuda-allocator":
-            table.add_row("measured: allocated before the step",
-                          fmt_bytes(measured.baseline_bytes), f"{measured.baseline_bytes:,}")
-            table.add_row("measured: peak allocated (absolute)", fmt_bytes(measured.peak_bytes),
-                          f"{measured.peak_bytes:,}")
+            row("measured: allocated before the step", measured.baseline_bytes)
+            row("measured: peak allocated (absolute)", measured.peak_bytes)
             table.add_row("measured: reserved after / peak", fmt_bytes(measured.reserved_bytes),
                           fmt_bytes(measured.peak_reserved_bytes))
-        table.caption = _method_note(measured)
+            table.caption = ("measured with torch.cuda.max_memory_allocated after "
+                             "reset_peak_memory_stats; reserved = allocated + the caching "
+                             "allocator's cache.")
+        else:
+            table.caption = (
+                "CPU: torch.profiler memory events summed in time order; the peak counts only "
+                "what the step allocated above what was live when it began (parameters "
+                "excluded). Estimates count what the step keeps; transient buffers (unsaved "
+                "intermediates, kernel workspaces) add to the measurement, early frees in "
+                "backward subtract.")
     return table
-
-
-def _method_note(measured: MeasuredMemory) -> str:
-    if measured.method == "cuda-allocator":
-        return ("measured with torch.cuda.max_memory_allocated after reset_peak_memory_stats; "
-                "reserved = allocated + the caching allocator's cache.")
-    return ("CPU: torch.profiler memory events summed in time order; the peak counts only "
-            "what the step allocated above what was live when it began (parameters excluded). "
-            "Estimates count what the step keeps; transient buffers (unsaved intermediates, "
-            "kernel workspaces) add to the measurement, early frees in backward subtract.")
 
 
 def blocks_table(report: PlanReport, title: str = "Checkpointable blocks") -> Table:

@@ -3,10 +3,11 @@ against its recompute time (matplotlib `Figure`s, no pyplot: the user's backend 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from torchscope.memory.records import OUTSIDE, PlanReport, SavedActivations
+from torchscope.memory.records import PlanReport, SavedActivations
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -17,17 +18,9 @@ __all__ = ["plot_memory", "plot_plans", "plot_saved"]
 _KIB = 1024.0
 
 
-def _figure(ncols: int) -> tuple[Figure, list[Axes]]:
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(6.4 * ncols, 4.8), layout="constrained")
-    axes = [fig.add_subplot(1, ncols, i + 1) for i in range(ncols)]
-    return fig, axes
-
-
 def _draw_saved(ax: Axes, saved: SavedActivations, limit: int) -> None:
     rows = sorted(saved.modules, key=lambda r: -r.bytes)[:limit]
-    labels = [(r.module if r.module == OUTSIDE else r.module or "<root>") for r in rows]
+    labels = [r.module or "<root>" for r in rows]  # OUTSIDE is a label of its own
     ax.barh(range(len(rows)), [r.bytes / _KIB for r in rows], color="#4c72b0")
     ax.set_yticks(range(len(rows)), labels, fontsize=8)
     ax.invert_yaxis()
@@ -51,33 +44,34 @@ def _draw_plans(ax: Axes, report: PlanReport) -> None:
     ax.grid(alpha=0.3)
 
 
+def _plot(panels: Sequence[Callable[[Axes], None]], path: str | Path | None) -> Figure:
+    """One figure with `panels` side by side; saved to `path` (folders created) if given."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6.4 * len(panels), 4.8), layout="constrained")
+    for i, draw in enumerate(panels):
+        draw(fig.add_subplot(1, len(panels), i + 1))
+    if path is not None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path)
+    return fig
+
+
 def plot_saved(saved: SavedActivations, path: str | Path | None = None, limit: int = 30
                ) -> Figure:
     """Horizontal bars of saved bytes per module (largest first); saved to `path` if given."""
-    fig, (ax,) = _figure(1)
-    _draw_saved(ax, saved, limit)
-    if path is not None:
-        fig.savefig(path)
-    return fig
+    return _plot([lambda ax: _draw_saved(ax, saved, limit)], path)
 
 
 def plot_plans(report: PlanReport, path: str | Path | None = None) -> Figure:
     """Each plan's saved bytes against its recompute time; saved to `path` if given."""
-    fig, (ax,) = _figure(1)
-    _draw_plans(ax, report)
-    if path is not None:
-        fig.savefig(path)
-    return fig
+    return _plot([lambda ax: _draw_plans(ax, report)], path)
 
 
 def plot_memory(saved: SavedActivations, report: PlanReport | None = None,
                 path: str | Path | None = None) -> Figure:
     """Both panels side by side (the plans panel only with a plan report)."""
-    fig, axes = _figure(2 if report is not None else 1)
-    _draw_saved(axes[0], saved, 30)
+    panels = [lambda ax: _draw_saved(ax, saved, 30)]
     if report is not None:
-        _draw_plans(axes[1], report)
-    if path is not None:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path)
-    return fig
+        panels.append(lambda ax: _draw_plans(ax, report))
+    return _plot(panels, path)
