@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import sys
-import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, NoReturn
+from typing import TYPE_CHECKING, Annotated, NoReturn, TypeVar
 
 import typer
 from rich.console import Console
@@ -23,16 +22,22 @@ __all__ = [
     "InputOpt",
     "InputsFnOpt",
     "JsonOpt",
+    "LossOpt",
     "SelectOpt",
     "TargetArg",
     "check_output",
+    "choice",
     "console",
+    "device_of",
     "err_console",
     "fail",
     "guarded",
+    "is_tty",
     "load",
-    "print_traceback",
+    "split_commas",
 ]
+
+C = TypeVar("C", bound=str)
 
 console = Console(width=None if sys.stdout.isatty() else 150)
 err_console = Console(stderr=True, soft_wrap=True)
@@ -66,6 +71,9 @@ SelectOpt = Annotated[
                  help="Modules to hook: a glob over names (layer*.conv1) or a type (Conv2d)."),
 ]
 DepthOpt = Annotated[int | None, typer.Option(help="Only modules this deep or shallower.")]
+LossOpt = Annotated[str, typer.Option(
+    "--loss", help="The training step's loss: auto (the model's own loss, else cross-entropy "
+    "for logits, else mean squared error; targets seeded), cross_entropy, mse or sum.")]
 
 
 def fail(message: str, *, code: int = 2) -> NoReturn:
@@ -81,34 +89,43 @@ def guarded(debug: bool) -> Iterator[None]:
         yield
     except typer.Exit:
         raise
-    except TorchscopeError as exc:
+    except (KeyboardInterrupt, Exception) as exc:
         if debug:
             raise
-        fail(_escape(exc.one_line()))
-    except KeyboardInterrupt:
-        if debug:
-            raise
-        fail("interrupted; every hook was removed.", code=130)
-    except Exception as exc:
-        if debug:
-            raise
+        if isinstance(exc, KeyboardInterrupt):
+            fail("interrupted; every hook was removed.", code=130)
+        if isinstance(exc, TorchscopeError):
+            fail(_escape(exc.one_line()))
         first = (str(exc).strip().splitlines() or [""])[0]
-        fail(
-            _escape(
-                f"unexpected {type(exc).__name__}: {first}. Fix: rerun with --debug "
-                "for the traceback."
-            )
-        )
+        fail(_escape(f"unexpected {type(exc).__name__}: {first}. Fix: rerun with --debug for "
+                     "the traceback."))
 
 
-def print_traceback(exc: BaseException, title: str) -> None:
-    """Print `title`, then `exc`'s full traceback (its causes included) to stderr.
+def choice(option: str, value: str, choices: Sequence[C]) -> C:
+    """`value` as the one of `choices` it equals; fails before any work when there is none."""
+    for c in choices:
+        if c == value:
+            return c
+    fail(f"{option} {value!r} is not one of {', '.join(choices)}. Fix: pick one of those.")
 
-    For an error that was caught and reported in one line (a doctor section that failed)
-    while the command went on: `--debug` shows where it came from.
-    """
-    sys.stderr.write(f"{title}\n{''.join(traceback.format_exception(exc))}")
-    sys.stderr.flush()
+
+def split_commas(*values: str | None) -> list[str]:
+    """The items of comma-separated option values (`a,b` and `c` give a, b, c), blanks dropped."""
+    return [p.strip() for v in values if v for p in v.split(",") if p.strip()]
+
+
+def device_of(name: str) -> str:
+    """The device `--device NAME` means: `auto` is CUDA when torch sees it, else the CPU."""
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        fail(f"--device {name} asked for CUDA, but torch sees no CUDA device. Fix: use "
+             "--device cpu (or auto).")
+    if name != "cpu" and not name.startswith("cuda"):
+        fail(f"--device {name!r} is not cpu, cuda, cuda:N or auto. Fix: use one of those.")
+    return name
 
 
 def check_output(path: str | None, option: str, *, folder: bool = False,
@@ -155,6 +172,3 @@ def load(
 def is_tty() -> bool:
     """Whether stdout is a terminal (progress bars only then)."""
     return sys.stdout.isatty()
-
-
-Command = Callable[..., Any]

@@ -66,7 +66,6 @@ app = typer.Typer(
 )
 
 
-
 @app.callback()
 def _root() -> None:
     """See inside any PyTorch model's training step."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+import traceback
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -10,14 +12,17 @@ from torchscope.cli._common import (
     DebugOpt,
     InputOpt,
     InputsFnOpt,
+    LossOpt,
     TargetArg,
     check_output,
+    choice,
     console,
+    device_of,
     fail,
     guarded,
     is_tty,
     load,
-    print_traceback,
+    split_commas,
 )
 
 if TYPE_CHECKING:
@@ -34,23 +39,6 @@ def register(app: typer.Typer) -> None:
     app.command("lab")(lab)
 
 
-def _split(text: str | None) -> list[str]:
-    return [p.strip() for p in (text or "").split(",") if p.strip()]
-
-
-def _device(name: str) -> str:
-    import torch
-
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        fail(f"--device {name} asked for CUDA, but torch sees no CUDA device. Fix: use "
-             "--device cpu (or auto).")
-    if name != "cpu" and not name.startswith("cuda"):
-        fail(f"--device {name!r} is not cpu, cuda, cuda:N or auto. Fix: use one of those.")
-    return name
-
-
 def doctor(
     target: TargetArg = None,
     input: InputOpt = None,
@@ -63,8 +51,7 @@ def doctor(
         "steps instead of --steps; keeps `make demo` under 2 minutes on 2 cores.")] = False,
     out: Annotated[str, typer.Option("--out", "-o", help="Folder for report.html and "
                                      "report.json.")] = "torchscope-report",
-    loss: Annotated[str, typer.Option(help="Loss of the training step every section measures: "
-                                      "auto, cross_entropy, mse or sum.")] = "auto",
+    loss: LossOpt = "auto",
     steps: Annotated[int, typer.Option(help="Profiled training steps.")] = 5,
     compile_modes: Annotated[str, typer.Option(
         "--compile-modes", help="torch.compile modes to measure, comma-separated.")] = "default",
@@ -84,32 +71,31 @@ def doctor(
         from torchscope.report.html import write_report
         from torchscope.step import LOSSES
 
-        skipped = _split(skip)
+        skipped = split_commas(skip)
         unknown = [s for s in skipped if s not in section_names()]
         if unknown:
             fail(f"--skip names unknown section(s) {', '.join(unknown)}. Fix: choose from "
                  f"{', '.join(section_names())}.")
-        if loss not in LOSSES:
-            fail(f"--loss {loss!r} is not one of {', '.join(LOSSES)}. Fix: pick one of those.")
-        if fail_on not in (None, "error", "warning"):
-            fail(f"--fail-on {fail_on!r} is not error or warning. Fix: pick one of those.")
+        loss_fn = choice("--loss", loss, LOSSES)
+        floor = None if fail_on is None else \
+            Severity[choice("--fail-on", fail_on, ("error", "warning")).upper()]
         if steps < 1:
             fail(f"--steps {steps} profiles nothing. Fix: pass --steps 1 or more.")
-        modes = tuple(_split(compile_modes)) or ("default",)
+        modes = tuple(split_commas(compile_modes)) or ("default",)
         unknown_modes = [m for m in modes if m not in known_modes()]
         if unknown_modes:
             fail(f"--compile-modes names unknown mode(s) {', '.join(unknown_modes)}. Fix: "
                  f"choose from {', '.join(known_modes())}.")
-        dev = _device(device)
+        dev = device_of(device)
         loaded, model_inputs = load(target, input, inputs)
         model = loaded.model.to(dev)
-        options = DoctorOptions(fast=fast, skip=frozenset(skipped), loss_fn=loss, steps=steps,
+        options = DoctorOptions(fast=fast, skip=frozenset(skipped), loss_fn=loss_fn, steps=steps,
                                 compile_modes=modes, device=dev)
         report = _run_with_progress(model, model_inputs.to(dev), options, loaded.name)
-        if debug:
-            for o in report.outcomes:
-                if o.error is not None:
-                    print_traceback(o.error, f"section {o.name} failed:")
+        for o in report.outcomes:
+            if debug and o.error is not None:  # reported in one line above; show where from
+                sys.stderr.write(f"section {o.name} failed:\n"
+                                 + "".join(traceback.format_exception(o.error)))
         html_path, json_path = write_report(report, out)
         console.print(sections_table(report))
         if report.step is not None:
@@ -120,44 +106,34 @@ def doctor(
         else:
             console.print("No findings: nothing looked wrong in the sections that ran.")
         console.print(f"wrote {html_path} and {json_path}")
-        if fail_on is not None:
-            floor = Severity.ERROR if fail_on == "error" else Severity.WARNING
-            if any(f.severity >= floor for f in report.findings()):
-                raise typer.Exit(1)
+        if floor is not None and any(f.severity >= floor for f in report.findings()):
+            raise typer.Exit(1)
 
 
 def _run_with_progress(model: nn.Module, inputs: ModelInputs, options: DoctorOptions,
                        name: str) -> DoctorReport:
-    """Run the doctor with a rich progress bar on a terminal, one line per section otherwise."""
+    """Run the doctor, one line per finished section; on a terminal also a progress bar."""
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from torchscope.doctor import DoctorEvent, run_doctor
 
-    if not is_tty():
-        def line(ev: DoctorEvent) -> None:
-            if ev.phase == "done" and ev.outcome is not None:
-                o = ev.outcome
-                console.print(f"[{ev.index + 1}/{ev.total}] {o.title}: {o.status} "
-                              f"({o.seconds:.1f} s){' - ' + o.note if o.note else ''}",
-                              highlight=False, markup=False, soft_wrap=True)
-
-        return run_doctor(model, inputs, options=options, name=name, on_event=line)
-
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
                   TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
-                  console=console, transient=True) as progress:
+                  console=console, transient=True, disable=not is_tty()) as progress:
         task = progress.add_task("starting", total=None)
 
-        def bar(ev: DoctorEvent) -> None:
-            if ev.phase == "start":
+        def show(ev: DoctorEvent) -> None:
+            o = ev.outcome
+            if o is None:
                 progress.update(task, total=ev.total,
                                 description=f"doctor: {ev.title} ({ev.section})")
-            elif ev.outcome is not None:
-                progress.advance(task)
-                progress.console.print(f"  {ev.outcome.title}: {ev.outcome.status} "
-                                       f"({ev.outcome.seconds:.1f} s)", highlight=False)
+                return
+            progress.advance(task)
+            console.print(f"[{ev.index + 1}/{ev.total}] {o.title}: {o.status} "
+                          f"({o.seconds:.1f} s){' - ' + o.note if o.note else ''}",
+                          highlight=False, markup=False, soft_wrap=True)
 
-        return run_doctor(model, inputs, options=options, name=name, on_event=bar)
+        return run_doctor(model, inputs, options=options, name=name, on_event=show)
 
 
 def diff(
@@ -211,21 +187,16 @@ def lab(
     with guarded(debug):
         check_output(json_path, "--json")
         from torchscope._util import write_json
-        from torchscope.lab import MILESTONES, run_lab
+        from torchscope.lab import run_lab
         from torchscope.report.doctor import lab_tables
 
-        skipped = _split(skip)
-        unknown = [s for s in skipped if s not in MILESTONES]
-        if unknown:
-            fail(f"--skip names unknown milestone(s) {', '.join(unknown)}. Fix: choose from "
-                 f"{', '.join(MILESTONES)}.")
-        dev = _device(device)
+        dev = device_of(device)
 
         def say(name: str) -> None:
             if is_tty():
                 console.print(f"[dim]running {name}...[/]")
 
-        result = run_lab(skip=skipped, fast=fast, device=dev, on_milestone=say)
+        result = run_lab(skip=split_commas(skip), fast=fast, device=dev, on_milestone=say)
         for table in lab_tables(result.milestones, result.claims):
             console.print(table)
         console.print(f"{result.held} held, {result.failed} failed, {result.unchecked} not "

@@ -13,9 +13,11 @@ from torchscope.cli._common import (
     InputOpt,
     InputsFnOpt,
     JsonOpt,
+    LossOpt,
     SelectOpt,
     TargetArg,
     check_output,
+    choice,
     console,
     guarded,
     load,
@@ -31,9 +33,7 @@ def grads(
     target: TargetArg = None,
     input: InputOpt = None,
     inputs: InputsFnOpt = None,
-    loss: Annotated[str, typer.Option(
-        "--loss", help="auto (the model's own loss, else cross-entropy for logits, else mean "
-        "squared error; targets seeded), cross_entropy, mse or sum.")] = "auto",
+    loss: LossOpt = "auto",
     steps: Annotated[int, typer.Option(
         "--steps", help="Training steps (SGD) to run; each one is sampled.")] = 1,
     lr: Annotated[float, typer.Option("--lr", help="SGD learning rate for --steps > 1.")] = 0.01,
@@ -56,9 +56,7 @@ def grads(
         from torchscope.report.grads import findings_lines, grad_table, history_table
         from torchscope.step import LOSSES, Step
 
-        if loss not in LOSSES:
-            raise TorchscopeError(f"--loss {loss!r} is not a known loss.",
-                                  fix=f"use one of {', '.join(LOSSES)}.")
+        loss_fn = choice("--loss", loss, LOSSES)
         if steps < 1:
             raise TorchscopeError(f"--steps {steps} runs nothing.", fix="pass --steps 1 or more.")
         if not lr > 0:
@@ -73,13 +71,12 @@ def grads(
             raise TorchscopeError(f"{loaded.name} has no parameter that requires grad.",
                                   fix="unfreeze some parameters.")
         opt = torch.optim.SGD(params, lr=lr)
-        step = Step(model, model_inputs, loss_fn=loss, optimizer=opt)
-        first: torch.Tensor | None = None
+        step = Step(model, model_inputs, loss_fn=loss_fn, optimizer=opt)
         with watch_gradients(model, every=1, optimizer=opt, select=select,
                              depth=depth) as watch:
-            for _ in range(steps):
-                value = step.run()
-                first = value if first is None else first
+            first = step.run()
+            for _ in range(steps - 1):
+                step.run()
         info = step.info(first)
         flow = watch.last
         if flow is None:

@@ -9,7 +9,15 @@ from typing import Annotated
 
 import typer
 
-from torchscope.cli._common import DebugOpt, check_output, console, err_console, fail, guarded
+from torchscope.cli._common import (
+    DebugOpt,
+    check_output,
+    console,
+    err_console,
+    fail,
+    guarded,
+    split_commas,
+)
 
 _FORMATS = ("text", "json", "sarif")
 
@@ -17,12 +25,6 @@ _FORMATS = ("text", "json", "sarif")
 def register(app: typer.Typer) -> None:
     """Add `lint` to `app`."""
     app.command("lint")(lint)
-
-
-def _split(values: list[str] | None) -> list[str] | None:
-    if values is None:
-        return None
-    return [part.strip() for v in values for part in v.split(",") if part.strip()]
 
 
 def lint(
@@ -64,13 +66,14 @@ def lint(
 
         if fmt not in _FORMATS:
             fail(f"unknown --format {fmt!r}; expected one of {', '.join(_FORMATS)}.")
-        if select is not None and not _split(select):
+        selected = None if select is None else split_commas(*select)
+        if selected is not None and not selected:
             fail("--select lists no rule code; lint would check nothing. Fix: pass codes or "
                  "prefixes such as --select TS001,TS00, or drop --select.")
         if config is not None and no_config:
             fail("--config and --no-config contradict each other; pass one.")
         result = lint_paths(
-            paths or ["."], select=_split(select), ignore=_split(ignore) or (),
+            paths or ["."], select=selected, ignore=split_commas(*ignore or ()),
             config=config if config is not None else not no_config,
         )
         for note in result.notes:

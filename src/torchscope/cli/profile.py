@@ -12,9 +12,12 @@ from torchscope.cli._common import (
     InputOpt,
     InputsFnOpt,
     JsonOpt,
+    LossOpt,
     TargetArg,
     check_output,
+    choice,
     console,
+    device_of,
     guarded,
     load,
 )
@@ -29,9 +32,7 @@ def profile(
     target: TargetArg = None,
     input: InputOpt = None,
     inputs: InputsFnOpt = None,
-    loss: Annotated[str, typer.Option(
-        "--loss", help="auto (the model's own loss, else cross-entropy for logits, else mean "
-        "squared error; targets seeded), cross_entropy, mse or sum.")] = "auto",
+    loss: LossOpt = "auto",
     steps: Annotated[int, typer.Option(help="Profiled (active) steps.")] = 5,
     wait: Annotated[int, typer.Option(help="Schedule steps skipped first.")] = 1,
     warmup: Annotated[int, typer.Option(help="Schedule steps profiled but discarded.")] = 1,
@@ -45,7 +46,7 @@ def profile(
         "--select", "-s", help="Time only these modules (glob or type name).")] = None,
     depth: Annotated[int | None, typer.Option(help="Time modules this deep or shallower.")
                      ] = None,
-    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")] = "auto",
     lr: Annotated[float, typer.Option(help="SGD learning rate of the profiled steps.")] = 0.01,
     trace: Annotated[str | None, typer.Option(
         help="Write a Chrome/Perfetto trace (.json or .json.gz).")] = None,
@@ -67,14 +68,9 @@ def profile(
         from torchscope.report.profiling import profile_text, summary_renderables
         from torchscope.step import LOSSES, Step
 
-        if loss not in LOSSES:
-            raise ProfilingError(f"--loss {loss!r} is not a known loss.",
-                                 fix=f"use one of {', '.join(LOSSES)}.")
-        if sort not in SORT_KEYS:
-            raise ProfilingError(f"--sort {sort} is not known.",
-                                 fix=f"use one of {', '.join(SORT_KEYS)}.")
-        if by not in ("op", "module"):
-            raise ProfilingError(f"--by {by} is not known.", fix="use --by op or --by module.")
+        loss_fn = choice("--loss", loss, LOSSES)
+        choice("--sort", sort, SORT_KEYS)
+        choice("--by", by, ("op", "module"))
         if limit < 1:
             raise ProfilingError(f"--limit {limit} shows no row.", fix="pass --limit 1 or more.")
         if depth is not None and depth < 0:
@@ -86,14 +82,7 @@ def profile(
         if not lr > 0:
             raise ProfilingError(f"--lr {lr} is not a positive learning rate.",
                                  fix="pass e.g. --lr 0.01.")
-        if device not in ("auto", "cpu", "cuda"):
-            raise ProfilingError(f"--device {device} is not known.",
-                                 fix="use --device auto, cpu or cuda.")
-        if device == "cuda" and not torch.cuda.is_available():
-            raise ProfilingError("--device cuda was asked but no CUDA device is available.",
-                                 fix="drop --device cuda, or run on a machine with a GPU.")
-        dev = "cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) \
-            else "cpu"
+        dev = device_of(device)
         loaded, model_inputs = load(target, input, inputs)
         model = loaded.model.to(dev).train()
         model_inputs = model_inputs.to(dev)
@@ -101,7 +90,7 @@ def profile(
         if not params:
             raise ProfilingError(f"{loaded.name} has no trainable parameters to step.",
                                  fix="profile a model with parameters that require grad.")
-        step = Step(model, model_inputs, loss_fn=loss, optimizer=torch.optim.SGD(params, lr=lr))
+        step = Step(model, model_inputs, loss_fn=loss_fn, optimizer=torch.optim.SGD(params, lr=lr))
         result = profile_steps(
             step, steps=steps, wait=wait, warmup=warmup,
             by_module=by == "module" or json_path is not None or text is not None,
@@ -115,8 +104,7 @@ def profile(
             console.print(f"[dim]note: {note}[/]")
         if trace:
             console.print(f"wrote trace {trace} (last {min(trace_steps, steps)} profiled steps; "
-                          "open it in "
-                          "https://ui.perfetto.dev or chrome://tracing)")
+                          "open it in https://ui.perfetto.dev or chrome://tracing)")
         if text:
             Path(text).parent.mkdir(parents=True, exist_ok=True)
             Path(text).write_text(profile_text(result, findings, sort=sort, by=by, limit=limit))
