@@ -31,7 +31,7 @@ from torchscope.errors import TorchscopeError
 from torchscope.grads import gradient_flow
 from torchscope.hooks.session import HookSession
 from torchscope.lab.records import LabClaim, LabResult, LabTable
-from torchscope.memory import SavedActivations, SavedStorage, apply, saved_activations
+from torchscope.memory import SavedActivations, apply, saved_activations
 from torchscope.models.zoo import MLP, DeepMLP, TinyCNN
 from torchscope.profiling import profile_steps
 from torchscope.report.html import mode_error
@@ -48,7 +48,6 @@ _Part = tuple[list[LabTable], list[LabClaim]]
 
 # ------------------------------------------------------------------ milestone 1: forward hooks
 def _forward_hooks(device: torch.device) -> _Part:
-    torch.manual_seed(0)
     model = TinyCNN().to(device)
     x = torch.randn(32, 3, 32, 32, device=device)  # (B, C, H, W), the lesson's batch
     shapes: dict[str, tuple[int, ...]] = {}
@@ -118,7 +117,6 @@ def _forward_hooks(device: torch.device) -> _Part:
 
 # ------------------------------------------------------------------ milestone 2: backward hooks
 def _backward_hooks(device: torch.device) -> _Part:
-    torch.manual_seed(0)
     model = TinyCNN().to(device)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(32, 3, 32, 32, generator=g).to(device)
@@ -178,7 +176,6 @@ def _nll_of_log_softmax(output: torch.Tensor, target: torch.Tensor) -> torch.Ten
 
 
 def _profile(device: torch.device) -> _Part:
-    torch.manual_seed(0)
     model = MLP().to(device)  # 128 -> 256 -> 10
     x = torch.randn(64, 128, device=device)  # (B, 128)
     y = torch.randint(0, 10, (64,), device=device)
@@ -188,8 +185,7 @@ def _profile(device: torch.device) -> _Part:
     # Five profiled SGD steps, each labelled forward / backward / optimizer by the Step.
     result = profile_steps(step, steps=steps, by_module=False, baseline_steps=0)
 
-    def calls(op: str) -> int:
-        return result.calls(op)
+    calls = result.calls
 
     def self_ms(op: str) -> float:
         rec = result.op(op)
@@ -226,7 +222,6 @@ def _profile(device: torch.device) -> _Part:
 
 # ------------------------------------------------------------------ milestone 3: checkpointing
 def _checkpoint(device: torch.device) -> _Part:
-    torch.manual_seed(0)
     model = DeepMLP().to(device)  # 8 x [Linear(64, 64) + ReLU]
     x = torch.randn(32, 64, device=device)  # (B, hidden)
     step = Step.of(model, x, loss_fn="sum")  # the lesson's out.sum().backward()
@@ -259,16 +254,19 @@ def _checkpoint(device: torch.device) -> _Part:
     params = len(list(model.parameters()))
     identical = verification.bitwise_equal and len(verification.grads) == params
     bytes_all, bytes_ck = saved_all.total_bytes, saved_ck.total_bytes
+    # Saved non-parameter storages: the activations (and the input) each strategy keeps.
+    kept_all, kept_ck = ([st for st in saved.storages if st.kind in ("activation", "input")]
+                         for saved in (saved_all, saved_ck))
     recomputed = tuple(i for i, c in enumerate(calls_ck) if c == 2)
     table = LabTable(
         "Milestone 3: storing all vs checkpointing at √8 ≈ 2 segments (deep-mlp, batch 32, "
         "hidden 64)",
         ("strategy", "saved tensors", "saved bytes", "blocks re-run in backward",
          "gradients identical"),
-        (("store all", len(_activations(saved_all)), bytes_all, (), True),
-         ("checkpoint blocks 0-3 as one segment", len(_activations(saved_ck)), bytes_ck,
-          recomputed, identical)))
-    sizes = {st.nbytes for st in _activations(saved_all)}
+        (("store all", len(kept_all), bytes_all, (), True),
+         ("checkpoint blocks 0-3 as one segment", len(kept_ck), bytes_ck, recomputed,
+          identical)))
+    sizes = {st.nbytes for st in kept_all}
     expected_all = (len(model) + 1) * 32 * 64 * 4
     claims = [
         LabClaim("checkpoint", "each activation tensor is 32×64×4 B = 8 KB", 8192,
@@ -276,7 +274,7 @@ def _checkpoint(device: torch.device) -> _Part:
                  sizes == {8192}, "saved_activations: sizes of saved non-parameter storages"),
         LabClaim("checkpoint", "storing all keeps one 8 KB activation per block plus the input",
                  expected_all, bytes_all, bytes_all == expected_all,
-                 f"saved_activations: {len(_activations(saved_all))} storages"),
+                 f"saved_activations: {len(kept_all)} storages"),
         LabClaim("checkpoint", "checkpointing at 2 segments stores less than storing all",
                  f"< {bytes_all:,} B", bytes_ck, bytes_ck < bytes_all,
                  "the last segment is not checkpointed (as checkpoint_sequential does); the "
@@ -293,10 +291,6 @@ def _checkpoint(device: torch.device) -> _Part:
     return [table], claims
 
 
-def _activations(saved: SavedActivations) -> list[SavedStorage]:
-    return [st for st in saved.storages if st.kind in ("activation", "input")]
-
-
 # ------------------------------------------------------------------ memory levers (CUDA)
 def _memory(device: torch.device) -> _Part:
     claim_a = "empty_cache() cannot free a tensor that is still referenced"
@@ -309,7 +303,8 @@ def _memory(device: torch.device) -> _Part:
     torch.cuda.synchronize(dev)
     torch.cuda.empty_cache()  # noqa: TS005 - a clean baseline before measuring
     base_alloc = torch.cuda.memory_allocated(dev)
-    t = torch.empty(64 * 2**20, dtype=torch.uint8, device=dev)  # 64 MiB
+    size = 64 * 2**20
+    t = torch.empty(size, dtype=torch.uint8, device=dev)  # 64 MiB
     torch.cuda.empty_cache()  # noqa: TS005 - the lesson's trap, reproduced on purpose
     kept = torch.cuda.memory_allocated(dev) - base_alloc
     reserved_with = torch.cuda.memory_reserved(dev)
@@ -317,7 +312,6 @@ def _memory(device: torch.device) -> _Part:
     torch.cuda.empty_cache()
     reserved_after = torch.cuda.memory_reserved(dev)
     freed = reserved_with - reserved_after
-    size = 64 * 2**20
     table = LabTable("Memory levers on CUDA (a 64 MiB tensor)",
                      ("step", "allocated by it", "reserved"),
                      (("empty_cache() while referenced", kept, reserved_with),
@@ -354,7 +348,6 @@ def _compile_loop() -> tuple[dict[str, Any] | None, str]:
 
 
 def _compile(device: torch.device, modes: tuple[str, ...], iters: int) -> _Part:
-    torch.manual_seed(0)
     model = TinyCNN().to(device).eval()
     x = torch.randn(32, 3, 32, 32, device=device)
     # Each mode in its own child process with an empty inductor cache: the cold first call,
@@ -393,25 +386,26 @@ def _compile(device: torch.device, modes: tuple[str, ...], iters: int) -> _Part:
         None if loop is None else loop["graphs"] == _LOOP_ITERATIONS,
         f"graphs compiled over {_LOOP_ITERATIONS} iterations; {loop_note}"))
     auto = ok.get("max-autotune")
+    costlier = "max-autotune pays a higher compile cost than default"
     if auto is not None and default is not None and auto.cold_compile_s is not None and \
             default.cold_compile_s is not None:
         claims.append(LabClaim(
-            "compile", "max-autotune pays a higher compile cost than default",
-            f"> {default.cold_compile_s:.1f} s", round(auto.cold_compile_s, 2),
-            auto.cold_compile_s > default.cold_compile_s, "cold first-call time"))
+            "compile", costlier, f"> {default.cold_compile_s:.1f} s",
+            round(auto.cold_compile_s, 2), auto.cold_compile_s > default.cold_compile_s,
+            "cold first-call time"))
     else:
-        claims.append(LabClaim("compile", "max-autotune pays a higher compile cost than default",
-                               None, None, None, "max-autotune not measured (--fast or failed)"))
+        claims.append(LabClaim("compile", costlier, None, None, None,
+                               "max-autotune not measured (--fast or failed)"))
     overhead = ok.get("reduce-overhead")
+    cheaper = "reduce-overhead cuts per-call overhead (CUDA graphs)"
     if device.type == "cuda" and overhead is not None and default is not None and \
             overhead.compiled_ms is not None and default.compiled_ms is not None:
         claims.append(LabClaim(
-            "compile", "reduce-overhead cuts per-call overhead (CUDA graphs)",
-            f"< {default.compiled_ms:.3f} ms", round(overhead.compiled_ms, 3),
+            "compile", cheaper, f"< {default.compiled_ms:.3f} ms", round(overhead.compiled_ms, 3),
             overhead.compiled_ms < default.compiled_ms, "steady-state median per call"))
     else:
-        claims.append(LabClaim("compile", "reduce-overhead cuts per-call overhead (CUDA graphs)",
-                               None, None, None, "needs CUDA: CUDA graphs do nothing on CPU"))
+        claims.append(LabClaim("compile", cheaper, None, None, None,
+                               "needs CUDA: CUDA graphs do nothing on CPU"))
     if platform.system() == "Linux":
         asked = next((m for m in report.modes if m.mode == "default"), None)
         claims.append(LabClaim(
