@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from rich.table import Table
@@ -92,21 +92,15 @@ def sections_table(report: Report, title: str = "torchscope doctor") -> Table:
     return table
 
 
+_UNIT_TEXT: dict[str, Callable[[float], str]] = {
+    "bytes": fmt_bytes, "x": "{:.2f}×".format, "ms": "{:.2f} ms".format, "s": "{:.2f} s".format,
+    "count": "{:,.0f}".format,
+}
+
+
 def metric_text(value: float | None, unit: str) -> str:
     """A metric value in its unit."""
-    if value is None:
-        return "—"
-    if unit == "bytes":
-        return fmt_bytes(value)
-    if unit == "x":
-        return f"{value:.2f}×"
-    if unit == "ms":
-        return f"{value:.2f} ms"
-    if unit == "s":
-        return f"{value:.2f} s"
-    if unit == "count":
-        return f"{value:,.0f}"
-    return fmt_num(value)
+    return "—" if value is None else _UNIT_TEXT.get(unit, fmt_num)(value)
 
 
 def _change(c: MetricChange) -> str:

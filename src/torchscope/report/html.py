@@ -49,10 +49,6 @@ def _e(text: object) -> str:
     return html.escape(str(text), quote=True)
 
 
-def _css() -> str:
-    return resources.files("torchscope.report").joinpath("report.css").read_text()
-
-
 def _cell(value: Cell) -> tuple[str, bool]:
     """(escaped text, is numeric)."""
     if value is None:
@@ -310,6 +306,7 @@ def _section_html(outcome: SectionOutcome) -> str:
 def render_report(report: Report, title: str = "torchscope doctor") -> str:
     """The whole report.html as a string."""
     t = report.target
+    css = resources.files("torchscope.report").joinpath("report.css").read_text()
     nav = "".join(f'<a href="#section-{_e(o.name)}"><span class="dot {_e(o.status)}"></span>'
                   f"{_e(o.title)}</a>" for o in report.outcomes)
     counts = "".join(f'<span class="count {sev.label}">{report.count(sev)} {sev.label}</span>'
@@ -327,7 +324,7 @@ def render_report(report: Report, title: str = "torchscope doctor") -> str:
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <title>{_e(title)}: {_e(t.name)}</title>
 <style>
-{_css()}
+{css}
 </style>
 </head>
 <body>

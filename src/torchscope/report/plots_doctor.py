@@ -10,13 +10,16 @@ from __future__ import annotations
 import io
 import re
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from matplotlib.figure import Figure
 
 from torchscope.capture import ActivationRecord
 from torchscope.compile import ModeResult
 from torchscope.profiling import OpRecord, ProfileResult
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
 
 __all__ = [
     "activation_stats_plot",
@@ -35,10 +38,10 @@ _RC: dict[str, Any] = {"font.size": 8, "svg.fonttype": "path", "svg.hashsalt": "
        "axes.spines.top": False, "axes.spines.right": False}
 
 
-def _figure(n: int, height: float = 3.2) -> Figure:
-    width = min(max(6.0, 0.22 * n + 2.5), 14.0)
-    fig = Figure(figsize=(width, height), layout="constrained")
-    return fig
+def _axes(n: int, height: float = 3.2) -> tuple[Figure, Axes]:
+    """A figure for `n` bars (wider with more of them, 6 to 14 inches) and its one axes."""
+    fig = Figure(figsize=(min(max(6.0, 0.22 * n + 2.5), 14.0), height), layout="constrained")
+    return fig, fig.add_subplot()
 
 
 def figure_svg(fig: Figure) -> str:
@@ -63,16 +66,13 @@ def _label(r: ActivationRecord) -> str:
 def activation_stats_plot(records: Sequence[ActivationRecord]) -> Figure:
     """Mean ± std of each leaf output in forward order, with its min and max."""
     rows = [r for r in records if r.output is not None and "float" in r.output.dtype][:MAX_BARS]
-    fig = _figure(len(rows))
-    ax = fig.add_subplot()
+    stats = [r.output for r in rows if r.output is not None]
+    fig, ax = _axes(len(rows))
     xs = list(range(len(rows)))
-    means = [r.output.mean for r in rows if r.output is not None]
-    stds = [r.output.std for r in rows if r.output is not None]
-    ax.errorbar(xs, means, yerr=stds, fmt="o", color=_ACCENT, capsize=3, label="mean ± std")
-    ax.scatter(xs, [r.output.min for r in rows if r.output is not None], marker="v", s=14,
-               color="#777777", label="min")
-    ax.scatter(xs, [r.output.max for r in rows if r.output is not None], marker="^", s=14,
-               color="#777777", label="max")
+    ax.errorbar(xs, [s.mean for s in stats], yerr=[s.std for s in stats], fmt="o", color=_ACCENT,
+                capsize=3, label="mean ± std")
+    ax.scatter(xs, [s.min for s in stats], marker="v", s=14, color="#777777", label="min")
+    ax.scatter(xs, [s.max for s in stats], marker="^", s=14, color="#777777", label="max")
     bad = [i for i, r in enumerate(rows) if not r.finite]
     if bad:
         ax.scatter(bad, [0.0] * len(bad), marker="x", s=40, color=_WARN, label="NaN/Inf")
@@ -87,15 +87,13 @@ def activation_stats_plot(records: Sequence[ActivationRecord]) -> Figure:
 def activation_zeros_plot(records: Sequence[ActivationRecord]) -> Figure:
     """Fraction of exactly-zero output elements per leaf module; dead channels annotated."""
     rows = [r for r in records if r.output is not None][:MAX_BARS]
-    fig = _figure(len(rows))
-    ax = fig.add_subplot()
+    stats = [r.output for r in rows if r.output is not None]
+    fig, ax = _axes(len(rows))
     xs = list(range(len(rows)))
-    fracs = [100 * r.output.zero_frac for r in rows if r.output is not None]
-    colors = [_WARN if (r.output is not None and r.output.dead_units) else _ACCENT for r in rows]
-    ax.bar(xs, fracs, color=colors)
-    for x, r in zip(xs, rows, strict=True):
-        s = r.output
-        if s is not None and s.dead_units:
+    ax.bar(xs, [100 * s.zero_frac for s in stats],
+           color=[_WARN if s.dead_units else _ACCENT for s in stats])
+    for x, s in enumerate(stats):
+        if s.dead_units:
             ax.annotate(f"{s.dead_units}/{s.channels} dead", (x, 100 * s.zero_frac),
                         ha="center", va="bottom", fontsize=7, color=_WARN)
     ax.set_ylim(0, 110)
@@ -108,8 +106,7 @@ def activation_zeros_plot(records: Sequence[ActivationRecord]) -> Figure:
 def profile_ops_plot(ops: Sequence[OpRecord]) -> Figure:
     """Top ops by self CPU time."""
     rows = sorted(ops, key=lambda o: -o.self_cpu_ms)[:12]
-    fig = _figure(10, height=max(2.5, 0.25 * len(rows) + 1))
-    ax = fig.add_subplot()
+    fig, ax = _axes(10, height=max(2.5, 0.25 * len(rows) + 1))
     ys = list(range(len(rows)))
     ax.barh(ys, [o.self_cpu_ms for o in rows], color=_ACCENT)
     ax.set_yticks(ys, [f"{o.name} ×{o.calls}" for o in rows])
@@ -123,8 +120,7 @@ def profile_modules_plot(result: ProfileResult) -> Figure:
     """Forward and backward self time per step of each module, stacked."""
     steps = max(result.steps, 1)
     rows = sorted(result.modules, key=lambda m: -(m.forward_self_ms + m.backward_self_ms))[:30]
-    fig = _figure(10, height=max(2.5, 0.22 * len(rows) + 1))
-    ax = fig.add_subplot()
+    fig, ax = _axes(10, height=max(2.5, 0.22 * len(rows) + 1))
     ys = list(range(len(rows)))
     fwd = [m.forward_self_ms / steps for m in rows]
     ax.barh(ys, fwd, color=_ACCENT, label="forward")
@@ -140,8 +136,7 @@ def profile_modules_plot(result: ProfileResult) -> Figure:
 
 def compile_speedup_plot(modes: Sequence[ModeResult]) -> Figure:
     """Speedup of each torch.compile mode over eager; the line at 1× is break-even per call."""
-    fig = _figure(6)
-    ax = fig.add_subplot()
+    fig, ax = _axes(6)
     xs = list(range(len(modes)))
     vals = [m.speedup or 0.0 for m in modes]
     ax.bar(xs, vals, color=[_ACCENT if v >= 1 else _WARN for v in vals])

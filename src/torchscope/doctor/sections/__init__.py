@@ -27,15 +27,10 @@ def register_section(section: Section[Any], *, before: str | None = None) -> Non
     names = section_names()
     if section.name in names:
         _REGISTRY[names.index(section.name)] = section
-        return
-    if before is None:
+    elif before is None:
         _REGISTRY.append(section)
     else:
-        _REGISTRY.insert(names.index(before) if before in names else _missing(before), section)
-
-
-def _missing(name: str) -> int:
-    raise KeyError(f"no section named {name!r}; registered: {', '.join(section_names())}")
+        _REGISTRY.insert(_REGISTRY.index(get_section(before)), section)
 
 
 def registered_sections() -> list[Section[Any]]:
@@ -57,4 +52,4 @@ def get_section(name: str) -> Section[Any]:
     for s in _REGISTRY:
         if s.name == name:
             return s
-    return _REGISTRY[_missing(name)]
+    raise KeyError(f"no section named {name!r}; registered: {', '.join(section_names())}")
