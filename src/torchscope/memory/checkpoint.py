@@ -64,15 +64,13 @@ BlockSpec = str | nn.Module | Blocks | Sequence[str | nn.Module] | None
 """What `apply` and the planner accept as `blocks=` (see `resolve_blocks`)."""
 
 
-def _plain_sequential(m: nn.Module) -> bool:
-    return (isinstance(m, nn.Sequential) and type(m).forward is nn.Sequential.forward
-            and "forward" not in vars(m))
-
-
 def _container_blocks(name: str, m: nn.Module) -> Blocks:
     prefix = f"{name}." if name else ""
     names = tuple(prefix + child for child in m._modules if m._modules[child] is not None)
-    return Blocks(names, name if _plain_sequential(m) else None)
+    # Only a plain nn.Sequential's loop can be replaced by one that groups its children.
+    plain = (isinstance(m, nn.Sequential) and type(m).forward is nn.Sequential.forward
+             and "forward" not in vars(m))
+    return Blocks(names, name if plain else None)
 
 
 def resolve_blocks(model: nn.Module, blocks: BlockSpec = None) -> Blocks:

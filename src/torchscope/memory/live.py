@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchscope.memory._common import storage_key, storage_nbytes
+from torchscope.memory._common import StorageKey, storage_key, storage_nbytes
 from torchscope.memory.records import LiveTensor, LiveTensors
 
 __all__ = ["live_tensors"]
@@ -110,7 +110,10 @@ def _frame_locals(t: torch.Tensor, start: types.FrameType | None, ignore: set[in
     frame = start
     while frame is not None:
         f_locals = frame.f_locals
-        snapshot = _is_snapshot(frame, f_locals)
+        # Whether `f_locals` is the throw-away copy of an optimized function frame's locals.
+        snapshot = (sys.version_info < (3, 13) and type(f_locals) is dict
+                    and f_locals is not frame.f_globals
+                    and bool(frame.f_code.co_flags & inspect.CO_OPTIMIZED))
         if snapshot:
             ignore.add(id(f_locals))  # the snapshot dict must not show up as a referrer
         for name, value in f_locals.items():
@@ -125,13 +128,6 @@ def _frame_locals(t: torch.Tensor, start: types.FrameType | None, ignore: set[in
             f_locals.clear()
         frame = frame.f_back
     return out
-
-
-def _is_snapshot(frame: types.FrameType, f_locals: Any) -> bool:
-    """Whether `f_locals` is the throw-away copy of an optimized function frame's locals."""
-    return (sys.version_info < (3, 13) and type(f_locals) is dict
-            and f_locals is not frame.f_globals
-            and bool(frame.f_code.co_flags & inspect.CO_OPTIMIZED))
 
 
 def _is_tensor(obj: Any) -> bool:
@@ -161,17 +157,15 @@ def live_tensors(limit: int = 20, *, device: str | torch.device | None = None,
         warnings.simplefilter("ignore")  # isinstance() on deprecated aliases warns
         objects = [o for o in gc.get_objects() if _is_tensor(o)]
         grad_of = {id(o.grad): o for o in objects if o.is_leaf and o.grad is not None}
-    found = [o for o in objects if want is None or (
-        o.device.type == want.type and want.index in (None, o.device.index))]
-    groups: dict[tuple[str, int], list[torch.Tensor]] = {}
-    for t in found:
+    groups: dict[StorageKey, list[torch.Tensor]] = {}  # the views of each storage
+    for t in objects:
         key = storage_key(t)
-        if key is not None:
+        if key is not None and (want is None or (
+                t.device.type == want.type and want.index in (None, t.device.index))):
             groups.setdefault(key, []).append(t)
     sized = sorted(groups.values(), key=lambda g: -storage_nbytes(g[0]))
     total = sum(storage_nbytes(g[0]) for g in sized)
-    ignore = {id(found), id(groups), id(sized), id(objects), id(grad_of),
-              *map(id, groups.values())}
+    ignore = {id(groups), id(sized), id(objects), id(grad_of), *map(id, groups.values())}
     frame = sys._getframe()
     ignore.add(id(frame))
     top = sized[:limit]
@@ -208,7 +202,7 @@ def live_tensors(limit: int = 20, *, device: str | torch.device | None = None,
                                len(group), t.requires_grad, isinstance(t, nn.Parameter),
                                tuple(refs[:referrers])))
     count = len(sized)
-    del found, groups, sized, objects, frame, grad_of, top, views, found_refs, referrers_of
+    del groups, sized, objects, frame, grad_of, top, views, found_refs, referrers_of
     before: tuple[int | None, int | None] = (None, None)
     after = before
     if torch.cuda.is_available() and torch.cuda.is_initialized() and (

@@ -129,12 +129,8 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> tuple[int | None,
 
 def memory_totals(model: nn.Module, saved: SavedActivations,
                   optimizer: torch.optim.Optimizer | None = None) -> MemoryTotals:
-    """Parameters, buffers, gradients, optimizer state, saved activations and the peak.
-
-    The peak estimate is params + buffers + optimizer state + saved activations + outputs +
-    gradients: what is held when backward starts, plus every gradient backward writes;
-    transient buffers (unsaved intermediates, kernel workspaces) are not in it.
-    """
+    """Parameters, buffers, gradients, optimizer state, saved activations and the estimated
+    peak (see `MemoryTotals`) of a step that saved `saved`."""
     params = storage_keys(list(model.parameters()))
     p_bytes = sum(params.values())
     # A buffer that shares a parameter's storage is already counted with the parameters.

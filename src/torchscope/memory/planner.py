@@ -19,7 +19,6 @@ Plans:
 
 from __future__ import annotations
 
-import itertools
 import math
 import re
 import statistics
@@ -241,20 +240,14 @@ def _runs(ckpt: Sequence[bool], groupable: bool) -> Segments:
 
 def _all_segmentations(n: int, groupable: bool) -> Iterator[Segments]:
     """Every plan over n blocks: each block normal, starting a segment or continuing one."""
-    choices = ("N", "S", "K") if groupable else ("N", "S")
-    for combo in itertools.product(choices, repeat=n):
-        segs: list[tuple[int, int]] = []
-        ok = True
-        for i, c in enumerate(combo):
-            if c == "S":
-                segs.append((i, i + 1))
-            elif c == "K":
-                if not segs or segs[-1][1] != i:
-                    ok = False
-                    break
-                segs[-1] = (segs[-1][0], i + 1)
-        if ok:
-            yield tuple(segs)
+    if n == 0:
+        yield ()
+        return
+    for segs in _all_segmentations(n - 1, groupable):
+        yield segs  # block n-1 normal
+        yield (*segs, (n - 1, n))  # block n-1 starts a segment
+        if groupable and segs and segs[-1][1] == n - 1:
+            yield (*segs[:-1], (segs[-1][0], n))  # block n-1 continues the last segment
 
 
 def _search_exact(costs: _Costs, groupable: bool, budget: int) -> tuple[Segments | None, int]:
