@@ -23,3 +23,20 @@ class CrashNet(nn.Module):
 
 def crash() -> tuple[nn.Module, torch.Tensor]:
     return CrashNet(), torch.randn(2, 4)
+
+
+class PrintNet(nn.Module):
+    """One graph break: a print() in forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.fc(x)
+        print("debug: after fc")
+        return x.relu()
+
+
+def prints() -> tuple[nn.Module, torch.Tensor]:
+    return PrintNet(), torch.randn(2, 4)

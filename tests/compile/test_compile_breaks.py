@@ -86,10 +86,20 @@ def test_breaks_render_and_become_findings() -> None:
 
 
 def test_scan_survives_the_trip_from_the_child() -> None:
-    import json
+    from pathlib import Path
 
-    from torchscope._util import to_jsonable
-    from torchscope.compile.doctor import _scan_from
+    from torchscope.compile._measure import MeasureJob
+    from torchscope.compile.doctor import _run_child
+    from torchscope.models import load_target
 
-    scan = find_graph_breaks(BreakNet(), torch.randn(4, 8))
-    assert _scan_from(json.loads(json.dumps(to_jsonable(scan)))) == scan
+    target = f"{Path(__file__).parent / 'compile_targets.py'}:prints"
+    loaded = load_target(target)
+    assert loaded.inputs is not None
+    # An unknown mode fails right after the scan: the child pays for no inductor compile.
+    job = MeasureJob("no-such-mode", "forward", iters=1, warmup=0, dynamic=None, explain=True)
+    payload = _run_child({"model": None, "factory": target, "inputs": loaded.inputs,
+                          "job": job, "threads": 1}, timeout_s=120)
+    assert payload["status"] == "error" and "no-such-mode" in payload["error"]
+    scan = find_graph_breaks(loaded.model, loaded.inputs)
+    assert len(scan.breaks) == 1 and scan.breaks[0].kind == "print() call"
+    assert payload["scan"] == scan

@@ -1,14 +1,16 @@
 """Measure one torch.compile mode: cold/warm compile, interleaved latency, numerical drift.
 
 Runs inside the child process of `compile_report` (or in this process when the model or
-its loss cannot be sent to a child). Everything here returns plain numbers and records.
-In this process the measurement goes through `torchscope.compile._isolate`, so that the
-user's own compiled code and the process environment are left as they were.
+its loss cannot be sent to a child). In this process the measurement goes through
+`torchscope.compile._isolate`, so that the user's own compiled code and the process
+environment are left as they were.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import math
 import statistics
 import time
 import traceback
@@ -21,16 +23,13 @@ from torch import nn
 
 from torchscope.compile._isolate import private_code
 from torchscope.compile.breaks import find_graph_breaks
-from torchscope.compile.records import CompileMeasure, Recompile, ShapeCall
+from torchscope.compile.records import CompileMeasure, ModeResult, ShapeCall, derive_speed
 from torchscope.compile.watch import RecompileWatcher, recompile_limit
 from torchscope.hooks.tree import iter_tensors
 from torchscope.models.target import ModelInputs
-from torchscope.step import LossSpec, Step
+from torchscope.step import LossSpec, Step, StepInfo
 
-__all__ = [
-    "MeasureJob", "RawMode", "StepSpec", "first_line", "is_no_compiler_error", "measure_mode",
-    "resize_batch", "run_job",
-]
+__all__ = ["MeasureJob", "StepSpec", "first_line", "measure_mode", "run_job"]
 
 
 @dataclass(frozen=True)
@@ -70,32 +69,6 @@ class MeasureJob:
     batch_sizes: tuple[int, ...] = ()
     options: dict[str, Any] = field(default_factory=dict)
 
-    @property
-    def train(self) -> bool:
-        """Whether the measured call is the training step (train mode, with backward)."""
-        return self.measure == "step"
-
-
-@dataclass(frozen=True)
-class RawMode:
-    """Raw figures of one mode, before speedup and break-even are derived."""
-
-    cold_first_s: float
-    warm_first_s: float
-    eager_ms: float
-    compiled_ms: float
-    max_abs_diff: float | None
-    max_rel_diff: float | None
-    grad_max_abs_diff: float | None
-    grad_max_rel_diff: float | None
-    graphs: int | None
-    recompiles: tuple[Recompile, ...]
-    recompile_limit: int
-    limit_hit: bool
-    shape_calls: tuple[ShapeCall, ...]
-    loss: str | None = None
-    loss_value: float | None = None
-
 
 # ---------------------------------------------------------------------- figures
 def _sync(device: torch.device) -> None:
@@ -110,63 +83,63 @@ def _detach(out: Any) -> list[torch.Tensor]:
     return [t.detach().clone() for _, t in iter_tensors(out) if t.is_floating_point()]
 
 
-def _max_diffs(got: list[torch.Tensor], ref: list[torch.Tensor]) -> tuple[float, float] | None:
+def _max_diffs(got: list[torch.Tensor], ref: list[torch.Tensor]
+               ) -> tuple[float | None, float | None]:
+    """Largest |got - ref|, and that divided by the largest |ref|; None for a figure that
+    cannot be compared or is not finite."""
     if not ref or len(got) != len(ref):
-        return None
+        return None, None
     abs_max = 0.0
     ref_max = 0.0
     for g, r in zip(got, ref, strict=True):
         if g.shape != r.shape:
-            return None
+            return None, None
         d = (g.float() - r.float()).abs()
         abs_max = max(abs_max, float(d.max()) if d.numel() else 0.0)
         ref_max = max(ref_max, float(r.float().abs().max()) if r.numel() else 0.0)
-    return abs_max, (abs_max / ref_max if ref_max > 0 else (0.0 if abs_max == 0 else float("inf")))
+    rel = abs_max / ref_max if ref_max > 0 else (0.0 if abs_max == 0 else math.inf)
+    return (abs_max if math.isfinite(abs_max) else None,
+            rel if math.isfinite(rel) else None)
 
 
 def _grads(model: nn.Module) -> list[torch.Tensor]:
     return [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
 
 
-def _batch_of(inputs: ModelInputs) -> int:
-    leaves = list(iter_tensors((inputs.args, dict(inputs.kwargs))))
-    if not leaves or leaves[0][1].dim() == 0:
+def _resized(step: Step, batch_size: int) -> Step:
+    """`step` with every tensor whose first dim is the batch (the first dim of the first
+    input tensor), its target included, cut or tiled to `batch_size`."""
+    leaves = [t for _, t in iter_tensors((step.inputs.args, dict(step.inputs.kwargs)))]
+    if not leaves or leaves[0].dim() == 0:
         raise ValueError("the inputs have no batch dimension to resize")
-    return int(leaves[0][1].shape[0])
+    batch = int(leaves[0].shape[0])
+
+    def fit(v: Any) -> Any:
+        if not isinstance(v, torch.Tensor) or v.dim() == 0 or v.shape[0] != batch:
+            return v
+        if batch_size <= batch:
+            return v[:batch_size].clone()
+        return torch.cat([v] * -(-batch_size // batch))[:batch_size]  # (batch_size, ...)
+
+    inputs = ModelInputs(tuple(fit(a) for a in step.inputs.args),
+                         {k: fit(v) for k, v in step.inputs.kwargs.items()})
+    return replace(step, inputs=inputs, target=fit(step.target))
 
 
-def _fit(v: Any, batch: int, batch_size: int) -> Any:
-    """A tensor whose first dim is the batch, cut or tiled to `batch_size`; else `v`."""
-    if not isinstance(v, torch.Tensor) or v.dim() == 0 or v.shape[0] != batch:
-        return v
-    if batch_size <= batch:
-        return v[:batch_size].clone()
-    reps = -(-batch_size // batch)
-    return torch.cat([v] * reps)[:batch_size]
-
-
-def resize_batch(inputs: ModelInputs, batch_size: int) -> ModelInputs:
-    """The same inputs with every tensor whose first dim is the batch cut or tiled to
-    `batch_size` (the batch is the first dim of the first tensor)."""
-    batch = _batch_of(inputs)
-    return ModelInputs(tuple(_fit(a, batch, batch_size) for a in inputs.args),
-                       {k: _fit(v, batch, batch_size) for k, v in inputs.kwargs.items()})
-
-
-def is_no_compiler_error(exc: BaseException) -> bool:
+def _is_no_compiler_error(exc: BaseException | None) -> bool:
     """Whether `exc` (or its cause) is inductor's "no working C++ compiler"."""
-    seen: BaseException | None = exc
     for _ in range(8):
-        if seen is None:
+        if exc is None:
             return False
-        if type(seen).__name__ == "InvalidCxxCompiler" or "C++ compiler" in str(seen):
+        if type(exc).__name__ == "InvalidCxxCompiler" or "C++ compiler" in str(exc):
             return True
-        seen = seen.__cause__ or seen.__context__
+        exc = exc.__cause__ or exc.__context__
     return False
 
 
 def measure_mode(model: nn.Module, inputs: ModelInputs, job: MeasureJob,
-                 log: Callable[[str], None] = lambda _s: None) -> RawMode:
+                 log: Callable[[str], None] = lambda _s: None
+                 ) -> tuple[ModeResult, StepInfo | None]:
     """Measure one mode on private copies of `model` (the original is never called).
 
     The measured call is the step's forward under `no_grad` (eval mode), or with
@@ -175,22 +148,26 @@ def measure_mode(model: nn.Module, inputs: ModelInputs, job: MeasureJob,
     → eager reference (its loss is the step's loss) and numerical diffs → warm compile (new
     private code objects, inductor's in-memory caches cleared, its on-disk cache reused) →
     warm-up → interleaved steady-state timing → calls with other batch sizes.
+
+    Returns:
+        The mode's result (`isolated` and `wall_s` are the caller's to fill in), and the
+        eager copy's `StepInfo` with `measure="step"`.
     """
     from torch._dynamo.utils import counters
     from torch._inductor.utils import clear_caches
 
-    eager = copy.deepcopy(model).train(job.train)
-    subject = copy.deepcopy(model).train(job.train)
+    train = job.measure == "step"
+    eager = copy.deepcopy(model).train(train)
+    subject = copy.deepcopy(model).train(train)
     eager_step = job.step.build(eager, inputs)
     device = eager_step.device
     cudagraphs = job.mode.startswith("reduce-overhead") and device.type == "cuda"
-    compiled_step = eager_step  # replaced by the compiled wrapper's step below
 
     def call(s: Step, compiled: bool = False) -> tuple[Any, torch.Tensor | None]:
         """One measured call: `(first micro-batch's output, loss or None)`."""
         if compiled and cudagraphs:
             torch.compiler.cudagraph_mark_step_begin()
-        if not job.train:
+        if not train:
             with torch.no_grad():
                 return s.forward(), None
         outputs: list[Any] = []
@@ -221,15 +198,14 @@ def measure_mode(model: nn.Module, inputs: ModelInputs, job: MeasureJob,
         graphs_before = int(counters["stats"]["unique_graphs"])
         with private_code(subject):
             log("cold compile")
-            compiled_step = make()
-            cold_first_s, out_c, _ = timed(compiled_step, True)
+            cold_first_s, out_c, _ = timed(make(), True)
             graphs = int(counters["stats"]["unique_graphs"]) - graphs_before or None
             got = _detach(out_c)
-            got_grads = _grads(subject) if job.train else []
+            got_grads = _grads(subject) if train else []
         _, out_e, eager_loss = timed(eager_step, False)
-        diffs = _max_diffs(got, _detach(out_e))
-        grad_diffs = _max_diffs(got_grads, _grads(eager)) if job.train else None
-        resolved = eager_step.resolved
+        max_abs, max_rel = _max_diffs(got, _detach(out_e))
+        grad_abs, grad_rel = _max_diffs(got_grads, _grads(eager)) if train else (None, None)
+        info = eager_step.info(eager_loss) if train else None
         del out_c, out_e
 
         log("warm compile")
@@ -255,30 +231,38 @@ def measure_mode(model: nn.Module, inputs: ModelInputs, job: MeasureJob,
             shape_calls = []
             for bs in job.batch_sizes:
                 log(f"batch size {bs}")
-                batch = _batch_of(inputs)
-                resized = replace(compiled_step, inputs=resize_batch(inputs, bs),
-                                  target=_fit(compiled_step.target, batch, bs))
                 before = watcher.compiles
-                dt, _, _ = timed(resized, True)
+                dt, _, _ = timed(_resized(compiled_step, bs), True)
                 shape_calls.append(ShapeCall(bs, dt, watcher.compiles > before))
 
-    return RawMode(
-        cold_first_s=cold_first_s,
-        warm_first_s=warm_first_s,
-        eager_ms=statistics.median(eager_s) * 1e3,
-        compiled_ms=statistics.median(compiled_s) * 1e3,
-        max_abs_diff=diffs[0] if diffs else None,
-        max_rel_diff=diffs[1] if diffs else None,
-        grad_max_abs_diff=grad_diffs[0] if grad_diffs else None,
-        grad_max_rel_diff=grad_diffs[1] if grad_diffs else None,
+    eager_ms = statistics.median(eager_s) * 1e3
+    compiled_ms = statistics.median(compiled_s) * 1e3
+    # A first call's cost beyond one steady-state call is the compile.
+    cold = max(cold_first_s - compiled_ms / 1e3, 0.0)
+    warm = max(warm_first_s - compiled_ms / 1e3, 0.0)
+    speedup, break_even = derive_speed(eager_ms, compiled_ms, cold)
+    result = ModeResult(
+        mode=job.mode,
+        status="ok",
+        cold_compile_s=cold,
+        warm_compile_s=warm,
+        eager_ms=eager_ms,
+        compiled_ms=compiled_ms,
+        speedup=speedup,
+        break_even_calls=break_even,
+        break_even_calls_warm=derive_speed(eager_ms, compiled_ms, warm)[1],
+        max_abs_diff=max_abs,
+        max_rel_diff=max_rel,
+        grad_max_abs_diff=grad_abs,
+        grad_max_rel_diff=grad_rel,
         graphs=graphs,
         recompiles=tuple(watcher.recompiles),
         recompile_limit=recompile_limit(),
         limit_hit=watcher.limit_hit,
         shape_calls=tuple(shape_calls),
-        loss=None if resolved is None or not job.train else resolved.describe(),
-        loss_value=None if eager_loss is None else float(eager_loss),
+        iters=job.iters,
     )
+    return result, info
 
 
 def run_job(model: nn.Module, inputs: ModelInputs, job: MeasureJob,
@@ -286,20 +270,23 @@ def run_job(model: nn.Module, inputs: ModelInputs, job: MeasureJob,
     """Scan graph breaks (when asked) and measure one mode; failures become a status.
 
     Returns:
-        `{"status", "error", "raw", "scan"}`: status is `ok`, `error` or `no_compiler`.
+        `{"status", "error", "result", "step", "scan"}`: status is `ok`, `error` or
+        `no_compiler`; `result` the `ModeResult` when ok, `step` its `StepInfo` (or None),
+        `scan` the `BreakScan` (None when not asked, or when the scan failed).
     """
-    payload: dict[str, Any] = {"status": "ok", "error": None, "raw": None, "scan": None}
+    payload: dict[str, Any] = {"status": "ok", "error": None, "result": None, "step": None,
+                               "scan": None}
     if job.explain:
         log("scanning graph breaks")
-        try:
-            payload["scan"] = find_graph_breaks(
-                copy.deepcopy(model).train(job.train), inputs, train=job.train)
-        except Exception as exc:
-            payload["scan_error"] = first_line(exc)
+        train = job.measure == "step"
+        # A failed scan leaves None; the report says when no mode's scan succeeded.
+        with contextlib.suppress(Exception):
+            payload["scan"] = find_graph_breaks(copy.deepcopy(model).train(train), inputs,
+                                                train=train)
     try:
-        payload["raw"] = measure_mode(model, inputs, job, log)
+        payload["result"], payload["step"] = measure_mode(model, inputs, job, log)
     except Exception as exc:
-        payload["status"] = "no_compiler" if is_no_compiler_error(exc) else "error"
+        payload["status"] = "no_compiler" if _is_no_compiler_error(exc) else "error"
         payload["error"] = first_line(exc)
         payload["traceback"] = traceback.format_exc()
     return payload

@@ -1,24 +1,18 @@
 """Child process of `compile_report`: `python -m torchscope.compile._worker JOB RESULT`.
 
 Reads the job (model, inputs, settings) saved with `torch.save`, measures one mode and
-writes a JSON result. Any exception becomes a result with a status; only a hard crash (a
-signal) or a hang leaves no result, and the parent reports those.
+pickles the result (`run_job`'s payload) for the parent, which started this interpreter
+on the same torchscope. Any exception becomes a result with a status; only a hard crash
+(a signal) or a hang leaves no result, and the parent reports those.
 """
 
 from __future__ import annotations
 
-import json
+import pickle
 import sys
 from pathlib import Path
-from typing import Any
 
 __all__ = ["main"]
-
-
-def _write(path: str, payload: dict[str, Any]) -> None:
-    from torchscope._util import to_jsonable
-
-    Path(path).write_text(json.dumps(to_jsonable(payload)))
 
 
 def main(argv: list[str]) -> int:
@@ -37,13 +31,14 @@ def main(argv: list[str]) -> int:
 
             model = load_target(job["factory"]).model
     except Exception as exc:
-        _write(result_path, {"status": "load_error", "error": first_line(exc)})
-        return 0
-    payload = run_job(model, job["inputs"], job["job"],
-                      log=lambda s: print(f"[torchscope] {s}", flush=True))
-    if payload.get("traceback"):
-        print(payload["traceback"], file=sys.stderr, flush=True)
-    _write(result_path, payload)
+        payload = {"status": "not_sent",
+                   "error": f"the child could not load the model ({first_line(exc)})"}
+    else:
+        payload = run_job(model, job["inputs"], job["job"],
+                          log=lambda s: print(f"[torchscope] {s}", flush=True))
+        if payload.get("traceback"):
+            print(payload["traceback"], file=sys.stderr, flush=True)
+    Path(result_path).write_bytes(pickle.dumps(payload))
     return 0
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.machinery
-import json
 import os
 import pickle
 import shutil
@@ -24,21 +23,12 @@ from torchscope._process import seeded
 from torchscope.compile._isolate import fresh_inductor_cache
 from torchscope.compile._measure import MeasureJob, StepSpec, run_job
 from torchscope.compile.breaks import BreakScan
-from torchscope.compile.records import (
-    MEASURES,
-    CompileMeasure,
-    CompileReport,
-    GraphBreak,
-    ModeResult,
-    Recompile,
-    ShapeCall,
-    derive_speed,
-)
+from torchscope.compile.records import MEASURES, CompileMeasure, CompileReport, ModeResult
 from torchscope.compile.watch import recompile_limit
 from torchscope.errors import CompileError
 from torchscope.hooks.compiled import compiled_parts, unwrap_compiled
 from torchscope.models.target import ModelInputs
-from torchscope.step import LossSpec, Step
+from torchscope.step import LossSpec, Step, StepInfo
 
 __all__ = ["DEFAULT_MODES", "compile_report", "cpp_compiler", "known_modes"]
 
@@ -46,16 +36,14 @@ DEFAULT_MODES = ("default", "reduce-overhead", "max-autotune")
 _NO_CXX = ("inductor on CPU compiles C++ kernels and found no C++ compiler ({cxx!r} is not "
            "on PATH or does not run). Install one (apt install g++, or xcode-select --install) "
            "or point CXX at it.")
+_HERE = "measured in this process without a timeout: {}."
 
 
 def known_modes() -> tuple[str, ...]:
     """The `mode=` values this torch's `torch.compile` accepts."""
-    try:
-        from torch._inductor import list_mode_options
+    from torch._inductor import list_mode_options
 
-        return tuple(list_mode_options().keys())
-    except Exception:  # pragma: no cover - very old torch
-        return DEFAULT_MODES
+    return tuple(list_mode_options().keys())
 
 
 def cpp_compiler() -> str | None:
@@ -74,6 +62,8 @@ def cpp_compiler() -> str | None:
 def _importable(module_name: str) -> bool:
     """Whether a fresh interpreter with this `sys.path` can import `module_name`."""
     top = module_name.split(".", 1)[0]
+    if top == "__main__":
+        return False
     if top in sys.builtin_module_names:
         return True
     try:
@@ -88,86 +78,39 @@ def _not_sendable(model: nn.Module) -> str | None:
     """Why a child process could not rebuild `model` from a pickle, or None."""
     for name, m in model.named_modules():
         mod = type(m).__module__
-        if mod == "__main__" or not _importable(mod):
+        if not _importable(mod):
             return (f"{name or 'the model'} is a {type(m).__name__} defined in {mod}, which "
                     "a child process cannot import")
     return None
 
 
-# ---------------------------------------------------------------------- JSON -> records
-def _scan_from(data: Any) -> BreakScan | None:
-    if not isinstance(data, dict):
+def _not_sendable_loss(loss_fn: Any) -> str | None:
+    """Why a child process could not get this loss function, or None."""
+    if not callable(loss_fn):
         return None
-    return BreakScan(int(data["graph_count"]), tuple(GraphBreak(**b) for b in data["breaks"]))
-
-
-def _mode_from(mode: str, payload: dict[str, Any], wall_s: float, isolated: bool) -> ModeResult:
-    limit = recompile_limit()
-    raw = payload.get("raw")
-    if payload.get("status") != "ok" or not isinstance(raw, dict):
-        return ModeResult(mode, str(payload.get("status", "error")),
-                          error=payload.get("error") or "no result", recompile_limit=limit,
-                          isolated=isolated, wall_s=wall_s)
-    compiled_ms = float(raw["compiled_ms"])
-    eager_ms = float(raw["eager_ms"])
-    cold = max(float(raw["cold_first_s"]) - compiled_ms / 1e3, 0.0)
-    warm = max(float(raw["warm_first_s"]) - compiled_ms / 1e3, 0.0)
-    speedup, break_even = derive_speed(eager_ms, compiled_ms, cold)
-    _, break_even_warm = derive_speed(eager_ms, compiled_ms, warm)
-    recompiles = tuple(Recompile(**{**r, "reasons": tuple(r["reasons"])})
-                       for r in raw["recompiles"])
-    return ModeResult(
-        mode=mode,
-        status="ok",
-        cold_compile_s=cold,
-        warm_compile_s=warm,
-        eager_ms=eager_ms,
-        compiled_ms=compiled_ms,
-        speedup=speedup,
-        break_even_calls=break_even,
-        break_even_calls_warm=break_even_warm,
-        max_abs_diff=raw["max_abs_diff"],
-        max_rel_diff=raw["max_rel_diff"],
-        grad_max_abs_diff=raw["grad_max_abs_diff"],
-        grad_max_rel_diff=raw["grad_max_rel_diff"],
-        graphs=raw["graphs"],
-        recompiles=recompiles,
-        recompile_limit=int(raw["recompile_limit"]),
-        limit_hit=bool(raw["limit_hit"]),
-        shape_calls=tuple(ShapeCall(**s) for s in raw["shape_calls"]),
-        iters=0,
-        isolated=isolated,
-        wall_s=wall_s,
-    )
-
-
-def _jsonable(payload: dict[str, Any]) -> dict[str, Any]:
-    from torchscope._util import to_jsonable
-
-    return json.loads(json.dumps(to_jsonable(payload)))  # type: ignore[no-any-return]
+    name = getattr(loss_fn, "__qualname__", None) or type(loss_fn).__name__
+    try:
+        pickle.dumps(loss_fn)
+    except Exception as exc:
+        return f"the loss function {name} cannot be pickled ({type(exc).__name__})"
+    module = getattr(loss_fn, "__module__", None) or type(loss_fn).__module__
+    if not _importable(module):
+        return f"the loss function {name} is defined in {module}, which a child process " \
+               "cannot import"
+    return None
 
 
 # ---------------------------------------------------------------------- running
-class _UnpicklableError(Exception):
-    """The job (model, inputs) cannot be pickled for the child process."""
-
-
-def _tail(log: Path, n: int = 3) -> str:
+def _read_log(log: Path) -> tuple[str, str]:
+    """The child's last progress step (`start-up` before any), and its last three other
+    output lines joined."""
     try:
-        lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines()
-                 if ln.strip() and not ln.startswith("[torchscope]")]
+        lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
     except OSError:
-        return ""
-    return " | ".join(lines[-n:])
-
-
-def _last_step(log: Path) -> str:
-    try:
-        steps = [ln for ln in log.read_text(errors="replace").splitlines()
-                 if ln.startswith("[torchscope]")]
-    except OSError:
-        return "start-up"
-    return steps[-1].removeprefix("[torchscope] ") if steps else "start-up"
+        lines = []
+    steps = [ln.removeprefix("[torchscope] ") for ln in lines if ln.startswith("[torchscope]")]
+    other = [ln for ln in lines if not ln.startswith("[torchscope]")]
+    return (steps[-1] if steps else "start-up"), " | ".join(other[-3:])
 
 
 def _kill(proc: subprocess.Popen[bytes]) -> None:
@@ -181,15 +124,19 @@ def _kill(proc: subprocess.Popen[bytes]) -> None:
     proc.wait()
 
 
-def _run_child(payload: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-    """Measure one mode in a fresh interpreter with a fresh inductor cache dir."""
+def _run_child(job: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    """Measure one mode in a fresh interpreter with a fresh inductor cache dir; returns
+    `run_job`'s payload, or the status `timeout`, `crashed` or `not_sent` (the child could
+    not get the model: its `error` says why)."""
     with tempfile.TemporaryDirectory(prefix="torchscope-compile-") as tmp:
         tmpdir = Path(tmp)
-        job_path, result_path, log_path = tmpdir / "job.pt", tmpdir / "result.json", tmpdir / "log"
+        job_path, result_path, log_path = tmpdir / "job.pt", tmpdir / "result.pkl", tmpdir / "log"
         try:
-            torch.save(payload, job_path)
+            torch.save(job, job_path)
         except (pickle.PickleError, TypeError, AttributeError) as exc:
-            raise _UnpicklableError(f"{type(exc).__name__}: {exc}") from exc
+            # A local class or a lambda hook: the model cannot travel to a child.
+            return {"status": "not_sent", "error": "the model or its inputs cannot be "
+                                                   f"pickled ({type(exc).__name__}: {exc})"}
         env = dict(os.environ)
         env["TORCHINDUCTOR_CACHE_DIR"] = str(tmpdir / "inductor")
         env["TRITON_CACHE_DIR"] = str(tmpdir / "inductor" / "triton")
@@ -208,21 +155,22 @@ def _run_child(payload: dict[str, Any], timeout_s: float) -> dict[str, Any]:
                 _kill(proc)
                 return {"status": "timeout",
                         "error": f"no result after {timeout_s:.0f} s (during: "
-                                 f"{_last_step(log_path)}); the child process was killed."}
+                                 f"{_read_log(log_path)[0]}); the child process was killed."}
             except BaseException:
                 _kill(proc)
                 raise
         if result_path.exists():
-            return json.loads(result_path.read_text())  # type: ignore[no-any-return]
+            # Written by our own worker, in a directory only this call knows.
+            return pickle.loads(result_path.read_bytes())  # type: ignore[no-any-return]
         why = f"exit code {rc}"
         if rc < 0:
             try:
                 why = f"killed by {signal.Signals(-rc).name}"
             except ValueError:
                 why = f"killed by signal {-rc}"
-        tail = _tail(log_path)
+        during, tail = _read_log(log_path)
         return {"status": "crashed",
-                "error": f"the child process died ({why}) during {_last_step(log_path)}"
+                "error": f"the child process died ({why}) during {during}"
                          + (f": {tail}" if tail else "")}
 
 
@@ -231,23 +179,7 @@ def _run_here(model: nn.Module, inputs: ModelInputs, job: MeasureJob) -> dict[st
     random streams, environment and compiler stance given back (no `torch._dynamo.reset()`:
     what the caller compiled stays compiled)."""
     with seeded(None), fresh_inductor_cache(), torch.compiler.set_stance("default"):
-        return _jsonable(run_job(model, inputs, job))
-
-
-def _not_sendable_loss(loss_fn: Any) -> str | None:
-    """Why a child process could not get this loss function, or None."""
-    if not callable(loss_fn):
-        return None
-    name = getattr(loss_fn, "__qualname__", None) or type(loss_fn).__name__
-    try:
-        pickle.dumps(loss_fn)
-    except Exception as exc:
-        return f"the loss function {name} cannot be pickled ({type(exc).__name__})"
-    module = getattr(loss_fn, "__module__", None) or type(loss_fn).__module__
-    if module == "__main__" or not _importable(module):
-        return f"the loss function {name} is defined in {module}, which a child process " \
-               "cannot import"
-    return None
+        return run_job(model, inputs, job)
 
 
 def _check(modes: Sequence[str], measure: str, iters: int, warmup: int, timeout_s: float,
@@ -346,34 +278,32 @@ def compile_report(
     _check(modes, measure, iters, warmup, timeout_s, batch_sizes)
     step = Step.of(model, inputs, loss_fn=loss_fn, target=target)
     notes: list[str] = []
-    if isinstance(step.model, torch._dynamo.eval_frame.OptimizedModule):
+    net = unwrap_compiled(step.model)
+    if net is not step.model:
         notes.append("measured the original module of the torch.compile wrapper.")
-        step = step.with_model(unwrap_compiled(step.model))
-    inner = compiled_parts(step.model)
+        step = step.with_model(net)
+    inner = compiled_parts(net)
     if inner:
         raise CompileError(
             f"compile_report needs the eager model, but {', '.join(p or '<root>' for p in inner)} "
             "is already compiled, so the eager baseline would run compiled code.",
             fix="pass the model as it was before torch.compile / module.compile().")
-    train = measure == "step"
-    if train and (step.optimizer is not None or step.scaler is not None):
+    if measure == "step" and (step.optimizer is not None or step.scaler is not None):
         notes.append("the step's optimizer and GradScaler were not used: the measured step "
                      "is forward, loss and backward on private copies of the model.")
-    net, mi, device = step.model, step.inputs, step.device
+    mi, device = step.inputs, step.device
     limit = recompile_limit()
     base = MeasureJob(mode="default", measure=measure, iters=iters, warmup=warmup,
                       dynamic=dynamic, explain=True, step=StepSpec.of(step),
                       batch_sizes=tuple(batch_sizes), options=dict(options or {}))
     label = name or type(net).__name__
 
-    results: list[ModeResult] = []
-    scan: BreakScan | None = None
     if device.type == "cpu" and cpp_compiler() is None:
-        cxx = os.environ.get("CXX") or "g++"
-        msg = _NO_CXX.format(cxx=cxx)
-        results = [ModeResult(m, "no_compiler", error=msg, recompile_limit=limit) for m in modes]
-        return CompileReport(label, mi.describe(), str(device), measure, tuple(results), (),
-                             None, limit, torch.__version__, (msg,))
+        msg = _NO_CXX.format(cxx=os.environ.get("CXX") or "g++")
+        failed = tuple(ModeResult(m, "no_compiler", error=msg, recompile_limit=limit)
+                       for m in modes)
+        return CompileReport(label, mi.describe(), str(device), measure, failed, (), None,
+                             limit, torch.__version__, (msg,))
 
     if device.type != "cuda" and any(m.startswith("reduce-overhead") for m in modes):
         notes.append("reduce-overhead removes launch overhead with CUDA graphs; on "
@@ -382,18 +312,16 @@ def compile_report(
     send_factory = False
     if isolate:
         why = _not_sendable_loss(step.loss_fn)
+        if why is None and (why := _not_sendable(net)) is not None and factory is not None:
+            # A model the child cannot unpickle, it rebuilds from its TARGET.
+            send_factory, why = True, None
         if why is not None:
             in_process = True
-            notes.append(f"measured in this process without a timeout: {why}.")
-        else:
-            why = _not_sendable(net)
-            if why is not None and factory is not None:
-                send_factory = True
-            elif why is not None:
-                in_process = True
-                notes.append(f"measured in this process without a timeout: {why}.")
-    loss_text: str | None = None
-    loss_value: float | None = None
+            notes.append(_HERE.format(why))
+
+    results: list[ModeResult] = []
+    scan: BreakScan | None = None
+    info: StepInfo | None = None
     for mode in modes:
         job = replace(base, mode=mode, explain=scan is None)
         t0 = time.perf_counter()
@@ -402,36 +330,22 @@ def compile_report(
             payload = _run_here(net, mi, job)
         else:
             say(f"{mode}: measuring in a child process (timeout {timeout_s:.0f} s)")
-            job_payload: dict[str, Any] = {"model": None if send_factory else net,
-                                           "factory": factory, "inputs": mi, "job": job,
-                                           "threads": torch.get_num_threads()}
-            try:
-                payload = _run_child(job_payload, timeout_s)
-            except _UnpicklableError as exc:
-                # A local class or a lambda hook: the model cannot travel to a child.
+            payload = _run_child({"model": None if send_factory else net,
+                                  "factory": factory, "inputs": mi, "job": job,
+                                  "threads": torch.get_num_threads()}, timeout_s)
+            if payload["status"] == "not_sent":
                 in_process = True
-                notes.append(f"measured in this process without a timeout: the model or "
-                             f"its inputs cannot be pickled ({exc}).")
-                payload = _run_here(net, mi, job)
-            if payload.get("status") == "load_error":
-                in_process = True
-                notes.append(f"measured in this process without a timeout: the child could "
-                             f"not load the model ({payload.get('error')}).")
+                notes.append(_HERE.format(payload["error"]))
                 payload = _run_here(net, mi, job)
         wall = time.perf_counter() - t0
-        if scan is None:
-            scan = _scan_from(payload.get("scan"))
-        raw = payload.get("raw")
-        if train and loss_value is None and isinstance(raw, dict) and \
-                raw.get("loss_value") is not None:
-            loss_text, loss_value = raw.get("loss"), float(raw["loss_value"])
-        results.append(replace(_mode_from(mode, payload, wall, not in_process), iters=iters))
+        scan = scan or payload.get("scan")
+        info = info or payload.get("step")
+        result = payload.get("result") or ModeResult(
+            mode, payload["status"], error=payload.get("error") or "no result",
+            recompile_limit=limit, iters=iters)
+        results.append(replace(result, isolated=not in_process, wall_s=wall))
     if scan is None:
         notes.append("graph breaks were not scanned: the scan failed in every mode.")
-    info = None
-    if train and loss_value is not None:
-        measured = replace(step, optimizer=None, scaler=None).info(loss_value)
-        info = replace(measured, loss=loss_text or measured.loss)
     return CompileReport(
         model=label,
         inputs=mi.describe(),
