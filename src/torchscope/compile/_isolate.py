@@ -30,10 +30,10 @@ from torch import nn
 
 from torchscope._process import kept_environment
 
-__all__ = ["fresh_inductor_cache", "private_code"]
+__all__ = ["TORCH_DIR", "fresh_inductor_cache", "private_code"]
 
-
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+#: torch's own package directory: code from here is torch's, not the user's.
+TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 
 
 def _fresh_function(fn: types.FunctionType, *, root: bool = False) -> types.FunctionType:
@@ -45,7 +45,7 @@ def _fresh_function(fn: types.FunctionType, *, root: bool = False) -> types.Func
     private code.
     """
     code = fn.__code__
-    if root and os.path.abspath(code.co_filename).startswith(_TORCH_DIR):
+    if root and os.path.abspath(code.co_filename).startswith(TORCH_DIR):
         code = code.replace(co_filename=f"<torchscope private copy of {fn.__qualname__}>")
     else:
         code = code.replace()
@@ -88,14 +88,11 @@ def _release(codes: list[types.CodeType]) -> None:
 
 @contextlib.contextmanager
 def private_code(model: nn.Module) -> Iterator[None]:
-    """Every module of `model` runs a private copy of its forward's code object while open.
-
-    Dynamo keys its compiled code on code objects. With private ones, compiling `model`
-    neither reuses nor adds to the cache entries of the user's own compiled models of the
-    same classes, and counts against none of their recompile limits. On exit the modules'
-    `forward` is as it was and the private code objects' cache entries are dropped. A
-    forward that is not a plain Python function (a C function, a `partial`) is left shared,
-    and so are helper functions a forward calls after a graph break.
+    """Every module of `model` runs a private copy of its forward's code object while open
+    (see the module docstring); on exit each `forward` is as it was and the private code
+    objects' cache entries are dropped. A forward that is not a plain Python function (a C
+    function, a `partial`) stays shared, and so do helpers a forward calls after a graph
+    break.
     """
     saved: list[tuple[nn.Module, Any]] = []
     codes: list[types.CodeType] = []
@@ -126,13 +123,9 @@ def private_code(model: nn.Module) -> Iterator[None]:
 
 @contextlib.contextmanager
 def fresh_inductor_cache() -> Iterator[None]:
-    """An empty inductor cache for the block; the process's state given back on exit.
-
-    Inside: an empty on-disk cache directory and empty in-memory caches
-    (`torch._inductor.utils.fresh_cache`), and an empty automatic-dynamic (PGO) state for
-    Dynamo. On exit: the environment (inductor sets `TORCHINDUCTOR_CACHE_DIR` itself) and
-    Dynamo's automatic-dynamic state are as they were. Dynamo's compiled code is not
-    touched: compile private copies (`private_code`) to make Dynamo trace afresh.
+    """Empty inductor caches (on disk and in memory) and an empty automatic-dynamic (PGO)
+    state for the block; on exit the environment (inductor sets `TORCHINDUCTOR_CACHE_DIR`)
+    and that state are as they were. Dynamo's compiled code is not touched (`private_code`).
     """
     from torch._dynamo import pgo
     from torch._inductor.utils import fresh_cache

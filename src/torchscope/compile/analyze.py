@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from torchscope.compile.records import CompileReport, GraphBreak, ModeResult, Recompile
 from torchscope.findings import Finding, Severity, analyzer, rank
 
-__all__ = ["compile_findings", "recompile_findings"]
+__all__ = ["compile_findings"]
 
 #: Largest output drift (relative to the largest |eager output|) taken as rounding noise.
 REL_TOLERANCE = 1e-3
@@ -82,32 +80,24 @@ def _mode_findings(m: ModeResult) -> list[Finding]:
             {"mode": m.mode, "what": what, "max_abs_diff": a, "max_rel_diff": r},
             fix="check the model with torch._dynamo.utils.same / lower-precision ops; "
                 "try mode='default' or options={'fallback_random': True}."))
-    out.extend(recompile_findings(m.recompiles, m.recompile_limit, m.limit_hit, label))
+    out.extend(_recompile_findings(m, label))
     return out
 
 
-def recompile_findings(recompiles: Sequence[Recompile], limit: int, limit_hit: bool = False,
-                       label: str = "the compiled model") -> list[Finding]:
-    """One finding per recompiled function: count vs the limit, and the last failing guard.
-
-    Args:
-        recompiles: the recompiles seen (`RecompileWatcher.recompiles`).
-        limit: Dynamo's recompile limit in effect.
-        limit_hit: whether Dynamo reported hitting the limit (it then runs eagerly).
-        label: how the findings name what was compiled.
-    """
+def _recompile_findings(m: ModeResult, label: str) -> list[Finding]:
+    """One finding per recompiled function: count vs the limit, and the last failing guard."""
+    limit = m.recompile_limit
     by_fn: dict[tuple[str, str, int], list[Recompile]] = {}
-    for r in recompiles:
+    for r in m.recompiles:
         by_fn.setdefault((r.function, r.file, r.line), []).append(r)
     out = []
     for (fn, file, line), recs in by_fn.items():
         last = recs[-1]
-        where = f"{fn} ({file.rsplit('/', 1)[-1]}:{line})"
         shape = "size mismatch" in last.guard
-        severity = Severity.ERROR if limit_hit or len(recs) >= limit else Severity.WARNING
-        summary = (f"{label} recompiled {where} {len(recs)}× (limit {limit}); last failing "
+        severity = Severity.ERROR if m.limit_hit or len(recs) >= limit else Severity.WARNING
+        summary = (f"{label} recompiled {last.where} {len(recs)}× (limit {limit}); last failing "
                    f"guard: {last.guard}")
-        if limit_hit:
+        if m.limit_hit:
             summary += ". It hit the limit: torch now runs that frame eagerly."
         fix = ("mark the varying dimension dynamic (torch._dynamo.mark_dynamic(x, 0)) or "
                "compile with dynamic=True; pad inputs to a few fixed shapes."
@@ -117,7 +107,7 @@ def recompile_findings(recompiles: Sequence[Recompile], limit: int, limit_hit: b
         out.append(Finding("compile.recompiles", severity, summary,
                            {"function": fn, "file": file, "line": line,
                             "recompiles": len(recs), "limit": limit, "guard": last.guard,
-                            "source": last.source, "limit_hit": limit_hit},
+                            "source": last.source, "limit_hit": m.limit_hit},
                            fix=fix, module=fn))
     return out
 

@@ -11,13 +11,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchscope.compile._isolate import private_code
+from torchscope.compile._isolate import TORCH_DIR, private_code
 from torchscope.compile.records import GraphBreak
 from torchscope.models.target import ModelInputs
 
 __all__ = ["BreakScan", "find_graph_breaks"]
 
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _RESUME = re.compile(r"^torch_dynamo_resume_in_(.+)_at_\d+$")
 _HOOK_DICTS = {
     "forward": "_forward_hooks",
@@ -77,21 +76,12 @@ def _user_frame(stack: Any) -> tuple[str | None, int | None, str | None]:
     frames = list(stack or ())
     for fr in reversed(frames):
         filename = os.path.abspath(str(getattr(fr, "filename", "")))
-        if not filename.startswith(_TORCH_DIR):
+        if not filename.startswith(TORCH_DIR):
             return filename, getattr(fr, "lineno", None), _function_name(getattr(fr, "name", None))
     if frames:
         fr = frames[-1]
         return str(fr.filename), fr.lineno, _function_name(fr.name)
     return None, None, None
-
-
-def _code_lines(fn: Callable[..., Any]) -> tuple[str, set[int]] | None:
-    code = getattr(fn, "__code__", None) or getattr(getattr(fn, "__func__", None), "__code__", None)
-    if code is None:
-        return None
-    lines = {ln for _, _, ln in code.co_lines() if ln is not None}
-    lines.add(code.co_firstlineno)
-    return os.path.abspath(code.co_filename), lines
 
 
 def iter_module_hooks(model: nn.Module) -> Iterator[tuple[str, str, int, Callable[..., Any]]]:
@@ -102,16 +92,19 @@ def iter_module_hooks(model: nn.Module) -> Iterator[tuple[str, str, int, Callabl
                 yield name, kind, int(hook_id), fn
 
 
-def hook_at(model: nn.Module, file: str | None, line: int | None) -> str | None:
-    """`"<module> <kind> hook <fn name>"` of the registered hook whose code holds file:line."""
+def hook_at(model: nn.Module, file: str | None, line: int | None) -> tuple[str, str, str] | None:
+    """`(module, kind, hook name)` of the module hook inside `model` whose code holds
+    `file:line` (the root module is `<root>`), or None."""
     if file is None or line is None:
         return None
     target = os.path.abspath(file)
     for name, kind, _, fn in iter_module_hooks(model):
-        found = _code_lines(fn)
-        if found is not None and found[0] == target and line in found[1]:
-            label = getattr(fn, "__name__", type(fn).__name__)
-            return f"{name or '<root>'} {kind} hook {label}"
+        code = getattr(fn, "__code__", None) or getattr(getattr(fn, "__func__", None),
+                                                        "__code__", None)
+        if code is None or os.path.abspath(code.co_filename) != target:
+            continue
+        if line == code.co_firstlineno or any(ln == line for _, _, ln in code.co_lines()):
+            return name or "<root>", kind, getattr(fn, "__name__", type(fn).__name__)
     return None
 
 
@@ -151,6 +144,7 @@ def find_graph_breaks(model: nn.Module, inputs: Any, *, train: bool = False) -> 
     for r in reasons:
         first, explanation = _split_reason(getattr(r, "reason", ""))
         file, line, function = _user_frame(getattr(r, "user_stack", ()))
+        hook = hook_at(model, file, line)
         breaks.append(GraphBreak(
             kind=classify_break(str(getattr(r, "reason", ""))),
             reason=first,
@@ -158,7 +152,7 @@ def find_graph_breaks(model: nn.Module, inputs: Any, *, train: bool = False) -> 
             file=file,
             line=line,
             function=function,
-            hook=hook_at(model, file, line),
+            hook=None if hook is None else "{} {} hook {}".format(*hook),
             detail=str(getattr(r, "reason", "")),
         ))
     return BreakScan(len(graphs), tuple(breaks))

@@ -13,14 +13,14 @@ import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from types import TracebackType
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
+from torch._dynamo.eval_frame import OptimizedModule
 from torch.utils.hooks import RemovableHandle
 
-from torchscope.compile.breaks import _code_lines, iter_module_hooks
+from torchscope.compile.breaks import hook_at, iter_module_hooks
 from torchscope.compile.records import Recompile
 from torchscope.compile.watch import RecompileWatcher, recompile_limit
 from torchscope.errors import CompileError
@@ -41,14 +41,9 @@ __all__ = [
 ]
 
 _CACHE_ATTR = "_torchscope_compiled"
-# torch.compile wrapper -> RemovableHandle.next_id at its first call: handles issued later
-# belong to hooks registered after the graph was traced.
-_FIRST_CALL: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
-_TRACKED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-
-
-def _optimized_module_type() -> type[nn.Module]:
-    return torch._dynamo.eval_frame.OptimizedModule
+# Tracked torch.compile wrapper -> RemovableHandle.next_id at its first call (None before
+# it): handles issued later belong to hooks registered after the graph was traced.
+_FIRST_CALL: weakref.WeakKeyDictionary[nn.Module, int | None] = weakref.WeakKeyDictionary()
 
 
 class CompileLoopWarning(UserWarning):
@@ -72,10 +67,6 @@ class _CompiledCache(dict[tuple[tuple[str, str], ...], nn.Module]):
         return dict, ()
 
 
-def _options_key(options: dict[str, Any]) -> tuple[tuple[str, str], ...]:
-    return tuple(sorted((k, repr(v)) for k, v in options.items()))
-
-
 def compile_once(model: nn.Module, **options: Any) -> nn.Module:
     """`torch.compile(model, **options)`, but the same wrapper for the same model and options.
 
@@ -91,7 +82,7 @@ def compile_once(model: nn.Module, **options: Any) -> nn.Module:
     Returns:
         The `torch.compile` wrapper (an `OptimizedModule`).
     """
-    if isinstance(model, _optimized_module_type()):
+    if isinstance(model, OptimizedModule):
         raise CompileError(
             f"compile_once got a torch.compile wrapper of {type(model._orig_mod).__name__}.",
             fix="pass the original module: compile_once(model), not compile_once(compiled).")
@@ -99,14 +90,11 @@ def compile_once(model: nn.Module, **options: Any) -> nn.Module:
     if not isinstance(cache, _CompiledCache):
         cache = _CompiledCache()
         model.__dict__[_CACHE_ATTR] = cache
-    key = _options_key(options)
+    key = tuple(sorted((k, repr(v)) for k, v in options.items()))
     hit = cache.get(key)
     if hit is not None:
         return hit
-    compiled = torch.compile(model, **options)
-    if not isinstance(compiled, nn.Module):  # pragma: no cover - torch.compile(Module) is one
-        raise CompileError("torch.compile did not return a module.", fix="update torch.")
-    track_compiled(compiled)
+    compiled = track_compiled(cast(nn.Module, torch.compile(model, **options)))
     cache[key] = compiled
     return compiled
 
@@ -126,18 +114,19 @@ def track_compiled(compiled: nn.Module) -> nn.Module:
     Raises:
         CompileError: `compiled` is not a `torch.compile` wrapper of a module.
     """
-    if not isinstance(compiled, _optimized_module_type()):
+    if not isinstance(compiled, OptimizedModule):
         raise CompileError(f"track_compiled got a {type(compiled).__name__}, not the result "
                            "of torch.compile(module).",
                            fix="pass compiled = torch.compile(model).")
-    if compiled in _TRACKED:
+    if compiled in _FIRST_CALL:
         return compiled
-    _TRACKED.add(compiled)
+    _FIRST_CALL[compiled] = None
     # "as_is": this hook belongs on the wrapper itself and must not change how it runs.
     session = HookSession(compiled, compiled="as_is")
 
     def stamp(module: nn.Module, _args: tuple[Any, ...]) -> None:
-        _FIRST_CALL.setdefault(module, RemovableHandle.next_id)
+        if _FIRST_CALL.get(module) is None:
+            _FIRST_CALL[module] = RemovableHandle.next_id
         session.close()  # one shot: the pre-hook loop iterates over a copy
 
     session.forward_pre_hook(compiled, stamp, prepend=True)
@@ -162,40 +151,20 @@ class LateHook:
     handle_id: int
 
 
-def _wrappers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    opt = _optimized_module_type()
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, opt)]
-
-
 def late_hooks(compiled: nn.Module) -> tuple[LateHook, ...] | None:
     """Hooks registered inside `compiled` after its first call; None when not known.
 
     `compiled` is a tracked `torch.compile` wrapper (see `track_compiled`). Returns `()`
     before the first call, and None when the wrapper was never tracked.
     """
-    if compiled not in _TRACKED:
+    if compiled not in _FIRST_CALL:
         return None
-    first = _FIRST_CALL.get(compiled)
+    first = _FIRST_CALL[compiled]
     if first is None:
         return ()
     orig: nn.Module = compiled._orig_mod  # type: ignore[assignment]
     return tuple(LateHook(name, kind, getattr(fn, "__name__", type(fn).__name__), hid)
                  for name, kind, hid, fn in iter_module_hooks(orig) if hid >= first)
-
-
-def _hook_for_source(orig: nn.Module, source: str | None) -> tuple[str, str, str] | None:
-    if not source or ":" not in source:
-        return None
-    file, _, line = source.rpartition(":")
-    if not line.isdigit():
-        return None
-    import os
-
-    for name, kind, _, fn in iter_module_hooks(orig):
-        found = _code_lines(fn)
-        if found and found[0] == os.path.abspath(file) and int(line) in found[1]:
-            return name or "<root>", kind, getattr(fn, "__name__", type(fn).__name__)
-    return None
 
 
 def audit_compiled_hooks(
@@ -220,7 +189,7 @@ def audit_compiled_hooks(
         recompiles until the limit, then the frame runs eagerly) and
         `compile.hooks_untracked` (first call not observed; use `compile_once`).
     """
-    wrappers = _wrappers(model)
+    wrappers = [(n, m) for n, m in model.named_modules() if isinstance(m, OptimizedModule)]
     if not wrappers:
         return []
     seen = list(recompiles)
@@ -247,25 +216,23 @@ def audit_compiled_hooks(
                 module=wname or None))
         for h in late or ():
             where = prefix + (h.module or "<root>")
-            if guarded:
-                summary = (f"{h.kind} hook {h.hook} on {where} was registered after the first "
-                           "compiled call: the next call recompiles to include it.")
-            else:
-                summary = (f"{h.kind} hook {h.hook} on {where} was registered after the first "
-                           "compiled call and will never fire: Dynamo does not guard on "
-                           "module hooks (torch._dynamo.config.skip_nnmodule_hook_guards).")
+            effect = (": the next call recompiles to include it." if guarded else
+                      " and will never fire: Dynamo does not guard on module hooks "
+                      "(torch._dynamo.config.skip_nnmodule_hook_guards).")
             out.append(Finding(
                 "compile.late_hook", Severity.ERROR if not guarded else Severity.WARNING,
-                summary,
+                f"{h.kind} hook {h.hook} on {where} was registered after the first compiled "
+                f"call{effect}",
                 {"module": where, "kind": h.kind, "hook": h.hook, "handle_id": h.handle_id},
                 fix="register hooks before the first compiled call, or call "
                     "torch._dynamo.reset() after registering; for inspection run the "
                     "model eagerly (torch.compiler.set_stance('force_eager')).",
                 module=where))
-        orig: nn.Module = wrapper._orig_mod  # type: ignore[assignment]
+        orig = wrapper._orig_mod
         counts: dict[tuple[str, str, str], list[Recompile]] = {}
         for r in seen:
-            hit = _hook_for_source(orig, r.source)
+            file, _, line = (r.source or "").rpartition(":")
+            hit = hook_at(orig, file or None, int(line)) if line.isdigit() else None
             if hit is not None:
                 counts.setdefault(hit, []).append(r)
         for (mod, kind, hook), recs in counts.items():
@@ -313,11 +280,10 @@ class CompileGuard:
 
     def __init__(self, *, repeat_warn_at: int = 2, recompile_warn_at: int | None = None) -> None:
         self._repeat_at = max(2, repeat_warn_at)
-        self._recompile_at = recompile_warn_at or max(2, recompile_limit() // 2)
+        self._recompile_at = max(1, recompile_warn_at or max(2, recompile_limit() // 2))
         self._counts: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
         self._labels: dict[str, int] = {}
         self._per_frame: dict[tuple[str, str, int], int] = {}
-        self._warned_frames: set[tuple[str, str, int]] = set()
         self._orig: Callable[..., Any] | None = None
         self._watcher = RecompileWatcher(on_recompile=self._on_recompile)
         self.warned: list[str] = []
@@ -343,19 +309,14 @@ class CompileGuard:
                 return lambda fn: counting_compile(fn, **kwargs)
             self._count(model)
             out = orig(model, **kwargs)
-            if isinstance(out, _optimized_module_type()):
+            if isinstance(out, OptimizedModule):
                 track_compiled(out)
             return out
 
         torch.compile = counting_compile
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
         if self._orig is not None:
             torch.compile = self._orig
             self._orig = None
@@ -389,11 +350,10 @@ class CompileGuard:
         frame = (rec.function, rec.file, rec.line)
         n = self._per_frame.get(frame, 0) + 1
         self._per_frame[frame] = n
-        if n >= self._recompile_at and frame not in self._warned_frames:
-            self._warned_frames.add(frame)
+        if n == self._recompile_at:
             self._warn(
-                f"{rec.function} ({rec.file.rsplit('/', 1)[-1]}:{rec.line}) recompiled {n}× "
-                f"(limit {recompile_limit()}); last failing guard: {rec.guard}"
+                f"{rec.where} recompiled {n}× (limit {recompile_limit()}); last failing "
+                f"guard: {rec.guard}"
                 + (f" (from {rec.source})" if rec.source else "")
                 + ". At the limit torch stops compiling it and runs it eagerly.",
                 RecompileWarning, 2)

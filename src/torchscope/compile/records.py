@@ -19,9 +19,6 @@ __all__ = [
     "derive_speed",
 ]
 
-#: Every `ModeResult.status`.
-STATUSES = ("ok", "error", "crashed", "timeout", "no_compiler")
-
 #: What `compile_report` times: the forward under `no_grad` in eval mode, or the shared
 #: training step's forward, loss and backward in train mode.
 CompileMeasure = Literal["forward", "step"]
@@ -84,6 +81,11 @@ class Recompile:
     guard: str
     reasons: tuple[str, ...]
     source: str | None = None
+
+    @property
+    def where(self) -> str:
+        """`function (file.py:line)`."""
+        return f"{self.function} ({self.file.rsplit('/', 1)[-1]}:{self.line})"
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,24 @@ def parse_guard(text: str) -> tuple[str, str | None]:
     return guard or first.strip(), source
 
 
+class _LimitHandler(logging.Handler):
+    """Notes torch's `torch._dynamo hit config.recompile_limit` warnings in `hits`, as
+    `"function (file:line): last reason"`."""
+
+    def __init__(self, hits: list[str]) -> None:
+        super().__init__(level=logging.WARNING)
+        self._hits = hits
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not (isinstance(record.msg, str) and record.msg.startswith("torch._dynamo hit config.")):
+            return
+        args = record.args if isinstance(record.args, tuple) else ()
+        if len(args) >= 4:
+            self._hits.append(f"{args[2]}: {parse_guard(str(args[3]))[0]}")
+        else:
+            self._hits.append(record.getMessage().split("\n", 1)[0])
+
+
 class RecompileWatcher(CompileCounter):
     """Record every Dynamo frame compile while open; recompiles carry their failing guard.
 
@@ -78,10 +96,9 @@ class RecompileWatcher(CompileCounter):
         self.limit_hits: list[str] = []
         self._on_recompile = on_recompile
         self._seen: dict[CodeType, int] = {}
-        self._handler = _LimitHandler(self)
+        self._handler = _LimitHandler(self.limit_hits)
         self._pending: list[Recompile] = []
 
-    # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> RecompileWatcher:
         self.install()
         return self
@@ -90,7 +107,7 @@ class RecompileWatcher(CompileCounter):
         """Start watching (idempotent)."""
         if self._installed:
             return
-        self._snapshot()
+        self._seen = {code: len(texts) for code, texts in list(_guard_failures().items())}
         super().install()
         logging.getLogger(_LIMIT_LOGGER).addHandler(self._handler)
 
@@ -101,19 +118,10 @@ class RecompileWatcher(CompileCounter):
         super().uninstall()
         logging.getLogger(_LIMIT_LOGGER).removeHandler(self._handler)
 
-    # ------------------------------------------------------------------ results
-    def recompiles_of(self, function: str) -> list[Recompile]:
-        """Recompiles of code objects named `function`."""
-        return [r for r in self.recompiles if r.function == function]
-
     @property
     def limit_hit(self) -> bool:
         """Whether any frame hit the recompile limit while watched."""
         return bool(self.limit_hits)
-
-    # ------------------------------------------------------------------ internals
-    def _snapshot(self) -> None:
-        self._seen = {code: len(texts) for code, texts in list(_guard_failures().items())}
 
     def _new_failures(self) -> tuple[CodeType | None, list[str]]:
         """Guard failures added since the last look, and their code object."""
@@ -155,25 +163,6 @@ class RecompileWatcher(CompileCounter):
         )
         self.recompiles.append(rec)
         self._pending.append(rec)
-
-    def _on_limit(self, record: logging.LogRecord) -> None:
-        args = record.args if isinstance(record.args, tuple) else ()
-        if len(args) >= 4:
-            self.limit_hits.append(f"{args[2]}: {parse_guard(str(args[3]))[0]}")
-        else:
-            self.limit_hits.append(record.getMessage().split("\n", 1)[0])
-
-
-class _LimitHandler(logging.Handler):
-    """Catches torch's `torch._dynamo hit config.recompile_limit` warning."""
-
-    def __init__(self, watcher: RecompileWatcher) -> None:
-        super().__init__(level=logging.WARNING)
-        self._watcher = watcher
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if isinstance(record.msg, str) and record.msg.startswith("torch._dynamo hit config."):
-            self._watcher._on_limit(record)
 
 
 def watch_recompiles(

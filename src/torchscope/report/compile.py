@@ -97,9 +97,8 @@ def recompile_table(recompiles: Sequence[Recompile], limit: int,
     for col in ("id", "function", "failing guard", "from"):
         table.add_column(col, overflow="fold")
     for r in recompiles:
-        where = f"{r.function} ({r.file.rsplit('/', 1)[-1]}:{r.line})"
         src = r.source.rsplit("/", 1)[-1] if r.source else "—"
-        table.add_row(r.compile_id, escape(where), escape(r.guard), escape(src))
+        table.add_row(r.compile_id, escape(r.where), escape(r.guard), escape(src))
     return table
 
 
