@@ -11,45 +11,25 @@ from torchscope.cli._common import (
     InputOpt,
     InputsFnOpt,
     JsonOpt,
+    LossOpt,
     TargetArg,
     check_output,
+    choice,
     console,
     err_console,
     guarded,
     is_tty,
     load,
+    split_commas,
 )
 from torchscope.errors import CompileError
+
+_DYNAMIC = {"auto": None, "on": True, "true": True, "off": False, "false": False}
 
 
 def register(app: typer.Typer) -> None:
     """Add `compile` to `app`."""
     app.command("compile")(compile_command)
-
-
-def _split(text: str, what: str) -> list[str]:
-    items = [t.strip() for t in text.split(",") if t.strip()]
-    if not items:
-        raise CompileError(f"--{what} {text!r} lists nothing.", fix=f"pass e.g. --{what} a,b.")
-    return items
-
-
-def _batch_sizes(text: str | None) -> tuple[int, ...]:
-    if not text:
-        return ()
-    try:
-        return tuple(int(t) for t in _split(text, "batch-sizes"))
-    except ValueError:
-        raise CompileError(f"--batch-sizes {text!r} is not a list of integers.",
-                           fix="pass e.g. --batch-sizes 16,8.") from None
-
-
-def _dynamic(text: str) -> bool | None:
-    table = {"auto": None, "on": True, "true": True, "off": False, "false": False}
-    if text.lower() not in table:
-        raise CompileError(f"--dynamic {text!r} is not auto, on or off.",
-                           fix="pass --dynamic auto (torch's default), on or off.")
-    return table[text.lower()]
 
 
 def compile_command(
@@ -62,10 +42,7 @@ def compile_command(
     measure: Annotated[str, typer.Option(
         "--measure", help="forward (inference under no_grad, eval mode) or step (the "
         "training step's forward, loss and backward, train mode).")] = "forward",
-    loss: Annotated[str, typer.Option(
-        "--loss", help="The step's loss with --measure step: auto (the model's own loss, "
-        "else cross-entropy for logits, else mean squared error; targets seeded), "
-        "cross_entropy, mse or sum.")] = "auto",
+    loss: LossOpt = "auto",
     iters: Annotated[int, typer.Option(help="Timed calls of eager and of compiled.")] = 30,
     warmup: Annotated[int, typer.Option(help="Untimed calls of each before timing.")] = 3,
     timeout: Annotated[float, typer.Option(help="Seconds allowed per mode.")] = 600.0,
@@ -83,6 +60,7 @@ def compile_command(
         check_output(json_path, "--json")
         from torchscope._util import write_json
         from torchscope.compile import compile_report
+        from torchscope.compile.records import MEASURES
         from torchscope.report.compile import (
             compile_table,
             findings_table,
@@ -92,15 +70,17 @@ def compile_command(
         )
         from torchscope.step import LOSSES
 
-        if measure not in ("forward", "step"):
-            raise CompileError(f"--measure {measure!r} is not known.",
-                               fix="pass --measure forward or --measure step.")
-        if loss not in LOSSES:
-            raise CompileError(f"--loss {loss!r} is not a known loss.",
-                               fix=f"use one of {', '.join(LOSSES)}.")
-        mode_list = _split(modes, "modes")
-        sizes = _batch_sizes(batch_sizes)
-        dyn = _dynamic(dynamic)
+        what = choice("--measure", measure, MEASURES)
+        loss_fn = choice("--loss", loss, LOSSES)
+        dyn = _DYNAMIC[choice("--dynamic", dynamic.lower(), tuple(_DYNAMIC))]
+        mode_list = split_commas(modes)
+        if not mode_list:
+            raise CompileError(f"--modes {modes!r} lists nothing.", fix="pass e.g. --modes a,b.")
+        try:
+            sizes = tuple(int(t) for t in split_commas(batch_sizes))
+        except ValueError:
+            raise CompileError(f"--batch-sizes {batch_sizes!r} is not a list of integers.",
+                               fix="pass e.g. --batch-sizes 16,8.") from None
         loaded, model_inputs = load(target, input, inputs)
 
         def progress(line: str) -> None:
@@ -108,10 +88,9 @@ def compile_command(
                 err_console.print(f"[dim]{line}[/]", highlight=False)
 
         report = compile_report(
-            loaded.model, model_inputs, loss_fn=loss,
-            measure="step" if measure == "step" else "forward", modes=mode_list, iters=iters,
-            warmup=warmup, timeout_s=timeout, batch_sizes=sizes, dynamic=dyn, name=loaded.name,
-            factory=loaded.name, progress=progress)
+            loaded.model, model_inputs, loss_fn=loss_fn, measure=what, modes=mode_list,
+            iters=iters, warmup=warmup, timeout_s=timeout, batch_sizes=sizes, dynamic=dyn,
+            name=loaded.name, factory=loaded.name, progress=progress)
         if report.step is not None:
             console.print(report.step.describe(), highlight=False, markup=False)
         console.print(compile_table(report))

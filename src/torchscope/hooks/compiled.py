@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import threading
 from dataclasses import dataclass, replace
-from types import TracebackType
 from typing import Any, Literal
 
 import torch
@@ -104,12 +103,7 @@ class CompileCounter:
         self.install()
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *_: object) -> None:
         self.uninstall()
 
     @staticmethod
@@ -203,21 +197,15 @@ class CompiledCapture:
 
     def __enter__(self) -> CompiledCapture:
         if self.check.is_compiled:
-            try:
-                self._stack.enter_context(torch.compiler.set_stance("force_eager"))
-                self._counter = self._stack.enter_context(CompileCounter())
-            except BaseException:
-                # `with` never calls __exit__ when __enter__ raises: restore the stance here.
-                self._stack.close()
-                raise
+            # `with` never calls __exit__ when __enter__ raises: this stack restores the
+            # stance itself unless both parts started.
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(torch.compiler.set_stance("force_eager"))
+                self._counter = stack.enter_context(CompileCounter())
+                self._stack = stack.pop_all()
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
         self._stack.close()
         if self._counter is None:
             return
