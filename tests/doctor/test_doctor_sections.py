@@ -18,8 +18,7 @@ from torchscope.doctor import (
     run_doctor,
     section_names,
 )
-from torchscope.doctor.sections import _REGISTRY
-from torchscope.doctor.sections.activations import ActivationsSection
+from torchscope.doctor.sections import _REGISTRY, ActivationsSection
 from torchscope.findings import Analyzed, Finding, Severity
 from torchscope.models import TinyCNN
 from torchscope.report.html import leaf_records
