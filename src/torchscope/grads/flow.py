@@ -146,7 +146,7 @@ class GradWatch(HookedContext, Analyzed):
             c.session.track(self._optimizer.register_step_pre_hook(self._on_optimizer_step))
         else:
             c.on_backward_end = self._end_step
-        c.active = self._due(self.steps)
+        c.active = self.steps % self.every == 0
 
     def close(self, *, failed: bool = False) -> None:
         """Sample a due step left unfinished, then remove every hook.
@@ -169,9 +169,6 @@ class GradWatch(HookedContext, Analyzed):
         return self._collector.session
 
     # ------------------------------------------------------------------ stepping
-    def _due(self, step: int) -> bool:
-        return step % self.every == 0
-
     def _on_optimizer_step(self, _opt: Any, _args: Any, _kwargs: Any) -> None:
         # Before the update: `.grad` is final and not yet zeroed.
         self._end_step()
@@ -182,7 +179,7 @@ class GradWatch(HookedContext, Analyzed):
         else:
             self._collector.discard()  # counters of an unsampled step
         self.steps += 1
-        self._collector.active = self._due(self.steps)
+        self._collector.active = self.steps % self.every == 0
 
     def _sample(self) -> None:
         flow = self._collector.finish(self.steps)

@@ -98,15 +98,10 @@ def select_modules(
         )
     named = [(n, m) for n, m in model.named_modules() if include_root or n != ""]
     if select is None:
-        if depth is None:
-            picked = [(n, m) for n, m in named if _is_leaf(m)]
-        else:
-            picked = [
-                (n, m)
-                for n, m in named
-                if _depth(n) == depth or (_depth(n) < depth and _is_leaf(m))
-            ]
-        if not picked and include_root is False and _is_leaf(model):
+        # The leaves (down to `depth`), and with a depth every module exactly there.
+        picked = [(n, m) for n, m in named if _depth(n) == depth
+                  or (_is_leaf(m) and (depth is None or _depth(n) < depth))]
+        if not picked and not include_root and _is_leaf(model):
             picked = [("", model)]
         return picked
 

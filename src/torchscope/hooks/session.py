@@ -20,6 +20,7 @@ from torchscope.hooks.compiled import (
     CompiledCheck,
     compiled_capture,
     compiled_parts,
+    unwrap_compiled,
 )
 
 __all__ = ["HookSession"]
@@ -66,15 +67,11 @@ class HookSession:
         self._compiled_guard: CompiledCapture | None = None
         self.compiled_check: CompiledCheck | None = None  # set when the model is compiled
         # torch.compile imports torch._dynamo: without it nothing can be compiled.
-        if compiled != "as_is" and "torch._dynamo" in sys.modules and compiled_parts(model):
-            self._compiled_guard = compiled_capture(model, policy=compiled, what="torchscope")
-            self.compiled_check = self._compiled_guard.check
-        inner = getattr(model, "_orig_mod", None)
-        while compiled != "as_is" and type(model).__name__ == "OptimizedModule" and isinstance(
-            inner, nn.Module
-        ):
-            model = inner  # hook the module itself, not the compile wrapper
-            inner = getattr(model, "_orig_mod", None)
+        if compiled != "as_is" and "torch._dynamo" in sys.modules:
+            if compiled_parts(model):
+                self._compiled_guard = compiled_capture(model, policy=compiled, what="torchscope")
+                self.compiled_check = self._compiled_guard.check
+            model = unwrap_compiled(model)  # hook the module itself, not the compile wrapper
         self._model_ref: weakref.ReferenceType[nn.Module] = weakref.ref(model)
         self._guard_entered = False
         self._handles: list[_Removable] = []

@@ -274,9 +274,8 @@ class _Checker:
             self.report("TS001", call, (
                 f"`{name}` runs on every iteration of the loop at line {loop.line} and {what}: "
                 "each step adds one more hook to the same module or tensor, so after N steps "
-                "it fires N "
-                "times per call and keeps N copies of what it captures (time and memory grow "
-                "until out of memory)."))
+                "it fires N times per call and keeps N copies of what it captures (time and "
+                "memory grow until out of memory)."))
             return
 
     # ------------------------------------------------------------------ TS002

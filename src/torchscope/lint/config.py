@@ -20,7 +20,6 @@ from torchscope.lint.rules import LintUsageError
 
 __all__ = ["LintConfig", "find_config", "load_config"]
 
-_TABLE = "[tool.torchscope.lint]"
 _KEYS = ("select", "ignore", "exclude")
 
 
@@ -69,7 +68,7 @@ def find_config(start: Path) -> Path | None:
             text = pyproject.read_text(encoding="utf-8")
         except OSError:
             continue
-        if _TABLE in text or "torchscope.lint" in text:
+        if "torchscope.lint" in text:  # the table, or a dotted key of it
             return pyproject
     return None
 

@@ -51,9 +51,4 @@ def suppressed(noqa: dict[int, frozenset[str] | None], code: str, lines: tuple[i
         code: the finding's rule code.
         lines: the line numbers the finding spans.
     """
-    for line in lines:
-        if line in noqa:
-            codes = noqa[line]
-            if codes is None or code in codes:
-                return True
-    return False
+    return any((codes := noqa.get(line, frozenset())) is None or code in codes for line in lines)

@@ -148,6 +148,22 @@ def _get_callable(module: ModuleType, attr: str, where: str) -> Callable[..., An
     return factory  # type: ignore[no-any-return]
 
 
+def _call(spec: str, what: str, fix: str) -> Any:
+    """Call the function `spec` names with no arguments, torch's generators seeded with 0.
+
+    Raises:
+        TargetError: `spec` names no callable.
+        ModelError: the function raised.
+    """
+    fn = _get_callable(*_resolve(spec))
+    try:
+        with seeded(0):
+            return fn()
+    except Exception as exc:
+        raise ModelError(f"{what} {spec} raised {type(exc).__name__}: {exc}.",
+                         fix=f"{fix}, or rerun with --debug.") from exc
+
+
 def load_target(target: str | None = None) -> LoadedTarget:
     """Build the model a TARGET names.
 
@@ -169,16 +185,7 @@ def load_target(target: str | None = None) -> LoadedTarget:
         b = BUILTINS[target]
         with seeded(0):
             return LoadedTarget(target, b.build(), ModelInputs.of(b.example_input()))
-    module, attr, where = _resolve(target)
-    factory = _get_callable(module, attr, where)
-    try:
-        with seeded(0):
-            built = factory()
-    except Exception as exc:
-        raise ModelError(
-            f"factory {target} raised {type(exc).__name__}: {exc}.",
-            fix="fix the factory so it builds the model with no arguments, or rerun with --debug.",
-        ) from exc
+    built = _call(target, "factory", "fix the factory so it builds the model with no arguments")
     inputs: ModelInputs | None = None
     if isinstance(built, tuple) and len(built) == 2 and isinstance(built[0], nn.Module):
         built, raw = built
@@ -207,16 +214,7 @@ def load_inputs(
         ModelError: the `--inputs` function raised.
     """
     if inputs_fn:
-        module, attr, where = _resolve(inputs_fn)
-        fn = _get_callable(module, attr, where)
-        try:
-            with seeded(0):
-                return ModelInputs.of(fn())
-        except Exception as exc:
-            raise ModelError(
-                f"inputs function {inputs_fn} raised {type(exc).__name__}: {exc}.",
-                fix="fix that function, or rerun with --debug.",
-            ) from exc
+        return ModelInputs.of(_call(inputs_fn, "inputs function", "fix that function"))
     if specs:
         g = torch.Generator().manual_seed(0)
         return ModelInputs(tuple(parse_spec(s).make(g) for s in specs))

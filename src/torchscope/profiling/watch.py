@@ -57,7 +57,8 @@ def phase(name: str) -> Iterator[None]:
     """
     if _phase_depth() == 0:
         for watch in list(_OPEN):
-            watch._boundary_if_pending()
+            if watch._pending:  # optimizer.step() ended it: close it before the phase
+                watch.step()
     with record_function(name):
         _phases.depth = _phase_depth() + 1
         try:
@@ -192,10 +193,6 @@ class TimeWatch(HookedContext):
 
     def _on_forward(self, _module: nn.Module, _args: tuple[Any, ...]) -> None:
         if self._pending and _phase_depth() == 0:
-            self.step()
-
-    def _boundary_if_pending(self) -> None:
-        if self._pending:
             self.step()
 
     def step(self) -> None:

@@ -52,14 +52,10 @@ def activation_table(records: Sequence[ActivationRecord], title: str = "Activati
 def nonfinite_lines(trace: NonFiniteTrace) -> list[str]:
     """Plain sentences about where NaN/Inf appeared (empty when the forward was finite)."""
     if trace.producer is None:
-        return (
-            []
-            if trace.clean
-            else [
-                f"non-finite values entered the model's input and passed through "
-                f"{len(trace.passers)} module(s)."
-            ]
-        )
+        if trace.clean:
+            return []
+        return [f"non-finite values entered the model's input and passed through "
+                f"{len(trace.passers)} module(s)."]
     p = trace.producer
     lines = [
         f"first NaN/Inf produced by {p.module or '<root>'} ({p.module_type}), call "

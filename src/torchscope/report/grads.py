@@ -14,19 +14,18 @@ from torchscope.grads.records import GradFlow, GradHistory, TensorGrad
 __all__ = ["findings_lines", "grad_table", "history_table", "param_table"]
 
 
+def _norm(norm: float | None, reason: str | None) -> str:
+    """A norm; red when not finite; None with the reason in dim."""
+    if norm is None:
+        return f"None [dim]({reason})[/]"
+    return fmt_num(norm) if math.isfinite(norm) else f"[red]{fmt_num(norm)}[/]"
+
+
 def _norms(grads: Sequence[TensorGrad]) -> str:
     if not grads:
         return "—"
-    parts = []
-    for g in grads:
-        label = f"{g.path}=" if len(grads) > 1 and g.path else ""
-        if g.norm is None:
-            parts.append(f"{label}None [dim]({g.reason})[/]")
-        elif not math.isfinite(g.norm):
-            parts.append(f"{label}[red]{fmt_num(g.norm)}[/]")
-        else:
-            parts.append(f"{label}{fmt_num(g.norm)}")
-    return "\n".join(parts)
+    return "\n".join((f"{g.path}=" if len(grads) > 1 and g.path else "") + _norm(g.norm, g.reason)
+                     for g in grads)
 
 
 def grad_table(flow: GradFlow, title: str | None = None) -> Table:
@@ -42,9 +41,7 @@ def grad_table(flow: GradFlow, title: str | None = None) -> Table:
     own: dict[str, list[str]] = {}
     for p in flow.params:
         short = p.name[len(p.module) + 1:] if p.module else p.name
-        value = f"None [dim]({p.reason})[/]" if p.norm is None else (
-            fmt_num(p.norm) if math.isfinite(p.norm) else f"[red]{fmt_num(p.norm)}[/]")
-        own.setdefault(p.module, []).append(f"{short}={value}")
+        own.setdefault(p.module, []).append(f"{short}={_norm(p.norm, p.reason)}")
     shown: set[str] = set()
     micro = flow.micro_batches > 1
     for r in flow.modules:
@@ -70,9 +67,7 @@ def param_table(flow: GradFlow, title: str = "Parameter gradients") -> Table:
                          ("note", "left")):
         table.add_column(col, justify=justify)  # type: ignore[arg-type]
     for p in flow.params:
-        norm = "None" if p.norm is None else fmt_num(p.norm)
-        if p.norm is not None and not math.isfinite(p.norm):
-            norm = f"[red]{norm}[/]"
+        norm = "None" if p.norm is None else _norm(p.norm, None)  # the reason has a column
         table.add_row(p.name, fmt_shape(p.shape), norm, p.reason or "")
     return table
 

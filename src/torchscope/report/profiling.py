@@ -199,9 +199,7 @@ def summary_renderables(result: ProfileResult, findings: Sequence[Finding] = (),
         table = module_table(result, limit)
     else:
         table = op_table(result, sort, limit)
-    head: list[RenderableType] = []
-    if result.step is not None:
-        head.append(Text(result.step.describe()))
+    head = [Text(result.step.describe())] if result.step is not None else []
     return [*head, phase_table(result), table, timing_line(result), *finding_lines(findings)]
 
 
