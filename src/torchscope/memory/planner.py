@@ -101,21 +101,14 @@ class _Costs:
     def evaluate(self, segments: Segments) -> tuple[int, int, float]:
         """(saved bytes, activation peak, recompute ms) of a plan, exactly."""
         ckpt = {i for a, b in segments for i in range(a, b)}
-        retained: set[int] = set(self.always)
-        for i, s in enumerate(self.saves):
-            if i not in ckpt:
-                retained |= s
-        for a, _ in segments:
-            retained |= self.inputs[a]
+        # Kept: what every block outside a checkpoint saves, and each segment's input.
+        retained = set(self.always).union(*(s for i, s in enumerate(self.saves) if i not in ckpt),
+                                          *(self.inputs[a] for a, _ in segments))
         saved = self.bytes_of(retained)
-        extra = 0
-        for a, b in segments:
-            inner: set[int] = set()
-            for i in range(a, b):
-                inner |= self.saves[i]
-            extra = max(extra, self.bytes_of(inner - retained))
-        recompute = sum(self.times[i] for i in sorted(ckpt))
-        return saved, saved + extra, recompute
+        # Recomputing one segment re-creates what its blocks save, on top of what is kept.
+        extra = max((self.bytes_of(set().union(*self.saves[a:b]) - retained)
+                     for a, b in segments), default=0)
+        return saved, saved + extra, sum(self.times[i] for i in sorted(ckpt))
 
 
 def _costs(step: Step, blocks: Blocks, repeats: int
@@ -136,11 +129,9 @@ def _costs(step: Step, blocks: Blocks, repeats: int
             nbytes.append(n)
         return index[key]
 
-    def owner(module: str) -> int | None:
-        for b, name in enumerate(blocks.names):
-            if name in (module, "") or module.startswith(name + "."):
-                return b
-        return None
+    def owner(module: str) -> int | None:  # the block that `module` is in, if any
+        return next((b for b, name in enumerate(blocks.names)
+                     if name in (module, "") or module.startswith(name + ".")), None)
 
     saves: list[set[int]] = [set() for _ in blocks.names]
     always: set[int] = set()
@@ -158,17 +149,14 @@ def _costs(step: Step, blocks: Blocks, repeats: int
                 always.add(i)
             else:
                 saves[b].add(i)
-    inputs_idx: list[frozenset[int]] = []
-    input_bytes: list[int] = []
-    for name in blocks.names:
-        found = {idx(k, n) for k, n in acc.block_inputs.get(name, ()) if k not in state}
-        inputs_idx.append(frozenset(found))
-        input_bytes.append(sum(nbytes[i] for i in found))
+    inputs = tuple(frozenset(idx(k, n) for k, n in acc.block_inputs.get(name, ())
+                             if k not in state) for name in blocks.names)
     times = _block_times(step, watch, repeats)
     costs = _Costs(tuple(nbytes), frozenset(always), tuple(frozenset(s) for s in saves),
-                   tuple(inputs_idx), tuple(times))
+                   inputs, tuple(times))
     profiles = tuple(
-        BlockProfile(i, n, type(named[n]).__name__, times[i], first_bytes[i], input_bytes[i])
+        BlockProfile(i, n, type(named[n]).__name__, times[i], first_bytes[i],
+                     costs.bytes_of(inputs[i]))
         for i, n in enumerate(blocks.names)
     )
     return costs, profiles, acc.saved.total_bytes, acc.saved.step
@@ -199,8 +187,7 @@ def _block_times(step: Step, watch: Sequence[tuple[str, nn.Module]], repeats: in
                 times.append(0.0)
             with torch.enable_grad():
                 for inputs, _ in step.micro_batches():
-                    out = step.forward(inputs)
-                    del out
+                    step.forward(inputs)
     # The first round pays one-time costs (allocator, lazy init): dropped.
     return [statistics.median(r[1:]) for r in rounds.values()]
 
@@ -222,19 +209,15 @@ def _step_ms(step: Step, repeats: int) -> float:
 
 
 # --------------------------------------------------------------------------- plans
-def _runs(ckpt: Sequence[bool], groupable: bool) -> Segments:
-    """Checkpointed blocks as segments: maximal runs when groupable, else one per block."""
+def _runs(mask: int, n: int, groupable: bool) -> Segments:
+    """The blocks set in `mask` as segments: maximal runs when groupable, else one per block."""
     out: list[tuple[int, int]] = []
-    i = 0
-    while i < len(ckpt):
-        if not ckpt[i]:
-            i += 1
-            continue
-        j = i + 1
-        while groupable and j < len(ckpt) and ckpt[j]:
-            j += 1
-        out.append((i, j))
-        i = j
+    for i in range(n):
+        if mask >> i & 1:
+            if groupable and out and out[-1][1] == i:
+                out[-1] = (out[-1][0], i + 1)
+            else:
+                out.append((i, i + 1))
     return tuple(out)
 
 
@@ -316,12 +299,10 @@ def _search_dp(costs: _Costs, groupable: bool, budget: int) -> tuple[Segments | 
     feasible = [p for p in points if p[0] <= budget]
     if not feasible:
         # The DP over-counts shared storages; the exact bytes of its leanest plan may fit.
-        lean = min(points, key=lambda p: p[0])
-        segs = _runs([bool(lean[2] >> i & 1) for i in range(n)], groupable)
+        segs = _runs(min(points, key=lambda p: p[0])[2], n, groupable)
         exact = costs.evaluate(segs)[0]
         return (segs if exact <= budget else None), min(smallest, exact)
-    b, r, mask = min(feasible, key=lambda p: (p[1], p[0]))
-    segs = _runs([bool(mask >> i & 1) for i in range(n)], groupable)
+    segs = _runs(min(feasible, key=lambda p: (p[1], p[0]))[2], n, groupable)
     return _split(costs, segs, budget), smallest
 
 
