@@ -9,7 +9,15 @@ its inputs (with `loss_fn=`, `target=`, `optimizer=`) or a ready `Step`. Finding
 
 from torchscope.memory import analysis as _analysis  # registers the analyzers
 from torchscope.memory.api import CheckpointChoice, analyze_memory
-from torchscope.memory.checkpoint import Blocks, BlockSpec, CheckpointHandle, apply, resolve_blocks
+from torchscope.memory.checkpoint import (
+    Blocks,
+    BlockSpec,
+    CheckpointHandle,
+    apply,
+    check,
+    resolve_blocks,
+    verify,
+)
 from torchscope.memory.live import live_tensors
 from torchscope.memory.measure import measure_step, memory_totals
 from torchscope.memory.planner import apply_plan, parse_bytes, plan_checkpointing
@@ -33,7 +41,6 @@ from torchscope.memory.records import (
     Verification,
 )
 from torchscope.memory.saved import saved_activations
-from torchscope.memory.verify import check, verify
 from torchscope.memory.watch import MemoryWatch, watch_memory
 
 del _analysis
