@@ -29,14 +29,18 @@ __all__ = [
 ]
 
 
+def _table(title: str, *columns: str) -> Table:
+    """A table titled on the left; a column written `>name` is right-aligned (numbers)."""
+    table = Table(title=title, title_justify="left")
+    for col in columns:
+        table.add_column(col.removeprefix(">"), justify="right" if col[:1] == ">" else "left")
+    return table
+
+
 def saved_table(saved: SavedActivations, title: str = "Saved activations", limit: int = 40
                 ) -> Table:
     """One row per module that saved activations; the last row is the total."""
-    table = Table(title=title, title_justify="left")
-    for col, justify in (("module", "left"), ("type", "left"), ("saved", "right"),
-                         ("share", "right"), ("storages", "right"), ("saves", "right"),
-                         ("dtypes", "left")):
-        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    table = _table(title, "module", "type", ">saved", ">share", ">storages", ">saves", "dtypes")
     total = max(saved.total_bytes, 1)
     rows = saved.modules
     top = sorted(rows, key=lambda r: -r.bytes)[:limit]
@@ -61,10 +65,7 @@ def saved_table(saved: SavedActivations, title: str = "Saved activations", limit
 def totals_table(totals: MemoryTotals, measured: MeasuredMemory | None = None,
                  title: str = "Training-step memory") -> Table:
     """The parts of a step's memory, the estimated peak and the measurement beside it."""
-    table = Table(title=title, title_justify="left")
-    table.add_column("part")
-    table.add_column("bytes", justify="right")
-    table.add_column("", justify="right")
+    table = _table(title, "part", ">bytes", ">")
 
     def row(label: str, n: int | None, *, bold: bool = False, end_section: bool = False
             ) -> None:
@@ -105,11 +106,7 @@ def totals_table(totals: MemoryTotals, measured: MeasuredMemory | None = None,
 
 def blocks_table(report: PlanReport, title: str = "Checkpointable blocks") -> Table:
     """Per block: forward time (the cost of recomputing it), saved bytes, input bytes."""
-    table = Table(title=title, title_justify="left")
-    for col, justify in (("#", "right"), ("block", "left"), ("type", "left"),
-                         ("forward", "right"), ("saved inside", "right"),
-                         ("input kept", "right")):
-        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    table = _table(title, ">#", "block", "type", ">forward", ">saved inside", ">input kept")
     for b in report.blocks:
         table.add_row(str(b.index), b.name or "<root>", b.module_type, f"{b.forward_ms:.3f} ms",
                       fmt_bytes(b.saved_bytes), fmt_bytes(b.input_bytes))
@@ -119,13 +116,9 @@ def blocks_table(report: PlanReport, title: str = "Checkpointable blocks") -> Ta
 def plans_table(report: PlanReport, chosen: str | None = None,
                 title: str = "Checkpointing plans") -> Table:
     """Each plan: what it checkpoints, saved bytes, recompute time and peak; measured too."""
-    table = Table(title=title, title_justify="left")
-    for col, justify in (("plan", "left"), ("checkpointed", "left"), ("saved", "right"),
-                         ("vs none", "right"), ("peak act. (pred.)", "right"),
-                         ("recompute pred.", "right"), ("saved (meas.)", "right"),
-                         ("recompute meas.", "right"), ("peak (meas.)", "right"),
-                         ("gradients", "left")):
-        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    table = _table(title, "plan", "checkpointed", ">saved", ">vs none", ">peak act. (pred.)",
+                   ">recompute pred.", ">saved (meas.)", ">recompute meas.", ">peak (meas.)",
+                   "gradients")
     base = max(report.baseline_saved_bytes, 1)
     for p in report.plans:
         m = report.measurement(p.name)
@@ -154,10 +147,7 @@ def plans_table(report: PlanReport, chosen: str | None = None,
 def verification_table(v: Verification, limit: int = 12, title: str = "Verification") -> Table:
     """The loss and the gradients that are not bitwise equal (the worst `limit` of them);
     when every gradient is equal, the loss and the first three as a sample."""
-    table = Table(title=title, title_justify="left")
-    table.add_column("tensor")
-    table.add_column("bitwise equal")
-    table.add_column("max |diff|", justify="right")
+    table = _table(title, "tensor", "bitwise equal", ">max |diff|")
     table.add_row("loss", "yes" if v.loss_equal else "[yellow]no[/]", f"{v.loss_abs_diff:.3g}")
     differing = [g for g in v.grads if not g.bitwise_equal]
     worst = (sorted(differing, key=lambda g: -g.max_abs_diff)[:limit] if differing
@@ -175,10 +165,7 @@ def verification_table(v: Verification, limit: int = 12, title: str = "Verificat
 
 def live_table(live: LiveTensors, title: str = "Largest live tensors") -> Table:
     """The largest live tensors and what holds them; CUDA cache before/after empty_cache."""
-    table = Table(title=title, title_justify="left")
-    for col, justify in (("shape", "left"), ("dtype", "left"), ("device", "left"),
-                         ("bytes", "right"), ("views", "right"), ("held by", "left")):
-        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    table = _table(title, "shape", "dtype", "device", ">bytes", ">views", "held by")
     for t in live.tensors:
         kind = " (param)" if t.is_parameter else ""
         table.add_row(fmt_shape(t.shape), t.dtype.replace("torch.", "") + kind, t.device,
