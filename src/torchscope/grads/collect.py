@@ -446,17 +446,17 @@ class GradCollector(HookedContext):
         def norm_of(val: int | None) -> float | None:
             return None if val is None else host[val] * inv
 
-        def tensor_grad(s: _Slot, missing: str) -> TensorGrad:
+        def tensor_grad(s: _Slot) -> TensorGrad:
             n = norm_of(s.root().val)
-            reason = None if n is not None else (s.reason or s.root().reason or missing)
+            reason = None if n is not None else (s.reason or s.root().reason or NOT_REACHED)
             return TensorGrad(s.path, s.shape, s.dtype, n, reason)
 
         calls = sorted(self._calls, key=lambda c: (c.order is None, c.order or 0, c.seq))
         modules = tuple(
             ModuleGradRecord(
                 c.module, c.module_type, index, c.micro, c.call, c.order,
-                tuple(tensor_grad(s, NOT_REACHED) for s in c.outs),
-                tuple(tensor_grad(s, NOT_REACHED) for s in c.ins),
+                tuple(tensor_grad(s) for s in c.outs),
+                tuple(tensor_grad(s) for s in c.ins),
                 c.owns_params,
             )
             for c in calls

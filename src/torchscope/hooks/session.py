@@ -15,6 +15,7 @@ from typing import Any, Literal, Protocol
 import torch
 from torch import nn
 
+from torchscope.errors import TorchscopeError
 from torchscope.hooks.compiled import (
     CompiledCapture,
     CompiledCheck,
@@ -258,8 +259,6 @@ class HookSession:
 
     def _check_open(self) -> None:
         if self._closed:
-            from torchscope.errors import TorchscopeError
-
             raise TorchscopeError(
                 "this HookSession is closed; it removed its hooks on exit.",
                 fix="open a new session (a `with` block) for each capture.",

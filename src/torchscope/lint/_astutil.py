@@ -137,10 +137,7 @@ class Tree:
 
     def enclosing_class(self, node: ast.AST) -> ast.ClassDef | None:
         """The class whose method contains `node`, if any."""
-        for _child, parent in self.edges(node):
-            if isinstance(parent, ast.ClassDef):
-                return parent
-        return None
+        return next((p for _c, p in self.edges(node) if isinstance(p, ast.ClassDef)), None)
 
     def loops(self, node: ast.AST) -> list[Loop]:
         """Loops whose every iteration runs `node`, innermost first, within its scope."""
@@ -169,10 +166,7 @@ class Tree:
         """The innermost statement containing `node`."""
         if isinstance(node, ast.stmt):
             return node
-        for _child, parent in self.edges(node):
-            if isinstance(parent, ast.stmt):
-                return parent
-        return None
+        return next((p for _c, p in self.edges(node) if isinstance(p, ast.stmt)), None)
 
     def block_before(self, stmt: ast.stmt) -> list[ast.stmt]:
         """Statements before `stmt` in the statement list that holds it."""

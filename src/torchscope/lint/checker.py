@@ -177,11 +177,8 @@ class _Checker:
             if base in ("self", "cls"):
                 cls = self.tree.enclosing_class(at)
                 return [] if cls is None else self._defs.get(cls, {}).get(callee.attr, [])
-            out: list[ast.FunctionDef | ast.AsyncFunctionDef] = []
-            for scope, by_name in self._defs.items():
-                if isinstance(scope, ast.ClassDef):
-                    out.extend(by_name.get(callee.attr, []))
-            return out
+            return [d for scope, by_name in self._defs.items() if isinstance(scope, ast.ClassDef)
+                    for d in by_name.get(callee.attr, [])]
         return []
 
     # ------------------------------------------------------------------ driver
@@ -270,7 +267,7 @@ class _Checker:
             if kind != "discarded" and self._removed_in(loop.body, kind, names):
                 continue
             what = "its handle is discarded" if kind == "discarded" else \
-                f"`{_fmt(names)}` is never removed in the loop body"
+                f"`{', '.join(sorted(names)) or 'the handle'}` is never removed in the loop body"
             self.report("TS001", call, (
                 f"`{name}` runs on every iteration of the loop at line {loop.line} and {what}: "
                 "each step adds one more hook to the same module or tensor, so after N steps "
@@ -589,10 +586,6 @@ class _Checker:
 
 
 # ---------------------------------------------------------------------- module helpers
-def _fmt(names: set[str]) -> str:
-    return ", ".join(sorted(names)) or "the handle"
-
-
 def _compile_message(head: str) -> str:
     return (f"{head}: each call builds a new compiled "
             "wrapper (`model = torch.compile(model)` nests one more per step) that goes "

@@ -65,21 +65,12 @@ def op_records(averages: Iterable[Any]) -> tuple[OpRecord, ...]:
     return tuple(records)
 
 
-def _key(sort: str) -> Any:
-    keys = {
-        "self_cpu": lambda r: r.self_cpu_ms,
-        "total": lambda r: r.cpu_total_ms,
-        "self_cuda": lambda r: r.self_device_ms,
-        "self_device": lambda r: r.self_device_ms,
-        "cuda_total": lambda r: r.device_total_ms,
-        "device_total": lambda r: r.device_total_ms,
-        "calls": lambda r: r.calls,
-    }
-    if sort not in keys:
-        raise ProfilingError(
-            f"sort key {sort!r} is not known.", fix=f"use one of {', '.join(SORT_KEYS)}."
-        )
-    return keys[sort]
+# Sort key -> the `OpRecord` field it orders by (`self_device`/`device_total`: aliases).
+_SORT_FIELDS = {
+    "self_cpu": "self_cpu_ms", "total": "cpu_total_ms", "self_cuda": "self_device_ms",
+    "self_device": "self_device_ms", "cuda_total": "device_total_ms",
+    "device_total": "device_total_ms", "calls": "calls",
+}
 
 
 def sort_ops(
@@ -95,6 +86,9 @@ def sort_ops(
     Raises:
         ProfilingError: `by` is not a known key.
     """
-    key = _key(by)
-    ordered = sorted(records, key=lambda r: (-key(r), r.name))
+    field = _SORT_FIELDS.get(by)
+    if field is None:
+        raise ProfilingError(f"sort key {by!r} is not known.",
+                             fix=f"use one of {', '.join(SORT_KEYS)}.")
+    ordered = sorted(records, key=lambda r: (-getattr(r, field), r.name))
     return ordered if limit is None else ordered[: max(limit, 0)]

@@ -15,7 +15,7 @@ from torch import nn
 from torchscope._process import seeded
 from torchscope.hooks.select import Selector
 from torchscope.profiling.records import ProfileResult, ProfilingError
-from torchscope.profiling.watch import TimeWatch, _check_window
+from torchscope.profiling.watch import TimeWatch
 from torchscope.step import LossSpec, Step
 
 __all__ = ["profile_steps"]
@@ -98,7 +98,6 @@ def profile_steps(
         TorchscopeError: a model without inputs, or a loss that does not require grad.
         ModelError: the model or the loss raised, or the loss is not a scalar.
     """
-    _check_window(steps, wait, warmup, trace_steps)
     run: StepFn
     net: nn.Module | None
     the_step: Step | None = None

@@ -67,23 +67,6 @@ def phase(name: str) -> Iterator[None]:
             _phases.depth = _phase_depth() - 1
 
 
-def _check_window(steps: int, wait: int, warmup: int, trace_steps: int | None) -> None:
-    for label, value, low in (("steps", steps, 1), ("wait", wait, 0), ("warmup", warmup, 0)):
-        if int(value) < low:
-            raise ProfilingError(f"{label}={value} is out of range.",
-                                 fix=f"pass {label} >= {low}.")
-    if trace_steps is not None and trace_steps < 1:
-        raise ProfilingError(f"trace_steps={trace_steps} keeps no step in the trace.",
-                             fix="pass trace_steps >= 1, or None to keep every profiled step.")
-
-
-def _device(model: nn.Module | None, cuda: bool) -> torch.device:
-    if model is not None:
-        for p in model.parameters():
-            return p.device
-    return torch.device("cuda") if cuda else torch.device("cpu")
-
-
 class TimeWatch(HookedContext):
     """Profiles the steps of your own loop; `.result` is a `ProfileResult` after the block.
 
@@ -117,7 +100,13 @@ class TimeWatch(HookedContext):
         trace_steps: int | None = 3,
         cuda: bool | None = None,
     ) -> None:
-        _check_window(steps, wait, warmup, trace_steps)
+        for label, value, low in (("steps", steps, 1), ("wait", wait, 0), ("warmup", warmup, 0)):
+            if int(value) < low:
+                raise ProfilingError(f"{label}={value} is out of range.",
+                                     fix=f"pass {label} >= {low}.")
+        if trace_steps is not None and trace_steps < 1:
+            raise ProfilingError(f"trace_steps={trace_steps} keeps no step in the trace.",
+                                 fix="pass trace_steps >= 1, or None to keep every profiled step.")
         if model is not None and not isinstance(model, nn.Module):
             raise ProfilingError(f"model is a {type(model).__name__}, not an nn.Module.",
                                  fix="pass the model (or None to profile without modules).")
@@ -130,7 +119,9 @@ class TimeWatch(HookedContext):
         self._record_shapes = record_shapes or group_by_input_shape
         self._trace, self._trace_steps = trace, trace_steps
         self._cuda = torch.cuda.is_available() if cuda is None else bool(cuda)
-        self._device = _device(model, self._cuda)
+        param = next(model.parameters(), None) if model is not None else None
+        self._device = param.device if param is not None else \
+            torch.device("cuda" if self._cuda else "cpu")
         self._stack = ExitStack()
         self._prof: Any = None
         self._ranges: ModuleRanges | None = None
