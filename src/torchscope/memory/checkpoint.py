@@ -411,12 +411,9 @@ def verify(
             "mutate state in forward (Hugging Face models: call with use_cache=False).",
         ) from exc
     loss_cmp, loss_ok = _compare("loss", ref_loss, got_loss)
-    grads: list[GradComparison] = []
-    ok = loss_ok
-    for (name, _), ref, got in zip(leaves, ref_grads, got_grads, strict=True):
-        cmp, close = _compare(name, ref, got)
-        grads.append(cmp)
-        ok = ok and close
+    compared = [_compare(name, ref, got)
+                for (name, _), ref, got in zip(leaves, ref_grads, got_grads, strict=True)]
+    grads = [cmp for cmp, _ in compared]
     buffers_equal = all(torch.equal(a, b) for a, b in zip(ref_buffers, got_buffers, strict=True))
     return Verification(
         loss_equal=loss_cmp.bitwise_equal,
@@ -424,7 +421,7 @@ def verify(
         grads=tuple(grads),
         bitwise_equal=loss_cmp.bitwise_equal and all(g.bitwise_equal for g in grads),
         max_abs_diff=max([loss_cmp.max_abs_diff, *(g.max_abs_diff for g in grads)]),
-        ok=ok,
+        ok=loss_ok and all(close for _, close in compared),
         seed=seed,
         buffers_equal=buffers_equal,
     )

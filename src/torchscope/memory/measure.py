@@ -93,12 +93,11 @@ def _unique_bytes(tensors: Iterable[torch.Tensor]) -> int:
 def _state_multiplier(opt: torch.optim.Optimizer, group: dict[str, Any]) -> float | None:
     name = type(opt).__name__
     if name in ("Adam", "AdamW", "NAdam", "RAdam", "Adamax"):
-        return 2.0 + (1.0 if group.get("amsgrad") else 0.0)
+        return 2.0 + bool(group.get("amsgrad"))
     if name == "SGD":
-        return 1.0 if group.get("momentum", 0) else 0.0
+        return float(bool(group.get("momentum", 0)))
     if name == "RMSprop":
-        return 1.0 + (1.0 if group.get("momentum", 0) else 0.0) + (
-            1.0 if group.get("centered") else 0.0)
+        return 1.0 + bool(group.get("momentum", 0)) + bool(group.get("centered"))
     if name == "Adagrad":
         return 1.0
     if name in ("Adadelta", "Rprop", "ASGD"):
@@ -136,12 +135,9 @@ def memory_totals(model: nn.Module, saved: SavedActivations,
     # A buffer that shares a parameter's storage is already counted with the parameters.
     b_bytes = sum(n for k, n in storage_keys(list(model.buffers())).items() if k not in params)
     g_bytes = _unique_bytes(p for p in model.parameters() if p.requires_grad)
-    opt_bytes: int | None = None
-    source = "none"
-    if optimizer is not None:
-        opt_bytes, source = optimizer_state_bytes(optimizer)
-    peak = (p_bytes + b_bytes + (opt_bytes or 0) + saved.total_bytes + saved.output_bytes
-            + g_bytes)
+    opt_bytes, source = (optimizer_state_bytes(optimizer) if optimizer is not None
+                         else (None, "none"))
     step = saved.total_bytes + saved.output_bytes + g_bytes
+    peak = p_bytes + b_bytes + (opt_bytes or 0) + step
     return MemoryTotals(p_bytes, b_bytes, g_bytes, opt_bytes, source, saved.total_bytes,
                         saved.output_bytes, peak, step)
