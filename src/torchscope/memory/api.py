@@ -17,8 +17,6 @@ from torchscope.memory.records import MemoryReport
 from torchscope.memory.saved import saved_activations
 from torchscope.step import LossSpec, Step
 
-__all__ = ["CheckpointChoice", "analyze_memory"]
-
 CheckpointChoice = Literal["none", "all", "sqrt", "auto"]
 _PLAN_OF = {"all": "all", "sqrt": "sqrt", "auto": "budget"}
 

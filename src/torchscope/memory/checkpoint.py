@@ -39,8 +39,6 @@ from torchscope.memory._common import SEGMENT_LABEL
 from torchscope.memory.records import GradComparison, Verification
 from torchscope.step import LossSpec, Step
 
-__all__ = ["BlockSpec", "Blocks", "CheckpointHandle", "apply", "check", "resolve_blocks", "verify"]
-
 _MISSING = object()
 # Modules whose forward a live handle replaced -> that handle (one owner per module).
 _OWNERS: weakref.WeakKeyDictionary[nn.Module, CheckpointHandle] = weakref.WeakKeyDictionary()
@@ -238,8 +236,7 @@ class CheckpointHandle:
                 parent, self.blocks.parent or "", multi, self.blocks.names,
                 self.preserve_rng_state)))
         for module, _ in targets:
-            owner = _OWNERS.get(module)
-            if owner is not None and owner is not self:
+            if _OWNERS.get(module, self) is not self:
                 raise TorchscopeError(
                     f"{type(module).__name__} is already checkpointed by another handle.",
                     fix="remove() the earlier checkpointing before applying a new plan.",

@@ -25,8 +25,6 @@ from torch import nn
 from torchscope.memory._common import StorageKey, storage_key, storage_nbytes
 from torchscope.memory.records import LiveTensor, LiveTensors
 
-__all__ = ["live_tensors"]
-
 
 def _owner(d: dict[Any, Any], ignore: set[int]) -> Any:
     """The object whose `__dict__` is `d` (a module's globals count), or None."""

@@ -24,6 +24,7 @@ import re
 import statistics
 import time
 from collections.abc import Iterator, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -50,8 +51,6 @@ from torchscope.memory.records import (
 )
 from torchscope.memory.saved import _account
 from torchscope.step import LossSpec, Step, StepInfo
-
-__all__ = ["apply_plan", "parse_bytes", "plan_checkpointing"]
 
 Segments = tuple[tuple[int, int], ...]
 
@@ -443,15 +442,9 @@ def apply_plan(model: nn.Module | Step, plan: CheckpointPlan, inputs: Any = None
 
 
 def _measure(step: Step, plan: CheckpointPlan, *, repeats: int, seed: int) -> PlanMeasurement:
-    handle: CheckpointHandle | None = None
-    if plan.segments:
-        handle = apply_plan(step, plan, seed=seed)
-    try:
+    with apply_plan(step, plan, seed=seed) if plan.segments else nullcontext() as handle:
         saved = _account(step).saved.total_bytes
         step_ms = _step_ms(step, repeats)
         peak = _measure_memory(step).peak_bytes
-    finally:
-        if handle is not None:
-            handle.remove()
     return PlanMeasurement(plan.name, saved, step_ms, 0.0, peak,
                            handle.verification if handle is not None else None)

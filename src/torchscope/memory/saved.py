@@ -41,8 +41,6 @@ from torchscope.memory.records import (
 )
 from torchscope.step import LossSpec, Step, StepInfo
 
-__all__ = ["saved_activations"]
-
 
 @dataclass
 class _Entry:

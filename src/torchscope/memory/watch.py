@@ -27,8 +27,6 @@ from torchscope.memory._common import storage_keys
 from torchscope.memory.records import MemoryHistory, MemorySample
 from torchscope.memory.saved import _freeze, _Recorder, known_kinds, row_owners
 
-__all__ = ["MemoryWatch", "watch_memory"]
-
 
 @dataclass
 class _Active:
