@@ -23,16 +23,6 @@ from torchscope.memory.records import (
     SavedActivations,
 )
 
-__all__ = [
-    "analyze_history",
-    "analyze_live",
-    "analyze_plans",
-    "analyze_report",
-    "analyze_saved",
-    "analyze_totals",
-    "describe_segments",
-]
-
 _GROWTH = 1.5  # a later sample this many times the first one's bytes is worth a finding
 
 

@@ -25,8 +25,6 @@ from torchscope.memory._common import storage_keys, sync
 from torchscope.memory.records import MeasuredMemory, MemoryTotals, SavedActivations
 from torchscope.step import LossSpec, Step
 
-__all__ = ["measure_step", "memory_totals", "optimizer_state_bytes"]
-
 _CPU = torch.autograd.DeviceType.CPU  # type: ignore[attr-defined]
 
 
