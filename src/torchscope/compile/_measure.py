@@ -1,8 +1,8 @@
 """Measure one torch.compile mode: cold/warm compile, interleaved latency, numerical drift.
 
-Runs inside the child process of `compile_report` (or in this process when the model or
-its loss cannot be sent to a child). In this process the measurement goes through
-`torchscope.compile._isolate`, so that the user's own compiled code and the process
+Runs inside the child process of `compile_report` (`child_main`), or in this process when
+the model or its loss cannot be sent to a child. In this process the measurement goes
+through `torchscope.compile._isolate`, so that the user's own compiled code and the process
 environment are left as they were.
 """
 
@@ -11,11 +11,14 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import pickle
 import statistics
+import sys
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,38 +29,17 @@ from torchscope.compile.breaks import find_graph_breaks
 from torchscope.compile.records import CompileMeasure, ModeResult, ShapeCall, derive_speed
 from torchscope.compile.watch import RecompileWatcher, recompile_limit
 from torchscope.hooks.tree import iter_tensors
-from torchscope.models.target import ModelInputs
+from torchscope.models.target import ModelInputs, load_target
 from torchscope.step import LossSpec, Step, StepInfo
 
-__all__ = ["MeasureJob", "StepSpec", "first_line", "measure_mode", "run_job"]
-
-
-@dataclass(frozen=True)
-class StepSpec:
-    """What a child process needs to rebuild the caller's `Step` around its own copy of the
-    model: the loss, the target, AMP and accumulation (not the optimizer, which belongs to
-    the caller's parameters, nor the GradScaler)."""
-
-    loss_fn: LossSpec = "auto"
-    target: Any = None
-    autocast: torch.dtype | None = None
-    accumulate: int = 1
-    seed: int = 0
-
-    @classmethod
-    def of(cls, step: Step) -> StepSpec:
-        """The parts of `step` that travel."""
-        return cls(step.loss_fn, step.target, step.autocast, step.accumulate, step.seed)
-
-    def build(self, model: nn.Module, inputs: ModelInputs) -> Step:
-        """The step on `model` (a private copy, or a `torch.compile` wrapper of one)."""
-        return Step(model, inputs, loss_fn=self.loss_fn, target=self.target,
-                    autocast=self.autocast, accumulate=self.accumulate, seed=self.seed)
+__all__ = ["MeasureJob", "child_main", "first_line", "measure_mode", "run_job"]
 
 
 @dataclass(frozen=True)
 class MeasureJob:
-    """Everything one mode's measurement needs besides the model and inputs."""
+    """Everything one mode's measurement needs besides the model and inputs, the parts of
+    the caller's `Step` that travel to a child included: loss, target, AMP and accumulation
+    (not the optimizer, which belongs to the caller's parameters, nor the GradScaler)."""
 
     mode: str
     measure: CompileMeasure
@@ -65,9 +47,18 @@ class MeasureJob:
     warmup: int
     dynamic: bool | None
     explain: bool
-    step: StepSpec = field(default_factory=StepSpec)
     batch_sizes: tuple[int, ...] = ()
     options: dict[str, Any] = field(default_factory=dict)
+    loss_fn: LossSpec = "auto"
+    target: Any = None
+    autocast: torch.dtype | None = None
+    accumulate: int = 1
+    seed: int = 0
+
+    def step(self, model: nn.Module, inputs: ModelInputs) -> Step:
+        """The caller's step on `model` (a private copy, or a `torch.compile` wrapper of one)."""
+        return Step(model, inputs, loss_fn=self.loss_fn, target=self.target,
+                    autocast=self.autocast, accumulate=self.accumulate, seed=self.seed)
 
 
 # ---------------------------------------------------------------------- figures
@@ -159,7 +150,7 @@ def measure_mode(model: nn.Module, inputs: ModelInputs, job: MeasureJob,
     train = job.measure == "step"
     eager = copy.deepcopy(model).train(train)
     subject = copy.deepcopy(model).train(train)
-    eager_step = job.step.build(eager, inputs)
+    eager_step = job.step(eager, inputs)
     device = eager_step.device
     cudagraphs = job.mode.startswith("reduce-overhead") and device.type == "cuda"
 
@@ -191,7 +182,7 @@ def measure_mode(model: nn.Module, inputs: ModelInputs, job: MeasureJob,
         wrapper = torch.compile(subject, mode=None if job.mode == "default" else job.mode,
                                 dynamic=job.dynamic, options=job.options or None)
         assert isinstance(wrapper, nn.Module)
-        return job.step.build(wrapper, inputs)
+        return job.step(wrapper, inputs)
 
     watcher = RecompileWatcher()
     with watcher:
@@ -296,3 +287,31 @@ def first_line(exc: BaseException) -> str:
     """`TypeName: first line of the message`."""
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}".strip()
+
+
+def child_main(argv: list[str]) -> int:
+    """The child process of `compile_report`, on the parent's torchscope: measures the job
+    saved with `torch.save` at `argv[0]` and pickles `run_job`'s payload to `argv[1]`. Any
+    exception becomes a status: only a hard crash or a hang leaves no result (the parent
+    reports those).
+
+    Returns:
+        The exit code: 0 whenever a result was written.
+    """
+    job_path, result_path = argv
+    try:
+        job = torch.load(job_path, weights_only=False)
+        torch.set_num_threads(int(job["threads"]))
+        model = job["model"]
+        if model is None:  # not picklable: rebuilt from its TARGET
+            model = load_target(job["factory"]).model
+    except Exception as exc:
+        payload = {"status": "not_sent",
+                   "error": f"the child could not load the model ({first_line(exc)})"}
+    else:
+        payload = run_job(model, job["inputs"], job["job"],
+                          log=lambda s: print(f"[torchscope] {s}", flush=True))
+        if payload.get("traceback"):
+            print(payload["traceback"], file=sys.stderr, flush=True)
+    Path(result_path).write_bytes(pickle.dumps(payload))
+    return 0

@@ -21,7 +21,7 @@ from torch import nn
 
 from torchscope._process import seeded
 from torchscope.compile._isolate import fresh_inductor_cache
-from torchscope.compile._measure import MeasureJob, StepSpec, run_job
+from torchscope.compile._measure import MeasureJob, run_job
 from torchscope.compile.breaks import BreakScan
 from torchscope.compile.records import MEASURES, CompileMeasure, CompileReport, ModeResult
 from torchscope.compile.watch import recompile_limit
@@ -37,6 +37,8 @@ _NO_CXX = ("inductor on CPU compiles C++ kernels and found no C++ compiler ({cxx
            "on PATH or does not run). Install one (apt install g++, or xcode-select --install) "
            "or point CXX at it.")
 _HERE = "measured in this process without a timeout: {}."
+_CHILD = ("import sys; from torchscope.compile._measure import child_main; "
+          "sys.exit(child_main(sys.argv[1:]))")
 
 
 def known_modes() -> tuple[str, ...]:
@@ -137,15 +139,12 @@ def _run_child(job: dict[str, Any], timeout_s: float) -> dict[str, Any]:
             # A local class or a lambda hook: the model cannot travel to a child.
             return {"status": "not_sent", "error": "the model or its inputs cannot be "
                                                    f"pickled ({type(exc).__name__}: {exc})"}
-        env = dict(os.environ)
-        env["TORCHINDUCTOR_CACHE_DIR"] = str(tmpdir / "inductor")
-        env["TRITON_CACHE_DIR"] = str(tmpdir / "inductor" / "triton")
-        env["PYTHONUNBUFFERED"] = "1"
         # The child imports what this process imports: same torchscope, same user modules.
-        paths = [p or os.getcwd() for p in sys.path]
-        env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
-        cmd = [sys.executable, "-m", "torchscope.compile._worker", str(job_path),
-               str(result_path)]
+        paths = dict.fromkeys(p or os.getcwd() for p in sys.path)
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmpdir / "inductor"),
+               "TRITON_CACHE_DIR": str(tmpdir / "inductor" / "triton"),
+               "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(paths)}
+        cmd = [sys.executable, "-c", _CHILD, str(job_path), str(result_path)]
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                     start_new_session=True)
@@ -175,9 +174,8 @@ def _run_child(job: dict[str, Any], timeout_s: float) -> dict[str, Any]:
 
 
 def _run_here(model: nn.Module, inputs: ModelInputs, job: MeasureJob) -> dict[str, Any]:
-    """Measure in this process: private code objects, a fresh inductor cache, the caller's
-    random streams, environment and compiler stance given back (no `torch._dynamo.reset()`:
-    what the caller compiled stays compiled)."""
+    """Measure in this process on private code and a fresh inductor cache; the caller's
+    random streams, environment and compiler stance are given back."""
     with seeded(None), fresh_inductor_cache(), torch.compiler.set_stance("default"):
         return run_job(model, inputs, job)
 
@@ -227,21 +225,16 @@ def compile_report(
 ) -> CompileReport:
     """Measure what each `torch.compile` mode costs and gains on a model and its inputs.
 
-    For every mode, in its own child process with a fresh inductor cache: the cold compile,
-    the warm compile (same on-disk cache, Dynamo tracing again), the median eager and
-    compiled call timed interleaved, the speedup, the calls needed to pay the compile back,
-    the largest output difference (and gradient difference with `measure="step"`), and
-    every recompile with its failing guard. Graph breaks come from one Dynamo trace of the
-    forward.
+    Each mode runs in its own child process with a fresh inductor cache: cold and warm
+    compile, eager and compiled calls timed interleaved, speedup, break-even, output (and
+    gradient) drift, recompiles with their failing guards (see `ModeResult`). Graph breaks
+    come from one Dynamo trace of the forward. A mode that crashes, hangs past `timeout_s`
+    or finds no C++ compiler is reported in its `status`; the other modes still run. Your
+    model is never called: every figure comes from private copies.
 
-    A mode that crashes, hangs past `timeout_s` or finds no C++ compiler is reported in its
-    `ModeResult.status`; the other modes still run. Your model is never called here: every
-    figure comes from private copies.
-
-    When the model (or a callable loss) cannot be sent to a child process, the modes are
-    measured in this process, without a timeout, and the report's notes say why. That path
-    leaves this process as it found it: your own compiled functions and models stay
-    compiled (no `torch._dynamo.reset()`; the copies run private code objects), and the
+    When the model (or a callable loss) cannot be sent to a child, the modes are measured
+    in this process without a timeout (the notes say why), and the process is left as
+    found: what you compiled stays compiled (no `torch._dynamo.reset()`), and the
     environment, random generators and compiler stance are restored.
 
     Args:
@@ -294,8 +287,9 @@ def compile_report(
     mi, device = step.inputs, step.device
     limit = recompile_limit()
     base = MeasureJob(mode="default", measure=measure, iters=iters, warmup=warmup,
-                      dynamic=dynamic, explain=True, step=StepSpec.of(step),
-                      batch_sizes=tuple(batch_sizes), options=dict(options or {}))
+                      dynamic=dynamic, explain=True, batch_sizes=tuple(batch_sizes),
+                      options=dict(options or {}), loss_fn=step.loss_fn, target=step.target,
+                      autocast=step.autocast, accumulate=step.accumulate, seed=step.seed)
     label = name or type(net).__name__
 
     if device.type == "cpu" and cpp_compiler() is None:
