@@ -68,11 +68,10 @@ def _mode_findings(m: ModeResult) -> list[Finding]:
             evidence,
             fix="keep this model eager, or compile a larger piece of work (bigger batch, "
                 "the whole training step)."))
-    drift = [(what, a, r) for what, a, r in (("outputs", m.max_abs_diff, m.max_rel_diff),
-                                             ("gradients", m.grad_max_abs_diff,
-                                              m.grad_max_rel_diff))
-             if r is not None and r > REL_TOLERANCE]
-    for what, a, r in drift:
+    for what, a, r in (("outputs", m.max_abs_diff, m.max_rel_diff),
+                       ("gradients", m.grad_max_abs_diff, m.grad_max_rel_diff)):
+        if r is None or r <= REL_TOLERANCE:
+            continue
         out.append(Finding(
             "compile.numerics", Severity.WARNING,
             f"{label} changes the {what}: max abs diff {a:.3g}, {r:.2%} of the largest "

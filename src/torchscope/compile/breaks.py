@@ -65,9 +65,7 @@ def _split_reason(text: str) -> tuple[str, str]:
 
 def _function_name(name: str | None) -> str | None:
     """`forward` for Dynamo's resume functions such as `torch_dynamo_resume_in_forward_at_9`."""
-    if name is None:
-        return None
-    m = _RESUME.match(name)
+    m = _RESUME.match(name or "")
     return m.group(1) if m else name
 
 
@@ -111,11 +109,9 @@ def hook_at(model: nn.Module, file: str | None, line: int | None) -> tuple[str, 
 def find_graph_breaks(model: nn.Module, inputs: Any, *, train: bool = False) -> BreakScan:
     """Trace one call of `model` with Dynamo and locate every graph break.
 
-    Dynamo traces `model` as `torch._dynamo.explain` does, with a backend that only
-    collects the graphs (nothing is compiled), but without `explain`'s
-    `torch._dynamo.reset()`: the model runs on private copies of its forward code objects
-    (see `torchscope.compile._isolate.private_code`), so graphs compiled earlier in this
-    process are neither reused nor dropped.
+    As `torch._dynamo.explain` does, with a backend that only collects the graphs, but
+    without its `torch._dynamo.reset()`: the model runs on private copies of its forward
+    code, so graphs compiled earlier in this process are neither reused nor dropped.
 
     Args:
         model: the eager model (not a `torch.compile` wrapper). It is called once, hooks

@@ -88,8 +88,7 @@ def compile_once(model: nn.Module, **options: Any) -> nn.Module:
             fix="pass the original module: compile_once(model), not compile_once(compiled).")
     cache = model.__dict__.get(_CACHE_ATTR)
     if not isinstance(cache, _CompiledCache):
-        cache = _CompiledCache()
-        model.__dict__[_CACHE_ATTR] = cache
+        cache = model.__dict__[_CACHE_ATTR] = _CompiledCache()
     key = tuple(sorted((k, repr(v)) for k, v in options.items()))
     hit = cache.get(key)
     if hit is not None:
@@ -301,8 +300,7 @@ class CompileGuard:
     def __enter__(self) -> CompileGuard:
         # First, so that a watcher that cannot start leaves torch.compile unpatched.
         self._watcher.install()
-        self._orig = torch.compile
-        orig = self._orig
+        orig = self._orig = torch.compile
 
         def counting_compile(model: Any = None, **kwargs: Any) -> Any:
             if model is None:  # @torch.compile(mode=...) used as a decorator factory

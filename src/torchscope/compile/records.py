@@ -117,8 +117,8 @@ class ModeResult:
         error: what went wrong, one line.
         cold_compile_s: first compiled call with an empty inductor cache, minus one
             steady-state call.
-        warm_compile_s: first call after `torch._dynamo.reset()` and clearing inductor's
-            in-memory caches, with the on-disk cache of the cold compile reused.
+        warm_compile_s: the same for a fresh copy of the code (Dynamo traces again) with
+            inductor's in-memory caches cleared and the cold compile's on-disk cache reused.
         eager_ms: median steady-state eager call (the forward, or the step's forward, loss
             and backward with `measure="step"`).
         compiled_ms: median steady-state compiled call, timed interleaved with eager.
@@ -236,16 +236,9 @@ class CompileReport(Analyzed):
 def derive_speed(
     eager_ms: float | None, compiled_ms: float | None, compile_s: float | None
 ) -> tuple[float | None, int | None]:
-    """Speedup (`eager_ms / compiled_ms`) and calls to break even on `compile_s`.
-
-    Break-even is `ceil(compile_s / time saved per call)`; None ("never") when the
-    compiled call is not faster.
-
-    Args:
-        eager_ms: one eager call.
-        compiled_ms: one compiled call, after compiling.
-        compile_s: the one-time compile cost.
-    """
+    """Speedup (`eager_ms / compiled_ms`, one call each) and the calls that pay back the
+    one-time `compile_s`: `ceil(compile_s / time saved per call)`, None ("never") when the
+    compiled call is not faster."""
     if eager_ms is None or compiled_ms is None or compiled_ms <= 0:
         return None, None
     speedup = eager_ms / compiled_ms

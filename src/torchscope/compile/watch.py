@@ -30,12 +30,7 @@ def recompile_limit() -> int:
     """torch's per-frame recompile limit: `config.recompile_limit`, or the older
     `config.cache_size_limit`, whichever this torch has."""
     cfg = torch._dynamo.config
-    for name in ("recompile_limit", "cache_size_limit"):
-        try:
-            return int(getattr(cfg, name))
-        except AttributeError:
-            continue
-    return 8
+    return int(getattr(cfg, "recompile_limit", getattr(cfg, "cache_size_limit", 8)))
 
 
 def _guard_failures() -> dict[CodeType, list[str]]:
@@ -79,10 +74,8 @@ class _LimitHandler(logging.Handler):
 class RecompileWatcher(CompileCounter):
     """Record every Dynamo frame compile while open; recompiles carry their failing guard.
 
-    Use it as a context manager around compiled calls. It counts compiles the way
-    `HookSession` does on compiled models (`torchscope.hooks.compiled.CompileCounter`) and
-    adds, per recompile, the guard that failed. `torch._dynamo.reset()` clears torch's
-    callbacks: call `reinstall()` after a reset inside the block.
+    Use it as a context manager around compiled calls. `torch._dynamo.reset()` clears
+    torch's callbacks: call `reinstall()` after a reset inside the block.
 
     Attributes:
         compiles: frame compiles seen (first compiles and recompiles).
@@ -152,15 +145,10 @@ class RecompileWatcher(CompileCounter):
         if m is None or int(m.group(2)) == 0:
             return
         guard, source = parse_guard(texts[0]) if texts else ("unknown guard failure", None)
-        rec = Recompile(
-            compile_id=f"{m.group(1)}/{m.group(2)}",
-            function=code.co_name if code is not None else "?",
-            file=code.co_filename if code is not None else "?",
-            line=code.co_firstlineno if code is not None else 0,
-            guard=guard,
-            reasons=tuple(texts),
-            source=source,
-        )
+        function, file, line = ("?", "?", 0) if code is None else (
+            code.co_name, code.co_filename, code.co_firstlineno)
+        rec = Recompile(f"{m.group(1)}/{m.group(2)}", function, file, line, guard,
+                        tuple(texts), source)
         self.recompiles.append(rec)
         self._pending.append(rec)
 

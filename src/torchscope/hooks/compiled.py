@@ -59,21 +59,17 @@ class CompiledCheck:
         return bool(self.compiled)
 
 
-def _optimized_module() -> type[nn.Module]:
-    return torch._dynamo.eval_frame.OptimizedModule
-
-
 def compiled_parts(model: nn.Module) -> tuple[str, ...]:
     """Qualified names of compiled modules inside `model`: `torch.compile` wrappers and
     modules compiled in place with `module.compile()` (`""` is the root)."""
-    opt = _optimized_module()
+    opt = torch._dynamo.eval_frame.OptimizedModule
     return tuple(name for name, m in model.named_modules()
                  if isinstance(m, opt) or getattr(m, "_compiled_call_impl", None) is not None)
 
 
 def unwrap_compiled(model: nn.Module) -> nn.Module:
     """The original module behind (nested) `torch.compile` wrappers; `model` otherwise."""
-    opt = _optimized_module()
+    opt = torch._dynamo.eval_frame.OptimizedModule
     while isinstance(model, opt):
         inner = model._orig_mod
         assert isinstance(inner, nn.Module)
@@ -82,13 +78,10 @@ def unwrap_compiled(model: nn.Module) -> nn.Module:
 
 
 class CompileCounter:
-    """Count Dynamo frame compiles while open (first compiles and recompiles alike).
-
-    Registers a start callback with Dynamo (`torch._dynamo.callback.callback_handler`);
-    lazy backward compiles and autotuning are not frame compiles and are not counted.
-    `torch.compile` wrappers used inside are unaffected. Subclasses get every counted
-    compile in `_on_compile(args)` (`torchscope.compile.RecompileWatcher` builds its
-    recompile records there).
+    """Count Dynamo frame compiles while open (first compiles and recompiles alike), through
+    a start callback of `torch._dynamo.callback.callback_handler`; lazy backward compiles
+    and autotuning are not frame compiles. Subclasses get every counted compile in
+    `_on_compile(args)` (`torchscope.compile.RecompileWatcher` records recompiles there).
 
     Attributes:
         compiles: frame compiles seen while open.
@@ -220,7 +213,7 @@ class CompiledCapture:
 
 def compiled_capture(model: nn.Module, *, policy: Policy = "eager", what: str = "capture",
                      max_compiles: int = 0) -> CompiledCapture:
-    """Wrap a torchscope capture of `model` so that compiled parts are captured correctly.
+    """A `CompiledCapture`: a torchscope capture of `model` that sees its compiled parts.
 
     Args:
         model: the model, compiled as a whole, in parts, or not at all.
