@@ -384,12 +384,7 @@ def capture_activations(
             the step's whole batch and under its autocast (leave `inputs` unset).
         inputs: a tensor, a tuple of positional inputs, a dict of keyword inputs, or
             `ModelInputs`.
-        select: which modules to hook (see `select_modules`); default: the leaf modules.
-        depth: limit selection depth.
-        store: "stats" keeps statistics only; "tensors" also keeps detached copies.
-        max_bytes: budget for stored tensors.
-        offload: copy stored tensors to the CPU.
-        on_budget: over the budget, "error" raises `BudgetError`; "skip" warns and skips.
+        select, depth, store, max_bytes, offload, on_budget: as for `ActivationCapture`.
         train: put the model in train (True) or eval (False) mode for the capture; the old
             flags are restored. None leaves the mode as it is.
         grad: run the forward with autograd enabled.

@@ -77,23 +77,19 @@ class _Slot:
         return s
 
 
+@dataclass(slots=True, eq=False)
 class _Call:
     """Bookkeeping of one module call during a sampled step (no tensors kept)."""
 
-    __slots__ = ("call", "ins", "micro", "module", "module_type", "order", "outs",
-                 "owns_params", "seq")
-
-    def __init__(self, module: str, module_type: str, micro: int, call: int, seq: int,
-                 owns_params: bool) -> None:
-        self.module = module
-        self.module_type = module_type
-        self.micro = micro
-        self.call = call
-        self.seq = seq
-        self.order: int | None = None
-        self.ins: list[_Slot] = []
-        self.outs: list[_Slot] = []
-        self.owns_params = owns_params
+    module: str
+    module_type: str
+    micro: int
+    call: int
+    seq: int
+    owns_params: bool
+    order: int | None = None
+    ins: list[_Slot] = field(default_factory=list)
+    outs: list[_Slot] = field(default_factory=list)
 
 
 @dataclass

@@ -155,12 +155,8 @@ class HookGrowthGuard:
         if self._handle is not None:
             # Our own pre-hook is not the user's growth.
             now[("", "forward_pre")] = now.get(("", "forward_pre"), 0) - 1
-        grown: dict[tuple[str, str], tuple[int, int]] = {}
-        if self._last is not None:
-            for key, count in now.items():
-                before = self._last.get(key, 0)
-                if count > before:
-                    grown[key] = (before, count)
+        last = now if self._last is None else self._last  # the first step is no growth
+        grown = {k: (last.get(k, 0), n) for k, n in now.items() if n > last.get(k, 0)}
         self._last = now
         if grown and not self._warned:
             self._warned = True

@@ -52,9 +52,7 @@ class HookLeakTracker:
     def leaks(self) -> list[HookEntry]:
         """Hooks left on tracked modules, and process-wide hooks added since `__enter__`."""
         modules = list(self._modules)
-        inner: set[int] = set()
-        for module in modules:
-            inner.update(id(sub) for sub in module.modules() if sub is not module)
+        inner = {id(sub) for module in modules for sub in module.modules() if sub is not module}
         found: list[HookEntry] = []
         for root in (m for m in modules if id(m) not in inner):
             for entry in audit_hooks(root, include_global=False).entries:

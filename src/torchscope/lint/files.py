@@ -122,20 +122,11 @@ class IgnoreRules:
         return verdict
 
 
-def _git_root(start: Path) -> Path | None:
-    for folder in (start, *start.parents):
-        if (folder / ".git").exists():
-            return folder
-    return None
-
-
 def _inherited(start: Path, rules: IgnoreRules) -> IgnoreRules:
-    """Add the `.gitignore` files of `start`'s parents, up to the repository root."""
-    root = _git_root(start)
-    if root is None:
-        return rules
+    """Add the `.gitignore` files of `start`'s parents, from the repository root down."""
     chain = [start, *start.parents]
-    for folder in reversed(chain[1:chain.index(root) + 1] if root in chain else []):
+    root = next((i for i, folder in enumerate(chain) if (folder / ".git").exists()), None)
+    for folder in reversed(chain[1:root + 1] if root is not None else []):
         rules = rules.add_file(folder / ".gitignore")
     return rules
 

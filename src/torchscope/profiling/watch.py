@@ -68,12 +68,8 @@ def phase(name: str) -> Iterator[None]:
 
 
 class TimeWatch(HookedContext):
-    """Profiles the steps of your own loop; `.result` is a `ProfileResult` after the block.
-
-    Build it with `watch_time`. While open: a `torch.profiler` schedule over the steps,
-    and (with `by_module`) a profiler range around every selected module's forward, so the
-    result has the same op, phase and module tables as `profile_steps`. Label your phases
-    with `torchscope.profiling.phase("forward")` etc. to get the split.
+    """Profiles the steps of your own loop (build it with `watch_time`); `.result` is a
+    `ProfileResult` after the block, with the tables of `profile_steps`.
 
     The step's wall time is measured from one step boundary to the next (the device is
     synchronised at each boundary inside the window); there is no unprofiled baseline.

@@ -34,20 +34,14 @@ def text_lines(result: LintResult, *, show_fixes: bool = True) -> list[Text]:
     """
     out: list[Text] = []
     for v in result.violations:
-        line = Text()
-        line.append(f"{v.path}:{v.line}:{v.col}:", style="bold")
-        line.append(" ")
-        line.append(v.code, style="bold red" if v.severity is Severity.ERROR else "bold yellow")
-        line.append(f" {v.message}")
-        out.append(line)
+        style = "bold red" if v.severity is Severity.ERROR else "bold yellow"
+        out.append(Text.assemble((f"{v.path}:{v.line}:{v.col}:", "bold"), " ", (v.code, style),
+                                 f" {v.message}"))
         if show_fixes:
             out.append(Text(f"    fix: {v.fix}", style="cyan"))
     for e in result.errors:
-        line = Text()
-        line.append(f"{_where(e)}:", style="bold")
-        line.append(" error:", style="bold red")
-        line.append(f" {e.message}")
-        out.append(line)
+        out.append(Text.assemble((f"{_where(e)}:", "bold"), (" error:", "bold red"),
+                                 f" {e.message}"))
     out.append(_summary(result))
     return out
 
