@@ -44,11 +44,9 @@ def _fresh_function(fn: types.FunctionType, *, root: bool = False) -> types.Func
     torch module shares (`torch._dynamo.external_utils.wrap_inline`), not through the
     private code.
     """
-    code = fn.__code__
+    code = fn.__code__.replace()
     if root and os.path.abspath(code.co_filename).startswith(TORCH_DIR):
         code = code.replace(co_filename=f"<torchscope private copy of {fn.__qualname__}>")
-    else:
-        code = code.replace()
     new = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__,
                              fn.__closure__)
     new.__kwdefaults__ = fn.__kwdefaults__

@@ -184,8 +184,7 @@ def measure_mode(model: nn.Module, inputs: ModelInputs, job: MeasureJob,
         assert isinstance(wrapper, nn.Module)
         return job.step(wrapper, inputs)
 
-    watcher = RecompileWatcher()
-    with watcher:
+    with RecompileWatcher() as watcher:
         graphs_before = int(counters["stats"]["unique_graphs"])
         with private_code(subject):
             log("cold compile")
@@ -211,11 +210,10 @@ def measure_mode(model: nn.Module, inputs: ModelInputs, job: MeasureJob,
                 call(compiled_step, True)
             eager_s: list[float] = []
             compiled_s: list[float] = []
+            pair = ((eager_step, False), (compiled_step, True))
             for i in range(job.iters):
                 # Alternate who goes first so neither always runs on a cache the other warmed.
-                order = ((eager_step, False), (compiled_step, True)) if i % 2 == 0 else \
-                    ((compiled_step, True), (eager_step, False))
-                for s, is_c in order:
+                for s, is_c in pair if i % 2 == 0 else pair[::-1]:
                     dt, _, _ = timed(s, is_c)
                     (compiled_s if is_c else eager_s).append(dt)
 
@@ -261,12 +259,11 @@ def run_job(model: nn.Module, inputs: ModelInputs, job: MeasureJob,
     """Scan graph breaks (when asked) and measure one mode; failures become a status.
 
     Returns:
-        `{"status", "error", "result", "step", "scan"}`: status is `ok`, `error` or
-        `no_compiler`; `result` the `ModeResult` when ok, `step` its `StepInfo` (or None),
-        `scan` the `BreakScan` (None when not asked, or when the scan failed).
+        `status` (`ok`, `error` or `no_compiler`), and when there is one: `error` (one
+        line) and its `traceback`, `result` (the `ModeResult`), `step` (its `StepInfo` with
+        `measure="step"`) and `scan` (the `BreakScan`, when asked and it succeeded).
     """
-    payload: dict[str, Any] = {"status": "ok", "error": None, "result": None, "step": None,
-                               "scan": None}
+    payload: dict[str, Any] = {"status": "ok"}
     if job.explain:
         log("scanning graph breaks")
         train = job.measure == "step"

@@ -125,13 +125,9 @@ def _break_finding(b: GraphBreak) -> Finding:
 
 @analyzer(CompileReport)
 def compile_findings(report: CompileReport, thresholds: object = None) -> list[Finding]:
-    """Everything worth saying about a `CompileReport`, most severe first.
-
-    Registered for `CompileReport`: read it as `report.findings()`.
-
-    Args:
-        report: the report.
-        thresholds: unused (the compile findings have no thresholds yet).
+    """Everything worth saying about a `CompileReport`, most severe first; registered for
+    it, so read it as `report.findings()`. `thresholds` is unused: the compile findings have
+    none yet.
 
     Codes: `compile.pays_off`, `compile.never_pays_off`, `compile.numerics`,
     `compile.recompiles`, `compile.graph_break`, `compile.best_mode`, `compile.no_gain`,

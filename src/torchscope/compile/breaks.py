@@ -56,8 +56,8 @@ def classify_break(reason: str) -> str:
 
 
 def _split_reason(text: str) -> tuple[str, str]:
-    lines = [ln.strip() for ln in str(text).splitlines() if ln.strip()]
-    first = lines[0] if lines else str(text)
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    first = lines[0] if lines else text
     explanation = next((ln.split(":", 1)[1].strip() for ln in lines
                         if ln.startswith("Explanation:")), "")
     return first, explanation
@@ -138,17 +138,18 @@ def find_graph_breaks(model: nn.Module, inputs: Any, *, train: bool = False) -> 
         torch.compile(model, backend=collect)(*mi.args, **dict(mi.kwargs))
     breaks = []
     for r in reasons:
-        first, explanation = _split_reason(getattr(r, "reason", ""))
+        text = str(getattr(r, "reason", ""))
+        first, explanation = _split_reason(text)
         file, line, function = _user_frame(getattr(r, "user_stack", ()))
         hook = hook_at(model, file, line)
         breaks.append(GraphBreak(
-            kind=classify_break(str(getattr(r, "reason", ""))),
+            kind=classify_break(text),
             reason=first,
             explanation=explanation,
             file=file,
             line=line,
             function=function,
             hook=None if hook is None else "{} {} hook {}".format(*hook),
-            detail=str(getattr(r, "reason", "")),
+            detail=text,
         ))
     return BreakScan(len(graphs), tuple(breaks))

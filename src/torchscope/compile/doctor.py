@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.machinery
 import os
 import pickle
@@ -116,13 +117,11 @@ def _read_log(log: Path) -> tuple[str, str]:
 
 
 def _kill(proc: subprocess.Popen[bytes]) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         if hasattr(os, "killpg"):
             os.killpg(proc.pid, signal.SIGKILL)
         else:  # pragma: no cover - Windows
             proc.kill()
-    except (ProcessLookupError, PermissionError):
-        pass
     proc.wait()
 
 
@@ -185,8 +184,7 @@ def _check(modes: Sequence[str], measure: str, iters: int, warmup: int, timeout_
     if not modes:
         raise CompileError("no mode to measure.", fix="pass modes=('default',) or more.")
     valid = known_modes()
-    bad = [m for m in modes if m not in valid]
-    if bad:
+    if bad := [m for m in modes if m not in valid]:
         raise CompileError(f"unknown torch.compile mode(s) {', '.join(map(repr, bad))}.",
                            fix=f"use some of: {', '.join(valid)}.")
     if measure not in MEASURES:
@@ -275,8 +273,7 @@ def compile_report(
     if net is not step.model:
         notes.append("measured the original module of the torch.compile wrapper.")
         step = step.with_model(net)
-    inner = compiled_parts(net)
-    if inner:
+    if inner := compiled_parts(net):
         raise CompileError(
             f"compile_report needs the eager model, but {', '.join(p or '<root>' for p in inner)} "
             "is already compiled, so the eager baseline would run compiled code.",

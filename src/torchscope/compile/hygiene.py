@@ -1,10 +1,6 @@
-"""Compile hygiene: compile once, catch compile-in-a-loop and piling recompiles, audit hooks.
-
-The lesson's rule is "compile once before the loop". `compile_once` makes that the easy
-path; `compile_guard()` warns when code calls `torch.compile` again and again on the same
-module or when a frame keeps recompiling; `audit_compiled_hooks` flags hooks registered on
-a compiled module after its first call (Dynamo does not guard on module hooks by default,
-so they never fire) and hooks that force a recompile on every call.
+"""Compile hygiene: the lesson's rule "compile once before the loop" made the easy path
+(`compile_once`), its breaches warned about (`compile_guard()`: compile-in-a-loop, piling
+recompiles), and hooks a compiled module skips or recompiles for (`audit_compiled_hooks`).
 """
 
 from __future__ import annotations
@@ -151,11 +147,8 @@ class LateHook:
 
 
 def late_hooks(compiled: nn.Module) -> tuple[LateHook, ...] | None:
-    """Hooks registered inside `compiled` after its first call; None when not known.
-
-    `compiled` is a tracked `torch.compile` wrapper (see `track_compiled`). Returns `()`
-    before the first call, and None when the wrapper was never tracked.
-    """
+    """Hooks registered inside the `torch.compile` wrapper `compiled` after its first call:
+    `()` before that call, None when the wrapper was never tracked (`track_compiled`)."""
     if compiled not in _FIRST_CALL:
         return None
     first = _FIRST_CALL[compiled]

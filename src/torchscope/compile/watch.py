@@ -45,8 +45,7 @@ def parse_guard(text: str) -> tuple[str, str | None]:
     A text reads `0/1: len(G['lst']) == 1  # <source>  # f.py:17 in <lambda>` followed by a
     `User stack trace:`; size guards read `0/0: tensor 'x' size mismatch at index 0. ...`.
     """
-    first = text.split("\n", 1)[0]
-    first = re.sub(r"^\s*\d+/\d+:\s*", "", first)
+    first = re.sub(r"^\s*\d+/\d+:\s*", "", text.split("\n", 1)[0])
     guard = first.split("  #", 1)[0].split(" # ", 1)[0].strip()
     frames = _USER_FRAME.findall(text)
     source = f"{frames[-1][0]}:{frames[-1][1]}" if frames else None

@@ -7,8 +7,7 @@ holds hooks on a model with compiled parts (`HookSession` does this for every ca
 those parts run eagerly via `torch.compiler.set_stance("force_eager")`: every hook fires,
 nothing is recompiled, and the compiled code cached by Dynamo is left as it was.
 
-This module imports only torch at load time; `torch._dynamo` is touched when a model
-actually holds compiled parts (nothing can be compiled without it being imported).
+This module imports only torch at load time: `torch._dynamo` loads on first use.
 """
 
 from __future__ import annotations

@@ -24,12 +24,8 @@ _STATUS_STYLE = {"ok": "green", "error": "red", "crashed": "red", "timeout": "ye
 _SEVERITY_STYLE = {Severity.ERROR: "bold red", Severity.WARNING: "yellow", Severity.INFO: "cyan"}
 
 
-def _s(x: float | None) -> str:
-    return "—" if x is None else f"{x:.2f}"
-
-
-def _ms(x: float | None) -> str:
-    return "—" if x is None else f"{x:.3g}"
+def _fmt(x: float | None, spec: str) -> str:
+    return "—" if x is None else format(x, spec)
 
 
 def _speedup(m: ModeResult) -> str:
@@ -61,19 +57,18 @@ def compile_table(report: CompileReport, title: str | None = None) -> Table:
         title=title or f"torch.compile on {report.model} {report.inputs}, {kind}, "
                        f"{report.device} (torch {report.torch_version})",
         title_justify="left")
-    for col, justify in (("mode", "left"), ("status", "left"), ("cold s", "right"),
-                         ("warm s", "right"), ("eager ms", "right"), ("compiled ms", "right"),
-                         ("speedup", "right"), ("break-even calls", "right"),
-                         ("breaks", "right"), ("recompiles", "right"), ("max diff", "right")):
-        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    for col in ("mode", "status", "cold s", "warm s", "eager ms", "compiled ms", "speedup",
+                "break-even calls", "breaks", "recompiles", "max diff"):
+        table.add_column(col, justify="left" if col in ("mode", "status") else "right")
     breaks = str(len(report.graph_breaks)) if report.graph_count is not None else "?"
     for m in report.modes:
         style = _STATUS_STYLE.get(m.status, "red")
         rec = f"{len(m.recompiles)}/{m.recompile_limit}" + (" [red]limit hit[/]"
                                                              if m.limit_hit else "")
-        table.add_row(escape(m.mode), f"[{style}]{m.status}[/]", _s(m.cold_compile_s),
-                      _s(m.warm_compile_s), _ms(m.eager_ms), _ms(m.compiled_ms), _speedup(m),
-                      _break_even(m), breaks if m.ok else "—", rec if m.ok else "—", _diff(m))
+        table.add_row(escape(m.mode), f"[{style}]{m.status}[/]", _fmt(m.cold_compile_s, ".2f"),
+                      _fmt(m.warm_compile_s, ".2f"), _fmt(m.eager_ms, ".3g"),
+                      _fmt(m.compiled_ms, ".3g"), _speedup(m), _break_even(m),
+                      breaks if m.ok else "—", rec if m.ok else "—", _diff(m))
     return table
 
 
