@@ -105,23 +105,10 @@ def select_modules(
             picked = [("", model)]
         return picked
 
-    patterns: list[str | type[nn.Module]]
-    predicate: Predicate | None = None
-    if isinstance(select, str):
-        patterns = [p.strip() for p in select.split(",") if p.strip()]
-    elif isinstance(select, type):
-        patterns = [select]
-    elif callable(select):
-        predicate = select
-        patterns = []
-    else:
-        patterns = list(select)
-
     if depth is not None:
         named = [(n, m) for n, m in named if _depth(n) <= depth]
-
-    if predicate is not None:
-        picked = [(n, m) for n, m in named if predicate(n, m)]
+    if callable(select) and not isinstance(select, type):  # a class is callable too
+        picked = [(n, m) for n, m in named if select(n, m)]
         if not picked:
             # A capture over no module would silently record nothing.
             raise SelectionError(
@@ -131,6 +118,13 @@ def select_modules(
                 "selected.",
             )
         return picked
+    patterns: list[str | type[nn.Module]]
+    if isinstance(select, str):
+        patterns = [p.strip() for p in select.split(",") if p.strip()]
+    elif isinstance(select, type):
+        patterns = [select]
+    else:
+        patterns = list(select)
     if not patterns:
         raise SelectionError("the selection is an empty list.",
                              fix="pass None for the leaf modules, or name some modules.")

@@ -96,8 +96,7 @@ class HookSession:
         """
         try:
             while self._handles:
-                handle = self._handles.pop()
-                handle.remove()
+                self._handles.pop().remove()
         finally:
             while self._saved_flags:
                 ref, flag = self._saved_flags.pop()

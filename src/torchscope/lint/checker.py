@@ -202,15 +202,12 @@ class _Checker:
     # ------------------------------------------------------------------ TS001
     def _handle_use(self, call: ast.Call) -> tuple[str, set[str]]:
         """How the handle is kept: ("owned"|"discarded"|"names"|"container", dotted names)."""
-        node: ast.AST = call
-        parent = self.tree.parent(node)
+        parent = self.tree.parent(call)
         # `(h := m.register_forward_hook(f))` keeps a name and passes the value on.
         if isinstance(parent, ast.NamedExpr):
             return "names", {parent.target.id}
-        if isinstance(parent, ast.withitem):
-            return "owned", set()
-        if isinstance(parent, (ast.Return, ast.Yield, ast.YieldFrom, ast.Await)):
-            return "owned", set()
+        if isinstance(parent, (ast.withitem, ast.Return, ast.Yield, ast.YieldFrom, ast.Await)):
+            return "owned", set()  # a `with` scopes it; a caller gets it
         if isinstance(parent, ast.Expr):
             return "discarded", set()
         if isinstance(parent, (ast.Assign, ast.AnnAssign)):

@@ -30,8 +30,7 @@ def _check(source: str, path: str, codes: frozenset[str]) -> list[LintViolation]
         module = ast.parse(source, filename=path)
     if not any(word in source for word in _TRIGGERS):
         return []
-    lines = source.splitlines()
-    found = check_tree(module, lines, path, codes)
+    found = check_tree(module, source.splitlines(), path, codes)
     if not found or "noqa" not in source.lower():
         return found
     noqa = noqa_map(source)

@@ -93,8 +93,7 @@ def attribute(events: Iterable[Any], labels: Mapping[str, tuple[str, str]]) -> A
     host = [e for e in events if _is_host(e)]
     roots = [e for e in host if e.cpu_parent is None]
     acc: dict[str, _Acc] = {}
-    phase_us: dict[str, list[float]] = {p: [0, 0.0, 0.0] for p in PHASES}
-    phase_seen: set[str] = set()
+    phase_us: dict[str, list[float]] = {p: [0, 0.0, 0.0] for p in PHASES}  # calls, host, device
     # (forward thread, sequence number) -> chain of timed modules around the forward op.
     seq_owner: dict[tuple[int, int], tuple[str, ...]] = {}
     nodes: list[Any] = []  # backward node events, outermost ones only
@@ -111,7 +110,6 @@ def attribute(events: Iterable[Any], labels: Mapping[str, tuple[str, str]]) -> A
         new = ctx
         if name in PHASES and not ctx.in_backward and ctx.phase is None:
             # Only outermost phase ranges count, so nested labels never double-count.
-            phase_seen.add(name)
             slot = phase_us[name]
             slot[0] += 1
             slot[1] += _dur(ev)
@@ -183,7 +181,7 @@ def attribute(events: Iterable[Any], labels: Mapping[str, tuple[str, str]]) -> A
 
     phases = tuple(
         PhaseTime(p, int(phase_us[p][0]), phase_us[p][1] / 1e3, phase_us[p][2] / 1e3)
-        for p in PHASES if p in phase_seen
+        for p in PHASES if phase_us[p][0]
     )
     fwd_total = phase_us["forward"][1]
     bwd_total = phase_us["backward"][1]

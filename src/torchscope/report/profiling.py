@@ -57,14 +57,9 @@ def op_table(result: ProfileResult, sort: str = "self_cpu", limit: int | None = 
     table.add_column("op")
     if shapes:
         table.add_column("input shapes")
-    table.add_column("calls/step", justify="right")
-    table.add_column("self CPU", justify="right")
-    table.add_column("self CPU %", justify="right")
-    table.add_column("CPU total", justify="right")
-    if device:
-        table.add_column("self CUDA", justify="right")
-        table.add_column("self CUDA %", justify="right")
-        table.add_column("CUDA total", justify="right")
+    for col in ("calls/step", "self CPU", "self CPU %", "CPU total",
+                *(("self CUDA", "self CUDA %", "CUDA total") if device else ())):
+        table.add_column(col, justify="right")
     for r in sort_ops(result.ops, sort, limit):
         row = [r.name]
         if shapes:
@@ -85,10 +80,8 @@ def phase_table(result: ProfileResult) -> Table:
     device = any(p.device_ms for p in result.phases)
     table = Table(title=f"Phases (ms/step, {n} steps)", title_justify="left")
     table.add_column("phase")
-    table.add_column("host ms", justify="right")
-    table.add_column("% of step", justify="right")
-    if device:
-        table.add_column("CUDA ms", justify="right")
+    for col in ("host ms", "% of step", *(("CUDA ms",) if device else ())):
+        table.add_column(col, justify="right")
     for p in result.phases:
         row = [p.name, _ms(p.cpu_ms / n), fmt_pct(p.cpu_ms / n / step_ms if step_ms else None)]
         if device:
@@ -119,9 +112,8 @@ def module_table(result: ProfileResult, limit: int | None = None) -> Table:
                          ("forward", "right"), ("fwd self", "right"), ("backward", "right"),
                          ("bwd self", "right"), ("self %", "right")):
         table.add_column(col, justify=justify)  # type: ignore[arg-type]
-    if device:
-        table.add_column("CUDA fwd", justify="right")
-        table.add_column("CUDA bwd", justify="right")
+    for col in ("CUDA fwd", "CUDA bwd") if device else ():
+        table.add_column(col, justify="right")
     total_self = (rec.forward_ms + rec.backward_ms) or sum(m.total_self_ms for m in result.modules)
     mods = list(result.modules)
     hidden: list[ModuleTime] = []
