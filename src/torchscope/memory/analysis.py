@@ -8,7 +8,6 @@ common signature and ignored.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
 
 from torchscope._util import fmt_bytes
 from torchscope.findings import Finding, Severity, analyzer
@@ -141,8 +140,7 @@ def _plans(report: PlanReport, chosen: str | None) -> list[Finding]:
     """One finding per plan (or the chosen one): saving, cost, verification."""
     out: list[Finding] = []
     base = report.measurement("none")
-    names: Sequence[str] = [chosen] if chosen else [p.name for p in report.plans
-                                                    if p.name != "none"]
+    names = [chosen] if chosen else [p.name for p in report.plans if p.name != "none"]
     for name in names:
         plan = report.plan(name)
         m = report.measurement(name)
