@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
 from typing import Any
 
 import typer
@@ -21,18 +20,11 @@ class _OneLineUsageErrors(TyperGroup):
     `error:` line, so these are too.
     """
 
-    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,
-             complete_var: str | None = None, standalone_mode: bool = True,
-             windows_expand_args: bool = True, **extra: Any) -> Any:
-        def run() -> Any:
-            return super(_OneLineUsageErrors, self).main(
-                args, prog_name, complete_var, standalone_mode=False,
-                windows_expand_args=windows_expand_args, **extra)
-
-        if not standalone_mode:
-            return run()
+    def main(self, *args: Any, **kwargs: Any) -> Any:
+        if not kwargs.get("standalone_mode", True):
+            return super().main(*args, **kwargs)
         try:
-            rv = run()
+            rv = super().main(*args, **{**kwargs, "standalone_mode": False})
         except typer.Abort:
             err_console.print("Aborted!", highlight=False, markup=False)
             sys.exit(1)

@@ -12,6 +12,7 @@ from torchscope.cli._common import (
     DebugOpt,
     InputOpt,
     InputsFnOpt,
+    JsonOpt,
     LossOpt,
     TargetArg,
     check_output,
@@ -142,8 +143,7 @@ def diff(
     threshold: Annotated[list[str] | None, typer.Option(
         "--threshold", "-t", help="Allowed relative worsening: 0.1 for every metric, or "
         "NAME=FRAC for metrics starting with NAME (profile.step_ms=25%). Repeatable.")] = None,
-    json_path: Annotated[str | None, typer.Option("--json", help="Write the comparison "
-                                                  "here.")] = None,
+    json_path: JsonOpt = None,
     debug: DebugOpt = False,
 ) -> None:
     """Compare two doctor reports; exit 1 when a metric regressed beyond its threshold."""
@@ -177,8 +177,7 @@ def lab(
     fast: Annotated[bool, typer.Option(
         "--fast", help="Compile only in default mode, with fewer timed calls.")] = False,
     device: Annotated[str, typer.Option(help="cpu, cuda, cuda:N or auto.")] = "cpu",
-    json_path: Annotated[str | None, typer.Option("--json", help="Write tables and claims "
-                                                  "here.")] = None,
+    json_path: JsonOpt = None,
     strict: Annotated[bool, typer.Option("--strict", help="Exit 1 when a claim failed.")
                       ] = False,
     debug: DebugOpt = False,

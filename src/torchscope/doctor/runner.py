@@ -7,7 +7,7 @@ import os
 import platform
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Literal
 
@@ -16,6 +16,7 @@ from torch import nn
 
 from torchscope._process import quiet_kineto, seeded
 from torchscope.doctor.section import DoctorOptions, Fallback, Section
+from torchscope.doctor.sections import registered_sections
 from torchscope.errors import TorchscopeError
 from torchscope.findings import Analyzed
 from torchscope.report.document import Report, SectionOutcome, TargetInfo
@@ -40,7 +41,7 @@ class DoctorEvent:
     phase: Literal["start", "done"]
     index: int
     total: int
-    outcome: SectionOutcome | None = field(default=None)
+    outcome: SectionOutcome | None = None
 
 
 def _environment(device: str) -> dict[str, str | int | bool]:
@@ -143,8 +144,6 @@ def run_doctor(
         TorchscopeError: the step cannot be built (a `Step` given with inputs or with
             `options.loss_fn`, an unknown loss).
     """
-    from torchscope.doctor.sections import registered_sections
-
     options = options or DoctorOptions()
     step = _doctor_step(model, inputs, options)
     chosen = list(sections) if sections is not None else registered_sections()

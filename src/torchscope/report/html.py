@@ -75,14 +75,12 @@ def table(headers: Sequence[str], rows: Iterable[Sequence[Cell]], *,
         cells = []
         for i, v in enumerate(row):
             text, is_num = (str(v), False) if i in raw_cols else _cell(v)
-            cls = ' class="num"' if (i in num_cols or (is_num and i not in raw_cols)) else ""
+            cls = ' class="num"' if i in num_cols or is_num else ""
             cells.append(f"<td{cls}>{text}</td>")
         tr = '<tr class="bad">' if r_i in bad else "<tr>"
         body.append(tr + "".join(cells) + "</tr>")
-    more = ""
-    if len(all_rows) > MAX_ROWS:
-        more = (f'<p class="note">{len(all_rows) - MAX_ROWS:,} more rows are in report.json.'
-                "</p>")
+    more = "" if len(all_rows) <= MAX_ROWS else \
+        f'<p class="note">{len(all_rows) - MAX_ROWS:,} more rows are in report.json.</p>'
     return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>{more}"
 
 
