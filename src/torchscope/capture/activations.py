@@ -33,8 +33,6 @@ from torchscope.hooks.session import HookSession
 from torchscope.hooks.tree import iter_tensors
 from torchscope.step import Step
 
-__all__ = ["ActivationCapture", "capture_activations", "watch_activations"]
-
 Store = Literal["stats", "tensors"]
 OnBudget = Literal["error", "skip"]
 

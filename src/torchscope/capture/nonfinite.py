@@ -7,8 +7,6 @@ from dataclasses import dataclass
 
 from torchscope.capture.records import ActivationRecord
 
-__all__ = ["NonFiniteTrace", "trace_nonfinite"]
-
 
 @dataclass(frozen=True)
 class NonFiniteTrace:

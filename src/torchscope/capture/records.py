@@ -7,8 +7,6 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ActivationRecord", "TensorStats"]
-
 
 @dataclass(frozen=True)
 class TensorStats:

@@ -19,8 +19,6 @@ from torchscope.hooks.select import Selector
 from torchscope.hooks.session import HookSession
 from torchscope.step import LossSpec, Step
 
-__all__ = ["GradWatch", "gradient_flow", "watch_gradients"]
-
 
 def gradient_flow(
     model: nn.Module | Step,

@@ -13,8 +13,6 @@ from torch.nn.modules import module as _module_mod
 from torchscope.errors import TorchscopeError
 from torchscope.hooks.session import HookSession
 
-__all__ = ["HookAudit", "HookEntry", "HookGrowthGuard", "HookGrowthWarning", "audit_hooks"]
-
 # Per-module hook dicts, by the kind name torchscope reports.
 _MODULE_HOOK_ATTRS: dict[str, str] = {
     "forward": "_forward_hooks",

@@ -15,8 +15,6 @@ from torch.nn.modules import module as _module_mod
 
 from torchscope.hooks.audit import HookEntry, audit_hooks, global_hook_counts
 
-__all__ = ["HookLeakTracker"]
-
 
 @dataclass
 class HookLeakTracker:

@@ -24,8 +24,6 @@ from torchscope.hooks.compiled import (
     unwrap_compiled,
 )
 
-__all__ = ["HookSession"]
-
 
 class _Removable(Protocol):
     def remove(self) -> None: ...

@@ -12,8 +12,6 @@ from typing import Any
 
 import torch
 
-__all__ = ["iter_tensors"]
-
 
 def iter_tensors(obj: Any, path: str = "", _depth: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(path, tensor)` for every tensor inside `obj`, depth first, in order.

@@ -18,8 +18,6 @@ from typing import Any
 
 from torchscope.lint.rules import LintUsageError
 
-__all__ = ["LintConfig", "find_config", "load_config"]
-
 _KEYS = ("select", "ignore", "exclude")
 
 

@@ -16,9 +16,6 @@ from torchscope.lint.noqa import noqa_map, suppressed
 from torchscope.lint.records import LintError, LintResult, LintViolation
 from torchscope.lint.rules import LintUsageError, resolve_codes
 
-__all__ = ["lint_file", "lint_paths", "lint_source"]
-
-
 # Every rule needs one of these words in the source; files without any are only parsed.
 _TRIGGERS = ("hook", "compile", "empty_cache", "checkpoint")
 

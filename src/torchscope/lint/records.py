@@ -8,8 +8,6 @@ from dataclasses import dataclass
 from torchscope.findings import Analyzed, Finding, Severity
 from torchscope.lint.rules import RULES
 
-__all__ = ["LintError", "LintResult", "LintViolation"]
-
 
 @dataclass(frozen=True)
 class LintViolation:

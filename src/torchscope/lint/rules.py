@@ -8,8 +8,6 @@ from dataclasses import dataclass
 from torchscope.errors import TorchscopeError
 from torchscope.findings import Severity
 
-__all__ = ["RULES", "LintUsageError", "Rule", "resolve_codes"]
-
 
 class LintUsageError(TorchscopeError):
     """A rule selection, a path or a `[tool.torchscope.lint]` table is not usable."""

@@ -9,8 +9,6 @@ import torch
 
 from torchscope.errors import InputSpecError
 
-__all__ = ["InputSpec", "parse_spec"]
-
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "float": torch.float32, "f32": torch.float32,
     "float64": torch.float64, "double": torch.float64, "f64": torch.float64,

@@ -21,8 +21,6 @@ from torchscope.errors import InputSpecError, ModelError, TargetError, Torchscop
 from torchscope.models.spec import parse_spec
 from torchscope.models.zoo import BUILTINS
 
-__all__ = ["LoadedTarget", "ModelInputs", "call_model", "load_inputs", "load_target"]
-
 DEFAULT_TARGET = "tiny-cnn"
 
 

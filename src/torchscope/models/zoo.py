@@ -8,8 +8,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["BUILTINS", "MLP", "BuiltinModel", "DeepMLP", "ResNetMini", "TinyCNN"]
-
 
 class TinyCNN(nn.Module):
     """The lesson's CNN: conv1 3→8 3x3 → ReLU → conv2 8→16 3x3 → pool → fc → 10."""

@@ -18,8 +18,6 @@ from torchscope.profiling.records import ProfileResult, ProfilingError
 from torchscope.profiling.watch import TimeWatch
 from torchscope.step import LossSpec, Step
 
-__all__ = ["profile_steps"]
-
 StepFn = Callable[[], Any]
 
 

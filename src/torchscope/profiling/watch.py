@@ -33,8 +33,6 @@ from torchscope.profiling.ops import op_records
 from torchscope.profiling.records import ProfileResult, ProfilingError, StepTiming
 from torchscope.profiling.trace import export_trace
 
-__all__ = ["TimeWatch", "phase", "watch_time"]
-
 # Phases opened with `phase()` on this thread, and the watches open in this process: a step
 # boundary never falls inside a labelled phase (its range would be cut at the window's edges).
 _phases = threading.local()
