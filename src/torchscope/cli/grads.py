@@ -51,6 +51,7 @@ def grads(
         check_output(plot, "--plot", suffixes=(".png", ".svg"))
         import torch
 
+        from torchscope._util import write_json
         from torchscope.errors import TorchscopeError
         from torchscope.grads import watch_gradients
         from torchscope.report.grads import findings_lines, grad_table, history_table
@@ -64,8 +65,7 @@ def grads(
                                   fix="pass e.g. --lr 0.01.")
 
         loaded, model_inputs = load(target, input, inputs)
-        model = loaded.model
-        model.train()
+        model = loaded.model.train()
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise TorchscopeError(f"{loaded.name} has no parameter that requires grad.",
@@ -106,8 +106,6 @@ def grads(
                                            p.with_name(f"{p.stem}-heatmap{p.suffix}")))
             console.print("wrote " + ", ".join(str(w) for w in written))
         if json_path:
-            from torchscope._util import write_json
-
             write_json(json_path, {"target": loaded.name, "step": info, "steps": steps,
                                    "flow": flow, "history": history, "findings": found})
             console.print(f"wrote {json_path}")

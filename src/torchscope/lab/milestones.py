@@ -17,6 +17,7 @@ import platform
 import subprocess
 import sys
 import tempfile
+import time
 import warnings
 from collections.abc import Callable, Collection
 from typing import Any
@@ -325,14 +326,39 @@ def _memory(device: torch.device) -> _Part:
 # ------------------------------------------------------------------ milestone 4: compile
 _LOOP_ITERATIONS = 3
 _LOOP_TIMEOUT_S = 600.0
+_LOOP_CHILD = ("import sys; from torchscope.lab.milestones import _loop_child; "
+               "_loop_child(int(sys.argv[1]), int(sys.argv[2]))")
+
+
+def _loop_child(iterations: int, threads: int) -> None:
+    """The child process of `_compile_loop`: the lesson's trap, `torch.compile` called inside
+    the training loop, on tiny-cnn. Prints one JSON line: how many distinct wrappers the calls
+    returned, how many graphs Dynamo compiled, and each iteration's wall time."""
+    from torch._dynamo.utils import counters
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    model = TinyCNN().eval()
+    x = torch.randn(32, 3, 32, 32)  # (B, C, H, W), the lesson's batch
+    wrappers, times = [], []
+    with torch.no_grad():
+        for _ in range(iterations):
+            t0 = time.perf_counter()
+            compiled = torch.compile(model)  # noqa: TS004 - the lesson's trap, on purpose
+            compiled(x)
+            times.append(time.perf_counter() - t0)
+            wrappers.append(compiled)
+    print(json.dumps({"wrappers": len({id(w) for w in wrappers}),
+                      "graphs": int(counters["stats"]["unique_graphs"]), "times": times}))
 
 
 def _compile_loop() -> tuple[dict[str, Any] | None, str]:
-    """The compile-in-the-loop trap, run in a child process with its own inductor cache:
-    (its JSON result, or None and why)."""
+    """The compile-in-the-loop trap, run in a child process with its own inductor cache (so
+    that the lab's own process never compiles: the caller's Dynamo caches, recompile counts
+    and compiler state stay exactly as they were): its JSON result, or None and why."""
     with tempfile.TemporaryDirectory(prefix="torchscope-lab-") as tmp:
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": tmp}
-        cmd = [sys.executable, "-m", "torchscope.lab._compile_loop", str(_LOOP_ITERATIONS),
+        cmd = [sys.executable, "-c", _LOOP_CHILD, str(_LOOP_ITERATIONS),
                str(torch.get_num_threads())]
         try:
             done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False,

@@ -33,7 +33,6 @@ __all__ = [
     "per_step",
     "phase_ms",
     "plan_rows",
-    "plot_figure",
     "profile_fragment",
     "render_report",
     "table",
@@ -84,14 +83,11 @@ def table(headers: Sequence[str], rows: Iterable[Sequence[Cell]], *,
     return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>{more}"
 
 
-def plot_figure(plot_id: str, svg: str, caption: str) -> str:
-    """A `<figure class="plot">` holding an inline SVG; `data-plot` names it for tests."""
-    return (f'<figure class="plot" data-plot="{_e(plot_id)}">{svg}'
-            f"<figcaption>{_e(caption)}</figcaption></figure>")
-
-
 def _plots(plots: Mapping[str, str], captions: Mapping[str, str]) -> str:
-    return "".join(plot_figure(pid, svg, captions.get(pid, pid)) for pid, svg in plots.items())
+    """Each inline SVG in a `<figure class="plot">`; `data-plot` names it for tests."""
+    return "".join(f'<figure class="plot" data-plot="{_e(pid)}">{svg}'
+                   f"<figcaption>{_e(captions.get(pid, pid))}</figcaption></figure>"
+                   for pid, svg in plots.items())
 
 
 # ---------------------------------------------------------------------------- fragments
