@@ -18,7 +18,7 @@ import torch
 
 from torchscope.capture.activations import ActivationCapture
 from torchscope.capture.nonfinite import trace_nonfinite
-from torchscope.capture.records import ActivationRecord, TensorStats
+from torchscope.capture.records import ActivationRecord
 from torchscope.findings import Finding, Severity, analyzer, rank
 
 __all__ = ["ActivationThresholds", "analyze_activations", "leaf_modules", "weighted_order"]
@@ -120,10 +120,6 @@ def _nonfinite(records: Sequence[ActivationRecord]) -> list[Finding]:
         fix="check the data pipeline: torch.isfinite(batch).all() before the forward")]
 
 
-def _float_stats(r: ActivationRecord) -> list[TensorStats]:
-    return [s for s in r.outputs if "float" in s.dtype or "complex" in s.dtype]
-
-
 def _per_module(judged: Sequence[ActivationRecord], th: ActivationThresholds) -> list[Finding]:
     out: list[Finding] = []
     seen: set[str] = set()
@@ -131,7 +127,7 @@ def _per_module(judged: Sequence[ActivationRecord], th: ActivationThresholds) ->
         if r.module in seen:  # judge each module on its first call only
             continue
         seen.add(r.module)
-        for s in _float_stats(r):
+        for s in (o for o in r.outputs if "float" in o.dtype or "complex" in o.dtype):
             name = (r.module or "<root>") + s.path
             all_dead = s.dead_units is not None and s.channels and s.dead_units == s.channels
             if s.dead_units and s.channels:

@@ -200,12 +200,11 @@ class GradWatch(HookedContext, Analyzed):
     def history(self) -> GradHistory:
         """Per-layer norms of the newest `max_samples` samples."""
         layers = tuple(self._layers)
-        nan = math.nan
         return GradHistory(
             steps=tuple(r[0] for r in self._rows),
             layers=layers,
-            output_norms=tuple(tuple(r[1].get(k, nan) for k in layers) for r in self._rows),
-            param_norms=tuple(tuple(r[2].get(k, nan) for k in layers) for r in self._rows),
+            output_norms=tuple(tuple(r[1].get(k, math.nan) for k in layers) for r in self._rows),
+            param_norms=tuple(tuple(r[2].get(k, math.nan) for k in layers) for r in self._rows),
             total_norms=tuple(r[3] for r in self._rows),
         )
 

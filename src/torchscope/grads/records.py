@@ -4,7 +4,7 @@ formatted text."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -266,7 +266,4 @@ class GradHistory:
         if layer not in self.layers:
             raise KeyError(f"no layer {layer!r} in the history")
         j = self.layers.index(layer)
-        rows: Sequence[tuple[float, ...]] = (
-            self.output_norms if kind == "output" else self.param_norms
-        )
-        return [row[j] for row in rows]
+        return [row[j] for row in (self.output_norms if kind == "output" else self.param_norms)]

@@ -90,9 +90,7 @@ class LintResult(Analyzed):
     @property
     def exit_code(self) -> int:
         """0 clean, 1 violations, 2 a file could not be checked."""
-        if self.errors:
-            return 2
-        return 1 if self.violations else 0
+        return 2 if self.errors else 1 if self.violations else 0
 
     def counts(self) -> dict[str, int]:
         """Violations per rule code, most frequent first."""

@@ -154,14 +154,13 @@ def attribute(events: Iterable[Any], labels: Mapping[str, tuple[str, str]]) -> A
     unmatched = 0
     for ev in nodes:
         d = _dur(ev)
-        node_name = ev.name[len(EVALUATE_PREFIX):]
         seq = ev.sequence_nr
         fwd_thread = ev.fwd_thread
         chain = None
         if seq is not None and seq >= 0 and fwd_thread is not None:
             chain = seq_owner.get((int(fwd_thread), int(seq)))
         if chain is None:
-            if node_name.endswith(_ACCUMULATE):
+            if ev.name.endswith(_ACCUMULATE):
                 bwd_accum += d
             else:
                 unmatched += 1

@@ -32,9 +32,7 @@ def _bound(trace: dict[str, Any], steps: int) -> dict[str, Any]:
         if not isinstance(e, dict) or e.get("ph") == "M" or "ts" not in e
         or float(e["ts"]) >= start
     ]
-    out = dict(trace)
-    out["traceEvents"] = kept
-    return out
+    return {**trace, "traceEvents": kept}
 
 
 def export_trace(prof: Any, path: str | Path, *, steps: int | None = None) -> Path:

@@ -78,10 +78,8 @@ def history_table(history: GradHistory, kind: str = "output", max_cols: int = 8)
     label = "grad_output" if kind == "output" else "param grad"
     table = Table(title=f"{label} norm history ({len(history)} samples)", title_justify="left")
     n = len(history)
-    if n <= max_cols:
-        cols = list(range(n))
-    else:
-        cols = sorted({round(i * (n - 1) / (max_cols - 1)) for i in range(max_cols)})
+    cols = list(range(n)) if n <= max_cols else \
+        sorted({round(i * (n - 1) / (max_cols - 1)) for i in range(max_cols)})
     table.add_column("layer", justify="left")
     for i in cols:
         table.add_column(f"step {history.steps[i]}", justify="right")

@@ -10,7 +10,7 @@ from rich.text import Text
 
 from torchscope._util import __version__
 from torchscope.findings import Severity
-from torchscope.lint.records import LintError, LintResult, LintViolation
+from torchscope.lint.records import LintResult, LintViolation
 from torchscope.lint.rules import RULES
 
 __all__ = ["SARIF_SCHEMA_URI", "json_payload", "sarif_log", "text_lines"]
@@ -19,12 +19,6 @@ SARIF_SCHEMA_URI = (
     "https://docs.oasis-open.org/sarif/sarif/v2.1.0/errata01/os/schemas/sarif-schema-2.1.0.json"
 )
 _LEVEL = {Severity.ERROR: "error", Severity.WARNING: "warning", Severity.INFO: "note"}
-
-
-def _where(error: LintError) -> str:
-    if error.line is None:
-        return error.path
-    return f"{error.path}:{error.line}:{error.col or 1}"
 
 
 def text_lines(result: LintResult, *, show_fixes: bool = True) -> list[Text]:
@@ -40,8 +34,8 @@ def text_lines(result: LintResult, *, show_fixes: bool = True) -> list[Text]:
         if show_fixes:
             out.append(Text(f"    fix: {v.fix}", style="cyan"))
     for e in result.errors:
-        out.append(Text.assemble((f"{_where(e)}:", "bold"), (" error:", "bold red"),
-                                 f" {e.message}"))
+        where = e.path if e.line is None else f"{e.path}:{e.line}:{e.col or 1}"
+        out.append(Text.assemble((f"{where}:", "bold"), (" error:", "bold red"), f" {e.message}"))
     out.append(_summary(result))
     return out
 
