@@ -194,15 +194,18 @@ class ActivationCapture(HookedContext, Analyzed):
             self._pending.append((self._step, self._cur, _stack_by_device(self._vecs)))
         self._cur, self._vecs, self._seen = [], [], {}
 
+    def _add_row(self, t: torch.Tensor, stats: torch.Tensor) -> int:
+        """Append `t`'s stats vector; an input that is `t` later reuses its row."""
+        self._vecs.append(stats)
+        self._seen[id(t)] = (weakref.ref(t), len(self._vecs) - 1)
+        return len(self._vecs) - 1
+
     def _row_for_input(self, t: torch.Tensor) -> int:
         """Row whose NaN/Inf counts describe `t`: an earlier output when it is one."""
         hit = self._seen.get(id(t))
         if hit is not None and hit[0]() is t:
             return hit[1]
-        self._vecs.append(finiteness(t))
-        row = len(self._vecs) - 1
-        self._seen[id(t)] = (weakref.ref(t), row)
-        return row
+        return self._add_row(t, finiteness(t))
 
     def _make_hook(self, name: str, type_name: str, relu_family: bool) -> Any:
         def hook(_module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
@@ -211,15 +214,9 @@ class ActivationCapture(HookedContext, Analyzed):
             input_rows = tuple(self._row_for_input(t) for _, t in iter_tensors(args))
             leaves = []
             for path, t in iter_tensors(output):
-                self._vecs.append(
-                    reduce_stats(
-                        t,
-                        dead_units=self._dead_units and relu_family,
-                        count_nonfinite=self._count_nonfinite,
-                    )
-                )
-                row = len(self._vecs) - 1
-                self._seen[id(t)] = (weakref.ref(t), row)
+                row = self._add_row(t, reduce_stats(
+                    t, dead_units=self._dead_units and relu_family,
+                    count_nonfinite=self._count_nonfinite))
                 leaves.append((path, tuple(t.shape), str(t.dtype), str(t.device), t.numel(), row))
                 if self._store == "tensors":
                     self._keep(name, call, path, t)

@@ -141,10 +141,8 @@ def resolve_codes(select: Iterable[str] | None, ignore: Iterable[str] = ()) -> f
             entry = raw.strip().upper()
             if not entry:
                 continue
-            if entry == "ALL":
-                out.update(RULES)
-                continue
-            matched = {code for code in RULES if code.startswith(entry)}
+            matched = set(RULES) if entry == "ALL" else \
+                {code for code in RULES if code.startswith(entry)}
             if not matched:
                 raise LintUsageError(
                     f"{what} {raw!r} matches no rule (known: {', '.join(RULES)}).",
