@@ -14,6 +14,7 @@ __all__ = [
     "TargetError",
     "TorchscopeError",
     "VerificationError",
+    "describe",
 ]
 
 
@@ -38,6 +39,15 @@ class TorchscopeError(Exception):
 
     def __str__(self) -> str:
         return self.one_line()
+
+
+def describe(exc: BaseException) -> str:
+    """An exception in one line: its own `one_line()` for a `TorchscopeError`, else
+    `TypeName: first line of its message` (for wrapping an error the user's code raised)."""
+    if isinstance(exc, TorchscopeError):
+        return exc.one_line()
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
 
 
 class TargetError(TorchscopeError):

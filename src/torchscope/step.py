@@ -43,7 +43,7 @@ from torch import nn
 from torch.nn import functional
 from torch.profiler import record_function
 
-from torchscope.errors import ModelError, TorchscopeError
+from torchscope.errors import ModelError, TorchscopeError, describe
 from torchscope.hooks.tree import iter_tensors
 from torchscope.models.target import ModelInputs, call_model
 
@@ -57,6 +57,7 @@ __all__ = [
     "StepInfo",
     "main_output",
     "preserved",
+    "synchronize",
 ]
 
 LossName = Literal["auto", "cross_entropy", "mse", "sum"]
@@ -140,6 +141,14 @@ class StepInfo:
         if self.accumulate > 1:
             parts.append(f"accumulate: {self.accumulate} micro-batches")
         return " · ".join(parts)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work, so host timers and peaks cover it; no-op on CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type != "cpu" and hasattr(torch, "accelerator"):
+        torch.accelerator.synchronize()
 
 
 def main_output(output: Any) -> torch.Tensor:
@@ -466,12 +475,10 @@ class Step:
                 return functional.cross_entropy(out.reshape(-1, classes), flat_target)
             return functional.mse_loss(out, target)
         except Exception as exc:
-            first = (str(exc).strip().splitlines() or [""])[0]
             against = f" and target {tuple(target.shape)}" if isinstance(
                 target, torch.Tensor) else ""
             raise ModelError(
-                f"{r.kind} loss failed on output {tuple(out.shape)}{against}: "
-                f"{type(exc).__name__}: {first}.",
+                f"{r.kind} loss failed on output {tuple(out.shape)}{against}: {describe(exc)}.",
                 fix="pass a target that fits the output, or another loss_fn.") from exc
 
     def _seeded_target(self, kind: str, out: torch.Tensor, micro: int) -> torch.Tensor:
@@ -555,8 +562,7 @@ class Step:
             except TorchscopeError:
                 raise
             except RuntimeError as exc:
-                first = (str(exc).strip().splitlines() or [""])[0]
-                raise ModelError(f"backward raised RuntimeError: {first}.",
+                raise ModelError(f"backward raised {describe(exc)}.",
                                  fix="rerun with --debug (or without torchscope) to see the "
                                  "traceback.") from exc
 

@@ -36,7 +36,8 @@ def _render(renderable: object) -> str:
 
 
 def test_tables(watched: GradWatch) -> None:
-    from torchscope.report.grads import findings_lines, grad_table, history_table, param_table
+    from torchscope.report.findings import finding_lines
+    from torchscope.report.grads import grad_table, history_table, param_table
 
     flow = watched.last
     assert flow is not None
@@ -50,7 +51,7 @@ def test_tables(watched: GradWatch) -> None:
     assert "conv1.weight" in _render(param_table(flow))
     hist = _render(history_table(watched.history))
     assert "step 0" in hist and "step 4" in hist and "total" in hist
-    assert all(ln.startswith("[") for ln in findings_lines(watched.findings()))
+    assert all(ln.startswith("[") for ln in finding_lines(watched.findings()))
 
 
 def test_plots_png_and_svg(watched: GradWatch, tmp_path: Path) -> None:

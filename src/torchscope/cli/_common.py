@@ -11,9 +11,12 @@ from typing import TYPE_CHECKING, Annotated, NoReturn, TypeVar
 import typer
 from rich.console import Console
 
-from torchscope.errors import TorchscopeError
+from torchscope.errors import TorchscopeError, describe
 
 if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
     from torchscope.models.target import LoadedTarget, ModelInputs
 
 __all__ = [
@@ -96,9 +99,7 @@ def guarded(debug: bool) -> Iterator[None]:
             fail("interrupted; every hook was removed.", code=130)
         if isinstance(exc, TorchscopeError):
             fail(_escape(exc.one_line()))
-        first = (str(exc).strip().splitlines() or [""])[0]
-        fail(_escape(f"unexpected {type(exc).__name__}: {first}. Fix: rerun with --debug for "
-                     "the traceback."))
+        fail(_escape(f"unexpected {describe(exc)}. Fix: rerun with --debug for the traceback."))
 
 
 def choice(option: str, value: str, choices: Sequence[C]) -> C:
@@ -172,3 +173,18 @@ def load(
 def is_tty() -> bool:
     """Whether stdout is a terminal (progress bars only then)."""
     return sys.stdout.isatty()
+
+
+def trainable_sgd(model: nn.Module, lr: float, name: str) -> torch.optim.Optimizer:
+    """Plain SGD over the parameters that require grad: what `grads` and `profile` train with.
+
+    Raises:
+        TorchscopeError: no parameter requires grad.
+    """
+    import torch
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise TorchscopeError(f"{name} has no parameter that requires grad, so there is no "
+                              "training step.", fix="unfreeze some parameters.")
+    return torch.optim.SGD(params, lr=lr)

@@ -63,7 +63,6 @@ def compile_command(
         from torchscope.compile.records import MEASURES
         from torchscope.report.compile import (
             compile_table,
-            findings_table,
             graph_break_table,
             recompile_table,
             shape_call_lines,
@@ -106,6 +105,8 @@ def compile_command(
             console.print(f"note: {note}", highlight=False, markup=False)
         findings = report.findings()
         if findings:
+            from torchscope.report.findings import findings_table
+
             console.print(findings_table(findings))
         if json_path:
             write_json(json_path, {"target": loaded.name, "report": report,

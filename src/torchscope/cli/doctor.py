@@ -68,7 +68,8 @@ def doctor(
         from torchscope.compile import known_modes
         from torchscope.doctor import DoctorOptions, section_names
         from torchscope.findings import Severity
-        from torchscope.report.doctor import findings_table, sections_table
+        from torchscope.report.doctor import sections_table
+        from torchscope.report.findings import findings_table
         from torchscope.report.html import write_report
         from torchscope.step import LOSSES
 

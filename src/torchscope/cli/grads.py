@@ -21,6 +21,7 @@ from torchscope.cli._common import (
     console,
     guarded,
     load,
+    trainable_sgd,
 )
 
 
@@ -49,12 +50,12 @@ def grads(
     with guarded(debug):
         check_output(json_path, "--json")
         check_output(plot, "--plot", suffixes=(".png", ".svg"))
-        import torch
 
         from torchscope._util import write_json
         from torchscope.errors import TorchscopeError
         from torchscope.grads import watch_gradients
-        from torchscope.report.grads import findings_lines, grad_table, history_table
+        from torchscope.report.findings import finding_lines
+        from torchscope.report.grads import grad_table, history_table
         from torchscope.step import LOSSES, Step
 
         loss_fn = choice("--loss", loss, LOSSES)
@@ -66,11 +67,7 @@ def grads(
 
         loaded, model_inputs = load(target, input, inputs)
         model = loaded.model.train()
-        params = [p for p in model.parameters() if p.requires_grad]
-        if not params:
-            raise TorchscopeError(f"{loaded.name} has no parameter that requires grad.",
-                                  fix="unfreeze some parameters.")
-        opt = torch.optim.SGD(params, lr=lr)
+        opt = trainable_sgd(model, lr, loaded.name)
         step = Step(model, model_inputs, loss_fn=loss_fn, optimizer=opt)
         with watch_gradients(model, every=1, optimizer=opt, select=select,
                              depth=depth) as watch:
@@ -88,7 +85,7 @@ def grads(
         if steps > 1:
             console.print(history_table(history))
         found = watch.findings()
-        for line in findings_lines(found):
+        for line in finding_lines(found):
             console.print(line)
         if not found:
             console.print("no gradient problem found.")

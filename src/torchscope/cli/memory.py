@@ -81,7 +81,6 @@ def memory(
         from torchscope.memory import analyze_memory, live_tensors, parse_bytes
         from torchscope.report.memory import (
             blocks_table,
-            findings_lines,
             live_table,
             plans_table,
             saved_table,
@@ -129,7 +128,9 @@ def memory(
             live_report = live_tensors(15)
             console.print(live_table(live_report))
             findings += live_report.findings()
-        for line in findings_lines(findings):
+        from torchscope.report.findings import finding_lines
+
+        for line in finding_lines(findings):
             console.print(line)
         if plot:
             from torchscope.report.plots_memory import plot_memory

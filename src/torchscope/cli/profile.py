@@ -20,6 +20,7 @@ from torchscope.cli._common import (
     device_of,
     guarded,
     load,
+    trainable_sgd,
 )
 
 
@@ -61,7 +62,6 @@ def profile(
     with guarded(debug):
         for path, option in ((trace, "--trace"), (text, "--text"), (json_path, "--json")):
             check_output(path, option)
-        import torch
 
         from torchscope._util import write_json
         from torchscope.profiling import SORT_KEYS, ProfilingError, profile_steps
@@ -86,11 +86,8 @@ def profile(
         loaded, model_inputs = load(target, input, inputs)
         model = loaded.model.to(dev).train()
         model_inputs = model_inputs.to(dev)
-        params = [p for p in model.parameters() if p.requires_grad]
-        if not params:
-            raise ProfilingError(f"{loaded.name} has no trainable parameters to step.",
-                                 fix="profile a model with parameters that require grad.")
-        step = Step(model, model_inputs, loss_fn=loss_fn, optimizer=torch.optim.SGD(params, lr=lr))
+        step = Step(model, model_inputs, loss_fn=loss_fn,
+                    optimizer=trainable_sgd(model, lr, loaded.name))
         result = profile_steps(
             step, steps=steps, wait=wait, warmup=warmup,
             by_module=by == "module" or json_path is not None or text is not None,

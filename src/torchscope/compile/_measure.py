@@ -28,11 +28,12 @@ from torchscope.compile._isolate import private_code
 from torchscope.compile.breaks import find_graph_breaks
 from torchscope.compile.records import CompileMeasure, ModeResult, ShapeCall, derive_speed
 from torchscope.compile.watch import RecompileWatcher, recompile_limit
+from torchscope.errors import describe
 from torchscope.hooks.tree import iter_tensors
 from torchscope.models.target import ModelInputs, load_target
-from torchscope.step import LossSpec, Step, StepInfo
+from torchscope.step import LossSpec, Step, StepInfo, synchronize
 
-__all__ = ["MeasureJob", "child_main", "first_line", "measure_mode", "run_job"]
+__all__ = ["MeasureJob", "child_main", "measure_mode", "run_job"]
 
 
 @dataclass(frozen=True)
@@ -62,13 +63,6 @@ class MeasureJob:
 
 
 # ---------------------------------------------------------------------- figures
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type != "cpu" and hasattr(torch, "accelerator"):
-        torch.accelerator.synchronize()
-
-
 def _detach(out: Any) -> list[torch.Tensor]:
     """Detached copies of every floating output (CUDA graphs reuse output buffers)."""
     return [t.detach().clone() for _, t in iter_tensors(out) if t.is_floating_point()]
@@ -172,10 +166,10 @@ def measure_mode(model: nn.Module, inputs: ModelInputs, job: MeasureJob,
         return outputs[0], loss
 
     def timed(s: Step, compiled: bool) -> tuple[float, Any, torch.Tensor | None]:
-        _sync(device)
+        synchronize(device)
         t0 = time.perf_counter()
         out, loss = call(s, compiled)
-        _sync(device)
+        synchronize(device)
         return time.perf_counter() - t0, out, loss
 
     def make() -> Step:
@@ -275,15 +269,9 @@ def run_job(model: nn.Module, inputs: ModelInputs, job: MeasureJob,
         payload["result"], payload["step"] = measure_mode(model, inputs, job, log)
     except Exception as exc:
         payload["status"] = "no_compiler" if _is_no_compiler_error(exc) else "error"
-        payload["error"] = first_line(exc)
+        payload["error"] = describe(exc)
         payload["traceback"] = traceback.format_exc()
     return payload
-
-
-def first_line(exc: BaseException) -> str:
-    """`TypeName: first line of the message`."""
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}".strip()
 
 
 def child_main(argv: list[str]) -> int:
@@ -304,7 +292,7 @@ def child_main(argv: list[str]) -> int:
             model = load_target(job["factory"]).model
     except Exception as exc:
         payload = {"status": "not_sent",
-                   "error": f"the child could not load the model ({first_line(exc)})"}
+                   "error": f"the child could not load the model ({describe(exc)})"}
     else:
         payload = run_job(model, job["inputs"], job["job"],
                           log=lambda s: print(f"[torchscope] {s}", flush=True))

@@ -17,7 +17,7 @@ from torch import nn
 from torchscope._process import quiet_kineto, seeded
 from torchscope.doctor.section import DoctorOptions, Fallback, Section
 from torchscope.doctor.sections import registered_sections
-from torchscope.errors import TorchscopeError
+from torchscope.errors import TorchscopeError, describe
 from torchscope.findings import Analyzed
 from torchscope.report.document import Report, SectionOutcome, TargetInfo
 from torchscope.step import Step, StepInfo
@@ -59,12 +59,6 @@ def _environment(device: str) -> dict[str, str | int | bool]:
     return env
 
 
-def _one_line(exc: BaseException) -> str:
-    if isinstance(exc, TorchscopeError):
-        return exc.one_line()
-    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
-
-
 def _run_one(section: Section[Any], step: Step, options: DoctorOptions) -> SectionOutcome:
     base: dict[str, Any] = {"name": section.name, "title": section.title,
                             "capability": section.capability, "renderer": section}
@@ -86,7 +80,7 @@ def _run_one(section: Section[Any], step: Step, options: DoctorOptions) -> Secti
         metrics = section.metrics(record)
         data = section.to_json(record)
     except Exception as exc:  # one section's failure must not lose the others' results
-        return SectionOutcome(status="failed", note=_one_line(exc), error=exc,
+        return SectionOutcome(status="failed", note=describe(exc), error=exc,
                               seconds=time.perf_counter() - t0, **base)
     note = "" if fallback is None else f"{fallback.left_out}: {fallback.error.one_line()}"
     return SectionOutcome(status="ok", note=note, seconds=time.perf_counter() - t0,

@@ -1,19 +1,8 @@
 """torchscope.lint: find the lesson's traps in PyTorch source code, before it runs.
 
-Static analysis with `ast` (nothing is imported or executed):
-
-- TS001 hook-registered-in-loop: `register_*hook` in a loop body whose handle is neither
-  removed in that body nor used as a context manager.
-- TS002 discarded-hook-handle: the handle of `register_*hook` is thrown away.
-- TS003 deprecated-backward-hook: `register_backward_hook` (use
-  `register_full_backward_hook`).
-- TS004 compile-in-loop: `torch.compile` / `model.compile()` on every iteration, directly or
-  in a function this file calls from a loop.
-- TS005 empty-cache-as-fix: `torch.cuda.empty_cache()` with nothing released before it, or
-  inside an out-of-memory `except` handler.
-- TS006 host-sync-in-hook: `.item()`, `.cpu()`, `.tolist()`, `print(tensor)` in a hook.
-- TS007 checkpoint-without-use-reentrant: `checkpoint` / `checkpoint_sequential` without
-  `use_reentrant=`.
+Static analysis with `ast` (nothing is imported or executed). Each rule (TS001 hook
+registered in a loop, TS002 discarded hook handle, ... TS007 checkpoint without
+`use_reentrant=`) is described, with why it is a trap and the fix, in `torchscope.lint.RULES`.
 
 A loop only counts when it re-registers on the *same* object: `for m in model.modules():
 m.register_forward_hook(fn)` hooks each module once and is not flagged.

@@ -1,5 +1,4 @@
-"""Private helpers of the memory area: storage identity, the checkpoint-segment label and
-device sync."""
+"""Private helpers of the memory area: storage identity and the checkpoint-segment label."""
 
 from __future__ import annotations
 
@@ -56,9 +55,3 @@ def storage_keys(obj: Any) -> dict[StorageKey, int]:
         if key is not None:
             out.setdefault(key, storage_nbytes(t))
     return out
-
-
-def sync(device: torch.device) -> None:
-    """Wait for queued kernels, so that host timers and peaks cover them."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

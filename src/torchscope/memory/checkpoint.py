@@ -33,7 +33,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from torchscope._process import seeded
-from torchscope.errors import SelectionError, TorchscopeError, VerificationError
+from torchscope.errors import SelectionError, TorchscopeError, VerificationError, describe
 from torchscope.hooks.select import select_modules
 from torchscope.memory._common import SEGMENT_LABEL
 from torchscope.memory.records import GradComparison, Verification
@@ -400,9 +400,8 @@ def verify(
     try:
         got_loss, got_grads, got_buffers = _seeded_step(step, leaves, seed)
     except Exception as exc:
-        first = (str(exc).strip().splitlines() or [""])[0]
         raise VerificationError(
-            f"the checkpointed step raised {type(exc).__name__}: {first} "
+            f"the checkpointed step raised {describe(exc)} "
             "(the same step without checkpointing ran fine).",
             fix="a checkpointed block must recompute exactly what it computed: do not "
             "mutate state in forward (Hugging Face models: call with use_cache=False).",

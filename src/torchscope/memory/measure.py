@@ -21,9 +21,9 @@ import torch
 from torch import nn
 
 from torchscope._process import quiet_kineto
-from torchscope.memory._common import storage_keys, sync
+from torchscope.memory._common import storage_keys
 from torchscope.memory.records import MeasuredMemory, MemoryTotals, SavedActivations
-from torchscope.step import LossSpec, Step
+from torchscope.step import LossSpec, Step, synchronize
 
 _CPU = torch.autograd.DeviceType.CPU  # type: ignore[attr-defined]
 
@@ -53,11 +53,11 @@ def _measure(step: Step) -> MeasuredMemory:
     device = step.device
     if device.type == "cuda":
         with step.preserved(clear_grads=True):
-            sync(device)
+            synchronize(device)
             base = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
             loss = step.forward_backward()
-            sync(device)
+            synchronize(device)
             peak = torch.cuda.max_memory_allocated(device)
             end = torch.cuda.memory_allocated(device)
             reserved = torch.cuda.memory_reserved(device)

@@ -34,7 +34,7 @@ from torch import nn
 from torchscope._util import fmt_bytes
 from torchscope.errors import BudgetError, TorchscopeError
 from torchscope.hooks.session import HookSession
-from torchscope.memory._common import StorageKey, storage_keys, sync
+from torchscope.memory._common import StorageKey, storage_keys
 from torchscope.memory.checkpoint import (
     Blocks,
     BlockSpec,
@@ -50,7 +50,7 @@ from torchscope.memory.records import (
     PlanReport,
 )
 from torchscope.memory.saved import _account
-from torchscope.step import LossSpec, Step, StepInfo
+from torchscope.step import LossSpec, Step, StepInfo, synchronize
 
 Segments = tuple[tuple[int, int], ...]
 
@@ -172,11 +172,11 @@ def _block_times(step: Step, watch: Sequence[tuple[str, nn.Module]], repeats: in
         for name, module in watch:
 
             def pre(_m: nn.Module, _a: tuple[Any, ...], _n: str = name) -> None:
-                sync(device)
+                synchronize(device)
                 starts[_n] = time.perf_counter()
 
             def post(_m: nn.Module, _a: tuple[Any, ...], _o: Any, _n: str = name) -> None:
-                sync(device)
+                synchronize(device)
                 rounds[_n][-1] += (time.perf_counter() - starts[_n]) * 1e3
 
             session.forward_pre_hook(module, pre)
@@ -198,10 +198,10 @@ def _step_ms(step: Step, repeats: int) -> float:
     with step.preserved(clear_grads=True):
         for i in range(repeats + 1):
             step.zero_grad()
-            sync(device)
+            synchronize(device)
             t0 = time.perf_counter()
             step.forward_backward()
-            sync(device)
+            synchronize(device)
             if i > 0:  # the first run pays one-time costs (allocator, lazy init)
                 best = min(best, (time.perf_counter() - t0) * 1e3)
     return best

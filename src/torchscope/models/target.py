@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from torchscope._process import seeded
-from torchscope.errors import InputSpecError, ModelError, TargetError, TorchscopeError
+from torchscope.errors import InputSpecError, ModelError, TargetError, TorchscopeError, describe
 from torchscope.models.spec import parse_spec
 from torchscope.models.zoo import BUILTINS
 
@@ -248,9 +248,8 @@ def call_model(model: nn.Module, inputs: ModelInputs) -> Any:
         raise  # raised on purpose by a torchscope hook: already says what to do
     except Exception as exc:
         label = _failing_module(model, exc.__traceback__)
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise ModelError(
-            f"the model raised in {label}: {type(exc).__name__}: {first} "
+            f"the model raised in {label}: {describe(exc)} "
             f"(inputs {inputs.describe()}).",
             fix="pass inputs that fit the model with --input SHAPE or --inputs file.py:fn, or "
             "rerun with --debug for the traceback.",

@@ -32,6 +32,7 @@ from torchscope.profiling.module_ranges import ModuleRanges
 from torchscope.profiling.ops import op_records
 from torchscope.profiling.records import ProfileResult, ProfilingError, StepTiming
 from torchscope.profiling.trace import export_trace
+from torchscope.step import synchronize
 
 # Phases opened with `phase()` on this thread, and the watches open in this process: a step
 # boundary never falls inside a labelled phase (its range would be cut at the window's edges).
@@ -131,9 +132,8 @@ class TimeWatch(HookedContext):
         return self._wait + self._warmup + self._steps
 
     def sync(self) -> None:
-        """Wait for the watched device (CUDA) to finish its queued work; no-op on CPU."""
-        if self._device.type == "cuda":
-            torch.cuda.synchronize(self._device)
+        """Wait for the watched device to finish its queued work; no-op on CPU."""
+        synchronize(self._device)
 
     def open(self) -> None:
         """Start the window: hooks, then the profiler (use the watch as a context manager)."""

@@ -9,11 +9,9 @@ from rich.table import Table
 
 from torchscope._util import fmt_num
 from torchscope.compile.records import CompileReport, GraphBreak, ModeResult, Recompile
-from torchscope.findings import Finding, Severity
 
 __all__ = [
     "compile_table",
-    "findings_table",
     "graph_break_table",
     "recompile_table",
     "shape_call_lines",
@@ -21,7 +19,6 @@ __all__ = [
 
 _STATUS_STYLE = {"ok": "green", "error": "red", "crashed": "red", "timeout": "yellow",
                  "no_compiler": "red"}
-_SEVERITY_STYLE = {Severity.ERROR: "bold red", Severity.WARNING: "yellow", Severity.INFO: "cyan"}
 
 
 def _fmt(x: float | None, spec: str) -> str:
@@ -104,13 +101,3 @@ def shape_call_lines(m: ModeResult) -> list[str]:
             for c in m.shape_calls]
 
 
-def findings_table(findings: Sequence[Finding], title: str = "Findings") -> Table:
-    """Severity, summary and fix of each finding, in the order given."""
-    table = Table(title=title, title_justify="left", show_lines=False)
-    table.add_column("severity")
-    table.add_column("finding", overflow="fold")
-    table.add_column("fix", overflow="fold")
-    for f in findings:
-        style = _SEVERITY_STYLE.get(f.severity, "")
-        table.add_row(f"[{style}]{f.severity.label}[/]", escape(f.summary), escape(f.fix or ""))
-    return table

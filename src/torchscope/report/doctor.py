@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from rich.table import Table
 from rich.text import Text
 
 from torchscope._util import fmt_bytes, fmt_num
-from torchscope.findings import Finding, Severity
 from torchscope.report.diff import MetricChange, ReportDiff
 from torchscope.report.document import Report
 
-__all__ = ["LabClaimView", "LabTableView", "diff_table", "evidence_text", "findings_table",
-           "lab_tables", "metric_text", "sections_table"]
+__all__ = ["LabClaimView", "LabTableView", "diff_table", "lab_tables", "metric_text",
+           "sections_table"]
 
 
 class LabTableView(Protocol):
@@ -46,39 +45,9 @@ class LabClaimView(Protocol):
     def note(self) -> str: ...
 
 
-_SEV_STYLE = {Severity.ERROR: "bold red", Severity.WARNING: "yellow", Severity.INFO: "green"}
 _STATUS_STYLE = {"ok": "green", "skipped": "dim", "failed": "red",
                  "regressed": "bold red", "improved": "green", "unchanged": "dim", "new": "cyan",
                  "gone": "cyan", "n/a": "dim"}
-
-
-def evidence_text(evidence: Mapping[str, Any]) -> str:
-    """A finding's evidence on one line: `dead=6, fraction=0.75`."""
-    out = []
-    for k, v in evidence.items():
-        if isinstance(v, float):
-            out.append(f"{k}={fmt_num(v)}")
-        elif isinstance(v, int) and not isinstance(v, bool):
-            out.append(f"{k}={v:,}")
-        else:
-            out.append(f"{k}={v}")
-    return ", ".join(out)
-
-
-def findings_table(findings: Sequence[tuple[str, Finding]], title: str = "Findings") -> Table:
-    """Findings most severe first: severity, section, summary with evidence, and the fix."""
-    table = Table(title=title, title_justify="left", show_lines=True)
-    table.add_column("severity")
-    table.add_column("section")
-    table.add_column("finding (evidence)", ratio=3)
-    table.add_column("suggested fix", ratio=2)
-    for section, f in findings:
-        body = Text(f.summary)
-        if f.evidence:
-            body.append("\n" + evidence_text(f.evidence), style="dim")
-        table.add_row(Text(f.severity.label, style=_SEV_STYLE[f.severity]), section, body,
-                      f.fix or "—")
-    return table
 
 
 def sections_table(report: Report, title: str = "torchscope doctor") -> Table:

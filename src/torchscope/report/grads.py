@@ -8,10 +8,9 @@ from collections.abc import Sequence
 from rich.table import Table
 
 from torchscope._util import fmt_num, fmt_shape
-from torchscope.findings import Finding
 from torchscope.grads.records import GradFlow, GradHistory, TensorGrad
 
-__all__ = ["findings_lines", "grad_table", "history_table", "param_table"]
+__all__ = ["grad_table", "history_table", "param_table"]
 
 
 def _norm(norm: float | None, reason: str | None) -> str:
@@ -95,12 +94,3 @@ def history_table(history: GradHistory, kind: str = "output", max_cols: int = 8)
     return table
 
 
-def findings_lines(findings: Sequence[Finding]) -> list[str]:
-    """One rich-markup line per finding: severity, summary and fix."""
-    colors = {"error": "red", "warning": "yellow", "info": "cyan"}
-    lines = []
-    for f in findings:
-        c = colors[f.severity.label]
-        fix = f" [dim]Fix: {f.fix}[/]" if f.fix else ""
-        lines.append(f"[{c}]{f.severity.label}[/] {f.summary}.{fix}")
-    return lines

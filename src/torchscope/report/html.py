@@ -20,8 +20,8 @@ from torchscope.findings import Finding, Severity
 from torchscope.grads import GradFlow, layer_norms
 from torchscope.memory import CheckpointPlan, MemoryReport, PlanReport
 from torchscope.profiling import ProfileResult
-from torchscope.report.doctor import evidence_text
 from torchscope.report.document import SCHEMA_VERSION, Report, SectionOutcome, build_document
+from torchscope.report.findings import evidence_text
 
 __all__ = [
     "activations_fragment",

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from rich.table import Table
 
 from torchscope._util import fmt_bytes, fmt_pct, fmt_shape
-from torchscope.findings import Finding, rank
 from torchscope.memory.analysis import describe_segments
 from torchscope.memory.records import (
     LiveTensors,
@@ -20,7 +17,6 @@ from torchscope.memory.records import (
 
 __all__ = [
     "blocks_table",
-    "findings_lines",
     "live_table",
     "plans_table",
     "saved_table",
@@ -179,13 +175,3 @@ def live_table(live: LiveTensors, title: str = "Largest live tensors") -> Table:
     return table
 
 
-def findings_lines(findings: Sequence[Finding]) -> list[str]:
-    """Findings as rich-markup lines, most severe first."""
-    colors = {0: "cyan", 1: "yellow", 2: "red"}
-    out = []
-    for f in rank(findings):
-        line = f"[{colors[int(f.severity)]}]{f.severity.label}[/] {f.summary}"
-        if f.fix and f.severity > 0:
-            line += f" [dim]Fix: {f.fix}[/]"
-        out.append(line)
-    return out

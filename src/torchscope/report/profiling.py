@@ -10,12 +10,12 @@ from rich.table import Table
 from rich.text import Text
 
 from torchscope._util import fmt_pct
-from torchscope.findings import Finding, Severity
+from torchscope.findings import Finding
 from torchscope.profiling.ops import sort_ops
 from torchscope.profiling.records import ModuleTime, OpRecord, ProfileResult
+from torchscope.report.findings import finding_lines
 
 __all__ = [
-    "finding_lines",
     "module_table",
     "op_table",
     "phase_table",
@@ -162,16 +162,8 @@ def timing_line(result: ProfileResult) -> str:
             f"{t.profiled_steps} steps).")
 
 
-_STYLE = {Severity.INFO: "cyan", Severity.WARNING: "yellow", Severity.ERROR: "red"}
 
 
-def finding_lines(findings: Sequence[Finding]) -> list[str]:
-    """One rich-markup line per finding, with its fix."""
-    lines = []
-    for f in findings:
-        fix = f" [dim]→ {f.fix}[/]" if f.fix else ""
-        lines.append(f"[{_STYLE[f.severity]}]{f.severity.label}[/] {f.code}: {f.summary}{fix}")
-    return lines
 
 
 def summary_renderables(result: ProfileResult, findings: Sequence[Finding] = (), *,

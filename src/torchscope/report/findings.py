@@ -1,0 +1,70 @@
+"""Findings in the terminal, one way for every command: lines for short lists, a table with
+the evidence for the doctor."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from rich.markup import escape
+from rich.table import Table
+from rich.text import Text
+
+from torchscope._util import fmt_num
+from torchscope.findings import Finding, Severity, rank
+
+__all__ = ["SEVERITY_STYLE", "evidence_text", "finding_lines", "findings_table"]
+
+SEVERITY_STYLE = {Severity.ERROR: "bold red", Severity.WARNING: "yellow", Severity.INFO: "cyan"}
+
+
+def evidence_text(evidence: Mapping[str, Any]) -> str:
+    """A finding's evidence on one line: `dead=6, fraction=0.75`."""
+    out = []
+    for k, v in evidence.items():
+        if isinstance(v, float):
+            out.append(f"{k}={fmt_num(v)}")
+        elif isinstance(v, int) and not isinstance(v, bool):
+            out.append(f"{k}={v:,}")
+        else:
+            out.append(f"{k}={v}")
+    return ", ".join(out)
+
+
+def finding_lines(findings: Sequence[Finding]) -> list[str]:
+    """One rich-markup line per finding, most severe first: severity, summary and fix."""
+    lines = []
+    for f in rank(findings):
+        fix = f" [dim]Fix: {escape(f.fix)}[/]" if f.fix else ""
+        lines.append(f"[{SEVERITY_STYLE[f.severity]}]{f.severity.label}[/] "
+                     f"{escape(f.summary)}.{fix}")
+    return lines
+
+
+def findings_table(findings: Sequence[Finding] | Sequence[tuple[str, Finding]],
+                   title: str = "Findings") -> Table:
+    """Findings most severe first: severity, (section,) summary with evidence, and the fix.
+
+    Args:
+        findings: findings, or `(section, finding)` pairs (the doctor's), which add a
+            section column.
+        title: the table's title.
+    """
+    pairs = [f if isinstance(f, tuple) else ("", f) for f in findings]
+    pairs.sort(key=lambda p: -int(p[1].severity))
+    sections = any(section for section, _ in pairs)
+    table = Table(title=title, title_justify="left", show_lines=True)
+    table.add_column("severity")
+    if sections:
+        table.add_column("section")
+    table.add_column("finding (evidence)", ratio=3)
+    table.add_column("suggested fix", ratio=2)
+    for section, f in pairs:
+        body = Text(f.summary)
+        if f.evidence:
+            body.append("\n" + evidence_text(f.evidence), style="dim")
+        row: list[Any] = [Text(f.severity.label, style=SEVERITY_STYLE[f.severity])]
+        if sections:
+            row.append(section)
+        table.add_row(*row, body, f.fix or "—")
+    return table
