@@ -23,10 +23,6 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 PEERS = {"capabilities"}  # layers whose packages may not import each other
 
-# Imports that point the wrong way today; the work on issue 11 empties this list.
-KNOWN: set[tuple[str, str]] = set()
-# Cycles that exist today; the work on issue 11 empties this list too.
-KNOWN_CYCLES: list[list[str]] = []
 
 
 def _module_name(path: Path) -> str:
@@ -142,18 +138,13 @@ def _cycles() -> list[list[str]]:
 
 
 def test_every_import_points_down() -> None:
-    bad = _violations() - KNOWN
+    bad = _violations()
     assert not bad, "imports that point up or sideways:\n" + "\n".join(
         f"  {a} -> {b}" for a, b in sorted(bad))
 
 
-def test_known_exceptions_are_still_needed() -> None:
-    stale = KNOWN - _violations()
-    assert not stale, f"fixed, remove from KNOWN: {sorted(stale)}"
-
-
 def test_no_import_cycles() -> None:
-    cycles = [c for c in _cycles() if c not in KNOWN_CYCLES]
+    cycles = _cycles()
     assert not cycles, "import cycles:\n" + "\n".join("  " + " <-> ".join(c) for c in cycles)
 
 
