@@ -188,8 +188,9 @@ def _comp_parts(node: ast.AST) -> list[ast.AST]:
     return []
 
 
-def _bindings(body: list[ast.AST]) -> list[tuple[set[str], ast.AST | None, bool]]:
-    """(bound names, value, always varies) for every binding in a loop body."""
+def bindings(body: list[ast.AST]) -> list[tuple[set[str], ast.AST | None, bool]]:
+    """(bound names, value, always varies) for every binding under `body` (a loop body, a
+    function body), nested functions excluded."""
     out: list[tuple[set[str], ast.AST | None, bool]] = []
     for node in walk_local(body):
         if isinstance(node, ast.Assign):
@@ -235,14 +236,14 @@ def _analyze_loop(node: ast.AST) -> Loop:
             seeds |= target_names(gen.target)
         body = _comp_parts(node)
     targets = frozenset(seeds)
-    bindings = _bindings(body)
-    for names, value, always in bindings:
+    binds = bindings(body)
+    for names, value, always in binds:
         if always or (isinstance(node, ast.While) and _is_worklist_call(value)):
             seeds |= names
     changed = True
     while changed:
         changed = False
-        for names, value, _always in bindings:
+        for names, value, _always in binds:
             if names - seeds and refs(value) & seeds:
                 seeds |= names
                 changed = True
