@@ -168,16 +168,21 @@ class Tree:
             return node
         return next((p for _c, p in self.edges(node) if isinstance(p, ast.stmt)), None)
 
-    def block_before(self, stmt: ast.stmt) -> list[ast.stmt]:
-        """Statements before `stmt` in the statement list that holds it."""
+    def block(self, stmt: ast.stmt) -> list[ast.stmt]:
+        """The statement list that holds `stmt` (empty for the module itself)."""
         parent = self._parent.get(stmt)
         if parent is None:
             return []
         for field in ("body", "orelse", "finalbody", "handlers"):
             block = getattr(parent, field, None)
             if isinstance(block, list) and stmt in block:
-                return [s for s in block[: block.index(stmt)] if isinstance(s, ast.stmt)]
+                return [s for s in block if isinstance(s, ast.stmt)]
         return []
+
+    def block_before(self, stmt: ast.stmt) -> list[ast.stmt]:
+        """Statements before `stmt` in the statement list that holds it."""
+        block = self.block(stmt)
+        return block[: block.index(stmt)] if stmt in block else []
 
 
 def _comp_parts(node: ast.AST) -> list[ast.AST]:

@@ -23,6 +23,7 @@ from torchscope.lint._astutil import (
     bindings,
     dotted,
     refs,
+    target_names,
     walk_local,
 )
 from torchscope.lint.records import LintViolation
@@ -147,6 +148,7 @@ class _Checker:
         self.calls = sorted(self.tree.calls, key=lambda c: (c.lineno, c.col_offset))
         self._defs: dict[ast.AST, dict[str, list[ast.FunctionDef | ast.AsyncFunctionDef]]] = {}
         self._sites: dict[ast.AST, list[ast.Call]] | None = None
+        self._flows: dict[ast.AST, _Flow] = {}
         for node in sorted(self.tree.funcs, key=lambda f: f.lineno):
             scope = self.tree.scope(node)
             self._defs.setdefault(scope, {}).setdefault(node.name, []).append(node)
@@ -462,7 +464,10 @@ class _Checker:
             func = self.tree.scope(at)
             if not isinstance(func, FUNCS) or _is_cached(func) or self._cache_guarded(at, func):
                 continue
-            params = _params_behind(names, func)
+            flow = self._flows.get(func)
+            if flow is None:
+                flow = self._flows[func] = _Flow.of(func)
+            params = flow.params_behind(names)
             if params is None or (func, params) in seen:
                 continue
             seen.add((func, params))
@@ -531,17 +536,22 @@ class _Checker:
     def _with_a_purpose(self, call: ast.Call) -> bool:
         """A checkpoint or model load in the same loop body or function (`load_state_dict`,
         `torch.load`, `load_checkpoint`, `from_pretrained`): emptying the cache makes room for
-        it, or returns the blocks of the weights it replaced; or a memory reading
-        (`memory_reserved`, `mem_get_info`): emptying first makes it count live tensors only."""
+        it, or returns the blocks of the weights it replaced; or a memory reading that
+        follows it in the same block (`total = torch.cuda.mem_get_info()`): emptying first
+        makes the reading count live tensors only (a reading in a condition, `if
+        memory_allocated() > x`, is a reaction, not a purpose)."""
         loops = self.tree.loops(call)
         scope = self.tree.scope(call)
         body = list(loops[0].body) if loops else list(getattr(scope, "body", []))
-        for node in walk_local(body):
-            if isinstance(node, ast.Call) and node is not call:
-                name = self._method(node) or ""
-                if _LOAD.search(name) or name in _MEMORY_READINGS:
-                    return True
-        return False
+        if any(isinstance(node, ast.Call) and _LOAD.search(self._method(node) or "")
+               for node in walk_local(body)):
+            return True
+        stmt = self.tree.statement(call)
+        block = self.tree.block(stmt) if stmt is not None else []
+        following = block[block.index(stmt) + 1:] if stmt in block else []
+        return any(isinstance(node, ast.Call) and self._method(node) in _MEMORY_READINGS
+                   for s in following if not isinstance(s, (ast.If, ast.While))
+                   for node in walk_local([s]))
 
     def _behind_an_option(self, call: ast.Call) -> bool:
         """Inside an `if` on an option or a schedule (`if args.empty_cache_level >= 1`, `if
@@ -709,35 +719,54 @@ def _through(repeat: _Repeat) -> str:
     return "".join(f", which calls `{name}`" for name in repeat.through)
 
 
-def _params_behind(names: frozenset[str], func: ast.FunctionDef | ast.AsyncFunctionDef
-                   ) -> frozenset[str] | None:
-    """Parameters of `func` whose values decide `names`, directly or through locals.
+@dataclass(frozen=True, eq=False)
+class _Flow:
+    """Where the names of one function come from: which parameters decide each, and which
+    are objects the function builds itself."""
 
-    None when a name is an object the function builds itself (`net = nn.Linear(...)`,
-    `fn = self.make_fn()`): a new one on every call. Names that are neither parameters nor
-    bound here are globals: the same on every call.
-    """
-    a = func.args
-    params = {p.arg for p in (*a.posonlyargs, *a.args, *a.kwonlyargs)}
-    params |= {v.arg for v in (a.vararg, a.kwarg) if v is not None}
-    origin: dict[str, set[str]] = {p: {p} for p in params}
-    binds = [(name, value) for targets, value, _always in bindings(list(func.body))
-             for name in targets]
-    changed = True
-    while changed:
-        changed = False
-        for name, value in binds:
-            source = set().union(*(origin.get(r, set()) for r in refs(value)))
-            if not source <= origin.setdefault(name, set()):
-                origin[name] |= source
-                changed = True
-    # A call's result is a new object (a factory, a constructor), unless it is the same
-    # object moved or switched (`model.to(device)`, `model.eval()`).
-    built = {name for name, value in binds if isinstance(value, ast.Call) and not (
-        isinstance(value.func, ast.Attribute) and value.func.attr in _SAME_OBJECT)}
-    if any(n in built and n not in params for n in names):
-        return None
-    return frozenset(set().union(*(origin.get(n, set()) for n in names)))
+    params: frozenset[str]
+    origin: dict[str, frozenset[str]]
+    built: frozenset[str]
+
+    @classmethod
+    def of(cls, func: ast.FunctionDef | ast.AsyncFunctionDef) -> _Flow:
+        a = func.args
+        params = {p.arg for p in (*a.posonlyargs, *a.args, *a.kwonlyargs)}
+        params |= {v.arg for v in (a.vararg, a.kwarg) if v is not None}
+        origin: dict[str, set[str]] = {p: {p} for p in params}
+        binds = [(name, refs(value)) for targets, value, _always in bindings(list(func.body))
+                 for name in targets]
+        changed = True
+        while changed:
+            changed = False
+            for name, read in binds:
+                source = set().union(*(origin[r] for r in read if r in origin))
+                if not source <= origin.setdefault(name, set()):
+                    origin[name] |= source
+                    changed = True
+        # A call's result is a new object (a factory, a constructor), unless it is the same
+        # object moved or switched (`model.to(device)`, `model.eval()`); a `for` target is
+        # an item of what it iterates, no new object either.
+        built = {name for node in walk_local(list(func.body))
+                 if isinstance(node, (ast.Assign, ast.AnnAssign, ast.NamedExpr))
+                 and isinstance(node.value, ast.Call) and not (
+                     isinstance(node.value.func, ast.Attribute)
+                     and node.value.func.attr in _SAME_OBJECT)
+                 for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                 for name in target_names(target)}
+        return cls(frozenset(params), {k: frozenset(v) for k, v in origin.items()},
+                   frozenset(built - params))
+
+    def params_behind(self, names: frozenset[str]) -> frozenset[str] | None:
+        """The parameters whose values decide `names`, directly or through locals.
+
+        None when a name is an object the function builds itself (`net = nn.Linear(...)`,
+        `fn = self.make_fn()`): a new one on every call. Names that are neither parameters
+        nor bound here are globals: the same on every call.
+        """
+        if names & self.built:
+            return None
+        return frozenset().union(*(self.origin.get(n, frozenset()) for n in names))
 
 
 def _bound_args(site: ast.Call, func: ast.FunctionDef | ast.AsyncFunctionDef,
