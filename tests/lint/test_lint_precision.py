@@ -12,6 +12,7 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from torchscope.cli import app
@@ -50,9 +51,11 @@ def test_ts004_regional_compilation_into_a_new_container_is_silent() -> None:
     assert _found(src, "TS004") == []
 
 
-def test_ts004_in_place_regional_compilation_is_silent() -> None:
-    # accelerate's DeepSpeed variant: `block.compile()` in place, recursing on children.
-    src = """
+@pytest.mark.parametrize("tail", ["", "return module"], ids=["deepspeed", "fsdp2"])
+def test_ts004_in_place_regional_compilation_is_silent(tail: str) -> None:
+    # accelerate's DeepSpeed and FSDP2 variants: `block.compile()` in place, recursing on
+    # the children; the FSDP2 one returns the module it compiled.
+    src = f"""
     def compile_blocks_in_place(module, **options):
         if is_block_list(module):
             for block in module:
@@ -62,23 +65,7 @@ def test_ts004_in_place_regional_compilation_is_silent() -> None:
                 compile_blocks_in_place(child, **options)
         else:
             module.compile(**options)
-    """
-    assert _found(src, "TS004") == []
-
-
-def test_ts004_in_place_regional_compilation_returning_the_module_is_silent() -> None:
-    # accelerate's FSDP2 variant: the same walk, returning the module it compiled in place.
-    src = """
-    def compile_for_sharding(module, **options):
-        if is_block_list(module):
-            for block in module:
-                block.compile(**options)
-        elif has_blocks(module):
-            for child in module.children():
-                compile_for_sharding(child, **options)
-        else:
-            module.compile(**options)
-        return module
+        {tail}
     """
     assert _found(src, "TS004") == []
 
