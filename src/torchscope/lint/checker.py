@@ -715,8 +715,9 @@ def _iter_base(node: ast.AST) -> str | None:
 
 
 def _through(repeat: _Repeat) -> str:
-    """`, which calls `step`, which calls `build`` for a repeat through functions."""
-    return "".join(f", which calls `{name}`" for name in repeat.through)
+    """`, which calls `step`, which calls `build`,` for a repeat through functions."""
+    chain = "".join(f", which calls `{name}`" for name in repeat.through)
+    return f"{chain}," if chain else ""
 
 
 @dataclass(frozen=True, eq=False)
