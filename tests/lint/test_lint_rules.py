@@ -9,7 +9,7 @@ import pytest
 
 from torchscope.lint import RULES, lint_file, lint_source
 
-from ._fixtures import FIXTURES, expected, fixture_files
+from ._fixtures import FIXTURES, expected, expected_with_severity, fixture_files
 
 
 def _codes(src: str, **kw: object) -> list[tuple[int, str]]:
@@ -21,6 +21,7 @@ def test_fixture_findings_match_expect_comments(path: Path) -> None:
     violations, error = lint_file(path)
     assert error is None
     assert {(v.line, v.code) for v in violations} == expected(path)
+    assert {(v.line, v.code, v.severity) for v in violations} == expected_with_severity(path)
 
 
 def test_every_rule_has_positive_and_negative_fixtures() -> None:

@@ -56,7 +56,8 @@ def lint(
 ) -> None:
     """Lint PyTorch code for hook leaks, per-step compiles, empty_cache fixes and host syncs.
 
-    Exit status: 0 clean, 1 findings, 2 usage error or a file that cannot be read or parsed.
+    Exit status: 0 clean (info notes allowed), 1 a warning or an error, 2 usage error or a
+    file that cannot be read or parsed.
     Silence one line with `# noqa: TS001` (or a bare `# noqa`).
     """
     with guarded(debug):

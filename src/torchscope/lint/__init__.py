@@ -4,8 +4,15 @@ Static analysis with `ast` (nothing is imported or executed). Each rule (TS001 h
 registered in a loop, TS002 discarded hook handle, ... TS007 checkpoint without
 `use_reentrant=`) is described, with why it is a trap and the fix, in `torchscope.lint.RULES`.
 
-A loop only counts when it re-registers on the *same* object: `for m in model.modules():
-m.register_forward_hook(fn)` hooks each module once and is not flagged.
+A loop only counts when it re-registers or recompiles the *same* object: `for m in
+model.modules(): m.register_forward_hook(fn)` hooks each module once and is not flagged, and
+neither is regional compilation (`for block in model.children(): block.compile()`). Calls
+are followed through the file's own functions: a function that hooks or compiles its
+argument, called from a training loop with the same model every step, is flagged there.
+
+Each finding carries a severity: a warning or an error where the code falls into the trap,
+an info note where the pattern is only worth knowing (a hook handle discarded once at
+setup); info notes do not fail the run.
 
 `# noqa: TS001` (or a bare `# noqa`) silences a line. `[tool.torchscope.lint]` in
 pyproject.toml takes `select`, `ignore` and `exclude` (gitignore syntax); `.gitignore` files

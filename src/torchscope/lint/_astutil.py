@@ -168,16 +168,21 @@ class Tree:
             return node
         return next((p for _c, p in self.edges(node) if isinstance(p, ast.stmt)), None)
 
-    def block_before(self, stmt: ast.stmt) -> list[ast.stmt]:
-        """Statements before `stmt` in the statement list that holds it."""
+    def block(self, stmt: ast.stmt) -> list[ast.stmt]:
+        """The statement list that holds `stmt` (empty for the module itself)."""
         parent = self._parent.get(stmt)
         if parent is None:
             return []
         for field in ("body", "orelse", "finalbody", "handlers"):
             block = getattr(parent, field, None)
             if isinstance(block, list) and stmt in block:
-                return [s for s in block[: block.index(stmt)] if isinstance(s, ast.stmt)]
+                return [s for s in block if isinstance(s, ast.stmt)]
         return []
+
+    def block_before(self, stmt: ast.stmt) -> list[ast.stmt]:
+        """Statements before `stmt` in the statement list that holds it."""
+        block = self.block(stmt)
+        return block[: block.index(stmt)] if stmt in block else []
 
 
 def _comp_parts(node: ast.AST) -> list[ast.AST]:
@@ -188,8 +193,9 @@ def _comp_parts(node: ast.AST) -> list[ast.AST]:
     return []
 
 
-def _bindings(body: list[ast.AST]) -> list[tuple[set[str], ast.AST | None, bool]]:
-    """(bound names, value, always varies) for every binding in a loop body."""
+def bindings(body: list[ast.AST]) -> list[tuple[set[str], ast.AST | None, bool]]:
+    """(bound names, value, always varies) for every binding under `body` (a loop body, a
+    function body), nested functions excluded."""
     out: list[tuple[set[str], ast.AST | None, bool]] = []
     for node in walk_local(body):
         if isinstance(node, ast.Assign):
@@ -235,14 +241,14 @@ def _analyze_loop(node: ast.AST) -> Loop:
             seeds |= target_names(gen.target)
         body = _comp_parts(node)
     targets = frozenset(seeds)
-    bindings = _bindings(body)
-    for names, value, always in bindings:
+    binds = bindings(body)
+    for names, value, always in binds:
         if always or (isinstance(node, ast.While) and _is_worklist_call(value)):
             seeds |= names
     changed = True
     while changed:
         changed = False
-        for names, value, _always in bindings:
+        for names, value, _always in binds:
             if names - seeds and refs(value) & seeds:
                 seeds |= names
                 changed = True

@@ -10,10 +10,22 @@ from __future__ import annotations
 
 import ast
 import re
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from torchscope.lint._astutil import FUNCS, ImportMap, Loop, Tree, dotted, refs, walk_local
+from torchscope.findings import Severity
+from torchscope.lint._astutil import (
+    FUNCS,
+    SCOPES,
+    ImportMap,
+    Tree,
+    bindings,
+    dotted,
+    refs,
+    target_names,
+    walk_local,
+)
 from torchscope.lint.records import LintViolation
 from torchscope.lint.rules import RULES
 
@@ -59,6 +71,22 @@ _OOM_TYPES = frozenset({
     "torch._C.OutOfMemoryError", "RuntimeError", "MemoryError"})
 _BROAD_TYPES = frozenset({"Exception", "BaseException"})
 _GC_COLLECT = "gc.collect"
+# Words of an `if` test that make it a device check or a reaction to memory, not an option.
+_NOT_AN_OPTION = ("cuda", "device", "gpu", "available", "xpu", "mps", "npu", "accelerator",
+                  "oom", "out_of_memory", "memory_allocated", "memory_reserved", "max_memory",
+                  "mem_get_info", "memory_stats")
+# Calls that load a checkpoint or a model: `load_state_dict`, `torch.load`, `from_pretrained`.
+_LOAD = re.compile(r"(?:^|_)(?:re)?load(?:_|$)|^from_pretrained$")
+_MEMORY_READINGS = frozenset({
+    "memory_reserved", "memory_allocated", "max_memory_allocated", "max_memory_reserved",
+    "mem_get_info", "memory_stats", "memory_summary", "reset_peak_memory_stats"})
+# Module and tensor methods that return the object they are called on (or an equivalent
+# one): `m = model.to(device)` is still the caller's model, not one built per call.
+_SAME_OBJECT = frozenset({
+    "to", "cuda", "cpu", "train", "eval", "float", "half", "bfloat16", "double", "type",
+    "requires_grad_", "to_empty", "get_submodule", "get_parameter", "module"})
+# Process-wide registrations (torch.nn.modules.module, torch.optim.optimizer).
+_GLOBAL_HOOK_PREFIXES = ("register_module_", "register_optimizer_")
 _CHECKPOINT = frozenset({
     "torch.utils.checkpoint.checkpoint", "torch.utils.checkpoint.checkpoint_sequential"})
 _CACHE_DECORATORS = frozenset({"cache", "lru_cache", "cached_property"})
@@ -67,12 +95,17 @@ _NOT_TORCH_COMPILE_KW = frozenset({"optimizer", "loss", "metrics"})
 
 
 @dataclass(frozen=True)
-class _Site:
-    """A call that runs a function on every iteration of a loop (`call` None: indirectly)."""
+class _Repeat:
+    """A loop that runs a call again, on the same objects, on every iteration.
 
-    call: ast.Call | None
-    loop: Loop | None
+    Attributes:
+        line: the loop's header line.
+        through: the functions of this file between the loop and the call, outermost first
+            (empty: the call is in the loop's own body).
+    """
+
     line: int
+    through: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -114,6 +147,8 @@ class _Checker:
         # Traversal order is not source order; sort so results never depend on it.
         self.calls = sorted(self.tree.calls, key=lambda c: (c.lineno, c.col_offset))
         self._defs: dict[ast.AST, dict[str, list[ast.FunctionDef | ast.AsyncFunctionDef]]] = {}
+        self._sites: dict[ast.AST, list[ast.Call]] | None = None
+        self._flows: dict[ast.AST, _Flow] = {}
         for node in sorted(self.tree.funcs, key=lambda f: f.lineno):
             scope = self.tree.scope(node)
             self._defs.setdefault(scope, {}).setdefault(node.name, []).append(node)
@@ -123,7 +158,8 @@ class _Checker:
         text = self.lines[line - 1] if 0 < line <= len(self.lines) else ""
         return len(text.encode("utf-8")[:byte_col].decode("utf-8", errors="replace")) + 1
 
-    def report(self, code: str, node: ast.Call, message: str, fix: str | None = None) -> None:
+    def report(self, code: str, node: ast.Call, message: str, fix: str | None = None,
+               severity: Severity | None = None) -> None:
         if code not in self.codes:
             return
         func = node.func
@@ -139,7 +175,8 @@ class _Checker:
         if key not in self.found:
             self.found[key] = LintViolation(
                 self.path, line, self._char_col(line, byte_col), end_line, end_col, code,
-                message, RULES[code].fix if fix is None else fix)
+                message, RULES[code].fix if fix is None else fix,
+                RULES[code].severity if severity is None else severity)
 
     # ------------------------------------------------------------------ helpers
     @staticmethod
@@ -278,10 +315,31 @@ class _Checker:
             return
         if name in ("register_hook", "register_prehook") and self._transient_tensor(call):
             return
+        if name.startswith(_GLOBAL_HOOK_PREFIXES):
+            self.report("TS002", call, (
+                f"`{name}` registers a process-wide hook and discards its handle: it can never "
+                "be removed, runs for every module or optimizer of the process (models built "
+                "later, evaluation and other libraries' measurements included) and keeps "
+                "everything its closure references alive."))
+            return
+        # What the registration acts on: the module or tensor; a loop over hooks
+        # (`for fn in hooks: m.register_forward_hook(fn)`) adds each hook once.
+        repeat = self._repeated(call, refs(self._receiver(call)),
+                                per_item=refs(_arg(call, 0, "hook")))
+        if repeat is not None:
+            self.report("TS002", call, (
+                f"`{name}` runs on every iteration of the loop at line {repeat.line}"
+                f"{_through(repeat)} and its handle is discarded: one more hook that can never "
+                "be removed piles up on the same module or tensor every iteration, so it "
+                "fires once more per call each step and time and memory grow with the steps."))
+            return
+        receiver = self._receiver(call)
+        owner = "its object" if receiver is None else f"`{_shorten(ast.unparse(receiver))}`"
         self.report("TS002", call, (
-            f"the handle returned by `{name}` is discarded, so this hook can never be removed: "
-            "it stays for the rest of the process, fires in every later forward or backward "
-            "(evaluation included) and keeps everything its closure references alive."))
+            f"the handle returned by `{name}` is discarded: registered once (at setup), the "
+            f"hook stays on {owner} for the rest of its life, which is fine when that is the "
+            "intent; keep the handle if it must ever come off (evaluation, export, a second "
+            "run in the same process)."), severity=Severity.INFO)
 
     def _transient_tensor(self, call: ast.Call) -> bool:
         """`t.register_hook` on a tensor computed in this function, or on an autograd node
@@ -349,89 +407,75 @@ class _Checker:
         return False
 
     def _ts004(self) -> None:
-        compiles = [(c, t) for c in self.calls for ok, t in [self._compile_target(c)] if ok]
-        if not compiles:
-            return
-        per_iteration = self._functions_called_per_iteration()
-        for call, target in compiles:
+        for call in self.calls:
+            is_compile, target = self._compile_target(call)
+            if not is_compile:
+                continue
             what = "`torch.compile`" if self.imports.qualify(call.func) == _COMPILE \
                 else f"`{dotted(call.func) or 'compile'}()`"
-            loops = self.tree.loops(call)
             # Any argument the loop changes (the model, `mode=`, `backend=`, `options=`) means
             # each iteration compiles something different: a sweep, not the trap.
-            used = refs(target) if target is not None else set()
+            used = refs(target)
             for arg in (*call.args, *(k.value for k in call.keywords)):
                 used |= refs(arg)
-            for loop in loops:
-                if used & loop.varying or self._cache_guarded(call, loop.node):
-                    continue  # compiles something different each iteration, or only once
-                self.report("TS004", call, _compile_message(
-                    f"{what} runs on every iteration of the loop at line {loop.line}"))
-                break
-            if loops:
+            repeat = self._repeated(call, used)
+            if repeat is None:
                 continue
-            func = next((s for s in self.tree.scopes(call) if isinstance(s, FUNCS)), None)
-            if func is None or func not in per_iteration or self._cache_guarded(call, func):
-                continue
-            line = self._same_compile_each_iteration(call, func, per_iteration[func])
-            if line is not None:
-                self.report("TS004", call, _compile_message(
-                    f"{what} in `{func.name}` runs on every iteration of the loop at line "
-                    f"{line}, which calls `{func.name}`"))
+            where = f" in `{repeat.through[-1]}`" if repeat.through else ""
+            self.report("TS004", call, _compile_message(
+                f"{what}{where} runs on every iteration of the loop at line {repeat.line}"
+                f"{_through(repeat)} and compiles the same model or function each time"))
 
-    def _same_compile_each_iteration(self, call: ast.Call,
-                                     func: ast.FunctionDef | ast.AsyncFunctionDef,
-                                     sites: list[_Site]) -> int | None:
-        """The loop line of a call site that compiles the same thing every iteration.
+    # ------------------------------------------------------------------ repetition
+    def _call_sites(self) -> dict[ast.AST, list[ast.Call]]:
+        """This file's calls of each of its functions, in source order."""
+        if self._sites is None:
+            self._sites = {}
+            for call in self.calls:
+                for d in self._resolve_defs(call.func, call):
+                    self._sites.setdefault(d, []).append(call)
+        return self._sites
 
-        `for backend in backends: bench(model, backend)` with `torch.compile(model,
-        backend=backend)` inside `bench` compiles something different each time: not flagged.
+    def _repeated(self, call: ast.Call, used: set[str], per_item: set[str] | None = None
+                  ) -> _Repeat | None:
+        """The loop that runs `call` again, on the same objects, on every iteration.
+
+        `used` names what the call acts on (the compiled model, the hooked module) in the
+        call's scope. A loop that changes one of them (`for block in model.children()`) acts
+        on a different object each iteration: not a repeat. Outside such loops the search goes
+        on at this file's calls of the enclosing function, with `used` replaced by the
+        arguments bound to the parameters it depends on, breadth first (the nearest loop is
+        reported). A function that builds the object itself (`net = nn.Linear(...)`) or is
+        cached (`functools.cache`) acts on a new object, or only once, per call.
+        `per_item` names (the hook of a registration) make the call differ between the
+        iterations of a loop in its own scope that changes them, but are not followed.
         """
-        params = [a.arg for a in (*func.args.posonlyargs, *func.args.args)]
-        used = _params_behind(call, func, {*params, *(a.arg for a in func.args.kwonlyargs)})
-        for site in sites:
-            if site.call is None or site.loop is None or not used:
-                return site.line
-            offset = 1 if isinstance(site.call.func, ast.Attribute) and params[:1] in (
-                ["self"], ["cls"]) else 0
-            bound: list[ast.AST] = []
-            for i, arg in enumerate(site.call.args):
-                if isinstance(arg, ast.Starred) or (
-                        i + offset < len(params) and params[i + offset] in used):
-                    bound.append(arg)
-            bound.extend(k.value for k in site.call.keywords if k.arg is None or k.arg in used)
-            if not any(refs(b) & site.loop.varying for b in bound):
-                return site.line
-        return None
-
-    def _functions_called_per_iteration(
-            self) -> dict[ast.FunctionDef | ast.AsyncFunctionDef, list[_Site]]:
-        """Functions of this file that run on every iteration of some loop, with the calls."""
-        found: dict[ast.FunctionDef | ast.AsyncFunctionDef, list[_Site]] = {}
-        work: list[ast.FunctionDef | ast.AsyncFunctionDef] = []
-
-        def add(defs: list[ast.FunctionDef | ast.AsyncFunctionDef], site: _Site) -> None:
-            for d in defs:
-                if _is_cached(d):
+        extra = frozenset(per_item or ())
+        queue: deque[tuple[ast.Call, frozenset[str], tuple[str, ...]]] = deque(
+            [(call, frozenset(used), ())])
+        seen: set[tuple[ast.AST, frozenset[str]]] = set()
+        while queue:
+            at, names, through = queue.popleft()
+            differ = names | extra if at is call else names
+            for loop in self.tree.loops(at):
+                if differ & loop.varying or self._cache_guarded(at, loop.node):
                     continue
-                if d not in found:
-                    found[d] = []
-                    work.append(d)
-                found[d].append(site)
-
-        for call in self.calls:
-            loops = self.tree.loops(call)
-            if loops:
-                add(self._resolve_defs(call.func, call), _Site(call, loops[0], loops[0].line))
-        while work:
-            func = work.pop()
-            line = found[func][0].line
-            for node in walk_local(list(func.body)):
-                if isinstance(node, ast.Call):
-                    # Called from a per-iteration function: runs every iteration whatever
-                    # its arguments are.
-                    add(self._resolve_defs(node.func, node), _Site(None, None, line))
-        return found
+                return _Repeat(loop.line, through)
+            func = self.tree.scope(at)
+            if not isinstance(func, FUNCS) or _is_cached(func) or self._cache_guarded(at, func):
+                continue
+            flow = self._flows.get(func)
+            if flow is None:
+                flow = self._flows[func] = _Flow.of(func)
+            params = flow.params_behind(names)
+            if params is None or (func, params) in seen:
+                continue
+            seen.add((func, params))
+            for site in self._call_sites().get(func, []):
+                bound = _bound_args(site, func, params)
+                queue.append((site, frozenset(set().union(*(refs(b) for b in bound))),
+                              (func.name, *through)))
+        return None
 
     # ------------------------------------------------------------------ TS005
     def _oom_handler(self, call: ast.Call) -> str | None:
@@ -453,18 +497,82 @@ class _Checker:
         return None
 
     def _releases(self, node: ast.AST) -> bool:
-        """`del x`, `gc.collect()`, `x = None`, or moving a module off the device in place
-        (`model.cpu()`, `model.to("cpu")`, `self.fc = self.fc.to("cpu")`)."""
+        """`del x`, `delattr(m, name)`, `gc.collect()`, `x = None` or `x = {}`,
+        `cache.clear()`, or moving a module off the device in place (`model.cpu()`,
+        `self.fc = self.fc.to("cpu")`)."""
         if isinstance(node, ast.Delete):
             return True
         if isinstance(node, ast.Call) and self.imports.qualify(node.func) == _GC_COLLECT:
             return True
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and node.func.attr == "clear" and not node.args:
+            return True
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+                and node.func.id == "delattr":
+            return True
         if isinstance(node, (ast.Assign, ast.Expr)):
             value = node.value
-            if isinstance(value, ast.Constant) and value.value is None:
-                return isinstance(node, ast.Assign)
+            if isinstance(node, ast.Assign) and _empty_value(value):
+                return True
             return isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) \
                 and value.func.attr in ("cpu", "to")
+        return False
+
+    def _released_before(self, call: ast.Call) -> bool:
+        """Whether something is released before `call`: earlier in its block, then in each
+        enclosing block of the same function (`del out` followed by `if cuda:
+        empty_cache()`); in a loop, anywhere in the loop body (the previous iteration's
+        `del` runs before it too), and nothing before the loop counts."""
+        stmt: ast.AST | None = self.tree.statement(call)
+        while isinstance(stmt, ast.stmt) and not isinstance(stmt, (*FUNCS, ast.ClassDef)):
+            if any(self._releases(node) for node in walk_local(list(self.tree.block_before(stmt)))):
+                return True
+            parent = self.tree.parent(stmt)
+            if isinstance(parent, (ast.For, ast.AsyncFor, ast.While)) and stmt in parent.body:
+                return any(self._releases(node) for node in walk_local(list(parent.body)))
+            stmt = self.tree.statement(parent) if parent is not None else None
+        return False
+
+    def _with_a_purpose(self, call: ast.Call) -> bool:
+        """A checkpoint or model load in the same loop body or function (`load_state_dict`,
+        `torch.load`, `load_checkpoint`, `from_pretrained`): emptying the cache makes room for
+        it, or returns the blocks of the weights it replaced; or a memory reading that
+        follows it in the same block (`total = torch.cuda.mem_get_info()`): emptying first
+        makes the reading count live tensors only (a reading in a condition, `if
+        memory_allocated() > x`, is a reaction, not a purpose)."""
+        loops = self.tree.loops(call)
+        scope = self.tree.scope(call)
+        body = list(loops[0].body) if loops else list(getattr(scope, "body", []))
+        if any(isinstance(node, ast.Call) and _LOAD.search(self._method(node) or "")
+               for node in walk_local(body)):
+            return True
+        stmt = self.tree.statement(call)
+        block = self.tree.block(stmt) if stmt is not None else []
+        following = block[block.index(stmt) + 1:] if stmt in block else []
+        return any(isinstance(node, ast.Call) and self._method(node) in _MEMORY_READINGS
+                   for s in following if not isinstance(s, (ast.If, ast.While))
+                   for node in walk_local([s]))
+
+    def _behind_an_option(self, call: ast.Call) -> bool:
+        """Inside an `if` on an option or a schedule (`if args.empty_cache_level >= 1`, `if
+        step % 100 == 0`): emptying the cache is the user's explicit choice there, not a
+        reflex. A device check (`if torch.cuda.is_available()`) or a memory reaction (`if
+        oom`, `if torch.cuda.memory_allocated() > x`) is no such option."""
+        for child, parent in self.tree.edges(call):
+            if isinstance(parent, SCOPES):
+                return False
+            if not isinstance(parent, (ast.If, ast.IfExp)) or child is parent.test:
+                continue
+            test = parent.test
+            text = ast.unparse(test).lower()
+            if any(word in text for word in _NOT_AN_OPTION):
+                continue
+            optionish = any(
+                isinstance(n, ast.Attribute) and not (self.imports.qualify(n) or "")
+                .startswith("torch.") for n in ast.walk(test)) or any(
+                isinstance(n, ast.BinOp) and isinstance(n.op, ast.Mod) for n in ast.walk(test))
+            if optionish:
+                return True
         return False
 
     def _ts005(self, call: ast.Call, qual: str) -> None:
@@ -480,22 +588,25 @@ class _Checker:
                     "retry with a smaller batch; or need less memory (smaller batch, "
                     "activation checkpointing, mixed precision).")
             return
-        # What ran before it: its own block, then each enclosing block of the same function
-        # (`del out` followed by `if cuda: empty_cache()` releases first too).
-        stmt: ast.AST | None = self.tree.statement(call)
-        while isinstance(stmt, ast.stmt) and not isinstance(stmt, (*FUNCS, ast.ClassDef)):
-            before = self.tree.block_before(stmt)
-            if any(self._releases(node) for node in walk_local(list(before))):
-                return
-            parent = self.tree.parent(stmt)
-            stmt = self.tree.statement(parent) if parent is not None else None
+        if self._released_before(call) or self._with_a_purpose(call) \
+                or self._behind_an_option(call):
+            return
+        fix = ("Drop the references first (`del out, loss`; `gc.collect()` for cycles) and "
+               "then call it, or remove it: the caching allocator reuses freed blocks itself.")
+        repeat = self._repeated(call, set())
+        if repeat is not None:
+            self.report("TS005", call, (
+                f"`{shown}()` runs on every iteration of the loop at line {repeat.line}"
+                f"{_through(repeat)} with nothing released before it (no `del`, "
+                "`gc.collect()` or `x = None`): it frees no memory a tensor still references, "
+                "so it prevents no out-of-memory error, and every step pays for cudaMalloc "
+                "again for the blocks it returned."), fix=fix)
+            return
         self.report("TS005", call, (
-            f"`{shown}()` with nothing released before it in this block (no `del`, "
-            "`gc.collect()` or `x = None`): it only returns cached blocks that no tensor "
-            "uses, so memory still referenced is not freed, and the next allocations pay for "
-            "cudaMalloc again."),
-            fix="Drop the references first (`del out, loss`; `gc.collect()` for cycles) and "
-                "then call it, or remove it: the caching allocator reuses freed blocks itself.")
+            f"`{shown}()` with nothing released before it (no `del`, `gc.collect()` or "
+            "`x = None`): it only returns cached blocks that no tensor uses, so memory still "
+            "referenced is not freed (it is no out-of-memory fix), and the next allocations "
+            "pay for cudaMalloc again."), fix=fix, severity=Severity.INFO)
 
     # ------------------------------------------------------------------ TS006
     def _hook_functions(self) -> list[_HookFn]:
@@ -603,22 +714,97 @@ def _iter_base(node: ast.AST) -> str | None:
     return dotted(node)
 
 
-def _params_behind(expr: ast.AST, func: ast.FunctionDef | ast.AsyncFunctionDef,
-                   params: set[str]) -> set[str]:
-    """Parameters of `func` that `expr` reads, directly or through locals computed from them."""
-    origin: dict[str, set[str]] = {p: {p} for p in params}
-    assigns = [(t, n.value) for n in walk_local(list(func.body)) if isinstance(n, ast.Assign)
-               for t in n.targets]
-    changed = True
-    while changed:
-        changed = False
-        for target, value in assigns:
-            source = set().union(*(origin.get(r, set()) for r in refs(value)))
-            for name in (x.id for x in ast.walk(target) if isinstance(x, ast.Name)):
+def _through(repeat: _Repeat) -> str:
+    """`, which calls `step`, which calls `build`,` for a repeat through functions."""
+    chain = "".join(f", which calls `{name}`" for name in repeat.through)
+    return f"{chain}," if chain else ""
+
+
+@dataclass(frozen=True, eq=False)
+class _Flow:
+    """Where the names of one function come from: which parameters decide each, and which
+    are objects the function builds itself."""
+
+    params: frozenset[str]
+    origin: dict[str, frozenset[str]]
+    built: frozenset[str]
+
+    @classmethod
+    def of(cls, func: ast.FunctionDef | ast.AsyncFunctionDef) -> _Flow:
+        a = func.args
+        params = {p.arg for p in (*a.posonlyargs, *a.args, *a.kwonlyargs)}
+        params |= {v.arg for v in (a.vararg, a.kwarg) if v is not None}
+        origin: dict[str, set[str]] = {p: {p} for p in params}
+        binds = [(name, refs(value)) for targets, value, _always in bindings(list(func.body))
+                 for name in targets]
+        changed = True
+        while changed:
+            changed = False
+            for name, read in binds:
+                source = set().union(*(origin[r] for r in read if r in origin))
                 if not source <= origin.setdefault(name, set()):
                     origin[name] |= source
                     changed = True
-    return set().union(*(origin.get(r, set()) for r in refs(expr)))
+        # A call's result is a new object (a factory, a constructor), unless it is the same
+        # object moved or switched (`model.to(device)`, `model.eval()`); a `for` target is
+        # an item of what it iterates, no new object either.
+        built = {name for node in walk_local(list(func.body))
+                 if isinstance(node, (ast.Assign, ast.AnnAssign, ast.NamedExpr))
+                 and isinstance(node.value, ast.Call) and not (
+                     isinstance(node.value.func, ast.Attribute)
+                     and node.value.func.attr in _SAME_OBJECT)
+                 for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                 for name in target_names(target)}
+        return cls(frozenset(params), {k: frozenset(v) for k, v in origin.items()},
+                   frozenset(built - params))
+
+    def params_behind(self, names: frozenset[str]) -> frozenset[str] | None:
+        """The parameters whose values decide `names`, directly or through locals.
+
+        None when a name is an object the function builds itself (`net = nn.Linear(...)`,
+        `fn = self.make_fn()`): a new one on every call. Names that are neither parameters
+        nor bound here are globals: the same on every call.
+        """
+        if names & self.built:
+            return None
+        return frozenset().union(*(self.origin.get(n, frozenset()) for n in names))
+
+
+def _bound_args(site: ast.Call, func: ast.FunctionDef | ast.AsyncFunctionDef,
+                params: frozenset[str]) -> list[ast.AST]:
+    """The expressions a call of `func` passes to `params` (a method call's receiver binds
+    `self`; `*args` and `**kwargs` may bind anything)."""
+    a = func.args
+    positional = [p.arg for p in (*a.posonlyargs, *a.args)]
+    bound: list[ast.AST] = []
+    if positional[:1] in (["self"], ["cls"]) and isinstance(site.func, ast.Attribute):
+        if positional[0] in params:
+            bound.append(site.func.value)
+        positional = positional[1:]
+    for i, arg in enumerate(site.args):
+        if isinstance(arg, ast.Starred) or (i < len(positional) and positional[i] in params) \
+                or (i >= len(positional) and a.vararg is not None and a.vararg.arg in params):
+            bound.append(arg)
+    named = {*positional, *(k.arg for k in a.kwonlyargs)}
+    extra = a.kwarg is not None and a.kwarg.arg in params
+    bound.extend(k.value for k in site.keywords
+                 if k.arg is None or k.arg in params or (extra and k.arg not in named))
+    return bound
+
+
+def _shorten(text: str, limit: int = 40) -> str:
+    return text if len(text) <= limit else f"{text[:limit - 1]}…"
+
+
+def _empty_value(node: ast.AST) -> bool:
+    """`None`, `{}`, `[]`, `()`, `dict()`, `list()`: what a released reference is set to."""
+    if isinstance(node, ast.Constant):
+        return node.value is None
+    if isinstance(node, (ast.Dict, ast.List, ast.Tuple, ast.Set)):
+        return not (node.keys if isinstance(node, ast.Dict) else node.elts)
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+        and node.func.id in ("dict", "list", "tuple", "set") and not node.args \
+        and not node.keywords
 
 
 def _removes(node: ast.AST, names: set[str], iter_names: set[str]) -> bool:

@@ -14,10 +14,13 @@ from torchscope.lint.config import LintConfig, find_config, load_config
 from torchscope.lint.files import discover
 from torchscope.lint.noqa import noqa_map, suppressed
 from torchscope.lint.records import LintError, LintResult, LintViolation
-from torchscope.lint.rules import LintUsageError, resolve_codes
+from torchscope.lint.rules import RULES, LintUsageError, resolve_codes
 
-# Every rule needs one of these words in the source; files without any are only parsed.
-_TRIGGERS = ("hook", "compile", "empty_cache", "checkpoint")
+
+def _applies(source: str, codes: frozenset[str]) -> bool:
+    """Whether any enabled rule can find something in `source` (its trigger words occur)."""
+    return any(not RULES[c].triggers or any(w in source for w in RULES[c].triggers)
+               for c in codes)
 
 
 def _check(source: str, path: str, codes: frozenset[str]) -> list[LintViolation]:
@@ -25,7 +28,7 @@ def _check(source: str, path: str, codes: frozenset[str]) -> list[LintViolation]
         # Invalid escape sequences and the like are the user's linter's business, not ours.
         warnings.simplefilter("ignore")
         module = ast.parse(source, filename=path)
-    if not any(word in source for word in _TRIGGERS):
+    if not _applies(source, codes):
         return []
     found = check_tree(module, source.splitlines(), path, codes)
     if not found or "noqa" not in source.lower():

@@ -22,6 +22,8 @@ class LintViolation:
         code: rule code, e.g. `TS001`.
         message: what breaks, specific to this place.
         fix: what to do about it.
+        severity: how sure the checker is that this place is the trap: the rule's
+            severity, or lower (e.g. a hook handle discarded once at setup is `INFO`).
     """
 
     path: str
@@ -32,11 +34,7 @@ class LintViolation:
     code: str
     message: str
     fix: str
-
-    @property
-    def severity(self) -> Severity:
-        """The rule's severity."""
-        return RULES[self.code].severity
+    severity: Severity
 
     def to_finding(self) -> Finding:
         """The same violation as a generic `Finding` (`code` = `lint.TS001`)."""
@@ -89,9 +87,19 @@ class LintResult(Analyzed):
 
     @property
     def exit_code(self) -> int:
-        """0 clean, 1 violations, 2 a file could not be checked."""
-        return 2 if self.errors else 1 if self.violations else 0
+        """0 clean (info notes allowed), 1 a warning or an error, 2 a file could not be
+        checked."""
+        if self.errors:
+            return 2
+        return 1 if any(v.severity >= Severity.WARNING for v in self.violations) else 0
 
-    def counts(self) -> dict[str, int]:
-        """Violations per rule code, most frequent first."""
-        return dict(Counter(v.code for v in self.violations).most_common())
+    def counts(self, *, notes: bool | None = None) -> dict[str, int]:
+        """Violations per rule code, most frequent first.
+
+        Args:
+            notes: None counts every violation; True only info notes; False only warnings
+                and errors.
+        """
+        chosen = [v for v in self.violations
+                  if notes is None or (v.severity is Severity.INFO) == notes]
+        return dict(Counter(v.code for v in chosen).most_common())

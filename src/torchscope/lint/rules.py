@@ -1,4 +1,9 @@
-"""The rule catalog: stable codes, what each rule catches, what breaks, and the fix."""
+"""The rule catalog: stable codes, what each rule catches, what breaks, and the fix.
+
+Adding a rule: a `Rule` here (with the words a file must contain for it to apply), a
+`_tsNNN` method in `checker._Checker` called from its `run`, and a positive and a negative
+fixture in tests/lint/fixtures (the tests check that every rule has both).
+"""
 
 from __future__ import annotations
 
@@ -23,7 +28,10 @@ class Rule:
         summary: one sentence: the pattern the rule flags.
         breaks: what goes wrong at run time when the pattern runs.
         fix: the default fix; a finding may carry a more specific one.
-        severity: how much it matters.
+        severity: how much it matters where the rule is sure; a finding where it is less
+            sure carries a lower one (`LintViolation.severity`).
+        triggers: words a file must contain for the rule to find anything in it (files
+            with none of the enabled rules' words are only parsed); empty: always checked.
     """
 
     code: str
@@ -32,6 +40,7 @@ class Rule:
     breaks: str
     fix: str
     severity: Severity
+    triggers: tuple[str, ...] = ()
 
 
 RULES: dict[str, Rule] = {
@@ -48,17 +57,24 @@ RULES: dict[str, Rule] = {
             "Register the hook once before the loop and call `handle.remove()` after it (in a "
             "`finally`), or scope it with `with module.register_forward_hook(fn):`.",
             Severity.ERROR,
+            ("hook",),
         ),
         Rule(
             "TS002",
             "discarded-hook-handle",
-            "The handle returned by `register_*hook` is neither assigned nor otherwise used.",
+            "The handle returned by `register_*hook` is neither assigned nor otherwise used: "
+            "a warning where the registration runs again on the same module or tensor on "
+            "every iteration of a loop (directly, or in a function this file calls from the "
+            "loop) and for process-wide hooks (`register_module_*`); an info where it runs "
+            "once, at setup (the hook is meant to stay for the object's life).",
             "Without the handle the hook can never be removed: it stays on the module for the "
             "rest of the process, fires in every later forward or backward (evaluation "
-            "included) and keeps everything its closure references alive.",
+            "included) and keeps everything its closure references alive; registered per "
+            "step, one more such hook piles up every iteration.",
             "Keep the handle (`handle = m.register_forward_hook(fn)`) and call "
             "`handle.remove()` when done, or use `with m.register_forward_hook(fn):`.",
             Severity.WARNING,
+            ("hook",),
         ),
         Rule(
             "TS003",
@@ -70,12 +86,17 @@ RULES: dict[str, Rule] = {
             "Use `register_full_backward_hook` (same `(module, grad_input, grad_output)` "
             "signature).",
             Severity.ERROR,
+            ("backward_hook",),
         ),
         Rule(
             "TS004",
             "compile-in-loop",
-            "`torch.compile(...)` or `model.compile()` inside a loop body, or inside a function "
-            "that the same file calls from a loop.",
+            "`torch.compile(...)` or `model.compile()` that compiles the *same* model or "
+            "function again on every iteration of a loop: in the loop body, or in a function "
+            "that the same file calls from the loop with the same arguments. A loop over "
+            "distinct modules (regional compilation: `for block in model.children(): "
+            "block.compile()`) or over modes or backends compiles each once and is not "
+            "flagged.",
             "Every iteration builds a new compiled wrapper (`model = torch.compile(model)` nests "
             "one more each step) that goes through dynamo's cache and guard checks again; any "
             "guard change recompiles until the recompile limit, after which the model silently "
@@ -83,13 +104,17 @@ RULES: dict[str, Rule] = {
             "Compile once, before the loop (`model = torch.compile(model)`), and call the "
             "compiled model inside it.",
             Severity.ERROR,
+            ("compile",),
         ),
         Rule(
             "TS005",
             "empty-cache-as-fix",
-            "`torch.cuda.empty_cache()` with no preceding `del` and no `gc.collect()` in the "
-            "same block, or inside an `except torch.cuda.OutOfMemoryError` / `except "
-            "RuntimeError` handler as the out-of-memory fix.",
+            "`torch.cuda.empty_cache()` used as the out-of-memory fix: inside an `except "
+            "torch.cuda.OutOfMemoryError` / `except RuntimeError` handler, or on every "
+            "iteration of a loop with nothing released before it (no `del`, `gc.collect()`, "
+            "`x = None`). Elsewhere, with nothing released, an info. Not flagged: after "
+            "releasing references, next to loading a checkpoint or a model, or behind an "
+            "option or a schedule (`if args.empty_cache_level >= 1`, `if step % 100 == 0`).",
             "empty_cache only returns cached blocks that no tensor uses; memory still "
             "referenced is not freed, so the out-of-memory error comes back, and the next "
             "allocations pay for cudaMalloc again.",
@@ -97,6 +122,7 @@ RULES: dict[str, Rule] = {
             "except block, then retry; or need less memory (smaller batch, activation "
             "checkpointing, mixed precision).",
             Severity.WARNING,
+            ("empty_cache",),
         ),
         Rule(
             "TS006",
@@ -108,6 +134,7 @@ RULES: dict[str, Rule] = {
             "Reduce on the device inside the hook (keep tensors, `torch.stack` them) and copy "
             "to the host once per step, after the step.",
             Severity.WARNING,
+            ("hook",),
         ),
         Rule(
             "TS007",
@@ -121,6 +148,7 @@ RULES: dict[str, Rule] = {
             "Pass `use_reentrant=False` (recommended), or `use_reentrant=True` to keep the "
             "current behaviour explicitly.",
             Severity.WARNING,
+            ("checkpoint",),
         ),
     )
 }

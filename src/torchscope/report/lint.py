@@ -19,6 +19,7 @@ SARIF_SCHEMA_URI = (
     "https://docs.oasis-open.org/sarif/sarif/v2.1.0/errata01/os/schemas/sarif-schema-2.1.0.json"
 )
 _LEVEL = {Severity.ERROR: "error", Severity.WARNING: "warning", Severity.INFO: "note"}
+_STYLE = {Severity.ERROR: "bold red", Severity.WARNING: "bold yellow", Severity.INFO: "bold blue"}
 
 
 def text_lines(result: LintResult, *, show_fixes: bool = True) -> list[Text]:
@@ -28,9 +29,10 @@ def text_lines(result: LintResult, *, show_fixes: bool = True) -> list[Text]:
     """
     out: list[Text] = []
     for v in result.violations:
-        style = "bold red" if v.severity is Severity.ERROR else "bold yellow"
-        out.append(Text.assemble((f"{v.path}:{v.line}:{v.col}:", "bold"), " ", (v.code, style),
-                                 f" {v.message}"))
+        # Info notes say so in the line itself: they do not fail the run (exit 0).
+        label = " info:" if v.severity is Severity.INFO else ""
+        out.append(Text.assemble((f"{v.path}:{v.line}:{v.col}:", "bold"), " ",
+                                 (v.code, _STYLE[v.severity]), label, f" {v.message}"))
         if show_fixes:
             out.append(Text(f"    fix: {v.fix}", style="cyan"))
     for e in result.errors:
@@ -48,7 +50,16 @@ def _summary(result: LintResult) -> Text:
     if result.violations:
         n = len(result.violations)
         counts = ", ".join(f"{code} ×{k}" for code, k in result.counts().items())
-        parts.append(f"Found {n} problem{'s' if n != 1 else ''} ({counts})")
+        notes = result.counts(notes=True)
+        k = sum(notes.values())
+        if k == n:
+            parts.append(f"Found {n} info note{'s' if n != 1 else ''} ({counts})")
+        else:
+            found = f"Found {n} problem{'s' if n != 1 else ''} ({counts})"
+            if k:
+                which = ", ".join(f"{code} ×{c}" for code, c in notes.items())
+                found += f", {k} of them info ({which})"
+            parts.append(found)
     if result.errors:
         n = len(result.errors)
         parts.append(f"{n} file{'s' if n != 1 else ''} could not be checked")
