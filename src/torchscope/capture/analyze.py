@@ -146,19 +146,19 @@ def _per_module(judged: Sequence[ActivationRecord], th: ActivationThresholds) ->
         for s in (o for o in r.outputs if "float" in o.dtype or "complex" in o.dtype):
             name = (r.module or "<root>") + s.path
             all_dead = s.dead_units is not None and s.channels and s.dead_units == s.channels
-            if s.dead_units and s.channels:
-                frac = s.dead_units / s.channels
-                seen_per_channel = s.numel // s.channels
-                likely = frac >= th.dead_warn and seen_per_channel >= th.dead_min_observations
+            frac = s.dead_units / s.channels if s.dead_units and s.channels else 0.0
+            seen_per_channel = s.numel // s.channels if s.channels else 0
+            few = seen_per_channel < th.dead_min_observations
+            if frac and (frac >= th.dead_warn or not few):  # a few units on a few values: chance
+                likely = frac >= th.dead_warn and not few
                 out.append(Finding(
                     "activations.dead_units",
                     Severity.WARNING if likely else Severity.INFO,
                     f"{name} ({r.module_type}): {s.dead_units} of {s.channels} channels "
                     f"({100 * frac:.0f}%) are zero for every sample and position"
                     + ("" if likely else
-                       f" (only {seen_per_channel} values per channel: may be chance)"
-                       if seen_per_channel < th.dead_min_observations else
-                       ": possibly a loss of capacity"),
+                       f" (only {seen_per_channel} values per channel: may be chance)" if few
+                       else ": possibly a loss of capacity"),
                     {"dead": s.dead_units, "channels": s.channels, "fraction": frac,
                      "zero_frac": s.zero_frac, "values_per_channel": seen_per_channel},
                     fix="lower the learning rate or use LeakyReLU/GELU; check the init and the "

@@ -485,7 +485,14 @@ def find_dead(flow: GradFlow, thresholds: GradThresholds | None = None) -> list[
         else:
             alive_params.add(p.module)
     found = []
-    modules = [m for m in flow.layers() if m in dead_out and m not in alive_out]
+    # A module whose parameters are all frozen does not learn: a zero gradient arriving at
+    # it is no news about it (the trainable layers it passes that zero to are reported).
+    owners: dict[str, bool] = {}
+    for p in flow.params:
+        owners[p.module] = owners.get(p.module, False) or p.requires_grad
+    frozen = {m for m, trainable in owners.items() if not trainable}
+    modules = [m for m in flow.layers()
+               if m in dead_out and m not in alive_out and m not in frozen]
     modules += [m for m in dead_params if m not in alive_params and m not in modules]
     # Receives gradient but passes none down (every ReLU unit off, a zero mask): the cause.
     blockers: dict[str, str] = {}
