@@ -290,6 +290,8 @@ def _vanishing_fix(flow: GradFlow) -> str:
                  "tanh)")
     if not has_norm:
         parts.append("add normalization (BatchNorm/LayerNorm) between layers")
+    else:
+        parts.append("check that the normalization layers' gain (weight) does not start small")
     parts.append("add residual connections, or shorten the path from the loss to the first "
                  "layers")
     return "; ".join(parts) + "."
