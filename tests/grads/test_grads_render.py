@@ -36,8 +36,8 @@ def _render(renderable: object) -> str:
 
 
 def test_tables(watched: GradWatch) -> None:
-    from torchscope.report.findings import finding_lines
     from torchscope._util import fmt_num
+    from torchscope.report.findings import finding_lines
     from torchscope.report.grads import grad_table, history_table, layer_table, param_table
 
     flow = watched.last

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from torchscope._util import fit_line
 from torchscope.capture.activations import ActivationCapture
 from torchscope.capture.nonfinite import trace_nonfinite
 from torchscope.capture.records import ActivationRecord
@@ -238,7 +239,7 @@ def _scale_drift(judged: Sequence[ActivationRecord], weighted: Sequence[str],
     ratio = stds[last] / stds[first]
     if 1 / th.scale_drift < ratio < th.scale_drift:
         return []
-    r2 = _fit_r2([math.log10(stds[n]) for n in names])
+    _, r2 = fit_line(range(len(names)), [math.log10(stds[n]) for n in names])
     steady = len(names) == 2 or r2 >= th.consistency
     grows = ratio >= 1
     return [Finding(
@@ -250,15 +251,3 @@ def _scale_drift(judged: Sequence[ActivationRecord], weighted: Sequence[str],
         {"first": first, "last": last, "ratio": ratio, "layers": len(names), "r2": r2},
         fix="check weight init (kaiming/xavier for the nonlinearity) or add normalisation",
         module=last)]
-
-
-def _fit_r2(ys: Sequence[float]) -> float:
-    """R² of the least-squares line through (i, ys[i]); 0 for a flat or single point."""
-    n = len(ys)
-    if n < 2:
-        return 0.0
-    mx, my = (n - 1) / 2, math.fsum(ys) / n
-    sxx = math.fsum((i - mx) ** 2 for i in range(n))
-    sxy = math.fsum((i - mx) * (y - my) for i, y in enumerate(ys))
-    syy = math.fsum((y - my) ** 2 for y in ys)
-    return sxy * sxy / (sxx * syy) if syy > 0 else 0.0

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from torchscope._util import fit_line
 from torchscope.errors import TorchscopeError
 from torchscope.findings import Finding, Severity, analyzer, rank
 from torchscope.grads.flow import GradWatch
@@ -215,13 +216,7 @@ class DepthProfile:
         if len(pts) < 2:
             return None
         xs = [float(i) for i, _ in pts]
-        ys = [math.log10(u.measure(which) or 1.0) for _, u in pts]
-        mx, my = math.fsum(xs) / len(xs), math.fsum(ys) / len(ys)
-        sxx = math.fsum((x - mx) ** 2 for x in xs)
-        sxy = math.fsum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True))
-        syy = math.fsum((y - my) ** 2 for y in ys)
-        slope = sxy / sxx
-        r2 = (sxy * sxy) / (sxx * syy) if syy > 0 else 0.0
+        slope, r2 = fit_line(xs, [math.log10(u.measure(which) or 1.0) for _, u in pts])
         span = xs[-1] - xs[0]
         return Trend(which, len(pts), pts[0][1].name, pts[-1][1].name, 10.0 ** slope,
                      10.0 ** (slope * span), r2)
