@@ -245,8 +245,9 @@ def depth_profile(flow: GradFlow) -> DepthProfile:
     groups: dict[str, list[LayerGrads]] = {}
     layers = sorted((lg for lg in flow.layer_grads() if lg.order is not None),
                     key=lambda lg: lg.order or 0)
+    dims = {p.name: len(p.shape) for p in flow.params}
     for lg in layers:
-        if not lg.params or not any(len(flow.param(p).shape) >= 2 for p in lg.params):
+        if not any(dims[p] >= 2 for p in lg.params):  # no weight matrix (norms, biases only)
             continue
         if "Embedding" in lg.module_type:
             excluded.append((lg.module, "embedding"))
