@@ -1,5 +1,5 @@
-"""Neutral helpers every layer may use: number formatting for messages and tables, and
-turning records into JSON-ready data.
+"""Neutral helpers every layer may use: number formatting for messages and tables,
+turning records into JSON-ready data, and the line fit that trend findings share.
 
 This module imports nothing from torchscope, so analyzers (which word their findings with
 `fmt_bytes`) and renderers (which print tables) share one formatter without an analyzer
@@ -12,14 +12,15 @@ import dataclasses
 import enum
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "__version__", "fmt_bytes", "fmt_num", "fmt_pct", "fmt_shape", "to_jsonable", "write_json",
+    "__version__", "fit_line", "fmt_bytes", "fmt_num", "fmt_pct", "fmt_shape", "to_jsonable",
+    "write_json",
 ]
 
 
@@ -56,6 +57,25 @@ def fmt_bytes(n: float | None) -> str:
 def fmt_shape(shape: tuple[int, ...]) -> str:
     """`(32, 8, 30, 30)`."""
     return "(" + ", ".join(map(str, shape)) + ")"
+
+
+def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """Least-squares line through the points: (slope, R²).
+
+    R² is the share of the variance of `ys` the line explains: 1 when the points lie on it,
+    0 when they scatter around a flat line (and for flat or fewer than two points, whose
+    slope is 0 too).
+    """
+    n = len(xs)
+    if n < 2:
+        return 0.0, 0.0
+    mx, my = math.fsum(xs) / n, math.fsum(ys) / n
+    sxx = math.fsum((x - mx) ** 2 for x in xs)
+    sxy = math.fsum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True))
+    syy = math.fsum((y - my) ** 2 for y in ys)
+    if sxx == 0:
+        return 0.0, 0.0
+    return sxy / sxx, (sxy * sxy / (sxx * syy) if syy > 0 else 0.0)
 
 
 def to_jsonable(obj: Any) -> Any:

@@ -39,7 +39,8 @@ class Finding:
     Attributes:
         code: stable identifier, `area.what` (e.g. `grads.vanishing`, `memory.checkpoint_plan`).
         severity: how much it matters.
-        summary: one plain sentence, e.g. "conv1 receives 67× less gradient than fc".
+        summary: one plain sentence, e.g. "conv1 (ReLU): 7 of 8 channels (88%) are zero for every
+            sample and position".
         evidence: the numbers behind it, by name (unformatted).
         fix: what to do about it; empty when nothing needs doing.
         module: the module it concerns, when there is one.

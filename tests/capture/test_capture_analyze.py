@@ -129,11 +129,30 @@ def test_dead_units_scale_drift_and_near_overflow() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU())
     with torch.no_grad():
-        model[0].bias[:2].fill_(-1e3)  # channels 0 and 1 never fire
+        model[0].bias[:3].fill_(-1e3)  # channels 0, 1 and 2 never fire
     dead = next(f for f in capture_activations(model, torch.randn(4, 3, 8, 8)).findings()
                 if f.code == "activations.dead_units")
-    assert dead.module == "1" and dead.evidence["dead"] == 2 and dead.evidence["channels"] == 4
-    assert dead.severity == Severity.WARNING  # half the channels
+    assert dead.module == "1" and dead.evidence["dead"] == 3 and dead.evidence["channels"] == 4
+    assert dead.evidence["values_per_channel"] == 4 * 6 * 6
+    assert dead.severity == Severity.WARNING  # three quarters of the channels
+    with torch.no_grad():
+        model[0].bias[2].fill_(1.0)
+    half = next(f for f in capture_activations(model, torch.randn(4, 3, 8, 8)).findings()
+                if f.code == "activations.dead_units")
+    # Half the units: what a layer whose input shrank to its biases shows; possible only.
+    assert half.evidence["dead"] == 2 and half.severity == Severity.INFO
+    assert half.summary.endswith("possibly a loss of capacity")
+    # Seven dead of eight, but over 2 values per channel: may be chance, info.
+    lin = nn.Sequential(nn.Linear(3, 8), nn.ReLU())
+    with torch.no_grad():
+        lin[0].bias[:7].fill_(-1e3)
+    (few,) = [f for f in capture_activations(lin, torch.randn(2, 3)).findings()
+              if f.code == "activations.dead_units"]
+    assert few.evidence["dead"] == 7 and few.severity == Severity.INFO
+    assert "(only 2 values per channel: may be chance)" in few.summary
+    (many,) = [f for f in capture_activations(lin, torch.randn(8, 3)).findings()
+               if f.code == "activations.dead_units"]
+    assert many.severity == Severity.WARNING
 
     deep = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
     with torch.no_grad():

@@ -20,8 +20,10 @@ def test_bfloat16_model_norms_in_float32() -> None:
     flow = gradient_flow(model, x, loss_fn="sum")
     assert flow.get("0").grad_output[0].dtype == "torch.bfloat16"
     for p in flow.params:
-        want = dict(model.named_parameters())[p.name].grad.float().norm().item()
-        assert math.isclose(p.norm, want, rel_tol=1e-6)
+        param = dict(model.named_parameters())[p.name]
+        assert math.isclose(p.norm, param.grad.float().norm().item(), rel_tol=1e-6)
+        # ‖w‖ is summed in float32 too: the relative gradient is no bfloat16 rounding.
+        assert math.isclose(p.weight_norm, param.detach().float().norm().item(), rel_tol=1e-6)
 
 
 @needs_cuda
@@ -69,3 +71,24 @@ def test_sparse_embedding_gradient() -> None:
     # clip_grad_norm_ has no sparse kernel; the same total, written out:
     dense = model[1].weight.grad.norm() ** 2 + model[1].bias.grad.norm() ** 2
     assert math.isclose(flow.total_norm, math.sqrt(want**2 + dense.item()), rel_tol=1e-6)
+
+
+@needs_cuda
+def test_cuda_weight_norms_and_update_ratio() -> None:
+    model = TinyCNN().cuda()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x = torch.randn(8, 3, 16, 16, device="cuda")
+    y = torch.randint(0, 10, (8,), device="cuda")
+    with watch_gradients(model, optimizer=opt) as watch:
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        opt.step()
+    flow = watch.last
+    assert flow is not None
+    for rec in flow.params:
+        after = dict(model.named_parameters())[rec.name].detach()
+        assert rec.weight_norm == pytest.approx(before[rec.name].norm().item(), rel=1e-6)
+        assert rec.update_norm == (before[rec.name] - after).norm().item()
+        # Adam's first step moves every element by about the learning rate.
+        assert rec.update_norm == pytest.approx(1e-3 * math.sqrt(after.numel()), rel=0.05)

@@ -178,9 +178,14 @@ def test_frozen_and_unreached() -> None:
     assert _close(flow.total_norm, total.item())
     from torchscope.grads.analyze import find_unreached
 
-    (finding,) = find_unreached(flow)
-    assert "aux" in str(finding.evidence["modules"]) and "unused" in str(
-        finding.evidence["modules"])
+    # One finding per module the loss does not reach; the frozen stem is none of them.
+    found = {f.module: f for f in find_unreached(flow)}
+    assert set(found) == {"aux", "unused"}
+    assert found["aux"].evidence["reason"] == NOT_REACHED
+    assert found["unused"].evidence["params"] == 2
+    codes = {(f.code, f.module) for f in flow.findings()}
+    assert ("grads.frozen", "stem") in codes
+    assert not any(m == "stem" for c, m in codes if c in ("grads.dead", "grads.unreached"))
 
 
 def test_checkpointed_block_records_once() -> None:
@@ -213,13 +218,23 @@ def test_tiny_gpt2_gradients_bitwise_identical(tiny_gpt2) -> None:
     assert flow.modules[0].module == "lm_head"
     wte = flow.get("transformer.wte")
     assert wte.grad_input[0].reason == INPUT_NO_GRAD and wte.reached
-    # Tied lm_head/wte weight is counted once, as clip_grad_norm_ does.
+    # Tied lm_head/wte weight: named under both modules, the second as tied to the first,
+    # and counted once in the total, as clip_grad_norm_ does.
+    assert model.lm_head.weight is model.transformer.wte.weight
     assert sum(p.name.endswith("wte.weight") for p in flow.params) == 1
+    assert flow.tied() == {"lm_head.weight": "transformer.wte.weight"}
+    head, wte_w = flow.param("lm_head.weight"), flow.param("transformer.wte.weight")
+    assert head.module == "lm_head" and wte_w.tied_to is None
+    assert head.norm == wte_w.norm and head.weight_norm == wte_w.weight_norm
+    assert flow.param_norms()["lm_head"] == wte_w.norm  # lm_head shows its gradient
     total = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
     assert _close(flow.total_norm, total.item())
     for rec in flow.params:
         if rec.norm is not None:
-            assert _close(rec.norm, before[rec.name].norm().item()), rec.name
+            name = rec.tied_to or rec.name
+            assert _close(rec.norm, before[name].norm().item()), rec.name
+            w = dict(model.named_parameters())[name]
+            assert rec.weight_norm == pytest.approx(w.detach().norm().item(), rel=1e-6)
     assert audit_hooks(model, include_global=False).local_total == 0
 
 

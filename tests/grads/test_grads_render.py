@@ -36,8 +36,9 @@ def _render(renderable: object) -> str:
 
 
 def test_tables(watched: GradWatch) -> None:
+    from torchscope._util import fmt_num
     from torchscope.report.findings import finding_lines
-    from torchscope.report.grads import grad_table, history_table, param_table
+    from torchscope.report.grads import grad_table, history_table, layer_table, param_table
 
     flow = watched.last
     assert flow is not None
@@ -48,7 +49,13 @@ def test_tables(watched: GradWatch) -> None:
     assert "weight=" in text and "bias=" in text
     assert "None (input does not require grad)" in text
     assert "total norm (as clip_grad_norm_)" in text
-    assert "conv1.weight" in _render(param_table(flow))
+    params = _render(param_table(flow))
+    assert "conv1.weight" in params and "‖g‖/‖w‖" in params and "‖Δw‖/‖w‖" in params
+    layers = _render(layer_table(flow))
+    rows = {ln.split("│")[1].strip(): ln for ln in layers.splitlines() if "│" in ln}
+    conv1 = next(lg for lg in flow.layer_grads() if lg.module == "conv1")
+    assert fmt_num(conv1.relative) in rows["conv1"] and fmt_num(conv1.update_ratio) in rows[
+        "conv1"]
     hist = _render(history_table(watched.history))
     assert "step 0" in hist and "step 4" in hist and "total" in hist
     assert all(ln.startswith("[") for ln in finding_lines(watched.findings()))
@@ -60,9 +67,15 @@ def test_plots_png_and_svg(watched: GradWatch, tmp_path: Path) -> None:
     flow = watched.last
     assert flow is not None
     fig = plot_gradient_flow(flow)
-    ax = fig.axes[0]
-    assert ax.get_yscale() == "log"
-    assert [t.get_text() for t in ax.get_xticklabels()] == ["conv1", "relu", "conv2", "pool", "fc"]
+    ax_rel, ax_rms = fig.axes[:2]
+    assert ax_rel.get_xscale() == "log" and ax_rms.get_xscale() == "log"
+    # Full names, input at the top.
+    assert [t.get_text() for t in ax_rel.get_yticklabels()] == ["conv1", "relu", "conv2",
+                                                                 "pool", "fc"]
+    bars = {name: p.get_width() for name, p in zip(["conv1", "relu", "conv2", "pool", "fc"],
+                                                    ax_rel.patches, strict=True)}
+    by_module = {lg.module: lg for lg in flow.layer_grads()}
+    assert bars["conv1"] == by_module["conv1"].relative and bars["relu"] == 0.0
     png = save_figure(fig, tmp_path / "flow.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     svg = save_figure(plot_grad_heatmap(watched.history), tmp_path / "heat.svg")

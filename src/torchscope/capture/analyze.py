@@ -6,6 +6,10 @@ or not, one forward or many. It flags what an experienced user looks for first: 
 that makes the first NaN/Inf (in the first forward that had one), and, in the last forward,
 dead ReLU channels, outputs that do not vary, all-zero ReLU outputs, values near the dtype's
 overflow or merely large, and activation scale drifting across the weighted layers.
+
+Severity says how sure the finding is; docs/diagnosis.md gives each criterion and why the
+thresholds sit where they do (checked against healthy initialisations of real
+architectures in tests/zoo).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from torchscope._util import fit_line
 from torchscope.capture.activations import ActivationCapture
 from torchscope.capture.nonfinite import trace_nonfinite
 from torchscope.capture.records import ActivationRecord
@@ -30,20 +35,31 @@ class ActivationThresholds:
 
     Attributes:
         dead_warn: fraction of dead channels from which a dead-unit finding is a warning
-            (any dead channel is reported; below this it is info).
+            (any dead channel is reported; below this it is info). Where a layer's input
+            has shrunk to its biases (a deep ReLU stack under PyTorch's default init), each
+            unit's sign is set by its bias and about half the units never fire: only well
+            beyond that half is a layer likely dying.
+        dead_min_observations: values per channel (samples × positions) a warning needs: a
+            healthy unit that fires half the time is all-zero on n values with probability
+            2**-n, so fewer than 8 values say little.
         mostly_zero: zero fraction of a ReLU-family output reported as mostly zero.
         large_abs: absolute value above which an output is reported as large.
         low_precision_headroom: fraction of a 16-bit dtype's max above which an output is
             reported as near overflow.
-        scale_drift: ratio of output std between the first and last weighted layers that is
-            reported as scale drift (either direction).
+        scale_drift: ratio of output std between the first and last weighted layers
+            (embeddings left out) that is reported as scale drift, either direction.
+        consistency: smallest R² of the log-linear fit of std against depth for a drift
+            across three or more layers to be a likely (warning) one; a drift between the
+            ends without a steady trend is possible (info).
     """
 
-    dead_warn: float = 0.25
+    dead_warn: float = 0.75
+    dead_min_observations: int = 8
     mostly_zero: float = 0.95
     large_abs: float = 1e4
     low_precision_headroom: float = 0.5
     scale_drift: float = 100.0
+    consistency: float = 0.75
 
 
 def leaf_modules(records: Iterable[ActivationRecord]) -> frozenset[str]:
@@ -123,6 +139,7 @@ def _nonfinite(records: Sequence[ActivationRecord]) -> list[Finding]:
 def _per_module(judged: Sequence[ActivationRecord], th: ActivationThresholds) -> list[Finding]:
     out: list[Finding] = []
     seen: set[str] = set()
+    large: list[tuple[str, ActivationRecord, float, float]] = []  # (name, record, peak, std)
     for r in judged:
         if r.module in seen:  # judge each module on its first call only
             continue
@@ -130,17 +147,24 @@ def _per_module(judged: Sequence[ActivationRecord], th: ActivationThresholds) ->
         for s in (o for o in r.outputs if "float" in o.dtype or "complex" in o.dtype):
             name = (r.module or "<root>") + s.path
             all_dead = s.dead_units is not None and s.channels and s.dead_units == s.channels
-            if s.dead_units and s.channels:
-                frac = s.dead_units / s.channels
+            frac = s.dead_units / s.channels if s.dead_units and s.channels else 0.0
+            seen_per_channel = s.numel // s.channels if s.channels else 0
+            few = seen_per_channel < th.dead_min_observations
+            if frac and (frac >= th.dead_warn or not few):  # a few units on a few values: chance
+                likely = frac >= th.dead_warn and not few
                 out.append(Finding(
                     "activations.dead_units",
-                    Severity.WARNING if frac >= th.dead_warn else Severity.INFO,
+                    Severity.WARNING if likely else Severity.INFO,
                     f"{name} ({r.module_type}): {s.dead_units} of {s.channels} channels "
-                    f"({100 * frac:.0f}%) are zero for every sample and position",
+                    f"({100 * frac:.0f}%) are zero for every sample and position"
+                    + ("" if likely else
+                       f" (only {seen_per_channel} values per channel: may be chance)" if few
+                       else ": possibly a loss of capacity"),
                     {"dead": s.dead_units, "channels": s.channels, "fraction": frac,
-                     "zero_frac": s.zero_frac},
+                     "zero_frac": s.zero_frac, "values_per_channel": seen_per_channel},
                     fix="lower the learning rate or use LeakyReLU/GELU; check the init and the "
-                        "bias of the layer before it",
+                        "bias of the layer before it (Kaiming init keeps a deep ReLU stack's "
+                        "inputs from shrinking to its biases)",
                     module=r.module))
             elif s.dead_units is not None and s.zero_frac >= th.mostly_zero:
                 out.append(Finding(
@@ -169,13 +193,21 @@ def _per_module(judged: Sequence[ActivationRecord], th: ActivationThresholds) ->
                     fix="keep this op in float32 (autocast excludes it) or rescale its input",
                     module=r.module))
             elif peak >= th.large_abs:
-                out.append(Finding(
-                    "activations.large", Severity.WARNING,
-                    f"{name} ({r.module_type}) outputs values up to {peak:.3g}",
-                    {"max_abs": peak, "std": s.std},
-                    fix="normalise the input or add a normalisation layer; large activations "
-                        "overflow in fp16 and slow training",
-                    module=r.module))
+                large.append((name, r, peak, s.std))
+    if large:
+        # One finding where the values first get large (forward order); the modules after it
+        # that carry them on are counted, not repeated.
+        name, r, peak, std = large[0]
+        top = max(p for _, _, p, _ in large)
+        out.append(Finding(
+            "activations.large", Severity.WARNING,
+            f"{name} ({r.module_type}) outputs values up to {peak:.3g}"
+            + (f"; {len(large) - 1} later module(s) too, up to {top:.3g}" if len(large) > 1
+               else ""),
+            {"max_abs": peak, "std": std, "later_modules": len(large) - 1, "largest": top},
+            fix="normalise the input or add a normalisation layer; large activations "
+                "overflow in fp16 and slow training",
+            module=r.module))
     return out
 
 
@@ -187,10 +219,16 @@ def _low_precision_max(dtype: str) -> float | None:
 
 def _scale_drift(judged: Sequence[ActivationRecord], weighted: Sequence[str],
                  th: ActivationThresholds) -> list[Finding]:
-    """Output std of the last weighted layer over that of the first, when measurable."""
+    """Output std of the last weighted layer over that of the first, when measurable.
+
+    Embeddings are left out: a lookup's output scale is its init's, unrelated to depth. A
+    drift between two layers, or a steady one (a log-linear fit with R² >= `consistency`)
+    across more, is a warning; a drift between the ends with scatter in between is info.
+    """
     stds: dict[str, float] = {}
     for r in judged:
-        if r.module in weighted and r.module not in stds and r.output is not None:
+        if r.module in weighted and r.module not in stds and r.output is not None and \
+                "Embedding" not in r.module_type:
             s = r.output
             if s.finite and s.std > 0 and math.isfinite(s.std):
                 stds[r.module] = s.std
@@ -201,11 +239,15 @@ def _scale_drift(judged: Sequence[ActivationRecord], weighted: Sequence[str],
     ratio = stds[last] / stds[first]
     if 1 / th.scale_drift < ratio < th.scale_drift:
         return []
+    _, r2 = fit_line(range(len(names)), [math.log10(stds[n]) for n in names])
+    steady = len(names) == 2 or r2 >= th.consistency
     grows = ratio >= 1
     return [Finding(
-        "activations.scale_drift", Severity.WARNING,
-        f"activation std {'grows' if grows else 'shrinks'} "
-        f"{ratio if grows else 1 / ratio:.0f}× from {first} to {last}",
-        {"first": first, "last": last, "ratio": ratio},
+        "activations.scale_drift", Severity.WARNING if steady else Severity.INFO,
+        f"{'' if steady else 'possible drift: '}activation std "
+        f"{'grows' if grows else 'shrinks'} {ratio if grows else 1 / ratio:.0f}× from {first} "
+        f"to {last}" + ("" if len(names) == 2 else f" over {len(names)} weighted layers (fit "
+                        f"R² {r2:.2f})"),
+        {"first": first, "last": last, "ratio": ratio, "layers": len(names), "r2": r2},
         fix="check weight init (kaiming/xavier for the nonlinearity) or add normalisation",
         module=last)]

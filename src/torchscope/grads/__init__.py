@@ -6,8 +6,12 @@ One step (a `Step`, or a model with its inputs and loss):
     flow.modules          # per call, backward order: grad_output / grad_input norms
     flow.params           # per parameter: .grad norm, or why there is none
     flow.total_norm       # what clip_grad_norm_ returns
+    flow.layer_grads()    # per module: gradient RMS, relative gradient ‖g‖/‖w‖, update ratio
     flow.step             # the step that ran: loss (and its value), optimizer, AMP
     flow.findings()       # vanishing / exploding / dead / NaN findings (`diagnose`)
+
+Vanishing and exploding are judged on scale-free measures across depth (`depth_profile`);
+docs/diagnosis.md gives every criterion and where it comes from.
 
 A training loop (samples on optimizer steps, keeps norms only):
 
@@ -20,11 +24,12 @@ modules, frozen parameters and modules the loss does not reach, and leaves every
 bitwise unchanged.
 """
 
-from torchscope.grads.analyze import GradThresholds, diagnose, layer_norms
+from torchscope.grads.analyze import GradThresholds, depth_profile, diagnose, layer_norms
 from torchscope.grads.flow import GradWatch, gradient_flow, watch_gradients
 from torchscope.grads.records import (
     GradFlow,
     GradHistory,
+    LayerGrads,
     ModuleGradRecord,
     ParamGradRecord,
     TensorGrad,
@@ -35,9 +40,11 @@ __all__ = [
     "GradHistory",
     "GradThresholds",
     "GradWatch",
+    "LayerGrads",
     "ModuleGradRecord",
     "ParamGradRecord",
     "TensorGrad",
+    "depth_profile",
     "diagnose",
     "gradient_flow",
     "layer_norms",

@@ -2,70 +2,114 @@
 
 `diagnose` is the analyzer of `GradFlow` and `diagnose_watch` that of `GradWatch`; read them
 as `flow.findings()` and `watch.findings()`.
+
+Vanishing and exploding are judged on scale-free measures across depth (`depth_profile`),
+never on raw norms of tensors of different sizes: a 10-100x spread between a head and a stem
+is ordinary at initialisation. docs/diagnosis.md gives every criterion and its source.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from torchscope._util import fit_line
 from torchscope.errors import TorchscopeError
 from torchscope.findings import Finding, Severity, analyzer, rank
 from torchscope.grads.flow import GradWatch
-from torchscope.grads.records import NO_GRAD, NOT_REACHED, GradFlow, GradHistory
+from torchscope.grads.records import (
+    NO_GRAD,
+    NOT_REACHED,
+    GradFlow,
+    GradHistory,
+    LayerGrads,
+    combine_norms,
+    ratio,
+    rms,
+)
 
 __all__ = [
+    "DepthProfile",
+    "DepthUnit",
     "GradThresholds",
+    "Trend",
+    "depth_profile",
     "diagnose",
     "diagnose_history",
     "diagnose_watch",
     "find_dead",
     "find_exploding",
+    "find_frozen",
     "find_nonfinite",
     "find_unreached",
+    "find_update_ratio",
     "find_vanishing",
     "layer_norms",
 ]
 
 Metric = Literal["grad_output", "params"]
+Measure = Literal["relative", "rms", "output_rms"]
+
+# Activations whose derivative is at most 1/4 (sigmoid) or 1 (tanh) and tends to 0 when they
+# saturate: the classic cause of vanishing gradients (Glorot & Bengio 2010).
+_SATURATING = frozenset({"Sigmoid", "Tanh", "Hardsigmoid", "Hardtanh", "Softsign", "LogSigmoid"})
 
 
 @dataclass(frozen=True)
 class GradThresholds:
-    """Where the diagnosis draws its lines.
+    """Where the diagnosis draws its lines (docs/diagnosis.md says why each is where it is).
 
     Attributes:
-        vanishing_ratio: nearest-to-loss layer norm / farthest layer norm at or above which
-            gradients are called vanishing (warning).
-        vanishing_error_ratio: the same ratio for an error.
-        exploding_ratio: farthest / nearest at or above which gradients grow toward the
-            input (warning).
-        exploding_norm: a total or per-layer norm above this is exploding (warning).
+        possible: change across depth (the fitted factor between the nearest and the
+            farthest position, see `Trend`) from which a trend is reported as possible
+            (info).
+        likely: the change from which it is likely (warning).
+        severe: the change from which the first layers effectively stop learning (error).
+        consistency: smallest R² of the log-linear fit for a change to count as a steady
+            geometric trend.
+        min_positions: depth positions a trend needs (the one nearest the loss is left
+            out, see `depth_profile`).
+        bottleneck: ratio between the largest measure and a smaller one farther from the
+            loss, in both parameter measures, reported as a possible bottleneck when the
+            decay is not steady.
+        exploding_norm: a total gradient norm above this is exploding (warning).
         exploding_error_norm: the same for an error.
         dead_norm: a gradient whose norm is at most this counts as all-zero.
         growth_ratio: in a history, last / first total norm at or above which the norm is
             growing out of bounds.
-        metric: per-layer number compared: "grad_output" (gradient arriving at the layer)
-            or "params" (the layer's own parameter gradients).
+        update_high: median update ratio ‖Δw‖/‖w‖ over the layers from which the step
+            likely moves the weights too far (warning); about 1e-3 is the usual figure.
+        update_elevated: the median update ratio reported as possibly high (info).
+        update_low: the median update ratio below which the step possibly barely moves
+            the weights (info).
     """
 
-    vanishing_ratio: float = 10.0
-    vanishing_error_ratio: float = 1000.0
-    exploding_ratio: float = 10.0
+    possible: float = 10.0
+    likely: float = 100.0
+    severe: float = 1e5
+    consistency: float = 0.75
+    min_positions: int = 3
+    bottleneck: float = 1e3
     exploding_norm: float = 1e3
     exploding_error_norm: float = 1e6
     dead_norm: float = 0.0
     growth_ratio: float = 100.0
-    metric: Metric = "grad_output"
+    update_high: float = 1e-1
+    update_elevated: float = 1e-2
+    update_low: float = 1e-5
 
 
 def _times(ratio: float) -> str:
+    if ratio >= 1e4:
+        return f"{ratio:.1e}×".replace("e+0", "e").replace("e+", "e")
     return f"{ratio:.0f}×" if ratio >= 10 else f"{ratio:.1f}×"
 
 
 def layer_norms(flow: GradFlow, metric: Metric = "grad_output") -> list[tuple[str, float]]:
-    """Per-layer norms in backward order (nearest the loss first), finite and positive only.
+    """Raw per-layer norms in backward order (nearest the loss first), finite and positive
+    only: for display. The diagnosis compares scale-free measures instead (`depth_profile`).
 
     Layers are the recorded modules that own parameters, or every recorded module when
     none does. "grad_output" combines all calls and micro-batches of a module; "params"
@@ -92,74 +136,332 @@ def layer_norms(flow: GradFlow, metric: Metric = "grad_output") -> list[tuple[st
     return out
 
 
+# ---------------------------------------------------------------------- depth profile
+@dataclass(frozen=True)
+class DepthUnit:
+    """One position in depth: a repeated block (`model.layers.3`) or a single module.
+
+    Attributes:
+        name: the block's or module's qualified name.
+        modules: the weighted modules it holds, in backward order.
+        relative: `‖g‖/‖w‖` of their weight matrices together.
+        rms: RMS of their weight matrices' gradients together.
+        output_rms: RMS of the gradient arriving at their outputs together.
+    """
+
+    name: str
+    modules: tuple[str, ...]
+    relative: float | None
+    rms: float | None
+    output_rms: float | None
+
+    def measure(self, which: Measure) -> float | None:
+        """One of the measures by name, only when finite and positive (a log is taken)."""
+        v = {"relative": self.relative, "rms": self.rms, "output_rms": self.output_rms}[which]
+        return v if v is not None and math.isfinite(v) and v > 0 else None
+
+
+@dataclass(frozen=True)
+class Trend:
+    """A log-linear fit of one measure against depth, from near the loss toward the input.
+
+    Attributes:
+        measure: "relative", "rms" or "output_rms".
+        positions: how many positions were fitted.
+        first: the fitted position nearest the loss.
+        last: the fitted position farthest from it (nearest the input).
+        per_position: fitted factor from one position to the next toward the input (< 1
+            shrinks, > 1 grows).
+        change: fitted factor from `first` to `last`: `per_position ** (positions - 1)`.
+        r2: coefficient of determination of the fit of log10(measure): 1 for a steady
+            geometric trend, near 0 when the values scatter around a flat line.
+    """
+
+    measure: str
+    positions: int
+    first: str
+    last: str
+    per_position: float
+    change: float
+    r2: float
+
+    @property
+    def decay(self) -> float:
+        """How many times smaller the measure ends than it starts (1/change)."""
+        return 1.0 / self.change
+
+    def steady(self, consistency: float) -> bool:
+        """Whether the trend is a steady geometric one (R² at least `consistency`)."""
+        return self.r2 >= consistency
+
+
+@dataclass(frozen=True)
+class DepthProfile:
+    """The measures across depth that vanishing and exploding are judged on.
+
+    Attributes:
+        units: depth positions in backward order (0 is nearest the loss).
+        body: the positions fitted: every unit but the one nearest the loss (a classifier or
+            LM head routinely gets 10-1000x the body's relative gradient at initialisation).
+        excluded: modules left out of the profile and why (embeddings, tied weights).
+    """
+
+    units: tuple[DepthUnit, ...]
+    body: tuple[DepthUnit, ...]
+    excluded: tuple[tuple[str, str], ...]
+
+    def trend(self, which: Measure) -> Trend | None:
+        """The fit of one measure over the body; None with fewer than two values."""
+        pts = [(i, u) for i, u in enumerate(self.body) if u.measure(which) is not None]
+        if len(pts) < 2:
+            return None
+        xs = [float(i) for i, _ in pts]
+        slope, r2 = fit_line(xs, [math.log10(u.measure(which) or 1.0) for _, u in pts])
+        span = xs[-1] - xs[0]
+        return Trend(which, len(pts), pts[0][1].name, pts[-1][1].name, 10.0 ** slope,
+                     10.0 ** (slope * span), r2)
+
+
+def _unit_name(module: str) -> str:
+    """The repeated block a module belongs to: its name up to the last numeric component
+    (`model.layers.3.mlp.up_proj` -> `model.layers.3`); the module itself without one."""
+    parts = module.split(".")
+    idx = [i for i, p in enumerate(parts) if p.isdigit()]
+    return ".".join(parts[: idx[-1] + 1]) if idx else module
+
+
+def depth_profile(flow: GradFlow) -> DepthProfile:
+    """Scale-free gradient measures per depth position, in backward order.
+
+    The layers are the reached modules with weight matrices or kernels (Linear, Conv,
+    GPT-2's Conv1D, ...); embeddings are left out (a lookup's gradient touches only the rows
+    of the tokens in the batch, so its RMS says how many rows were used), and so are tied
+    weights (used at two depths at once). Layers of one repeated block (a name with an
+    index, `encoder.layer.3.*`) make one position, their measures combined over all their
+    matrices: so the attention query/key projections, whose gradients are small at
+    initialisation while the attention is near uniform, do not pass for a vanishing layer.
+    """
+    excluded: list[tuple[str, str]] = []
+    groups: dict[str, list[LayerGrads]] = {}
+    layers = sorted((lg for lg in flow.layer_grads() if lg.order is not None),
+                    key=lambda lg: lg.order or 0)
+    dims = {p.name: len(p.shape) for p in flow.params}
+    for lg in layers:
+        if not any(dims[p] >= 2 for p in lg.params):  # no weight matrix (norms, biases only)
+            continue
+        if "Embedding" in lg.module_type:
+            excluded.append((lg.module, "embedding"))
+            continue
+        if lg.tied:
+            excluded.append((lg.module, "tied weight"))
+            continue
+        groups.setdefault(_unit_name(lg.module), []).append(lg)
+    units = []
+    for name, lgs in groups.items():
+        g = combine_norms(lg.grad_norm for lg in lgs)
+        w = combine_norms(lg.weight_norm for lg in lgs) \
+            if all(lg.weight_norm is not None for lg in lgs) else None
+        o = combine_norms(lg.output_norm for lg in lgs)
+        units.append(DepthUnit(
+            name, tuple(lg.module for lg in lgs), ratio(g, w),
+            rms(g, sum(lg.numel for lg in lgs)),
+            rms(o, sum(lg.output_numel for lg in lgs if lg.output_norm is not None))))
+    return DepthProfile(tuple(units), tuple(units[1:]), tuple(excluded))
+
+
+# ---------------------------------------------------------------------- advice
+def _model_kinds(flow: GradFlow) -> tuple[frozenset[str], bool]:
+    """The saturating activations the step ran through, and whether it has norm layers."""
+    types = {r.module_type for r in flow.modules}
+    return frozenset(types & _SATURATING), any("Norm" in t for t in types)
+
+
+def _vanishing_fix(flow: GradFlow) -> str:
+    saturating, has_norm = _model_kinds(flow)
+    parts = []
+    if saturating:
+        parts.append(f"replace the saturating {'/'.join(sorted(saturating))} between layers "
+                     "with ReLU/GELU-family activations")
+    parts.append("initialise for the activation (Kaiming for ReLU-family, Xavier/Glorot for "
+                 "tanh)")
+    if not has_norm:
+        parts.append("add normalization (BatchNorm/LayerNorm) between layers")
+    else:
+        parts.append("check that the normalization layers' gain (weight) does not start small")
+    parts.append("add residual connections, or shorten the path from the loss to the first "
+                 "layers")
+    return "; ".join(parts) + "."
+
+
+def _exploding_fix(flow: GradFlow) -> str:
+    _, has_norm = _model_kinds(flow)
+    parts = ["clip with torch.nn.utils.clip_grad_norm_ (max_norm around 1.0)",
+             "lower the init scale (Kaiming/Xavier: std = gain/sqrt(fan_in))"]
+    if not has_norm:
+        parts.append("add normalization layers")
+    parts.append("lower the learning rate")
+    return "; ".join(parts) + "."
+
+
+def _certainty(change: float, t: GradThresholds) -> tuple[Severity, str] | None:
+    if change >= t.severe:
+        return Severity.ERROR, "severe"
+    if change >= t.likely:
+        return Severity.WARNING, "likely"
+    if change >= t.possible:
+        return Severity.INFO, "possible"
+    return None
+
+
+def _trend_evidence(tr: Trend) -> dict[str, float | int | str | bool | None]:
+    return {f"{tr.measure}_change": tr.change, f"{tr.measure}_per_layer": tr.per_position,
+            f"{tr.measure}_r2": tr.r2}
+
+
+# ---------------------------------------------------------------------- findings
 def find_vanishing(flow: GradFlow, thresholds: GradThresholds | None = None) -> list[Finding]:
-    """Gradients that shrink from the layer nearest the loss to the farthest one."""
+    """Parameter gradients that shrink toward the input, judged on the relative gradient
+    ‖g‖/‖w‖ and the gradient RMS of each depth position (`depth_profile`).
+
+    Likely (warning) when both fall steadily (a log-linear fit with R² >= `consistency`)
+    by `likely` or more over at least `min_positions` positions; possible (info) from
+    `possible`; error from `severe`. Without a steady trend, a position `bottleneck` times
+    below a nearer one in both measures is a possible bottleneck (info). The backward
+    signal (grad_output) is not judged here: it legitimately shrinks through pooling and
+    default inits while the weights' inputs grow to make up for it.
+    """
     t = thresholds or GradThresholds()
-    norms = layer_norms(flow, t.metric)
-    if len(norms) < 2:
+    prof = depth_profile(flow)
+    if len(prof.body) < 2:
         return []
-    (near, n_near), (far, n_far) = norms[0], norms[-1]
-    ratio = n_near / n_far
-    if ratio < t.vanishing_ratio:
+    rel, rms_ = prof.trend("relative"), prof.trend("rms")
+    if rel is not None and rms_ is not None and min(rel.positions, rms_.positions) >= \
+            t.min_positions and rel.steady(t.consistency) and rms_.steady(t.consistency):
+        decay = min(rel.decay, rms_.decay)  # the weaker of the two measures decides
+        verdict = _certainty(decay, t)
+        if verdict is not None:
+            severity, word = verdict
+            far = prof.body[-1].name
+            return [Finding(
+                code="grads.vanishing",
+                severity=severity,
+                summary=f"{word} vanishing gradients: the relative gradient ‖g‖/‖w‖ falls "
+                f"{_times(rel.decay)} over {rel.positions} layers toward the input "
+                f"({_times(1 / rel.per_position)} per layer, steady: fit R² {rel.r2:.2f}), "
+                f"from {rel.first} to {rel.last}",
+                evidence={"nearest": rel.first, "farthest": rel.last,
+                          "positions": rel.positions, "decay": decay,
+                          **_trend_evidence(rel), **_trend_evidence(rms_),
+                          "step": flow.index},
+                fix=_vanishing_fix(flow),
+                module=far,
+            )]
+    return _bottleneck(flow, prof, t)
+
+
+def _bottleneck(flow: GradFlow, prof: DepthProfile, t: GradThresholds) -> list[Finding]:
+    """A position far below a nearer one in both parameter measures, without a trend."""
+    best: tuple[float, DepthUnit, DepthUnit] | None = None
+    for j, low in enumerate(prof.body):
+        lr, ls = low.measure("relative"), low.measure("rms")
+        if lr is None or ls is None:
+            continue
+        for high in prof.body[:j]:
+            hr, hs = high.measure("relative"), high.measure("rms")
+            if hr is None or hs is None:
+                continue
+            drop = min(hr / lr, hs / ls)
+            if drop >= t.bottleneck and (best is None or drop > best[0]):
+                best = (drop, high, low)
+    if best is None:
         return []
-    severity = Severity.ERROR if ratio >= t.vanishing_error_ratio else Severity.WARNING
+    drop, high, low = best
     return [Finding(
         code="grads.vanishing",
-        severity=severity,
-        summary=f"{far} receives {_times(ratio)} less gradient than {near}",
-        evidence={"nearest": near, "nearest_norm": n_near, "farthest": far,
-                  "farthest_norm": n_far, "ratio": ratio, "layers": len(norms),
-                  "metric": t.metric, "step": flow.index},
-        fix="add normalization (BatchNorm/LayerNorm) or residual connections, use ReLU-family "
-        "activations with Kaiming init, or shorten the path from the loss to early layers.",
-        module=far,
+        severity=Severity.INFO,
+        summary=f"possible gradient bottleneck: {low.name} gets {_times(drop)} less relative "
+        f"gradient than {high.name}, nearer the loss, without a steady trend in between",
+        evidence={"nearest": high.name, "farthest": low.name, "drop": drop,
+                  "relative_high": high.relative, "relative_low": low.relative,
+                  "rms_high": high.rms, "rms_low": low.rms, "step": flow.index},
+        fix="look at what lies between them: a saturating gate or activation, a small "
+        "scale factor, or a detach(); " + _vanishing_fix(flow),
+        module=low.name,
     )]
 
 
 def find_exploding(flow: GradFlow, thresholds: GradThresholds | None = None) -> list[Finding]:
-    """Gradients that grow toward the input, or norms above the exploding threshold."""
+    """Gradients that grow toward the input, or a total norm above `exploding_norm`.
+
+    Growth is judged on the backward signal itself, the RMS of the gradient arriving at
+    each depth position: growing steadily toward the input by `likely` or more is likely
+    exploding (warning); from `possible`, and with the relative gradient growing steadily
+    by `possible` too, possible (info). A total norm (what
+    `clip_grad_norm_` returns) above `exploding_norm` is a warning, above
+    `exploding_error_norm` an error; with a growth trend both go in one finding.
+    """
     t = thresholds or GradThresholds()
-    found: list[Finding] = []
-    norms = layer_norms(flow, t.metric)
-    if len(norms) >= 2:
-        (near, n_near), (far, n_far) = norms[0], norms[-1]
-        ratio = n_far / n_near
-        if ratio >= t.exploding_ratio:
-            found.append(Finding(
-                code="grads.exploding",
-                severity=Severity.WARNING,
-                summary=f"{far} receives {_times(ratio)} more gradient than {near}",
-                evidence={"nearest": near, "nearest_norm": n_near, "farthest": far,
-                          "farthest_norm": n_far, "ratio": ratio, "metric": t.metric,
-                          "step": flow.index},
-                fix="clip with torch.nn.utils.clip_grad_norm_, lower the learning rate or the "
-                "init scale, and add normalization layers.",
-                module=far,
-            ))
+    prof = depth_profile(flow)
+    out_tr = prof.trend("output_rms")
     total = flow.total_norm
-    if math.isfinite(total) and total > t.exploding_norm:
-        biggest = max(((m, n) for m, n in flow.param_norms().items()
-                       if n is not None and math.isfinite(n)), key=lambda x: x[1],
-                      default=(None, math.nan))
-        found.append(Finding(
-            code="grads.exploding",
-            severity=Severity.ERROR if total > t.exploding_error_norm else Severity.WARNING,
-            summary=f"total gradient norm {total:.3g} is above {t.exploding_norm:g}"
-            + (f"; largest at {biggest[0]} ({biggest[1]:.3g})" if biggest[0] is not None
-               else ""),
-            evidence={"total_norm": total, "threshold": t.exploding_norm,
-                      "largest_module": biggest[0], "largest_norm": biggest[1],
-                      "step": flow.index},
-            fix="clip with torch.nn.utils.clip_grad_norm_ (max_norm around 1.0) and lower the "
-            "learning rate.",
-            module=biggest[0],
-        ))
-    return found
+    big = math.isfinite(total) and total > t.exploding_norm
+    total_sev = (Severity.ERROR if total > t.exploding_error_norm else Severity.WARNING) \
+        if big else None
+    rel = prof.trend("relative")
+    if out_tr is not None and out_tr.positions >= t.min_positions and \
+            out_tr.steady(t.consistency):
+        verdict = _certainty(out_tr.change, t)
+        # Below `likely`, growth counts only when the weights' gradients grow with it: the
+        # backward signal of a residual stack adds up block after block (resnet-mini: 10x
+        # over 9 blocks) while each block's relative gradient stays level.
+        if verdict is not None and verdict[0] == Severity.INFO and not (
+                rel is not None and rel.steady(t.consistency) and rel.change >= t.possible):
+            verdict = None
+        if verdict is not None:
+            severity, word = verdict
+            if total_sev is not None and total_sev > severity:
+                severity, word = total_sev, "likely"
+            if severity == Severity.ERROR:
+                word = "severe"
+            return [Finding(
+                code="grads.exploding",
+                severity=severity,
+                summary=f"{word} exploding gradients: the gradient arriving at each layer "
+                f"grows {_times(out_tr.change)} over {out_tr.positions} layers toward the "
+                f"input ({_times(out_tr.per_position)} per layer, steady: fit R² "
+                f"{out_tr.r2:.2f}), from {out_tr.first} to {out_tr.last}"
+                + (f"; total norm {total:.3g}" if big else ""),
+                evidence={"nearest": out_tr.first, "farthest": out_tr.last,
+                          "positions": out_tr.positions, **_trend_evidence(out_tr),
+                          "total_norm": total, "step": flow.index},
+                fix=_exploding_fix(flow),
+                module=out_tr.last,
+            )]
+    if total_sev is None:
+        return []
+    biggest = max(((m, n) for m, n in flow.param_norms().items()
+                   if n is not None and math.isfinite(n)), key=lambda x: x[1],
+                  default=(None, math.nan))
+    return [Finding(
+        code="grads.exploding",
+        severity=total_sev,
+        summary=f"total gradient norm {total:.3g} is above {t.exploding_norm:g}"
+        + (f"; largest at {biggest[0]} ({biggest[1]:.3g})" if biggest[0] is not None else ""),
+        evidence={"total_norm": total, "threshold": t.exploding_norm,
+                  "largest_module": biggest[0], "largest_norm": biggest[1],
+                  "step": flow.index},
+        fix=_exploding_fix(flow),
+        module=biggest[0],
+    )]
 
 
 def find_dead(flow: GradFlow, thresholds: GradThresholds | None = None) -> list[Finding]:
     """Modules whose gradient is all zeros (every output gradient, or every parameter's),
-    and modules that receive gradient but pass an all-zero gradient down."""
+    and modules that receive gradient but pass an all-zero gradient down.
+
+    Only gradients that exist are judged: a frozen parameter has none and is never dead
+    (`find_frozen` names it).
+    """
     t = thresholds or GradThresholds()
     dead_out: dict[str, list[float]] = {}
     alive_out: set[str] = set()
@@ -174,14 +476,21 @@ def find_dead(flow: GradFlow, thresholds: GradThresholds | None = None) -> list[
     dead_params: dict[str, list[str]] = {}
     alive_params: set[str] = set()
     for p in flow.params:
-        if p.norm is None:
+        if p.norm is None or p.tied_to is not None:  # frozen or unreached; a tied alias
             continue
         if p.norm <= t.dead_norm:
             dead_params.setdefault(p.module, []).append(p.name)
         else:
             alive_params.add(p.module)
     found = []
-    modules = [m for m in flow.layers() if m in dead_out and m not in alive_out]
+    # A module whose parameters are all frozen does not learn: a zero gradient arriving at
+    # it is no news about it (the trainable layers it passes that zero to are reported).
+    owners: dict[str, bool] = {}
+    for p in flow.params:
+        owners[p.module] = owners.get(p.module, False) or p.requires_grad
+    frozen = {m for m, trainable in owners.items() if not trainable}
+    modules = [m for m in flow.layers()
+               if m in dead_out and m not in alive_out and m not in frozen]
     modules += [m for m in dead_params if m not in alive_params and m not in modules]
     # Receives gradient but passes none down (every ReLU unit off, a zero mask): the cause.
     blockers: dict[str, str] = {}
@@ -229,7 +538,16 @@ def find_nonfinite(flow: GradFlow, thresholds: GradThresholds | None = None) -> 
         "nonfinite_params": len(bad_params), "total_norm": flow.total_norm,
         "step": flow.index,
     }
-    if first is not None:
+    loss = flow.step.loss_value if flow.step is not None else None
+    module: str | None
+    if loss is not None and not math.isfinite(loss):
+        # The forward already made NaN/Inf: every gradient inherits it, and the module to
+        # blame is the forward's producer (activations.nonfinite), not a backward.
+        evidence.update(loss=loss)
+        summary = (f"the loss is {loss}, so the gradients are NaN/Inf: the forward produced "
+                   "it (capture_activations names the module that did)")
+        module = None
+    elif first is not None:
         from_above = not all(g.finite for g in first.grad_output)
         evidence.update(module_call=first.call, backward_order=first.order,
                         arrives_from_above=from_above)
@@ -237,7 +555,7 @@ def find_nonfinite(flow: GradFlow, thresholds: GradThresholds | None = None) -> 
         how = ("arrives already non-finite from above it (the loss or code outside the "
                "recorded modules)") if from_above else "is produced by its backward"
         summary = f"NaN/Inf gradient first appears at {where} in backward order: it {how}"
-        module: str | None = first.module
+        module = None if from_above and first.order == 0 else first.module
     else:
         module = bad_params[0].module if bad_params else None
         summary = (f"NaN/Inf in the gradients of {len(bad_params)} parameter(s), first "
@@ -254,34 +572,118 @@ def find_nonfinite(flow: GradFlow, thresholds: GradThresholds | None = None) -> 
 
 
 def find_unreached(flow: GradFlow, thresholds: GradThresholds | None = None) -> list[Finding]:
-    """Trainable parameters that received no gradient this step."""
+    """Trainable parameters that received no gradient this step, one finding per module
+    (the first five; the rest in one more)."""
     del thresholds
     missing: dict[str, list[str]] = {}
     for p in flow.params:
-        if p.requires_grad and p.norm is None and p.reason in (NOT_REACHED, NO_GRAD):
+        if p.requires_grad and p.tied_to is None and p.norm is None and \
+                p.reason in (NOT_REACHED, NO_GRAD):
             missing.setdefault(p.module, []).append(p.name)
-    if not missing:
-        return []
-    count = sum(len(v) for v in missing.values())
+    fix = ("if they should learn, make the loss depend on them; if not, freeze them "
+           "(requires_grad_(False)) so optimizers and DDP skip them.")
     mods = list(missing)
-    return [Finding(
+    found = [Finding(
         code="grads.unreached",
         severity=Severity.INFO,
-        summary=f"{count} trainable parameter(s) in {len(mods)} module(s) received no "
-        f"gradient, e.g. {mods[0] or '<root>'}",
-        evidence={"params": count, "modules": ", ".join(m or "<root>" for m in mods[:10]),
+        summary=f"{m or '<root>'}: {len(missing[m])} trainable parameter(s) received no "
+        f"gradient ({', '.join(missing[m])})",
+        evidence={"params": len(missing[m]), "reason": flow.param(missing[m][0]).reason,
                   "step": flow.index},
-        fix="if they should learn, make the loss depend on them; if not, freeze them "
-        "(requires_grad_(False)) so optimizers and DDP skip them.",
-        module=mods[0],
+        fix=fix, module=m) for m in mods[:5]]
+    rest = mods[5:]
+    if rest:
+        found.append(Finding(
+            code="grads.unreached",
+            severity=Severity.INFO,
+            summary=f"{sum(len(missing[m]) for m in rest)} more trainable parameter(s) in "
+            f"{len(rest)} more module(s) received no gradient, e.g. {rest[0] or '<root>'}",
+            evidence={"params": sum(len(missing[m]) for m in rest),
+                      "modules": ", ".join(m or "<root>" for m in rest[:10]),
+                      "step": flow.index},
+            fix=fix))
+    return found
+
+
+def _common_parent(names: Sequence[str]) -> str:
+    """The deepest module containing every one of `names` ("" for the root)."""
+    split = [n.split(".") if n else [] for n in names]
+    common: list[str] = []
+    for parts in zip(*split, strict=False):
+        if len(set(parts)) != 1:
+            break
+        common.append(parts[0])
+    return ".".join(common)
+
+
+def find_frozen(flow: GradFlow, thresholds: GradThresholds | None = None) -> list[Finding]:
+    """Frozen parameters (requires_grad=False), named once: they are not trained, so no
+    other finding judges them (a frozen layer is never "dead")."""
+    del thresholds
+    frozen = [p for p in flow.params if not p.requires_grad and p.tied_to is None]
+    if not frozen:
+        return []
+    mods = list(dict.fromkeys(p.module for p in frozen))
+    where = _common_parent(mods) if len(mods) > 1 else mods[0]
+    total = len([p for p in flow.params if p.tied_to is None])
+    return [Finding(
+        code="grads.frozen",
+        severity=Severity.INFO,
+        summary=f"{len(frozen)} of {total} parameters are frozen (requires_grad=False) in "
+        f"{len(mods)} module(s)" + (f" under {where}" if where else "")
+        + ": not trained, and not judged",
+        evidence={"params": len(frozen), "modules": len(mods),
+                  "elements": sum(p.numel for p in frozen), "step": flow.index},
+        fix="",
+        module=where or None,
     )]
+
+
+def find_update_ratio(flow: GradFlow, thresholds: GradThresholds | None = None
+                      ) -> list[Finding]:
+    """The optimizer step's size against the weights, when it was measured
+    (`watch_gradients` with an optimizer): the median over the layers of ‖Δw‖/‖w‖, whose
+    usual healthy figure is about 1e-3."""
+    t = thresholds or GradThresholds()
+    ratios = sorted((lg.update_ratio, lg.module) for lg in flow.layer_grads()
+                    if lg.update_ratio is not None and math.isfinite(lg.update_ratio))
+    if not ratios:
+        return []
+    median = ratios[len(ratios) // 2][0]
+    hi, lo = ratios[-1], ratios[0]
+    evidence: dict[str, float | int | str | bool | None] = {
+        "median": median, "largest": hi[0], "largest_module": hi[1], "smallest": lo[0],
+        "smallest_module": lo[1], "layers": len(ratios), "step": flow.index}
+    if median >= t.update_elevated:
+        likely = median >= t.update_high
+        return [Finding(
+            code="grads.update_ratio",
+            severity=Severity.WARNING if likely else Severity.INFO,
+            summary=f"{'likely' if likely else 'possibly'} too large a step: the optimizer "
+            f"moves the median layer by {median:.2g} of its norm (‖Δw‖/‖w‖; about 1e-3 is "
+            f"usual), up to {hi[0]:.2g} at {hi[1]}",
+            evidence=evidence,
+            fix="lower the learning rate (or warm it up); check the loss scale",
+            module=hi[1])]
+    if median <= t.update_low:
+        return [Finding(
+            code="grads.update_ratio",
+            severity=Severity.INFO,
+            summary=f"possibly too small a step: the optimizer moves the median layer by "
+            f"{median:.2g} of its norm (‖Δw‖/‖w‖; about 1e-3 is usual)",
+            evidence=evidence,
+            fix="raise the learning rate, or check that the scheduler did not decay it to "
+            "nothing",
+            module=lo[1])]
+    return []
 
 
 @analyzer(GradFlow)
 def diagnose(flow: GradFlow, thresholds: GradThresholds | None = None) -> list[Finding]:
     """Every gradient finding for one step, most severe first (`flow.findings()`)."""
     found: list[Finding] = []
-    for fn in (find_nonfinite, find_vanishing, find_exploding, find_dead, find_unreached):
+    for fn in (find_nonfinite, find_vanishing, find_exploding, find_dead, find_unreached,
+               find_frozen, find_update_ratio):
         found += fn(flow, thresholds)
     return rank(found)
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -49,7 +49,7 @@ from torchscope.hooks.session import HookSession
 from torchscope.hooks.tree import iter_tensors
 from torchscope.step import StepInfo
 
-__all__ = ["GradCollector"]
+__all__ = ["GradCollector", "with_updates"]
 
 _HALF = (torch.float16, torch.bfloat16)
 _MAX_WALK = 256  # nodes followed back from an in-place op to the input's producer
@@ -117,6 +117,37 @@ def _is_plain(t: torch.Tensor) -> bool:
     return t.layout == torch.strided and (type(t) is torch.Tensor or isinstance(t, nn.Parameter))
 
 
+def _host_floats(vals: list[torch.Tensor]) -> list[float]:
+    """0-d device tensors as floats: one stack and one host copy per device and dtype."""
+    out = [math.nan] * len(vals)
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, v in enumerate(vals):
+        groups.setdefault((v.device, v.dtype), []).append(i)
+    for idx in groups.values():
+        host = torch.stack([vals[i] for i in idx]).cpu().tolist()  # (n,) -> host
+        for i, x in zip(idx, host, strict=True):
+            out[i] = float(x)
+    return out
+
+
+def _norm(t: torch.Tensor) -> torch.Tensor:
+    """L2 norm as a 0-d tensor on t's device; half precision is summed in float32 so it
+    cannot overflow. One read of `t`, no host sync."""
+    n: torch.Tensor = torch.linalg.vector_norm(t, dtype=torch.float32) if t.dtype in _HALF \
+        else torch.linalg.vector_norm(t)  # ()
+    return n
+
+
+def with_updates(flow: GradFlow, updates: dict[str, torch.Tensor]) -> GradFlow:
+    """`flow` with each parameter's `update_norm` filled from `updates` (parameter name ->
+    0-d device tensor, as `GradCollector.measure_updates` returns), copied to the host
+    once. A tied parameter's second name gets its first name's update."""
+    names = list(updates)
+    host = dict(zip(names, _host_floats([updates[n] for n in names]), strict=True))
+    params = tuple(replace(p, update_norm=host.get(p.tied_to or p.name)) for p in flow.params)
+    return replace(flow, params=params)
+
+
 def _find_inplace_node(start: Any, producer: Any) -> Any:
     """The node whose first edge leads to `producer`, walking back along first edges."""
     node = start
@@ -161,14 +192,22 @@ class GradCollector(HookedContext):
         self.active = True
         self.on_backward_end: Callable[[], None] | None = None
         self._params: list[tuple[str, str, nn.Parameter]] = []
-        seen: set[int] = set()
+        # Every parameter name in module order: (name, module, index in `_params`, tied to).
+        self._names: list[tuple[str, str, int, str | None]] = []
+        first: dict[int, int] = {}
         for mname, module in model.named_modules():
             for pname, p in module.named_parameters(recurse=False):
-                if id(p) in seen:
-                    continue  # tied weights: counted once, as clip_grad_norm_ does
-                seen.add(id(p))
-                self._params.append((f"{mname}.{pname}" if mname else pname, mname, p))
+                name = f"{mname}.{pname}" if mname else pname
+                i = first.get(id(p))
+                if i is None:
+                    # Hooked and counted once (as clip_grad_norm_ counts tied weights).
+                    i = first[id(p)] = len(self._params)
+                    self._params.append((name, mname, p))
+                    self._names.append((name, mname, i, None))
+                else:
+                    self._names.append((name, mname, i, self._params[i][0]))
         self._bw_queued = False
+        self._before: list[tuple[str, nn.Parameter, torch.Tensor]] = []
         # Per hooked module: its calls between pre-hook and forward hook.
         self._in_flight: list[list[tuple[_Call, list[_PendingInput]] | None]] = []
         self._reset()
@@ -205,6 +244,8 @@ class GradCollector(HookedContext):
         self._session.close(failed=failed)
         self._targets = []
         self._params = []
+        self._names = []
+        self._before = []
         self._in_flight = []
         self._reset()
 
@@ -249,10 +290,7 @@ class GradCollector(HookedContext):
             if (key[:5] == prev[:5] and (key[5:7] == prev[5:7] or (key[7] and prev[7]))
                     and not ref.expired()):
                 return index
-        # One read of the gradient; half precision is summed in float32 so it cannot overflow.
-        n = torch.linalg.vector_norm(t, dtype=torch.float32) if t.dtype in _HALF else \
-            torch.linalg.vector_norm(t)  # () on g.device
-        self._vals.append(n)
+        self._vals.append(_norm(t))  # one read of the gradient; () on g.device
         index = len(self._vals) - 1
         self._last = (StorageWeakRef(t.untyped_storage()), key, index)
         return index
@@ -405,23 +443,26 @@ class GradCollector(HookedContext):
         return pre, post
 
     # ------------------------------------------------------------------ results
-    def _to_host(self) -> list[float]:
-        """Every pending norm as a float: one stack and one host copy per device/dtype."""
-        out = [math.nan] * len(self._vals)
-        groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-        for i, v in enumerate(self._vals):
-            groups.setdefault((v.device, v.dtype), []).append(i)
-        for idx in groups.values():
-            host = torch.stack([self._vals[i] for i in idx]).cpu().tolist()  # (n,) -> host
-            for i, x in zip(idx, host, strict=True):
-                out[i] = float(x)
-        return out
-
     def _scale(self) -> float | None:
         scaler = self._scaler
         if scaler is None or not getattr(scaler, "is_enabled", lambda: True)():
             return None
         return float(scaler.get_scale())
+
+    def snapshot_weights(self) -> None:
+        """Copy every trainable parameter, just before an optimizer update (sampled steps
+        only: it costs one more copy of the trainable parameters until `measure_updates`)."""
+        self._before = [(name, p, p.detach().clone()) for name, _, p in self._params
+                        if p.requires_grad]
+
+    def measure_updates(self) -> dict[str, torch.Tensor]:
+        """Right after the update: `‖w_after - w_before‖` per parameter snapshotted by
+        `snapshot_weights`, as 0-d device tensors (no host sync); the copies are freed.
+        Empty without a snapshot."""
+        out = {name: _norm(before.sub_(p.detach()))  # in place: no second copy
+               for name, p, before in self._before}
+        self._before = []
+        return out
 
     def discard(self) -> None:
         """Drop whatever the current step measured, and its hooks."""
@@ -435,7 +476,12 @@ class GradCollector(HookedContext):
             index: the step's index, as `GradFlow.index`.
             step: the training step torchscope ran, when it ran one.
         """
-        host = self._to_host()
+        # The weights' norms join the same host copy: one read of each trainable parameter,
+        # taken when the gradients are final and (in a watched loop) before the update.
+        weights = {i: len(self._vals) + k for k, i in enumerate(
+            i for i, (_, _, p) in enumerate(self._params) if p.requires_grad)}
+        self._vals.extend(_norm(p.detach()) for _, _, p in self._params if p.requires_grad)
+        host = _host_floats(self._vals)
         scale = self._scale()
         inv = 1.0 / scale if scale else 1.0
 
@@ -459,17 +505,22 @@ class GradCollector(HookedContext):
         )
         called = {c.module for c in self._calls}
         params = []
-        for i, (pname, mname, p) in enumerate(self._params):
+        for pname, mname, i, tied_to in self._names:
+            p = self._params[i][2]
             n = norm_of(self._param_vals.get(i))
             if not p.requires_grad:
                 reason: str | None = FROZEN
             elif n is None:
-                reason = NOT_REACHED if mname in called else NO_GRAD
+                owner = self._params[i][1]
+                reason = NOT_REACHED if mname in called or owner in called else NO_GRAD
             else:
                 reason = None
+            w = host[weights[i]] if i in weights else None
             params.append(ParamGradRecord(pname, mname, tuple(p.shape), str(p.dtype),
-                                          p.requires_grad, n, reason))
-        total = combine_norms(p.norm for p in params) or 0.0
+                                          p.requires_grad, n, reason, weight_norm=w,
+                                          tied_to=tied_to))
+        # Each tensor once, as clip_grad_norm_ counts tied weights.
+        total = combine_norms(p.norm for p in params if p.tied_to is None) or 0.0
         flow = GradFlow(index, modules, tuple(params), total, scale,
                         micro_batches=max(self._micro + 1, 1 if self._calls else 0),
                         backward_calls=self._backwards, step=step)

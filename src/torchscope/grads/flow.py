@@ -12,7 +12,7 @@ from torch import nn
 
 from torchscope.errors import TorchscopeError
 from torchscope.findings import Analyzed
-from torchscope.grads.collect import GradCollector
+from torchscope.grads.collect import GradCollector, with_updates
 from torchscope.grads.records import GradFlow, GradHistory
 from torchscope.hooks.lifecycle import HookedContext
 from torchscope.hooks.select import Selector
@@ -76,8 +76,10 @@ def gradient_flow(
         ['fc', 'conv2', 'conv1']
         >>> flow.get("conv1").grad_input[0].reason
         'input does not require grad'
-        >>> flow.findings()[0].summary
-        'conv1 receives 67× less gradient than fc'
+        >>> flow.param("conv1.weight").relative   # ‖g‖/‖w‖, scale-free
+        0.0071
+        >>> flow.findings()   # three healthy layers: no trend, no alarm
+        []
     """
     step = Step.of(model, inputs, loss_fn=loss_fn, target=target, optimizer=optimizer)
     collector = GradCollector(step.model, select=select, depth=depth, inputs=inputs_grad,
@@ -115,6 +117,7 @@ class GradWatch(HookedContext, Analyzed):
         inputs_grad: bool = True,
         max_samples: int = 1000,
         on_sample: Callable[[GradFlow], None] | None = None,
+        updates: bool = True,
     ) -> None:
         if every < 1:
             raise TorchscopeError(f"every={every} samples nothing.",
@@ -134,6 +137,11 @@ class GradWatch(HookedContext, Analyzed):
         self._rows: deque[tuple[int, dict[str, float], dict[str, float], float]] = deque(
             maxlen=max_samples)
         self._layers: dict[str, None] = {}
+        self._updates = updates and optimizer is not None
+        # The optimizer update of a sampled step: (step index, ‖Δw‖ per parameter on the
+        # device), merged into that step's sample when `last` is read.
+        self._update_step: int | None = None
+        self._pending_updates: tuple[int, dict[str, torch.Tensor]] | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def open(self) -> None:
@@ -141,6 +149,10 @@ class GradWatch(HookedContext, Analyzed):
         c = self._collector
         c.open()
         if self._optimizer is not None:
+            if self._updates:
+                # Registered first, so they run around the update before the sampling hook.
+                c.session.track(self._optimizer.register_step_pre_hook(self._before_update))
+                c.session.track(self._optimizer.register_step_post_hook(self._after_update))
             c.session.track(self._optimizer.register_step_pre_hook(self._on_optimizer_step))
         else:
             c.on_backward_end = self._end_step
@@ -190,10 +202,30 @@ class GradWatch(HookedContext, Analyzed):
         if self._on_sample is not None:
             self._on_sample(flow)
 
+    # ------------------------------------------------------------------ update ratios
+    def _before_update(self, _opt: Any, _args: Any, _kwargs: Any) -> None:
+        if self._collector.active:  # a sampled step: keep w to measure the update
+            self._update_step = self.steps
+            self._collector.snapshot_weights()
+
+    def _after_update(self, _opt: Any, _args: Any, _kwargs: Any) -> None:
+        if self._update_step is not None:
+            self._pending_updates = (self._update_step, self._collector.measure_updates())
+            self._update_step = None
+
     # ------------------------------------------------------------------ results
     @property
     def last(self) -> GradFlow | None:
-        """The most recent sampled step in full (per call and per parameter), or None."""
+        """The most recent sampled step in full (per call and per parameter), or None.
+
+        With an optimizer, its parameters carry the update that step applied
+        (`ParamGradRecord.update_norm`, `update_ratio`), read from the device when `last` is
+        first read after the step.
+        """
+        pending = self._pending_updates
+        if pending is not None and self._last is not None and pending[0] == self._last.index:
+            self._last = with_updates(self._last, pending[1])
+            self._pending_updates = None
         return self._last
 
     @property
@@ -220,6 +252,7 @@ def watch_gradients(
     inputs_grad: bool = True,
     max_samples: int = 1000,
     on_sample: Callable[[GradFlow], None] | None = None,
+    updates: bool = True,
 ) -> GradWatch:
     """Watch gradient flow in your own training loop, sampling one step in `every`.
 
@@ -240,7 +273,13 @@ def watch_gradients(
         depth: limit the selection depth.
         inputs_grad: also measure grad_input of each call (aliases the module inputs).
         max_samples: how many samples the history keeps (the newest).
-        on_sample: called with each sampled `GradFlow` (e.g. a TensorBoard logger).
+        on_sample: called with each sampled `GradFlow` (e.g. a TensorBoard logger); it sees
+            the step before its update, so without `update_norm`.
+        updates: with an optimizer, also measure each sampled step's update `‖Δw‖` per
+            parameter (`watch.last.params[i].update_ratio`). It copies the trainable
+            parameters just before a sampled step's update and frees the copy right after
+            it: one more parameter-sized buffer for the duration of `optimizer.step()`, on
+            sampled steps only.
 
     Returns:
         A `GradWatch` for a `with` block; its hooks come off at the block's end.
@@ -254,4 +293,4 @@ def watch_gradients(
     """
     return GradWatch(model, every=every, optimizer=optimizer, scaler=scaler, select=select,
                      depth=depth, inputs_grad=inputs_grad, max_samples=max_samples,
-                     on_sample=on_sample)
+                     on_sample=on_sample, updates=updates)

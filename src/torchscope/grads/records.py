@@ -34,6 +34,21 @@ def combine_norms(norms: Iterable[float | None]) -> float | None:
     return math.sqrt(math.fsum(n * n for n in vals))
 
 
+def rms(norm: float | None, numel: int) -> float | None:
+    """`norm / sqrt(numel)`: the root mean square of a tensor whose L2 norm is `norm`.
+
+    None when `norm` is None or there are no elements.
+    """
+    return None if norm is None or numel <= 0 else norm / math.sqrt(numel)
+
+
+def ratio(num: float | None, den: float | None) -> float | None:
+    """`num / den`, or None when either is missing or `den` is not positive and finite."""
+    if num is None or den is None or not den > 0 or not math.isfinite(den):
+        return None
+    return num / den
+
+
 def _by_module(norms: Iterable[tuple[str, float | None]]) -> dict[str, float | None]:
     """`combine_norms` of each module's norms, modules in first-seen order."""
     grouped: dict[str, list[float | None]] = {}
@@ -71,6 +86,17 @@ class TensorGrad:
     def finite(self) -> bool:
         """False when the gradient holds NaN or Inf (its norm is not finite)."""
         return self.norm is None or math.isfinite(self.norm)
+
+    @property
+    def numel(self) -> int:
+        """Elements of the tensor (and of its gradient)."""
+        return math.prod(self.shape)
+
+    @property
+    def rms(self) -> float | None:
+        """Root mean square of the gradient, `norm / sqrt(numel)`: comparable between tensors
+        of different sizes. None without a gradient or for an empty tensor."""
+        return rms(self.norm, self.numel)
 
     @property
     def zero(self) -> bool:
@@ -127,6 +153,16 @@ class ModuleGradRecord:
         return combine_norms(g.norm for g in self.grad_input)
 
     @property
+    def output_numel(self) -> int:
+        """Elements of the outputs that received a gradient."""
+        return sum(g.numel for g in self.grad_output if g.present)
+
+    @property
+    def output_rms(self) -> float | None:
+        """Root mean square of every element of every output gradient together."""
+        return rms(self.output_norm, self.output_numel)
+
+    @property
     def finite(self) -> bool:
         """False when any gradient of this call holds NaN or Inf."""
         return all(g.finite for g in self.grad_output + self.grad_input)
@@ -136,6 +172,10 @@ class ModuleGradRecord:
 class ParamGradRecord:
     """The gradient of one parameter at the end of a step (after all micro-batches).
 
+    A parameter registered under two names (tied weights: GPT-2's `lm_head.weight` is
+    `transformer.wte.weight`) has a record under each; the second names the first in
+    `tied_to`, shows the same gradient, and is counted once in every total.
+
     Attributes:
         name: qualified parameter name, e.g. `conv1.weight`.
         module: qualified name of the module that owns it.
@@ -144,6 +184,11 @@ class ParamGradRecord:
         requires_grad: False for frozen parameters.
         norm: L2 norm of `.grad` (unscaled with a GradScaler); None when there is no grad.
         reason: why `norm` is None.
+        weight_norm: L2 norm of the parameter itself when the gradient was read (before the
+            optimizer's update); None for frozen parameters.
+        update_norm: L2 norm of the optimizer's change to the parameter in this step,
+            `‖w_after - w_before‖`; None unless measured (`watch_gradients` with an optimizer).
+        tied_to: for a second name of the same tensor, the first name; else None.
     """
 
     name: str
@@ -153,11 +198,94 @@ class ParamGradRecord:
     requires_grad: bool
     norm: float | None
     reason: str | None = None
+    weight_norm: float | None = None
+    update_norm: float | None = None
+    tied_to: str | None = None
 
     @property
     def finite(self) -> bool:
         """False when the gradient holds NaN or Inf."""
         return self.norm is None or math.isfinite(self.norm)
+
+    @property
+    def numel(self) -> int:
+        """Elements of the parameter."""
+        return math.prod(self.shape)
+
+    @property
+    def rms(self) -> float | None:
+        """Root mean square of the gradient, `‖g‖ / sqrt(numel)`."""
+        return rms(self.norm, self.numel)
+
+    @property
+    def relative(self) -> float | None:
+        """The relative gradient `‖g‖ / ‖w‖`: how far a plain SGD step of learning rate 1
+        would move the parameter, as a fraction of its norm. None when either is missing or
+        the parameter is all zeros."""
+        return ratio(self.norm, self.weight_norm)
+
+    @property
+    def update_ratio(self) -> float | None:
+        """`‖Δw‖ / ‖w‖` of the optimizer step, when measured (about 1e-3 is the usual
+        healthy figure)."""
+        return ratio(self.update_norm, self.weight_norm)
+
+
+@dataclass(frozen=True)
+class LayerGrads:
+    """One module's scale-free gradient measures in one step.
+
+    The parameter measures are over the module's own trainable weight matrices and kernels
+    (parameters of two or more dimensions) when it has any, else over all its own trainable
+    parameters: a bias's or a norm gain's gradient is a sum over the batch and positions,
+    on another scale than a weight's. Tied parameters count in every module that uses them.
+
+    Attributes:
+        module: qualified module name.
+        module_type: the module's class name.
+        order: backward order of its first reached call (0 is nearest the loss); None when
+            no call was reached.
+        output_norm: L2 norm of every output gradient of every call together.
+        output_numel: elements those output gradients hold.
+        grad_norm: L2 norm of the measured parameters' gradients together.
+        weight_norm: L2 norm of the measured parameters themselves.
+        update_norm: L2 norm of their optimizer update, when measured.
+        numel: elements of the measured parameters.
+        params: names of the measured parameters.
+        tied: whether any measured parameter is shared with another module.
+    """
+
+    module: str
+    module_type: str
+    order: int | None
+    output_norm: float | None
+    output_numel: int
+    grad_norm: float | None
+    weight_norm: float | None
+    update_norm: float | None
+    numel: int
+    params: tuple[str, ...]
+    tied: bool = False
+
+    @property
+    def output_rms(self) -> float | None:
+        """RMS of the gradient arriving at the module's outputs."""
+        return rms(self.output_norm, self.output_numel)
+
+    @property
+    def rms(self) -> float | None:
+        """RMS of the measured parameters' gradients."""
+        return rms(self.grad_norm, self.numel)
+
+    @property
+    def relative(self) -> float | None:
+        """`‖g‖ / ‖w‖` of the measured parameters."""
+        return ratio(self.grad_norm, self.weight_norm)
+
+    @property
+    def update_ratio(self) -> float | None:
+        """`‖Δw‖ / ‖w‖` of the measured parameters, when the update was measured."""
+        return ratio(self.update_norm, self.weight_norm)
 
 
 @dataclass(frozen=True)
@@ -171,7 +299,8 @@ class GradFlow(Analyzed):
             without an optimizer); 0 for `gradient_flow`.
         modules: per-call records, in backward order (nearest the loss first); calls no
             gradient reached follow in forward order.
-        params: one record per parameter of the model, in `named_parameters()` order.
+        params: one record per parameter name of the model, in module order (a tied
+            parameter's second name included, see `ParamGradRecord.tied_to`).
         total_norm: the L2 norm over every parameter gradient, the number that
             `torch.nn.utils.clip_grad_norm_` returns; 0.0 when no parameter has a gradient.
         scale: the GradScaler scale that was divided out, or None without a scaler.
@@ -222,8 +351,47 @@ class GradFlow(Analyzed):
 
     def param_norms(self) -> dict[str, float | None]:
         """Per module (of the records, else every owner), the norm of its own parameters'
-        gradients together; None when none of them has a gradient."""
+        gradients together (a tied parameter in each module that uses it); None when none
+        of them has a gradient."""
         return _by_module((p.module, p.norm) for p in self.params)
+
+    def tied(self) -> dict[str, str]:
+        """Second names of tied parameters, each with the name it is tied to."""
+        return {p.name: p.tied_to for p in self.params if p.tied_to is not None}
+
+    def layer_grads(self) -> list[LayerGrads]:
+        """Scale-free measures per module (`LayerGrads`): the recorded modules in backward
+        order, then modules that own parameters but were not recorded."""
+        calls: dict[str, list[ModuleGradRecord]] = {}
+        for r in self.modules:
+            calls.setdefault(r.module, []).append(r)
+        owned: dict[str, list[ParamGradRecord]] = {}
+        for p in self.params:
+            if p.requires_grad:
+                owned.setdefault(p.module, []).append(p)
+        targets = {p.tied_to for p in self.params if p.tied_to is not None}
+        out = []
+        for m in dict.fromkeys([*calls, *owned]):
+            rs = calls.get(m, [])
+            ps = owned.get(m, [])
+            measured = [p for p in ([p for p in ps if len(p.shape) >= 2] or ps)
+                        if p.norm is not None]
+            weights = [p.weight_norm for p in measured]
+            updates = [p.update_norm for p in measured]
+            out.append(LayerGrads(
+                module=m,
+                module_type=rs[0].module_type if rs else "",
+                order=min((r.order for r in rs if r.order is not None), default=None),
+                output_norm=combine_norms(r.output_norm for r in rs),
+                output_numel=sum(r.output_numel for r in rs),
+                grad_norm=combine_norms(p.norm for p in measured),
+                weight_norm=None if None in weights else combine_norms(weights),
+                update_norm=None if None in updates else combine_norms(updates),
+                numel=sum(p.numel for p in measured),
+                params=tuple(p.name for p in measured),
+                tied=any(p.tied_to is not None or p.name in targets for p in measured),
+            ))
+        return out
 
     @property
     def finite(self) -> bool:

@@ -10,7 +10,7 @@ from rich.table import Table
 from torchscope._util import fmt_num, fmt_shape
 from torchscope.grads.records import GradFlow, GradHistory, TensorGrad
 
-__all__ = ["grad_table", "history_table", "param_table"]
+__all__ = ["grad_table", "history_table", "layer_table", "param_table"]
 
 
 def _norm(norm: float | None, reason: str | None) -> str:
@@ -40,7 +40,8 @@ def grad_table(flow: GradFlow, title: str | None = None) -> Table:
     own: dict[str, list[str]] = {}
     for p in flow.params:
         short = p.name[len(p.module) + 1:] if p.module else p.name
-        own.setdefault(p.module, []).append(f"{short}={_norm(p.norm, p.reason)}")
+        tied = f" [dim](tied to {p.tied_to})[/]" if p.tied_to else ""
+        own.setdefault(p.module, []).append(f"{short}={_norm(p.norm, p.reason)}{tied}")
     shown: set[str] = set()
     micro = flow.micro_batches > 1
     for r in flow.modules:
@@ -60,14 +61,44 @@ def grad_table(flow: GradFlow, title: str | None = None) -> Table:
 
 
 def param_table(flow: GradFlow, title: str = "Parameter gradients") -> Table:
-    """One row per parameter: shape, gradient norm, or why there is none."""
+    """One row per parameter: shape, gradient norm and RMS, the relative gradient ‖g‖/‖w‖,
+    the update ratio ‖Δw‖/‖w‖ when the optimizer's update was measured, or why there is
+    no gradient; a tied parameter's second name says what it is tied to."""
     table = Table(title=title, title_justify="left")
-    for col, justify in (("parameter", "left"), ("shape", "left"), ("grad norm", "right"),
-                         ("note", "left")):
+    updates = any(p.update_norm is not None for p in flow.params)
+    cols = [("parameter", "left"), ("shape", "left"), ("grad norm", "right"),
+            ("grad RMS", "right"), ("‖g‖/‖w‖", "right")]
+    cols += [("‖Δw‖/‖w‖", "right")] if updates else []
+    for col, justify in (*cols, ("note", "left")):
         table.add_column(col, justify=justify)  # type: ignore[arg-type]
     for p in flow.params:
         norm = "None" if p.norm is None else _norm(p.norm, None)  # the reason has a column
-        table.add_row(p.name, fmt_shape(p.shape), norm, p.reason or "")
+        note = f"tied to {p.tied_to}" if p.tied_to else (p.reason or "")
+        row = [p.name, fmt_shape(p.shape), norm, fmt_num(p.rms), fmt_num(p.relative)]
+        row += [fmt_num(p.update_ratio)] if updates else []
+        table.add_row(*row, note)
+    return table
+
+
+def layer_table(flow: GradFlow, title: str | None = None) -> Table:
+    """One row per module in backward order, with the scale-free measures the diagnosis
+    reads: RMS of the gradient arriving at its outputs, RMS of its weight gradients, the
+    relative gradient ‖g‖/‖w‖ and, when measured, the update ratio ‖Δw‖/‖w‖ (see
+    `torchscope.grads.LayerGrads`)."""
+    layers = [lg for lg in flow.layer_grads() if lg.order is not None or lg.params]
+    updates = any(lg.update_norm is not None for lg in layers)
+    table = Table(title=title or f"Gradient scale per layer, step {flow.index} (backward "
+                  "order)", title_justify="left")
+    cols = [("module", "left"), ("type", "left"), ("grad_output RMS", "right"),
+            ("param grad RMS", "right"), ("‖g‖/‖w‖", "right")]
+    cols += [("‖Δw‖/‖w‖", "right")] if updates else []
+    for col, justify in cols:
+        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    for lg in layers:
+        row = [lg.module or "<root>", lg.module_type or "—", fmt_num(lg.output_rms),
+               fmt_num(lg.rms), fmt_num(lg.relative) + (" [dim](tied)[/]" if lg.tied else "")]
+        row += [fmt_num(lg.update_ratio)] if updates else []
+        table.add_row(*row)
     return table
 
 

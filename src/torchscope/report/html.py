@@ -139,9 +139,10 @@ def gradients_fragment(flow: GradFlow, plots: Mapping[str, str]) -> str:
     norms = layer_norms(flow)
     head = f'<p class="note">Total norm (as clip_grad_norm_) {_e(fmt_num(flow.total_norm))}'
     if len(norms) >= 2:
+        # A raw measurement, not a diagnosis (tensors of different sizes; see the findings).
         (near, n_near), (far, n_far) = norms[0], norms[-1]
-        head += (f"; {_e(far)} receives {n_near / n_far:.3g}× less gradient than "
-                 f"{_e(near)}")
+        head += (f"; raw grad_output norm {_e(near)} / {_e(far)}: {n_near / n_far:.3g}×"
+                 " (the diagnosis compares ‖g‖/‖w‖ across depth instead)")
     params = flow.param_norms()
     shown: set[str] = set()
     rows: list[tuple[Cell, ...]] = []

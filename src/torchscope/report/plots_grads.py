@@ -1,4 +1,4 @@
-"""Gradient-flow plots with matplotlib: the classic per-layer plot and a heatmap.
+"""Gradient-flow plots with matplotlib: scale-free measures per layer and a heatmap.
 
 Renderers only: they take records and return `Figure`s; `save_figure` writes PNG or SVG.
 Figures are made with `matplotlib.figure.Figure`, not pyplot, so no backend is chosen and
@@ -26,39 +26,47 @@ def _positive(v: float | None) -> float:
 
 
 def plot_gradient_flow(flow: GradFlow, title: str | None = None) -> Figure:
-    """Per-layer gradient norms on a log scale, input side left, loss side right.
+    """The scale-free measures per layer, one row per module (input at the top, the loss at
+    the bottom) with its full name, on log axes.
 
-    Bars: each module's own parameter-gradient norm; line: the grad_output norm arriving at
-    the module. Missing, zero and non-finite values are left out of the log axis and named
-    in the legend of the x labels (`∅`).
+    Left: the relative gradient ‖g‖/‖w‖ of each module's weights (the measure vanishing is
+    judged on). Right: the gradient RMS, per element, of its weights (bars) and of the
+    gradient arriving at its outputs (dots). Missing, zero and non-finite values are left
+    out of the log axes and marked `∅` after the name.
     """
-    layers = list(reversed(flow.layers()))  # forward order: input left, loss right
-    outs = flow.output_norms()
-    params = flow.param_norms()
-    out_v = np.array([_positive(outs.get(m)) for m in layers], dtype=float)
-    par_v = np.array([_positive(params.get(m)) for m in layers], dtype=float)
-    width = max(6.0, 0.45 * len(layers) + 2.0)
-    fig = Figure(figsize=(min(width, 40.0), 4.5))
-    ax = fig.add_subplot(1, 1, 1)
-    x = np.arange(len(layers))
-    if np.isfinite(par_v).any():
-        ax.bar(x, np.nan_to_num(par_v, nan=0.0), color="#4c72b0", alpha=0.75,
-               label="parameter grad norm")
-    if np.isfinite(out_v).any():
-        ax.plot(x, out_v, "o-", color="#dd8452", label="grad_output norm")
-    if np.isfinite(out_v).any() or np.isfinite(par_v).any():
-        ax.set_yscale("log")
-    labels = [(m or "<root>") + ("" if np.isfinite(o) or np.isfinite(p) else " ∅")
-              for m, o, p in zip(layers, out_v, par_v, strict=True)]
-    ax.set_xticks(x)
-    ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=8)
-    ax.set_ylabel("L2 norm (log)")
-    ax.set_xlabel("layer (input → loss)")
-    ax.set_title(title or f"Gradient flow, step {flow.index} "
-                 f"(total norm {flow.total_norm:.3g})")
-    ax.grid(True, which="both", axis="y", alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(loc="best", fontsize=8)
+    layers = [lg for lg in reversed(flow.layer_grads()) if lg.order is not None]
+    names = [lg.module or "<root>" for lg in layers]
+    rel = np.array([_positive(lg.relative) for lg in layers], dtype=float)
+    prms = np.array([_positive(lg.rms) for lg in layers], dtype=float)
+    orms = np.array([_positive(lg.output_rms) for lg in layers], dtype=float)
+    longest = max((len(n) for n in names), default=8)
+    height = min(max(3.0, 0.24 * len(layers) + 1.6), 60.0)
+    fig = Figure(figsize=(min(9.0 + 0.07 * longest, 16.0), height))
+    ax_rel, ax_rms = fig.subplots(1, 2, sharey=True)
+    y = np.arange(len(layers))
+    if np.isfinite(rel).any():
+        ax_rel.barh(y, np.nan_to_num(rel, nan=0.0), color="#4c72b0", alpha=0.8)
+        ax_rel.set_xscale("log")
+    if np.isfinite(prms).any():
+        ax_rms.barh(y, np.nan_to_num(prms, nan=0.0), color="#4c72b0", alpha=0.6,
+                    label="weights' gradient")
+    if np.isfinite(orms).any():
+        ax_rms.plot(orms, y, "o", color="#dd8452", label="gradient arriving at the outputs")
+    if np.isfinite(prms).any() or np.isfinite(orms).any():
+        ax_rms.set_xscale("log")
+    labels = [n + ("" if np.isfinite(r) or np.isfinite(p) or np.isfinite(o) else " ∅")
+              for n, r, p, o in zip(names, rel, prms, orms, strict=True)]
+    ax_rel.set_yticks(y)
+    ax_rel.set_yticklabels(labels, fontsize=7)
+    ax_rel.set_ylim(len(layers) - 0.5, -0.5)  # input at the top, the loss at the bottom
+    ax_rel.set_xlabel("relative gradient ‖g‖/‖w‖ (log)")
+    ax_rms.set_xlabel("gradient RMS per element (log)")
+    for ax in (ax_rel, ax_rms):
+        ax.grid(True, which="both", axis="x", alpha=0.3)
+    if ax_rms.get_legend_handles_labels()[0]:
+        ax_rms.legend(loc="best", fontsize=7)
+    fig.suptitle(title or f"Gradient flow, step {flow.index} (total norm "
+                 f"{flow.total_norm:.3g}); input at the top", fontsize=10)
     fig.tight_layout()
     return fig
 

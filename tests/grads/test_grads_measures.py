@@ -1,0 +1,143 @@
+"""Scale-free measures against torch: gradient RMS, relative gradient ‖g‖/‖w‖ and the
+optimizer's update ratio ‖Δw‖/‖w‖ on sampled steps, with training left bitwise unchanged."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from torchscope.findings import Severity
+from torchscope.grads import gradient_flow, watch_gradients
+from torchscope.grads.analyze import depth_profile
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(),
+                         nn.Linear(16, 3))
+
+
+def test_rms_and_relative_gradient_match_torch() -> None:
+    model = _mlp()
+    x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+    flow = gradient_flow(model, x, loss_fn="cross_entropy", target=y)
+    for name, p in model.named_parameters():
+        rec = flow.param(name)
+        assert p.grad is not None
+        assert rec.weight_norm == torch.linalg.vector_norm(p.detach()).item()
+        assert rec.rms == pytest.approx((p.grad.norm() / math.sqrt(p.numel())).item(),
+                                        rel=1e-6)
+        assert rec.relative == pytest.approx((p.grad.norm() / p.detach().norm()).item(),
+                                             rel=1e-6)
+        assert rec.update_norm is None and rec.update_ratio is None  # no update ran
+    # Per layer: the weight matrix only (a bias's gradient is on another scale).
+    by_module = {lg.module: lg for lg in flow.layer_grads()}
+    w = model[2].weight
+    assert by_module["2"].params == ("2.weight",)
+    assert by_module["2"].relative == pytest.approx((w.grad.norm() / w.norm()).item(), rel=1e-6)
+    out = flow.get("2").grad_output[0]
+    assert by_module["2"].output_rms == pytest.approx(out.norm / math.sqrt(8 * 16), rel=1e-12)
+    assert by_module["1"].params == () and by_module["1"].relative is None  # the ReLU
+    model.zero_grad(set_to_none=True)
+
+
+def test_depth_profile_groups_blocks_and_leaves_out_embeddings(tiny_gpt2) -> None:
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    flow = gradient_flow(tiny_gpt2, {"input_ids": ids, "labels": ids})
+    prof = depth_profile(flow)
+    # One position per transformer block, nearest the loss first; the embeddings and the
+    # tied lm_head are not positions.
+    assert [u.name for u in prof.units] == ["transformer.h.1", "transformer.h.0"]
+    assert prof.units[0].modules == ("transformer.h.1.mlp.c_proj", "transformer.h.1.mlp.c_fc",
+                                     "transformer.h.1.attn.c_proj",
+                                     "transformer.h.1.attn.c_attn")
+    assert dict(prof.excluded) == {"lm_head": "tied weight", "transformer.wpe": "embedding",
+                                   "transformer.wte": "embedding"}
+    tiny_gpt2.zero_grad(set_to_none=True)
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int, *,
+           watch_every: int | None, updates: bool = True) -> list[tuple[int, dict[str, float]]]:
+    """Train `steps` steps; returns per sampled step the update norms torch computes by hand
+    (a copy before `opt.step()`, the norm of the difference after)."""
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g))
+            for _ in range(steps)]
+    manual: list[tuple[int, dict[str, float]]] = []
+    for i, (x, y) in enumerate(data):
+        opt.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(model(x), y).backward()
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        opt.step()
+        if watch_every is not None and i % watch_every == 0:
+            manual.append((i, {n: torch.linalg.vector_norm(before[n] - p.detach()).item()
+                               for n, p in model.named_parameters()}))
+    return manual
+
+
+@pytest.mark.parametrize("make_opt", [
+    lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+    lambda ps: torch.optim.Adam(ps, lr=1e-3),
+], ids=["sgd-momentum", "adam"])
+def test_update_ratio_of_sampled_steps(make_opt) -> None:
+    torch.manual_seed(0)
+    plain = _mlp()
+    watched = _mlp()
+    watched.load_state_dict(plain.state_dict())
+    opt_plain, opt_watched = make_opt(plain.parameters()), make_opt(watched.parameters())
+    _train(plain, opt_plain, 7, watch_every=None)
+    with watch_gradients(watched, every=3, optimizer=opt_watched) as watch:
+        manual = _train(watched, opt_watched, 7, watch_every=3)
+        # A sampled step keeps no parameter copy once its update is measured.
+        assert watch._collector._before == []
+    # Training is bitwise unchanged by the copies taken around sampled updates.
+    for (n, a), b in zip(plain.named_parameters(), watched.parameters(), strict=True):
+        assert torch.equal(a, b), n
+    last = watch.last
+    assert last is not None and last.index == 6 == manual[-1][0]
+    for rec in last.params:
+        assert rec.update_norm == manual[-1][1][rec.name], rec.name
+        assert rec.update_ratio == pytest.approx(rec.update_norm / rec.weight_norm)
+    assert watch.samples == 3
+
+
+def test_update_ratio_findings_and_opt_out() -> None:
+    torch.manual_seed(0)
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=50.0)  # far too large a step
+    with watch_gradients(model, optimizer=opt) as watch:
+        _train(model, opt, 2, watch_every=None)
+    (f,) = [f for f in watch.findings() if f.code == "grads.update_ratio"]
+    assert f.severity == Severity.WARNING and f.evidence["median"] > 0.1
+    with watch_gradients(model, optimizer=opt, updates=False) as off:
+        _train(model, opt, 1, watch_every=None)
+    assert off.last is not None and all(p.update_norm is None for p in off.last.params)
+    assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
+
+
+def test_frozen_parameters_are_never_dead() -> None:
+    model = _mlp()
+    for p in model[2].parameters():
+        p.requires_grad_(False)  # a frozen middle layer: gradient flows through it
+
+    def codes(flow) -> dict[str, set[str | None]]:
+        out: dict[str, set[str | None]] = {}
+        for f in flow.findings():
+            out.setdefault(f.code, set()).add(f.module)
+        model.zero_grad(set_to_none=True)
+        return out
+
+    x = torch.randn(8, 6)
+    healthy = codes(gradient_flow(model, x, loss_fn="sum"))
+    assert healthy == {"grads.frozen": {"2"}}
+    with torch.no_grad():
+        model[4].weight.zero_()  # nothing flows below the head any more
+    flow = gradient_flow(model, x, loss_fn="sum")
+    assert flow.get("2").grad_output[0].norm == 0.0  # the frozen layer receives zeros...
+    assert flow.param("2.weight").weight_norm is None  # (frozen: not read)
+    found = codes(flow)
+    assert found["grads.frozen"] == {"2"}
+    assert "2" not in found["grads.dead"]  # ...and is not called dead;
+    assert "0" in found["grads.dead"]  # the trainable layer below it is

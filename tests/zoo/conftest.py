@@ -1,0 +1,354 @@
+"""The labelled zoo: healthy initialisations of real architectures and deliberately broken
+models, each with the findings an expert expects of it.
+
+Healthy entries expect nothing at warning or above. Broken entries name the finding code
+and the module it must point at (`expected`); `allowed` lists codes that are true
+consequences of the same fault (a model whose activations explode also has large
+activations). Everything is tiny and runs one step on the CPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from torchscope.capture import capture_activations
+from torchscope.findings import Finding, Severity
+from torchscope.grads import gradient_flow
+from torchscope.models.zoo import BUILTINS
+from torchscope.step import Step
+
+
+@dataclass(frozen=True)
+class Expect:
+    """A finding the entry must get: `code` at `module`, at least `severity`."""
+
+    code: str
+    module: str | None
+    severity: Severity = Severity.WARNING
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One zoo model: a factory returning (model, inputs) and what it must be diagnosed with.
+
+    `loss_fn` is the step's (the default "auto" uses a Hugging Face model's own loss).
+    """
+
+    name: str
+    build: Callable[[], tuple[nn.Module, Any]]
+    expected: tuple[Expect, ...] = ()
+    allowed: frozenset[str] = field(default_factory=frozenset)
+    loss_fn: str = "auto"
+
+    @property
+    def healthy(self) -> bool:
+        return not self.expected
+
+
+def _gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _tokens(vocab: int = 100, shape: tuple[int, int] = (4, 16)) -> torch.Tensor:
+    return torch.randint(0, vocab, shape, generator=_gen())
+
+
+def _labels(n: int, classes: int = 10) -> torch.Tensor:
+    return torch.randint(0, classes, (n,), generator=_gen(1))
+
+
+# ---------------------------------------------------------------- healthy: transformers
+def hf_resnet() -> tuple[nn.Module, Any]:
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    cfg = ResNetConfig(embedding_size=16, hidden_sizes=[16, 32, 64, 128], depths=[2, 2, 2, 2],
+                       layer_type="basic", num_labels=10)
+    return ResNetForImageClassification(cfg), {
+        "pixel_values": torch.randn(4, 3, 32, 32, generator=_gen()), "labels": _labels(4)}
+
+
+def hf_vit() -> tuple[nn.Module, Any]:
+    from transformers import ViTConfig, ViTForImageClassification
+
+    cfg = ViTConfig(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=4,
+                    num_attention_heads=2, intermediate_size=64, num_labels=10)
+    return ViTForImageClassification(cfg), {
+        "pixel_values": torch.randn(4, 3, 32, 32, generator=_gen()), "labels": _labels(4)}
+
+
+def hf_bert() -> tuple[nn.Module, Any]:
+    from transformers import BertConfig, BertForMaskedLM
+
+    cfg = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=4, num_attention_heads=2,
+                     intermediate_size=64, max_position_embeddings=32)
+    ids = _tokens()
+    return BertForMaskedLM(cfg), {"input_ids": ids, "labels": ids.clone()}
+
+
+def hf_gpt2() -> tuple[nn.Module, Any]:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(n_layer=4, n_head=2, n_embd=32, vocab_size=100, n_positions=32)
+    ids = _tokens()
+    return GPT2LMHeadModel(cfg), {"input_ids": ids, "labels": ids.clone()}
+
+
+def hf_t5() -> tuple[nn.Module, Any]:
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    cfg = T5Config(vocab_size=100, d_model=32, d_kv=16, d_ff=64, num_layers=2,
+                   num_decoder_layers=2, num_heads=2, decoder_start_token_id=0)
+    return T5ForConditionalGeneration(cfg), {
+        "input_ids": _tokens(), "labels": torch.randint(0, 100, (4, 8), generator=_gen(1))}
+
+
+def hf_llama() -> tuple[nn.Module, Any]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
+    ids = _tokens()
+    return LlamaForCausalLM(cfg), {"input_ids": ids, "labels": ids.clone()}
+
+
+def builtin(name: str, shape: tuple[int, ...] | None = None) -> Callable[[], tuple[nn.Module, Any]]:
+    def build() -> tuple[nn.Module, Any]:
+        b = BUILTINS[name]
+        return b.build(), torch.randn(shape or b.input_shape, generator=_gen())
+
+    return build
+
+
+def conv_bn() -> tuple[nn.Module, Any]:
+    """A conv followed directly by BatchNorm (defect 1 told it to "add normalization")."""
+    layers: list[nn.Module] = []
+    channels = 3
+    for _ in range(4):
+        layers += [nn.Conv2d(channels, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16),
+                   nn.ReLU()]
+        channels = 16
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10)]
+    return nn.Sequential(*layers), torch.randn(4, 3, 16, 16, generator=_gen())
+
+
+# ---------------------------------------------------------------- broken
+def _stack(act: type[nn.Module], depth: int, width: int = 32) -> nn.Sequential:
+    """depth × [Linear(width, width), act], then Linear(width, 10): Linear layers at even
+    indices 0, 2, ..., 2 * depth."""
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), act()]
+    return nn.Sequential(*layers, nn.Linear(width, 10))
+
+
+def deep_sigmoid() -> tuple[nn.Module, Any]:
+    """Ten sigmoid layers, default init: each layer multiplies the backward signal by at
+    most 1/4, and the inputs (around 0.5) do not make up for it."""
+    return _stack(nn.Sigmoid, 10), torch.randn(4, 32, generator=_gen())
+
+
+def deep_tanh_small() -> tuple[nn.Module, Any]:
+    """Ten tanh layers with half the default init: the signal shrinks both ways."""
+    model = _stack(nn.Tanh, 10)
+    with torch.no_grad():
+        for m in model:
+            if isinstance(m, nn.Linear):
+                m.weight.mul_(0.5)
+    return model, torch.randn(4, 32, generator=_gen())
+
+
+def large_init() -> tuple[nn.Module, Any]:
+    """Eight ReLU layers initialised with std 1 (4x Kaiming's sqrt(2 / fan_in) for fan_in 32)
+    and no normalisation: activations and the backward signal grow about 4x per layer."""
+    model = _stack(nn.ReLU, 8)
+    with torch.no_grad():
+        for m in model:
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=1.0)
+    return model, torch.randn(4, 32, generator=_gen())
+
+
+class _ConvNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3)
+        self.relu = nn.ReLU()
+        self.conv2 = nn.Conv2d(8, 16, 3)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.pool(self.conv2(self.relu(self.conv1(x))))  # (B, 16, 1, 1)
+        out: torch.Tensor = self.fc(torch.flatten(x, 1))  # (B, 10)
+        return out
+
+
+def dead_bias() -> tuple[nn.Module, Any]:
+    """Seven of conv1's eight channels sit behind a bias of -100: their ReLU never fires."""
+    model = _ConvNet()
+    with torch.no_grad():
+        model.conv1.bias[:7].fill_(-100.0)
+    return model, torch.randn(4, 3, 16, 16, generator=_gen())
+
+
+def dead_layer() -> tuple[nn.Module, Any]:
+    """Every conv1 channel behind a bias of -100: nothing flows below the ReLU."""
+    model = _ConvNet()
+    with torch.no_grad():
+        model.conv1.bias.fill_(-100.0)
+    return model, torch.randn(4, 3, 16, 16, generator=_gen())
+
+
+class _Log(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.log()  # NaN for the negative entries
+
+
+class _NaNNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(16, 16)
+        self.log = _Log()
+        self.fc2 = nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.fc2(self.log(self.fc1(x)))  # (B, 10)
+        return out
+
+
+def nan_module() -> tuple[nn.Module, Any]:
+    """`log` takes the log of a linear layer's output: NaN wherever it is negative."""
+    return _NaNNet(), torch.randn(4, 16, generator=_gen())
+
+
+class _AuxNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 10)
+        self.aux = nn.Linear(16, 4)  # an auxiliary head the loss forgot
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.body(x))  # (B, 16)
+        self.aux_out = self.aux(h)  # computed, never part of the loss
+        out: torch.Tensor = self.head(h)  # (B, 10)
+        return out
+
+
+def unreached() -> tuple[nn.Module, Any]:
+    return _AuxNet(), torch.randn(4, 16, generator=_gen())
+
+
+class _FineTune(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU())
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.head(self.backbone(x))  # (B, 10)
+        return out
+
+
+def frozen_backbone() -> tuple[nn.Module, Any]:
+    """A frozen backbone under a trainable head: frozen is not dead."""
+    model = _FineTune()
+    model.backbone.requires_grad_(False)
+    return model, torch.randn(4, 16, generator=_gen())
+
+
+ZOO: tuple[Entry, ...] = (
+    Entry("hf-resnet", hf_resnet),
+    Entry("hf-vit", hf_vit),
+    Entry("hf-bert", hf_bert),
+    Entry("hf-gpt2", hf_gpt2),
+    Entry("hf-t5", hf_t5),
+    Entry("hf-llama", hf_llama),
+    Entry("tiny-cnn", builtin("tiny-cnn", (4, 3, 32, 32))),
+    Entry("mlp", builtin("mlp", (4, 128))),
+    Entry("deep-mlp", builtin("deep-mlp")),
+    Entry("resnet-mini", builtin("resnet-mini", (4, 3, 16, 16))),
+    Entry("conv-bn", conv_bn),
+    Entry("deep-sigmoid", deep_sigmoid, (Expect("grads.vanishing", "0"),)),
+    Entry("deep-tanh-small-init", deep_tanh_small, (Expect("grads.vanishing", "0"),)),
+    Entry("large-init", large_init, (Expect("grads.exploding", "0"),),
+          allowed=frozenset({"activations.large", "activations.scale_drift"})),
+    Entry("dead-bias", dead_bias, (Expect("activations.dead_units", "relu"),)),
+    Entry("dead-layer", dead_layer, (
+        Expect("activations.dead_units", "relu"),
+        Expect("grads.dead", "relu"),  # receives gradient, passes zeros down
+        Expect("grads.dead", "conv1"),  # receives only zeros
+    )),
+    Entry("nan-module", nan_module, (Expect("activations.nonfinite", "log", Severity.ERROR),),
+          allowed=frozenset({"grads.nonfinite"})),
+    Entry("unreached", unreached, (Expect("grads.unreached", "aux", Severity.INFO),)),
+    Entry("frozen-backbone", frozen_backbone, (Expect("grads.frozen", "backbone", Severity.INFO),)),
+)
+
+
+# ---------------------------------------------------------------- running the zoo
+@dataclass(frozen=True)
+class Diagnosis:
+    """What torchscope concluded on one zoo entry: its gradient and activation findings."""
+
+    entry: Entry
+    findings: tuple[Finding, ...]
+
+    def flagged(self) -> set[tuple[str, str | None]]:
+        """(code, module) of every warning-or-worse finding, and of every finding the entry
+        expects at a lower severity."""
+        low = {(e.code, e.module) for e in self.entry.expected}
+        return {(f.code, f.module) for f in self.findings
+                if f.severity >= Severity.WARNING or (f.code, f.module) in low}
+
+    def found(self, e: Expect) -> bool:
+        return any(f.code == e.code and f.module == e.module and f.severity >= e.severity
+                   for f in self.findings)
+
+    def false_positives(self) -> set[tuple[str, str | None]]:
+        """Flagged (code, module) pairs that are neither expected nor an allowed consequence."""
+        ok = {(e.code, e.module) for e in self.entry.expected}
+        return {(c, m) for c, m in self.flagged() if (c, m) not in ok
+                and c not in self.entry.allowed}
+
+
+def diagnose_entry(entry: Entry) -> Diagnosis:
+    """One training step of the entry: gradient flow and activations, their findings."""
+    torch.manual_seed(0)
+    model, inputs = entry.build()
+    step = Step(model, inputs, loss_fn=entry.loss_fn)
+    flow = gradient_flow(step)
+    capture = capture_activations(step)
+    return Diagnosis(entry, tuple(flow.findings() + capture.findings()))
+
+
+_CACHE: dict[str, Diagnosis] = {}
+
+
+def _cached(entry: Entry) -> Diagnosis:
+    if entry.name not in _CACHE:
+        _CACHE[entry.name] = diagnose_entry(entry)
+    return _CACHE[entry.name]
+
+
+@pytest.fixture
+def diagnosis(entry: Entry) -> Diagnosis:
+    """The entry's diagnosis, computed once per test session."""
+    return _cached(entry)
+
+
+@pytest.fixture
+def zoo_diagnoses() -> list[Diagnosis]:
+    """Every entry's diagnosis, in zoo order."""
+    return [_cached(e) for e in ZOO]
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "entry" in metafunc.fixturenames:
+        metafunc.parametrize("entry", ZOO, ids=[e.name for e in ZOO])
