@@ -71,7 +71,8 @@ def _mode_findings(m: ModeResult) -> list[Finding]:
         out.append(Finding(
             "compile.pays_off", Severity.INFO,
             f"{label} pays off after {_calls(m.break_even_calls)}{warm}: "
-            f"{fmt_ratio(speed) if speed is not None else f'{m.speedup:.2f}×'} faster ({m.eager_ms:.3g} → {m.compiled_ms:.3g} ms per call) for a "
+            f"{fmt_ratio(speed) if speed is not None else f'{m.speedup:.2f}×'} faster "
+            f"({m.eager_ms:.3g} → {m.compiled_ms:.3g} ms per call) for a "
             f"{m.cold_compile_s:.1f} s cold compile.",
             evidence,
             fix="compile once before the loop; the first call pays the compile."))
