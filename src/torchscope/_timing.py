@@ -157,12 +157,20 @@ def compare(a: Sequence[float] | Interval, b: Sequence[float] | Interval) -> Rat
                  ia.n, ib.n, max(0.0, ia.confidence + ib.confidence - 1.0))
 
 
-def fmt_ratio(r: Ratio | None, *, none: str = "no measurable difference") -> str:
+def fmt_ratio(r: Ratio | None, *, none: str = "no measurable difference",
+              above: bool = False) -> str:
     """`1.43× (1.21–1.60)` for a measurable ratio, else `none` with the interval, e.g.
-    `no measurable difference (0.91–1.12×)`; `—` without a ratio."""
+    `no measurable difference (0.91–1.12×)`; `—` without a ratio.
+
+    Args:
+        r: the ratio.
+        none: the words for a ratio inside the noise.
+        above: only a ratio measurably above 1 is a figure (a cost, an overhead): one
+            measurably below 1 is `none` too, never a cost below 1×.
+    """
     if r is None:
         return "—"
-    if r.measurable:
+    if r.above or (r.measurable and not above):
         return f"{r.value:.2f}× ({r.low:.2f}–{r.high:.2f})"
     if min(r.n_a, r.n_b) < MIN_SAMPLES:
         return f"{none} ({min(r.n_a, r.n_b)} sample(s): no spread)"

@@ -170,7 +170,7 @@ def analyze_plans(report: PlanReport, thresholds: object = None) -> list[Finding
 
 
 def _cost(m: PlanMeasurement | None) -> tuple[str, dict[str, float | int | str | bool | None]]:
-    """` at +12% step time (1.08–1.17×)` or ` at no measurable cost in step time`, and the
+    """` at +12% step time (1.08–1.17×)` or ` at no measurable cost in step time (...)`, and the
     evidence; nothing without a timing. A cost inside the noise is never given a sign."""
     if m is None or m.slowdown is None:
         return "", {}
@@ -179,8 +179,8 @@ def _cost(m: PlanMeasurement | None) -> tuple[str, dict[str, float | int | str |
         "step_ms": m.step_ms, "slowdown": r.value, "slowdown_low": r.low,
         "slowdown_high": r.high, "measurable": r.above, "repeats": m.repeats}
     if r.above:
-        return f" at {r.value - 1:+.0%} step time ({fmt_ratio(r)})", evidence
-    return f" at {fmt_ratio(r, none='no measurable cost in step time')}", evidence
+        return f" at {r.value - 1:+.0%} step time ({r.low:.2f}–{r.high:.2f}×)", evidence
+    return f" at {fmt_ratio(r, none='no measurable cost in step time', above=True)}", evidence
 
 
 def _plans(report: PlanReport, chosen: str | None) -> list[Finding]:
@@ -198,20 +198,26 @@ def _plans(report: PlanReport, chosen: str | None) -> list[Finding]:
         ))
     for note in report.notes:
         out.append(Finding("memory.plan_note", Severity.INFO, note, {}))
+    # A plan that keeps more than none is said whichever plan was asked for: it explains
+    # why the others were not offered.
+    for plan in report.plans:
+        if plan.status == "keeps_more":
+            out.append(Finding(
+                "memory.plan_keeps_more", Severity.INFO,
+                f"{plan.name}: checkpointing {describe_segments(plan)} is not offered: it "
+                f"{plan.failed}.",
+                {"plan": plan.name, "saved_bytes": plan.saved_bytes,
+                 "baseline_bytes": report.baseline_saved_bytes},
+            ))
     names = [chosen] if chosen else [p.name for p in report.plans if p.name != "none"]
+    saves = any(p.status == "ok" and p.segments and p.saved_bytes < report.baseline_saved_bytes
+                for p in report.plans)
     for name in names:
         if not report.has(name):
             continue
         plan = report.plan(name)
         base = max(report.baseline_saved_bytes, 1)
         if plan.status == "keeps_more":
-            out.append(Finding(
-                "memory.plan_keeps_more", Severity.INFO,
-                f"{name}: checkpointing {describe_segments(plan)} is not offered: it "
-                f"{plan.failed}.",
-                {"plan": name, "saved_bytes": plan.saved_bytes,
-                 "baseline_bytes": report.baseline_saved_bytes},
-            ))
             continue
         if plan.status == "unverified":
             out.append(Finding(
@@ -230,11 +236,15 @@ def _plans(report: PlanReport, chosen: str | None) -> list[Finding]:
             "plan": name, "saved_bytes": saved, "saving_bytes": saving,
             "predicted_recompute_ms": plan.recompute_ms}
         if not plan.segments:
-            budget = f", within the budget of {fmt_bytes(plan.budget)}" if plan.budget else ""
+            budget = ("" if plan.budget is None else
+                      f", within the budget of {fmt_bytes(plan.budget)}")
             out.append(Finding(
                 "memory.checkpoint_plan", Severity.INFO,
                 f"{name}: no checkpointing needed: the step keeps {fmt_bytes(saved)} of "
-                f"saved activations{budget}.", evidence))
+                f"saved activations{budget}." if saves else
+                f"{name}: no checkpointing plan keeps fewer saved activations than none "
+                f"({fmt_bytes(saved)}): there is nothing to gain from checkpointing here.",
+                evidence))
             continue
         cost, timing = _cost(m)
         evidence.update(timing)

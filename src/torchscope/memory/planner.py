@@ -477,9 +477,8 @@ def plan_checkpointing(
             if limit is None:  # "sqrt": what √L keeps, unless that is no saving at all
                 limit = plans[2].saved_bytes if plans[2].failed is None else smallest
             # Never more than none keeps: within that, no checkpointing is the cheapest.
-            limit = min(limit, baseline)
             found, least = (_search_exact if search == "exact" else _search_dp)(
-                costs, candidates.groupable, limit)
+                costs, candidates.groupable, min(limit, baseline))
             smallest = min(smallest, least)
             if found is None:
                 raise BudgetError(

@@ -42,7 +42,10 @@ def _host_syncs(result: ProfileResult) -> list[Finding]:
     syncs = [o for o in result.ops if o.name in _SYNC_OPS]
     if not syncs:
         return []
-    calls = sum(o.calls for o in syncs)
+    # One `.item()` shows as aten::item over aten::_local_scalar_dense (over a copy and a
+    # stream sync on CUDA): count the reads and the explicit device waits, once each.
+    calls = (result.calls("aten::_local_scalar_dense") + result.calls("cudaDeviceSynchronize")
+             or sum(o.calls for o in syncs))
     ops = ", ".join(sorted({o.name for o in syncs}))
     evidence: dict[str, float | int | str | bool | None] = {
         "calls": calls, "ops": ops, "device": result.device}

@@ -120,7 +120,7 @@ def step_time(m: PlanMeasurement | None) -> str:
     r = m.slowdown
     if r.above:
         return f"{r.value - 1:+.0%} ({r.low:.2f}–{r.high:.2f}×)"
-    return fmt_ratio(r, none="no measurable cost")
+    return fmt_ratio(r, none="no measurable cost", above=True)
 
 
 def plans_table(report: PlanReport, chosen: str | None = None,

@@ -162,7 +162,7 @@ def timing_line(result: ProfileResult) -> str:
     r = t.overhead_ratio
     overhead = ("overhead not compared" if r is None else
                 f"{fmt_ratio(r)} overhead" if r.above else
-                fmt_ratio(r, none="no measurable profiler overhead"))
+                fmt_ratio(r, none="no measurable profiler overhead", above=True))
     return (f"step {_ms(t.baseline_ms)} ms without profiler, {_ms(t.profiled_ms)} ms profiled "
             f"({overhead}; medians of {t.baseline_steps} and {t.profiled_steps} steps).")
 
