@@ -276,6 +276,13 @@ def test_a_frozen_prefix_keeps_the_rest_groupable() -> None:
     assert sqrt.segments == ((0, 2), (2, 4)) and sqrt.checkpointed == ("1", "2", "3", "4")
     m = report.measurement("sqrt")
     assert m is not None and m.verification is not None and m.verification.bitwise_equal
+    # The fix counts segments among the Sequential's children, and installs the same plan.
+    fix = next(f.fix for f in report.findings() if f.code == "memory.checkpoint_plan"
+               and f.evidence["plan"] == "sqrt")
+    assert fix == "torchscope.memory.apply(model, blocks=model, segments=[(1, 3), (3, 5)])"
+    with apply(model, blocks=model, segments=[(1, 3), (3, 5)]) as handle:
+        assert handle.checkpointed == ("1", "2", "3", "4")
+        assert saved_activations(model, x, loss_fn="sum").total_bytes == m.saved_bytes
 
 
 class _Counting(nn.Module):

@@ -159,8 +159,16 @@ def apply_hint(plan: CheckpointPlan) -> str:
     """The call that installs `plan` in the user's code."""
     if all(b - a == 1 for a, b in plan.segments):
         return f"torchscope.memory.apply(model, blocks={list(plan.checkpointed)!r})"
-    # Segments of several blocks need the plan's own block list and grouping.
-    return (f"torchscope.memory.apply_plan(model, report.plans.plan({plan.name!r}), inputs)")
+    # Segments of several blocks run inside their nn.Sequential: name it, with the segments
+    # counted among its children (the plan's blocks may start after a frozen first one).
+    prefix = f"{plan.parent}." if plan.parent else ""
+    keys = [n.removeprefix(prefix) for n in plan.blocks]
+    if plan.parent is not None and all(k.isdigit() for k in keys):
+        first = int(keys[0])
+        segments = [(a + first, b + first) for a, b in plan.segments]
+        container = repr(plan.parent) if plan.parent else "model"
+        return f"torchscope.memory.apply(model, blocks={container}, segments={segments})"
+    return f"torchscope.memory.apply_plan(model, <the {plan.name!r} plan>, inputs)"
 
 
 @analyzer(PlanReport)
