@@ -50,9 +50,12 @@ def analyze_report(report: MemoryReport, thresholds: object = None) -> list[Find
         fix = _CHECKPOINT_BY_HAND
     out = analyze_saved(report.saved) + _totals(report.totals, report.measured, fix)
     if report.no_plan:
+        # Blocks that all hold no trainable work have nothing to give; without a block
+        # sequence, checkpointing by hand still can.
         out.append(Finding("memory.no_plan", Severity.INFO,
                            f"no checkpoint plan: {report.no_plan}",
-                           {"reason": report.no_plan}, fix=_CHECKPOINT_BY_HAND))
+                           {"reason": report.no_plan},
+                           fix="" if report.checkpointable else _CHECKPOINT_BY_HAND))
     if report.plans is not None:
         out += _plans(report.plans, report.chosen)
     return out
