@@ -50,8 +50,9 @@ class Blocks:
 
     Attributes:
         names: qualified module names.
-        parent: name of the `nn.Sequential` they are all the children of, when they are;
-            only then can consecutive blocks share one checkpoint.
+        parent: name of the plain `nn.Sequential` they are consecutive children of, when
+            they are (all of its children, or a run of them); only then can consecutive
+            blocks share one checkpoint.
     """
 
     names: tuple[str, ...]
