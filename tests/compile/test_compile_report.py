@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 from pathlib import Path
 
 import pytest
@@ -12,9 +13,10 @@ import torch
 from rich.console import Console
 from torch import nn
 
+from torchscope._timing import compare
 from torchscope._util import to_jsonable
 from torchscope.compile import CompileReport, compile_report
-from torchscope.compile.records import derive_speed
+from torchscope.compile.records import ModeResult, derive_speed
 from torchscope.compile.watch import recompile_limit
 from torchscope.errors import CompileError
 from torchscope.models import TinyCNN
@@ -73,13 +75,19 @@ def test_figures_are_consistent(tiny_report: CompileReport) -> None:
     assert m.speedup == pytest.approx(m.eager_ms / m.compiled_ms, rel=1e-12)
     assert m.cold_compile_s is not None and m.cold_compile_s > 0
     assert m.warm_compile_s is not None and m.warm_compile_s >= 0
+    # The speedup carries its interval: the ratio of the medians, between the bounds.
+    speed = m.speedup_ratio
+    assert speed is not None and speed.n_a == speed.n_b == 5
+    assert speed.value == pytest.approx(m.speedup, rel=1e-12)
+    assert speed.low <= m.speedup <= speed.high
     saved_s = (m.eager_ms - m.compiled_ms) / 1e3
-    if saved_s > 0:
+    if saved_s > 0 and speed.above:
         assert m.break_even_calls == math.ceil(m.cold_compile_s / saved_s)
     else:
-        assert m.break_even_calls is None  # "never"
+        assert m.break_even_calls is None  # "never", or no measurable speedup to pay back
     assert (m.speedup, m.break_even_calls) == derive_speed(m.eager_ms, m.compiled_ms,
-                                                           m.cold_compile_s)
+                                                           m.cold_compile_s, speed)
+    assert m.faster == speed.above
     assert m.iters == 5
 
 
@@ -117,13 +125,54 @@ def test_findings_and_table(tiny_report: CompileReport) -> None:
     m = tiny_report.mode("default")
     codes = [f.code for f in tiny_report.findings()]
     assert "compile.recompiles" in codes
+    speed = m.speedup_ratio
+    assert speed is not None
     assert ("compile.pays_off" in codes) == (m.break_even_calls is not None)
-    assert ("compile.never_pays_off" in codes) == (m.break_even_calls is None)
+    # A speedup inside the noise is neither paid back nor "never pays off": not measurable.
+    assert ("compile.no_measurable_speedup" in codes) == (not speed.measurable)
+    assert ("compile.never_pays_off" in codes) == (
+        m.break_even_calls is None and speed.measurable)
     text = _render(compile_table(tiny_report))
-    assert f"{m.speedup:.2f}×" in text
+    assert (f"{m.speedup:.2f}×" if speed.measurable else "no measurable") in text
     assert "2/8" in text  # recompiles against the limit
     expected = "never" if m.break_even_calls is None else f"{m.break_even_calls:,}"
     assert expected in text
+
+
+def _report_of(*modes: ModeResult) -> CompileReport:
+    return CompileReport("net", "(8x16)", "cpu", "forward", modes, (), 1, 8, torch.__version__)
+
+
+def _mode(eager_s: list[float], compiled_s: list[float], mode: str = "default") -> ModeResult:
+    """A mode as the child measures it: interleaved samples, medians, speedup, break-even."""
+    eager_ms, compiled_ms = statistics.median(eager_s) * 1e3, statistics.median(compiled_s) * 1e3
+    ratio = compare(eager_s, compiled_s)
+    speedup, calls = derive_speed(eager_ms, compiled_ms, 5.0, ratio)
+    return ModeResult(mode, "ok", cold_compile_s=5.0, warm_compile_s=0.5, eager_ms=eager_ms,
+                      compiled_ms=compiled_ms, speedup=speedup, break_even_calls=calls,
+                      iters=len(eager_s), speedup_ratio=ratio)
+
+
+def test_a_speedup_inside_the_noise_is_no_measurable_speedup() -> None:
+    # Medians 1.25× apart, but the samples overlap: the interval includes 1.
+    noisy = _mode([0.010, 0.004, 0.012, 0.011, 0.003], [0.008, 0.011, 0.003, 0.009, 0.002])
+    assert noisy.speedup == pytest.approx(1.25)
+    assert noisy.speedup_ratio is not None and not noisy.speedup_ratio.measurable
+    assert noisy.break_even_calls is None and not noisy.faster
+    report = _report_of(noisy)
+    codes = [f.code for f in report.findings()]
+    assert "compile.no_measurable_speedup" in codes and "compile.no_gain" in codes
+    assert "compile.pays_off" not in codes and "compile.never_pays_off" not in codes
+    assert report.best is None
+    text = _render(compile_table(report))
+    assert "no measurable difference" in text and "1.25×" not in text
+    # A clear speedup pays off, and says its interval.
+    clear = _mode([0.010, 0.0101, 0.0099, 0.0102, 0.0100], [0.005, 0.0051, 0.0049, 0.005, 0.005])
+    assert clear.faster and clear.break_even_calls == math.ceil(5.0 / (0.010 - 0.005))
+    report = _report_of(clear)
+    pays = next(f for f in report.findings() if f.code == "compile.pays_off")
+    assert "2.00× (1.94–2.08) faster" in pays.summary
+    assert report.best is clear
 
 
 def test_report_is_json_ready(tiny_report: CompileReport) -> None:

@@ -124,9 +124,13 @@ def test_sections_run_the_real_capabilities_and_their_analyzers() -> None:
     assert saved["relu"] == 4 * 8 * 30 * 30 * 4
     assert mem.record.saved.total_bytes == sum(saved.values())
     assert mem.record.totals.parameters == 4 * sum(p.numel() for p in model.parameters())
-    # TinyCNN has no block sequence to checkpoint: the step's memory stands without a plan.
+    # TinyCNN has no block sequence to checkpoint: the step's memory stands without a plan,
+    # the record says why, and no finding advises a checkpoint command that would fail.
     assert mem.record.plans is None and mem.data["plans"] == []
-    assert mem.note.startswith("no checkpoint plan: ")
+    assert mem.record.no_plan.startswith("TinyCNN has no nn.Sequential")
+    no_plan = [f for f in mem.findings if f.code == "memory.no_plan"]
+    assert len(no_plan) == 1 and no_plan[0].severity == Severity.INFO
+    assert not any("--checkpoint" in f.fix for f in mem.findings)
     mem_codes = [f.code for f in mem.findings]
     assert "memory.saved_by_type" in mem_codes and all(c.startswith("memory.")
                                                        for c in mem_codes)
@@ -174,12 +178,19 @@ def test_memory_keeps_its_analysis_when_the_checkpoint_plan_fails_verification()
     report = run_doctor(model, torch.randn(4, 8), options=DoctorOptions(
         steps=1, skip=frozenset({"compile", "profile"})))
     mem = report.outcome("memory")
-    assert mem.status == "ok" and mem.record.plans is None and mem.data["plans"] == []
-    assert mem.note.startswith("no checkpoint plan: checkpointing changed the")
-    assert mem.error is not None  # kept for --debug
+    assert mem.status == "ok" and mem.note == "" and mem.error is None
+    # The chosen plan is in the record, marked failed with the reason; it is not offered.
+    plans, chosen = mem.record.plans, mem.record.chosen_plan
+    assert plans is not None and chosen is not None and chosen.status == "unverified"
+    assert chosen.failed is not None and "checkpointing changed the result" in chosen.failed
+    assert mem.record.verification is None
+    assert all(p.failed is not None for p in plans.plans if p.segments)
     failed = [f for f in mem.findings if f.code == "memory.checkpoint_failed"]
     assert len(failed) == 1 and failed[0].severity == Severity.WARNING and failed[0].fix
+    assert "memory.checkpoint_plan" not in [f.code for f in mem.findings]
     assert "memory.saved_by_type" in [f.code for f in mem.findings]  # the rest still stands
+    assert [p["verified"] for p in mem.data["plans"] if p["blocks"]] == [False] * sum(
+        1 for p in plans.plans if p.segments)
 
 
 class _Boom(Section[None]):

@@ -60,7 +60,9 @@ def memory(
     depth: DepthOpt = None,
     eval_mode: Annotated[bool, typer.Option(
         "--eval", help="Analyse in eval mode (default: train mode, dropout active).")] = False,
-    repeats: Annotated[int, typer.Option(help="Timed repeats per plan (best kept).")] = 3,
+    repeats: Annotated[int, typer.Option(
+        help="Timed steps per plan at least (more until the median is known; compared with "
+        "steps without checkpointing).")] = 5,
     live: Annotated[bool, typer.Option(
         "--live", help="Also list the largest live tensors and what holds them.")] = False,
     json_path: JsonOpt = None,
@@ -78,7 +80,7 @@ def memory(
 
         from torchscope._util import write_json
         from torchscope.errors import TorchscopeError
-        from torchscope.memory import analyze_memory, live_tensors, parse_bytes
+        from torchscope.memory import analyze_memory, live_tensors, parse_bytes, resolve_blocks
         from torchscope.report.memory import (
             blocks_table,
             live_table,
@@ -103,6 +105,8 @@ def memory(
         limit = parse_bytes(budget) if budget is not None else None
         loaded, model_inputs = load(target, input, inputs)
         model = loaded.model
+        if checkpoint != "none" or limit is not None:
+            resolve_blocks(model, blocks)  # nothing to checkpoint: one line, before any work
         model.train(not eval_mode)
         opt = _make_optimizer(optimizer, model)
         step = Step(model, model_inputs, loss_fn=loss, optimizer=opt)

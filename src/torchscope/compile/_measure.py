@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchscope._timing import compare
 from torchscope.compile._isolate import private_code
 from torchscope.compile.breaks import find_graph_breaks
 from torchscope.compile.records import CompileMeasure, ModeResult, ShapeCall, derive_speed
@@ -223,7 +224,8 @@ def measure_mode(model: nn.Module, inputs: ModelInputs, job: MeasureJob,
     # A first call's cost beyond one steady-state call is the compile.
     cold = max(cold_first_s - compiled_ms / 1e3, 0.0)
     warm = max(warm_first_s - compiled_ms / 1e3, 0.0)
-    speedup, break_even = derive_speed(eager_ms, compiled_ms, cold)
+    ratio = compare(eager_s, compiled_s)  # the speedup with its noise
+    speedup, break_even = derive_speed(eager_ms, compiled_ms, cold, ratio)
     result = ModeResult(
         mode=job.mode,
         status="ok",
@@ -233,7 +235,7 @@ def measure_mode(model: nn.Module, inputs: ModelInputs, job: MeasureJob,
         compiled_ms=compiled_ms,
         speedup=speedup,
         break_even_calls=break_even,
-        break_even_calls_warm=derive_speed(eager_ms, compiled_ms, warm)[1],
+        break_even_calls_warm=derive_speed(eager_ms, compiled_ms, warm, ratio)[1],
         max_abs_diff=max_abs,
         max_rel_diff=max_rel,
         grad_max_abs_diff=grad_abs,
@@ -244,6 +246,7 @@ def measure_mode(model: nn.Module, inputs: ModelInputs, job: MeasureJob,
         limit_hit=watcher.limit_hit,
         shape_calls=tuple(shape_calls),
         iters=job.iters,
+        speedup_ratio=ratio,
     )
     return result, info
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from torchscope._timing import fmt_ratio
 from torchscope.compile.records import CompileReport, GraphBreak, ModeResult, Recompile
 from torchscope.findings import Finding, Severity, analyzer, rank
 
@@ -45,17 +46,33 @@ def _mode_findings(m: ModeResult) -> list[Finding]:
                         f"{label} failed ({m.status}): {m.error}",
                         {"mode": m.mode, "status": m.status, "error": m.error}, fix=fix)]
     out: list[Finding] = []
-    evidence = {"mode": m.mode, "speedup": m.speedup, "eager_ms": m.eager_ms,
+    evidence: dict[str, float | int | str | bool | None] = {
+                "mode": m.mode, "speedup": m.speedup, "eager_ms": m.eager_ms,
                 "compiled_ms": m.compiled_ms, "cold_compile_s": m.cold_compile_s,
                 "warm_compile_s": m.warm_compile_s, "break_even_calls": m.break_even_calls,
                 "break_even_calls_warm": m.break_even_calls_warm}
-    if m.break_even_calls is not None and m.speedup is not None:
+    speed = m.speedup_ratio
+    if speed is not None:
+        evidence.update(speedup_low=speed.low, speedup_high=speed.high,
+                        measurable=speed.measurable)
+    if speed is not None and not speed.measurable and m.speedup is not None:
+        # Inside the noise: neither "pays off after N calls" nor "slower" is a fact.
+        out.append(Finding(
+            "compile.no_measurable_speedup", Severity.WARNING,
+            f"{label} gives no measurable speedup: compiled calls take {m.compiled_ms:.3g} ms "
+            f"vs {m.eager_ms:.3g} ms eager ({fmt_ratio(speed)}), so the "
+            f"{m.cold_compile_s:.1f} s compile is not shown to pay back.",
+            evidence,
+            fix="keep this model eager, or time more calls (iters=) on a quieter machine; "
+                "compile pays off for larger work per call."))
+    elif m.break_even_calls is not None and m.speedup is not None:
         warm = (f" ({_calls(m.break_even_calls_warm)} with a warm cache)"
                 if m.break_even_calls_warm is not None else "")
         out.append(Finding(
             "compile.pays_off", Severity.INFO,
-            f"{label} pays off after {_calls(m.break_even_calls)}{warm}: {m.speedup:.2f}× "
-            f"faster ({m.eager_ms:.3g} → {m.compiled_ms:.3g} ms per call) for a "
+            f"{label} pays off after {_calls(m.break_even_calls)}{warm}: "
+            f"{fmt_ratio(speed) if speed is not None else f'{m.speedup:.2f}×'} faster "
+            f"({m.eager_ms:.3g} → {m.compiled_ms:.3g} ms per call) for a "
             f"{m.cold_compile_s:.1f} s cold compile.",
             evidence,
             fix="compile once before the loop; the first call pays the compile."))
@@ -63,7 +80,8 @@ def _mode_findings(m: ModeResult) -> list[Finding]:
         out.append(Finding(
             "compile.never_pays_off", Severity.WARNING,
             f"{label} never pays off: compiled calls take {m.compiled_ms:.3g} ms vs "
-            f"{m.eager_ms:.3g} ms eager ({m.speedup:.2f}×), after a "
+            f"{m.eager_ms:.3g} ms eager "
+            f"({fmt_ratio(speed) if speed is not None else f'{m.speedup:.2f}×'}), after a "
             f"{m.cold_compile_s:.1f} s compile.",
             evidence,
             fix="keep this model eager, or compile a larger piece of work (bigger batch, "
@@ -129,7 +147,11 @@ def compile_findings(report: CompileReport, thresholds: object = None) -> list[F
     it, so read it as `report.findings()`. `thresholds` is unused: the compile findings have
     none yet.
 
-    Codes: `compile.pays_off`, `compile.never_pays_off`, `compile.numerics`,
+    A speedup is judged with its interval (`ModeResult.speedup_ratio`): inside the timing
+    noise it is `compile.no_measurable_speedup`, never "pays off" nor "slower".
+
+    Codes: `compile.pays_off`, `compile.never_pays_off`, `compile.no_measurable_speedup`,
+    `compile.numerics`,
     `compile.recompiles`, `compile.graph_break`, `compile.best_mode`, `compile.no_gain`,
     and `compile.<status>` for a mode that failed.
     """

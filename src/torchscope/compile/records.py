@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from torchscope._timing import Ratio
 from torchscope.findings import Analyzed
 from torchscope.step import StepInfo
 
@@ -124,7 +125,7 @@ class ModeResult:
         compiled_ms: median steady-state compiled call, timed interleaved with eager.
         speedup: `eager_ms / compiled_ms`.
         break_even_calls: calls until the cold compile is paid back by the time saved per
-            call; None ("never") when compiled is not faster.
+            call; None ("never") when compiled is not measurably faster.
         break_even_calls_warm: the same for the warm compile.
         max_abs_diff: largest |compiled - eager| over every output element.
         max_rel_diff: `max_abs_diff` divided by the largest |eager output|.
@@ -139,6 +140,9 @@ class ModeResult:
         iters: timed calls of each kind.
         isolated: measured in a child process (False: in this process).
         wall_s: wall time of the whole measurement, process start included.
+        speedup_ratio: the speedup with its interval (eager over compiled call times; see
+            `torchscope._timing`); a speedup whose interval includes 1 is no measurable
+            speedup, whatever its median.
     """
 
     mode: str
@@ -163,6 +167,7 @@ class ModeResult:
     iters: int = 0
     isolated: bool = True
     wall_s: float | None = None
+    speedup_ratio: Ratio | None = None
 
     @property
     def ok(self) -> bool:
@@ -171,7 +176,10 @@ class ModeResult:
 
     @property
     def faster(self) -> bool:
-        """True when compiled steady-state calls beat eager ones."""
+        """True when compiled steady-state calls beat eager ones beyond the timing noise
+        (by the median alone when no interval was measured)."""
+        if self.speedup_ratio is not None:
+            return self.speedup_ratio.above
         return self.speedup is not None and self.speedup > 1.0
 
 
@@ -234,15 +242,16 @@ class CompileReport(Analyzed):
 
 
 def derive_speed(
-    eager_ms: float | None, compiled_ms: float | None, compile_s: float | None
+    eager_ms: float | None, compiled_ms: float | None, compile_s: float | None,
+    ratio: Ratio | None = None,
 ) -> tuple[float | None, int | None]:
     """Speedup (`eager_ms / compiled_ms`, one call each) and the calls that pay back the
     one-time `compile_s`: `ceil(compile_s / time saved per call)`, None ("never") when the
-    compiled call is not faster."""
+    compiled call is not faster, or, given the speedup's `ratio`, not measurably faster."""
     if eager_ms is None or compiled_ms is None or compiled_ms <= 0:
         return None, None
     speedup = eager_ms / compiled_ms
     saved_s = (eager_ms - compiled_ms) / 1e3
-    if compile_s is None or saved_s <= 0:
+    if compile_s is None or saved_s <= 0 or (ratio is not None and not ratio.above):
         return speedup, None
     return speedup, max(1, math.ceil(compile_s / saved_s))

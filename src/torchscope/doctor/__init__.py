@@ -11,7 +11,7 @@ document, report.json, `diff` and the renderers live in `torchscope.report`.
 """
 
 from torchscope.doctor.runner import DoctorEvent, DoctorReport, run_doctor
-from torchscope.doctor.section import DoctorOptions, Fallback, Section
+from torchscope.doctor.section import DoctorOptions, Section
 from torchscope.doctor.sections import (
     get_section,
     register_section,
@@ -23,7 +23,6 @@ __all__ = [
     "DoctorEvent",
     "DoctorOptions",
     "DoctorReport",
-    "Fallback",
     "Section",
     "get_section",
     "register_section",

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from torchscope._process import quiet_kineto, seeded
-from torchscope.doctor.section import DoctorOptions, Fallback, Section
+from torchscope.doctor.section import DoctorOptions, Section
 from torchscope.doctor.sections import registered_sections
 from torchscope.errors import TorchscopeError, describe
 from torchscope.findings import Analyzed
@@ -71,21 +71,15 @@ def _run_one(section: Section[Any], step: Step, options: DoctorOptions) -> Secti
         # Seeded the same way before every section, on the unchanged model: each section's
         # first step is the same computation (dropout masks and seeded targets included).
         with seeded(options.seed), step.preserved():
-            result = section.run(step, options)
-        fallback = result if isinstance(result, Fallback) else None
-        record = result.record if isinstance(result, Fallback) else result
+            record = section.run(step, options)
         findings = tuple(record.findings()) if isinstance(record, Analyzed) else ()
-        if fallback is not None:
-            findings += tuple(section.fallback_findings(fallback.error))
         metrics = section.metrics(record)
         data = section.to_json(record)
     except Exception as exc:  # one section's failure must not lose the others' results
         return SectionOutcome(status="failed", note=describe(exc), error=exc,
                               seconds=time.perf_counter() - t0, **base)
-    note = "" if fallback is None else f"{fallback.left_out}: {fallback.error.one_line()}"
-    return SectionOutcome(status="ok", note=note, seconds=time.perf_counter() - t0,
-                          record=record, data=data, findings=findings, metrics=metrics,
-                          error=None if fallback is None else fallback.error, **base)
+    return SectionOutcome(status="ok", seconds=time.perf_counter() - t0, record=record,
+                          data=data, findings=findings, metrics=metrics, **base)
 
 
 def _doctor_step(model: nn.Module | Step, inputs: Any, options: DoctorOptions) -> Step:

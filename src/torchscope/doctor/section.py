@@ -14,8 +14,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from torchscope.errors import TorchscopeError
-from torchscope.findings import Finding
 from torchscope.report.document import Metric
 from torchscope.step import LossName
 
@@ -24,7 +22,7 @@ if TYPE_CHECKING:
 
     from torchscope.step import Step
 
-__all__ = ["DoctorOptions", "Fallback", "Section"]
+__all__ = ["DoctorOptions", "Section"]
 
 R = TypeVar("R")
 
@@ -68,25 +66,6 @@ class DoctorOptions:
                 "compile_iters": self.compile_iters, "device": self.device, "seed": self.seed}
 
 
-@dataclass(frozen=True)
-class Fallback(Generic[R]):
-    """What a section returns when its full request raised and a narrower one succeeded
-    (the memory section without a checkpoint plan, say).
-
-    The outcome is ok with `record`; its note says what was left out and why, it keeps
-    `error` (for `--debug`), and its findings add the section's `fallback_findings(error)`.
-
-    Attributes:
-        record: the capability's record of the narrower request.
-        error: why the full request failed.
-        left_out: what the narrower request leaves out, e.g. `no checkpoint plan`.
-    """
-
-    record: R
-    error: TorchscopeError
-    left_out: str
-
-
 class Section(ABC, Generic[R]):
     """One part of the doctor: subclasses set `name`, `title` and `capability`.
 
@@ -103,18 +82,15 @@ class Section(ABC, Generic[R]):
     slow: bool = False
 
     @abstractmethod
-    def run(self, step: Step, options: DoctorOptions) -> R | Fallback[R]:
+    def run(self, step: Step, options: DoctorOptions) -> R:
         """Measure with the capability's public function on `step`; return its record.
 
         The runner gives the model back exactly as it was afterwards and seeds torch's
         generators before, so every section's first step is the same computation. Never
-        catch an error to run the model again with other settings; a `Fallback` is for a
-        narrower request of the same step after the full one raised.
+        catch an error to run the model again with other settings: a capability says in
+        its record what it could not do (the memory analysis, a checkpoint plan that
+        failed).
         """
-
-    def fallback_findings(self, error: TorchscopeError) -> list[Finding]:
-        """Findings about why the full request of a `Fallback` failed."""
-        return []
 
     @abstractmethod
     def to_json(self, record: R) -> dict[str, Any]:

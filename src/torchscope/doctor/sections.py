@@ -12,9 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from torchscope.capture import ActivationCapture, TensorStats, capture_activations, trace_nonfinite
 from torchscope.compile import CompileReport, compile_report
-from torchscope.doctor.section import DoctorOptions, Fallback, Section
-from torchscope.errors import BudgetError, SelectionError, TorchscopeError, VerificationError
-from torchscope.findings import Finding, Severity
+from torchscope.doctor.section import DoctorOptions, Section
 from torchscope.grads import GradFlow, gradient_flow, layer_norms
 from torchscope.grads.records import combine_norms
 from torchscope.memory import MemoryReport, analyze_memory
@@ -198,26 +196,13 @@ class MemorySection(Section[MemoryReport]):
     title = "Memory"
     capability = "torchscope.memory.analyze_memory"
 
-    def run(self, step: Step, options: DoctorOptions
-            ) -> MemoryReport | Fallback[MemoryReport]:
+    def run(self, step: Step, options: DoctorOptions) -> MemoryReport:
         if options.fast:
             return analyze_memory(step, checkpoint="none", repeats=1)
-        try:
-            # The least-recompute plan within what √L segments keep, verified bitwise.
-            return analyze_memory(step, checkpoint="auto")
-        except (BudgetError, SelectionError, VerificationError) as exc:
-            # No block sequence, no plan that fits, or a plan that does not recompute
-            # exactly (a model that mutates state in forward): a different request, the
-            # step's memory without a plan, still stands.
-            return Fallback(analyze_memory(step, checkpoint="none"), exc, "no checkpoint plan")
-
-    def fallback_findings(self, error: TorchscopeError) -> list[Finding]:
-        if not isinstance(error, VerificationError):
-            return []  # no block sequence or no plan that fits: nothing is wrong
-        return [Finding("memory.checkpoint_failed", Severity.WARNING,
-                        "checkpointing failed its verification: "
-                        f"{' '.join(error.message.split())}", {"plan": "auto"},
-                        fix=error.fix)]
+        # The least-recompute plan within what √L segments keep, verified bitwise. A model
+        # without blocks, or a plan that fails its verification, costs nothing else: the
+        # record says so (`no_plan`, a plan's `failed`) and its findings explain it.
+        return analyze_memory(step, checkpoint="auto")
 
     def metrics(self, record: MemoryReport) -> dict[str, Metric]:
         return {"memory.saved_bytes": Metric(float(record.saved.total_bytes), "lower", "bytes",

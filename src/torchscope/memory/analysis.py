@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from torchscope._timing import fmt_ratio
 from torchscope._util import fmt_bytes
 from torchscope.findings import Finding, Severity, analyzer
 from torchscope.memory.records import (
@@ -18,6 +19,7 @@ from torchscope.memory.records import (
     MemoryHistory,
     MemoryReport,
     MemoryTotals,
+    PlanMeasurement,
     PlanReport,
     SavedActivations,
 )
@@ -25,10 +27,35 @@ from torchscope.memory.records import (
 _GROWTH = 1.5  # a later sample this many times the first one's bytes is worth a finding
 
 
+_CHECKPOINT_BY_HAND = ("checkpoint parts of forward yourself with "
+                       "torch.utils.checkpoint.checkpoint(fn, x, use_reentrant=False), or "
+                       "lower the batch or sequence size.")
+
+
 @analyzer(MemoryReport)
 def analyze_report(report: MemoryReport, thresholds: object = None) -> list[Finding]:
-    """Saved activations, the step's totals against its measurement, and the chosen plan."""
-    out = analyze_saved(report.saved) + _totals(report.totals, report.measured)
+    """Saved activations, the step's totals against its measurement, and the chosen plan.
+
+    The fix for activation-dominated memory names only what works for this model: the
+    verified plan, the planner when the model has blocks to checkpoint, else checkpointing
+    by hand.
+    """
+    plan = report.chosen_plan
+    if plan is not None and plan.status == "ok" and plan.segments:
+        fix = f"apply the verified plan ({report.chosen}): {apply_hint(plan)}"
+    elif report.plans is None and not report.no_plan and report.checkpointable:
+        fix = ("gradient checkpointing trades recompute for this memory: torchscope memory "
+               f"--checkpoint auto plans it over {len(report.checkpointable)} blocks.")
+    else:
+        fix = _CHECKPOINT_BY_HAND
+    out = analyze_saved(report.saved) + _totals(report.totals, report.measured, fix)
+    if report.no_plan:
+        # Blocks that all hold no trainable work have nothing to give; without a block
+        # sequence, checkpointing by hand still can.
+        out.append(Finding("memory.no_plan", Severity.INFO,
+                           f"no checkpoint plan: {report.no_plan}",
+                           {"reason": report.no_plan},
+                           fix="" if report.checkpointable else _CHECKPOINT_BY_HAND))
     if report.plans is not None:
         out += _plans(report.plans, report.chosen)
     return out
@@ -67,11 +94,13 @@ def analyze_saved(saved: SavedActivations, thresholds: object = None) -> list[Fi
 @analyzer(MemoryTotals)
 def analyze_totals(totals: MemoryTotals, thresholds: object = None) -> list[Finding]:
     """What dominates the step's memory."""
-    return _totals(totals, None)
+    return _totals(totals, None, "gradient checkpointing trades recompute for this memory "
+                   "(torchscope.memory.plan_checkpointing plans it over the model's blocks).")
 
 
-def _totals(totals: MemoryTotals, measured: MeasuredMemory | None) -> list[Finding]:
-    """What dominates the step's memory, and how the estimate compares to the measurement."""
+def _totals(totals: MemoryTotals, measured: MeasuredMemory | None, fix: str) -> list[Finding]:
+    """What dominates the step's memory, and how the estimate compares to the measurement;
+    `fix` is what to do when activations dominate."""
     out: list[Finding] = []
     state = totals.parameters + totals.gradients + (totals.optimizer_state or 0)
     if totals.saved_activations > state and totals.saved_activations > 0:
@@ -80,8 +109,7 @@ def _totals(totals: MemoryTotals, measured: MeasuredMemory | None) -> list[Findi
             f"saved activations ({fmt_bytes(totals.saved_activations)}) exceed parameters, "
             f"gradients and optimizer state together ({fmt_bytes(state)}).",
             {"saved_activations": totals.saved_activations, "state": state},
-            fix="gradient checkpointing trades recompute for this memory: "
-            "torchscope memory --checkpoint sqrt (or --budget SIZE).",
+            fix=fix,
         ))
     if totals.optimizer_state and totals.parameters and (
             totals.optimizer_state >= 1.5 * totals.parameters):
@@ -130,30 +158,107 @@ def describe_segments(plan: CheckpointPlan) -> str:
     return f"{word} {', '.join(parts)} of {n}"
 
 
+def apply_hint(plan: CheckpointPlan) -> str:
+    """The call that installs `plan` in the user's code."""
+    if all(b - a == 1 for a, b in plan.segments):
+        return f"torchscope.memory.apply(model, blocks={list(plan.checkpointed)!r})"
+    # Segments of several blocks run inside their nn.Sequential: name it, with the segments
+    # counted among its children (the plan's blocks may start after a frozen first one).
+    prefix = f"{plan.parent}." if plan.parent else ""
+    keys = [n.removeprefix(prefix) for n in plan.blocks]
+    if plan.parent is not None and all(k.isdigit() for k in keys):
+        first = int(keys[0])
+        segments = [(a + first, b + first) for a, b in plan.segments]
+        container = repr(plan.parent) if plan.parent else "model"
+        return f"torchscope.memory.apply(model, blocks={container}, segments={segments})"
+    return f"torchscope.memory.apply_plan(model, <the {plan.name!r} plan>, inputs)"
+
+
 @analyzer(PlanReport)
 def analyze_plans(report: PlanReport, thresholds: object = None) -> list[Finding]:
     """One finding per plan: saving, cost, verification."""
     return _plans(report, None)
 
 
+def _cost(m: PlanMeasurement | None) -> tuple[str, dict[str, float | int | str | bool | None]]:
+    """` at +12% step time (1.08–1.17×)` or ` at no measurable cost in step time (...)`, and the
+    evidence; nothing without a timing. A cost inside the noise is never given a sign."""
+    if m is None or m.slowdown is None:
+        return "", {}
+    r = m.slowdown
+    evidence: dict[str, float | int | str | bool | None] = {
+        "step_ms": m.step_ms, "slowdown": r.value, "slowdown_low": r.low,
+        "slowdown_high": r.high, "measurable": r.above, "repeats": m.repeats}
+    if r.above:
+        return f" at {r.value - 1:+.0%} step time ({r.low:.2f}–{r.high:.2f}×)", evidence
+    return f" at {fmt_ratio(r, none='no measurable cost in step time', above=True)}", evidence
+
+
 def _plans(report: PlanReport, chosen: str | None) -> list[Finding]:
-    """One finding per plan (or the chosen one): saving, cost, verification."""
+    """One finding per plan (or the chosen one): saving, cost, verification; plans that are
+    not offered (they keep more, or failed their verification) say why."""
     out: list[Finding] = []
-    base = report.measurement("none")
+    if report.excluded:
+        names = [n for n, _ in report.excluded]
+        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        reasons = "; ".join(sorted({r for _, r in report.excluded}))
+        out.append(Finding(
+            "memory.blocks_excluded", Severity.INFO,
+            f"{len(names)} block(s) left out of checkpoint planning ({shown}): {reasons}.",
+            {"blocks": len(names), "first": names[0]},
+        ))
+    for note in report.notes:
+        out.append(Finding("memory.plan_note", Severity.INFO, note, {}))
+    # A plan that keeps more than none is said whichever plan was asked for: it explains
+    # why the others were not offered.
+    for plan in report.plans:
+        if plan.status == "keeps_more":
+            out.append(Finding(
+                "memory.plan_keeps_more", Severity.INFO,
+                f"{plan.name}: checkpointing {describe_segments(plan)} is not offered: it "
+                f"{plan.failed}.",
+                {"plan": plan.name, "saved_bytes": plan.saved_bytes,
+                 "baseline_bytes": report.baseline_saved_bytes},
+            ))
     names = [chosen] if chosen else [p.name for p in report.plans if p.name != "none"]
+    saves = any(p.status == "ok" and p.segments and p.saved_bytes < report.baseline_saved_bytes
+                for p in report.plans)
     for name in names:
+        if not report.has(name):
+            continue
         plan = report.plan(name)
+        base = max(report.baseline_saved_bytes, 1)
+        if plan.status == "keeps_more":
+            continue
+        if plan.status == "unverified":
+            out.append(Finding(
+                "memory.checkpoint_failed", Severity.WARNING,
+                f"{name}: checkpointing {describe_segments(plan)} failed its verification, "
+                f"so it is not offered: {plan.failed}",
+                {"plan": name},
+                fix="leave out the blocks that change state in forward (blocks=...), or make "
+                "their forward recompute exactly what it computed.",
+            ))
+            continue
         m = report.measurement(name)
         saved = m.saved_bytes if m is not None else plan.saved_bytes
         saving = report.baseline_saved_bytes - saved
-        cost = ""
         evidence: dict[str, float | int | str | bool | None] = {
             "plan": name, "saved_bytes": saved, "saving_bytes": saving,
             "predicted_recompute_ms": plan.recompute_ms}
-        if m is not None and base is not None and base.step_ms > 0:
-            overhead = m.recompute_ms / base.step_ms
-            cost = f" at {overhead:+.0%} step time"
-            evidence.update(step_ms=m.step_ms, overhead=overhead)
+        if not plan.segments:
+            budget = ("" if plan.budget is None else
+                      f", within the budget of {fmt_bytes(plan.budget)}")
+            out.append(Finding(
+                "memory.checkpoint_plan", Severity.INFO,
+                f"{name}: no checkpointing needed: the step keeps {fmt_bytes(saved)} of "
+                f"saved activations{budget}." if saves else
+                f"{name}: no checkpointing plan keeps fewer saved activations than none "
+                f"({fmt_bytes(saved)}): there is nothing to gain from checkpointing here.",
+                evidence))
+            continue
+        cost, timing = _cost(m)
+        evidence.update(timing)
         verified = ""
         v = m.verification if m is not None else None
         if v is not None:
@@ -164,10 +269,9 @@ def _plans(report: PlanReport, chosen: str | None) -> list[Finding]:
         out.append(Finding(
             "memory.checkpoint_plan", Severity.INFO,
             f"{name}: checkpointing {describe_segments(plan)} saves {fmt_bytes(saving)} "
-            f"of saved activations ({saving / max(report.baseline_saved_bytes, 1):.0%})"
-            f"{cost}{verified}.",
+            f"of saved activations ({saving / base:.0%}){cost}{verified}.",
             evidence,
-            fix=f"torchscope.memory.apply(model, segments={list(plan.segments)})",
+            fix=apply_hint(plan),
         ))
         if v is not None and not v.bitwise_equal:
             out.append(Finding(

@@ -10,9 +10,14 @@ from torch import nn
 
 from torchscope.errors import TorchscopeError
 from torchscope.hooks.select import Selector
-from torchscope.memory.checkpoint import BlockSpec
+from torchscope.memory.checkpoint import (
+    BlockSpec,
+    default_blocks,
+    no_blocks_message,
+    resolve_blocks,
+)
 from torchscope.memory.measure import _measure, memory_totals
-from torchscope.memory.planner import apply_plan, parse_bytes, plan_checkpointing
+from torchscope.memory.planner import parse_bytes, plan_checkpointing, verify_plan
 from torchscope.memory.records import MemoryReport
 from torchscope.memory.saved import saved_activations
 from torchscope.step import LossSpec, Step
@@ -34,7 +39,7 @@ def analyze_memory(
     budget: int | str | None = None,
     blocks: BlockSpec = None,
     measure: bool = True,
-    repeats: int = 3,
+    repeats: int = 5,
     seed: int = 0,
     name: str | None = None,
 ) -> MemoryReport:
@@ -43,6 +48,12 @@ def analyze_memory(
     Every step it runs is the `Step`'s `forward_backward` (no optimizer step); the first,
     which counts the saved activations, gives `report.step` its loss value. The model is
     left exactly as it was: parameters, buffers, gradients, flags, optimizer state, RNG.
+
+    A checkpoint plan never costs the analysis: when the model has no block sequence (and
+    `blocks` is None) or no block with trainable work, `report.no_plan` says why; a plan
+    that fails its verification, or keeps no less than no checkpointing, is in
+    `report.plans` with `failed` set to the reason. The planning and verification steps run
+    with model caches off (`use_cache=False`; `report.plans.notes` says so).
 
     Args:
         model: the model, in the train/eval mode to analyse; or a `Step` (for AMP and
@@ -60,17 +71,18 @@ def analyze_memory(
         budget: saved-activation budget for `auto` (int bytes, `"64KB"`, or `"sqrt"`: what
             the √L plan keeps); implies `auto` when `checkpoint` is `none`.
         blocks: which blocks may be checkpointed (see `resolve_blocks`).
-        measure: measure memory (and each plan's time and peak), not only count.
-        repeats: timed repeats per plan.
+        measure: measure memory (and each plan's time against no checkpointing, and its
+            peak), not only count.
+        repeats: at least this many timed steps per plan (see `plan_checkpointing`).
         seed: seed of the verification runs.
         name: a label for the report (default: the model's class name).
 
     Raises:
-        TorchscopeError: `checkpoint` is not one of the plans.
-        SelectionError: `select` matched nothing, or `depth` is negative.
+        TorchscopeError: `checkpoint` is not one of the plans, or `repeats` is below 1.
+        SelectionError: `select` matched nothing, `depth` is negative, or `blocks` was
+            given and matched nothing.
         BudgetError: the budget is not a size, or cannot be met (the message names the
             smallest that can).
-        VerificationError: the chosen plan changed the loss or a gradient.
 
     Example:
         >>> report = torchscope.analyze_memory(DeepMLP(), torch.randn(32, 64), loss_fn="sum")
@@ -78,6 +90,9 @@ def analyze_memory(
         (73728, 'sum of the output')
     """
     step = Step.of(model, inputs, loss_fn=loss_fn, target=target, optimizer=optimizer)
+    if repeats < 1:
+        raise TorchscopeError(f"repeats={repeats} times nothing; expected 1 or more.",
+                              fix="pass repeats=1 or more.")
     if budget is not None and checkpoint == "none":
         checkpoint = "auto"
     if checkpoint not in ("none", "all", "sqrt", "auto"):
@@ -86,21 +101,39 @@ def analyze_memory(
                               fix="pass checkpoint='sqrt' (or 'all', 'auto', 'none').")
     if budget is not None and budget != "sqrt":
         parse_bytes(budget)  # a bad size fails before any work
+    # Given blocks that match nothing fail before any work too.
+    found = default_blocks(step.model) if blocks is None else resolve_blocks(step.model, blocks)
+    checkpointable = () if found is None else found.names
     saved = saved_activations(step, select=select, depth=depth)
     assert saved.step is not None
     totals = memory_totals(step.model, saved, step.optimizer)
     measured = _measure(step) if measure else None
-    report = MemoryReport(name or type(step.model).__name__, saved, totals, measured, saved.step)
+    report = MemoryReport(name or type(step.model).__name__, saved, totals, measured,
+                          saved.step, checkpointable=checkpointable)
     if checkpoint == "none":
         return report
+    if found is None:
+        return replace(report, no_plan=no_blocks_message(step.model))
     plan_budget = budget if budget is not None else ("sqrt" if checkpoint == "auto" else None)
     plans = plan_checkpointing(step, blocks=blocks, budget=plan_budget, measure=measure,
                                repeats=repeats, seed=seed)
     chosen = _PLAN_OF[checkpoint]
+    if not plans.has(chosen):
+        reasons = sorted({reason for _, reason in plans.excluded})
+        return replace(report, plans=plans, no_plan=(
+            f"no block is left to checkpoint: all {len(plans.excluded)} have "
+            f"{'; or '.join(reasons)}."))
+    plan = plans.plan(chosen)
     measured_plan = plans.measurement(chosen)
+    verification = None
     if measured_plan is not None:  # measured plans were verified when applied
         verification = measured_plan.verification
-    else:
-        with apply_plan(step, plans.plan(chosen), seed=seed) as handle:
-            verification = handle.verification
+    elif plan.failed is None and plan.segments:
+        outcome = verify_plan(step, plan, seed=seed)
+        if isinstance(outcome, str):
+            failed = replace(plan, status="unverified", failed=outcome)
+            plans = replace(plans, plans=tuple(failed if p is plan else p
+                                               for p in plans.plans))
+        else:
+            verification = outcome
     return replace(report, plans=plans, chosen=chosen, verification=verification)

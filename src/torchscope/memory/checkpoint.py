@@ -50,8 +50,9 @@ class Blocks:
 
     Attributes:
         names: qualified module names.
-        parent: name of the `nn.Sequential` they are all the children of, when they are;
-            only then can consecutive blocks share one checkpoint.
+        parent: name of the plain `nn.Sequential` they are consecutive children of, when
+            they are (all of its children, or a run of them); only then can consecutive
+            blocks share one checkpoint.
     """
 
     names: tuple[str, ...]
@@ -62,9 +63,30 @@ class Blocks:
         """Whether consecutive blocks can be checkpointed as one segment."""
         return self.parent is not None
 
+    def subset(self, model: nn.Module, keep: Sequence[str]) -> Blocks:
+        """The blocks named in `keep`, in `keep`'s order; they stay groupable only when
+        they are still consecutive children of the same plain `nn.Sequential`."""
+        names = tuple(n for n in keep if n in self.names)
+        parent = self.parent
+        if parent is not None:
+            children = _container_blocks(parent, model.get_submodule(parent)).names
+            start = children.index(names[0]) if names else 0
+            if names != children[start:start + len(names)]:
+                parent = None
+        return Blocks(names, parent)
+
 
 BlockSpec = str | nn.Module | Blocks | Sequence[str | nn.Module] | None
 """What `apply` and the planner accept as `blocks=` (see `resolve_blocks`)."""
+
+
+NO_BLOCKS_FIX = "name the blocks: blocks=['layer1', 'layer2'] or a glob like 'layers.*'."
+
+
+def no_blocks_message(model: nn.Module) -> str:
+    """Why `resolve_blocks(model)` finds nothing to checkpoint."""
+    return (f"{type(model).__name__} has no nn.Sequential or nn.ModuleList of 2+ blocks to "
+            "checkpoint.")
 
 
 def _container_blocks(name: str, m: nn.Module) -> Blocks:
@@ -76,14 +98,45 @@ def _container_blocks(name: str, m: nn.Module) -> Blocks:
     return Blocks(names, name if plain else None)
 
 
+def _is_block_list(m: nn.Module) -> bool:
+    """A container of 2+ repeated blocks: children of one type, each with submodules."""
+    children = [c for c in m._modules.values() if c is not None]
+    return (isinstance(m, (nn.Sequential, nn.ModuleList)) and len(children) >= 2
+            and len({type(c) for c in children}) == 1
+            and all(next(c.children(), None) is not None for c in children))
+
+
+def default_blocks(model: nn.Module) -> Blocks | None:
+    """The blocks `resolve_blocks(model)` picks, or None when the model has no
+    `nn.Sequential` / `nn.ModuleList` of 2+ children (see `resolve_blocks`)."""
+    named = dict(model.named_modules())
+    lists = [n for n, m in named.items() if _is_block_list(m)]
+    # Outermost lists only: a list inside another list's block is part of that block.
+    outer = [n for n in lists
+             if not any(o != n and (o == "" or n.startswith(o + ".")) for o in lists)]
+    if len(outer) == 1:
+        return _container_blocks(outer[0], named[outer[0]])
+    if outer:
+        return Blocks(tuple(b for n in outer for b in _container_blocks(n, named[n]).names))
+    containers = [(n, m) for n, m in named.items()
+                  if isinstance(m, (nn.Sequential, nn.ModuleList)) and len(m) >= 2]
+    if not containers:
+        return None
+    n, m = max(containers, key=lambda nm: (len(nm[1]), -nm[0].count(".") - bool(nm[0])))
+    return _container_blocks(n, m)
+
+
 def resolve_blocks(model: nn.Module, blocks: BlockSpec = None) -> Blocks:
     """Turn a block specification into qualified names.
 
     Args:
         model: the model.
         blocks: one of
-            - None: the children of the longest `nn.Sequential` / `nn.ModuleList` in the
-              model (the shallowest on ties), e.g. GPT-2's `transformer.h`;
+            - None: the children of every outermost list of repeated blocks (an
+              `nn.Sequential` / `nn.ModuleList` of 2+ children of one type, each with
+              submodules), e.g. GPT-2's `transformer.h`, or T5's `encoder.block` and
+              `decoder.block` together; without such a list, the children of the longest
+              `nn.Sequential` / `nn.ModuleList` (the shallowest on ties);
             - an `nn.Sequential` / `nn.ModuleList` (or its name): its children;
             - any other module, or its qualified name: that single block;
             - a glob over qualified names or a type name (`layer*`, `GPT2Block`), as in
@@ -99,16 +152,10 @@ def resolve_blocks(model: nn.Module, blocks: BlockSpec = None) -> Blocks:
     named = dict(model.named_modules())
     names_of = {id(m): n for n, m in named.items()}
     if blocks is None:
-        containers = [(n, m) for n, m in named.items()
-                      if isinstance(m, (nn.Sequential, nn.ModuleList)) and len(m) >= 2]
-        if not containers:
-            raise SelectionError(
-                f"{type(model).__name__} has no nn.Sequential or nn.ModuleList of 2+ blocks "
-                "to checkpoint.",
-                fix="name the blocks: blocks=['layer1', 'layer2'] or a glob like 'layers.*'.",
-            )
-        n, m = max(containers, key=lambda nm: (len(nm[1]), -nm[0].count(".") - bool(nm[0])))
-        return _container_blocks(n, m)
+        found = default_blocks(model)
+        if found is None:
+            raise SelectionError(no_blocks_message(model), fix=NO_BLOCKS_FIX)
+        return found
     if isinstance(blocks, (nn.Sequential, nn.ModuleList)) and id(blocks) in names_of:
         return _container_blocks(names_of[id(blocks)], blocks)
     if isinstance(blocks, str) and isinstance(named.get(blocks), (nn.Sequential, nn.ModuleList)):
@@ -231,10 +278,21 @@ class CheckpointHandle:
                 targets.append((module, _CheckpointedForward(
                     module, vars(module).get("forward"), self.preserve_rng_state)))
         if multi:
-            parent = named[self.blocks.parent or ""]
+            parent_name = self.blocks.parent or ""
+            parent = named[parent_name]
+            # Block indices -> positions among the parent's children (the blocks may be a
+            # consecutive run of them that does not start at the first child).
+            children = _container_blocks(parent_name, parent).names
+            at = {name: i for i, name in enumerate(children)}
+            first = at.get(self.blocks.names[0], -1)
+            if children[first:first + len(self.blocks.names)] != self.blocks.names:
+                raise SelectionError(
+                    f"the blocks are not consecutive children of {parent_name or '<root>'}, "
+                    "so several of them cannot run under one checkpoint.",
+                    fix="use one-block segments, or blocks that follow each other.")
             targets.append((parent, _SegmentedForward(
-                parent, self.blocks.parent or "", multi, self.blocks.names,
-                self.preserve_rng_state)))
+                parent, parent_name, {a + first: b + first for a, b in multi.items()},
+                children, self.preserve_rng_state)))
         for module, _ in targets:
             if _OWNERS.get(module, self) is not self:
                 raise TorchscopeError(
@@ -296,8 +354,8 @@ class _SegmentedForward:
                  names: tuple[str, ...], preserve_rng_state: bool) -> None:
         self.parent = parent
         self.parent_name = parent_name
-        self.segments = segments  # start -> stop (exclusive)
-        self.names = names  # qualified names of the children
+        self.segments = segments  # start -> stop (exclusive), as positions among children
+        self.names = names  # qualified names of all the children
         self.preserve_rng_state = preserve_rng_state
 
     def _run(self, start: int, stop: int, x: Any) -> Any:

@@ -24,15 +24,16 @@ import re
 import statistics
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import nn
 
+from torchscope._timing import compare, median_interval, repeat, repeat_interleaved, timed_ms
 from torchscope._util import fmt_bytes
-from torchscope.errors import BudgetError, TorchscopeError
+from torchscope.errors import BudgetError, TorchscopeError, VerificationError
 from torchscope.hooks.session import HookSession
 from torchscope.memory._common import StorageKey, storage_keys
 from torchscope.memory.checkpoint import (
@@ -48,11 +49,14 @@ from torchscope.memory.records import (
     CheckpointPlan,
     PlanMeasurement,
     PlanReport,
+    Verification,
 )
-from torchscope.memory.saved import _account
+from torchscope.memory.saved import _account, _Accounting
+from torchscope.models.target import ModelInputs
 from torchscope.step import LossSpec, Step, StepInfo, synchronize
 
 Segments = tuple[tuple[int, int], ...]
+_BUDGET_S = 1.0  # seconds of timed steps per plan, once the minimum repeats are done
 
 _UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1024, "kib": 1024, "m": 1024**2, "mb": 1024**2,
           "mib": 1024**2, "g": 1024**3, "gb": 1024**3, "gib": 1024**3, "t": 1024**4,
@@ -110,14 +114,16 @@ class _Costs:
         return saved, saved + extra, sum(self.times[i] for i in sorted(ckpt))
 
 
-def _costs(step: Step, blocks: Blocks, repeats: int
+def _costs(step: Step, blocks: Blocks, repeats: int, acc: _Accounting | None = None
            ) -> tuple[_Costs, tuple[BlockProfile, ...], int, StepInfo | None]:
-    """Block costs from one accounted step and timed forwards: (costs, profiles, saved
-    bytes without checkpointing, the accounted step's `StepInfo`)."""
+    """Block costs from one accounted step (`acc`, run here when None; it must have watched
+    these blocks) and timed forwards: (costs, profiles, saved bytes without checkpointing,
+    the accounted step's `StepInfo`)."""
     model = step.model
     named = dict(model.named_modules())
     watch = [(n, named[n]) for n in blocks.names]
-    acc = _account(step, watch)
+    if acc is None:
+        acc = _account(step, watch)
     state = storage_keys(list(model.parameters())) | storage_keys(list(model.buffers()))
     index: dict[StorageKey, int] = {}
     nbytes: list[int] = []
@@ -189,22 +195,6 @@ def _block_times(step: Step, watch: Sequence[tuple[str, nn.Module]], repeats: in
                     step.forward(inputs)
     # The first round pays one-time costs (allocator, lazy init): dropped.
     return [statistics.median(r[1:]) for r in rounds.values()]
-
-
-def _step_ms(step: Step, repeats: int) -> float:
-    """Best forward + backward time of the step in ms over `repeats` (after a warm-up)."""
-    device = step.device
-    best = float("inf")
-    with step.preserved(clear_grads=True):
-        for i in range(repeats + 1):
-            step.zero_grad()
-            synchronize(device)
-            t0 = time.perf_counter()
-            step.forward_backward()
-            synchronize(device)
-            if i > 0:  # the first run pays one-time costs (allocator, lazy init)
-                best = min(best, (time.perf_counter() - t0) * 1e3)
-    return best
 
 
 # --------------------------------------------------------------------------- plans
@@ -338,6 +328,75 @@ def _plan(name: str, blocks: Blocks, costs: _Costs, segs: Segments,
     return CheckpointPlan(name, blocks.names, segs, saved, peak, rec, budget, blocks.parent)
 
 
+def _keeps_more(plan: CheckpointPlan, saved: int, baseline: int) -> CheckpointPlan:
+    """`plan`, marked failed when it keeps `saved` bytes, no fewer than `baseline` (what no
+    checkpointing keeps): checkpointing saves a block's inputs, which nothing else may keep."""
+    if not plan.segments or saved < baseline or plan.failed:
+        return plan
+    share = f" ({saved / baseline:.0%} of none)" if baseline else ""
+    return replace(plan, status="keeps_more",
+                   failed=f"keeps {fmt_bytes(saved)} of saved activations{share}: no less "
+                   "than without checkpointing")
+
+
+CACHE_NOTE = ("model caches were off while planning and verifying (use_cache=False): a KV "
+              "cache grows on every forward, so a checkpointed block would not recompute what "
+              "it computed; train with use_cache=False under checkpointing, as Hugging Face's "
+              "gradient_checkpointing_enable() does.")
+
+
+@contextmanager
+def caches_off(step: Step) -> Iterator[tuple[Step, tuple[str, ...]]]:
+    """The step with model caches off, and the notes saying so.
+
+    Every `config.use_cache` that is True on a module of the model (Hugging Face models
+    read it when the call does not pass `use_cache`) is set to False inside the block and
+    back to True on exit, also on an exception; a `use_cache=True` keyword input is passed as
+    False. Nothing changes for a model without caches.
+    """
+    configs: list[Any] = []
+    seen: set[int] = set()
+    for module in step.model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and id(config) not in seen:
+            seen.add(id(config))
+            if getattr(config, "use_cache", None) is True:
+                configs.append(config)
+    run = step
+    if step.inputs.kwargs.get("use_cache") is True:
+        kwargs = {**step.inputs.kwargs, "use_cache": False}
+        run = replace(step, inputs=ModelInputs(step.inputs.args, kwargs))
+    notes = (CACHE_NOTE,) if configs or run is not step else ()
+    try:
+        for config in configs:
+            config.use_cache = False
+        yield run, notes
+    finally:
+        for config in configs:
+            config.use_cache = True
+
+
+def _candidates(model: nn.Module, blocks: Blocks, acc: _Accounting
+                ) -> tuple[Blocks, tuple[tuple[str, str], ...]]:
+    """The blocks that hold trainable work, in the order the step first ran them, and the
+    others with the reason they are left out."""
+    named = dict(model.named_modules())
+    keep: list[str] = []
+    excluded: list[tuple[str, str]] = []
+    for name in acc.block_inputs:  # first-call order
+        if name not in blocks.names:
+            continue
+        trainable = any(p.requires_grad for p in named[name].parameters())
+        if trainable or acc.inputs_need_grad.get(name, False):
+            keep.append(name)
+        else:
+            excluded.append((name, "no trainable work: no parameter requires grad and no "
+                             "input needs grad, so it saves nothing to drop"))
+    excluded += [(n, "did not run in the step") for n in blocks.names
+                 if n not in acc.block_inputs]
+    return blocks.subset(model, keep), tuple(excluded)
+
+
 def plan_checkpointing(
     model: nn.Module | Step,
     inputs: Any = None,
@@ -348,12 +407,19 @@ def plan_checkpointing(
     blocks: BlockSpec = None,
     budget: int | str | None = None,
     measure: bool = True,
-    repeats: int = 3,
+    repeats: int = 5,
     seed: int = 0,
     exact_limit: int = 8,
 ) -> PlanReport:
     """Measure every block and plan checkpointing: none, all, √L and (with a budget) the
     least-recompute plan whose saved bytes fit the budget.
+
+    Only blocks that hold trainable work are candidates: a block with no parameter that
+    requires grad and no input that needs grad (a frozen backbone's) saves nothing for
+    backward, and checkpointing it would only keep its inputs. Model caches are off for
+    every step the planner runs (see `caches_off`; `report.notes` says so). A plan that
+    would keep no fewer saved bytes than no checkpointing, or that fails its verification,
+    is kept in the report with `failed` saying why, and never chosen.
 
     Args:
         model: the model, left exactly as it was; or a `Step`.
@@ -363,18 +429,21 @@ def plan_checkpointing(
         optimizer: recorded in `step` (not stepped).
         blocks: which blocks may be checkpointed (see `resolve_blocks`).
         budget: bytes of saved activations the budget plan may keep (int or `"64KB"`);
-            `"sqrt"` means as many as the √L plan keeps (the least recompute at √L memory).
+            `"sqrt"` means as many as the √L plan keeps (the least recompute at √L memory),
+            or as the leanest plan when √L keeps no less than none.
         measure: apply each plan for real: verify it (always), count its saved bytes, time
-            its step and measure its peak.
-        repeats: timed repeats per plan (the best is kept).
+            its step against the step without checkpointing and measure its peak.
+        repeats: at least this many timed steps per plan (more, up to 4× or about a second,
+            until the median is known to 5 %).
         seed: seed of the verification runs.
         exact_limit: search every plan exhaustively up to this many blocks.
 
     Raises:
         TorchscopeError: `repeats` is below 1.
+        SelectionError: `blocks` matched nothing (or, when None, the model has no block
+            sequence).
         BudgetError: the budget is not a size, or is below what the leanest plan keeps; the
             message names that smallest feasible budget.
-        VerificationError: a plan changed the loss or a gradient.
     """
     if repeats < 1:
         raise TorchscopeError(f"repeats={repeats} times nothing; expected 1 or more.",
@@ -382,37 +451,60 @@ def plan_checkpointing(
     step = Step.of(model, inputs, loss_fn=loss_fn, target=target, optimizer=optimizer)
     limit = None if budget is None or budget == "sqrt" else parse_bytes(budget)
     resolved = resolve_blocks(step.model, blocks)
-    costs, profiles, baseline, info = _costs(step, resolved, repeats)
-    n = len(resolved.names)
-    singles = tuple((i, i + 1) for i in range(n))
-    k = max(1, math.ceil(math.sqrt(n)))
-    sqrt_segs = (tuple((i, min(i + k, n)) for i in range(0, n, k)) if resolved.groupable
-                 else singles)
-    plans = [_plan("none", resolved, costs, ()), _plan("all", resolved, costs, singles),
-             _plan("sqrt", resolved, costs, sqrt_segs)]
-    search = "exact" if n <= exact_limit else "dp"
-    lean_segs = ((0, n),) if resolved.groupable else singles
-    smallest = min(costs.evaluate(lean_segs)[0], *(p.saved_bytes for p in plans))
-    if budget is not None:
-        limit = plans[-1].saved_bytes if limit is None else limit
-        found, least = (_search_exact if search == "exact" else _search_dp)(
-            costs, resolved.groupable, limit)
-        smallest = min(smallest, least)
-        if found is None:
-            raise BudgetError(
-                f"a saved-activation budget of {limit:,} B cannot be met: the leanest "
-                f"checkpointing plan over {n} block(s) still keeps {smallest:,} B "
-                f"(without checkpointing: {baseline:,} B).",
-                fix=f"use a budget of at least {smallest:,} B ({fmt_bytes(smallest)}).",
-            )
-        plans.append(_plan("budget", resolved, costs, found, limit))
-    measurements: tuple[PlanMeasurement, ...] = ()
-    if measure:
-        measurements = tuple(_measure(step, p, repeats=repeats, seed=seed) for p in plans)
-        base_ms = measurements[0].step_ms
-        measurements = tuple(replace(m, recompute_ms=m.step_ms - base_ms) for m in measurements)
-    return PlanReport(profiles, resolved.groupable, baseline, smallest, tuple(plans),
-                      measurements, search, info)
+    with caches_off(step) as (run, notes):
+        named = dict(run.model.named_modules())
+        acc = _account(run, [(n, named[n]) for n in resolved.names])
+        candidates, excluded = _candidates(run.model, resolved, acc)
+        baseline = acc.saved.total_bytes
+        if not candidates.names:
+            none = CheckpointPlan("none", (), (), baseline, baseline, 0.0)
+            return PlanReport((), False, baseline, baseline, (none,), (), "exact",
+                              acc.saved.step, excluded, notes)
+        costs, profiles, baseline, info = _costs(run, candidates, repeats, acc)
+        n = len(candidates.names)
+        singles = tuple((i, i + 1) for i in range(n))
+        k = max(1, math.ceil(math.sqrt(n)))
+        sqrt_segs = (tuple((i, min(i + k, n)) for i in range(0, n, k))
+                     if candidates.groupable else singles)
+        plans = [_plan("none", candidates, costs, ()),
+                 _plan("all", candidates, costs, singles),
+                 _plan("sqrt", candidates, costs, sqrt_segs)]
+        plans = [_keeps_more(p, p.saved_bytes, baseline) for p in plans]
+        search = "exact" if n <= exact_limit else "dp"
+        lean_segs = ((0, n),) if candidates.groupable else singles
+        smallest = min(costs.evaluate(lean_segs)[0], *(p.saved_bytes for p in plans))
+        if budget is not None:
+            if limit is None:  # "sqrt": what √L keeps, unless that is no saving at all
+                limit = plans[2].saved_bytes if plans[2].failed is None else smallest
+            # Never more than none keeps: within that, no checkpointing is the cheapest.
+            found, least = (_search_exact if search == "exact" else _search_dp)(
+                costs, candidates.groupable, min(limit, baseline))
+            smallest = min(smallest, least)
+            if found is None:
+                raise BudgetError(
+                    f"a saved-activation budget of {limit:,} B cannot be met: the leanest "
+                    f"checkpointing plan over {n} block(s) still keeps {smallest:,} B "
+                    f"(without checkpointing: {baseline:,} B).",
+                    fix=f"use a budget of at least {smallest:,} B ({fmt_bytes(smallest)}).",
+                )
+            plans.append(_plan("budget", candidates, costs, found, limit))
+        measured: list[PlanMeasurement] = []
+        if measure:
+            base = _measure(run, plans[0], repeats=repeats, seed=seed)
+            assert not isinstance(base, str)
+            measured.append(base)
+            for i, plan in enumerate(plans[1:], start=1):
+                if plan.failed is not None:
+                    continue
+                m = _measure(run, plan, repeats=repeats, seed=seed)
+                if isinstance(m, str):
+                    plans[i] = replace(plan, status="unverified", failed=m)
+                    continue
+                plans[i] = _keeps_more(plan, m.saved_bytes, base.saved_bytes)
+                if plans[i].failed is None:
+                    measured.append(m)
+    return PlanReport(profiles, candidates.groupable, baseline, smallest, tuple(plans),
+                      tuple(measured), search, info, excluded, notes)
 
 
 def apply_plan(model: nn.Module | Step, plan: CheckpointPlan, inputs: Any = None, *,
@@ -420,6 +512,9 @@ def apply_plan(model: nn.Module | Step, plan: CheckpointPlan, inputs: Any = None
                require_bitwise: bool = False) -> CheckpointHandle:
     """Install a plan and verify it at once (loss and every gradient of a training step vs
     no checkpointing).
+
+    The verification runs the model as you call it: a Hugging Face model with its KV cache
+    on fails it (call it with `use_cache=False`, as the planner does).
 
     Args:
         model: the model, or a `Step` on it (then pass no inputs or step options).
@@ -441,10 +536,56 @@ def apply_plan(model: nn.Module | Step, plan: CheckpointPlan, inputs: Any = None
                  require_bitwise=require_bitwise)
 
 
-def _measure(step: Step, plan: CheckpointPlan, *, repeats: int, seed: int) -> PlanMeasurement:
-    with apply_plan(step, plan, seed=seed) if plan.segments else nullcontext() as handle:
+def verify_plan(step: Step, plan: CheckpointPlan, *, seed: int = 0) -> Verification | str:
+    """Apply `plan` with the model's caches off, verify it, and remove it again.
+
+    Returns:
+        The verification, or why it failed (one line) when it did.
+    """
+    with caches_off(step) as (run, _):
+        try:
+            with apply_plan(run, plan, seed=seed) as handle:
+                assert handle.verification is not None
+                return handle.verification
+        except VerificationError as exc:
+            return exc.one_line()
+
+
+def _measure(step: Step, plan: CheckpointPlan, *, repeats: int, seed: int
+             ) -> PlanMeasurement | str:
+    """Apply the plan (verified), count its saved bytes, time its step against the step
+    without it, and measure its peak; the reason, when its verification failed."""
+    try:
+        handle = apply_plan(step, plan, seed=seed) if plan.segments else None
+    except VerificationError as exc:
+        return exc.one_line()
+    with handle if handle is not None else nullcontext():
         saved = _account(step).saved.total_bytes
-        step_ms = _step_ms(step, repeats)
+        device = step.device
+
+        def one() -> float:
+            step.zero_grad()
+            return timed_ms(step.forward_backward, lambda: synchronize(device))()
+
+        def without() -> float:
+            assert handle is not None
+            with handle.suspended():
+                return one()
+
+        with step.preserved(clear_grads=True):
+            one()  # warm-up: one-time costs (allocator, lazy init) out of the figures
+            if handle is None:
+                samples = repeat(one, min_repeats=repeats, max_repeats=4 * repeats,
+                                 budget_s=_BUDGET_S)
+                slowdown, base_ms = None, median_interval(samples).median
+            else:
+                without()
+                samples, base = repeat_interleaved(
+                    [one, without], min_repeats=repeats, max_repeats=4 * repeats,
+                    budget_s=_BUDGET_S)
+                slowdown, base_ms = compare(samples, base), median_interval(base).median
         peak = _measure_memory(step).peak_bytes
-    return PlanMeasurement(plan.name, saved, step_ms, 0.0, peak,
-                           handle.verification if handle is not None else None)
+    step_ms = median_interval(samples).median
+    return PlanMeasurement(plan.name, saved, step_ms, step_ms - base_ms, peak,
+                           handle.verification if handle is not None else None, slowdown,
+                           len(samples))

@@ -8,10 +8,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from torchscope._timing import Ratio
 from torchscope.findings import Analyzed
 from torchscope.step import StepInfo
 
 StorageKind = Literal["activation", "input", "parameter", "buffer"]
+PlanStatus = Literal["ok", "keeps_more", "unverified"]
 OUTSIDE = "(outside modules)"
 """Module label of tensors saved while no module of the model was running (e.g. in the loss)."""
 
@@ -197,6 +199,10 @@ class CheckpointPlan:
         budget: the byte budget it was planned for, if any.
         parent: the `nn.Sequential` whose children the blocks are, when segments may span
             several blocks.
+        status: `ok`; `keeps_more` when it keeps no fewer saved bytes than checkpointing
+            nothing (predicted or measured; it is never applied or chosen); `unverified`
+            when applying it failed its verification.
+        failed: why the plan is not offered, in one line; None when `status` is `ok`.
     """
 
     name: str
@@ -207,6 +213,8 @@ class CheckpointPlan:
     recompute_ms: float
     budget: int | None = None
     parent: str | None = None
+    status: PlanStatus = "ok"
+    failed: str | None = None
 
     @property
     def checkpointed(self) -> tuple[str, ...]:
@@ -263,14 +271,21 @@ class Verification:
 class PlanMeasurement:
     """A plan applied for real: measured saved bytes, time, peak, and its verification.
 
+    Step times are repeated until their spread is known (`torchscope._timing`): a plan's
+    steps alternate with steps of the same model with its checkpointing suspended, so the
+    two are compared under the same load.
+
     Attributes:
         plan: the plan's name.
         saved_bytes: saved-activation bytes counted with the plan applied.
-        step_ms: forward + backward time (best of the repeats).
-        recompute_ms: `step_ms` minus the step time without checkpointing (may be slightly
-            negative from timing noise on tiny models).
+        step_ms: forward + backward time, the median of the repeats.
+        recompute_ms: `step_ms` minus the median step time without checkpointing measured
+            alongside it (0 for `none`); noise when `slowdown` is not measurable.
         peak_bytes: measured peak (see `MeasuredMemory.peak_bytes`).
         verification: None for the `none` plan, which has nothing to verify.
+        slowdown: step time with the plan over step time without checkpointing, with its
+            interval; None for `none`. `slowdown.measurable` False means no measurable cost.
+        repeats: timed steps of each kind.
     """
 
     plan: str
@@ -279,6 +294,8 @@ class PlanMeasurement:
     recompute_ms: float
     peak_bytes: int
     verification: Verification | None
+    slowdown: Ratio | None = None
+    repeats: int = 0
 
 
 @dataclass(frozen=True)
@@ -291,10 +308,15 @@ class PlanReport(Analyzed):
             `nn.Sequential`); otherwise each segment is a single block.
         baseline_saved_bytes: saved-activation bytes without checkpointing.
         min_feasible_bytes: the smallest saved bytes any plan reaches.
-        plans: `none`, `all`, `sqrt` and, with a budget, `budget`.
-        measurements: one per plan, when measured.
+        plans: `none`, `all`, `sqrt` and, with a budget, `budget`; only `none` when no
+            block is left to checkpoint. A plan with `failed` set is not offered.
+        measurements: one per plan that was measured (failed plans are not).
         search: `exact` or `dp`, how the budget plan was found.
         step: the training step the blocks were measured on.
+        excluded: `(block, reason)` of the blocks left out: blocks without trainable work
+            (no parameter that requires grad, no input that needs grad: checkpointing them
+            saves nothing and keeps their inputs) and blocks the step never ran.
+        notes: how the plans were made, e.g. that model caches were off.
     """
 
     blocks: tuple[BlockProfile, ...]
@@ -305,6 +327,8 @@ class PlanReport(Analyzed):
     measurements: tuple[PlanMeasurement, ...] = ()
     search: str = "exact"
     step: StepInfo | None = None
+    excluded: tuple[tuple[str, str], ...] = ()
+    notes: tuple[str, ...] = ()
 
     def plan(self, name: str) -> CheckpointPlan:
         """The plan called `name`.
@@ -316,6 +340,10 @@ class PlanReport(Analyzed):
             if p.name == name:
                 return p
         raise KeyError(name)
+
+    def has(self, name: str) -> bool:
+        """Whether a plan called `name` was made."""
+        return any(p.name == name for p in self.plans)
 
     def measurement(self, name: str) -> PlanMeasurement | None:
         """The measurement of the plan called `name`, if measured."""
@@ -382,8 +410,13 @@ class MemoryReport(Analyzed):
         step: the training step: its loss, and the loss value of its first run (the
             accounting's).
         plans: the checkpointing plans, when checkpointing was asked for.
-        chosen: the name of the plan that was applied and verified.
+        chosen: the name of the plan that was asked for (applied and verified unless it
+            `failed`).
         verification: the chosen plan's verification.
+        no_plan: why no plan was made although one was asked for (no block sequence, no
+            block with trainable work); empty otherwise.
+        checkpointable: the blocks a plan may checkpoint (`blocks=` resolved; by default
+            every outermost list of repeated blocks); empty when the model has none.
     """
 
     model: str
@@ -394,6 +427,15 @@ class MemoryReport(Analyzed):
     plans: PlanReport | None = None
     chosen: str | None = None
     verification: Verification | None = None
+    no_plan: str = ""
+    checkpointable: tuple[str, ...] = ()
+
+    @property
+    def chosen_plan(self) -> CheckpointPlan | None:
+        """The chosen plan, when one was made."""
+        if self.plans is None or self.chosen is None or not self.plans.has(self.chosen):
+            return None
+        return self.plans.plan(self.chosen)
 
 
 @dataclass(frozen=True)

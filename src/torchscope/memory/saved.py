@@ -25,6 +25,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from torchscope.hooks.select import Selector, select_modules
 from torchscope.hooks.session import HookSession
+from torchscope.hooks.tree import iter_tensors
 from torchscope.memory._common import (
     SEGMENT_LABEL,
     StorageKey,
@@ -58,7 +59,10 @@ class _Accounting:
 
     saved: SavedActivations
     keys: tuple[StorageKey, ...]  # aligned with saved.storages
+    # Per watched module that ran, in first-call order: its positional tensor inputs' storages.
     block_inputs: dict[str, tuple[tuple[StorageKey, int], ...]]
+    # Per watched module that ran: whether a tensor input (positional or keyword) needs grad.
+    inputs_need_grad: dict[str, bool]
 
 
 def row_owners(model: nn.Module, select: Selector = None, depth: int | None = None
@@ -214,23 +218,29 @@ def _account(
     0's forward and loss, and freeze what is alive just before its backward.
 
     `watch` modules get a pre-hook recording the storages of their positional tensor inputs
-    (what a checkpoint of that module would keep).
+    (what a checkpoint of that module would keep) and whether any tensor input needs grad.
     """
     model = step.model
     first_inputs = step.micro_batches()[0][0]
     kinds = known_kinds(model, (first_inputs.args, dict(first_inputs.kwargs)))
     types = {name: type(m).__name__ for name, m in model.named_modules()}
     block_inputs: dict[str, tuple[tuple[StorageKey, int], ...]] = {}
+    need_grad: dict[str, bool] = {}
     seen: list[tuple[list[tuple[StorageKey, _Entry]], dict[StorageKey, int], int]] = []
     with step.preserved(clear_grads=True), HookSession(model) as session, ExitStack() as saving:
         stack = session.enable_module_stack()
         for name, module in watch:
 
-            def pre(_m: nn.Module, args: tuple[Any, ...], _n: str = name) -> None:
+            def pre(_m: nn.Module, args: tuple[Any, ...], *kwargs: Any, _n: str = name
+                    ) -> None:
                 if _n not in block_inputs:  # a block called twice keeps its first inputs
                     block_inputs[_n] = tuple(storage_keys(args).items())
+                # Metadata only (no sync): does gradient flow into this call? (`kwargs` is
+                # the keyword-argument dict torch passes with `with_kwargs=True`.)
+                need_grad[_n] = need_grad.get(_n, False) or any(
+                    t.requires_grad for _, t in iter_tensors((args, kwargs)))
 
-            session.forward_pre_hook(module, pre)
+            session.forward_pre_hook(module, pre, with_kwargs=True)
         recorder = _Recorder(stack, types, owners, kinds)
         saving.enter_context(recorder.hooks())
 
@@ -243,7 +253,7 @@ def _account(
         loss = step.forward_backward(before_backward=before_backward)
     alive, out_keys, saves = seen[0]
     saved = _freeze(alive, out_keys, saves, step.info(loss))
-    return _Accounting(saved, tuple(k for k, _ in alive), block_inputs)
+    return _Accounting(saved, tuple(k for k, _ in alive), block_inputs, need_grad)
 
 
 def saved_activations(

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from torchscope._timing import fmt_ratio
 from torchscope.findings import Finding, Severity, analyzer, rank
 from torchscope.profiling.ops import sort_ops
 from torchscope.profiling.records import ProfileResult, ProfileThresholds
 
 __all__ = ["profile_findings"]
 
-# Ops that block the host until the device (or a queue) has caught up.
+# Ops that block the host until the device (or a queue) has caught up: a tensor read to
+# Python (`.item()`, `bool(t)`), and the CUDA runtime's own waits and copies.
 _SYNC_OPS = ("aten::_local_scalar_dense", "aten::item", "cudaDeviceSynchronize",
              "cudaStreamSynchronize", "cudaMemcpy")
 _COMPUTE = ("mm", "addmm", "bmm", "matmul", "conv", "convolution", "linear", "baddbmm",
@@ -25,6 +27,43 @@ def _op_fix(name: str) -> str:
     return ""
 
 
+def uses_accelerator(result: ProfileResult) -> bool:
+    """Whether the profiled step ran on an accelerator: the model lives on a non-CPU
+    device, or the profiler recorded device kernel time."""
+    return result.device != "cpu" or any(o.self_device_ms > 0 for o in result.ops)
+
+
+def _host_syncs(result: ProfileResult) -> list[Finding]:
+    """Host-device synchronisations: a warning only where there is a device to wait for.
+
+    On CPU, `.item()` and `.cpu()` read host memory that is already there: at most an info
+    (`profiling.host_read`), since the same line waits for the device on a GPU.
+    """
+    syncs = [o for o in result.ops if o.name in _SYNC_OPS]
+    if not syncs:
+        return []
+    # One `.item()` shows as aten::item over aten::_local_scalar_dense (over a copy and a
+    # stream sync on CUDA): count the reads and the explicit device waits, once each.
+    calls = (result.calls("aten::_local_scalar_dense") + result.calls("cudaDeviceSynchronize")
+             or sum(o.calls for o in syncs))
+    ops = ", ".join(sorted({o.name for o in syncs}))
+    evidence: dict[str, float | int | str | bool | None] = {
+        "calls": calls, "ops": ops, "device": result.device}
+    if uses_accelerator(result):
+        return [Finding(
+            "profiling.host_sync", Severity.WARNING,
+            f"the step synchronises host and device {calls / result.steps:.3g} time(s) per "
+            f"step ({ops}).", evidence,
+            fix="drop .item()/.cpu()/print of tensors from the step, or do it every N steps.",
+        )]
+    return [Finding(
+        "profiling.host_read", Severity.INFO,
+        f"the step reads tensor values to Python {calls / result.steps:.3g} time(s) per step "
+        f"({ops}); on CPU that waits for nothing, on a GPU each read would synchronise "
+        "host and device.", evidence,
+    )]
+
+
 @analyzer(ProfileResult)
 def profile_findings(result: ProfileResult,
                      thresholds: ProfileThresholds | None = None) -> list[Finding]:
@@ -36,7 +75,8 @@ def profile_findings(result: ProfileResult,
         result: the profile.
         thresholds: when figures become warnings; None uses `ProfileThresholds()`.
 
-    Codes: `profiling.top_op`, `profiling.host_sync`, `profiling.backward_ratio`,
+    Codes: `profiling.top_op`, `profiling.host_sync` (with an accelerator),
+    `profiling.host_read` (on CPU), `profiling.backward_ratio`,
     `profiling.optimizer_share`, `profiling.top_module`, `profiling.overhead`,
     `profiling.no_phases`.
     """
@@ -57,16 +97,7 @@ def profile_findings(result: ProfileResult,
             {"op": o.name, "calls": o.calls, "self_ms": ms, "share": frac},
             fix=_op_fix(o.name),
         ))
-    syncs = [o for o in result.ops if o.name in _SYNC_OPS]
-    if syncs:
-        calls = sum(o.calls for o in syncs)
-        out.append(Finding(
-            "profiling.host_sync", Severity.WARNING,
-            f"the step synchronises host and device {calls / result.steps:.3g} time(s) per "
-            f"step ({', '.join(sorted({o.name for o in syncs}))}).",
-            {"calls": calls, "ops": ", ".join(sorted({o.name for o in syncs}))},
-            fix="drop .item()/.cpu()/print of tensors from the step, or do it every N steps.",
-        ))
+    out += _host_syncs(result)
     fwd, bwd, opt = (result.phase(p) for p in ("forward", "backward", "optimizer"))
     if fwd is not None and bwd is not None and fwd.cpu_ms > 0:
         ratio = bwd.cpu_ms / fwd.cpu_ms
@@ -100,13 +131,15 @@ def profile_findings(result: ProfileResult,
              "share": leaf.total_self_ms / mod_total},
             module=leaf.module,
         ))
-    overhead = result.timing.overhead
-    if overhead is not None and overhead > th.overhead_high:
+    slow = result.timing.overhead_ratio
+    # Only a slowdown beyond the noise: a median above the threshold inside it is no fact.
+    if slow is not None and slow.above and slow.value > th.overhead_high:
         out.append(Finding(
             "profiling.overhead", Severity.WARNING,
-            f"steps ran {overhead:.2f}× slower under the profiler; absolute times are "
+            f"steps ran {fmt_ratio(slow)} slower under the profiler; absolute times are "
             "inflated, shares between ops hold better.",
-            {"overhead": overhead, "baseline_ms": result.timing.baseline_ms,
+            {"overhead": slow.value, "overhead_low": slow.low, "overhead_high": slow.high,
+             "baseline_ms": result.timing.baseline_ms,
              "profiled_ms": result.timing.profiled_ms},
             fix="time fewer modules (select=/depth=) or turn by_module off for absolute times.",
         ))

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from torchscope._timing import Ratio
 from torchscope.errors import TorchscopeError
 from torchscope.findings import Analyzed
 from torchscope.step import StepInfo
@@ -33,7 +34,7 @@ class ProfileThresholds:
         optimizer_share_high: optimizer share of the labelled step above which a fused or
             foreach optimizer pays off.
         overhead_high: step slowdown under the profiler above which absolute times are
-            unreliable.
+            unreliable (only a slowdown beyond the timing noise counts).
     """
 
     backward_ratio_high: float = 3.5
@@ -160,6 +161,10 @@ class StepTiming:
         profiled_total_ms: sum of the profiled steps' wall times.
         baseline_steps: how many unprofiled steps were timed.
         profiled_steps: how many profiled steps were timed.
+        profiled_samples: each profiled step's wall time, in step order.
+        overhead_ratio: profiled over unprofiled step time with its interval (see
+            `torchscope._timing`); None without a baseline. A ratio whose interval includes 1
+            is no measurable overhead, whatever its median.
     """
 
     baseline_ms: float | None
@@ -167,10 +172,13 @@ class StepTiming:
     profiled_total_ms: float
     baseline_steps: int
     profiled_steps: int
+    profiled_samples: tuple[float, ...] = ()
+    overhead_ratio: Ratio | None = None
 
     @property
     def overhead(self) -> float | None:
-        """`profiled_ms / baseline_ms`: how much slower a step runs under the profiler."""
+        """`profiled_ms / baseline_ms`: the median slowdown under the profiler (noise when
+        `overhead_ratio` is not measurable)."""
         if self.baseline_ms is None or self.baseline_ms <= 0:
             return None
         return self.profiled_ms / self.baseline_ms

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -13,6 +12,7 @@ import torch
 from torch import nn
 
 from torchscope._process import seeded
+from torchscope._timing import MIN_SAMPLES, compare, repeat, timed_ms
 from torchscope.hooks.select import Selector
 from torchscope.profiling.records import ProfileResult, ProfilingError
 from torchscope.profiling.watch import TimeWatch
@@ -21,12 +21,7 @@ from torchscope.step import LossSpec, Step
 StepFn = Callable[[], Any]
 
 
-def _timed(run: StepFn, watch: TimeWatch) -> float:
-    watch.sync()
-    t0 = time.perf_counter()
-    run()
-    watch.sync()
-    return (time.perf_counter() - t0) * 1e3
+_BASELINE_BUDGET_S = 2.0  # seconds of unprofiled steps, once the minimum is done
 
 
 def profile_steps(
@@ -82,8 +77,10 @@ def profile_steps(
         depth: time only modules this deep or shallower.
         group_by_input_shape: one op record per (name, input shapes).
         record_shapes: record input shapes (implied by `group_by_input_shape`).
-        baseline_steps: unprofiled steps timed for the overhead figure; default `steps`,
-            0 skips the measurement.
+        baseline_steps: unprofiled steps timed for the overhead figure; default at least
+            `steps` (and 3), more until their median is known to 5 % (up to 4× or about
+            2 s); 0 skips the measurement. The overhead is the ratio of the medians with an
+            interval (`result.timing.overhead_ratio`): inside the noise it is none.
         trace: write a Chrome/Perfetto trace here (`.gz` compresses it).
         trace_steps: keep only the last N profiled steps in the trace (None: all).
         cuda: record CUDA activity; default: when CUDA is available.
@@ -128,14 +125,22 @@ def profile_steps(
         # figure; its loss, on the unchanged model, is the step's loss.
         first = run()
         info = the_step.info(first) if the_step is not None else None
-        n_base = steps if baseline_steps is None else max(int(baseline_steps), 0)
-        baseline = [_timed(run, watch) for _ in range(n_base)]
+        timed = timed_ms(run, watch.sync)
+        baseline: tuple[float, ...] = ()
+        if baseline_steps is None:
+            least = max(steps, MIN_SAMPLES)
+            baseline = repeat(timed, min_repeats=least, max_repeats=4 * least,
+                              budget_s=_BASELINE_BUDGET_S)
+        elif baseline_steps > 0:
+            baseline = tuple(timed() for _ in range(int(baseline_steps)))
         with watch:
             for _ in range(watch.window):
                 run()
                 watch.step()
     assert watch.result is not None
     result = watch.result
+    samples = result.timing.profiled_samples
     timing = replace(result.timing, baseline_ms=statistics.median(baseline) if baseline else None,
-                     baseline_steps=len(baseline))
+                     baseline_steps=len(baseline),
+                     overhead_ratio=compare(samples, baseline) if baseline and samples else None)
     return replace(result, timing=timing, step=info)

@@ -239,7 +239,7 @@ class TimeWatch(HookedContext):
         timing = StepTiming(
             baseline_ms=None, profiled_ms=statistics.median(self._active),
             profiled_total_ms=sum(self._active), baseline_steps=0,
-            profiled_steps=len(self._active))
+            profiled_steps=len(self._active), profiled_samples=tuple(self._active))
         return ProfileResult(
             steps=len(self._active), device=self._device.type, ops=op_records(averages),
             phases=attr.phases, modules=attr.modules, reconciliation=attr.reconciliation,

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from rich.markup import escape
 from rich.table import Table
 
+from torchscope._timing import fmt_ratio
 from torchscope._util import fmt_num
 from torchscope.compile.records import CompileReport, GraphBreak, ModeResult, Recompile
 
@@ -28,6 +29,10 @@ def _fmt(x: float | None, spec: str) -> str:
 def _speedup(m: ModeResult) -> str:
     if m.speedup is None:
         return "—"
+    r = m.speedup_ratio
+    if r is not None:  # with its interval; inside the noise it is no speedup at all
+        style = "green" if r.above else "red" if r.below else "yellow"
+        return f"[{style}]{fmt_ratio(r, none='no measurable difference')}[/]"
     style = "green" if m.speedup > 1 else "red"
     return f"[{style}]{m.speedup:.2f}×[/]"
 

@@ -161,12 +161,14 @@ def gradients_fragment(flow: GradFlow, plots: Mapping[str, str]) -> str:
 
 def plan_rows(plans: PlanReport) -> list[tuple[CheckpointPlan, float, bool | None]]:
     """(plan, recompute ms, gradients bitwise identical) per checkpoint plan: measured when
-    the plan was applied, else predicted with the verdict None."""
+    the plan was applied, else predicted with the verdict None (False: it failed its
+    verification)."""
     out: list[tuple[CheckpointPlan, float, bool | None]] = []
     for p in plans.plans:
         m = plans.measurement(p.name)
+        ok = None if m is None or m.verification is None else m.verification.ok
         out.append((p, p.recompute_ms if m is None else m.recompute_ms,
-                    None if m is None or m.verification is None else m.verification.ok))
+                    False if p.status == "unverified" else ok))
     return out
 
 

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from rich.table import Table
 
+from torchscope._timing import fmt_ratio
 from torchscope._util import fmt_bytes, fmt_pct, fmt_shape
 from torchscope.memory.analysis import describe_segments
 from torchscope.memory.records import (
     LiveTensors,
     MeasuredMemory,
     MemoryTotals,
+    PlanMeasurement,
     PlanReport,
     SavedActivations,
     Verification,
@@ -20,6 +22,7 @@ __all__ = [
     "live_table",
     "plans_table",
     "saved_table",
+    "step_time",
     "totals_table",
     "verification_table",
 ]
@@ -109,11 +112,23 @@ def blocks_table(report: PlanReport, title: str = "Checkpointable blocks") -> Ta
     return table
 
 
+def step_time(m: PlanMeasurement | None) -> str:
+    """A plan's measured step time against no checkpointing: `+12% (1.08–1.17×)`, `no
+    measurable cost (0.93–1.06×)`, or `—` (not timed, or the `none` plan)."""
+    if m is None or m.slowdown is None:
+        return "—"
+    r = m.slowdown
+    if r.above:
+        return f"{r.value - 1:+.0%} ({r.low:.2f}–{r.high:.2f}×)"
+    return fmt_ratio(r, none="no measurable cost", above=True)
+
+
 def plans_table(report: PlanReport, chosen: str | None = None,
                 title: str = "Checkpointing plans") -> Table:
-    """Each plan: what it checkpoints, saved bytes, recompute time and peak; measured too."""
+    """Each plan: what it checkpoints, saved bytes, recompute time and peak; measured too.
+    A plan that is not offered says why instead of its measurements."""
     table = _table(title, "plan", "checkpointed", ">saved", ">vs none", ">peak act. (pred.)",
-                   ">recompute pred.", ">saved (meas.)", ">recompute meas.", ">peak (meas.)",
+                   ">recompute pred.", ">saved (meas.)", ">step time vs none", ">peak (meas.)",
                    "gradients")
     base = max(report.baseline_saved_bytes, 1)
     for p in report.plans:
@@ -124,19 +139,28 @@ def plans_table(report: PlanReport, chosen: str | None = None,
         label = f"[bold]{p.name}[/] ←" if p.name == chosen else p.name
         if p.budget is not None:
             label += f" (≤ {fmt_bytes(p.budget)})"
-        table.add_row(
-            label, describe_segments(p), fmt_bytes(p.saved_bytes),
-            fmt_pct(p.saved_bytes / base), fmt_bytes(p.peak_activation_bytes),
-            f"{p.recompute_ms:.3f} ms",
-            fmt_bytes(m.saved_bytes) if m else "—",
-            f"{m.recompute_ms:+.3f} ms" if m else "—",
-            fmt_bytes(m.peak_bytes) if m else "—",
-            grads,
-        )
+        row = [label, describe_segments(p), fmt_bytes(p.saved_bytes),
+               fmt_pct(p.saved_bytes / base), fmt_bytes(p.peak_activation_bytes),
+               f"{p.recompute_ms:.3f} ms"]
+        if p.status != "ok":
+            what = ("keeps more than none" if p.status == "keeps_more"
+                    else "failed verification")
+            table.add_row(*row, f"[yellow]not offered: {what}[/]", "", "", "")
+            continue
+        table.add_row(*row, fmt_bytes(m.saved_bytes) if m else "—", step_time(m),
+                      fmt_bytes(m.peak_bytes) if m else "—", grads)
     segs = "" if report.groupable else (" Blocks are not children of an nn.Sequential, so "
                                          "each segment is one block.")
-    table.caption = (f"smallest feasible budget: {report.min_feasible_bytes:,} B; budget "
-                     f"search: {report.search}.{segs}")
+    notes = [f"{p.name}: not offered: {p.failed}" for p in report.plans if p.failed]
+    if report.excluded:
+        notes.append(f"{len(report.excluded)} block(s) left out: "
+                     + "; ".join(f"{n} ({r})" for n, r in report.excluded[:3])
+                     + (" …" if len(report.excluded) > 3 else ""))
+    table.caption = "\n".join([
+        f"smallest feasible budget: {report.min_feasible_bytes:,} B; budget search: "
+        f"{report.search}.{segs} Step times are medians of interleaved steps with and "
+        "without the plan; a difference inside their interval is no measurable cost.",
+        *notes, *report.notes])
     return table
 
 

@@ -9,6 +9,7 @@ from rich.console import Console, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from torchscope._timing import fmt_ratio
 from torchscope._util import fmt_pct
 from torchscope.findings import Finding
 from torchscope.profiling.ops import sort_ops
@@ -153,13 +154,17 @@ def module_table(result: ProfileResult, limit: int | None = None) -> Table:
 
 
 def timing_line(result: ProfileResult) -> str:
-    """`step 5.83 ms without profiler, 8.34 ms profiled (1.43× overhead)`."""
+    """`step 5.83 ms without profiler, 8.34 ms profiled (1.43× (1.31–1.52) overhead; ...)`,
+    or `(no measurable profiler overhead (0.87–1.21×); ...)` when it is inside the noise."""
     t = result.timing
     if t.baseline_ms is None:
         return f"step {_ms(t.profiled_ms)} ms profiled (median of {t.profiled_steps})."
+    r = t.overhead_ratio
+    overhead = ("overhead not compared" if r is None else
+                f"{fmt_ratio(r)} overhead" if r.above else
+                fmt_ratio(r, none="no measurable profiler overhead", above=True))
     return (f"step {_ms(t.baseline_ms)} ms without profiler, {_ms(t.profiled_ms)} ms profiled "
-            f"({t.overhead:.2f}× overhead; medians of {t.baseline_steps} and "
-            f"{t.profiled_steps} steps).")
+            f"({overhead}; medians of {t.baseline_steps} and {t.profiled_steps} steps).")
 
 
 
