@@ -417,15 +417,25 @@ class GradWatch(HookedContext, Analyzed):
         self._advance(None)
 
     def _check_step(self) -> None:
-        """Note on the device whether any gradient of this step is NaN/Inf (no host sync)."""
-        grads = [p.grad for p in self._params if p.grad is not None and not p.grad.is_sparse]
-        if not grads:
+        """Note on the device whether any gradient of this step is NaN/Inf (no host sync):
+        one fused norm per device, summed (a sum of norms is finite iff every norm is)."""
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for p in self._params:
+            g = p.grad
+            if g is not None and not g.is_sparse:
+                by_device.setdefault(g.device, []).append(g)
+        bad: torch.Tensor | None = None
+        for grads in by_device.values():
+            norms = torch._foreach_norm(grads)  # one 0-d norm per gradient
+            if len({n.dtype for n in norms}) > 1:
+                norms = [n.float() for n in norms]
+            here = ~torch.isfinite(torch.stack(norms).sum())  # () bool
+            bad = here if bad is None else bad | here.to(bad.device, non_blocking=True)
+        if bad is None:
             return
-        total = torch.nn.utils.get_total_norm(grads)  # () on the first gradient's device
-        bad = ~torch.isfinite(total)
         if self._nonfinite is None:
-            self._nonfinite = (torch.full((), -1, dtype=torch.int64, device=total.device),
-                               torch.zeros((), dtype=torch.int64, device=total.device))
+            self._nonfinite = (torch.full((), -1, dtype=torch.int64, device=bad.device),
+                               torch.zeros((), dtype=torch.int64, device=bad.device))
         first, count = self._nonfinite
         first.masked_fill_(bad & (first < 0), self.steps)
         count.add_(bad)

@@ -156,7 +156,7 @@ class Monitor(HookedContext):
             self._acts.active = False
             self._acts.open()
         if self._want_memory:
-            self._mem = MemoryWatch(model, depth=1, max_samples=1)
+            self._mem = MemoryWatch(model, select=self._select, depth=self._depth, max_samples=1)
             self._mem.active = False
             self._mem.open()
         self._session = HookSession(model)
