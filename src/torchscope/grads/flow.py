@@ -426,7 +426,7 @@ class GradWatch(HookedContext, Analyzed):
                 by_device.setdefault(g.device, []).append(g)
         bad: torch.Tensor | None = None
         for grads in by_device.values():
-            norms = torch._foreach_norm(grads)  # one 0-d norm per gradient
+            norms = list(torch._foreach_norm(grads))  # one 0-d norm per gradient
             if len({n.dtype for n in norms}) > 1:
                 norms = [n.float() for n in norms]
             here = ~torch.isfinite(torch.stack(norms).sum())  # () bool
