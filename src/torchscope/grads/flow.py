@@ -96,6 +96,7 @@ def gradient_flow(
 StepBy = Literal["optimizer", "micro_batches", "inferred", "manual"]
 
 _EVIDENCE = 32  # parameters whose `.grad` tells a fresh step from accumulation (inferred)
+_SKIPPED_KEPT = 1000  # indices of GradScaler-skipped steps kept (the newest; all are counted)
 
 
 def _merge(flows: list[GradFlow], index: int) -> GradFlow:
@@ -185,7 +186,7 @@ class GradWatch(HookedContext, Analyzed):
         self._rows: deque[tuple[int, dict[str, float], dict[str, float], float]] = deque(
             maxlen=max_samples)
         self._layers: dict[str, None] = {}
-        self._skipped_steps: deque[int] = deque(maxlen=max_samples)
+        self._skipped_steps: deque[int] = deque(maxlen=_SKIPPED_KEPT)
         self._carry = False  # a due step had no gradients (or was skipped): sample the next
         self._in_step = 0  # backward passes of the current step (micro_batches, inferred)
         self._partials: list[GradFlow] = []  # inferred: the due step's flow per backward
@@ -459,7 +460,8 @@ class GradWatch(HookedContext, Analyzed):
 
     @property
     def skipped_steps(self) -> tuple[int, ...]:
-        """Indices of the steps the GradScaler skipped (the newest `max_samples`)."""
+        """Indices of the steps the GradScaler skipped (the newest 1,000; `skipped` counts
+        them all)."""
         return tuple(self._skipped_steps)
 
     @property
