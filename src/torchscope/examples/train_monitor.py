@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
                     accumulate=args.accumulate, out=args.out, profile=args.profile,
                     seed=args.seed)
     except TorchscopeError as exc:
-        console.print(f"[red]error:[/] {exc.one_line()}", highlight=False)
+        console.print(f"[red]error:[/] {exc.one_line()}", highlight=False, soft_wrap=True)
         return 2
     record = mon.result
     assert record is not None
