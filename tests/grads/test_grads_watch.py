@@ -367,3 +367,16 @@ def test_closure_training_is_bitwise_unchanged(optimizer: str) -> None:
 
     for a, b in zip(train(True), train(False), strict=True):
         assert torch.equal(a, b)
+
+
+def test_start_shifts_the_sampled_steps() -> None:
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with watch_gradients(model, every=10, start=9, optimizer=opt) as watch:
+        for _ in range(30):
+            opt.zero_grad()
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+    assert watch.history.steps == (9, 19, 29)
+    with pytest.raises(TorchscopeError, match="start=-1"):
+        watch_gradients(model, start=-1)

@@ -129,6 +129,7 @@ class GradWatch(HookedContext, Analyzed):
 
     Attributes:
         every: sample one step in `every`.
+        start: the first sampled step.
         steps: steps counted so far (see `step_by`).
         samples: samples taken so far (unbounded count; the history keeps the newest).
         skipped: steps the GradScaler skipped (inf/NaN gradients) so far.
@@ -139,6 +140,7 @@ class GradWatch(HookedContext, Analyzed):
         model: nn.Module,
         *,
         every: int = 1,
+        start: int = 0,
         optimizer: torch.optim.Optimizer | None = None,
         scaler: Any = None,
         micro_batches: int | None = None,
@@ -157,6 +159,8 @@ class GradWatch(HookedContext, Analyzed):
                     f"{label}={value!r} " + ("samples nothing." if label == "every" else
                                              "keeps no history."),
                     fix=f"pass {label}=1 or more.")
+        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+            raise TorchscopeError(f"start={start!r} is not a step.", fix="pass start=0 or more.")
         if micro_batches is not None:
             if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or \
                     micro_batches < 1:
@@ -169,6 +173,7 @@ class GradWatch(HookedContext, Analyzed):
                     fix="leave micro_batches unset: it counts backward passes per step only "
                     "when nothing else says where a step ends.")
         self.every = every
+        self.start = start
         self.steps = 0
         self.samples = 0
         self.skipped = 0
@@ -266,7 +271,8 @@ class GradWatch(HookedContext, Analyzed):
 
     # ------------------------------------------------------------------ stepping
     def _due(self, step: int) -> bool:
-        return step % self.every == 0 or (self._carry and step == self.steps)
+        return (step >= self.start and (step - self.start) % self.every == 0) or \
+            (self._carry and step == self.steps)
 
     def _collecting(self, step: int) -> bool:
         # Inferred: a backward may begin the next step, known only when it ends.
@@ -497,6 +503,7 @@ def watch_gradients(
     model: nn.Module,
     every: int = 1,
     *,
+    start: int = 0,
     optimizer: torch.optim.Optimizer | None = None,
     scaler: Any = None,
     micro_batches: int | None = None,
@@ -533,8 +540,11 @@ def watch_gradients(
 
     Args:
         model: the model.
-        every: sample steps 0, every, 2*every, ...; a due step without any backward (or
-            one the GradScaler skipped) passes its sample to the next step.
+        every: sample steps start, start + every, start + 2*every, ...; a due step
+            without any backward (or one the GradScaler skipped) passes its sample to
+            the next step.
+        start: the first sampled step (0; `every - 1` samples the steps after which a
+            1-based step count is a multiple of `every`, as the HF Trainer logs).
         optimizer: the optimizer whose `step()` calls define steps (with `manual=True`,
             only used to tell which steps the GradScaler skipped).
         scaler: the `torch.amp.GradScaler` of the loop; its scale is divided out, so the
@@ -568,7 +578,7 @@ def watch_gradients(
         ...         opt.step(); opt.zero_grad()
         >>> watch.history.series("fc")
     """
-    return GradWatch(model, every=every, optimizer=optimizer, scaler=scaler,
+    return GradWatch(model, every=every, start=start, optimizer=optimizer, scaler=scaler,
                      micro_batches=micro_batches, manual=manual, select=select, depth=depth,
                      inputs_grad=inputs_grad, max_samples=max_samples,
                      check_nonfinite=check_nonfinite, on_sample=on_sample, on_step=on_step)

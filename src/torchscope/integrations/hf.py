@@ -16,7 +16,9 @@ reading (the accumulated gradient, before clipping; the GradScaler's scale divid
 the step's. The reported total norm is the one clipping returns, which the Trainer logs as
 `grad_norm`. The step ends at `on_pre_optimizer_step` (at `on_step_end` before 4.44), its
 scalars go into the next `on_log` (into `state.log_history` and the `logs` the later
-callbacks get), and the report is written at `on_train_end`.
+callbacks get), and the report is written at `on_train_end`. The sampled steps are those
+after which `state.global_step` is a multiple of `every`, so with `logging_steps == every`
+each training log carries the scalars of its own step.
 
 The Trainer has no event for an exception: use the callback as a context manager around
 `trainer.train()` (or call `callback.close()`), so that hooks come off and a partial report
@@ -125,8 +127,11 @@ class TorchscopeTrainerCallback(TrainerCallback):
             raise TorchscopeError("the Trainer passed no model to on_train_begin.",
                                   fix="use a transformers Trainer (>= 4.40).")
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper
+        # Sample the steps the Trainer logs when logging_steps == every: its global_step
+        # after step i (0-based) is i + 1.
         self._monitor = Monitor(
             model, inner, scaler=getattr(optimizer, "scaler", None), manual=True,
+            start=self._options["every"] - 1,
             on_sample=self._on_sample, producer="torchscope.integrations.hf",
             **self._options)
         self._monitor.__enter__()

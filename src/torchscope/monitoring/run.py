@@ -83,6 +83,7 @@ class Monitor(HookedContext):
         scaler: Any = None,
         micro_batches: int | None = None,
         manual: bool = False,
+        start: int = 0,
         select: Selector = None,
         depth: int | None = None,
         activations: bool = True,
@@ -107,6 +108,7 @@ class Monitor(HookedContext):
         self._scaler = scaler
         self._micro_batches = micro_batches
         self._manual = manual
+        self._start = start
         self._select, self._depth = select, depth
         self._want_activations, self._want_memory = activations, memory
         self._name = name
@@ -165,7 +167,8 @@ class Monitor(HookedContext):
         self._session.forward_pre_hook(self._session.model, self._gate,  # type: ignore[arg-type]
                                        with_kwargs=True, prepend=True)
         self._grads = GradWatch(
-            model, every=self.every, optimizer=self._optimizer, scaler=self._scaler,
+            model, every=self.every, start=self._start, optimizer=self._optimizer,
+            scaler=self._scaler,
             micro_batches=self._micro_batches, manual=self._manual, select=self._select,
             depth=self._depth, inputs_grad=False, max_samples=1,
             check_nonfinite=self._scaler is None, on_step=self._on_step)
