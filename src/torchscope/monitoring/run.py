@@ -67,6 +67,10 @@ def _positive(label: str, value: Any, low: int = 1) -> int:
 class Monitor(HookedContext):
     """Watches a training run and writes its run report; build it with `torchscope.monitor`.
 
+    The arguments are `torchscope.monitor`'s, and three that the framework callbacks use:
+    `manual=True` (steps end at `end_step()`), `start` (the first sampled step, see
+    `watch_gradients`) and `producer` (who drove it, for report.json's `options`).
+
     Attributes:
         result: the `RunRecord`, set when the block ends (also through an exception).
         paths: (report.html, report.json) once written, else None.
