@@ -19,9 +19,9 @@ import torch
 from rich.console import Console
 from torch import nn
 
-import torchscope
 from torchscope.errors import TorchscopeError
 from torchscope.models import BUILTINS
+from torchscope.monitoring import Monitor, monitor
 from torchscope.report.findings import finding_lines
 
 __all__ = ["main", "train"]
@@ -29,7 +29,7 @@ __all__ = ["main", "train"]
 
 def train(model_name: str = "deep-mlp", *, steps: int = 200, every: int = 10,
           lr: float = 0.05, accumulate: int = 1, out: str | None = "torchscope-run",
-          profile: int = 5, seed: int = 0) -> torchscope.monitoring.Monitor:
+          profile: int = 5, seed: int = 0) -> Monitor:
     """Train a built-in model for `steps` optimizer steps under `torchscope.monitor`.
 
     Returns:
@@ -48,8 +48,8 @@ def train(model_name: str = "deep-mlp", *, steps: int = 200, every: int = 10,
     teacher = spec.build().eval().requires_grad_(False)
     data = torch.Generator().manual_seed(seed + 2)  # a data loader's own stream
     opt = torch.optim.SGD(student.parameters(), lr=lr, momentum=0.9)
-    with torchscope.monitor(student, opt, every=every, out=out, profile=profile,
-                            name=f"{model_name} on a synthetic teacher task") as mon:
+    with monitor(student, opt, every=every, out=out, profile=profile,
+                 name=f"{model_name} on a synthetic teacher task") as mon:
         for _ in range(steps):
             opt.zero_grad(set_to_none=True)
             for _ in range(accumulate):
