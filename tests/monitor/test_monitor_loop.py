@@ -235,3 +235,28 @@ def test_bad_options_fail_before_training() -> None:
         torchscope.monitor(model, out="/proc/torchscope-run")
     with pytest.raises(TorchscopeError, match=r"nn\.Module"):
         torchscope.monitor("model")  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_device_peak_is_kept_and_training_unchanged(tmp_path: Path) -> None:
+    data = [(x.cuda(), y.cuda()) for x, y in batches(20)]
+
+    def run(watched: bool) -> tuple[list[torch.Tensor], object]:
+        torch.manual_seed(0)
+        model = mlp().cuda()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        ctx = torchscope.monitor(model, opt, every=4, out=tmp_path) if watched else \
+            contextlib.nullcontext()
+        _train(model, opt, data, ctx)
+        return [p.detach().clone() for p in model.parameters()], ctx
+
+    watched, mon = run(True)
+    plain, _ = run(False)
+    for a, b in zip(watched, plain, strict=True):
+        assert torch.equal(a, b)
+    record = mon.result  # type: ignore[attr-defined]
+    assert record.device.startswith("cuda") and record.device_peak
+    assert sum(b.count for b in record.device_peak) == 20
+    assert record.onset.nonfinite_steps == 0
+    doc = json.loads((tmp_path / "report.json").read_text())
+    assert doc["sections"]["mem_history"]["data"]["device_peak_bytes"]

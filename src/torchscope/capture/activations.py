@@ -199,6 +199,11 @@ class ActivationCapture(HookedContext, Analyzed):
         return list(self._names)
 
     @property
+    def forwards(self) -> int:
+        """Forwards recorded so far (the next one's records get this `step`)."""
+        return self._step + 1
+
+    @property
     def weighted(self) -> frozenset[str]:
         """Hooked modules with weights that set the scale of what follows (Linear, Conv,
         Embedding)."""

@@ -262,6 +262,11 @@ class Monitor(HookedContext):
             torch.cuda.reset_peak_memory_stats(self._cuda)
         if flow is not None:
             self._sample(index, flow)
+        elif self._acts is not None and self._grads is not None and \
+                self._grads.step_by != "inferred":
+            # Forwards of a step that gave no sample (the GradScaler skipped it) are not
+            # the next sample's. (Inferred steps end one backward late: left as they are.)
+            self._acts_seen = self._acts.forwards - 1
         tw = self._time
         if tw is not None and tw.boundaries >= tw.window:
             self._close_profile(failed=False)
