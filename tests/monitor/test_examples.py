@@ -19,7 +19,7 @@ def _example(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_train_monitor_writes_a_run_report(tmp_path: Path) -> None:
     done = _example("--steps", "24", "--every", "4", "--profile", "2", "--accumulate", "2",
-                    "--model", "tiny-cnn", "--out", str(tmp_path))
+                    "--model", "mlp", "--out", str(tmp_path))
     assert done.returncode == 0, done.stderr
     assert "24 steps, 6 samples" in done.stdout
     assert "run report:" in done.stdout

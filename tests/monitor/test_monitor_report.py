@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import jsonschema
+import pytest
 import torch
 from torch import nn
 
@@ -32,8 +33,14 @@ def _train(out: Path, **options: object) -> Path:
     return out
 
 
-def test_report_json_follows_the_schema_and_holds_the_series(tmp_path: Path) -> None:
-    out = _train(tmp_path / "run", profile=2)
+@pytest.fixture(scope="module")
+def profiled(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One run with every section (the profiled window included), shared by the module."""
+    return _train(tmp_path_factory.mktemp("run"), profile=2)
+
+
+def test_report_json_follows_the_schema_and_holds_the_series(profiled: Path) -> None:
+    out = profiled
     doc = json.loads((out / "report.json").read_text())
     jsonschema.Draft202012Validator(load_schema()).validate(doc)
     assert doc["kind"] == "run" and doc["schema_version"] == SCHEMA_VERSION == "1.3"
@@ -70,9 +77,8 @@ def test_a_doctor_report_without_kind_still_validates() -> None:
     assert not jsonschema.Draft202012Validator(schema).is_valid(bad)
 
 
-def test_report_html_has_the_heat_map_and_the_doctors_sections(tmp_path: Path) -> None:
-    out = _train(tmp_path / "run", profile=2)
-    page = (out / "report.html").read_text()
+def test_report_html_has_the_heat_map_and_the_doctors_sections(profiled: Path) -> None:
+    page = (profiled / "report.html").read_text()
     assert page.startswith("<!DOCTYPE html>") and "<title>torchscope run: five-layer mlp" in page
     heat = re.search(r'<figure class="plot" data-plot="run-grad-heatmap"><svg.*?</svg>', page,
                      flags=re.S)
@@ -98,8 +104,8 @@ def test_sections_not_watched_say_so(tmp_path: Path) -> None:
     assert "profile" not in doc["sections"]
 
 
-def test_diff_compares_two_runs(tmp_path: Path) -> None:
-    a = load_document(_train(tmp_path / "a"))
+def test_diff_compares_two_runs(tmp_path: Path, profiled: Path) -> None:
+    a = load_document(profiled)
     b = load_document(_train(tmp_path / "b"))
     diff = diff_documents(a, b)
     names = {c.name for c in diff.changes}

@@ -42,7 +42,7 @@ def test_the_section_has_one_example_per_entry_point() -> None:
 
 def test_plain_loop_example(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     printed = _run(_blocks()[0], tmp_path, monkeypatch)
-    assert printed[0] == "100 10"
+    assert printed[0] == "60 6"
     assert json.loads((tmp_path / "run-report" / "report.json").read_text())["kind"] == "run"
 
 
