@@ -189,7 +189,7 @@ class _Activations(_Section):
             out["run-act-std"] = series_lines_plot(
                 record.act_std, title="Activation drift: output std per layer", ylabel="std",
                 log=True)
-        if record.act_dead.layers:
+        if any(v > 0 for row in record.act_dead.values for v in row):  # NaN > 0 is False
             out["run-act-dead"] = series_lines_plot(
                 record.act_dead, title="Dead channels per layer", ylabel="dead channels (%)",
                 percent=True)
@@ -198,6 +198,9 @@ class _Activations(_Section):
     def html(self, record: RunRecord, plots: Mapping[str, str]) -> str:
         o = record.onset
         note = "The first forward of each sampled step, every leaf module."
+        if record.act_dead.layers and "run-act-dead" not in plots:
+            note += (" No dead channel in any sample (ReLU family: "
+                     f"{', '.join(record.act_dead.layers)}).")
         if o.forward_step is not None:
             where = "the input" if o.module is None else f"{o.module or '<root>'} " \
                 f"({o.module_type})"
@@ -278,6 +281,7 @@ def run_report(record: RunRecord, *, name: str | None = None, created: str = "",
             continue
         outcomes.append(SectionOutcome(
             s.name, s.title, "ok", capability=capability, record=record,
+            seconds=record.seconds if s.name == _Overview.name else 0.0,
             data=to_jsonable(s.data(record)), findings=_findings(record, findings, s.name),
             metrics=s.metrics(record), renderer=s))
     if record.profile is not None:
