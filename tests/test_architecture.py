@@ -19,8 +19,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                     "step")),
     ("capabilities", ("capture", "grads", "memory", "profiling", "compile", "lint")),
     ("report", ("report",)),
-    ("compositions", ("doctor", "lab")),
-    ("entry points", ("cli", "integrations", "__main__")),
+    ("compositions", ("doctor", "lab", "monitoring")),
+    ("entry points", ("cli", "integrations", "examples", "__main__")),
 )
 PEERS = {"capabilities"}  # layers whose packages may not import each other
 

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 INIT = ROOT / "src" / "torchscope" / "__init__.py"
 SUBPACKAGES = ("capture", "grads", "memory", "profiling", "compile", "lint", "doctor", "lab",
-               "hooks", "models", "errors", "findings", "step", "report")
+               "monitoring", "hooks", "models", "errors", "findings", "step", "report")
 
 
 def _readme_api() -> list[str]:

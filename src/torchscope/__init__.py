@@ -32,6 +32,7 @@ _API: dict[str, str] = {
     # Compositions.
     "run_doctor": "torchscope.doctor",
     "run_lab": "torchscope.lab",
+    "monitor": "torchscope.monitoring",
     # Shared.
     "Step": "torchscope.step",
     "Finding": "torchscope.findings",
@@ -43,7 +44,7 @@ _API: dict[str, str] = {
 
 _SUBMODULES = frozenset({
     "capture", "compile", "doctor", "errors", "findings", "grads", "hooks", "integrations",
-    "lab", "lint", "memory", "models", "profiling", "report", "step",
+    "lab", "lint", "memory", "models", "monitoring", "profiling", "report", "step",
 })
 
 __all__ = list(_API)
@@ -80,6 +81,7 @@ if TYPE_CHECKING:  # the same table, spelled out for type checkers (a test keeps
     from torchscope.lint import lint_paths as lint_paths
     from torchscope.memory import analyze_memory as analyze_memory
     from torchscope.memory import watch_memory as watch_memory
+    from torchscope.monitoring import monitor as monitor
     from torchscope.profiling import profile_steps as profile_steps
     from torchscope.profiling import watch_time as watch_time
     from torchscope.step import Step as Step

@@ -3,6 +3,7 @@ left, gradient accumulation and GradScaler."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import tracemalloc
@@ -108,12 +109,14 @@ def test_accumulation_samples_follow_optimizer_steps(every: int, expected: int) 
         assert math.isclose(p.norm, final_grads[-1][p.name], rel_tol=1e-6)
 
 
-def test_without_optimizer_every_backward_is_a_step() -> None:
+def test_without_optimizer_a_backward_into_zeroed_gradients_is_a_step() -> None:
     model = _mlp()
     seen = []
     with watch_gradients(model, every=3, on_sample=seen.append) as watch:
         for _ in range(7):
+            model.zero_grad()
             model(torch.randn(2, 4)).sum().backward()
+    assert watch.step_by == "inferred"
     assert watch.steps == 7
     assert [f.index for f in seen] == [0, 3, 6]
     assert watch.samples == 3
@@ -152,3 +155,228 @@ def test_exception_in_loop_removes_hooks() -> None:
 def test_bad_arguments() -> None:
     with pytest.raises(TorchscopeError, match="every=0"), watch_gradients(_mlp(), every=0):
         pass
+
+
+# ---------------------------------------------------------------------------- step-exact
+def _norms(model: nn.Module) -> dict[str, float]:
+    """Each parameter's gradient norm, by the same op the watch uses."""
+    return {n: torch.linalg.vector_norm(p.grad).item() for n, p in model.named_parameters()}
+
+
+def _sampled(flow) -> dict[str, float]:
+    return {p.name: p.norm for p in flow.params}
+
+
+@pytest.mark.parametrize("positional", [True, False])
+def test_closure_step_samples_that_steps_gradients(positional: bool) -> None:
+    """`opt.step(closure)`: the closure runs backward inside the step; every sample holds
+    the gradients of its own step (no empty first sample, not the previous step's)."""
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    batches = [(torch.randn(8, 4), torch.randn(8, 2)) for _ in range(3)]
+    expected: list[dict[str, float]] = []
+    flows = []
+    with watch_gradients(model, optimizer=opt, on_sample=flows.append) as watch:
+        for x, y in batches:
+            def closure(x=x, y=y) -> torch.Tensor:
+                opt.zero_grad()
+                loss = nn.functional.mse_loss(model(x), y)
+                loss.backward()
+                expected.append(_norms(model))
+                return loss
+            if positional:
+                opt.step(closure)
+            else:
+                opt.step(closure=closure)
+    assert watch.steps == 3 and watch.samples == 3
+    assert [f.index for f in flows] == [0, 1, 2]
+    for flow, want in zip(flows, expected, strict=True):
+        assert flow.backward_calls == 1 and flow.micro_batches == 1
+        assert _sampled(flow) == want  # bitwise: the same norm of the same gradient
+    assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
+
+
+def test_lbfgs_samples_the_first_evaluation_of_each_step() -> None:
+    """LBFGS calls the closure several times per step; the step's gradients are those of
+    its first evaluation, at the parameters the step starts from."""
+    model = _mlp()
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4)
+    x, y = torch.randn(16, 4), torch.randn(16, 2)
+    firsts: list[dict[str, float]] = []
+    evaluations = [0]
+    flows = []
+    with watch_gradients(model, optimizer=opt, on_sample=flows.append) as watch:
+        for _ in range(3):
+            per_step = [0]
+
+            def closure() -> torch.Tensor:
+                opt.zero_grad()
+                loss = nn.functional.mse_loss(model(x), y)
+                loss.backward()
+                if per_step[0] == 0:
+                    firsts.append(_norms(model))
+                per_step[0] += 1
+                evaluations[0] += 1
+                return loss
+            opt.step(closure)
+    assert evaluations[0] > 3  # LBFGS re-evaluated inside its steps
+    assert watch.steps == 3 and [f.index for f in flows] == [0, 1, 2]
+    for flow, want in zip(flows, firsts, strict=True):
+        assert flow.backward_calls == 1 and flow.micro_batches == 1
+        assert len([r for r in flow.modules if r.module == "0"]) == 1
+        assert _sampled(flow) == want
+
+
+@pytest.mark.parametrize("zero", ["none", "zeros", "after_forward"])
+def test_accumulation_without_optimizer_is_inferred(zero: str) -> None:
+    """Four backward passes into un-zeroed gradients are one step, whichever way the loop
+    zeroes (set to None, in place, or between forward and backward)."""
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)  # stepped by hand, not watched
+    batches = [torch.randn(4, 4) for _ in range(20)]
+    accumulated: list[dict[str, float]] = []
+    flows = []
+    with watch_gradients(model, every=2, on_sample=flows.append) as watch:
+        for i, xb in enumerate(batches):
+            first = i % 4 == 0
+            if first and zero != "after_forward":
+                model.zero_grad(set_to_none=zero == "none")
+            loss = model(xb).sum() / 4
+            if first and zero == "after_forward":
+                model.zero_grad()
+            loss.backward()
+            if i % 4 == 3:
+                accumulated.append(_norms(model))
+                opt.step()
+    assert watch.step_by == "inferred"
+    assert watch.steps == 5
+    assert [f.index for f in flows] == [0, 2, 4]
+    for flow in flows:
+        assert flow.micro_batches == 4 and flow.backward_calls == 4
+        assert sorted({r.micro for r in flow.modules}) == [0, 1, 2, 3]
+        assert len([r for r in flow.modules if r.module == "0"]) == 4
+        for p in flow.params:  # the accumulated gradient the update used
+            assert math.isclose(p.norm, accumulated[flow.index][p.name], rel_tol=1e-6)
+
+
+def test_micro_batches_counts_backward_passes() -> None:
+    model = _mlp()
+    flows = []
+    with watch_gradients(model, micro_batches=4, on_sample=flows.append) as watch:
+        for _ in range(12):  # never zeroed: inference would call it one step
+            model(torch.randn(2, 4)).sum().backward()
+    assert watch.step_by == "micro_batches"
+    assert watch.steps == 3 and [f.index for f in flows] == [0, 1, 2]
+    assert all(f.backward_calls == 4 and f.micro_batches == 4 for f in flows)
+
+
+def test_manual_steps_end_at_end_step() -> None:
+    model = _mlp()
+    steps: list[tuple[int, bool]] = []
+    with watch_gradients(model, every=2, manual=True,
+                         on_step=lambda i, f: steps.append((i, f is not None))) as watch:
+        for _ in range(4):
+            model.zero_grad()
+            for _ in range(2):
+                model(torch.randn(2, 4)).sum().backward()
+            watch.end_step()
+    assert steps == [(0, True), (1, False), (2, True), (3, False)]
+    assert watch.last is not None and watch.last.backward_calls == 2
+    with watch_gradients(model) as other, pytest.raises(TorchscopeError, match="end_step"):
+        other.end_step()
+
+
+def test_skipped_scaler_steps_are_counted_not_sampled() -> None:
+    """A step whose gradients overflow is skipped by the GradScaler (no optimizer step): it
+    counts as a step, is listed, and its sample goes to the next step."""
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    x = torch.randn(4, 4)
+    flows = []
+    with watch_gradients(model, every=2, optimizer=opt, scaler=scaler,
+                         on_sample=flows.append) as watch:
+        for i in range(6):
+            opt.zero_grad()
+            loss = model(x).sum() * (math.inf if i == 2 else 1.0)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    assert watch.skipped == 1 and watch.skipped_steps == (2,)
+    assert watch.steps == 6
+    assert [f.index for f in flows] == [0, 3, 4]  # step 2's sample moved to step 3
+    assert all(f.finite for f in flows)
+
+
+def test_check_nonfinite_finds_the_first_bad_step_between_samples() -> None:
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(4, 4)
+    with watch_gradients(model, every=10, optimizer=opt, check_nonfinite=True) as watch:
+        for i in range(8):
+            opt.zero_grad()
+            (model(x).sum() * (math.nan if i in (5, 6) else 1.0)).backward()
+            if i in (5, 6):
+                continue  # the loop skips the update itself
+            opt.step()
+        for i in range(8, 10):
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+    assert watch.samples == 1  # step 0 only: the bad steps were not sampled
+    assert watch.steps == 8
+    assert watch.first_nonfinite_step is None  # NaN gradients never reached an update
+    with watch_gradients(model, every=10, optimizer=opt, check_nonfinite=True) as watch:
+        for i in range(8):
+            opt.zero_grad()
+            (model(x).sum() * (math.nan if i >= 5 else 1.0)).backward()
+            opt.step()
+    assert watch.first_nonfinite_step == 5 and watch.nonfinite_steps == 3
+    with watch_gradients(model, optimizer=opt) as unchecked:
+        pass
+    assert unchecked.first_nonfinite_step is None and unchecked.nonfinite_steps is None
+
+
+def test_micro_batches_with_optimizer_is_refused() -> None:
+    with pytest.raises(TorchscopeError, match="micro_batches"):
+        watch_gradients(_mlp(), optimizer=torch.optim.SGD(_mlp().parameters(), lr=1),
+                        micro_batches=2)
+    with pytest.raises(TorchscopeError, match="micro_batches=0"):
+        watch_gradients(_mlp(), micro_batches=0)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "lbfgs"])
+def test_closure_training_is_bitwise_unchanged(optimizer: str) -> None:
+    def train(watch: bool) -> list[torch.Tensor]:
+        torch.manual_seed(1)
+        model = _mlp()
+        opt = (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if optimizer == "sgd"
+               else torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=3))
+        x, y = torch.randn(8, 4), torch.randn(8, 2)
+
+        def closure() -> torch.Tensor:
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            return loss
+        with watch_gradients(model, every=3, optimizer=opt) if watch else \
+                contextlib.nullcontext():
+            for _ in range(20):
+                opt.step(closure)
+        return [p.detach().clone() for p in model.parameters()]
+
+    for a, b in zip(train(True), train(False), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_start_shifts_the_sampled_steps() -> None:
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with watch_gradients(model, every=10, start=9, optimizer=opt) as watch:
+        for _ in range(30):
+            opt.zero_grad()
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+    assert watch.history.steps == (9, 19, 29)
+    with pytest.raises(TorchscopeError, match="start=-1"):
+        watch_gradients(model, start=-1)

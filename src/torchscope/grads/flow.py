@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import math
+import weakref
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from dataclasses import replace
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -13,7 +15,7 @@ from torch import nn
 from torchscope.errors import TorchscopeError
 from torchscope.findings import Analyzed
 from torchscope.grads.collect import GradCollector, with_updates
-from torchscope.grads.records import GradFlow, GradHistory
+from torchscope.grads.records import GradFlow, GradHistory, ModuleGradRecord, combine_norms
 from torchscope.hooks.lifecycle import HookedContext
 from torchscope.hooks.select import Selector
 from torchscope.hooks.session import HookSession
@@ -93,6 +95,34 @@ def gradient_flow(
         return collector.finish(0, step=step.info(loss))
 
 
+StepBy = Literal["optimizer", "micro_batches", "inferred", "manual"]
+
+_EVIDENCE = 32  # parameters whose `.grad` tells a fresh step from accumulation (inferred)
+_SKIPPED_KEPT = 1000  # indices of GradScaler-skipped steps kept (the newest; all are counted)
+
+
+def _merge(flows: list[GradFlow], index: int) -> GradFlow:
+    """One step's `GradFlow` from the flows of its backward passes, in order.
+
+    Module calls are renumbered as micro-batches of one step; each parameter keeps its last
+    reading (its `.grad` after the last backward that reached it: the accumulated value).
+    """
+    modules: list[ModuleGradRecord] = []
+    micro = order = 0
+    for f in flows:
+        modules += [replace(r, index=index, micro=r.micro + micro,
+                            order=None if r.order is None else r.order + order)
+                    for r in f.modules]
+        micro += f.micro_batches
+        order += 1 + max((r.order for r in f.modules if r.order is not None), default=-1)
+    modules.sort(key=lambda r: (r.order is None, r.order or 0))  # stable: forward order kept
+    params = tuple(next((f.params[i] for f in reversed(flows) if f.params[i].norm is not None),
+                        flows[-1].params[i]) for i in range(len(flows[-1].params)))
+    return GradFlow(index, tuple(modules), params,
+                    combine_norms(p.norm for p in params) or 0.0, flows[-1].scale,
+                    micro_batches=micro, backward_calls=sum(f.backward_calls for f in flows))
+
+
 class GradWatch(HookedContext, Analyzed):
     """Samples gradient flow in the user's own training loop; see `watch_gradients`.
 
@@ -101,8 +131,10 @@ class GradWatch(HookedContext, Analyzed):
 
     Attributes:
         every: sample one step in `every`.
-        steps: steps counted so far (optimizer steps, or backward calls without one).
+        start: the first sampled step.
+        steps: steps counted so far (see `step_by`).
         samples: samples taken so far (unbounded count; the history keeps the newest).
+        skipped: steps the GradScaler skipped (inf/NaN gradients) so far.
     """
 
     def __init__(
@@ -110,33 +142,73 @@ class GradWatch(HookedContext, Analyzed):
         model: nn.Module,
         *,
         every: int = 1,
+        start: int = 0,
         optimizer: torch.optim.Optimizer | None = None,
         scaler: Any = None,
+        micro_batches: int | None = None,
+        manual: bool = False,
         select: Selector = None,
         depth: int | None = None,
         inputs_grad: bool = True,
         max_samples: int = 1000,
+        check_nonfinite: bool = False,
         on_sample: Callable[[GradFlow], None] | None = None,
+        on_step: Callable[[int, GradFlow | None], None] | None = None,
         updates: bool = True,
     ) -> None:
-        if every < 1:
-            raise TorchscopeError(f"every={every} samples nothing.",
-                                  fix="pass every=1 or more.")
-        if max_samples < 1:
-            raise TorchscopeError(f"max_samples={max_samples} keeps no history.",
-                                  fix="pass max_samples=1 or more.")
+        for label, value in (("every", every), ("max_samples", max_samples)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise TorchscopeError(
+                    f"{label}={value!r} " + ("samples nothing." if label == "every" else
+                                             "keeps no history."),
+                    fix=f"pass {label}=1 or more.")
+        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+            raise TorchscopeError(f"start={start!r} is not a step.", fix="pass start=0 or more.")
+        if micro_batches is not None:
+            if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or \
+                    micro_batches < 1:
+                raise TorchscopeError(f"micro_batches={micro_batches!r} is not a number of "
+                                      "backward passes.", fix="pass micro_batches=1 or more.")
+            if optimizer is not None or manual:
+                raise TorchscopeError(
+                    "micro_batches= was given together with " +
+                    ("optimizer=" if optimizer is not None else "manual=True") + ".",
+                    fix="leave micro_batches unset: it counts backward passes per step only "
+                    "when nothing else says where a step ends.")
         self.every = every
+        self.start = start
         self.steps = 0
         self.samples = 0
+        self.skipped = 0
+        self._step_by: StepBy = "manual" if manual else "optimizer" if optimizer is not None \
+            else "micro_batches" if micro_batches is not None else "inferred"
         self._optimizer = optimizer
+        self._scaler = scaler
+        self._micro_batches = micro_batches or 1
         self._collector = GradCollector(model, select=select, depth=depth, inputs=inputs_grad,
                                         scaler=scaler)
         self._on_sample = on_sample
+        self._on_step = on_step
         self._last: GradFlow | None = None
         # Newest `max_samples` samples: (step, {layer: output norm}, {layer: param norm}, total)
         self._rows: deque[tuple[int, dict[str, float], dict[str, float], float]] = deque(
             maxlen=max_samples)
         self._layers: dict[str, None] = {}
+        self._skipped_steps: deque[int] = deque(maxlen=_SKIPPED_KEPT)
+        self._carry = False  # a due step had no gradients (or was skipped): sample the next
+        self._in_step = 0  # backward passes of the current step (micro_batches, inferred)
+        self._partials: list[GradFlow] = []  # inferred: the due step's flow per backward
+        # `parameters()` yields a tied parameter once.
+        self._params = [p for p in self._collector.session.model.parameters() if p.requires_grad]
+        spread = max(1, len(self._params) // _EVIDENCE)
+        self._evidence_params = self._params[::spread][:_EVIDENCE]
+        # Per evidence parameter, its `.grad` at the end of the last backward: (ref, version).
+        self._evidence: list[tuple[weakref.ReferenceType[torch.Tensor], int] | None] = []
+        self._check_nonfinite = check_nonfinite
+        self._nonfinite: tuple[torch.Tensor, torch.Tensor] | None = None  # (first step, count)
+        self._scaler_states: Any = None
+        self._stepped = False  # the optimizer stepped since the scaler's last update()
+        self._closure_pending = False
         self._updates = updates and optimizer is not None
         # The optimizer update of a sampled step: (step index, ‖Δw‖ per parameter on the
         # device), merged into that step's sample when `last` is read.
@@ -145,18 +217,20 @@ class GradWatch(HookedContext, Analyzed):
 
     # ------------------------------------------------------------------ lifecycle
     def open(self) -> None:
-        """Register the hooks (and the optimizer step hook when an optimizer is given)."""
+        """Register the hooks: the collector's, the optimizer's step hooks, and a check of
+        the GradScaler on each forward."""
         c = self._collector
         c.open()
+        s = c.session
         if self._optimizer is not None:
-            if self._updates:
-                # Registered first, so they run around the update before the sampling hook.
-                c.session.track(self._optimizer.register_step_pre_hook(self._before_update))
-                c.session.track(self._optimizer.register_step_post_hook(self._after_update))
-            c.session.track(self._optimizer.register_step_pre_hook(self._on_optimizer_step))
-        else:
-            c.on_backward_end = self._end_step
-        c.active = self.steps % self.every == 0
+            s.track(self._optimizer.register_step_pre_hook(self._on_optimizer_step))
+            s.track(self._optimizer.register_step_post_hook(self._after_optimizer_step))
+            if self._scaler is not None:
+                self._scaler_states = getattr(self._scaler, "_per_optimizer_states", None)
+                s.forward_pre_hook(s.model, self._check_scaler, prepend=True)
+        if self._step_by in ("micro_batches", "inferred"):
+            c.on_backward_end = self._on_backward_end
+        c.active = self._collecting(0)
 
     def close(self, *, failed: bool = False) -> None:
         """Sample a due step left unfinished, then remove every hook.
@@ -165,34 +239,240 @@ class GradWatch(HookedContext, Analyzed):
             failed: the caller is unwinding an exception: the unfinished step is dropped
                 rather than sampled, so that nothing can raise over the original error.
         """
+        c = self._collector
         try:
-            if not failed and self._collector.active and self._collector.backward_calls > 0:
-                self._sample()
+            if not failed:
+                if self._optimizer is not None and self._scaler is not None:
+                    self._check_scaler()  # the last iteration may have been skipped
+                if self._step_by == "inferred" and self._in_step:
+                    # The block's end ends the step in progress.
+                    flows, self._partials = self._partials, []
+                    self._advance(self._take(_merge(flows, self.steps)) if flows else None)
+                elif c.active and c.backward_calls > 0 and self._due(self.steps):
+                    self._take(c.finish(self.steps))
         finally:
-            self._collector.on_backward_end = None
-            self._optimizer = None  # it holds the parameters: results must not keep them
-            self._collector.close(failed=failed)
+            c.on_backward_end = None
+            self._partials = []
+            # They hold the parameters: results must not keep the model alive.
+            self._optimizer = None
+            self._params = []
+            self._evidence_params = []
+            self._evidence = []
+            c.close(failed=failed)
 
     @property
     def session(self) -> HookSession:
         """The `HookSession` owning every hook of this watch."""
         return self._collector.session
 
+    @property
+    def step_by(self) -> StepBy:
+        """What ends a step: `optimizer` (its `step()`), `micro_batches` (a fixed number
+        of backward passes), `inferred` (a backward into zeroed gradients starts a new
+        step) or `manual` (`end_step()`)."""
+        return self._step_by
+
+    @property
+    def collecting(self) -> bool:
+        """Whether the hooks record the step in progress (it is due for a sample)."""
+        return self._collector.active
+
     # ------------------------------------------------------------------ stepping
-    def _on_optimizer_step(self, _opt: Any, _args: Any, _kwargs: Any) -> None:
-        # Before the update: `.grad` is final and not yet zeroed.
+    def _due(self, step: int) -> bool:
+        return (step >= self.start and (step - self.start) % self.every == 0) or \
+            (self._carry and step == self.steps)
+
+    def _collecting(self, step: int) -> bool:
+        # Inferred: a backward may begin the next step, known only when it ends.
+        return self._due(step) or (self._step_by == "inferred" and self._due(step + 1))
+
+    def end_step(self) -> None:
+        """End the current step now, sampling it if it is due (`manual=True` only).
+
+        Framework callbacks call it where the framework's step has its final, unscaled
+        gradients, before clipping (Lightning's `on_before_optimizer_step`).
+
+        Raises:
+            TorchscopeError: the watch was not made with `manual=True`.
+        """
+        if self._step_by != "manual":
+            raise TorchscopeError(
+                f"end_step() was called on a watch whose steps end by {self._step_by}.",
+                fix="pass manual=True to end steps yourself.")
         self._end_step()
 
-    def _end_step(self) -> None:
-        if self._collector.active:
-            self._sample()
-        else:
-            self._collector.discard()  # counters of an unsampled step
-        self.steps += 1
-        self._collector.active = self.steps % self.every == 0
+    def _on_optimizer_step(self, _opt: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+                           ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        self._stepped = True
+        if self._updates:
+            # Before the update (a closure only recomputes the gradients, never w): keep w of
+            # a sampled step to measure the update it applies. Manual steps end before
+            # `step()`; the others end during it.
+            c = self._collector
+            if self._step_by == "manual":
+                index = self.steps - 1
+                sampled = self._last is not None and self._last.index == index
+            else:
+                index = self.steps
+                sampled = c.active and self._due(index)
+            if sampled:
+                self._update_step = index
+                c.snapshot_weights()
+        if self._step_by == "manual":
+            return None
+        # args[0] is the optimizer; a closure is step's first parameter.
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if not callable(closure):
+            self._end_step()  # before the update: `.grad` is final and not yet zeroed
+            return None
+        # `step(closure)` runs forward and backward inside the step (Lightning, LBFGS): the
+        # step's gradients exist once the closure has returned, before the update.
+        wrapped = self._closure_of_step(closure)
+        self._closure_pending = True
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": wrapped}
+        return (args[0], wrapped, *args[2:]), kwargs
 
-    def _sample(self) -> None:
-        flow = self._collector.finish(self.steps)
+    def _closure_of_step(self, closure: Callable[[], Any]) -> Callable[[], Any]:
+        def evaluate() -> Any:
+            if not self._closure_pending:
+                # A second evaluation (LBFGS' line search and inner iterations) is at other
+                # parameters: not the gradients this step starts from. Record nothing.
+                c = self._collector
+                active, c.active = c.active, False
+                try:
+                    return closure()
+                finally:
+                    c.active = active
+                    c.discard()  # backward counts of the re-evaluation
+            result = closure()
+            self._closure_pending = False
+            self._end_step()
+            return result
+
+        return evaluate
+
+    def _after_optimizer_step(self, _opt: Any, _args: Any, _kwargs: Any) -> None:
+        if self._closure_pending:  # the optimizer never called its closure
+            self._closure_pending = False
+            self._end_step()
+        if self._update_step is not None:
+            self._pending_updates = (self._update_step, self._collector.measure_updates())
+            self._update_step = None
+
+    def _end_step(self) -> None:
+        """The collector holds the whole step: sample it if due, then count it."""
+        c = self._collector
+        if self._check_nonfinite:
+            self._check_step()
+        if c.active and c.backward_calls > 0 and self._due(self.steps):
+            self._advance(self._take(c.finish(self.steps)))
+        else:
+            c.discard()  # counters of an unsampled step
+            self._advance(None)
+
+    def _advance(self, sampled: GradFlow | None) -> None:
+        index = self.steps
+        # A due step without gradients gives its sample to the next step.
+        self._carry = sampled is None and self._due(index)
+        self.steps += 1
+        self._collector.active = self._collecting(self.steps)
+        if self._on_step is not None:
+            self._on_step(index, sampled)
+
+    def _on_backward_end(self) -> None:
+        c = self._collector
+        if self._step_by == "micro_batches":
+            self._in_step += 1
+            if self._in_step == self._micro_batches:
+                self._in_step = 0
+                self._end_step()
+            return
+        # Inferred: a step ends when the next backward starts from zeroed gradients, so each
+        # backward of a due step is finished on its own and merged once its step has ended.
+        was_active = c.active
+        if self._fresh_gradients() and self._in_step:
+            flows, self._partials, self._in_step = self._partials, [], 0
+            self._advance(self._take(_merge(flows, self.steps)) if flows else None)
+        self._in_step += 1
+        if self._check_nonfinite:
+            self._check_step()
+        if was_active and self._due(self.steps):
+            self._partials.append(c.finish(self.steps))
+        else:
+            c.discard()
+        c.active = self._collecting(self.steps)
+
+    def _fresh_gradients(self) -> bool:
+        """Whether the backward that just ended accumulated into zeroed gradients.
+
+        Autograd accumulates into an existing `.grad` in place (its version counter moves
+        by one); `zero_grad()` sets it to None (a new tensor follows) or zeroes it in place
+        (the version moves once more). Only metadata is read: no device work.
+        """
+        zeroed = accumulated = False
+        now: list[tuple[weakref.ReferenceType[torch.Tensor], int] | None] = []
+        for i, p in enumerate(self._evidence_params):
+            g = p.grad
+            before = self._evidence[i] if i < len(self._evidence) else None
+            if before is not None:
+                ref, version = before
+                if g is None or g is not ref() or g._version > version + 1:
+                    zeroed = True
+                elif g._version == version + 1:
+                    accumulated = True
+            now.append(None if g is None else (weakref.ref(g), g._version))
+        self._evidence = now
+        return zeroed or not accumulated
+
+    def _check_scaler(self, *_args: Any) -> None:
+        """Count a step the GradScaler skipped: its `update()` ran with no optimizer step
+        since the last one (found inf/NaN). Reads host-side state only."""
+        states = getattr(self._scaler, "_per_optimizer_states", None)
+        if states is None or states is self._scaler_states:
+            return
+        self._scaler_states = states
+        stepped, self._stepped = self._stepped, False
+        if stepped:
+            return
+        self.skipped += 1
+        if self._step_by == "manual":
+            index = self.steps - 1  # end_step() came before the scaler's decision
+            if self._nonfinite is not None:  # that step's check saw the inf/NaN: not a fault
+                first, count = self._nonfinite
+                first.masked_fill_(first == index, -1)
+                count.sub_(1)
+            self._skipped_steps.append(index)
+            return
+        self._skipped_steps.append(self.steps)
+        self._collector.discard()
+        self._advance(None)
+
+    def _check_step(self) -> None:
+        """Note on the device whether any gradient of this step is NaN/Inf (no host sync):
+        one fused norm per device, summed (a sum of norms is finite iff every norm is)."""
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for p in self._params:
+            g = p.grad
+            if g is not None and not g.is_sparse:
+                by_device.setdefault(g.device, []).append(g)
+        bad: torch.Tensor | None = None
+        for grads in by_device.values():
+            norms = list(torch._foreach_norm(grads))  # one 0-d norm per gradient
+            if len({n.dtype for n in norms}) > 1:
+                norms = [n.float() for n in norms]
+            here = ~torch.isfinite(torch.stack(norms).sum())  # () bool
+            bad = here if bad is None else bad | here.to(bad.device, non_blocking=True)
+        if bad is None:
+            return
+        if self._nonfinite is None:
+            self._nonfinite = (torch.full((), -1, dtype=torch.int64, device=bad.device),
+                               torch.zeros((), dtype=torch.int64, device=bad.device))
+        first, count = self._nonfinite
+        first.masked_fill_(bad & (first < 0), self.steps)
+        count.add_(bad)
+
+    def _take(self, flow: GradFlow) -> GradFlow:
         self.samples += 1
         self._last = flow
         outs = {k: v for k, v in flow.output_norms().items() if v is not None}
@@ -201,17 +481,7 @@ class GradWatch(HookedContext, Analyzed):
         self._rows.append((flow.index, outs, params, flow.total_norm))
         if self._on_sample is not None:
             self._on_sample(flow)
-
-    # ------------------------------------------------------------------ update ratios
-    def _before_update(self, _opt: Any, _args: Any, _kwargs: Any) -> None:
-        if self._collector.active:  # a sampled step: keep w to measure the update
-            self._update_step = self.steps
-            self._collector.snapshot_weights()
-
-    def _after_update(self, _opt: Any, _args: Any, _kwargs: Any) -> None:
-        if self._update_step is not None:
-            self._pending_updates = (self._update_step, self._collector.measure_updates())
-            self._update_step = None
+        return flow
 
     # ------------------------------------------------------------------ results
     @property
@@ -227,6 +497,28 @@ class GradWatch(HookedContext, Analyzed):
             self._last = with_updates(self._last, pending[1])
             self._pending_updates = None
         return self._last
+
+    @property
+    def skipped_steps(self) -> tuple[int, ...]:
+        """Indices of the steps the GradScaler skipped (the newest 1,000; `skipped` counts
+        them all)."""
+        return tuple(self._skipped_steps)
+
+    @property
+    def nonfinite_steps(self) -> int | None:
+        """With `check_nonfinite=True`: steps whose gradients held NaN/Inf, every step
+        checked (a GradScaler's skipped steps excluded); None otherwise. Reading it copies
+        one number from the device."""
+        return None if self._nonfinite is None else int(self._nonfinite[1])
+
+    @property
+    def first_nonfinite_step(self) -> int | None:
+        """With `check_nonfinite=True`: the first step whose gradients held NaN/Inf, every
+        step checked, or None. Reading it copies one number from the device."""
+        if self._nonfinite is None:
+            return None
+        first = int(self._nonfinite[0])
+        return first if first >= 0 else None
 
     @property
     def history(self) -> GradHistory:
@@ -245,36 +537,68 @@ def watch_gradients(
     model: nn.Module,
     every: int = 1,
     *,
+    start: int = 0,
     optimizer: torch.optim.Optimizer | None = None,
     scaler: Any = None,
+    micro_batches: int | None = None,
+    manual: bool = False,
     select: Selector = None,
     depth: int | None = None,
     inputs_grad: bool = True,
     max_samples: int = 1000,
+    check_nonfinite: bool = False,
     on_sample: Callable[[GradFlow], None] | None = None,
+    on_step: Callable[[int, GradFlow | None], None] | None = None,
     updates: bool = True,
 ) -> GradWatch:
     """Watch gradient flow in your own training loop, sampling one step in `every`.
 
-    With `optimizer`, a step is one `optimizer.step()` call, so gradient accumulation over
-    several micro-batches is one step, and a sample is taken just before the update, when
-    `.grad` is final. Without one, every backward is a step. Unsampled steps cost one
-    Python call per hook and no device work. Only norms are kept: the last sample in full
-    and a history of per-layer norms bounded by `max_samples`.
+    A sample holds the gradients the optimizer step uses: accumulated over every
+    micro-batch, before the update. What counts as a step:
+
+    - `optimizer=`: each `optimizer.step()`. With `step(closure)` (LBFGS, Lightning's
+      automatic optimization), the closure runs forward and backward inside the step, so
+      the sample is read when the closure's first evaluation returns; later evaluations
+      (LBFGS' line search) are at other parameters and are not recorded.
+    - `micro_batches=N` (no optimizer): every N backward passes.
+    - neither: inferred from the gradients. A backward that accumulates into the
+      gradients the previous one left (no `zero_grad()` in between) continues the step;
+      one into zeroed gradients (set to None or zeroed in place) starts the next. A
+      step's end is known only when the next begins, so the step before a due one is
+      recorded too (and dropped): about twice the cost of `optimizer=`. Pass
+      `micro_batches=` where that cannot work: `backward(create_graph=True)`, or code that
+      replaces `.grad` between backward passes.
+    - `manual=True`: each `watch.end_step()` (what framework callbacks call).
+
+    Unsampled steps cost one Python call per hook and no device work. Only norms are kept:
+    the last sample in full and a history of per-layer norms bounded by `max_samples`.
 
     Args:
         model: the model.
-        every: sample steps 0, every, 2*every, ...
-        optimizer: the optimizer whose `step()` calls define steps.
+        every: sample steps start, start + every, start + 2*every, ...; a due step
+            without any backward (or one the GradScaler skipped) passes its sample to
+            the next step.
+        start: the first sampled step (0; `every - 1` samples the steps after which a
+            1-based step count is a multiple of `every`, as the HF Trainer logs).
+        optimizer: the optimizer whose `step()` calls define steps (with `manual=True`,
+            only used to tell which steps the GradScaler skipped).
         scaler: the `torch.amp.GradScaler` of the loop; its scale is divided out, so the
-            norms are those of the unscaled gradients. A step the scaler skips (inf/NaN)
-            is not an optimizer step: its gradients count with the next one.
+            norms are those of the unscaled gradients. With `optimizer=`, a step the
+            scaler skips (inf/NaN; its `update()` ran without an optimizer step) is
+            counted as a step and in `watch.skipped` / `watch.skipped_steps`, and not sampled.
+        micro_batches: backward passes per step, for a loop without `optimizer=`.
+        manual: steps end only at `watch.end_step()`.
         select: modules recorded per call (see `select_modules`); default the leaves.
         depth: limit the selection depth.
         inputs_grad: also measure grad_input of each call (aliases the module inputs).
         max_samples: how many samples the history keeps (the newest).
+        check_nonfinite: check every step, not only sampled ones, whether any parameter
+            gradient is NaN/Inf: one fused norm per step on the device, read only through
+            `watch.first_nonfinite_step` and `watch.nonfinite_steps`.
         on_sample: called with each sampled `GradFlow` (e.g. a TensorBoard logger); it sees
             the step before its update, so without `update_norm`.
+        on_step: called at the end of every step, before the update, with the step's
+            index and its sample (None when it was not sampled).
         updates: with an optimizer, also measure each sampled step's update `‖Δw‖` per
             parameter (`watch.last.params[i].update_ratio`). It copies the trainable
             parameters just before a sampled step's update and frees the copy right after
@@ -284,6 +608,10 @@ def watch_gradients(
     Returns:
         A `GradWatch` for a `with` block; its hooks come off at the block's end.
 
+    Raises:
+        TorchscopeError: `every`, `max_samples` or `micro_batches` is below 1, or
+            `micro_batches` was given with `optimizer=` or `manual=True`.
+
     Example:
         >>> with torchscope.watch_gradients(model, every=10, optimizer=opt) as watch:
         ...     for x, y in loader:
@@ -291,6 +619,8 @@ def watch_gradients(
         ...         opt.step(); opt.zero_grad()
         >>> watch.history.series("fc")
     """
-    return GradWatch(model, every=every, optimizer=optimizer, scaler=scaler, select=select,
-                     depth=depth, inputs_grad=inputs_grad, max_samples=max_samples,
-                     on_sample=on_sample, updates=updates)
+    return GradWatch(model, every=every, start=start, optimizer=optimizer, scaler=scaler,
+                     micro_batches=micro_batches, manual=manual, select=select, depth=depth,
+                     inputs_grad=inputs_grad, max_samples=max_samples,
+                     check_nonfinite=check_nonfinite, on_sample=on_sample, on_step=on_step,
+                     updates=updates)

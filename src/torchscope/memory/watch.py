@@ -46,6 +46,8 @@ class MemoryWatch(HookedContext):
         every: sample one grad-enabled forward of the model in `every`.
         forwards: grad-enabled forwards of the model seen so far.
         samples: samples taken so far (the history keeps the newest `max_samples`).
+        active: while False, no forward is sampled (a sampler such as the run monitor
+            switches it between forwards).
     """
 
     def __init__(self, model: nn.Module, *, every: int = 1, select: Selector = None,
@@ -62,6 +64,7 @@ class MemoryWatch(HookedContext):
         self.every = every
         self.forwards = 0
         self.samples = 0
+        self.active = True
         self._model_ref = weakref.ref(model)
         self._select = select
         self._depth = depth
@@ -129,7 +132,7 @@ class MemoryWatch(HookedContext):
             return  # nothing is saved: not a training forward
         index = self.forwards
         self.forwards += 1
-        if index % self.every:
+        if index % self.every or not self.active:
             return
         kinds = known_kinds(module, (args, kwargs))
         recorder = _Recorder(self._stack, self._types, self._owners, kinds)

@@ -3,8 +3,8 @@
 A report is made of *sections*, each the outcome of one measurement (a capability's record,
 its findings and headline metrics), plus what was examined (`TargetInfo`), the environment,
 the options the producer was asked for and the training step every section measured
-(`StepInfo`). `torchscope doctor` fills one; any other producer (a report over many training
-steps, say) can fill the same document and get the same renderers, JSON and `diff`.
+(`StepInfo`). `torchscope doctor` fills one (`kind` "doctor"); the run monitor fills one
+over the steps of a training run (`kind` "run"), with the same renderers, JSON and `diff`.
 
 Rendering a section's record stays with whoever produced it: an outcome carries a
 `SectionRenderer` (the doctor's sections are), so this layer never needs to know the
@@ -37,6 +37,7 @@ __all__ = [
     "Metric",
     "Report",
     "ReportFormatError",
+    "ReportKind",
     "SectionOutcome",
     "SectionRenderer",
     "Status",
@@ -47,9 +48,10 @@ __all__ = [
 ]
 
 SCHEMA_ID = "torchscope.report"
-SCHEMA_VERSION = "1.2"
+SCHEMA_VERSION = "1.3"
 
 Status = Literal["ok", "skipped", "failed"]
+ReportKind = Literal["doctor", "run"]
 Better = Literal["lower", "higher"]
 
 
@@ -153,6 +155,8 @@ class Report(Analyzed):
         seconds: wall time of the whole run.
         step: the training step the sections measured, stated once for the whole report
             (None when no section ran one).
+        kind: `doctor` (one step, examined by every capability) or `run` (the steps of a
+            training run, watched by `torchscope.monitor` or a framework callback).
     """
 
     target: TargetInfo
@@ -162,6 +166,7 @@ class Report(Analyzed):
     created: str
     seconds: float
     step: StepInfo | None = None
+    kind: ReportKind = "doctor"
 
     def outcome(self, name: str) -> SectionOutcome:
         """The outcome of the section called `name`.
@@ -217,6 +222,7 @@ def build_document(report: Report) -> dict[str, Any]:
     doc: dict[str, Any] = {
         "schema": SCHEMA_ID,
         "schema_version": SCHEMA_VERSION,
+        "kind": report.kind,
         "torchscope_version": __version__,
         "created": report.created,
         "seconds": report.seconds,

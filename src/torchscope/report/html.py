@@ -311,7 +311,8 @@ def render_report(report: Report, title: str = "torchscope doctor") -> str:
     status_rows = [(_e(o.title), f'<span class="status {_e(o.status)}">{_e(o.status)}</span>',
                     f"{o.seconds:.1f}", _e(o.note) or "—") for o in report.outcomes]
     env = " · ".join(f"{_e(k)} {_e(v)}" for k, v in report.environment.items())
-    mode = "fast" if report.options.get("fast") else "full"
+    mode = "training" if report.kind == "run" else \
+        "fast" if report.options.get("fast") else "full"
     step = "" if report.step is None else \
         f'<p class="step" data-step>{_e(report.step.describe())}</p>'
     return f"""<!DOCTYPE html>
@@ -361,5 +362,5 @@ def write_report(report: Report, out_dir: str | Path) -> tuple[Path, Path]:
     out.mkdir(parents=True, exist_ok=True)
     html_path, json_path = out / "report.html", out / "report.json"
     write_json(json_path, build_document(report))
-    html_path.write_text(render_report(report), encoding="utf-8")
+    html_path.write_text(render_report(report, f"torchscope {report.kind}"), encoding="utf-8")
     return html_path, json_path

@@ -1,0 +1,175 @@
+"""`TorchscopeTrainerCallback`: `torchscope.monitor` inside a Hugging Face `Trainer`
+(transformers >= 4.40).
+
+    from torchscope.integrations.hf import TorchscopeTrainerCallback
+
+    callback = TorchscopeTrainerCallback(every=10, out="run")
+    trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[callback])
+    with callback:                      # removes the hooks even if train() raises
+        trainer.train()                 # run/report.html, run/report.json at the end
+
+A `TrainerCallback` alone cannot see per-layer gradients before clipping: `on_pre_optimizer_step`
+runs after `clip_grad_norm_` and `on_step_end` after `zero_grad()`. The callback therefore
+reads them where autograd leaves them: post-accumulate-grad hooks on every parameter, owned by
+a `HookSession`, fire during the backward of each micro-batch, and the last micro-batch's
+reading (the accumulated gradient, before clipping; the GradScaler's scale divided out) is
+the step's. The reported total norm is the one clipping returns, which the Trainer logs as
+`grad_norm`. The step ends at `on_pre_optimizer_step` (at `on_step_end` before 4.44), its
+scalars go into the next `on_log` (into `state.log_history` and the `logs` the later
+callbacks get), and the report is written at `on_train_end`. The sampled steps are those
+after which `state.global_step` is a multiple of `every`, so with `logging_steps == every`
+each training log carries the scalars of its own step.
+
+The Trainer has no event for an exception: use the callback as a context manager around
+`trainer.train()` (or call `callback.close()`), so that hooks come off and a partial report
+is written if training raises. Reporting callbacks (TensorBoard, W&B, ...) that come before
+this one in the Trainer's list do not see its scalars in `logs`; `callback.install(trainer)`
+puts it first.
+
+This module imports transformers; `import torchscope` never does. Install it with
+`pip install torchscope[hf]`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from torchscope.errors import TorchscopeError
+from torchscope.hooks.select import Selector
+from torchscope.monitoring import Monitor, RunRecord
+
+try:
+    from transformers import TrainerCallback
+except ImportError as exc:
+    raise ImportError("torchscope.integrations.hf needs transformers: pip install "
+                      "torchscope[hf]") from exc
+
+__all__ = ["TorchscopeTrainerCallback"]
+
+
+class TorchscopeTrainerCallback(TrainerCallback):
+    """Watch a Hugging Face `Trainer` run with `torchscope.monitor`; see the module docstring.
+
+    Args:
+        every: sample one optimizer step in `every`.
+        out: folder of the run report (created when training starts); None writes nothing.
+        select: modules to watch (see `select_modules`).
+        depth: limit the selection depth.
+        activations: sample activation statistics.
+        memory: sample what the forward saves for backward.
+        profile: profile this many steps with `torch.profiler` (0: none).
+        history: samples kept spread over the run (see `torchscope.monitor`).
+        recent: newest samples kept in full.
+        name: the run's name in the report.
+
+    Attributes:
+        result: the `RunRecord` once training has ended (or `close()` was called).
+        paths: (report.html, report.json) once written.
+    """
+
+    def __init__(self, every: int = 10, out: str | Path | None = "torchscope-run", *,
+                 select: Selector = None, depth: int | None = None,
+                 activations: bool = True, memory: bool = True, profile: int = 0,
+                 history: int = 512, recent: int = 128, name: str | None = None) -> None:
+        self._options: dict[str, Any] = {
+            "every": every, "out": out, "select": select, "depth": depth,
+            "activations": activations, "memory": memory, "profile": profile,
+            "history": history, "recent": recent, "name": name}
+        self._monitor: Monitor | None = None
+        self._pending: dict[str, float] = {}
+        self._ended = False  # the step in progress has ended (on_pre_optimizer_step ran)
+        self.result: RunRecord | None = None
+        self.paths: tuple[Path, Path] | None = None
+
+    # ------------------------------------------------------------------ wiring
+    def install(self, trainer: Any) -> TorchscopeTrainerCallback:
+        """Put this callback first in `trainer`'s callbacks (added if missing), so that the
+        reporting callbacks see its scalars in `logs`.
+
+        Returns:
+            The callback itself.
+        """
+        callbacks = trainer.callback_handler.callbacks
+        if self in callbacks:
+            callbacks.remove(self)
+        callbacks.insert(0, self)
+        return self
+
+    def __enter__(self) -> TorchscopeTrainerCallback:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._monitor is not None:
+            failed = isinstance(exc[1], BaseException)
+            self._finish(exc if failed else None)
+
+    def close(self) -> None:
+        """Remove every hook and write the report now (as if training ended here)."""
+        self._finish(None)
+
+    def _finish(self, exc: tuple[object, ...] | None) -> None:
+        mon, self._monitor = self._monitor, None
+        if mon is None:
+            return
+        if exc is None:
+            mon.close(failed=False)
+        else:
+            mon.__exit__(*exc)
+        self.result, self.paths = mon.result, mon.paths
+
+    # ------------------------------------------------------------------ events
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None,
+                       optimizer: Any = None, **kwargs: Any) -> None:
+        """Open the monitor on the model (hooks go on here)."""
+        self._finish(None)  # a train() that raised without `with` left its monitor open
+        if model is None:
+            raise TorchscopeError("the Trainer passed no model to on_train_begin.",
+                                  fix="use a transformers Trainer (>= 4.40).")
+        inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper
+        # Sample the steps the Trainer logs when logging_steps == every: its global_step
+        # after step i (0-based) is i + 1.
+        self._monitor = Monitor(
+            model, inner, scaler=getattr(optimizer, "scaler", None), manual=True,
+            start=self._options["every"] - 1,
+            on_sample=self._on_sample, producer="torchscope.integrations.hf",
+            **self._options)
+        self._monitor.__enter__()
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """A new optimizer step begins."""
+        self._ended = False
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any,
+                              **kwargs: Any) -> None:
+        """End the step (after clipping, before the update; the norms were read before
+        clipping)."""
+        self._end()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """End the step here when the Trainer has no `on_pre_optimizer_step` (< 4.44)."""
+        self._end()
+
+    def _end(self) -> None:
+        if self._monitor is not None and not self._ended:
+            self._ended = True
+            self._monitor.end_step()
+
+    def _on_sample(self, step: int, scalars: Any) -> None:
+        self._pending = dict(scalars)
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None,
+               **kwargs: Any) -> None:
+        """Add the newest sample's scalars to this log: to `logs` (what later callbacks
+        and reporters get) and to the entry `Trainer.log` already put in
+        `state.log_history`."""
+        if not self._pending or logs is None or "loss" not in logs:
+            return  # evaluation logs, or nothing new since the last training log
+        scalars, self._pending = self._pending, {}
+        logs.update(scalars)
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(scalars)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Remove every hook and write the run report."""
+        self._finish(None)

@@ -1,0 +1,158 @@
+"""`TorchscopeCallback`: `torchscope.monitor` inside a PyTorch Lightning `Trainer` (>= 2.2).
+
+    from torchscope.integrations.lightning import TorchscopeCallback
+
+    trainer = pl.Trainer(max_steps=1000, callbacks=[TorchscopeCallback(every=10, out="run")])
+    trainer.fit(model, loader)          # run/report.html, run/report.json at the end of fit
+
+Lightning's hooks give the monitor its steps: a step ends at `on_before_optimizer_step`, which
+Lightning calls once the gradients of every accumulated micro-batch are in `.grad`, unscaled
+under 16-bit AMP and before gradient clipping, whether the optimizer steps with a closure
+(automatic optimization) or not. The per-layer norms a sample reports are those gradients
+(read on the device by post-accumulate-grad hooks during backward, the GradScaler's scale
+divided out). Scalars go through `pl_module.log_dict`, so every configured logger
+(TensorBoard, CSV, W&B, ...) receives them; the report is written at `on_fit_end`, or at
+`on_exception` as a partial report that says where the run stopped. Every hook is removed
+then. Training is bitwise the same as without the callback.
+
+This module imports Lightning (`pytorch_lightning`, else `lightning.pytorch`); `import
+torchscope` never does. Install it with `pip install torchscope[lightning]`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from torchscope.errors import TorchscopeError
+from torchscope.hooks.select import Selector
+from torchscope.monitoring import Monitor, RunRecord
+
+try:
+    import pytorch_lightning as pl
+except ImportError:  # the unified `lightning` package
+    try:
+        import lightning.pytorch as pl  # type: ignore[no-redef]
+    except ImportError as exc:
+        raise ImportError(
+            "torchscope.integrations.lightning needs PyTorch Lightning: pip install "
+            "torchscope[lightning]") from exc
+
+__all__ = ["TorchscopeCallback"]
+
+
+class TorchscopeCallback(pl.Callback):
+    """Watch a Lightning fit with `torchscope.monitor`; see the module docstring.
+
+    Args:
+        every: sample one optimizer step in `every`.
+        out: folder of the run report (created when fit starts); None writes nothing.
+        module: the submodule of the LightningModule the training step calls (e.g.
+            `"model"`), when it does not call the LightningModule itself (`self(x)`);
+            default: the LightningModule if it defines `forward`, else its only child.
+        select: modules to watch, inside `module` (see `select_modules`).
+        depth: limit the selection depth.
+        activations: sample activation statistics.
+        memory: sample what the forward saves for backward.
+        profile: profile this many steps with `torch.profiler` (0: none).
+        history: samples kept spread over the run (see `torchscope.monitor`).
+        recent: newest samples kept in full.
+        name: the run's name in the report.
+        log: log each sample's scalars through `pl_module.log_dict`.
+
+    Attributes:
+        result: the `RunRecord` once fit has ended (or raised).
+        paths: (report.html, report.json) once written.
+    """
+
+    def __init__(self, every: int = 10, out: str | Path | None = "torchscope-run", *,
+                 module: str | None = None, select: Selector = None, depth: int | None = None,
+                 activations: bool = True, memory: bool = True, profile: int = 0,
+                 history: int = 512, recent: int = 128, name: str | None = None,
+                 log: bool = True) -> None:
+        super().__init__()
+        self._options: dict[str, Any] = {
+            "every": every, "out": out, "select": select, "depth": depth,
+            "activations": activations, "memory": memory, "profile": profile,
+            "history": history, "recent": recent, "name": name}
+        self._module_name = module
+        self._log = log
+        self._monitor: Monitor | None = None
+        self._optimizer: Any = None
+        self._pending: Mapping[str, float] | None = None
+        self.result: RunRecord | None = None
+        self.paths: tuple[Path, Path] | None = None
+
+    # ------------------------------------------------------------------ fit
+    def _watched(self, pl_module: nn.Module) -> nn.Module:
+        if self._module_name is not None:
+            try:
+                return pl_module.get_submodule(self._module_name)
+            except AttributeError as exc:
+                raise TorchscopeError(
+                    f"module={self._module_name!r} is not a submodule of "
+                    f"{type(pl_module).__name__}.",
+                    fix="pass the attribute path of the model your training_step calls, "
+                        "e.g. module='model'.") from exc
+        if type(pl_module).forward is not pl.LightningModule.forward:
+            return pl_module
+        children = list(pl_module.children())
+        if len(children) == 1:
+            return children[0]
+        raise TorchscopeError(
+            f"{type(pl_module).__name__} defines no forward and has {len(children)} "
+            "submodules: which one does training_step call?",
+            fix="pass TorchscopeCallback(module='<name of the model attribute>').")
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        """Open the monitor on the model (hooks go on here)."""
+        self._close(failed=True)  # a fit that raised before this one left nothing open
+        optimizers = list(trainer.optimizers)
+        self._optimizer = optimizers[0] if optimizers else None
+        self._monitor = Monitor(
+            self._watched(pl_module), self._optimizer,
+            scaler=getattr(trainer.precision_plugin, "scaler", None), manual=True,
+            on_sample=self._on_sample, producer="torchscope.integrations.lightning",
+            **self._options)
+        self._monitor.__enter__()
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        """End the step: the gradients are final, unscaled and not yet clipped."""
+        mon = self._monitor
+        if mon is None or getattr(optimizer, "_optimizer", optimizer) is not self._optimizer:
+            return  # not fitting, or a second optimizer: the first one's steps are the steps
+        mon.end_step()
+        scalars, self._pending = self._pending, None
+        if scalars and self._log:
+            pl_module.log_dict(dict(scalars), on_step=True, on_epoch=False, logger=True,
+                               prog_bar=False, batch_size=1)
+
+    def _on_sample(self, _step: int, scalars: Mapping[str, float]) -> None:
+        self._pending = scalars
+
+    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        """Remove every hook and write the run report."""
+        self._close(failed=False)
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        """Remove every hook and write a partial report that says where the run stopped."""
+        mon = self._monitor
+        if mon is not None:
+            self._monitor = None
+            mon.__exit__(type(exception), exception, exception.__traceback__)
+            self.result, self.paths = mon.result, mon.paths
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        """Make sure nothing stays hooked, whatever ended the stage."""
+        self._close(failed=True)
+
+    def _close(self, *, failed: bool) -> None:
+        mon = self._monitor
+        if mon is None:
+            return
+        self._monitor = None
+        mon.close(failed=failed)
+        self.result, self.paths = mon.result, mon.paths

@@ -1,0 +1,306 @@
+"""Findings about a training run: pure functions from a `RunRecord` to `Finding`s.
+
+`analyze_run` is the analyzer of `RunRecord` (read it as `record.findings()`). It speaks
+about the run as a whole, from the sampled series: gradients that fell or grew between the
+start and the end of the run (against the other layers: every gradient shrinks as a model
+converges), activation scale drift, dead units that grew, where NaN/Inf first appeared,
+steps the GradScaler skipped and a run that stopped. It adds the capabilities' own analyzers
+on the run's data: the last sample's gradient diagnosis (`torchscope.grads.diagnose`), the
+total-norm history (`diagnose_history`), the last sampled forward's activations and the
+memory watch's findings.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torchscope.findings import Finding, Severity, analyzer, rank
+from torchscope.grads import GradHistory
+from torchscope.grads.analyze import diagnose, diagnose_history
+from torchscope.monitoring.records import LayerSeries, RunRecord
+
+__all__ = ["RunThresholds", "analyze_run", "change", "grad_history"]
+
+
+@dataclass(frozen=True)
+class RunThresholds:
+    """Where the run's findings draw their lines.
+
+    Attributes:
+        window: fraction of the samples, at the start and at the end, whose median is
+            compared (at least one sample each).
+        min_samples: samples a series needs before a trend is judged.
+        change_ratio: a layer's gradient that changes this many times between the windows
+            is reported.
+        relative_ratio: ...and is a warning when it also changes this many times more than
+            the median layer (the layer diverges from the rest of the model); a change the
+            whole model shares is reported once, as info when it falls (training converging)
+            and as a warning when it grows.
+        drift_info: output std that changes this many times is reported (info).
+        drift_warn: ...and this many times is a warning.
+        dead_warn: fraction of dead channels at the end of the run that is a warning...
+        dead_growth: ...when it grew by at least this fraction since the start.
+        skipped_warn: fraction of steps the GradScaler skipped that is a warning (the first
+            steps of a run calibrate the scale; a few skips are normal).
+    """
+
+    window: float = 0.1
+    min_samples: int = 4
+    change_ratio: float = 10.0
+    relative_ratio: float = 10.0
+    drift_info: float = 10.0
+    drift_warn: float = 100.0
+    dead_warn: float = 0.25
+    dead_growth: float = 0.1
+    skipped_warn: float = 0.05
+
+
+def _times(ratio: float) -> str:
+    return f"{ratio:.0f}×" if ratio >= 10 else f"{ratio:.1f}×"
+
+
+def _name(module: str | None) -> str:
+    return "<root>" if module == "" else str(module)
+
+
+def change(series: LayerSeries, layer: str, window: float = 0.1,
+           skip_steps: frozenset[int] = frozenset()) -> tuple[int, float, int, float] | None:
+    """(first step, median at the start, last step, median at the end) of one layer's finite
+    positive values, or None with fewer than two of them.
+
+    Args:
+        series: the series.
+        layer: the layer.
+        window: fraction of the values in each window (at least one).
+        skip_steps: steps left out (the GradScaler's skipped steps).
+    """
+    pairs = [(s, v) for s, v in zip(series.steps, series.series(layer), strict=True)
+             if s not in skip_steps and math.isfinite(v) and v > 0]
+    if len(pairs) < 2:
+        return None
+    n = max(1, math.floor(len(pairs) * window))
+    n = min(n, len(pairs) // 2)
+    head, tail = pairs[:n], pairs[-n:]
+    return (head[0][0], statistics.median(v for _, v in head),
+            tail[-1][0], statistics.median(v for _, v in tail))
+
+
+def grad_history(record: RunRecord) -> GradHistory:
+    """The run's gradient series as a `torchscope.grads.GradHistory` (the sampled steps,
+    per-layer parameter and output norms, total norms), for the grads capability's own
+    history analysis and heat map."""
+    g, o = record.grad_param, record.grad_output
+    layers = tuple(dict.fromkeys([*g.layers, *o.layers]))
+
+    def rows(s: LayerSeries) -> tuple[tuple[float, ...], ...]:
+        idx = [s.layers.index(k) if k in s.layers else None for k in layers]
+        return tuple(tuple(math.nan if j is None else row[j] for j in idx) for row in s.values)
+
+    return GradHistory(steps=g.steps, layers=layers, output_norms=rows(o),
+                       param_norms=rows(g), total_norms=record.total_norms)
+
+
+def _gradient_trends(record: RunRecord, t: RunThresholds) -> list[Finding]:
+    series = record.grad_param
+    skip = frozenset(record.skipped_steps)
+    if len(series.steps) < t.min_samples:
+        return []
+    found = {k: c for k in series.layers if (c := change(series, k, t.window, skip))}
+    if not found:
+        return []
+    falls = {k: c[1] / c[3] for k, c in found.items()}  # > 1: fell
+    median = statistics.median(falls.values())
+    out: list[Finding] = []
+    for k, ratio in falls.items():
+        s0, v0, s1, v1 = found[k]
+        fell = ratio >= 1
+        size = ratio if fell else 1 / ratio
+        relative = ratio / median if fell else median / ratio
+        if size < t.change_ratio or relative < t.relative_ratio:
+            continue
+        out.append(Finding(
+            "run.grad_fell" if fell else "run.grad_grew", Severity.WARNING,
+            f"{_name(k)}'s gradient {'fell' if fell else 'grew'} {_times(size)} between step "
+            f"{s0} and step {s1}, {_times(relative)} more than the median layer's",
+            {"first_step": s0, "first_norm": v0, "last_step": s1, "last_norm": v1,
+             "ratio": size, "relative_to_median": relative, "median_change": median},
+            fix=("the layer stops learning while the rest of the model does: look for "
+                 "saturating activations or dying units around it, and check its learning rate "
+                 "and weight decay" if fell else
+                 "this layer's updates grow faster than the rest: clip gradients "
+                 "(clip_grad_norm_), lower the learning rate, or normalise around it"),
+            module=k))
+    first = min(c[0] for c in found.values())
+    last = max(c[2] for c in found.values())
+    if median >= t.change_ratio:
+        out.append(Finding(
+            "run.grad_fell", Severity.INFO,
+            f"the median layer's gradient fell {_times(median)} between step {first} and "
+            f"step {last}: the whole model's gradients shrank together, as they do while the "
+            "loss falls",
+            {"first_step": first, "last_step": last, "median_change": median,
+             "layers": len(falls)},
+            fix=""))
+    elif 1 / median >= t.change_ratio:
+        out.append(Finding(
+            "run.grad_grew", Severity.WARNING,
+            f"the median layer's gradient grew {_times(1 / median)} between step {first} and "
+            f"step {last}",
+            {"first_step": first, "last_step": last, "median_change": median,
+             "layers": len(falls)},
+            fix="the whole model's gradients grow: lower the learning rate, add warm-up, or "
+                "clip gradients (clip_grad_norm_)"))
+    return out
+
+
+def _activation_drift(record: RunRecord, t: RunThresholds) -> list[Finding]:
+    series = record.act_std
+    if len(series.steps) < t.min_samples:
+        return []
+    out = []
+    for k in series.layers:
+        c = change(series, k, t.window)
+        if c is None:
+            continue
+        s0, v0, s1, v1 = c
+        ratio = v1 / v0
+        size = ratio if ratio >= 1 else 1 / ratio
+        if size < t.drift_info:
+            continue
+        out.append(Finding(
+            "run.activation_drift",
+            Severity.WARNING if size >= t.drift_warn else Severity.INFO,
+            f"{_name(k)}'s output std {'grew' if ratio >= 1 else 'shrank'} {_times(size)} "
+            f"between step {s0} and step {s1}",
+            {"first_step": s0, "first_std": v0, "last_step": s1, "last_std": v1,
+             "ratio": ratio},
+            fix="activations that drift this far change what every later layer sees: check "
+                "the learning rate of the layers before it, or normalise (LayerNorm/BatchNorm)",
+            module=k))
+    return out
+
+
+def _dead_growth(record: RunRecord, t: RunThresholds) -> list[Finding]:
+    series = record.act_dead
+    out = []
+    for k in series.layers:
+        pairs = [(s, v) for s, v in zip(series.steps, series.series(k), strict=True)
+                 if math.isfinite(v)]
+        if len(pairs) < 2:
+            continue
+        (s0, v0), (s1, v1) = pairs[0], pairs[-1]
+        if v1 >= t.dead_warn and v1 - v0 >= t.dead_growth:
+            out.append(Finding(
+                "run.dead_units", Severity.WARNING,
+                f"{_name(k)}: dead channels grew from {100 * v0:.0f}% at step {s0} to "
+                f"{100 * v1:.0f}% at step {s1}",
+                {"first_step": s0, "first_fraction": v0, "last_step": s1,
+                 "last_fraction": v1},
+                fix="units die during training: lower the learning rate, use LeakyReLU/GELU, "
+                    "or check the bias of the layer before it",
+                module=k))
+    return out
+
+
+def _nonfinite(record: RunRecord) -> list[Finding]:
+    o = record.onset
+    if o.gradient_step is None and o.forward_step is None:
+        return []
+    where = _name(o.module) + (f" ({o.module_type})" if o.module_type else "")
+    if o.forward_step is not None and o.module is not None and \
+            o.gradient_step in (None, o.forward_step):
+        summary = f"NaN/Inf first produced by {where} at step {o.forward_step}"
+    elif o.forward_step is not None and o.module is not None:
+        summary = (f"the gradients first held NaN/Inf at step {o.gradient_step} (every step "
+                   f"checked); the first sampled forward with NaN/Inf, at step "
+                   f"{o.forward_step}, has it produced by {where}")
+    elif o.forward_step is not None:
+        summary = f"the model's input already held NaN/Inf at step {o.forward_step}"
+    else:
+        summary = (f"the gradients first held NaN/Inf at step {o.gradient_step} (every step "
+                   "checked); no sampled forward showed where")
+    return [Finding(
+        "run.nonfinite", Severity.ERROR, summary,
+        {"gradient_step": o.gradient_step, "nonfinite_steps": o.nonfinite_steps,
+         "forward_step": o.forward_step, "module_type": o.module_type},
+        fix="the first step is the one to look at: rerun up to it with "
+            "torch.autograd.detect_anomaly(), guard log/div/sqrt with an eps, and check for "
+            "fp16 overflow (bf16 or a GradScaler) and a learning rate that is too high",
+        module=o.module)]
+
+
+def _skipped(record: RunRecord, t: RunThresholds) -> list[Finding]:
+    if not record.skipped:
+        return []
+    frac = record.skipped / max(record.steps, 1)
+    first = ", ".join(str(s) for s in record.skipped_steps[:5])
+    return [Finding(
+        "run.skipped_steps", Severity.WARNING if frac >= t.skipped_warn else Severity.INFO,
+        f"the GradScaler skipped {record.skipped} of {record.steps} steps "
+        f"({100 * frac:.1f}%; e.g. step {first}): their gradients held inf/NaN",
+        {"skipped": record.skipped, "steps": record.steps, "fraction": frac},
+        fix="" if frac < t.skipped_warn else
+            "many skipped steps mean the fp16 range overflows often: try bf16, a lower "
+            "learning rate, or look for the layer whose activations grow (activation drift)")]
+
+
+def _stopped(record: RunRecord) -> list[Finding]:
+    if record.status != "stopped":
+        return []
+    return [Finding(
+        "run.stopped", Severity.WARNING,
+        f"the run stopped in step {record.steps} (after {record.steps} completed steps): "
+        f"{record.error or 'an exception'}; this report covers the steps before it",
+        {"steps": record.steps, "samples": record.samples, "error": record.error},
+        fix="")]
+
+
+def _capabilities(record: RunRecord, replaced: bool) -> list[Finding]:
+    """The capabilities' own analyzers on the run's data; NaN/Inf findings give way to the
+    run's onset (`replaced`), which knows the first step."""
+    found: list[Finding] = []
+    if record.last is not None:
+        found += diagnose(record.last)
+    found += diagnose_history(grad_history(record))
+    if record.activations is not None:
+        found += record.activations.findings()
+    if record.memory is not None:
+        found += record.memory.findings()
+    if replaced:
+        found = [f for f in found if "nonfinite" not in f.code]
+    return found
+
+
+def section_of(finding: Finding) -> str:
+    """The run report's section a finding belongs to: `grad_history`, `act_history`,
+    `mem_history` or `run`."""
+    code = finding.code
+    if code.startswith(("grads.", "run.grad")):
+        return "grad_history"
+    if code.startswith(("activations.", "run.activation", "run.dead")):
+        return "act_history"
+    if code.startswith("memory."):
+        return "mem_history"
+    return "run"
+
+
+@analyzer(RunRecord)
+def analyze_run(record: RunRecord, thresholds: RunThresholds | None = None
+                ) -> list[Finding]:
+    """Every finding about a run, most severe first (`record.findings()`).
+
+    Args:
+        record: the run.
+        thresholds: where the run's own findings draw their lines; the capabilities'
+            analyzers use their defaults.
+    """
+    t = thresholds or RunThresholds()
+    run = _nonfinite(record)
+    found: Sequence[Finding] = [
+        *_stopped(record), *run, *_skipped(record, t), *_gradient_trends(record, t),
+        *_activation_drift(record, t), *_dead_growth(record, t),
+        *_capabilities(record, replaced=bool(run))]
+    return rank(found)

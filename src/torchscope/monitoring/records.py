@@ -1,0 +1,189 @@
+"""Frozen records of a monitored training run. They hold numbers, never formatted text."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+from torchscope.findings import Analyzed
+from torchscope.monitoring.history import Bucket
+
+if TYPE_CHECKING:
+    from torchscope.capture import ActivationCapture
+    from torchscope.grads import GradFlow
+    from torchscope.memory import MemoryWatch
+    from torchscope.profiling import ProfileResult
+
+__all__ = ["HistoryBudget", "LayerSeries", "NonFiniteOnset", "RunRecord", "RunStatus"]
+
+RunStatus = Literal["completed", "stopped"]
+
+
+@dataclass(frozen=True)
+class LayerSeries:
+    """A per-layer number over the sampled steps.
+
+    Attributes:
+        name: what it measures (`grad_param`, `grad_output`, `act_std`, `act_zero`,
+            `act_dead`; see `torchscope.monitoring.history.METRICS`).
+        steps: the sampled steps, oldest first.
+        layers: module names (columns).
+        values: `[sample][layer]`; NaN where the layer had no such number in that sample.
+    """
+
+    name: str
+    steps: tuple[int, ...]
+    layers: tuple[str, ...]
+    values: tuple[tuple[float, ...], ...]
+
+    def series(self, layer: str) -> list[float]:
+        """One layer's values over the samples.
+
+        Raises:
+            KeyError: unknown layer.
+        """
+        if layer not in self.layers:
+            raise KeyError(f"no layer {layer!r} in the {self.name} series")
+        j = self.layers.index(layer)
+        return [row[j] for row in self.values]
+
+    def present(self) -> LayerSeries:
+        """The same series without the layers that never had a finite value."""
+        keep = [j for j in range(len(self.layers))
+                if any(math.isfinite(row[j]) for row in self.values)]
+        return LayerSeries(self.name, self.steps, tuple(self.layers[j] for j in keep),
+                           tuple(tuple(row[j] for j in keep) for row in self.values))
+
+
+@dataclass(frozen=True)
+class NonFiniteOnset:
+    """Where NaN/Inf first showed in the run.
+
+    Attributes:
+        gradient_step: the first step whose parameter gradients held NaN/Inf, every step
+            checked (None: none did, or unchecked: with a GradScaler, such steps are the
+            scaler's skipped steps).
+        nonfinite_steps: how many steps had NaN/Inf gradients (None when unchecked).
+        forward_step: the first sampled step whose forward produced NaN/Inf, or None.
+        module: the module that produced it there from finite inputs (None: the input
+            already held NaN/Inf, or no forward did).
+        module_type: that module's class name.
+    """
+
+    gradient_step: int | None
+    nonfinite_steps: int | None
+    forward_step: int | None = None
+    module: str | None = None
+    module_type: str | None = None
+
+
+@dataclass(frozen=True)
+class HistoryBudget:
+    """What bounds the run's memory, as configured and as used.
+
+    Attributes:
+        capacity: rows of the whole-run (decimated) view.
+        recent: rows of the ring buffer of the newest samples.
+        stride: one sample in `stride` is in the whole-run view now.
+        rows: rows held at the end.
+        bytes: the most the rows can take for the layers seen (`SampleHistory.budget_bytes`).
+        bucket_width: steps merged per bucket of the per-step series.
+    """
+
+    capacity: int
+    recent: int
+    stride: int
+    rows: int
+    bytes: int
+    bucket_width: int
+
+
+@dataclass(frozen=True)
+class RunRecord(Analyzed):
+    """Everything one monitored run measured; `findings()` are `analyze_run`'s.
+
+    Attributes:
+        model: the model's class name.
+        parameters: parameter elements.
+        trainable: of them, those that require grad.
+        inputs: the shapes of the first forward's inputs (`ModelInputs.describe()`).
+        device: where the model's parameters were.
+        every: one step in `every` is sampled.
+        step_by: what ended a step (`optimizer`, `micro_batches`, `inferred`, `manual`).
+        steps: steps completed.
+        samples: steps sampled.
+        status: `completed`, or `stopped` (an exception ended the run).
+        error: the exception that stopped it, in one line; empty otherwise.
+        seconds: wall time of the run.
+        grad_param: per-layer parameter-gradient norms (modules owning parameters).
+        grad_output: per-layer norms of the gradient arriving at each module.
+        total_norms: per sample (the steps of `grad_param`), the total gradient norm.
+        act_std: per-layer output standard deviation of the sampled forward.
+        act_zero: per-layer fraction of exactly-zero outputs.
+        act_dead: per-layer fraction of dead channels (ReLU family), NaN elsewhere.
+        step_ms: wall time between step ends, in buckets of consecutive steps.
+        device_peak: the device's peak allocated memory during each step, in buckets
+            (empty where the device does not report it: CPU).
+        saved_bytes: per sample, activations the sampled forward saved for backward (None
+            when memory is not watched).
+        skipped: steps the GradScaler skipped.
+        skipped_steps: the newest of them.
+        onset: where NaN/Inf first showed.
+        budget: the history's bounds.
+        last: the last sampled step's `GradFlow` in full.
+        activations: the capture of the last sampled forwards (None when not watched).
+        memory: the saved-activation watch (None when not watched).
+        profile: the profiled window (None when not profiled or it did not complete).
+        profile_note: why there is no profile when one was asked for.
+        optimizer: the optimizer's class name (None: none was given).
+        scaler: whether a GradScaler scaled the loss.
+    """
+
+    model: str
+    parameters: int
+    trainable: int
+    inputs: str
+    device: str
+    every: int
+    step_by: str
+    steps: int
+    samples: int
+    status: RunStatus
+    error: str
+    seconds: float
+    grad_param: LayerSeries
+    grad_output: LayerSeries
+    total_norms: tuple[float, ...]
+    act_std: LayerSeries
+    act_zero: LayerSeries
+    act_dead: LayerSeries
+    step_ms: tuple[Bucket, ...]
+    device_peak: tuple[Bucket, ...]
+    saved_bytes: tuple[int | None, ...]
+    skipped: int
+    skipped_steps: tuple[int, ...]
+    onset: NonFiniteOnset
+    budget: HistoryBudget
+    last: GradFlow | None = None
+    activations: ActivationCapture | None = None
+    memory: MemoryWatch | None = None
+    profile: ProfileResult | None = None
+    profile_note: str = ""
+    optimizer: str | None = None
+    scaler: bool = False
+
+    @property
+    def median_step_ms(self) -> float | None:
+        """The median step time over the buckets' means, weighted by their steps; None
+        before any step."""
+        if not self.step_ms:
+            return None
+        ordered = sorted(self.step_ms, key=lambda b: b.mean)
+        half = sum(b.count for b in ordered) / 2
+        seen = 0
+        for b in ordered:
+            seen += b.count
+            if seen >= half:
+                return b.mean
+        return ordered[-1].mean

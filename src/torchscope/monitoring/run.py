@@ -1,0 +1,462 @@
+"""`Monitor`: the capabilities' own watches on the user's training run, sampled together.
+
+One `GradWatch` defines the steps (optimizer steps, closures, accumulation, the GradScaler's
+skipped steps) and samples one in `every`; on the forwards of a sampled step a root hook
+switches on the `ActivationCapture` and the `MemoryWatch`, which skip every other forward.
+An optional `TimeWatch` profiles a few steps early in the run and is closed when its window
+is done. The monitor keeps what it reads in a bounded `SampleHistory` (and per-step times in
+`StepBuckets`), so a run of any length holds the same memory; on exit it builds a `RunRecord`
+and writes the run report.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+import warnings
+from collections.abc import Callable, Mapping
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchscope.capture import ActivationCapture, trace_nonfinite
+from torchscope.capture.analyze import leaf_modules
+from torchscope.errors import TorchscopeError, describe
+from torchscope.grads import GradFlow, GradWatch
+from torchscope.hooks.lifecycle import HookedContext
+from torchscope.hooks.select import Selector
+from torchscope.hooks.session import HookSession
+from torchscope.memory import MemoryWatch
+from torchscope.models.target import ModelInputs
+from torchscope.monitoring.history import SampleHistory, StepBuckets
+from torchscope.monitoring.records import HistoryBudget, LayerSeries, NonFiniteOnset, RunRecord
+from torchscope.profiling import ProfilingError, TimeWatch
+
+__all__ = ["Monitor", "monitor"]
+
+KEEP_FORWARDS = 8  # forwards of a sampled step the activation capture keeps (micro-batches)
+PROFILE_WAIT = 5  # steps before the profiled window: past the first, slow steps
+
+
+def _check_out(out: str | Path) -> Path:
+    """The output folder, created now: an unwritable path fails before training starts."""
+    path = Path(out)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise TorchscopeError(f"out={str(out)!r} cannot be created ({exc.strerror or exc}).",
+                              fix="pass out= a folder you can write to, or None.") from exc
+    if not path.is_dir() or not os.access(path, os.W_OK | os.X_OK):
+        raise TorchscopeError(f"out={str(out)!r} is not a writable folder.",
+                              fix="pass out= a folder you can write to, or None.")
+    return path
+
+
+def _positive(label: str, value: Any, low: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise TorchscopeError(f"{label}={value!r} is out of range.",
+                              fix=f"pass {label}={low} or more.")
+    return value
+
+
+class Monitor(HookedContext):
+    """Watches a training run and writes its run report; build it with `torchscope.monitor`.
+
+    The arguments are `torchscope.monitor`'s, and three that the framework callbacks use:
+    `manual=True` (steps end at `end_step()`), `start` (the first sampled step, see
+    `watch_gradients`) and `producer` (who drove it, for report.json's `options`).
+
+    Attributes:
+        result: the `RunRecord`, set when the block ends (also through an exception).
+        paths: (report.html, report.json) once written, else None.
+        latest: the newest sample's scalars (`torchscope/...` names), for loggers.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        every: int = 10,
+        out: str | Path | None = "torchscope-run",
+        scaler: Any = None,
+        micro_batches: int | None = None,
+        manual: bool = False,
+        start: int = 0,
+        select: Selector = None,
+        depth: int | None = None,
+        activations: bool = True,
+        memory: bool = True,
+        profile: int = 0,
+        history: int = 512,
+        recent: int = 128,
+        name: str | None = None,
+        on_sample: Callable[[int, Mapping[str, float]], None] | None = None,
+        producer: str = "torchscope.monitor",
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TorchscopeError(f"the model is a {type(model).__name__}, not an nn.Module.",
+                                  fix="pass the model (an nn.Module) first.")
+        self.every = _positive("every", every)
+        self._history = SampleHistory(_positive("history", history, 2),
+                                      _positive("recent", recent))
+        self._profile_steps = _positive("profile", profile, 0)
+        self._out = None if out is None else _check_out(out)
+        self._model: nn.Module | None = model
+        self._optimizer = optimizer
+        self._scaler = scaler
+        self._micro_batches = micro_batches
+        self._manual = manual
+        self._start = start
+        self._select, self._depth = select, depth
+        self._want_activations, self._want_memory = activations, memory
+        self._name = name
+        self._options: dict[str, Any] = {
+            "every": every, "step_by": "", "activations": activations, "memory": memory,
+            "profile": profile, "history": history, "recent": recent, "producer": producer}
+        self._optimizer_name = None if optimizer is None else type(optimizer).__name__
+        self._on_sample = on_sample
+        self._times = StepBuckets(history)
+        self._peaks = StepBuckets(history)
+        self._grads: GradWatch | None = None
+        self._acts: ActivationCapture | None = None
+        self._mem: MemoryWatch | None = None
+        self._time: TimeWatch | None = None
+        self._session: HookSession | None = None
+        self._profile: Any = None
+        self._profile_note = ""
+        self._acts_seen = -1
+        self._mem_seen = 0
+        self._inputs = ""
+        self._forward_onset: tuple[int, str | None, str | None] | None = None
+        self._error = ""
+        self._t0 = self._last = 0.0
+        self._created = ""
+        self._cuda: torch.device | None = None
+        self._order: dict[str, int] = {}
+        self._facts: tuple[str, int, int, str] = (type(model).__name__, 0, 0, "cpu")
+        self.latest: dict[str, float] = {}
+        self.result: RunRecord | None = None
+        self.paths: tuple[Path, Path] | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def open(self) -> None:
+        """Open the watches, in the order their root hooks must run (see the module doc)."""
+        model = self._model
+        assert model is not None
+        params = list(model.parameters())
+        device = params[0].device if params else torch.device("cpu")
+        self._cuda = device if device.type == "cuda" else None
+        # Layers in the model's order (the input side first) in every series.
+        self._order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+        self._facts = (type(model).__name__, sum(p.numel() for p in params),
+                       sum(p.numel() for p in params if p.requires_grad), str(device))
+        if self._want_activations:
+            self._acts = ActivationCapture(model, select=self._select, depth=self._depth,
+                                           keep_last=KEEP_FORWARDS, count_nonfinite=False)
+            self._acts.active = False
+            self._acts.open()
+        if self._want_memory:
+            self._mem = MemoryWatch(model, select=self._select, depth=self._depth, max_samples=1)
+            self._mem.active = False
+            self._mem.open()
+        self._session = HookSession(model)
+        # Before the watches' own root hooks (each registered with prepend before it) and
+        # after the GradWatch's, which decide whether the step in progress is sampled.
+        self._session.forward_pre_hook(self._session.model, self._gate,  # type: ignore[arg-type]
+                                       with_kwargs=True, prepend=True)
+        self._grads = GradWatch(
+            model, every=self.every, start=self._start, optimizer=self._optimizer,
+            scaler=self._scaler,
+            micro_batches=self._micro_batches, manual=self._manual, select=self._select,
+            depth=self._depth, inputs_grad=False, max_samples=1,
+            check_nonfinite=self._scaler is None, on_step=self._on_step)
+        self._grads.open()
+        if self._profile_steps:
+            self._time = TimeWatch(model, optimizer=self._optimizer, steps=self._profile_steps,
+                                   wait=PROFILE_WAIT, warmup=1)
+            self._time.open()
+        self._created = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        self._t0 = self._last = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        if isinstance(exc[1], BaseException):
+            self._error = describe(exc[1])
+        self.close(failed=exc[0] is not None)
+
+    def close(self, *, failed: bool = False) -> None:
+        """Remove every hook, build the `RunRecord` and write the report.
+
+        Args:
+            failed: an exception is unwinding: the step in progress is dropped, the report
+                says where the run stopped, and a failure to write it only warns.
+        """
+        # Every close runs even if one raises: last in, first out (the profile, then the
+        # gradient watch, which may still sample an unfinished step, then the others).
+        with contextlib.ExitStack() as stack:
+            stack.callback(setattr, self, "_optimizer", None)
+            stack.callback(setattr, self, "_model", None)
+            if self._session is not None:
+                stack.callback(self._session.close, failed=failed)
+            for watch in (self._acts, self._mem, self._grads):
+                if watch is not None:
+                    stack.callback(watch.close, failed=failed)
+            stack.callback(self._close_profile, failed=failed)
+        if self._grads is None:
+            return  # open() failed before anything ran
+        self.result = self._record(stopped=failed)
+        if self._out is not None:
+            from torchscope.monitoring.report import write_run_report
+
+            try:
+                self.paths = write_run_report(
+                    self.result, self._out, name=self._name, created=self._created,
+                    options={**self._options, "step_by": self.result.step_by})
+            except Exception as exc:
+                if not failed:
+                    raise
+                warnings.warn(f"torchscope could not write the partial run report to "
+                              f"{self._out}: {describe(exc)}", RuntimeWarning, stacklevel=2)
+
+    # ------------------------------------------------------------------ stepping
+    def end_step(self) -> None:
+        """End the current step now (only with `manual=True`; framework callbacks call it
+        where the framework's gradients are final, before clipping)."""
+        if self._grads is None:
+            raise TorchscopeError("this monitor is not open.",
+                                  fix="use it in a `with` block: with torchscope.monitor(...):")
+        self._grads.end_step()
+
+    @property
+    def steps(self) -> int:
+        """Steps completed so far."""
+        return 0 if self._grads is None else self._grads.steps
+
+    @property
+    def grads(self) -> GradWatch | None:
+        """The gradient watch that defines the steps (None before the block)."""
+        return self._grads
+
+    def _gate(self, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+              ) -> None:
+        if not self._inputs:
+            self._inputs = ModelInputs(tuple(args), dict(kwargs)).describe()
+        record = self._grads is not None and self._grads.collecting and \
+            torch.is_grad_enabled()
+        if self._acts is not None:
+            self._acts.active = record
+        if self._mem is not None:
+            self._mem.active = record
+
+    def _on_step(self, index: int, flow: GradFlow | None) -> None:
+        now = time.perf_counter()
+        self._times.add(index, (now - self._last) * 1e3)
+        self._last = now
+        if self._cuda is not None:  # host-side allocator counters: no device sync
+            self._peaks.add(index, float(torch.cuda.max_memory_allocated(self._cuda)))
+            torch.cuda.reset_peak_memory_stats(self._cuda)
+        if flow is not None:
+            self._sample(index, flow)
+        elif self._acts is not None and self._grads is not None and \
+                self._grads.step_by != "inferred":
+            # Forwards of a step that gave no sample (the GradScaler skipped it) are not
+            # the next sample's. (Inferred steps end one backward late: left as they are.)
+            self._acts_seen = self._acts.forwards - 1
+        tw = self._time
+        if tw is not None and tw.boundaries >= tw.window:
+            self._close_profile(failed=False)
+
+    def _sample(self, index: int, flow: GradFlow) -> None:
+        nan = math.nan
+        params, outs = flow.param_norms(), flow.output_norms()
+        per_layer: dict[str, list[float]] = {}
+        order = self._order
+        for layer in sorted({*params, *outs}, key=lambda k: order.get(k, len(order))):
+            p, o = params.get(layer), outs.get(layer)
+            per_layer[layer] = [nan if p is None else p, nan if o is None else o, nan, nan, nan]
+        nonfinite = False
+        if self._acts is not None:
+            nonfinite = self._read_activations(index, per_layer)
+        saved = None
+        if self._mem is not None and self._mem.samples > self._mem_seen:
+            self._mem_seen = self._mem.samples
+            last = self._mem.last
+            saved = None if last is None else last.saved.total_bytes
+        self._history.add(index, per_layer, total_norm=flow.total_norm, saved_bytes=saved,
+                          nonfinite=nonfinite)
+        self.latest = self._scalars(index, flow)
+        if self._on_sample is not None:
+            self._on_sample(index, self.latest)
+
+    def _read_activations(self, index: int, per_layer: dict[str, list[float]]) -> bool:
+        """Fill the activation columns from the step's first recorded forward; note where
+        NaN/Inf first came from. Returns whether any output of the step was non-finite."""
+        assert self._acts is not None
+        fresh = [r for r in self._acts.records if r.step > self._acts_seen]  # one host copy
+        if not fresh:
+            return False
+        self._acts_seen = fresh[-1].step
+        first = [r for r in fresh if r.step == fresh[0].step]
+        leaves = leaf_modules(first)
+        for r in first:
+            s = r.output
+            if r.module not in leaves or r.call or s is None or "float" not in s.dtype:
+                continue
+            row = per_layer.setdefault(r.module, [math.nan] * 5)
+            row[2], row[3] = s.std, s.zero_frac
+            if s.dead_units is not None and s.channels:
+                row[4] = s.dead_units / s.channels
+        bad = next((r.step for r in fresh if not r.finite), None)
+        if bad is None:
+            return False
+        if self._forward_onset is None:
+            producer = trace_nonfinite(fresh, step=bad).producer
+            self._forward_onset = (index, None if producer is None else producer.module,
+                                   None if producer is None else producer.module_type)
+        return True
+
+    def _scalars(self, index: int, flow: GradFlow) -> dict[str, float]:
+        out = {"torchscope/grad_norm/total": flow.total_norm,
+               "torchscope/step": float(index)}
+        for layer, norm in flow.param_norms().items():
+            if norm is not None:
+                out[f"torchscope/grad_norm/{layer or '<root>'}"] = norm
+        buckets = self._times.buckets()
+        if buckets:
+            out["torchscope/step_ms"] = buckets[-1].mean
+        if self._grads is not None and self._grads.skipped:
+            out["torchscope/skipped_steps"] = float(self._grads.skipped)
+        return out
+
+    def _close_profile(self, *, failed: bool) -> None:
+        tw, self._time = self._time, None
+        if tw is None:
+            return
+        try:
+            tw.close(failed=failed)
+            self._profile = tw.result
+        except ProfilingError as exc:
+            self._profile_note = exc.one_line()
+
+    # ------------------------------------------------------------------ results
+    def _series(self, metric: str) -> LayerSeries:
+        rows = self._history.rows()
+        return LayerSeries(metric, tuple(r.step for r in rows), tuple(self._history.layers),
+                           tuple(tuple(v) for v in self._history.matrix(metric, rows)))
+
+    def _record(self, *, stopped: bool) -> RunRecord:
+        grads = self._grads
+        assert grads is not None
+        h = self._history
+        rows = h.rows()
+        onset = self._forward_onset or (None, None, None)
+        return RunRecord(
+            model=self._facts[0], parameters=self._facts[1], trainable=self._facts[2],
+            inputs=self._inputs or "(no forward seen)", device=self._facts[3],
+            every=self.every, step_by=grads.step_by, steps=grads.steps,
+            samples=grads.samples, status="stopped" if stopped else "completed",
+            error=self._error, seconds=time.perf_counter() - self._t0,
+            grad_param=self._series("grad_param").present(),
+            grad_output=self._series("grad_output").present(),
+            total_norms=tuple(r.total_norm for r in rows),
+            act_std=self._series("act_std").present(),
+            act_zero=self._series("act_zero").present(),
+            act_dead=self._series("act_dead").present(),
+            step_ms=self._times.buckets(), device_peak=self._peaks.buckets(),
+            saved_bytes=tuple(r.saved_bytes for r in rows) if self._mem is not None else (),
+            skipped=grads.skipped, skipped_steps=grads.skipped_steps,
+            onset=NonFiniteOnset(grads.first_nonfinite_step, grads.nonfinite_steps, *onset),
+            budget=HistoryBudget(h.capacity, h.recent, h.stride, len(rows), h.budget_bytes(),
+                                 self._times.width),
+            last=grads.last, activations=self._acts, memory=self._mem,
+            profile=self._profile,
+            profile_note=self._profile_note if self._profile_steps else "",
+            optimizer=self._optimizer_name, scaler=self._scaler is not None,
+        )
+
+
+def monitor(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    every: int = 10,
+    out: str | Path | None = "torchscope-run",
+    scaler: Any = None,
+    micro_batches: int | None = None,
+    select: Selector = None,
+    depth: int | None = None,
+    activations: bool = True,
+    memory: bool = True,
+    profile: int = 0,
+    history: int = 512,
+    recent: int = 128,
+    name: str | None = None,
+    on_sample: Callable[[int, Mapping[str, float]], None] | None = None,
+) -> Monitor:
+    """Watch your own training loop and write a run report when it ends.
+
+    One context manager around the loop. Every `every`-th optimizer step is sampled: the
+    per-layer gradient norms of the gradients that step used (after accumulation, before
+    the update; unscaled under a GradScaler), the statistics of each module's output in the
+    step's first forward, and what that forward saved for backward. Every step adds its wall
+    time, its device peak (CUDA) and a check, on the device, of whether any gradient is
+    NaN/Inf. Steps are counted as `watch_gradients` counts them: `optimizer.step()` calls
+    (closures and LBFGS included), steps the GradScaler skipped counted apart; without an
+    optimizer, backward passes into zeroed gradients, or `micro_batches=`.
+
+    Memory is bounded: the newest `recent` samples in full plus at most `history` samples
+    spread evenly over the whole run (every other one is dropped when it fills), and
+    per-step numbers in at most `history` buckets: `result.budget.bytes` states the most
+    the rows can take (about 1.3 MB for 50 layers with the defaults).
+
+    On exit, also through an exception (the report then says where the run stopped), every
+    hook is removed and `out/report.html` and `out/report.json` are written: a *run* report
+    (the doctor's renderers and schema, `"kind": "run"`) with the gradient flow over the run
+    as a layer × step heat map, activation drift, dead units, NaN/Inf onset, step time and
+    memory, and findings about the run ("conv1's gradient fell 40× between step 100 and
+    900"). Training is bitwise the same as without the monitor; hooks never sync the host.
+
+    Args:
+        model: the model being trained.
+        optimizer: its optimizer; its `step()` calls are the steps (None: inferred).
+        every: sample one step in `every`.
+        out: folder for report.html and report.json (created now, so a bad path fails
+            before training); None writes nothing (read `result`).
+        scaler: the loop's `torch.amp.GradScaler`, if any.
+        micro_batches: backward passes per step, for a loop without an optimizer whose
+            steps cannot be inferred (see `watch_gradients`).
+        select: modules to watch (see `select_modules`); default the leaf modules.
+        depth: limit the selection depth.
+        activations: sample activation statistics.
+        memory: sample what the forward saves for backward.
+        profile: profile this many steps with `torch.profiler` (after 5 steps and one
+            warm-up step); the report then has the profile section of `torchscope doctor`.
+        history: samples (and step buckets) spread over the whole run.
+        recent: newest samples kept in full.
+        name: the run's name in the report (default: the model's class).
+        on_sample: called with `(step, scalars)` after each sample (e.g. a logger).
+
+    Returns:
+        A `Monitor` for a `with` block; `monitor.result` (a `RunRecord`) and
+        `monitor.paths` are set when the block ends.
+
+    Raises:
+        TorchscopeError: a bad option, or an `out` folder that cannot be written.
+
+    Example:
+        >>> with torchscope.monitor(model, opt, every=10, out="run-report") as mon:
+        ...     for x, y in loader:
+        ...         opt.zero_grad()
+        ...         F.cross_entropy(model(x), y).backward()
+        ...         opt.step()
+        >>> mon.result.findings()
+    """
+    return Monitor(model, optimizer, every=every, out=out, scaler=scaler,
+                   micro_batches=micro_batches, select=select, depth=depth,
+                   activations=activations, memory=memory, profile=profile, history=history,
+                   recent=recent, name=name, on_sample=on_sample)

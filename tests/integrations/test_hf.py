@@ -1,0 +1,132 @@
+"""TorchscopeTrainerCallback in a real transformers Trainer (CPU, a 2-layer GPT-2 from a config,
+20 steps, gradient_accumulation_steps=2, max_grad_norm=1.0): the pre-clip total norm equals
+the `grad_norm` clipping returned, scalars reach state.log_history and later callbacks' logs,
+weights are bitwise unchanged, and a train() that raises leaves no hook."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+from transformers import (  # noqa: E402
+    GPT2Config,
+    GPT2LMHeadModel,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+)
+
+from torchscope.hooks import audit_hooks  # noqa: E402
+from torchscope.integrations.hf import TorchscopeTrainerCallback  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning",
+                                        "ignore::DeprecationWarning")
+
+
+class Tokens(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, 100, (80, 16), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+class Logs(TrainerCallback):  # type: ignore[misc]
+    """A reporter stand-in: the `logs` each on_log hands to the callbacks after this one."""
+
+    def __init__(self) -> None:
+        self.seen: list[dict[str, Any]] = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):  # type: ignore[no-untyped-def]
+        self.seen.append(dict(logs or {}))
+
+
+class Explode(TrainerCallback):  # type: ignore[misc]
+    def on_step_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        if state.global_step == 7:
+            raise RuntimeError("out of data at step 7")
+
+
+def _trainer(tmp: Path, callbacks: list[TrainerCallback], steps: int = 20
+             ) -> tuple[Trainer, torch.nn.Module]:
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=100,
+                                       n_positions=32))
+    args = TrainingArguments(
+        output_dir=str(tmp), max_steps=steps, per_device_train_batch_size=2,
+        gradient_accumulation_steps=2, max_grad_norm=1.0, learning_rate=1e-3,
+        logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, seed=0,
+        disable_tqdm=True, dataloader_num_workers=0)
+    return Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=callbacks), model
+
+
+def test_hf_trainer_reports_the_pre_clip_norm_and_trains_unchanged(tmp_path: Path) -> None:
+    transformers.logging.set_verbosity_error()
+    callback = TorchscopeTrainerCallback(every=2, out=tmp_path / "run")
+    later = Logs()
+    trainer, model = _trainer(tmp_path / "a", [callback, later])
+    with callback:
+        trainer.train()
+    plain_trainer, plain = _trainer(tmp_path / "b", [])
+    plain_trainer.train()
+    for a, b in zip(model.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert audit_hooks(model, include_global=False).local_total == 0
+    run = callback.result
+    assert run is not None and run.steps == 20 and run.samples == 10
+    assert run.grad_param.steps == tuple(range(1, 20, 2))  # global_step 2, 4, ... 20
+    assert run.last is not None and run.last.backward_calls == 2
+    steps = [e for e in trainer.state.log_history if "grad_norm" in e]
+    assert len(steps) == 20
+    sampled = [e for e in steps if "torchscope/grad_norm/total" in e]
+    assert [e["step"] for e in sampled] == list(range(2, 21, 2))
+    for entry in sampled:
+        ours = entry["torchscope/grad_norm/total"]
+        assert entry["torchscope/step"] == entry["step"] - 1  # 0-based optimizer step
+        assert math.isclose(ours, entry["grad_norm"], rel_tol=1e-6), entry
+        assert entry["grad_norm"] > 1.0  # clipping acted: a post-clip norm would read 1.0
+    for step, total in zip(run.grad_param.steps, run.total_norms, strict=True):
+        assert math.isclose(total, steps[step]["grad_norm"], rel_tol=1e-6)
+    # The callbacks after this one got the scalars in `logs`, on the sampled steps.
+    assert [logs["torchscope/grad_norm/total"] for logs in later.seen
+            if "torchscope/grad_norm/total" in logs] == [
+        e["torchscope/grad_norm/total"] for e in sampled]
+    doc = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert doc["options"]["producer"] == "torchscope.integrations.hf"
+    assert "transformer.h.0.attn.c_attn" in doc["sections"]["grad_history"]["data"][
+        "param_norms"]["layers"]
+
+
+def test_install_puts_the_callback_before_the_reporters(tmp_path: Path) -> None:
+    transformers.logging.set_verbosity_error()
+    earlier = Logs()
+    trainer, _ = _trainer(tmp_path / "a", [earlier], steps=4)
+    callback = TorchscopeTrainerCallback(every=1, out=None).install(trainer)
+    assert trainer.callback_handler.callbacks[0] is callback
+    with callback:
+        trainer.train()
+    assert all("torchscope/grad_norm/total" in logs for logs in earlier.seen if "loss" in logs)
+
+
+def test_a_train_that_raises_leaves_no_hook_and_a_partial_report(tmp_path: Path) -> None:
+    transformers.logging.set_verbosity_error()
+    callback = TorchscopeTrainerCallback(every=2, out=tmp_path / "run")
+    trainer, model = _trainer(tmp_path / "a", [callback, Explode()])
+    with pytest.raises(RuntimeError, match="out of data at step 7"), callback:
+        trainer.train()
+    assert audit_hooks(model, include_global=False).local_total == 0
+    run = callback.result
+    assert run is not None and run.status == "stopped" and run.steps == 7
+    data = json.loads((tmp_path / "run" / "report.json").read_text())["sections"]["run"]
+    assert data["data"]["status"] == "stopped"

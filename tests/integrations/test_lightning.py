@@ -1,0 +1,158 @@
+"""TorchscopeCallback in a real pytorch-lightning Trainer (CPU, tiny model, 20 steps):
+accumulate_grad_batches=2, bitwise-identical weights, the gradients Lightning hands to
+on_before_optimizer_step, scalars in the trainer's logger, no hook left, and a fit that
+raises."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+pl = pytest.importorskip("pytorch_lightning")
+from pytorch_lightning.loggers import CSVLogger  # noqa: E402
+
+from torchscope.hooks import audit_hooks  # noqa: E402
+from torchscope.integrations.lightning import TorchscopeCallback  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning",
+                                        "ignore::FutureWarning")
+
+
+class Net(pl.LightningModule):
+    def __init__(self, fail_at: int | None = None) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.act = nn.ReLU()
+        self.drop = nn.Dropout(0.1)
+        self.fc2 = nn.Linear(16, 2)
+        self.fail_at = fail_at
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.drop(self.act(self.fc1(x))))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], i: int) -> torch.Tensor:
+        if self.fail_at is not None and self.global_step == self.fail_at:
+            raise RuntimeError(f"bad batch at step {self.global_step}")
+        x, y = batch
+        return nn.functional.mse_loss(self(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+class Wrapper(pl.LightningModule):
+    """No forward of its own: the training step calls `self.model`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], i: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.model(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class Reference(pl.Callback):
+    """What Lightning hands to on_before_optimizer_step: each parameter's gradient norm."""
+
+    def __init__(self) -> None:
+        self.norms: list[dict[str, float]] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:  # type: ignore[no-untyped-def]
+        self.norms.append({n: torch.linalg.vector_norm(p.grad).item()
+                           for n, p in pl_module.named_parameters()})
+
+
+def _fit(module: pl.LightningModule, tmp: Path, *callbacks: pl.Callback,
+         steps: int = 20) -> pl.Trainer:
+    pl.seed_everything(0, verbose=False)
+    g = torch.Generator().manual_seed(0)
+    ds = torch.utils.data.TensorDataset(torch.randn(160, 8, generator=g),
+                                        torch.randn(160, 2, generator=g))
+    loader = torch.utils.data.DataLoader(ds, batch_size=4, shuffle=True)
+    trainer = pl.Trainer(max_steps=steps, accumulate_grad_batches=2, accelerator="cpu",
+                         devices=1, logger=CSVLogger(tmp), log_every_n_steps=1,
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=list(callbacks))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, loader)
+    return trainer
+
+
+def _module_norm(norms: dict[str, float], module: str) -> float:
+    return math.sqrt(math.fsum(v * v for k, v in norms.items()
+                               if k.rsplit(".", 1)[0] == module))
+
+
+def test_lightning_fit_is_watched_exactly_and_left_unchanged(tmp_path: Path) -> None:
+    pl.seed_everything(0, verbose=False)
+    watched = Net()
+    pl.seed_everything(0, verbose=False)
+    plain = Net()
+    callback = TorchscopeCallback(every=3, out=tmp_path / "run", profile=2)
+    reference = Reference()
+    trainer = _fit(watched, tmp_path / "logs", callback, reference)
+    _fit(plain, tmp_path / "logs-plain")
+    for a, b in zip(watched.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(a, b)  # bitwise, dropout's random stream included
+    assert audit_hooks(watched, include_global=False).local_total == 0
+    assert not trainer.optimizers[0]._optimizer_step_pre_hooks
+    run = callback.result
+    assert run is not None and run.status == "completed"
+    assert run.steps == trainer.global_step == 20 and run.step_by == "manual"
+    assert run.grad_param.steps == (0, 3, 6, 9, 12, 15, 18)
+    assert run.last is not None and run.last.backward_calls == 2  # accumulate_grad_batches
+    assert run.last.micro_batches == 2
+    for layer in ("fc1", "fc2"):
+        for step, value in zip(run.grad_param.steps, run.grad_param.series(layer),
+                               strict=True):
+            assert math.isclose(value, _module_norm(reference.norms[step], layer),
+                                rel_tol=1e-6)
+    # Scalars went through log_dict to the trainer's logger (CSV here), at sampled steps.
+    rows = list(csv.DictReader((Path(trainer.logger.log_dir) / "metrics.csv").open()))
+    logged = {int(float(r["torchscope/step"])): float(r["torchscope/grad_norm/total"])
+              for r in rows if r.get("torchscope/step")}
+    assert set(logged) == set(run.grad_param.steps)
+    for step, total in zip(run.grad_param.steps, run.total_norms, strict=True):
+        assert math.isclose(logged[step], total, rel_tol=1e-6)
+    doc = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert doc["kind"] == "run"
+    assert doc["options"]["producer"] == "torchscope.integrations.lightning"
+    assert doc["sections"]["profile"]["status"] == "ok"
+
+
+def test_a_fit_that_raises_leaves_no_hook_and_a_partial_report(tmp_path: Path) -> None:
+    module = Net(fail_at=7)
+    callback = TorchscopeCallback(every=2, out=tmp_path / "run")
+    with pytest.raises(RuntimeError, match="bad batch at step 7"):
+        _fit(module, tmp_path / "logs", callback)
+    assert audit_hooks(module, include_global=False).local_total == 0
+    run = callback.result
+    assert run is not None and run.status == "stopped" and run.steps == 7
+    assert "bad batch at step 7" in run.error
+    data = json.loads((tmp_path / "run" / "report.json").read_text())["sections"]["run"]
+    assert data["data"]["status"] == "stopped" and data["data"]["steps"] == 7
+
+
+def test_the_model_the_training_step_calls_is_watched(tmp_path: Path) -> None:
+    module = Wrapper()
+    callback = TorchscopeCallback(every=5, out=None)
+    _fit(module, tmp_path / "logs", callback, steps=10)
+    run = callback.result
+    assert run is not None and run.model == "Sequential" and run.inputs == "(4x8)"
+    assert run.act_std.layers == ("0", "1", "2")  # the forward was seen: activations too
+    assert audit_hooks(module, include_global=False).local_total == 0
+    with pytest.raises(Exception, match="not a submodule"):
+        _fit(Wrapper(), tmp_path / "logs2", TorchscopeCallback(module="net", out=None),
+             steps=2)

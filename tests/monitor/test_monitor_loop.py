@@ -1,0 +1,262 @@
+"""torchscope.monitor in a hand-written loop: training unchanged, samples on the right steps
+with that step's gradients, accumulation, AMP (unscaled norms, skipped steps), and a run that
+raises at step 7."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import torchscope
+from torchscope.errors import TorchscopeError
+from torchscope.hooks import audit_hooks
+
+from ._models import batches, mlp
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, data, ctx, *, accumulate: int = 1,
+           on_step=None) -> None:
+    with ctx:
+        for i in range(0, len(data), accumulate):
+            opt.zero_grad(set_to_none=True)
+            for x, y in data[i:i + accumulate]:
+                (nn.functional.mse_loss(model(x), y) / accumulate).backward()
+            if on_step is not None:
+                on_step()
+            opt.step()
+
+
+def _module_norm(model: nn.Module, module: str) -> float:
+    owner = model.get_submodule(module)
+    return math.sqrt(math.fsum(torch.linalg.vector_norm(p.grad).item() ** 2
+                               for p in owner.parameters(recurse=False)))
+
+
+def test_training_is_bitwise_unchanged_and_no_hook_stays(tmp_path: Path) -> None:
+    """20 steps with dropout (the RNG stream), momentum and every part of the monitor on."""
+    data = batches(20)
+
+    def run(watched: bool) -> tuple[list[torch.Tensor], nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        ctx = torchscope.monitor(model, opt, every=3, out=tmp_path / "run", profile=2) \
+            if watched else contextlib.nullcontext()
+        _train(model, opt, data, ctx)
+        return [p.detach().clone() for p in model.parameters()], model, opt
+
+    watched, model, opt = run(True)
+    plain, _, _ = run(False)
+    for a, b in zip(watched, plain, strict=True):
+        assert torch.equal(a, b)
+    assert audit_hooks(model, include_global=False).local_total == 0
+    assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
+    assert (tmp_path / "run" / "report.html").is_file()
+
+
+def test_samples_hold_the_gradients_of_their_step() -> None:
+    torch.manual_seed(0)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    expected: dict[int, float] = {}
+    step = [0]
+
+    def note() -> None:  # before opt.step(): the gradients this step's update uses
+        expected[step[0]] = _module_norm(model, "0")
+        step[0] += 1
+
+    with torchscope.monitor(model, opt, every=4, out=None) as mon:
+        _train(model, opt, batches(40), contextlib.nullcontext(), accumulate=2, on_step=note)
+    run = mon.result
+    assert run is not None and run.steps == 20 and run.samples == 5
+    assert run.grad_param.steps == (0, 4, 8, 12, 16)
+    assert run.last is not None and run.last.micro_batches == 2
+    assert run.last.backward_calls == 2
+    for s, v in zip(run.grad_param.steps, run.grad_param.series("0"), strict=True):
+        assert math.isclose(v, expected[s], rel_tol=1e-6)
+    assert run.status == "completed" and run.step_by == "optimizer"
+    assert run.inputs == "(8x8)"
+    assert len(run.act_std.steps) == 5 and "1" in run.act_dead.layers  # the ReLU
+
+
+def test_autocast_and_a_gradscaler_report_unscaled_norms() -> None:
+    """bfloat16 autocast on CPU; with a GradScaler (scale 2^10) the reported norms are
+    those of the run without scaling."""
+    data = batches(12)
+
+    def run(scaled: bool):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=10**6) \
+            if scaled else None
+        with torchscope.monitor(model, opt, every=2, scaler=scaler, out=None) as mon:
+            for x, y in data:
+                opt.zero_grad()
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = nn.functional.mse_loss(model(x).float(), y)
+                if scaler is None:
+                    loss.backward()
+                    opt.step()
+                else:
+                    scaler.scale(loss).backward()
+                    scaler.step(opt)
+                    scaler.update()
+        assert mon.result is not None
+        return mon.result
+
+    plain, scaled = run(False), run(True)
+    assert scaled.steps == plain.steps == 12 and scaled.skipped == 0
+    assert scaled.grad_param.steps == plain.grad_param.steps
+    assert scaled.last is not None and scaled.last.scale == 2.0**10
+    for layer in plain.grad_param.layers:
+        for a, b in zip(plain.grad_param.series(layer), scaled.grad_param.series(layer),
+                        strict=True):
+            assert math.isclose(a, b, rel_tol=1e-6), (layer, a, b)  # not 1024× larger
+    for a, b in zip(plain.total_norms, scaled.total_norms, strict=True):
+        assert math.isclose(a, b, rel_tol=1e-6)
+
+
+def test_steps_the_scaler_skipped_are_counted_and_reported() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    with torchscope.monitor(model, opt, every=2, scaler=scaler, out=None) as mon:
+        for i, (x, y) in enumerate(batches(10)):
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(model(x), y) * (math.inf if i in (4, 5) else 1.0)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    run = mon.result
+    assert run is not None
+    assert run.steps == 10 and run.skipped == 2 and run.skipped_steps == (4, 5)
+    assert run.grad_param.steps == (0, 2, 6, 8)  # step 4's sample went to step 6
+    assert all(math.isfinite(v) for v in run.total_norms)
+    codes = {f.code for f in run.findings()}
+    assert "run.skipped_steps" in codes
+    assert "run.nonfinite" not in codes and "grads.nonfinite" not in codes
+
+
+def test_an_exception_at_step_7_leaves_no_hooks_and_a_partial_report(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match="data loader broke"), \
+            torchscope.monitor(model, opt, every=2, out=tmp_path) as mon:
+        for i, (x, y) in enumerate(batches(20)):
+            if i == 7:
+                raise RuntimeError("data loader broke")
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+    assert audit_hooks(model, include_global=False).local_total == 0
+    assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
+    run = mon.result
+    assert run is not None and run.status == "stopped" and run.steps == 7
+    assert run.grad_param.steps == (0, 2, 4, 6)
+    doc = json.loads((tmp_path / "report.json").read_text())
+    assert doc["kind"] == "run"
+    data = doc["sections"]["run"]["data"]
+    assert data["status"] == "stopped" and data["steps"] == 7
+    assert "RuntimeError: data loader broke" in data["error"]
+    stopped = [f for f in doc["findings"] if f["code"] == "run.stopped"]
+    assert len(stopped) == 1 and "stopped in step 7" in stopped[0]["summary"]
+    assert "stopped in step 7" in (tmp_path / "report.html").read_text()
+
+
+def test_an_exception_inside_backward_leaves_no_hooks(tmp_path: Path) -> None:
+    class Boom(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):  # type: ignore[override]
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):  # type: ignore[override]
+            raise ValueError("backward failed")
+
+    torch.manual_seed(0)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="backward failed"), \
+            torchscope.monitor(model, opt, every=1, out=tmp_path):
+        for i, (x, y) in enumerate(batches(5)):
+            opt.zero_grad()
+            out = model(x)
+            if i == 3:
+                out = Boom.apply(out)
+            nn.functional.mse_loss(out, y).backward()
+            opt.step()
+    assert audit_hooks(model, include_global=False).local_total == 0
+    assert json.loads((tmp_path / "report.json").read_text())["sections"]["run"]["data"][
+        "steps"] == 3
+
+
+@pytest.mark.parametrize("kind", ["lbfgs", "inferred"])
+def test_closure_steps_and_loops_without_an_optimizer(kind: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    data = batches(6)
+    if kind == "lbfgs":
+        opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=3)
+        with torchscope.monitor(model, opt, every=1, out=None) as mon:
+            for x, y in data:
+                def closure(x=x, y=y) -> torch.Tensor:
+                    opt.zero_grad()
+                    loss = nn.functional.mse_loss(model(x), y)
+                    loss.backward()
+                    return loss
+                opt.step(closure)
+    else:
+        with torchscope.monitor(model, every=1, out=None) as mon:
+            for x, y in data:
+                model.zero_grad()
+                for half in (x[:4], x[4:]):
+                    model(half).sum().backward()
+    run = mon.result
+    assert run is not None and run.steps == 6 and run.samples == 6
+    assert run.step_by == ("optimizer" if kind == "lbfgs" else "inferred")
+    assert run.last is not None
+    assert run.last.backward_calls == (1 if kind == "lbfgs" else 2)
+
+
+def test_bad_options_fail_before_training() -> None:
+    model = mlp()
+    with pytest.raises(TorchscopeError, match="every=0"):
+        torchscope.monitor(model, every=0)
+    with pytest.raises(TorchscopeError, match="out="):
+        torchscope.monitor(model, out="/proc/torchscope-run")
+    with pytest.raises(TorchscopeError, match=r"nn\.Module"):
+        torchscope.monitor("model")  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_device_peak_is_kept_and_training_unchanged(tmp_path: Path) -> None:
+    data = [(x.cuda(), y.cuda()) for x, y in batches(20)]
+
+    def run(watched: bool) -> tuple[list[torch.Tensor], object]:
+        torch.manual_seed(0)
+        model = mlp().cuda()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        ctx = torchscope.monitor(model, opt, every=4, out=tmp_path) if watched else \
+            contextlib.nullcontext()
+        _train(model, opt, data, ctx)
+        return [p.detach().clone() for p in model.parameters()], ctx
+
+    watched, mon = run(True)
+    plain, _ = run(False)
+    for a, b in zip(watched, plain, strict=True):
+        assert torch.equal(a, b)
+    record = mon.result  # type: ignore[attr-defined]
+    assert record.device.startswith("cuda") and record.device_peak
+    assert sum(b.count for b in record.device_peak) == 20
+    assert record.onset.nonfinite_steps == 0
+    doc = json.loads((tmp_path / "report.json").read_text())
+    assert doc["sections"]["mem_history"]["data"]["device_peak_bytes"]
