@@ -14,11 +14,20 @@ from torchscope.cli._common import err_console
 
 
 class _OneLineUsageErrors(TyperGroup):
-    """Usage errors (an unknown option, a value of the wrong type) as one line, exit code 2.
+    """Usage errors (an unknown option, a value of the wrong type) as one line, exit code 2;
+    and flags shown without a value in `--help`.
 
     Click would print a usage banner and a boxed message; every other torchscope error is one
     `error:` line, so these are too.
     """
+
+    def get_command(self, ctx: Any, cmd_name: str) -> Any:
+        command = super().get_command(ctx, cmd_name)
+        for param in command.params if command is not None else ():
+            # A flag takes no value, so its help shows none (`--fast`, not `--fast <bool>`).
+            if getattr(param, "is_flag", False) and param.metavar is None:
+                param.metavar = ""
+        return command
 
     def main(self, *args: Any, **kwargs: Any) -> Any:
         if not kwargs.get("standalone_mode", True):

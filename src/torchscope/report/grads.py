@@ -9,8 +9,9 @@ from rich.table import Table
 
 from torchscope._util import fmt_num, fmt_shape
 from torchscope.grads.records import GradFlow, GradHistory, TensorGrad
+from torchscope.report.terminal import ModuleName
 
-__all__ = ["grad_table", "history_table", "param_table"]
+__all__ = ["grad_table", "history_table", "param_table", "tied_params"]
 
 
 def _norm(norm: float | None, reason: str | None) -> str:
@@ -27,6 +28,21 @@ def _norms(grads: Sequence[TensorGrad]) -> str:
                      for g in grads)
 
 
+def tied_params(flow: GradFlow) -> dict[str, str]:
+    """Per module, a note on its parameters that are tied to another module's (GPT-2's
+    `lm_head.weight` is `transformer.wte.weight`), where the records say so
+    (`ParamGradRecord.tied_to`, a name or names); the gradient is counted once, at the
+    parameter's first name."""
+    notes: dict[str, list[str]] = {}
+    for p in flow.params:
+        tied = getattr(p, "tied_to", None)
+        for other in ([tied] if isinstance(tied, str) else list(tied or ())):
+            for name, to in ((p.name, other), (other, p.name)):
+                module, _, leaf = name.rpartition(".")
+                notes.setdefault(module, []).append(f"{leaf} tied to {to}")
+    return {m: "; ".join(dict.fromkeys(v)) for m, v in notes.items()}
+
+
 def grad_table(flow: GradFlow, title: str | None = None) -> Table:
     """One row per module call in backward order: grad_output, grad_input, and the module's
     own parameter gradients (weight, bias, ...); the caption gives the total norm and, when
@@ -41,6 +57,8 @@ def grad_table(flow: GradFlow, title: str | None = None) -> Table:
     for p in flow.params:
         short = p.name[len(p.module) + 1:] if p.module else p.name
         own.setdefault(p.module, []).append(f"{short}={_norm(p.norm, p.reason)}")
+    for module, note in tied_params(flow).items():
+        own.setdefault(module, []).append(f"[dim]{note}[/]")
     shown: set[str] = set()
     micro = flow.micro_batches > 1
     for r in flow.modules:
@@ -48,7 +66,7 @@ def grad_table(flow: GradFlow, title: str | None = None) -> Table:
         # Parameters hold one gradient per step: shown on the module's first row only.
         pnorms = "\n".join(own.get(r.module, [])) if r.module not in shown else ""
         shown.add(r.module)
-        table.add_row("—" if r.order is None else str(r.order), r.module or "<root>",
+        table.add_row("—" if r.order is None else str(r.order), ModuleName(r.module),
                       r.module_type, call, _norms(r.grad_output), _norms(r.grad_input),
                       pnorms)
     scale = f", GradScaler scale {flow.scale:g} divided out" if flow.scale else ""
@@ -67,7 +85,7 @@ def param_table(flow: GradFlow, title: str = "Parameter gradients") -> Table:
         table.add_column(col, justify=justify)  # type: ignore[arg-type]
     for p in flow.params:
         norm = "None" if p.norm is None else _norm(p.norm, None)  # the reason has a column
-        table.add_row(p.name, fmt_shape(p.shape), norm, p.reason or "")
+        table.add_row(ModuleName(p.name), fmt_shape(p.shape), norm, p.reason or "")
     return table
 
 
@@ -89,7 +107,7 @@ def history_table(history: GradHistory, kind: str = "output", max_cols: int = 8)
     for name, values in series:
         finite = [v for v in values if math.isfinite(v) and v > 0]
         change = fmt_num(finite[-1] / finite[0]) + "×" if len(finite) >= 2 else "—"
-        table.add_row(name or "<root>", *(fmt_num(values[i]) if not math.isnan(values[i])
+        table.add_row(ModuleName(name), *(fmt_num(values[i]) if not math.isnan(values[i])
                                           else "—" for i in cols), change)
     return table
 

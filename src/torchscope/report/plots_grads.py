@@ -14,7 +14,15 @@ import numpy as np
 from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
 
-from torchscope.grads.records import GradFlow, GradHistory
+from torchscope.grads.records import GradFlow, GradHistory, combine_norms
+from torchscope.report.charts import (
+    DEEP_ROWS,
+    EmptyPlot,
+    Series,
+    block_groups,
+    block_label,
+    module_chart,
+)
 
 __all__ = ["plot_grad_heatmap", "plot_gradient_flow", "save_figure"]
 
@@ -26,41 +34,34 @@ def _positive(v: float | None) -> float:
 
 
 def plot_gradient_flow(flow: GradFlow, title: str | None = None) -> Figure:
-    """Per-layer gradient norms on a log scale, input side left, loss side right.
+    """Per-layer gradient norms on a log scale, one row per layer in forward order (input at
+    the top), full names grouped by block; per block beyond `DEEP_ROWS` layers.
 
-    Bars: each module's own parameter-gradient norm; line: the grad_output norm arriving at
-    the module. Missing, zero and non-finite values are left out of the log axis and named
-    in the legend of the x labels (`∅`).
+    Bars: each module's own parameter-gradient norm; points: the grad_output norm arriving at
+    the module. Missing, zero and non-finite values leave their row empty (log axis).
     """
-    layers = list(reversed(flow.layers()))  # forward order: input left, loss right
+    layers = list(reversed(flow.layers()))  # forward order: input at the top, loss below
     outs = flow.output_norms()
     params = flow.param_norms()
-    out_v = np.array([_positive(outs.get(m)) for m in layers], dtype=float)
-    par_v = np.array([_positive(params.get(m)) for m in layers], dtype=float)
-    width = max(6.0, 0.45 * len(layers) + 2.0)
-    fig = Figure(figsize=(min(width, 40.0), 4.5))
-    ax = fig.add_subplot(1, 1, 1)
-    x = np.arange(len(layers))
-    if np.isfinite(par_v).any():
-        ax.bar(x, np.nan_to_num(par_v, nan=0.0), color="#4c72b0", alpha=0.75,
-               label="parameter grad norm")
-    if np.isfinite(out_v).any():
-        ax.plot(x, out_v, "o-", color="#dd8452", label="grad_output norm")
-    if np.isfinite(out_v).any() or np.isfinite(par_v).any():
-        ax.set_yscale("log")
-    labels = [(m or "<root>") + ("" if np.isfinite(o) or np.isfinite(p) else " ∅")
-              for m, o, p in zip(layers, out_v, par_v, strict=True)]
-    ax.set_xticks(x)
-    ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=8)
-    ax.set_ylabel("L2 norm (log)")
-    ax.set_xlabel("layer (input → loss)")
-    ax.set_title(title or f"Gradient flow, step {flow.index} "
-                 f"(total norm {flow.total_norm:.3g})")
-    ax.grid(True, which="both", axis="y", alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(loc="best", fontsize=8)
-    fig.tight_layout()
-    return fig
+    out_v = [_positive(outs.get(m)) for m in layers]
+    par_v = [_positive(params.get(m)) for m in layers]
+    if not any(math.isfinite(v) for v in out_v + par_v):
+        return EmptyPlot("No layer received a finite, non-zero gradient, so there is no "
+                         "gradient-flow chart.")
+    names, group = layers, len(layers) <= DEEP_ROWS
+    what = "layer"
+    if not group:
+        groups = block_groups(layers)
+        names = [block_label(b, [layers[i] for i in idx]) for b, idx in groups]
+        par_v = [_positive(combine_norms(params.get(layers[i]) for i in idx)) for _, idx in groups]
+        out_v = [max((out_v[i] for i in idx if math.isfinite(out_v[i])), default=math.nan)
+                 for _, idx in groups]
+        what = "block (parameter norms combined, the largest grad_output)"
+    return module_chart(names, [
+        Series("parameter grad norm", par_v, color="#4c72b0"),
+        Series("grad_output norm", out_v, kind="point", color="#dd8452")],
+        title=title or f"Gradient flow per {what}, step {flow.index} "
+        f"(total norm {flow.total_norm:.3g})", xlabel="L2 norm (log)", log=True, group=group)
 
 
 def plot_grad_heatmap(history: GradHistory, kind: str = "output",
