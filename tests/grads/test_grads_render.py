@@ -61,8 +61,9 @@ def test_plots_png_and_svg(watched: GradWatch, tmp_path: Path) -> None:
     assert flow is not None
     fig = plot_gradient_flow(flow)
     ax = fig.axes[0]
-    assert ax.get_yscale() == "log"
-    assert [t.get_text() for t in ax.get_xticklabels()] == ["conv1", "relu", "conv2", "pool", "fc"]
+    # Horizontal rows in forward order, input side at the top; norms on a log axis.
+    assert ax.get_xscale() == "log"
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["conv1", "relu", "conv2", "pool", "fc"]
     png = save_figure(fig, tmp_path / "flow.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     svg = save_figure(plot_grad_heatmap(watched.history), tmp_path / "heat.svg")

@@ -226,13 +226,13 @@ def check_output(path: str | None, option: str, *, folder: bool = False,
         return
     out = Path(path)
     where = f"{option} {path}"
-    if suffixes and out.suffix.lower() not in suffixes:
-        fail(f"{option} {path!r} must end in {' or '.join(suffixes)}. Fix: write e.g. "
-             f"{option} out{suffixes[0]}.")
     if folder and out.exists() and not out.is_dir():
         fail(f"{where} is an existing file, not a folder. Fix: pass a folder path.")
     if not folder and out.is_dir():
         fail(f"{where} is a folder, not a file. Fix: pass a file path inside it.")
+    if suffixes and out.suffix.lower() not in suffixes:
+        fail(f"{option} {path!r} must end in {' or '.join(suffixes)}. Fix: write e.g. "
+             f"{option} out{suffixes[0]}.")
     absolute = Path(os.path.abspath(out))
     blocking = next((p for p in absolute.parents if p.exists() and not p.is_dir()), None)
     if blocking is not None:
