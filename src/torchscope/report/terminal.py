@@ -106,7 +106,7 @@ class Prose:
         yield text
 
 
-TEXT_MIN = 8  # a text column folds down to this many characters
+TEXT_MIN = 6  # a text column folds down to this many characters
 NUMBER_MAX = 10  # a right-aligned (numeric) column keeps up to this many unfolded
 
 
@@ -120,10 +120,10 @@ class Fitted:
     When the table is wider than the console, the widest columns give way first (as rich
     does), each down to a floor: a column of `ModuleName`s the room its names need to keep
     their block indices and leaf (`…11…dense`), a right-aligned (numeric) column its widest
-    cell (at most `NUMBER_MAX`), any other column `TEXT_MIN` characters; text folds across
-    lines rather than ending in an ellipsis. When even the floors do not fit, the `optional`
-    columns are left out, in order, and the caption says so; past that, rich shares out the
-    shortfall.
+    cell (at most `NUMBER_MAX`; its header may fold), any other column `TEXT_MIN`
+    characters; text folds across lines rather than ending in an ellipsis. When even the
+    floors do not fit, the `optional` columns are left out, in order, and the caption says
+    so; past that, rich shares out the shortfall.
 
     Args:
         table: the table; its columns' width and overflow are set at each render.
@@ -177,8 +177,7 @@ def _fit(t: Table, console: Console, options: ConsoleOptions) -> tuple[list[int]
     if excess <= 0:
         return None, excess
     floors = [min(w, max(c.essential for c in n) if n else
-                  min(max([*m, _words(col.header)]), NUMBER_MAX) if col.justify == "right"
-                  else TEXT_MIN)
+                  min(max(m, default=1), NUMBER_MAX) if col.justify == "right" else TEXT_MIN)
               for w, n, m, col in zip(widths, names, cells, columns, strict=True)]
     while excess > 0:
         above = [i for i, w in enumerate(widths) if w > floors[i]]
