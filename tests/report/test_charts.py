@@ -13,13 +13,11 @@ from matplotlib.figure import Figure
 from torch import nn
 
 from torchscope.capture import capture_activations
-from torchscope.grads import gradient_flow
 from torchscope.memory import analyze_memory
 from torchscope.models import DeepMLP, TinyCNN
 from torchscope.report.charts import DEEP_ROWS, EmptyPlot, figure_svg, label_texts
 from torchscope.report.html import leaf_records
 from torchscope.report.plots_doctor import activation_stats_plot, activation_zeros_plot
-from torchscope.report.plots_grads import plot_gradient_flow
 from torchscope.report.plots_memory import plot_memory, plot_plans
 
 
@@ -96,16 +94,6 @@ def test_zero_fraction_chart_is_dropped_where_nothing_is_zero() -> None:
     assert not isinstance(relu, EmptyPlot)
     assert set(_labels(relu)) <= {"relu", "pool", "conv1", "conv2", "fc"} and "relu" in \
         _labels(relu)
-
-
-def test_gradient_flow_is_horizontal_and_nothing_is_cut() -> None:
-    model, inputs = _bert(2)
-    flow = gradient_flow(model.train(), inputs)
-    fig = plot_gradient_flow(flow)
-    labels = [x for x in _labels(fig) if not x.endswith(".*")]
-    assert labels == list(reversed(flow.layers()))
-    assert fig.axes[0].get_xscale() == "log"
-    assert _all_inside(fig) == []
 
 
 def test_memory_plot_titles_and_plan_labels_fit() -> None:

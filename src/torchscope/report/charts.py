@@ -8,7 +8,8 @@ backend is left alone).
 - `EmptyPlot`: a figure that only says why there is nothing to draw; report.html shows that
   line instead of an empty chart.
 - `figure_svg`: a figure as a self-contained inline `<svg>` whose element ids carry a prefix
-  (unique across the page), every label tagged `label:<text>` for tests and tools.
+  (unique across the page), every category label tagged `label:<text>` (`tag_labels`) for
+  tests and tools.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ __all__ = [
     "label_width",
     "module_chart",
     "set_title",
+    "tag_labels",
     "wrap",
 ]
 
@@ -170,8 +172,7 @@ def chart_figure(labels: Sequence[str], rows: int) -> tuple[Figure, Axes]:
 def set_title(fig: Figure, text: str) -> None:
     """A left-aligned figure title, wrapped to the figure's width (never clipped)."""
     width = fig.get_figwidth()
-    fig.suptitle(wrap(text, width - 0.3), x=0.01, ha="left", fontsize=FONT + 1,
-                 gid="title")
+    fig.suptitle(wrap(text, width - 0.3), x=0.01, ha="left", fontsize=FONT + 1)
 
 
 def draw_rows(ax: Axes, names: Sequence[str], series: Sequence[Series], *, group: bool = True,
@@ -204,7 +205,6 @@ def draw_rows(ax: Axes, names: Sequence[str], series: Sequence[Series], *, group
         ax.set_xscale("log")
     ax.set_yticks(range(len(rows)), [r.label for r in rows], fontsize=FONT)
     for r, text in zip(rows, ax.get_yticklabels(), strict=True):
-        text.set_gid(LABEL_GID + r.label)
         if r.index is None:
             text.set_fontweight("bold")
     ax.set_ylim(len(rows) - 0.5, -0.5)
@@ -246,10 +246,46 @@ def module_chart(names: Sequence[str], series: Sequence[Series], *, title: str,
     return fig
 
 
+def tag_labels(fig: Figure) -> None:
+    """Give the texts a reader relies on an SVG id that says what they are: each category
+    label (tick labels set from names, not numbers) `label:<text>` (spaces as `_`, a repeat
+    suffixed `~2`, `~3`, ...), the figure's title `title` and each axes' title `title-<i>`."""
+    from matplotlib.ticker import FixedFormatter, FixedLocator, FuncFormatter
+
+    # matplotlib keeps the titles' Text objects in these attributes (no public getter).
+    suptitle = getattr(fig, "_suptitle", None)
+    if suptitle is not None and not suptitle.get_gid():
+        suptitle.set_gid("title")
+    used: set[str] = set()
+    for i, ax in enumerate(fig.axes):
+        for where in ("title", "_left_title", "_right_title"):
+            title = getattr(ax, where, None)
+            if title is not None and title.get_text() and not title.get_gid():
+                title.set_gid(f"title-{i}")
+        for axis, texts in ((ax.xaxis, ax.get_xticklabels()), (ax.yaxis, ax.get_yticklabels())):
+            # Ticks set from names: fixed positions, each labelled by a lookup (which
+            # formatter matplotlib uses for that depends on its version).
+            if not isinstance(axis.get_major_locator(), FixedLocator) or not isinstance(
+                    axis.get_major_formatter(), (FixedFormatter, FuncFormatter)):
+                continue
+            for text in texts:
+                if not text.get_text() or text.get_gid():
+                    continue
+                gid = LABEL_GID + re.sub(r"\s", "_", text.get_text())
+                k, unique = 1, gid
+                while unique in used:
+                    k += 1
+                    unique = f"{gid}~{k}"
+                used.add(unique)
+                text.set_gid(unique)
+
+
 def label_texts(fig: Figure) -> list[Text]:
-    """Every text of `fig` tagged as a label (tick labels of `draw_rows`, plan labels)."""
+    """Every text of `fig` tagged as a label (`tag_labels`, plus any tagged by hand such as
+    the checkpoint plans' legend entries)."""
     from matplotlib.text import Text
 
+    tag_labels(fig)
     return [t for t in fig.findobj(Text)
             if isinstance(t, Text) and str(t.get_gid() or "").startswith(LABEL_GID)]
 
@@ -264,6 +300,7 @@ def figure_svg(fig: Figure, prefix: str = "") -> str:
     prefixed `<prefix>-`, so that several figures share one page without clashing ids."""
     import matplotlib
 
+    tag_labels(fig)
     buf = io.StringIO()
     with matplotlib.rc_context(_RC):  # type: ignore[arg-type]
         fig.savefig(buf, format="svg", metadata={"Date": None, "Creator": None, "Format": None,

@@ -11,7 +11,7 @@ from torchscope._util import fmt_num, fmt_shape
 from torchscope.grads.records import GradFlow, GradHistory, TensorGrad
 from torchscope.report.terminal import ModuleName
 
-__all__ = ["grad_table", "history_table", "param_table", "tied_params"]
+__all__ = ["grad_table", "history_table", "param_table"]
 
 
 def _norm(norm: float | None, reason: str | None) -> str:
@@ -28,21 +28,6 @@ def _norms(grads: Sequence[TensorGrad]) -> str:
                      for g in grads)
 
 
-def tied_params(flow: GradFlow) -> dict[str, str]:
-    """Per module, a note on its parameters that are tied to another module's (GPT-2's
-    `lm_head.weight` is `transformer.wte.weight`), where the records say so
-    (`ParamGradRecord.tied_to`, a name or names); the gradient is counted once, at the
-    parameter's first name."""
-    notes: dict[str, list[str]] = {}
-    for p in flow.params:
-        tied = getattr(p, "tied_to", None)
-        for other in ([tied] if isinstance(tied, str) else list(tied or ())):
-            for name, to in ((p.name, other), (other, p.name)):
-                module, _, leaf = name.rpartition(".")
-                notes.setdefault(module, []).append(f"{leaf} tied to {to}")
-    return {m: "; ".join(dict.fromkeys(v)) for m, v in notes.items()}
-
-
 def grad_table(flow: GradFlow, title: str | None = None) -> Table:
     """One row per module call in backward order: grad_output, grad_input, and the module's
     own parameter gradients (weight, bias, ...); the caption gives the total norm and, when
@@ -57,8 +42,6 @@ def grad_table(flow: GradFlow, title: str | None = None) -> Table:
     for p in flow.params:
         short = p.name[len(p.module) + 1:] if p.module else p.name
         own.setdefault(p.module, []).append(f"{short}={_norm(p.norm, p.reason)}")
-    for module, note in tied_params(flow).items():
-        own.setdefault(module, []).append(f"[dim]{note}[/]")
     shown: set[str] = set()
     micro = flow.micro_batches > 1
     for r in flow.modules:
@@ -85,7 +68,7 @@ def param_table(flow: GradFlow, title: str = "Parameter gradients") -> Table:
         table.add_column(col, justify=justify)  # type: ignore[arg-type]
     for p in flow.params:
         norm = "None" if p.norm is None else _norm(p.norm, None)  # the reason has a column
-        table.add_row(ModuleName(p.name), fmt_shape(p.shape), norm, p.reason or "")
+        table.add_row(p.name, fmt_shape(p.shape), norm, p.reason or "")
     return table
 
 

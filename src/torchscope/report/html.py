@@ -33,7 +33,6 @@ from torchscope.profiling import ProfileResult
 from torchscope.report.charts import DEEP_ROWS, block_groups, block_label
 from torchscope.report.document import SCHEMA_VERSION, Report, SectionOutcome, build_document
 from torchscope.report.findings import evidence_text
-from torchscope.report.grads import tied_params
 
 __all__ = [
     "activations_fragment",
@@ -221,17 +220,32 @@ def activations_fragment(capture: ActivationCapture, plots: Mapping[str, str]) -
     }) + summary + _h3("Per module") + per_module
 
 
+def _tied_notes(flow: GradFlow) -> dict[str, str]:
+    """Per module, which of its parameters are tied to another module's (GPT-2's
+    `lm_head.weight` is `transformer.wte.weight`), where the records say so
+    (`ParamGradRecord.tied_to`: the parameter's first name)."""
+    notes: dict[str, list[str]] = {}
+    for p in flow.params:
+        tied = getattr(p, "tied_to", None)
+        if tied:
+            for name, to in ((p.name, tied), (tied, p.name)):
+                module, _, leaf = name.rpartition(".")
+                notes.setdefault(module, []).append(f"{leaf} tied to {to}")
+    return {m: "; ".join(dict.fromkeys(v)) for m, v in notes.items()}
+
+
 def gradients_fragment(flow: GradFlow, plots: Mapping[str, str]) -> str:
     """Per-call gradient norms in backward order (per block first on a deep model), each
     module's parameter norm once, tied parameters named."""
     norms = layer_norms(flow)
     head = f'<p class="note">Total norm (as clip_grad_norm_) {_e(fmt_num(flow.total_norm))}'
     if len(norms) >= 2:
+        # A raw measurement, not a diagnosis (tensors of different sizes; see the findings).
         (near, n_near), (far, n_far) = norms[0], norms[-1]
-        head += (f"; {_e(far)} receives {n_near / n_far:.3g}× less gradient than "
-                 f"{_e(near)}")
+        head += (f"; raw grad_output norm {_e(near)} / {_e(far)}: {n_near / n_far:.3g}×"
+                 " (the diagnosis compares ‖g‖/‖w‖ across depth instead)")
     params = flow.param_norms()
-    tied = tied_params(flow)
+    tied = _tied_notes(flow)
     shown: set[str] = set()
     rows: list[tuple[Cell, ...]] = []
     for r in flow.modules:

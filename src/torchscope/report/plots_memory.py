@@ -77,8 +77,8 @@ def _draw_plans(ax: Axes, report: PlanReport) -> None:
     ax.grid(alpha=0.3)
     legend = ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=FONT - 1,
                        title="plan: saved, recompute", title_fontsize=FONT - 1, frameon=False)
-    for text in legend.get_texts():
-        text.set_gid(LABEL_GID + text.get_text())
+    for text in legend.get_texts():  # the plans' names: this chart's labels
+        text.set_gid(LABEL_GID + "_".join(text.get_text().split()))
 
 
 _PLANS_TITLE = "Checkpointing plans: saved memory against recompute time"
@@ -101,7 +101,7 @@ def _plot(panels: Sequence[Panel], labels: Sequence[str], path: str | Path | Non
         draw(ax)
         # A left-aligned title starts at the axes: wrapped to what the panel leaves it.
         room = (first if i == 0 else _PANEL_IN) - beside
-        ax.set_title(wrap(title, room - 0.3), loc="left", fontsize=FONT + 1, gid="title")
+        ax.set_title(wrap(title, room - 0.3), loc="left", fontsize=FONT + 1)
     if path is not None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path)
