@@ -59,7 +59,7 @@ class _Console(Console):
     def size(self) -> ConsoleDimensions:
         dims = super().size
         if self._width is None and not self.is_terminal and \
-                not self._environ.get("COLUMNS", "").isdigit():
+                not os.environ.get("COLUMNS", "").isdigit():
             return ConsoleDimensions(PIPE_WIDTH, dims.height)
         return dims
 
@@ -195,7 +195,7 @@ def _mount_type(path: Path) -> str | None:
 
 def _unwritable(folder: Path) -> str | None:
     """Why nothing can be created in the existing folder `folder`; None when it can."""
-    kind = _mount_type(folder)
+    kind = _mount_type(Path(os.path.realpath(folder)))
     if kind in _PSEUDO_FS:
         return f"{folder} is on the kernel's {kind} file system, where no file can be created"
     try:
