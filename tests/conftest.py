@@ -26,6 +26,13 @@ def _seed() -> None:
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _console_width(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The width a pipe gets (150 columns): pytest-xdist's workers inherit COLUMNS=80, which
+    the CLI honours. Tests of narrow consoles set COLUMNS themselves."""
+    monkeypatch.setenv("COLUMNS", "150")
+
+
 @pytest.fixture
 def tiny_gpt2() -> torch.nn.Module:
     """A 2-layer GPT-2 built from a config: no download."""

@@ -19,9 +19,11 @@ from typing import Any
 __version__ = "0.1.0"
 
 __all__ = [
-    "__version__", "fit_line", "fmt_bytes", "fmt_num", "fmt_pct", "fmt_shape", "to_jsonable",
-    "write_json",
+    "__version__", "fit_line", "fmt_bytes", "fmt_num", "fmt_pct", "fmt_shape", "module_block",
+    "shorten_name", "to_jsonable", "write_json",
 ]
+
+ELLIPSIS = "…"
 
 
 def fmt_num(x: float | None, digits: int = 4) -> str:
@@ -76,6 +78,66 @@ def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
     if sxx == 0:
         return 0.0, 0.0
     return sxy / sxx, (sxy * sxy / (sxx * syy) if syy > 0 else 0.0)
+
+
+def module_block(name: str) -> str:
+    """The block a module belongs to, for grouping many modules by what repeats.
+
+    Up to the first numbered part when there is one (`encoder.layer.3.attention.self.query`
+    → `encoder.layer.3`: the repeated block), else the parent (`embeddings.word_embeddings`
+    → `embeddings`); a top-level module (`classifier`) and the root (`""`) are their own block.
+    """
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[: i + 1])
+    return ".".join(parts[:-1]) or name
+
+
+def _drop_classes(parts: list[str]) -> list[list[int]]:
+    """The dotted parts of a name `shorten_name` may leave out, in the order it does: the
+    plain middle parts (root side first), then the first part, then the block indices
+    (outermost first). The leaf (the last part) is never among them."""
+    middle = [i for i in range(1, len(parts) - 1) if not parts[i].isdigit()]
+    first = [0] if len(parts) > 1 and not parts[0].isdigit() else []
+    numbers = [i for i in range(len(parts) - 1) if parts[i].isdigit()]
+    return [middle, first, numbers]
+
+
+def _joined(parts: list[str], kept: set[int]) -> str:
+    """The kept parts joined by dots, each run of left-out parts one ellipsis."""
+    out, gap = "", False
+    for i, part in enumerate(parts):
+        if i not in kept:
+            gap = True
+            continue
+        if out or gap:
+            out += ELLIPSIS if gap else "."
+        out, gap = out + part, False
+    return out
+
+
+def shorten_name(name: str, width: int) -> str:
+    """A dotted module name in at most `width` characters, shortened from the middle.
+
+    Plain middle parts go first (root side first), then the first part, then the block
+    indices; the leaf stays longest: `encoder.layer.11.attention.output.dense` in 33
+    characters is `encoder…11.attention.output.dense`, in 16 `encoder…11…dense`, in 9
+    `…11…dense`. Only a leaf longer than `width` is itself cut, from its start (`…ense`).
+    """
+    if len(name) <= width:
+        return name
+    parts = name.split(".")
+    kept = set(range(len(parts)))
+    for droppable in _drop_classes(parts):
+        while droppable:
+            # Of this class's parts whose leaving out makes it fit, the one keeping the most.
+            fits = [s for s in (_joined(parts, kept - {i}) for i in droppable) if len(s) <= width]
+            if fits:
+                return max(fits, key=len)
+            kept.discard(droppable.pop(0))
+    leaf = parts[-1]
+    return (ELLIPSIS + leaf[len(leaf) - width + 1:]) if width > 1 else ELLIPSIS[:width]
 
 
 def to_jsonable(obj: Any) -> Any:

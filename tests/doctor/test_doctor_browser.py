@@ -1,19 +1,24 @@
 """One real full doctor run (every section, torch.compile included) shared by this module:
 report.json against the schema, the compile and memory sections against their capabilities,
 the model left untouched, and report.html in headless Chromium (every section and plot drawn,
-no network). The browser tests are skipped when Chromium is not installed (`make test`
-installs it with apt-get when it can).
+no network). Then a report on a 12-layer BERT: unique ids, a table of contents, folded long
+tables, and in Chromium every chart label drawn whole, inside its figure, naming a module.
+The browser tests are skipped when Chromium is not installed (`make test` installs it with
+apt-get when it can).
 """
 
 from __future__ import annotations
 
+import html as html_module
 import json
 import re
 import shutil
 import subprocess
+from collections import Counter
 from dataclasses import dataclass
 from html.parser import HTMLParser
 from pathlib import Path
+from typing import Any
 
 import jsonschema
 import pytest
@@ -22,7 +27,7 @@ import torch
 from torchscope.doctor import DoctorOptions, DoctorReport, run_doctor, section_names
 from torchscope.models import DeepMLP
 from torchscope.report.document import load_schema
-from torchscope.report.html import write_report
+from torchscope.report.html import leaf_records, write_report
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 # The shared run compiles: keep it on one xdist worker with the other compile tests.
@@ -206,3 +211,224 @@ def test_netlog_check_sees_a_page_request(tmp_path: Path) -> None:
     netlog = tmp_path / "netlog.json"
     _chromium(tmp_path, page.as_uri(), f"--log-net-log={netlog}", "--dump-dom")
     assert any("example.invalid" in u for u in _page_requests(netlog))
+
+
+# ----------------------------------------------------------------- a 12-block transformer
+# The report has to hold up on a real architecture of 150+ modules (issue 12, defect 8).
+
+MODULE_CHARTS = {"activations-stats", "activations-zeros", "gradients-flow", "memory-saved",
+                 "profile-modules"}
+
+# Measures, in the browser, every label and title of every inline SVG: its box against its
+# SVG's box, its glyphs, and overlaps between labels of one figure. Appended to a copy of
+# the report (the report itself runs no script).
+MEASURE_JS = """
+(function () {
+  const box = e => { const r = e.getBoundingClientRect();
+                     return {l: r.left, t: r.top, r: r.right, b: r.bottom}; };
+  const within = (a, o) => a.l >= o.l - 1 && a.r <= o.r + 1 && a.t >= o.t - 1 && a.b <= o.b + 1;
+  const cross = (a, o) => a.l < o.r - 0.5 && o.l < a.r - 0.5 && a.t < o.b - 0.5 && o.t < a.b - 0.5;
+  const figures = [];
+  for (const fig of document.querySelectorAll("figure.plot")) {
+    const svg = fig.querySelector("svg"), frame = box(svg);
+    const labels = [...svg.querySelectorAll('g[id*="label:"]')].map(g => ({
+      text: g.id.slice(g.id.indexOf("label:") + 6), glyphs: g.querySelectorAll("use").length,
+      box: box(g)}));
+    const overlaps = [];
+    labels.forEach((a, i) => labels.slice(i + 1).forEach(o => {
+      if (cross(a.box, o.box)) overlaps.push([a.text, o.text]); }));
+    figures.push({plot: fig.dataset.plot, width: frame.r - frame.l,
+      outside: labels.filter(l => !within(l.box, frame)).map(l => l.text),
+      labels: labels.map(l => [l.text, l.glyphs]), overlaps,
+      titles: [...svg.querySelectorAll('g[id$="-title"], g[id*="-title-"]')].map(
+        g => within(box(g), frame))});
+  }
+  const pre = document.createElement("pre");
+  pre.id = "ts-measure";
+  pre.textContent = JSON.stringify(figures);
+  document.body.appendChild(pre);
+})();
+"""
+
+
+@dataclass(frozen=True)
+class DeepRun:
+    """The doctor's report on a 12-layer BERT, and the model's module names."""
+
+    report: DoctorReport
+    html: Path
+    modules: frozenset[str]
+
+
+@pytest.fixture(scope="module")
+def deep_run(tmp_path_factory: pytest.TempPathFactory) -> DeepRun:
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    cfg = BertConfig(num_hidden_layers=12, hidden_size=32, num_attention_heads=2,
+                     intermediate_size=64, vocab_size=100, max_position_embeddings=32)
+    model = BertForSequenceClassification(cfg)
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    report = run_doctor(model, {"input_ids": ids}, name="bert-12",
+                        options=DoctorOptions(fast=True))
+    html, _ = write_report(report, tmp_path_factory.mktemp("deep") / "report")
+    return DeepRun(report, html, frozenset(n for n, _ in model.named_modules()))
+
+
+class _Page(HTMLParser):
+    """Every id, every in-page reference, the contents' links and the tables (rows, and
+    whether they sit in a `<details>`) of a report."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ids: list[str] = []
+        self.refs: list[str] = []
+        self.toc: list[str] = []
+        self.tables: list[tuple[int, bool]] = []
+        self.cells: list[str] = []
+        self.empty_plots: list[str] = []
+        self._stack: list[str] = []
+        self._in_toc = self._in_cell = False
+        self._details = 0
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        a = dict(attrs)
+        if a.get("id"):
+            self.ids.append(str(a["id"]))
+        for key in ("href", "xlink:href"):
+            if (a.get(key) or "").startswith("#"):
+                self.refs.append(str(a[key])[1:])
+                if self._in_toc:
+                    self.toc.append(str(a[key])[1:])
+        for value in a.values():
+            self.refs += re.findall(r"url\(#([^)]+)\)", value or "")
+        if tag == "nav" and "toc" in (a.get("class") or ""):
+            self._in_toc = True
+        if tag == "details":
+            self._details += 1
+        if tag == "table":
+            self.tables.append((0, self._details > 0))
+        if tag == "tr" and self.tables:
+            rows, folded = self.tables[-1]
+            self.tables[-1] = (rows + 1, folded)
+        if tag == "td":
+            self._in_cell = True
+            self.cells.append("")
+        if a.get("data-empty-plot"):
+            self.empty_plots.append(str(a["data-empty-plot"]))
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "nav":
+            self._in_toc = False
+        if tag == "details":
+            self._details -= 1
+        if tag == "td":
+            self._in_cell = False
+
+    def handle_data(self, data: str) -> None:
+        if self._in_cell:
+            self.cells[-1] += data
+
+
+def _parse(html: Path) -> _Page:
+    page = _Page()
+    page.feed(html.read_text())
+    return page
+
+
+def test_deep_report_ids_are_unique_and_every_reference_resolves(deep_run: DeepRun) -> None:
+    page = _parse(deep_run.html)
+    duplicates = {i: n for i, n in Counter(page.ids).items() if n > 1}
+    assert duplicates == {}
+    assert not [i for i in page.ids if re.search(r"\s", i)]  # an id holds no whitespace
+    assert len(page.ids) > 500  # the SVGs' own ids are all there, prefixed
+    assert set(page.refs) <= set(page.ids), set(page.refs) - set(page.ids)
+
+
+def test_deep_report_has_contents_and_folds_long_tables(deep_run: DeepRun) -> None:
+    from torchscope.report.html import SHOW_ROWS
+
+    page = _parse(deep_run.html)
+    assert {"summary", "findings"} | {f"section-{o.name}" for o in deep_run.report.outcomes} \
+        <= set(page.toc)
+    assert len(page.toc) > 15  # each section's plots and tables are listed too
+    # No table shows more than a screenful unfolded (the header row counts as a row).
+    assert all(rows <= SHOW_ROWS + 6 or folded for rows, folded in page.tables), page.tables
+    assert any(folded and rows > 100 for rows, folded in page.tables)  # every module is kept
+    # No module's output is exactly zero outside dropout: one line instead of a chart.
+    assert page.empty_plots == ["activations-zeros"]
+    text = deep_run.html.read_text()
+    assert 'data-plot="activations-zeros"' not in text
+    for heading in ("Per block", "Per block (backward order)", "Saved per block",
+                    "Time per block"):
+        assert f">{heading}</h3>" in text
+    # The folded full tables name every leaf module that ran, whole.
+    leaves = {r.module for r in leaf_records(deep_run.report.outcome("activations").record)}
+    assert len(leaves) > 130 and leaves <= set(page.cells), leaves - set(page.cells)
+
+
+def _label_text(gid_text: str) -> str:
+    """The text a label draws, from its id: spaces were written `_`, repeats `~2`."""
+    return re.sub(r"~\d+$", "", gid_text)
+
+
+def _expected_glyphs(text: str) -> int:
+    # DejaVu Sans draws "fi" and "fl" as one ligature glyph.
+    return len(text) - len(re.findall("f[il]", text))
+
+
+def _names_a_module(label: str, modules: frozenset[str]) -> bool:
+    # `#2`: a module's third call; ` ∅`: a row with nothing to draw on a log axis.
+    name = re.sub(r"(#\d+|_∅)$", "", label)
+    if name.endswith(".*"):
+        return name[:-2] in modules
+    return name in modules or name in ("<root>", "(outside modules)")
+
+
+def _measure(page: str, tmp_path: Path) -> list[dict[str, Any]]:
+    """MEASURE_JS's findings on `page`, rendered by Chromium 1400 pixels wide."""
+    harness = tmp_path / "measure.html"
+    harness.write_text(page.replace("</body>", f"<script>{MEASURE_JS}</script></body>"))
+    res = _chromium(tmp_path, harness.as_uri(), "--window-size=1400,3000", "--dump-dom")
+    assert res.returncode == 0, res.stderr[-2000:]
+    found = re.search(r'<pre id="ts-measure">(.*?)</pre>', res.stdout, re.S)
+    assert found, res.stdout[-2000:]
+    figures: list[dict[str, Any]] = json.loads(html_module.unescape(found.group(1)))
+    return figures
+
+
+@needs_chromium
+def test_deep_report_labels_are_whole_in_chromium(deep_run: DeepRun, tmp_path: Path) -> None:
+    figures = _measure(deep_run.html.read_text(), tmp_path)
+    assert {f["plot"] for f in figures} == {"activations-stats", "gradients-flow",
+                                            "memory-saved", "profile-ops", "profile-modules"}
+    for fig in figures:
+        assert fig["labels"], fig["plot"]
+        assert fig["outside"] == [], (fig["plot"], fig["outside"])  # no label cut off
+        assert fig["overlaps"] == [], (fig["plot"], fig["overlaps"])
+        assert fig["titles"] and all(fig["titles"]), fig["plot"]
+        # Every label is drawn whole: one glyph per character of its full text.
+        short = [(t, n) for t, n in fig["labels"] if n != _expected_glyphs(_label_text(t))]
+        assert short == [], (fig["plot"], short)
+        if fig["plot"] in MODULE_CHARTS:
+            # ...and that text is a module's full name, or a block of them (`layer.3.*`).
+            others = [t for t, _ in fig["labels"]
+                      if not _names_a_module(_label_text(t), deep_run.modules)]
+            assert others == [], (fig["plot"], others)
+    stats = next(f for f in figures if f["plot"] == "activations-stats")
+    assert [t for t, _ in stats["labels"] if t.startswith("bert.encoder.layer.")] == [
+        f"bert.encoder.layer.{i}.*" for i in range(12)]
+
+
+@needs_chromium
+def test_label_check_sees_cut_and_overlapping_labels(deep_run: DeepRun, tmp_path: Path) -> None:
+    # The checks must be able to fail: labels pushed out of their figure, and labels drawn
+    # on top of each other, are both caught.
+    page = deep_run.html.read_text()
+    moved = _measure(page.replace("</style>", 'g[id*="label:"] { transform: translate(-900px, '
+                                  "0); }</style>"), tmp_path)
+    assert all(f["outside"] for f in moved)
+    piled = _measure(page.replace("</style>", 'g[id*="label:"] > g { transform: '
+                                  "translate(0, 0) scale(0.1, -0.1) !important; }</style>"),
+                     tmp_path)
+    assert all(f["overlaps"] for f in piled if len(f["labels"]) > 1)

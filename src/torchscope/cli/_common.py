@@ -1,15 +1,17 @@
-"""What every CLI command shares: TARGET/--input options, one-line errors, JSON output."""
+"""What every CLI command shares: TARGET/--input options, one-line errors, output paths
+checked before any work, and the console."""
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
 
 import typer
-from rich.console import Console
+from rich.console import Console, ConsoleDimensions
 
 from torchscope.errors import TorchscopeError, describe
 
@@ -26,6 +28,7 @@ __all__ = [
     "InputsFnOpt",
     "JsonOpt",
     "LossOpt",
+    "OutputError",
     "SelectOpt",
     "TargetArg",
     "check_output",
@@ -37,12 +40,52 @@ __all__ = [
     "guarded",
     "is_tty",
     "load",
+    "save_json",
     "split_commas",
+    "writing",
 ]
 
 C = TypeVar("C", bound=str)
 
-console = Console(width=None if sys.stdout.isatty() else 150)
+PIPE_WIDTH = 150  # columns of output to a file or pipe when COLUMNS does not say
+
+
+class _Console(Console):
+    """rich's console, as wide as `COLUMNS` says whenever it is set (read at each print, so
+    a test or wrapper may set it late); on a terminal as wide as the terminal; into a file or
+    pipe `PIPE_WIDTH` wide, so logs keep whole rows. Tables are fitted to that width."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        # rich reads COLUMNS once, when the console is made (at import); `size` reads it at
+        # each print instead, so a width set later (by a wrapper, a test) is honoured.
+        self._width = None
+
+    @property
+    def size(self) -> ConsoleDimensions:
+        dims = super().size
+        if self._width is not None:
+            return dims
+        columns = os.environ.get("COLUMNS", "")
+        if columns.isdigit():
+            return ConsoleDimensions(int(columns), dims.height)
+        return dims if self.is_terminal else ConsoleDimensions(PIPE_WIDTH, dims.height)
+
+    @size.setter
+    def size(self, new_size: tuple[int, int]) -> None:
+        self._width, self._height = new_size
+
+    def print(self, *objects: Any, **kwargs: Any) -> None:
+        """`Console.print`, with every table fitted to the width (`report.terminal.Fitted`:
+        module names shortened from the middle, other cells folded, nothing cut)."""
+        from rich.table import Table
+
+        from torchscope.report.terminal import Fitted
+
+        super().print(*(Fitted(o) if isinstance(o, Table) else o for o in objects), **kwargs)
+
+
+console = _Console()
 err_console = Console(stderr=True, soft_wrap=True)
 
 TargetArg = Annotated[
@@ -129,9 +172,57 @@ def device_of(name: str) -> str:
     return name
 
 
+class OutputError(TorchscopeError):
+    """An output file or folder could not be written (found late: the disk filled up, say)."""
+
+
+# File systems the kernel fills itself: nothing of ours can be created in them.
+_PSEUDO_FS = frozenset({"proc", "sysfs", "cgroup", "cgroup2", "devpts", "securityfs",
+                        "debugfs", "tracefs", "configfs", "pstore", "bpf", "mqueue",
+                        "fusectl", "binfmt_misc", "efivarfs", "autofs"})
+
+
+def _mount_type(path: Path) -> str | None:
+    """The file system type of the mount holding `path` (Linux's mountinfo), or None."""
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return None
+    best, kind = "", None
+    for line in lines:
+        fields = line.split(" - ", 1)
+        head = fields[0].split()
+        if len(fields) < 2 or len(head) < 5:
+            continue
+        point = head[4].encode().decode("unicode_escape")  # spaces come as \040
+        inside = point == "/" or str(path) == point or str(path).startswith(point + "/")
+        if inside and len(point) >= len(best):
+            best, kind = point, fields[1].split()[0]
+    return kind
+
+
+def _unwritable(folder: Path) -> str | None:
+    """Why nothing can be created in the existing folder `folder`; None when it can."""
+    kind = _mount_type(Path(os.path.realpath(folder)))
+    if kind in _PSEUDO_FS:
+        return f"{folder} is on the kernel's {kind} file system, where no file can be created"
+    try:
+        if os.statvfs(folder).f_flag & os.ST_RDONLY:
+            return f"{folder} is on a read-only file system"
+    except (OSError, AttributeError):  # no statvfs (Windows): os.access below still checks
+        pass
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"{folder} is not writable by this user"
+    return None
+
+
 def check_output(path: str | None, option: str, *, folder: bool = False,
                  suffixes: tuple[str, ...] = ()) -> None:
     """Fail before any work when an output option cannot be written where it points.
+
+    One line names the option, the path and why: a folder where a file is wanted (or the
+    reverse), a file among its parents, or a nearest existing folder that is not writable
+    (permissions, a read-only or pseudo file system such as /proc). Nothing is created.
 
     Args:
         path: the option's value; None (option not given) passes.
@@ -142,17 +233,70 @@ def check_output(path: str | None, option: str, *, folder: bool = False,
     if path is None:
         return
     out = Path(path)
+    where = f"{option} {path}"
     if folder and out.exists() and not out.is_dir():
-        fail(f"{option} {path} is an existing file, not a folder. Fix: pass a folder path.")
+        fail(f"{where} is an existing file, not a folder. Fix: pass a folder path.")
     if not folder and out.is_dir():
-        fail(f"{option} {path} is a folder, not a file. Fix: pass a file path inside it.")
-    blocking = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
-    if blocking is not None:
-        fail(f"{option} {path} lies under {blocking}, which is a file. Fix: pass a path whose "
-             "parent folders are folders.")
+        fail(f"{where} is a folder, not a file. Fix: pass a file path inside it.")
     if suffixes and out.suffix.lower() not in suffixes:
         fail(f"{option} {path!r} must end in {' or '.join(suffixes)}. Fix: write e.g. "
              f"{option} out{suffixes[0]}.")
+    absolute = Path(os.path.abspath(out))
+    blocking = next((p for p in absolute.parents if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        fail(f"{where} lies under {blocking}, which is a file, not a folder. Fix: pass a path "
+             "whose parent folders are folders.")
+    fix = f"Fix: pass {option} a path in a folder you can write to."
+    if out.exists():
+        why = _unwritable(absolute) if folder else (
+            None if os.access(absolute, os.W_OK) else f"{path} is not writable by this user")
+        if why is not None:
+            fail(f"{where} cannot be written: {why}. {fix}")
+        return
+    nearest = next(p for p in absolute.parents if p.exists())
+    why = _unwritable(nearest)
+    if why is not None:
+        first_missing = next(p for p in (absolute, *absolute.parents) if p.parent == nearest)
+        if first_missing == absolute and not folder:
+            fail(f"{where} cannot be created: {why}. {fix}")
+        fail(f"{where} needs the folder {first_missing}, which cannot be created: {why}. {fix}")
+
+
+@contextmanager
+def writing(option: str, path: str | None) -> Iterator[None]:
+    """Turn a failure to write an output found late (a full disk, a folder removed meanwhile)
+    into one `OutputError` line naming the option and the path.
+
+    An `OSError` counts when it names no file (a failed write) or a file in the output's
+    folder; any other propagates unchanged.
+    """
+    try:
+        yield
+    except OSError as exc:
+        if path is None or not _concerns(exc, Path(path)):
+            raise
+        reason = exc.strerror or describe(exc)
+        raise OutputError(f"could not write {option} {path}: {reason}.",
+                          fix=f"free space or fix permissions there, or pass {option} "
+                          "another path.") from exc
+
+
+def save_json(path: str, payload: object, option: str = "--json") -> None:
+    """Write `payload` as JSON to the output option's path (failures as one line), then say
+    so."""
+    from torchscope._util import write_json
+
+    with writing(option, path):
+        write_json(path, payload)
+    console.print(f"wrote {path}", highlight=False, markup=False)
+
+
+def _concerns(exc: OSError, out: Path) -> bool:
+    if exc.filename is None:
+        return True
+    folder = Path(os.path.abspath(out if out.is_dir() else out.parent))
+    hit = Path(os.path.abspath(os.fsdecode(exc.filename)))
+    return hit == folder or folder in hit.parents
 
 
 def _escape(text: str) -> str:

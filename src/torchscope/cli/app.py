@@ -13,12 +13,30 @@ from torchscope.cli import capture, compile_cmd, doctor, grads, lint_cmd, memory
 from torchscope.cli._common import err_console
 
 
+def _flags_without_value(params: list[Any]) -> list[Any]:
+    """A flag takes no value, so its help shows none (`--fast`, not `--fast <bool>`)."""
+    for param in params:
+        if getattr(param, "is_flag", False) and param.metavar is None:
+            param.metavar = ""
+    return params
+
+
 class _OneLineUsageErrors(TyperGroup):
-    """Usage errors (an unknown option, a value of the wrong type) as one line, exit code 2.
+    """Usage errors (an unknown option, a value of the wrong type) as one line, exit code 2;
+    and flags shown without a value in `--help`.
 
     Click would print a usage banner and a boxed message; every other torchscope error is one
     `error:` line, so these are too.
     """
+
+    def get_params(self, ctx: Any) -> Any:
+        return _flags_without_value(super().get_params(ctx))
+
+    def get_command(self, ctx: Any, cmd_name: str) -> Any:
+        command = super().get_command(ctx, cmd_name)
+        if command is not None:
+            _flags_without_value(command.get_params(ctx))  # --help included
+        return command
 
     def main(self, *args: Any, **kwargs: Any) -> Any:
         if not kwargs.get("standalone_mode", True):

@@ -16,6 +16,7 @@ from torchscope.cli._common import (
     console,
     guarded,
     load,
+    save_json,
 )
 
 
@@ -36,7 +37,6 @@ def capture(
     """Capture activations: shape, dtype and statistics of every module output."""
     with guarded(debug):
         check_output(json_path, "--json")
-        from torchscope._util import write_json
         from torchscope.capture import capture_activations, trace_nonfinite
         from torchscope.report.capture import activation_table, nonfinite_lines
 
@@ -48,5 +48,4 @@ def capture(
         for line in nonfinite_lines(trace):
             console.print(f"[red]{line}[/]")
         if json_path:
-            write_json(json_path, {"target": loaded.name, "records": records, "nonfinite": trace})
-            console.print(f"wrote {json_path}")
+            save_json(json_path, {"target": loaded.name, "records": records, "nonfinite": trace})

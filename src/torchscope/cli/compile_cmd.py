@@ -20,6 +20,7 @@ from torchscope.cli._common import (
     guarded,
     is_tty,
     load,
+    save_json,
     split_commas,
 )
 from torchscope.errors import CompileError
@@ -58,7 +59,6 @@ def compile_command(
     recompiles and numerical drift. Each mode runs in a child process with a timeout."""
     with guarded(debug):
         check_output(json_path, "--json")
-        from torchscope._util import write_json
         from torchscope.compile import compile_report
         from torchscope.compile.records import MEASURES
         from torchscope.report.compile import (
@@ -109,6 +109,4 @@ def compile_command(
 
             console.print(findings_table(findings))
         if json_path:
-            write_json(json_path, {"target": loaded.name, "report": report,
-                                   "findings": findings})
-            console.print(f"wrote {json_path}")
+            save_json(json_path, {"target": loaded.name, "report": report, "findings": findings})

@@ -23,7 +23,9 @@ from torchscope.cli._common import (
     guarded,
     is_tty,
     load,
+    save_json,
     split_commas,
+    writing,
 )
 
 if TYPE_CHECKING:
@@ -98,7 +100,8 @@ def doctor(
             if debug and o.error is not None:  # reported in one line above; show where from
                 sys.stderr.write(f"section {o.name} failed:\n"
                                  + "".join(traceback.format_exception(o.error)))
-        html_path, json_path = write_report(report, out)
+        with writing("--out", out):
+            html_path, json_path = write_report(report, out)
         console.print(sections_table(report))
         if report.step is not None:
             console.print(report.step.describe(), highlight=False, soft_wrap=True)
@@ -150,7 +153,6 @@ def diff(
     """Compare two doctor reports; exit 1 when a metric regressed beyond its threshold."""
     with guarded(debug):
         check_output(json_path, "--json")
-        from torchscope._util import write_json
         from torchscope.report.diff import diff_documents, parse_thresholds
         from torchscope.report.doctor import diff_table
         from torchscope.report.document import load_document
@@ -160,7 +162,7 @@ def diff(
                                 old_name=old, new_name=new)
         console.print(diff_table(result))
         if json_path:
-            write_json(json_path, result)
+            save_json(json_path, result)
         if not result.changes:
             console.print("the two reports share no metric.")
         regressions = result.regressions
@@ -186,7 +188,6 @@ def lab(
     """Reproduce the lesson's milestones on its models and check each claim."""
     with guarded(debug):
         check_output(json_path, "--json")
-        from torchscope._util import write_json
         from torchscope.lab import run_lab
         from torchscope.report.doctor import lab_tables
 
@@ -202,7 +203,6 @@ def lab(
         console.print(f"{result.held} held, {result.failed} failed, {result.unchecked} not "
                       f"checked here.")
         if json_path:
-            write_json(json_path, {"milestones": result.milestones, "claims": result.claims})
-            console.print(f"wrote {json_path}")
+            save_json(json_path, {"milestones": result.milestones, "claims": result.claims})
         if strict and result.failed:
             raise typer.Exit(1)

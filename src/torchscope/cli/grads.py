@@ -21,7 +21,9 @@ from torchscope.cli._common import (
     console,
     guarded,
     load,
+    save_json,
     trainable_sgd,
+    writing,
 )
 
 
@@ -51,7 +53,6 @@ def grads(
         check_output(json_path, "--json")
         check_output(plot, "--plot", suffixes=(".png", ".svg"))
 
-        from torchscope._util import write_json
         from torchscope.errors import TorchscopeError
         from torchscope.grads import watch_gradients
         from torchscope.report.findings import finding_lines
@@ -96,13 +97,13 @@ def grads(
                 save_figure,
             )
 
-            written = [save_figure(plot_gradient_flow(flow), plot)]
-            if steps > 1:
-                p = Path(plot)
-                written.append(save_figure(plot_grad_heatmap(history),
-                                           p.with_name(f"{p.stem}-heatmap{p.suffix}")))
+            with writing("--plot", plot):
+                written = [save_figure(plot_gradient_flow(flow), plot)]
+                if steps > 1:
+                    p = Path(plot)
+                    written.append(save_figure(plot_grad_heatmap(history),
+                                               p.with_name(f"{p.stem}-heatmap{p.suffix}")))
             console.print("wrote " + ", ".join(str(w) for w in written))
         if json_path:
-            write_json(json_path, {"target": loaded.name, "step": info, "steps": steps,
-                                   "flow": flow, "history": history, "findings": found})
-            console.print(f"wrote {json_path}")
+            save_json(json_path, {"target": loaded.name, "step": info, "steps": steps,
+                                  "flow": flow, "history": history, "findings": found})

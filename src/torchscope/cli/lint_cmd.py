@@ -17,6 +17,7 @@ from torchscope.cli._common import (
     fail,
     guarded,
     split_commas,
+    writing,
 )
 
 _FORMATS = ("text", "json", "sarif")
@@ -82,7 +83,8 @@ def lint(
         if fmt == "text":
             lines = text_lines(result, show_fixes=not no_fixes)
             if output:
-                Path(output).write_text("\n".join(t.plain for t in lines) + "\n")
+                with writing("--output", output):
+                    Path(output).write_text("\n".join(t.plain for t in lines) + "\n")
             else:
                 for line in lines:
                     console.print(line, soft_wrap=True, highlight=False)
@@ -90,7 +92,8 @@ def lint(
             payload = json_payload(result) if fmt == "json" else sarif_log(result)
             text = json.dumps(payload, indent=2) + "\n"
             if output:
-                Path(output).write_text(text)
+                with writing("--output", output):
+                    Path(output).write_text(text)
             else:
                 sys.stdout.write(text)
                 sys.stdout.flush()

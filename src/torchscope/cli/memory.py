@@ -18,6 +18,8 @@ from torchscope.cli._common import (
     console,
     guarded,
     load,
+    save_json,
+    writing,
 )
 
 if TYPE_CHECKING:
@@ -78,7 +80,6 @@ def memory(
         check_output(plot, "--plot", suffixes=(".png", ".svg"))
         import torch
 
-        from torchscope._util import write_json
         from torchscope.errors import TorchscopeError
         from torchscope.memory import analyze_memory, live_tensors, parse_bytes, resolve_blocks
         from torchscope.report.memory import (
@@ -139,13 +140,12 @@ def memory(
         if plot:
             from torchscope.report.plots_memory import plot_memory
 
-            plot_memory(report.saved, report.plans, plot)
+            with writing("--plot", plot):
+                plot_memory(report.saved, report.plans, plot)
             console.print(f"wrote {plot}")
         if json_path:
-            write_json(json_path, {"target": loaded.name, "report": report,
-                                   "findings": findings, "live": live_report,
-                                   "torch": torch.__version__})
-            console.print(f"wrote {json_path}")
+            save_json(json_path, {"target": loaded.name, "report": report, "findings": findings,
+                                  "live": live_report, "torch": torch.__version__})
 
 
 def _make_optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer | None:

@@ -20,7 +20,9 @@ from torchscope.cli._common import (
     device_of,
     guarded,
     load,
+    save_json,
     trainable_sgd,
+    writing,
 )
 
 
@@ -63,7 +65,6 @@ def profile(
         for path, option in ((trace, "--trace"), (text, "--text"), (json_path, "--json")):
             check_output(path, option)
 
-        from torchscope._util import write_json
         from torchscope.profiling import SORT_KEYS, ProfilingError, profile_steps
         from torchscope.report.profiling import profile_text, summary_renderables
         from torchscope.step import LOSSES, Step
@@ -88,12 +89,13 @@ def profile(
         model_inputs = model_inputs.to(dev)
         step = Step(model, model_inputs, loss_fn=loss_fn,
                     optimizer=trainable_sgd(model, lr, loaded.name))
-        result = profile_steps(
-            step, steps=steps, wait=wait, warmup=warmup,
-            by_module=by == "module" or json_path is not None or text is not None,
-            select=select, depth=depth, group_by_input_shape=group_by_shape,
-            trace=trace, trace_steps=trace_steps,
-        )
+        with writing("--trace", trace):  # written by the profiler, at the end of its run
+            result = profile_steps(
+                step, steps=steps, wait=wait, warmup=warmup,
+                by_module=by == "module" or json_path is not None or text is not None,
+                select=select, depth=depth, group_by_input_shape=group_by_shape,
+                trace=trace, trace_steps=trace_steps,
+            )
         findings = result.findings()
         for part in summary_renderables(result, findings, sort=sort, by=by, limit=limit):
             console.print(part)
@@ -103,10 +105,11 @@ def profile(
             console.print(f"wrote trace {trace} (last {min(trace_steps, steps)} profiled steps; "
                           "open it in https://ui.perfetto.dev or chrome://tracing)")
         if text:
-            Path(text).parent.mkdir(parents=True, exist_ok=True)
-            Path(text).write_text(profile_text(result, findings, sort=sort, by=by, limit=limit))
+            with writing("--text", text):
+                Path(text).parent.mkdir(parents=True, exist_ok=True)
+                Path(text).write_text(profile_text(result, findings, sort=sort, by=by,
+                                                   limit=limit))
             console.print(f"wrote {text}")
         if json_path:
-            write_json(json_path, {"target": loaded.name, "inputs": model_inputs.describe(),
-                                   "result": result, "findings": findings})
-            console.print(f"wrote {json_path}")
+            save_json(json_path, {"target": loaded.name, "inputs": model_inputs.describe(),
+                                  "result": result, "findings": findings})

@@ -161,8 +161,9 @@ class _Gradients(_Section):
             [("Parameter-gradient norm per layer", record.grad_param, "num"),
              ("Gradient arriving at each module (grad_output norm)", record.grad_output,
               "num")],
-            plots, {"run-grad-heatmap": "Each layer's parameter-gradient norm (colour, log) "
-                                        "at each sampled step; input side on top."},
+            plots, {"run-grad-heatmap": (
+                "Gradient-flow history", "Each layer's parameter-gradient norm (colour, log) "
+                "at each sampled step; input side on top.")},
             note=f"{len(record.grad_param.steps)} sampled steps; the gradients each step's "
                  "update used (accumulated, unscaled, before clipping).")
 
@@ -209,9 +210,10 @@ class _Activations(_Section):
             [("Output std", record.act_std, "num"),
              ("Exactly-zero outputs", record.act_zero, "pct"),
              ("Dead channels (ReLU family)", record.act_dead, "pct")],
-            plots, {"run-act-std": "Each layer's output standard deviation (log), the layers "
-                                   "that changed most.",
-                    "run-act-dead": "Channels that are zero for every sample and position."},
+            plots, {"run-act-std": ("Activation drift", "Each layer's output standard "
+                                    "deviation (log), the layers that changed most."),
+                    "run-act-dead": ("Dead channels", "Channels that are zero for every "
+                                     "sample and position.")},
             note=note)
 
 

@@ -9,12 +9,14 @@ from rich.table import Table
 from torchscope._util import fmt_num, fmt_pct, fmt_shape
 from torchscope.capture.nonfinite import NonFiniteTrace
 from torchscope.capture.records import ActivationRecord
+from torchscope.report.terminal import Fitted, ModuleName
 
 __all__ = ["activation_table", "nonfinite_lines"]
 
 
-def activation_table(records: Sequence[ActivationRecord], title: str = "Activations") -> Table:
-    """One row per recorded output tensor: module, call, shape, stats, zeros and non-finite."""
+def activation_table(records: Sequence[ActivationRecord], title: str = "Activations") -> Fitted:
+    """One row per recorded output tensor: module, call, shape, stats, zeros and non-finite;
+    on a narrow console the call, dtype, min and max columns go first."""
     table = Table(title=title, title_justify="left")
     for col, justify in (
         ("module", "left"),
@@ -31,7 +33,7 @@ def activation_table(records: Sequence[ActivationRecord], title: str = "Activati
         table.add_column(col, justify=justify)  # type: ignore[arg-type]
     for r in records:
         for s in r.outputs:
-            name = (r.module or "<root>") + (s.path if s.path else "")
+            name = ModuleName((r.module or "<root>") + (s.path if s.path else ""))
             dead = f" ({s.dead_units}/{s.channels} dead)" if s.dead_units else ""
             nonfinite = "0" if s.finite else f"[red]{s.nan_count} NaN, {s.inf_count} Inf[/]"
             table.add_row(
@@ -46,7 +48,7 @@ def activation_table(records: Sequence[ActivationRecord], title: str = "Activati
                 fmt_pct(s.zero_frac) + dead,
                 nonfinite,
             )
-    return table
+    return Fitted(table, optional=("call", "dtype", "min", "max"))
 
 
 def nonfinite_lines(trace: NonFiniteTrace) -> list[str]:

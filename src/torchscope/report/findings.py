@@ -12,6 +12,7 @@ from rich.text import Text
 
 from torchscope._util import fmt_num
 from torchscope.findings import Finding, Severity, rank
+from torchscope.report.terminal import Prose
 
 __all__ = ["SEVERITY_STYLE", "evidence_text", "finding_lines", "findings_table"]
 
@@ -60,11 +61,9 @@ def findings_table(findings: Sequence[Finding] | Sequence[tuple[str, Finding]],
     table.add_column("finding (evidence)", ratio=3)
     table.add_column("suggested fix", ratio=2)
     for section, f in pairs:
-        body = Text(f.summary)
-        if f.evidence:
-            body.append("\n" + evidence_text(f.evidence), style="dim")
+        evidence = ("\n" + evidence_text(f.evidence), "dim") if f.evidence else ("", "")
         row: list[Any] = [Text(f.severity.label, style=SEVERITY_STYLE[f.severity])]
         if sections:
             row.append(section)
-        table.add_row(*row, body, f.fix or "—")
+        table.add_row(*row, Prose((f.summary, ""), evidence), Prose((f.fix or "—", "")))
     return table

@@ -9,6 +9,7 @@ from rich.table import Table
 
 from torchscope._util import fmt_num, fmt_shape
 from torchscope.grads.records import GradFlow, GradHistory, TensorGrad
+from torchscope.report.terminal import ModuleName
 
 __all__ = ["grad_table", "history_table", "layer_table", "param_table"]
 
@@ -49,7 +50,7 @@ def grad_table(flow: GradFlow, title: str | None = None) -> Table:
         # Parameters hold one gradient per step: shown on the module's first row only.
         pnorms = "\n".join(own.get(r.module, [])) if r.module not in shown else ""
         shown.add(r.module)
-        table.add_row("—" if r.order is None else str(r.order), r.module or "<root>",
+        table.add_row("—" if r.order is None else str(r.order), ModuleName(r.module),
                       r.module_type, call, _norms(r.grad_output), _norms(r.grad_input),
                       pnorms)
     scale = f", GradScaler scale {flow.scale:g} divided out" if flow.scale else ""
@@ -120,7 +121,7 @@ def history_table(history: GradHistory, kind: str = "output", max_cols: int = 8)
     for name, values in series:
         finite = [v for v in values if math.isfinite(v) and v > 0]
         change = fmt_num(finite[-1] / finite[0]) + "×" if len(finite) >= 2 else "—"
-        table.add_row(name or "<root>", *(fmt_num(values[i]) if not math.isnan(values[i])
+        table.add_row(ModuleName(name), *(fmt_num(values[i]) if not math.isnan(values[i])
                                           else "—" for i in cols), change)
     return table
 

@@ -16,6 +16,7 @@ from torchscope.memory.records import (
     SavedActivations,
     Verification,
 )
+from torchscope.report.terminal import ModuleName
 
 __all__ = [
     "blocks_table",
@@ -44,7 +45,7 @@ def saved_table(saved: SavedActivations, title: str = "Saved activations", limit
     rows = saved.modules
     top = sorted(rows, key=lambda r: -r.bytes)[:limit]
     for r in (r for r in rows if r in top):  # the largest, in the order they first saved
-        table.add_row(r.module or "<root>", r.module_type, fmt_bytes(r.bytes),
+        table.add_row(ModuleName(r.module), r.module_type, fmt_bytes(r.bytes),
                       fmt_pct(r.bytes / total), str(r.storages), str(r.saves),
                       ", ".join(d.replace("torch.", "") for d in r.dtypes))
     rest = [r for r in rows if r not in top]
@@ -107,7 +108,7 @@ def blocks_table(report: PlanReport, title: str = "Checkpointable blocks") -> Ta
     """Per block: forward time (the cost of recomputing it), saved bytes, input bytes."""
     table = _table(title, ">#", "block", "type", ">forward", ">saved inside", ">input kept")
     for b in report.blocks:
-        table.add_row(str(b.index), b.name or "<root>", b.module_type, f"{b.forward_ms:.3f} ms",
+        table.add_row(str(b.index), ModuleName(b.name), b.module_type, f"{b.forward_ms:.3f} ms",
                       fmt_bytes(b.saved_bytes), fmt_bytes(b.input_bytes))
     return table
 

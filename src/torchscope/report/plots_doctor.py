@@ -1,61 +1,44 @@
-"""Plots of report.html that the capabilities' own plot modules do not draw (matplotlib, no
-pyplot state): each function takes a capability's record and returns a Figure.
+"""Plots of report.html that the capabilities' own plot modules do not draw: each function
+takes a capability's record and returns a Figure (`torchscope.report.charts` draws them),
+or an `EmptyPlot` saying in one line why there is nothing to chart.
 
-`figure_svg` turns any figure (these, or `plots_grads`'/`plots_memory`'s) into a
-self-contained inline `<svg>` (glyphs as paths, no metadata, no external reference).
+Per-module charts list modules in forward order with their full names, grouped by block;
+beyond `DEEP_ROWS` modules they summarise each block instead (the tables keep every module).
 """
 
 from __future__ import annotations
 
-import io
-import re
+import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
 
 from matplotlib.figure import Figure
 
-from torchscope.capture import ActivationRecord
+from torchscope.capture import ActivationRecord, TensorStats
 from torchscope.compile import ModeResult
 from torchscope.profiling import OpRecord, ProfileResult
-
-if TYPE_CHECKING:
-    from matplotlib.axes import Axes
+from torchscope.report.charts import (
+    ACCENT,
+    ACCENT2,
+    DEEP_ROWS,
+    WARN,
+    EmptyPlot,
+    Series,
+    block_groups,
+    block_label,
+    module_chart,
+)
 
 __all__ = [
     "activation_stats_plot",
     "activation_zeros_plot",
     "compile_speedup_plot",
-    "figure_svg",
+    "pooled_stats",
     "profile_modules_plot",
     "profile_ops_plot",
 ]
 
-MAX_BARS = 60  # beyond this, labels are unreadable; the tables hold the rest
-_ACCENT = "#3b6ea8"
-_ACCENT2 = "#d9822b"
-_WARN = "#c0392b"
-_RC: dict[str, Any] = {"font.size": 8, "svg.fonttype": "path", "svg.hashsalt": "torchscope",
-       "axes.spines.top": False, "axes.spines.right": False}
-
-
-def _axes(n: int, height: float = 3.2) -> tuple[Figure, Axes]:
-    """A figure for `n` bars (wider with more of them, 6 to 14 inches) and its one axes."""
-    fig = Figure(figsize=(min(max(6.0, 0.22 * n + 2.5), 14.0), height), layout="constrained")
-    return fig, fig.add_subplot()
-
-
-def figure_svg(fig: Figure) -> str:
-    """The figure as an inline `<svg>` element: no XML prolog, DOCTYPE or metadata."""
-    import matplotlib
-
-    buf = io.StringIO()
-    with matplotlib.rc_context(_RC):  # type: ignore[arg-type]
-        fig.savefig(buf, format="svg", metadata={"Date": None, "Creator": None, "Format": None,
-                                                 "Type": None})
-    svg = buf.getvalue()
-    svg = svg[svg.index("<svg"):]
-    svg = re.sub(r"<metadata>.*?</metadata>", "", svg, flags=re.S)
-    return svg.strip()
+NAN = math.nan
+TOP_MODULES = 30  # rows of the time-per-module chart (the costliest)
 
 
 def _label(r: ActivationRecord) -> str:
@@ -63,85 +46,111 @@ def _label(r: ActivationRecord) -> str:
     return f"{name}#{r.call}" if r.call else name
 
 
+def _finite(values: Sequence[float]) -> list[float]:
+    return [v for v in values if math.isfinite(v)]
+
+
+def pooled_stats(stats: Sequence[TensorStats]) -> tuple[float, float]:
+    """Mean and standard deviation of several outputs' elements taken together (each
+    output's statistics weighted by its element count); NaN for none."""
+    if not stats:
+        return NAN, NAN
+    n = sum(s.numel for s in stats) or 1
+    mean = math.fsum(s.numel * s.mean for s in stats) / n
+    square = math.fsum(s.numel * (s.std ** 2 + s.mean ** 2) for s in stats) / n
+    return mean, math.sqrt(max(square - mean * mean, 0.0))
+
+
 def activation_stats_plot(records: Sequence[ActivationRecord]) -> Figure:
-    """Mean ± std of each leaf output in forward order, with its min and max."""
-    rows = [r for r in records if r.output is not None and "float" in r.output.dtype][:MAX_BARS]
+    """Each leaf output's min–max range and mean ± std, in forward order; per block beyond
+    `DEEP_ROWS` outputs (the statistics of the block's outputs pooled)."""
+    rows = [r for r in records if r.output is not None and "float" in r.output.dtype]
+    if not rows:
+        return EmptyPlot("No module output is a floating-point tensor, so there are no "
+                         "activation statistics to chart.")
     stats = [r.output for r in rows if r.output is not None]
-    fig, ax = _axes(len(rows))
-    xs = list(range(len(rows)))
-    ax.errorbar(xs, [s.mean for s in stats], yerr=[s.std for s in stats], fmt="o", color=_ACCENT,
-                capsize=3, label="mean ± std")
-    ax.scatter(xs, [s.min for s in stats], marker="v", s=14, color="#777777", label="min")
-    ax.scatter(xs, [s.max for s in stats], marker="^", s=14, color="#777777", label="max")
-    bad = [i for i, r in enumerate(rows) if not r.finite]
-    if bad:
-        ax.scatter(bad, [0.0] * len(bad), marker="x", s=40, color=_WARN, label="NaN/Inf")
-    ax.axhline(0.0, color="#bbbbbb", linewidth=0.8)
-    ax.set_xticks(xs, [_label(r) for r in rows], rotation=60, ha="right")
-    ax.set_ylabel("output value")
-    ax.set_title("Activation statistics per module (forward order)")
-    ax.legend(loc="best", fontsize=7)
-    return fig
+    names = [_label(r) for r in rows]
+    bad = [not r.finite for r in rows]
+    what = "module (forward order)"
+    if len(rows) > DEEP_ROWS:
+        groups = block_groups(names)
+        names = [block_label(b, [names[i] for i in idx]) for b, idx in groups]
+        pooled = [pooled_stats([stats[i] for i in idx if rows[i].finite]) for _, idx in groups]
+        lo = [min(_finite([stats[i].min for i in idx]), default=NAN) for _, idx in groups]
+        hi = [max(_finite([stats[i].max for i in idx]), default=NAN) for _, idx in groups]
+        bad = [any(bad[i] for i in idx) for _, idx in groups]
+        means, stds = [m for m, _ in pooled], [s for _, s in pooled]
+        what = f"block ({len(rows)} module outputs pooled per block; every module in the table)"
+    else:
+        lo, hi = [s.min for s in stats], [s.max for s in stats]
+        means, stds = [s.mean for s in stats], [s.std for s in stats]
+    series = [Series("min – max", hi, kind="range", start=lo, color="#9aa5b4"),
+              Series("mean ± std", means, kind="point", err=stds)]
+    if any(bad):
+        series.append(Series("NaN/Inf", [0.0 if b else NAN for b in bad], kind="point",
+                             marker="x", color=WARN))
+    return module_chart(names, series, title=f"Activation statistics per {what}",
+                        xlabel="output value", group=len(rows) <= DEEP_ROWS)
 
 
 def activation_zeros_plot(records: Sequence[ActivationRecord]) -> Figure:
-    """Fraction of exactly-zero output elements per leaf module; dead channels annotated."""
-    rows = [r for r in records if r.output is not None][:MAX_BARS]
+    """Share of exactly-zero output elements of the modules that have any (dropout left out:
+    its zeros are by design), dead channels annotated; per block beyond `DEEP_ROWS`."""
+    rows = [r for r in records if r.output is not None and "Dropout" not in r.module_type
+            and (r.output.zero_frac > 0 or r.output.dead_units)]
+    if not rows:
+        return EmptyPlot("No module's output holds an exact zero (dropout aside), so there "
+                         "is no zero-fraction chart.")
     stats = [r.output for r in rows if r.output is not None]
-    fig, ax = _axes(len(rows))
-    xs = list(range(len(rows)))
-    ax.bar(xs, [100 * s.zero_frac for s in stats],
-           color=[_WARN if s.dead_units else _ACCENT for s in stats])
-    for x, s in enumerate(stats):
-        if s.dead_units:
-            ax.annotate(f"{s.dead_units}/{s.channels} dead", (x, 100 * s.zero_frac),
-                        ha="center", va="bottom", fontsize=7, color=_WARN)
-    ax.set_ylim(0, 110)
-    ax.set_xticks(xs, [_label(r) for r in rows], rotation=60, ha="right")
-    ax.set_ylabel("zeros (%)")
-    ax.set_title("Zero fraction of each module's output (red: dead channels)")
-    return fig
+    names = [_label(r) for r in rows]
+    zeros = [100 * s.zero_frac for s in stats]
+    dead = [s.dead_units or 0 for s in stats]
+    notes = [f"{s.dead_units}/{s.channels} dead" if s.dead_units else "" for s in stats]
+    group = len(rows) <= DEEP_ROWS
+    if not group:
+        groups = block_groups(names)
+        names = [block_label(b, [names[i] for i in idx]) for b, idx in groups]
+        zeros = [max(zeros[i] for i in idx) for _, idx in groups]
+        dead = [sum(dead[i] for i in idx) for _, idx in groups]
+        notes = [f"{d} dead" if d else "" for d in dead]
+    title = ("Zero fraction of each module's output" if group else
+             "Largest zero fraction in each block") + \
+        " (modules without zeros and dropout left out; red: dead channels)"
+    return module_chart(names, [Series("zeros (%)", zeros, colors=[
+        WARN if d else ACCENT for d in dead], notes=notes)], title=title, xlabel="zeros (%)",
+        group=group)
 
 
 def profile_ops_plot(ops: Sequence[OpRecord]) -> Figure:
     """Top ops by self CPU time."""
     rows = sorted(ops, key=lambda o: -o.self_cpu_ms)[:12]
-    fig, ax = _axes(10, height=max(2.5, 0.25 * len(rows) + 1))
-    ys = list(range(len(rows)))
-    ax.barh(ys, [o.self_cpu_ms for o in rows], color=_ACCENT)
-    ax.set_yticks(ys, [f"{o.name} ×{o.calls}" for o in rows])
-    ax.invert_yaxis()
-    ax.set_xlabel("self CPU (ms, all profiled steps)")
-    ax.set_title("Top ops by self CPU time")
-    return fig
+    return module_chart([f"{o.name} ×{o.calls}" for o in rows],
+                        [Series("self CPU", [o.self_cpu_ms for o in rows])],
+                        title=f"Top {len(rows)} ops by self CPU time",
+                        xlabel="self CPU (ms, all profiled steps)", group=False)
 
 
 def profile_modules_plot(result: ProfileResult) -> Figure:
-    """Forward and backward self time per step of each module, stacked."""
+    """Forward and backward self time per step of the costliest modules, stacked."""
     steps = max(result.steps, 1)
-    rows = sorted(result.modules, key=lambda m: -(m.forward_self_ms + m.backward_self_ms))[:30]
-    fig, ax = _axes(10, height=max(2.5, 0.22 * len(rows) + 1))
-    ys = list(range(len(rows)))
+    rows = sorted(result.modules,
+                  key=lambda m: -(m.forward_self_ms + m.backward_self_ms))[:TOP_MODULES]
     fwd = [m.forward_self_ms / steps for m in rows]
-    ax.barh(ys, fwd, color=_ACCENT, label="forward")
-    ax.barh(ys, [m.backward_self_ms / steps for m in rows], left=fwd, color=_ACCENT2,
-            label="backward")
-    ax.set_yticks(ys, [m.module or "<root>" for m in rows])
-    ax.invert_yaxis()
-    ax.set_xlabel("ms per step")
-    ax.set_title("Self time per module")
-    ax.legend(loc="best", fontsize=7)
-    return fig
+    of = f"the {len(rows)} costliest of {len(result.modules)} modules" \
+        if len(result.modules) > len(rows) else "each module"
+    return module_chart([m.module for m in rows], [
+        Series("forward", fwd),
+        Series("backward", [m.backward_self_ms / steps for m in rows], start=fwd,
+               color=ACCENT2)], title=f"Self time per step of {of}", xlabel="ms per step",
+        group=False)
 
 
 def compile_speedup_plot(modes: Sequence[ModeResult]) -> Figure:
     """Speedup of each torch.compile mode over eager; the line at 1× is break-even per call."""
-    fig, ax = _axes(6)
-    xs = list(range(len(modes)))
-    vals = [m.speedup or 0.0 for m in modes]
-    ax.bar(xs, vals, color=[_ACCENT if v >= 1 else _WARN for v in vals])
-    ax.axhline(1.0, color="#555555", linestyle="--", linewidth=1)
-    ax.set_xticks(xs, [m.mode for m in modes])
-    ax.set_ylabel("speedup over eager (×)")
-    ax.set_title("torch.compile speedup per mode")
-    return fig
+    if not modes:
+        return EmptyPlot("No torch.compile mode was measured, so there is no speedup chart.")
+    vals = [m.speedup if m.speedup is not None else NAN for m in modes]
+    return module_chart([m.mode for m in modes], [Series("speedup", vals, colors=[
+        ACCENT if v >= 1 else WARN for v in vals])],
+        title="torch.compile speedup per mode (dashed: 1×)", xlabel="speedup over eager (×)",
+        group=False, ref=1.0)

@@ -7,7 +7,17 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from torchscope._util import fmt_bytes
 from torchscope.memory.records import PlanReport, SavedActivations
+from torchscope.report.charts import (
+    FONT,
+    LABEL_GID,
+    Series,
+    chart_size,
+    draw_rows,
+    label_width,
+    wrap,
+)
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -16,62 +26,112 @@ if TYPE_CHECKING:
 __all__ = ["plot_memory", "plot_plans", "plot_saved"]
 
 _KIB = 1024.0
+_PANEL_IN = 6.4  # width of the plans panel
+
+
+def _saved_rows(saved: SavedActivations, limit: int) -> list[str]:
+    return [r.module or "<root>" for r in sorted(saved.modules, key=lambda r: -r.bytes)[:limit]]
+
+
+def _saved_title(saved: SavedActivations, limit: int) -> str:
+    shown = min(limit, len(saved.modules))
+    which = f"the {shown} largest of {len(saved.modules)} modules" \
+        if len(saved.modules) > shown else "each module"
+    return f"Saved activations of {which} (total {fmt_bytes(saved.total_bytes)})"
 
 
 def _draw_saved(ax: Axes, saved: SavedActivations, limit: int) -> None:
     rows = sorted(saved.modules, key=lambda r: -r.bytes)[:limit]
-    labels = [r.module or "<root>" for r in rows]  # OUTSIDE is a label of its own
-    ax.barh(range(len(rows)), [r.bytes / _KIB for r in rows], color="#4c72b0")
-    ax.set_yticks(range(len(rows)), labels, fontsize=8)
-    ax.invert_yaxis()
-    ax.set_xlabel("saved for backward (KiB)")
-    ax.set_title(f"Saved activations per module (total {saved.total_bytes / _KIB:.1f} KiB)")
+    # Largest first, full names (OUTSIDE is a label of its own).
+    draw_rows(ax, [r.module or "<root>" for r in rows],
+              [Series("saved", [r.bytes / _KIB for r in rows], color="#4c72b0")],
+              group=False, xlabel="saved for backward (KiB)")
 
 
-def _draw_plans(ax: Axes, report: PlanReport) -> None:
+def _plan_points(report: PlanReport) -> list[tuple[list[str], float, float, float]]:
+    """(plan names, recompute ms, saved KiB, predicted peak KiB) per distinct point: plans
+    that land on the same spot share one point and one label."""
+    points: dict[tuple[float, float], tuple[list[str], float]] = {}
     for p in report.plans:
         m = report.measurement(p.name)
         x = m.recompute_ms if m is not None else p.recompute_ms
         y = (m.saved_bytes if m is not None else p.saved_bytes) / _KIB
-        ax.scatter([x], [y], s=50, zorder=3)
-        ax.scatter([x], [p.peak_activation_bytes / _KIB], marker="x",
-                   color="gray", zorder=2)
-        ax.annotate(p.name, (x, y), textcoords="offset points", xytext=(5, 4), fontsize=9)
+        names, _ = points.setdefault((round(x, 6), round(y, 3)),
+                                     ([], p.peak_activation_bytes / _KIB))
+        names.append(p.name)
+    return [(names, x, y, peak) for (x, y), (names, peak) in points.items()]
+
+
+def _draw_plans(ax: Axes, report: PlanReport) -> None:
+    # Plans are told apart by colour and named in the legend, never by text at the point:
+    # two plans often land close together (sqrt and auto), and their labels would overlap.
+    for names, x, y, peak in _plan_points(report):
+        label = " = ".join(names)
+        ax.scatter([x], [y], s=50, zorder=3,
+                   label=f"{label}: {fmt_bytes(y * _KIB)}, {x:.3g} ms")
+        ax.scatter([x], [peak], marker="x", color="gray", zorder=2)
     kind = "measured" if report.measurements else "predicted"
-    ax.set_xlabel(f"recompute time, {kind} (ms)")
-    ax.set_ylabel("saved activations (KiB); x = predicted activation peak")
-    ax.set_title("Checkpointing plans: memory vs recompute")
+    ax.set_xlabel(f"recompute time, {kind} (ms)", fontsize=FONT)
+    ax.set_ylabel("saved activations (KiB); x = predicted peak", fontsize=FONT)
+    ax.tick_params(labelsize=FONT)
     ax.grid(alpha=0.3)
+    legend = ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=FONT - 1,
+                       title="plan: saved, recompute", title_fontsize=FONT - 1, frameon=False)
+    for text in legend.get_texts():  # the plans' names: this chart's labels
+        text.set_gid(LABEL_GID + "_".join(text.get_text().split()))
 
 
-def _plot(panels: Sequence[Callable[[Axes], None]], path: str | Path | None) -> Figure:
-    """One figure with `panels` side by side; saved to `path` (folders created) if given."""
+_PLANS_TITLE = "Checkpointing plans: saved memory against recompute time"
+_PLANS_BESIDE_IN = 3.2  # the plans panel's axis labels and the legend right of it
+
+Panel = tuple[Callable[["Axes"], None], str, float]  # draw, title, inches beside the axes
+
+
+def _plot(panels: Sequence[Panel], labels: Sequence[str], path: str | Path | None) -> Figure:
+    """One figure with `panels` side by side, the first sized for the row `labels`; saved to
+    `path` (folders created) if given."""
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(6.4 * len(panels), 4.8), layout="constrained")
-    for i, draw in enumerate(panels):
-        draw(fig.add_subplot(1, len(panels), i + 1))
+    width, height = chart_size(labels, max(len(labels), 14))
+    first = width
+    width += _PANEL_IN * (len(panels) - 1)
+    fig = Figure(figsize=(width, height), layout="constrained")
+    for i, (draw, title, beside) in enumerate(panels):
+        ax = fig.add_subplot(1, len(panels), i + 1)
+        draw(ax)
+        # A left-aligned title starts at the axes: wrapped to what the panel leaves it.
+        room = (first if i == 0 else _PANEL_IN) - beside
+        ax.set_title(wrap(title, room - 0.3), loc="left", fontsize=FONT + 1)
     if path is not None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path)
     return fig
 
 
+def _saved_panel(saved: SavedActivations, limit: int) -> Panel:
+    return (lambda ax: _draw_saved(ax, saved, limit), _saved_title(saved, limit),
+            label_width(_saved_rows(saved, limit)) + 0.3)
+
+
+def _plans_panel(report: PlanReport) -> Panel:
+    return (lambda ax: _draw_plans(ax, report), _PLANS_TITLE, _PLANS_BESIDE_IN)
+
+
 def plot_saved(saved: SavedActivations, path: str | Path | None = None, limit: int = 30
                ) -> Figure:
     """Horizontal bars of saved bytes per module (largest first); saved to `path` if given."""
-    return _plot([lambda ax: _draw_saved(ax, saved, limit)], path)
+    return _plot([_saved_panel(saved, limit)], _saved_rows(saved, limit), path)
 
 
 def plot_plans(report: PlanReport, path: str | Path | None = None) -> Figure:
     """Each plan's saved bytes against its recompute time; saved to `path` if given."""
-    return _plot([lambda ax: _draw_plans(ax, report)], path)
+    return _plot([_plans_panel(report)], [], path)
 
 
 def plot_memory(saved: SavedActivations, report: PlanReport | None = None,
                 path: str | Path | None = None) -> Figure:
     """Both panels side by side (the plans panel only with a plan report)."""
-    panels = [lambda ax: _draw_saved(ax, saved, 30)]
+    panels = [_saved_panel(saved, 30)]
     if report is not None:
-        panels.append(lambda ax: _draw_plans(ax, report))
-    return _plot(panels, path)
+        panels.append(_plans_panel(report))
+    return _plot(panels, _saved_rows(saved, 30), path)

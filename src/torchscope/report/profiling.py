@@ -15,6 +15,7 @@ from torchscope.findings import Finding
 from torchscope.profiling.ops import sort_ops
 from torchscope.profiling.records import ModuleTime, OpRecord, ProfileResult
 from torchscope.report.findings import finding_lines
+from torchscope.report.terminal import ModuleName
 
 __all__ = [
     "module_table",
@@ -133,10 +134,10 @@ def module_table(result: ProfileResult, limit: int | None = None) -> Table:
 
     for m in mods:
         depth = 0 if m.module == "" else m.module.count(".") + 1
-        label = "  " * depth + (m.module or "<root>")
-        row = [label, m.module_type, f"{m.calls / n:g}", _ms(m.forward_ms / n),
-               _ms(m.forward_self_ms / n), _ms(m.backward_ms / n), _ms(m.backward_self_ms / n),
-               share(m.total_self_ms)]
+        row: list[RenderableType] = [
+            ModuleName(m.module, indent=2 * depth), m.module_type, f"{m.calls / n:g}",
+            _ms(m.forward_ms / n), _ms(m.forward_self_ms / n), _ms(m.backward_ms / n),
+            _ms(m.backward_self_ms / n), share(m.total_self_ms)]
         if device:
             row += [_ms(m.forward_device_ms / n), _ms(m.backward_device_ms / n)]
         table.add_row(*row)

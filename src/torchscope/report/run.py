@@ -196,13 +196,14 @@ def overview_fragment(facts: Sequence[tuple[str, Cell]], plots: Mapping[str, str
     """The run's facts (steps, samples, status, step time, history budget) and its plots."""
     head = f'<p class="note">{note}</p>' if note else ""
     return head + table(("what", "value"), facts, numeric=(1,)) + _plots(plots, {
-        "run-total-norm": "Total gradient norm of each sampled step.",
-        "run-step-time": "Wall time between optimizer steps (host clock).",
+        "run-total-norm": ("Total gradient norm", "The total gradient norm of each sampled "
+                                                  "step."),
+        "run-step-time": ("Step time", "Wall time between optimizer steps (host clock)."),
     })
 
 
 def series_fragment(tables: Sequence[tuple[str, SeriesView, str]], plots: Mapping[str, str],
-                    captions: Mapping[str, str], note: str = "") -> str:
+                    captions: Mapping[str, tuple[str, str]], note: str = "") -> str:
     """Plots, then per series a table of how each layer changed: `(heading, series, fmt)`."""
     head = f'<p class="note">{note}</p>' if note else ""
     body = "".join(f"<h3>{heading}</h3>" + _layer_table(s, fmt)
@@ -228,8 +229,9 @@ def activity_fragment(steps: Sequence[int], saved: Sequence[int | None],
         note += ('<p class="note">The device does not report its memory (CPU): no '
                  "per-step peak.</p>")
     return note + _plots(plots, {
-        "run-saved": "Activations saved for backward per sampled forward.",
-        "run-device-peak": "Device memory peak during each step."})
+        "run-saved": ("Saved activations", "Activations saved for backward per sampled "
+                                           "forward."),
+        "run-device-peak": ("Device memory peak", "Device memory peak during each step.")})
 
 
 def saved_plot(steps: Sequence[int], saved: Sequence[int | None]) -> Figure:
