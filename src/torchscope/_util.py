@@ -12,6 +12,7 @@ import dataclasses
 import enum
 import json
 import math
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "__version__", "fit_line", "fmt_bytes", "fmt_num", "fmt_pct", "fmt_shape", "module_block",
-    "shorten_name", "to_jsonable", "write_json",
+    "output_problem", "shorten_name", "to_jsonable", "write_json",
 ]
 
 ELLIPSIS = "…"
@@ -174,3 +175,90 @@ def write_json(path: str | Path, payload: Any) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(to_jsonable(payload), indent=2, allow_nan=False) + "\n")
     return out
+
+
+_PSEUDO_FS = frozenset({"proc", "sysfs", "cgroup", "cgroup2", "devpts", "securityfs",
+                        "debugfs", "tracefs", "configfs", "pstore", "bpf", "mqueue",
+                        "fusectl", "binfmt_misc", "efivarfs", "autofs"})
+
+
+def _mount_type(path: Path) -> str | None:
+    """The file system type of the mount holding `path` (Linux's mountinfo), or None."""
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return None
+    best, kind = "", None
+    for line in lines:
+        fields = line.split(" - ", 1)
+        head = fields[0].split()
+        if len(fields) < 2 or len(head) < 5:
+            continue
+        point = head[4].encode().decode("unicode_escape")  # spaces come as \040
+        inside = point == "/" or str(path) == point or str(path).startswith(point + "/")
+        if inside and len(point) >= len(best):
+            best, kind = point, fields[1].split()[0]
+    return kind
+
+
+def _unwritable(folder: Path) -> str | None:
+    """Why nothing can be created in the existing folder `folder`; None when it can."""
+    kind = _mount_type(Path(os.path.realpath(folder)))
+    if kind in _PSEUDO_FS:
+        return f"{folder} is on the kernel's {kind} file system, where no file can be created"
+    try:
+        if os.statvfs(folder).f_flag & os.ST_RDONLY:
+            return f"{folder} is on a read-only file system"
+    except (OSError, AttributeError):  # no statvfs (Windows): os.access below still checks
+        pass
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"{folder} is not writable by this user"
+    return None
+
+
+def output_problem(path: str | None, option: str, *, folder: bool = False,
+                   suffixes: tuple[str, ...] = ()) -> tuple[str, str] | None:
+    """Why an output cannot be written where it points, as (what is wrong, the fix); None
+    when it can. Checked before any work, so that a bad path costs nothing.
+
+    It finds a folder where a file is wanted (or the reverse), a file among the parents, a
+    file ending the writer does not support, and a nearest existing folder that is not
+    writable (permissions, a read-only or pseudo file system such as /proc). Nothing is
+    created.
+
+    Args:
+        path: the output's path; None (no output asked for) passes.
+        option: how the user named it: `--json` (a CLI option) or `out=` (a Python argument).
+        folder: the output is a folder to create (`doctor --out`), not a file.
+        suffixes: the file endings the writer supports (lower case), e.g. `(".png", ".svg")`.
+    """
+    if path is None:
+        return None
+    out = Path(path)
+    # `--out /x` on a command line, `out='/x'` for a Python argument.
+    where = f"{option}{path!r}" if option.endswith("=") else f"{option} {path}"
+    if folder and out.exists() and not out.is_dir():
+        return f"{where} is an existing file, not a folder.", "pass a folder path."
+    if not folder and out.is_dir():
+        return f"{where} is a folder, not a file.", "pass a file path inside it."
+    if suffixes and out.suffix.lower() not in suffixes:
+        return (f"{option} {path!r} must end in {' or '.join(suffixes)}.",
+                f"write e.g. {option} out{suffixes[0]}.")
+    absolute = Path(os.path.abspath(out))
+    blocking = next((p for p in absolute.parents if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        return (f"{where} lies under {blocking}, which is a file, not a folder.",
+                "pass a path whose parent folders are folders.")
+    fix = f"pass {option} a path in a folder you can write to."
+    if out.exists():
+        why = _unwritable(absolute) if folder else (
+            None if os.access(absolute, os.W_OK) else f"{path} is not writable by this user")
+        return None if why is None else (f"{where} cannot be written: {why}.", fix)
+    nearest = next(p for p in absolute.parents if p.exists())
+    why = _unwritable(nearest)
+    if why is None:
+        return None
+    first_missing = next(p for p in (absolute, *absolute.parents) if p.parent == nearest)
+    if first_missing == absolute and not folder:
+        return f"{where} cannot be created: {why}.", fix
+    return f"{where} needs the folder {first_missing}, which cannot be created: {why}.", fix

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
 import typer
 from rich.console import Console, ConsoleDimensions
 
+from torchscope._util import output_problem
 from torchscope.errors import TorchscopeError, describe
 
 if TYPE_CHECKING:
@@ -177,52 +178,10 @@ class OutputError(TorchscopeError):
 
 
 # File systems the kernel fills itself: nothing of ours can be created in them.
-_PSEUDO_FS = frozenset({"proc", "sysfs", "cgroup", "cgroup2", "devpts", "securityfs",
-                        "debugfs", "tracefs", "configfs", "pstore", "bpf", "mqueue",
-                        "fusectl", "binfmt_misc", "efivarfs", "autofs"})
-
-
-def _mount_type(path: Path) -> str | None:
-    """The file system type of the mount holding `path` (Linux's mountinfo), or None."""
-    try:
-        lines = Path("/proc/self/mountinfo").read_text().splitlines()
-    except OSError:
-        return None
-    best, kind = "", None
-    for line in lines:
-        fields = line.split(" - ", 1)
-        head = fields[0].split()
-        if len(fields) < 2 or len(head) < 5:
-            continue
-        point = head[4].encode().decode("unicode_escape")  # spaces come as \040
-        inside = point == "/" or str(path) == point or str(path).startswith(point + "/")
-        if inside and len(point) >= len(best):
-            best, kind = point, fields[1].split()[0]
-    return kind
-
-
-def _unwritable(folder: Path) -> str | None:
-    """Why nothing can be created in the existing folder `folder`; None when it can."""
-    kind = _mount_type(Path(os.path.realpath(folder)))
-    if kind in _PSEUDO_FS:
-        return f"{folder} is on the kernel's {kind} file system, where no file can be created"
-    try:
-        if os.statvfs(folder).f_flag & os.ST_RDONLY:
-            return f"{folder} is on a read-only file system"
-    except (OSError, AttributeError):  # no statvfs (Windows): os.access below still checks
-        pass
-    if not os.access(folder, os.W_OK | os.X_OK):
-        return f"{folder} is not writable by this user"
-    return None
-
-
 def check_output(path: str | None, option: str, *, folder: bool = False,
                  suffixes: tuple[str, ...] = ()) -> None:
-    """Fail before any work when an output option cannot be written where it points.
-
-    One line names the option, the path and why: a folder where a file is wanted (or the
-    reverse), a file among its parents, or a nearest existing folder that is not writable
-    (permissions, a read-only or pseudo file system such as /proc). Nothing is created.
+    """Fail before any work when an output option cannot be written where it points: one
+    line, exit 2 (see `torchscope._util.output_problem` for what is checked).
 
     Args:
         path: the option's value; None (option not given) passes.
@@ -230,36 +189,9 @@ def check_output(path: str | None, option: str, *, folder: bool = False,
         folder: the option names a folder to create (`doctor --out`), not a file.
         suffixes: the file endings the writer supports (lower case), e.g. `(".png", ".svg")`.
     """
-    if path is None:
-        return
-    out = Path(path)
-    where = f"{option} {path}"
-    if folder and out.exists() and not out.is_dir():
-        fail(f"{where} is an existing file, not a folder. Fix: pass a folder path.")
-    if not folder and out.is_dir():
-        fail(f"{where} is a folder, not a file. Fix: pass a file path inside it.")
-    if suffixes and out.suffix.lower() not in suffixes:
-        fail(f"{option} {path!r} must end in {' or '.join(suffixes)}. Fix: write e.g. "
-             f"{option} out{suffixes[0]}.")
-    absolute = Path(os.path.abspath(out))
-    blocking = next((p for p in absolute.parents if p.exists() and not p.is_dir()), None)
-    if blocking is not None:
-        fail(f"{where} lies under {blocking}, which is a file, not a folder. Fix: pass a path "
-             "whose parent folders are folders.")
-    fix = f"Fix: pass {option} a path in a folder you can write to."
-    if out.exists():
-        why = _unwritable(absolute) if folder else (
-            None if os.access(absolute, os.W_OK) else f"{path} is not writable by this user")
-        if why is not None:
-            fail(f"{where} cannot be written: {why}. {fix}")
-        return
-    nearest = next(p for p in absolute.parents if p.exists())
-    why = _unwritable(nearest)
-    if why is not None:
-        first_missing = next(p for p in (absolute, *absolute.parents) if p.parent == nearest)
-        if first_missing == absolute and not folder:
-            fail(f"{where} cannot be created: {why}. {fix}")
-        fail(f"{where} needs the folder {first_missing}, which cannot be created: {why}. {fix}")
+    problem = output_problem(path, option, folder=folder, suffixes=suffixes)
+    if problem is not None:
+        fail(f"{problem[0]} Fix: {problem[1]}")
 
 
 @contextmanager

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchscope._util import output_problem
 from torchscope.capture import ActivationCapture, trace_nonfinite
 from torchscope.capture.analyze import leaf_modules
 from torchscope.errors import TorchscopeError, describe
@@ -45,6 +46,9 @@ PROFILE_WAIT = 5  # steps before the profiled window: past the first, slow steps
 
 def _check_out(out: str | Path) -> Path:
     """The output folder, created now: an unwritable path fails before training starts."""
+    problem = output_problem(str(out), "out=", folder=True)
+    if problem is not None:
+        raise TorchscopeError(problem[0], fix=problem[1])
     path = Path(out)
     try:
         path.mkdir(parents=True, exist_ok=True)
