@@ -3,8 +3,6 @@ section sink the rest, and give the model back exactly as it was."""
 
 from __future__ import annotations
 
-import os
-import platform
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -19,7 +17,7 @@ from torchscope.doctor.section import DoctorOptions, Section
 from torchscope.doctor.sections import registered_sections
 from torchscope.errors import TorchscopeError, describe
 from torchscope.findings import Analyzed
-from torchscope.report.document import Report, SectionOutcome, TargetInfo
+from torchscope.report.document import Report, SectionOutcome, TargetInfo, machine_facts
 from torchscope.step import Step, StepInfo
 
 __all__ = ["DoctorEvent", "DoctorReport", "run_doctor"]
@@ -42,21 +40,6 @@ class DoctorEvent:
     index: int
     total: int
     outcome: SectionOutcome | None = None
-
-
-def _environment(device: str) -> dict[str, str | int | bool]:
-    env: dict[str, str | int | bool] = {
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(terse=True),
-        "device": device,
-        "cpu_threads": torch.get_num_threads(),
-        "cpu_count": os.cpu_count() or 1,
-        "cuda": torch.cuda.is_available(),
-    }
-    if device.startswith("cuda") and torch.cuda.is_available():
-        env["gpu"] = torch.cuda.get_device_name(torch.device(device))
-    return env
 
 
 def _run_one(section: Section[Any], step: Step, options: DoctorOptions) -> SectionOutcome:
@@ -158,5 +141,5 @@ def run_doctor(
         sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad),
         step.inputs.describe(), options.device)
     return DoctorReport(target, options.to_json(), tuple(outcomes),
-                        _environment(options.device), created, time.perf_counter() - t0,
+                        machine_facts(options.device), created, time.perf_counter() - t0,
                         infos[0] if infos else step.info(None))

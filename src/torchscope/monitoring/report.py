@@ -15,13 +15,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from torchscope._util import fmt_bytes, fmt_num, to_jsonable
-from torchscope.doctor.runner import _environment
 from torchscope.doctor.sections import GradientsSection, ProfileSection
 from torchscope.findings import Finding
 from torchscope.monitoring.analyze import section_of
 from torchscope.monitoring.history import Bucket
 from torchscope.monitoring.records import LayerSeries, RunRecord
-from torchscope.report.document import Metric, Report, SectionOutcome, TargetInfo
+from torchscope.report.document import Metric, Report, SectionOutcome, TargetInfo, machine_facts
 from torchscope.report.html import write_report
 from torchscope.report.run import (
     activity_fragment,
@@ -309,7 +308,7 @@ def run_report(record: RunRecord, *, name: str | None = None, created: str = "",
                     optimizer=record.optimizer, scaler=record.scaler,
                     accumulate=last.micro_batches if last is not None else 1)
     return RunReport(target, dict(options or {}), tuple(outcomes),
-                     _environment(record.device), created, record.seconds, step, kind="run")
+                     machine_facts(record.device), created, record.seconds, step, kind="run")
 
 
 def write_run_report(record: RunRecord, out: str | Path, *, name: str | None = None,

@@ -45,6 +45,7 @@ __all__ = [
     "build_document",
     "load_document",
     "load_schema",
+    "machine_facts",
 ]
 
 SCHEMA_ID = "torchscope.report"
@@ -279,3 +280,25 @@ def load_document(path: str | Path) -> dict[str, Any]:
             raise _bad(path, f": metric {name!r} is not an object with \"better\" lower or "
                        f"higher (got {json.dumps(entry)[:60]}).", fix=regenerate)
     return doc
+
+
+def machine_facts(device: str) -> dict[str, str | int | bool]:
+    """The report's `environment`: torch and Python versions, platform, device, CPU threads
+    and count, CUDA, and the GPU's name when the report ran on one."""
+    import os
+    import platform
+
+    import torch
+
+    env: dict[str, str | int | bool] = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(terse=True),
+        "device": device,
+        "cpu_threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count() or 1,
+        "cuda": torch.cuda.is_available(),
+    }
+    if device.startswith("cuda") and torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    return env
