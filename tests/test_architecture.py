@@ -16,6 +16,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "torchscope"
 # layers, and of its own top-level package. Capabilities are peers: none imports another.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("foundation", ("errors", "findings", "_util", "_process", "models", "hooks", "step")),
+    ("distributed", ("distributed",)),
     ("capabilities", ("capture", "grads", "memory", "profiling", "compile", "lint")),
     ("report", ("report",)),
     ("compositions", ("doctor", "lab")),

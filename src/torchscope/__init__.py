@@ -42,8 +42,8 @@ _API: dict[str, str] = {
 }
 
 _SUBMODULES = frozenset({
-    "capture", "compile", "doctor", "errors", "findings", "grads", "hooks", "integrations",
-    "lab", "lint", "memory", "models", "profiling", "report", "step",
+    "capture", "compile", "distributed", "doctor", "errors", "findings", "grads", "hooks",
+    "integrations", "lab", "lint", "memory", "models", "profiling", "report", "step",
 })
 
 __all__ = list(_API)

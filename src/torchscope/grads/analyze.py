@@ -13,6 +13,7 @@ from typing import Literal
 from torchscope.errors import TorchscopeError
 from torchscope.findings import Finding, Severity, analyzer, rank
 from torchscope.grads.flow import GradWatch
+from torchscope.grads.ranks import rank_findings
 from torchscope.grads.records import NO_GRAD, NOT_REACHED, GradFlow, GradHistory
 
 __all__ = [
@@ -283,6 +284,7 @@ def diagnose(flow: GradFlow, thresholds: GradThresholds | None = None) -> list[F
     found: list[Finding] = []
     for fn in (find_nonfinite, find_vanishing, find_exploding, find_dead, find_unreached):
         found += fn(flow, thresholds)
+    found += rank_findings(flow)  # DDP/FSDP2 only: ranks that diverge or see skewed data
     return rank(found)
 
 

@@ -17,6 +17,14 @@ outputs are views, so an in-place op after the module (`nn.ReLU(inplace=True)`,
 
 Every hook only enqueues a device reduction (`vector_norm`, one read of each gradient);
 `finish()` stacks those 0-d tensors and copies them to the host once per step.
+
+On a DDP or FSDP2 model (`_RankAware`) the parameter hooks see what this rank holds: under
+DDP its own accumulated gradient, before DDP's all-reduce (torch runs a tensor's
+post-accumulate-grad hooks before the reducer's hook on the same accumulator); under FSDP2
+the local shard of the reduce-scattered gradient (FSDP2 runs these hooks itself, after the
+reduce-scatter; a `register_hook` on its DTensor parameters would never fire). `finish()`,
+once backward has returned, reads the synchronised gradients and exchanges every rank's
+numbers in one all_gather: the only communication, once per sampled step.
 """
 
 from __future__ import annotations
@@ -30,6 +38,8 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from torchscope.distributed.comm import all_gather_tensor, comm_device
+from torchscope.distributed.world import is_dtensor, local_tensor, strategy_of, world
 from torchscope.grads.records import (
     FROZEN,
     INPUT_NO_GRAD,
@@ -40,10 +50,12 @@ from torchscope.grads.records import (
     GradFlow,
     ModuleGradRecord,
     ParamGradRecord,
+    RankGrads,
     TensorGrad,
     combine_norms,
 )
 from torchscope.hooks.lifecycle import HookedContext
+from torchscope.hooks.parallel import parallel_wrapper
 from torchscope.hooks.select import Selector, select_modules
 from torchscope.hooks.session import HookSession
 from torchscope.hooks.tree import iter_tensors
@@ -130,6 +142,98 @@ def _find_inplace_node(start: Any, producer: Any) -> Any:
     return None
 
 
+def _norm(t: torch.Tensor) -> torch.Tensor:
+    """L2 norm, 0-d on `t`'s device; half precision summed in float32 so it cannot overflow."""
+    n: torch.Tensor = torch.linalg.vector_norm(t, dtype=torch.float32) if t.dtype in _HALF \
+        else torch.linalg.vector_norm(t)
+    return n
+
+
+def _shard_ranks(p: torch.Tensor) -> tuple[int, ...]:
+    """The global ranks whose shards make up DTensor `p` (this rank's shard group: on HSDP's
+    (replicate, shard) mesh only the shard dimension); () for a tensor held whole."""
+    if not is_dtensor(p):
+        return ()
+    mesh = p.device_mesh  # type: ignore[attr-defined]
+    coord = mesh.get_coordinate()
+    if coord is None:
+        return ()
+    index = tuple(slice(None) if placement.is_shard() else c
+                  for c, placement in zip(coord, p.placements, strict=True))  # type: ignore[attr-defined]
+    return tuple(int(r) for r in mesh.mesh[index].flatten().tolist())
+
+
+class _RankAware:
+    """The rank-aware part of a collector on a DDP or FSDP2 model (see the module docstring).
+
+    Args:
+        strategy: `ddp` or `fsdp2`.
+        group: the process group DDP synchronises over; None for the default group.
+        params: the collector's parameters, in its order.
+    """
+
+    def __init__(self, strategy: str, group: Any, params: list[nn.Parameter]) -> None:
+        import torch.distributed as dist
+
+        self.strategy = strategy
+        self.group = group
+        self.ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else \
+            tuple(range(dist.get_world_size()))
+        self.shards = [_shard_ranks(p) for p in params]
+
+    @classmethod
+    def of(cls, model: nn.Module, params: list[nn.Parameter]) -> _RankAware | None:
+        """The rank-aware part for `model` (as the user passed it, wrappers included), or
+        None outside a distributed job or for a model that is neither DDP nor FSDP2."""
+        if not world().distributed:
+            return None
+        strategy = strategy_of(model)
+        if strategy == "none":
+            return None
+        group = getattr(parallel_wrapper(model), "process_group", None) \
+            if strategy == "ddp" else None
+        return cls(strategy, group, params)
+
+    def finish(self, names: list[str], params: list[nn.Parameter],
+               local: list[torch.Tensor | None], inv: float) -> RankGrads:
+        """Read the synchronised gradients, exchange every rank's numbers (one all_gather)
+        and return them; `local` holds this rank's 0-d local norms (None: no gradient)."""
+        import torch.distributed as dist
+
+        device = comm_device(self.group)
+        n = len(params)
+        # (5n,) float64: local norms, synced norms, synced element sums, then 0/1 presence
+        # flags of the local and the synced gradient (a NaN norm is a measurement).
+        parts: list[torch.Tensor] = []
+        synced: list[torch.Tensor | None] = []
+        sums: list[torch.Tensor | None] = []
+        for p in params:
+            g = p.grad
+            whole = g is not None and not is_dtensor(g) and g.layout == torch.strided
+            synced.append(_norm(g.detach()) if whole and g is not None else None)
+            sums.append(g.detach().sum(dtype=torch.float64) if whole and g is not None
+                        else None)
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        for column in (local, synced, sums):
+            parts.extend(zero if v is None else v.to(device, torch.float64) for v in column)
+        for column in (local, synced):
+            parts.extend(torch.ones((), dtype=torch.float64, device=device) if v is not None
+                         else zero for v in column)
+        rows = all_gather_tensor(torch.stack(parts), group=self.group,
+                                 what="the gradient-norm exchange").cpu().tolist()  # (ranks, 5n)
+
+        def block(k: int, scale: float) -> tuple[tuple[float | None, ...], ...]:
+            flag = 3 + (k if k < 2 else 1)
+            return tuple(tuple(row[k * n + i] * scale if row[flag * n + i] else None
+                               for i in range(n)) for row in rows)
+
+        row_of = {r: i for i, r in enumerate(self.ranks)}
+        return RankGrads(
+            strategy=self.strategy, rank=dist.get_rank(), ranks=self.ranks, names=tuple(names),
+            local=block(0, inv), synced=block(1, inv), fingerprints=block(2, inv),
+            shard_rows=tuple(tuple(row_of[r] for r in s if r in row_of) for s in self.shards))
+
+
 class GradCollector(HookedContext):
     """Collects gradient norms while its `HookSession` is open.
 
@@ -153,8 +257,9 @@ class GradCollector(HookedContext):
         inputs: bool = True,
         scaler: Any = None,
     ) -> None:
+        wrapped = model
         self._session = HookSession(model)
-        model = self._session.model  # a torch.compile wrapper is unwrapped: plain names
+        model = self._session.model  # compile and DDP wrappers are unwrapped: plain names
         self._targets = select_modules(model, select, depth=depth)
         self._inputs = inputs
         self._scaler = scaler
@@ -168,6 +273,8 @@ class GradCollector(HookedContext):
                     continue  # tied weights: counted once, as clip_grad_norm_ does
                 seen.add(id(p))
                 self._params.append((f"{mname}.{pname}" if mname else pname, mname, p))
+        self._rank_aware: _RankAware | None = _RankAware.of(
+            wrapped, [p for _, _, p in self._params])
         self._bw_queued = False
         # Per hooked module: its calls between pre-hook and forward hook.
         self._in_flight: list[list[tuple[_Call, list[_PendingInput]] | None]] = []
@@ -205,6 +312,7 @@ class GradCollector(HookedContext):
         self._session.close(failed=failed)
         self._targets = []
         self._params = []
+        self._rank_aware = None
         self._in_flight = []
         self._reset()
 
@@ -249,10 +357,7 @@ class GradCollector(HookedContext):
             if (key[:5] == prev[:5] and (key[5:7] == prev[5:7] or (key[7] and prev[7]))
                     and not ref.expired()):
                 return index
-        # One read of the gradient; half precision is summed in float32 so it cannot overflow.
-        n = torch.linalg.vector_norm(t, dtype=torch.float32) if t.dtype in _HALF else \
-            torch.linalg.vector_norm(t)  # () on g.device
-        self._vals.append(n)
+        self._vals.append(_norm(t))  # one read of the gradient: () on g.device
         index = len(self._vals) - 1
         self._last = (StorageWeakRef(t.untyped_storage()), key, index)
         return index
@@ -274,7 +379,8 @@ class GradCollector(HookedContext):
         def hook(p: torch.Tensor) -> None:
             self._queue_end()
             if self.active and p.grad is not None:
-                self._param_vals[index] = self._push(p.grad)
+                # A DTensor gradient (FSDP2): this rank's shard; `finish` combines them.
+                self._param_vals[index] = self._push(local_tensor(p.grad))
 
         return hook
 
@@ -438,6 +544,7 @@ class GradCollector(HookedContext):
         host = self._to_host()
         scale = self._scale()
         inv = 1.0 / scale if scale else 1.0
+        ranks = self._exchange(inv)
 
         def norm_of(val: int | None) -> float | None:
             return None if val is None else host[val] * inv
@@ -460,7 +567,7 @@ class GradCollector(HookedContext):
         called = {c.module for c in self._calls}
         params = []
         for i, (pname, mname, p) in enumerate(self._params):
-            n = norm_of(self._param_vals.get(i))
+            n = norm_of(self._param_vals.get(i)) if ranks is None else ranks.norm(i)
             if not p.requires_grad:
                 reason: str | None = FROZEN
             elif n is None:
@@ -472,6 +579,15 @@ class GradCollector(HookedContext):
         total = combine_norms(p.norm for p in params) or 0.0
         flow = GradFlow(index, modules, tuple(params), total, scale,
                         micro_batches=max(self._micro + 1, 1 if self._calls else 0),
-                        backward_calls=self._backwards, step=step)
+                        backward_calls=self._backwards, step=step, ranks=ranks)
         self.discard()
         return flow
+
+    def _exchange(self, inv: float) -> RankGrads | None:
+        """Every rank's per-parameter norms of this step (DDP, FSDP2); None on one process."""
+        if self._rank_aware is None:
+            return None
+        local = [self._vals[self._param_vals[i]] if i in self._param_vals else None
+                 for i in range(len(self._params))]
+        return self._rank_aware.finish([n for n, _, _ in self._params],
+                                       [p for _, _, p in self._params], local, inv)

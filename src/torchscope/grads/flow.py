@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchscope.distributed.ranked import Ranked
+from torchscope.distributed.world import strategy_of, world
 from torchscope.errors import TorchscopeError
 from torchscope.findings import Analyzed
 from torchscope.grads.collect import GradCollector
@@ -101,6 +103,8 @@ class GradWatch(HookedContext, Analyzed):
         every: sample one step in `every`.
         steps: steps counted so far (optimizer steps, or backward calls without one).
         samples: samples taken so far (unbounded count; the history keeps the newest).
+        gathered: in a distributed job, every rank's last sample joined on rank 0 at the end
+            of the block (`Ranked[GradFlow]`); None on the other ranks and on one process.
     """
 
     def __init__(
@@ -122,9 +126,16 @@ class GradWatch(HookedContext, Analyzed):
         if max_samples < 1:
             raise TorchscopeError(f"max_samples={max_samples} keeps no history.",
                                   fix="pass max_samples=1 or more.")
+        if optimizer is None and world().distributed and strategy_of(model) != "none":
+            raise TorchscopeError(
+                "watch_gradients on a DDP or FSDP2 model needs optimizer=: the synchronised "
+                "gradients exist only once backward has returned, and ranks exchange their "
+                "norms at each sampled optimizer step.",
+                fix="pass optimizer=your_optimizer.")
         self.every = every
         self.steps = 0
         self.samples = 0
+        self.gathered: Ranked[GradFlow] | None = None
         self._optimizer = optimizer
         self._collector = GradCollector(model, select=select, depth=depth, inputs=inputs_grad,
                                         scaler=scaler)
@@ -160,6 +171,8 @@ class GradWatch(HookedContext, Analyzed):
             self._collector.on_backward_end = None
             self._optimizer = None  # it holds the parameters: results must not keep them
             self._collector.close(failed=failed)
+        if not failed and self._last is not None and world().distributed:
+            self.gathered = self._last.gather()  # after the hooks are off; rank 0 gets it
 
     @property
     def session(self) -> HookSession:

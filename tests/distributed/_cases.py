@@ -1,0 +1,203 @@
+"""The distributed test cases: each runs on every rank (see `_launch.run_ranks`) and returns
+a JSON-ready answer; the tests in this folder assert on every rank's answer.
+
+Each rank trains on its own rows of one global batch (rows r, r + world, ...), as a
+`DistributedSampler` would hand them out, so a single process on the whole batch is the
+reference for every synchronised number.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.nn import functional
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import torchscope
+from torchscope.errors import describe
+
+
+def mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(),
+                         nn.Linear(16, 4))
+
+
+def sharded_mlp() -> nn.Sequential:
+    """`mlp()` with every Linear and the root sharded by FSDP2, after one forward (FSDP2
+    adds its state-dict hooks at its lazy init, in the first forward)."""
+    net = mlp()
+    for layer in net:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    fully_shard(net)
+    with torch.no_grad():
+        net(torch.zeros(2, 8))
+    return net
+
+
+def batch(rank: int, world: int, n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(123)
+    x = torch.randn(n, 8, generator=g)
+    y = torch.randint(0, 4, (n,), generator=g)
+    return x[rank::world], y[rank::world]
+
+
+def full_batch(world: int, n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ranks' rows concatenated in rank order (the mean loss does not see the order)."""
+    parts = [batch(r, world, n) for r in range(world)]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+def reference_grads(x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+    net = mlp()
+    functional.cross_entropy(net(x), y).backward()
+    return {n: p.grad for n, p in net.named_parameters()}
+
+
+def hooks(model: nn.Module) -> int:
+    """Every hook on the model, its parameters and DDP's or FSDP2's own included."""
+    return sum(e.count for e in torchscope.audit_hooks(model).entries)
+
+
+def ddp_grads(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """gradient_flow on DDP: local (before all-reduce) and synchronised norms per rank."""
+    net = mlp()
+    model = DDP(net)
+    before = hooks(model)
+    x, y = batch(rank, world)
+    flow = torchscope.gradient_flow(model, x, loss_fn="cross_entropy", target=y)
+    # torch's own numbers: the synchronised .grad now in the model, the local gradient of
+    # this rank's rows alone, and one process on the whole batch.
+    actual = {n: p.grad.norm().item() for n, p in net.named_parameters()}
+    local = {n: g.norm().item() for n, g in reference_grads(x, y).items()}
+    whole = {n: g.norm().item() for n, g in reference_grads(*full_batch(world)).items()}
+    ranks = flow.ranks
+    assert ranks is not None
+    joined = flow.gather()
+    return {
+        "names": [p.name for p in flow.params],
+        "modules": [r.module for r in flow.modules],
+        "reported": {p.name: p.norm for p in flow.params},
+        "actual": actual, "local_ref": local, "whole_ref": whole,
+        "local": [list(row) for row in ranks.local],
+        "synced": [list(row) for row in ranks.synced],
+        "total_norm": flow.total_norm,
+        "codes": [f.code for f in flow.findings()],
+        "gathered": None if joined is None else len(joined.results),
+        "gathered_ranks": None if joined is None else [r.ranks.rank for r in joined.results],
+        "hooks": [before, hooks(model)],
+    }
+
+
+class WithUnused(nn.Module):
+    """A model with a parameter the loss never reaches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 4)
+        self.extra = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x).relu())
+
+
+def ddp_unused(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """DDP without find_unused_parameters and a parameter nothing uses: DDP's all-reduce
+    never runs, each rank keeps its own gradient."""
+    net = WithUnused()
+    model = DDP(net)
+    x, y = batch(rank, world)
+    flow = torchscope.gradient_flow(model, x, loss_fn="cross_entropy", target=y)
+    found = [f for f in flow.findings() if f.code == "grads.ranks_diverge"]
+    return {"codes": [f.code for f in flow.findings()],
+            "summary": found[0].summary if found else None,
+            "severity": found[0].severity.label if found else None,
+            "actual": {n: None if p.grad is None else p.grad.norm().item()
+                       for n, p in net.named_parameters()}}
+
+
+def fsdp_norms(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """gradient_flow on FSDP2: global per-layer norms from the shards."""
+    net = sharded_mlp()
+    before = hooks(net)
+    x, y = batch(rank, world)
+    flow = torchscope.gradient_flow(net, x, loss_fn="cross_entropy", target=y)
+    ref = reference_grads(*full_batch(world))
+    ref_layers: dict[str, float] = {}
+    for name, g in ref.items():
+        module = name.rsplit(".", 1)[0]
+        ref_layers[module] = math.sqrt(ref_layers.get(module, 0.0) ** 2 + g.norm().item() ** 2)
+    ranks = flow.ranks
+    assert ranks is not None
+    # torch's way of getting a DTensor gradient's global norm, for comparison only.
+    full = {n: p.grad.full_tensor().norm().item() for n, p in net.named_parameters()}
+    shard_rows = [len(r) for r in ranks.shard_rows]
+    return {
+        "layers": {k: v for k, v in flow.param_norms().items() if v is not None},
+        "ref_layers": ref_layers,
+        "params": {p.name: p.norm for p in flow.params},
+        "full_tensor": full,
+        "local": [list(row) for row in ranks.local],
+        "shard_rows": shard_rows,
+        "total_norm": flow.total_norm,
+        "ref_total": math.sqrt(sum(g.norm().item() ** 2 for g in ref.values())),
+        "codes": [f.code for f in flow.findings()],
+        "modules": sorted({r.module for r in flow.modules}),
+        "hooks": [before, hooks(net)],
+    }
+
+
+def fsdp_watch(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """watch_gradients on FSDP2 in a loop with an optimizer; gathered at exit."""
+    net = sharded_mlp()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    before = hooks(net)
+    x, y = batch(rank, world)
+    try:
+        torchscope.watch_gradients(net)  # no optimizer: refused in a distributed job
+        refused = None
+    except torchscope.TorchscopeError as exc:
+        refused = describe(exc)
+    with torchscope.watch_gradients(net, optimizer=opt, every=2) as watch:
+        for _ in range(4):
+            opt.zero_grad()
+            functional.cross_entropy(net(x), y).backward()
+            opt.step()
+    joined = watch.gathered
+    return {"refused": refused, "samples": watch.samples,
+            "history_steps": list(watch.history.steps),
+            "gathered": None if joined is None else len(joined.results),
+            "hooks": [before, hooks(net)]}
+
+
+def raises_on_rank1(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """Every watch open on a DDP model, then rank 1 raises inside the block: no hook may stay
+    on any rank, whatever the other ranks see."""
+    net = mlp()
+    model = DDP(net)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = hooks(model)
+    x, y = batch(rank, world)
+    error = None
+    try:
+        with torchscope.watch_activations(model), \
+                torchscope.watch_gradients(model, optimizer=opt), \
+                torchscope.watch_time(model, optimizer=opt, steps=1, wait=0, warmup=0):
+            for i in range(3):
+                opt.zero_grad()
+                if rank == 1 and i == 1:
+                    raise RuntimeError("rank 1 fails on purpose")
+                functional.cross_entropy(model(x), y).backward()
+                opt.step()
+    except Exception as exc:
+        error = describe(exc)
+    return {"error": error, "hooks": [before, hooks(model)]}
+
