@@ -201,3 +201,60 @@ def raises_on_rank1(rank: int, world: int, out: Path) -> dict[str, Any]:
         error = describe(exc)
     return {"error": error, "hooks": [before, hooks(model)]}
 
+
+
+def wide(width: int = 256) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
+                         nn.Linear(width, 10))
+
+
+def profile_ddp(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """profile_steps on DDP, rank 1 with 8× the rows of rank 0 (a straggler), traces in one
+    folder; every rank's result joined on rank 0."""
+    model = DDP(wide())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(rank)
+    rows = 32 if rank == 0 else 256
+    x, y = torch.randn(rows, 256, generator=g), torch.randint(0, 10, (rows,), generator=g)
+    result = torchscope.profile_steps(model, x, loss_fn="cross_entropy", target=y,
+                                      optimizer=opt, steps=3, baseline_steps=0,
+                                      trace=out / "traces")
+    joined = result.gather()
+    comm = result.comm
+    assert comm is not None
+    straggler = [f for f in joined.findings() if f.code == "profiling.straggler"] \
+        if joined is not None else []
+    return {
+        "trace": result.trace_path,
+        "kinds": {o.kind: o.calls for o in comm.ops},
+        "comm_ms": comm.comm_ms, "exposed_ms": comm.exposed_ms, "compute_ms": comm.compute_ms,
+        "step_ms": result.timing.profiled_ms,
+        "modules": sorted(m.module for m in result.modules),
+        "codes": [f.code for f in result.findings()],
+        "top_op": next((f.evidence["op"] for f in result.findings()
+                        if f.code == "profiling.top_op"), None),
+        "straggler": None if not straggler else {"summary": straggler[0].summary,
+                                                 "rank": straggler[0].evidence["rank"]},
+        "gathered": None if joined is None else len(joined.results),
+    }
+
+
+def watch_time_fsdp(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """watch_time on FSDP2 in a loop: all-gathers and reduce-scatters, gathered at exit."""
+    net = sharded_mlp()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    x, y = batch(rank, world)
+    before = hooks(net)
+    with torchscope.watch_time(net, optimizer=opt, steps=2, wait=0, warmup=1,
+                               trace=out / "fsdp" / "step.json") as watch:
+        for _ in range(3):
+            functional.cross_entropy(net(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    result = watch.result
+    assert result is not None and result.comm is not None
+    joined = watch.gathered
+    return {"kinds": {o.kind: o.calls for o in result.comm.ops},
+            "trace": result.trace_path, "hooks": [before, hooks(net)],
+            "gathered": None if joined is None else len(joined.results)}
