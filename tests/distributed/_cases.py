@@ -258,3 +258,33 @@ def watch_time_fsdp(rank: int, world: int, out: Path) -> dict[str, Any]:
     return {"kinds": {o.kind: o.calls for o in result.comm.ops},
             "trace": result.trace_path, "hooks": [before, hooks(net)],
             "gathered": None if joined is None else len(joined.results)}
+
+
+def memory_ranks(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """Per-rank bytes of the same model under DDP and under FSDP2, after an Adam step, and
+    analyze_memory's totals on the sharded one."""
+    from torchscope.memory import rank_bytes
+
+    x, y = batch(rank, world)
+    answers: dict[str, Any] = {}
+    for name in ("ddp", "fsdp2"):
+        net = mlp()
+        model: nn.Module = DDP(net) if name == "ddp" else sharded_mlp()
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        b = rank_bytes(model, opt)
+        report = torchscope.analyze_memory(model, x, loss_fn="cross_entropy", target=y,
+                                           optimizer=opt)
+        local_params = sum(
+            (p.to_local() if hasattr(p, "to_local") else p).numel() * 4
+            for p in model.parameters())
+        answers[name] = {
+            "strategy": b.strategy, "parameters": b.parameters, "gradients": b.gradients,
+            "optimizer": b.optimizer_state, "buckets": b.buckets, "total": b.total,
+            "replicated_total": b.replicated_total, "replicated_parameters":
+            b.replicated_parameters, "saving": b.saving, "local_params": local_params,
+            "report_params": report.totals.parameters, "report_grads": report.totals.gradients,
+            "report_optimizer": report.totals.optimizer_state,
+            "saved": report.saved.total_bytes}
+    return answers
