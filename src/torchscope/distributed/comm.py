@@ -75,6 +75,20 @@ def comm_device(group: Any = None) -> torch.device:
     return torch.device("cpu")
 
 
+# The tensors of torchscope's last collective, kept referenced from Python until the next
+# one. Gloo's worker thread drops its hold on a finished collective's tensors after the
+# caller has been told it is done; if Python had already dropped them by then, that thread
+# must take the GIL to free them, and it deadlocks against `destroy_process_group` (which
+# joins that thread while holding the GIL). Kept here, Python frees them, on its own thread.
+_KEEP: list[torch.Tensor] = []
+
+
+def _run(work: Any, tensors: list[torch.Tensor], what: str, seconds: float | None) -> None:
+    """Wait for `work` (see `_wait`), then hold `tensors` until the next collective."""
+    _wait(work, what, seconds)
+    _KEEP[:] = tensors
+
+
 def _wait(work: Any, what: str, seconds: float | None) -> None:
     limit = timeout_s(seconds)
     try:
@@ -100,8 +114,8 @@ def all_reduce_sum(t: torch.Tensor, *, group: Any = None,
     """
     import torch.distributed as dist
 
-    _wait(dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True), what,
-          timeout)
+    _run(dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True), [t], what,
+         timeout)
     return t
 
 
@@ -119,8 +133,10 @@ def all_gather_tensor(t: torch.Tensor, *, group: Any = None,
     n = dist.get_world_size(group)
     # The concatenated form (gloo accepts no other): (n * numel,) -> (n, *t.shape).
     out = torch.empty((n * t.numel(),), dtype=t.dtype, device=t.device)
-    _wait(dist.all_gather_into_tensor(out, t.contiguous().view(-1), group=group,
-                                      async_op=True), what, timeout)
+    flat = t.contiguous().view(-1)
+    # torch 2.13 renamed all_gather_into_tensor (kept, deprecated) to all_gather_single.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    _run(gather(out, flat, group=group, async_op=True), [out, flat], what, timeout)
     return out.view(n, *t.shape)
 
 

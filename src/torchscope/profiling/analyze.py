@@ -51,8 +51,9 @@ def profile_findings(result: ProfileResult,
     out: list[Finding] = []
     on_device = result.device == "cuda" and any(o.self_device_ms > 0 for o in result.ops)
     sort = "self_cuda" if on_device else "self_cpu"
-    # Collectives are waits for other ranks, not work: `comm_findings` speaks of them.
-    top = sort_ops([o for o in result.ops if not o.name.startswith("autograd::")
+    # Collectives are waits for other ranks, not work (`comm_findings` speaks of them), and
+    # FSDP2's own ranges (`FSDP::all_gather (conv1)`) mostly wrap them.
+    top = sort_ops([o for o in result.ops if not o.name.startswith(("autograd::", "FSDP::"))
                     and not is_comm(o.name)], sort, 1)
     if top:
         o = top[0]
@@ -79,12 +80,17 @@ def profile_findings(result: ProfileResult,
     fwd, bwd, opt = (result.phase(p) for p in ("forward", "backward", "optimizer"))
     if fwd is not None and bwd is not None and fwd.cpu_ms > 0:
         ratio = bwd.cpu_ms / fwd.cpu_ms
-        high = ratio > th.backward_ratio_high
+        # Under DDP/FSDP2 backward also waits for gradient communication: judged without it.
+        waited = result.comm.exposed_ms * result.steps if result.comm is not None else 0.0
+        high = (bwd.cpu_ms - waited) / fwd.cpu_ms > th.backward_ratio_high
+        comm_note = f" (of which up to {waited:.3g} ms waiting for communication)" \
+            if waited > 0 else ""
         out.append(Finding(
             "profiling.backward_ratio", Severity.WARNING if high else Severity.INFO,
-            f"backward takes {ratio:.2f}× the forward time"
+            f"backward takes {ratio:.2f}× the forward time{comm_note}"
             + (" — more than the usual ~2×." if high else "."),
-            {"backward_ms": bwd.cpu_ms, "forward_ms": fwd.cpu_ms, "ratio": ratio},
+            {"backward_ms": bwd.cpu_ms, "forward_ms": fwd.cpu_ms, "ratio": ratio,
+             "comm_waited_ms": waited},
             fix=("look for activation checkpointing, backward hooks or retain_graph in the "
                  "step; the module table shows where backward time goes.") if high else "",
         ))
