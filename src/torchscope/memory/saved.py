@@ -23,8 +23,8 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from torchscope.hooks.select import Selector, select_modules
 from torchscope.hooks.parallel import unwrap_parallel
+from torchscope.hooks.select import Selector, select_modules
 from torchscope.hooks.session import HookSession
 from torchscope.memory._common import (
     SEGMENT_LABEL,
