@@ -17,7 +17,7 @@ from torchscope.lint.records import LintError, LintResult, LintViolation
 from torchscope.lint.rules import LintUsageError, resolve_codes
 
 # Every rule needs one of these words in the source; files without any are only parsed.
-_TRIGGERS = ("hook", "compile", "empty_cache", "checkpoint")
+_TRIGGERS = ("hook", "compile", "empty_cache", "checkpoint", "norm")
 
 
 def _check(source: str, path: str, codes: frozenset[str]) -> list[LintViolation]:
