@@ -134,9 +134,8 @@ def _hook_callbacks(tree: Tree, calls: list[ast.Call]
         suffix = _HOOKS.get(_name(call) or "")
         if suffix is None or not call.args:
             continue
-        fn = call.args[0]
-        if isinstance(fn, ast.Name):
-            fn = defs.get(fn.id, fn)
+        arg = call.args[0]
+        fn: ast.AST = defs.get(arg.id, arg) if isinstance(arg, ast.Name) else arg
         if isinstance(fn, (ast.Lambda, ast.FunctionDef, ast.AsyncFunctionDef)) and \
                 fn.args.args:
             out.append((fn, fn.args.args[0].arg + suffix))
@@ -165,7 +164,7 @@ def check_ts009(tree: Tree, imports: ImportMap, calls: list[ast.Call]
                     "each rank holds a shard of every gradient, so this is the norm of "
                     "its shard, smaller than the global one and different on every rank")))
     for fn, grad in _hook_callbacks(tree, calls):
-        body = [fn.body] if isinstance(fn, ast.Lambda) else fn.body
+        body: list[ast.AST] = [fn.body] if isinstance(fn, ast.Lambda) else list(fn.body)
         for node in walk_local(body):
             if not (isinstance(node, ast.Call) and _name(node) in _SINKS):
                 continue
