@@ -288,3 +288,48 @@ def memory_ranks(rank: int, world: int, out: Path) -> dict[str, Any]:
             "report_optimizer": report.totals.optimizer_state,
             "saved": report.saved.total_bytes}
     return answers
+
+
+class Blocks(nn.Module):
+    """Four 512×512 layers (1 MiB each): with DDP's bucket_cap_mb=1, four buckets."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList([nn.Linear(512, 512) for _ in range(4)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x).relu()
+        return x
+
+
+class PrintsToo(Blocks):
+    """`Blocks` with a print in forward: a graph break the user should fix."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.layers[0](x)
+        print("debug")
+        for layer in self.layers[1:]:
+            x = layer(x).relu()
+        return x
+
+
+def ddp_breaks(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """torch.compile under DDP: DDPOptimizer's bucket breaks, and a print."""
+    import torch._dynamo
+
+    from torchscope.compile import CompileReport, find_graph_breaks
+
+    answers: dict[str, Any] = {}
+    for name, net in (("blocks", Blocks()), ("prints", PrintsToo())):
+        model = DDP(net, bucket_cap_mb=1)
+        scan = find_graph_breaks(model, torch.randn(4, 512), train=True)
+        report = CompileReport(name, "(4x512)", "cpu", "forward", (), scan.breaks,
+                               scan.graph_count, 8, torch.__version__)
+        answers[name] = {
+            "graphs": scan.graph_count, "kinds": [b.kind for b in scan.breaks],
+            "reasons": sorted({b.reason.split(" (")[0] for b in scan.breaks}),
+            "findings": [(f.code, f.severity.label, f.summary) for f in report.findings()]}
+    answers["optimize_ddp"] = torch._dynamo.config.optimize_ddp
+    return answers
