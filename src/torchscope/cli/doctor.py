@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from torchscope.doctor import DoctorOptions, DoctorReport
+    from torchscope.doctor.distributed import DistributedJob
     from torchscope.findings import Severity
     from torchscope.models.target import ModelInputs
 
@@ -101,16 +102,16 @@ def doctor(
                  f"choose from {', '.join(known_modes())}.")
         ranked = _distributed(nproc, strategy, backend, device)
         if ranked is not None:
-            from torchscope.doctor.distributed import DistributedJob, launch, run_rank
+            from torchscope.doctor.distributed import DistributedJob, launch
 
             options = DoctorOptions(fast=fast, skip=frozenset(skipped), loss_fn=loss_fn,
                                     steps=steps, compile_modes=modes)
             job = DistributedJob(target, tuple(input or ()), inputs, ranked[0], ranked[1],
                                  options, out)
-            dist_report = launch(job, nproc) if nproc is not None else run_rank(job)
-            if dist_report is not None:  # rank 0, or the launcher
-                _print_report(dist_report, out, floor, debug)
-            return
+            if nproc is not None:
+                _print_report(launch(job, nproc), out, floor, debug)
+                return
+            _as_torchrun_rank(job, out, floor, debug)
         dev = device_of(device)
         loaded, model_inputs = load(target, input, inputs)
         model = loaded.model.to(dev)
@@ -119,6 +120,28 @@ def doctor(
         report = _run_with_progress(model, model_inputs.to(dev), options, loaded.name)
         write_report(report, out)
         _print_report(report, out, floor, debug)
+
+
+def _as_torchrun_rank(job: DistributedJob, out: str, floor: Severity | None,
+                      debug: bool) -> None:
+    """This process is one rank of a torchrun launch: run it; rank 0 prints the report.
+
+    The rank then leaves with `os._exit`, skipping interpreter teardown: torch can abort a
+    process there (a gloo worker thread releasing a finished collective while Python shuts
+    down), which torchrun would report as a failed rank after the report was written.
+    """
+    from torchscope.doctor.distributed import run_rank
+
+    code = 0
+    report = run_rank(job)
+    if report is not None:
+        try:
+            _print_report(report, out, floor, debug)
+        except typer.Exit as exc:
+            code = int(exc.exit_code or 0)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _distributed(nproc: int | None, strategy: str | None, backend: str | None,

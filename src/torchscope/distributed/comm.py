@@ -12,16 +12,19 @@ from __future__ import annotations
 
 import os
 import pickle
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import torch
+from torch.profiler import record_function
 
 from torchscope.distributed.world import world
 from torchscope.errors import TorchscopeError, describe
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
+    "RANGE",
     "TIMEOUT_ENV",
     "DistributedError",
     "all_gather_tensor",
@@ -83,8 +86,17 @@ def comm_device(group: Any = None) -> torch.device:
 _KEEP: list[torch.Tensor] = []
 
 
-def _run(work: Any, tensors: list[torch.Tensor], what: str, seconds: float | None) -> None:
-    """Wait for `work` (see `_wait`), then hold `tensors` until the next collective."""
+#: The profiler range every torchscope collective is issued in: a profile of the user's
+#: step tells torchscope's own communication from the step's (`torchscope.profiling.comm`).
+RANGE = "torchscope::collective"
+
+
+def _run(start: Callable[[], Any], tensors: list[torch.Tensor], what: str,
+         seconds: float | None) -> None:
+    """Issue a collective (`start()` returns its work) inside `RANGE`, wait for it (see
+    `_wait`), then hold `tensors` until the next collective."""
+    with record_function(RANGE):
+        work = start()
     _wait(work, what, seconds)
     _KEEP[:] = tensors
 
@@ -114,8 +126,8 @@ def all_reduce_sum(t: torch.Tensor, *, group: Any = None,
     """
     import torch.distributed as dist
 
-    _run(dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True), [t], what,
-         timeout)
+    _run(lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True), [t],
+         what, timeout)
     return t
 
 
@@ -136,7 +148,7 @@ def all_gather_tensor(t: torch.Tensor, *, group: Any = None,
     flat = t.contiguous().view(-1)
     # torch 2.13 renamed all_gather_into_tensor (kept, deprecated) to all_gather_single.
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    _run(gather(out, flat, group=group, async_op=True), [out, flat], what, timeout)
+    _run(lambda: gather(out, flat, group=group, async_op=True), [out, flat], what, timeout)
     return out.view(n, *t.shape)
 
 

@@ -43,7 +43,7 @@ from torchscope.doctor.ranks import RankRecords, RanksRecord, ranks_outcome
 from torchscope.doctor.runner import DoctorReport, run_doctor
 from torchscope.doctor.section import DoctorOptions, Section
 from torchscope.doctor.sections import MemorySection, registered_sections
-from torchscope.errors import TorchscopeError, describe
+from torchscope.errors import describe
 from torchscope.grads import GradFlow
 from torchscope.hooks.tree import iter_tensors
 from torchscope.memory import MemoryReport, analyze_memory, rank_bytes
@@ -259,12 +259,24 @@ def run_rank(job: DistributedJob) -> DoctorReport | None:
         return full
     finally:
         if created:
+            # Let gloo's worker threads finish releasing the last collectives (they need
+            # the GIL for that) before the group is torn down.
+            time.sleep(0.05)
             dist.destroy_process_group()
 
 
-def _rank_entry(job: DistributedJob, errors: str) -> bytes | None:
+_RESULT = "report.pkl"
+
+
+def _rank_entry(job: DistributedJob, errors: str) -> None:
     """What each launched rank runs: `run_rank`, its one-line error saved for the launcher
-    when it raises. Rank 0 returns its pickled report."""
+    when it raises. Rank 0 saves its report (pickled) next to the errors folder.
+
+    The report travels by file, not as the launcher's return value: torch can abort a
+    process at interpreter exit (a gloo worker thread releasing a finished collective while
+    Python shuts down), which the launcher would count as a failed rank even though every
+    rank had finished its work.
+    """
     os.environ[TIMEOUT_ENV] = str(job.timeout_s)
     rank = int(os.environ.get("RANK", "0"))
     try:
@@ -274,7 +286,11 @@ def _rank_entry(job: DistributedJob, errors: str) -> bytes | None:
             f"{'distributed' if isinstance(exc, DistributedError) else 'raised'}\t"
             f"{describe(exc)}")
         raise
-    return None if report is None else pickle.dumps(_portable(report))
+    if report is not None:
+        done = Path(errors).parent / _RESULT
+        tmp = done.with_suffix(".tmp")
+        tmp.write_bytes(pickle.dumps(_portable(report)))
+        tmp.replace(done)  # whole or absent
 
 
 def _picklable(value: Any) -> bool:
@@ -357,13 +373,16 @@ def launch(job: DistributedJob, nproc: int) -> DoctorReport:
             rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
             start_method="spawn",
             logs_specs=DefaultLogsSpecs(log_dir=str(Path(tmp, "logs")), redirects=Std.ALL))
+        failures: dict[int, Any] = {}
         try:
             with _quiet_launcher():
-                results = elastic_launch(config, _rank_entry)(job, str(errors))
+                elastic_launch(config, _rank_entry)(job, str(errors))
         except ChildFailedError as exc:
-            raise _failure(dict(exc.failures), errors) from None
-    payload = results.get(0)
-    if not isinstance(payload, bytes):
-        raise TorchscopeError("rank 0 returned no report.", fix="rerun with --debug.")
-    report: DoctorReport = pickle.loads(payload)
+            failures = dict(exc.failures)
+        done = Path(tmp, _RESULT)
+        if any(errors.iterdir()) or not done.exists():
+            raise _failure(failures, errors)
+        # A rank may still have died at interpreter exit, after every rank finished: the
+        # report is whole, so it stands.
+        report: DoctorReport = pickle.loads(done.read_bytes())
     return report

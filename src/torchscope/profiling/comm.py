@@ -15,6 +15,9 @@ collective: the kind comes from the c10d op, paired in start order with the exec
 ranges when both lists are equally long (collectives run in the order they were issued),
 else from the execution range's own name.
 
+torchscope's own collectives (a `watch_gradients` sampling the same steps) are issued inside a
+`torchscope::collective` range and left out when the pairing identifies them.
+
 Time is split the way HolisticTraceAnalysis does: computation is the union of the compute
 intervals (device kernels other than NCCL's on a GPU; `aten::` ops on the ranks' own threads
 on a CPU), communication the union of the execution intervals; their intersection is the
@@ -26,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from torchscope.distributed.comm import RANGE
 from torchscope.profiling.records import CommOp, CommTime
 
 __all__ = ["comm_kind", "comm_time", "is_comm"]
@@ -85,6 +89,16 @@ def _intersection(a: Sequence[Interval], b: Sequence[Interval]) -> float:
     return total
 
 
+def _ours(e: Any) -> bool:
+    """Whether a c10d op was issued by torchscope (inside its `RANGE`)."""
+    parent = getattr(e, "cpu_parent", None)
+    while parent is not None:
+        if parent.name == RANGE:
+            return True
+        parent = getattr(parent, "cpu_parent", None)
+    return False
+
+
 def _span(e: Any) -> Interval:
     return float(e.time_range.start), float(e.time_range.end)
 
@@ -99,6 +113,8 @@ def comm_time(events: Sequence[Any], steps: int) -> CommTime | None:
     """
     issued = sorted((e for e in events if e.name.startswith("c10d::") and comm_kind(e.name)),
                     key=lambda e: e.time_range.start)
+    # torchscope's own collectives (a watch sampling this step) are no part of the step's.
+    own = [_ours(e) for e in issued]
     device = [e for e in events if getattr(e, "device_type", None) is not None
               and str(e.device_type).endswith("CUDA")]
     on_device = [e for e in device if "nccl" in e.name.lower()]
@@ -109,9 +125,14 @@ def comm_time(events: Sequence[Any], steps: int) -> CommTime | None:
     if not executed:
         return None
     if len(executed) == len(issued):
-        kinds = [comm_kind(e.name) or "other" for e in issued]
+        pairs = [(comm_kind(i.name) or "other", e)
+                 for i, e, mine in zip(issued, executed, own, strict=True) if not mine]
     else:
-        kinds = [comm_kind(e.name) or "other" for e in executed]
+        pairs = [(comm_kind(e.name) or "other", e) for e in executed]
+    if not pairs:
+        return None
+    kinds = [k for k, _ in pairs]
+    executed = [e for _, e in pairs]
     comm_threads = {e.thread for e in executed}
     if device:
         compute = [_span(e) for e in device if "nccl" not in e.name.lower()]
