@@ -80,7 +80,12 @@ def ddp_grads(rank: int, world: int, out: Path) -> dict[str, Any]:
     ranks = flow.ranks
     assert ranks is not None
     joined = flow.gather()
+    acts = torchscope.capture_activations(model, x)
+    acts_joined = torchscope.distributed.gather(acts.records)
     return {
+        "activations": [r.module for r in acts.records],
+        "activations_gathered": None if acts_joined is None else
+        [len(r) for r in acts_joined.results],
         "names": [p.name for p in flow.params],
         "modules": [r.module for r in flow.modules],
         "reported": {p.name: p.norm for p in flow.params},

@@ -23,6 +23,7 @@ def test_ddp_local_and_synchronised_norms(tmp_path: Path) -> None:
         # Hooks went on the wrapped module: the names of one process, no "module." prefix.
         assert a["names"] == ["0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias"]
         assert a["modules"] == ["4", "3", "2", "1", "0"]
+        assert a["activations"] == ["0", "1", "2", "3", "4"]
         for name in a["names"]:
             # The synchronised norm is torch's .grad after DDP, and one process's gradient
             # on the whole batch.
@@ -42,6 +43,8 @@ def test_ddp_local_and_synchronised_norms(tmp_path: Path) -> None:
     # gather() joins both flows on rank 0 only.
     assert ranks[0]["gathered"] == 2 and ranks[0]["gathered_ranks"] == [0, 1]
     assert ranks[1]["gathered"] is None
+    assert ranks[0]["activations_gathered"] == [5, 5]  # activation records, both ranks
+    assert ranks[1]["activations_gathered"] is None
 
 
 def test_ddp_unused_parameter_raises_divergence(tmp_path: Path) -> None:
