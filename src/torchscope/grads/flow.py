@@ -242,10 +242,16 @@ def watch_gradients(
     Python call per hook and no device work. Only norms are kept: the last sample in full
     and a history of per-layer norms bounded by `max_samples`.
 
+    On a DDP or FSDP2 model (inside torchrun), each sampled step also records every rank's
+    per-parameter norms (`flow.ranks`; DDP: before and after the all-reduce; FSDP2: the
+    global norms from the shards) through one exchange at the optimizer step, and the end of
+    the block joins every rank's last sample on rank 0 (`watch.gathered`).
+
     Args:
-        model: the model.
+        model: the model (a DDP wrapper or an FSDP2-sharded model too).
         every: sample steps 0, every, 2*every, ...
-        optimizer: the optimizer whose `step()` calls define steps.
+        optimizer: the optimizer whose `step()` calls define steps; required on a DDP or
+            FSDP2 model.
         scaler: the `torch.amp.GradScaler` of the loop; its scale is divided out, so the
             norms are those of the unscaled gradients. A step the scaler skips (inf/NaN)
             is not an optimizer step: its gradients count with the next one.

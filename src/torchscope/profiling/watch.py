@@ -74,7 +74,10 @@ class TimeWatch(HookedContext):
     `ProfileResult` after the block, with the tables of `profile_steps`.
 
     The step's wall time is measured from one step boundary to the next (the device is
-    synchronised at each boundary inside the window); there is no unprofiled baseline.
+    synchronised at each boundary inside the window); there is no unprofiled baseline. In a
+    distributed job every rank's result is joined on rank 0 at the end of the block
+    (`gathered`) unless it was built with `gather=False` (`profile_steps` leaves that to
+    its caller's `result.gather()`).
 
     Attributes:
         result: the `ProfileResult`, set when the block exits without an exception.
