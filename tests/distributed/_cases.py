@@ -338,3 +338,21 @@ def ddp_breaks(rank: int, world: int, out: Path) -> dict[str, Any]:
             "findings": [(f.code, f.severity.label, f.summary) for f in report.findings()]}
     answers["optimize_ddp"] = torch._dynamo.config.optimize_ddp
     return answers
+
+
+def hsdp_norms(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """HSDP (2 replicas × 2 shards): global norms sum over the shard group only."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    net = mlp()
+    for layer in net:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    x, y = batch(rank, world)
+    flow = torchscope.gradient_flow(net, x, loss_fn="cross_entropy", target=y)
+    full = {n: p.grad.full_tensor().norm().item() for n, p in net.named_parameters()}
+    assert flow.ranks is not None
+    return {"params": {p.name: p.norm for p in flow.params}, "full_tensor": full,
+            "shard_rows": [list(r) for r in flow.ranks.shard_rows]}

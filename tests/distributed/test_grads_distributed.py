@@ -93,3 +93,12 @@ def test_no_hook_left_on_any_rank_after_rank1_raises(tmp_path: Path) -> None:
     assert ranks[0]["error"] is not None  # its all-reduce lost its peer: it raises too
     for a in ranks:
         assert a["hooks"] == [0, 0], a
+
+
+def test_hsdp_norms_sum_over_the_shard_group_only(tmp_path: Path) -> None:
+    ranks = run_ranks("hsdp_norms", tmp_path, nproc=4)
+    for r, a in enumerate(ranks):
+        # Mesh (replicate=2, shard=2): ranks 0,1 hold one replica's shards, 2,3 the other's.
+        assert a["shard_rows"] == [[0, 1] if r < 2 else [2, 3]] * 6
+        for name, norm in a["params"].items():
+            assert _close(norm, a["full_tensor"][name]), (name, norm)
