@@ -17,6 +17,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "torchscope"
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("foundation", ("errors", "findings", "_util", "_process", "_timing", "models", "hooks",
                     "step")),
+    ("distributed", ("distributed",)),
     ("capabilities", ("capture", "grads", "memory", "profiling", "compile", "lint")),
     ("report", ("report",)),
     ("compositions", ("doctor", "lab", "monitoring")),

@@ -43,8 +43,9 @@ _API: dict[str, str] = {
 }
 
 _SUBMODULES = frozenset({
-    "capture", "compile", "doctor", "errors", "findings", "grads", "hooks", "integrations",
-    "lab", "lint", "memory", "models", "monitoring", "profiling", "report", "step",
+    "capture", "compile", "distributed", "doctor", "errors", "findings", "grads", "hooks",
+    "integrations", "lab", "lint", "memory", "models", "monitoring", "profiling", "report",
+    "step",
 })
 
 __all__ = list(_API)

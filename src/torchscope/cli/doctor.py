@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import traceback
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -32,6 +34,8 @@ if TYPE_CHECKING:
     from torch import nn
 
     from torchscope.doctor import DoctorOptions, DoctorReport
+    from torchscope.doctor.distributed import DistributedJob
+    from torchscope.findings import Severity
     from torchscope.models.target import ModelInputs
 
 
@@ -62,6 +66,16 @@ def doctor(
     fail_on: Annotated[str | None, typer.Option(
         "--fail-on", help="Exit 1 when a finding is at least this severe: error or warning.")
     ] = None,
+    nproc: Annotated[int | None, typer.Option(
+        "--nproc", help="Run on this many ranks on this machine (torch's elastic launcher), "
+        "each on its own rows of the batch, joined into one report with a row per rank.")
+    ] = None,
+    strategy: Annotated[str | None, typer.Option(
+        "--strategy", help="With --nproc or under torchrun: ddp (DistributedDataParallel) or "
+        "fsdp2 (fully_shard). Default ddp.")] = None,
+    backend: Annotated[str | None, typer.Option(
+        "--backend", help="With --nproc or under torchrun: gloo (CPU) or nccl (one GPU per "
+        "rank). Default nccl when torch sees a GPU, else gloo.")] = None,
     debug: DebugOpt = False,
 ) -> None:
     """Examine a model end to end and write report.html + report.json with ranked findings."""
@@ -70,8 +84,6 @@ def doctor(
         from torchscope.compile import known_modes
         from torchscope.doctor import DoctorOptions, section_names
         from torchscope.findings import Severity
-        from torchscope.report.doctor import sections_table
-        from torchscope.report.findings import findings_table
         from torchscope.report.html import write_report
         from torchscope.step import LOSSES
 
@@ -90,29 +102,104 @@ def doctor(
         if unknown_modes:
             fail(f"--compile-modes names unknown mode(s) {', '.join(unknown_modes)}. Fix: "
                  f"choose from {', '.join(known_modes())}.")
+        ranked = _distributed(nproc, strategy, backend, device)
+        if ranked is not None:
+            from torchscope.doctor.distributed import DistributedJob, launch
+
+            options = DoctorOptions(fast=fast, skip=frozenset(skipped), loss_fn=loss_fn,
+                                    steps=steps, compile_modes=modes)
+            job = DistributedJob(target, tuple(input or ()), inputs, ranked[0], ranked[1],
+                                 options, out)
+            if nproc is not None:
+                _print_report(launch(job, nproc), out, floor, debug)
+                return
+            _as_torchrun_rank(job, out, floor, debug)
         dev = device_of(device)
         loaded, model_inputs = load(target, input, inputs)
         model = loaded.model.to(dev)
         options = DoctorOptions(fast=fast, skip=frozenset(skipped), loss_fn=loss_fn, steps=steps,
                                 compile_modes=modes, device=dev)
         report = _run_with_progress(model, model_inputs.to(dev), options, loaded.name)
-        for o in report.outcomes:
-            if debug and o.error is not None:  # reported in one line above; show where from
-                sys.stderr.write(f"section {o.name} failed:\n"
-                                 + "".join(traceback.format_exception(o.error)))
         with writing("--out", out):
-            html_path, json_path = write_report(report, out)
-        console.print(sections_table(report))
-        if report.step is not None:
-            console.print(report.step.describe(), highlight=False, soft_wrap=True)
-        findings = report.section_findings()
-        if findings:
-            console.print(findings_table(findings, title="Findings, most severe first"))
-        else:
-            console.print("No findings: nothing looked wrong in the sections that ran.")
-        console.print(f"wrote {html_path} and {json_path}")
-        if floor is not None and any(f.severity >= floor for f in report.findings()):
-            raise typer.Exit(1)
+            write_report(report, out)
+        _print_report(report, out, floor, debug)
+
+
+def _as_torchrun_rank(job: DistributedJob, out: str, floor: Severity | None,
+                      debug: bool) -> None:
+    """This process is one rank of a torchrun launch: run it; rank 0 prints the report.
+
+    The rank then leaves with `os._exit`, skipping interpreter teardown: torch can abort a
+    process there (a gloo worker thread releasing a finished collective while Python shuts
+    down), which torchrun would report as a failed rank after the report was written.
+    """
+    from torchscope.doctor.distributed import run_rank
+
+    code = 0
+    report = run_rank(job)
+    if report is not None:
+        try:
+            _print_report(report, out, floor, debug)
+        except typer.Exit as exc:
+            code = int(exc.exit_code or 0)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _distributed(nproc: int | None, strategy: str | None, backend: str | None,
+                 device: str) -> tuple[str, str] | None:
+    """(strategy, backend) when the doctor runs on ranks (`--nproc`, or under torchrun);
+    None for one process. Fails, before any work, on a request this machine cannot run."""
+    import torch
+
+    from torchscope.doctor.distributed import check_request, under_torchrun
+
+    torchrun = under_torchrun()
+    if nproc is None and not torchrun:
+        if strategy is not None or backend is not None:
+            fail("--strategy and --backend need --nproc N (or a torchrun launch). Fix: add "
+                 "--nproc 2.")
+        return None
+    if nproc is not None and torchrun:
+        fail("--nproc was given inside a torchrun launch, which already started the ranks. "
+             "Fix: drop --nproc (torchrun's --nproc_per_node sets the ranks).")
+    if device != "auto":
+        fail(f"--device {device} cannot be combined with ranks: --backend decides (gloo: CPU, "
+             "nccl: one GPU per rank). Fix: drop --device.")
+    chosen = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    ranks = nproc if nproc is not None else int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    check_request(ranks, strategy or "ddp", chosen)
+    return strategy or "ddp", chosen
+
+
+def _print_report(report: DoctorReport, out: str, floor: Severity | None, debug: bool) -> None:
+    """The doctor's terminal output: sections, step, findings, per-rank rows; exit code."""
+    from torchscope.report.doctor import sections_table
+    from torchscope.report.findings import findings_table
+
+    for o in report.outcomes:
+        if debug and o.error is not None:  # reported in one line above; show where from
+            sys.stderr.write(f"section {o.name} failed:\n"
+                             + "".join(traceback.format_exception(o.error)))
+    console.print(sections_table(report))
+    if report.step is not None:
+        console.print(report.step.describe(), highlight=False, soft_wrap=True)
+    findings = report.section_findings()
+    if findings:
+        console.print(findings_table(findings, title="Findings, most severe first"))
+    else:
+        console.print("No findings: nothing looked wrong in the sections that ran.")
+    ranks = next((o for o in report.outcomes if o.name == "ranks" and o.status == "ok"), None)
+    if ranks is not None:
+        from torchscope.doctor.ranks import RanksSection
+        from torchscope.report.ranks import ranks_table
+
+        for title, columns, rows in RanksSection().tables(ranks.record):
+            console.print(ranks_table(columns, rows, title=title))
+    console.print(f"wrote {Path(out) / 'report.html'} and {Path(out) / 'report.json'}")
+    if floor is not None and any(f.severity >= floor for f in report.findings()):
+        raise typer.Exit(1)
 
 
 def _run_with_progress(model: nn.Module, inputs: ModelInputs, options: DoctorOptions,

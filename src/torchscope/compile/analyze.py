@@ -6,7 +6,7 @@ from torchscope._timing import fmt_ratio
 from torchscope.compile.records import CompileReport, GraphBreak, ModeResult, Recompile
 from torchscope.findings import Finding, Severity, analyzer, rank
 
-__all__ = ["compile_findings"]
+__all__ = ["compile_findings", "is_ddp_bucket_break"]
 
 #: Largest output drift (relative to the largest |eager output|) taken as rounding noise.
 REL_TOLERANCE = 1e-3
@@ -129,6 +129,32 @@ def _recompile_findings(m: ModeResult, label: str) -> list[Finding]:
     return out
 
 
+def is_ddp_bucket_break(b: GraphBreak) -> bool:
+    """True for a break DDPOptimizer makes on purpose at a DDP bucket boundary.
+
+    Under `DistributedDataParallel`, `torch.compile` splits the graph where DDP's gradient
+    buckets end, so that each bucket's all-reduce can start while backward still runs
+    (pytorch/pytorch#108966); Dynamo reports each split as a graph break whose reason names
+    DDPOptimizer.
+    """
+    where = (b.file or "").replace("\\", "/")
+    return "DDPOptimizer" in f"{b.reason} {b.detail}" or \
+        where.endswith("torch/_dynamo/backends/distributed.py")
+
+
+def _ddp_bucket_finding(breaks: list[GraphBreak]) -> Finding:
+    n = len(breaks)
+    return Finding(
+        "compile.ddp_buckets", Severity.INFO,
+        f"DDPOptimizer cut the compiled graph at DDP's gradient buckets ({n} graph "
+        f"break{'' if n == 1 else 's'} it reports): expected, so that each bucket's "
+        "all-reduce overlaps the rest of backward; not a graph break to fix.",
+        {"breaks": n, "reason": breaks[0].reason},
+        fix="nothing to fix; DDP's bucket_cap_mb sets how many pieces. fullgraph=True cannot "
+            "hold under DDP (torch._dynamo.config.optimize_ddp = False gives one graph, "
+            "without the overlap).")
+
+
 def _break_finding(b: GraphBreak) -> Finding:
     inside = f" inside {b.hook}" if b.hook else ""
     return Finding(
@@ -151,14 +177,17 @@ def compile_findings(report: CompileReport, thresholds: object = None) -> list[F
     noise it is `compile.no_measurable_speedup`, never "pays off" nor "slower".
 
     Codes: `compile.pays_off`, `compile.never_pays_off`, `compile.no_measurable_speedup`,
-    `compile.numerics`,
-    `compile.recompiles`, `compile.graph_break`, `compile.best_mode`, `compile.no_gain`,
+    `compile.numerics`, `compile.recompiles`, `compile.graph_break`, `compile.ddp_buckets`
+    (DDPOptimizer's intentional breaks, expected), `compile.best_mode`, `compile.no_gain`,
     and `compile.<status>` for a mode that failed.
     """
     out: list[Finding] = []
     for m in report.modes:
         out.extend(_mode_findings(m))
-    out.extend(_break_finding(b) for b in report.graph_breaks)
+    expected = [b for b in report.graph_breaks if is_ddp_bucket_break(b)]
+    if expected:
+        out.append(_ddp_bucket_finding(expected))
+    out.extend(_break_finding(b) for b in report.graph_breaks if not is_ddp_bucket_break(b))
     best = report.best
     ok = [m for m in report.modes if m.ok]
     if best is not None and len(ok) > 1:

@@ -22,6 +22,11 @@ A training loop (samples on optimizer steps, keeps norms only):
 Unlike `register_full_backward_hook`, this works with in-place ops after a module, reused
 modules, frozen parameters and modules the loss does not reach, and leaves every gradient
 bitwise unchanged.
+
+On a DDP or FSDP2 model `flow.ranks` (`RankGrads`) holds every rank's per-parameter norms:
+under DDP before and after the all-reduce, under FSDP2 the shard norms whose squares sum to
+the global norm that `flow.params` report; `flow.findings()` adds ranks whose synchronised
+gradients differ (`grads.ranks_diverge`) and skewed local gradients (`grads.rank_skew`).
 """
 
 from torchscope.grads.analyze import GradThresholds, depth_profile, diagnose, layer_norms
@@ -32,6 +37,7 @@ from torchscope.grads.records import (
     LayerGrads,
     ModuleGradRecord,
     ParamGradRecord,
+    RankGrads,
     TensorGrad,
 )
 
@@ -43,6 +49,7 @@ __all__ = [
     "LayerGrads",
     "ModuleGradRecord",
     "ParamGradRecord",
+    "RankGrads",
     "TensorGrad",
     "depth_profile",
     "diagnose",

@@ -19,6 +19,7 @@ from torchscope._util import fit_line
 from torchscope.errors import TorchscopeError
 from torchscope.findings import Finding, Severity, analyzer, rank
 from torchscope.grads.flow import GradWatch
+from torchscope.grads.ranks import rank_findings
 from torchscope.grads.records import (
     NO_GRAD,
     NOT_REACHED,
@@ -685,6 +686,7 @@ def diagnose(flow: GradFlow, thresholds: GradThresholds | None = None) -> list[F
     for fn in (find_nonfinite, find_vanishing, find_exploding, find_dead, find_unreached,
                find_frozen, find_update_ratio):
         found += fn(flow, thresholds)
+    found += rank_findings(flow)  # DDP/FSDP2 only: ranks that diverge or see skewed data
     return rank(found)
 
 

@@ -17,6 +17,14 @@ outputs are views, so an in-place op after the module (`nn.ReLU(inplace=True)`,
 
 Every hook only enqueues a device reduction (`vector_norm`, one read of each gradient);
 `finish()` stacks those 0-d tensors and copies them to the host once per step.
+
+On a DDP or FSDP2 model (`_RankAware`) the parameter hooks see what this rank holds: under
+DDP its own accumulated gradient, before DDP's all-reduce (torch runs a tensor's
+post-accumulate-grad hooks before the reducer's hook on the same accumulator); under FSDP2
+the local shard of the reduce-scattered gradient (FSDP2 runs these hooks itself, after the
+reduce-scatter; a `register_hook` on its DTensor parameters would never fire). `finish()`,
+once backward has returned, reads the synchronised gradients and exchanges every rank's
+numbers in one all_gather: the only communication, once per sampled step.
 """
 
 from __future__ import annotations
@@ -30,6 +38,8 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from torchscope.distributed.comm import all_gather_tensor, comm_device
+from torchscope.distributed.world import is_dtensor, local_tensor, strategy_of, world
 from torchscope.grads.records import (
     FROZEN,
     INPUT_NO_GRAD,
@@ -40,10 +50,12 @@ from torchscope.grads.records import (
     GradFlow,
     ModuleGradRecord,
     ParamGradRecord,
+    RankGrads,
     TensorGrad,
     combine_norms,
 )
 from torchscope.hooks.lifecycle import HookedContext
+from torchscope.hooks.parallel import parallel_wrapper
 from torchscope.hooks.select import Selector, select_modules
 from torchscope.hooks.session import HookSession
 from torchscope.hooks.tree import iter_tensors
@@ -161,6 +173,101 @@ def _find_inplace_node(start: Any, producer: Any) -> Any:
     return None
 
 
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `p`: its local shard for an FSDP2 DTensor, else `p` itself."""
+    return p.to_local() if is_dtensor(p) else p  # type: ignore[attr-defined]
+
+
+def _shard_ranks(p: torch.Tensor) -> tuple[int, ...]:
+    """The global ranks whose shards make up DTensor `p` (this rank's shard group: on HSDP's
+    (replicate, shard) mesh only the shard dimension); () for a tensor held whole."""
+    if not is_dtensor(p):
+        return ()
+    mesh = p.device_mesh  # type: ignore[attr-defined]
+    coord = mesh.get_coordinate()
+    if coord is None:
+        return ()
+    index = tuple(slice(None) if placement.is_shard() else c
+                  for c, placement in zip(coord, p.placements, strict=True))  # type: ignore[attr-defined]
+    return tuple(int(r) for r in mesh.mesh[index].flatten().tolist())
+
+
+class _RankAware:
+    """The rank-aware part of a collector on a DDP or FSDP2 model (see the module docstring).
+
+    Args:
+        strategy: `ddp` or `fsdp2`.
+        group: the process group DDP synchronises over; None for the default group.
+        params: the collector's parameters, in its order.
+    """
+
+    def __init__(self, strategy: str, group: Any, params: list[nn.Parameter]) -> None:
+        import torch.distributed as dist
+
+        self.strategy = strategy
+        self.group = group
+        self.ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else \
+            tuple(range(dist.get_world_size()))
+        self.shards = [_shard_ranks(p) for p in params]
+
+    @classmethod
+    def of(cls, model: nn.Module, params: list[nn.Parameter]) -> _RankAware | None:
+        """The rank-aware part for `model` (as the user passed it, wrappers included), or
+        None outside a distributed job or for a model that is neither DDP nor FSDP2."""
+        if not world().distributed:
+            return None
+        strategy = strategy_of(model)
+        if strategy == "none":
+            return None
+        group = getattr(parallel_wrapper(model), "process_group", None) \
+            if strategy == "ddp" else None
+        return cls(strategy, group, params)
+
+    def finish(self, names: list[str], params: list[nn.Parameter],
+               local: list[torch.Tensor | None], weights: list[torch.Tensor | None],
+               inv: float) -> RankGrads:
+        """Read the synchronised gradients, exchange every rank's numbers (one all_gather)
+        and return them; `local` holds this rank's 0-d local gradient norms (None: no
+        gradient) and `weights` its 0-d local weight norms (of its shard, under FSDP2)."""
+        import torch.distributed as dist
+
+        device = comm_device(self.group)
+        n = len(params)
+        # (6n,) float64: local norms, synced norms, synced element sums, local weight norms,
+        # then 0/1 presence flags of the local and the synced gradient (a NaN norm is a
+        # measurement).
+        parts: list[torch.Tensor] = []
+        synced: list[torch.Tensor | None] = []
+        sums: list[torch.Tensor | None] = []
+        for p in params:
+            g = p.grad
+            whole = g is not None and not is_dtensor(g) and g.layout == torch.strided
+            synced.append(_norm(g.detach()) if whole and g is not None else None)
+            sums.append(g.detach().sum(dtype=torch.float64) if whole and g is not None
+                        else None)
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        for column in (local, synced, sums, weights):
+            parts.extend(zero if v is None else v.to(device, torch.float64) for v in column)
+        for column in (local, synced):
+            parts.extend(torch.ones((), dtype=torch.float64, device=device) if v is not None
+                         else zero for v in column)
+        rows = all_gather_tensor(torch.stack(parts), group=self.group,
+                                 what="the gradient-norm exchange").cpu().tolist()  # (ranks, 6n)
+
+        def block(k: int, scale: float) -> tuple[tuple[float | None, ...], ...]:
+            # A weight norm is there whenever the parameter is: flag it with the gradient's.
+            flag = 4 + (k if k < 2 else 1 if k == 2 else 0)
+            return tuple(tuple(row[k * n + i] * scale if row[flag * n + i] else None
+                               for i in range(n)) for row in rows)
+
+        row_of = {r: i for i, r in enumerate(self.ranks)}
+        return RankGrads(
+            strategy=self.strategy, rank=dist.get_rank(), ranks=self.ranks, names=tuple(names),
+            local=block(0, inv), synced=block(1, inv), fingerprints=block(2, inv),
+            weights=tuple(tuple(row[3 * n + i] for i in range(n)) for row in rows),
+            shard_rows=tuple(tuple(row_of[r] for r in s if r in row_of) for s in self.shards))
+
+
 class GradCollector(HookedContext):
     """Collects gradient norms while its `HookSession` is open.
 
@@ -184,8 +291,9 @@ class GradCollector(HookedContext):
         inputs: bool = True,
         scaler: Any = None,
     ) -> None:
+        wrapped = model
         self._session = HookSession(model)
-        model = self._session.model  # a torch.compile wrapper is unwrapped: plain names
+        model = self._session.model  # compile and DDP wrappers are unwrapped: plain names
         self._targets = select_modules(model, select, depth=depth)
         self._inputs = inputs
         self._scaler = scaler
@@ -206,6 +314,8 @@ class GradCollector(HookedContext):
                     self._names.append((name, mname, i, None))
                 else:
                     self._names.append((name, mname, i, self._params[i][0]))
+        self._rank_aware: _RankAware | None = _RankAware.of(
+            wrapped, [p for _, _, p in self._params])
         self._bw_queued = False
         self._before: list[tuple[str, nn.Parameter, torch.Tensor]] = []
         # Per hooked module: its calls between pre-hook and forward hook.
@@ -246,6 +356,7 @@ class GradCollector(HookedContext):
         self._params = []
         self._names = []
         self._before = []
+        self._rank_aware = None
         self._in_flight = []
         self._reset()
 
@@ -312,7 +423,8 @@ class GradCollector(HookedContext):
         def hook(p: torch.Tensor) -> None:
             self._queue_end()
             if self.active and p.grad is not None:
-                self._param_vals[index] = self._push(p.grad)
+                # A DTensor gradient (FSDP2): this rank's shard; `finish` combines them.
+                self._param_vals[index] = self._push(local_tensor(p.grad))
 
         return hook
 
@@ -451,9 +563,13 @@ class GradCollector(HookedContext):
 
     def snapshot_weights(self) -> None:
         """Copy every trainable parameter, just before an optimizer update (sampled steps
-        only: it costs one more copy of the trainable parameters until `measure_updates`)."""
+        only: it costs one more copy of the trainable parameters until `measure_updates`).
+
+        FSDP2's sharded parameters are left out: the norm of a shard's update is not the
+        parameter's, and updates are not exchanged between ranks.
+        """
         self._before = [(name, p, p.detach().clone()) for name, _, p in self._params
-                        if p.requires_grad]
+                        if p.requires_grad and not is_dtensor(p)]
 
     def measure_updates(self) -> dict[str, torch.Tensor]:
         """Right after the update: `‖w_after - w_before‖` per parameter snapshotted by
@@ -480,10 +596,12 @@ class GradCollector(HookedContext):
         # taken when the gradients are final and (in a watched loop) before the update.
         weights = {i: len(self._vals) + k for k, i in enumerate(
             i for i, (_, _, p) in enumerate(self._params) if p.requires_grad)}
-        self._vals.extend(_norm(p.detach()) for _, _, p in self._params if p.requires_grad)
+        self._vals.extend(_norm(_local(p).detach()) for _, _, p in self._params
+                          if p.requires_grad)
         host = _host_floats(self._vals)
         scale = self._scale()
         inv = 1.0 / scale if scale else 1.0
+        ranks = self._exchange(inv, weights)
 
         def norm_of(val: int | None) -> float | None:
             return None if val is None else host[val] * inv
@@ -507,7 +625,7 @@ class GradCollector(HookedContext):
         params = []
         for pname, mname, i, tied_to in self._names:
             p = self._params[i][2]
-            n = norm_of(self._param_vals.get(i))
+            n = norm_of(self._param_vals.get(i)) if ranks is None else ranks.norm(i)
             if not p.requires_grad:
                 reason: str | None = FROZEN
             elif n is None:
@@ -515,7 +633,8 @@ class GradCollector(HookedContext):
                 reason = NOT_REACHED if mname in called or owner in called else NO_GRAD
             else:
                 reason = None
-            w = host[weights[i]] if i in weights else None
+            w = (ranks.weight_norm(i) if ranks is not None else host[weights[i]]) \
+                if i in weights else None
             params.append(ParamGradRecord(pname, mname, tuple(p.shape), str(p.dtype),
                                           p.requires_grad, n, reason, weight_norm=w,
                                           tied_to=tied_to))
@@ -523,6 +642,21 @@ class GradCollector(HookedContext):
         total = combine_norms(p.norm for p in params if p.tied_to is None) or 0.0
         flow = GradFlow(index, modules, tuple(params), total, scale,
                         micro_batches=max(self._micro + 1, 1 if self._calls else 0),
-                        backward_calls=self._backwards, step=step)
+                        backward_calls=self._backwards, step=step, ranks=ranks)
         self.discard()
         return flow
+
+    def _exchange(self, inv: float, weights: dict[int, int]) -> RankGrads | None:
+        """Every rank's per-parameter norms of this step (DDP, FSDP2); None on one process.
+
+        Args:
+            inv: one over the GradScaler's scale.
+            weights: parameter index -> index in `_vals` of its (local) weight norm.
+        """
+        if self._rank_aware is None:
+            return None
+        local = [self._vals[self._param_vals[i]] if i in self._param_vals else None
+                 for i in range(len(self._params))]
+        w = [self._vals[weights[i]] if i in weights else None for i in range(len(self._params))]
+        return self._rank_aware.finish([n for n, _, _ in self._params],
+                                       [p for _, _, p in self._params], local, w, inv)

@@ -12,6 +12,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from torchscope.distributed.ranked import Ranked
+from torchscope.distributed.world import strategy_of, world
 from torchscope.errors import TorchscopeError
 from torchscope.findings import Analyzed
 from torchscope.grads.collect import GradCollector, with_updates
@@ -135,6 +137,8 @@ class GradWatch(HookedContext, Analyzed):
         steps: steps counted so far (see `step_by`).
         samples: samples taken so far (unbounded count; the history keeps the newest).
         skipped: steps the GradScaler skipped (inf/NaN gradients) so far.
+        gathered: in a distributed job, every rank's last sample joined on rank 0 at the end
+            of the block (`Ranked[GradFlow]`); None on the other ranks and on one process.
     """
 
     def __init__(
@@ -175,6 +179,14 @@ class GradWatch(HookedContext, Analyzed):
                     ("optimizer=" if optimizer is not None else "manual=True") + ".",
                     fix="leave micro_batches unset: it counts backward passes per step only "
                     "when nothing else says where a step ends.")
+        if optimizer is None and not manual and world().distributed and \
+                strategy_of(model) != "none":
+            raise TorchscopeError(
+                "watch_gradients on a DDP or FSDP2 model needs optimizer=: the synchronised "
+                "gradients exist only once backward has returned, and ranks exchange their "
+                "norms at each sampled optimizer step.",
+                fix="pass optimizer=your_optimizer (or manual=True and end_step() where the "
+                "gradients are final).")
         self.every = every
         self.start = start
         self.steps = 0
@@ -182,6 +194,7 @@ class GradWatch(HookedContext, Analyzed):
         self.skipped = 0
         self._step_by: StepBy = "manual" if manual else "optimizer" if optimizer is not None \
             else "micro_batches" if micro_batches is not None else "inferred"
+        self.gathered: Ranked[GradFlow] | None = None
         self._optimizer = optimizer
         self._scaler = scaler
         self._micro_batches = micro_batches or 1
@@ -259,6 +272,8 @@ class GradWatch(HookedContext, Analyzed):
             self._evidence_params = []
             self._evidence = []
             c.close(failed=failed)
+        if not failed and self._last is not None and world().distributed:
+            self.gathered = self._last.gather()  # after the hooks are off; rank 0 gets it
 
     @property
     def session(self) -> HookSession:
@@ -573,15 +588,21 @@ def watch_gradients(
     Unsampled steps cost one Python call per hook and no device work. Only norms are kept:
     the last sample in full and a history of per-layer norms bounded by `max_samples`.
 
+    On a DDP or FSDP2 model (inside torchrun), each sampled step also records every rank's
+    per-parameter norms (`flow.ranks`; DDP: before and after the all-reduce; FSDP2: the
+    global norms from the shards) through one exchange at the optimizer step, and the end of
+    the block joins every rank's last sample on rank 0 (`watch.gathered`).
+
     Args:
-        model: the model.
+        model: the model (a DDP wrapper or an FSDP2-sharded model too).
         every: sample steps start, start + every, start + 2*every, ...; a due step
             without any backward (or one the GradScaler skipped) passes its sample to
             the next step.
         start: the first sampled step (0; `every - 1` samples the steps after which a
             1-based step count is a multiple of `every`, as the HF Trainer logs).
         optimizer: the optimizer whose `step()` calls define steps (with `manual=True`,
-            only used to tell which steps the GradScaler skipped).
+            only used to tell which steps the GradScaler skipped); required on a DDP or
+            FSDP2 model unless `manual=True`.
         scaler: the `torch.amp.GradScaler` of the loop; its scale is divided out, so the
             norms are those of the unscaled gradients. With `optimizer=`, a step the
             scaler skips (inf/NaN; its `update()` ran without an optimizer step) is

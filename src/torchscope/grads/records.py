@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from torchscope.distributed.ranked import Gatherable
 from torchscope.errors import TorchscopeError
 from torchscope.findings import Analyzed
 
@@ -289,7 +290,102 @@ class LayerGrads:
 
 
 @dataclass(frozen=True)
-class GradFlow(Analyzed):
+class RankGrads:
+    """Per-parameter gradient norms of every rank in one DDP or FSDP2 step: the rank-aware
+    part of a `GradFlow`. One row per rank of the group the step synchronised over.
+
+    Under DDP each rank computes a gradient from its own batch (`local`, read after it
+    accumulated and before DDP's all-reduce touched it) and then holds the all-reduced one
+    (`synced`, read when backward has returned), which must be the same on every rank.
+    Under FSDP2 every rank holds a shard of the reduce-scattered gradient (`local` is the norm
+    of that shard); the global norm of a parameter is the root of the summed squares of its
+    shards over the parameter's shard group (`shard_rows`), never an all-gather of gradients.
+
+    Attributes:
+        strategy: `ddp` or `fsdp2`.
+        rank: the global rank that recorded this.
+        ranks: the global rank of each row.
+        names: parameter names, in `GradFlow.params` order.
+        local: `[row][param]` norm of the gradient the rank computed itself (DDP) or of its
+            shard (FSDP2); None where it had none.
+        synced: `[row][param]` norm of `.grad` once backward returned, for parameters that
+            every rank holds whole (all of them under DDP; under FSDP2 only parameters
+            outside every `fully_shard`, whose gradients nothing reduces); None elsewhere.
+        fingerprints: `[row][param]` the sum of the elements of that same `.grad`: a second
+            number that must agree between ranks.
+        shard_rows: per parameter, the rows whose shards make up its gradient (FSDP2
+            DTensor parameters); empty for parameters held whole.
+        weights: `[row][param]` norm of the parameter the rank holds (its shard under
+            FSDP2), for relative gradients `‖g‖/‖w‖` of the whole parameter.
+    """
+
+    strategy: str
+    rank: int
+    ranks: tuple[int, ...]
+    names: tuple[str, ...]
+    local: tuple[tuple[float | None, ...], ...]
+    synced: tuple[tuple[float | None, ...], ...]
+    fingerprints: tuple[tuple[float | None, ...], ...]
+    shard_rows: tuple[tuple[int, ...], ...]
+    weights: tuple[tuple[float | None, ...], ...] = ()
+
+    @property
+    def row(self) -> int:
+        """The row of the rank that recorded this."""
+        return self.ranks.index(self.rank)
+
+    def norm(self, index: int) -> float | None:
+        """The gradient norm of parameter `index` as one process would compute it: the
+        root of the summed squares of its shards (FSDP2), else the synchronised norm."""
+        rows = self.shard_rows[index]
+        if rows:
+            return combine_norms(self.local[r][index] for r in rows)
+        return self.synced[self.row][index]
+
+    def weight_norm(self, index: int) -> float | None:
+        """The norm of parameter `index` as one process would compute it: the root of the
+        summed squares of its shards (FSDP2), else this rank's."""
+        if not self.weights:
+            return None
+        rows = self.shard_rows[index]
+        if rows:
+            return combine_norms(self.weights[r][index] for r in rows)
+        return self.weights[self.row][index]
+
+    def local_totals(self) -> tuple[float | None, ...]:
+        """Per row, the norm of every local gradient (or shard) together."""
+        return tuple(combine_norms(row) for row in self.local)
+
+    def diverged(self, rel: float = 1e-6) -> tuple[str, ...]:
+        """Names of the parameters held whole whose synchronised gradients differ between
+        ranks (one rank has none while another has one, or the norms or element sums differ
+        by more than `rel`, relative)."""
+        out = []
+        for i, name in enumerate(self.names):
+            if self.shard_rows[i]:
+                continue
+            for column in (tuple(row[i] for row in self.synced),
+                           tuple(row[i] for row in self.fingerprints)):
+                if _disagree(column, rel):
+                    out.append(name)
+                    break
+        return tuple(out)
+
+
+def _disagree(values: tuple[float | None, ...], rel: float) -> bool:
+    present = [v for v in values if v is not None]
+    if not present:
+        return False
+    if len(present) != len(values):
+        return True
+    if not all(math.isfinite(v) for v in present):
+        return len({repr(v) for v in present}) > 1  # NaN/Inf on some ranks, or different ones
+    lo, hi = min(present), max(present)
+    return hi - lo > rel * max(abs(lo), abs(hi), 1e-30)
+
+
+@dataclass(frozen=True)
+class GradFlow(Analyzed, Gatherable):
     """Everything measured in one step: per-call module records and per-parameter norms.
 
     Its findings (`flow.findings()`) are `torchscope.grads.diagnose`'s.
@@ -308,6 +404,10 @@ class GradFlow(Analyzed):
         backward_calls: backward passes that reached the parameters in this step.
         step: the training step torchscope ran (loss, its value, optimizer, AMP,
             accumulation); None for a step of the user's own loop (`watch_gradients`).
+        ranks: on a DDP or FSDP2 model, every rank's per-parameter norms (`RankGrads`);
+            then `params` hold the norms one process would compute (DDP: synchronised;
+            FSDP2: global) and `modules` this rank's own activation gradients. None on one
+            process. `flow.gather()` brings every rank's flow to rank 0.
     """
 
     index: int
@@ -318,6 +418,7 @@ class GradFlow(Analyzed):
     micro_batches: int = 1
     backward_calls: int = 1
     step: StepInfo | None = None
+    ranks: RankGrads | None = None
 
     def get(self, module: str, call: int = 0, micro: int = 0) -> ModuleGradRecord:
         """The record of `module`'s `call`-th call in forward `micro`.

@@ -1,5 +1,5 @@
-"""Hook plumbing: the session that owns handles, module selection, audits, leak checks, and
-compiled-model handling."""
+"""Hook plumbing: the session that owns handles, module selection, audits, leak checks,
+compiled-model handling and data-parallel wrappers."""
 
 from torchscope.hooks.audit import (
     HookAudit,
@@ -17,6 +17,7 @@ from torchscope.hooks.compiled import (
     unwrap_compiled,
 )
 from torchscope.hooks.leakcheck import HookLeakTracker
+from torchscope.hooks.parallel import parallel_wrapper, unwrap_parallel
 from torchscope.hooks.select import select_modules
 from torchscope.hooks.session import HookSession
 from torchscope.hooks.tree import iter_tensors
@@ -35,6 +36,8 @@ __all__ = [
     "compiled_capture",
     "compiled_parts",
     "iter_tensors",
+    "parallel_wrapper",
     "select_modules",
     "unwrap_compiled",
+    "unwrap_parallel",
 ]

@@ -23,6 +23,7 @@ from torchscope.hooks.compiled import (
     compiled_parts,
     unwrap_compiled,
 )
+from torchscope.hooks.parallel import unwrap_parallel
 
 
 class _Removable(Protocol):
@@ -48,13 +49,17 @@ class HookSession:
     The session holds the model by weak reference: a model dropped by the user is garbage
     collected even while a session object is still alive.
 
+    A `DistributedDataParallel` (or `DataParallel`) wrapper is seen through: hooks go on the
+    module it wraps, under the same names as on one process, while the wrapper's forward (and
+    its gradient synchronisation) still runs. FSDP2 modules are hooked as they are.
+
     A `torch.compile`d model (or one with compiled parts) is handled here, once for every
     capability: the session works on the original module behind the wrapper, and while it
     holds hooks the compiled parts run eagerly (`torch.compiler.set_stance("force_eager")`),
     because hooks added after the first compiled call would never fire. Dynamo compiles
     seen meanwhile are counted in `compiled_check`; more than none raises `CompileError`.
     With `compiled="refuse"` a compiled model raises `CompileError` instead; `"as_is"` hooks
-    exactly the modules given, wrapper included, and changes nothing about compilation.
+    exactly the modules given, wrappers included, and changes nothing about compilation.
 
     Example:
         >>> with HookSession(model) as s:
@@ -66,11 +71,15 @@ class HookSession:
         self._compiled_guard: CompiledCapture | None = None
         self.compiled_check: CompiledCheck | None = None  # set when the model is compiled
         # torch.compile imports torch._dynamo: without it nothing can be compiled.
-        if compiled != "as_is" and "torch._dynamo" in sys.modules:
-            if compiled_parts(model):
+        if compiled != "as_is":
+            if "torch._dynamo" in sys.modules and compiled_parts(model):
                 self._compiled_guard = compiled_capture(model, policy=compiled, what="torchscope")
                 self.compiled_check = self._compiled_guard.check
-            model = unwrap_compiled(model)  # hook the module itself, not the compile wrapper
+            # Hook the module itself, not a DDP or compile wrapper: the same names as on one
+            # process, and hooks that fire (compiled parts run eagerly, see above).
+            model = unwrap_parallel(model)
+            if "torch._dynamo" in sys.modules:
+                model = unwrap_compiled(model)
         self._model_ref: weakref.ReferenceType[nn.Module] = weakref.ref(model)
         self._guard_entered = False
         self._handles: list[_Removable] = []

@@ -26,6 +26,8 @@ from torchscope.lint._astutil import (
     target_names,
     walk_local,
 )
+from torchscope.lint.fsdp_hooks import check_ts008
+from torchscope.lint.rank_norms import check_ts009
 from torchscope.lint.records import LintViolation
 from torchscope.lint.rules import RULES
 
@@ -235,6 +237,11 @@ class _Checker:
                 self._ts005(call, qual)
             elif qual in _CHECKPOINT:
                 self._ts007(call, qual)
+        # The distributed rules live in their own modules.
+        for code, rule in (("TS008", check_ts008), ("TS009", check_ts009)):
+            if code in self.codes:
+                for call, message in rule(self.tree, self.imports, self.calls):
+                    self.report(code, call, message)
 
     # ------------------------------------------------------------------ TS001
     def _handle_use(self, call: ast.Call) -> tuple[str, set[str]]:

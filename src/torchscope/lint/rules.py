@@ -150,6 +150,37 @@ RULES: dict[str, Rule] = {
             Severity.WARNING,
             ("checkpoint",),
         ),
+        Rule(
+            "TS008",
+            "hook-on-sharded-parameter",
+            "`register_hook` on a parameter of a module that `fully_shard` (FSDP2) sharded "
+            "in the same function.",
+            "FSDP2 replaces the module's parameters with DTensors that are not on the "
+            "autograd graph (backward runs on the all-gathered copies), so the hook never "
+            "fires: no error, no gradient seen, no clipping or logging done.",
+            "Use `p.register_post_accumulate_grad_hook(fn)`: FSDP2 runs it after the "
+            "reduce-scatter, with this rank's shard of the reduced gradient in `p.grad`; or "
+            "read `p.grad` after backward.",
+            Severity.ERROR,
+            ("fully_shard",),
+        ),
+        Rule(
+            "TS009",
+            "per-rank-grad-norm-logged",
+            "A gradient norm logged under FSDP without a cross-rank reduction (`p.grad.norm()`,"
+            " Lightning's `grad_norm`), or logged from a `register_hook` callback under DDP or "
+            "FSDP.",
+            "Under FSDP each rank holds a shard of every gradient: the norm of its shard "
+            "under-reports the global norm (by about √ranks) and differs per rank. A tensor "
+            "hook under DDP sees this rank's gradient before the all-reduce. The logged "
+            "curve is neither the global norm nor the same on every rank.",
+            "Reduce first: `dist.all_reduce` the squared local norms over the shard group and "
+            "take the square root, use `p.grad.full_tensor().norm()` for one parameter, or "
+            "log the total `clip_grad_norm_` returns (`.full_tensor()` under FSDP2); read "
+            "gradients after backward, not in a tensor hook.",
+            Severity.WARNING,
+            ("norm",),
+        ),
     )
 }
 

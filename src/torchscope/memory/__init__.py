@@ -19,7 +19,7 @@ from torchscope.memory.checkpoint import (
     verify,
 )
 from torchscope.memory.live import live_tensors
-from torchscope.memory.measure import measure_step, memory_totals
+from torchscope.memory.measure import RankBytes, measure_step, memory_totals, rank_bytes
 from torchscope.memory.planner import apply_plan, parse_bytes, plan_checkpointing
 from torchscope.memory.records import (
     OUTSIDE,
@@ -65,6 +65,7 @@ __all__ = [
     "ModuleSaved",
     "PlanMeasurement",
     "PlanReport",
+    "RankBytes",
     "SavedActivations",
     "SavedStorage",
     "Verification",
@@ -77,6 +78,7 @@ __all__ = [
     "memory_totals",
     "parse_bytes",
     "plan_checkpointing",
+    "rank_bytes",
     "resolve_blocks",
     "saved_activations",
     "verify",

@@ -10,17 +10,24 @@ signed byte count) are summed in time order. The running sum's maximum is the pe
 allocated *during* the step above what was allocated when it began: parameters, inputs and
 anything allocated earlier are not in it, and neither are allocations that bypass the c10 CPU
 allocator (Python objects, some third-party kernels' scratch memory).
+
+Bytes are what this rank holds: a DTensor (FSDP2's sharded parameters, gradients and
+optimizer state) counts its local shard. `rank_bytes` sets those against what the same model
+would hold on every rank under DDP.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from torchscope._process import quiet_kineto
+from torchscope.distributed.world import local_tensor, strategy_of
+from torchscope.hooks.parallel import parallel_wrapper
 from torchscope.memory._common import storage_keys
 from torchscope.memory.records import MeasuredMemory, MemoryTotals, SavedActivations
 from torchscope.step import LossSpec, Step, synchronize
@@ -82,8 +89,19 @@ def _measure(step: Step) -> MeasuredMemory:
 
 
 def _unique_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the distinct storages among `tensors`."""
-    return sum(storage_keys(list(tensors)).values())
+    """Bytes of the distinct storages among `tensors` (of a DTensor: its local shard)."""
+    return sum(storage_keys([local_tensor(t) for t in tensors]).values())
+
+
+def _whole_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of `tensors` held whole (a DTensor at its global size), each tensor once."""
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        if id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total
 
 
 # Per-parameter state tensors of the same size as the parameter, by optimizer class, as a
@@ -128,7 +146,7 @@ def memory_totals(model: nn.Module, saved: SavedActivations,
                   optimizer: torch.optim.Optimizer | None = None) -> MemoryTotals:
     """Parameters, buffers, gradients, optimizer state, saved activations and the estimated
     peak (see `MemoryTotals`) of a step that saved `saved`."""
-    params = storage_keys(list(model.parameters()))
+    params = storage_keys([local_tensor(p) for p in model.parameters()])
     p_bytes = sum(params.values())
     # A buffer that shares a parameter's storage is already counted with the parameters.
     b_bytes = sum(n for k, n in storage_keys(list(model.buffers())).items() if k not in params)
@@ -139,3 +157,76 @@ def memory_totals(model: nn.Module, saved: SavedActivations,
     peak = p_bytes + b_bytes + (opt_bytes or 0) + step
     return MemoryTotals(p_bytes, b_bytes, g_bytes, opt_bytes, source, saved.total_bytes,
                         saved.output_bytes, peak, step)
+
+
+@dataclass(frozen=True)
+class RankBytes:
+    """The model state one rank holds, against the same model held whole on every rank (DDP).
+
+    Attributes:
+        strategy: `ddp`, `fsdp2` or `none`.
+        parameters: bytes of parameters on this rank (FSDP2: its shards).
+        gradients: bytes of the gradients of trainable parameters (FSDP2: sharded).
+        optimizer_state: bytes of optimizer state (measured after a step, else estimated;
+            None for an optimizer whose state is unknown, or without one).
+        buckets: DDP's gradient buckets: one more copy of the gradients, unless DDP was
+            built with `gradient_as_bucket_view=True`; 0 otherwise.
+        replicated_parameters: parameters held whole, as under DDP.
+        replicated_gradients: gradients held whole.
+        replicated_optimizer_state: optimizer state for whole parameters.
+        replicated_buckets: DDP's default buckets for the whole gradients.
+    """
+
+    strategy: str
+    parameters: int
+    gradients: int
+    optimizer_state: int | None
+    buckets: int
+    replicated_parameters: int
+    replicated_gradients: int
+    replicated_optimizer_state: int | None
+    replicated_buckets: int
+
+    @property
+    def total(self) -> int:
+        """Everything this rank holds for the model's state."""
+        return self.parameters + self.gradients + (self.optimizer_state or 0) + self.buckets
+
+    @property
+    def replicated_total(self) -> int:
+        """What every rank would hold under DDP (default buckets)."""
+        return (self.replicated_parameters + self.replicated_gradients
+                + (self.replicated_optimizer_state or 0) + self.replicated_buckets)
+
+    @property
+    def saving(self) -> float:
+        """`replicated_total / total`: how many times less this rank holds than under DDP."""
+        return self.replicated_total / self.total if self.total else 1.0
+
+
+def rank_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> RankBytes:
+    """The bytes of model state this rank holds, and what DDP would hold for the same model.
+
+    Args:
+        model: the model as trained: a DDP wrapper, an FSDP2-sharded model, or a plain one.
+        optimizer: its optimizer (state measured when populated, else estimated by type).
+    """
+    strategy = strategy_of(model)
+    params = list(model.parameters())
+    trainable = [p for p in params if p.requires_grad]
+    opt_bytes, source = optimizer_state_bytes(optimizer) if optimizer is not None else \
+        (None, "none")
+    p_local, g_local = _unique_bytes(params), _unique_bytes(trainable)
+    p_whole, g_whole = _whole_bytes(params), _whole_bytes(trainable)
+    if optimizer is not None and source == "measured":
+        opt_whole: int | None = _whole_bytes(
+            v for state in optimizer.state.values() for v in state.values()
+            if isinstance(v, torch.Tensor))
+    else:  # estimated per parameter, so in proportion to the parameters
+        opt_whole = None if opt_bytes is None else (
+            round(opt_bytes * p_whole / p_local) if p_local else opt_bytes)
+    wrapper = parallel_wrapper(model)
+    bucket_view = bool(getattr(wrapper, "gradient_as_bucket_view", False))
+    buckets = g_local if strategy == "ddp" and not bucket_view else 0
+    return RankBytes(strategy, p_local, g_local, opt_bytes, buckets, p_whole, g_whole,
+                     opt_whole, g_whole)

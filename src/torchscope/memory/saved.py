@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from torchscope.hooks.parallel import unwrap_parallel
 from torchscope.hooks.select import Selector, select_modules
 from torchscope.hooks.session import HookSession
 from torchscope.hooks.tree import iter_tensors
@@ -223,11 +224,12 @@ def _account(
     model = step.model
     first_inputs = step.micro_batches()[0][0]
     kinds = known_kinds(model, (first_inputs.args, dict(first_inputs.kwargs)))
-    types = {name: type(m).__name__ for name, m in model.named_modules()}
     block_inputs: dict[str, tuple[tuple[StorageKey, int], ...]] = {}
     need_grad: dict[str, bool] = {}
     seen: list[tuple[list[tuple[StorageKey, _Entry]], dict[StorageKey, int], int]] = []
     with step.preserved(clear_grads=True), HookSession(model) as session, ExitStack() as saving:
+        # The session's names: inside a DDP or compile wrapper, those of the module itself.
+        types = {name: type(m).__name__ for name, m in session.model.named_modules()}
         stack = session.enable_module_stack()
         for name, module in watch:
 
@@ -300,4 +302,4 @@ def saved_activations(
         73728
     """
     step = Step.of(model, inputs, loss_fn=loss_fn, target=target, optimizer=optimizer)
-    return _account(step, owners=row_owners(step.model, select, depth)).saved
+    return _account(step, owners=row_owners(unwrap_parallel(step.model), select, depth)).saved

@@ -1,13 +1,19 @@
-"""Findings from a `ProfileResult`: the top op, the phase balance, the costliest module."""
+"""Findings from a `ProfileResult`: the top op, the phase balance, the costliest module,
+exposed communication; and, over every rank's result (`Ranked[ProfileResult]`), the
+straggler."""
 
 from __future__ import annotations
 
+import statistics
+
 from torchscope._timing import fmt_ratio
+from torchscope.distributed.ranked import Ranked, rank_list, ranked_analyzer
 from torchscope.findings import Finding, Severity, analyzer, rank
+from torchscope.profiling.comm import is_comm
 from torchscope.profiling.ops import sort_ops
 from torchscope.profiling.records import ProfileResult, ProfileThresholds
 
-__all__ = ["profile_findings"]
+__all__ = ["comm_findings", "own_ms", "profile_findings", "ranked_profile_findings"]
 
 # Ops that block the host until the device (or a queue) has caught up: a tensor read to
 # Python (`.item()`, `bool(t)`), and the CUDA runtime's own waits and copies.
@@ -78,13 +84,17 @@ def profile_findings(result: ProfileResult,
     Codes: `profiling.top_op`, `profiling.host_sync` (with an accelerator),
     `profiling.host_read` (on CPU), `profiling.backward_ratio`,
     `profiling.optimizer_share`, `profiling.top_module`, `profiling.overhead`,
-    `profiling.no_phases`.
+    `profiling.no_phases`, and with collectives `profiling.comm` or
+    `profiling.comm_exposed`.
     """
     th = thresholds or ProfileThresholds()
     out: list[Finding] = []
     on_device = result.device == "cuda" and any(o.self_device_ms > 0 for o in result.ops)
     sort = "self_cuda" if on_device else "self_cpu"
-    top = sort_ops([o for o in result.ops if not o.name.startswith("autograd::")], sort, 1)
+    # Collectives are waits for other ranks, not work (`comm_findings` speaks of them), and
+    # FSDP2's own ranges (`FSDP::all_gather (conv1)`) mostly wrap them.
+    top = sort_ops([o for o in result.ops if not o.name.startswith(("autograd::", "FSDP::"))
+                    and not is_comm(o.name)], sort, 1)
     if top:
         o = top[0]
         frac = o.self_device_frac if on_device else o.self_cpu_frac
@@ -101,12 +111,17 @@ def profile_findings(result: ProfileResult,
     fwd, bwd, opt = (result.phase(p) for p in ("forward", "backward", "optimizer"))
     if fwd is not None and bwd is not None and fwd.cpu_ms > 0:
         ratio = bwd.cpu_ms / fwd.cpu_ms
-        high = ratio > th.backward_ratio_high
+        # Under DDP/FSDP2 backward also waits for gradient communication: judged without it.
+        waited = result.comm.exposed_ms * result.steps if result.comm is not None else 0.0
+        high = (bwd.cpu_ms - waited) / fwd.cpu_ms > th.backward_ratio_high
+        comm_note = f" (of which up to {waited:.3g} ms waiting for communication)" \
+            if waited > 0 else ""
         out.append(Finding(
             "profiling.backward_ratio", Severity.WARNING if high else Severity.INFO,
-            f"backward takes {ratio:.2f}× the forward time"
+            f"backward takes {ratio:.2f}× the forward time{comm_note}"
             + (" — more than the usual ~2×." if high else "."),
-            {"backward_ms": bwd.cpu_ms, "forward_ms": fwd.cpu_ms, "ratio": ratio},
+            {"backward_ms": bwd.cpu_ms, "forward_ms": fwd.cpu_ms, "ratio": ratio,
+             "comm_waited_ms": waited},
             fix=("look for activation checkpointing, backward hooks or retain_graph in the "
                  "step; the module table shows where backward time goes.") if high else "",
         ))
@@ -149,4 +164,76 @@ def profile_findings(result: ProfileResult,
             "the step labelled no forward/backward/optimizer phase.",
             fix="wrap the step's parts in torchscope.profiling.phase('forward') etc.",
         ))
+    out.extend(comm_findings(result, th))
     return rank(out)
+
+
+def comm_findings(result: ProfileResult, thresholds: ProfileThresholds | None = None
+                  ) -> list[Finding]:
+    """How much of the step waits for communication (DDP's all-reduce, FSDP2's all-gather
+    and reduce-scatter); nothing when no collective ran."""
+    th = thresholds or ProfileThresholds()
+    c = result.comm
+    step_ms = result.timing.profiled_ms
+    if c is None or step_ms <= 0:
+        return []
+    share = c.exposed_ms / step_ms
+    ops = ", ".join(f"{o.kind} {o.calls:.3g}× {o.ms:.3g} ms" for o in c.ops)
+    evidence: dict[str, float | int | str | bool | None] = {
+        "comm_ms": c.comm_ms, "exposed_ms": c.exposed_ms, "compute_ms": c.compute_ms,
+        "overlap": c.overlap, "step_ms": step_ms, "exposed_share": share, "ops": ops}
+    hidden = "" if c.overlap is None else f", {100 * c.overlap:.0f}% of it hidden behind compute"
+    if share > th.comm_exposed_high:
+        return [Finding(
+            "profiling.comm_exposed", Severity.WARNING,
+            f"the step waits {c.exposed_ms:.3g} ms of {step_ms:.3g} ms ({100 * share:.0f}%) "
+            f"for communication ({c.comm_ms:.3g} ms per step{hidden}; {ops}).",
+            evidence,
+            fix="gather every rank's profile (result.gather()) to see whether one rank is a "
+            "straggler; otherwise give each step more compute (a larger batch, gradient "
+            "accumulation under no_sync) or fewer, larger collectives (DDP bucket_cap_mb).")]
+    return [Finding(
+        "profiling.comm", Severity.INFO,
+        f"communication takes {c.comm_ms:.3g} ms per step{hidden}; the step waits "
+        f"{c.exposed_ms:.3g} ms of {step_ms:.3g} ms for it ({ops}).",
+        evidence)]
+
+
+def own_ms(result: ProfileResult) -> float:
+    """A rank's own work per step: its step time less the communication it waited for."""
+    exposed = result.comm.exposed_ms if result.comm is not None else 0.0
+    return max(result.timing.profiled_ms - exposed, 0.0)
+
+
+@ranked_analyzer(ProfileResult)
+def ranked_profile_findings(ranked: Ranked[ProfileResult],
+                            thresholds: ProfileThresholds | None = None) -> list[Finding]:
+    """The straggler among the ranks (`Ranked[ProfileResult].findings()`).
+
+    Collectives make every rank wait for the slowest, so step times come out alike; what
+    differs is each rank's own work (step time less the communication it waited for). The
+    rank whose own work exceeds the median of the others' by `straggler_ratio` is named.
+    """
+    th = thresholds or ProfileThresholds()
+    own = [own_ms(r) for r in ranked.results]
+    if len(own) < 2:
+        return []
+    slow = max(range(len(own)), key=lambda i: own[i])
+    others = [v for i, v in enumerate(own) if i != slow]
+    base = statistics.median(others)
+    if base <= 0 or own[slow] / base < th.straggler_ratio:
+        return []
+    ratio = own[slow] / base
+    waits = [(i, r.comm.exposed_ms) for i, r in enumerate(ranked.results)
+             if i != slow and r.comm is not None]
+    waited = (f"; the others wait for it in communication (up to "
+              f"{max(w for _, w in waits):.3g} ms per step)") if waits else ""
+    return [Finding(
+        "profiling.straggler", Severity.WARNING,
+        f"{rank_list([slow])} is a straggler: its own work takes {ratio:.2f}× the other "
+        f"ranks' ({own[slow]:.3g} ms vs {base:.3g} ms per step){waited}.",
+        {"rank": slow, "ratio": ratio, "own_ms": own[slow], "others_ms": base,
+         "step_ms": ranked.results[slow].timing.profiled_ms},
+        fix="balance the ranks: the same batch size and sequence lengths on every rank "
+        "(DistributedSampler), no extra work on one rank inside the step (logging, "
+        "evaluation, checkpointing on rank 0), the same device and CPU threads per rank.")]

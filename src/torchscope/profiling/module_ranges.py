@@ -39,10 +39,12 @@ class ModuleRanges(HookedContext):
 
     def __init__(self, model: nn.Module, select: Selector = None, depth: int | None = None
                  ) -> None:
-        # No selection times every module, containers and the root included.
-        self._targets = select_modules(model, (lambda _n, _m: True) if select is None else select,
-                                       depth=depth, include_root=True)
         self._session = HookSession(model)
+        # No selection times every module, containers and the root included; names are the
+        # session's (inside a DDP or compile wrapper: the names of one process).
+        self._targets = select_modules(self._session.model,
+                                       (lambda _n, _m: True) if select is None else select,
+                                       depth=depth, include_root=True)
         self.labels: dict[str, tuple[str, str]] = {}
         # `_RecordFunctionFast` is the C++ context manager torch's own Inductor uses for its
         # ranges; it skips the dispatcher round trip of `record_function`, which matters when a

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from torchscope._timing import Ratio
+from torchscope.distributed.ranked import Gatherable
 from torchscope.errors import TorchscopeError
 from torchscope.findings import Analyzed
 from torchscope.step import StepInfo
@@ -35,11 +36,18 @@ class ProfileThresholds:
             foreach optimizer pays off.
         overhead_high: step slowdown under the profiler above which absolute times are
             unreliable (only a slowdown beyond the timing noise counts).
+        comm_exposed_high: share of the step spent waiting for communication (exposed
+            communication) above which it is a warning.
+        straggler_ratio: one rank's own work per step (step time less exposed
+            communication) over the median of the other ranks' at or above which that rank
+            is a straggler.
     """
 
     backward_ratio_high: float = 3.5
     optimizer_share_high: float = 0.25
     overhead_high: float = 1.5
+    comm_exposed_high: float = 0.3
+    straggler_ratio: float = 1.3
 
 
 @dataclass(frozen=True)
@@ -185,7 +193,54 @@ class StepTiming:
 
 
 @dataclass(frozen=True)
-class ProfileResult(Analyzed):
+class CommOp:
+    """One kind of collective in the profiled steps, per step.
+
+    Attributes:
+        kind: `all_reduce`, `reduce_scatter`, `all_gather`, `broadcast`, ... or `other`.
+        calls: collectives of this kind per step.
+        ms: their execution time per step, the wait for the other ranks included.
+    """
+
+    kind: str
+    calls: float
+    ms: float
+
+
+@dataclass(frozen=True)
+class CommTime:
+    """Computation against communication in the profiled steps, per step (see
+    `torchscope.profiling.comm` for how each is measured).
+
+    Attributes:
+        compute_ms: time the rank computed (the union of its compute intervals).
+        comm_ms: time a collective was running (the union of their execution intervals).
+        overlap_ms: communication time during which the rank also computed.
+        exposed_ms: communication time during which it did not: it waited.
+        ops: per kind of collective, largest time first.
+        source: `device` (NCCL kernels) or `host` (the backend's execution ranges).
+    """
+
+    compute_ms: float
+    comm_ms: float
+    overlap_ms: float
+    exposed_ms: float
+    ops: tuple[CommOp, ...]
+    source: str = "host"
+
+    @property
+    def overlap(self) -> float | None:
+        """Share of communication hidden behind computation (HolisticTraceAnalysis'
+        comm/comp overlap); None without communication."""
+        return self.overlap_ms / self.comm_ms if self.comm_ms > 0 else None
+
+    def op(self, kind: str) -> CommOp | None:
+        """The record of one kind of collective, or None when none ran."""
+        return next((o for o in self.ops if o.kind == kind), None)
+
+
+@dataclass(frozen=True)
+class ProfileResult(Analyzed, Gatherable):
     """Everything `profile_steps` (or `watch_time`) measured.
 
     Findings: `result.findings()` (top op, host syncs, backward ratio, optimizer share,
@@ -206,6 +261,8 @@ class ProfileResult(Analyzed):
         step: the training step profiled, with the loss of its first (warm-up) run on the
             unchanged model; None when torchscope did not run the step (a step function,
             or `watch_time` in your loop).
+        comm: computation against communication per step, when collectives ran (DDP,
+            FSDP2); None otherwise. `result.gather()` joins every rank's result on rank 0.
     """
 
     steps: int
@@ -219,6 +276,7 @@ class ProfileResult(Analyzed):
     trace_path: str | None = None
     notes: tuple[str, ...] = field(default_factory=tuple)
     step: StepInfo | None = None
+    comm: CommTime | None = None
 
     def op(self, name: str) -> OpRecord | None:
         """The record of op `name` (first one, when grouped by shape), or None."""

@@ -81,12 +81,15 @@ def profile_steps(
             `steps` (and 3), more until their median is known to 5 % (up to 4× or about
             2 s); 0 skips the measurement. The overhead is the ratio of the medians with an
             interval (`result.timing.overhead_ratio`): inside the noise it is none.
-        trace: write a Chrome/Perfetto trace here (`.gz` compresses it).
+        trace: write a Chrome/Perfetto trace here (`.gz` compresses it); in a distributed
+            job one per rank, in one folder (see `watch_time`).
         trace_steps: keep only the last N profiled steps in the trace (None: all).
         cuda: record CUDA activity; default: when CUDA is available.
 
     Returns:
-        A `ProfileResult`; `result.findings()` reads it.
+        A `ProfileResult`; `result.findings()` reads it. On a DDP or FSDP2 model, call it on
+        every rank; `result.comm` splits the step into computation and communication, and
+        `result.gather()` joins every rank's result on rank 0.
 
     Raises:
         ProfilingError: bad arguments.
@@ -119,7 +122,7 @@ def profile_steps(
     watch = TimeWatch(net, steps=steps, wait=wait, warmup=warmup, by_module=by_module,
                       select=select, depth=depth, group_by_input_shape=group_by_input_shape,
                       record_shapes=record_shapes, trace=trace, trace_steps=trace_steps,
-                      cuda=cuda)
+                      cuda=cuda, gather=False)
     with seeded(None):
         # Warm-up: first-call costs (allocator, kernel selection, lazy init) out of every
         # figure; its loss, on the unchanged model, is the step's loss.

@@ -1,4 +1,10 @@
-"""Chrome/Perfetto trace export, bounded to the last N profiled steps, optionally gzipped."""
+"""Chrome/Perfetto trace export, bounded to the last N profiled steps, optionally gzipped;
+one file per rank in a distributed job.
+
+torch.profiler writes `distributedInfo` (backend, rank, world size, process groups) into a
+trace when a process group exists; HolisticTraceAnalysis reads a folder of such traces
+(`.json` or `.json.gz`), one per rank, told apart by that rank.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +15,23 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-__all__ = ["export_trace"]
+__all__ = ["export_trace", "rank_trace_path"]
+
+_SUFFIXES = (".json.gz", ".json")
+
+
+def rank_trace_path(path: str | Path, rank: int) -> Path:
+    """Where rank `rank` writes its trace when asked for `path`.
+
+    A file name (`traces/step.json.gz`) gets the rank before its suffix
+    (`traces/step.rank1.json.gz`); anything else is a folder that receives
+    `rank1.json.gz`. Either way every rank's trace lands in one folder.
+    """
+    p = Path(path)
+    for suffix in _SUFFIXES:
+        if p.name.endswith(suffix):
+            return p.with_name(f"{p.name[: -len(suffix)]}.rank{rank}{suffix}")
+    return p / f"rank{rank}.json.gz"
 
 
 def _bound(trace: dict[str, Any], steps: int) -> dict[str, Any]:

@@ -24,14 +24,17 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function, schedule
 
 from torchscope._process import quiet_kineto
+from torchscope.distributed.ranked import Ranked
+from torchscope.distributed.world import world
 from torchscope.hooks.lifecycle import HookedContext
 from torchscope.hooks.select import Selector
 from torchscope.hooks.session import HookSession
 from torchscope.profiling.attribution import attribute
+from torchscope.profiling.comm import comm_time
 from torchscope.profiling.module_ranges import ModuleRanges
 from torchscope.profiling.ops import op_records
 from torchscope.profiling.records import ProfileResult, ProfilingError, StepTiming
-from torchscope.profiling.trace import export_trace
+from torchscope.profiling.trace import export_trace, rank_trace_path
 from torchscope.step import synchronize
 
 # Phases opened with `phase()` on this thread, and the watches open in this process: a step
@@ -71,11 +74,16 @@ class TimeWatch(HookedContext):
     `ProfileResult` after the block, with the tables of `profile_steps`.
 
     The step's wall time is measured from one step boundary to the next (the device is
-    synchronised at each boundary inside the window); there is no unprofiled baseline.
+    synchronised at each boundary inside the window); there is no unprofiled baseline. In a
+    distributed job every rank's result is joined on rank 0 at the end of the block
+    (`gathered`) unless it was built with `gather=False` (`profile_steps` leaves that to
+    its caller's `result.gather()`).
 
     Attributes:
         result: the `ProfileResult`, set when the block exits without an exception.
         boundaries: step boundaries seen so far.
+        gathered: in a distributed job, every rank's result joined on rank 0 at the end of
+            the block (`Ranked[ProfileResult]`); None on the other ranks and on one process.
     """
 
     def __init__(
@@ -94,6 +102,7 @@ class TimeWatch(HookedContext):
         trace: str | Path | None = None,
         trace_steps: int | None = 3,
         cuda: bool | None = None,
+        gather: bool = True,
     ) -> None:
         for label, value, low in (("steps", steps, 1), ("wait", wait, 0), ("warmup", warmup, 0)):
             if int(value) < low:
@@ -125,6 +134,8 @@ class TimeWatch(HookedContext):
         self._pending = False
         self.boundaries = 0
         self.result: ProfileResult | None = None
+        self.gathered: Ranked[ProfileResult] | None = None
+        self._gather = gather
 
     @property
     def window(self) -> int:
@@ -213,6 +224,8 @@ class TimeWatch(HookedContext):
                 _OPEN.remove(self)
         if not failed and prof is not None:
             self.result = self._summarize(prof)
+            if self._gather and world().distributed:
+                self.gathered = self.result.gather()  # rank 0 gets every rank's result
 
     def _summarize(self, prof: Any) -> ProfileResult:
         if not self._active:
@@ -228,7 +241,9 @@ class TimeWatch(HookedContext):
         attr = attribute(events, ranges.labels if ranges is not None else {})
         trace_path = None
         if self._trace is not None:
-            trace_path = str(export_trace(prof, self._trace, steps=self._trace_steps))
+            w = world()
+            where = rank_trace_path(self._trace, w.rank) if w.distributed else self._trace
+            trace_path = str(export_trace(prof, where, steps=self._trace_steps))
         notes = list(attr.notes)
         if len(self._active) < self._steps:
             notes.append(f"the block ended after {len(self._active)} of {self._steps} "
@@ -244,7 +259,7 @@ class TimeWatch(HookedContext):
             steps=len(self._active), device=self._device.type, ops=op_records(averages),
             phases=attr.phases, modules=attr.modules, reconciliation=attr.reconciliation,
             timing=timing, by_module=ranges is not None, trace_path=trace_path,
-            notes=tuple(notes))
+            notes=tuple(notes), comm=comm_time(events, len(self._active)))
 
 
 def watch_time(
@@ -285,12 +300,15 @@ def watch_time(
         depth: time only modules this deep or shallower.
         group_by_input_shape: one op record per (name, input shapes).
         record_shapes: record input shapes (implied by `group_by_input_shape`).
-        trace: write a Chrome/Perfetto trace here (`.gz` compresses it).
+        trace: write a Chrome/Perfetto trace here (`.gz` compresses it). In a distributed
+            job every rank writes its own (see `rank_trace_path`): one folder that
+            HolisticTraceAnalysis reads as it is.
         trace_steps: keep only the last N profiled steps in the trace (None: all).
         cuda: record CUDA activity; default: when CUDA is available.
 
     Returns:
-        A `TimeWatch` context manager; its `.result` is a `ProfileResult` after the block.
+        A `TimeWatch` context manager; its `.result` is a `ProfileResult` after the block,
+        and in a distributed job `.gathered` holds every rank's on rank 0.
 
     Raises:
         ProfilingError: bad arguments; on exit, when no step was profiled.

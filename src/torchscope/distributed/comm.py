@@ -1,0 +1,178 @@
+"""torchscope's own communication: a few collectives, each waited on with a timeout.
+
+torchscope communicates only between steps (once per sampled step, and when a result is
+gathered), never inside a hook, and always on every rank in the same order, as any
+collective must be. Each collective is started asynchronously and waited on with a
+timeout, so a rank that raised, hung or left turns into a `DistributedError` on the others
+instead of a hang. Tensors travel on the device the group's backend needs: CPU for gloo, the
+current CUDA device for NCCL.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch.profiler import record_function
+
+from torchscope.distributed.world import world
+from torchscope.errors import TorchscopeError, describe
+
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "RANGE",
+    "TIMEOUT_ENV",
+    "DistributedError",
+    "all_gather_tensor",
+    "all_reduce_sum",
+    "comm_device",
+    "gather_objects",
+    "timeout_s",
+]
+
+class DistributedError(TorchscopeError):
+    """A distributed run went wrong: a collective timed out, a rank raised, or the launch
+    request cannot work on this machine (NCCL without GPUs, more ranks than devices)."""
+
+
+#: How long a torchscope collective waits for the other ranks before it gives up, unless
+#: the environment variable `TORCHSCOPE_TIMEOUT_S` says otherwise (read at each call).
+DEFAULT_TIMEOUT_S = 120.0
+TIMEOUT_ENV = "TORCHSCOPE_TIMEOUT_S"
+
+
+def timeout_s(given: float | None = None) -> float:
+    """The timeout of a collective: `given`, else `TORCHSCOPE_TIMEOUT_S`, else
+    `DEFAULT_TIMEOUT_S`.
+
+    Raises:
+        DistributedError: `TORCHSCOPE_TIMEOUT_S` is not a positive number.
+    """
+    if given is not None:
+        return float(given)
+    raw = os.environ.get(TIMEOUT_ENV)
+    if raw is None or not raw.strip():
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise DistributedError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds.",
+                               fix=f"set {TIMEOUT_ENV} to a positive number (e.g. 120), or "
+                               "unset it.")
+    return value
+
+
+def comm_device(group: Any = None) -> torch.device:
+    """Where tensors for a collective on `group` must live: the current CUDA device for an
+    NCCL group, else the CPU."""
+    import torch.distributed as dist
+
+    if str(dist.get_backend(group)) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+# The tensors of torchscope's last collective, kept referenced from Python until the next
+# one. Gloo's worker thread drops its hold on a finished collective's tensors after the
+# caller has been told it is done; if Python had already dropped them by then, that thread
+# must take the GIL to free them, and it deadlocks against `destroy_process_group` (which
+# joins that thread while holding the GIL). Kept here, Python frees them, on its own thread.
+_KEEP: list[torch.Tensor] = []
+
+
+#: The profiler range every torchscope collective is issued in: a profile of the user's
+#: step tells torchscope's own communication from the step's (`torchscope.profiling.comm`).
+RANGE = "torchscope::collective"
+
+
+def _run(start: Callable[[], Any], tensors: list[torch.Tensor], what: str,
+         seconds: float | None) -> None:
+    """Issue a collective (`start()` returns its work) inside `RANGE`, wait for it (see
+    `_wait`), then hold `tensors` until the next collective."""
+    with record_function(RANGE):
+        work = start()
+    _wait(work, what, seconds)
+    _KEEP[:] = tensors
+
+
+def _wait(work: Any, what: str, seconds: float | None) -> None:
+    limit = timeout_s(seconds)
+    try:
+        done = work.wait(timeout=timedelta(seconds=limit))
+    except RuntimeError as exc:
+        raise DistributedError(
+            f"{what} did not complete on {world().describe()} within {limit:g} s "
+            f"({describe(exc)}): another rank raised, hung or left.",
+            fix="look at the other ranks' errors; every rank must run the same torchscope "
+            "calls in the same order (raise timeout_s for slow steps).") from exc
+    if done is False:
+        raise DistributedError(f"{what} did not complete on {world().describe()} within "
+                               f"{limit:g} s.", fix="look at the other ranks' errors.")
+
+
+def all_reduce_sum(t: torch.Tensor, *, group: Any = None,
+                   timeout: float | None = None, what: str = "all_reduce") -> torch.Tensor:
+    """Sum `t` over the ranks of `group` (default: every rank), in place; returns `t`.
+
+    Raises:
+        DistributedError: a rank did not join within the timeout (`timeout` seconds, default
+            `timeout_s()`).
+    """
+    import torch.distributed as dist
+
+    _run(lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True), [t],
+         what, timeout)
+    return t
+
+
+def all_gather_tensor(t: torch.Tensor, *, group: Any = None,
+                      timeout: float | None = None, what: str = "all_gather"
+                      ) -> torch.Tensor:
+    """Every rank's `t` (the same shape everywhere), stacked: `(ranks in group, *t.shape)`.
+
+    Raises:
+        DistributedError: a rank did not join within the timeout (`timeout` seconds, default
+            `timeout_s()`).
+    """
+    import torch.distributed as dist
+
+    n = dist.get_world_size(group)
+    # The concatenated form (gloo accepts no other): (n * numel,) -> (n, *t.shape).
+    out = torch.empty((n * t.numel(),), dtype=t.dtype, device=t.device)
+    flat = t.contiguous().view(-1)
+    # torch 2.13 renamed all_gather_into_tensor (kept, deprecated) to all_gather_single.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    _run(lambda: gather(out, flat, group=group, async_op=True), [out, flat], what, timeout)
+    return out.view(n, *t.shape)
+
+
+def gather_objects(obj: Any, *, dst: int = 0, timeout: float | None = None,
+                   what: str = "gather") -> list[Any] | None:
+    """Every rank's picklable `obj`, in rank order, on rank `dst`; None on the others.
+
+    Two collectives on the default group: the pickled sizes, then the bytes, padded to the
+    largest. Records are small (numbers, names), so this costs milliseconds.
+
+    Raises:
+        DistributedError: a rank did not join within the timeout (`timeout` seconds, default
+            `timeout_s()`).
+    """
+    import torch.distributed as dist
+
+    device = comm_device()
+    payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
+    sizes = all_gather_tensor(size, timeout=timeout, what=f"{what} (sizes)").view(-1)
+    lengths = [int(s) for s in sizes.cpu().tolist()]
+    buf = torch.zeros(max(lengths), dtype=torch.uint8)
+    buf[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    rows = all_gather_tensor(buf.to(device), timeout=timeout, what=what).cpu()
+    if dist.get_rank() != dst:
+        return None
+    return [pickle.loads(rows[r, :n].numpy().tobytes()) for r, n in enumerate(lengths)]

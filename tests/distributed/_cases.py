@@ -1,0 +1,361 @@
+"""The distributed test cases: each runs on every rank (see `_launch.run_ranks`) and returns
+a JSON-ready answer; the tests in this folder assert on every rank's answer.
+
+Each rank trains on its own rows of one global batch (rows r, r + world, ...), as a
+`DistributedSampler` would hand them out, so a single process on the whole batch is the
+reference for every synchronised number.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.nn import functional
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import torchscope
+from torchscope.errors import describe
+
+
+def mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(),
+                         nn.Linear(16, 4))
+
+
+def sharded_mlp() -> nn.Sequential:
+    """`mlp()` with every Linear and the root sharded by FSDP2, after one forward (FSDP2
+    adds its state-dict hooks at its lazy init, in the first forward)."""
+    net = mlp()
+    for layer in net:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    fully_shard(net)
+    with torch.no_grad():
+        net(torch.zeros(2, 8))
+    return net
+
+
+def batch(rank: int, world: int, n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(123)
+    x = torch.randn(n, 8, generator=g)
+    y = torch.randint(0, 4, (n,), generator=g)
+    return x[rank::world], y[rank::world]
+
+
+def full_batch(world: int, n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ranks' rows concatenated in rank order (the mean loss does not see the order)."""
+    parts = [batch(r, world, n) for r in range(world)]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+def reference_grads(x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+    net = mlp()
+    functional.cross_entropy(net(x), y).backward()
+    return {n: p.grad for n, p in net.named_parameters()}
+
+
+def hooks(model: nn.Module) -> int:
+    """Every hook on the model, its parameters and DDP's or FSDP2's own included."""
+    return sum(e.count for e in torchscope.audit_hooks(model).entries)
+
+
+def ddp_grads(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """gradient_flow on DDP: local (before all-reduce) and synchronised norms per rank."""
+    net = mlp()
+    model = DDP(net)
+    before = hooks(model)
+    x, y = batch(rank, world)
+    flow = torchscope.gradient_flow(model, x, loss_fn="cross_entropy", target=y)
+    # torch's own numbers: the synchronised .grad now in the model, the local gradient of
+    # this rank's rows alone, and one process on the whole batch.
+    actual = {n: p.grad.norm().item() for n, p in net.named_parameters()}
+    local = {n: g.norm().item() for n, g in reference_grads(x, y).items()}
+    whole = {n: g.norm().item() for n, g in reference_grads(*full_batch(world)).items()}
+    ranks = flow.ranks
+    assert ranks is not None
+    joined = flow.gather()
+    acts = torchscope.capture_activations(model, x)
+    acts_joined = torchscope.distributed.gather(acts.records)
+    return {
+        "activations": [r.module for r in acts.records],
+        "activations_gathered": None if acts_joined is None else
+        [len(r) for r in acts_joined.results],
+        "names": [p.name for p in flow.params],
+        "modules": [r.module for r in flow.modules],
+        "reported": {p.name: p.norm for p in flow.params},
+        "actual": actual, "local_ref": local, "whole_ref": whole,
+        "local": [list(row) for row in ranks.local],
+        "synced": [list(row) for row in ranks.synced],
+        "total_norm": flow.total_norm,
+        "codes": [f.code for f in flow.findings()],
+        "gathered": None if joined is None else len(joined.results),
+        "gathered_ranks": None if joined is None else [r.ranks.rank for r in joined.results],
+        "hooks": [before, hooks(model)],
+    }
+
+
+class WithUnused(nn.Module):
+    """A model with a parameter the loss never reaches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 4)
+        self.extra = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x).relu())
+
+
+def ddp_unused(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """DDP without find_unused_parameters and a parameter nothing uses: DDP's all-reduce
+    never runs, each rank keeps its own gradient."""
+    net = WithUnused()
+    model = DDP(net)
+    x, y = batch(rank, world)
+    flow = torchscope.gradient_flow(model, x, loss_fn="cross_entropy", target=y)
+    found = [f for f in flow.findings() if f.code == "grads.ranks_diverge"]
+    return {"codes": [f.code for f in flow.findings()],
+            "summary": found[0].summary if found else None,
+            "severity": found[0].severity.label if found else None,
+            "actual": {n: None if p.grad is None else p.grad.norm().item()
+                       for n, p in net.named_parameters()}}
+
+
+def fsdp_norms(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """gradient_flow on FSDP2: global per-layer norms from the shards."""
+    net = sharded_mlp()
+    before = hooks(net)
+    x, y = batch(rank, world)
+    flow = torchscope.gradient_flow(net, x, loss_fn="cross_entropy", target=y)
+    ref = reference_grads(*full_batch(world))
+    ref_layers: dict[str, float] = {}
+    for name, g in ref.items():
+        module = name.rsplit(".", 1)[0]
+        ref_layers[module] = math.sqrt(ref_layers.get(module, 0.0) ** 2 + g.norm().item() ** 2)
+    ranks = flow.ranks
+    assert ranks is not None
+    # torch's way of getting a DTensor gradient's global norm, for comparison only.
+    full = {n: p.grad.full_tensor().norm().item() for n, p in net.named_parameters()}
+    full_w = {n: p.full_tensor().norm().item() for n, p in net.named_parameters()}
+    shard_rows = [len(r) for r in ranks.shard_rows]
+    return {
+        "layers": {k: v for k, v in flow.param_norms().items() if v is not None},
+        "ref_layers": ref_layers,
+        "params": {p.name: p.norm for p in flow.params},
+        "full_tensor": full,
+        "weights": {p.name: p.weight_norm for p in flow.params},
+        "full_weights": full_w,
+        "local": [list(row) for row in ranks.local],
+        "shard_rows": shard_rows,
+        "total_norm": flow.total_norm,
+        "ref_total": math.sqrt(sum(g.norm().item() ** 2 for g in ref.values())),
+        "codes": [f.code for f in flow.findings()],
+        "modules": sorted({r.module for r in flow.modules}),
+        "hooks": [before, hooks(net)],
+    }
+
+
+def fsdp_watch(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """watch_gradients on FSDP2 in a loop with an optimizer; gathered at exit."""
+    net = sharded_mlp()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    before = hooks(net)
+    x, y = batch(rank, world)
+    try:
+        torchscope.watch_gradients(net)  # no optimizer: refused in a distributed job
+        refused = None
+    except torchscope.TorchscopeError as exc:
+        refused = describe(exc)
+    with torchscope.watch_gradients(net, optimizer=opt, every=2) as watch:
+        for _ in range(4):
+            opt.zero_grad()
+            functional.cross_entropy(net(x), y).backward()
+            opt.step()
+    joined = watch.gathered
+    return {"refused": refused, "samples": watch.samples,
+            "history_steps": list(watch.history.steps),
+            "gathered": None if joined is None else len(joined.results),
+            "hooks": [before, hooks(net)]}
+
+
+def raises_on_rank1(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """Every watch open on a DDP model, then rank 1 raises inside the block: no hook may stay
+    on any rank, whatever the other ranks see."""
+    net = mlp()
+    model = DDP(net)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = hooks(model)
+    x, y = batch(rank, world)
+    error = None
+    try:
+        with torchscope.watch_activations(model), \
+                torchscope.watch_gradients(model, optimizer=opt), \
+                torchscope.watch_time(model, optimizer=opt, steps=1, wait=0, warmup=0):
+            for i in range(3):
+                opt.zero_grad()
+                if rank == 1 and i == 1:
+                    raise RuntimeError("rank 1 fails on purpose")
+                functional.cross_entropy(model(x), y).backward()
+                opt.step()
+    except Exception as exc:
+        error = describe(exc)
+    return {"error": error, "hooks": [before, hooks(model)]}
+
+
+
+def wide(width: int = 256) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
+                         nn.Linear(width, 10))
+
+
+def profile_ddp(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """profile_steps on DDP, rank 1 with 8× the rows of rank 0 (a straggler), traces in one
+    folder; every rank's result joined on rank 0."""
+    model = DDP(wide())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(rank)
+    rows = 32 if rank == 0 else 256
+    x, y = torch.randn(rows, 256, generator=g), torch.randint(0, 10, (rows,), generator=g)
+    result = torchscope.profile_steps(model, x, loss_fn="cross_entropy", target=y,
+                                      optimizer=opt, steps=3, baseline_steps=0,
+                                      trace=out / "traces")
+    joined = result.gather()
+    comm = result.comm
+    assert comm is not None
+    straggler = [f for f in joined.findings() if f.code == "profiling.straggler"] \
+        if joined is not None else []
+    return {
+        "trace": result.trace_path,
+        "kinds": {o.kind: o.calls for o in comm.ops},
+        "comm_ms": comm.comm_ms, "exposed_ms": comm.exposed_ms, "compute_ms": comm.compute_ms,
+        "step_ms": result.timing.profiled_ms,
+        "modules": sorted(m.module for m in result.modules),
+        "codes": [f.code for f in result.findings()],
+        "top_op": next((f.evidence["op"] for f in result.findings()
+                        if f.code == "profiling.top_op"), None),
+        "straggler": None if not straggler else {"summary": straggler[0].summary,
+                                                 "rank": straggler[0].evidence["rank"]},
+        "gathered": None if joined is None else len(joined.results),
+    }
+
+
+def watch_time_fsdp(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """watch_time on FSDP2 in a loop: all-gathers and reduce-scatters, gathered at exit."""
+    net = sharded_mlp()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    x, y = batch(rank, world)
+    before = hooks(net)
+    with torchscope.watch_time(net, optimizer=opt, steps=2, wait=0, warmup=1,
+                               trace=out / "fsdp" / "step.json") as watch:
+        for _ in range(3):
+            functional.cross_entropy(net(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    result = watch.result
+    assert result is not None and result.comm is not None
+    joined = watch.gathered
+    return {"kinds": {o.kind: o.calls for o in result.comm.ops},
+            "trace": result.trace_path, "hooks": [before, hooks(net)],
+            "gathered": None if joined is None else len(joined.results)}
+
+
+def memory_ranks(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """Per-rank bytes of the same model under DDP and under FSDP2, after an Adam step, and
+    analyze_memory's totals on the sharded one."""
+    from torchscope.memory import rank_bytes
+
+    x, y = batch(rank, world)
+    answers: dict[str, Any] = {}
+    for name in ("ddp", "fsdp2"):
+        net = mlp()
+        model: nn.Module = DDP(net) if name == "ddp" else sharded_mlp()
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        b = rank_bytes(model, opt)
+        report = torchscope.analyze_memory(model, x, loss_fn="cross_entropy", target=y,
+                                           optimizer=opt)
+        local_params = sum(
+            (p.to_local() if hasattr(p, "to_local") else p).numel() * 4
+            for p in model.parameters())
+        answers[name] = {
+            "strategy": b.strategy, "parameters": b.parameters, "gradients": b.gradients,
+            "optimizer": b.optimizer_state, "buckets": b.buckets, "total": b.total,
+            "replicated_total": b.replicated_total, "replicated_parameters":
+            b.replicated_parameters, "saving": b.saving, "local_params": local_params,
+            "report_params": report.totals.parameters, "report_grads": report.totals.gradients,
+            "report_optimizer": report.totals.optimizer_state,
+            "saved": report.saved.total_bytes}
+    return answers
+
+
+class Blocks(nn.Module):
+    """Four 512×512 layers (1 MiB each): with DDP's bucket_cap_mb=1, four buckets."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList([nn.Linear(512, 512) for _ in range(4)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x).relu()
+        return x
+
+
+class PrintsToo(Blocks):
+    """`Blocks` with a print in forward: a graph break the user should fix."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.layers[0](x)
+        print("debug")
+        for layer in self.layers[1:]:
+            x = layer(x).relu()
+        return x
+
+
+def ddp_breaks(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """torch.compile under DDP: DDPOptimizer's bucket breaks, and a print."""
+    import torch._dynamo
+
+    from torchscope.compile import CompileReport, find_graph_breaks
+
+    answers: dict[str, Any] = {}
+    for name, net in (("blocks", Blocks()), ("prints", PrintsToo())):
+        model = DDP(net, bucket_cap_mb=1)
+        scan = find_graph_breaks(model, torch.randn(4, 512), train=True)
+        report = CompileReport(name, "(4x512)", "cpu", "forward", (), scan.breaks,
+                               scan.graph_count, 8, torch.__version__)
+        answers[name] = {
+            "graphs": scan.graph_count, "kinds": [b.kind for b in scan.breaks],
+            "reasons": sorted({b.reason.split(" (")[0] for b in scan.breaks}),
+            "findings": [(f.code, f.severity.label, f.summary) for f in report.findings()]}
+    answers["optimize_ddp"] = torch._dynamo.config.optimize_ddp
+    return answers
+
+
+def hsdp_norms(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """HSDP (2 replicas × 2 shards): global norms sum over the shard group only."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    net = mlp()
+    for layer in net:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    x, y = batch(rank, world)
+    flow = torchscope.gradient_flow(net, x, loss_fn="cross_entropy", target=y)
+    full = {n: p.grad.full_tensor().norm().item() for n, p in net.named_parameters()}
+    assert flow.ranks is not None
+    return {"params": {p.name: p.norm for p in flow.params}, "full_tensor": full,
+            "shard_rows": [list(r) for r in flow.ranks.shard_rows]}

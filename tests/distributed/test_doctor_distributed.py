@@ -1,0 +1,180 @@
+"""`torchscope doctor` on ranks: launched with torch's elastic launcher (`--nproc`) and under
+a plain torchrun; one-line errors (exit 2) for requests this machine cannot run and for a
+rank that raises, with no process left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from torchscope.cli import app
+from torchscope.report.document import load_schema
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+runner = CliRunner()
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(SRC), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+
+
+def _run(argv: list[str], timeout: float = 170.0) -> tuple[subprocess.CompletedProcess[str],
+                                                           float, list[int]]:
+    """Run a command in its own session; also return the pids still in that session after
+    it exited (orphans)."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(argv, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+    seconds = time.perf_counter() - t0
+    time.sleep(1.0)  # the launcher's children get a moment to exit
+    left = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == proc.pid and fields[0] != "Z":  # session id, not a zombie
+                left.append(int(entry.name))
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err), seconds, left
+
+
+def _check_report(out: Path, strategy: str) -> dict:
+    import jsonschema
+
+    doc = json.loads((out / "report.json").read_text())
+    jsonschema.validate(doc, load_schema())
+    ranks = doc["sections"]["ranks"]
+    assert ranks["status"] == "ok"
+    data = ranks["data"]
+    assert data["world_size"] == 2 and data["strategy"] == strategy
+    assert [r["rank"] for r in data["ranks"]] == [0, 1]
+    assert doc["environment"]["world_size"] == 2
+    assert doc["sections"]["compile"]["status"] == "skipped"
+    html = (out / "report.html").read_text()
+    assert 'id="section-ranks"' in html and "rank" in html
+    return doc
+
+
+def test_cli_fsdp2_writes_a_report_with_rank_rows(tmp_path: Path) -> None:
+    out = tmp_path / "rep"
+    res, seconds, left = _run([sys.executable, "-m", "torchscope", "doctor", "tiny-cnn",
+                               "--nproc", "2", "--strategy", "fsdp2", "--fast", "--out",
+                               str(out)])
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert seconds < 180
+    assert left == []
+    doc = _check_report(out, "fsdp2")
+    rows = doc["sections"]["ranks"]["data"]["ranks"]
+    for row in rows:
+        # FSDP2 on two ranks: every rank holds half of DDP's parameters and gradients.
+        assert row["state_bytes"] * 2 <= row["ddp_state_bytes"]
+        assert set(row["comm"]) == {"all_gather", "reduce_scatter"}
+        assert row["step_ms"] > 0 and row["grad_norm"] > 0
+    # The global gradient norm is the same on both ranks.
+    assert rows[0]["grad_norm"] == pytest.approx(rows[1]["grad_norm"], rel=1e-6)
+    assert "Per rank: time per step" in res.stdout
+    assert "error" not in res.stderr.lower()
+
+
+def test_cli_rank_that_raises_is_one_line_exit_2_and_leaves_no_process(tmp_path: Path) -> None:
+    target = tmp_path / "model.py"
+    target.write_text(
+        "import torch\nfrom torch import nn\n\n\n"
+        "class Fails(nn.Module):\n"
+        "    def __init__(self):\n        super().__init__()\n        self.fc = nn.Linear(4, 2)\n\n"
+        "    def forward(self, x):\n"
+        "        if torch.distributed.get_rank() == 1:\n"
+        "            raise ValueError('bad batch on rank 1')\n"
+        "        return self.fc(x)\n\n\n"
+        "def build():\n    return Fails(), torch.randn(8, 4)\n")
+    res, _, left = _run([sys.executable, "-m", "torchscope", "doctor", f"{target}:build",
+                         "--nproc", "2", "--fast", "--out", str(tmp_path / "rep")])
+    assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, res.stderr
+    assert lines[0].startswith("error: rank 1 raised") and "bad batch on rank 1" in lines[0]
+    assert "Traceback" not in res.stdout + res.stderr
+    assert left == []
+
+
+def test_plain_torchrun_runs_the_doctor_as_ranks(tmp_path: Path) -> None:
+    out = tmp_path / "rep"
+    res, _, left = _run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                         "--nproc_per_node=2", "-m", "torchscope", "doctor", "tiny-cnn",
+                         "--fast", "--skip", "activations,memory", "--out", str(out)])
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert left == []
+    doc = _check_report(out, "ddp")
+    rows = doc["sections"]["ranks"]["data"]["ranks"]
+    for row in rows:
+        assert set(row["comm"]) == {"all_reduce"}
+        assert row["local_grad_norm"] > 0
+    # DDP: the synchronised norm is the same on both ranks; the local ones differ.
+    assert rows[0]["grad_norm"] == pytest.approx(rows[1]["grad_norm"], rel=1e-6)
+    assert rows[0]["local_grad_norm"] != rows[1]["local_grad_norm"]
+    assert res.stdout.count("torchscope doctor: tiny-cnn") == 1  # rank 0 prints, once
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["--nproc", "0"], "--nproc 0 starts no rank"),
+    (["--nproc", "2", "--strategy", "zero"], "--strategy 'zero' is not one of ddp, fsdp2"),
+    (["--nproc", "2", "--backend", "mpi"], "--backend 'mpi' is not one of gloo, nccl"),
+    (["--strategy", "ddp"], "--strategy and --backend need --nproc"),
+    (["--nproc", "2", "--device", "cpu"], "--device cpu cannot be combined with ranks"),
+])
+def test_bad_distributed_options_fail_before_any_work(argv: list[str], needle: str,
+                                                      tmp_path: Path) -> None:
+    result = runner.invoke(app, ["doctor", "tiny-cnn", "--out", str(tmp_path / "r"), *argv])
+    lines = [ln for ln in result.output.splitlines() if ln.strip()]
+    assert result.exit_code == 2, result.output
+    assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], lines
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without a GPU")
+def test_nccl_without_gpus_is_refused(tmp_path: Path) -> None:
+    result = runner.invoke(app, ["doctor", "tiny-cnn", "--nproc", "2", "--backend", "nccl",
+                                 "--out", str(tmp_path / "r")])
+    assert result.exit_code == 2
+    assert "--backend nccl needs CUDA GPUs, and torch sees none" in result.output
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() >= 64,
+                    reason="needs a CUDA device")
+def test_more_nccl_ranks_than_gpus_is_refused(tmp_path: Path) -> None:
+    n = torch.cuda.device_count() + 1
+    result = runner.invoke(app, ["doctor", "tiny-cnn", "--nproc", str(n), "--backend", "nccl",
+                                 "--out", str(tmp_path / "r")])
+    assert result.exit_code == 2
+    assert f"--nproc {n} asks for {n} NCCL ranks" in result.output
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="needs 2 CUDA devices (NCCL: one GPU per rank)")
+def test_nccl_ddp_on_two_gpus(tmp_path: Path) -> None:
+    out = tmp_path / "rep"
+    res, _, left = _run([sys.executable, "-m", "torchscope", "doctor", "tiny-cnn", "--nproc",
+                         "2", "--backend", "nccl", "--strategy", "ddp", "--fast", "--out",
+                         str(out)])
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert left == []
+    doc = _check_report(out, "ddp")
+    assert doc["sections"]["ranks"]["data"]["backend"] == "nccl"
+    rows = doc["sections"]["ranks"]["data"]["ranks"]
+    assert rows[0]["grad_norm"] == pytest.approx(rows[1]["grad_norm"], rel=1e-6)

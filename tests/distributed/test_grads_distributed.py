@@ -1,0 +1,106 @@
+"""Gradients on DDP and FSDP2, on two real gloo processes, against torch itself and against
+one process on the concatenated batch."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from ._launch import run_ranks
+
+REL = 1e-5
+
+
+def _close(a: float, b: float, rel: float = REL) -> bool:
+    return abs(a - b) <= rel * max(abs(a), abs(b))
+
+
+def test_ddp_local_and_synchronised_norms(tmp_path: Path) -> None:
+    ranks = run_ranks("ddp_grads", tmp_path)
+    for r, a in enumerate(ranks):
+        # Hooks went on the wrapped module: the names of one process, no "module." prefix.
+        assert a["names"] == ["0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias"]
+        assert a["modules"] == ["4", "3", "2", "1", "0"]
+        assert a["activations"] == ["0", "1", "2", "3", "4"]
+        for name in a["names"]:
+            # The synchronised norm is torch's .grad after DDP, and one process's gradient
+            # on the whole batch.
+            assert a["reported"][name] == pytest.approx(a["actual"][name], rel=1e-6)
+            assert a["reported"][name] == pytest.approx(a["whole_ref"][name], rel=REL)
+        # The local norm (before the all-reduce) is this rank's rows alone.
+        row = a["local"][r]
+        for i, name in enumerate(a["names"]):
+            assert row[i] == pytest.approx(a["local_ref"][name], rel=1e-6)
+        assert a["hooks"] == [0, 0]
+        assert "grads.ranks_diverge" not in a["codes"]
+    # Every rank reports the same synchronised norms and sees both ranks' local ones.
+    assert ranks[0]["synced"] == ranks[1]["synced"]
+    assert ranks[0]["synced"][0] == ranks[0]["synced"][1]
+    assert ranks[0]["local"] == ranks[1]["local"]
+    assert ranks[0]["local"][0] != ranks[0]["local"][1]
+    # gather() joins both flows on rank 0 only.
+    assert ranks[0]["gathered"] == 2 and ranks[0]["gathered_ranks"] == [0, 1]
+    assert ranks[1]["gathered"] is None
+    assert ranks[0]["activations_gathered"] == [5, 5]  # activation records, both ranks
+    assert ranks[1]["activations_gathered"] is None
+
+
+def test_ddp_unused_parameter_raises_divergence(tmp_path: Path) -> None:
+    ranks = run_ranks("ddp_unused", tmp_path)
+    for a in ranks:
+        assert "grads.ranks_diverge" in a["codes"], a
+        assert a["severity"] == "error"
+        assert "a.weight" in a["summary"]
+    # torch agrees: DDP never all-reduced, the ranks hold different gradients.
+    assert ranks[0]["actual"]["a.weight"] != ranks[1]["actual"]["a.weight"]
+
+
+def test_fsdp2_global_norms_match_one_process(tmp_path: Path) -> None:
+    ranks = run_ranks("fsdp_norms", tmp_path)
+    for a in ranks:
+        assert set(a["layers"]) == {"0", "2", "4"}
+        for layer, norm in a["layers"].items():
+            assert _close(norm, a["ref_layers"][layer]), (layer, norm, a["ref_layers"][layer])
+        for name, norm in a["params"].items():
+            # DTensor.full_tensor() is torch's global gradient (the test may all-gather).
+            assert _close(norm, a["full_tensor"][name])
+            # ‖w‖ of the whole parameter too, so ‖g‖/‖w‖ is the one-process figure.
+            assert _close(a["weights"][name], a["full_weights"][name])
+        assert _close(a["total_norm"], a["ref_total"])
+        # Each rank's shard alone under-reports: the global norm needs both.
+        for i, name in enumerate(a["params"]):
+            shards = [row[i] for row in a["local"]]
+            assert all(s < a["params"][name] for s in shards)
+            assert math.sqrt(sum(s * s for s in shards)) == pytest.approx(a["params"][name])
+        assert a["shard_rows"] == [2] * 6
+        assert a["modules"] == ["0", "1", "2", "3", "4"]
+        assert a["hooks"][0] == a["hooks"][1]
+        assert a["codes"] == []
+
+
+def test_fsdp2_watch_samples_and_gathers(tmp_path: Path) -> None:
+    ranks = run_ranks("fsdp_watch", tmp_path)
+    for a in ranks:
+        assert a["refused"] is not None and "optimizer=" in a["refused"]
+        assert a["samples"] == 2 and a["history_steps"] == [0, 2]
+        assert a["hooks"][0] == a["hooks"][1]
+    assert ranks[0]["gathered"] == 2 and ranks[1]["gathered"] is None
+
+
+def test_no_hook_left_on_any_rank_after_rank1_raises(tmp_path: Path) -> None:
+    ranks = run_ranks("raises_on_rank1", tmp_path)
+    assert ranks[1]["error"] == "RuntimeError: rank 1 fails on purpose"
+    assert ranks[0]["error"] is not None  # its all-reduce lost its peer: it raises too
+    for a in ranks:
+        assert a["hooks"] == [0, 0], a
+
+
+def test_hsdp_norms_sum_over_the_shard_group_only(tmp_path: Path) -> None:
+    ranks = run_ranks("hsdp_norms", tmp_path, nproc=4)
+    for r, a in enumerate(ranks):
+        # Mesh (replicate=2, shard=2): ranks 0,1 hold one replica's shards, 2,3 the other's.
+        assert a["shard_rows"] == [[0, 1] if r < 2 else [2, 3]] * 6
+        for name, norm in a["params"].items():
+            assert _close(norm, a["full_tensor"][name]), (name, norm)

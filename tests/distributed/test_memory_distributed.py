@@ -1,0 +1,33 @@
+"""Memory per rank on two real gloo processes: FSDP2's shards against DDP's replicas of the
+same model, and analyze_memory counting what the rank holds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ._launch import run_ranks
+
+
+def test_fsdp2_bytes_per_rank_against_ddp(tmp_path: Path) -> None:
+    ranks = run_ranks("memory_ranks", tmp_path)
+    for a in ranks:
+        ddp, fsdp = a["ddp"], a["fsdp2"]
+        assert ddp["strategy"] == "ddp" and fsdp["strategy"] == "fsdp2"
+        # DDP: every rank holds the whole model, plus gradient buckets (one more copy).
+        assert ddp["parameters"] == ddp["replicated_parameters"] == ddp["local_params"]
+        assert ddp["buckets"] == ddp["gradients"] and ddp["saving"] == 1.0
+        # FSDP2 on 2 ranks: half the parameters, gradients and Adam state, no buckets; what
+        # it would hold under DDP is exactly DDP's figure for the same model.
+        assert fsdp["parameters"] * 2 == ddp["parameters"] == fsdp["replicated_parameters"]
+        assert fsdp["parameters"] == fsdp["local_params"]
+        assert fsdp["gradients"] * 2 == ddp["gradients"]
+        assert fsdp["optimizer"] < ddp["optimizer"]
+        assert fsdp["buckets"] == 0
+        assert fsdp["replicated_total"] == ddp["total"]
+        assert fsdp["saving"] > 2.0
+        # analyze_memory's totals are the rank's own bytes.
+        for case in (ddp, fsdp):
+            assert case["report_params"] == case["parameters"]
+            assert case["report_grads"] == case["gradients"]
+            assert case["report_optimizer"] == case["optimizer"]
+            assert case["saved"] > 0

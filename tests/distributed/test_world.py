@@ -1,0 +1,116 @@
+"""The distributed package in one process: reading the job, joining results, timeouts, trace
+names, collective names; and hooks that see through a DDP wrapper, on a real one-rank gloo
+group (DDP needs a process group; one rank is enough to wrap and train)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import torchscope
+from torchscope.distributed import (
+    TIMEOUT_ENV,
+    DistributedError,
+    Ranked,
+    World,
+    gather,
+    merge_findings,
+    strategy_of,
+    timeout_s,
+    world,
+)
+from torchscope.findings import Finding, Severity
+from torchscope.hooks import parallel_wrapper, unwrap_parallel
+from torchscope.profiling.comm import comm_kind
+from torchscope.profiling.trace import rank_trace_path
+
+
+@pytest.fixture
+def one_rank(tmp_path: Path) -> Iterator[None]:
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1, timeout=timedelta(seconds=30))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def test_one_process_is_a_world_of_one() -> None:
+    assert world() == World() and not world().distributed
+    assert world().describe() == "one process"
+    assert strategy_of(_net()) == "none"
+    flow = torchscope.gradient_flow(_net(), torch.randn(3, 4), loss_fn="sum")
+    joined = flow.gather()
+    assert isinstance(joined, Ranked) and joined.results == (flow,) and flow.ranks is None
+    assert [f.code for f in joined.findings()] == [f.code for f in flow.findings()]
+
+
+def test_ddp_wrapper_is_seen_through(one_rank: None) -> None:
+    net = _net()
+    model = DDP(net)
+    assert world() == World(0, 1, "gloo", 0)
+    assert strategy_of(model) == "ddp" and strategy_of(net) == "none"
+    assert parallel_wrapper(model) is model and unwrap_parallel(model) is net
+    assert unwrap_parallel(net) is net
+    x = torch.randn(3, 4)
+    with torchscope.watch_activations(model) as acts:
+        model(x)
+    assert [r.module for r in acts.records] == ["0", "1", "2"]  # not "module.0"
+    flow = torchscope.gradient_flow(model, x, loss_fn="sum")
+    # One rank has nothing to exchange: no rank part, and the norms are torch's .grad.
+    assert flow.ranks is None
+    assert [p.name for p in flow.params] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    for i, p in enumerate(net.parameters()):
+        assert flow.params[i].norm == pytest.approx(p.grad.norm().item(), rel=1e-6)
+    assert torchscope.audit_hooks(model).local_total == 0
+
+
+def test_merge_findings_says_once_what_every_rank_says() -> None:
+    a = Finding("x.same", Severity.INFO, "on all", module="fc")
+    b = Finding("x.one", Severity.WARNING, "only here", module="fc")
+    merged = merge_findings([[a], [a, b]])
+    assert [(f.code, f.summary, f.evidence["ranks"]) for f in merged] == [
+        ("x.same", "on all", "all"), ("x.one", "on rank 1: only here", "1")]
+
+
+def test_gather_in_one_process_needs_no_group() -> None:
+    joined = gather({"a": 1})
+    assert joined is not None and joined.results == ({"a": 1},) and len(joined) == 1
+
+
+def test_timeout_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(TIMEOUT_ENV, raising=False)
+    assert timeout_s() == 120.0 and timeout_s(3) == 3.0
+    monkeypatch.setenv(TIMEOUT_ENV, "7.5")
+    assert timeout_s() == 7.5
+    monkeypatch.setenv(TIMEOUT_ENV, "soon")
+    with pytest.raises(DistributedError, match="TORCHSCOPE_TIMEOUT_S='soon'"):
+        timeout_s()
+
+
+def test_rank_trace_paths_share_one_folder() -> None:
+    assert rank_trace_path("t/step.json.gz", 1) == Path("t/step.rank1.json.gz")
+    assert rank_trace_path("t/step.json", 0) == Path("t/step.rank0.json")
+    assert rank_trace_path("traces", 3) == Path("traces/rank3.json.gz")
+
+
+@pytest.mark.parametrize(("name", "kind"), [
+    ("c10d::allreduce_", "all_reduce"), ("c10d::_reduce_scatter_base_", "reduce_scatter"),
+    ("c10d::_allgather_base_", "all_gather"), ("gloo:all_gather", "all_gather"),
+    ("nccl:all_reduce", "all_reduce"), ("ncclDevKernel_AllGather_RING_LL", "all_gather"),
+    ("c10d::broadcast_", "broadcast"), ("aten::mm", None), ("FSDP::all_gather (fc)", None),
+])
+def test_collective_names(name: str, kind: str | None) -> None:
+    assert comm_kind(name) == kind
