@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import inspect
 import os
 import shutil
 import subprocess
@@ -237,7 +236,10 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     elif _dense(t):
         flat = t.as_strided((t.numel(),), (1,), t.storage_offset())  # (n,) in memory order
     else:
-        flat = t.reshape(-1)  # (n,): a gather copy
+        # A gather copy; `contiguous` because reshape keeps a view where it can (an
+        # expanded gradient flattens to stride 0, a strided 1-d slice stays strided), and
+        # the kernel reads exactly n consecutive elements.
+        flat = t.reshape(-1).contiguous()  # (n,)
     if flat.is_cuda and flat.data_ptr() % 16:
         flat = flat.clone()  # Triton kernels assume 16-byte aligned inputs
     return flat
@@ -373,9 +375,11 @@ def _device_kind(device: torch.device) -> str:
 
 
 def _package_path(program: str, dtype: torch.dtype, device: torch.device) -> Path:
-    source = inspect.getsource(_MODULES[program])
-    tag = hashlib.sha256(
-        f"{_VERSION}|{torch.__version__}|{sys.platform}|{source}".encode()).hexdigest()[:16]
+    # The program's bytecode, not its source: editing a comment does not rebuild the kernel.
+    code = _MODULES[program].forward.__code__
+    tag = hashlib.sha256(repr((_VERSION, torch.__version__, sys.version, sys.platform,
+                               code.co_code, code.co_consts, code.co_names)).encode()
+                         ).hexdigest()[:16]
     name = f"{program}-{str(dtype).removeprefix('torch.')}-{_device_kind(device)}-{tag}.pt2"
     return cache_dir() / name
 

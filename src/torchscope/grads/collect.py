@@ -13,10 +13,14 @@ outputs are views, so an in-place op after the module (`nn.ReLU(inplace=True)`,
   down (other consumers of `x` do not flow through the alias). A module that changes its
   input in place (`inplace=True`, or the alias' version moved during forward) is measured
   instead on the autograd node that the in-place op put in front of the original producer.
-- parameters: post-accumulate-grad hooks, which see `.grad` after accumulation.
+- parameters: post-accumulate-grad hooks, which see `.grad` after accumulation, mark the
+  parameter; when the backward ends, one `torch._foreach_norm` measures every marked
+  `.grad` (one call for the whole model instead of one reduction per parameter).
 
-Every hook only enqueues a device reduction (`vector_norm`, one read of each gradient);
-`finish()` stacks those 0-d tensors and copies them to the host once per step.
+Every hook only enqueues a device reduction, one read of each gradient: the fused `norm`
+kernel of `torchscope._kernels` (float64 accumulation) once it is ready, `vector_norm`
+before that and wherever it cannot run. `finish()` stacks those 0-d tensors and copies them
+to the host once per step.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from torchscope import _kernels
 from torchscope.grads.records import (
     FROZEN,
     INPUT_NO_GRAD,
@@ -212,6 +217,9 @@ class GradCollector(HookedContext):
         self._vals: list[torch.Tensor] = []  # 0-d norms on the gradients' devices
         self._calls: list[_Call] = []
         self._param_vals: dict[int, int] = {}  # param index -> index in _vals
+        self._param_due: dict[int, torch.Tensor] = {}  # accumulated, not measured yet
+        self._fused_norms = 0
+        self._eager_norms = 0
         self._order = 0
         self._seq = 0
         self._micro = -1
@@ -249,9 +257,15 @@ class GradCollector(HookedContext):
             if (key[:5] == prev[:5] and (key[5:7] == prev[5:7] or (key[7] and prev[7]))
                     and not ref.expired()):
                 return index
-        # One read of the gradient; half precision is summed in float32 so it cannot overflow.
-        n = torch.linalg.vector_norm(t, dtype=torch.float32) if t.dtype in _HALF else \
-            torch.linalg.vector_norm(t)  # () on g.device
+        # One read of the gradient: the fused kernel (float64 sums), or eager `vector_norm`
+        # with half precision summed in float32 so that it cannot overflow.
+        n = _kernels.run("norm", t)  # () on g.device
+        if n is not None:
+            self._fused_norms += 1
+        else:
+            self._eager_norms += 1
+            n = torch.linalg.vector_norm(t, dtype=torch.float32) if t.dtype in _HALF else \
+                torch.linalg.vector_norm(t)  # () on g.device
         self._vals.append(n)
         index = len(self._vals) - 1
         self._last = (StorageWeakRef(t.untyped_storage()), key, index)
@@ -265,16 +279,38 @@ class GradCollector(HookedContext):
 
     def _backward_done(self) -> None:
         self._bw_queued = False
+        self._measure_params()
         self._last = None
         self._backwards += 1
         if self.on_backward_end is not None:
             self.on_backward_end()
 
+    def _measure_params(self) -> None:
+        """The norms of every parameter gradient accumulated in this backward: one
+        `torch._foreach_norm` per dtype group (half precision summed in float32)."""
+        due, self._param_due = self._param_due, {}
+        groups: dict[bool, list[tuple[int, torch.Tensor]]] = {}
+        for index, p in due.items():
+            g = p.grad
+            if g is None:
+                continue
+            if g.is_sparse or g.layout != torch.strided:
+                self._param_vals[index] = self._push(g)  # foreach takes strided tensors only
+                continue
+            groups.setdefault(g.dtype in _HALF, []).append((index, g))
+        with torch.no_grad():  # a create_graph backward leaves .grad requiring grad
+            for half, items in groups.items():
+                norms = torch._foreach_norm([g for _, g in items], 2,  # () each
+                                            dtype=torch.float32 if half else None)
+                for (index, _), n in zip(items, norms, strict=True):
+                    self._vals.append(n)
+                    self._param_vals[index] = len(self._vals) - 1
+
     def _make_param_hook(self, index: int) -> Callable[[torch.Tensor], None]:
         def hook(p: torch.Tensor) -> None:
             self._queue_end()
             if self.active and p.grad is not None:
-                self._param_vals[index] = self._push(p.grad)
+                self._param_due[index] = p  # measured with the others when backward ends
 
         return hook
 
@@ -435,6 +471,7 @@ class GradCollector(HookedContext):
             index: the step's index, as `GradFlow.index`.
             step: the training step torchscope ran, when it ran one.
         """
+        self._measure_params()  # a backward that raised never ran its end callback
         host = self._to_host()
         scale = self._scale()
         inv = 1.0 / scale if scale else 1.0
@@ -472,6 +509,7 @@ class GradCollector(HookedContext):
         total = combine_norms(p.norm for p in params) or 0.0
         flow = GradFlow(index, modules, tuple(params), total, scale,
                         micro_batches=max(self._micro + 1, 1 if self._calls else 0),
-                        backward_calls=self._backwards, step=step)
+                        backward_calls=self._backwards, step=step,
+                        fused_norms=self._fused_norms, eager_norms=self._eager_norms)
         self.discard()
         return flow

@@ -179,6 +179,10 @@ class GradFlow(Analyzed):
         backward_calls: backward passes that reached the parameters in this step.
         step: the training step torchscope ran (loss, its value, optimizer, AMP,
             accumulation); None for a step of the user's own loop (`watch_gradients`).
+        fused_norms, eager_norms: gradients of module outputs and inputs whose norm the
+            fused kernel computed (`torchscope._kernels`, one pass, float64 sums) and those
+            eager `vector_norm` did (while the kernel was building, or where it cannot run);
+            parameter norms come from one `torch._foreach_norm` per backward.
     """
 
     index: int
@@ -189,6 +193,8 @@ class GradFlow(Analyzed):
     micro_batches: int = 1
     backward_calls: int = 1
     step: StepInfo | None = None
+    fused_norms: int = 0
+    eager_norms: int = 0
 
     def get(self, module: str, call: int = 0, micro: int = 0) -> ModuleGradRecord:
         """The record of `module`'s `call`-th call in forward `micro`.
