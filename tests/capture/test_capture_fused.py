@@ -161,8 +161,9 @@ def test_count_nonfinite_false_reads_as_uncounted_on_the_fused_path(
 class _ItemSpy(torch.overrides.TorchFunctionMode):
     """Records every host read that a torch function call makes."""
 
-    HOST: ClassVar[set[object]] = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.numpy,
-            torch.Tensor.__bool__, torch.Tensor.__float__, torch.Tensor.__int__}
+    HOST: ClassVar[set[object]] = {
+        torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.numpy,
+        torch.Tensor.__bool__, torch.Tensor.__float__, torch.Tensor.__int__}
 
     def __init__(self) -> None:
         super().__init__()
