@@ -192,6 +192,21 @@ def test_hooks_never_read_on_the_host(fused_dtypes: tuple[torch.dtype, ...], pat
     assert not spy.calls, spy.calls
     ops = [e.name for e in prof.events()]
     assert "aten::_local_scalar_dense" not in ops and "aten::item" not in ops
+    # The same probes catch a hook that does read on the host.
+    control = _ItemSpy()
+    peeks: list[float] = []
+
+    def peek(_m: nn.Module, _i: object, o: torch.Tensor) -> None:
+        peeks.append(o.detach().max().item())
+
+    handle = model.fc.register_forward_hook(peek)
+    try:
+        with torch.profiler.profile() as prof, control:
+            model(x)
+    finally:
+        handle.remove()
+    assert control.calls == ["item"]
+    assert "aten::_local_scalar_dense" in [e.name for e in prof.events()]
     assert records and all(r.output is None or r.output.fused == (path == "fused")
                            for r in records)
     flow = grads.last
