@@ -39,6 +39,7 @@ OnBudget = Literal["error", "skip"]
 
 # Modules whose outputs are >= 0 and whose dead channels mean dead units.
 _RELU_FAMILY = (nn.ReLU, nn.ReLU6, nn.Hardtanh, nn.Threshold)
+_NONNEGATIVE = (nn.ReLU, nn.ReLU6)  # outputs >= 0: one reduction finds a dead channel
 # Modules whose weights set the scale of what follows; scale drift is read between these.
 _WEIGHTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding)
 
@@ -164,7 +165,8 @@ class ActivationCapture(HookedContext, Analyzed):
         for name, module in self._targets:
             s.forward_hook(
                 module,
-                self._make_hook(name, type(module).__name__, isinstance(module, _RELU_FAMILY)),
+                self._make_hook(name, type(module).__name__, isinstance(module, _RELU_FAMILY),
+                                isinstance(module, _NONNEGATIVE)),
             )
 
     def close(self, *, failed: bool = False) -> None:
@@ -216,7 +218,8 @@ class ActivationCapture(HookedContext, Analyzed):
             return hit[1]
         return self._add_row(t, finiteness(t))
 
-    def _make_hook(self, name: str, type_name: str, relu_family: bool) -> Any:
+    def _make_hook(self, name: str, type_name: str, relu_family: bool, nonnegative: bool
+                   ) -> Any:
         def hook(_module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
             call = self._calls.get(name, 0)
             self._calls[name] = call + 1
@@ -227,7 +230,7 @@ class ActivationCapture(HookedContext, Analyzed):
                 row = self._add_row(t, vec)
                 dead = -1
                 if self._dead_units and relu_family and t.dim() >= 2 and t.numel():
-                    self._dead.append(dead_unit_count(t))
+                    self._dead.append(dead_unit_count(t, nonnegative=nonnegative))
                     dead = len(self._dead) - 1
                 if fused:
                     self._fused += 1

@@ -160,12 +160,20 @@ def finiteness(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def dead_unit_count(x: torch.Tensor) -> torch.Tensor:
-    """Channels (dim 1) of a rank >= 2 tensor that are zero everywhere, as a 0-d device tensor."""
+def dead_unit_count(x: torch.Tensor, *, nonnegative: bool = False) -> torch.Tensor:
+    """Channels (dim 1) of a rank >= 2 tensor that are zero everywhere, as a 0-d device tensor.
+
+    Args:
+        x: the tensor.
+        nonnegative: `x` holds no negative values (a ReLU's output): a channel whose max is 0
+            is all zero, one reduction instead of two.
+    """
     t = x.detach()
     dims = [d for d in range(t.dim()) if d != 1]
     if t.dtype == torch.bool:
         return (~t.any(dim=dims)).sum().double()
-    # amax and amin instead of abs().amax(): no full-size temporary.
-    dead = (t.amax(dim=dims) == 0) & (t.amin(dim=dims) == 0)  # (C,)
+    dead = t.amax(dim=dims) == 0  # (C,); NaN is never 0, as in the two-sided test
+    if not nonnegative:
+        # amax and amin instead of abs().amax(): no full-size temporary.
+        dead &= t.amin(dim=dims) == 0
     return dead.sum().double()
