@@ -16,14 +16,14 @@ from torchscope.hooks import audit_hooks
 from torchscope.models import TinyCNN
 
 # Every test here runs twice: statistics by eager ops, and by the fused kernel.
-pytestmark = pytest.mark.usefixtures("stats_path")
+pytestmark = pytest.mark.usefixtures("reduction_path")
 
 
 def rel_close(a: float, b: float, tol: float = 1e-6) -> bool:
     return abs(a - b) <= tol * max(abs(b), 1e-12)
 
 
-def test_tiny_cnn_shapes_and_stats_equal_torch(stats_path: str) -> None:
+def test_tiny_cnn_shapes_and_stats_equal_torch(reduction_path: str) -> None:
     model = TinyCNN().eval()
     x = torch.randn(32, 3, 32, 32)
     cap = capture_activations(model, x)
@@ -38,7 +38,7 @@ def test_tiny_cnn_shapes_and_stats_equal_torch(stats_path: str) -> None:
     for name, ref32 in refs.items():
         s = cap.get(name).output
         assert s is not None
-        assert s.fused == (stats_path == "fused")
+        assert s.fused == (reduction_path == "fused")
         # Eager statistics are torch's own float32 reductions; the fused kernel sums in
         # float64, so its reference is torch in float64 (float32 torch drifts ~2e-6 here).
         ref = ref32.double() if s.fused else ref32

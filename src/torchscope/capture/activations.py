@@ -12,20 +12,9 @@ import torch
 from torch import nn
 
 from torchscope import _kernels
+from torchscope._kernels import INFS, MAX, MEAN, MIN, NANS, NORM, STD, ZEROS
 from torchscope.capture.records import ActivationRecord, ReductionPaths, TensorStats
-from torchscope.capture.stats import (
-    INFS,
-    MAX,
-    MEAN,
-    MIN,
-    NANS,
-    NORM,
-    STD,
-    ZEROS,
-    dead_unit_count,
-    finiteness,
-    tensor_stats,
-)
+from torchscope.capture.stats import dead_unit_count, finiteness, tensor_stats
 from torchscope.errors import BudgetError, TorchscopeError
 from torchscope.findings import Analyzed
 from torchscope.hooks.lifecycle import HookedContext

@@ -24,18 +24,9 @@ import threading
 import torch
 
 from torchscope import _kernels
-from torchscope._kernels import INFS, MAX, MEAN, MIN, N_MOMENTS, NANS, NORM, STD, ZEROS
+from torchscope._kernels import INFS, N_MOMENTS, NANS
 
 __all__ = [
-    "INFS",
-    "MAX",
-    "MEAN",
-    "MIN",
-    "NANS",
-    "NORM",
-    "N_MOMENTS",
-    "STD",
-    "ZEROS",
     "dead_unit_count",
     "finiteness",
     "reduce_stats",
