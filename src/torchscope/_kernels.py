@@ -153,14 +153,14 @@ class KernelStatus:
 
 
 class _Kernel:
-    """A kernel being prepared, ready, or unavailable; `runner` is set when ready."""
+    """A kernel being prepared, ready, or unavailable (its runner is in `_ready` when ready)."""
 
     def __init__(self, program: str, dtype: torch.dtype, device: torch.device) -> None:
         self.program = program
         self.dtype = dtype
         self.device = device
         self.state = "building"
-        self.reason = "building the fused kernel in the background"
+        self.reason = "preparing the fused kernel in the background (built once per machine)"
         self.source = ""
         self.build_s: float | None = None
         self.load_s: float | None = None
@@ -299,7 +299,7 @@ def _request(program: str, t: torch.Tensor) -> _Kernel:
         if kernel is not None:
             return kernel
         kernel = _kernels[key] = _Kernel(program, t.dtype, t.device)
-    reason = _static_reason(t) or _toolchain_reason(t.device)
+    reason = _static_reason(t)
     if reason is not None:
         _fail(kernel, reason)
         return kernel
@@ -332,27 +332,40 @@ def _prepare(kernel: _Kernel) -> None:
     missing; runs on a background thread."""
     try:
         path = _package_path(kernel.program, kernel.dtype, kernel.device)
-        if not path.exists():
+        if path.exists():
+            kernel.source = "cache"
+        else:
+            reason = _toolchain_reason(kernel.device)  # a cached package needs no compiler
+            if reason is not None:
+                _fail(kernel, reason)
+                return
             t0 = time.perf_counter()
-            error = _build(path, kernel.program, kernel.dtype, kernel.device)
+            try:
+                error = _build(path, kernel.program, kernel.dtype, kernel.device)
+            except OSError as exc:
+                error = f"the kernel cache {path.parent} is not writable: {exc}"
             if error is not None:
                 _fail(kernel, error)
                 return
             kernel.build_s = time.perf_counter() - t0
             kernel.source = "built"
-        else:
-            kernel.source = "cache"
         t0 = time.perf_counter()
         index = kernel.device.index if kernel.device.index is not None else (
             torch.cuda.current_device() if kernel.device.type == "cuda" else -1)
-        loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, index)
+        try:
+            loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, index)
+        except Exception as exc:  # a truncated or foreign package: the next process rebuilds
+            with contextlib.suppress(OSError):
+                path.unlink()
+            _fail(kernel, f"the fused kernel failed to load: {type(exc).__name__}: {exc}")
+            return
         kernel.load_s = time.perf_counter() - t0
         with _lock:
             kernel.state = "ready"
             kernel.reason = ""
             _ready[(kernel.program, kernel.dtype, kernel.device)] = loader.run
-    except Exception as exc:  # a broken cache file, a loader that refuses: stay eager
-        _fail(kernel, f"the fused kernel failed to load: {type(exc).__name__}: {exc}")
+    except Exception as exc:  # whatever goes wrong here, the eager path stays
+        _fail(kernel, f"preparing the fused kernel failed: {type(exc).__name__}: {exc}")
     finally:
         kernel.done.set()
 
@@ -394,6 +407,9 @@ def _build(path: Path, program: str, dtype: torch.dtype, device: torch.device) -
         try:
             fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
             os.close(fd)
+            if path.exists():  # another process finished it before its lock went away
+                lock.unlink()
+                return None
             break
         except FileExistsError:
             # Another process is building it: wait for its package, or take over a stale lock.
