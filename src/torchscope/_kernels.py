@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -82,7 +83,7 @@ N_MOMENTS = 8
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _MAX_NUMEL = 2**31 - 2  # the counts accumulate in int32
-_VERSION = 1  # part of every cache key: bump it when a program changes meaning
+_VERSION = 2  # part of every cache key: bump it when a program or its build changes
 _BUILD_TIMEOUT_S = 900.0
 _STALE_LOCK_S = 1200.0  # a lock older than this belongs to a build that died
 
@@ -380,11 +381,23 @@ def cache_dir() -> Path:
 
 
 def _device_kind(device: torch.device) -> str:
-    """What a compiled package depends on: the CPU's vector ISA or the GPU's architecture."""
+    """What a compiled package depends on: the GPU's architecture, or the CPU's vector ISA
+    and exact model (Inductor compiles with -march=native: a cache shared between machines
+    must not hand one CPU's code to another)."""
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         return f"cuda-sm{major}{minor}-cu{torch.version.cuda}"
-    return f"cpu-{torch.backends.cpu.get_cpu_capability().lower()}"
+    return f"cpu-{torch.backends.cpu.get_cpu_capability().lower()}-{_cpu_id()}"
+
+
+def _cpu_id() -> str:
+    """A short hash of this CPU's model and feature flags."""
+    ident = platform.processor() + platform.machine()
+    with contextlib.suppress(OSError):
+        info = Path("/proc/cpuinfo").read_text()
+        ident += "".join(sorted({line for line in info.splitlines()
+                                 if line.startswith(("model name", "flags", "Features"))}))
+    return hashlib.sha256(ident.encode()).hexdigest()[:8]
 
 
 def _package_path(program: str, dtype: torch.dtype, device: torch.device) -> Path:
@@ -451,14 +464,17 @@ def _build_child(program: str, dtype_name: str, device_name: str, out: str, lock
     try:
         dtype = getattr(torch, dtype_name.removeprefix("torch."))
         device = torch.device(device_name)
-        example = torch.arange(64, device=device).to(dtype)  # (64,)
+        # Inductor sizes its loops by the example: a large one makes it split the reduction
+        # across threads (their number read at run time, as torch.set_num_threads sets it).
+        example = torch.randn(1 << 22, device=device).to(dtype)  # (4M,)
         n = torch.export.Dim("n", min=2, max=_MAX_NUMEL)
         exported = torch.export.export(_MODULES[program](), (example,),
                                        dynamic_shapes=({0: n},), strict=False)
         fd, tmp = tempfile.mkstemp(suffix=".pt2", dir=os.path.dirname(out))
         os.close(fd)
         try:
-            torch._inductor.aoti_compile_and_package(exported, package_path=tmp)
+            torch._inductor.aoti_compile_and_package(
+                exported, package_path=tmp, inductor_configs={"cpp.dynamic_threads": True})
             os.replace(tmp, out)
         finally:
             with contextlib.suppress(FileNotFoundError):
