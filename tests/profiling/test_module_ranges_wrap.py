@@ -90,3 +90,25 @@ def test_no_ranges_while_no_profiler_records() -> None:
         with profile() as prof:
             model(torch.randn(2, 4))
     assert len(_range_names(prof)) == len(list(model.modules()))
+
+
+def test_a_compiled_model_is_timed_eagerly_and_left_compiled() -> None:
+    from torchscope.hooks.compiled import CompileCounter
+
+    model = MLP(4, 8, 2)
+    compiled = torch.compile(model, backend="eager")
+    x = torch.randn(3, 4)
+    compiled(x)  # compiled once, before the ranges
+    try:
+        with CompileCounter() as counter:
+            with ModuleRanges(compiled), profile() as prof:
+                compiled(x)  # force_eager while the ranges are open: every range fires
+            compiled(x)  # compiled again afterwards, from the cache
+        assert counter.compiles == 0
+        names = _range_names(prof)
+        # Named through the wrapper, as ModuleRanges always named a compiled model's parts.
+        assert range_label("_orig_mod.fc1", "Linear") in names
+        assert range_label("_orig_mod", "MLP") in names
+        assert all("forward" not in m.__dict__ for m in model.modules())
+    finally:
+        torch._dynamo.reset()
