@@ -25,11 +25,13 @@ def interleaved_medians(
 
 def interleaved_wall_cpu(
     runs: Mapping[str, Callable[[], object]], *, repeats: int = 15, warmup: int = 3
-) -> dict[str, tuple[float, float]]:
-    """Median (wall, process CPU) seconds per call of each function, timed round-robin.
+) -> dict[str, tuple[float, float, float]]:
+    """Median wall, median process CPU and minimum wall seconds per call of each function,
+    timed round-robin.
 
-    Process CPU time (every thread of this process) is less hit than wall time by other
-    jobs on a shared machine; both are reported so that a reader can tell load from cost.
+    Process CPU time (every thread of this process) and the minimum are less hit than the
+    median wall time by other jobs on a shared machine (their noise only adds); all three
+    are reported so that a reader can tell load from cost.
     """
     for fn in runs.values():
         for _ in range(warmup):
@@ -40,7 +42,8 @@ def interleaved_wall_cpu(
             t0, c0 = time.perf_counter(), time.process_time()
             fn()
             samples[name].append((time.perf_counter() - t0, time.process_time() - c0))
-    return {name: (statistics.median(w for w, _ in s), statistics.median(c for _, c in s))
+    return {name: (statistics.median(w for w, _ in s), statistics.median(c for _, c in s),
+                   min(w for w, _ in s))
             for name, s in samples.items()}
 
 

@@ -86,7 +86,7 @@ def _kernel_lines(cold_build: bool, device: torch.device) -> list[str]:
 
 
 def _training_rows(name: str, build: Callable[[], nn.Module], args: argparse.Namespace,
-                   device: torch.device) -> tuple[dict[str, tuple[float, float]], list[str]]:
+                   device: torch.device) -> tuple[dict[str, tuple[float, float, float]], list[str]]:
     torch.manual_seed(0)
     base = build().to(device).train()
     x = torch.randn(args.batch, 3, args.size, args.size, device=device)
@@ -157,7 +157,7 @@ def _unwrapped_torchlens() -> Iterator[None]:
 
 
 def _forward_rows(build: Callable[[], nn.Module], args: argparse.Namespace,
-                  device: torch.device) -> tuple[dict[str, tuple[float, float]], list[str]]:
+                  device: torch.device) -> tuple[dict[str, tuple[float, float, float]], list[str]]:
     torch.manual_seed(0)
     model = build().to(device).eval()
     x = torch.randn(args.batch, 3, args.size, args.size, device=device)
@@ -215,21 +215,22 @@ def main() -> None:
         ap.error(f"unknown model(s) {', '.join(unknown)}; expected some of {', '.join(MODELS)}")
 
     notes = _kernel_lines(args.cold_build, device)
-    table: list[tuple[str, str, tuple[float, float], tuple[float, float]]] = []
+    table: list[tuple[str, str, tuple[float, float, float], tuple[float, ...]]] = []
     for name in names:
         for rows, more in (_training_rows(name, MODELS[name], args, device),
                            _forward_rows(MODELS[name], args, device)):
             notes += more
             base = next(iter(rows.values()))  # the bare step, or the bare forward
-            table += [(name, v, t, (t[0] / base[0], t[1] / base[1])) for v, t in rows.items()]
+            table += [(name, v, t, tuple(a / b for a, b in zip(t, base, strict=True)))
+                      for v, t in rows.items()]
 
     print(f"torch {torch.__version__}, {device}, {args.threads} thread(s), "
-          f"{args.repeats} interleaved rounds, medians of wall and process CPU time")
-    print(f"{'model':14} {'variant':36} {'wall ms':>10} {'x bare':>7} {'cpu ms':>10} "
-          f"{'x bare':>7}")
-    for model, variant, (wall, cpu), (rw, rc) in table:
-        print(f"{model:14} {variant:36} {wall * 1e3:10.2f} {rw:7.3f} {cpu * 1e3:10.2f} "
-              f"{rc:7.3f}")
+          f"{args.repeats} interleaved rounds: median wall, median process CPU, min wall")
+    print(f"{'model':14} {'variant':36} {'wall ms':>9} {'x bare':>7} {'cpu ms':>9} "
+          f"{'x bare':>7} {'min ms':>9} {'x bare':>7}")
+    for model, variant, (wall, cpu, low), (rw, rc, rl) in table:
+        print(f"{model:14} {variant:36} {wall * 1e3:9.1f} {rw:7.3f} {cpu * 1e3:9.1f} "
+              f"{rc:7.3f} {low * 1e3:9.1f} {rl:7.3f}")
     kernels = _kernels.kernel_status()
     print(f"fused kernels in this process: {len(kernels)} (one per program, dtype and device;"
           " a new size never recompiles)")
