@@ -142,8 +142,18 @@ def _direct_passes(
 
 
 def finiteness(x: torch.Tensor) -> torch.Tensor:
-    """A stats vector whose NANS slot is 0 when `x` is finite and 1 when not, via `aminmax`."""
+    """A stats vector whose NANS slot is 0 when `x` is finite and 1 when not.
+
+    From the fused `norm` kernel where it runs (one cheap pass: a NaN or Inf anywhere makes
+    the float64 sum of squares NaN or Inf, and squares of float32 or half values cannot
+    overflow it), else from `aminmax` (NaN and ±Inf propagate to the min/max).
+    """
     t = x.detach()
+    if t.dtype in (torch.float32, torch.float16, torch.bfloat16):
+        norm = _kernels.run("norm", t)  # () float64
+        if norm is not None:
+            bad = (~torch.isfinite(norm)).double().reshape(1)  # (1,)
+            return torch.nn.functional.pad(bad, (NANS, N_MOMENTS - NANS - 1))  # (N_MOMENTS,)
     out = torch.zeros(N_MOMENTS, dtype=torch.float64, device=t.device)
     if t.numel() and (t.is_floating_point() or t.is_complex()):
         mn, mx = torch.aminmax(t.reshape(-1).real if t.is_complex() else t.reshape(-1))
