@@ -354,3 +354,17 @@ def test_bad_options_are_one_clear_error_before_any_hook(option: dict, match: st
         capture_activations(model, torch.randn(1, 3, 8, 8), **option)
     assert "\n" not in str(info.value)
     assert audit_hooks(model).local_total == 0
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_non_finite_model_input_is_no_module_s_fault(bad: float) -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    x = torch.randn(3, 4)
+    x[1, 2] = bad
+    cap = capture_activations(model, x)
+    first = cap.get("0")
+    assert not first.inputs_finite and not first.finite
+    trace = trace_nonfinite(cap.records)
+    assert trace.producer is None and not trace.clean
+    clean = capture_activations(model, torch.randn(3, 4))
+    assert clean.get("0").inputs_finite and trace_nonfinite(clean.records).clean
