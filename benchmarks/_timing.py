@@ -23,6 +23,30 @@ def interleaved_medians(
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
+def interleaved_wall_cpu(
+    runs: Mapping[str, Callable[[], object]], *, repeats: int = 15, warmup: int = 3
+) -> dict[str, tuple[float, float, float]]:
+    """Median wall, median process CPU and minimum wall seconds per call of each function,
+    timed round-robin.
+
+    Process CPU time (every thread of this process) and the minimum are less hit than the
+    median wall time by other jobs on a shared machine (their noise only adds); all three
+    are reported so that a reader can tell load from cost.
+    """
+    for fn in runs.values():
+        for _ in range(warmup):
+            fn()
+    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, fn in runs.items():
+            t0, c0 = time.perf_counter(), time.process_time()
+            fn()
+            samples[name].append((time.perf_counter() - t0, time.process_time() - c0))
+    return {name: (statistics.median(w for w, _ in s), statistics.median(c for _, c in s),
+                   min(w for w, _ in s))
+            for name, s in samples.items()}
+
+
 def print_ratios(title: str, medians: Mapping[str, float], baseline: str) -> None:
     """One line per variant: median ms and the ratio to `baseline`."""
     base = medians[baseline]

@@ -42,4 +42,23 @@ def tiny_gpt2() -> torch.nn.Module:
     return GPT2LMHeadModel(cfg).eval()
 
 
+@pytest.fixture(params=["eager", "fused"])
+def reduction_path(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Run a test on both reduction paths of `torchscope._kernels`. `eager`: every statistic
+    and norm by eager ops. `fused`: by the fused kernels, ready before the test starts (built
+    once per machine, so the first run may wait for them); skipped where they cannot be
+    built (no C++ compiler)."""
+    from torchscope import _kernels
+
+    if request.param == "eager":
+        with _kernels.disabled():
+            yield "eager"
+        return
+    for program in _kernels.PROGRAMS:
+        status = _kernels.prepare(program, wait=None)
+        if status.state != "ready":
+            pytest.skip(f"no fused kernel here: {status.reason}")
+    yield "fused"
+
+
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

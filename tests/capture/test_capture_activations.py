@@ -15,12 +15,15 @@ from torchscope.errors import BudgetError, ModelError, SelectionError, Torchscop
 from torchscope.hooks import audit_hooks
 from torchscope.models import TinyCNN
 
+# Every test here runs twice: statistics by eager ops, and by the fused kernel.
+pytestmark = pytest.mark.usefixtures("reduction_path")
+
 
 def rel_close(a: float, b: float, tol: float = 1e-6) -> bool:
     return abs(a - b) <= tol * max(abs(b), 1e-12)
 
 
-def test_tiny_cnn_shapes_and_stats_equal_torch() -> None:
+def test_tiny_cnn_shapes_and_stats_equal_torch(reduction_path: str) -> None:
     model = TinyCNN().eval()
     x = torch.randn(32, 3, 32, 32)
     cap = capture_activations(model, x)
@@ -32,9 +35,13 @@ def test_tiny_cnn_shapes_and_stats_equal_torch() -> None:
     with torch.no_grad():
         refs = {"conv1": model.conv1(x)}
         refs["conv2"] = model.conv2(model.relu(refs["conv1"]))
-    for name, ref in refs.items():
+    for name, ref32 in refs.items():
         s = cap.get(name).output
         assert s is not None
+        assert s.fused == (reduction_path == "fused")
+        # Eager statistics are torch's own float32 reductions; the fused kernel sums in
+        # float64, so its reference is torch in float64 (float32 torch drifts ~2e-6 here).
+        ref = ref32.double() if s.fused else ref32
         assert rel_close(s.mean, ref.mean().item())
         assert rel_close(s.std, ref.std().item())
         assert s.min == ref.min().item() and s.max == ref.max().item()
@@ -347,3 +354,17 @@ def test_bad_options_are_one_clear_error_before_any_hook(option: dict, match: st
         capture_activations(model, torch.randn(1, 3, 8, 8), **option)
     assert "\n" not in str(info.value)
     assert audit_hooks(model).local_total == 0
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_non_finite_model_input_is_no_module_s_fault(bad: float) -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    x = torch.randn(3, 4)
+    x[1, 2] = bad
+    cap = capture_activations(model, x)
+    first = cap.get("0")
+    assert not first.inputs_finite and not first.finite
+    trace = trace_nonfinite(cap.records)
+    assert trace.producer is None and not trace.clean
+    clean = capture_activations(model, torch.randn(3, 4))
+    assert clean.get("0").inputs_finite and trace_nonfinite(clean.records).clean

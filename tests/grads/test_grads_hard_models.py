@@ -19,6 +19,9 @@ from torchscope.grads.records import (
 )
 from torchscope.hooks import audit_hooks
 
+# Every test here runs twice: norms by eager `vector_norm`, and by the fused kernel.
+pytestmark = pytest.mark.usefixtures("reduction_path")
+
 
 def _close(a: float | None, b: float | None) -> bool:
     assert a is not None and b is not None

@@ -13,6 +13,9 @@ from torchscope.grads import gradient_flow
 from torchscope.grads.records import INPUT_NO_GRAD
 from torchscope.models import TinyCNN
 
+# Every test here runs twice: norms by eager `vector_norm`, and by the fused kernel.
+pytestmark = pytest.mark.usefixtures("reduction_path")
+
 SELECT = ["conv1", "conv2", "fc"]
 
 

@@ -11,20 +11,10 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from torchscope.capture.records import ActivationRecord, TensorStats
-from torchscope.capture.stats import (
-    DEAD,
-    INFS,
-    MAX,
-    MEAN,
-    MIN,
-    NANS,
-    NORM,
-    STD,
-    ZEROS,
-    finiteness,
-    reduce_stats,
-)
+from torchscope import _kernels
+from torchscope._kernels import INFS, MAX, MEAN, MIN, NANS, NORM, STD, ZEROS
+from torchscope.capture.records import ActivationRecord, ReductionPaths, TensorStats
+from torchscope.capture.stats import dead_unit_count, finiteness, tensor_stats
 from torchscope.errors import BudgetError, TorchscopeError
 from torchscope.findings import Analyzed
 from torchscope.hooks.lifecycle import HookedContext
@@ -43,6 +33,7 @@ GROWTH_WARNING_RECORDS = 50_000
 
 # Modules whose outputs are >= 0 and whose dead channels mean dead units.
 _RELU_FAMILY = (nn.ReLU, nn.ReLU6, nn.Hardtanh, nn.Threshold)
+_NONNEGATIVE = (nn.ReLU, nn.ReLU6)  # outputs >= 0: one reduction finds a dead channel
 # Modules whose weights set the scale of what follows; scale drift is read between these.
 _WEIGHTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding)
 
@@ -55,14 +46,16 @@ class _Pending:
     module_type: str
     call: int
     order: int
-    # (path, shape, dtype, device, numel, row in the stats matrix)
-    leaves: tuple[tuple[str, tuple[int, ...], str, str, int, int], ...]
+    # (path, shape, dtype, device, numel, row in the stats matrix, index of its dead-unit
+    # count or -1, reduced by the fused kernel)
+    leaves: tuple[tuple[str, tuple[int, ...], str, str, int, int, int, bool], ...]
     input_rows: tuple[int, ...]  # rows whose NaN/Inf slots describe the tensor inputs
 
 
 _Rows = tuple[list[int], torch.Tensor]
-"""Rows of one forward that live on one device: their row numbers, and their stats stacked
-into a (rows, N_STATS) matrix that stays on that device until `records` is read."""
+"""Values of one forward that live on one device: their indices, and the values stacked (stats
+vectors into a (rows, N_MOMENTS) matrix, dead-unit counts into a vector) on that device
+until `records` is read."""
 
 
 def _stack_by_device(vecs: list[torch.Tensor]) -> list[_Rows]:
@@ -161,10 +154,15 @@ class ActivationCapture(HookedContext, Analyzed):
         self._stored_bytes = 0
         self._warned_budget = False
         self._step = -1
-        # Per forward: pending calls and the device vectors they wrote, flushed together.
-        self._pending: list[tuple[int, list[_Pending], list[_Rows]]] = []
+        # Per forward: pending calls, the device stats vectors and dead-unit counts they
+        # wrote, flushed together.
+        self._pending: list[tuple[int, list[_Pending], list[_Rows], list[_Rows]]] = []
         self._cur: list[_Pending] = []
         self._vecs: list[torch.Tensor] = []
+        self._dead: list[torch.Tensor] = []
+        self._fused = 0
+        self._eager = 0
+        self._eager_why: dict[tuple[torch.dtype, torch.device], str] = {}
         self._calls: dict[str, int] = {}
         # Identity of tensors already reduced this forward -> row in `_vecs`.
         self._seen: dict[int, tuple[weakref.ReferenceType[torch.Tensor], int]] = {}
@@ -179,7 +177,8 @@ class ActivationCapture(HookedContext, Analyzed):
         for name, module in self._targets:
             s.forward_hook(
                 module,
-                self._make_hook(name, type(module).__name__, isinstance(module, _RELU_FAMILY)),
+                self._make_hook(name, type(module).__name__, isinstance(module, _RELU_FAMILY),
+                                isinstance(module, _NONNEGATIVE)),
             )
 
     def close(self, *, failed: bool = False) -> None:
@@ -222,10 +221,11 @@ class ActivationCapture(HookedContext, Analyzed):
 
     def _end_forward(self, _m: nn.Module | None, _args: tuple[Any, ...], _out: Any) -> None:
         if self._vecs or self._cur:
-            self._pending.append((self._step, self._cur, _stack_by_device(self._vecs)))
+            self._pending.append((self._step, self._cur, _stack_by_device(self._vecs),
+                                  _stack_by_device(self._dead)))
             self._pending_calls += len(self._cur)
             self._bound()
-        self._cur, self._vecs, self._seen = [], [], {}
+        self._cur, self._vecs, self._dead, self._seen = [], [], [], {}
 
     def _bound(self) -> None:
         """Drop forwards older than `keep_last` (pending ones without reading them), or warn
@@ -266,7 +266,8 @@ class ActivationCapture(HookedContext, Analyzed):
             return hit[1]
         return self._add_row(t, finiteness(t))
 
-    def _make_hook(self, name: str, type_name: str, relu_family: bool) -> Any:
+    def _make_hook(self, name: str, type_name: str, relu_family: bool, nonnegative: bool
+                   ) -> Any:
         def hook(_module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
             if not self._recording:
                 return
@@ -275,10 +276,21 @@ class ActivationCapture(HookedContext, Analyzed):
             input_rows = tuple(self._row_for_input(t) for _, t in iter_tensors(args))
             leaves = []
             for path, t in iter_tensors(output):
-                row = self._add_row(t, reduce_stats(
-                    t, dead_units=self._dead_units and relu_family,
-                    count_nonfinite=self._count_nonfinite))
-                leaves.append((path, tuple(t.shape), str(t.dtype), str(t.device), t.numel(), row))
+                vec, fused = tensor_stats(t, count_nonfinite=self._count_nonfinite)
+                row = self._add_row(t, vec)
+                dead = -1
+                if self._dead_units and relu_family and t.dim() >= 2 and t.numel():
+                    self._dead.append(dead_unit_count(t, nonnegative=nonnegative))
+                    dead = len(self._dead) - 1
+                if fused:
+                    self._fused += 1
+                else:
+                    self._eager += 1
+                    key = (t.dtype, t.device)
+                    if key not in self._eager_why:
+                        self._eager_why[key] = _kernels.why_eager("stats", t) or "eager"
+                leaves.append((path, tuple(t.shape), str(t.dtype), str(t.device), t.numel(), row,
+                               dead, fused))
                 if self._store == "tensors":
                     self._keep(name, call, path, t)
             self._cur.append(
@@ -351,39 +363,54 @@ class ActivationCapture(HookedContext, Analyzed):
             + (f" in step {step}" if step is not None else "")
         )
 
-    def _host_rows(self) -> list[list[list[float]]]:
-        """Each pending forward's stats rows on the host, in that forward's row numbering.
+    @property
+    def paths(self) -> ReductionPaths:
+        """How many output tensors the fused kernel reduced, how many eager ops did, and why."""
+        return ReductionPaths(self._fused, self._eager, tuple(dict.fromkeys(
+            f"{why} for {dtype}" for (dtype, _), why in self._eager_why.items())))
 
-        One host copy per device for everything pending: cat there, then `.cpu()` once.
+    def _host_values(self) -> list[tuple[list[Any], list[Any]]]:
+        """Each pending forward's stats rows and dead-unit counts on the host, in that
+        forward's numbering.
+
+        One host copy per device for everything pending: flatten and cat there, then
+        `.cpu()` once.
         """
-        mats = [m for _, _, groups in self._pending for _, m in groups]
+        mats = [m for _, _, rows, dead in self._pending for groups in (rows, dead)
+                for _, m in groups]
         by_device: dict[torch.device, list[int]] = {}
         for j, m in enumerate(mats):
             by_device.setdefault(m.device, []).append(j)
-        host: dict[int, torch.Tensor] = {}
+        host: dict[int, list[Any]] = {}
         for js in by_device.values():
-            parts = torch.cat([mats[j] for j in js]).cpu().split([mats[j].shape[0] for j in js])
-            host.update(zip(js, parts, strict=True))
-        out: list[list[list[float]]] = []
+            flat = torch.cat([mats[j].reshape(-1) for j in js]).cpu()  # one copy per device
+            for j, part in zip(js, flat.split([mats[j].numel() for j in js]), strict=True):
+                host[j] = part.reshape(mats[j].shape).tolist()
+        out: list[tuple[list[Any], list[Any]]] = []
         j = 0
-        for _, _, groups in self._pending:
-            rows: list[list[float]] = [[] for _ in range(sum(len(i) for i, _ in groups))]
-            for indices, _ in groups:
-                for i, row in zip(indices, host[j].tolist(), strict=True):
-                    rows[i] = row
-                j += 1
-            out.append(rows)
+        for _, _, *kinds in self._pending:
+            pair: list[list[Any]] = []
+            for groups in kinds:
+                values: list[Any] = [None] * sum(len(i) for i, _ in groups)
+                for indices, _ in groups:
+                    for i, value in zip(indices, host[j], strict=True):
+                        values[i] = value
+                    j += 1
+                pair.append(values)
+            out.append((pair[0], pair[1]))
         return out
 
     def _flush(self) -> None:
         if not self._pending:
             return
-        for (step, calls, _), rows in zip(self._pending, self._host_rows(), strict=True):
+        counted = self._count_nonfinite
+        for (step, calls, _, _), (rows, deads) in zip(self._pending, self._host_values(),
+                                                      strict=True):
             for p in calls:
                 outs = []
-                for path, shape, dtype, device, numel, row in p.leaves:
+                for path, shape, dtype, device, numel, row, di, fused in p.leaves:
                     v = rows[row]
-                    dead = v[DEAD] >= 0
+                    dead = di >= 0
                     outs.append(
                         TensorStats(
                             path,
@@ -397,10 +424,11 @@ class ActivationCapture(HookedContext, Analyzed):
                             max=v[MAX],
                             norm=v[NORM],
                             zero_frac=v[ZEROS],
-                            nan_count=None if v[NANS] < 0 else int(v[NANS]),
-                            inf_count=None if v[INFS] < 0 else int(v[INFS]),
-                            dead_units=int(v[DEAD]) if dead else None,
+                            nan_count=int(v[NANS]) if counted and v[NANS] >= 0 else None,
+                            inf_count=int(v[INFS]) if counted and v[INFS] >= 0 else None,
+                            dead_units=int(deads[di]) if dead else None,
                             channels=shape[1] if dead else None,
+                            fused=fused,
                         )
                     )
                 # Input rows come from `finiteness` (NANS is 0/1) or from an earlier output's

@@ -23,6 +23,8 @@ class TensorStats:
         dead_units: for ReLU-family outputs of rank >= 2, channels (dim 1) that are zero for
             every sample and position; None where not measured.
         channels: the size of dim 1 when `dead_units` is measured.
+        fused: True when the fused kernel reduced it in one pass (`torchscope._kernels`),
+            False when eager ops did (the kernel was still building, or cannot run here).
     """
 
     path: str
@@ -40,6 +42,7 @@ class TensorStats:
     inf_count: int | None
     dead_units: int | None = None
     channels: int | None = None
+    fused: bool = False
 
     @property
     def finite(self) -> bool:
@@ -103,3 +106,24 @@ class ActivationRecord:
     def key(self) -> str:
         """`module#call`, unique within a forward."""
         return f"{self.module}#{self.call}"
+
+
+@dataclass(frozen=True)
+class ReductionPaths:
+    """Which path reduced a capture's tensors: the fused kernel or eager ops, and why eager.
+
+    Attributes:
+        fused: output tensors reduced by the fused kernel, in one pass each.
+        eager: output tensors reduced by eager ops.
+        reasons: why the eager ones were, one line per distinct reason (for example the
+            kernel still building in the background, or a dtype it does not reduce).
+    """
+
+    fused: int
+    eager: int
+    reasons: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        """`statistics: 27 fused, 2 eager (dtype torch.int64 ...)` in one line."""
+        why = f" ({'; '.join(self.reasons)})" if self.reasons else ""
+        return f"statistics: {self.fused} fused, {self.eager} eager{why}"

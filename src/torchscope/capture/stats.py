@@ -1,14 +1,20 @@
 """Device-side reduction of tensor statistics: no `.item()`, no host sync.
 
-Each tensor becomes one small float64 vector on its own device; the capture stacks those
-and copies them to the host once per forward.
+Each tensor becomes one small float64 vector on its own device (the layout of
+`torchscope._kernels`: MEAN, STD, MIN, MAX, NORM, ZEROS, NANS, INFS); the capture stacks
+those and copies them to the host once per forward.
 
-Why these ops: on CPU, `var_mean` and bool `isnan(...).sum()` run about 50x slower than the
-vectorised `sum`, `vector_norm` and `aminmax` reductions on the same data, so the mean comes
-from `sum`, the L2 norm from `vector_norm`, the std from BLAS `dot` of the centred data,
-counts from float sums over small reused buffers (CPU), and finiteness comes from
-`aminmax` (NaN and ±Inf propagate to the min/max). Exact NaN/Inf counts cost two more passes
-and are optional.
+Two paths compute that vector. `tensor_stats` takes the fused kernel whenever it is ready
+(`torchscope._kernels`: every statistic in one pass over the tensor, built once per machine
+in the background) and otherwise runs `reduce_stats`, the eager ops below; the two agree
+exactly on min, max and the counts, and within float32 rounding on the sums.
+
+Why these eager ops: on CPU, `var_mean` and bool `isnan(...).sum()` run about 50x slower
+than the vectorised `sum`, `vector_norm` and `aminmax` reductions on the same data, so the
+mean comes from `sum`, the L2 norm from `vector_norm`, the std from BLAS `dot` of the
+centred data, counts from float sums over small reused buffers (CPU), and finiteness comes
+from `aminmax` (NaN and ±Inf propagate to the min/max). Exact NaN/Inf counts cost two more
+passes there and are optional.
 """
 
 from __future__ import annotations
@@ -17,21 +23,35 @@ import threading
 
 import torch
 
-__all__ = ["N_STATS", "dead_unit_count", "finiteness", "reduce_stats"]
+from torchscope import _kernels
+from torchscope._kernels import INFS, N_MOMENTS, NANS
 
-# Layout of the vector `reduce_stats` returns.
-MEAN, STD, MIN, MAX, NORM, ZEROS, NANS, INFS, DEAD = range(9)
-N_STATS = 9
+__all__ = [
+    "dead_unit_count",
+    "finiteness",
+    "reduce_stats",
+    "tensor_stats",
+]
 
 
-def reduce_stats(
-    x: torch.Tensor, *, dead_units: bool = False, count_nonfinite: bool = True
-) -> torch.Tensor:
-    """Statistics of `x` as a float64 vector of `N_STATS` on `x.device`.
+def tensor_stats(x: torch.Tensor, *, count_nonfinite: bool = True) -> tuple[torch.Tensor, bool]:
+    """Statistics of `x` as a float64 vector of `N_MOMENTS` on `x.device`, and whether the
+    fused kernel computed them (else the eager ops of `reduce_stats` did).
+
+    The fused kernel always counts NaN and Inf (they cost it almost nothing); the reader
+    ignores those slots when `count_nonfinite` is False, as it does for the eager path's -1.
+    """
+    fused = _kernels.run("stats", x)
+    if fused is not None:
+        return fused, True
+    return reduce_stats(x, count_nonfinite=count_nonfinite), False
+
+
+def reduce_stats(x: torch.Tensor, *, count_nonfinite: bool = True) -> torch.Tensor:
+    """Statistics of `x` as a float64 vector of `N_MOMENTS` on `x.device`, by eager ops.
 
     Args:
         x: any tensor; integer and half tensors are reduced in float32.
-        dead_units: fill slot `DEAD` with the number of all-zero channels (dim 1); else -1.
         count_nonfinite: count NaN and Inf exactly; else slots `NANS`/`INFS` hold -1 and the
             reader derives finiteness from min/max.
     """
@@ -41,11 +61,10 @@ def reduce_stats(
     n = t.numel()
     if n == 0:
         # No elements: the moments are undefined (NaN), but there are exactly no NaN/Inf
-        # values, and no channel to call dead.
-        out = torch.full((N_STATS,), float("nan"), dtype=torch.float64, device=t.device)
+        # values.
+        out = torch.full((N_MOMENTS,), float("nan"), dtype=torch.float64, device=t.device)
         out[NANS] = out[INFS] = 0.0 if count_nonfinite else -1.0
-        out[DEAD] = -1.0
-        return out  # (N_STATS,)
+        return out  # (N_MOMENTS,)
     flat = t.reshape(-1)  # (N,)
     mean32 = flat.sum() / n
     norm = torch.linalg.vector_norm(flat).double()  # the very op behind Tensor.norm()
@@ -59,10 +78,9 @@ def reduce_stats(
     zeros = zero_count.double() / n
     if not count_nonfinite:
         nans = infs = torch.full_like(mean, -1.0)
-    dead = dead_unit_count(t) if dead_units and t.dim() >= 2 else torch.full_like(mean, -1.0)
     return torch.stack(
-        [mean, std, mn.double(), mx.double(), norm, zeros, nans.double(), infs.double(), dead]
-    )  # (N_STATS,)
+        [mean, std, mn.double(), mx.double(), norm, zeros, nans.double(), infs.double()]
+    )  # (N_MOMENTS,)
 
 
 # Two-pass variance: the centred sum of squares keeps full precision whatever the mean,
@@ -124,21 +142,39 @@ def _direct_passes(
 
 
 def finiteness(x: torch.Tensor) -> torch.Tensor:
-    """A stats vector whose NANS slot is 0 when `x` is finite and 1 when not, via `aminmax`."""
+    """A stats vector whose NANS slot is 0 when `x` is finite and 1 when not.
+
+    From the fused `norm` kernel where it runs (one cheap pass: a NaN or Inf anywhere makes
+    the float64 sum of squares NaN or Inf, and squares of float32 or half values cannot
+    overflow it), else from `aminmax` (NaN and ±Inf propagate to the min/max).
+    """
     t = x.detach()
-    out = torch.zeros(N_STATS, dtype=torch.float64, device=t.device)
+    if t.dtype in (torch.float32, torch.float16, torch.bfloat16):
+        norm = _kernels.run("norm", t)  # () float64
+        if norm is not None:
+            bad = (~torch.isfinite(norm)).double().reshape(1)  # (1,)
+            return torch.nn.functional.pad(bad, (NANS, N_MOMENTS - NANS - 1))  # (N_MOMENTS,)
+    out = torch.zeros(N_MOMENTS, dtype=torch.float64, device=t.device)
     if t.numel() and (t.is_floating_point() or t.is_complex()):
         mn, mx = torch.aminmax(t.reshape(-1).real if t.is_complex() else t.reshape(-1))
         out[NANS] = (~torch.isfinite(torch.stack([mn, mx]))).any().double()
     return out
 
 
-def dead_unit_count(x: torch.Tensor) -> torch.Tensor:
-    """Channels (dim 1) of a rank >= 2 tensor that are zero everywhere, as a 0-d device tensor."""
+def dead_unit_count(x: torch.Tensor, *, nonnegative: bool = False) -> torch.Tensor:
+    """Channels (dim 1) of a rank >= 2 tensor that are zero everywhere, as a 0-d device tensor.
+
+    Args:
+        x: the tensor.
+        nonnegative: `x` holds no negative values (a ReLU's output): a channel whose max is 0
+            is all zero, one reduction instead of two.
+    """
     t = x.detach()
     dims = [d for d in range(t.dim()) if d != 1]
     if t.dtype == torch.bool:
         return (~t.any(dim=dims)).sum().double()
-    # amax and amin instead of abs().amax(): no full-size temporary.
-    dead = (t.amax(dim=dims) == 0) & (t.amin(dim=dims) == 0)  # (C,)
+    dead = t.amax(dim=dims) == 0  # (C,); NaN is never 0, as in the two-sided test
+    if not nonnegative:
+        # amax and amin instead of abs().amax(): no full-size temporary.
+        dead &= t.amin(dim=dims) == 0
     return dead.sum().double()

@@ -13,10 +13,14 @@ outputs are views, so an in-place op after the module (`nn.ReLU(inplace=True)`,
   down (other consumers of `x` do not flow through the alias). A module that changes its
   input in place (`inplace=True`, or the alias' version moved during forward) is measured
   instead on the autograd node that the in-place op put in front of the original producer.
-- parameters: post-accumulate-grad hooks, which see `.grad` after accumulation.
+- parameters: post-accumulate-grad hooks, which see `.grad` after accumulation, mark the
+  parameter; when the backward ends, one `torch._foreach_norm` measures every marked
+  `.grad` (one call for the whole model instead of one reduction per parameter).
 
-Every hook only enqueues a device reduction (`vector_norm`, one read of each gradient);
-`finish()` stacks those 0-d tensors and copies them to the host once per step.
+Every hook only enqueues a device reduction, one read of each gradient: the fused `norm`
+kernel of `torchscope._kernels` (float64 accumulation) once it is ready, `vector_norm`
+before that and wherever it cannot run. `finish()` stacks those 0-d tensors and copies them
+to the host once per step.
 
 On a DDP or FSDP2 model (`_RankAware`) the parameter hooks see what this rank holds: under
 DDP its own accumulated gradient, before DDP's all-reduce (torch runs a tensor's
@@ -38,6 +42,7 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from torchscope import _kernels
 from torchscope.distributed.comm import all_gather_tensor, comm_device
 from torchscope.distributed.world import is_dtensor, local_tensor, strategy_of, world
 from torchscope.grads.records import (
@@ -171,11 +176,6 @@ def _find_inplace_node(start: Any, producer: Any) -> Any:
             return node
         node = nxt
     return None
-
-
-def _local(p: torch.Tensor) -> torch.Tensor:
-    """This rank's part of `p`: its local shard for an FSDP2 DTensor, else `p` itself."""
-    return p.to_local() if is_dtensor(p) else p  # type: ignore[attr-defined]
 
 
 def _shard_ranks(p: torch.Tensor) -> tuple[int, ...]:
@@ -364,6 +364,9 @@ class GradCollector(HookedContext):
         self._vals: list[torch.Tensor] = []  # 0-d norms on the gradients' devices
         self._calls: list[_Call] = []
         self._param_vals: dict[int, int] = {}  # param index -> index in _vals
+        self._param_due: dict[int, torch.Tensor] = {}  # accumulated, not measured yet
+        self._fused_norms = 0
+        self._eager_norms = 0
         self._order = 0
         self._seq = 0
         self._micro = -1
@@ -401,7 +404,16 @@ class GradCollector(HookedContext):
             if (key[:5] == prev[:5] and (key[5:7] == prev[5:7] or (key[7] and prev[7]))
                     and not ref.expired()):
                 return index
-        self._vals.append(_norm(t))  # one read of the gradient; () on g.device
+        # One read of the gradient: the fused kernel (float64 sums), or eager `vector_norm`
+        # with half precision summed in float32 so that it cannot overflow.
+        n = _kernels.run("norm", t)  # () on g.device
+        if n is not None:
+            self._fused_norms += 1
+        else:
+            self._eager_norms += 1
+            n = torch.linalg.vector_norm(t, dtype=torch.float32) if t.dtype in _HALF else \
+                torch.linalg.vector_norm(t)  # () on g.device
+        self._vals.append(n)
         index = len(self._vals) - 1
         self._last = (StorageWeakRef(t.untyped_storage()), key, index)
         return index
@@ -414,17 +426,44 @@ class GradCollector(HookedContext):
 
     def _backward_done(self) -> None:
         self._bw_queued = False
+        self._measure_params()
         self._last = None
         self._backwards += 1
         if self.on_backward_end is not None:
             self.on_backward_end()
 
+    def _measure_params(self) -> None:
+        """The norms of every parameter gradient accumulated in this backward: one
+        `torch._foreach_norm` per dtype group (half precision summed in float32)."""
+        due, self._param_due = self._param_due, {}
+        groups: dict[bool, list[tuple[int, torch.Tensor]]] = {}
+        for index, p in due.items():
+            # A DTensor gradient (FSDP2): this rank's shard; `finish` combines the shards.
+            g = None if p.grad is None else local_tensor(p.grad)
+            if g is None:
+                continue
+            if g.is_sparse or g.layout != torch.strided:
+                self._param_vals[index] = self._push(g)  # foreach takes strided tensors only
+                continue
+            groups.setdefault(g.dtype in _HALF, []).append((index, g))
+        with torch.no_grad():  # a create_graph backward leaves .grad requiring grad
+            for half, items in groups.items():
+                norms = torch._foreach_norm([g for _, g in items], 2,  # () each
+                                            dtype=torch.float32 if half else None)
+                for (index, _), n in zip(items, norms, strict=True):
+                    self._vals.append(n)
+                    self._param_vals[index] = len(self._vals) - 1
+
     def _make_param_hook(self, index: int) -> Callable[[torch.Tensor], None]:
         def hook(p: torch.Tensor) -> None:
             self._queue_end()
             if self.active and p.grad is not None:
-                # A DTensor gradient (FSDP2): this rank's shard; `finish` combines them.
-                self._param_vals[index] = self._push(local_tensor(p.grad))
+                if self._rank_aware is not None:
+                    # DDP: this rank's own gradient exists only now, before the reducer's
+                    # hook all-reduces it; FSDP2: this rank's shard. Measured at once.
+                    self._param_vals[index] = self._push(local_tensor(p.grad))
+                else:
+                    self._param_due[index] = p  # measured with the others when backward ends
 
         return hook
 
@@ -592,11 +631,13 @@ class GradCollector(HookedContext):
             index: the step's index, as `GradFlow.index`.
             step: the training step torchscope ran, when it ran one.
         """
-        # The weights' norms join the same host copy: one read of each trainable parameter,
-        # taken when the gradients are final and (in a watched loop) before the update.
+        self._measure_params()  # a backward that raised never ran its end callback
+        # The weights' norms join the same host copy: one read of each trainable parameter
+        # (this rank's shard under FSDP2), taken when the gradients are final and (in a
+        # watched loop) before the update.
         weights = {i: len(self._vals) + k for k, i in enumerate(
             i for i, (_, _, p) in enumerate(self._params) if p.requires_grad)}
-        self._vals.extend(_norm(_local(p).detach()) for _, _, p in self._params
+        self._vals.extend(_norm(local_tensor(p).detach()) for _, _, p in self._params
                           if p.requires_grad)
         host = _host_floats(self._vals)
         scale = self._scale()
@@ -642,7 +683,8 @@ class GradCollector(HookedContext):
         total = combine_norms(p.norm for p in params if p.tied_to is None) or 0.0
         flow = GradFlow(index, modules, tuple(params), total, scale,
                         micro_batches=max(self._micro + 1, 1 if self._calls else 0),
-                        backward_calls=self._backwards, step=step, ranks=ranks)
+                        backward_calls=self._backwards, step=step, ranks=ranks,
+                        fused_norms=self._fused_norms, eager_norms=self._eager_norms)
         self.discard()
         return flow
 

@@ -122,7 +122,10 @@ def _merge(flows: list[GradFlow], index: int) -> GradFlow:
                         flows[-1].params[i]) for i in range(len(flows[-1].params)))
     return GradFlow(index, tuple(modules), params,
                     combine_norms(p.norm for p in params) or 0.0, flows[-1].scale,
-                    micro_batches=micro, backward_calls=sum(f.backward_calls for f in flows))
+                    micro_batches=micro, backward_calls=sum(f.backward_calls for f in flows),
+                    ranks=flows[-1].ranks,  # the exchange after the last backward: final .grad
+                    fused_norms=sum(f.fused_norms for f in flows),
+                    eager_norms=sum(f.eager_norms for f in flows))
 
 
 class GradWatch(HookedContext, Analyzed):

@@ -408,6 +408,10 @@ class GradFlow(Analyzed, Gatherable):
             then `params` hold the norms one process would compute (DDP: synchronised;
             FSDP2: global) and `modules` this rank's own activation gradients. None on one
             process. `flow.gather()` brings every rank's flow to rank 0.
+        fused_norms, eager_norms: gradients of module outputs and inputs whose norm the
+            fused kernel computed (`torchscope._kernels`, one pass, float64 sums) and those
+            eager `vector_norm` did (while the kernel was building, or where it cannot run);
+            parameter norms come from one `torch._foreach_norm` per backward.
     """
 
     index: int
@@ -419,6 +423,8 @@ class GradFlow(Analyzed, Gatherable):
     backward_calls: int = 1
     step: StepInfo | None = None
     ranks: RankGrads | None = None
+    fused_norms: int = 0
+    eager_norms: int = 0
 
     def get(self, module: str, call: int = 0, micro: int = 0) -> ModuleGradRecord:
         """The record of `module`'s `call`-th call in forward `micro`.

@@ -16,7 +16,8 @@ __all__ = ["activation_table", "nonfinite_lines"]
 
 def activation_table(records: Sequence[ActivationRecord], title: str = "Activations") -> Fitted:
     """One row per recorded output tensor: module, call, shape, stats, zeros and non-finite;
-    on a narrow console the call, dtype, min and max columns go first."""
+    the caption says how many the fused kernel reduced. On a narrow console the call, dtype,
+    min and max columns go first."""
     table = Table(title=title, title_justify="left")
     for col, justify in (
         ("module", "left"),
@@ -48,6 +49,10 @@ def activation_table(records: Sequence[ActivationRecord], title: str = "Activati
                 fmt_pct(s.zero_frac) + dead,
                 nonfinite,
             )
+    stats = [s for r in records for s in r.outputs]
+    fused = sum(s.fused for s in stats)
+    # Which path reduced the statistics: the fused kernel (one pass each) or eager ops.
+    table.caption = f"statistics: {fused} by the fused kernel, {len(stats) - fused} eager"
     return Fitted(table, optional=("call", "dtype", "min", "max"))
 
 

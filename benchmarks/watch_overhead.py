@@ -1,0 +1,243 @@
+"""What watching a training step costs, in one run and one table.
+
+Per model, side by side in one process, interleaved round by round (medians):
+
+  bare              forward + cross-entropy + backward + SGD step
+  acts eager        the same under `watch_activations` (every leaf), eager statistics
+  acts fused        the same, statistics by the fused kernel (one pass per activation)
+  .item() hooks     hand-written forward hooks: 5 statistics per leaf, one `.item()` each
+  grads eager       under `watch_gradients(every=1)`: grad_output + grad_input norms of
+                    every leaf and every parameter's norm, eager `vector_norm`
+  grads fused       the same with the fused norm kernel (parameters: one _foreach_norm)
+  param .item()     the usual logger: `p.grad.norm().item()` per parameter after backward
+
+then, forward only (no_grad): bare forward, `capture_activations` (fused), torchinfo (shapes
+only) and TorchLens (`torchlens.trace` and `torchlens.record`, when installed: the `bench`
+extra). Every watch is
+opened once for the whole run, on its own copy of the model, as in a real loop.
+
+Also reported: the fused kernels' one-time cost (a cold build in a child process, once per
+machine, with `--cold-build`; otherwise how this run got them: built or loaded from the
+on-disk cache, and the load time) and how many kernels exist: one per (program, dtype,
+device), never recompiled for a new size. Goals: activation statistics <= 1.05x and
+gradient flow <= 1.03x of the bare step.
+
+Run: PYTHONPATH=src python benchmarks/watch_overhead.py [--repeats 9] [--threads 2]
+     [--batch 16] [--size 64] [--models resnet-mini,resnet-narrow] [--device cuda]
+     [--cold-build]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import importlib.util
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.nn import functional
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _timing import interleaved_wall_cpu
+
+from torchscope import _kernels
+from torchscope.capture import capture_activations, watch_activations
+from torchscope.grads import watch_gradients
+from torchscope.models import ResNetMini
+
+MODELS: dict[str, Callable[[], nn.Module]] = {
+    # 8 residual conv+BN+ReLU blocks of 64 channels: 29 leaves, 16 MiB activations.
+    "resnet-mini": ResNetMini,
+    # More, smaller layers: 24 blocks of 16 channels: 77 leaves, 4 MiB activations.
+    "resnet-narrow": lambda: ResNetMini(channels=16, blocks=24),
+}
+
+
+def _leaves(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if next(m.children(), None) is None]
+
+
+def _kernel_lines(cold_build: bool, device: torch.device) -> list[str]:
+    lines = []
+    if cold_build:
+        with tempfile.TemporaryDirectory(prefix="torchscope-bench-") as tmp:
+            for program in _kernels.PROGRAMS:
+                path = Path(tmp) / f"{program}.pt2"
+                t0 = time.perf_counter()
+                error = _kernels._build(path, program, torch.float32, device)
+                took = time.perf_counter() - t0
+                lines.append(f"cold build of `{program}` (float32, {device}): "
+                             + (f"{took:.1f} s in a child process" if error is None else error))
+    for program in _kernels.PROGRAMS:
+        _kernels.prepare(program, torch.float32, device, wait=None)
+    kernels = _kernels.kernel_status()
+    for k in kernels:
+        how = (f"built here in {k.build_s:.1f} s, " if k.build_s is not None else
+               "loaded from the on-disk cache, " if k.source == "cache" else "")
+        load = f"load {k.load_s * 1e3:.0f} ms" if k.load_s is not None else k.reason
+        lines.append(f"kernel {k.program} {k.dtype} {k.device}: {k.state} ({how}{load})")
+    return lines
+
+
+def _training_rows(name: str, build: Callable[[], nn.Module], args: argparse.Namespace,
+                   device: torch.device) -> tuple[dict[str, tuple[float, float, float]], list[str]]:
+    torch.manual_seed(0)
+    base = build().to(device).train()
+    x = torch.randn(args.batch, 3, args.size, args.size, device=device)
+    y = torch.randint(0, 10, (args.batch,), device=device)
+    variants = ("bare", "acts eager", "acts fused", ".item() hooks", "grads eager",
+                "grads fused", "param .item()")
+    models = {v: base if v == "bare" else copy.deepcopy(base) for v in variants}
+    opts = {v: torch.optim.SGD(m.parameters(), lr=1e-3) for v, m in models.items()}
+    sink: list[float] = []
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def item_hook(_m: nn.Module, _i: object, o: object) -> None:
+        # The baseline on purpose: what users write by hand, a host read per statistic.
+        if isinstance(o, torch.Tensor):
+            d = o.detach()
+            stats = (d.mean(), d.std(), d.min(), d.max(), d.norm())
+            sink.extend(s.item() for s in stats)  # noqa: TS006
+
+    def step(variant: str) -> Callable[[], None]:
+        model, opt = models[variant], opts[variant]
+        eager = variant.endswith("eager")
+
+        def run() -> None:
+            with _kernels.disabled() if eager else contextlib.nullcontext():
+                opt.zero_grad(set_to_none=True)
+                functional.cross_entropy(model(x), y).backward()
+                if variant == "param .item()":
+                    sink.extend(p.grad.norm().item() for p in model.parameters()
+                                if p.grad is not None)
+                opt.step()
+                sync()
+
+        return run
+
+    with contextlib.ExitStack() as stack:
+        acts = {v: stack.enter_context(watch_activations(models[v]))
+                for v in ("acts eager", "acts fused")}
+        grads = {v: stack.enter_context(watch_gradients(models[v], every=1, optimizer=opts[v]))
+                 for v in ("grads eager", "grads fused")}
+        for leaf in _leaves(models[".item() hooks"]):
+            stack.callback(leaf.register_forward_hook(item_hook).remove)
+        medians = interleaved_wall_cpu({v: step(v) for v in variants}, repeats=args.repeats,
+                                       warmup=2)
+    notes = [f"{name}: {len(_leaves(base))} leaves, batch {args.batch}x3x{args.size}x"
+             f"{args.size}, {device}"]
+    for v, cap in acts.items():
+        notes.append(f"  {v}: {cap.paths.describe()}")
+    for v, watch in grads.items():
+        flow = watch.last
+        assert flow is not None
+        notes.append(f"  {v}: norms {flow.fused_norms} fused, {flow.eager_norms} eager, "
+                     f"{len(flow.params)} parameters by one _foreach_norm per backward")
+    return medians, notes
+
+
+@contextlib.contextmanager
+def _unwrapped_torchlens() -> Iterator[None]:
+    """TorchLens wraps torch's functions on its first call; unwrap after each timed call so
+    that the rows timed after it run plain torch."""
+    from torchlens.backends.torch.wrappers import unwrap_torch
+
+    try:
+        yield
+    finally:
+        unwrap_torch()
+
+
+def _forward_rows(build: Callable[[], nn.Module], args: argparse.Namespace,
+                  device: torch.device) -> tuple[dict[str, tuple[float, float, float]], list[str]]:
+    torch.manual_seed(0)
+    model = build().to(device).eval()
+    x = torch.randn(args.batch, 3, args.size, args.size, device=device)
+    runs: dict[str, Callable[[], object]] = {}
+
+    def bare() -> None:
+        with torch.no_grad():
+            model(x)
+
+    runs["forward: bare"] = bare
+    runs["forward: capture_activations"] = lambda: capture_activations(model, x).records
+    notes = []
+    if importlib.util.find_spec("torchinfo") is not None:
+        import torchinfo
+
+        # A peer that records shapes only, no statistics.
+        runs["forward: torchinfo.summary"] = lambda: torchinfo.summary(model, input_data=x,
+                                                                       verbose=0)
+    if importlib.util.find_spec("torchlens") is None:
+        notes.append("TorchLens not installed (pip install -e '.[bench]'): its rows skipped")
+    else:
+        import torchlens
+
+        def trace() -> None:
+            with _unwrapped_torchlens():
+                torchlens.trace(model, x)
+
+        def record() -> None:
+            with _unwrapped_torchlens():
+                torchlens.record(model, x, default_module=True)
+
+        runs["forward: torchlens.trace"] = trace
+        runs["forward: torchlens.record (modules)"] = record
+        notes.append(f"TorchLens {getattr(torchlens, '__version__', '?')}: times include "
+                     "wrapping torch's functions on each call (unwrapped after each)")
+    return interleaved_wall_cpu(runs, repeats=max(args.repeats // 2, 1), warmup=1), notes
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=9, help="interleaved rounds per variant")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--size", type=int, default=64)
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--cold-build", action="store_true",
+                    help="also time a cold build of each kernel into a temporary cache")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    names = [n.strip() for n in args.models.split(",") if n.strip()]
+    unknown = [n for n in names if n not in MODELS]
+    if unknown:
+        ap.error(f"unknown model(s) {', '.join(unknown)}; expected some of {', '.join(MODELS)}")
+
+    notes = _kernel_lines(args.cold_build, device)
+    table: list[tuple[str, str, tuple[float, float, float], tuple[float, ...]]] = []
+    for name in names:
+        for rows, more in (_training_rows(name, MODELS[name], args, device),
+                           _forward_rows(MODELS[name], args, device)):
+            notes += more
+            base = next(iter(rows.values()))  # the bare step, or the bare forward
+            table += [(name, v, t, tuple(a / b for a, b in zip(t, base, strict=True)))
+                      for v, t in rows.items()]
+
+    print(f"torch {torch.__version__}, {device}, {args.threads} thread(s), "
+          f"{args.repeats} interleaved rounds: median wall, median process CPU, min wall")
+    print(f"{'model':14} {'variant':36} {'wall ms':>9} {'x bare':>7} {'cpu ms':>9} "
+          f"{'x bare':>7} {'min ms':>9} {'x bare':>7}")
+    for model, variant, (wall, cpu, low), (rw, rc, rl) in table:
+        print(f"{model:14} {variant:36} {wall * 1e3:9.1f} {rw:7.3f} {cpu * 1e3:9.1f} "
+              f"{rc:7.3f} {low * 1e3:9.1f} {rl:7.3f}")
+    kernels = _kernels.kernel_status()
+    print(f"fused kernels in this process: {len(kernels)} (one per program, dtype and device;"
+          " a new size never recompiles)")
+    for line in dict.fromkeys(notes):
+        print("  " + line)
+
+
+if __name__ == "__main__":
+    main()

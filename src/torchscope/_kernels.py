@@ -1,0 +1,534 @@
+"""Fused reductions: every statistic torchscope keeps about a tensor, from one pass over it.
+
+Eager PyTorch reads a tensor once per reduction: a mean, a norm, a min/max, a centred sum
+of squares and three counts are seven passes over a 16 MiB activation. Inductor fuses them
+into one loop (`stats`: about 3 reads' worth of time instead of ~20 on a 2-thread CPU); the
+`norm` program is the L2 norm with a float64 accumulator, one read, for gradients.
+
+How the compiled kernels stay out of the user's way:
+
+- **Compiled in a child process, ahead of time.** Each program is exported with a dynamic
+  length (`torch.export`, one flattened dimension, so one kernel serves every size) and
+  compiled by AOTInductor into a `.pt2` package, in a child process at low priority. This
+  process never runs Dynamo or Inductor for it: the user's Dynamo caches, recompile
+  counters, compiler stance, `torch.compile`, Inductor config and environment are
+  untouched, and `force_eager` (which torchscope sets on compiled models) does not apply.
+- **Paid once per machine.** Packages are cached on disk (`TORCHSCOPE_CACHE_DIR`, else
+  `$XDG_CACHE_HOME/torchscope`, else `~/.cache/torchscope`), keyed by program, dtype, device
+  kind, torch version and CPU/GPU capability; loading one takes milliseconds (a C++ loader,
+  no Inductor import). The first request starts the build in the background and returns
+  None meanwhile, so the caller runs its eager path: no step ever waits for a compile.
+  A build left running when the process exits still finishes and fills the cache.
+- **Bounded.** One kernel per (program, dtype, device): at most 2 programs x 4 float dtypes
+  per device, each built once per machine (`kernel_status()` counts them).
+- **Never where it cannot run.** Integer, bool and complex tensors, tensor subclasses (fake
+  tensors included), functorch/functional wrappers, an active TorchDispatchMode, Dynamo
+  tracing, CUDA graph capture, fewer than 2 or more than 2**31 - 2 elements, devices other
+  than CPU and CUDA, no C++ compiler (CPU) or no Triton (CUDA): `run` returns None and
+  `why_eager` says why. The kernel never syncs with the host (no `.item()`, no copy).
+
+Numbers, against the eager ops: min, max and the counts are exact; sums accumulate in
+float64 from a shift (the first finite element), so the mean, the centred sum of squares
+and the norm are at least as accurate as eager float32 reductions (which drift by ~1e-4
+relative over 4M elements); a NaN anywhere makes mean, std and norm NaN, an Inf makes std
+NaN and the norm Inf, as the eager ops do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+__all__ = [
+    "INFS",
+    "MAX",
+    "MEAN",
+    "MIN",
+    "NANS",
+    "NORM",
+    "N_MOMENTS",
+    "PROGRAMS",
+    "STD",
+    "ZEROS",
+    "KernelStatus",
+    "cache_dir",
+    "disabled",
+    "kernel_status",
+    "prepare",
+    "run",
+    "why_eager",
+]
+
+Program = Literal["stats", "norm"]
+PROGRAMS: tuple[Program, ...] = ("stats", "norm")
+
+# Layout of the float64 vector the `stats` program returns (and the eager path mirrors).
+MEAN, STD, MIN, MAX, NORM, ZEROS, NANS, INFS = range(8)
+N_MOMENTS = 8
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_MAX_NUMEL = 2**31 - 2  # the counts accumulate in int32
+_VERSION = 2  # part of every cache key: bump it when a program or its build changes
+_BUILD_TIMEOUT_S = 900.0
+_STALE_LOCK_S = 1200.0  # a lock older than this belongs to a build that died
+
+
+class _Stats(nn.Module):
+    """Every statistic of a flat tensor in one pass: the `stats` program."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (n,), n >= 2
+        n = x.shape[0]
+        first = x[0].to(torch.float64)
+        # Shift by the first finite element: the centred sum of squares then suffers no
+        # cancellation unless that element lies far outside the data, and float64 covers
+        # even that. A non-finite first element would poison every difference: shift by 0.
+        k = torch.where(first.abs() < float("inf"), first, 0.0)
+        d = x.to(torch.float64) - k  # (n,)
+        s1 = d.sum()
+        s2 = (d * d).sum()
+        zeros = (x == 0).sum(dtype=torch.int32).to(torch.float64)
+        # NaN is the only x != x; Inductor vectorises this compare, not `isnan`.
+        nans = (x != x).sum(dtype=torch.int32).to(torch.float64)  # noqa: PLR0124
+        infs = (x.abs() == float("inf")).sum(dtype=torch.int32).to(torch.float64)
+        nan = torch.full_like(s1, float("nan"))
+        mean = k + s1 / n
+        ss = (s2 - s1 * s1 / n).clamp_min(0.0)  # centred sum of squares
+        std = torch.where(nans + infs > 0, nan, (ss / (n - 1)).sqrt())
+        sq = (s2 + 2.0 * k * s1 + n * k * k).clamp_min(0.0)  # sum of x^2
+        norm = torch.where(nans > 0, nan,
+                           torch.where(infs > 0, torch.full_like(s1, float("inf")), sq.sqrt()))
+        return torch.stack([mean, std, x.amin().to(torch.float64), x.amax().to(torch.float64),
+                            norm, zeros / n, nans, infs])  # (N_MOMENTS,)
+
+
+class _Norm(nn.Module):
+    """The L2 norm of a flat tensor, accumulated in float64: the `norm` program."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (n,), n >= 2
+        d = x.to(torch.float64)
+        return (d * d).sum().sqrt()  # ()
+
+
+_MODULES: dict[str, type[nn.Module]] = {"stats": _Stats, "norm": _Norm}
+
+
+@dataclass(frozen=True)
+class KernelStatus:
+    """One fused kernel of this process.
+
+    Attributes:
+        program: `stats` or `norm`.
+        dtype: the input dtype it reduces, like `torch.float32`.
+        device: the device it runs on, like `cpu` or `cuda:0`.
+        state: `building` (eager meanwhile), `ready`, or `unavailable`.
+        reason: why it is not ready (empty when ready).
+        source: `cache` (loaded from the on-disk cache), `built` (compiled by this process's
+            child), or empty.
+        build_s: seconds the child took to export and compile it (None when loaded).
+        load_s: seconds to load the package.
+    """
+
+    program: str
+    dtype: str
+    device: str
+    state: str
+    reason: str = ""
+    source: str = ""
+    build_s: float | None = None
+    load_s: float | None = None
+
+
+class _Kernel:
+    """A kernel being prepared, ready, or unavailable (its runner is in `_ready` when ready)."""
+
+    def __init__(self, program: str, dtype: torch.dtype, device: torch.device) -> None:
+        self.program = program
+        self.dtype = dtype
+        self.device = device
+        self.state = "building"
+        self.reason = "preparing the fused kernel in the background (built once per machine)"
+        self.source = ""
+        self.build_s: float | None = None
+        self.load_s: float | None = None
+        self.done = threading.Event()
+
+    def status(self) -> KernelStatus:
+        return KernelStatus(self.program, str(self.dtype), str(self.device), self.state,
+                            "" if self.state == "ready" else self.reason, self.source,
+                            self.build_s, self.load_s)
+
+
+_Key = tuple[str, torch.dtype, torch.device]
+_lock = threading.Lock()
+_kernels: dict[_Key, _Kernel] = {}
+# The hot path reads only this: key -> the loaded runner's `run`.
+_ready: dict[_Key, Callable[[list[torch.Tensor]], list[torch.Tensor]]] = {}
+
+
+class _Switch:
+    """Whether `run` may use fused kernels (`disabled()` turns it off for a block)."""
+
+    enabled = os.environ.get("TORCHSCOPE_FUSED", "1") != "0"
+
+
+# ---------------------------------------------------------------------------- hot path
+def run(program: Program, x: torch.Tensor) -> torch.Tensor | None:
+    """`program` over every element of `x` in one fused pass, on `x`'s device; no host sync.
+
+    Returns None where the fused kernel cannot run now (`why_eager` says why): the caller
+    runs its eager path. The first call for a (program, dtype, device) starts preparing its
+    kernel in the background.
+
+    Args:
+        program: `stats` (a float64 vector laid out as MEAN..INFS) or `norm` (a float64 0-d
+            tensor).
+        x: any tensor; it is read, never written, and no autograd graph is built.
+    """
+    if not _Switch.enabled:
+        return None
+    t = x.detach()
+    fn = _ready.get((program, t.dtype, t.device))
+    if fn is None:
+        _request(program, t)
+        return None
+    if not _runnable(t):
+        return None
+    return fn([_flat(t)])[0]
+
+
+def _runnable(t: torch.Tensor) -> bool:
+    """The per-call conditions (the per-key ones are settled once, in `_request`)."""
+    return (
+        type(t) is torch.Tensor  # no subclass (FakeTensor included) or Parameter
+        and 2 <= t.numel() <= _MAX_NUMEL
+        and t.layout == torch.strided
+        and not t.is_neg()
+        and not torch._C._len_torch_dispatch_stack()
+        and not torch.compiler.is_compiling()
+        and not torch._C._functorch.is_functorch_wrapped_tensor(t)
+        and not torch._is_functional_tensor(t)
+        and not (t.is_cuda and torch.cuda.is_current_stream_capturing())
+    )
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """`t` as a contiguous 1-d tensor, without a copy whenever its memory is dense.
+
+    Every statistic ignores element order, so a dense permutation (channels-last, a
+    transpose) is read in memory order.
+    """
+    if t.is_contiguous():
+        flat = t.view(-1)  # (n,)
+    elif _dense(t):
+        flat = t.as_strided((t.numel(),), (1,), t.storage_offset())  # (n,) in memory order
+    else:
+        # A gather copy; `contiguous` because reshape keeps a view where it can (an
+        # expanded gradient flattens to stride 0, a strided 1-d slice stays strided), and
+        # the kernel reads exactly n consecutive elements.
+        flat = t.reshape(-1).contiguous()  # (n,)
+    if flat.is_cuda and flat.data_ptr() % 16:
+        flat = flat.clone()  # Triton kernels assume 16-byte aligned inputs
+    return flat
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """True when `t`'s elements fill one gap-free block of memory, in some order."""
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride(), strict=True)
+                               if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def why_eager(program: Program, x: torch.Tensor) -> str | None:
+    """Why `run(program, x)` returns None for `x` (None when it runs the fused kernel)."""
+    if not _Switch.enabled:
+        return "fused kernels are disabled (TORCHSCOPE_FUSED=0 or `disabled()`)"
+    t = x.detach()
+    reason = _static_reason(t)
+    if reason is not None:
+        return reason
+    kernel = _kernels.get((program, t.dtype, t.device))
+    if kernel is None or kernel.state != "ready":
+        return kernel.reason if kernel is not None else "no kernel requested yet"
+    checks = (
+        (type(t) is not torch.Tensor, f"a tensor subclass ({type(t).__name__})"),
+        (not 2 <= t.numel() <= _MAX_NUMEL, f"{t.numel()} elements (the kernel takes 2 to "
+                                           f"{_MAX_NUMEL})"),
+        (t.layout != torch.strided or t.is_neg(), "not a plain strided tensor"),
+        (bool(torch._C._len_torch_dispatch_stack()), "a TorchDispatchMode is active"),
+        (torch.compiler.is_compiling(), "inside torch.compile tracing"),
+        (torch._C._functorch.is_functorch_wrapped_tensor(t) or torch._is_functional_tensor(t),
+         "inside a functorch transform or functionalization"),
+        (t.is_cuda and torch.cuda.is_current_stream_capturing(), "during CUDA graph capture"),
+    )
+    return next((why for bad, why in checks if bad), None)
+
+
+def _static_reason(t: torch.Tensor) -> str | None:
+    """What rules a (dtype, device) out for good, whatever the kernel's state."""
+    if t.dtype not in _DTYPES:
+        return f"dtype {t.dtype} (the kernel reduces float16, bfloat16, float32, float64)"
+    if t.device.type not in ("cpu", "cuda"):
+        return f"device {t.device} (the kernel runs on CPU and CUDA)"
+    return None
+
+
+# ---------------------------------------------------------------------------- preparing
+def _request(program: str, t: torch.Tensor) -> _Kernel:
+    """The kernel for `t`'s dtype and device; the first request starts preparing it."""
+    key = (program, t.dtype, t.device)
+    with _lock:
+        kernel = _kernels.get(key)
+        if kernel is not None:
+            return kernel
+        kernel = _kernels[key] = _Kernel(program, t.dtype, t.device)
+    reason = _static_reason(t)
+    if reason is not None:
+        _fail(kernel, reason)
+        return kernel
+    threading.Thread(target=_prepare, args=(kernel,), daemon=True,
+                     name=f"torchscope-kernel-{program}-{t.dtype}").start()
+    return kernel
+
+
+def _toolchain_reason(device: torch.device) -> str | None:
+    if device.type == "cuda":
+        import importlib.util
+
+        if importlib.util.find_spec("triton") is None:
+            return "no Triton: AOTInductor needs it to build CUDA kernels"
+        return None
+    compilers = [os.environ.get("CXX", ""), "g++", "clang++", "c++"]
+    if not any(c and shutil.which(c) for c in compilers):
+        return "no C++ compiler (g++, clang++ or $CXX): AOTInductor needs one for CPU kernels"
+    return None
+
+
+def _fail(kernel: _Kernel, reason: str) -> None:
+    kernel.state = "unavailable"
+    kernel.reason = reason
+    kernel.done.set()
+
+
+def _prepare(kernel: _Kernel) -> None:
+    """Load the kernel's package from the cache, building it in a child process first if
+    missing; runs on a background thread."""
+    try:
+        path = _package_path(kernel.program, kernel.dtype, kernel.device)
+        if path.exists():
+            kernel.source = "cache"
+        else:
+            reason = _toolchain_reason(kernel.device)  # a cached package needs no compiler
+            if reason is not None:
+                _fail(kernel, reason)
+                return
+            t0 = time.perf_counter()
+            try:
+                error = _build(path, kernel.program, kernel.dtype, kernel.device)
+            except OSError as exc:
+                error = f"the kernel cache {path.parent} is not writable: {exc}"
+            if error is not None:
+                _fail(kernel, error)
+                return
+            kernel.build_s = time.perf_counter() - t0
+            kernel.source = "built"
+        t0 = time.perf_counter()
+        index = kernel.device.index if kernel.device.index is not None else (
+            torch.cuda.current_device() if kernel.device.type == "cuda" else -1)
+        try:
+            loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, index)
+        except Exception as exc:  # a truncated or foreign package: the next process rebuilds
+            with contextlib.suppress(OSError):
+                path.unlink()
+            _fail(kernel, f"the fused kernel failed to load: {type(exc).__name__}: {exc}")
+            return
+        kernel.load_s = time.perf_counter() - t0
+        with _lock:
+            kernel.state = "ready"
+            kernel.reason = ""
+            _ready[(kernel.program, kernel.dtype, kernel.device)] = loader.run
+    except Exception as exc:  # whatever goes wrong here, the eager path stays
+        _fail(kernel, f"preparing the fused kernel failed: {type(exc).__name__}: {exc}")
+    finally:
+        kernel.done.set()
+
+
+def cache_dir() -> Path:
+    """Where compiled kernels are kept: `TORCHSCOPE_CACHE_DIR`, else the user cache."""
+    env = os.environ.get("TORCHSCOPE_CACHE_DIR")
+    if env:
+        return Path(env) / "kernels"
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "torchscope" / "kernels"
+
+
+def _device_kind(device: torch.device) -> str:
+    """What a compiled package depends on: the GPU's architecture, or the CPU's vector ISA
+    and exact model (Inductor compiles with -march=native: a cache shared between machines
+    must not hand one CPU's code to another)."""
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"cuda-sm{major}{minor}-cu{torch.version.cuda}"
+    return f"cpu-{torch.backends.cpu.get_cpu_capability().lower()}-{_cpu_id()}"
+
+
+def _cpu_id() -> str:
+    """A short hash of this CPU's model and feature flags."""
+    ident = platform.processor() + platform.machine()
+    with contextlib.suppress(OSError):
+        info = Path("/proc/cpuinfo").read_text()
+        ident += "".join(sorted({line for line in info.splitlines()
+                                 if line.startswith(("model name", "flags", "Features"))}))
+    return hashlib.sha256(ident.encode()).hexdigest()[:8]
+
+
+def _package_path(program: str, dtype: torch.dtype, device: torch.device) -> Path:
+    # The program's bytecode, not its source: editing a comment does not rebuild the kernel.
+    code = _MODULES[program].forward.__code__
+    tag = hashlib.sha256(repr((_VERSION, torch.__version__, sys.version, sys.platform,
+                               code.co_code, code.co_consts, code.co_names)).encode()
+                         ).hexdigest()[:16]
+    name = f"{program}-{str(dtype).removeprefix('torch.')}-{_device_kind(device)}-{tag}.pt2"
+    return cache_dir() / name
+
+
+def _build(path: Path, program: str, dtype: torch.dtype, device: torch.device) -> str | None:
+    """Build `path` in a child process (or wait for another process's build); None on
+    success, else why not."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = path.with_name(path.name + ".lock")
+    deadline = time.monotonic() + _BUILD_TIMEOUT_S
+    while True:
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            os.close(fd)
+            if path.exists():  # another process finished it before its lock went away
+                lock.unlink()
+                return None
+            break
+        except FileExistsError:
+            # Another process is building it: wait for its package, or take over a stale lock.
+            with contextlib.suppress(FileNotFoundError):
+                if time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
+                    lock.unlink()
+                    continue
+            if path.exists():
+                return None
+            if time.monotonic() > deadline:
+                return "another process's build of the kernel did not finish"
+            time.sleep(0.5)
+    src_root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (src_root, os.environ.get("PYTHONPATH"))
+                                         if p)}
+    device_arg = str(device) if device.index is not None or device.type == "cpu" else \
+        f"cuda:{torch.cuda.current_device()}"
+    cmd = [sys.executable, "-m", "torchscope._kernels", program, str(dtype), device_arg,
+           str(path), str(lock)]
+    try:
+        # A new session: the build outlives this process if it exits first (the cache
+        # still fills), and a Ctrl-C meant for the user's loop does not reach it.
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False,
+                              timeout=_BUILD_TIMEOUT_S, start_new_session=True)
+    except subprocess.TimeoutExpired:
+        return f"building the kernel ran past {_BUILD_TIMEOUT_S:.0f} s"
+    if done.returncode != 0 or not path.exists():
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return f"building the kernel failed (exit {done.returncode}): {tail}"
+    return None
+
+
+def _build_child(program: str, dtype_name: str, device_name: str, out: str, lock: str) -> None:
+    """The child process: export `program` with a dynamic length and compile it with
+    AOTInductor into `out` (written under a temporary name, then moved into place)."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.nice(10)  # a background build: the user's training runs first
+    try:
+        dtype = getattr(torch, dtype_name.removeprefix("torch."))
+        device = torch.device(device_name)
+        # Inductor sizes its loops by the example: a large one makes it split the reduction
+        # across threads (their number read at run time, as torch.set_num_threads sets it).
+        example = torch.randn(1 << 22, device=device).to(dtype)  # (4M,)
+        n = torch.export.Dim("n", min=2, max=_MAX_NUMEL)
+        exported = torch.export.export(_MODULES[program](), (example,),
+                                       dynamic_shapes=({0: n},), strict=False)
+        fd, tmp = tempfile.mkstemp(suffix=".pt2", dir=os.path.dirname(out))
+        os.close(fd)
+        try:
+            torch._inductor.aoti_compile_and_package(
+                exported, package_path=tmp, inductor_configs={"cpp.dynamic_threads": True})
+            os.replace(tmp, out)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(lock)
+
+
+# ---------------------------------------------------------------------------- control
+def prepare(program: Program, dtype: torch.dtype = torch.float32,
+            device: torch.device | str = "cpu", *, wait: float | None = 0.0) -> KernelStatus:
+    """Start preparing a kernel now (building it once per machine), optionally waiting.
+
+    Args:
+        program: `stats` or `norm`.
+        dtype, device: the tensors it will reduce.
+        wait: seconds to wait for it to be ready; None waits as long as it takes.
+
+    Returns:
+        Its status after the wait.
+    """
+    kernel = _request(program, torch.empty(0, dtype=dtype, device=device))
+    kernel.done.wait(wait)
+    return kernel.status()
+
+
+def kernel_status() -> tuple[KernelStatus, ...]:
+    """Every kernel this process requested: how many, their state, build and load times."""
+    with _lock:
+        return tuple(k.status() for k in _kernels.values())
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Run every reduction eagerly inside the block (process-wide), as before on exit."""
+    before = _Switch.enabled
+    _Switch.enabled = False
+    try:
+        yield
+    finally:
+        _Switch.enabled = before
+
+
+def _forget() -> None:
+    """Drop every kernel of this process (tests: a fresh start against another cache)."""
+    with _lock:
+        _kernels.clear()
+        _ready.clear()
+
+
+def _main(argv: list[str]) -> Any:
+    _build_child(*argv)
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1:])
