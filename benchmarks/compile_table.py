@@ -19,7 +19,8 @@ from rich.console import Console
 from torchscope._util import write_json
 from torchscope.compile import compile_report
 from torchscope.models import BUILTINS
-from torchscope.report.compile import compile_table, findings_table
+from torchscope.report.compile import compile_table
+from torchscope.report.findings import findings_table
 
 
 def main() -> None:
