@@ -509,7 +509,9 @@ class GradCollector(HookedContext):
         elif intake.inplace:
             intake.pending.append(_PendingInput(slot, t, t.grad_fn, t._version, aliased=False))
         else:
-            given = t.view_as(t)  # same storage; its gradient is this call's share only
+            # Same storage; its gradient is this call's share only. AliasBackward0 passes the
+            # gradient on as it is, where view_as's backward would make a view of it.
+            given = torch.ops.aten.alias(t)
             self._step_handles.append(self._session.tensor_hook(given, self._input_hook(slot)))
             intake.pending.append(
                 _PendingInput(slot, given, t.grad_fn, given._version, aliased=True))
