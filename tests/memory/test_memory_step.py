@@ -202,3 +202,20 @@ def test_select_counts_storages_for_the_nearest_selected_ancestor(tiny_gpt2: nn.
         saved_activations(tiny_gpt2, ids, select="NoSuchBlock")
     with pytest.raises(SelectionError, match="depth=-1"):
         analyze_memory(tiny_gpt2, ids, depth=-1)
+
+
+def test_one_module_holding_a_whole_type_is_one_finding_that_names_it() -> None:
+    from torchscope.models import TinyCNN
+
+    # TinyCNN reuses one ReLU module after every layer: its type's bytes are that module's.
+    saved = saved_activations(TinyCNN(), torch.randn(8, 3, 32, 32))
+    found = saved.findings()
+    assert [f.code for f in found] == ["memory.saved_by_type"]
+    assert found[0].module == "relu" and "all of them relu's" in found[0].summary
+    # Two ReLU modules share the type's bytes: the type and its largest holder both stand.
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
+                          nn.Linear(256, 10))
+    found = saved_activations(model, torch.randn(32, 64)).findings()
+    by_type = next(f for f in found if f.code == "memory.saved_by_type")
+    assert by_type.module is None and by_type.summary.endswith(").")
+    assert "memory.largest_saver" in [f.code for f in found]

@@ -72,14 +72,19 @@ def analyze_saved(saved: SavedActivations, thresholds: object = None) -> list[Fi
         by_type[row.module_type or "(no module)"] += row.bytes
     kind, nbytes = max(by_type.items(), key=lambda kv: kv[1])
     share = nbytes / total
+    top = max(saved.modules, key=lambda r: r.bytes)
+    # One module of that type holds all of it (a ReLU module reused by every layer): one
+    # finding names it, rather than a second one repeating the same bytes.
+    alone = (top.module_type or "(no module)") == kind and top.bytes == nbytes
     out = [Finding(
         "memory.saved_by_type", Severity.INFO,
         f"{kind} outputs hold {share:.0%} of saved activations "
-        f"({fmt_bytes(nbytes)} of {fmt_bytes(total)}).",
+        f"({fmt_bytes(nbytes)} of {fmt_bytes(total)})"
+        + (f", all of them {top.module or '<root>'}'s." if alone else "."),
         {"module_type": kind, "bytes": nbytes, "total_bytes": total, "share": share},
+        module=top.module if alone else None,
     )]
-    top = max(saved.modules, key=lambda r: r.bytes)
-    if len(saved.modules) > 2 and top.bytes / total >= 0.25:
+    if len(saved.modules) > 2 and top.bytes / total >= 0.25 and not alone:
         out.append(Finding(
             "memory.largest_saver", Severity.INFO,
             f"{top.module or '<root>'} ({top.module_type}) alone keeps "
