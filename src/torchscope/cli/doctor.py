@@ -55,7 +55,7 @@ def doctor(
         "profile, compile.")] = None,
     fast: Annotated[bool, typer.Option(
         "--fast", help="Skip torch.compile (seconds of cold compile per mode) and profile 3 "
-        "steps instead of --steps; keeps `make demo` under 2 minutes on 2 cores.")] = False,
+        "steps instead of --steps: seconds instead of tens of seconds.")] = False,
     out: Annotated[str, typer.Option("--out", "-o", help="Folder for report.html and "
                                      "report.json.")] = "torchscope-report",
     loss: LossOpt = "auto",
