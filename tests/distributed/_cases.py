@@ -359,3 +359,38 @@ def hsdp_norms(rank: int, world: int, out: Path) -> dict[str, Any]:
     assert flow.ranks is not None
     return {"params": {p.name: p.norm for p in flow.params}, "full_tensor": full,
             "shard_rows": [list(r) for r in flow.ranks.shard_rows]}
+
+
+def activations_and_memory(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """`watch_activations` and `analyze_memory` on DDP: each rank's records under the names
+    of one process, joined on rank 0 by `gather()`; each rank's statistics are a single
+    process's on that rank's rows."""
+    from torchscope.capture import watch_activations
+
+    x, y = batch(rank, world)
+    model = DDP(mlp())
+    with watch_activations(model) as acts:
+        functional.cross_entropy(model(x), y).backward()
+    ranked = acts.gather()
+    alone = mlp()
+    with watch_activations(alone) as ref:
+        alone(x)
+    report = torchscope.analyze_memory(model, x, loss_fn="cross_entropy", target=y)
+    ranked_memory = report.gather()
+    answer: dict[str, Any] = {
+        "names": [r.module for r in acts.records],
+        # Sums within float rounding (the first tensors may take the eager path while the
+        # fused kernel loads), min and max exactly.
+        "stats_equal": [
+            a.module == b.module and a.outputs[0].max == b.outputs[0].max and
+            math.isclose(a.outputs[0].mean, b.outputs[0].mean, rel_tol=1e-5, abs_tol=1e-7)
+            for a, b in zip(acts.records, ref.records, strict=True)],
+        "hooks": hooks(model),
+        "gathered": ranked is not None, "memory_gathered": ranked_memory is not None}
+    if ranked is not None and ranked_memory is not None:
+        answer["world"] = len(ranked)
+        answer["per_rank_means"] = [[r.outputs[0].mean for r in res.records]
+                                    for res in ranked.results]
+        answer["memory_saved"] = [m.saved.total_bytes for m in ranked_memory.results]
+        answer["findings_are_a_list"] = isinstance(ranked.findings(), list)
+    return answer

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from ._launch import run_ranks
 
 
@@ -31,3 +33,29 @@ def test_fsdp2_bytes_per_rank_against_ddp(tmp_path: Path) -> None:
             assert case["report_grads"] == case["gradients"]
             assert case["report_optimizer"] == case["optimizer"]
             assert case["saved"] > 0
+
+
+def test_activations_and_memory_gather_every_rank_on_rank_0(tmp_path: Path) -> None:
+    from torchscope.capture import watch_activations
+
+    from ._cases import batch, mlp
+
+    ranks = run_ranks("activations_and_memory", tmp_path)
+    assert all("raised" not in a for a in ranks), ranks
+    for a in ranks:
+        # The names of one process (not module.0), each rank's statistics its own rows'.
+        assert a["names"] == ["0", "1", "2", "3", "4"]
+        assert all(a["stats_equal"]) and a["hooks"] == 0
+    zero, one = ranks
+    assert zero["gathered"] and zero["memory_gathered"] and zero["world"] == 2
+    assert not one["gathered"] and not one["memory_gathered"]
+    assert zero["findings_are_a_list"]
+    # Rank r's row on rank 0 holds rank r's numbers: a single process on that rank's rows.
+    for r in range(2):
+        x, _ = batch(r, 2)
+        net = mlp()
+        with watch_activations(net) as ref:
+            net(x)
+        assert zero["per_rank_means"][r] == pytest.approx(
+            [rec.outputs[0].mean for rec in ref.records], rel=1e-5, abs=1e-7)
+    assert zero["memory_saved"][0] == zero["memory_saved"][1] > 0

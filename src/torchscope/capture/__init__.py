@@ -3,6 +3,7 @@
     capture = capture_activations(model, x)         # one forward (or a Step's, under AMP)
     with watch_activations(model) as capture: ...   # every forward of your own loop
     capture.records, capture.get("conv1"), capture.findings()
+    capture.gather()                                # every rank's records on rank 0 (torchrun)
 """
 
 from torchscope.capture.activations import (
@@ -12,11 +13,12 @@ from torchscope.capture.activations import (
 )
 from torchscope.capture.analyze import ActivationThresholds
 from torchscope.capture.nonfinite import NonFiniteTrace, trace_nonfinite
-from torchscope.capture.records import ActivationRecord, TensorStats
+from torchscope.capture.records import ActivationRecord, ActivationRecords, TensorStats
 
 __all__ = [
     "ActivationCapture",
     "ActivationRecord",
+    "ActivationRecords",
     "ActivationThresholds",
     "NonFiniteTrace",
     "TensorStats",

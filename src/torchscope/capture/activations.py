@@ -13,8 +13,14 @@ from torch import nn
 
 from torchscope import _kernels
 from torchscope._kernels import INFS, MAX, MEAN, MIN, NANS, NORM, STD, ZEROS
-from torchscope.capture.records import ActivationRecord, ReductionPaths, TensorStats
+from torchscope.capture.records import (
+    ActivationRecord,
+    ActivationRecords,
+    ReductionPaths,
+    TensorStats,
+)
 from torchscope.capture.stats import dead_unit_count, finiteness, tensor_stats
+from torchscope.distributed.ranked import Ranked
 from torchscope.errors import BudgetError, TorchscopeError
 from torchscope.findings import Analyzed
 from torchscope.hooks.lifecycle import HookedContext
@@ -368,6 +374,21 @@ class ActivationCapture(HookedContext, Analyzed):
         """How many output tensors the fused kernel reduced, how many eager ops did, and why."""
         return ReductionPaths(self._fused, self._eager, tuple(dict.fromkeys(
             f"{why} for {dtype}" for (dtype, _), why in self._eager_why.items())))
+
+    def result(self) -> ActivationRecords:
+        """The records so far as a plain result, without hooks or the model (picklable)."""
+        return ActivationRecords(self.records, self._weighted, self.paths)
+
+    def gather(self, *, timeout: float | None = None) -> Ranked[ActivationRecords] | None:
+        """Every rank's `result()` on rank 0 as one `Ranked` result (None on the other ranks).
+
+        Call it on every rank, after the forwards it should hold: it is one collective. On
+        one process it returns this process's result alone.
+
+        Args:
+            timeout: seconds to wait for the other ranks (default `TORCHSCOPE_TIMEOUT_S`).
+        """
+        return self.result().gather(timeout=timeout)
 
     def _host_values(self) -> list[tuple[list[Any], list[Any]]]:
         """Each pending forward's stats rows and dead-unit counts on the host, in that

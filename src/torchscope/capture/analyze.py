@@ -23,7 +23,7 @@ import torch
 from torchscope._util import fit_line
 from torchscope.capture.activations import ActivationCapture
 from torchscope.capture.nonfinite import trace_nonfinite
-from torchscope.capture.records import ActivationRecord
+from torchscope.capture.records import ActivationRecord, ActivationRecords
 from torchscope.findings import Finding, Severity, analyzer, rank
 
 __all__ = ["ActivationThresholds", "analyze_activations", "leaf_modules", "weighted_order"]
@@ -87,14 +87,16 @@ def weighted_order(records: Iterable[ActivationRecord], weighted: Iterable[str]
     return tuple(dict.fromkeys(r.module for r in records if r.module in wanted))
 
 
+@analyzer(ActivationRecords)
 @analyzer(ActivationCapture)
 def analyze_activations(
-    capture: ActivationCapture, thresholds: ActivationThresholds | None = None
+    capture: ActivationCapture | ActivationRecords,
+    thresholds: ActivationThresholds | None = None,
 ) -> list[Finding]:
     """Findings from a capture (pure: no torch calls on tensors), most severe first.
 
     Args:
-        capture: a finished (or open) `ActivationCapture`.
+        capture: a finished (or open) `ActivationCapture`, or its `result()`.
         thresholds: when a statistic becomes a finding; defaults to `ActivationThresholds()`.
     """
     th = thresholds or ActivationThresholds()

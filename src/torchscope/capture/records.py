@@ -7,6 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
+from torchscope.distributed.ranked import Gatherable
+from torchscope.findings import Analyzed
+
 
 @dataclass(frozen=True)
 class TensorStats:
@@ -127,3 +130,21 @@ class ReductionPaths:
         """`statistics: 27 fused, 2 eager (dtype torch.int64 ...)` in one line."""
         why = f" ({'; '.join(self.reasons)})" if self.reasons else ""
         return f"statistics: {self.fused} fused, {self.eager} eager{why}"
+
+
+@dataclass(frozen=True)
+class ActivationRecords(Analyzed, Gatherable):
+    """A capture's records as a plain result: no hooks, no model, picklable.
+
+    `ActivationCapture.result()` returns it; `gather()` brings every rank's to rank 0 as one
+    `Ranked` result. Its findings are the capture's (`torchscope.capture` analyzes both).
+
+    Attributes:
+        records: every record, in forward order then call-completion order.
+        weighted: captured modules with weights that set the scale of what follows.
+        paths: which path reduced the tensors (fused kernel or eager ops).
+    """
+
+    records: tuple[ActivationRecord, ...]
+    weighted: frozenset[str] = frozenset()
+    paths: ReductionPaths | None = None

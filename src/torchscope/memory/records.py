@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from torchscope._timing import Ratio
+from torchscope.distributed.ranked import Gatherable
 from torchscope.findings import Analyzed
 from torchscope.step import StepInfo
 
@@ -69,7 +70,7 @@ class ModuleSaved:
 
 
 @dataclass(frozen=True)
-class SavedActivations(Analyzed):
+class SavedActivations(Analyzed, Gatherable):
     """What autograd saved during one forward (and the loss), deduplicated by storage.
 
     Attributes:
@@ -102,7 +103,7 @@ class SavedActivations(Analyzed):
 
 
 @dataclass(frozen=True)
-class MemoryTotals(Analyzed):
+class MemoryTotals(Analyzed, Gatherable):
     """Memory of one training step, by part, and the estimated peak.
 
     Attributes:
@@ -399,7 +400,7 @@ class LiveTensors(Analyzed):
 
 
 @dataclass(frozen=True)
-class MemoryReport(Analyzed):
+class MemoryReport(Analyzed, Gatherable):
     """Everything `analyze_memory` found about one training step.
 
     Attributes:
