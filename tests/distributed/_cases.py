@@ -263,9 +263,18 @@ def watch_time_fsdp(rank: int, world: int, out: Path) -> dict[str, Any]:
     result = watch.result
     assert result is not None and result.comm is not None
     joined = watch.gathered
+    # profile_steps labels the phases: module time and communication can be set against them.
+    steps = torchscope.profile_steps(net, x, loss_fn="cross_entropy", target=y, optimizer=opt,
+                                     steps=2, baseline_steps=0)
+    rec = steps.reconciliation
+    assert steps.comm is not None
     return {"kinds": {o.kind: o.calls for o in result.comm.ops},
             "trace": result.trace_path, "hooks": [before, hooks(net)],
-            "gathered": None if joined is None else len(joined.results)}
+            "gathered": None if joined is None else len(joined.results),
+            "modules_ms": rec.forward_modules_ms + rec.backward_modules_ms,
+            "phases_ms": rec.forward_ms + rec.backward_ms, "comm_ms": steps.comm.comm_ms,
+            "root_self_ms": next(m.forward_self_ms + m.backward_self_ms
+                                 for m in steps.modules if m.module == "")}
 
 
 def memory_ranks(rank: int, world: int, out: Path) -> dict[str, Any]:

@@ -51,4 +51,11 @@ def test_fsdp2_watch_time_sees_all_gather_and_reduce_scatter(tmp_path: Path) -> 
         assert a["trace"] == str(tmp_path / "fsdp" / f"step.rank{r}.json")
         assert _trace(Path(a["trace"]))["distributedInfo"]["rank"] == r
         assert a["hooks"][0] == a["hooks"][1]
+        # Module self times hold no communication: FSDP2's all-gathers (in the children's
+        # hooks, inside the root's range) and reduce-scatters count outside modules.
+        assert a["comm_ms"] > 0
+        assert a["modules_ms"] + a["comm_ms"] <= a["phases_ms"] + 1e-6, a
+        # The root (an nn.Sequential) does almost nothing itself: far less than the
+        # collectives that its children's FSDP2 hooks run inside its range.
+        assert a["root_self_ms"] < a["comm_ms"], a
     assert ranks[0]["gathered"] == 2 and ranks[1]["gathered"] is None

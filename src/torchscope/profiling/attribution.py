@@ -11,6 +11,12 @@ backward node back to the forward op, hence to the innermost module range around
 Nodes whose forward op ran outside every module (the loss) or before profiling began, and
 `AccumulateGrad` (which has no sequence number), are reported separately so that module,
 outside and engine times add up to the backward phase.
+
+Communication is no module's own work: collectives (`is_comm`) and FSDP2's own ranges
+(`FSDP::pre_forward`, `FSDP::post_backward_reduce`, ...) that run inside a module's range or
+backward node are taken out of its self time and counted outside modules, so that on a
+sharded model the root, whose hooks all-gather every parameter, is not the costliest module
+for waiting on the other ranks.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from torchscope.profiling.comm import is_comm
 from torchscope.profiling.records import PHASES, ModuleTime, PhaseTime, Reconciliation
 
 __all__ = ["EVALUATE_PREFIX", "Attribution", "attribute"]
@@ -49,6 +56,7 @@ class _Ctx:
     modules: tuple[tuple[str, int], ...] = ()  # (module name, range event id), outermost first
     in_backward: bool = False
     phase: str | None = None
+    in_comm: bool = False  # inside a collective or an FSDP range already counted
 
 
 @dataclass(frozen=True)
@@ -70,6 +78,24 @@ def _dev(e: Any) -> float:
         return float(e.device_time_total)
     except (AttributeError, TypeError):  # async or device-side events have no total
         return 0.0
+
+
+def _is_comm(name: str) -> bool:
+    """A collective, or a range of FSDP2's own (its all-gathers and reduce-scatters)."""
+    return name.startswith("FSDP::") or is_comm(name)
+
+
+def _comm_us(ev: Any) -> float:
+    """Time of the outermost communication events under `ev`."""
+    total = 0.0
+    stack = list(ev.cpu_children)
+    while stack:
+        e = stack.pop()
+        if _is_comm(e.name):
+            total += _dur(e)
+        else:
+            stack.extend(e.cpu_children)
+    return total
 
 
 def _is_host(e: Any) -> bool:
@@ -133,6 +159,11 @@ def attribute(events: Iterable[Any], labels: Mapping[str, tuple[str, str]]) -> A
             if not ctx.in_backward:
                 nodes.append(ev)
             new = _Ctx(ctx.modules, True, ctx.phase)
+        elif _is_comm(name) and not ctx.in_backward and not ctx.in_comm:
+            if ctx.modules:  # not the enclosing module's own work: out of its self time
+                parent_id = ctx.modules[-1][1]
+                child_us[parent_id] = child_us.get(parent_id, 0.0) + _dur(ev)
+            new = _Ctx(ctx.modules, ctx.in_backward, ctx.phase, in_comm=True)
         elif not ctx.in_backward and ev.sequence_nr is not None and ev.sequence_nr >= 0:
             # Every op records the thread's next sequence number, but only an op that
             # creates an autograd node moves it on: ops that create none (`loss.detach()`,
@@ -153,7 +184,9 @@ def attribute(events: Iterable[Any], labels: Mapping[str, tuple[str, str]]) -> A
     bwd_modules = bwd_outside = bwd_accum = 0.0
     unmatched = 0
     for ev in nodes:
-        d = _dur(ev)
+        comm = _comm_us(ev)
+        d = _dur(ev) - comm
+        bwd_outside += comm
         seq = ev.sequence_nr
         fwd_thread = ev.fwd_thread
         chain = None
