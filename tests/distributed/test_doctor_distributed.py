@@ -113,6 +113,33 @@ def test_cli_rank_that_raises_is_one_line_exit_2_and_leaves_no_process(tmp_path:
     assert left == []
 
 
+def test_a_rank_that_raised_is_named_not_one_that_lost_its_peers(tmp_path: Path) -> None:
+    from torchscope.distributed import RankLostError
+    from torchscope.doctor.distributed import _failure, _lost_peer
+
+    gloo = RuntimeError("Gloo connectFullMesh failed with [pair.cc:553] Connection closed by "
+                        "peer [127.0.0.1]:53419")
+    assert _lost_peer(gloo) and _lost_peer(RankLostError("all_gather did not complete"))
+    assert not _lost_peer(ValueError("bad batch"))
+    errors = tmp_path / "errors"
+    errors.mkdir()
+    # Rank 0 only lost its peers; rank 3 raised the cause.
+    (errors / "rank0.txt").write_text(f"lost\tRuntimeError: {gloo}")
+    (errors / "rank3.txt").write_text("raised\tDistributedError: the example batch has 2 "
+                                      "row(s), fewer than the 4 ranks that share it.")
+    err = _failure({}, errors)
+    assert str(err).startswith("rank 3 raised DistributedError: the example batch has 2")
+
+
+def test_cli_more_ranks_than_rows_names_the_batch(tmp_path: Path) -> None:
+    res, _, left = _run([sys.executable, "-m", "torchscope", "doctor", "mlp", "--input", "2x64",
+                         "--nproc", "3", "--fast", "--out", str(tmp_path / "rep")])
+    assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "fewer than the 3 ranks" in lines[0], res.stderr
+    assert left == []
+
+
 def test_plain_torchrun_runs_the_doctor_as_ranks(tmp_path: Path) -> None:
     out = tmp_path / "rep"
     res, _, left = _run([sys.executable, "-m", "torch.distributed.run", "--standalone",

@@ -39,6 +39,11 @@ class DistributedError(TorchscopeError):
     request cannot work on this machine (NCCL without GPUs, more ranks than devices)."""
 
 
+class RankLostError(DistributedError):
+    """A collective of this rank failed because another rank raised, hung or left: a
+    consequence, not the cause (the launcher reports the rank that raised first)."""
+
+
 #: How long a torchscope collective waits for the other ranks before it gives up, unless
 #: the environment variable `TORCHSCOPE_TIMEOUT_S` says otherwise (read at each call).
 DEFAULT_TIMEOUT_S = 120.0
@@ -106,13 +111,13 @@ def _wait(work: Any, what: str, seconds: float | None) -> None:
     try:
         done = work.wait(timeout=timedelta(seconds=limit))
     except RuntimeError as exc:
-        raise DistributedError(
+        raise RankLostError(
             f"{what} did not complete on {world().describe()} within {limit:g} s "
             f"({describe(exc)}): another rank raised, hung or left.",
             fix="look at the other ranks' errors; every rank must run the same torchscope "
             "calls in the same order (raise timeout_s for slow steps).") from exc
     if done is False:
-        raise DistributedError(f"{what} did not complete on {world().describe()} within "
+        raise RankLostError(f"{what} did not complete on {world().describe()} within "
                                f"{limit:g} s.", fix="look at the other ranks' errors.")
 
 

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchscope.distributed.comm import TIMEOUT_ENV, DistributedError
+from torchscope.distributed.comm import TIMEOUT_ENV, DistributedError, RankLostError
 from torchscope.distributed.ranked import gather, rank_list
 from torchscope.distributed.world import world
 from torchscope.doctor.ranks import RankRecords, RanksRecord, ranks_outcome
@@ -283,8 +283,7 @@ def _rank_entry(job: DistributedJob, errors: str) -> None:
         report = run_rank(job)
     except BaseException as exc:
         Path(errors, f"rank{rank}.txt").write_text(
-            f"{'distributed' if isinstance(exc, DistributedError) else 'raised'}\t"
-            f"{describe(exc)}")
+            f"{'lost' if _lost_peer(exc) else 'raised'}\t{describe(exc)}")
         raise
     if report is not None:
         done = Path(errors).parent / _RESULT
@@ -309,6 +308,14 @@ def _portable(report: DoctorReport) -> DoctorReport:
                              error=o.error if _picklable(o.error) else None)
                      for o in report.outcomes)
     return replace(report, outcomes=outcomes)
+
+
+def _lost_peer(exc: BaseException) -> bool:
+    """The rank failed because another one raised, hung or left (a torchscope collective
+    that timed out, or gloo's connection closed by a peer that had died): not the cause."""
+    text = str(exc)
+    return isinstance(exc, RankLostError) or "closed by peer" in text or \
+        "Connection reset by peer" in text
 
 
 def _failure(failures: dict[int, Any], errors: Path) -> DistributedError:
