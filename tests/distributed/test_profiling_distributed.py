@@ -27,7 +27,8 @@ def test_ddp_profile_comm_straggler_and_traces(tmp_path: Path) -> None:
         assert a["trace"] == str(tmp_path / "traces" / f"rank{r}.json.gz")
     # Rank 1 trains on 32x the rows: rank 0 waits for it, and the joined result says so.
     assert ranks[0]["gathered"] == 2 and ranks[1]["gathered"] is None
-    assert ranks[0]["straggler"] is not None and ranks[0]["straggler"]["rank"] == 1
+    timing = [(a["step_ms"], a["exposed_ms"]) for a in ranks]  # (step, waited) per rank
+    assert ranks[0]["straggler"] is not None and ranks[0]["straggler"]["rank"] == 1, timing
     assert ranks[0]["straggler"]["summary"].startswith("rank 1 is a straggler")
     assert ranks[0]["exposed_ms"] > ranks[1]["exposed_ms"]
     # One folder, one trace per rank, each with its own rank in distributedInfo.

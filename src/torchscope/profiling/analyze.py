@@ -174,7 +174,7 @@ def comm_findings(result: ProfileResult, thresholds: ProfileThresholds | None = 
     and reduce-scatter); nothing when no collective ran."""
     th = thresholds or ProfileThresholds()
     c = result.comm
-    step_ms = result.timing.profiled_ms
+    step_ms = mean_step_ms(result)  # a mean, as the per-step communication times are
     if c is None or step_ms <= 0:
         return []
     share = c.exposed_ms / step_ms
@@ -200,9 +200,21 @@ def comm_findings(result: ProfileResult, thresholds: ProfileThresholds | None = 
 
 
 def own_ms(result: ProfileResult) -> float:
-    """A rank's own work per step: its step time less the communication it waited for."""
+    """A rank's own work per step: its step time less the communication it waited for.
+
+    Both are means over the profiled steps. The median step time would not do: a rank
+    that waited once for a late peer (the first step's start-up skew) has that wait in
+    its mean exposed time but not in its median step, and its own work would come out
+    near zero.
+    """
     exposed = result.comm.exposed_ms if result.comm is not None else 0.0
-    return max(result.timing.profiled_ms - exposed, 0.0)
+    return max(mean_step_ms(result) - exposed, 0.0)
+
+
+def mean_step_ms(result: ProfileResult) -> float:
+    """The profiled steps' mean wall time (the per-step communication times are means)."""
+    t = result.timing
+    return t.profiled_total_ms / t.profiled_steps if t.profiled_steps else t.profiled_ms
 
 
 @ranked_analyzer(ProfileResult)
@@ -233,7 +245,7 @@ def ranked_profile_findings(ranked: Ranked[ProfileResult],
         f"{rank_list([slow])} is a straggler: its own work takes {ratio:.2f}× the other "
         f"ranks' ({own[slow]:.3g} ms vs {base:.3g} ms per step){waited}.",
         {"rank": slow, "ratio": ratio, "own_ms": own[slow], "others_ms": base,
-         "step_ms": ranked.results[slow].timing.profiled_ms},
+         "step_ms": mean_step_ms(ranked.results[slow])},
         fix="balance the ranks: the same batch size and sequence lengths on every rank "
         "(DistributedSampler), no extra work on one rank inside the step (logging, "
         "evaluation, checkpointing on rank 0), the same device and CPU threads per rank.")]

@@ -1,0 +1,69 @@
+"""The straggler analyzer on two ranks' records: a rank's own work is its mean step time
+less its mean wait, so a one-off wait (start-up skew in the first step) cannot hide the
+rank that is slow every step.
+
+The records are a real single-process profile with the timing and communication of each
+rank set as a two-rank DDP run would report them; the analyzer is a pure function of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from torchscope.distributed.ranked import Ranked
+from torchscope.distributed.world import World
+from torchscope.models import TinyCNN
+from torchscope.profiling import ProfileResult, profile_steps
+from torchscope.profiling.analyze import own_ms, ranked_profile_findings
+from torchscope.profiling.records import CommOp, CommTime, StepTiming
+
+
+@pytest.fixture(scope="module")
+def base() -> ProfileResult:
+    model = TinyCNN()
+    x, y = torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,))
+    return profile_steps(model, x, loss_fn=F.cross_entropy, target=y,
+                         optimizer=torch.optim.SGD(model.parameters(), lr=0.01), steps=3,
+                         baseline_steps=0)
+
+
+def _rank(base: ProfileResult, steps_ms: list[float], waits_ms: list[float]) -> ProfileResult:
+    """`base` as a rank whose steps took `steps_ms`, waiting `waits_ms` in an all-reduce."""
+    n = len(steps_ms)
+    timing = StepTiming(baseline_ms=None, profiled_ms=sorted(steps_ms)[n // 2],
+                        profiled_total_ms=sum(steps_ms), baseline_steps=0, profiled_steps=n,
+                        profiled_samples=tuple(steps_ms))
+    exposed = sum(waits_ms) / n
+    comm = CommTime(compute_ms=sum(steps_ms) / n - exposed, comm_ms=exposed + 0.1,
+                    overlap_ms=0.1, exposed_ms=exposed, ops=(CommOp("all_reduce", 1.0,
+                                                                      exposed + 0.1),))
+    return dataclasses.replace(base, steps=n, timing=timing, comm=comm)
+
+
+def _straggler(ranks: list[ProfileResult]) -> list:  # type: ignore[type-arg]
+    joined = Ranked(World(0, len(ranks), "gloo"), tuple(ranks))
+    return [f for f in ranked_profile_findings(joined) if f.code == "profiling.straggler"]
+
+
+def test_startup_wait_does_not_hide_the_slow_rank(base: ProfileResult) -> None:
+    # Rank 1 works 10 ms a step; rank 0 works 1 ms and waits 9 ms for it, every step. In
+    # the first step rank 1 also waited 40 ms for rank 0 to start.
+    fast = _rank(base, [50.0, 10.0, 10.0], [49.0, 9.0, 9.0])
+    slow = _rank(base, [50.0, 10.0, 10.0], [40.0, 0.0, 0.0])
+    assert own_ms(fast) == pytest.approx(1.0) and own_ms(slow) == pytest.approx(10.0)
+    # The median step (10 ms) less the mean wait (13.3 ms) would give rank 1 no own work.
+    assert slow.timing.profiled_ms - slow.comm.exposed_ms < 0  # type: ignore[union-attr]
+    found = _straggler([fast, slow])
+    assert len(found) == 1 and found[0].evidence["rank"] == 1
+    assert found[0].evidence["ratio"] == pytest.approx(10.0)
+    assert found[0].summary.startswith("rank 1 is a straggler")
+
+
+def test_balanced_ranks_have_no_straggler(base: ProfileResult) -> None:
+    a = _rank(base, [12.0, 10.0, 10.0], [2.0, 0.5, 0.4])
+    b = _rank(base, [12.0, 10.0, 10.0], [0.3, 0.6, 0.2])
+    assert _straggler([a, b]) == []
