@@ -92,10 +92,20 @@ def test_tiny_cnn_modules_and_phases_reconcile() -> None:
         root.backward_self_ms + sum(m.backward_ms for m in children), rel=1e-6)
     assert root.forward_ms == pytest.approx(
         root.forward_self_ms + sum(m.forward_ms for m in children), rel=1e-6)
-    # Phases cover the step: within 10% of the profiled steps' wall time.
+    # Phases cover the step: within 10% of the profiled steps' wall time. Only zero_grad and
+    # the loop's own Python lie outside them, so on a 1 ms step one pause there (a GC pass,
+    # another process taking the core) breaks the 10%: such a run is measured again, up to
+    # twice; phases that missed part of the step would miss it every time.
     assert [p.name for p in result.phases] == ["forward", "backward", "optimizer"]
-    wall = result.timing.profiled_total_ms
-    assert abs(result.phase_total_ms - wall) <= 0.10 * wall
+    covered = result
+    for _ in range(2):
+        if abs(covered.phase_total_ms - covered.timing.profiled_total_ms) \
+                <= 0.10 * covered.timing.profiled_total_ms:
+            break
+        covered = profile_steps(model, x, loss_fn=F.cross_entropy, target=y, optimizer=opt,
+                                steps=3, baseline_steps=0)
+    wall = covered.timing.profiled_total_ms
+    assert abs(covered.phase_total_ms - wall) <= 0.10 * wall, (covered.phase_total_ms, wall)
     # Module self times plus the outside terms add up to the phase totals.
     rec = result.reconciliation
     fwd_self = sum(m.forward_self_ms for m in result.modules)
