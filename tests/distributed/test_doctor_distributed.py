@@ -86,6 +86,9 @@ def test_cli_fsdp2_writes_a_report_with_rank_rows(tmp_path: Path) -> None:
         assert row["state_bytes"] * 2 <= row["ddp_state_bytes"]
         assert set(row["comm"]) == {"all_gather", "reduce_scatter"}
         assert row["step_ms"] > 0 and row["grad_norm"] > 0
+        # The time columns add up: a step is the rank's own work plus what it waited.
+        if row["own_ms"] > 0:
+            assert row["own_ms"] + row["exposed_ms"] == pytest.approx(row["step_ms"], rel=1e-9)
     # The global gradient norm is the same on both ranks.
     assert rows[0]["grad_norm"] == pytest.approx(rows[1]["grad_norm"], rel=1e-6)
     assert "Per rank: time per step" in res.stdout

@@ -26,7 +26,7 @@ from torchscope.findings import Analyzed, Finding, Severity, analyzer, rank
 from torchscope.grads import GradFlow
 from torchscope.memory import MemoryReport, RankBytes
 from torchscope.profiling import ProfileResult
-from torchscope.profiling.analyze import own_ms, ranked_profile_findings
+from torchscope.profiling.analyze import mean_step_ms, own_ms, ranked_profile_findings
 from torchscope.report.document import Metric, SectionOutcome
 from torchscope.report.ranks import Column, ranks_fragment
 
@@ -135,7 +135,8 @@ def _row(r: RankRecords) -> dict[str, Any]:
     ops = {o.kind: o.ms for o in comm.ops} if comm is not None else {}
     return {
         "rank": r.rank, "loss": r.loss,
-        "step_ms": None if p is None else p.timing.profiled_ms,
+        # Means over the profiled steps, as the communication times are: step = own + waited.
+        "step_ms": None if p is None else mean_step_ms(p),
         "own_ms": None if p is None else own_ms(p),
         "compute_ms": None if comm is None else comm.compute_ms,
         "comm_ms": None if comm is None else comm.comm_ms,

@@ -13,7 +13,7 @@ from torchscope.profiling.comm import is_comm
 from torchscope.profiling.ops import sort_ops
 from torchscope.profiling.records import ProfileResult, ProfileThresholds
 
-__all__ = ["comm_findings", "own_ms", "profile_findings", "ranked_profile_findings"]
+__all__ = ["comm_findings", "mean_step_ms", "own_ms", "profile_findings", "ranked_profile_findings"]
 
 # Ops that block the host until the device (or a queue) has caught up: a tensor read to
 # Python (`.item()`, `bool(t)`), and the CUDA runtime's own waits and copies.
