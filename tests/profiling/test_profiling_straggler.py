@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from torchscope.distributed.ranked import Ranked
 from torchscope.distributed.world import World
+from torchscope.findings import Finding
 from torchscope.models import TinyCNN
 from torchscope.profiling import ProfileResult, profile_steps
 from torchscope.profiling.analyze import own_ms, ranked_profile_findings
@@ -44,7 +45,7 @@ def _rank(base: ProfileResult, steps_ms: list[float], waits_ms: list[float]) -> 
     return dataclasses.replace(base, steps=n, timing=timing, comm=comm)
 
 
-def _straggler(ranks: list[ProfileResult]) -> list:  # type: ignore[type-arg]
+def _straggler(ranks: list[ProfileResult]) -> list[Finding]:
     joined = Ranked(World(0, len(ranks), "gloo"), tuple(ranks))
     return [f for f in ranked_profile_findings(joined) if f.code == "profiling.straggler"]
 

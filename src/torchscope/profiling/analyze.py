@@ -186,8 +186,8 @@ def comm_findings(result: ProfileResult, thresholds: ProfileThresholds | None = 
     if share > th.comm_exposed_high:
         return [Finding(
             "profiling.comm_exposed", Severity.WARNING,
-            f"the step waits {c.exposed_ms:.3g} ms of {step_ms:.3g} ms ({100 * share:.0f}%) "
-            f"for communication ({c.comm_ms:.3g} ms per step{hidden}; {ops}).",
+            f"the step waits {c.exposed_ms:.3g} ms of its {step_ms:.3g} ms mean "
+            f"({100 * share:.0f}%) for communication ({c.comm_ms:.3g} ms per step{hidden}; {ops}).",
             evidence,
             fix="gather every rank's profile (result.gather()) to see whether one rank is a "
             "straggler; otherwise give each step more compute (a larger batch, gradient "
@@ -195,7 +195,7 @@ def comm_findings(result: ProfileResult, thresholds: ProfileThresholds | None = 
     return [Finding(
         "profiling.comm", Severity.INFO,
         f"communication takes {c.comm_ms:.3g} ms per step{hidden}; the step waits "
-        f"{c.exposed_ms:.3g} ms of {step_ms:.3g} ms for it ({ops}).",
+        f"{c.exposed_ms:.3g} ms of its {step_ms:.3g} ms mean for it ({ops}).",
         evidence)]
 
 
