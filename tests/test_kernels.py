@@ -3,6 +3,7 @@ cache, never recompiled for a new size, and eager wherever it cannot be."""
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Iterator
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from torchscope import _kernels
+from torchscope._kernels import INFS, MAX, MEAN, MIN, NANS, NORM, STD, ZEROS
 
 
 @pytest.fixture
@@ -101,3 +103,124 @@ def test_disabled_is_scoped() -> None:
         assert _kernels.run("stats", x) is None
         assert "disabled" in (_kernels.why_eager("stats", x) or "")
     assert _kernels._Switch.enabled
+
+
+# ---------------------------------------------------------------------------- native kernel
+def _native_ready() -> None:
+    for program in _kernels.PROGRAMS:
+        status = _kernels.prepare(program, torch.float32, wait=None)
+        if status.state != "ready" or status.backend != "native":
+            pytest.skip(f"no native kernel here: {status.reason or status.backend}")
+
+
+def _span_cases() -> Iterator[tuple[str, torch.Tensor]]:
+    """What the native kernel's spans (1024 elements, float32 lanes, float64 redo) meet."""
+    g = torch.Generator().manual_seed(0)
+
+    def randn(n: int) -> torch.Tensor:
+        return torch.randn(n, generator=g)
+
+    for n in (2, 31, 33, 1023, 1024, 1025, 65_537, 300_001):  # tails, span edges, workers
+        yield f"{n} elements", randn(n)
+    yield "mean far from zero", 1e4 + randn(50_000)
+    yield "outlier first", torch.cat([torch.tensor([1e4]), randn(100_000)])
+    overflow = randn(5000)
+    overflow[4000] = 3e19  # its float32 square is Inf: that span is redone in float64
+    yield "square past float32", overflow
+    yield "all huge", randn(5000) * 1e30
+    yield "tiny (squares underflow float32)", randn(5000) * 1e-25
+    yield "denormal", randn(3000) * 1e-40
+    late = randn(70_000)
+    late[66_666] = float("nan")  # in another worker's range than the first span
+    late[3] = float("-inf")
+    yield "NaN in a late span", late
+    yield "all zero", torch.zeros(4096)
+    yield "ReLU output", randn(200_000).clamp_min(0)
+
+
+def test_native_kernel_is_exact_where_it_must_be() -> None:
+    _native_ready()
+    for name, t in _span_cases():
+        got = _kernels.run("stats", t)
+        norm = _kernels.run("norm", t)
+        assert got is not None and norm is not None, name
+        f = got.tolist()
+        ref = t.double()
+        # Exact: min, max and the counts (NaN makes min/max NaN, as aminmax does).
+        nans = int(ref.isnan().sum())
+        lo, hi = (math.nan, math.nan) if nans else (float(ref.min()), float(ref.max()))
+        assert f[MIN] == lo or (math.isnan(f[MIN]) and nans), name
+        assert f[MAX] == hi or (math.isnan(f[MAX]) and nans), name
+        assert f[ZEROS] == float((ref == 0).sum()) / t.numel(), name
+        assert (f[NANS], f[INFS]) == (nans, int(ref.isinf().sum())), name
+        if nans or int(ref.isinf().sum()):
+            assert math.isnan(f[STD]) and math.isnan(f[MEAN]) == bool(nans), name
+            assert math.isnan(norm.item()) == bool(nans), name
+            continue
+        rms = math.sqrt(float((ref * ref).mean()))
+        std = float(ref.std()) if t.numel() > 1 else 0.0
+        assert abs(f[MEAN] - float(ref.mean())) <= 1e-6 * rms, name
+        assert abs(f[STD] - std) <= 1e-6 * max(std, 1e-300), (name, f[STD], std)
+        for value in (f[NORM], norm.item()):
+            assert abs(value - float(ref.norm())) <= 1e-6 * float(ref.norm()), name
+
+
+def test_native_dead_units_equal_the_eager_count() -> None:
+    from torchscope.capture.stats import dead_unit_count
+
+    _native_ready()
+    g = torch.Generator().manual_seed(1)
+    for shape in ((8, 16, 32, 32), (4, 8, 9, 9), (3, 5, 100), (2, 6, 8, 8, 2)):
+        x = torch.randn(shape, generator=g).clamp_min(0)
+        x[:, 1] = 0  # dead everywhere
+        x[0, 2] = 0  # dead in one sample only: alive
+        x[:, 4] = 0
+        x[-1, 4].view(-1)[-1] = 1e-30  # one element in the last plane keeps it alive
+        got = _kernels.run("stats", x, dead_units=True)
+        assert got is not None and got.shape == (_kernels.N_MOMENTS + 1,), shape
+        assert got[_kernels.DEAD].item() == dead_unit_count(x).item() == 1, shape
+        x[1, 1].view(-1)[0] = float("nan")  # NaN is not zero: that channel is alive now
+        got = _kernels.run("stats", x, dead_units=True)
+        assert got is not None and got[_kernels.DEAD].item() == dead_unit_count(x).item() == 0
+    # Where the pass cannot count them, the vector has no DEAD slot: the caller counts.
+    for why, x in (("channels-last", torch.rand(4, 8, 16, 16).to(
+            memory_format=torch.channels_last)), ("short planes", torch.rand(64, 32)),
+                   ("not asked", torch.rand(4, 8, 16, 16))):
+        got = _kernels.run("stats", x, dead_units=why != "not asked")
+        assert got is not None and got.shape == (_kernels.N_MOMENTS,), why
+
+
+@pytest.mark.slow
+def test_native_build_is_locked_and_leaves_only_the_library(fresh: Path) -> None:
+    """A fresh build into an empty cache; a second process finds it there (this process
+    already holds the library, whose operators register once per process)."""
+    import subprocess
+    import sys
+
+    path = _kernels._native_path()
+    assert not path.exists()
+    assert _kernels._with_build_lock(path, _kernels._compile_native) is None
+    assert path.is_file() and [p.name for p in fresh.iterdir()] == [path.name]
+    code = ("import torch, sys; from torchscope import _kernels; "
+            "s = _kernels.prepare('stats', wait=None); x = torch.arange(10.0); "
+            "print(s.backend, s.source, _kernels.run('stats', x).tolist())")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True, timeout=120)
+    backend, source, values = done.stdout.split(" ", 2)
+    assert (backend, source) == ("native", "cache")
+    assert values.startswith("[4.5, ")
+
+
+@pytest.mark.slow
+def test_a_failed_native_build_falls_back_to_aotinductor(fresh: Path,
+                                                          monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    monkeypatch.setattr(_kernels._Native, "ops", None)
+    monkeypatch.setattr(_kernels._Native, "error", None)
+    monkeypatch.setattr(_kernels, "_compile_native",
+                        lambda _out: "building the native kernel failed: no such header")
+    status = _kernels.prepare("norm", torch.float32, wait=None)
+    assert status.state == "ready" and status.backend == "aotinductor", status.reason
+    x = torch.randn(1000)
+    got = _kernels.run("norm", x)
+    assert got is not None and math.isclose(got.item(), float(x.double().norm()), rel_tol=1e-9)

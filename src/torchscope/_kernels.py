@@ -1,24 +1,35 @@
 """Fused reductions: every statistic torchscope keeps about a tensor, from one pass over it.
 
 Eager PyTorch reads a tensor once per reduction: a mean, a norm, a min/max, a centred sum
-of squares and three counts are seven passes over a 16 MiB activation. Inductor fuses them
-into one loop (`stats`: about 3 reads' worth of time instead of ~20 on a 2-thread CPU); the
-`norm` program is the L2 norm with a float64 accumulator, one read, for gradients.
+of squares and three counts are seven passes over a 16 MiB activation. The kernels here do
+it in one pass: `stats` (every statistic, and on request the dead-unit count) and `norm`
+(the L2 norm, for gradients). Two backends build them:
+
+- **native** (CPU float32, Linux): torchscope's own C++ (`_native/reduce.cpp`), compiled
+  with `-O3 -march=native` against torch's headers and loaded with
+  `torch.ops.load_library`. It reads 1024-element spans in 16-lane float32 vectors, goes
+  to float64 at each span's end, and redoes in float64 any span whose float32 sums are not
+  finite (it holds NaN or Inf, where the counts are taken) or may have underflowed. On a
+  2-thread CPU `stats` costs about two reads of the tensor (0.06 ms per 1M elements, 3.4x
+  faster than the AOTInductor program), and it counts all-zero channels in the same pass.
+- **aotinductor** (CUDA, and the other float dtypes or a failed native build): the programs
+  below, exported with a dynamic length (`torch.export`, one flattened dimension, so one
+  kernel serves every size) and compiled by AOTInductor into a `.pt2` package in a child
+  process; float64 sums.
 
 How the compiled kernels stay out of the user's way:
 
-- **Compiled in a child process, ahead of time.** Each program is exported with a dynamic
-  length (`torch.export`, one flattened dimension, so one kernel serves every size) and
-  compiled by AOTInductor into a `.pt2` package, in a child process at low priority. This
-  process never runs Dynamo or Inductor for it: the user's Dynamo caches, recompile
-  counters, compiler stance, `torch.compile`, Inductor config and environment are
-  untouched, and `force_eager` (which torchscope sets on compiled models) does not apply.
-- **Paid once per machine.** Packages are cached on disk (`TORCHSCOPE_CACHE_DIR`, else
-  `$XDG_CACHE_HOME/torchscope`, else `~/.cache/torchscope`), keyed by program, dtype, device
-  kind, torch version and CPU/GPU capability; loading one takes milliseconds (a C++ loader,
-  no Inductor import). The first request starts the build in the background and returns
-  None meanwhile, so the caller runs its eager path: no step ever waits for a compile.
-  A build left running when the process exits still finishes and fills the cache.
+- **Built in the background, ahead of time.** The compiler runs in a child process at low
+  priority; this process never runs Dynamo or Inductor for it: the user's Dynamo caches,
+  recompile counters, compiler stance, `torch.compile`, Inductor config and environment
+  are untouched, and `force_eager` (which torchscope sets on compiled models) does not
+  apply.
+- **Paid once per machine.** Builds are cached on disk (`TORCHSCOPE_CACHE_DIR`, else
+  `$XDG_CACHE_HOME/torchscope`, else `~/.cache/torchscope`), keyed by program, dtype,
+  device kind, torch version and CPU/GPU capability; loading one takes milliseconds. The
+  first request starts the build in the background and returns None meanwhile, so the
+  caller runs its eager path: no step ever waits for a compile. A build left running when
+  the process exits still finishes and fills the cache.
 - **Bounded.** One kernel per (program, dtype, device): at most 2 programs x 4 float dtypes
   per device, each built once per machine (`kernel_status()` counts them).
 - **Never where it cannot run.** Integer, bool and complex tensors, tensor subclasses (fake
@@ -27,11 +38,13 @@ How the compiled kernels stay out of the user's way:
   than CPU and CUDA, no C++ compiler (CPU) or no Triton (CUDA): `run` returns None and
   `why_eager` says why. The kernel never syncs with the host (no `.item()`, no copy).
 
-Numbers, against the eager ops: min, max and the counts are exact; sums accumulate in
-float64 from a shift (the first finite element), so the mean, the centred sum of squares
-and the norm are at least as accurate as eager float32 reductions (which drift by ~1e-4
-relative over 4M elements); a NaN anywhere makes mean, std and norm NaN, an Inf makes std
-NaN and the norm Inf, as the eager ops do.
+Numbers, against the eager ops: min, max and the counts are exact; a NaN anywhere makes
+mean, std and norm NaN, an Inf makes std NaN and the norm Inf, as the eager ops do. The
+AOTInductor sums accumulate in float64 from a shift (the first finite element); the native
+sums are float32 over at most 32 elements per lane, then float64, shifted only when the
+data's mean lies far from zero (so that x - shift is exact where it matters): their error
+stays within 1e-6 of float64 truth (1e-7 measured at worst), as good as eager float32
+reductions.
 """
 
 from __future__ import annotations
@@ -55,6 +68,7 @@ import torch
 from torch import nn
 
 __all__ = [
+    "DEAD",
     "INFS",
     "MAX",
     "MEAN",
@@ -80,12 +94,18 @@ PROGRAMS: tuple[Program, ...] = ("stats", "norm")
 # Layout of the float64 vector the `stats` program returns (and the eager path mirrors).
 MEAN, STD, MIN, MAX, NORM, ZEROS, NANS, INFS = range(8)
 N_MOMENTS = 8
+DEAD = 8  # `run("stats", x, dead_units=True)` on the native kernel: all-zero channels
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _MAX_NUMEL = 2**31 - 2  # the counts accumulate in int32
 _VERSION = 2  # part of every cache key: bump it when a program or its build changes
 _BUILD_TIMEOUT_S = 900.0
 _STALE_LOCK_S = 1200.0  # a lock older than this belongs to a build that died
+# Dead units in the kernel's pass only for channels of at least this many elements per
+# sample: it walks (sample, channel) planes, and short planes walk slower than one flat
+# pass plus the eager per-channel max.
+_MIN_PLANE = 64
+_NATIVE_SOURCE = Path(__file__).with_name("_native") / "reduce.cpp"
 
 
 class _Stats(nn.Module):
@@ -141,6 +161,8 @@ class KernelStatus:
             child), or empty.
         build_s: seconds the child took to export and compile it (None when loaded).
         load_s: seconds to load the package.
+        backend: `native` (torchscope's own vectorised C++ reductions: CPU float32) or
+            `aotinductor` (a program compiled by AOTInductor: other dtypes, CUDA).
     """
 
     program: str
@@ -151,6 +173,7 @@ class KernelStatus:
     source: str = ""
     build_s: float | None = None
     load_s: float | None = None
+    backend: str = ""
 
 
 class _Kernel:
@@ -165,19 +188,21 @@ class _Kernel:
         self.source = ""
         self.build_s: float | None = None
         self.load_s: float | None = None
+        self.backend = ""
         self.done = threading.Event()
 
     def status(self) -> KernelStatus:
         return KernelStatus(self.program, str(self.dtype), str(self.device), self.state,
                             "" if self.state == "ready" else self.reason, self.source,
-                            self.build_s, self.load_s)
+                            self.build_s, self.load_s, self.backend)
 
 
 _Key = tuple[str, torch.dtype, torch.device]
 _lock = threading.Lock()
 _kernels: dict[_Key, _Kernel] = {}
 # The hot path reads only this: key -> the loaded runner's `run`.
-_ready: dict[_Key, Callable[[list[torch.Tensor]], list[torch.Tensor]]] = {}
+_Runner = Callable[[torch.Tensor, int, int], torch.Tensor]  # (flat, channels, inner)
+_ready: dict[_Key, _Runner] = {}
 
 
 class _Switch:
@@ -187,7 +212,7 @@ class _Switch:
 
 
 # ---------------------------------------------------------------------------- hot path
-def run(program: Program, x: torch.Tensor) -> torch.Tensor | None:
+def run(program: Program, x: torch.Tensor, *, dead_units: bool = False) -> torch.Tensor | None:
     """`program` over every element of `x` in one fused pass, on `x`'s device; no host sync.
 
     Returns None where the fused kernel cannot run now (`why_eager` says why): the caller
@@ -198,6 +223,11 @@ def run(program: Program, x: torch.Tensor) -> torch.Tensor | None:
         program: `stats` (a float64 vector laid out as MEAN..INFS) or `norm` (a float64 0-d
             tensor).
         x: any tensor; it is read, never written, and no autograd graph is built.
+        dead_units: `stats` only: also count the channels (dim 1) of `x` that are zero
+            everywhere, in the same pass, where the kernel can (the native CPU kernel, a
+            contiguous tensor of 2+ dims whose channels hold 64+ elements per sample). The
+            vector then has a ninth slot, DEAD; otherwise it has N_MOMENTS slots and the
+            caller counts dead units itself.
     """
     if not _Switch.enabled:
         return None
@@ -208,7 +238,11 @@ def run(program: Program, x: torch.Tensor) -> torch.Tensor | None:
         return None
     if not _runnable(t):
         return None
-    return fn([_flat(t)])[0]
+    channels = inner = 0
+    if dead_units and t.dim() >= 2 and t.is_contiguous():
+        inner = t.numel() // (t.shape[0] * t.shape[1])  # elements per (sample, channel)
+        channels = t.shape[1] if inner >= _MIN_PLANE else 0
+    return fn(_flat(t), channels, inner)
 
 
 def _runnable(t: torch.Tensor) -> bool:
@@ -329,46 +363,199 @@ def _fail(kernel: _Kernel, reason: str) -> None:
 
 
 def _prepare(kernel: _Kernel) -> None:
-    """Load the kernel's package from the cache, building it in a child process first if
-    missing; runs on a background thread."""
+    """Make the kernel ready on a background thread: the native library for CPU float32,
+    else (or when that cannot be built) an AOTInductor package, each loaded from the cache
+    and built first (in a child process) when missing."""
     try:
-        path = _package_path(kernel.program, kernel.dtype, kernel.device)
-        if path.exists():
-            kernel.source = "cache"
-        else:
-            reason = _toolchain_reason(kernel.device)  # a cached package needs no compiler
-            if reason is not None:
-                _fail(kernel, reason)
+        native_error = None
+        if _native_wanted(kernel.dtype, kernel.device):
+            native_error = _prepare_native(kernel)
+            if native_error is None:
                 return
-            t0 = time.perf_counter()
-            try:
-                error = _build(path, kernel.program, kernel.dtype, kernel.device)
-            except OSError as exc:
-                error = f"the kernel cache {path.parent} is not writable: {exc}"
-            if error is not None:
-                _fail(kernel, error)
-                return
-            kernel.build_s = time.perf_counter() - t0
-            kernel.source = "built"
-        t0 = time.perf_counter()
-        index = kernel.device.index if kernel.device.index is not None else (
-            torch.cuda.current_device() if kernel.device.type == "cuda" else -1)
-        try:
-            loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, index)
-        except Exception as exc:  # a truncated or foreign package: the next process rebuilds
-            with contextlib.suppress(OSError):
-                path.unlink()
-            _fail(kernel, f"the fused kernel failed to load: {type(exc).__name__}: {exc}")
-            return
-        kernel.load_s = time.perf_counter() - t0
-        with _lock:
-            kernel.state = "ready"
-            kernel.reason = ""
-            _ready[(kernel.program, kernel.dtype, kernel.device)] = loader.run
+        _prepare_aoti(kernel)
+        if native_error is not None and kernel.state != "ready":
+            kernel.reason = f"{native_error}; {kernel.reason}"
     except Exception as exc:  # whatever goes wrong here, the eager path stays
         _fail(kernel, f"preparing the fused kernel failed: {type(exc).__name__}: {exc}")
     finally:
         kernel.done.set()
+
+
+def _prepare_aoti(kernel: _Kernel) -> None:
+    kernel.backend = "aotinductor"
+    path = _package_path(kernel.program, kernel.dtype, kernel.device)
+    if path.exists():
+        kernel.source = "cache"
+    else:
+        reason = _toolchain_reason(kernel.device)  # a cached package needs no compiler
+        if reason is not None:
+            _fail(kernel, reason)
+            return
+        t0 = time.perf_counter()
+        try:
+            error = _build(path, kernel.program, kernel.dtype, kernel.device)
+        except OSError as exc:
+            error = f"the kernel cache {path.parent} is not writable: {exc}"
+        if error is not None:
+            _fail(kernel, error)
+            return
+        kernel.build_s = time.perf_counter() - t0
+        kernel.source = "built"
+    t0 = time.perf_counter()
+    index = kernel.device.index if kernel.device.index is not None else (
+        torch.cuda.current_device() if kernel.device.type == "cuda" else -1)
+    try:
+        loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, index)
+    except Exception as exc:  # a truncated or foreign package: the next process rebuilds
+        with contextlib.suppress(OSError):
+            path.unlink()
+        _fail(kernel, f"the fused kernel failed to load: {type(exc).__name__}: {exc}")
+        return
+    kernel.load_s = time.perf_counter() - t0
+    aoti_run = loader.run
+
+    def runner(flat: torch.Tensor, _channels: int, _inner: int) -> torch.Tensor:
+        out: torch.Tensor = aoti_run([flat])[0]
+        return out
+
+    _set_ready(kernel, runner)
+
+
+def _set_ready(kernel: _Kernel, runner: _Runner) -> None:
+    with _lock:
+        kernel.state = "ready"
+        kernel.reason = ""
+        _ready[(kernel.program, kernel.dtype, kernel.device)] = runner
+
+
+# ---------------------------------------------------------------------------- native
+class _Native:
+    """This process's native library (both programs live in it): built and loaded at most
+    once, since its operators register under one namespace."""
+
+    lock = threading.Lock()
+    ops: dict[str, Any] | None = None
+    error: str | None = None
+    source = ""
+    build_s: float | None = None
+    load_s: float | None = None
+
+
+def _native_wanted(dtype: torch.dtype, device: torch.device) -> bool:
+    return (device.type == "cpu" and dtype == torch.float32
+            and sys.platform.startswith("linux") and _NATIVE_SOURCE.is_file())
+
+
+def _native_tag() -> str:
+    return hashlib.sha256(repr((_VERSION, torch.__version__, sys.platform,
+                                torch.compiled_with_cxx11_abi(),
+                                _NATIVE_SOURCE.read_bytes())).encode()).hexdigest()[:16]
+
+
+def _native_path() -> Path:
+    # -march=native: the CPU's identity is part of the name, as for AOTInductor packages.
+    return cache_dir() / f"native-{_device_kind(torch.device('cpu'))}-{_native_tag()}.so"
+
+
+def _prepare_native(kernel: _Kernel) -> str | None:
+    """Make `kernel` ready from the native library; None on success, else why not (the
+    caller then tries AOTInductor)."""
+    kernel.backend = "native"
+    with _Native.lock:
+        if _Native.ops is None and _Native.error is None:
+            _Native.error = _load_native()
+    if _Native.ops is None:
+        return _Native.error or "the native kernel is unavailable"
+    kernel.source, kernel.build_s, kernel.load_s = _Native.source, _Native.build_s, \
+        _Native.load_s
+    op = _Native.ops[kernel.program]
+
+    def stats(flat: torch.Tensor, channels: int, inner: int) -> torch.Tensor:
+        out: torch.Tensor = op(flat, channels, inner)  # (9,)
+        return out if channels else out[:N_MOMENTS]
+
+    def norm(flat: torch.Tensor, _channels: int, _inner: int) -> torch.Tensor:
+        out: torch.Tensor = op(flat)  # ()
+        return out
+
+    _set_ready(kernel, stats if kernel.program == "stats" else norm)
+    return None
+
+
+def _load_native() -> str | None:
+    """Build (once per machine) and load the native library into `_Native`; None on
+    success, else why not."""
+    path = _native_path()
+    if path.exists():
+        _Native.source = "cache"
+    else:
+        reason = _toolchain_reason(torch.device("cpu"))
+        if reason is not None:
+            return reason
+        t0 = time.perf_counter()
+        try:
+            error = _with_build_lock(path, _compile_native)
+        except OSError as exc:
+            error = f"the kernel cache {path.parent} is not writable: {exc}"
+        if error is not None:
+            return error
+        _Native.build_s = time.perf_counter() - t0
+        _Native.source = "built"
+    t0 = time.perf_counter()
+    try:
+        torch.ops.load_library(str(path))
+        namespace = getattr(torch.ops, _native_namespace())
+        _Native.ops = {"stats": namespace.stats.default, "norm": namespace.norm.default}
+    except Exception as exc:  # a truncated or foreign library: the next process rebuilds
+        with contextlib.suppress(OSError):
+            path.unlink()
+        return f"the native kernel failed to load: {type(exc).__name__}: {exc}"
+    _Native.load_s = time.perf_counter() - t0
+    return None
+
+
+def _native_namespace() -> str:
+    return f"torchscope_{_native_tag()}"
+
+
+def _compile_native(out: Path) -> str | None:
+    """Compile the native library into `out` (through a temporary name); None on success,
+    else the compiler's last line."""
+    torch_dir = Path(torch.__file__).resolve().parent
+    lib = torch_dir / "lib"
+    cxx = next(c for c in (os.environ.get("CXX", ""), "g++", "clang++", "c++")
+               if c and shutil.which(c))
+    openmp: list[str] = []
+    if "OpenMP" in torch.__config__.parallel_info():
+        # at::parallel_for is inline OpenMP: link torch's own libgomp, so that the loader
+        # reuses the runtime torch already loaded and its thread pool is shared.
+        openmp = ["-fopenmp", *map(str, sorted(lib.glob("libgomp*.so*"))[:1])]
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    tail = "no output"
+    try:
+        for std in ("-std=c++20", "-std=c++17"):
+            cmd = [cxx, "-O3", "-march=native", "-shared", "-fPIC", std, "-w",
+                   f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}",
+                   f"-DTORCHSCOPE_NAMESPACE={_native_namespace()}",
+                   "-I", str(torch_dir / "include"),
+                   "-I", str(torch_dir / "include" / "torch" / "csrc" / "api" / "include"),
+                   str(_NATIVE_SOURCE), "-o", tmp, "-Wl,--as-needed", *openmp,
+                   "-L", str(lib), "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}"]
+            nice = ["nice", "-n", "10"] if shutil.which("nice") else []  # a background build
+            try:
+                done = subprocess.run(nice + cmd, capture_output=True, text=True, check=False,
+                                      timeout=_BUILD_TIMEOUT_S, start_new_session=True)
+            except subprocess.TimeoutExpired:
+                return f"building the native kernel ran past {_BUILD_TIMEOUT_S:.0f} s"
+            if done.returncode == 0:
+                os.replace(tmp, out)
+                return None
+            tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return f"building the native kernel failed: {tail}"
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
 
 
 def cache_dir() -> Path:
@@ -411,8 +598,37 @@ def _package_path(program: str, dtype: torch.dtype, device: torch.device) -> Pat
 
 
 def _build(path: Path, program: str, dtype: torch.dtype, device: torch.device) -> str | None:
-    """Build `path` in a child process (or wait for another process's build); None on
-    success, else why not."""
+    """Build the AOTInductor package `path` in a child process (or wait for another
+    process's build); None on success, else why not."""
+
+    def child(_path: Path) -> str | None:
+        src_root = str(Path(__file__).resolve().parents[1])
+        env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "1",
+               "PYTHONPATH": os.pathsep.join(
+                   p for p in (src_root, os.environ.get("PYTHONPATH")) if p)}
+        device_arg = str(device) if device.index is not None or device.type == "cpu" else \
+            f"cuda:{torch.cuda.current_device()}"
+        lock = path.with_name(path.name + ".lock")
+        cmd = [sys.executable, "-m", "torchscope._kernels", program, str(dtype), device_arg,
+               str(path), str(lock)]
+        try:
+            # A new session: the build outlives this process if it exits first (the cache
+            # still fills), and a Ctrl-C meant for the user's loop does not reach it.
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False,
+                                  timeout=_BUILD_TIMEOUT_S, start_new_session=True)
+        except subprocess.TimeoutExpired:
+            return f"building the kernel ran past {_BUILD_TIMEOUT_S:.0f} s"
+        if done.returncode != 0 or not path.exists():
+            tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            return f"building the kernel failed (exit {done.returncode}): {tail}"
+        return None
+
+    return _with_build_lock(path, child)
+
+
+def _with_build_lock(path: Path, build: Callable[[Path], str | None]) -> str | None:
+    """Run `build(path)` holding `path`'s lock file, or wait for the process that holds it;
+    None on success, else why not. `build` is done with the lock when it returns."""
     path.parent.mkdir(parents=True, exist_ok=True)
     lock = path.with_name(path.name + ".lock")
     deadline = time.monotonic() + _BUILD_TIMEOUT_S
@@ -425,7 +641,7 @@ def _build(path: Path, program: str, dtype: torch.dtype, device: torch.device) -
                 return None
             break
         except FileExistsError:
-            # Another process is building it: wait for its package, or take over a stale lock.
+            # Another process is building it: wait for its result, or take over a stale lock.
             with contextlib.suppress(FileNotFoundError):
                 if time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
                     lock.unlink()
@@ -435,25 +651,11 @@ def _build(path: Path, program: str, dtype: torch.dtype, device: torch.device) -
             if time.monotonic() > deadline:
                 return "another process's build of the kernel did not finish"
             time.sleep(0.5)
-    src_root = str(Path(__file__).resolve().parents[1])
-    env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in (src_root, os.environ.get("PYTHONPATH"))
-                                         if p)}
-    device_arg = str(device) if device.index is not None or device.type == "cpu" else \
-        f"cuda:{torch.cuda.current_device()}"
-    cmd = [sys.executable, "-m", "torchscope._kernels", program, str(dtype), device_arg,
-           str(path), str(lock)]
     try:
-        # A new session: the build outlives this process if it exits first (the cache
-        # still fills), and a Ctrl-C meant for the user's loop does not reach it.
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False,
-                              timeout=_BUILD_TIMEOUT_S, start_new_session=True)
-    except subprocess.TimeoutExpired:
-        return f"building the kernel ran past {_BUILD_TIMEOUT_S:.0f} s"
-    if done.returncode != 0 or not path.exists():
-        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        return f"building the kernel failed (exit {done.returncode}): {tail}"
-    return None
+        return build(path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            lock.unlink()
 
 
 def _build_child(program: str, dtype_name: str, device_name: str, out: str, lock: str) -> None:

@@ -1,9 +1,12 @@
 """The fused statistics kernel against the eager ops and against float64 truth; no host sync
 in the hooks; the user's Dynamo state, environment and RNG untouched; which path ran.
 
-Tolerances. Min, max and the counts are compared exactly. The fused kernel sums in float64
-(error ~n·2^-53, below 1e-9 relative here), so against float64 torch its mean, std and norm
-must agree to 1e-9. The eager path is torch's own float32 reductions: for n <= 2^17
+Tolerances. Min, max and the counts are compared exactly. The AOTInductor kernels sum in
+float64 (error ~n·2^-53, below 1e-9 relative here), so against float64 torch their mean, std
+and norm must agree to 1e-9. The native CPU float32 kernel sums 32 elements per float32 lane
+and goes to float64 every 1024 elements: its rounding stays near float32's own (~1e-7 at
+worst: 32 roundings of 2^-24 on the longest float32 chain; 1.1e-7 measured on a norm), so
+it must agree to 1e-6. The eager path is torch's own float32 reductions: for n <= 2^17
 elements their accumulation error stays below 1e-4 relative (float32 eps 6e-8 grown by
 sequential sums per SIMD lane, up to ~n/64 eps; 2.4e-5 measured here on the norm of 50 000
 elements near 1000), so fused and eager must agree to 1e-4 (the mean relative to the
@@ -16,7 +19,7 @@ import contextlib
 import math
 import os
 from collections.abc import Iterator
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import pytest
 import torch
@@ -70,6 +73,11 @@ def _cases(dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     yield "Inf first", inf_first
 
 
+def _backend(program: Literal["stats", "norm"], dtype: torch.dtype) -> str:
+    """Which kernel reduces `dtype` on the CPU: `native` or `aotinductor`."""
+    return _kernels.prepare(program, dtype, wait=None).backend
+
+
 def _rel(a: float, b: float, scale: float) -> float:
     if math.isnan(a) or math.isnan(b):
         return 0.0 if math.isnan(a) and math.isnan(b) else math.inf
@@ -102,10 +110,11 @@ def test_fused_equals_eager_and_float64_truth(fused_dtypes: tuple[torch.dtype, .
                 assert _rel(f[slot], e[slot], 1.0) == 0.0, (name, slot, f[slot], e[slot])
             continue
         rms = math.sqrt(float((ref * ref).mean()))
+        tol = 1e-6 if _backend("stats", dtype) == "native" else 1e-9
         truth = {MEAN: float(ref.mean()), STD: float(ref.std()), NORM: float(ref.norm())}
         scale = {MEAN: rms, STD: max(truth[STD], 1e-30 * rms), NORM: truth[NORM]}
         for slot, want in truth.items():
-            assert _rel(f[slot], want, scale[slot]) <= 1e-9, (name, slot, f[slot], want)
+            assert _rel(f[slot], want, scale[slot]) <= tol, (name, slot, f[slot], want)
             if truth[STD] > 0 or slot != STD:
                 assert _rel(f[slot], e[slot], scale[slot]) <= 1e-4, (name, slot, f, e)
             else:

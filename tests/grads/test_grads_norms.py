@@ -57,10 +57,12 @@ def _reference(model: nn.Module, x: torch.Tensor, y: torch.Tensor
 
 @pytest.mark.parametrize("path", ["fused", "eager"])
 def test_norms_equal_the_gradients_autograd_computed(path: str) -> None:
+    tol = 0.0
     if path == "fused":
         status = _kernels.prepare("norm", wait=None)
         if status.state != "ready":
             pytest.skip(status.reason)
+        tol = 1e-6 if status.backend == "native" else 1e-9
     model = _net()
     x, y = torch.randn(8, 3, 24, 24), torch.randint(0, 10, (8,))
     grads, params = _reference(model, x, y)
@@ -75,7 +77,9 @@ def test_norms_equal_the_gradients_autograd_computed(path: str) -> None:
         assert got is not None, name
         truth = float(g.double().norm())
         if path == "fused":
-            assert math.isclose(got, truth, rel_tol=1e-9), (name, got, truth)
+            # float64 sums (AOTInductor), or float32 lanes summed in float64 every 1024
+            # elements (the native CPU float32 kernel: ~1e-7 at worst).
+            assert math.isclose(got, truth, rel_tol=tol), (name, got, truth)
         else:
             assert got == float(torch.linalg.vector_norm(g)), name
             assert math.isclose(got, truth, rel_tol=1e-4), name

@@ -19,7 +19,7 @@ from torchscope.capture.records import (
     ReductionPaths,
     TensorStats,
 )
-from torchscope.capture.stats import dead_unit_count, finiteness, tensor_stats
+from torchscope.capture.stats import finiteness, tensor_stats
 from torchscope.distributed.ranked import Ranked
 from torchscope.errors import BudgetError, TorchscopeError
 from torchscope.findings import Analyzed
@@ -55,7 +55,9 @@ class _Pending:
     # (path, shape, dtype, device, numel, row in the stats matrix, index of its dead-unit
     # count or -1, reduced by the fused kernel)
     leaves: tuple[tuple[str, tuple[int, ...], str, str, int, int, int, bool], ...]
-    input_rows: tuple[int, ...]  # rows whose NaN/Inf slots describe the tensor inputs
+    # Per tensor input, where its finiteness is: an earlier output's stats row (i >= 0), or
+    # `finiteness` value -1 - i.
+    input_rows: tuple[int, ...]
 
 
 _Rows = tuple[list[int], torch.Tensor]
@@ -160,12 +162,14 @@ class ActivationCapture(HookedContext, Analyzed):
         self._stored_bytes = 0
         self._warned_budget = False
         self._step = -1
-        # Per forward: pending calls, the device stats vectors and dead-unit counts they
-        # wrote, flushed together.
-        self._pending: list[tuple[int, list[_Pending], list[_Rows], list[_Rows]]] = []
+        # Per forward: pending calls, the device stats vectors, dead-unit counts and input
+        # finiteness values they wrote, flushed together.
+        self._pending: list[tuple[int, list[_Pending], list[_Rows], list[_Rows],
+                                  list[_Rows]]] = []
         self._cur: list[_Pending] = []
         self._vecs: list[torch.Tensor] = []
         self._dead: list[torch.Tensor] = []
+        self._fin: list[torch.Tensor] = []
         self._fused = 0
         self._eager = 0
         self._eager_why: dict[tuple[torch.dtype, torch.device], str] = {}
@@ -216,7 +220,7 @@ class ActivationCapture(HookedContext, Analyzed):
 
     # ------------------------------------------------------------------ hooks
     def _begin_forward(self, _m: nn.Module, _args: tuple[Any, ...]) -> None:
-        if self._cur or self._vecs:
+        if self._cur or self._vecs or self._fin:
             self._end_forward(None, (), None)  # a forward that raised left pending calls
         self._recording = self.active
         if not self._recording:
@@ -226,12 +230,12 @@ class ActivationCapture(HookedContext, Analyzed):
         self._seen = {}
 
     def _end_forward(self, _m: nn.Module | None, _args: tuple[Any, ...], _out: Any) -> None:
-        if self._vecs or self._cur:
+        if self._vecs or self._cur or self._fin:
             self._pending.append((self._step, self._cur, _stack_by_device(self._vecs),
-                                  _stack_by_device(self._dead)))
+                                  _stack_by_device(self._dead), _stack_by_device(self._fin)))
             self._pending_calls += len(self._cur)
             self._bound()
-        self._cur, self._vecs, self._dead, self._seen = [], [], [], {}
+        self._cur, self._vecs, self._dead, self._fin, self._seen = [], [], [], [], {}
 
     def _bound(self) -> None:
         """Drop forwards older than `keep_last` (pending ones without reading them), or warn
@@ -266,11 +270,15 @@ class ActivationCapture(HookedContext, Analyzed):
         return len(self._vecs) - 1
 
     def _row_for_input(self, t: torch.Tensor) -> int:
-        """Row whose NaN/Inf counts describe `t`: an earlier output when it is one."""
+        """Where `t`'s finiteness is read: an earlier output's stats row when it is one
+        (or an input already checked), else a new `finiteness` value (-1 - its index)."""
         hit = self._seen.get(id(t))
         if hit is not None and hit[0]() is t:
             return hit[1]
-        return self._add_row(t, finiteness(t))
+        self._fin.append(finiteness(t))
+        row = -len(self._fin)
+        self._seen[id(t)] = (weakref.ref(t), row)
+        return row
 
     def _make_hook(self, name: str, type_name: str, relu_family: bool, nonnegative: bool
                    ) -> Any:
@@ -282,11 +290,13 @@ class ActivationCapture(HookedContext, Analyzed):
             input_rows = tuple(self._row_for_input(t) for _, t in iter_tensors(args))
             leaves = []
             for path, t in iter_tensors(output):
-                vec, fused = tensor_stats(t, count_nonfinite=self._count_nonfinite)
+                vec, dead_count, fused = tensor_stats(
+                    t, count_nonfinite=self._count_nonfinite,
+                    dead_units=self._dead_units and relu_family, nonnegative=nonnegative)
                 row = self._add_row(t, vec)
                 dead = -1
-                if self._dead_units and relu_family and t.dim() >= 2 and t.numel():
-                    self._dead.append(dead_unit_count(t, nonnegative=nonnegative))
+                if dead_count is not None:
+                    self._dead.append(dead_count)
                     dead = len(self._dead) - 1
                 if fused:
                     self._fused += 1
@@ -390,15 +400,14 @@ class ActivationCapture(HookedContext, Analyzed):
         """
         return self.result().gather(timeout=timeout)
 
-    def _host_values(self) -> list[tuple[list[Any], list[Any]]]:
-        """Each pending forward's stats rows and dead-unit counts on the host, in that
-        forward's numbering.
+    def _host_values(self) -> list[list[list[Any]]]:
+        """Each pending forward's stats rows, dead-unit counts and input finiteness values
+        on the host, in that forward's numbering.
 
         One host copy per device for everything pending: flatten and cat there, then
         `.cpu()` once.
         """
-        mats = [m for _, _, rows, dead in self._pending for groups in (rows, dead)
-                for _, m in groups]
+        mats = [m for _, _, *kinds in self._pending for groups in kinds for _, m in groups]
         by_device: dict[torch.device, list[int]] = {}
         for j, m in enumerate(mats):
             by_device.setdefault(m.device, []).append(j)
@@ -407,26 +416,26 @@ class ActivationCapture(HookedContext, Analyzed):
             flat = torch.cat([mats[j].reshape(-1) for j in js]).cpu()  # one copy per device
             for j, part in zip(js, flat.split([mats[j].numel() for j in js]), strict=True):
                 host[j] = part.reshape(mats[j].shape).tolist()
-        out: list[tuple[list[Any], list[Any]]] = []
+        out: list[list[list[Any]]] = []
         j = 0
         for _, _, *kinds in self._pending:
-            pair: list[list[Any]] = []
+            per_kind: list[list[Any]] = []
             for groups in kinds:
                 values: list[Any] = [None] * sum(len(i) for i, _ in groups)
                 for indices, _ in groups:
                     for i, value in zip(indices, host[j], strict=True):
                         values[i] = value
                     j += 1
-                pair.append(values)
-            out.append((pair[0], pair[1]))
+                per_kind.append(values)
+            out.append(per_kind)
         return out
 
     def _flush(self) -> None:
         if not self._pending:
             return
         counted = self._count_nonfinite
-        for (step, calls, _, _), (rows, deads) in zip(self._pending, self._host_values(),
-                                                      strict=True):
+        for (step, calls, *_), (rows, deads, fins) in zip(self._pending, self._host_values(),
+                                                          strict=True):
             for p in calls:
                 outs = []
                 for path, shape, dtype, device, numel, row, di, fused in p.leaves:
@@ -452,9 +461,10 @@ class ActivationCapture(HookedContext, Analyzed):
                             fused=fused,
                         )
                     )
-                # Input rows come from `finiteness` (NANS is 0/1) or from an earlier output's
-                # stats (counts, or -1 when uncounted); min/max decide in every case.
+                # An input is an earlier output, whose stats decide (counts, or -1 when
+                # uncounted, and min/max in every case), or has a `finiteness` value.
                 inputs_finite = all(
+                    math.isfinite(fins[-1 - r]) if r < 0 else
                     rows[r][NANS] <= 0
                     and math.isfinite(rows[r][MIN])
                     and math.isfinite(rows[r][MAX])

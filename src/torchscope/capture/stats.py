@@ -24,7 +24,7 @@ import threading
 import torch
 
 from torchscope import _kernels
-from torchscope._kernels import INFS, N_MOMENTS, NANS
+from torchscope._kernels import DEAD, INFS, N_MOMENTS, NANS
 
 __all__ = [
     "dead_unit_count",
@@ -34,17 +34,35 @@ __all__ = [
 ]
 
 
-def tensor_stats(x: torch.Tensor, *, count_nonfinite: bool = True) -> tuple[torch.Tensor, bool]:
-    """Statistics of `x` as a float64 vector of `N_MOMENTS` on `x.device`, and whether the
-    fused kernel computed them (else the eager ops of `reduce_stats` did).
+def tensor_stats(
+    x: torch.Tensor, *, count_nonfinite: bool = True, dead_units: bool = False,
+    nonnegative: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+    """Statistics of `x` as a float64 vector of `N_MOMENTS` on `x.device`, its dead-unit
+    count, and whether the fused kernel computed the statistics (else the eager ops of
+    `reduce_stats` did).
 
     The fused kernel always counts NaN and Inf (they cost it almost nothing); the reader
     ignores those slots when `count_nonfinite` is False, as it does for the eager path's -1.
+
+    Args:
+        x: the tensor.
+        count_nonfinite: count NaN and Inf exactly on the eager path.
+        dead_units: also count the channels (dim 1) that are zero everywhere, in the fused
+            pass where the kernel can, else by `dead_unit_count`; None for a tensor of
+            fewer than 2 dims or no elements, or without `dead_units`.
+        nonnegative: `x` holds no negative values (see `dead_unit_count`).
     """
-    fused = _kernels.run("stats", x)
-    if fused is not None:
-        return fused, True
-    return reduce_stats(x, count_nonfinite=count_nonfinite), False
+    want_dead = dead_units and x.dim() >= 2 and x.numel() > 0
+    fused = _kernels.run("stats", x, dead_units=want_dead)
+    if fused is None:
+        stats = reduce_stats(x, count_nonfinite=count_nonfinite)
+    elif fused.shape[0] > N_MOMENTS:  # the kernel counted dead units in the same pass
+        return fused[:N_MOMENTS], fused[DEAD], True
+    else:
+        stats = fused
+    dead = dead_unit_count(x, nonnegative=nonnegative) if want_dead else None
+    return stats, dead, fused is not None
 
 
 def reduce_stats(x: torch.Tensor, *, count_nonfinite: bool = True) -> torch.Tensor:
@@ -142,23 +160,23 @@ def _direct_passes(
 
 
 def finiteness(x: torch.Tensor) -> torch.Tensor:
-    """A stats vector whose NANS slot is 0 when `x` is finite and 1 when not.
+    """A 0-d float64 tensor on `x`'s device that is finite exactly when every element of
+    `x` is.
 
     From the fused `norm` kernel where it runs (one cheap pass: a NaN or Inf anywhere makes
     the float64 sum of squares NaN or Inf, and squares of float32 or half values cannot
-    overflow it), else from `aminmax` (NaN and ±Inf propagate to the min/max).
+    overflow it), else from `aminmax` (NaN and ±Inf propagate to the min/max; times zero,
+    a finite bound gives 0 and a non-finite one NaN).
     """
     t = x.detach()
     if t.dtype in (torch.float32, torch.float16, torch.bfloat16):
         norm = _kernels.run("norm", t)  # () float64
         if norm is not None:
-            bad = (~torch.isfinite(norm)).double().reshape(1)  # (1,)
-            return torch.nn.functional.pad(bad, (NANS, N_MOMENTS - NANS - 1))  # (N_MOMENTS,)
-    out = torch.zeros(N_MOMENTS, dtype=torch.float64, device=t.device)
+            return norm
     if t.numel() and (t.is_floating_point() or t.is_complex()):
         mn, mx = torch.aminmax(t.reshape(-1).real if t.is_complex() else t.reshape(-1))
-        out[NANS] = (~torch.isfinite(torch.stack([mn, mx]))).any().double()
-    return out
+        return mn.double() * 0.0 + mx.double() * 0.0  # ()
+    return torch.zeros((), dtype=torch.float64, device=t.device)
 
 
 def dead_unit_count(x: torch.Tensor, *, nonnegative: bool = False) -> torch.Tensor:

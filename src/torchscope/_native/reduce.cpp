@@ -1,0 +1,279 @@
+// torchscope's CPU float32 reductions: every statistic of a tensor in one pass over it.
+//
+// Built once per machine by torchscope._kernels (g++ with torch's headers, -O3
+// -march=native) and loaded with torch.ops.load_library. Two ops:
+//   stats(x, channels, inner) -> float64 (9,): MEAN, STD, MIN, MAX, NORM, ZEROS, NANS,
+//       INFS, DEAD (all-zero channels of a contiguous (N, channels, inner...) tensor, or -1
+//       when channels == 0).
+//   norm(x) -> float64 (): the L2 norm.
+// x is a contiguous 1-d float32 tensor of at least 2 elements.
+//
+// Why it is fast and still exact where it must be: the data is read in spans of at most
+// 1024 elements. A span's sums run in float32 vector lanes (32 elements per lane at most,
+// so the rounding stays near float32's own) and go to float64 at the span's end; min, max
+// and the zero count are exact in any precision. A span whose float32 sum of squares is
+// not finite (it holds NaN or Inf, or squares past float32's range) or underflows (tiny
+// values) is read again in float64, element by element, where NaN and Inf are counted
+// exactly. So the common, finite span costs about one vector instruction per statistic.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int kLanes = 16;
+constexpr int64_t kSpan = 1024;
+constexpr float kTiny = 1e-30f;  // below this a float32 sum of squares may have underflowed
+typedef float vf __attribute__((vector_size(kLanes * sizeof(float))));
+typedef int32_t vi __attribute__((vector_size(kLanes * sizeof(int32_t))));
+
+inline vf load(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof(vf));
+  return v;
+}
+
+struct Acc {
+  double s1 = 0, s2 = 0;  // sums of d = x - k and of d * d
+  float mn = std::numeric_limits<float>::infinity();
+  float mx = -std::numeric_limits<float>::infinity();
+  int64_t zeros = 0, nans = 0, infs = 0;
+};
+
+// The exact path: float64 sums, NaN and Inf counted; min/max skip NaN (a NaN count makes
+// both NaN at the end, as aminmax does).
+void slow_span(const float* p, int64_t n, double k, Acc& a) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = p[i];
+    const double d = static_cast<double>(v) - k;
+    a.s1 += d;
+    a.s2 += d * d;
+    a.zeros += v == 0.f;
+    if (std::isnan(v)) {
+      a.nans++;
+      continue;
+    }
+    a.infs += std::isinf(v);
+    a.mn = std::min(a.mn, v);
+    a.mx = std::max(a.mx, v);
+  }
+}
+
+// One span; returns its zero count, or -1 when it held NaN/Inf (so it is not all zero).
+int64_t stats_span(const float* p, int64_t n, float kf, double k, Acc& a) {
+  const vf kv = vf{} + kf;
+  vf s1a{}, s1b{}, s2a{}, s2b{};
+  vf mna = vf{} + std::numeric_limits<float>::infinity(), mnb = mna;
+  vf mxa = -mna, mxb = -mna;
+  vi za{}, zb{};
+  int64_t i = 0;
+  for (; i + 2 * kLanes <= n; i += 2 * kLanes) {
+    const vf x0 = load(p + i), x1 = load(p + i + kLanes);
+    const vf d0 = x0 - kv, d1 = x1 - kv;
+    s1a += d0;
+    s1b += d1;
+    s2a += d0 * d0;
+    s2b += d1 * d1;
+    mna = x0 < mna ? x0 : mna;
+    mnb = x1 < mnb ? x1 : mnb;
+    mxa = x0 > mxa ? x0 : mxa;
+    mxb = x1 > mxb ? x1 : mxb;
+    za -= x0 == 0;  // a true compare is -1 in every lane
+    zb -= x1 == 0;
+  }
+  double t1 = 0, t2 = 0;
+  float mn = mna[0], mx = mxa[0];
+  int64_t zc = 0;
+  for (int j = 0; j < kLanes; ++j) {
+    t1 += static_cast<double>(s1a[j]) + s1b[j];
+    t2 += static_cast<double>(s2a[j]) + s2b[j];
+    mn = std::min({mn, mna[j], mnb[j]});
+    mx = std::max({mx, mxa[j], mxb[j]});
+    zc += za[j] + zb[j];
+  }
+  for (; i < n; ++i) {  // the tail: fewer than 32 elements
+    const float v = p[i], d = v - kf;
+    t1 += d;
+    t2 += static_cast<double>(d) * d;
+    mn = v < mn ? v : mn;
+    mx = v > mx ? v : mx;
+    zc += v == 0.f;
+  }
+  const bool constant = mn == kf && mx == kf;  // every d is exactly 0
+  if (!std::isfinite(t2) || (t2 < kTiny && !constant)) {
+    slow_span(p, n, k, a);
+    return -1;
+  }
+  a.s1 += t1;
+  a.s2 += t2;
+  a.zeros += zc;
+  a.mn = std::min(a.mn, mn);
+  a.mx = std::max(a.mx, mx);
+  return zc;
+}
+
+int64_t workers(int64_t items, int64_t per_worker) {
+  return std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items / per_worker));
+}
+
+void check(const at::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 1 && x.is_contiguous() &&
+                  x.device().is_cpu() && x.numel() >= 2,
+              "torchscope native reductions take a contiguous 1-d float32 CPU tensor");
+}
+
+at::Tensor stats(const at::Tensor& x, int64_t channels, int64_t inner) {
+  check(x);
+  const int64_t n = x.numel();
+  const float* p = x.const_data_ptr<float>();
+  const bool dead = channels > 0;
+  TORCH_CHECK(!dead || (inner > 0 && n % (channels * inner) == 0),
+              "torchscope stats: channels * inner must divide the length");
+  // The shift k: 0 when the first span's mean lies within 4 standard deviations of zero,
+  // so that every difference x - k is x itself, exactly (a shift with low bits would
+  // round x - k the same way across a binade and bias the mean). Only a mean far from
+  // zero is shifted out, to keep the centred sum of squares from cancelling; most x then
+  // lie within a factor of 2 of k, where x - k is exact too.
+  double h1 = 0, h2 = 0;
+  const int64_t head = std::min(n, kSpan);
+  for (int64_t i = 0; i < head; ++i) {
+    h1 += p[i];
+    h2 += static_cast<double>(p[i]) * p[i];
+  }
+  const double hm = h1 / static_cast<double>(head);
+  const double hvar = std::max(h2 / static_cast<double>(head) - hm * hm, 0.0);
+  const bool shift = std::isfinite(hm) && std::isfinite(hvar) && std::fabs(hm) < 1e30 &&
+                     hm * hm > 16.0 * hvar;
+  const float kf = shift ? static_cast<float>(hm) : 0.f;
+  const double k = kf;  // the shift both paths use, exactly
+
+  const int64_t planes = dead ? n / inner : 0;
+  const int64_t nw = dead ? workers(planes, std::max<int64_t>(1, 32768 / inner))
+                          : workers(n, 32768);
+  std::vector<Acc> acc(nw);
+  std::vector<uint8_t> alive(dead ? nw * channels : 0, 0);
+  at::parallel_for(0, nw, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t w = begin; w < end; ++w) {
+      Acc& a = acc[w];
+      if (dead) {
+        uint8_t* live = alive.data() + w * channels;
+        for (int64_t q = planes * w / nw; q < planes * (w + 1) / nw; ++q) {
+          const float* plane = p + q * inner;
+          bool all_zero = true;
+          for (int64_t o = 0; o < inner; o += kSpan) {
+            const int64_t m = std::min(kSpan, inner - o);
+            all_zero &= stats_span(plane + o, m, kf, k, a) == m;
+          }
+          live[q % channels] |= !all_zero;
+        }
+      } else {
+        // Span-aligned ranges, so that no span is split between workers.
+        const int64_t lo = n * w / nw / kSpan * kSpan;
+        const int64_t hi = w + 1 == nw ? n : n * (w + 1) / nw / kSpan * kSpan;
+        for (int64_t o = lo; o < hi; o += kSpan) stats_span(p + o, std::min(kSpan, hi - o), kf, k, a);
+      }
+    }
+  });
+  Acc t;
+  for (const Acc& a : acc) {
+    t.s1 += a.s1;
+    t.s2 += a.s2;
+    t.zeros += a.zeros;
+    t.nans += a.nans;
+    t.infs += a.infs;
+    t.mn = std::min(t.mn, a.mn);
+    t.mx = std::max(t.mx, a.mx);
+  }
+  const double nd = static_cast<double>(n);
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const double inf = std::numeric_limits<double>::infinity();
+  const double ss = std::max(t.s2 - t.s1 * t.s1 / nd, 0.0);  // centred sum of squares
+  const double sq = std::max(t.s2 + 2.0 * k * t.s1 + nd * k * k, 0.0);  // sum of x^2
+  int64_t dead_count = -1;
+  if (dead) {
+    dead_count = 0;
+    for (int64_t c = 0; c < channels; ++c) {
+      bool live = false;
+      for (int64_t w = 0; w < nw; ++w) live |= alive[w * channels + c] != 0;
+      dead_count += !live;
+    }
+  }
+  at::Tensor out = at::empty({9}, x.options().dtype(at::kDouble));
+  double* o = out.data_ptr<double>();
+  o[0] = k + t.s1 / nd;                                     // MEAN
+  o[1] = t.nans + t.infs ? nan : std::sqrt(ss / (nd - 1));  // STD (unbiased)
+  o[2] = t.nans ? nan : t.mn;                               // MIN
+  o[3] = t.nans ? nan : t.mx;                               // MAX
+  o[4] = t.nans ? nan : t.infs ? inf : std::sqrt(sq);       // NORM
+  o[5] = static_cast<double>(t.zeros) / nd;                 // ZEROS (fraction)
+  o[6] = static_cast<double>(t.nans);                       // NANS
+  o[7] = static_cast<double>(t.infs);                       // INFS
+  o[8] = static_cast<double>(dead_count);                   // DEAD
+  return out;
+}
+
+// The sum of squares of one span, float32 lanes then float64; exact float64 when the
+// float32 sum is not finite or may have underflowed.
+double norm_span(const float* p, int64_t n) {
+  vf sa{}, sb{}, ma{}, mb{};
+  int64_t i = 0;
+  for (; i + 2 * kLanes <= n; i += 2 * kLanes) {
+    const vf x0 = load(p + i), x1 = load(p + i + kLanes);
+    sa += x0 * x0;
+    sb += x1 * x1;
+    const vf a0 = x0 < 0 ? -x0 : x0, a1 = x1 < 0 ? -x1 : x1;
+    ma = a0 > ma ? a0 : ma;
+    mb = a1 > mb ? a1 : mb;
+  }
+  double s = 0;
+  float m = 0;
+  for (int j = 0; j < kLanes; ++j) {
+    s += static_cast<double>(sa[j]) + sb[j];
+    m = std::max({m, ma[j], mb[j]});
+  }
+  for (; i < n; ++i) {
+    s += static_cast<double>(p[i] * p[i]);
+    m = std::max(m, std::fabs(p[i]));
+  }
+  if (std::isfinite(s) && (s >= kTiny || m == 0)) return s;
+  double exact = 0;  // NaN and Inf propagate: the norm is NaN or Inf, as eager's is
+  for (int64_t j = 0; j < n; ++j) exact += static_cast<double>(p[j]) * p[j];
+  return exact;
+}
+
+at::Tensor norm(const at::Tensor& x) {
+  check(x);
+  const int64_t n = x.numel();
+  const float* p = x.const_data_ptr<float>();
+  const int64_t nw = workers(n, 32768);
+  std::vector<double> part(nw, 0.0);
+  at::parallel_for(0, nw, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t lo = n * w / nw / kSpan * kSpan;
+      const int64_t hi = w + 1 == nw ? n : n * (w + 1) / nw / kSpan * kSpan;
+      for (int64_t o = lo; o < hi; o += kSpan) part[w] += norm_span(p + o, std::min(kSpan, hi - o));
+    }
+  });
+  double s = 0;
+  for (double v : part) s += v;
+  return at::scalar_tensor(std::sqrt(s), x.options().dtype(at::kDouble));
+}
+
+}  // namespace
+
+TORCH_LIBRARY(TORCHSCOPE_NAMESPACE, m) {
+  m.def("stats(Tensor x, int channels, int inner) -> Tensor");
+  m.def("norm(Tensor x) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(TORCHSCOPE_NAMESPACE, CPU, m) {
+  m.impl("stats", &stats);
+  m.impl("norm", &norm);
+}
