@@ -144,3 +144,32 @@ def test_half_precision_gradients_and_accumulation() -> None:
         p = dict(model.named_parameters())[rec.name]
         want = float(torch.linalg.vector_norm(p.grad, dtype=torch.float32))  # type: ignore[arg-type]
         assert rec.norm is not None and math.isclose(rec.norm, want, rel_tol=1e-6), rec.name
+
+
+def _backward_adds(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[int, int]:
+    """(out-of-place, in-place) adds in one backward, counted by the profiler."""
+    from torch.profiler import profile
+
+    loss = functional.cross_entropy(model(x), y)
+    with profile() as prof:
+        loss.backward()
+    counts = {e.key: e.count for e in prof.key_averages()}
+    return counts.get("aten::add", 0), counts.get("aten::add_", 0)
+
+
+def test_watching_leaves_autograd_accumulating_in_place() -> None:
+    """Where two branches of a residual block meet, autograd adds their gradients in place
+    when nothing else holds either one. The hooks' reuse of a norm (the gradient a layer
+    passes down is the one the layer below receives) must not hold one: a weak reference to
+    the gradient's storage did, and made every merge an out-of-place add."""
+    from torchscope.models import ResNetMini
+
+    torch.manual_seed(0)
+    x, y = torch.randn(2, 3, 16, 16), torch.randint(0, 10, (2,))
+    model = ResNetMini(channels=8, blocks=6).train()
+    bare = _backward_adds(model, x, y)
+    model.zero_grad(set_to_none=True)
+    with watch_gradients(model, every=1) as watch:
+        watched = _backward_adds(model, x, y)
+    assert watch.last is not None and watch.last.get("blocks.5.conv").grad_input[0].norm
+    assert watched == bare, (watched, bare)
