@@ -220,29 +220,25 @@ at::Tensor stats(const at::Tensor& x, int64_t channels, int64_t inner) {
 }
 
 // The sum of squares of one span, float32 lanes then float64; exact float64 when the
-// float32 sum is not finite or may have underflowed.
+// float32 sum is not finite, or may have underflowed (below kTiny, or 0 over values that
+// are not all zero).
 double norm_span(const float* p, int64_t n) {
-  vf sa{}, sb{}, ma{}, mb{};
+  vf sa{}, sb{};
   int64_t i = 0;
   for (; i + 2 * kLanes <= n; i += 2 * kLanes) {
     const vf x0 = load(p + i), x1 = load(p + i + kLanes);
     sa += x0 * x0;
     sb += x1 * x1;
-    const vf a0 = x0 < 0 ? -x0 : x0, a1 = x1 < 0 ? -x1 : x1;
-    ma = a0 > ma ? a0 : ma;
-    mb = a1 > mb ? a1 : mb;
   }
   double s = 0;
-  float m = 0;
-  for (int j = 0; j < kLanes; ++j) {
-    s += static_cast<double>(sa[j]) + sb[j];
-    m = std::max({m, ma[j], mb[j]});
+  for (int j = 0; j < kLanes; ++j) s += static_cast<double>(sa[j]) + sb[j];
+  for (; i < n; ++i) s += static_cast<double>(p[i]) * p[i];
+  if (std::isfinite(s) && s >= kTiny) return s;
+  if (s == 0) {  // all zero (a dead unit's gradient), or squares that underflowed to 0
+    bool zero = true;
+    for (int64_t j = 0; j < n; ++j) zero &= p[j] == 0.f;
+    if (zero) return 0;
   }
-  for (; i < n; ++i) {
-    s += static_cast<double>(p[i] * p[i]);
-    m = std::max(m, std::fabs(p[i]));
-  }
-  if (std::isfinite(s) && (s >= kTiny || m == 0)) return s;
   double exact = 0;  // NaN and Inf propagate: the norm is NaN or Inf, as eager's is
   for (int64_t j = 0; j < n; ++j) exact += static_cast<double>(p[j]) * p[j];
   return exact;
