@@ -10,6 +10,10 @@ Per model, side by side in one process, interleaved round by round (medians):
                     every leaf and every parameter's norm, eager `vector_norm`
   grads fused       the same with the fused norm kernel (parameters: one _foreach_norm)
   param .item()     the usual logger: `p.grad.norm().item()` per parameter after backward
+  read floor: acts  forward hooks that only read each leaf's output once (`sum`, kept on
+                    the device): what any per-activation statistic costs at the least
+  read floor: grads tensor hooks that only read each leaf's grad_output once: the least a
+                    per-layer gradient norm costs
 
 then, forward only (no_grad): bare forward, `capture_activations` (fused), torchinfo (shapes
 only) and TorchLens (`torchlens.trace` and `torchlens.record`, when installed: the `bench`
@@ -91,8 +95,8 @@ def _training_rows(name: str, build: Callable[[], nn.Module], args: argparse.Nam
     base = build().to(device).train()
     x = torch.randn(args.batch, 3, args.size, args.size, device=device)
     y = torch.randint(0, 10, (args.batch,), device=device)
-    variants = ("bare", "acts eager", "acts fused", ".item() hooks", "grads eager",
-                "grads fused", "param .item()")
+    variants = ("bare", "acts eager", "acts fused", ".item() hooks", "read floor: acts",
+                "grads eager", "grads fused", "param .item()", "read floor: grads")
     models = {v: base if v == "bare" else copy.deepcopy(base) for v in variants}
     opts = {v: torch.optim.SGD(m.parameters(), lr=1e-3) for v, m in models.items()}
     sink: list[float] = []
@@ -108,6 +112,16 @@ def _training_rows(name: str, build: Callable[[], nn.Module], args: argparse.Nam
             stats = (d.mean(), d.std(), d.min(), d.max(), d.norm())
             sink.extend(s.item() for s in stats)  # noqa: TS006
 
+    reads: list[torch.Tensor] = []
+
+    def read_output(_m: nn.Module, _i: object, o: object) -> None:
+        if isinstance(o, torch.Tensor):
+            reads.append(o.detach().sum())  # one read, no host sync
+
+    def hook_grad(_m: nn.Module, _i: object, o: object) -> None:
+        if isinstance(o, torch.Tensor) and o.requires_grad:
+            o.register_hook(lambda g: reads.append(g.sum()) and None)
+
     def step(variant: str) -> Callable[[], None]:
         model, opt = models[variant], opts[variant]
         eager = variant.endswith("eager")
@@ -120,6 +134,7 @@ def _training_rows(name: str, build: Callable[[], nn.Module], args: argparse.Nam
                     sink.extend(p.grad.norm().item() for p in model.parameters()
                                 if p.grad is not None)
                 opt.step()
+                reads.clear()
                 sync()
 
         return run
@@ -131,6 +146,10 @@ def _training_rows(name: str, build: Callable[[], nn.Module], args: argparse.Nam
                  for v in ("grads eager", "grads fused")}
         for leaf in _leaves(models[".item() hooks"]):
             stack.callback(leaf.register_forward_hook(item_hook).remove)
+        for leaf in _leaves(models["read floor: acts"]):
+            stack.callback(leaf.register_forward_hook(read_output).remove)
+        for leaf in _leaves(models["read floor: grads"]):
+            stack.callback(leaf.register_forward_hook(hook_grad).remove)
         medians = interleaved_wall_cpu({v: step(v) for v in variants}, repeats=args.repeats,
                                        warmup=2)
     notes = [f"{name}: {len(_leaves(base))} leaves, batch {args.batch}x3x{args.size}x"

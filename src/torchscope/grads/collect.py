@@ -155,6 +155,26 @@ def _norm(t: torch.Tensor) -> torch.Tensor:
     return n
 
 
+def _norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`_norm` of each tensor, in order, by one `torch._foreach_norm` per (device, half or
+    not) group: one call for a model's parameters instead of one per parameter. Sparse and
+    other non-strided tensors, which foreach does not take, go one by one."""
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    groups: dict[tuple[torch.device, bool], list[int]] = {}
+    for i, t in enumerate(tensors):
+        if t.layout != torch.strided:
+            out[i] = _norm(t.coalesce().values() if t.is_sparse else t)
+        else:
+            groups.setdefault((t.device, t.dtype in _HALF), []).append(i)
+    with torch.no_grad():  # a create_graph backward leaves .grad requiring grad
+        for (_, half), idx in groups.items():
+            norms = torch._foreach_norm([tensors[i] for i in idx], 2,  # () each
+                                        dtype=torch.float32 if half else None)
+            for i, n in zip(idx, norms, strict=True):
+                out[i] = n
+    return [n for n in out if n is not None]
+
+
 def with_updates(flow: GradFlow, updates: dict[str, torch.Tensor]) -> GradFlow:
     """`flow` with each parameter's `update_norm` filled from `updates` (parameter name ->
     0-d device tensor, as `GradCollector.measure_updates` returns), copied to the host
@@ -441,23 +461,12 @@ class GradCollector(HookedContext):
         """The norms of every parameter gradient accumulated in this backward: one
         `torch._foreach_norm` per dtype group (half precision summed in float32)."""
         due, self._param_due = self._param_due, {}
-        groups: dict[bool, list[tuple[int, torch.Tensor]]] = {}
-        for index, p in due.items():
-            # A DTensor gradient (FSDP2): this rank's shard; `finish` combines the shards.
-            g = None if p.grad is None else local_tensor(p.grad)
-            if g is None:
-                continue
-            if g.is_sparse or g.layout != torch.strided:
-                self._param_vals[index] = self._push(g)  # foreach takes strided tensors only
-                continue
-            groups.setdefault(g.dtype in _HALF, []).append((index, g))
-        with torch.no_grad():  # a create_graph backward leaves .grad requiring grad
-            for half, items in groups.items():
-                norms = torch._foreach_norm([g for _, g in items], 2,  # () each
-                                            dtype=torch.float32 if half else None)
-                for (index, _), n in zip(items, norms, strict=True):
-                    self._vals.append(n)
-                    self._param_vals[index] = len(self._vals) - 1
+        # A DTensor gradient (FSDP2): this rank's shard; `finish` combines the shards.
+        grads = [(index, local_tensor(p.grad)) for index, p in due.items()
+                 if p.grad is not None]
+        for (index, _), n in zip(grads, _norms([g for _, g in grads]), strict=True):
+            self._vals.append(n)
+            self._param_vals[index] = len(self._vals) - 1
 
     def _make_param_hook(self, index: int) -> Callable[[torch.Tensor], None]:
         def hook(p: torch.Tensor) -> None:
@@ -621,8 +630,12 @@ class GradCollector(HookedContext):
         """Right after the update: `‖w_after - w_before‖` per parameter snapshotted by
         `snapshot_weights`, as 0-d device tensors (no host sync); the copies are freed.
         Empty without a snapshot."""
-        out = {name: _norm(before.sub_(p.detach()))  # in place: no second copy
-               for name, p, before in self._before}
+        if not self._before:
+            return {}
+        befores = [before for _, _, before in self._before]
+        with torch.no_grad():
+            torch._foreach_sub_(befores, [p.detach() for _, p, _ in self._before])  # in place
+        out = dict(zip([name for name, _, _ in self._before], _norms(befores), strict=True))
         self._before = []
         return out
 
@@ -644,8 +657,8 @@ class GradCollector(HookedContext):
         # watched loop) before the update.
         weights = {i: len(self._vals) + k for k, i in enumerate(
             i for i, (_, _, p) in enumerate(self._params) if p.requires_grad)}
-        self._vals.extend(_norm(local_tensor(p).detach()) for _, _, p in self._params
-                          if p.requires_grad)
+        self._vals.extend(_norms([local_tensor(p).detach() for _, _, p in self._params
+                                  if p.requires_grad]))
         host = _host_floats(self._vals)
         scale = self._scale()
         inv = 1.0 / scale if scale else 1.0
