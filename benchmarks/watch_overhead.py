@@ -27,7 +27,7 @@ device), never recompiled for a new size. Goals: activation statistics <= 1.05x 
 gradient flow <= 1.03x of the bare step.
 
 Run: PYTHONPATH=src python benchmarks/watch_overhead.py [--repeats 9] [--threads 2]
-     [--batch 16] [--size 64] [--models resnet-mini,resnet-narrow] [--device cuda]
+     [--batch 16] [--size 64] [--models resnet-mini,resnet-deep,resnet-narrow] [--device cuda]
      [--cold-build]
 """
 
@@ -58,7 +58,9 @@ from torchscope.models import ResNetMini
 MODELS: dict[str, Callable[[], nn.Module]] = {
     # 8 residual conv+BN+ReLU blocks of 64 channels: 29 leaves, 16 MiB activations.
     "resnet-mini": ResNetMini,
-    # More, smaller layers: 24 blocks of 16 channels: 77 leaves, 4 MiB activations.
+    # More, smaller layers: 16 blocks of 32 channels: 53 leaves, 8 MiB activations.
+    "resnet-deep": lambda: ResNetMini(channels=32, blocks=16),
+    # Many more, much smaller layers: 24 blocks of 16 channels: 77 leaves, 4 MiB activations.
     "resnet-narrow": lambda: ResNetMini(channels=16, blocks=24),
 }
 
@@ -71,12 +73,19 @@ def _kernel_lines(cold_build: bool, device: torch.device) -> list[str]:
     lines = []
     if cold_build:
         with tempfile.TemporaryDirectory(prefix="torchscope-bench-") as tmp:
+            if device.type == "cpu":
+                t0 = time.perf_counter()
+                error = _kernels._compile_native(Path(tmp) / "native.so")
+                took = time.perf_counter() - t0
+                lines.append("cold build of the native library (stats and norm, CPU float32): "
+                             + (f"{took:.1f} s in a compiler process" if error is None
+                                else error))
             for program in _kernels.PROGRAMS:
                 path = Path(tmp) / f"{program}.pt2"
                 t0 = time.perf_counter()
                 error = _kernels._build(path, program, torch.float32, device)
                 took = time.perf_counter() - t0
-                lines.append(f"cold build of `{program}` (float32, {device}): "
+                lines.append(f"cold build of `{program}` by AOTInductor (float32, {device}): "
                              + (f"{took:.1f} s in a child process" if error is None else error))
     for program in _kernels.PROGRAMS:
         _kernels.prepare(program, torch.float32, device, wait=None)
@@ -85,7 +94,8 @@ def _kernel_lines(cold_build: bool, device: torch.device) -> list[str]:
         how = (f"built here in {k.build_s:.1f} s, " if k.build_s is not None else
                "loaded from the on-disk cache, " if k.source == "cache" else "")
         load = f"load {k.load_s * 1e3:.0f} ms" if k.load_s is not None else k.reason
-        lines.append(f"kernel {k.program} {k.dtype} {k.device}: {k.state} ({how}{load})")
+        lines.append(f"kernel {k.program} {k.dtype} {k.device}: {k.state}, {k.backend} "
+                     f"({how}{load})")
     return lines
 
 
