@@ -101,10 +101,6 @@ _MAX_NUMEL = 2**31 - 2  # the counts accumulate in int32
 _VERSION = 2  # part of every cache key: bump it when a program or its build changes
 _BUILD_TIMEOUT_S = 900.0
 _STALE_LOCK_S = 1200.0  # a lock older than this belongs to a build that died
-# Dead units in the kernel's pass only for channels of at least this many elements per
-# sample: it walks (sample, channel) planes, and short planes walk slower than one flat
-# pass plus the eager per-channel max.
-_MIN_PLANE = 64
 _NATIVE_SOURCE = Path(__file__).with_name("_native") / "reduce.cpp"
 
 
@@ -201,7 +197,7 @@ _Key = tuple[str, torch.dtype, torch.device]
 _lock = threading.Lock()
 _kernels: dict[_Key, _Kernel] = {}
 # The hot path reads only this: key -> the loaded runner's `run`.
-_Runner = Callable[[torch.Tensor, int, int], torch.Tensor]  # (flat, channels, inner)
+_Runner = Callable[[torch.Tensor, bool], torch.Tensor]  # (tensor, dead_units)
 _ready: dict[_Key, _Runner] = {}
 
 
@@ -231,18 +227,16 @@ def run(program: Program, x: torch.Tensor, *, dead_units: bool = False) -> torch
     """
     if not _Switch.enabled:
         return None
-    t = x.detach()
-    fn = _ready.get((program, t.dtype, t.device))
+    fn = _ready.get((program, x.dtype, x.device))
     if fn is None:
-        _request(program, t)
+        _request(program, x.detach())
         return None
+    # Every Python step here runs once per hooked tensor, just after megabytes went through
+    # the caches, where it costs several times its bare timing: keep them few.
+    t = x if type(x) is torch.Tensor and not x.requires_grad else x.detach()
     if not _runnable(t):
         return None
-    channels = inner = 0
-    if dead_units and t.dim() >= 2 and t.is_contiguous():
-        inner = t.numel() // (t.shape[0] * t.shape[1])  # elements per (sample, channel)
-        channels = t.shape[1] if inner >= _MIN_PLANE else 0
-    return fn(_flat(t), channels, inner)
+    return fn(t, dead_units)
 
 
 def _runnable(t: torch.Tensor) -> bool:
@@ -253,9 +247,9 @@ def _runnable(t: torch.Tensor) -> bool:
         and t.layout == torch.strided
         and not t.is_neg()
         and not torch._C._len_torch_dispatch_stack()
-        and not torch.compiler.is_compiling()
         and not torch._C._functorch.is_functorch_wrapped_tensor(t)
         and not torch._is_functional_tensor(t)
+        and not torch.compiler.is_compiling()
         and not (t.is_cuda and torch.cuda.is_current_stream_capturing())
     )
 
@@ -414,8 +408,8 @@ def _prepare_aoti(kernel: _Kernel) -> None:
     kernel.load_s = time.perf_counter() - t0
     aoti_run = loader.run
 
-    def runner(flat: torch.Tensor, _channels: int, _inner: int) -> torch.Tensor:
-        out: torch.Tensor = aoti_run([flat])[0]
+    def runner(t: torch.Tensor, _dead_units: bool) -> torch.Tensor:
+        out: torch.Tensor = aoti_run([_flat(t)])[0]
         return out
 
     _set_ready(kernel, runner)
@@ -470,12 +464,14 @@ def _prepare_native(kernel: _Kernel) -> str | None:
         _Native.load_s
     op = _Native.ops[kernel.program]
 
-    def stats(flat: torch.Tensor, channels: int, inner: int) -> torch.Tensor:
-        out: torch.Tensor = op(flat, channels, inner)  # (9,)
-        return out if channels else out[:N_MOMENTS]
+    def stats(t: torch.Tensor, dead_units: bool) -> torch.Tensor:
+        # Any contiguous shape as it is (the kernel reads the channels from it); a dense
+        # permutation in memory order, without dead units.
+        out: torch.Tensor = op(t, dead_units) if t.is_contiguous() else op(_flat(t), False)
+        return out  # (N_MOMENTS,), or (N_MOMENTS + 1,) with DEAD
 
-    def norm(flat: torch.Tensor, _channels: int, _inner: int) -> torch.Tensor:
-        out: torch.Tensor = op(flat)  # ()
+    def norm(t: torch.Tensor, _dead_units: bool) -> torch.Tensor:
+        out: torch.Tensor = op(t if t.is_contiguous() else _flat(t))  # ()
         return out
 
     _set_ready(kernel, stats if kernel.program == "stats" else norm)

@@ -2,11 +2,12 @@
 //
 // Built once per machine by torchscope._kernels (g++ with torch's headers, -O3
 // -march=native) and loaded with torch.ops.load_library. Two ops:
-//   stats(x, channels, inner) -> float64 (9,): MEAN, STD, MIN, MAX, NORM, ZEROS, NANS,
-//       INFS, DEAD (all-zero channels of a contiguous (N, channels, inner...) tensor, or -1
-//       when channels == 0).
+//   stats(x, dead_units) -> float64 (8,): MEAN, STD, MIN, MAX, NORM, ZEROS, NANS, INFS;
+//       with dead_units, a tensor of 2+ dims and at least kMinPlane elements per (sample,
+//       channel), (9,): a ninth slot DEAD counts the channels (dim 1) that are zero
+//       everywhere.
 //   norm(x) -> float64 (): the L2 norm.
-// x is a contiguous 1-d float32 tensor of at least 2 elements.
+// x is a contiguous float32 CPU tensor of any shape with at least 2 elements.
 //
 // Why it is fast and still exact where it must be: the data is read in spans of at most
 // 1024 elements. A span's sums run in float32 vector lanes (32 elements per lane at most,
@@ -31,6 +32,10 @@ namespace {
 constexpr int kLanes = 16;
 constexpr int64_t kSpan = 1024;
 constexpr float kTiny = 1e-30f;  // below this a float32 sum of squares may have underflowed
+// Dead units in the pass only for channels of at least this many elements per sample: it
+// walks (sample, channel) planes, and short planes walk slower than one flat pass plus an
+// eager per-channel max (the caller's fallback).
+constexpr int64_t kMinPlane = 64;
 typedef float vf __attribute__((vector_size(kLanes * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(kLanes * sizeof(int32_t))));
 
@@ -127,18 +132,18 @@ int64_t workers(int64_t items, int64_t per_worker) {
 }
 
 void check(const at::Tensor& x) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 1 && x.is_contiguous() &&
-                  x.device().is_cpu() && x.numel() >= 2,
-              "torchscope native reductions take a contiguous 1-d float32 CPU tensor");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu() &&
+                  x.numel() >= 2,
+              "torchscope native reductions take a contiguous float32 CPU tensor");
 }
 
-at::Tensor stats(const at::Tensor& x, int64_t channels, int64_t inner) {
+at::Tensor stats(const at::Tensor& x, bool dead_units) {
   check(x);
   const int64_t n = x.numel();
   const float* p = x.const_data_ptr<float>();
-  const bool dead = channels > 0;
-  TORCH_CHECK(!dead || (inner > 0 && n % (channels * inner) == 0),
-              "torchscope stats: channels * inner must divide the length");
+  const int64_t channels = x.dim() >= 2 ? x.size(1) : 0;
+  const int64_t inner = channels ? n / (x.size(0) * channels) : 0;  // per (sample, channel)
+  const bool dead = dead_units && channels && inner >= kMinPlane;
   // The shift k: 0 when the first span's mean lies within 4 standard deviations of zero,
   // so that every difference x - k is x itself, exactly (a shift with low bits would
   // round x - k the same way across a binade and bias the mean). Only a mean far from
@@ -209,7 +214,7 @@ at::Tensor stats(const at::Tensor& x, int64_t channels, int64_t inner) {
       dead_count += !live;
     }
   }
-  at::Tensor out = at::empty({9}, x.options().dtype(at::kDouble));
+  at::Tensor out = at::empty({dead ? 9 : 8}, x.options().dtype(at::kDouble));
   double* o = out.data_ptr<double>();
   o[0] = k + t.s1 / nd;                                     // MEAN
   o[1] = t.nans + t.infs ? nan : std::sqrt(ss / (nd - 1));  // STD (unbiased)
@@ -219,7 +224,7 @@ at::Tensor stats(const at::Tensor& x, int64_t channels, int64_t inner) {
   o[5] = static_cast<double>(t.zeros) / nd;                 // ZEROS (fraction)
   o[6] = static_cast<double>(t.nans);                       // NANS
   o[7] = static_cast<double>(t.infs);                       // INFS
-  o[8] = static_cast<double>(dead_count);                   // DEAD
+  if (dead) o[8] = static_cast<double>(dead_count);         // DEAD
   return out;
 }
 
@@ -269,7 +274,7 @@ at::Tensor norm(const at::Tensor& x) {
 }  // namespace
 
 TORCH_LIBRARY(TORCHSCOPE_NAMESPACE, m) {
-  m.def("stats(Tensor x, int channels, int inner) -> Tensor");
+  m.def("stats(Tensor x, bool dead_units) -> Tensor");
   m.def("norm(Tensor x) -> Tensor");
 }
 
