@@ -5,8 +5,7 @@ from __future__ import annotations
 import math
 import warnings
 import weakref
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import nn
@@ -44,17 +43,19 @@ _NONNEGATIVE = (nn.ReLU, nn.ReLU6)  # outputs >= 0: one reduction finds a dead c
 _WEIGHTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding)
 
 
-@dataclass(frozen=True)
-class _Pending:
-    """A call recorded during a forward whose device stats are not on the host yet."""
+class _Pending(NamedTuple):
+    """A call recorded during a forward whose device stats are not on the host yet (a named
+    tuple: built once per hooked call, where a frozen dataclass costs several times more)."""
 
     module: str
     module_type: str
     call: int
     order: int
     # (path, shape, dtype, device, numel, row in the stats matrix, index of its dead-unit
-    # count or -1, reduced by the fused kernel)
-    leaves: tuple[tuple[str, tuple[int, ...], str, str, int, int, int, bool], ...]
+    # count or -1, reduced by the fused kernel); dtype and device are made strings when
+    # the records are built, not in the hook.
+    leaves: tuple[tuple[str, tuple[int, ...], torch.dtype, torch.device, int, int, int,
+                        bool], ...]
     # Per tensor input, where its finiteness is: an earlier output's stats row (i >= 0), or
     # `finiteness` value -1 - i.
     input_rows: tuple[int, ...]
@@ -287,9 +288,13 @@ class ActivationCapture(HookedContext, Analyzed):
                 return
             call = self._calls.get(name, 0)
             self._calls[name] = call + 1
-            input_rows = tuple(self._row_for_input(t) for _, t in iter_tensors(args))
+            # One tensor in, one out is most calls: no walk over nested containers then.
+            ins = args if len(args) == 1 and type(args[0]) is torch.Tensor else \
+                [t for _, t in iter_tensors(args)]
+            input_rows = tuple(self._row_for_input(t) for t in ins)
             leaves = []
-            for path, t in iter_tensors(output):
+            outs = (("", output),) if type(output) is torch.Tensor else iter_tensors(output)
+            for path, t in outs:
                 vec, dead_count, fused = tensor_stats(
                     t, count_nonfinite=self._count_nonfinite,
                     dead_units=self._dead_units and relu_family, nonnegative=nonnegative)
@@ -305,8 +310,8 @@ class ActivationCapture(HookedContext, Analyzed):
                     key = (t.dtype, t.device)
                     if key not in self._eager_why:
                         self._eager_why[key] = _kernels.why_eager("stats", t) or "eager"
-                leaves.append((path, tuple(t.shape), str(t.dtype), str(t.device), t.numel(), row,
-                               dead, fused))
+                leaves.append((path, tuple(t.shape), t.dtype, t.device, t.numel(), row, dead,
+                               fused))
                 if self._store == "tensors":
                     self._keep(name, call, path, t)
             self._cur.append(
@@ -445,8 +450,8 @@ class ActivationCapture(HookedContext, Analyzed):
                         TensorStats(
                             path,
                             shape,
-                            dtype,
-                            device,
+                            str(dtype),
+                            str(device),
                             numel,
                             mean=v[MEAN],
                             std=v[STD],
