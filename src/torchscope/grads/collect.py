@@ -550,19 +550,24 @@ class GradCollector(HookedContext):
             call = _Call(name, type_name, max(self._micro, 0), count, self._seq, owns)
             self._seq += 1
             intake = _Intake(call, inplace)
+            stack.append((call, intake.pending))
+            if not self._inputs:
+                return None
+            if not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor):
+                # One tensor in, no keywords: most calls, without building new containers.
+                given = self._take_input(intake, "[0]", args[0])
+                return None if given is args[0] else ((given,), kwargs)
             changed = False
             new_args = list(args)
             new_kwargs = dict(kwargs)
-            if self._inputs:
-                for i, a in enumerate(args):
-                    if isinstance(a, torch.Tensor):
-                        new_args[i] = self._take_input(intake, f"[{i}]", a)
-                        changed = changed or new_args[i] is not a
-                for k, v in kwargs.items():
-                    if isinstance(v, torch.Tensor):
-                        new_kwargs[k] = self._take_input(intake, f"[{k!r}]", v)
-                        changed = changed or new_kwargs[k] is not v
-            stack.append((call, intake.pending))
+            for i, a in enumerate(args):
+                if isinstance(a, torch.Tensor):
+                    new_args[i] = self._take_input(intake, f"[{i}]", a)
+                    changed = changed or new_args[i] is not a
+            for k, v in kwargs.items():
+                if isinstance(v, torch.Tensor):
+                    new_kwargs[k] = self._take_input(intake, f"[{k!r}]", v)
+                    changed = changed or new_kwargs[k] is not v
             return (tuple(new_args), new_kwargs) if changed else None
 
         def post(_m: nn.Module, _args: tuple[Any, ...], output: Any) -> None:
@@ -588,7 +593,8 @@ class GradCollector(HookedContext):
                 self._step_handles.append(self._session.track(
                     node.register_hook(self._node_hook(p.slot))))
             outs: dict[int, _Slot] = {}
-            for path, t in iter_tensors(output):
+            tensors = (("", output),) if type(output) is torch.Tensor else iter_tensors(output)
+            for path, t in tensors:
                 if t.requires_grad and torch.is_grad_enabled():
                     slot = _Slot(path, t)
                     self._step_handles.append(
