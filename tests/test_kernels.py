@@ -71,6 +71,19 @@ def test_no_compiler_means_eager_with_a_reason(fresh: Path, monkeypatch: pytest.
     assert "no C++ compiler" in (_kernels.why_eager("stats", x) or "")
 
 
+def test_no_compiler_for_float32_says_so_once(fresh: Path, monkeypatch: pytest.MonkeyPatch
+                                              ) -> None:
+    """CPU float32 tries the native library, then AOTInductor: one reason, not two."""
+    monkeypatch.setattr(_kernels._Native, "ops", None)
+    monkeypatch.setattr(_kernels._Native, "error", None)
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setattr(_kernels.shutil, "which", lambda _name: None)
+    status = _kernels.prepare("norm", torch.float32, wait=None)
+    assert status.state == "unavailable"
+    assert status.reason.count("no C++ compiler") == 1, status.reason
+    assert _kernels.run("norm", torch.randn(10)) is None
+
+
 def test_an_unsupported_dtype_is_never_built(fresh: Path) -> None:
     status = _kernels.prepare("stats", torch.int64, wait=None)
     assert status.state == "unavailable" and "dtype" in status.reason
