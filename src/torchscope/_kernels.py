@@ -384,23 +384,11 @@ def _prepare_aoti(kernel: _Kernel, native_error: str | None = None) -> None:
         _fail(kernel, f"{native_error}; {reason}" if both else reason)
 
     path = _package_path(kernel.program, kernel.dtype, kernel.device)
-    if path.exists():
-        kernel.source = "cache"
-    else:
-        reason = _toolchain_reason(kernel.device)  # a cached package needs no compiler
-        if reason is not None:
-            fail(reason)
-            return
-        t0 = time.perf_counter()
-        try:
-            error = _build(path, kernel.program, kernel.dtype, kernel.device)
-        except OSError as exc:
-            error = f"the kernel cache {path.parent} is not writable: {exc}"
-        if error is not None:
-            fail(error)
-            return
-        kernel.build_s = time.perf_counter() - t0
-        kernel.source = "built"
+    error, kernel.source, kernel.build_s = _cached_or_built(
+        path, kernel.device, lambda p: _build(p, kernel.program, kernel.dtype, kernel.device))
+    if error is not None:
+        fail(error)
+        return
     t0 = time.perf_counter()
     index = kernel.device.index if kernel.device.index is not None else (
         torch.cuda.current_device() if kernel.device.type == "cuda" else -1)
@@ -419,6 +407,23 @@ def _prepare_aoti(kernel: _Kernel, native_error: str | None = None) -> None:
         return out
 
     _set_ready(kernel, runner)
+
+
+def _cached_or_built(path: Path, device: torch.device, build: Callable[[Path], str | None]
+                     ) -> tuple[str | None, str, float | None]:
+    """`path` from the cache, or built there by `build` (a cached file needs no compiler):
+    (why not, or None; `cache` or `built`; seconds the build took)."""
+    if path.exists():
+        return None, "cache", None
+    reason = _toolchain_reason(device)
+    if reason is not None:
+        return reason, "", None
+    t0 = time.perf_counter()
+    try:
+        error = build(path)
+    except OSError as exc:
+        error = f"the kernel cache {path.parent} is not writable: {exc}"
+    return error, "" if error else "built", None if error else time.perf_counter() - t0
 
 
 def _set_ready(kernel: _Kernel, runner: _Runner) -> None:
@@ -488,21 +493,10 @@ def _load_native() -> str | None:
     """Build (once per machine) and load the native library into `_Native`; None on
     success, else why not."""
     path = _native_path()
-    if path.exists():
-        _Native.source = "cache"
-    else:
-        reason = _toolchain_reason(torch.device("cpu"))
-        if reason is not None:
-            return reason
-        t0 = time.perf_counter()
-        try:
-            error = _with_build_lock(path, _compile_native)
-        except OSError as exc:
-            error = f"the kernel cache {path.parent} is not writable: {exc}"
-        if error is not None:
-            return error
-        _Native.build_s = time.perf_counter() - t0
-        _Native.source = "built"
+    error, _Native.source, _Native.build_s = _cached_or_built(
+        path, torch.device("cpu"), lambda p: _with_build_lock(p, _compile_native))
+    if error is not None:
+        return error
     t0 = time.perf_counter()
     try:
         torch.ops.load_library(str(path))
@@ -525,13 +519,16 @@ def _compile_native(out: Path) -> str | None:
     else the compiler's last line."""
     torch_dir = Path(torch.__file__).resolve().parent
     lib = torch_dir / "lib"
-    cxx = next(c for c in (os.environ.get("CXX", ""), "g++", "clang++", "c++")
-               if c and shutil.which(c))
+    cxx = next((c for c in (os.environ.get("CXX", ""), "g++", "clang++", "c++")
+                if c and shutil.which(c)), None)
+    if cxx is None:
+        return "no C++ compiler (g++, clang++ or $CXX) for the native kernel"
     openmp: list[str] = []
     if "OpenMP" in torch.__config__.parallel_info():
         # at::parallel_for is inline OpenMP: link torch's own libgomp, so that the loader
         # reuses the runtime torch already loaded and its thread pool is shared.
         openmp = ["-fopenmp", *map(str, sorted(lib.glob("libgomp*.so*"))[:1])]
+    nice = ["nice", "-n", "10"] if shutil.which("nice") else []  # a background build
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     tail = "no output"
@@ -544,7 +541,6 @@ def _compile_native(out: Path) -> str | None:
                    "-I", str(torch_dir / "include" / "torch" / "csrc" / "api" / "include"),
                    str(_NATIVE_SOURCE), "-o", tmp, "-Wl,--as-needed", *openmp,
                    "-L", str(lib), "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}"]
-            nice = ["nice", "-n", "10"] if shutil.which("nice") else []  # a background build
             try:
                 done = subprocess.run(nice + cmd, capture_output=True, text=True, check=False,
                                       timeout=_BUILD_TIMEOUT_S, start_new_session=True)

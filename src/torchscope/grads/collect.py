@@ -18,7 +18,8 @@ outputs are views, so an in-place op after the module (`nn.ReLU(inplace=True)`,
   `.grad` (one call for the whole model instead of one reduction per parameter).
 
 Every hook only enqueues a device reduction, one read of each gradient: the fused `norm`
-kernel of `torchscope._kernels` (float64 accumulation) once it is ready, `vector_norm`
+kernel of `torchscope._kernels` (float32 spans summed in float64 on CPU float32, float64
+sums elsewhere) once it is ready, `vector_norm`
 before that and wherever it cannot run. `finish()` stacks those 0-d tensors and copies them
 to the host once per step.
 
@@ -429,7 +430,7 @@ class GradCollector(HookedContext):
             if (key[:5] == prev[:5] and (key[5:7] == prev[5:7] or (key[7] and prev[7]))
                     and ref() is not None):
                 return index
-        # One read of the gradient: the fused kernel (float64 sums), or eager `vector_norm`
+        # One read of the gradient: the fused kernel, or eager `vector_norm`
         # with half precision summed in float32 so that it cannot overflow.
         n = _kernels.run("norm", t)  # () on g.device
         if n is not None:

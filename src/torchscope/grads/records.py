@@ -409,7 +409,8 @@ class GradFlow(Analyzed, Gatherable):
             FSDP2: global) and `modules` this rank's own activation gradients. None on one
             process. `flow.gather()` brings every rank's flow to rank 0.
         fused_norms, eager_norms: gradients of module outputs and inputs whose norm the
-            fused kernel computed (`torchscope._kernels`, one pass, float64 sums) and those
+            fused kernel computed (`torchscope._kernels`, one pass; float32 spans summed in
+            float64 on CPU float32, float64 sums elsewhere) and those
             eager `vector_norm` did (while the kernel was building, or where it cannot run);
             parameter norms come from one `torch._foreach_norm` per backward.
     """
