@@ -13,6 +13,9 @@ from torchscope.cli import app
 runner = CliRunner()
 
 
+# On one reduction path throughout: a kernel that became ready between the two runs would
+# change their eager/fused counts.
+@pytest.mark.usefixtures("reduction_path")
 def test_default_target_tiny_cnn(tmp_path: Path) -> None:
     out = tmp_path / "g.json"
     plot = tmp_path / "g.png"
