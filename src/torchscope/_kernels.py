@@ -233,26 +233,20 @@ def run(program: Program, x: torch.Tensor, *, dead_units: bool = False) -> torch
         _request(program, x.detach())
         return None
     # Every Python step here runs once per hooked tensor, just after megabytes went through
-    # the caches, where it costs several times its bare timing: keep them few.
+    # the caches, where it costs several times its bare timing: keep them few (one frame;
+    # the per-key conditions are settled once, in `_request`).
     t = x if type(x) is torch.Tensor and not x.requires_grad else x.detach()
-    if not _runnable(t):
+    if (type(t) is not torch.Tensor  # a subclass (FakeTensor included) or a Parameter
+            or not 2 <= t.numel() <= _MAX_NUMEL
+            or t.layout != torch.strided
+            or t.is_neg()
+            or torch._C._len_torch_dispatch_stack()
+            or torch._C._functorch.is_functorch_wrapped_tensor(t)
+            or torch._is_functional_tensor(t)
+            or torch.compiler.is_compiling()
+            or (t.is_cuda and torch.cuda.is_current_stream_capturing())):
         return None
     return fn(t, dead_units)
-
-
-def _runnable(t: torch.Tensor) -> bool:
-    """The per-call conditions (the per-key ones are settled once, in `_request`)."""
-    return (
-        type(t) is torch.Tensor  # no subclass (FakeTensor included) or Parameter
-        and 2 <= t.numel() <= _MAX_NUMEL
-        and t.layout == torch.strided
-        and not t.is_neg()
-        and not torch._C._len_torch_dispatch_stack()
-        and not torch._C._functorch.is_functorch_wrapped_tensor(t)
-        and not torch._is_functional_tensor(t)
-        and not torch.compiler.is_compiling()
-        and not (t.is_cuda and torch.cuda.is_current_stream_capturing())
-    )
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -473,7 +467,8 @@ def _prepare_native(kernel: _Kernel) -> str | None:
         return _Native.error or "the native kernel is unavailable"
     kernel.source, kernel.build_s, kernel.load_s = _Native.source, _Native.build_s, \
         _Native.load_s
-    op = _Native.ops[kernel.program]
+    # The C++ callable behind the OpOverload: one Python frame less per call.
+    op = getattr(_Native.ops[kernel.program], "_op", _Native.ops[kernel.program])
 
     def stats(t: torch.Tensor, dead_units: bool) -> torch.Tensor:
         # Any contiguous shape as it is (the kernel reads the channels from it); a dense
