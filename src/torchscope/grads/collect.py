@@ -1,18 +1,29 @@
-"""Gradient collection with tensor hooks: per-call grad_output / grad_input norms and
+"""Gradient collection with autograd hooks: per-call grad_output / grad_input norms and
 per-parameter norms, without `register_full_backward_hook`.
 
 Why not full backward hooks: they wrap module outputs in a custom autograd Function whose
 outputs are views, so an in-place op after the module (`nn.ReLU(inplace=True)`,
 `x.relu_()`) raises. Here instead:
 
-- grad_output: a tensor hook on each output, registered in a forward hook. A hook
-  registered before an in-place change still receives the gradient of the value the module
-  produced (autograd keeps it on the original node).
-- grad_input: each tensor input that requires grad is replaced by `x.view_as(x)` in a
-  forward-pre hook, and a hook on that alias sees exactly the gradient this call passes
-  down (other consumers of `x` do not flow through the alias). A module that changes its
-  input in place (`inplace=True`, or the alias' version moved during forward) is measured
-  instead on the autograd node that the in-place op put in front of the original producer.
+- grad_output: a post-hook on the autograd node that produced each output, registered in
+  a forward hook (a tensor hook only for an output without one, a leaf). The node keeps the
+  gradient of the value the module produced even when the output is changed in place later.
+- grad_input, by one of two routes:
+  - aliases, always correct: each tensor input that requires grad is replaced by
+    `aten.alias(x)` in a forward-pre hook, and a hook on that alias sees exactly the
+    gradient this call passes down (other consumers of `x` do not flow through the alias).
+  - the graph, for a `torch.nn` leaf (Conv2d, Linear, BatchNorm2d, ReLU, ...) once one of
+    its calls has shown, through its aliases, that each input is consumed at exactly one
+    autograd node behind its outputs, with nothing but parameters besides
+    (`_entry_points`): later calls take no alias, and that node's grad_input at that edge
+    is read by the same post-hook as the output, so one hook serves a call. Each call is
+    checked again; one that does not fit leaves its input unmeasured (`NOT_MEASURED`) and
+    sends the module back to aliases. A module of the user's code always takes aliases: it
+    may also use its input elsewhere (kept for a later loss term), which only an alias sees.
+
+  A module that changes its input in place (`inplace=True`, or the alias' version moved
+  during forward) is measured instead on the autograd node that the in-place op put in
+  front of the original producer.
 - parameters: post-accumulate-grad hooks, which see `.grad` after accumulation, mark the
   parameter; when the backward ends, one `torch._foreach_norm` measures every marked
   `.grad` (one call for the whole model instead of one reduction per parameter).
@@ -71,6 +82,9 @@ __all__ = ["GradCollector", "with_updates"]
 
 _HALF = (torch.float16, torch.bfloat16)
 _MAX_WALK = 256  # nodes followed back from an in-place op to the input's producer
+_MAX_PLAN = 16  # nodes followed behind a call's outputs to find where its inputs enter
+# A leaf's node, where a walk ends (torch's stubs do not declare the class).
+_ACCUMULATE_GRAD: type = torch._C._functions.AccumulateGrad  # type: ignore[attr-defined]
 
 
 class _Slot:
@@ -110,25 +124,35 @@ class _Call:
     outs: list[_Slot] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(slots=True)
 class _PendingInput:
     """An input between the pre-hook and the forward hook of one call."""
 
     slot: _Slot
-    tensor: torch.Tensor  # the alias, or the input itself for in-place modules
+    tensor: torch.Tensor  # the alias, or the input itself (in-place and direct calls)
     producer: Any  # the input's grad_fn before the call (an autograd Node or None)
+    nr: int  # the input's output_nr before the call: its edge is (producer, nr)
     version: int
     aliased: bool
 
 
-@dataclass
+@dataclass(slots=True)
 class _Intake:
     """Inputs of one call between its pre-hook and its forward hook."""
 
     call: _Call
     inplace: bool
+    direct: bool  # measure the inputs on autograd's nodes, without aliases
     pending: list[_PendingInput] = field(default_factory=list)
     seen: dict[int, tuple[torch.Tensor, _Slot]] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _NodeReads:
+    """The gradients one post-hook on one autograd node reads for one call."""
+
+    outs: list[tuple[_Slot, int]] = field(default_factory=list)  # (slot, index in grad_outputs)
+    ins: list[tuple[_Slot, int]] = field(default_factory=list)  # (slot, index in grad_inputs)
 
 
 def _is_plain(t: torch.Tensor) -> bool:
@@ -184,6 +208,70 @@ def with_updates(flow: GradFlow, updates: dict[str, torch.Tensor]) -> GradFlow:
     host = dict(zip(names, _host_floats([updates[n] for n in names]), strict=True))
     params = tuple(replace(p, update_norm=host.get(p.tied_to or p.name)) for p in flow.params)
     return replace(flow, params=params)
+
+
+def _entry_points(roots: list[Any], edges: list[tuple[Any, int]]) -> list[tuple[Any, int]] | None:
+    """Where each input edge `(producer, output_nr)` enters the autograd graph behind a
+    call's outputs (`roots`, their grad_fns): per edge the one (node, index in its
+    `next_functions`) that consumes it. None unless each edge is consumed exactly once and
+    everything else behind the roots ends, within `_MAX_PLAN` nodes, at leaves (parameters'
+    AccumulateGrad nodes): then that node's grad_input at that index is the whole gradient
+    the call passes to the input.
+
+    Runs once per call of a module read this way, so it scans plain lists (a call has few
+    inputs) rather than building dicts and sets.
+
+    Args:
+        roots: the grad_fns of the call's outputs.
+        edges: the input edges, as recorded before the call.
+    """
+    found: list[tuple[Any, int] | None] = [None] * len(edges)
+    todo: list[Any] = []
+    for root in roots:
+        for producer, _ in edges:
+            if root is producer:
+                return None  # the call returned an input as it was
+        if all(root is not r for r in todo):
+            todo.append(root)
+    followed = todo[:]
+    for _ in range(_MAX_PLAN):
+        if not todo:
+            break
+        node = todo.pop()
+        for k, (nxt, nr) in enumerate(node.next_functions):
+            if nxt is None or type(nxt) is _ACCUMULATE_GRAD:
+                continue  # no gradient, or a leaf (a parameter)
+            hit = -1
+            for i, (producer, pnr) in enumerate(edges):
+                if nxt is producer:
+                    if pnr != nr:
+                        hit = -2  # another output of an input's producer, not passed in
+                        continue
+                    hit = i
+                    break
+            if hit >= 0:
+                if found[hit] is not None:
+                    return None  # consumed twice: no single node holds its gradient
+                found[hit] = (node, k)
+            elif hit == -2:
+                return None
+            elif all(nxt is not f for f in followed):
+                followed.append(nxt)
+                todo.append(nxt)
+    if todo:
+        return None  # too large to follow: keep the aliases
+    points = [f for f in found if f is not None]
+    return points if len(points) == len(found) else None  # None: an input went unused
+
+
+def _reads_at(reads: list[tuple[Any, _NodeReads]], node: Any) -> _NodeReads:
+    """The reads of `node` in `reads` (a call touches few nodes: a list), added if new."""
+    for n, r in reads:
+        if n is node:
+            return r
+    r = _NodeReads()
+    reads.append((node, r))
+    return r
 
 
 def _find_inplace_node(start: Any, producer: Any) -> Any:
@@ -340,7 +428,7 @@ class GradCollector(HookedContext):
         self._bw_queued = False
         self._before: list[tuple[str, nn.Parameter, torch.Tensor]] = []
         # Per hooked module: its calls between pre-hook and forward hook.
-        self._in_flight: list[list[tuple[_Call, list[_PendingInput]] | None]] = []
+        self._in_flight: list[list[tuple[_Call, list[_PendingInput], bool] | None]] = []
         self._reset()
 
     # ------------------------------------------------------------------ lifecycle
@@ -394,9 +482,9 @@ class GradCollector(HookedContext):
         self._counts: dict[str, int] = {}
         self._step_handles: list[Any] = []
         self._backwards = 0
-        # The previous gradient: a weak reference to it, its identity key, the index of its
-        # norm.
-        self._last: tuple[weakref.ReferenceType[torch.Tensor], tuple[Any, ...], int] | None \
+        # The previous gradient: a weak reference to it, its data pointer, version and
+        # element count, and the index of its norm.
+        self._last: tuple[weakref.ReferenceType[torch.Tensor], int, int, int, int] | None \
             = None
 
     # ------------------------------------------------------------------ hooks
@@ -411,8 +499,8 @@ class GradCollector(HookedContext):
             self._counts = {}
 
     def _push(self, g: torch.Tensor) -> int:
-        t = g.detach()
-        if t.is_sparse:
+        t = g.detach() if g.requires_grad else g  # requires grad under create_graph only
+        if t.layout != torch.strided and t.is_sparse:
             t = t.coalesce().values()
         # The gradient a layer passes down usually reaches the layer below as the same
         # tensor, or a view of its memory (through the input alias): reuse its norm. A weak
@@ -421,15 +509,18 @@ class GradCollector(HookedContext):
         # shared version counter that nothing wrote to it. A strong reference would stop
         # autograd from accumulating into that buffer in place, and so would a weak
         # reference to its storage (measured: one more out-of-place add per residual
-        # merge, 2.5 % of a narrow ResNet's step).
-        key = (t.data_ptr(), t.numel(), t.dtype, t.device, t._version,
-               tuple(t.shape), t.stride(), t.is_contiguous())
+        # merge, 2.5 % of a narrow ResNet's step). The cheap half of the comparison comes
+        # first: this runs for every gradient, just after megabytes went through the caches.
+        ptr, version, numel = t.data_ptr(), t._version, t.numel()
         last = self._last
-        if last is not None and t.numel() > 0:
-            ref, prev, index = last
-            if (key[:5] == prev[:5] and (key[5:7] == prev[5:7] or (key[7] and prev[7]))
-                    and ref() is not None):
-                return index
+        if last is not None and last[1] == ptr and last[2] == version and last[3] == numel \
+                and numel > 0:
+            prev = last[0]()
+            if prev is not None and prev.layout == torch.strided and \
+                    prev.dtype == t.dtype and prev.device == t.device and (
+                        (prev.shape == t.shape and prev.stride() == t.stride())
+                        or (prev.is_contiguous() and t.is_contiguous())):
+                return last[4]
         # One read of the gradient: the fused kernel, or eager `vector_norm`
         # with half precision summed in float32 so that it cannot overflow.
         n = _kernels.run("norm", t)  # () on g.device
@@ -441,7 +532,7 @@ class GradCollector(HookedContext):
                 torch.linalg.vector_norm(t)  # () on g.device
         self._vals.append(n)
         index = len(self._vals) - 1
-        self._last = (weakref.ref(g), key, index)
+        self._last = (weakref.ref(g), ptr, version, numel, index)
         return index
 
     def _queue_end(self) -> None:
@@ -483,6 +574,8 @@ class GradCollector(HookedContext):
         return hook
 
     def _output_hook(self, slot: _Slot, call: _Call) -> Callable[[torch.Tensor], None]:
+        # Only for an output without a grad_fn (a leaf that requires grad): the others are
+        # read by a post-hook on the node that produced them.
         def hook(g: torch.Tensor) -> None:
             slot.val = self._push(g)
             if call.order is None:
@@ -499,12 +592,50 @@ class GradCollector(HookedContext):
 
         return hook
 
-    def _node_hook(self, slot: _Slot) -> Callable[[Any, Any], None]:
-        def hook(grad_inputs: tuple[torch.Tensor | None, ...], _grad_outputs: Any) -> None:
-            if grad_inputs and grad_inputs[0] is not None:
-                slot.val = self._push(grad_inputs[0])
+    def _node_hook(self, call: _Call, reads: _NodeReads) -> Callable[[Any, Any], None]:
+        """One post-hook per autograd node and call: the node's grad_outputs that are the
+        call's outputs' gradients, then its grad_inputs that are what the call passes to its
+        inputs (in that order, so that the layer below reuses the last norm)."""
+        outs, ins = reads.outs, reads.ins
+
+        def hook(grad_inputs: tuple[torch.Tensor | None, ...],
+                 grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
+            if outs:
+                for slot, nr in outs:
+                    g = grad_outputs[nr]
+                    if g is not None:
+                        slot.val = self._push(g)
+                if call.order is None:
+                    call.order = self._order
+                    self._order += 1
+                self._queue_end()
+            for slot, k in ins:
+                g = grad_inputs[k]
+                if g is not None:
+                    slot.val = self._push(g)
 
         return hook
+
+    @staticmethod
+    def _read_entries(reads: list[tuple[Any, _NodeReads]], roots: list[Any],
+                      direct_in: list[_PendingInput],
+                      misfit: Callable[[list[_PendingInput]], None]) -> None:
+        """Add to `reads` the nodes where `direct_in` enter the graph behind `roots`, or
+        call `misfit` when they do not enter as the module's earlier calls showed."""
+        if not direct_in:
+            return
+        points = _entry_points(roots, [(p.producer, p.nr) for p in direct_in])
+        if points is None:
+            misfit(direct_in)
+            return
+        for p, (node, k) in zip(direct_in, points, strict=True):
+            _reads_at(reads, node).ins.append((p.slot, k))
+
+    def _hook_nodes(self, call: _Call, reads: list[tuple[Any, _NodeReads]]) -> None:
+        """One post-hook per autograd node that holds gradients of this call."""
+        for node, r in reads:
+            self._step_handles.append(self._session.track(
+                node.register_hook(self._node_hook(call, r))))
 
     def _take_input(self, intake: _Intake, path: str, t: torch.Tensor) -> torch.Tensor:
         """Record one tensor input; return what the module should receive instead."""
@@ -521,24 +652,33 @@ class GradCollector(HookedContext):
             slot.reason = INPUT_NO_GRAD
         elif not _is_plain(t):
             slot.reason = NOT_MEASURED
-        elif intake.inplace:
-            intake.pending.append(_PendingInput(slot, t, t.grad_fn, t._version, aliased=False))
+        elif intake.inplace or (intake.direct and t.grad_fn is not None):
+            intake.pending.append(
+                _PendingInput(slot, t, t.grad_fn, t.output_nr, t._version, aliased=False))
         else:
             # Same storage; its gradient is this call's share only. AliasBackward0 passes the
             # gradient on as it is, where view_as's backward would make a view of it.
             given = torch.ops.aten.alias(t)
             self._step_handles.append(self._session.tensor_hook(given, self._input_hook(slot)))
-            intake.pending.append(
-                _PendingInput(slot, given, t.grad_fn, given._version, aliased=True))
+            intake.pending.append(_PendingInput(slot, given, t.grad_fn, t.output_nr,
+                                                given._version, aliased=True))
         intake.seen[id(t)] = (given, slot)
         return given
 
     def _make_module_hooks(self, name: str, module: nn.Module) -> tuple[Any, Any]:
-        stack: list[tuple[_Call, list[_PendingInput]] | None] = []
+        stack: list[tuple[_Call, list[_PendingInput], bool] | None] = []
         self._in_flight.append(stack)
         type_name = type(module).__name__
         owns = next(module.parameters(recurse=False), None) is not None
         inplace = getattr(module, "inplace", False) is True
+        # A torch.nn leaf uses its inputs only in the ops that make its outputs: once its
+        # calls are seen to consume each input at exactly one autograd node, its inputs are
+        # read on those nodes, without aliases (see `_entry_points`). A module of the user's
+        # code keeps its aliases, which also see an input used elsewhere (kept on `self` for
+        # a later loss term, say).
+        builtin = not inplace and next(module.children(), None) is None and \
+            type(module).__module__.startswith("torch.nn.modules.")
+        direct = [False]  # learned from a call made with aliases; unlearned by a misfit
 
         def pre(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             # Skip checkpoint recomputation: it runs forward again inside backward.
@@ -550,8 +690,8 @@ class GradCollector(HookedContext):
             self._counts[name] = count + 1
             call = _Call(name, type_name, max(self._micro, 0), count, self._seq, owns)
             self._seq += 1
-            intake = _Intake(call, inplace)
-            stack.append((call, intake.pending))
+            intake = _Intake(call, inplace, direct[0])
+            stack.append((call, intake.pending, intake.direct))
             if not self._inputs:
                 return None
             if not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor):
@@ -571,13 +711,65 @@ class GradCollector(HookedContext):
                     changed = changed or new_kwargs[k] is not v
             return (tuple(new_args), new_kwargs) if changed else None
 
+        def misfit(direct_in: list[_PendingInput]) -> None:
+            # This call does not fit what earlier calls showed: its inputs go unmeasured,
+            # and the module's next calls take aliases again.
+            direct[0] = False
+            for p in direct_in:
+                p.slot.reason = NOT_MEASURED
+
         def post(_m: nn.Module, _args: tuple[Any, ...], output: Any) -> None:
             entry = stack.pop() if stack else None
             if entry is None:
                 return
-            call, pending = entry
+            call, pending, was_direct = entry
+            grad = torch.is_grad_enabled()
+            reads: list[tuple[Any, _NodeReads]] = []
+            if was_direct and type(output) is torch.Tensor and grad and output.requires_grad \
+                    and output.grad_fn is not None and all(not p.aliased for p in pending):
+                # Most calls: one output, its inputs read on the graph (one frame, few steps).
+                node: Any = output.grad_fn
+                slot = _Slot("", output)
+                call.outs.append(slot)
+                reads.append((node, _NodeReads([(slot, output.output_nr)])))
+                if pending:
+                    direct_in: list[_PendingInput] = []
+                    for p in pending:
+                        if p.tensor is output:  # returned as it came (Dropout in eval)
+                            p.slot.same_as = slot
+                        else:
+                            direct_in.append(p)
+                    self._read_entries(reads, [node], direct_in, misfit)
+                self._hook_nodes(call, reads)
+                self._calls.append(call)
+                return
+            outs: dict[int, _Slot] = {}
+            roots: list[Any] = []
+            tensors = (("", output),) if type(output) is torch.Tensor else iter_tensors(output)
+            for path, t in tensors:
+                if t.requires_grad and grad:
+                    slot = _Slot(path, t)
+                    node = t.grad_fn
+                    if node is None:  # a leaf: only a tensor hook sees its gradient
+                        self._step_handles.append(
+                            self._session.tensor_hook(t, self._output_hook(slot, call)))
+                    else:
+                        _reads_at(reads, node).outs.append((slot, t.output_nr))
+                        roots.append(node)
+                else:
+                    slot = _Slot(path, t, OUTPUT_NO_GRAD)
+                call.outs.append(slot)
+                outs.setdefault(id(t), slot)
             untouched: list[_PendingInput] = []
+            direct_in = []
             for p in pending:
+                if not p.aliased and not inplace:
+                    same = outs.get(id(p.tensor))
+                    if same is not None:  # returned as it came (Dropout in eval)
+                        p.slot.same_as = same
+                    else:
+                        direct_in.append(p)  # read where it enters the graph, below
+                    continue
                 if p.tensor._version == p.version:
                     if not p.aliased:
                         untouched.append(p)
@@ -586,24 +778,19 @@ class GradCollector(HookedContext):
                 base = p.tensor._base if p.aliased and p.tensor._base is not None else p.tensor
                 node = _find_inplace_node(base.grad_fn, p.producer) \
                     if p.producer is not None else None
+                p.slot.use_node = True
                 if node is None:
                     p.slot.reason = NOT_MEASURED
-                    p.slot.use_node = True
-                    continue
-                p.slot.use_node = True
-                self._step_handles.append(self._session.track(
-                    node.register_hook(self._node_hook(p.slot))))
-            outs: dict[int, _Slot] = {}
-            tensors = (("", output),) if type(output) is torch.Tensor else iter_tensors(output)
-            for path, t in tensors:
-                if t.requires_grad and torch.is_grad_enabled():
-                    slot = _Slot(path, t)
-                    self._step_handles.append(
-                        self._session.tensor_hook(t, self._output_hook(slot, call)))
                 else:
-                    slot = _Slot(path, t, OUTPUT_NO_GRAD)
-                call.outs.append(slot)
-                outs.setdefault(id(t), slot)
+                    _reads_at(reads, node).ins.append((p.slot, 0))
+            if direct_in:
+                self._read_entries(reads, roots, direct_in, misfit)
+            elif builtin and not was_direct and pending and roots and \
+                    all(p.aliased and p.tensor._version == p.version for p in pending):
+                # Would these inputs have been found on the graph without their aliases?
+                direct[0] = _entry_points(
+                    roots, [(p.tensor.grad_fn, p.tensor.output_nr) for p in pending]) is not None
+            self._hook_nodes(call, reads)
             for p in untouched:
                 # An in-place module that left its input alone (Dropout in eval) and returned
                 # it: what it passes down is what it receives.
@@ -630,8 +817,16 @@ class GradCollector(HookedContext):
         FSDP2's sharded parameters are left out: the norm of a shard's update is not the
         parameter's, and updates are not exchanged between ranks.
         """
-        self._before = [(name, p, p.detach().clone()) for name, _, p in self._params
-                        if p.requires_grad and not is_dtensor(p)]
+        kept = [(name, p) for name, _, p in self._params
+                if p.requires_grad and not is_dtensor(p)]
+        if not kept:
+            self._before = []
+            return
+        weights: list[torch.Tensor] = [p for _, p in kept]
+        with torch.no_grad():
+            # One foreach call for every copy; multiplying by one is exact.
+            copies = torch._foreach_mul(weights, 1.0)
+        self._before = [(name, p, c) for (name, p), c in zip(kept, copies, strict=True)]
 
     def measure_updates(self) -> dict[str, torch.Tensor]:
         """Right after the update: `‖w_after - w_before‖` per parameter snapshotted by
@@ -641,7 +836,7 @@ class GradCollector(HookedContext):
             return {}
         befores = [before for _, _, before in self._before]
         with torch.no_grad():
-            torch._foreach_sub_(befores, [p.detach() for _, p, _ in self._before])  # in place
+            torch._foreach_sub_(befores, [p for _, p, _ in self._before])  # in place
         out = dict(zip([name for name, _, _ in self._before], _norms(befores), strict=True))
         self._before = []
         return out

@@ -1,0 +1,261 @@
+"""Inputs read on autograd's nodes against inputs read through aliases (the two routes of
+`torchscope.grads.collect`).
+
+A watch measures a module's first call through input aliases and, for a `torch.nn` leaf
+whose call consumed each input at one node, its later calls on that node. Both routes read
+the same gradient tensors, so with unchanged weights and inputs every step must give the
+same norms, bit for bit; and a call that does not fit the earlier ones must be reported as
+unmeasured, never measured wrong.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional
+
+from torchscope.grads import watch_gradients
+from torchscope.grads.records import NOT_MEASURED, GradFlow
+from torchscope.hooks import audit_hooks
+from torchscope.models import ResNetMini
+
+# Every test here runs twice: norms by eager `vector_norm`, and by the fused kernel.
+pytestmark = pytest.mark.usefixtures("reduction_path")
+
+
+def _aliases(loss: torch.Tensor) -> int:
+    """AliasBackward0 nodes in the graph behind `loss`: one per aliased module input."""
+    seen: set[int] = set()
+    todo: list[Any] = [loss.grad_fn]
+    count = 0
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        count += type(node).__name__ == "AliasBackward0"
+        todo.extend(n for n, _ in node.next_functions)
+    return count
+
+
+def _watched(model: nn.Module, loss_of: Callable[[], torch.Tensor], steps: int = 3,
+             **kwargs: Any) -> tuple[list[GradFlow], list[int]]:
+    """`steps` steps under one watch, weights unchanged: each step's flow, and the aliases
+    each step's graph held."""
+    flows: list[GradFlow] = []
+    aliases: list[int] = []
+    with watch_gradients(model, every=1, manual=True, on_sample=flows.append,
+                         **kwargs) as watch:
+        for _ in range(steps):
+            model.zero_grad(set_to_none=True)
+            loss = loss_of()
+            aliases.append(_aliases(loss))
+            loss.backward()
+            watch.end_step()
+    assert audit_hooks(model, include_global=False).local_total == 0
+    return flows, aliases
+
+
+def _calls(flow: GradFlow) -> list[tuple[Any, ...]]:
+    """Every call's identity, backward order and (norm, reason) per input and output."""
+    return [(r.module, r.call, r.order,
+             tuple((g.path, g.norm, g.reason) for g in r.grad_input),
+             tuple((g.path, g.norm, g.reason) for g in r.grad_output)) for r in flow.modules]
+
+
+def _assert_routes_agree(flows: list[GradFlow]) -> None:
+    first = _calls(flows[0])
+    assert any(g[1] is not None for c in first for g in c[3]), "no input was measured"
+    for flow in flows[1:]:
+        assert _calls(flow) == first
+        assert [(p.name, p.norm) for p in flow.params] == \
+            [(p.name, p.norm) for p in flows[0].params]
+
+
+def test_resnet_inputs_read_on_the_graph_equal_the_aliases() -> None:
+    torch.manual_seed(0)
+    model = ResNetMini(channels=4, blocks=3).train()
+    x, y = torch.randn(2, 3, 8, 8), torch.randint(0, 10, (2,))
+    flows, aliases = _watched(model, lambda: functional.cross_entropy(model(x), y))
+    # Step 0 aliases every input that requires grad; then every leaf is torch.nn's and
+    # read on the graph: no alias at all.
+    assert aliases[0] == 3 * 3 + 2 + 2  # 3 per block, stem BN and ReLU, pool and fc
+    assert aliases[1:] == [0, 0]
+    _assert_routes_agree(flows)
+    # A residual block's conv passes down only its share of the block input's gradient.
+    conv = flows[-1].get("blocks.1.conv")
+    block_in = flows[-1].get("blocks.0.relu")
+    assert conv.grad_input[0].norm != block_in.grad_output[0].norm
+
+
+class _Seq(nn.Module):
+    """Linear on 3-D inputs (its input enters at a reshape, not at the output's node), a
+    LayerNorm, GELU, an in-place ReLU and `relu_()` after a layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(6, 16)
+        self.norm = nn.LayerNorm(16)
+        self.act = nn.GELU()
+        self.relu = nn.ReLU(inplace=True)
+        self.fc2 = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.relu(self.act(self.norm(self.fc1(x))))  # (B, T, 16)
+        h = self.fc2(h).relu_()  # (B, T, 16)
+        out: torch.Tensor = self.head(h).sum(1)  # (B, 3)
+        return out
+
+
+def test_sequence_model_and_in_place_ops() -> None:
+    torch.manual_seed(0)
+    model = _Seq()
+    x = torch.randn(2, 5, 6, requires_grad=True)  # fc1's input is a leaf: it keeps an alias
+    flows, aliases = _watched(model, lambda: model(x).square().sum())
+    assert aliases[1:] == [1, 1]
+    _assert_routes_agree(flows)
+    assert flows[-1].get("fc1").grad_input[0].norm == pytest.approx(
+        torch.autograd.grad(model(x).square().sum(), x)[0].norm().item(), rel=1e-6)
+
+
+def test_attention_lstm_and_user_modules_keep_their_aliases() -> None:
+    """MultiheadAttention (not a leaf), an LSTM (tuple outputs) and a module of the user's
+    code: the same numbers on every step, whatever route each takes."""
+
+    class Scale(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(16))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * self.w
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Linear(6, 16)
+            self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+            self.scale = Scale()
+            self.lstm = nn.LSTM(16, 8, batch_first=True)
+            self.head = nn.Linear(8, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.emb(x)
+            a, _ = self.attn(h, h, h, need_weights=False)
+            out, _ = self.lstm(self.scale(h + a))
+            result: torch.Tensor = self.head(out[:, -1])
+            return result
+
+    torch.manual_seed(0)
+    model = Net()
+    x = torch.randn(2, 5, 6)
+    flows, aliases = _watched(model, lambda: model(x).sum(),
+                              select=["emb", "attn", "scale", "lstm", "head"])
+    assert aliases[1] >= 2  # attn and scale keep theirs
+    _assert_routes_agree(flows)
+
+
+def test_tiny_gpt2_routes_agree(tiny_gpt2: nn.Module) -> None:
+    model = tiny_gpt2
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(1))
+    flows, aliases = _watched(model, lambda: model(input_ids=ids, labels=ids).loss)
+    assert 0 < aliases[1] < aliases[0]  # LayerNorms leave their aliases, Conv1D keeps its
+    _assert_routes_agree(flows)
+
+
+def test_dropout_returning_its_input_in_eval() -> None:
+    """Learned in training (dropout is an op there); in eval the module returns its input:
+    what it passes down is what it receives."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.Linear(8, 2))
+    x = torch.randn(3, 4)
+    calls = [0]
+
+    def loss() -> torch.Tensor:
+        calls[0] += 1
+        model.train(calls[0] <= 2)  # one watch: two steps in training, then one in eval
+        out: torch.Tensor = model(x).sum()
+        return out
+
+    flows, aliases = _watched(model, loss)
+    assert aliases == [2, 0, 0]  # Dropout and the second Linear alias on the first step only
+    assert flows[1].get("1").grad_input[0].norm is not None
+    drop = flows[2].get("1")
+    assert drop.grad_input[0].norm == drop.grad_output[0].norm is not None
+    assert drop.grad_input[0].norm == flows[2].get("0").grad_output[0].norm
+
+
+def test_a_call_that_does_not_fit_is_unmeasured_not_wrong() -> None:
+    """A Bilinear first called with two tensors, then with one tensor twice: its input is
+    then consumed at two nodes, so no node holds its whole gradient. That call reports its
+    input as unmeasured, and the next call goes back to aliases and measures it."""
+    torch.manual_seed(0)
+    bil = nn.Bilinear(4, 4, 3)
+    fc = nn.Linear(4, 4)
+    a, b = torch.randn(5, 4), torch.randn(5, 4)
+    same = [False]
+
+    def loss() -> torch.Tensor:
+        h = fc(a)
+        out: torch.Tensor = bil(h, h if same[0] else fc(b)).sum()
+        return out
+
+    flows: list[GradFlow] = []
+    with watch_gradients(bil, every=1, manual=True, on_sample=flows.append) as watch:
+        for step in range(4):
+            same[0] = step >= 2
+            bil.zero_grad(set_to_none=True)
+            fc.zero_grad(set_to_none=True)
+            loss().backward()
+            watch.end_step()
+    assert flows[1].modules[0].grad_input[0].norm is not None  # read on the graph
+    misfit = flows[2].modules[0].grad_input[0]
+    assert misfit.norm is None and misfit.reason == NOT_MEASURED
+    h = fc(a).detach().requires_grad_()
+    (grad,) = torch.autograd.grad(bil(h, h).sum(), h)
+    assert flows[3].modules[0].grad_input[0].norm == pytest.approx(grad.norm().item(),
+                                                                   rel=1e-6)
+
+
+def test_a_user_module_that_keeps_its_input_counts_every_use() -> None:
+    """A module of the user's code may use its input again outside its outputs (kept for a
+    later loss term): only an alias sees that share, so such modules keep their aliases and
+    report the whole gradient they pass down, on every step."""
+
+    class Keep(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.kept: torch.Tensor | None = None
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.kept = x
+            out: torch.Tensor = self.fc(x)
+            return out
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stem = nn.Linear(3, 4)
+            self.keep = Keep()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out = self.keep(self.stem(x)).sum()
+            assert self.keep.kept is not None
+            total: torch.Tensor = out + self.keep.kept.square().sum()  # a later loss term
+            return total
+
+    torch.manual_seed(0)
+    model = Net()
+    x = torch.randn(5, 3)
+    flows, _ = _watched(model, lambda: model(x), select=["keep", "keep.fc"])
+    h = model.stem(x).detach().requires_grad_()
+    (grad,) = torch.autograd.grad(model.keep(h).sum() + h.square().sum(), h)
+    for flow in flows:
+        assert flow.get("keep").grad_input[0].norm == pytest.approx(grad.norm().item(),
+                                                                     rel=1e-6)
