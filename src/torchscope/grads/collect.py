@@ -142,7 +142,7 @@ class _Intake:
 
     call: _Call
     inplace: bool
-    direct: bool  # measure the inputs on autograd's nodes, without aliases
+    graph: bool  # read the inputs on autograd's nodes, without aliases
     pending: list[_PendingInput] = field(default_factory=list)
     seen: dict[int, tuple[torch.Tensor, _Slot]] = field(default_factory=dict)
 
@@ -239,8 +239,8 @@ def _entry_points(roots: list[Any], edges: list[tuple[Any, int]]) -> list[tuple[
             break
         node = todo.pop()
         for k, (nxt, nr) in enumerate(node.next_functions):
-            if nxt is None or type(nxt) is _ACCUMULATE_GRAD:
-                continue  # no gradient, or a leaf (a parameter)
+            if nxt is None:
+                continue  # no gradient flows there
             hit = -1
             for i, (producer, pnr) in enumerate(edges):
                 if nxt is producer:
@@ -249,12 +249,14 @@ def _entry_points(roots: list[Any], edges: list[tuple[Any, int]]) -> list[tuple[
                         continue
                     hit = i
                     break
-            if hit >= 0:
+            if hit >= 0:  # an input (a leaf input's edge is its AccumulateGrad node)
                 if found[hit] is not None:
                     return None  # consumed twice: no single node holds its gradient
                 found[hit] = (node, k)
             elif hit == -2:
                 return None
+            elif type(nxt) is _ACCUMULATE_GRAD:
+                continue  # a leaf that is no input: a parameter
             elif all(nxt is not f for f in followed):
                 followed.append(nxt)
                 todo.append(nxt)
@@ -428,7 +430,7 @@ class GradCollector(HookedContext):
         self._bw_queued = False
         self._before: list[tuple[str, nn.Parameter, torch.Tensor]] = []
         # Per hooked module: its calls between pre-hook and forward hook.
-        self._in_flight: list[list[tuple[_Call, list[_PendingInput], bool] | None]] = []
+        self._in_flight: list[list[tuple[_Call, list[_PendingInput]] | None]] = []
         self._reset()
 
     # ------------------------------------------------------------------ lifecycle
@@ -447,9 +449,7 @@ class GradCollector(HookedContext):
         s = self._session
         s.forward_pre_hook(s.model, self._on_root_forward, prepend=True)
         for name, module in self._targets:
-            pre, post = self._make_module_hooks(name, module)
-            s.forward_pre_hook(module, pre, with_kwargs=True)
-            s.forward_hook(module, post, always_call=True)
+            self._hook_module(name, module)
         for i, (_, _, p) in enumerate(self._params):
             if p.requires_grad:
                 s.post_accumulate_grad_hook(p, self._make_param_hook(i))
@@ -652,9 +652,14 @@ class GradCollector(HookedContext):
             slot.reason = INPUT_NO_GRAD
         elif not _is_plain(t):
             slot.reason = NOT_MEASURED
-        elif intake.inplace or (intake.direct and t.grad_fn is not None):
-            intake.pending.append(
-                _PendingInput(slot, t, t.grad_fn, t.output_nr, t._version, aliased=False))
+        elif intake.inplace or intake.graph:
+            # Its edge into the graph: a leaf's is its gradient accumulator.
+            if t.grad_fn is not None:
+                node, nr = t.grad_fn, t.output_nr
+            else:
+                edge = torch.autograd.graph.get_gradient_edge(t)
+                node, nr = edge.node, edge.output_nr
+            intake.pending.append(_PendingInput(slot, t, node, nr, t._version, aliased=False))
         else:
             # Same storage; its gradient is this call's share only. AliasBackward0 passes the
             # gradient on as it is, where view_as's backward would make a view of it.
@@ -665,68 +670,101 @@ class GradCollector(HookedContext):
         intake.seen[id(t)] = (given, slot)
         return given
 
-    def _make_module_hooks(self, name: str, module: nn.Module) -> tuple[Any, Any]:
-        stack: list[tuple[_Call, list[_PendingInput], bool] | None] = []
+    def _take_inputs(self, intake: _Intake, args: tuple[Any, ...], kwargs: dict[str, Any]
+                     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        """Record a call's tensor inputs; the arguments the module should receive instead,
+        or None to keep them."""
+        if not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor):
+            # One tensor in, no keywords: most calls, without building new containers.
+            given = self._take_input(intake, "[0]", args[0])
+            return None if given is args[0] else ((given,), kwargs)
+        changed = False
+        new_args = list(args)
+        new_kwargs = dict(kwargs)
+        for i, a in enumerate(args):
+            if isinstance(a, torch.Tensor):
+                new_args[i] = self._take_input(intake, f"[{i}]", a)
+                changed = changed or new_args[i] is not a
+        for k, v in kwargs.items():
+            if isinstance(v, torch.Tensor):
+                new_kwargs[k] = self._take_input(intake, f"[{k!r}]", v)
+                changed = changed or new_kwargs[k] is not v
+        return (tuple(new_args), new_kwargs) if changed else None
+
+    def _hook_module(self, name: str, module: nn.Module) -> None:
+        """Hook one selected module: a forward hook always, and a forward-pre hook while its
+        calls take aliases or change their input in place.
+
+        A torch.nn leaf uses its inputs only in the ops that make its outputs: once one of
+        its calls is seen to consume each input at exactly one autograd node, its later
+        calls are read on those nodes (see `_entry_points`), and its forward hook alone
+        records them: the pre-hook comes off, one Python call per forward less. A call that
+        does not fit puts the pre-hook back. A module of the user's code keeps its aliases,
+        which also see an input used elsewhere (kept on `self` for a later loss term, say).
+        """
+        s = self._session
+        stack: list[tuple[_Call, list[_PendingInput]] | None] = []
         self._in_flight.append(stack)
         type_name = type(module).__name__
         owns = next(module.parameters(recurse=False), None) is not None
         inplace = getattr(module, "inplace", False) is True
-        # A torch.nn leaf uses its inputs only in the ops that make its outputs: once its
-        # calls are seen to consume each input at exactly one autograd node, its inputs are
-        # read on those nodes, without aliases (see `_entry_points`). A module of the user's
-        # code keeps its aliases, which also see an input used elsewhere (kept on `self` for
-        # a later loss term, say).
         builtin = not inplace and next(module.children(), None) is None and \
             type(module).__module__.startswith("torch.nn.modules.")
-        direct = [False]  # learned from a call made with aliases; unlearned by a misfit
+        pre_handle: list[Any] = [None]  # the pre-hook's handle; None: read on the graph
 
-        def pre(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            # Skip checkpoint recomputation: it runs forward again inside backward.
-            if not self.active or not torch.is_grad_enabled() or \
-                    torch._C._current_autograd_node() is not None:
-                stack.append(None)
-                return None
+        def skipped() -> bool:
+            # Unsampled steps, eval forwards, and checkpoint recomputation (forward again,
+            # inside backward).
+            return not self.active or not torch.is_grad_enabled() or \
+                torch._C._current_autograd_node() is not None
+
+        def new_call() -> _Call:
             count = self._counts.get(name, 0)
             self._counts[name] = count + 1
             call = _Call(name, type_name, max(self._micro, 0), count, self._seq, owns)
             self._seq += 1
-            intake = _Intake(call, inplace, direct[0])
-            stack.append((call, intake.pending, intake.direct))
-            if not self._inputs:
-                return None
-            if not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor):
-                # One tensor in, no keywords: most calls, without building new containers.
-                given = self._take_input(intake, "[0]", args[0])
-                return None if given is args[0] else ((given,), kwargs)
-            changed = False
-            new_args = list(args)
-            new_kwargs = dict(kwargs)
-            for i, a in enumerate(args):
-                if isinstance(a, torch.Tensor):
-                    new_args[i] = self._take_input(intake, f"[{i}]", a)
-                    changed = changed or new_args[i] is not a
-            for k, v in kwargs.items():
-                if isinstance(v, torch.Tensor):
-                    new_kwargs[k] = self._take_input(intake, f"[{k!r}]", v)
-                    changed = changed or new_kwargs[k] is not v
-            return (tuple(new_args), new_kwargs) if changed else None
+            return call
 
-        def misfit(direct_in: list[_PendingInput]) -> None:
+        def pre(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            if skipped():
+                stack.append(None)
+                return None
+            intake = _Intake(new_call(), inplace, graph=False)
+            stack.append((intake.call, intake.pending))
+            return self._take_inputs(intake, args, kwargs) if self._inputs else None
+
+        def to_graph() -> None:
+            handle, pre_handle[0] = pre_handle[0], None
+            if handle is not None:
+                s.release([handle])
+
+        def to_aliases(direct_in: list[_PendingInput]) -> None:
             # This call does not fit what earlier calls showed: its inputs go unmeasured,
             # and the module's next calls take aliases again.
-            direct[0] = False
             for p in direct_in:
                 p.slot.reason = NOT_MEASURED
+            if pre_handle[0] is None:
+                pre_handle[0] = s.forward_pre_hook(module, pre, with_kwargs=True)
 
-        def post(_m: nn.Module, _args: tuple[Any, ...], output: Any) -> None:
-            entry = stack.pop() if stack else None
-            if entry is None:
-                return
-            call, pending, was_direct = entry
+        def post(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 output: Any) -> None:
+            graph = pre_handle[0] is None
+            if graph:
+                if skipped():
+                    return
+                intake = _Intake(new_call(), False, graph=True)
+                if self._inputs:
+                    self._take_inputs(intake, args, kwargs)  # no alias: nothing to hand out
+                call, pending = intake.call, intake.pending
+            else:
+                entry = stack.pop() if stack else None
+                if entry is None:
+                    return
+                call, pending = entry
             grad = torch.is_grad_enabled()
             reads: list[tuple[Any, _NodeReads]] = []
-            if was_direct and type(output) is torch.Tensor and grad and output.requires_grad \
-                    and output.grad_fn is not None and all(not p.aliased for p in pending):
+            if graph and type(output) is torch.Tensor and grad and output.requires_grad \
+                    and output.grad_fn is not None:
                 # Most calls: one output, its inputs read on the graph (one frame, few steps).
                 node: Any = output.grad_fn
                 slot = _Slot("", output)
@@ -739,7 +777,7 @@ class GradCollector(HookedContext):
                             p.slot.same_as = slot
                         else:
                             direct_in.append(p)
-                    self._read_entries(reads, [node], direct_in, misfit)
+                    self._read_entries(reads, [node], direct_in, to_aliases)
                 self._hook_nodes(call, reads)
                 self._calls.append(call)
                 return
@@ -763,7 +801,7 @@ class GradCollector(HookedContext):
             untouched: list[_PendingInput] = []
             direct_in = []
             for p in pending:
-                if not p.aliased and not inplace:
+                if graph:
                     same = outs.get(id(p.tensor))
                     if same is not None:  # returned as it came (Dropout in eval)
                         p.slot.same_as = same
@@ -784,12 +822,12 @@ class GradCollector(HookedContext):
                 else:
                     _reads_at(reads, node).ins.append((p.slot, 0))
             if direct_in:
-                self._read_entries(reads, roots, direct_in, misfit)
-            elif builtin and not was_direct and pending and roots and \
-                    all(p.aliased and p.tensor._version == p.version for p in pending):
-                # Would these inputs have been found on the graph without their aliases?
-                direct[0] = _entry_points(
-                    roots, [(p.tensor.grad_fn, p.tensor.output_nr) for p in pending]) is not None
+                self._read_entries(reads, roots, direct_in, to_aliases)
+            elif builtin and not graph and pending and roots and \
+                    all(p.aliased and p.tensor._version == p.version for p in pending) and \
+                    _entry_points(roots, [(p.tensor.grad_fn, p.tensor.output_nr)
+                                          for p in pending]) is not None:
+                to_graph()  # these inputs would have been found on the graph without aliases
             self._hook_nodes(call, reads)
             for p in untouched:
                 # An in-place module that left its input alone (Dropout in eval) and returned
@@ -801,7 +839,8 @@ class GradCollector(HookedContext):
                     p.slot.reason = NOT_MEASURED
             self._calls.append(call)
 
-        return pre, post
+        pre_handle[0] = s.forward_pre_hook(module, pre, with_kwargs=True)
+        s.forward_hook(module, post, always_call=True, with_kwargs=True)
 
     # ------------------------------------------------------------------ results
     def _scale(self) -> float | None:

@@ -32,8 +32,11 @@ class _Removable(Protocol):
 
 CompiledPolicy = Literal["eager", "refuse", "as_is"]
 
-ForwardHook = Callable[[nn.Module, tuple[Any, ...], Any], Any]
-ForwardPreHook = Callable[[nn.Module, tuple[Any, ...]], Any]
+# Each with or without the call's keyword arguments (`with_kwargs=True`).
+ForwardHook = Callable[[nn.Module, tuple[Any, ...], Any], Any] | \
+    Callable[[nn.Module, tuple[Any, ...], dict[str, Any], Any], Any]
+ForwardPreHook = Callable[[nn.Module, tuple[Any, ...]], Any] | \
+    Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], Any]
 TensorHook = Callable[[torch.Tensor], torch.Tensor | None]
 
 

@@ -172,7 +172,7 @@ class Monitor(HookedContext):
         self._session = HookSession(model)
         # Before the watches' own root hooks (each registered with prepend before it) and
         # after the GradWatch's, which decide whether the step in progress is sampled.
-        self._session.forward_pre_hook(self._session.model, self._gate,  # type: ignore[arg-type]
+        self._session.forward_pre_hook(self._session.model, self._gate,
                                        with_kwargs=True, prepend=True)
         self._grads = GradWatch(
             model, every=self.every, start=self._start, optimizer=self._optimizer,
