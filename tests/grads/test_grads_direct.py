@@ -265,3 +265,48 @@ def test_a_user_module_that_keeps_its_input_counts_every_use() -> None:
     for flow in flows:
         assert flow.get("keep").grad_input[0].norm == pytest.approx(grad.norm().item(),
                                                                      rel=1e-6)
+
+
+def test_a_one_input_call_that_does_not_fit() -> None:
+    """A hypernetwork-style call: `functional_call` gives a Linear a weight computed from its
+    own input, which then reaches the call's graph twice (the matmul, and the weight). The
+    graph cannot tell the call's share from the weight's: that call is left unmeasured. The
+    next, through an alias again, measures what passes through the input argument (the
+    weight was made from the input outside the call)."""
+    torch.manual_seed(0)
+    stem, lin = nn.Linear(3, 4), nn.Linear(4, 4)
+    x = torch.randn(5, 3)
+    hyper = [False]
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stem, self.lin = stem, lin
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.stem(x)
+            if not hyper[0]:
+                return self.lin(h)
+            weight = self.lin.weight * h.mean()  # (4, 4), from the input
+            out: torch.Tensor = torch.func.functional_call(self.lin, {"weight": weight}, (h,))
+            return out
+
+    model = Net()
+    calls = [0]
+
+    def loss() -> torch.Tensor:
+        calls[0] += 1
+        hyper[0] = calls[0] >= 3
+        out: torch.Tensor = model(x).sum()
+        return out
+
+    flows, aliases = _watched(model, loss, steps=4)
+    assert aliases == [1, 0, 0, 1]
+    assert flows[1].get("lin").grad_input[0].norm is not None
+    misfit = flows[2].get("lin").grad_input[0]
+    assert misfit.norm is None and misfit.reason == NOT_MEASURED
+    h = stem(x).detach().requires_grad_()
+    w = (lin.weight * h.mean()).detach()
+    (grad,) = torch.autograd.grad(functional.linear(h, w, lin.bias).sum(), h)
+    assert flows[3].get("lin").grad_input[0].norm == pytest.approx(grad.norm().item(),
+                                                                    rel=1e-6)

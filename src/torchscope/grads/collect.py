@@ -94,8 +94,8 @@ class _Slot:
 
     def __init__(self, path: str, t: torch.Tensor, reason: str | None = None) -> None:
         self.path = path
-        self.shape = tuple(t.shape)
-        self.dtype = str(t.dtype)
+        self.shape = t.shape  # plain tuple and string when the step's records are built
+        self.dtype = t.dtype
         self.val: int | None = None
         self.reason = reason
         self.use_node = False  # measured on an autograd node; ignore the alias hook
@@ -264,6 +264,15 @@ def _entry_points(roots: list[Any], edges: list[tuple[Any, int]]) -> list[tuple[
         return None  # too large to follow: keep the aliases
     points = [f for f in found if f is not None]
     return points if len(points) == len(found) else None  # None: an input went unused
+
+
+def _edge(t: torch.Tensor) -> tuple[Any, int]:
+    """`t`'s edge into the autograd graph, (node, output_nr): a leaf's node is its gradient
+    accumulator."""
+    if t.grad_fn is not None:
+        return t.grad_fn, t.output_nr
+    edge = torch.autograd.graph.get_gradient_edge(t)
+    return edge.node, edge.output_nr
 
 
 def _reads_at(reads: list[tuple[Any, _NodeReads]], node: Any) -> _NodeReads:
@@ -616,17 +625,48 @@ class GradCollector(HookedContext):
 
         return hook
 
+    def _read_simple_call(self, call: _Call, x: torch.Tensor, out: torch.Tensor,
+                          misfit: Callable[[list[_Slot]], None]) -> None:
+        """A call of one tensor in and one out, read on the graph: most calls of a torch.nn
+        leaf. The general path's steps, without its containers: this runs once per call,
+        just after the module's output went through the caches, where every Python step
+        costs several times its bare timing."""
+        node = out.grad_fn
+        oslot = _Slot("", out)
+        call.outs.append(oslot)
+        here = _NodeReads([(oslot, out.output_nr)])
+        elsewhere: tuple[Any, _NodeReads] | None = None
+        if self._inputs:
+            islot = _Slot("[0]", x)
+            call.ins.append(islot)
+            if not x.requires_grad:
+                islot.reason = INPUT_NO_GRAD
+            elif x is out:  # returned as it came (Dropout in eval)
+                islot.same_as = oslot
+            elif not _is_plain(x):
+                islot.reason = NOT_MEASURED
+            else:
+                points = _entry_points([node], [_edge(x)])
+                if points is None:
+                    misfit([islot])
+                elif points[0][0] is node:  # one node: one hook reads both
+                    here.ins.append((islot, points[0][1]))
+                else:  # Linear on 3-D inputs: the input enters at its reshape
+                    elsewhere = (points[0][0], _NodeReads(ins=[(islot, points[0][1])]))
+        self._hook_nodes(call, [(node, here)] if elsewhere is None else [(node, here), elsewhere])
+        self._calls.append(call)
+
     @staticmethod
     def _read_entries(reads: list[tuple[Any, _NodeReads]], roots: list[Any],
                       direct_in: list[_PendingInput],
-                      misfit: Callable[[list[_PendingInput]], None]) -> None:
+                      misfit: Callable[[list[_Slot]], None]) -> None:
         """Add to `reads` the nodes where `direct_in` enter the graph behind `roots`, or
         call `misfit` when they do not enter as the module's earlier calls showed."""
         if not direct_in:
             return
         points = _entry_points(roots, [(p.producer, p.nr) for p in direct_in])
         if points is None:
-            misfit(direct_in)
+            misfit([p.slot for p in direct_in])
             return
         for p, (node, k) in zip(direct_in, points, strict=True):
             _reads_at(reads, node).ins.append((p.slot, k))
@@ -653,12 +693,7 @@ class GradCollector(HookedContext):
         elif not _is_plain(t):
             slot.reason = NOT_MEASURED
         elif intake.inplace or intake.graph:
-            # Its edge into the graph: a leaf's is its gradient accumulator.
-            if t.grad_fn is not None:
-                node, nr = t.grad_fn, t.output_nr
-            else:
-                edge = torch.autograd.graph.get_gradient_edge(t)
-                node, nr = edge.node, edge.output_nr
+            node, nr = _edge(t)
             intake.pending.append(_PendingInput(slot, t, node, nr, t._version, aliased=False))
         else:
             # Same storage; its gradient is this call's share only. AliasBackward0 passes the
@@ -738,11 +773,11 @@ class GradCollector(HookedContext):
             if handle is not None:
                 s.release([handle])
 
-        def to_aliases(direct_in: list[_PendingInput]) -> None:
+        def to_aliases(slots: list[_Slot]) -> None:
             # This call does not fit what earlier calls showed: its inputs go unmeasured,
             # and the module's next calls take aliases again.
-            for p in direct_in:
-                p.slot.reason = NOT_MEASURED
+            for slot in slots:
+                slot.reason = NOT_MEASURED
             if pre_handle[0] is None:
                 pre_handle[0] = s.forward_pre_hook(module, pre, with_kwargs=True)
 
@@ -751,6 +786,11 @@ class GradCollector(HookedContext):
             graph = pre_handle[0] is None
             if graph:
                 if skipped():
+                    return
+                if not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor) and \
+                        type(output) is torch.Tensor and output.grad_fn is not None and \
+                        output.requires_grad:
+                    self._read_simple_call(new_call(), args[0], output, to_aliases)
                     return
                 intake = _Intake(new_call(), False, graph=True)
                 if self._inputs:
@@ -763,24 +803,6 @@ class GradCollector(HookedContext):
                 call, pending = entry
             grad = torch.is_grad_enabled()
             reads: list[tuple[Any, _NodeReads]] = []
-            if graph and type(output) is torch.Tensor and grad and output.requires_grad \
-                    and output.grad_fn is not None:
-                # Most calls: one output, its inputs read on the graph (one frame, few steps).
-                node: Any = output.grad_fn
-                slot = _Slot("", output)
-                call.outs.append(slot)
-                reads.append((node, _NodeReads([(slot, output.output_nr)])))
-                if pending:
-                    direct_in: list[_PendingInput] = []
-                    for p in pending:
-                        if p.tensor is output:  # returned as it came (Dropout in eval)
-                            p.slot.same_as = slot
-                        else:
-                            direct_in.append(p)
-                    self._read_entries(reads, [node], direct_in, to_aliases)
-                self._hook_nodes(call, reads)
-                self._calls.append(call)
-                return
             outs: dict[int, _Slot] = {}
             roots: list[Any] = []
             tensors = (("", output),) if type(output) is torch.Tensor else iter_tensors(output)
@@ -911,7 +933,7 @@ class GradCollector(HookedContext):
         def tensor_grad(s: _Slot) -> TensorGrad:
             n = norm_of(s.root().val)
             reason = None if n is not None else (s.reason or s.root().reason or NOT_REACHED)
-            return TensorGrad(s.path, s.shape, s.dtype, n, reason)
+            return TensorGrad(s.path, tuple(s.shape), str(s.dtype), n, reason)
 
         calls = sorted(self._calls, key=lambda c: (c.order is None, c.order or 0, c.seq))
         modules = tuple(
