@@ -203,6 +203,40 @@ def test_native_dead_units_equal_the_eager_count() -> None:
         assert got is not None and got.shape == (_kernels.N_MOMENTS,), why
 
 
+def test_native_list_ops_against_float64() -> None:
+    """`copy_norms` and `diff_norms` over a list (a model's weights before and after an
+    update): copies bitwise equal and separate, norms within 1e-6 of float64 truth (NaN and
+    Inf exact), across empty, one-element and multi-piece tensors and the span cases."""
+    _native_ready()
+    g = torch.Generator().manual_seed(2)
+    xs = [torch.empty(0), torch.tensor([-3.0]), torch.randn(16, 3, 3, 3, generator=g),
+          torch.randn(300_001, generator=g)] + [t for _, t in _span_cases()]
+    made = _kernels.copy_norms(xs)
+    assert made is not None
+    copies, norms = made
+    steps = [x + 1e-3 * torch.randn(x.shape, generator=g) for x in xs]
+    steps[2] = xs[2].clone()  # an unchanged tensor: exactly 0
+    diffs = _kernels.diff_norms(steps, xs)
+    assert diffs is not None and len(copies) == len(norms) == len(diffs) == len(xs)
+    for i, (x, c, n, d) in enumerate(zip(xs, copies, norms, diffs, strict=True)):
+        assert c.shape == x.shape and c.dtype == x.dtype, i
+        assert torch.equal(c.nan_to_num(), x.nan_to_num()) and torch.equal(c.isnan(), x.isnan())
+        assert x.numel() == 0 or c.data_ptr() != x.data_ptr(), i
+        for got, want in ((n, x.double().norm()), (d, (steps[i] - x).double().norm())):
+            assert got.dtype == torch.float64 and got.shape == (), i
+            if not want.isfinite():
+                assert got.isnan() == want.isnan() and got.isinf() == want.isinf(), i
+            else:
+                assert abs(got.item() - want.item()) <= 1e-6 * want.item(), (i, got, want)
+    assert diffs[2].item() == 0.0
+    # What they do not take, they leave to foreach ops: None.
+    assert _kernels.copy_norms([torch.randn(4, dtype=torch.float64)]) is None
+    assert _kernels.copy_norms([torch.randn(4, 4).t()]) is None  # not contiguous
+    assert _kernels.diff_norms([torch.randn(4)], [torch.randn(5)]) is None
+    with _kernels.disabled():
+        assert _kernels.copy_norms([torch.randn(4)]) is None
+
+
 @pytest.mark.slow
 def test_native_build_is_locked_and_leaves_only_the_library(fresh: Path) -> None:
     """A fresh build into an empty cache; a second process finds it there (this process

@@ -82,6 +82,8 @@ __all__ = [
     "ZEROS",
     "KernelStatus",
     "cache_dir",
+    "copy_norms",
+    "diff_norms",
     "disabled",
     "kernel_status",
     "prepare",
@@ -278,6 +280,56 @@ def _dense(t: torch.Tensor) -> bool:
             return False
         expected *= size
     return True
+
+
+# ---------------------------------------------------------------------------- tensor lists
+def copy_norms(xs: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+    """A copy of each tensor and its L2 norm (0-d float64), from one read of each, by one
+    native call over the whole list (parallel over all its elements): a snapshot of a
+    model's weights before an update, with their norms.
+
+    Returns None where it cannot run: the native library is not loaded (yet: this starts
+    it), fused kernels are off, or a tensor is not a plain contiguous float32 CPU tensor.
+    The caller then copies and measures with foreach ops.
+    """
+    if not _native_list(xs):
+        return None
+    copies, out = _native_op("copy_norms")(xs)  # n copies, (n,) float64
+    return list(copies), list(out.unbind())
+
+
+def diff_norms(a: list[torch.Tensor], b: list[torch.Tensor]) -> list[torch.Tensor] | None:
+    """‖a[i] - b[i]‖ for each pair (0-d float64), the differences rounded to float32 as a
+    subtraction would and never written: an update's size from the weights after and a
+    snapshot before, two reads instead of a subtraction's three plus a norm's one. None as
+    for `copy_norms`, or when a pair's shapes differ."""
+    if len(a) != len(b) or any(x.shape != y.shape for x, y in zip(a, b, strict=True)) or \
+            not _native_list(a) or not _native_list(b):
+        return None
+    out: torch.Tensor = _native_op("diff_norms")(a, b)  # (n,) float64
+    return list(out.unbind())
+
+
+def _native_op(name: str) -> Any:
+    ops = _Native.ops
+    assert ops is not None  # checked by _native_list
+    return getattr(ops[name], "_op", ops[name])
+
+
+def _native_list(xs: list[torch.Tensor]) -> bool:
+    """Whether the native list ops can take `xs` now (see `copy_norms`)."""
+    if not _Switch.enabled or not xs:
+        return False
+    if _Native.ops is None:
+        if xs[0].dtype == torch.float32 and xs[0].device.type == "cpu":
+            _request("norm", torch.empty(0))  # loads (or builds) the library meanwhile
+        return False
+    return not (torch._C._len_torch_dispatch_stack() or torch.compiler.is_compiling()) and \
+        all(type(x) is torch.Tensor and x.dtype == torch.float32 and x.device.type == "cpu"
+            and x.layout == torch.strided and x.is_contiguous() and not x.is_neg()
+            and x.numel() <= _MAX_NUMEL
+            and not torch._C._functorch.is_functorch_wrapped_tensor(x)
+            and not torch._is_functional_tensor(x) for x in xs)
 
 
 def why_eager(program: Program, x: torch.Tensor) -> str | None:
@@ -496,7 +548,8 @@ def _load_native() -> str | None:
     try:
         torch.ops.load_library(str(path))
         namespace = getattr(torch.ops, _native_namespace())
-        _Native.ops = {"stats": namespace.stats.default, "norm": namespace.norm.default}
+        _Native.ops = {name: getattr(namespace, name).default
+                       for name in ("stats", "norm", "copy_norms", "diff_norms")}
     except Exception as exc:  # a truncated or foreign library: the next process rebuilds
         with contextlib.suppress(OSError):
             path.unlink()

@@ -8,6 +8,11 @@
 //       everywhere.
 //   norm(x) -> float64 (): the L2 norm.
 // x is a contiguous float32 CPU tensor of any shape with at least 2 elements.
+// And two over a list of tensors (a model's parameters; any sizes, empty ones too), in
+// one parallel pass that splits the list's elements evenly among threads:
+//   copy_norms(xs) -> (copies, float64 (n,)): a copy of each and its norm, one read.
+//   diff_norms(a, b) -> float64 (n,): the norm of each a[i] - b[i] (float32 differences, as
+//       a subtraction would round them), without writing the differences.
 //
 // Why it is fast and still exact where it must be: the data is read in spans of at most
 // 1024 elements. A span's sums run in float32 vector lanes (32 elements per lane at most,
@@ -253,6 +258,105 @@ double norm_span(const float* p, int64_t n) {
   return exact;
 }
 
+// The squares of a - b over one span, as norm_span (the differences rounded to float32).
+double diff_span(const float* a, const float* b, int64_t n) {
+  vf sa{}, sb{};
+  int64_t i = 0;
+  for (; i + 2 * kLanes <= n; i += 2 * kLanes) {
+    const vf d0 = load(a + i) - load(b + i), d1 = load(a + i + kLanes) - load(b + i + kLanes);
+    sa += d0 * d0;
+    sb += d1 * d1;
+  }
+  double s = 0;
+  for (int j = 0; j < kLanes; ++j) s += static_cast<double>(sa[j]) + sb[j];
+  for (; i < n; ++i) {
+    const float d = a[i] - b[i];
+    s += static_cast<double>(d) * d;
+  }
+  if (std::isfinite(s) && s >= kTiny) return s;
+  if (s == 0) {  // unchanged (a parameter without an update), or differences that underflowed
+    bool same = true;
+    for (int64_t j = 0; j < n; ++j) same &= a[j] == b[j];
+    if (same) return 0;
+  }
+  double exact = 0;  // NaN and Inf propagate
+  for (int64_t j = 0; j < n; ++j) {
+    const float d = a[j] - b[j];
+    exact += static_cast<double>(d) * d;
+  }
+  return exact;
+}
+
+// A list's elements cut into pieces of at most kPiece elements of one tensor each, so
+// that one parallel_for over the pieces balances a few large tensors and many small ones.
+constexpr int64_t kPiece = 16 * kSpan;
+struct Piece {
+  int64_t tensor, lo, hi;
+};
+
+std::vector<Piece> pieces_of(at::TensorList xs) {
+  std::vector<Piece> out;
+  for (int64_t t = 0; t < static_cast<int64_t>(xs.size()); ++t) {
+    const at::Tensor& x = xs[t];
+    TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
+                "torchscope native reductions take contiguous float32 CPU tensors");
+    for (int64_t lo = 0; lo < x.numel(); lo += kPiece)
+      out.push_back({t, lo, std::min(x.numel(), lo + kPiece)});
+  }
+  return out;
+}
+
+// Runs span_fn(piece) -> sum of squares for every piece in parallel; the per-tensor norms.
+template <typename F>
+at::Tensor norms_of_pieces(int64_t n, const std::vector<Piece>& pieces, F span_fn) {
+  std::vector<double> part(pieces.size(), 0.0);
+  const int64_t np = static_cast<int64_t>(pieces.size());
+  // Threads only when there is enough work to repay waking them.
+  at::parallel_for(0, np, np < 4 ? std::max<int64_t>(np, 1) : 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) part[i] = span_fn(pieces[i]);
+  });
+  at::Tensor out = at::zeros({n}, at::TensorOptions().dtype(at::kDouble));
+  double* o = out.data_ptr<double>();
+  for (int64_t i = 0; i < np; ++i) o[pieces[i].tensor] += part[i];
+  for (int64_t t = 0; t < n; ++t) o[t] = std::sqrt(o[t]);
+  return out;
+}
+
+std::tuple<std::vector<at::Tensor>, at::Tensor> copy_norms(at::TensorList xs) {
+  const auto pieces = pieces_of(xs);
+  std::vector<at::Tensor> copies;
+  copies.reserve(xs.size());
+  for (const at::Tensor& x : xs) copies.push_back(at::empty_like(x));
+  at::Tensor out = norms_of_pieces(static_cast<int64_t>(xs.size()), pieces, [&](const Piece& c) {
+    const float* p = xs[c.tensor].const_data_ptr<float>();
+    float* q = copies[c.tensor].data_ptr<float>();
+    double s = 0;
+    for (int64_t o = c.lo; o < c.hi; o += kSpan) {
+      const int64_t m = std::min(kSpan, c.hi - o);
+      std::memcpy(q + o, p + o, m * sizeof(float));
+      s += norm_span(q + o, m);  // the copy, just written: read from the cache
+    }
+    return s;
+  });
+  return {copies, out};
+}
+
+at::Tensor diff_norms(at::TensorList a, at::TensorList b) {
+  TORCH_CHECK(a.size() == b.size(), "diff_norms takes two lists of one length");
+  for (size_t t = 0; t < a.size(); ++t)
+    TORCH_CHECK(a[t].sizes() == b[t].sizes(), "diff_norms takes tensors of equal shapes");
+  const auto pieces = pieces_of(a);
+  pieces_of(b);  // the same checks on b
+  return norms_of_pieces(static_cast<int64_t>(a.size()), pieces, [&](const Piece& c) {
+    const float* p = a[c.tensor].const_data_ptr<float>();
+    const float* q = b[c.tensor].const_data_ptr<float>();
+    double s = 0;
+    for (int64_t o = c.lo; o < c.hi; o += kSpan)
+      s += diff_span(p + o, q + o, std::min(kSpan, c.hi - o));
+    return s;
+  });
+}
+
 at::Tensor norm(const at::Tensor& x) {
   check(x);
   const int64_t n = x.numel();
@@ -276,9 +380,13 @@ at::Tensor norm(const at::Tensor& x) {
 TORCH_LIBRARY(TORCHSCOPE_NAMESPACE, m) {
   m.def("stats(Tensor x, bool dead_units) -> Tensor");
   m.def("norm(Tensor x) -> Tensor");
+  m.def("copy_norms(Tensor[] xs) -> (Tensor[], Tensor)");
+  m.def("diff_norms(Tensor[] a, Tensor[] b) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(TORCHSCOPE_NAMESPACE, CPU, m) {
   m.impl("stats", &stats);
   m.impl("norm", &norm);
+  m.impl("copy_norms", &copy_norms);
+  m.impl("diff_norms", &diff_norms);
 }

@@ -182,8 +182,9 @@ def _norm(t: torch.Tensor) -> torch.Tensor:
 
 def _norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """`_norm` of each tensor, in order, by one `torch._foreach_norm` per (device, half or
-    not) group: one call for a model's parameters instead of one per parameter. Sparse and
-    other non-strided tensors, which foreach does not take, go one by one."""
+    not) group: one call for a model's parameters instead of one per parameter, and the
+    very numbers `clip_grad_norm_` computes. Sparse and other non-strided tensors, which
+    foreach does not take, go one by one."""
     out: list[torch.Tensor | None] = [None] * len(tensors)
     groups: dict[tuple[torch.device, bool], list[int]] = {}
     for i, t in enumerate(tensors):
@@ -483,6 +484,8 @@ class GradCollector(HookedContext):
         self._calls: list[_Call] = []
         self._param_vals: dict[int, int] = {}  # param index -> index in _vals
         self._param_due: dict[int, torch.Tensor] = {}  # accumulated, not measured yet
+        # param index -> 0-d weight norm taken with this step's snapshot (`finish` reuses it)
+        self._weight_vals: dict[int, torch.Tensor] = {}
         self._fused_norms = 0
         self._eager_norms = 0
         self._order = 0
@@ -874,20 +877,26 @@ class GradCollector(HookedContext):
     def snapshot_weights(self) -> None:
         """Copy every trainable parameter, just before an optimizer update (sampled steps
         only: it costs one more copy of the trainable parameters until `measure_updates`).
+        The copies' norms are the step's weight norms (`finish` reuses them): one read.
 
         FSDP2's sharded parameters are left out: the norm of a shard's update is not the
         parameter's, and updates are not exchanged between ranks.
         """
-        kept = [(name, p) for name, _, p in self._params
+        kept = [(i, name, p) for i, (name, _, p) in enumerate(self._params)
                 if p.requires_grad and not is_dtensor(p)]
+        self._before = []
+        self._weight_vals = {}
         if not kept:
-            self._before = []
             return
-        weights: list[torch.Tensor] = [p for _, p in kept]
-        with torch.no_grad():
-            # One foreach call for every copy; multiplying by one is exact.
-            copies = torch._foreach_mul(weights, 1.0)
-        self._before = [(name, p, c) for (name, p), c in zip(kept, copies, strict=True)]
+        weights = [p.detach() for _, _, p in kept]
+        made = _kernels.copy_norms(weights)
+        if made is None:
+            with torch.no_grad():
+                copies = list(torch._foreach_mul(weights, 1.0))  # one call; times one is exact
+        else:
+            copies, norms = made
+            self._weight_vals = {i: n for (i, _, _), n in zip(kept, norms, strict=True)}
+        self._before = [(name, p, c) for (_, name, p), c in zip(kept, copies, strict=True)]
 
     def measure_updates(self) -> dict[str, torch.Tensor]:
         """Right after the update: `‖w_after - w_before‖` per parameter snapshotted by
@@ -895,12 +904,17 @@ class GradCollector(HookedContext):
         Empty without a snapshot."""
         if not self._before:
             return {}
+        self._weight_vals = {}  # the weights moved: their snapshot norms are not theirs now
+        names = [name for name, _, _ in self._before]
+        after = [p.detach() for _, p, _ in self._before]
         befores = [before for _, _, before in self._before]
-        with torch.no_grad():
-            torch._foreach_sub_(befores, [p for _, p, _ in self._before])  # in place
-        out = dict(zip([name for name, _, _ in self._before], _norms(befores), strict=True))
         self._before = []
-        return out
+        diffs = _kernels.diff_norms(after, befores)
+        if diffs is None:
+            with torch.no_grad():
+                torch._foreach_sub_(befores, after)  # in place
+            diffs = _norms(befores)
+        return dict(zip(names, diffs, strict=True))
 
     def discard(self) -> None:
         """Drop whatever the current step measured, and its hooks."""
@@ -918,10 +932,18 @@ class GradCollector(HookedContext):
         # The weights' norms join the same host copy: one read of each trainable parameter
         # (this rank's shard under FSDP2), taken when the gradients are final and (in a
         # watched loop) before the update.
-        weights = {i: len(self._vals) + k for k, i in enumerate(
-            i for i, (_, _, p) in enumerate(self._params) if p.requires_grad)}
-        self._vals.extend(_norms([local_tensor(p).detach() for _, _, p in self._params
-                                  if p.requires_grad]))
+        trainable = [i for i, (_, _, p) in enumerate(self._params) if p.requires_grad]
+        known = self._weight_vals  # from a snapshot taken just before (update ratios)
+        rest = [i for i in trainable if i not in known]
+        weights: dict[int, int] = {}
+        for i, wn in zip(rest, _norms([local_tensor(self._params[i][2]).detach()
+                                        for i in rest]), strict=True):
+            weights[i] = len(self._vals)
+            self._vals.append(wn)
+        for i in trainable:
+            if i in known:
+                weights[i] = len(self._vals)
+                self._vals.append(known[i])
         host = _host_floats(self._vals)
         scale = self._scale()
         inv = 1.0 / scale if scale else 1.0
