@@ -2,7 +2,8 @@
 
 Per model, side by side in one process, interleaved round by round (medians):
 
-  bare              forward + cross-entropy + backward + SGD step
+  bare              forward + cross-entropy + backward + SGD step (a language model: its
+                    own loss on its input tokens)
   acts eager        the same under `watch_activations` (every leaf), eager statistics
   acts fused        the same, statistics by the fused kernel (one pass per activation)
   .item() hooks     hand-written forward hooks: 5 statistics per leaf, one `.item()` each
@@ -27,7 +28,8 @@ device), never recompiled for a new size. Goals: activation statistics <= 1.05x 
 gradient flow <= 1.03x of the bare step.
 
 Run: PYTHONPATH=src python benchmarks/watch_overhead.py [--repeats 9] [--threads 2]
-     [--batch 16] [--size 64] [--models resnet-mini,resnet-deep,resnet-narrow] [--device cuda]
+     [--batch 16] [--size 64] [--models resnet-mini,resnet-deep,resnet-narrow,llama-tiny]
+     [--device cuda]
      [--cold-build]
 """
 
@@ -55,6 +57,17 @@ from torchscope.capture import capture_activations, watch_activations
 from torchscope.grads import watch_gradients
 from torchscope.models import ResNetMini
 
+
+def _llama() -> nn.Module:
+    """A Llama-style decoder from a transformers config (no download): 8 layers of 256,
+    84 leaves, 6.8M parameters; trained on 8 sequences of 128 tokens."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(
+        hidden_size=256, intermediate_size=688, num_hidden_layers=8, num_attention_heads=4,
+        num_key_value_heads=4, vocab_size=1000, max_position_embeddings=256))
+
+
 MODELS: dict[str, Callable[[], nn.Module]] = {
     # 8 residual conv+BN+ReLU blocks of 64 channels: 29 leaves, 16 MiB activations.
     "resnet-mini": ResNetMini,
@@ -62,7 +75,28 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "resnet-deep": lambda: ResNetMini(channels=32, blocks=16),
     # Many more, much smaller layers: 24 blocks of 16 channels: 77 leaves, 4 MiB activations.
     "resnet-narrow": lambda: ResNetMini(channels=16, blocks=24),
+    # A real third-party architecture: RMSNorm, rotary attention, SwiGLU MLPs.
+    "llama-tiny": _llama,
 }
+TOKENS = (8, 128)  # llama-tiny's batch: sequences x tokens
+
+
+def _batch(name: str, args: argparse.Namespace, device: torch.device
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A seeded batch for `name`: (input, target); a language model's target is its input."""
+    g = torch.Generator().manual_seed(0)
+    if name.startswith("llama"):
+        ids = torch.randint(0, 1000, TOKENS, generator=g).to(device)
+        return ids, ids
+    return (torch.randn(args.batch, 3, args.size, args.size, generator=g).to(device),
+            torch.randint(0, 10, (args.batch,), generator=g).to(device))
+
+
+def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    if x.dtype == torch.long:  # a causal LM: its own shifted cross-entropy
+        loss: torch.Tensor = model(input_ids=x, labels=y).loss
+        return loss
+    return functional.cross_entropy(model(x), y)
 
 
 def _leaves(model: nn.Module) -> list[nn.Module]:
@@ -103,8 +137,7 @@ def _training_rows(name: str, build: Callable[[], nn.Module], args: argparse.Nam
                    device: torch.device) -> tuple[dict[str, tuple[float, float, float]], list[str]]:
     torch.manual_seed(0)
     base = build().to(device).train()
-    x = torch.randn(args.batch, 3, args.size, args.size, device=device)
-    y = torch.randint(0, 10, (args.batch,), device=device)
+    x, y = _batch(name, args, device)
     variants = ("bare", "acts eager", "acts fused", ".item() hooks", "read floor: acts",
                 "grads eager", "grads fused", "param .item()", "read floor: grads")
     models = {v: base if v == "bare" else copy.deepcopy(base) for v in variants}
@@ -139,7 +172,7 @@ def _training_rows(name: str, build: Callable[[], nn.Module], args: argparse.Nam
         def run() -> None:
             with _kernels.disabled() if eager else contextlib.nullcontext():
                 opt.zero_grad(set_to_none=True)
-                functional.cross_entropy(model(x), y).backward()
+                _loss(model, x, y).backward()
                 if variant == "param .item()":
                     sink.extend(p.grad.norm().item() for p in model.parameters()
                                 if p.grad is not None)
@@ -162,8 +195,9 @@ def _training_rows(name: str, build: Callable[[], nn.Module], args: argparse.Nam
             stack.callback(leaf.register_forward_hook(hook_grad).remove)
         medians = interleaved_wall_cpu({v: step(v) for v in variants}, repeats=args.repeats,
                                        warmup=2)
-    notes = [f"{name}: {len(_leaves(base))} leaves, batch {args.batch}x3x{args.size}x"
-             f"{args.size}, {device}"]
+    notes = [f"{name}: {len(_leaves(base))} leaves, "
+             f"{sum(p.numel() for p in base.parameters()) / 1e6:.2f}M parameters, batch "
+             f"{'x'.join(map(str, x.shape))}, {device}"]
     for v, cap in acts.items():
         notes.append(f"  {v}: {cap.paths.describe()}")
     for v, watch in grads.items():
@@ -186,11 +220,11 @@ def _unwrapped_torchlens() -> Iterator[None]:
         unwrap_torch()
 
 
-def _forward_rows(build: Callable[[], nn.Module], args: argparse.Namespace,
+def _forward_rows(name: str, build: Callable[[], nn.Module], args: argparse.Namespace,
                   device: torch.device) -> tuple[dict[str, tuple[float, float, float]], list[str]]:
     torch.manual_seed(0)
     model = build().to(device).eval()
-    x = torch.randn(args.batch, 3, args.size, args.size, device=device)
+    x, _ = _batch(name, args, device)
     runs: dict[str, Callable[[], object]] = {}
 
     def bare() -> None:
@@ -248,7 +282,7 @@ def main() -> None:
     table: list[tuple[str, str, tuple[float, float, float], tuple[float, ...]]] = []
     for name in names:
         for rows, more in (_training_rows(name, MODELS[name], args, device),
-                           _forward_rows(MODELS[name], args, device)):
+                           _forward_rows(name, MODELS[name], args, device)):
             notes += more
             base = next(iter(rows.values()))  # the bare step, or the bare forward
             table += [(name, v, t, tuple(a / b for a, b in zip(t, base, strict=True)))
