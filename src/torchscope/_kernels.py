@@ -12,7 +12,9 @@ it in one pass: `stats` (every statistic, and on request the dead-unit count) an
   finite (it holds NaN or Inf, where the counts are taken) or may have underflowed. On a
   2-thread CPU `stats` costs about two reads of the tensor (0.054 ms per 1M elements, 3.9x
   faster than the AOTInductor program), `norm` one read, and `stats` counts all-zero
-  channels in the same pass.
+  channels in the same pass. Two more ops take a list of tensors, a model's weights around
+  an optimizer update: `copy_norms` (a snapshot and its norms from one read) and
+  `diff_norms` (each update's norm from two reads, the differences never written).
 - **aotinductor** (CUDA, and the other float dtypes or a failed native build): the programs
   below, exported with a dynamic length (`torch.export`, one flattened dimension, so one
   kernel serves every size) and compiled by AOTInductor into a `.pt2` package in a child
