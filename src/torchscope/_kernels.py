@@ -313,8 +313,10 @@ def diff_norms(a: list[torch.Tensor], b: list[torch.Tensor]) -> list[torch.Tenso
 
 
 def _native_op(name: str) -> Any:
+    """The loaded native op `name`: the C++ callable behind its OpOverload (one Python frame
+    less per call)."""
     ops = _Native.ops
-    assert ops is not None  # checked by _native_list
+    assert ops is not None  # the callers check that the library is loaded
     return getattr(ops[name], "_op", ops[name])
 
 
@@ -521,8 +523,7 @@ def _prepare_native(kernel: _Kernel) -> str | None:
         return _Native.error or "the native kernel is unavailable"
     kernel.source, kernel.build_s, kernel.load_s = _Native.source, _Native.build_s, \
         _Native.load_s
-    # The C++ callable behind the OpOverload: one Python frame less per call.
-    op = getattr(_Native.ops[kernel.program], "_op", _Native.ops[kernel.program])
+    op = _native_op(kernel.program)
 
     def stats(t: torch.Tensor, dead_units: bool) -> torch.Tensor:
         # Any contiguous shape as it is (the kernel reads the channels from it); a dense
