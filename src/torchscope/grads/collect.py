@@ -399,7 +399,7 @@ class GradCollector(HookedContext):
         model: the model.
         select: modules to record per call (see `select_modules`); default the leaves.
         depth: limit the selection depth.
-        inputs: also measure grad_input (aliases each input; set False to skip).
+        inputs: also measure grad_input (see the module docstring; set False to skip).
         scaler: a `torch.amp.GradScaler` whose scale is divided out of every norm.
     """
 

@@ -61,7 +61,8 @@ def gradient_flow(
         train: put the model in train (True) or eval (False) mode; restored afterwards.
             None leaves the mode as it is.
         zero_grad: set every `.grad` to None first, so the reading is this step's alone.
-        inputs_grad: also measure each call's grad_input (aliases the module inputs).
+        inputs_grad: also measure each call's grad_input (through input aliases, or on
+            autograd's graph for torch.nn leaves).
 
     Returns:
         The step's `GradFlow`, with `flow.step` saying which loss ran and its value. The
@@ -614,7 +615,8 @@ def watch_gradients(
         manual: steps end only at `watch.end_step()`.
         select: modules recorded per call (see `select_modules`); default the leaves.
         depth: limit the selection depth.
-        inputs_grad: also measure grad_input of each call (aliases the module inputs).
+        inputs_grad: also measure grad_input of each call (through input aliases, or on
+            autograd's graph for torch.nn leaves).
         max_samples: how many samples the history keeps (the newest).
         check_nonfinite: check every step, not only sampled ones, whether any parameter
             gradient is NaN/Inf: one fused norm per step on the device, read only through
