@@ -237,8 +237,9 @@ def run(program: Program, x: torch.Tensor, *, dead_units: bool = False) -> torch
         _request(program, x.detach())
         return None
     # Every Python step here runs once per hooked tensor, just after megabytes went through
-    # the caches, where it costs several times its bare timing: keep them few (one frame;
-    # the per-key conditions are settled once, in `_request`).
+    # the caches, where it costs several times its bare timing: keep them few (one frame:
+    # `_unfit_tensor` and `_unfit_now` inline; the per-key conditions are settled once, in
+    # `_request`).
     t = x if type(x) is torch.Tensor and not x.requires_grad else x.detach()
     if (type(t) is not torch.Tensor  # a subclass (FakeTensor included) or a Parameter
             or not 2 <= t.numel() <= _MAX_NUMEL
@@ -328,12 +329,9 @@ def _native_list(xs: list[torch.Tensor]) -> bool:
         if xs[0].dtype == torch.float32 and xs[0].device.type == "cpu":
             _request("norm", torch.empty(0))  # loads (or builds) the library meanwhile
         return False
-    return not (torch._C._len_torch_dispatch_stack() or torch.compiler.is_compiling()) and \
-        all(type(x) is torch.Tensor and x.dtype == torch.float32 and x.device.type == "cpu"
-            and x.layout == torch.strided and x.is_contiguous() and not x.is_neg()
-            and x.numel() <= _MAX_NUMEL
-            and not torch._C._functorch.is_functorch_wrapped_tensor(x)
-            and not torch._is_functional_tensor(x) for x in xs)
+    return _unfit_now(xs[0]) is None and \
+        all(x.dtype == torch.float32 and x.device.type == "cpu" and x.is_contiguous()
+            and x.numel() <= _MAX_NUMEL and _unfit_tensor(x) is None for x in xs)
 
 
 def why_eager(program: Program, x: torch.Tensor) -> str | None:
@@ -347,18 +345,32 @@ def why_eager(program: Program, x: torch.Tensor) -> str | None:
     kernel = _kernels.get((program, t.dtype, t.device))
     if kernel is None or kernel.state != "ready":
         return kernel.reason if kernel is not None else "no kernel requested yet"
-    checks = (
-        (type(t) is not torch.Tensor, f"a tensor subclass ({type(t).__name__})"),
-        (not 2 <= t.numel() <= _MAX_NUMEL, f"{t.numel()} elements (the kernel takes 2 to "
-                                           f"{_MAX_NUMEL})"),
-        (t.layout != torch.strided or t.is_neg(), "not a plain strided tensor"),
-        (bool(torch._C._len_torch_dispatch_stack()), "a TorchDispatchMode is active"),
-        (torch.compiler.is_compiling(), "inside torch.compile tracing"),
-        (torch._C._functorch.is_functorch_wrapped_tensor(t) or torch._is_functional_tensor(t),
-         "inside a functorch transform or functionalization"),
-        (t.is_cuda and torch.cuda.is_current_stream_capturing(), "during CUDA graph capture"),
-    )
-    return next((why for bad, why in checks if bad), None)
+    size = None if 2 <= t.numel() <= _MAX_NUMEL else \
+        f"{t.numel()} elements (the kernel takes 2 to {_MAX_NUMEL})"
+    return _unfit_tensor(t) or size or _unfit_now(t)
+
+
+# `run` makes the checks of these two inline, in one frame: it runs once per hooked tensor.
+def _unfit_tensor(t: torch.Tensor) -> str | None:
+    """Why no fused kernel may read `t` itself (None when one may)."""
+    if type(t) is not torch.Tensor:
+        return f"a tensor subclass ({type(t).__name__})"
+    if t.layout != torch.strided or t.is_neg():
+        return "not a plain strided tensor"
+    if torch._C._functorch.is_functorch_wrapped_tensor(t) or torch._is_functional_tensor(t):
+        return "inside a functorch transform or functionalization"
+    return None
+
+
+def _unfit_now(t: torch.Tensor) -> str | None:
+    """Why no fused kernel may run on `t`'s device at this moment (None when one may)."""
+    if torch._C._len_torch_dispatch_stack():
+        return "a TorchDispatchMode is active"
+    if torch.compiler.is_compiling():
+        return "inside torch.compile tracing"
+    if t.is_cuda and torch.cuda.is_current_stream_capturing():
+        return "during CUDA graph capture"
+    return None
 
 
 def _static_reason(t: torch.Tensor) -> str | None:

@@ -294,12 +294,17 @@ struct Piece {
   int64_t tensor, lo, hi;
 };
 
+void check_list(at::TensorList xs) {
+  for (const at::Tensor& x : xs)
+    TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
+                "torchscope native reductions take contiguous float32 CPU tensors");
+}
+
 std::vector<Piece> pieces_of(at::TensorList xs) {
+  check_list(xs);
   std::vector<Piece> out;
   for (int64_t t = 0; t < static_cast<int64_t>(xs.size()); ++t) {
     const at::Tensor& x = xs[t];
-    TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
-                "torchscope native reductions take contiguous float32 CPU tensors");
     for (int64_t lo = 0; lo < x.numel(); lo += kPiece)
       out.push_back({t, lo, std::min(x.numel(), lo + kPiece)});
   }
@@ -345,8 +350,8 @@ at::Tensor diff_norms(at::TensorList a, at::TensorList b) {
   TORCH_CHECK(a.size() == b.size(), "diff_norms takes two lists of one length");
   for (size_t t = 0; t < a.size(); ++t)
     TORCH_CHECK(a[t].sizes() == b[t].sizes(), "diff_norms takes tensors of equal shapes");
+  check_list(b);
   const auto pieces = pieces_of(a);
-  pieces_of(b);  // the same checks on b
   return norms_of_pieces(static_cast<int64_t>(a.size()), pieces, [&](const Piece& c) {
     const float* p = a[c.tensor].const_data_ptr<float>();
     const float* q = b[c.tensor].const_data_ptr<float>();

@@ -665,8 +665,6 @@ class GradCollector(HookedContext):
                       misfit: Callable[[list[_Slot]], None]) -> None:
         """Add to `reads` the nodes where `direct_in` enter the graph behind `roots`, or
         call `misfit` when they do not enter as the module's earlier calls showed."""
-        if not direct_in:
-            return
         points = _entry_points(roots, [(p.producer, p.nr) for p in direct_in])
         if points is None:
             misfit([p.slot for p in direct_in])
