@@ -42,6 +42,8 @@ def test_built_once_then_loaded_from_the_cache(fresh: Path) -> None:
     assert status.source == "built" and status.build_s is not None and status.build_s > 0
     (package,) = fresh.glob("norm-float64-*.pt2")
     assert not list(fresh.glob("*.lock"))
+    # A child process loaded it and checked its numbers before this process did.
+    assert package.with_name(package.name + ".ok").exists()
     # Another process (here: this one, forgetting its kernels) loads it without building.
     _kernels._forget()
     status = _kernels.prepare("norm", torch.float64, wait=None)
@@ -58,6 +60,7 @@ def test_built_once_then_loaded_from_the_cache(fresh: Path) -> None:
     status = _kernels.prepare("norm", torch.float64, wait=None)
     assert status.state == "unavailable" and "failed to load" in status.reason
     assert not package.exists()
+    assert not package.with_name(package.name + ".ok").exists()  # no verdict for a rebuild
 
 
 def test_no_compiler_means_eager_with_a_reason(fresh: Path, monkeypatch: pytest.MonkeyPatch
@@ -276,3 +279,43 @@ def test_a_failed_native_build_falls_back_to_aotinductor(fresh: Path,
     x = torch.randn(1000)
     got = _kernels.run("norm", x)
     assert got is not None and math.isclose(got.item(), float(x.double().norm()), rel_tol=1e-9)
+
+
+_CRASHING_LIBRARY = """
+#include <csignal>
+// Loading this library ends the process, as a kernel built against a C++ runtime that
+// does not match torch's can.
+__attribute__((constructor)) static void crash_on_load() { std::raise(SIGSEGV); }
+"""
+
+
+@pytest.mark.slow
+def test_a_kernel_that_crashes_when_loaded_is_never_loaded_here(
+        fresh: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A compiled kernel in the cache that kills the process that loads it: a child process
+    loads it first, so this one lives on, runs eagerly and says why; the verdict is kept
+    for the next process."""
+    import shutil
+    import subprocess
+
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None or not _kernels._native_wanted(torch.float32, torch.device("cpu")):
+        pytest.skip("no C++ compiler, or no native kernel on this platform")
+    for field in ("ops", "error", "source", "build_s", "load_s"):
+        monkeypatch.setattr(_kernels._Native, field, getattr(_kernels._Native, field))
+    source = tmp_path / "crash.cpp"
+    source.write_text(_CRASHING_LIBRARY)
+    path = _kernels._native_path()
+    path.parent.mkdir(parents=True)
+    subprocess.run([cxx, "-shared", "-fPIC", str(source), "-o", str(path)], check=True,
+                   timeout=120)
+    _kernels._Native.ops = None
+    _kernels._Native.error = None
+    error = _kernels._load_native()  # had it loaded the library here, the test would die
+    assert error is not None and "crashed (SIGSEGV) in a child process" in error
+    assert _kernels._Native.ops is None
+    ok, failed = path.with_name(path.name + ".ok"), path.with_name(path.name + ".failed")
+    assert not ok.exists() and failed.read_text() == error
+    # The next process reads the verdict: no child, the same reason.
+    assert _kernels._checked(path, "native", "stats", torch.float32,
+                             torch.device("cpu")) == error

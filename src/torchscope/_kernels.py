@@ -33,6 +33,12 @@ How the compiled kernels stay out of the user's way:
   first request starts the build in the background and returns None meanwhile, so the
   caller runs its eager path: no step ever waits for a compile. A build left running when
   the process exits still finishes and fills the cache.
+- **Checked in a child before it is loaded.** A compiled kernel runs native code inside
+  the user's process, where a crash would end the training run (seen: every AOTInductor
+  package segfaulted on load, in torch's own loader, with torch 2.11 and GCC 13 on a CUDA
+  machine). So a child process loads each new file first, runs it once and compares
+  with torch; only a file that passed is loaded here. The verdict is kept beside the
+  file (`.ok`, or `.failed` with the reason), so the check costs one child per machine.
 - **Bounded.** One kernel per (program, dtype, device): at most 2 programs x 4 float dtypes
   per device, each built once per machine (`kernel_status()` counts them).
 - **Never where it cannot run.** Integer, bool and complex tensors, tensor subclasses (fake
@@ -57,6 +63,7 @@ import hashlib
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -105,6 +112,7 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _MAX_NUMEL = 2**31 - 2  # the counts accumulate in int32
 _VERSION = 2  # part of every cache key: bump it when a program or its build changes
 _BUILD_TIMEOUT_S = 900.0
+_CHECK_TIMEOUT_S = 300.0  # a child loads a new kernel and runs it once (CUDA start-up included)
 _STALE_LOCK_S = 1200.0  # a lock older than this belongs to a build that died
 _NATIVE_SOURCE = Path(__file__).with_name("_native") / "reduce.cpp"
 
@@ -448,17 +456,16 @@ def _prepare_aoti(kernel: _Kernel, native_error: str | None = None) -> None:
     path = _package_path(kernel.program, kernel.dtype, kernel.device)
     error, kernel.source, kernel.build_s = _cached_or_built(
         path, kernel.device, lambda p: _build(p, kernel.program, kernel.dtype, kernel.device))
+    if error is None:
+        error = _checked(path, "aoti", kernel.program, kernel.dtype, kernel.device)
     if error is not None:
         fail(error)
         return
     t0 = time.perf_counter()
-    index = kernel.device.index if kernel.device.index is not None else (
-        torch.cuda.current_device() if kernel.device.type == "cuda" else -1)
     try:
-        loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, index)
+        loader = _aoti_loader(path, kernel.device)
     except Exception as exc:  # a truncated or foreign package: the next process rebuilds
-        with contextlib.suppress(OSError):
-            path.unlink()
+        _discard(path)
         fail(f"the fused kernel failed to load: {type(exc).__name__}: {exc}")
         return
     kernel.load_s = time.perf_counter() - t0
@@ -471,6 +478,13 @@ def _prepare_aoti(kernel: _Kernel, native_error: str | None = None) -> None:
     _set_ready(kernel, runner)
 
 
+def _aoti_loader(path: Path, device: torch.device) -> Any:
+    """AOTInductor's loader for the package `path`, on `device`."""
+    index = device.index if device.index is not None else (
+        torch.cuda.current_device() if device.type == "cuda" else -1)
+    return torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, index)
+
+
 def _cached_or_built(path: Path, device: torch.device, build: Callable[[Path], str | None]
                      ) -> tuple[str | None, str, float | None]:
     """`path` from the cache, or built there by `build` (a cached file needs no compiler):
@@ -480,12 +494,70 @@ def _cached_or_built(path: Path, device: torch.device, build: Callable[[Path], s
     reason = _toolchain_reason(device)
     if reason is not None:
         return reason, "", None
+    _discard(path)  # a verdict on an earlier file at this path says nothing about the new one
     t0 = time.perf_counter()
     try:
         error = build(path)
     except OSError as exc:
         error = f"the kernel cache {path.parent} is not writable: {exc}"
     return error, "" if error else "built", None if error else time.perf_counter() - t0
+
+
+def _markers(path: Path) -> tuple[Path, Path]:
+    """The verdicts of the child check beside `path`: passed, and failed (with why)."""
+    return path.with_name(path.name + ".ok"), path.with_name(path.name + ".failed")
+
+
+def _discard(path: Path) -> None:
+    """Remove `path` and the verdicts on it, so that the next process builds it again."""
+    for p in (path, *_markers(path)):
+        with contextlib.suppress(OSError):
+            p.unlink()
+
+
+def _checked(path: Path, kind: Literal["native", "aoti"], program: str, dtype: torch.dtype,
+             device: torch.device) -> str | None:
+    """None when the compiled kernel `path` may be loaded into this process, else why not.
+
+    Loading runs the file's native code inside the user's process, and a kernel that
+    crashes there (a C++ runtime that does not match torch's, say) takes the training run
+    with it. So a child process loads it first, runs it once and compares with torch; only
+    then is it loaded here. The verdict is kept beside the file, so that the check costs
+    one child process per machine and file.
+    """
+    ok, failed = _markers(path)
+    if ok.exists():
+        return None
+    with contextlib.suppress(OSError):
+        return failed.read_text() or "the fused kernel failed its check"
+    cmd = [sys.executable, "-m", "torchscope._kernels", "--check", kind, str(path), program,
+           str(dtype), _device_arg(device)]
+    try:
+        done = subprocess.run(cmd, env=_child_env(), capture_output=True, text=True,
+                              check=False, timeout=_CHECK_TIMEOUT_S, start_new_session=True)
+    except subprocess.TimeoutExpired:
+        return f"checking the fused kernel in a child process ran past {_CHECK_TIMEOUT_S:.0f} s"
+    rc = done.returncode
+    tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+    if rc == 0:
+        with contextlib.suppress(OSError):
+            ok.touch()
+        return None
+    if rc == _CHECK_NO_LOAD:  # a truncated or foreign file: the next process rebuilds it
+        _discard(path)
+        return f"the fused kernel failed to load: {tail}"
+    if rc < 0:
+        what = f"crashed ({signal.Signals(-rc).name})" if -rc in signal.valid_signals() \
+            else f"was killed by signal {-rc}"
+    else:
+        what = f"gave wrong results ({tail})" if rc == _CHECK_WRONG else \
+            f"failed (exit {rc}: {tail})"
+    reason = (f"the compiled kernel {what} in a child process that loaded it, so it is never "
+              f"loaded into this one (torch {torch.__version__} and this machine's C++ "
+              "toolchain may not work together); delete it to try again: " + str(path))
+    with contextlib.suppress(OSError):
+        failed.write_text(reason)
+    return reason
 
 
 def _set_ready(kernel: _Kernel, runner: _Runner) -> None:
@@ -557,20 +629,26 @@ def _load_native() -> str | None:
     path = _native_path()
     error, _Native.source, _Native.build_s = _cached_or_built(
         path, torch.device("cpu"), lambda p: _with_build_lock(p, _compile_native))
+    if error is None:
+        error = _checked(path, "native", "stats", torch.float32, torch.device("cpu"))
     if error is not None:
         return error
     t0 = time.perf_counter()
     try:
-        torch.ops.load_library(str(path))
-        namespace = getattr(torch.ops, _native_namespace())
-        _Native.ops = {name: getattr(namespace, name).default
-                       for name in ("stats", "norm", "copy_norms", "diff_norms")}
+        _Native.ops = _native_ops(path)
     except Exception as exc:  # a truncated or foreign library: the next process rebuilds
-        with contextlib.suppress(OSError):
-            path.unlink()
+        _discard(path)
         return f"the native kernel failed to load: {type(exc).__name__}: {exc}"
     _Native.load_s = time.perf_counter() - t0
     return None
+
+
+def _native_ops(path: Path) -> dict[str, Any]:
+    """Load the native library `path` into this process: its operators by name."""
+    torch.ops.load_library(str(path))
+    namespace = getattr(torch.ops, _native_namespace())
+    return {name: getattr(namespace, name).default
+            for name in ("stats", "norm", "copy_norms", "diff_norms")}
 
 
 def _native_namespace() -> str:
@@ -658,24 +736,34 @@ def _package_path(program: str, dtype: torch.dtype, device: torch.device) -> Pat
     return cache_dir() / name
 
 
+def _child_env(**extra: str) -> dict[str, str]:
+    """The environment of a child process of this module: this one's, with torchscope's
+    own source on the path."""
+    src_root = str(Path(__file__).resolve().parents[1])
+    return {**os.environ, **extra, "PYTHONPATH": os.pathsep.join(
+        p for p in (src_root, os.environ.get("PYTHONPATH")) if p)}
+
+
+def _device_arg(device: torch.device) -> str:
+    """`device` for a child's command line, with the CUDA index this process uses."""
+    if device.index is not None or device.type == "cpu":
+        return str(device)
+    return f"cuda:{torch.cuda.current_device()}"
+
+
 def _build(path: Path, program: str, dtype: torch.dtype, device: torch.device) -> str | None:
     """Build the AOTInductor package `path` in a child process (or wait for another
     process's build); None on success, else why not."""
 
     def child(_path: Path) -> str | None:
-        src_root = str(Path(__file__).resolve().parents[1])
-        env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "1",
-               "PYTHONPATH": os.pathsep.join(
-                   p for p in (src_root, os.environ.get("PYTHONPATH")) if p)}
-        device_arg = str(device) if device.index is not None or device.type == "cpu" else \
-            f"cuda:{torch.cuda.current_device()}"
         lock = path.with_name(path.name + ".lock")
-        cmd = [sys.executable, "-m", "torchscope._kernels", program, str(dtype), device_arg,
-               str(path), str(lock)]
+        cmd = [sys.executable, "-m", "torchscope._kernels", program, str(dtype),
+               _device_arg(device), str(path), str(lock)]
         try:
             # A new session: the build outlives this process if it exits first (the cache
             # still fills), and a Ctrl-C meant for the user's loop does not reach it.
-            done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False,
+            done = subprocess.run(cmd, env=_child_env(TORCHINDUCTOR_COMPILE_THREADS="1"),
+                                  capture_output=True, text=True, check=False,
                                   timeout=_BUILD_TIMEOUT_S, start_new_session=True)
         except subprocess.TimeoutExpired:
             return f"building the kernel ran past {_BUILD_TIMEOUT_S:.0f} s"
@@ -789,7 +877,44 @@ def _forget() -> None:
         _ready.clear()
 
 
+_CHECK_NO_LOAD, _CHECK_WRONG = 3, 4  # the check child's exit codes besides 0
+
+
+def _check_child(kind: str, path: str, program: str, dtype_name: str, device_name: str
+                 ) -> int:
+    """The child process of `_checked`: load the kernel `path` as the user's process would,
+    run it once, compare with torch. Exit 0 when it may be loaded, `_CHECK_NO_LOAD` when it
+    failed to load, `_CHECK_WRONG` on wrong results; a crash ends the child by a signal."""
+    dtype = getattr(torch, dtype_name.removeprefix("torch."))
+    device = torch.device(device_name)
+    runs: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
+    try:
+        if kind == "native":
+            ops = _native_ops(Path(path))
+            runs["stats"] = lambda t: ops["stats"](t, False)
+            runs["norm"] = ops["norm"]
+        else:
+            loader = _aoti_loader(Path(path), device)
+            runs[program] = lambda t: loader.run([t])[0]
+    except Exception as exc:
+        print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        return _CHECK_NO_LOAD
+    x = torch.linspace(-3.0, 5.0, 10_001, device=device).to(dtype)  # (n,)
+    ref = x.double()
+    for name, run_one in runs.items():
+        got = run_one(x).double().cpu().reshape(-1)  # (N_MOMENTS,) or (1,)
+        want = torch.stack([ref.mean(), ref.min(), ref.max(), ref.norm()]).cpu() \
+            if name == "stats" else ref.norm().cpu().reshape(1)
+        have = got[[MEAN, MIN, MAX, NORM]] if name == "stats" else got
+        if not torch.allclose(have, want, rtol=1e-5, atol=1e-6):
+            print(f"{name}: {have.tolist()} against torch's {want.tolist()}", file=sys.stderr)
+            return _CHECK_WRONG
+    return 0
+
+
 def _main(argv: list[str]) -> Any:
+    if argv[:1] == ["--check"]:
+        sys.exit(_check_child(*argv[1:]))
     _build_child(*argv)
 
 
