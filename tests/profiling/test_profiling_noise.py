@@ -73,6 +73,18 @@ def test_item_on_cuda_is_a_host_sync_warning() -> None:
     assert "profiling.host_read" not in _codes(result)
     sync = next(f for f in result.findings() if f.code == "profiling.host_sync")
     assert "1 time(s) per step" in sync.summary  # one .item(), counted once
+    # The watch's own waits at step boundaries were recorded too, and left out.
+    assert result.calls("torchscope::step_sync") >= 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_healthy_cuda_step_has_no_host_finding() -> None:
+    """The profiler records torchscope's own device waits at step boundaries; they are no
+    sync of the user's step."""
+    result = profile_steps(nn.Linear(16, 4).cuda(), torch.randn(8, 16, device="cuda"),
+                           steps=2, baseline_steps=0)
+    assert result.calls("cudaDeviceSynchronize") >= 2
+    assert not {"profiling.host_sync", "profiling.host_read"} & set(_codes(result))
 
 
 def test_the_overhead_carries_its_interval() -> None:

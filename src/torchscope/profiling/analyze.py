@@ -11,7 +11,7 @@ from torchscope.distributed.ranked import Ranked, rank_list, ranked_analyzer
 from torchscope.findings import Finding, Severity, analyzer, rank
 from torchscope.profiling.comm import is_comm
 from torchscope.profiling.ops import sort_ops
-from torchscope.profiling.records import ProfileResult, ProfileThresholds
+from torchscope.profiling.records import OWN_SYNC_RANGE, ProfileResult, ProfileThresholds
 
 __all__ = ["comm_findings", "mean_step_ms", "own_ms", "profile_findings", "ranked_profile_findings"]
 
@@ -45,12 +45,18 @@ def _host_syncs(result: ProfileResult) -> list[Finding]:
     On CPU, `.item()` and `.cpu()` read host memory that is already there: at most an info
     (`profiling.host_read`), since the same line waits for the device on a GPU.
     """
-    syncs = [o for o in result.ops if o.name in _SYNC_OPS]
+    # Waits that are no part of the step: the watch's own at each step boundary (one
+    # cudaDeviceSynchronize in its own range), and torch.profiler's when it stops at the
+    # window's end (`profile.__exit__` synchronises the device while still recording).
+    own = result.calls(OWN_SYNC_RANGE)
+    device_waits = max(result.calls("cudaDeviceSynchronize") - own - (1 if own else 0), 0)
+    syncs = [o for o in result.ops if o.name in _SYNC_OPS
+             and (device_waits or o.name != "cudaDeviceSynchronize")]
     if not syncs:
         return []
     # One `.item()` shows as aten::item over aten::_local_scalar_dense (over a copy and a
     # stream sync on CUDA): count the reads and the explicit device waits, once each.
-    calls = (result.calls("aten::_local_scalar_dense") + result.calls("cudaDeviceSynchronize")
+    calls = (result.calls("aten::_local_scalar_dense") + device_waits
              or sum(o.calls for o in syncs))
     ops = ", ".join(sorted({o.name for o in syncs}))
     evidence: dict[str, float | int | str | bool | None] = {

@@ -18,6 +18,10 @@ from torchscope.step import StepInfo
 #: The phase labels `profile_steps` opens with `record_function`, in step order.
 PHASES: tuple[str, ...] = ("forward", "backward", "optimizer")
 
+#: The range around a watch's own wait for the device at a step boundary (one
+#: `cudaDeviceSynchronize` on CUDA): the host-sync finding leaves those waits out.
+OWN_SYNC_RANGE = "torchscope::step_sync"
+
 SortKey = Literal["self_cpu", "total", "self_cuda", "cuda_total", "calls"]
 
 

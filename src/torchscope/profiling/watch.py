@@ -33,7 +33,12 @@ from torchscope.profiling.attribution import attribute
 from torchscope.profiling.comm import comm_time
 from torchscope.profiling.module_ranges import ModuleRanges
 from torchscope.profiling.ops import op_records
-from torchscope.profiling.records import ProfileResult, ProfilingError, StepTiming
+from torchscope.profiling.records import (
+    OWN_SYNC_RANGE,
+    ProfileResult,
+    ProfilingError,
+    StepTiming,
+)
 from torchscope.profiling.trace import export_trace, rank_trace_path
 from torchscope.step import synchronize
 
@@ -146,6 +151,14 @@ class TimeWatch(HookedContext):
         """Wait for the watched device to finish its queued work; no-op on CPU."""
         synchronize(self._device)
 
+    def _boundary_sync(self) -> None:
+        # The watch's own wait, so that a step's time includes its device work. Named, so
+        # that it is not counted as a sync of the user's step.
+        if self._device.type == "cpu":
+            return
+        with record_function(OWN_SYNC_RANGE):
+            synchronize(self._device)
+
     def open(self) -> None:
         """Start the window: hooks, then the profiler (use the watch as a context manager)."""
         stack = self._stack
@@ -175,7 +188,7 @@ class TimeWatch(HookedContext):
             schedule=schedule(wait=self._wait, warmup=self._warmup, active=self._steps,
                               repeat=1)))
         _OPEN.append(self)
-        self.sync()
+        self._boundary_sync()
         self._last = time.perf_counter()
 
     def _on_optimizer_step(self, _opt: Any, _args: Any, _kwargs: Any) -> None:
@@ -201,7 +214,7 @@ class TimeWatch(HookedContext):
         if self._prof is None or self.boundaries >= self.window:
             self.boundaries += 1
             return
-        self.sync()
+        self._boundary_sync()
         now = time.perf_counter()
         if self.boundaries >= self._wait + self._warmup:
             self._active.append((now - self._last) * 1e3)
