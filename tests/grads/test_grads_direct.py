@@ -29,14 +29,16 @@ pytestmark = pytest.mark.usefixtures("reduction_path")
 
 def _aliases(loss: torch.Tensor) -> int:
     """AliasBackward0 nodes in the graph behind `loss`: one per aliased module input."""
-    seen: set[int] = set()
+    # Keeps every node it saw alive: a node's Python object may be made anew on each
+    # `next_functions`, and a freed one's id can come back for another node.
+    seen: dict[int, Any] = {}
     todo: list[Any] = [loss.grad_fn]
     count = 0
     while todo:
         node = todo.pop()
         if node is None or id(node) in seen:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node
         count += type(node).__name__ == "AliasBackward0"
         todo.extend(n for n, _ in node.next_functions)
     return count
@@ -310,3 +312,33 @@ def test_a_one_input_call_that_does_not_fit() -> None:
     (grad,) = torch.autograd.grad(functional.linear(h, w, lin.bias).sum(), h)
     assert flows[3].get("lin").grad_input[0].norm == pytest.approx(grad.norm().item(),
                                                                     rel=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("which", ["resnet", "sequence"])
+def test_cuda_routes_agree(which: str, reduction_path: str,
+                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same on a GPU: graph-route and alias-route norms agree bit for bit, by the CUDA
+    kernel or by eager ops. cuDNN's deterministic algorithms make each step's gradients
+    themselves bitwise repeatable."""
+    from torchscope import _kernels
+
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    if reduction_path == "fused":
+        for program in _kernels.PROGRAMS:
+            status = _kernels.prepare(program, torch.float32, "cuda", wait=None)
+            if status.state != "ready":
+                pytest.skip(f"no fused CUDA kernel here: {status.reason}")
+    torch.manual_seed(0)
+    if which == "resnet":
+        model: nn.Module = ResNetMini(channels=4, blocks=3).cuda().train()
+        x, y = torch.randn(2, 3, 8, 8, device="cuda"), torch.randint(0, 10, (2,), device="cuda")
+        flows, aliases = _watched(model, lambda: functional.cross_entropy(model(x), y))
+    else:
+        model = _Seq().cuda()
+        x = torch.randn(2, 5, 6, device="cuda", requires_grad=True)
+        flows, aliases = _watched(model, lambda: model(x).square().sum())
+    assert aliases[0] > 0 and aliases[1:] == [0, 0]
+    _assert_routes_agree(flows)
+    assert (flows[-1].fused_norms > 0) == (reduction_path == "fused")
