@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from torchscope.errors import TorchscopeError
-from torchscope.grads import watch_gradients
+from torchscope.grads import GradFlow, watch_gradients
 from torchscope.hooks import audit_hooks
 
 
@@ -38,12 +38,17 @@ def test_thousand_steps_bounded_memory_and_no_hooks_left() -> None:
         opt.step()
 
     with watch_gradients(model, every=10, optimizer=opt, max_samples=20) as watch:
-        for _ in range(800):
+        for _ in range(600):
             step()
         handles = watch.session.handle_count
         tensors = _live_tensors()
         tracemalloc.start(8)
         try:
+            # Traced from here: first 200 steps, so that what a step keeps until a later
+            # one (the sample whose records are built when the next sample comes, the
+            # history's rows) is traced in both snapshots, and only growth differs.
+            for _ in range(200):
+                step()
             gc.collect()  # count what is kept, not garbage waiting for the cycle collector
             snap_before = tracemalloc.take_snapshot()
             for _ in range(200):
@@ -140,6 +145,55 @@ def test_grad_scaler_norms_are_unscaled() -> None:
     for p in flow.params:
         assert math.isclose(p.norm, unscaled[p.name], rel_tol=1e-6)
     assert math.isclose(flow.total_norm, clip, rel_tol=1e-6)
+
+
+def test_a_sample_built_after_the_update_keeps_its_steps_numbers() -> None:
+    """A sampled step's records are built when read (or at the next sample), after the
+    optimizer and the GradScaler have moved on: they hold that step's scale and norms."""
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)
+    x = torch.randn(4, 4)
+    with watch_gradients(model, optimizer=opt, scaler=scaler) as watch:
+        for k in range(3):
+            opt.zero_grad()
+            scaler.scale(model(x).sum()).backward()
+            scaler.step(opt)  # unscales .grad in place
+            grads = {n: p.grad.norm().item() for n, p in model.named_parameters()}
+            scaler.update()  # the scale doubles after each finite step
+            assert scaler.get_scale() == 2.0 ** (11 + k)
+            flow = watch.last  # built now
+            assert flow is not None and flow.index == k and flow.scale == 2.0 ** (10 + k)
+            for rec in flow.params:
+                assert math.isclose(rec.norm, grads[rec.name], rel_tol=1e-6)
+
+
+@pytest.mark.usefixtures("reduction_path")  # one path for both watches
+def test_records_built_later_equal_records_built_at_once() -> None:
+    """`on_sample` builds each sample when its step ends; without it, when read. Both give
+    the same numbers, step by step."""
+    torch.manual_seed(0)
+    models = [_mlp(), _mlp()]
+    models[1].load_state_dict(models[0].state_dict())
+    x, y = torch.randn(4, 4), torch.randn(4, 2)
+    at_once: list[GradFlow] = []
+    with contextlib.ExitStack() as stack:
+        opts = [torch.optim.SGD(m.parameters(), lr=1e-2) for m in models]
+        watches = [stack.enter_context(watch_gradients(models[0], optimizer=opts[0], every=2,
+                                                       on_sample=at_once.append)),
+                   stack.enter_context(watch_gradients(models[1], optimizer=opts[1],
+                                                       every=2))]
+        for _ in range(7):
+            for m, opt in zip(models, opts, strict=True):
+                opt.zero_grad()
+                nn.functional.mse_loss(m(x), y).backward()
+                opt.step()
+    assert watches[0].samples == watches[1].samples == len(at_once) == 4
+    assert watches[0].history == watches[1].history
+    last = watches[1].last
+    assert last is not None and watches[0].last == last  # update norms joined on read
+    assert at_once[-1].modules == last.modules
+    assert [p.norm for p in at_once[-1].params] == [p.norm for p in last.params]
 
 
 def test_exception_in_loop_removes_hooks() -> None:

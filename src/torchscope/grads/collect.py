@@ -45,6 +45,7 @@ numbers in one all_gather: the only communication, once per sampled step.
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from collections.abc import Callable
@@ -161,15 +162,39 @@ def _is_plain(t: torch.Tensor) -> bool:
 
 def _host_floats(vals: list[torch.Tensor]) -> list[float]:
     """0-d device tensors as floats: one stack and one host copy per device and dtype."""
-    out = [math.nan] * len(vals)
+    return _host_floats_later(vals)()
+
+
+def _host_floats_later(vals: list[torch.Tensor]) -> Callable[[], list[float]]:
+    """`_host_floats`, with the copies started now and waited for only when the returned
+    function is called: each group is stacked at once (its values as they are now, in
+    stream order) and, on CUDA, copied without blocking into pinned memory behind an event.
+    """
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, v in enumerate(vals):
         groups.setdefault((v.device, v.dtype), []).append(i)
+    copies: list[tuple[list[int], torch.Tensor, Any]] = []
     for idx in groups.values():
-        host = torch.stack([vals[i] for i in idx]).cpu().tolist()  # (n,) -> host
-        for i, x in zip(idx, host, strict=True):
-            out[i] = float(x)
-    return out
+        stacked = torch.stack([vals[i] for i in idx])  # (n,) on the values' device
+        if stacked.is_cuda:
+            host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
+            host.copy_(stacked, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            copies.append((idx, host, done))
+        else:
+            copies.append((idx, stacked.cpu(), None))  # another device: a blocking copy
+
+    def read() -> list[float]:
+        out = [math.nan] * len(vals)
+        for idx, host, done in copies:
+            if done is not None:
+                done.synchronize()
+            for i, x in zip(idx, host.tolist(), strict=True):
+                out[i] = float(x)
+        return out
+
+    return read
 
 
 def _norm(t: torch.Tensor) -> torch.Tensor:
@@ -872,6 +897,16 @@ class GradCollector(HookedContext):
             return None
         return float(scaler.get_scale())
 
+    def _scale_tensor(self) -> torch.Tensor | None:
+        """The GradScaler's scale as it is on the device (no host read), or None."""
+        scaler = self._scaler
+        if scaler is None or not getattr(scaler, "is_enabled", lambda: True)():
+            return None
+        scale = getattr(scaler, "_scale", None)  # GradScaler's own tensor; None before use
+        if not isinstance(scale, torch.Tensor):
+            return torch.tensor(float(scaler.get_scale()), dtype=torch.float64)
+        return scale
+
     def snapshot_weights(self) -> None:
         """Copy every trainable parameter, just before an optimizer update (sampled steps
         only: it costs one more copy of the trainable parameters until `measure_updates`).
@@ -926,6 +961,21 @@ class GradCollector(HookedContext):
             index: the step's index, as `GradFlow.index`.
             step: the training step torchscope ran, when it ran one.
         """
+        return self.finish_later(index, step=step)()
+
+    def finish_later(self, index: int, *, step: StepInfo | None = None
+                     ) -> Callable[[], GradFlow]:
+        """`finish` without waiting for the device: the step's numbers start on their way
+        to the host (one batched copy per device, into pinned memory on CUDA), the
+        collector starts a new step, and the returned function builds the `GradFlow`,
+        waiting for that copy only then. Call it a step later and the copy has long
+        arrived: the training loop never waits for the device on torchscope's account.
+        (Under DDP or FSDP2 the ranks' exchange is a collective, read at once.)
+
+        Args:
+            index: the step's index, as `GradFlow.index`.
+            step: the training step torchscope ran, when it ran one.
+        """
         self._measure_params()  # a backward that raised never ran its end callback
         # The weights' norms join the same host copy: one read of each trainable parameter
         # (this rank's shard under FSDP2), taken when the gradients are final and (in a
@@ -942,54 +992,74 @@ class GradCollector(HookedContext):
             if i in known:
                 weights[i] = len(self._vals)
                 self._vals.append(known[i])
-        host = _host_floats(self._vals)
-        scale = self._scale()
-        inv = 1.0 / scale if scale else 1.0
-        ranks = self._exchange(inv, weights)
-
-        def norm_of(val: int | None) -> float | None:
-            return None if val is None else host[val] * inv
-
-        def tensor_grad(s: _Slot) -> TensorGrad:
-            n = norm_of(s.root().val)
-            reason = None if n is not None else (s.reason or s.root().reason or NOT_REACHED)
-            return TensorGrad(s.path, tuple(s.shape), str(s.dtype), n, reason)
-
+        ranks = None
+        scale_at: int | None = None
+        scale: float | None = None
+        if self._rank_aware is not None:  # a collective: every rank reads it now
+            scale = self._scale()
+            ranks = self._exchange(1.0 / scale if scale else 1.0, weights)
+        else:
+            scale_t = self._scale_tensor()
+            if scale_t is not None:  # read with the norms, not by its own `.item()`
+                scale_at = len(self._vals)
+                self._vals.append(scale_t.detach().reshape(()).double())
+        values = _host_floats_later(self._vals)
         calls = sorted(self._calls, key=lambda c: (c.order is None, c.order or 0, c.seq))
-        modules = tuple(
-            ModuleGradRecord(
-                c.module, c.module_type, index, c.micro, c.call, c.order,
-                tuple(tensor_grad(s) for s in c.outs),
-                tuple(tensor_grad(s) for s in c.ins),
-                c.owns_params,
-            )
-            for c in calls
-        )
         called = {c.module for c in self._calls}
-        params = []
-        for pname, mname, i, tied_to in self._names:
-            p = self._params[i][2]
-            n = norm_of(self._param_vals.get(i)) if ranks is None else ranks.norm(i)
-            if not p.requires_grad:
-                reason: str | None = FROZEN
-            elif n is None:
-                owner = self._params[i][1]
-                reason = NOT_REACHED if mname in called or owner in called else NO_GRAD
-            else:
-                reason = None
-            w = (ranks.weight_norm(i) if ranks is not None else host[weights[i]]) \
-                if i in weights else None
-            params.append(ParamGradRecord(pname, mname, tuple(p.shape), str(p.dtype),
-                                          p.requires_grad, n, reason, weight_norm=w,
-                                          tied_to=tied_to))
-        # Each tensor once, as clip_grad_norm_ counts tied weights.
-        total = combine_norms(p.norm for p in params if p.tied_to is None) or 0.0
-        flow = GradFlow(index, modules, tuple(params), total, scale,
-                        micro_batches=max(self._micro + 1, 1 if self._calls else 0),
-                        backward_calls=self._backwards, step=step, ranks=ranks,
-                        fused_norms=self._fused_norms, eager_norms=self._eager_norms)
+        shapes = [(tuple(p.shape), str(p.dtype), p.requires_grad) for _, _, p in self._params]
+        owners = [owner for _, owner, _ in self._params]
+        names, param_vals = list(self._names), dict(self._param_vals)
+        micro_batches = max(self._micro + 1, 1 if self._calls else 0)
+        backwards, fused, eager = self._backwards, self._fused_norms, self._eager_norms
         self.discard()
-        return flow
+
+        def build() -> GradFlow:
+            host = values()
+            nonlocal scale
+            if scale_at is not None:
+                scale = host[scale_at]
+            inv = 1.0 / scale if scale else 1.0
+
+            def norm_of(val: int | None) -> float | None:
+                return None if val is None else host[val] * inv
+
+            def tensor_grad(s: _Slot) -> TensorGrad:
+                n = norm_of(s.root().val)
+                reason = None if n is not None else (s.reason or s.root().reason or
+                                                     NOT_REACHED)
+                return TensorGrad(s.path, tuple(s.shape), str(s.dtype), n, reason)
+
+            modules = tuple(
+                ModuleGradRecord(
+                    c.module, c.module_type, index, c.micro, c.call, c.order,
+                    tuple(tensor_grad(s) for s in c.outs),
+                    tuple(tensor_grad(s) for s in c.ins),
+                    c.owns_params,
+                )
+                for c in calls
+            )
+            params = []
+            for pname, mname, i, tied_to in names:
+                shape, dtype, requires_grad = shapes[i]
+                n = norm_of(param_vals.get(i)) if ranks is None else ranks.norm(i)
+                if not requires_grad:
+                    reason: str | None = FROZEN
+                elif n is None:
+                    reason = NOT_REACHED if mname in called or owners[i] in called \
+                        else NO_GRAD
+                else:
+                    reason = None
+                w = (ranks.weight_norm(i) if ranks is not None else host[weights[i]]) \
+                    if i in weights else None
+                params.append(ParamGradRecord(pname, mname, shape, dtype, requires_grad, n,
+                                              reason, weight_norm=w, tied_to=tied_to))
+            # Each tensor once, as clip_grad_norm_ counts tied weights.
+            total = combine_norms(p.norm for p in params if p.tied_to is None) or 0.0
+            return GradFlow(index, modules, tuple(params), total, scale,
+                            micro_batches=micro_batches, backward_calls=backwards, step=step,
+                            ranks=ranks, fused_norms=fused, eager_norms=eager)
+
+        return functools.cache(build)  # built once, however often it is asked for
 
     def _exchange(self, inv: float, weights: dict[int, int]) -> RankGrads | None:
         """Every rank's per-parameter norms of this step (DDP, FSDP2); None on one process.

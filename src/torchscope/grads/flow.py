@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 import weakref
 from collections import deque
@@ -102,6 +104,11 @@ StepBy = Literal["optimizer", "micro_batches", "inferred", "manual"]
 
 _EVIDENCE = 32  # parameters whose `.grad` tells a fresh step from accumulation (inferred)
 _SKIPPED_KEPT = 1000  # indices of GradScaler-skipped steps kept (the newest; all are counted)
+
+
+def _merged(builds: list[Callable[[], GradFlow]], index: int) -> Callable[[], GradFlow]:
+    """`_merge` of the flows `builds` will give, built at the first call."""
+    return functools.cache(lambda: _merge([b() for b in builds], index))
 
 
 def _merge(flows: list[GradFlow], index: int) -> GradFlow:
@@ -214,7 +221,11 @@ class GradWatch(HookedContext, Analyzed):
         self._skipped_steps: deque[int] = deque(maxlen=_SKIPPED_KEPT)
         self._carry = False  # a due step had no gradients (or was skipped): sample the next
         self._in_step = 0  # backward passes of the current step (micro_batches, inferred)
-        self._partials: list[GradFlow] = []  # inferred: the due step's flow per backward
+        # Inferred: the due step's flow per backward, built when its step has ended.
+        self._partials: list[Callable[[], GradFlow]] = []
+        # Sampled steps not built into records yet, oldest first: (index, build).
+        self._untaken: deque[tuple[int, Callable[[], GradFlow]]] = deque()
+        self._last_index: int | None = None  # the newest sampled step, built or not
         # `parameters()` yields a tied parameter once.
         self._params = [p for p in self._collector.session.model.parameters() if p.requires_grad]
         spread = max(1, len(self._params) // _EVIDENCE)
@@ -264,12 +275,18 @@ class GradWatch(HookedContext, Analyzed):
                 if self._step_by == "inferred" and self._in_step:
                     # The block's end ends the step in progress.
                     flows, self._partials = self._partials, []
-                    self._advance(self._take(_merge(flows, self.steps)) if flows else None)
+                    self._advance(self._sample(self.steps, _merged(flows, self.steps))
+                                  if flows else None)
                 elif c.active and c.backward_calls > 0 and self._due(self.steps):
-                    self._take(c.finish(self.steps))
+                    self._sample(self.steps, c.finish_later(self.steps))
+                self._settle()
         finally:
             c.on_backward_end = None
             self._partials = []
+            if failed:  # keep what finished steps measured, but raise nothing over the error
+                with contextlib.suppress(Exception):
+                    self._settle()
+            self._untaken.clear()
             # They hold the parameters: results must not keep the model alive.
             self._optimizer = None
             self._params = []
@@ -330,7 +347,7 @@ class GradWatch(HookedContext, Analyzed):
             c = self._collector
             if self._step_by == "manual":
                 index = self.steps - 1
-                sampled = self._last is not None and self._last.index == index
+                sampled = self._last_index == index
             else:
                 index = self.steps
                 sampled = c.active and self._due(index)
@@ -385,19 +402,19 @@ class GradWatch(HookedContext, Analyzed):
         if self._check_nonfinite:
             self._check_step()
         if c.active and c.backward_calls > 0 and self._due(self.steps):
-            self._advance(self._take(c.finish(self.steps)))
+            self._advance(self._sample(self.steps, c.finish_later(self.steps)))
         else:
             c.discard()  # counters of an unsampled step
             self._advance(None)
 
-    def _advance(self, sampled: GradFlow | None) -> None:
+    def _advance(self, sampled: Callable[[], GradFlow] | None) -> None:
         index = self.steps
         # A due step without gradients gives its sample to the next step.
         self._carry = sampled is None and self._due(index)
         self.steps += 1
         self._collector.active = self._collecting(self.steps)
         if self._on_step is not None:
-            self._on_step(index, sampled)
+            self._on_step(index, None if sampled is None else sampled())
 
     def _on_backward_end(self) -> None:
         c = self._collector
@@ -412,12 +429,13 @@ class GradWatch(HookedContext, Analyzed):
         was_active = c.active
         if self._fresh_gradients() and self._in_step:
             flows, self._partials, self._in_step = self._partials, [], 0
-            self._advance(self._take(_merge(flows, self.steps)) if flows else None)
+            self._advance(self._sample(self.steps, _merged(flows, self.steps))
+                          if flows else None)
         self._in_step += 1
         if self._check_nonfinite:
             self._check_step()
         if was_active and self._due(self.steps):
-            self._partials.append(c.finish(self.steps))
+            self._partials.append(c.finish_later(self.steps))
         else:
             c.discard()
         c.active = self._collecting(self.steps)
@@ -491,8 +509,27 @@ class GradWatch(HookedContext, Analyzed):
         first.masked_fill_(bad & (first < 0), self.steps)
         count.add_(bad)
 
-    def _take(self, flow: GradFlow) -> GradFlow:
+    def _sample(self, index: int, build: Callable[[], GradFlow]) -> Callable[[], GradFlow]:
+        """Count step `index` as sampled. Its records are built when read, or when the next
+        sampled step comes (callbacks want them at once), so that the loop does not wait
+        for the device at the end of a sampled step."""
         self.samples += 1
+        self._last_index = index
+        self._untaken.append((index, build))
+        if self._on_sample is not None or self._on_step is not None:
+            self._settle()
+        else:  # the step before: its copy arrived while this step ran
+            self._settle(keep=1)
+        return build
+
+    def _settle(self, keep: int = 0) -> None:
+        """Build the records of the untaken sampled steps, oldest first, but the newest
+        `keep`."""
+        while len(self._untaken) > keep:
+            _, build = self._untaken.popleft()
+            self._take(build())
+
+    def _take(self, flow: GradFlow) -> GradFlow:
         self._last = flow
         outs = {k: v for k, v in flow.output_norms().items() if v is not None}
         params = {k: v for k, v in flow.param_norms().items() if v is not None}
@@ -511,6 +548,7 @@ class GradWatch(HookedContext, Analyzed):
         (`ParamGradRecord.update_norm`, `update_ratio`), read from the device when `last` is
         first read after the step.
         """
+        self._settle()
         pending = self._pending_updates
         if pending is not None and self._last is not None and pending[0] == self._last.index:
             self._last = with_updates(self._last, pending[1])
@@ -542,6 +580,7 @@ class GradWatch(HookedContext, Analyzed):
     @property
     def history(self) -> GradHistory:
         """Per-layer norms of the newest `max_samples` samples."""
+        self._settle()
         layers = tuple(self._layers)
         return GradHistory(
             steps=tuple(r[0] for r in self._rows),
@@ -591,6 +630,11 @@ def watch_gradients(
 
     Unsampled steps cost one Python call per hook and no device work. Only norms are kept:
     the last sample in full and a history of per-layer norms bounded by `max_samples`.
+    Nothing waits for the device: a sampled step's norms leave it by one copy per device
+    that does not block (into pinned memory on CUDA), and its records are built when read
+    (`watch.last`, `watch.history`, findings) or when the next sample comes, by which time
+    the copy has arrived. `on_sample` and `on_step` want each step's records when it ends,
+    so with either of them that step waits for its norms.
 
     On a DDP or FSDP2 model (inside torchrun), each sampled step also records every rank's
     per-parameter norms (`flow.ranks`; DDP: before and after the all-reduce; FSDP2: the
