@@ -178,9 +178,9 @@ def _host_floats_later(vals: list[torch.Tensor]) -> Callable[[], list[float]]:
         stacked = torch.stack([vals[i] for i in idx])  # (n,) on the values' device
         if stacked.is_cuda:
             host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
-            host.copy_(stacked, non_blocking=True)
+            host.copy_(stacked, non_blocking=True)  # on the values' device's current stream
             done = torch.cuda.Event()
-            done.record()
+            done.record(torch.cuda.current_stream(stacked.device))
             copies.append((idx, host, done))
         else:
             copies.append((idx, stacked.cpu(), None))  # another device: a blocking copy
