@@ -223,8 +223,8 @@ class GradWatch(HookedContext, Analyzed):
         self._in_step = 0  # backward passes of the current step (micro_batches, inferred)
         # Inferred: the due step's flow per backward, built when its step has ended.
         self._partials: list[Callable[[], GradFlow]] = []
-        # Sampled steps not built into records yet, oldest first: (index, build).
-        self._untaken: deque[tuple[int, Callable[[], GradFlow]]] = deque()
+        # Sampled steps not built into records yet, oldest first.
+        self._untaken: deque[Callable[[], GradFlow]] = deque()
         self._last_index: int | None = None  # the newest sampled step, built or not
         # `parameters()` yields a tied parameter once.
         self._params = [p for p in self._collector.session.model.parameters() if p.requires_grad]
@@ -515,7 +515,7 @@ class GradWatch(HookedContext, Analyzed):
         for the device at the end of a sampled step."""
         self.samples += 1
         self._last_index = index
-        self._untaken.append((index, build))
+        self._untaken.append(build)
         if self._on_sample is not None or self._on_step is not None:
             self._settle()
         else:  # the step before: its copy arrived while this step ran
@@ -526,8 +526,7 @@ class GradWatch(HookedContext, Analyzed):
         """Build the records of the untaken sampled steps, oldest first, but the newest
         `keep`."""
         while len(self._untaken) > keep:
-            _, build = self._untaken.popleft()
-            self._take(build())
+            self._take(self._untaken.popleft()())
 
     def _take(self, flow: GradFlow) -> GradFlow:
         self._last = flow
