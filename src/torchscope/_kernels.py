@@ -555,8 +555,11 @@ def _checked(path: Path, kind: Literal["native", "aoti"], program: str, dtype: t
     reason = (f"the compiled kernel {what} in a child process that loaded it, so it is never "
               f"loaded into this one (torch {torch.__version__} and this machine's C++ "
               "toolchain may not work together); delete it to try again: " + str(path))
-    with contextlib.suppress(OSError):
-        failed.write_text(reason)
+    # Kept for later processes only when the file itself is at fault (a crash inside it,
+    # wrong numbers); a child that was killed, or failed otherwise, is asked again next time.
+    if rc == _CHECK_WRONG or -rc in _FAULT_SIGNALS:
+        with contextlib.suppress(OSError):
+            failed.write_text(reason)
     return reason
 
 
@@ -878,6 +881,10 @@ def _forget() -> None:
 
 
 _CHECK_NO_LOAD, _CHECK_WRONG = 3, 4  # the check child's exit codes besides 0
+# Signals that say the loaded code itself failed (not the machine or a user killing it).
+_FAULT_SIGNALS = frozenset(int(getattr(signal, name)) for name in
+                           ("SIGSEGV", "SIGBUS", "SIGILL", "SIGABRT", "SIGFPE")
+                           if hasattr(signal, name))
 
 
 def _check_child(kind: str, path: str, program: str, dtype_name: str, device_name: str
