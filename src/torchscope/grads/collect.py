@@ -183,7 +183,7 @@ def _host_floats_later(vals: list[torch.Tensor]) -> Callable[[], list[float]]:
             done.record(torch.cuda.current_stream(stacked.device))
             copies.append((idx, host, done))
         else:
-            copies.append((idx, stacked.cpu(), None))  # another device: a blocking copy
+            copies.append((idx, stacked.cpu(), None))  # CPU: no copy; others: a blocking one
 
     def read() -> list[float]:
         out = [math.nan] * len(vals)
@@ -892,10 +892,9 @@ class GradCollector(HookedContext):
 
     # ------------------------------------------------------------------ results
     def _scale(self) -> float | None:
-        scaler = self._scaler
-        if scaler is None or not getattr(scaler, "is_enabled", lambda: True)():
-            return None
-        return float(scaler.get_scale())
+        """The GradScaler's scale on the host (a read from the device), or None."""
+        scale = self._scale_tensor()
+        return None if scale is None else float(scale)
 
     def _scale_tensor(self) -> torch.Tensor | None:
         """The GradScaler's scale as it is on the device (no host read), or None."""
