@@ -125,6 +125,49 @@ def test_sequence_model_and_in_place_ops() -> None:
         torch.autograd.grad(model(x).square().sum(), x)[0].norm().item(), rel=1e-6)
 
 
+def test_a_call_read_when_the_root_returns_keeps_its_place_on_a_shared_node() -> None:
+    """A torch.nn leaf's calls inside the root's forward are read on the graph when the root
+    returns; a module of the user's code that returns the leaf's output as it is (the same
+    autograd node) is read at once. The leaf's hook must still come first on that node, as
+    its call ended first: the same backward order on every step."""
+
+    class Wrap(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = self.fc(x)
+            return out
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), Wrap())
+    x = torch.randn(5, 3)
+    flows, aliases = _watched(model, lambda: model(x).square().sum(),
+                              select=["0", "1", "1.fc"])
+    assert aliases == [2, 1, 1]  # step 0: 1 and 1.fc (x needs no grad); then 1 alone
+    _assert_routes_agree(flows)
+    assert [r.module for r in flows[-1].modules] == ["1.fc", "1", "0"]
+
+
+def test_calls_outside_the_root_forward_are_read_at_once() -> None:
+    """Leaves called without the root (the user calls the submodules) are read as their
+    calls end: the same numbers as through the root, which reads them when it returns."""
+    torch.manual_seed(0)
+    model = _Seq()
+    x = torch.randn(2, 5, 6)
+
+    def by_hand() -> torch.Tensor:
+        h = model.relu(model.act(model.norm(model.fc1(x))))
+        return model.head(model.fc2(h).relu_()).sum(1).square().sum()
+
+    through_root, _ = _watched(model, lambda: model(x).square().sum())
+    direct, _ = _watched(model, by_hand)
+    assert _calls(direct[-1]) == _calls(through_root[-1])
+    for name in ("head", "relu", "act", "norm", "fc1"):
+        assert direct[-1].get(name).grad_output[0].norm is not None
+
+
 def test_attention_lstm_and_user_modules_keep_their_aliases() -> None:
     """MultiheadAttention (not a leaf), an LSTM (tuple outputs) and a module of the user's
     code: the same numbers on every step, whatever route each takes."""
