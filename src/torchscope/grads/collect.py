@@ -699,6 +699,14 @@ class GradCollector(HookedContext):
 
         return hook
 
+    def _number_call(self, name: str) -> tuple[int, int]:
+        """A new call of module `name`: its count among that module's calls this forward,
+        and its sequence number in the step."""
+        count = self._counts.get(name, 0)
+        self._counts[name] = count + 1
+        self._seq += 1
+        return count, self._seq - 1
+
     def _note_simple_call(self, info: _ModuleInfo, x: torch.Tensor, out: torch.Tensor,
                           node: Any, root: bool) -> None:
         """Note a call of one tensor in and one out, to be read on the graph: when the root
@@ -710,13 +718,10 @@ class GradCollector(HookedContext):
             out: its output; `node` is its grad_fn.
             root: the module is the root.
         """
-        name = info[0]
-        count = self._counts.get(name, 0)
-        self._counts[name] = count + 1
-        self._seq += 1
+        count, seq = self._number_call(info[0])
         how: tuple[Any, int] | str = INPUT_NO_GRAD if not x.requires_grad else \
             "" if x is out else NOT_MEASURED if not _is_plain(x) else _edge(x)
-        seen = (info, max(self._micro, 0), count, self._seq - 1, node, out.output_nr,
+        seen = (info, max(self._micro, 0), count, seq, node, out.output_nr,
                 out.shape, out.dtype, x.shape, x.dtype, how)
         if self._in_root and not root:
             self._simple.append(seen)
@@ -847,11 +852,8 @@ class GradCollector(HookedContext):
                 torch._C._current_autograd_node() is not None
 
         def new_call() -> _Call:
-            count = self._counts.get(name, 0)
-            self._counts[name] = count + 1
-            call = _Call(name, type_name, max(self._micro, 0), count, self._seq, owns)
-            self._seq += 1
-            return call
+            count, seq = self._number_call(name)
+            return _Call(name, type_name, max(self._micro, 0), count, seq, owns)
 
         def pre(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             if skipped():
