@@ -320,6 +320,26 @@ def _edge(t: torch.Tensor) -> tuple[Any, int]:
     return edge.node, edge.output_nr
 
 
+def _base_edge(t: torch.Tensor, base: torch.Tensor, inputs: list[torch.Tensor]
+               ) -> tuple[Any, int] | None:
+    """Where a torch.nn leaf's output `t`, a view of all of `base` (Linear on 3-D input: a
+    view of its addmm's result), is read: the edge of the base's producer, or None to read
+    `t`'s own node.
+
+    Why: an in-place op on a view (`fc(h).relu_()`) rebases it, and its own node leaves the
+    graph, so a hook there never runs. The base's producer stays, and receives exactly the
+    gradient of `t`'s value, each element once (the view holds every element of the base).
+    Not when the base is an input's (nn.Flatten returns a view of its input, whose
+    gradient also has other uses), nor when it has no node."""
+    node = base.grad_fn
+    if node is None or base.numel() != t.numel():
+        return None
+    for x in inputs:
+        if x is base or x._base is base:
+            return None
+    return node, base.output_nr
+
+
 def _reads_at(reads: list[tuple[Any, _NodeReads]], node: Any) -> _NodeReads:
     """The reads of `node` in `reads` (a call touches few nodes: a list), added if new."""
     for n, r in reads:
@@ -723,7 +743,13 @@ class GradCollector(HookedContext):
         count, seq = self._number_call(info[0])
         how: tuple[Any, int] | str = INPUT_NO_GRAD if not x.requires_grad else \
             "" if x is out else NOT_MEASURED if not _is_plain(x) else _edge(x)
-        seen = (info, max(self._micro, 0), count, seq, node, out.output_nr,
+        nr = out.output_nr
+        base = out._base
+        if base is not None:  # a view: an in-place op may take its node out of the graph
+            edge = _base_edge(out, base, [x])
+            if edge is not None:
+                node, nr = edge
+        seen = (info, max(self._micro, 0), count, seq, node, nr,
                 out.shape, out.dtype, x.shape, x.dtype, how)
         if self._in_root and not root:
             self._simple.append(seen)
@@ -911,12 +937,17 @@ class GradCollector(HookedContext):
             for path, t in tensors:
                 if t.requires_grad and grad:
                     slot = _Slot(path, t)
-                    node = t.grad_fn
+                    node, nr = t.grad_fn, t.output_nr
+                    base = t._base if builtin else None
+                    if base is not None:  # see `_base_edge`
+                        edge = _base_edge(t, base, [p.tensor for p in pending])
+                        if edge is not None:
+                            node, nr = edge
                     if node is None:  # a leaf: only a tensor hook sees its gradient
                         self._step_handles.append(
                             self._session.tensor_hook(t, self._output_hook(slot, call)))
                     else:
-                        _reads_at(reads, node).outs.append((slot, t.output_nr))
+                        _reads_at(reads, node).outs.append((slot, nr))
                         roots.append(node)
                 else:
                     slot = _Slot(path, t, OUTPUT_NO_GRAD)
