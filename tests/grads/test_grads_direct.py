@@ -125,6 +125,27 @@ def test_sequence_model_and_in_place_ops() -> None:
         torch.autograd.grad(model(x).square().sum(), x)[0].norm().item(), rel=1e-6)
 
 
+def test_a_linear_on_3d_input_takes_one_node_hook() -> None:
+    """Its input's reshape passes the gradient on as it is: the input is read on the addmm's
+    node, with the output, by one hook per call; the norms stay torch's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.Linear(16, 3))
+    x = torch.randn(2, 5, 6, requires_grad=True)
+    hooks = []
+    with watch_gradients(model, every=1, manual=True) as watch:
+        for _ in range(3):
+            model.zero_grad(set_to_none=True)
+            loss = model(x).square().sum()
+            hooks.append(len(watch._collector._step_handles))
+            loss.backward()
+            watch.end_step()
+    assert hooks[1:] == [3, 3]  # graph-read calls: one node hook each
+    flow = watch.last
+    assert flow is not None
+    (gx,) = torch.autograd.grad(model(x).square().sum(), x)
+    assert flow.get("0").grad_input[0].norm == pytest.approx(gx.norm().item(), rel=1e-6)
+
+
 def test_a_call_read_when_the_root_returns_keeps_its_place_on_a_shared_node() -> None:
     """A torch.nn leaf's calls inside the root's forward are read on the graph when the root
     returns; a module of the user's code that returns the leaf's output as it is (the same

@@ -258,10 +258,10 @@ def with_updates(flow: GradFlow, updates: dict[str, torch.Tensor]) -> GradFlow:
 def _entry_points(roots: list[Any], edges: list[tuple[Any, int]]) -> list[tuple[Any, int]] | None:
     """Where each input edge `(producer, output_nr)` enters the autograd graph behind a
     call's outputs (`roots`, their grad_fns): per edge the one (node, index in its
-    `next_functions`) that consumes it. None unless each edge is consumed exactly once and
-    everything else behind the roots ends, within `_MAX_PLAN` nodes, at leaves (parameters'
-    AccumulateGrad nodes): then that node's grad_input at that index is the whole gradient
-    the call passes to the input.
+    `next_functions`) that consumes it, or the one past its reshape (`_past_reshape`). None
+    unless each edge is consumed exactly once and everything else behind the roots ends,
+    within `_MAX_PLAN` nodes, at leaves (parameters' AccumulateGrad nodes): then that
+    node's grad_input at that index is the whole gradient the call passes to the input.
 
     Runs once per call of a module read this way, so it scans plain lists (a call has few
     inputs) rather than building dicts and sets.
@@ -308,7 +308,39 @@ def _entry_points(roots: list[Any], edges: list[tuple[Any, int]]) -> list[tuple[
     if todo:
         return None  # too large to follow: keep the aliases
     points = [f for f in found if f is not None]
-    return points if len(points) == len(found) else None  # None: an input went unused
+    if len(points) != len(found):
+        return None  # an input went unused
+    return [_past_reshape(p, roots, followed) for p in points]
+
+
+# Nodes of a reshape (a view of every element): they pass the gradient on as it is.
+_RESHAPES = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0"})
+
+
+def _past_reshape(point: tuple[Any, int], roots: list[Any], followed: list[Any]
+                  ) -> tuple[Any, int]:
+    """Where an input's gradient is read when the call reshapes it first (a Linear on 3-D
+    input flattens it for its addmm): at the one node behind the outputs that consumes the
+    reshape, which holds the same gradient in the reshaped shape (the same memory, the same
+    norm). That node is usually the outputs' own, so one hook reads the whole call. Else
+    `point`, the reshape itself.
+
+    Args:
+        point: (node, index) where the input enters the graph.
+        roots: the outputs' nodes.
+        followed: every node behind them, as `_entry_points` walked.
+    """
+    node, k = point
+    if k != 0 or type(node).__name__ not in _RESHAPES or any(node is r for r in roots):
+        return point
+    user: tuple[Any, int] | None = None
+    for f in followed:
+        for j, (n, _) in enumerate(f.next_functions):
+            if n is node:
+                if user is not None:
+                    return point  # consumed twice: only the reshape holds the sum
+                user = (f, j)
+    return point if user is None else user
 
 
 def _edge(t: torch.Tensor) -> tuple[Any, int]:
@@ -779,7 +811,7 @@ class GradCollector(HookedContext):
                     misfit([islot])
                 elif points[0][0] is node:  # one node: one hook reads both
                     here.ins.append((islot, points[0][1]))
-                else:  # Linear on 3-D inputs: the input enters at its reshape
+                else:  # its input enters at another node (a reshape used twice)
                     elsewhere = (points[0][0], _NodeReads(ins=[(islot, points[0][1])]))
         self._hook_nodes(call, [(node, here)] if elsewhere is None else [(node, here), elsewhere])
         self._calls.append(call)
