@@ -126,10 +126,12 @@ def test_sequence_model_and_in_place_ops() -> None:
 
 
 def test_a_linear_on_3d_input_takes_one_node_hook() -> None:
-    """Its input's reshape passes the gradient on as it is: the input is read on the addmm's
-    node, with the output, by one hook per call; the norms stay torch's."""
+    """Its input's reshape and its output's pass the gradient on as it is: both are read
+    on the addmm's node (mm's without a bias), by one hook per call; the norms stay
+    torch's."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.Linear(16, 3))
+    model = nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.Linear(16, 8, bias=False),
+                          nn.Linear(8, 3))
     x = torch.randn(2, 5, 6, requires_grad=True)
     hooks = []
     with watch_gradients(model, every=1, manual=True) as watch:
@@ -139,11 +141,24 @@ def test_a_linear_on_3d_input_takes_one_node_hook() -> None:
             hooks.append(len(watch._collector._step_handles))
             loss.backward()
             watch.end_step()
-    assert hooks[1:] == [3, 3]  # graph-read calls: one node hook each
+    assert hooks[1:] == [4, 4]  # graph-read calls: one node hook each
     flow = watch.last
     assert flow is not None
-    (gx,) = torch.autograd.grad(model(x).square().sum(), x)
-    assert flow.get("0").grad_input[0].norm == pytest.approx(gx.norm().item(), rel=1e-6)
+    outs: list[torch.Tensor] = []  # each layer's output, its gradient retained
+    handles = [layer.register_forward_hook(lambda _m, _i, o: outs.append(o.retain_grad() or o))
+               for layer in model]
+    x.grad = None  # the watched steps accumulated into it
+    try:
+        model(x).square().sum().backward()
+    finally:
+        for h in handles:
+            h.remove()
+    assert x.grad is not None
+    assert flow.get("0").grad_input[0].norm == pytest.approx(x.grad.norm().item(), rel=1e-6)
+    for i, o in enumerate(outs):
+        assert o.grad is not None
+        assert flow.get(str(i)).grad_output[0].norm == pytest.approx(o.grad.norm().item(),
+                                                                     rel=1e-6), i
 
 
 def test_a_call_read_when_the_root_returns_keeps_its_place_on_a_shared_node() -> None:

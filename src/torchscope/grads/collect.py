@@ -90,6 +90,11 @@ _MAX_WALK = 256  # nodes followed back from an in-place op to the input's produc
 _MAX_PLAN = 16  # nodes followed behind a call's outputs to find where its inputs enter
 # A leaf's node, where a walk ends (torch's stubs do not declare the class).
 _ACCUMULATE_GRAD: type = torch._C._functions.AccumulateGrad  # type: ignore[attr-defined]
+# Nodes of reshapes and (un)squeezes: every element, in the same order, so that they pass
+# the gradient on as it is, in the same memory, with the same norm to the bit.
+_RESHAPES = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0",
+                       "SqueezeBackward0", "SqueezeBackward1", "SqueezeBackward2",
+                       "UnsqueezeBackward0"})
 
 
 class _Slot:
@@ -313,9 +318,6 @@ def _entry_points(roots: list[Any], edges: list[tuple[Any, int]]) -> list[tuple[
     return [_past_reshape(p, roots, followed) for p in points]
 
 
-# Nodes of a reshape (a view of every element): they pass the gradient on as it is.
-_RESHAPES = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0"})
-
 
 def _past_reshape(point: tuple[Any, int], roots: list[Any], followed: list[Any]
                   ) -> tuple[Any, int]:
@@ -352,24 +354,32 @@ def _edge(t: torch.Tensor) -> tuple[Any, int]:
     return edge.node, edge.output_nr
 
 
-def _base_edge(t: torch.Tensor, base: torch.Tensor, inputs: list[torch.Tensor]
-               ) -> tuple[Any, int] | None:
-    """Where a torch.nn leaf's output `t`, a view of all of `base` (Linear on 3-D input: a
-    view of its addmm's result), is read: the edge of the base's producer, or None to read
-    `t`'s own node.
+def _past_output_reshape(node: Any, nr: int, inputs: list[Any]) -> tuple[Any, int]:
+    """Where a torch.nn leaf's output, made by `node` at `nr`, is read: when the leaf's last
+    op reshapes a tensor it made (a Linear on 3-D input views or unsafe-views its addmm's
+    or mm's result), on that tensor's producer, else on `node`.
 
-    Why: an in-place op on a view (`fc(h).relu_()`) rebases it, and its own node leaves the
-    graph, so a hook there never runs. The base's producer stays, and receives exactly the
-    gradient of `t`'s value, each element once (the view holds every element of the base).
-    Not when the base is an input's (nn.Flatten returns a view of its input, whose
-    gradient also has other uses), nor when it has no node."""
-    node = base.grad_fn
-    if node is None or base.numel() != t.numel():
-        return None
-    for x in inputs:
-        if x is base or x._base is base:
-            return None
-    return node, base.output_nr
+    Why: the producer receives the same gradient, in the same memory (`_RESHAPES`). It is
+    also where the leaf's input is read (`_past_reshape`), so one hook serves the call;
+    and an in-place op on a view output (`fc(h).relu_()`) rebases the view and takes its
+    own node out of the graph, where a hook would never run, while the producer stays.
+    Not when the reshaped tensor is an input's (nn.Flatten: its gradient has other uses).
+
+    Args:
+        node: the output's grad_fn, as the call left it.
+        nr: the output's output_nr.
+        inputs: the nodes of the call's inputs (their producers, and their aliases').
+    """
+    if type(node).__name__ not in _RESHAPES:
+        return node, nr
+    edges = node.next_functions
+    if len(edges) != 1:
+        return node, nr
+    producer, pnr = edges[0]
+    if producer is None or type(producer) is _ACCUMULATE_GRAD or \
+            any(producer is n for n in inputs):
+        return node, nr
+    return producer, pnr
 
 
 def _reads_at(reads: list[tuple[Any, _NodeReads]], node: Any) -> _NodeReads:
@@ -775,13 +785,7 @@ class GradCollector(HookedContext):
         count, seq = self._number_call(info[0])
         how: tuple[Any, int] | str = INPUT_NO_GRAD if not x.requires_grad else \
             "" if x is out else NOT_MEASURED if not _is_plain(x) else _edge(x)
-        nr = out.output_nr
-        base = out._base
-        if base is not None:  # a view: an in-place op may take its node out of the graph
-            edge = _base_edge(out, base, [x])
-            if edge is not None:
-                node, nr = edge
-        seen = (info, max(self._micro, 0), count, seq, node, nr,
+        seen = (info, max(self._micro, 0), count, seq, node, out.output_nr,
                 out.shape, out.dtype, x.shape, x.dtype, how)
         if self._in_root and not root:
             self._simple.append(seen)
@@ -793,6 +797,8 @@ class GradCollector(HookedContext):
         leaf. The general path's steps, without its containers."""
         info, micro, count, seq, node, nr, oshape, odtype, ishape, idtype, how = seen
         name, type_name, owns, misfit = info
+        if not isinstance(how, str):
+            node, nr = _past_output_reshape(node, nr, [how[0]])
         call = _Call(name, type_name, micro, count, seq, owns)
         oslot = _Slot("", (oshape, odtype))
         call.outs.append(oslot)
@@ -970,11 +976,10 @@ class GradCollector(HookedContext):
                 if t.requires_grad and grad:
                     slot = _Slot(path, t)
                     node, nr = t.grad_fn, t.output_nr
-                    base = t._base if builtin else None
-                    if base is not None:  # see `_base_edge`
-                        edge = _base_edge(t, base, [p.tensor for p in pending])
-                        if edge is not None:
-                            node, nr = edge
+                    if builtin and node is not None:
+                        node, nr = _past_output_reshape(
+                            node, nr, [n for p in pending for n in (p.producer,
+                                                                    p.tensor.grad_fn)])
                     if node is None:  # a leaf: only a tensor hook sees its gradient
                         self._step_handles.append(
                             self._session.tensor_hook(t, self._output_hook(slot, call)))
