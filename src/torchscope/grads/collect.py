@@ -405,6 +405,23 @@ def _find_inplace_node(start: Any, producer: Any) -> Any:
     return None
 
 
+def _inplace_reader(start: Any, producer: Any) -> Any:
+    """The node that reads what a call which changed its input in place passes down: the
+    one in front of the input's producer, walking back from the input's node now (`start`).
+
+    An input that is a reshape of all of a tensor (a Linear's output on 3-D input) is a
+    view, and the in-place op rebased it: its own node (`producer`) left the graph, and a
+    CopySlices node now stands in front of the reshaped tensor's producer. That node passes
+    down the whole tensor's gradient, which is this input's, reshaped (the same norm)."""
+    node = _find_inplace_node(start, producer)
+    if node is None and type(producer).__name__ in _RESHAPES and \
+            len(producer.next_functions) == 1:
+        below = producer.next_functions[0][0]
+        if below is not None:
+            node = _find_inplace_node(start, below)
+    return node
+
+
 def _shard_ranks(p: torch.Tensor) -> tuple[int, ...]:
     """The global ranks whose shards make up DTensor `p` (this rank's shard group: on HSDP's
     (replicate, shard) mesh only the shard dimension); () for a tensor held whole."""
@@ -1006,7 +1023,7 @@ class GradCollector(HookedContext):
                     continue
                 # Changed in place during this call: the alias' own node left the graph.
                 base = p.tensor._base if p.aliased and p.tensor._base is not None else p.tensor
-                node = _find_inplace_node(base.grad_fn, p.producer) \
+                node = _inplace_reader(base.grad_fn, p.producer) \
                     if p.producer is not None else None
                 p.slot.use_node = True
                 if node is None:
