@@ -10,6 +10,9 @@ Per model, side by side in one process, interleaved round by round (medians):
   grads eager       under `watch_gradients(every=1)`: grad_output + grad_input norms of
                     every leaf and every parameter's norm, eager `vector_norm`
   grads fused       the same with the fused norm kernel (parameters: one _foreach_norm)
+  grads fused, no updates
+                    the same without update ratios (`updates=False`): they copy the
+                    trainable weights before each update and read them twice more
   param .item()     the usual logger: `p.grad.norm().item()` per parameter after backward
   read floor: acts  forward hooks that only read each leaf's output once (`sum`, kept on
                     the device): what any per-activation statistic costs at the least
@@ -139,7 +142,8 @@ def _training_rows(name: str, build: Callable[[], nn.Module], args: argparse.Nam
     base = build().to(device).train()
     x, y = _batch(name, args, device)
     variants = ("bare", "acts eager", "acts fused", ".item() hooks", "read floor: acts",
-                "grads eager", "grads fused", "param .item()", "read floor: grads")
+                "grads eager", "grads fused", "grads fused, no updates", "param .item()",
+                "read floor: grads")
     models = {v: base if v == "bare" else copy.deepcopy(base) for v in variants}
     opts = {v: torch.optim.SGD(m.parameters(), lr=1e-3) for v, m in models.items()}
     sink: list[float] = []
@@ -185,8 +189,9 @@ def _training_rows(name: str, build: Callable[[], nn.Module], args: argparse.Nam
     with contextlib.ExitStack() as stack:
         acts = {v: stack.enter_context(watch_activations(models[v]))
                 for v in ("acts eager", "acts fused")}
-        grads = {v: stack.enter_context(watch_gradients(models[v], every=1, optimizer=opts[v]))
-                 for v in ("grads eager", "grads fused")}
+        grads = {v: stack.enter_context(watch_gradients(models[v], every=1, optimizer=opts[v],
+                                                        updates=not v.endswith("no updates")))
+                 for v in ("grads eager", "grads fused", "grads fused, no updates")}
         for leaf in _leaves(models[".item() hooks"]):
             stack.callback(leaf.register_forward_hook(item_hook).remove)
         for leaf in _leaves(models["read floor: acts"]):
