@@ -13,8 +13,7 @@ it in one pass: `stats` (every statistic, and on request the dead-unit count) an
   2-thread CPU `stats` costs about two reads of the tensor (0.054 ms per 1M elements, 3.9x
   faster than the AOTInductor program), `norm` one read, and `stats` counts all-zero
   channels in the same pass. Two more ops take a list of tensors, a model's weights around
-  an optimizer update: `copy_norms` (a snapshot and its norms from one read, into the last
-  snapshot's buffers when they are kept) and
+  an optimizer update: `copy_norms` (a snapshot and its norms from one read) and
   `diff_norms` (each update's norm from two reads, the differences never written).
 - **aotinductor** (CUDA, and the other float dtypes or a failed native build): the programs
   below, exported with a dynamic length (`torch.export`, one flattened dimension, so one
@@ -97,7 +96,6 @@ __all__ = [
     "disabled",
     "kernel_status",
     "prepare",
-    "reusable",
     "run",
     "why_eager",
 ]
@@ -296,18 +294,10 @@ def _dense(t: torch.Tensor) -> bool:
 
 
 # ---------------------------------------------------------------------------- tensor lists
-def copy_norms(xs: list[torch.Tensor], into: list[torch.Tensor] | None = None
-               ) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+def copy_norms(xs: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
     """A copy of each tensor and its L2 norm (0-d float64), from one read of each, by one
     native call over the whole list (parallel over all its elements): a snapshot of a
     model's weights before an update, with their norms.
-
-    Args:
-        xs: the tensors.
-        into: buffers to copy into, such as the previous snapshot's copies: used when each
-            matches its tensor (shape, plain contiguous float32 CPU, other memory), else
-            new ones are made. Keeping them saves the fresh pages' faults and zeroing,
-            which cost several times the copy itself on the CPU.
 
     Returns None where it cannot run: the native library is not loaded (yet: this starts
     it), fused kernels are off, or a tensor is not a plain contiguous float32 CPU tensor.
@@ -315,20 +305,8 @@ def copy_norms(xs: list[torch.Tensor], into: list[torch.Tensor] | None = None
     """
     if not _native_list(xs):
         return None
-    if into is None or not reusable(into, xs):
-        into = [torch.empty_like(x, memory_format=torch.contiguous_format) for x in xs]
-    out = _native_op("copy_norms")(xs, into)  # (n,) float64
-    return into, list(out.unbind())
-
-
-def reusable(buffers: list[torch.Tensor], xs: list[torch.Tensor]) -> bool:
-    """Whether `buffers` (copies made earlier) can take a copy of `xs`, one for one: same
-    length, and each of the same shape, dtype and device, contiguous, and not its tensor's
-    own memory."""
-    return len(buffers) == len(xs) and all(
-        b.shape == x.shape and b.dtype == x.dtype and b.device == x.device and
-        b.is_contiguous() and (b.numel() == 0 or b.data_ptr() != x.data_ptr())
-        for b, x in zip(buffers, xs, strict=True))
+    copies, out = _native_op("copy_norms")(xs)  # n copies, (n,) float64
+    return list(copies), list(out.unbind())
 
 
 def diff_norms(a: list[torch.Tensor], b: list[torch.Tensor]) -> list[torch.Tensor] | None:

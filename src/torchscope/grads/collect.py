@@ -562,7 +562,6 @@ class GradCollector(HookedContext):
             wrapped, [p for _, _, p in self._params])
         self._bw_queued = False
         self._before: list[tuple[str, nn.Parameter, torch.Tensor]] = []
-        self._spare: list[torch.Tensor] = []  # the last snapshot's copies, for the next one
         # Per hooked module: its calls between pre-hook and forward hook.
         self._in_flight: list[list[tuple[_Call, list[_PendingInput]] | None]] = []
         self._reset()
@@ -600,7 +599,6 @@ class GradCollector(HookedContext):
         self._params = []
         self._names = []
         self._before = []
-        self._spare = []
         self._rank_aware = None
         self._in_flight = []
         self._reset()
@@ -1071,43 +1069,30 @@ class GradCollector(HookedContext):
         """Copy every trainable parameter, just before an optimizer update (sampled steps
         only: it costs one more copy of the trainable parameters until `measure_updates`).
         The copies' norms are the step's weight norms (`finish` reuses them): one read.
-        The copies go into the last snapshot's buffers when `measure_updates` kept them.
 
         FSDP2's sharded parameters are left out: the norm of a shard's update is not the
         parameter's, and updates are not exchanged between ranks.
         """
         kept = [(i, name, p) for i, (name, _, p) in enumerate(self._params)
                 if p.requires_grad and not is_dtensor(p)]
-        spare, self._spare = self._spare, []
         self._before = []
         self._weight_vals = {}
         if not kept:
             return
         weights = [p.detach() for _, _, p in kept]
-        made = _kernels.copy_norms(weights, into=spare)
+        made = _kernels.copy_norms(weights)
         if made is None:
             with torch.no_grad():
-                if _kernels.reusable(spare, weights):
-                    torch._foreach_copy_(spare, weights)  # one call
-                    copies = spare
-                else:
-                    copies = list(torch._foreach_mul(weights, 1.0))  # times one is exact
+                copies = list(torch._foreach_mul(weights, 1.0))  # one call; times one is exact
         else:
             copies, norms = made
             self._weight_vals = {i: n for (i, _, _), n in zip(kept, norms, strict=True)}
         self._before = [(name, p, c) for (_, name, p), c in zip(kept, copies, strict=True)]
 
-    def measure_updates(self, *, keep: bool = False) -> dict[str, torch.Tensor]:
+    def measure_updates(self) -> dict[str, torch.Tensor]:
         """Right after the update: `‖w_after - w_before‖` per parameter snapshotted by
-        `snapshot_weights`, as 0-d device tensors (no host sync). Empty without a snapshot.
-
-        Args:
-            keep: keep the copies' memory for the next `snapshot_weights` (the next step is
-                sampled too) rather than free it. On the CPU, fresh memory costs several
-                times the copy itself (its pages are faulted in and zeroed: 7.4 ms against
-                1.2 ms for llama-tiny's 27 MB of weights); kept, it holds one copy of the
-                trainable weights between the two steps.
-        """
+        `snapshot_weights`, as 0-d device tensors (no host sync); the copies are freed.
+        Empty without a snapshot."""
         if not self._before:
             return {}
         self._weight_vals = {}  # the weights moved: their snapshot norms are not theirs now
@@ -1120,8 +1105,6 @@ class GradCollector(HookedContext):
             with torch.no_grad():
                 torch._foreach_sub_(befores, after)  # in place
             diffs = _norms(befores)
-        if keep:
-            self._spare = befores  # overwritten by the next snapshot: the values do not matter
         return dict(zip(names, diffs, strict=True))
 
     def discard(self) -> None:

@@ -393,9 +393,7 @@ class GradWatch(HookedContext, Analyzed):
             self._closure_pending = False
             self._end_step()
         if self._update_step is not None:
-            # The next step is sampled too: its snapshot reuses this one's memory.
-            self._pending_updates = (self._update_step, self._collector.measure_updates(
-                keep=self._due(self._update_step + 1)))
+            self._pending_updates = (self._update_step, self._collector.measure_updates())
             self._update_step = None
 
     def _end_step(self) -> None:
