@@ -318,7 +318,6 @@ def _entry_points(roots: list[Any], edges: list[tuple[Any, int]]) -> list[tuple[
     return [_past_reshape(p, roots, followed) for p in points]
 
 
-
 def _past_reshape(point: tuple[Any, int], roots: list[Any], followed: list[Any]
                   ) -> tuple[Any, int]:
     """Where an input's gradient is read when the call reshapes it first (a Linear on 3-D
