@@ -1,0 +1,134 @@
+"""Where gradient flow's overhead goes: `watch_gradients` with parts of it left out.
+
+Per model, side by side in one process, interleaved round by round (medians), each watch
+opened once for the whole run on its own copy of the model:
+
+  bare                  forward, loss, backward, SGD step
+  whole watch           `watch_gradients(every=1, optimizer=opt)`: grad_output and
+                        grad_input of every leaf, every parameter, update ratios
+  no update ratios      the same with `updates=False`
+  outputs only          ... and `inputs_grad=False`: no grad_input
+  torch.nn leaves only  no update ratios, only the leaves whose class is torch.nn's (read
+                        on autograd's graph after their first call)
+  user leaves only      no update ratios, only the other leaves (the user's or a library's
+                        own classes, which take input aliases), every parameter still
+  read floor            tensor hooks that only `sum` each leaf's grad_output once
+
+The differences between rows say what each part costs on this machine; the goal of issue
+15 is gradient flow <= 1.03x of the bare step.
+
+Run: PYTHONPATH=src python benchmarks/grads_breakdown.py [--repeats 9] [--threads 2]
+     [--models resnet-deep,llama-tiny] [--device cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _timing import interleaved_wall_cpu
+from watch_overhead import MODELS, _batch, _leaves, _loss
+
+from torchscope import _kernels
+from torchscope.grads import watch_gradients
+
+
+def _torch_leaf(_name: str, m: nn.Module) -> bool:
+    return type(m).__module__.startswith("torch.nn.") and next(m.children(), None) is None
+
+
+def _user_leaf(name: str, m: nn.Module) -> bool:
+    return next(m.children(), None) is None and not _torch_leaf(name, m)
+
+
+# Each watched variant: the keyword arguments of its `watch_gradients` besides every=1 and
+# the optimizer.
+VARIANTS: dict[str, dict[str, Any]] = {
+    "whole watch": {},
+    "no update ratios": {"updates": False},
+    "outputs only": {"updates": False, "inputs_grad": False},
+    "torch.nn leaves only": {"updates": False, "select": _torch_leaf},
+    "user leaves only": {"updates": False, "select": _user_leaf},
+}
+
+
+def _rows(name: str, args: argparse.Namespace, device: torch.device
+          ) -> dict[str, tuple[float, float, float]]:
+    torch.manual_seed(0)
+    base = MODELS[name]().to(device).train()
+    x, y = _batch(name, args, device)
+    # A selection that matches no leaf of this model (ResNets have no user leaves) is left
+    # out rather than timed as a watch of parameters alone.
+    watched = {v: kw for v, kw in VARIANTS.items()
+               if "select" not in kw or any(kw["select"](n, m) for n, m in base.named_modules()
+                                            if n)}
+    names = ["bare", *watched, "read floor"]
+    models = {v: base if v == "bare" else copy.deepcopy(base) for v in names}
+    opts = {v: torch.optim.SGD(m.parameters(), lr=1e-3) for v, m in models.items()}
+    reads: list[torch.Tensor] = []
+
+    def hook_grad(_m: nn.Module, _i: object, o: object) -> None:
+        if isinstance(o, torch.Tensor) and o.requires_grad:
+            o.register_hook(lambda g: reads.append(g.sum()) and None)
+
+    def step(variant: str) -> Callable[[], None]:
+        model, opt = models[variant], opts[variant]
+
+        def run() -> None:
+            opt.zero_grad(set_to_none=True)
+            _loss(model, x, y).backward()
+            opt.step()
+            reads.clear()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+
+        return run
+
+    with contextlib.ExitStack() as stack:
+        for v, kwargs in watched.items():
+            stack.enter_context(watch_gradients(models[v], every=1, optimizer=opts[v],
+                                                **kwargs))
+        for leaf in _leaves(models["read floor"]):
+            stack.callback(leaf.register_forward_hook(hook_grad).remove)
+        return interleaved_wall_cpu({v: step(v) for v in names}, repeats=args.repeats,
+                                    warmup=2)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=9, help="interleaved rounds per variant")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--size", type=int, default=64)
+    ap.add_argument("--models", default="resnet-deep,llama-tiny")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args()
+    names = [n.strip() for n in args.models.split(",") if n.strip()]
+    unknown = [n for n in names if n not in MODELS]
+    if unknown:
+        ap.error(f"unknown model(s) {', '.join(unknown)}; expected some of {', '.join(MODELS)}")
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    for program in _kernels.PROGRAMS:  # the fused kernels, as a watch has them after a while
+        _kernels.prepare(program, torch.float32, device, wait=None)
+    print(f"torch {torch.__version__}, {device}, {args.threads} thread(s), {args.repeats} "
+          "interleaved rounds: median wall, median process CPU, min wall, over the bare step")
+    for name in names:
+        rows = _rows(name, args, device)
+        bare = rows["bare"]
+        for v, t in rows.items():
+            w, c, m = (a / b for a, b in zip(t, bare, strict=True))
+            print(f"{name:14} {v:22} {t[0] * 1e3:9.1f} ms {w:7.3f} {c:7.3f} {m:7.3f}")
+
+
+if __name__ == "__main__":
+    main()
