@@ -36,7 +36,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _timing import interleaved_wall_cpu
-from watch_overhead import MODELS, _batch, _leaves, _loss
+from watch_overhead import MODELS, _batch, _grads_read_floor, _loss, _model_names, _parser
 
 from torchscope import _kernels
 from torchscope.grads import watch_gradients
@@ -76,10 +76,6 @@ def _rows(name: str, args: argparse.Namespace, device: torch.device
     opts = {v: torch.optim.SGD(m.parameters(), lr=1e-3) for v, m in models.items()}
     reads: list[torch.Tensor] = []
 
-    def hook_grad(_m: nn.Module, _i: object, o: object) -> None:
-        if isinstance(o, torch.Tensor) and o.requires_grad:
-            o.register_hook(lambda g: reads.append(g.sum()) and None)
-
     def step(variant: str) -> Callable[[], None]:
         model, opt = models[variant], opts[variant]
 
@@ -97,25 +93,15 @@ def _rows(name: str, args: argparse.Namespace, device: torch.device
         for v, kwargs in watched.items():
             stack.enter_context(watch_gradients(models[v], every=1, optimizer=opts[v],
                                                 **kwargs))
-        for leaf in _leaves(models["read floor"]):
-            stack.callback(leaf.register_forward_hook(hook_grad).remove)
+        _grads_read_floor(models["read floor"], reads, stack)
         return interleaved_wall_cpu({v: step(v) for v in names}, repeats=args.repeats,
                                     warmup=2)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=9, help="interleaved rounds per variant")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--size", type=int, default=64)
-    ap.add_argument("--models", default="resnet-deep,llama-tiny")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap = _parser(__doc__, "resnet-deep,llama-tiny")
     args = ap.parse_args()
-    names = [n.strip() for n in args.models.split(",") if n.strip()]
-    unknown = [n for n in names if n not in MODELS]
-    if unknown:
-        ap.error(f"unknown model(s) {', '.join(unknown)}; expected some of {', '.join(MODELS)}")
+    names = _model_names(ap, args)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     for program in _kernels.PROGRAMS:  # the fused kernels, as a watch has them after a while

@@ -106,6 +106,40 @@ def _leaves(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if next(m.children(), None) is None]
 
 
+def _grads_read_floor(model: nn.Module, reads: list[torch.Tensor],
+                      stack: contextlib.ExitStack) -> None:
+    """Hook every leaf's output so that its gradient is read once (`sum`, kept on the
+    device in `reads`): the least a per-layer gradient norm costs. Removed by `stack`."""
+
+    def hook_grad(_m: nn.Module, _i: object, o: object) -> None:
+        if isinstance(o, torch.Tensor) and o.requires_grad:
+            o.register_hook(lambda g: reads.append(g.sum()) and None)
+
+    for leaf in _leaves(model):
+        stack.callback(leaf.register_forward_hook(hook_grad).remove)
+
+
+def _parser(doc: str, models: str) -> argparse.ArgumentParser:
+    """The options every training-step benchmark here takes; `models` is the default."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=9, help="interleaved rounds per variant")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--size", type=int, default=64)
+    ap.add_argument("--models", default=models)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    return ap
+
+
+def _model_names(ap: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """The models `--models` names, in order; one line and exit 2 for an unknown one."""
+    names = [n.strip() for n in args.models.split(",") if n.strip()]
+    unknown = [n for n in names if n not in MODELS]
+    if unknown:
+        ap.error(f"unknown model(s) {', '.join(unknown)}; expected some of {', '.join(MODELS)}")
+    return names
+
+
 def _kernel_lines(cold_build: bool, device: torch.device) -> list[str]:
     lines = []
     if cold_build:
@@ -165,10 +199,6 @@ def _training_rows(name: str, build: Callable[[], nn.Module], args: argparse.Nam
         if isinstance(o, torch.Tensor):
             reads.append(o.detach().sum())  # one read, no host sync
 
-    def hook_grad(_m: nn.Module, _i: object, o: object) -> None:
-        if isinstance(o, torch.Tensor) and o.requires_grad:
-            o.register_hook(lambda g: reads.append(g.sum()) and None)
-
     def step(variant: str) -> Callable[[], None]:
         model, opt = models[variant], opts[variant]
         eager = variant.endswith("eager")
@@ -196,8 +226,7 @@ def _training_rows(name: str, build: Callable[[], nn.Module], args: argparse.Nam
             stack.callback(leaf.register_forward_hook(item_hook).remove)
         for leaf in _leaves(models["read floor: acts"]):
             stack.callback(leaf.register_forward_hook(read_output).remove)
-        for leaf in _leaves(models["read floor: grads"]):
-            stack.callback(leaf.register_forward_hook(hook_grad).remove)
+        _grads_read_floor(models["read floor: grads"], reads, stack)
         medians = interleaved_wall_cpu({v: step(v) for v in variants}, repeats=args.repeats,
                                        warmup=2)
     notes = [f"{name}: {len(_leaves(base))} leaves, "
@@ -266,22 +295,13 @@ def _forward_rows(name: str, build: Callable[[], nn.Module], args: argparse.Name
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=9, help="interleaved rounds per variant")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--size", type=int, default=64)
-    ap.add_argument("--models", default=",".join(MODELS))
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap = _parser(__doc__, ",".join(MODELS))
     ap.add_argument("--cold-build", action="store_true",
                     help="also time a cold build of each kernel into a temporary cache")
     args = ap.parse_args()
+    names = _model_names(ap, args)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    names = [n.strip() for n in args.models.split(",") if n.strip()]
-    unknown = [n for n in names if n not in MODELS]
-    if unknown:
-        ap.error(f"unknown model(s) {', '.join(unknown)}; expected some of {', '.join(MODELS)}")
 
     notes = _kernel_lines(args.cold_build, device)
     table: list[tuple[str, str, tuple[float, float, float], tuple[float, ...]]] = []

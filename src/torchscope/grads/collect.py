@@ -369,16 +369,22 @@ def _past_output_reshape(node: Any, nr: int, inputs: list[Any]) -> tuple[Any, in
         nr: the output's output_nr.
         inputs: the nodes of the call's inputs (their producers, and their aliases').
     """
+    source = _reshape_source(node)
+    if source is None or type(source[0]) is _ACCUMULATE_GRAD or \
+            any(source[0] is n for n in inputs):
+        return node, nr
+    return source
+
+
+def _reshape_source(node: Any) -> tuple[Any, int] | None:
+    """The edge a reshape node (`_RESHAPES`) reads from, or None for any other node."""
     if type(node).__name__ not in _RESHAPES:
-        return node, nr
+        return None
     edges = node.next_functions
-    if len(edges) != 1:
-        return node, nr
-    producer, pnr = edges[0]
-    if producer is None or type(producer) is _ACCUMULATE_GRAD or \
-            any(producer is n for n in inputs):
-        return node, nr
-    return producer, pnr
+    if len(edges) != 1 or edges[0][0] is None:
+        return None
+    source: tuple[Any, int] = edges[0]
+    return source
 
 
 def _reads_at(reads: list[tuple[Any, _NodeReads]], node: Any) -> _NodeReads:
@@ -413,11 +419,10 @@ def _inplace_reader(start: Any, producer: Any) -> Any:
     CopySlices node now stands in front of the reshaped tensor's producer. That node passes
     down the whole tensor's gradient, which is this input's, reshaped (the same norm)."""
     node = _find_inplace_node(start, producer)
-    if node is None and type(producer).__name__ in _RESHAPES and \
-            len(producer.next_functions) == 1:
-        below = producer.next_functions[0][0]
-        if below is not None:
-            node = _find_inplace_node(start, below)
+    if node is None:
+        source = _reshape_source(producer)
+        if source is not None:
+            node = _find_inplace_node(start, source[0])
     return node
 
 
