@@ -207,9 +207,10 @@ def test_native_dead_units_equal_the_eager_count() -> None:
 
 
 def test_native_list_ops_against_float64() -> None:
-    """`copy_norms` and `diff_norms` over a list (a model's weights before and after an
-    update): copies bitwise equal and separate, norms within 1e-6 of float64 truth (NaN and
-    Inf exact), across empty, one-element and multi-piece tensors and the span cases."""
+    """`copy_norms`, `diff_norms` and `norms` over a list (a model's weights before and after
+    an update, its gradients): copies bitwise equal and separate, norms within 1e-6 of
+    float64 truth (NaN and Inf exact), across empty, one-element and multi-piece tensors and
+    the span cases."""
     _native_ready()
     g = torch.Generator().manual_seed(2)
     xs = [torch.empty(0), torch.tensor([-3.0]), torch.randn(16, 3, 3, 3, generator=g),
@@ -220,12 +221,15 @@ def test_native_list_ops_against_float64() -> None:
     steps = [x + 1e-3 * torch.randn(x.shape, generator=g) for x in xs]
     steps[2] = xs[2].clone()  # an unchanged tensor: exactly 0
     diffs = _kernels.diff_norms(steps, xs)
-    assert diffs is not None and len(copies) == len(norms) == len(diffs) == len(xs)
-    for i, (x, c, n, d) in enumerate(zip(xs, copies, norms, diffs, strict=True)):
+    alone = _kernels.norms(xs)
+    assert diffs is not None and alone is not None
+    assert len(copies) == len(norms) == len(diffs) == len(alone) == len(xs)
+    for i, (x, c, n, d, a) in enumerate(zip(xs, copies, norms, diffs, alone, strict=True)):
         assert c.shape == x.shape and c.dtype == x.dtype, i
         assert torch.equal(c.nan_to_num(), x.nan_to_num()) and torch.equal(c.isnan(), x.isnan())
         assert x.numel() == 0 or c.data_ptr() != x.data_ptr(), i
-        for got, want in ((n, x.double().norm()), (d, (steps[i] - x).double().norm())):
+        for got, want in ((n, x.double().norm()), (d, (steps[i] - x).double().norm()),
+                          (a, x.double().norm())):
             assert got.dtype == torch.float64 and got.shape == (), i
             if not want.isfinite():
                 assert got.isnan() == want.isnan() and got.isinf() == want.isinf(), i
@@ -236,8 +240,10 @@ def test_native_list_ops_against_float64() -> None:
     assert _kernels.copy_norms([torch.randn(4, dtype=torch.float64)]) is None
     assert _kernels.copy_norms([torch.randn(4, 4).t()]) is None  # not contiguous
     assert _kernels.diff_norms([torch.randn(4)], [torch.randn(5)]) is None
+    assert _kernels.norms([torch.randn(4), torch.randn(4, dtype=torch.float16)]) is None
     with _kernels.disabled():
         assert _kernels.copy_norms([torch.randn(4)]) is None
+        assert _kernels.norms([torch.randn(4)]) is None
 
 
 @pytest.mark.slow

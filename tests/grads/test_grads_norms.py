@@ -1,5 +1,6 @@
 """Exactness of gradient-flow norms on both paths (eager `vector_norm`, the fused `norm`
-kernel) and of parameter norms (one `torch._foreach_norm`); gradients bitwise untouched.
+kernel) and of parameter norms (one native call for large float32 CPU weights, else one
+`torch._foreach_norm`); gradients bitwise untouched.
 
 Tolerances: the fused kernel sums squares in float64, so it must match the float64 norm of
 the very gradient autograd produced to 1e-9. Eager `vector_norm` is torch's float32
@@ -89,6 +90,43 @@ def test_norms_equal_the_gradients_autograd_computed(path: str) -> None:
         assert rec.norm is not None and math.isclose(rec.norm, want, rel_tol=1e-6), rec.name
     total = math.sqrt(sum(float(p.double().norm()) ** 2 for p in params.values()))
     assert math.isclose(flow.total_norm, total, rel_tol=1e-6)
+
+
+@pytest.mark.parametrize("path", ["fused", "eager"])
+def test_large_parameters_are_measured_by_one_native_call(
+        path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Weights of 64 kB and more on average: their gradients' and their own norms come from
+    the native list kernel (float64 sums) in one call each, and equal float64 truth; with
+    fused kernels off, from foreach, equal to float32 `vector_norm`."""
+    if path == "fused" and _kernels.prepare("norm", wait=None).backend != "native":
+        pytest.skip("no native kernel here")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 96))  # 23k on average
+    x, y = torch.randn(32, 256), torch.randint(0, 96, (32,))
+    _, grads = _reference(model, x, y)
+    calls: list[int] = []
+    native = _kernels.norms
+
+    def counted(xs: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        got = native(xs)
+        if got is not None:
+            calls.append(len(xs))
+        return got
+
+    monkeypatch.setattr(_kernels, "norms", counted)
+    with _kernels.disabled() if path == "eager" else contextlib.nullcontext():
+        flow = gradient_flow(model, x, loss_fn="cross_entropy", target=y)
+    assert calls == ([4, 4] if path == "fused" else [])  # the gradients, then the weights
+    weights = dict(model.named_parameters())
+    for rec in flow.params:
+        g, w = grads[rec.name], weights[rec.name].detach()
+        assert rec.norm is not None and rec.weight_norm is not None
+        if path == "fused":
+            assert math.isclose(rec.norm, float(g.double().norm()), rel_tol=1e-7), rec.name
+            assert math.isclose(rec.weight_norm, float(w.double().norm()), rel_tol=1e-7)
+        else:
+            assert rec.norm == float(torch.linalg.vector_norm(g)), rec.name
+            assert rec.weight_norm == float(torch.linalg.vector_norm(w)), rec.name
 
 
 @pytest.mark.parametrize("path", ["fused", "eager"])

@@ -13,6 +13,7 @@
 //   copy_norms(xs) -> (copies, float64 (n,)): a copy of each and its norm, one read.
 //   diff_norms(a, b) -> float64 (n,): the norm of each a[i] - b[i] (float32 differences, as
 //       a subtraction would round them), without writing the differences.
+//   norms(xs) -> float64 (n,): the norm of each (a model's gradients or weights).
 //
 // Why it is fast and still exact where it must be: the data is read in spans of at most
 // 1024 elements. A span's sums run in float32 vector lanes (32 elements per lane at most,
@@ -362,6 +363,15 @@ at::Tensor diff_norms(at::TensorList a, at::TensorList b) {
   });
 }
 
+at::Tensor norms(at::TensorList xs) {
+  return norms_of_pieces(static_cast<int64_t>(xs.size()), pieces_of(xs), [&](const Piece& c) {
+    const float* p = xs[c.tensor].const_data_ptr<float>();
+    double s = 0;
+    for (int64_t o = c.lo; o < c.hi; o += kSpan) s += norm_span(p + o, std::min(kSpan, c.hi - o));
+    return s;
+  });
+}
+
 at::Tensor norm(const at::Tensor& x) {
   check(x);
   const int64_t n = x.numel();
@@ -387,6 +397,7 @@ TORCH_LIBRARY(TORCHSCOPE_NAMESPACE, m) {
   m.def("norm(Tensor x) -> Tensor");
   m.def("copy_norms(Tensor[] xs) -> (Tensor[], Tensor)");
   m.def("diff_norms(Tensor[] a, Tensor[] b) -> Tensor");
+  m.def("norms(Tensor[] xs) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(TORCHSCOPE_NAMESPACE, CPU, m) {
@@ -394,4 +405,5 @@ TORCH_LIBRARY_IMPL(TORCHSCOPE_NAMESPACE, CPU, m) {
   m.impl("norm", &norm);
   m.impl("copy_norms", &copy_norms);
   m.impl("diff_norms", &diff_norms);
+  m.impl("norms", &norms);
 }
