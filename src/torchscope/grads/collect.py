@@ -677,7 +677,7 @@ class GradCollector(HookedContext):
 
     def _push(self, g: torch.Tensor) -> int:
         t = g.detach() if g.requires_grad else g  # requires grad under create_graph only
-        if t.layout != torch.strided and t.is_sparse:
+        if t.is_sparse:  # one property read: `layout`, a Python object, costs more here
             t = t.coalesce().values()
         # The gradient a layer passes down usually reaches the layer below as the same
         # tensor, or a view of its memory (through the input alias): reuse its norm. A weak
