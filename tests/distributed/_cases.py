@@ -174,16 +174,28 @@ def fsdp_watch(rank: int, world: int, out: Path) -> dict[str, Any]:
         refused = None
     except torchscope.TorchscopeError as exc:
         refused = describe(exc)
+    moved: dict[str, float] = {}
     with torchscope.watch_gradients(net, optimizer=opt, every=2) as watch:
-        for _ in range(4):
+        for step in range(4):
             opt.zero_grad()
             functional.cross_entropy(net(x), y).backward()
+            # torch's whole weights around the update (an all-gather each, for comparison)
+            start = {n: p.full_tensor().clone() for n, p in net.named_parameters()}
             opt.step()
+            if step == 2:  # the last sampled step
+                moved = {n: (p.full_tensor() - start[n]).norm().item()
+                         for n, p in net.named_parameters()}
+                whole = {n: w.norm().item() for n, w in start.items()}
+        last = watch.last
     joined = watch.gathered
+    assert last is not None and last.index == 2
     return {"refused": refused, "samples": watch.samples,
             "history_steps": list(watch.history.steps),
             "gathered": None if joined is None else len(joined.results),
-            "hooks": [before, hooks(net)]}
+            "hooks": [before, hooks(net)],
+            "updates": {p.name: p.update_norm for p in last.params}, "moved": moved,
+            "ratios": {p.name: p.update_ratio for p in last.params},
+            "whole_weights": whole}
 
 
 def raises_on_rank1(rank: int, world: int, out: Path) -> dict[str, Any]:
@@ -369,8 +381,20 @@ def hsdp_norms(rank: int, world: int, out: Path) -> dict[str, Any]:
     flow = torchscope.gradient_flow(net, x, loss_fn="cross_entropy", target=y)
     full = {n: p.grad.full_tensor().norm().item() for n, p in net.named_parameters()}
     assert flow.ranks is not None
+    # One watched step: each update's norm joins its shard group's shards only.
+    opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+    with torchscope.watch_gradients(net, optimizer=opt) as watch:
+        opt.zero_grad()
+        functional.cross_entropy(net(x), y).backward()
+        start = {n: p.full_tensor().clone() for n, p in net.named_parameters()}
+        opt.step()
+        moved = {n: (p.full_tensor() - start[n]).norm().item()
+                 for n, p in net.named_parameters()}
+        last = watch.last
+    assert last is not None
     return {"params": {p.name: p.norm for p in flow.params}, "full_tensor": full,
-            "shard_rows": [list(r) for r in flow.ranks.shard_rows]}
+            "shard_rows": [list(r) for r in flow.ranks.shard_rows],
+            "updates": {p.name: p.update_norm for p in last.params}, "moved": moved}
 
 
 def activations_and_memory(rank: int, world: int, out: Path) -> dict[str, Any]:

@@ -86,6 +86,13 @@ def test_fsdp2_watch_samples_and_gathers(tmp_path: Path) -> None:
         assert a["refused"] is not None and "optimizer=" in a["refused"]
         assert a["samples"] == 2 and a["history_steps"] == [0, 2]
         assert a["hooks"][0] == a["hooks"][1]
+        # The update of each sharded parameter is the whole parameter's, as torch's
+        # full_tensor() before and after the step gives it, and so is its ratio to ‖w‖.
+        assert set(a["updates"]) == set(a["moved"]) and a["moved"]
+        for name, moved in a["moved"].items():
+            assert moved > 0 and _close(a["updates"][name], moved), (name, a["updates"])
+            assert _close(a["ratios"][name], moved / a["whole_weights"][name])
+    assert ranks[0]["updates"] == ranks[1]["updates"]
     assert ranks[0]["gathered"] == 2 and ranks[1]["gathered"] is None
 
 
@@ -104,3 +111,5 @@ def test_hsdp_norms_sum_over_the_shard_group_only(tmp_path: Path) -> None:
         assert a["shard_rows"] == [[0, 1] if r < 2 else [2, 3]] * 6
         for name, norm in a["params"].items():
             assert _close(norm, a["full_tensor"][name]), (name, norm)
+        for name, moved in a["moved"].items():
+            assert moved > 0 and _close(a["updates"][name], moved), (name, a["updates"])

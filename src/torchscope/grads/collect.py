@@ -519,12 +519,36 @@ class _RankAware:
             return tuple(tuple(row[k * n + i] * scale if row[flag * n + i] else None
                                for i in range(n)) for row in rows)
 
-        row_of = {r: i for i, r in enumerate(self.ranks)}
+        row_of = self._row_of()
         return RankGrads(
             strategy=self.strategy, rank=dist.get_rank(), ranks=self.ranks, names=tuple(names),
             local=block(0, inv), synced=block(1, inv), fingerprints=block(2, inv),
             weights=tuple(tuple(row[3 * n + i] for i in range(n)) for row in rows),
             shard_rows=tuple(tuple(row_of[r] for r in s if r in row_of) for s in self.shards))
+
+    def _row_of(self) -> dict[int, int]:
+        """Global rank -> its row in an exchange over `group`."""
+        return {r: i for i, r in enumerate(self.ranks)}
+
+    def whole_updates(self, indices: list[int], local: list[torch.Tensor]
+                      ) -> list[torch.Tensor]:
+        """The update norm of each whole parameter from this rank's (0-d each; `indices`:
+        the parameters', in the collector's order). A sharded parameter's is the root of the
+        summed squares of its shards' over its shard group, from one all_gather of every
+        rank's numbers; a parameter held whole keeps this rank's. Without a sharded
+        parameter (DDP) nothing is exchanged: `local` comes back as it is."""
+        if not any(self.shards[i] for i in indices):
+            return local
+        device = comm_device(self.group)
+        rows = all_gather_tensor(torch.stack([v.to(device, torch.float64) for v in local]),
+                                 group=self.group,
+                                 what="the update-norm exchange").cpu()  # (ranks, len(local))
+        row_of = self._row_of()
+        out = []
+        for k, (i, mine) in enumerate(zip(indices, local, strict=True)):
+            shard = [row_of[r] for r in self.shards[i] if r in row_of]
+            out.append(rows[shard, k].square().sum().sqrt() if shard else mine)  # ()
+        return out
 
 
 class GradCollector(HookedContext):
@@ -576,7 +600,7 @@ class GradCollector(HookedContext):
         self._rank_aware: _RankAware | None = _RankAware.of(
             wrapped, [p for _, _, p in self._params])
         self._bw_queued = False
-        self._before: list[tuple[str, nn.Parameter, torch.Tensor]] = []
+        self._before: list[tuple[int, str, nn.Parameter, torch.Tensor]] = []
         # Per hooked module: its calls between pre-hook and forward hook.
         self._in_flight: list[list[tuple[_Call, list[_PendingInput]] | None]] = []
         self._reset()
@@ -1085,16 +1109,16 @@ class GradCollector(HookedContext):
         only: it costs one more copy of the trainable parameters until `measure_updates`).
         The copies' norms are the step's weight norms (`finish` reuses them): one read.
 
-        FSDP2's sharded parameters are left out: the norm of a shard's update is not the
-        parameter's, and updates are not exchanged between ranks.
+        Under FSDP2 each rank copies its shard of a sharded parameter (`measure_updates`
+        joins the shards' updates).
         """
-        kept = [(i, name, p) for i, (name, _, p) in enumerate(self._params)
-                if p.requires_grad and not is_dtensor(p)]
+        kept = [(i, name, p) for i, (name, _, p) in enumerate(self._params) if p.requires_grad]
         self._before = []
         self._weight_vals = {}
         if not kept:
             return
-        weights = [p.detach() for _, _, p in kept]
+        with torch.no_grad():  # to_local() records no graph
+            weights = [local_tensor(p).detach() for _, _, p in kept]
         made = _kernels.copy_norms(weights)
         if made is None:
             with torch.no_grad():
@@ -1102,24 +1126,33 @@ class GradCollector(HookedContext):
         else:
             copies, norms = made
             self._weight_vals = {i: n for (i, _, _), n in zip(kept, norms, strict=True)}
-        self._before = [(name, p, c) for (_, name, p), c in zip(kept, copies, strict=True)]
+        self._before = [(i, name, p, c) for (i, name, p), c in zip(kept, copies, strict=True)]
 
     def measure_updates(self) -> dict[str, torch.Tensor]:
         """Right after the update: `‖w_after - w_before‖` per parameter snapshotted by
-        `snapshot_weights`, as 0-d device tensors (no host sync); the copies are freed.
-        Empty without a snapshot."""
+        `snapshot_weights`, as 0-d tensors; the copies are freed. Empty without a snapshot.
+
+        On one process and under DDP they stay on the device (no host sync). Under FSDP2 a
+        sharded parameter's update is the root of the summed squares of its shards' updates:
+        every rank's numbers are exchanged at once (one all_gather, as for the gradients),
+        and those of the sharded parameters come back on the host.
+        """
         if not self._before:
             return {}
         self._weight_vals = {}  # the weights moved: their snapshot norms are not theirs now
-        names = [name for name, _, _ in self._before]
-        after = [p.detach() for _, p, _ in self._before]
-        befores = [before for _, _, before in self._before]
+        indices = [i for i, _, _, _ in self._before]
+        names = [name for _, name, _, _ in self._before]
+        with torch.no_grad():
+            after = [local_tensor(p).detach() for _, _, p, _ in self._before]
+        befores = [before for _, _, _, before in self._before]
         self._before = []
         diffs = _kernels.diff_norms(after, befores)
         if diffs is None:
             with torch.no_grad():
                 torch._foreach_sub_(befores, after)  # in place
             diffs = _norms(befores)
+        if self._rank_aware is not None:
+            diffs = self._rank_aware.whole_updates(indices, diffs)
         return dict(zip(names, diffs, strict=True))
 
     def discard(self) -> None:

@@ -638,7 +638,9 @@ def watch_gradients(
     On a DDP or FSDP2 model (inside torchrun), each sampled step also records every rank's
     per-parameter norms (`flow.ranks`; DDP: before and after the all-reduce; FSDP2: the
     global norms from the shards) through one exchange at the optimizer step, and the end of
-    the block joins every rank's last sample on rank 0 (`watch.gathered`).
+    the block joins every rank's last sample on rank 0 (`watch.gathered`). Under FSDP2 the
+    update ratios of sharded parameters are the whole parameters' too, joined from the
+    shards' updates by a second exchange just after the update.
 
     Args:
         model: the model (a DDP wrapper or an FSDP2-sharded model too).
