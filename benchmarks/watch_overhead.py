@@ -9,7 +9,8 @@ Per model, side by side in one process, interleaved round by round (medians):
   .item() hooks     hand-written forward hooks: 5 statistics per leaf, one `.item()` each
   grads eager       under `watch_gradients(every=1)`: grad_output + grad_input norms of
                     every leaf and every parameter's norm, eager `vector_norm`
-  grads fused       the same with the fused norm kernel (parameters: one _foreach_norm)
+  grads fused       the same with the fused norm kernel (parameters: one call per
+                    backward, the native list kernel or _foreach_norm)
   grads fused, no updates
                     the same without update ratios (`updates=False`): they copy the
                     trainable weights before each update and read them twice more
@@ -238,7 +239,7 @@ def _training_rows(name: str, build: Callable[[], nn.Module], args: argparse.Nam
         flow = watch.last
         assert flow is not None
         notes.append(f"  {v}: norms {flow.fused_norms} fused, {flow.eager_norms} eager, "
-                     f"{len(flow.params)} parameters by one _foreach_norm per backward")
+                     f"{len(flow.params)} parameters by one call per backward")
     return medians, notes
 
 

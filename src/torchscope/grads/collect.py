@@ -29,8 +29,8 @@ outputs are views, so an in-place op after the module (`nn.ReLU(inplace=True)`,
   during forward) is measured instead on the autograd node that the in-place op put in
   front of the original producer.
 - parameters: post-accumulate-grad hooks, which see `.grad` after accumulation, mark the
-  parameter; when the backward ends, one `torch._foreach_norm` measures every marked
-  `.grad` (one call for the whole model instead of one reduction per parameter).
+  parameter; when the backward ends, one call measures every marked `.grad` (one for the
+  whole model instead of one reduction per parameter: see `_norms`).
 
 Every hook only enqueues a device reduction, one read of each gradient: the fused `norm`
 kernel of `torchscope._kernels` (float32 spans summed in float64 on CPU float32, float64
@@ -250,7 +250,7 @@ def _norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
             group = [tensors[i] for i in idx]
             # The native call checks each tensor in Python first (about a microsecond
             # each): it pays where the tensors are large, as a language model's are, and
-            # loses to foreach on many small ones (a narrow ResNet's: 11 kB on average).
+            # loses to foreach on many small ones (resnet-deep's: 11 kB on average).
             big = not half and sum(t.numel() for t in group) >= _NATIVE_LIST_MEAN * len(group)
             norms = _kernels.norms(group) if big else None  # () each
             if norms is None:
@@ -751,8 +751,8 @@ class GradCollector(HookedContext):
             self.on_backward_end()
 
     def _measure_params(self) -> None:
-        """The norms of every parameter gradient accumulated in this backward: one
-        `torch._foreach_norm` per dtype group (half precision summed in float32)."""
+        """The norms of every parameter gradient accumulated in this backward: one call per
+        dtype group (`_norms`; half precision summed in float32)."""
         due, self._param_due = self._param_due, {}
         # A DTensor gradient (FSDP2): this rank's shard; `finish` combines the shards.
         grads = [(index, local_tensor(p.grad)) for index, p in due.items()

@@ -412,7 +412,8 @@ class GradFlow(Analyzed, Gatherable):
             fused kernel computed (`torchscope._kernels`, one pass; float32 spans summed in
             float64 on CPU float32, float64 sums elsewhere) and those
             eager `vector_norm` did (while the kernel was building, or where it cannot run);
-            parameter norms come from one `torch._foreach_norm` per backward.
+            parameter norms come from one call per backward (the native list kernel or
+            `torch._foreach_norm`).
     """
 
     index: int
