@@ -235,9 +235,8 @@ def _norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     call for a model's parameters instead of one per parameter. A group of plain
     contiguous float32 CPU tensors of 64 kB or more on average goes to the native kernel
     (`_kernels.norms`: float64 sums, 2.5 times as fast as foreach on llama-tiny's 26 MiB of
-    weights), the others to
-    `torch._foreach_norm`, the very numbers `clip_grad_norm_` computes. Sparse and other
-    non-strided tensors, which neither takes, go one by one."""
+    weights), the others to `torch._foreach_norm`, the very numbers `clip_grad_norm_`
+    computes. Sparse and other non-strided tensors, which neither takes, go one by one."""
     out: list[torch.Tensor | None] = [None] * len(tensors)
     groups: dict[tuple[torch.device, bool], list[int]] = {}
     for i, t in enumerate(tensors):
