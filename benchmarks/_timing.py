@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import ctypes
 import statistics
 import time
 from collections.abc import Callable, Mapping
+
+from torchscope._timing import Interval, median_interval
 
 
 def interleaved_medians(
@@ -41,6 +44,21 @@ def interleaved_wall_cpu(
     median wall time by other jobs on a shared machine (their noise only adds); all three
     are reported so that a reader can tell load from cost.
     """
+    return {name: t for name, (t, _) in interleaved_paired(runs, repeats=repeats,
+                                                           warmup=warmup).items()}
+
+
+def interleaved_paired(
+    runs: Mapping[str, Callable[[], object]], *, repeats: int = 15, warmup: int = 3
+) -> dict[str, tuple[tuple[float, float, float], Interval]]:
+    """`interleaved_wall_cpu`, and for each function the paired ratio of its wall time to
+    the first function's (the baseline) in the same round: their median with its 95 %
+    order-statistic interval (`torchscope._timing.median_interval`).
+
+    Why paired: a slow spell of the machine (another tenant, a burst of page faults) lasts
+    longer than one call, so it moves both calls of a round together; the ratio within
+    each round cancels it, where a ratio of two medians taken over all rounds keeps it.
+    """
     for fn in runs.values():
         for _ in range(warmup):
             fn()
@@ -50,9 +68,38 @@ def interleaved_wall_cpu(
             t0, c0 = time.perf_counter(), time.process_time()
             runs[name]()
             samples[name].append((time.perf_counter() - t0, time.process_time() - c0))
-    return {name: (statistics.median(w for w, _ in s), statistics.median(c for _, c in s),
-                   min(w for w, _ in s))
+    base = samples[next(iter(runs))]
+    return {name: ((statistics.median(w for w, _ in s), statistics.median(c for _, c in s),
+                    min(w for w, _ in s)),
+                   median_interval([w / b for (w, _), (b, _) in zip(s, base, strict=True)]))
             for name, s in samples.items()}
+
+
+def steady_heap() -> str:
+    """Stop glibc's malloc from handing freed memory back to the kernel (for this process).
+
+    By default glibc returns the free top of its heap to the kernel (`brk`) and serves
+    blocks of over 128 kB (a threshold it raises as it goes) by `mmap`. A training step
+    frees hundreds of MiB of activations, so the next step faults them back in page by
+    page: on the CPU machine of the README, 36,000-43,000 page faults and 57-76 ms of
+    system time in one 410 ms resnet-mini step, in bursts that land on whichever variant
+    happens to free or touch that memory. Timings then differ by several percent from
+    round to round, which hides differences of 1 %. Fixed thresholds (32 MiB for `mmap`, no
+    trimming), as `MALLOC_MMAP_THRESHOLD_` and `MALLOC_TRIM_THRESHOLD_` set them, keep
+    the memory in the process, as jemalloc or tcmalloc would; every variant runs under
+    the same allocator. Returns a line saying what was done.
+    """
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return "malloc left as it is (no glibc mallopt here)"
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's <malloc.h>
+    if not (mallopt(m_mmap_threshold, 32 << 20) and mallopt(m_trim_threshold, 2**31 - 1)):
+        return "malloc left as it is (mallopt refused)"
+    return ("glibc malloc: blocks up to 32 MiB from the heap, freed memory kept in the process"
+            " (--glibc-default to leave it as it is)")
 
 
 def print_ratios(title: str, medians: Mapping[str, float], baseline: str) -> None:

@@ -1,6 +1,7 @@
 """Where gradient flow's overhead goes: `watch_gradients` with parts of it left out.
 
-Per model, side by side in one process, interleaved round by round (medians), each watch
+Per model, side by side in one process, interleaved round by round (medians, and paired
+ratios to the bare step in the same round with their 95 % intervals), each watch
 opened once for the whole run on its own copy of the model:
 
   bare                  forward, loss, backward, SGD step
@@ -35,8 +36,18 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _timing import interleaved_wall_cpu
-from watch_overhead import MODELS, _batch, _grads_read_floor, _loss, _model_names, _parser
+from _timing import interleaved_paired
+from watch_overhead import (
+    MODELS,
+    _batch,
+    _grads_read_floor,
+    _loss,
+    _model_names,
+    _parser,
+    _Timed,
+    fmt_paired,
+    heap_line,
+)
 
 from torchscope import _kernels
 from torchscope.grads import watch_gradients
@@ -62,7 +73,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
 
 
 def _rows(name: str, args: argparse.Namespace, device: torch.device
-          ) -> dict[str, tuple[float, float, float]]:
+          ) -> dict[str, _Timed]:
     torch.manual_seed(0)
     base = MODELS[name]().to(device).train()
     x, y = _batch(name, args, device)
@@ -94,8 +105,8 @@ def _rows(name: str, args: argparse.Namespace, device: torch.device
             stack.enter_context(watch_gradients(models[v], every=1, optimizer=opts[v],
                                                 **kwargs))
         _grads_read_floor(models["read floor"], reads, stack)
-        return interleaved_wall_cpu({v: step(v) for v in names}, repeats=args.repeats,
-                                    warmup=2)
+        return interleaved_paired({v: step(v) for v in names}, repeats=args.repeats,
+                                  warmup=2)
 
 
 def main() -> None:
@@ -104,16 +115,20 @@ def main() -> None:
     names = _model_names(ap, args)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    heap = heap_line(args)
     for program in _kernels.PROGRAMS:  # the fused kernels, as a watch has them after a while
         _kernels.prepare(program, torch.float32, device, wait=None)
     print(f"torch {torch.__version__}, {device}, {args.threads} thread(s), {args.repeats} "
-          "interleaved rounds: median wall, median process CPU, min wall, over the bare step")
+          "interleaved rounds: median wall, median process CPU, min wall, over the bare step;"
+          " the median of each round's wall ratio to bare [95 % interval]")
+    print(heap)
     for name in names:
         rows = _rows(name, args, device)
-        bare = rows["bare"]
-        for v, t in rows.items():
+        bare = rows["bare"][0]
+        for v, (t, paired) in rows.items():
             w, c, m = (a / b for a, b in zip(t, bare, strict=True))
-            print(f"{name:14} {v:22} {t[0] * 1e3:9.1f} ms {w:7.3f} {c:7.3f} {m:7.3f}")
+            print(f"{name:14} {v:22} {t[0] * 1e3:9.1f} ms {w:7.3f} {c:7.3f} {m:7.3f}  "
+                  f"{fmt_paired(paired)}")
 
 
 if __name__ == "__main__":

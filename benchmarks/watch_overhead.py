@@ -1,6 +1,7 @@
 """What watching a training step costs, in one run and one table.
 
-Per model, side by side in one process, interleaved round by round (medians):
+Per model, side by side in one process, interleaved round by round (medians, and each
+variant's median ratio to the bare step in the same round, with its 95 % interval):
 
   bare              forward + cross-entropy + backward + SGD step (a language model: its
                     own loss on its input tokens)
@@ -31,6 +32,10 @@ on-disk cache, and the load time) and how many kernels exist: one per (program, 
 device), never recompiled for a new size. Goals: activation statistics <= 1.05x and
 gradient flow <= 1.03x of the bare step.
 
+glibc's malloc is told to keep freed memory in the process (`_timing.steady_heap`: page
+faults after each step's frees otherwise swing single rounds by several percent);
+`--glibc-default` leaves it as it is.
+
 Run: PYTHONPATH=src python benchmarks/watch_overhead.py [--repeats 9] [--threads 2]
      [--batch 16] [--size 64] [--models resnet-mini,resnet-deep,resnet-narrow,llama-tiny]
      [--device cuda]
@@ -54,7 +59,7 @@ from torch import nn
 from torch.nn import functional
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _timing import interleaved_wall_cpu
+from _timing import Interval, interleaved_paired, steady_heap
 
 from torchscope import _kernels
 from torchscope.capture import capture_activations, watch_activations
@@ -103,6 +108,11 @@ def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return functional.cross_entropy(model(x), y)
 
 
+# A variant's medians (wall, process CPU, minimum wall; seconds) and its paired ratio to the
+# bare step or forward (`_timing.interleaved_paired`).
+_Timed = tuple[tuple[float, float, float], Interval]
+
+
 def _leaves(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if next(m.children(), None) is None]
 
@@ -120,6 +130,16 @@ def _grads_read_floor(model: nn.Module, reads: list[torch.Tensor],
         stack.callback(leaf.register_forward_hook(hook_grad).remove)
 
 
+def heap_line(args: argparse.Namespace) -> str:
+    """Set up malloc as `--glibc-default` says (`_timing.steady_heap`); what was done."""
+    return "glibc malloc left as it is" if args.glibc_default else steady_heap()
+
+
+def fmt_paired(r: Interval) -> str:
+    """A paired ratio as `1.021 [1.013-1.030]`."""
+    return f"{r.median:.3f} [{r.low:.3f}-{r.high:.3f}]"
+
+
 def _parser(doc: str, models: str) -> argparse.ArgumentParser:
     """The options every training-step benchmark here takes; `models` is the default."""
     ap = argparse.ArgumentParser(description=doc.splitlines()[0])
@@ -129,6 +149,8 @@ def _parser(doc: str, models: str) -> argparse.ArgumentParser:
     ap.add_argument("--size", type=int, default=64)
     ap.add_argument("--models", default=models)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--glibc-default", action="store_true",
+                    help="leave glibc's malloc as it is (see _timing.steady_heap)")
     return ap
 
 
@@ -172,7 +194,7 @@ def _kernel_lines(cold_build: bool, device: torch.device) -> list[str]:
 
 
 def _training_rows(name: str, build: Callable[[], nn.Module], args: argparse.Namespace,
-                   device: torch.device) -> tuple[dict[str, tuple[float, float, float]], list[str]]:
+                   device: torch.device) -> tuple[dict[str, _Timed], list[str]]:
     torch.manual_seed(0)
     base = build().to(device).train()
     x, y = _batch(name, args, device)
@@ -228,8 +250,8 @@ def _training_rows(name: str, build: Callable[[], nn.Module], args: argparse.Nam
         for leaf in _leaves(models["read floor: acts"]):
             stack.callback(leaf.register_forward_hook(read_output).remove)
         _grads_read_floor(models["read floor: grads"], reads, stack)
-        medians = interleaved_wall_cpu({v: step(v) for v in variants}, repeats=args.repeats,
-                                       warmup=2)
+        medians = interleaved_paired({v: step(v) for v in variants}, repeats=args.repeats,
+                                     warmup=2)
     notes = [f"{name}: {len(_leaves(base))} leaves, "
              f"{sum(p.numel() for p in base.parameters()) / 1e6:.2f}M parameters, batch "
              f"{'x'.join(map(str, x.shape))}, {device}"]
@@ -256,7 +278,7 @@ def _unwrapped_torchlens() -> Iterator[None]:
 
 
 def _forward_rows(name: str, build: Callable[[], nn.Module], args: argparse.Namespace,
-                  device: torch.device) -> tuple[dict[str, tuple[float, float, float]], list[str]]:
+                  device: torch.device) -> tuple[dict[str, _Timed], list[str]]:
     torch.manual_seed(0)
     model = build().to(device).eval()
     x, _ = _batch(name, args, device)
@@ -292,7 +314,7 @@ def _forward_rows(name: str, build: Callable[[], nn.Module], args: argparse.Name
         runs["forward: torchlens.record (modules)"] = record
         notes.append(f"TorchLens {getattr(torchlens, '__version__', '?')}: times include "
                      "wrapping torch's functions on each call (unwrapped after each)")
-    return interleaved_wall_cpu(runs, repeats=max(args.repeats // 2, 1), warmup=1), notes
+    return interleaved_paired(runs, repeats=max(args.repeats // 2, 1), warmup=1), notes
 
 
 def main() -> None:
@@ -304,23 +326,24 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
 
-    notes = _kernel_lines(args.cold_build, device)
-    table: list[tuple[str, str, tuple[float, float, float], tuple[float, ...]]] = []
+    notes = [heap_line(args), *_kernel_lines(args.cold_build, device)]
+    table: list[tuple[str, str, _Timed, tuple[float, ...]]] = []
     for name in names:
         for rows, more in (_training_rows(name, MODELS[name], args, device),
                            _forward_rows(name, MODELS[name], args, device)):
             notes += more
-            base = next(iter(rows.values()))  # the bare step, or the bare forward
-            table += [(name, v, t, tuple(a / b for a, b in zip(t, base, strict=True)))
+            base = next(iter(rows.values()))[0]  # the bare step, or the bare forward
+            table += [(name, v, t, tuple(a / b for a, b in zip(t[0], base, strict=True)))
                       for v, t in rows.items()]
 
     print(f"torch {torch.__version__}, {device}, {args.threads} thread(s), "
-          f"{args.repeats} interleaved rounds: median wall, median process CPU, min wall")
+          f"{args.repeats} interleaved rounds: median wall, median process CPU, min wall, "
+          "and the median of each round's wall ratio to bare [95 % interval]")
     print(f"{'model':14} {'variant':36} {'wall ms':>9} {'x bare':>7} {'cpu ms':>9} "
-          f"{'x bare':>7} {'min ms':>9} {'x bare':>7}")
-    for model, variant, (wall, cpu, low), (rw, rc, rl) in table:
+          f"{'x bare':>7} {'min ms':>9} {'x bare':>7}  paired x bare")
+    for model, variant, ((wall, cpu, low), paired), (rw, rc, rl) in table:
         print(f"{model:14} {variant:36} {wall * 1e3:9.1f} {rw:7.3f} {cpu * 1e3:9.1f} "
-              f"{rc:7.3f} {low * 1e3:9.1f} {rl:7.3f}")
+              f"{rc:7.3f} {low * 1e3:9.1f} {rl:7.3f}  {fmt_paired(paired)}")
     kernels = _kernels.kernel_status()
     print(f"fused kernels in this process: {len(kernels)} (one per program, dtype and device;"
           " a new size never recompiles)")
