@@ -10,23 +10,6 @@ from collections.abc import Callable, Mapping
 from torchscope._timing import Interval, median_interval
 
 
-def interleaved_medians(
-    runs: Mapping[str, Callable[[], object]], *, repeats: int = 15, warmup: int = 3
-) -> dict[str, float]:
-    """Median seconds per call of each function, timed round-robin so drift hits all alike
-    (each round's order rotated by one)."""
-    for fn in runs.values():
-        for _ in range(warmup):
-            fn()
-    samples: dict[str, list[float]] = {name: [] for name in runs}
-    for order in _rounds(list(runs), repeats):
-        for name in order:
-            t0 = time.perf_counter()
-            runs[name]()
-            samples[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(s) for name, s in samples.items()}
-
-
 def _rounds(names: list[str], repeats: int) -> list[list[str]]:
     """The order of each round: rotated by one each round, so that no variant always runs
     right after the same one (a variant that frees much memory makes the next one pay the
@@ -34,26 +17,17 @@ def _rounds(names: list[str], repeats: int) -> list[list[str]]:
     return [names[r % len(names):] + names[:r % len(names)] for r in range(repeats)]
 
 
-def interleaved_wall_cpu(
-    runs: Mapping[str, Callable[[], object]], *, repeats: int = 15, warmup: int = 3
-) -> dict[str, tuple[float, float, float]]:
-    """Median wall, median process CPU and minimum wall seconds per call of each function,
-    timed round-robin (each round's order rotated by one).
-
-    Process CPU time (every thread of this process) and the minimum are less hit than the
-    median wall time by other jobs on a shared machine (their noise only adds); all three
-    are reported so that a reader can tell load from cost.
-    """
-    return {name: t for name, (t, _) in interleaved_paired(runs, repeats=repeats,
-                                                           warmup=warmup).items()}
-
-
 def interleaved_paired(
     runs: Mapping[str, Callable[[], object]], *, repeats: int = 15, warmup: int = 3
 ) -> dict[str, tuple[tuple[float, float, float], Interval]]:
-    """`interleaved_wall_cpu`, and for each function the paired ratio of its wall time to
-    the first function's (the baseline) in the same round: their median with its 95 %
-    order-statistic interval (`torchscope._timing.median_interval`).
+    """Per function: its median wall, median process CPU and minimum wall seconds per call,
+    timed round-robin (each round's order rotated by one), and the paired ratio of its wall
+    time to the first function's (the baseline) in the same round: their median with its
+    95 % order-statistic interval (`torchscope._timing.median_interval`).
+
+    Process CPU time (every thread of this process) and the minimum are less hit than the
+    median wall time by other jobs on a shared machine (their noise only adds); all are
+    reported so that a reader can tell load from cost.
 
     Why paired: a slow spell of the machine (another tenant, a burst of page faults) lasts
     longer than one call, so it moves both calls of a round together; the ratio within
@@ -86,8 +60,8 @@ def steady_heap() -> str:
     happens to free or touch that memory. Timings then differ by several percent from
     round to round, which hides differences of 1 %. Fixed thresholds (32 MiB for `mmap`, no
     trimming), as `MALLOC_MMAP_THRESHOLD_` and `MALLOC_TRIM_THRESHOLD_` set them, keep
-    the memory in the process, as jemalloc or tcmalloc would; every variant runs under
-    the same allocator. Returns a line saying what was done.
+    the memory in the process, much as jemalloc or tcmalloc (which return it lazily) do;
+    every variant runs under the same allocator. Returns a line saying what was done.
     """
     try:
         libc = ctypes.CDLL(None)
@@ -100,11 +74,3 @@ def steady_heap() -> str:
         return "malloc left as it is (mallopt refused)"
     return ("glibc malloc: blocks up to 32 MiB from the heap, freed memory kept in the process"
             " (--glibc-default to leave it as it is)")
-
-
-def print_ratios(title: str, medians: Mapping[str, float], baseline: str) -> None:
-    """One line per variant: median ms and the ratio to `baseline`."""
-    base = medians[baseline]
-    print(title)
-    for name, sec in medians.items():
-        print(f"  {name:<38} {sec * 1e3:9.2f} ms   {sec / base:6.3f}x")
