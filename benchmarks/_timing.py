@@ -70,7 +70,10 @@ def steady_heap() -> str:
         return "malloc left as it is (no glibc mallopt here)"
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's <malloc.h>
-    if not (mallopt(m_mmap_threshold, 32 << 20) and mallopt(m_trim_threshold, 2**31 - 1)):
-        return "malloc left as it is (mallopt refused)"
+    refused = [what for what, option, value in (("mmap threshold", m_mmap_threshold, 32 << 20),
+                                                 ("trim threshold", m_trim_threshold, 2**31 - 1))
+               if not mallopt(option, value)]
+    if refused:  # the other one, if any, is set: say so rather than "left as it is"
+        return f"glibc malloc: mallopt refused the {' and the '.join(refused)}"
     return ("glibc malloc: blocks up to 32 MiB from the heap, freed memory kept in the process"
             " (--glibc-default to leave it as it is)")
