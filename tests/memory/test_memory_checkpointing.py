@@ -64,10 +64,126 @@ def test_the_reentrant_pitfall_that_torchscope_avoids() -> None:
 
 
 def test_kv_cache_mutation_is_a_verification_error(tiny_gpt2: nn.Module) -> None:
+    """With `use_cache=True` each attention layer appends to the KV cache it returns, and
+    recomputation appends again. transformers 4 then fails the recomputation (the keys
+    have another shape); transformers 5 recomputes the same gradients (causal attention
+    over the doubled cache sees the same first keys), and the returned cache ends twice as
+    long: the verification compares what the model returned, after backward."""
+    import transformers
+
     ids = torch.randint(0, 100, (2, 16))  # use_cache=True: forward appends to a KV cache
-    with pytest.raises(VerificationError, match="use_cache=False"):
+    major = int(transformers.__version__.split(".")[0])
+    match = "use_cache=False" if major < 5 else (
+        r"4 tensor\(s\) the model returned .* output\[.+\]\.layers\[0\]\.keys "
+        r"was \(2, 2, 16, 16\) float32 and became \(2, 2, 32, 16\) float32.*use_cache=False")
+    with pytest.raises(VerificationError, match=match):
         ckpt.apply(tiny_gpt2, example_inputs=ids)
     assert not any("forward" in vars(m) for m in tiny_gpt2.modules())
+
+
+class _Log:
+    """State a model returns and its blocks append to, as a KV cache is."""
+
+    def __init__(self) -> None:
+        self.seen: list[torch.Tensor] = []
+        self.calls = torch.zeros((), dtype=torch.int64)
+
+
+class _Block(nn.Module):
+    def __init__(self, record: bool) -> None:
+        super().__init__()
+        self.record = record
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, log: _Log) -> torch.Tensor:
+        # Before any op that saves for backward: non-reentrant recomputation stops once the
+        # last saved tensor is back, so only what comes before it runs twice.
+        with torch.no_grad():
+            log.calls += 1
+        if self.record:
+            log.seen.append(x.detach())
+        return torch.tanh(self.linear(x))
+
+
+class _Logging(nn.Module):
+    def __init__(self, record: bool) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_Block(record) for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, _Log]:
+        log = _Log()
+        for block in self.blocks:
+            x = block(x, log)
+        return x, log
+
+
+def _returned_paths(v: object) -> list[tuple[str, str, str]]:
+    from torchscope.memory import Verification
+
+    assert isinstance(v, Verification)
+    return [(c.path, c.without, c.with_checkpointing) for c in v.outputs]
+
+
+def test_state_the_recomputation_changes_fails_the_verification() -> None:
+    """A block whose forward bumps a counter the model returns: the gradients are exact,
+    but with checkpointing the counter ends at 6, not 3."""
+    model = _Logging(record=False)
+    x = torch.randn(4, 8)
+    handle = ckpt.apply(model, "blocks")
+    try:
+        v = ckpt.verify(model, handle, x, loss_fn=lambda out: out[0].sum())
+    finally:
+        handle.remove()
+    assert v.ok and v.bitwise_equal
+    assert _returned_paths(v) == [("output[1].calls", "() int64", "() int64")]
+    with pytest.raises(VerificationError, match=r"the values of output\[1\]\.calls \(\(\) "
+                       r"int64\) changed"):
+        ckpt.check(v)
+    from torchscope.report.memory import verification_table
+
+    assert verification_table(v).caption.endswith(
+        "; 1 returned tensor(s) ended differently, first output[1].calls")
+
+
+def test_appended_state_is_named_per_micro_batch() -> None:
+    """Recomputed blocks append to a list the model returns; with two micro-batches each
+    one's output is read after its own backward."""
+    from torchscope.step import Step
+
+    model = _Logging(record=True)
+    step = Step(model, torch.randn(4, 8), loss_fn=lambda out: out[0].sum(), accumulate=2)
+    with ckpt.apply(model, "blocks") as handle:
+        v = ckpt.verify(step, handle)
+    assert v.ok
+    changed = _returned_paths(v)
+    # Each micro-batch (`output[micro]`, whose `[1]` is the log): 3 recorded calls
+    # without, 6 with, the recomputation recording again.
+    for micro in (0, 1):
+        assert (f"output[{micro}][1].calls", "() int64", "() int64") in changed
+        assert [c for c in changed if c[0].startswith(f"output[{micro}][1].seen")] == [
+            (f"output[{micro}][1].seen[{i}]", "absent", "(2, 8) float32") for i in (3, 4, 5)]
+    assert len(changed) == 8
+
+
+def test_a_model_that_returns_state_it_does_not_change_verifies() -> None:
+    """Healthy: the returned state (hidden states in a tuple, a dict) is the same."""
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(3)])
+
+    class Wrapped(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = model
+
+        def forward(self, x: torch.Tensor) -> dict[str, object]:
+            hidden = [x]
+            for block in self.body:
+                hidden.append(torch.relu(block(hidden[-1])))
+            return {"out": hidden[-1], "hidden": tuple(hidden), "log": _Log()}
+
+    wrapped = Wrapped()
+    with ckpt.apply(wrapped, "body", example_inputs=torch.randn(4, 8),
+                    loss_fn=lambda out: out["out"].sum()) as handle:
+        assert handle.verification is not None and handle.verification.outputs == ()
 
 
 def test_apply_and_remove_leave_gpt2_identical(tiny_gpt2: nn.Module) -> None:
@@ -79,6 +195,7 @@ def test_apply_and_remove_leave_gpt2_identical(tiny_gpt2: nn.Module) -> None:
     handle = ckpt.apply(tiny_gpt2, example_inputs=ids)
     assert handle.blocks.names == ("transformer.h.0", "transformer.h.1")
     assert handle.verification is not None and handle.verification.bitwise_equal
+    assert handle.verification.outputs == ()  # the logits, compared after backward
     assert "forward" in vars(tiny_gpt2.transformer.h[0])
     handle.remove()
     handle.remove()  # idempotent

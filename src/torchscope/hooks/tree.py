@@ -1,7 +1,9 @@
 """Flatten nested module inputs and outputs into `(path, tensor)` leaves.
 
 Handles tensors, tuples, lists, dicts, dataclasses and HF `ModelOutput` (a dict subclass
-whose `None` fields are dropped), and skips `None` and other non-tensor leaves.
+whose `None` fields are dropped), and skips `None` and other non-tensor leaves. On request
+it also enters other objects' attributes, where state such as a Hugging Face `Cache` keeps
+its tensors.
 """
 
 from __future__ import annotations
@@ -11,30 +13,46 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
+from torch import nn
 
 
-def iter_tensors(obj: Any, path: str = "", _depth: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_tensors(obj: Any, path: str = "", _depth: int = 0, *,
+                 objects: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(path, tensor)` for every tensor inside `obj`, depth first, in order.
 
     Args:
         obj: a tensor, or a tuple, list, mapping or dataclass holding tensors at any depth
             (32 levels at most, which also stops a cycle).
         path: prefix of every yielded path.
+        objects: also enter the attributes (`vars()`) of other objects, such as a KV cache
+            a model returns; modules are not entered, and each object is entered once.
 
     Yields:
         `(path, tensor)`; paths read like the access: `""` for a bare tensor, `"[0]"`,
         `"['logits']"`, `".hidden"`.
     """
-    if _depth > 32:  # a cycle or a pathological structure: stop rather than recurse forever
+    yield from _walk(obj, path, _depth, set() if objects else None)
+
+
+def _walk(obj: Any, path: str, depth: int, entered: set[int] | None
+          ) -> Iterator[tuple[str, torch.Tensor]]:
+    if depth > 32:  # a cycle or a pathological structure: stop rather than recurse forever
         return
     if isinstance(obj, torch.Tensor):
         yield path, obj
     elif isinstance(obj, Mapping):
         for key, value in obj.items():
-            yield from iter_tensors(value, f"{path}[{key!r}]", _depth + 1)
+            yield from _walk(value, f"{path}[{key!r}]", depth + 1, entered)
     elif isinstance(obj, (tuple, list)):
         for i, value in enumerate(obj):
-            yield from iter_tensors(value, f"{path}[{i}]", _depth + 1)
+            yield from _walk(value, f"{path}[{i}]", depth + 1, entered)
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for field in dataclasses.fields(obj):
-            yield from iter_tensors(getattr(obj, field.name), f"{path}.{field.name}", _depth + 1)
+            yield from _walk(getattr(obj, field.name), f"{path}.{field.name}", depth + 1,
+                             entered)
+    elif entered is not None and not isinstance(obj, (nn.Module, type)) and id(obj) not in entered:
+        attrs = getattr(obj, "__dict__", None)
+        if isinstance(attrs, dict):
+            entered.add(id(obj))
+            for name, value in list(attrs.items()):
+                yield from _walk(value, f"{path}.{name}", depth + 1, entered)

@@ -16,12 +16,14 @@ for the parameters inside a block whose inputs do not require grad, and
 
 `verify` runs one step with and one without checkpointing from the same seed, so dropout
 draws the same masks (and `preserve_rng_state=True` replays them on recomputation), and from
-the same buffers; it compares the loss and every gradient, and restores gradients, buffers
-and the RNG afterwards.
+the same buffers; it compares the loss, every gradient, the buffers and what the model
+returned (after backward, so that state the recomputation changed shows), and restores
+gradients, buffers and the RNG afterwards.
 """
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -35,8 +37,9 @@ from torch.utils.checkpoint import checkpoint
 from torchscope._process import seeded
 from torchscope.errors import SelectionError, TorchscopeError, VerificationError, describe
 from torchscope.hooks.select import select_modules
+from torchscope.hooks.tree import iter_tensors
 from torchscope.memory._common import SEGMENT_LABEL
-from torchscope.memory.records import GradComparison, Verification
+from torchscope.memory.records import GradComparison, OutputChange, Verification
 from torchscope.step import LossSpec, Step
 
 _MISSING = object()
@@ -395,14 +398,80 @@ _TOLERANCE: dict[torch.dtype, tuple[float, float]] = {
 }
 
 
+_RECOMPUTE_FIX = ("a checkpointed block must recompute exactly what it computed: do not "
+                  "mutate state in forward (Hugging Face models: call with use_cache=False).")
+
+# (path, "shape dtype", dtype, element count, |values| summed in float64) of one returned
+# tensor.
+_Returned = tuple[str, str, torch.dtype, int, torch.Tensor]
+
+
+def _returned(output: Any, prefix: str) -> list[_Returned]:
+    """What the model returned, as it stands now: every tensor in `output`, state objects
+    such as a KV cache entered too. Values are kept as one float64 sum of magnitudes per
+    tensor, on its device, so that the comparison holds no copy of the output."""
+    out: list[_Returned] = []
+    for path, tensor in iter_tensors(output, prefix, objects=True):
+        if tensor.is_meta:
+            continue
+        t = tensor.detach()
+        # Magnitudes, so that one changed value cannot cancel against another; float64
+        # holds a float32 tensor's sum to ~1e-16 relative.
+        total = (t.abs() if t.is_complex() else t).to(torch.float64).abs().sum()
+        out.append((path, f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}", t.dtype,
+                    t.numel(), total))
+    return out
+
+
 def _seeded_step(step: Step, leaves: list[tuple[str, torch.Tensor]], seed: int) -> tuple[
-        torch.Tensor, list[torch.Tensor | None], list[torch.Tensor]]:
+        torch.Tensor, list[torch.Tensor | None], list[torch.Tensor], list[_Returned]]:
     """One seeded forward + backward from the model's current state, which is restored
-    after: (loss, gradients, buffers)."""
+    after: (loss, gradients, buffers, what the model returned, read after its backward)."""
+    pending: list[tuple[int, Any]] = []
+    returned: list[_Returned] = []
+    several = step.accumulate > 1
+
+    def settle() -> None:
+        # The pending micro-batch's backward has run: read its output now and let it go.
+        while pending:
+            micro, output = pending.pop()
+            returned.extend(_returned(output, f"output[{micro}]" if several else "output"))
+
+    def keep(micro: int, output: Any, _loss: torch.Tensor) -> None:
+        settle()
+        pending.append((micro, output))
+
     with step.preserved(clear_grads=True), seeded(seed):
-        loss = step.forward_backward()
+        loss = step.forward_backward(before_backward=keep)
+        settle()
         grads = [None if t.grad is None else t.grad.detach().clone() for _, t in leaves]
-        return loss, grads, [b.detach().clone() for b in step.model.buffers()]
+        return loss, grads, [b.detach().clone() for b in step.model.buffers()], returned
+
+
+def _output_changes(ref: list[_Returned], got: list[_Returned]) -> tuple[OutputChange, ...]:
+    """The returned tensors that differ between the runs: present in one only, another
+    shape or dtype, or a sum of magnitudes outside the dtype's tolerance."""
+    # One host read for all the sums; this is the verification, not a hook.
+    sums = (torch.stack([t.cpu() for *_, t in (*ref, *got)]).tolist() if ref or got else [])
+    ref_at = {path: (meta, dtype, n, x)
+              for (path, meta, dtype, n, _), x in zip(ref, sums[:len(ref)], strict=True)}
+    got_at = {path: (meta, x) for (path, meta, *_), x in zip(got, sums[len(ref):], strict=True)}
+    changes = []
+    for path in [*ref_at, *(p for p in got_at if p not in ref_at)]:
+        a, b = ref_at.get(path), got_at.get(path)
+        if a is None or b is None or a[0] != b[0]:
+            changes.append(OutputChange(path, "absent" if a is None else a[0],
+                                        "absent" if b is None else b[0]))
+            continue
+        (meta, dtype, n, x), (_, y) = a, b
+        # Each element within the gradients' tolerance keeps the sum within n * atol +
+        # rtol * sum; integer and bool values must match exactly.
+        rtol, atol = (_TOLERANCE.get(dtype, (1e-5, 1e-6))
+                      if dtype.is_floating_point or dtype.is_complex else (0.0, 0.0))
+        if not (x == y or (math.isnan(x) and math.isnan(y))
+                or abs(x - y) <= n * atol + rtol * abs(x)):
+            changes.append(OutputChange(path, meta, meta))
+    return tuple(changes)
 
 
 def _compare(name: str, ref: torch.Tensor | None, got: torch.Tensor | None) -> tuple[
@@ -454,16 +523,13 @@ def verify(
     step = Step.of(model, inputs, loss_fn=loss_fn, target=target)
     leaves = [*step.model.named_parameters(), *step.input_leaves()]
     with handle.suspended():
-        ref_loss, ref_grads, ref_buffers = _seeded_step(step, leaves, seed)
+        ref_loss, ref_grads, ref_buffers, ref_returned = _seeded_step(step, leaves, seed)
     try:
-        got_loss, got_grads, got_buffers = _seeded_step(step, leaves, seed)
+        got_loss, got_grads, got_buffers, got_returned = _seeded_step(step, leaves, seed)
     except Exception as exc:
         raise VerificationError(
             f"the checkpointed step raised {describe(exc)} "
-            "(the same step without checkpointing ran fine).",
-            fix="a checkpointed block must recompute exactly what it computed: do not "
-            "mutate state in forward (Hugging Face models: call with use_cache=False).",
-        ) from exc
+            "(the same step without checkpointing ran fine).", fix=_RECOMPUTE_FIX) from exc
     loss_cmp, loss_ok = _compare("loss", ref_loss, got_loss)
     compared = [_compare(name, ref, got)
                 for (name, _), ref, got in zip(leaves, ref_grads, got_grads, strict=True)]
@@ -478,6 +544,7 @@ def verify(
         ok=loss_ok and all(close for _, close in compared),
         seed=seed,
         buffers_equal=buffers_equal,
+        outputs=_output_changes(ref_returned, got_returned),
     )
 
 
@@ -485,8 +552,10 @@ def check(v: Verification, *, require_bitwise: bool = False) -> Verification:
     """Return `v` if it passed; raise otherwise.
 
     Raises:
-        VerificationError: a gradient is missing or extra, or a difference exceeds the
-            dtype's tolerance (or, with `require_bitwise`, any difference at all).
+        VerificationError: a gradient is missing or extra, a returned tensor ended
+            differently (state the recomputation changed, such as a KV cache), or a
+            difference exceeds the dtype's tolerance (or, with `require_bitwise`, any
+            difference at all).
     """
     missing = [g.name for g in v.grads if g.missing]
     extra = [g.name for g in v.grads if g.extra]
@@ -513,6 +582,16 @@ def check(v: Verification, *, require_bitwise: bool = False) -> Verification:
             fix="look for randomness outside torch's RNG or state mutated in forward inside the "
             "checkpointed blocks, or exclude those blocks.",
         )
+    if v.outputs:
+        first = v.outputs[0]
+        change = (f"{first.path} was {first.without} and became {first.with_checkpointing}"
+                  if first.without != first.with_checkpointing
+                  else f"the values of {first.path} ({first.without}) changed")
+        raise VerificationError(
+            f"with checkpointing, {len(v.outputs)} tensor(s) the model returned ended "
+            f"differently after backward: {change}; expected what the step without "
+            "checkpointing returned (recomputation ran forward again and changed state it "
+            "returned).", fix=_RECOMPUTE_FIX)
     return v
 
 

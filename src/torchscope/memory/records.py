@@ -243,6 +243,27 @@ class GradComparison:
 
 
 @dataclass(frozen=True)
+class OutputChange:
+    """A tensor the model returned that ended differently with checkpointing.
+
+    Both runs are compared after their backward, when recomputation has run forward again:
+    a block that appends to a cache it returns (a Hugging Face KV cache with
+    `use_cache=True`) appends twice.
+
+    Attributes:
+        path: where it is in the output, as `iter_tensors` names it (micro-batch `i` of an
+            accumulated step is `output[i]`).
+        without: shape and dtype without checkpointing, or "absent".
+        with_checkpointing: the same with checkpointing, or "absent"; equal to `without`
+            when only the values differ.
+    """
+
+    path: str
+    without: str
+    with_checkpointing: str
+
+
+@dataclass(frozen=True)
 class Verification:
     """Loss and every gradient with vs without checkpointing, from identically seeded runs.
 
@@ -256,6 +277,8 @@ class Verification:
         seed: the seed both runs started from.
         buffers_equal: buffers (e.g. BatchNorm running stats) ended equal; recomputation runs
             the forward again, so a module that updates buffers in forward updates them twice.
+        outputs: every returned tensor (state such as a KV cache included) whose shape,
+            dtype or values ended differently after backward; empty when none did.
     """
 
     loss_equal: bool
@@ -266,6 +289,7 @@ class Verification:
     ok: bool
     seed: int
     buffers_equal: bool = True
+    outputs: tuple[OutputChange, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -180,7 +180,9 @@ def verification_table(v: Verification, limit: int = 12, title: str = "Verificat
     table.caption = (f"{len(v.grads)} gradients compared, seed {v.seed}: "
                      + ("all bitwise equal" if v.bitwise_equal else
                         f"max diff {v.max_abs_diff:.3g}") +
-                     ("" if v.buffers_equal else "; buffers differ (updated again in recompute)"))
+                     ("" if v.buffers_equal else "; buffers differ (updated again in recompute)") +
+                     ("" if not v.outputs else f"; {len(v.outputs)} returned tensor(s) ended "
+                      f"differently, first {v.outputs[0].path}"))
     return table
 
 
