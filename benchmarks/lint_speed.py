@@ -4,7 +4,7 @@ Measures, in one run: linting src/torchscope in-process (the acceptance: under 2
 through the CLI in a fresh interpreter (what `make lint` pays, interpreter start and imports
 included), a large real tree (torch.nn from the installed torch) for files per second, and
 the third-party corpus of tests/lint/test_lint_corpus.py (pytorch-lightning, accelerate,
-transformers' trainer.py and GPT-2) with its findings by severity.
+transformers' trainer.py, trainer_optimizer.py and GPT-2) with its findings by severity.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def _corpus() -> list[Path] | None:
         dirs[name] = Path(next(iter(spec.submodule_search_locations)))
     tf = dirs["transformers"]
     return [dirs["pytorch_lightning"], dirs["accelerate"], tf / "trainer.py",
-            tf / "models" / "gpt2" / "modeling_gpt2.py"]
+            tf / "trainer_optimizer.py", tf / "models" / "gpt2" / "modeling_gpt2.py"]
 
 
 def main() -> None:
