@@ -4,7 +4,9 @@
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -137,6 +139,80 @@ def test_a_torch_module_at_the_root_is_measured_on_its_own_frame() -> None:
     assert m.status == "ok", m.error
     assert m.graphs == 1 and m.recompiles == ()  # traced afresh, nothing recompiled
     assert "forward" not in net.__dict__
+    with watch_recompiles() as w, torch.no_grad():
+        torch.testing.assert_close(user(x), user._orig_mod(x))
+    assert w.compiles == 0
+
+
+def _passes_through(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A decorator as transformers 5 puts around model forwards (`functools.wraps`)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def _head(y: torch.Tensor) -> torch.Tensor:
+    """A helper with a graph break in it, as transformers' loss function has: Dynamo runs
+    it as a frame of its own, with cache entries of its own."""
+    torch._dynamo.graph_break()
+    return y.relu().sum(dim=-1)
+
+
+def _decorated_class() -> type[nn.Module]:
+    class Decorated(nn.Module):
+        """A decorated forward with a graph break: local, so measured in this process."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        @_passes_through
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return _head(self.fc(x))
+
+    return Decorated
+
+
+def _entries(code: Any) -> int:
+    return len(torch._dynamo.eval_frame._debug_get_cache_entry_list(code))
+
+
+def test_a_decorated_forward_and_its_helpers_are_traced_afresh_and_released() -> None:
+    """The scan and both compiles each trace the decorated forward's own code and the
+    helper afresh: no compile of theirs is a recompile, and none leaves a cache entry."""
+    net = _decorated_class()()
+    x = torch.randn(4, 8)
+    inner = type(net).forward.__wrapped__.__code__  # type: ignore[attr-defined]
+    before = _process()
+    report = compile_report(net, x, modes=("default",), iters=2, warmup=0)
+    _assert_same(before)
+    m = report.mode("default")
+    assert m.status == "ok", m.error
+    assert not m.isolated
+    assert [b.function for b in report.graph_breaks] == ["_head"]
+    assert m.recompiles == ()
+    assert (_entries(inner), _entries(_head.__code__), _entries(type(net).forward.__code__)
+            ) == (0, 0, 0)
+    assert "forward" not in net.__dict__
+
+
+def test_a_helper_the_user_compiled_keeps_its_code_and_counts_no_recompile() -> None:
+    """The user compiled a model of the same class first, so the helper holds the user's
+    graph: the measurement's own backend makes Dynamo compile it again (a BACKEND_MATCH
+    guard failure), which the user's loop would never see; the user's graph still runs."""
+    local = _decorated_class()
+    x = torch.randn(4, 8)
+    user = torch.compile(local().eval())
+    with torch.no_grad():
+        user(x)
+    assert _entries(_head.__code__) == 1
+    report = compile_report(local(), x, modes=("default",), iters=2, warmup=0)
+    m = report.mode("default")
+    assert m.status == "ok", m.error
+    assert m.recompiles == ()
     with watch_recompiles() as w, torch.no_grad():
         torch.testing.assert_close(user(x), user._orig_mod(x))
     assert w.compiles == 0

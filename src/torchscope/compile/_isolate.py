@@ -36,25 +36,53 @@ __all__ = ["TORCH_DIR", "fresh_inductor_cache", "private_code"]
 TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 
 
-def _fresh_function(fn: types.FunctionType, *, root: bool = False) -> types.FunctionType:
-    """`fn` with its own copy of its code object (closure, defaults and globals shared).
+def _fresh_function(fn: types.FunctionType, codes: list[types.CodeType], *,
+                    root: bool = False) -> types.FunctionType:
+    """`fn` with its own copy of its code object (closure, defaults and globals shared);
+    every new code object is appended to `codes`.
 
     A root forward from torch itself (`nn.Sequential`, say) gets a file name outside torch:
     `torch.compile` would otherwise compile it through a wrapper frame that every compiled
     torch module shares (`torch._dynamo.external_utils.wrap_inline`), not through the
     private code.
+
+    A decorated forward (a wrapper made with `functools.wraps`, as transformers 5 puts
+    around most model forwards) calls the function it closes over: that function is copied
+    too, down the whole stack of decorators, and the copy gets a closure cell of its own
+    that holds it. Otherwise the wrapper's code would be private and the forward's own code
+    shared, and each compile would recompile it.
     """
+    closure = fn.__closure__
+    inner = getattr(fn, "__wrapped__", None)
+    fresh_inner: types.FunctionType | None = None
+    if isinstance(inner, types.FunctionType) and closure:
+        held = [i for i, cell in enumerate(closure) if _holds(cell, inner)]
+        if held:
+            fresh_inner = _fresh_function(inner, codes)
+            cells = list(closure)
+            for i in held:
+                cells[i] = types.CellType(fresh_inner)
+            closure = tuple(cells)
     code = fn.__code__.replace()
     if root and os.path.abspath(code.co_filename).startswith(TORCH_DIR):
         code = code.replace(co_filename=f"<torchscope private copy of {fn.__qualname__}>")
-    new = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__,
-                             fn.__closure__)
+    new = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, closure)
     new.__kwdefaults__ = fn.__kwdefaults__
     new.__qualname__ = fn.__qualname__
     new.__module__ = fn.__module__
     new.__doc__ = fn.__doc__
     new.__dict__.update(fn.__dict__)
+    if fresh_inner is not None:
+        new.__wrapped__ = fresh_inner  # type: ignore[attr-defined]
+    codes.append(code)
     return new
+
+
+def _holds(cell: types.CellType, value: object) -> bool:
+    try:
+        return cell.cell_contents is value
+    except ValueError:  # an empty cell
+        return False
 
 
 _MISSING = object()
@@ -87,13 +115,17 @@ def _release(codes: list[types.CodeType]) -> None:
 @contextlib.contextmanager
 def private_code(model: nn.Module) -> Iterator[None]:
     """Every module of `model` runs a private copy of its forward's code object while open
-    (see the module docstring); on exit each `forward` is as it was and the private code
-    objects' cache entries are dropped. A forward that is not a plain Python function (a C
-    function, a `partial`) stays shared, and so do helpers a forward calls after a graph
-    break.
+    (see the module docstring), the functions its decorators wrap included; on exit each
+    `forward` is as it was and the private code objects' cache entries are dropped. A
+    forward that is not a plain Python function (a C function, a `partial`) stays shared,
+    and so do helpers a forward calls after a graph break (a loss function, an output
+    class's `__init__`): those that held no compiled code when the block began are released
+    on exit too, so that the next compile traces them afresh and no cache entry of ours
+    stays on them; one that held the user's compiled code keeps its entries, ours included.
     """
     saved: list[tuple[nn.Module, Any]] = []
     codes: list[types.CodeType] = []
+    holding = _holding_before()
     try:
         for m in model.modules():
             own = m.__dict__.get("forward", _MISSING)
@@ -105,8 +137,7 @@ def private_code(model: nn.Module) -> Iterator[None]:
                 fn, bound = own, False
             if not isinstance(fn, types.FunctionType) or fn is nn.Module.forward:
                 continue
-            new = _fresh_function(fn, root=m is model)
-            codes.append(new.__code__)
+            new = _fresh_function(fn, codes, root=m is model)
             saved.append((m, own))
             m.__dict__["forward"] = types.MethodType(new, m) if bound else new
         yield
@@ -116,7 +147,34 @@ def private_code(model: nn.Module) -> Iterator[None]:
                 m.__dict__.pop("forward", None)
             else:
                 m.__dict__["forward"] = own
+        codes.extend(_ours_since(holding))
         _release(codes)
+
+
+def _holding_before() -> set[int] | None:
+    """Ids of the code objects Dynamo has met in this process (its `input_codes`) that hold
+    compiled code now, or None on a torch without these records."""
+    try:
+        from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+        from torch._dynamo.convert_frame import input_codes
+    except ImportError:  # pragma: no cover - another torch
+        return None
+    return {id(code) for code in _met(input_codes) if _debug_get_cache_entry_list(code)}
+
+
+def _met(input_codes: Any) -> list[types.CodeType]:
+    codes = (ref() for ref in list(getattr(input_codes, "seen", ())))
+    return [code for code in codes if isinstance(code, types.CodeType)]
+
+
+def _ours_since(holding: set[int] | None) -> list[types.CodeType]:
+    """The code objects Dynamo has met that held no compiled code when
+    `_holding_before()` returned `holding`: whatever they hold now, we compiled."""
+    if holding is None:
+        return []
+    from torch._dynamo.convert_frame import input_codes
+
+    return [code for code in _met(input_codes) if id(code) not in holding]
 
 
 @contextlib.contextmanager

@@ -27,7 +27,13 @@ from torch import nn
 from torchscope._timing import compare
 from torchscope.compile._isolate import private_code
 from torchscope.compile.breaks import find_graph_breaks
-from torchscope.compile.records import CompileMeasure, ModeResult, ShapeCall, derive_speed
+from torchscope.compile.records import (
+    CompileMeasure,
+    ModeResult,
+    Recompile,
+    ShapeCall,
+    derive_speed,
+)
 from torchscope.compile.watch import RecompileWatcher, recompile_limit
 from torchscope.errors import describe
 from torchscope.hooks.tree import iter_tensors
@@ -121,6 +127,13 @@ def _is_no_compiler_error(exc: BaseException | None) -> bool:
             return True
         exc = exc.__cause__ or exc.__context__
     return False
+
+
+def _our_backend(r: Recompile) -> bool:
+    """A recompile only because this measurement compiled with a backend of its own: a
+    helper the user compiled before (shared code, see `private_code`) meets another
+    `torch.compile`. Not one the user's own loop would see."""
+    return r.guard.startswith("BACKEND_MATCH")
 
 
 def measure_mode(model: nn.Module, inputs: ModelInputs, job: MeasureJob,
@@ -241,7 +254,7 @@ def measure_mode(model: nn.Module, inputs: ModelInputs, job: MeasureJob,
         grad_max_abs_diff=grad_abs,
         grad_max_rel_diff=grad_rel,
         graphs=graphs,
-        recompiles=tuple(watcher.recompiles),
+        recompiles=tuple(r for r in watcher.recompiles if not _our_backend(r)),
         recompile_limit=recompile_limit(),
         limit_hit=watcher.limit_hit,
         shape_calls=tuple(shape_calls),
