@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import logging
 
 import pytest
 import torch
@@ -103,3 +104,43 @@ def test_scan_survives_the_trip_from_the_child() -> None:
     scan = find_graph_breaks(loaded.model, loaded.inputs)
     assert len(scan.breaks) == 1 and scan.breaks[0].kind == "print() call"
     assert payload["scan"] == scan
+
+
+_LOG = logging.getLogger("torchscope.tests.compile_breaks")
+
+
+class LogsInAProperty(nn.Module):
+    """As transformers 5's `loss_function`: a property whose getter logs. Dynamo cannot
+    resume inside it, so the graph ends at the call in forward with the reason
+    `step_unsupported`; the break itself is the logging call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    @property
+    def head(self) -> nn.Module:
+        _LOG.debug("looking up the head")
+        return nn.ReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x).sin()
+        return self.head(y)  # type: ignore[no-any-return]
+
+
+def test_a_break_dynamo_cannot_resume_is_placed_where_it_happens() -> None:
+    from torch._dynamo.symbolic_convert import InstructionTranslatorBase
+
+    dynamo_log = InstructionTranslatorBase.log_graph_break
+    scan = find_graph_breaks(LogsInAProperty(), torch.randn(2, 8))
+    assert InstructionTranslatorBase.log_graph_break is dynamo_log  # put back
+    (b,) = scan.breaks
+    assert (b.file, b.line, b.function) == (
+        __file__, _line_of(LogsInAProperty.head.fget, "_LOG.debug"), "head")
+    assert b.kind == "logging call"
+    assert b.reason == "logging.Logger method not supported for non-export cases"
+    assert "step_unsupported" not in b.detail
+    report = CompileReport("LogsInAProperty", "(2x8)", "cpu", "forward", (), scan.breaks,
+                           scan.graph_count, 8, torch.__version__)
+    (finding,) = [f for f in report.findings() if f.code == "compile.graph_break"]
+    assert "ignore_logging_functions" in (finding.fix or "")

@@ -22,6 +22,9 @@ _BREAK_FIX = {
                         "forward.",
     "unsupported call": "wrap the call with torch.compiler.disable, or replace it with a "
                         "torch op.",
+    "logging call": "log outside the compiled region, or let the compiled code skip the "
+                    "call (torch._dynamo.config.ignore_logging_functions.add(<the logging "
+                    "function>)).",
 }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from collections.abc import Callable, Iterator
@@ -48,6 +49,8 @@ def classify_break(reason: str) -> str:
         return "data-dependent branch"
     if "item()" in low:
         return "Tensor.item()"
+    if "logging.logger" in low or "logging function" in low:
+        return "logging call"
     if "tolist" in low or "numpy" in low:
         return "tensor to Python"
     if any(w in low for w in ("skip", "unsupported", "call_function", "attempted to call")):
@@ -57,6 +60,10 @@ def classify_break(reason: str) -> str:
 
 def _split_reason(text: str) -> tuple[str, str]:
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    while len(lines) > 1 and lines[0].startswith("Encountered graph break"):
+        # A preface ("... when attempting to trace CALL: a function call, e.g. f(x, y):",
+        # "... that we cannot resume from. ..."): the next line says what broke.
+        lines = lines[1:]
     first = lines[0] if lines else text
     explanation = next((ln.split(":", 1)[1].strip() for ln in lines
                         if ln.startswith("Explanation:")), "")
@@ -106,6 +113,64 @@ def hook_at(model: nn.Module, file: str | None, line: int | None) -> tuple[str, 
     return None
 
 
+# Dynamo's reason for a graph that ends at a call it could not step into: where the break
+# really is, it logs separately.
+_STEP_UNSUPPORTED = "step_unsupported"
+
+
+@contextlib.contextmanager
+def _logged_breaks() -> Iterator[list[tuple[str, list[Any]]]]:
+    """Every graph break Dynamo logs while open, as `(reason, user stack)`, the innermost
+    frame last.
+
+    When a break happens inside a function Dynamo was inlining and cannot resume there,
+    the graph it compiles ends at the outer call, with the reason `step_unsupported`; the
+    break itself (reason and stack) only reaches Dynamo's graph-break log. Dynamo's
+    `log_graph_break` is wrapped for the block and put back after it.
+    """
+    found: list[tuple[str, list[Any]]] = []
+    from torch._dynamo import symbolic_convert
+
+    translator: Any = getattr(symbolic_convert, "InstructionTranslatorBase", None)
+    original = None if translator is None else translator.__dict__.get("log_graph_break")
+    if translator is None or not callable(original):
+        yield found
+        return
+
+    def log_graph_break(self: Any, *args: Any, **kwargs: Any) -> Any:
+        given = (*args, *kwargs.values())
+        reason = next((a for a in given if isinstance(a, str)), "")
+        exc = next((a for a in given if isinstance(a, BaseException)), None)
+        if exc is not None and not getattr(exc, "logged", False):
+            stack = (getattr(exc, "real_stack", None)
+                     or torch._guards.TracingContext.extract_stack())
+            found.append((reason, list(stack)))
+        return original(self, *args, **kwargs)
+
+    translator.log_graph_break = log_graph_break
+    try:
+        yield found
+    finally:
+        translator.log_graph_break = original
+
+
+def _where_it_broke(text: str, stack: Any, logged: list[tuple[str, list[Any]]]
+                    ) -> tuple[str, Any]:
+    """The reason and stack of the break itself for a `step_unsupported` graph: the
+    logged break whose stack passes through the same call. Otherwise as given."""
+    if text.strip() != _STEP_UNSUPPORTED:
+        return text, stack
+    frames = list(stack or ())
+    if not frames:
+        return text, stack
+    at = (os.path.abspath(str(frames[-1].filename)), frames[-1].lineno)
+    for reason, logged_stack in logged:
+        places = [(os.path.abspath(str(f.filename)), f.lineno) for f in logged_stack]
+        if at in places[:-1]:
+            return reason, logged_stack
+    return text, stack
+
+
 def find_graph_breaks(model: nn.Module, inputs: Any, *, train: bool = False) -> BreakScan:
     """Trace one call of `model` with Dynamo and locate every graph break.
 
@@ -134,13 +199,14 @@ def find_graph_breaks(model: nn.Module, inputs: Any, *, train: bool = False) -> 
             reasons.append(reason)
         return gm.forward
 
-    with private_code(model), torch.set_grad_enabled(train):
+    with private_code(model), torch.set_grad_enabled(train), _logged_breaks() as logged:
         torch.compile(model, backend=collect)(*mi.args, **dict(mi.kwargs))
     breaks = []
     for r in reasons:
-        text = str(getattr(r, "reason", ""))
+        text, stack = _where_it_broke(str(getattr(r, "reason", "")),
+                                      getattr(r, "user_stack", ()), logged)
         first, explanation = _split_reason(text)
-        file, line, function = _user_frame(getattr(r, "user_stack", ()))
+        file, line, function = _user_frame(stack)
         hook = hook_at(model, file, line)
         breaks.append(GraphBreak(
             kind=classify_break(text),
