@@ -58,6 +58,35 @@ def test_depth_profile_groups_blocks_and_leaves_out_embeddings(tiny_gpt2) -> Non
     tiny_gpt2.zero_grad(set_to_none=True)
 
 
+def test_the_head_above_the_blocks_is_not_part_of_the_depth_trend() -> None:
+    """BERT for sequence classification: the classifier and the pooler are nearer the loss
+    than any encoder layer and in no repeated block; at initialisation they get about 100x
+    the encoder's relative gradient. Fitted with the encoder, they made 2 healthy layers
+    read as possible vanishing gradients here (a warning, with the doctor's own run of a
+    narrower one)."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(BertConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+        vocab_size=100, num_labels=3))
+    inputs = {"input_ids": torch.randint(0, 100, (8, 32)), "labels": torch.randint(0, 3, (8,))}
+    flow = gradient_flow(model, inputs)
+    prof = depth_profile(flow)
+    assert [u.name for u in prof.units] == ["classifier", "bert.pooler.dense",
+                                            "bert.encoder.layer.1", "bert.encoder.layer.0"]
+    head, body = prof.units[1], prof.body
+    assert [u.name for u in body] == ["bert.encoder.layer.1", "bert.encoder.layer.0"]
+    assert head.relative is not None and body[0].relative is not None
+    assert head.relative > 30 * body[0].relative  # why the head stays out
+    assert [f.code for f in flow.findings() if f.code.startswith("grads.vanishing")] == []
+    # Without repeated blocks, only the nearest position is the head.
+    plain = depth_profile(gradient_flow(nn.Sequential(
+        nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3)),
+        torch.randn(8, 6)))
+    assert [u.name for u in plain.body] == ["2", "0"]
+
+
 def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int, *,
            watch_every: int | None, updates: bool = True
            ) -> list[tuple[int, dict[str, float], dict[str, float]]]:

@@ -91,6 +91,17 @@ def hf_bert() -> tuple[nn.Module, Any]:
     return BertForMaskedLM(cfg), {"input_ids": ids, "labels": ids.clone()}
 
 
+def hf_bert_classifier() -> tuple[nn.Module, Any]:
+    """BERT for sequence classification, 2 layers: its pooler and classifier, nearer the loss
+    than any encoder layer, get about 100x the encoder's relative gradient at init."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    cfg = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                     intermediate_size=64, max_position_embeddings=32, num_labels=3)
+    return BertForSequenceClassification(cfg), {"input_ids": _tokens(),
+                                                "labels": _labels(4, classes=3)}
+
+
 def hf_gpt2() -> tuple[nn.Module, Any]:
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -151,6 +162,25 @@ def deep_sigmoid() -> tuple[nn.Module, Any]:
     """Ten sigmoid layers, default init: each layer multiplies the backward signal by at
     most 1/4, and the inputs (around 0.5) do not make up for it."""
     return _stack(nn.Sigmoid, 10), torch.randn(4, 32, generator=_gen())
+
+
+class _PooledSigmoid(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.Sigmoid())
+                                      for _ in range(10)])
+        self.pooler = nn.Linear(32, 32)
+        self.classifier = nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.classifier(torch.tanh(self.pooler(self.blocks(x))))  # (B, 10)
+        return out
+
+
+def pooled_sigmoid() -> tuple[nn.Module, Any]:
+    """Ten sigmoid blocks under a pooler and a classifier, as BERT's head sits on its
+    encoder: the head is left out of the depth trend, the vanishing blocks are not."""
+    return _PooledSigmoid(), torch.randn(4, 32, generator=_gen())
 
 
 def deep_tanh_small() -> tuple[nn.Module, Any]:
@@ -267,6 +297,7 @@ ZOO: tuple[Entry, ...] = (
     Entry("hf-resnet", hf_resnet),
     Entry("hf-vit", hf_vit),
     Entry("hf-bert", hf_bert),
+    Entry("hf-bert-classifier", hf_bert_classifier),
     Entry("hf-gpt2", hf_gpt2),
     Entry("hf-t5", hf_t5),
     Entry("hf-llama", hf_llama),
@@ -276,6 +307,7 @@ ZOO: tuple[Entry, ...] = (
     Entry("resnet-mini", builtin("resnet-mini", (4, 3, 16, 16))),
     Entry("conv-bn", conv_bn),
     Entry("deep-sigmoid", deep_sigmoid, (Expect("grads.vanishing", "0"),)),
+    Entry("pooled-sigmoid", pooled_sigmoid, (Expect("grads.vanishing", "blocks.0.0"),)),
     Entry("deep-tanh-small-init", deep_tanh_small, (Expect("grads.vanishing", "0"),)),
     Entry("large-init", large_init, (Expect("grads.exploding", "0"),),
           allowed=frozenset({"activations.large", "activations.scale_drift"})),

@@ -202,8 +202,10 @@ class DepthProfile:
 
     Attributes:
         units: depth positions in backward order (0 is nearest the loss).
-        body: the positions fitted: every unit but the one nearest the loss (a classifier or
-            LM head routinely gets 10-1000x the body's relative gradient at initialisation).
+        body: the positions fitted: the units from the first repeated block on (a
+            classifier, an LM head or BERT's pooler, nearer the loss and in no repeated
+            block, routinely gets 10-1000x the body's relative gradient at
+            initialisation); without repeated blocks, every unit but the nearest.
         excluded: modules left out of the profile and why (embeddings, tied weights).
     """
 
@@ -257,7 +259,7 @@ def depth_profile(flow: GradFlow) -> DepthProfile:
             excluded.append((lg.module, "tied weight"))
             continue
         groups.setdefault(_unit_name(lg.module), []).append(lg)
-    units = []
+    units: list[DepthUnit] = []
     for name, lgs in groups.items():
         g = combine_norms(lg.grad_norm for lg in lgs)
         w = combine_norms(lg.weight_norm for lg in lgs) \
@@ -267,7 +269,14 @@ def depth_profile(flow: GradFlow) -> DepthProfile:
             name, tuple(lg.module for lg in lgs), ratio(g, w),
             rms(g, sum(lg.numel for lg in lgs)),
             rms(o, sum(lg.output_numel for lg in lgs if lg.output_norm is not None))))
-    return DepthProfile(tuple(units), tuple(units[1:]), tuple(excluded))
+    # The head: the units nearer the loss than the first repeated block, at least one.
+    first_block = next((i for i, u in enumerate(units) if _in_block(u.name)), 1)
+    return DepthProfile(tuple(units), tuple(units[max(first_block, 1):]), tuple(excluded))
+
+
+def _in_block(unit: str) -> bool:
+    """Whether a unit is one of a repeated block (its name has an index)."""
+    return any(part.isdigit() for part in unit.split("."))
 
 
 # ---------------------------------------------------------------------- advice
