@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
@@ -617,6 +618,26 @@ class Step:
                          tensors=[t for _, t in self.input_leaves()], clear_grads=clear_grads)
 
 
+def _reshard_fsdp(model: nn.Module) -> None:
+    """Put FSDP2's sharded parameters back in every `fully_shard` module of `model`.
+
+    After a forward without backward (under `no_grad`, say), FSDP2 leaves a root module's
+    parameters unsharded: the module then holds the gathered tensors, and FSDP expects to
+    find them there at the next forward. Restoring the sharded parameters into the slots
+    behind FSDP's back would leave it skipping the all-gather with shards in place, so FSDP
+    reshards first (`FSDPModule.reshard()`, a no-op when already sharded), as it does after
+    a backward.
+    """
+    if "torch.distributed.fsdp" not in sys.modules:  # no module can be sharded
+        return
+    fsdp_module = getattr(sys.modules["torch.distributed.fsdp"], "FSDPModule", None)
+    if fsdp_module is None:
+        return
+    for m in model.modules():
+        if isinstance(m, fsdp_module):
+            m.reshard()
+
+
 def _cuda_devices(model: nn.Module) -> list[int]:
     if not torch.cuda.is_available():
         return []
@@ -685,6 +706,7 @@ def preserved(
                     p.grad = None
             yield
         finally:
+            _reshard_fsdp(model)
             with torch.no_grad():
                 for table, name, t, values in slots:
                     table[name] = t

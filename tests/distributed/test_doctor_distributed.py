@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 from typer.testing import CliRunner
 
 from torchscope.cli import app
@@ -93,6 +94,99 @@ def test_cli_fsdp2_writes_a_report_with_rank_rows(tmp_path: Path) -> None:
     assert rows[0]["grad_norm"] == pytest.approx(rows[1]["grad_norm"], rel=1e-6)
     assert "Per rank: time per step" in res.stdout
     assert "error" not in res.stderr.lower()
+
+
+_TIED_LM = """
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(16)
+        self.mlp = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+
+    def forward(self, x):
+        return x + self.mlp(self.norm(x))
+
+
+class TiedLM(nn.Module):
+    # GPT-2's layout: an embedding whose weight the output head shares, repeated blocks
+    # between them, and a final norm: parameters of the root group itself.
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(50, 16)
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
+        self.norm = nn.LayerNorm(16)
+        self.head = nn.Linear(16, 50, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def build():
+    torch.manual_seed(0)
+    return TiedLM(), torch.randint(0, 50, (4, 12), generator=torch.Generator().manual_seed(1))
+"""
+
+
+def test_shard_units_are_the_blocks_and_never_a_tied_weight(tmp_path: Path) -> None:
+    from torchscope.doctor.distributed import shard_units
+    from torchscope.models import TinyCNN
+    from torchscope.models.target import load_target
+
+    (tmp_path / "tied.py").write_text(_TIED_LM)
+    model = load_target(f"{tmp_path / 'tied.py'}:build").model
+    assert shard_units(model) == list(model.blocks)  # embed and head stay in the root's
+    cnn = TinyCNN()
+    assert shard_units(cnn) == [c for c in cnn.children()
+                                if next(c.parameters(), None) is not None]
+    # Without blocks, a child that ties a weight to another is left to the root too.
+    plain = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 4), nn.Linear(4, 10, bias=False))
+    plain[2].weight = plain[0].weight
+    assert shard_units(plain) == [plain[1]]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_cli_a_tied_lm_on_two_ranks_matches_one_process(tmp_path: Path, strategy: str) -> None:
+    """FSDP2 used to refuse it (one tied weight in two groups), then to fail every section
+    (the root group's parameters restored under FSDP's feet after the doctor's first
+    forward). Both strategies must give the gradient norm of the whole batch on one
+    process."""
+    from torchscope.models.target import load_target
+    from torchscope.step import Step
+
+    (tmp_path / "tied.py").write_text(_TIED_LM)
+    out = tmp_path / "rep"
+    res, _, left = _run([sys.executable, "-m", "torchscope", "doctor",
+                         f"{tmp_path / 'tied.py'}:build", "--nproc", "2", "--strategy",
+                         strategy, "--fast", "--skip", "activations,memory", "--out", str(out)])
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert left == []
+    doc = _check_report(out, strategy)
+    assert [doc["sections"][k]["status"] for k in ("gradients", "profile")] == ["ok", "ok"]
+    rows = doc["sections"]["ranks"]["data"]["ranks"]
+    loaded = load_target(f"{tmp_path / 'tied.py'}:build")
+    assert loaded.inputs is not None
+    model, ids = loaded.model, loaded.inputs.args[0]
+    # Each rank takes rows r, r + 2 and averages its own loss; the synchronised gradient is
+    # the mean of the two, the whole batch's when the halves are equal.
+    # The doctor's loss: cross-entropy against targets seeded with its seed, 0.
+    grads = []
+    for r in (0, 1):
+        model.zero_grad(set_to_none=True)
+        Step(model, ids[r::2], seed=0).forward_backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()
+                      if p.grad is not None})
+    mean = [(grads[0][n] + grads[1][n]) / 2 for n in grads[0]]
+    reference = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in mean]))
+    for row in rows:
+        assert row["grad_norm"] == pytest.approx(float(reference), rel=1e-5)
 
 
 def test_cli_rank_that_raises_is_one_line_exit_2_and_leaves_no_process(tmp_path: Path) -> None:

@@ -6,9 +6,10 @@ machine; `run_rank` is what each rank does, and what a rank started by a plain `
 
 1. join the process group (from the launcher's environment), with a timeout on every
    collective;
-2. build the TARGET, wrap it (`DistributedDataParallel`, or `fully_shard` on every child
-   module that holds parameters and on the root), and take its own rows of the example
-   batch (rows r, r + N, ..., as `DistributedSampler` hands them out);
+2. build the TARGET, wrap it (`DistributedDataParallel`, or `fully_shard` on each repeated
+   block, else each child, that holds parameters and ties none, and on the root), and take
+   its own rows of the example batch (rows r, r + N, ..., as `DistributedSampler` hands
+   them out);
 3. run the doctor's sections on that step (compile is left out: its modes run in child
    processes outside the process group; the memory section plans no checkpointing);
 4. send its records to rank 0 (one gather), which adds the "ranks" section and writes the
@@ -47,6 +48,7 @@ from torchscope.errors import describe
 from torchscope.grads import GradFlow
 from torchscope.hooks.tree import iter_tensors
 from torchscope.memory import MemoryReport, analyze_memory, rank_bytes
+from torchscope.memory.checkpoint import default_blocks
 from torchscope.models.target import ModelInputs, load_inputs, load_target
 from torchscope.profiling import ProfileResult
 from torchscope.report.document import SectionOutcome
@@ -152,10 +154,30 @@ def rank_inputs(inputs: ModelInputs, rank: int, world_size: int) -> ModelInputs:
                        {k: part(v) for k, v in inputs.kwargs.items()})
 
 
+def shard_units(model: nn.Module) -> list[nn.Module]:
+    """The modules FSDP2 shards one by one before the root, as its recipe shards each
+    transformer layer: the model's repeated blocks (those activation checkpointing picks),
+    else its children. Only those holding parameters, and none that shares a parameter with
+    the rest of the model: a tied weight (GPT-2's `lm_head` is `wte`) must stay in one
+    group, so it stays in the root's."""
+    blocks = default_blocks(model)
+    named = dict(model.named_modules())
+    units = [named[n] for n in blocks.names] if blocks is not None else list(model.children())
+    chosen = []
+    for unit in units:
+        own = {id(p) for p in unit.parameters()}
+        inside = {id(m) for m in unit.modules()}
+        elsewhere = {id(p) for m in model.modules() if id(m) not in inside
+                     for p in m.parameters(recurse=False)}
+        if own and not own & elsewhere:
+            chosen.append(unit)
+    return chosen
+
+
 def wrap_model(model: nn.Module, strategy: str, device: torch.device) -> nn.Module:
     """The model as the strategy trains it: `DistributedDataParallel(model)`, or the model
-    with `fully_shard` applied to every child that holds parameters and then to the root
-    (a one-dimensional mesh over every rank)."""
+    with `fully_shard` applied to each of `shard_units(model)` and then to the root (a
+    one-dimensional mesh over every rank)."""
     if strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
@@ -165,9 +187,8 @@ def wrap_model(model: nn.Module, strategy: str, device: torch.device) -> nn.Modu
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh(device.type, (world().world_size,))
-    for child in model.children():
-        if next(child.parameters(), None) is not None:
-            fully_shard(child, mesh=mesh)
+    for unit in shard_units(model):
+        fully_shard(unit, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
 
