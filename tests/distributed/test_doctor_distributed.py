@@ -210,6 +210,66 @@ def test_cli_rank_that_raises_is_one_line_exit_2_and_leaves_no_process(tmp_path:
     assert left == []
 
 
+_BACKWARD_FAILS = """
+import torch
+from torch import nn
+
+
+class Refuse(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        raise ValueError("no gradient through here")
+
+
+class BackwardFails(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return Refuse.apply(self.fc(x))
+
+
+def build():
+    return BackwardFails(), torch.randn(8, 4)
+"""
+
+
+def test_cli_debug_shows_where_a_rank_failed(tmp_path: Path) -> None:
+    """A traceback does not survive the trip from a rank: --debug prints its text, for a
+    rank that raised and for a section that failed on rank 0."""
+    target = tmp_path / "model.py"
+    target.write_text(
+        "import torch\nfrom torch import nn\n\n\n"
+        "class Fails(nn.Module):\n"
+        "    def __init__(self):\n        super().__init__()\n        self.fc = nn.Linear(4, 2)\n\n"
+        "    def forward(self, x):\n"
+        "        if torch.distributed.get_rank() == 1:\n"
+        "            raise ValueError('bad batch on rank 1')\n"
+        "        return self.fc(x)\n\n\n"
+        "def build():\n    return Fails(), torch.randn(8, 4)\n")
+    res, _, left = _run([sys.executable, "-m", "torchscope", "doctor", f"{target}:build",
+                         "--nproc", "2", "--fast", "--debug", "--out", str(tmp_path / "rep")])
+    assert res.returncode != 0 and left == []
+    assert "RankTracebackError: rank 1: Traceback" in res.stderr, res.stderr[-3000:]
+    assert f'File "{target}", line 12, in forward' in res.stderr  # the raise, on rank 1
+
+    target = tmp_path / "backward.py"
+    target.write_text(_BACKWARD_FAILS)
+    res, _, left = _run([sys.executable, "-m", "torchscope", "doctor", f"{target}:build",
+                         "--nproc", "2", "--fast", "--debug", "--skip", "activations,memory",
+                         "--out", str(tmp_path / "rep2")])
+    assert res.returncode == 0 and left == [], res.stderr[-3000:]
+    assert "section gradients failed:" in res.stderr
+    line = 1 + _BACKWARD_FAILS.splitlines().index(
+        '        raise ValueError("no gradient through here")')
+    assert f'File "{target}", line {line}, in backward' in res.stderr, res.stderr[-3000:]
+
+
 def test_a_rank_that_raised_is_named_not_one_that_lost_its_peers(tmp_path: Path) -> None:
     from torchscope.distributed import RankLostError
     from torchscope.doctor.distributed import _failure, _lost_peer

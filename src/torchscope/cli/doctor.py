@@ -180,8 +180,10 @@ def _print_report(report: DoctorReport, out: str, floor: Severity | None, debug:
 
     for o in report.outcomes:
         if debug and o.error is not None:  # reported in one line above; show where from
-            sys.stderr.write(f"section {o.name} failed:\n"
-                             + "".join(traceback.format_exception(o.error)))
+            # A rank's error arrives pickled, its traceback as text beside it.
+            where = getattr(o.error, "rank_traceback", None) or \
+                "".join(traceback.format_exception(o.error))
+            sys.stderr.write(f"section {o.name} failed:\n{where}")
     console.print(sections_table(report))
     if report.step is not None:
         console.print(report.step.describe(), highlight=False, soft_wrap=True)

@@ -27,6 +27,7 @@ import os
 import pickle
 import tempfile
 import time
+import traceback
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -305,6 +306,7 @@ def _rank_entry(job: DistributedJob, errors: str) -> None:
     except BaseException as exc:
         Path(errors, f"rank{rank}.txt").write_text(
             f"{'lost' if _lost_peer(exc) else 'raised'}\t{describe(exc)}")
+        Path(errors, f"rank{rank}.tb").write_text("".join(traceback.format_exception(exc)))
         raise
     if report is not None:
         done = Path(errors).parent / _RESULT
@@ -326,9 +328,25 @@ def _portable(report: DoctorReport) -> DoctorReport:
     (the activation capture keeps weak references) or an exception that cannot be is left
     out; rank 0 has written report.html and report.json from the whole report already."""
     outcomes = tuple(replace(o, record=o.record if _picklable(o.record) else None,
-                             error=o.error if _picklable(o.error) else None)
+                             error=_with_traceback(o.error))
                      for o in report.outcomes)
     return replace(report, outcomes=outcomes)
+
+
+class RankTracebackError(DistributedError):
+    """Where a rank's exception came from, as text: the cause of the error the launcher
+    raises for a rank that raised, so that `--debug` prints the rank's own traceback."""
+
+
+def _with_traceback(error: BaseException | None) -> BaseException | None:
+    """`error` ready to leave the rank, or None when it cannot be pickled. A traceback does
+    not survive pickling: its text goes along as `error.rank_traceback` (the instance's
+    own attributes do), which `--debug` prints."""
+    if error is None or not _picklable(error):
+        return None
+    if error.__traceback__ is not None and not hasattr(error, "rank_traceback"):
+        error.rank_traceback = "".join(traceback.format_exception(error))  # type: ignore[attr-defined]
+    return error
 
 
 def _lost_peer(exc: BaseException) -> bool:
@@ -349,9 +367,13 @@ def _failure(failures: dict[int, Any], errors: Path) -> DistributedError:
     root = [x for x in found if x[1] == "raised"] or found
     if root:
         ranks = [r for r, _, _ in root]
-        return DistributedError(f"{rank_list(ranks[:1])} raised {root[0][2]}",
-                                fix="rerun without --nproc to debug on one process, or with "
-                                "--debug for the launcher's traceback.")
+        error = DistributedError(f"{rank_list(ranks[:1])} raised {root[0][2]}",
+                                 fix="rerun without --nproc to debug on one process, or with "
+                                 "--debug for that rank's traceback.")
+        tb = errors / f"rank{ranks[0]}.tb"
+        if tb.exists():
+            error.__cause__ = RankTracebackError(f"rank {ranks[0]}: {tb.read_text()}")
+        return error
     codes = ", ".join(f"rank {f.local_rank}: exit code {f.exitcode}"
                       for f in sorted(failures.values(), key=lambda f: f.local_rank))
     return DistributedError(f"a rank died without an error ({codes or 'no detail'}).",
