@@ -191,15 +191,7 @@ def test_cli_a_tied_lm_on_two_ranks_matches_one_process(tmp_path: Path, strategy
 
 def test_cli_rank_that_raises_is_one_line_exit_2_and_leaves_no_process(tmp_path: Path) -> None:
     target = tmp_path / "model.py"
-    target.write_text(
-        "import torch\nfrom torch import nn\n\n\n"
-        "class Fails(nn.Module):\n"
-        "    def __init__(self):\n        super().__init__()\n        self.fc = nn.Linear(4, 2)\n\n"
-        "    def forward(self, x):\n"
-        "        if torch.distributed.get_rank() == 1:\n"
-        "            raise ValueError('bad batch on rank 1')\n"
-        "        return self.fc(x)\n\n\n"
-        "def build():\n    return Fails(), torch.randn(8, 4)\n")
+    target.write_text(_FAILS_ON_RANK_1)
     res, _, left = _run([sys.executable, "-m", "torchscope", "doctor", f"{target}:build",
                          "--nproc", "2", "--fast", "--out", str(tmp_path / "rep")])
     assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
@@ -209,6 +201,16 @@ def test_cli_rank_that_raises_is_one_line_exit_2_and_leaves_no_process(tmp_path:
     assert "Traceback" not in res.stdout + res.stderr
     assert left == []
 
+
+_FAILS_ON_RANK_1 = (
+    "import torch\nfrom torch import nn\n\n\n"
+    "class Fails(nn.Module):\n"
+    "    def __init__(self):\n        super().__init__()\n        self.fc = nn.Linear(4, 2)\n\n"
+    "    def forward(self, x):\n"
+    "        if torch.distributed.get_rank() == 1:\n"
+    "            raise ValueError('bad batch on rank 1')\n"
+    "        return self.fc(x)\n\n\n"
+    "def build():\n    return Fails(), torch.randn(8, 4)\n")
 
 _BACKWARD_FAILS = """
 import torch
@@ -243,15 +245,7 @@ def test_cli_debug_shows_where_a_rank_failed(tmp_path: Path) -> None:
     """A traceback does not survive the trip from a rank: --debug prints its text, for a
     rank that raised and for a section that failed on rank 0."""
     target = tmp_path / "model.py"
-    target.write_text(
-        "import torch\nfrom torch import nn\n\n\n"
-        "class Fails(nn.Module):\n"
-        "    def __init__(self):\n        super().__init__()\n        self.fc = nn.Linear(4, 2)\n\n"
-        "    def forward(self, x):\n"
-        "        if torch.distributed.get_rank() == 1:\n"
-        "            raise ValueError('bad batch on rank 1')\n"
-        "        return self.fc(x)\n\n\n"
-        "def build():\n    return Fails(), torch.randn(8, 4)\n")
+    target.write_text(_FAILS_ON_RANK_1)
     res, _, left = _run([sys.executable, "-m", "torchscope", "doctor", f"{target}:build",
                          "--nproc", "2", "--fast", "--debug", "--out", str(tmp_path / "rep")])
     assert res.returncode != 0 and left == []
