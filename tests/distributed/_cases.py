@@ -252,6 +252,7 @@ def profile_ddp(rank: int, world: int, out: Path) -> dict[str, Any]:
         "trace": result.trace_path,
         "kinds": {o.kind: o.calls for o in comm.ops},
         "comm_ms": comm.comm_ms, "exposed_ms": comm.exposed_ms, "compute_ms": comm.compute_ms,
+        "exposed_per_step": list(comm.exposed_per_step),
         "step_ms": result.timing.profiled_ms,
         "modules": sorted(m.module for m in result.modules),
         "codes": [f.code for f in result.findings()],

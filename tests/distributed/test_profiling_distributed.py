@@ -7,6 +7,8 @@ import gzip
 import json
 from pathlib import Path
 
+import pytest
+
 from ._launch import run_ranks
 
 
@@ -20,6 +22,9 @@ def test_ddp_profile_comm_straggler_and_traces(tmp_path: Path) -> None:
     for r, a in enumerate(ranks):
         assert a["kinds"] == {"all_reduce": 1.0}  # one bucket: one all-reduce per step
         assert 0 < a["exposed_ms"] <= a["comm_ms"] + 1e-9
+        # Cut at the profiler's step ranges, the waits per step add up to the mean's.
+        assert len(a["exposed_per_step"]) == 3
+        assert sum(a["exposed_per_step"]) / 3 == pytest.approx(a["exposed_ms"], rel=1e-6)
         assert a["compute_ms"] > 0
         # Module names are those of one process: no DDP "module." prefix.
         assert a["modules"] == ["", "0", "1", "2", "3", "4"]

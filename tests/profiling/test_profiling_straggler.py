@@ -32,8 +32,10 @@ def base() -> ProfileResult:
                          baseline_steps=0)
 
 
-def _rank(base: ProfileResult, steps_ms: list[float], waits_ms: list[float]) -> ProfileResult:
-    """`base` as a rank whose steps took `steps_ms`, waiting `waits_ms` in an all-reduce."""
+def _rank(base: ProfileResult, steps_ms: list[float], waits_ms: list[float], *,
+          per_step: bool = False) -> ProfileResult:
+    """`base` as a rank whose steps took `steps_ms`, waiting `waits_ms` in an all-reduce
+    (known step by step with `per_step`, as the profiler's step ranges give them)."""
     n = len(steps_ms)
     timing = StepTiming(baseline_ms=None, profiled_ms=sorted(steps_ms)[n // 2],
                         profiled_total_ms=sum(steps_ms), baseline_steps=0, profiled_steps=n,
@@ -41,7 +43,8 @@ def _rank(base: ProfileResult, steps_ms: list[float], waits_ms: list[float]) -> 
     exposed = sum(waits_ms) / n
     comm = CommTime(compute_ms=sum(steps_ms) / n - exposed, comm_ms=exposed + 0.1,
                     overlap_ms=0.1, exposed_ms=exposed, ops=(CommOp("all_reduce", 1.0,
-                                                                      exposed + 0.1),))
+                                                                      exposed + 0.1),),
+                    exposed_per_step=tuple(waits_ms) if per_step else ())
     return dataclasses.replace(base, steps=n, timing=timing, comm=comm)
 
 
@@ -68,3 +71,25 @@ def test_balanced_ranks_have_no_straggler(base: ProfileResult) -> None:
     a = _rank(base, [12.0, 10.0, 10.0], [2.0, 0.5, 0.4])
     b = _rank(base, [12.0, 10.0, 10.0], [0.3, 0.6, 0.2])
     assert _straggler([a, b]) == []
+
+
+def test_a_rank_slower_in_every_step_is_a_straggler_beyond_the_noise(
+        base: ProfileResult) -> None:
+    fast = _rank(base, [50.0, 10.0, 10.0], [49.0, 9.0, 9.0], per_step=True)
+    slow = _rank(base, [50.0, 10.0, 10.0], [40.0, 0.0, 0.0], per_step=True)
+    (found,) = _straggler([fast, slow])
+    assert found.evidence["rank"] == 1
+    # Own work 10 ms against 1 ms in every step: the interval is 10x at both ends.
+    assert (found.evidence["ratio_low"], found.evidence["ratio_high"]) == (10.0, 10.0)
+
+
+def test_one_slow_step_is_no_straggler(base: ProfileResult) -> None:
+    """Rank 1's mean own work is 1.56x rank 0's, past the 1.3x threshold, but only
+    because of one 20 ms step (a pause on that rank); step by step the two overlap."""
+    steady = _rank(base, [8.0, 8.0, 8.0], [2.0, 2.0, 2.0], per_step=True)
+    paused = _rank(base, [22.0, 8.0, 8.0], [2.0, 4.0, 4.0], per_step=True)
+    assert own_ms(paused) / own_ms(steady) > 1.3
+    assert _straggler([steady, paused]) == []
+    # Without the waits per step, the means alone still name it (the old judgement).
+    assert len(_straggler([_rank(base, [8.0, 8.0, 8.0], [2.0, 2.0, 2.0]),
+                           _rank(base, [22.0, 8.0, 8.0], [2.0, 4.0, 4.0])])) == 1

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import statistics
 
-from torchscope._timing import fmt_ratio
+from torchscope._timing import compare, fmt_ratio
 from torchscope.distributed.ranked import Ranked, rank_list, ranked_analyzer
 from torchscope.findings import Finding, Severity, analyzer, rank
 from torchscope.profiling.comm import is_comm
@@ -217,6 +217,16 @@ def own_ms(result: ProfileResult) -> float:
     return max(mean_step_ms(result) - exposed, 0.0)
 
 
+def own_samples(result: ProfileResult) -> list[float] | None:
+    """A rank's own work in each profiled step (its wall time less the communication it
+    waited for in that step), or None when the waits per step are not known."""
+    comm, walls = result.comm, result.timing.profiled_samples
+    waits = comm.exposed_per_step if comm is not None else tuple(0.0 for _ in walls)
+    if not walls or len(waits) != len(walls):
+        return None
+    return [max(w - e, 0.0) for w, e in zip(walls, waits, strict=True)]
+
+
 def mean_step_ms(result: ProfileResult) -> float:
     """The profiled steps' mean wall time (the per-step communication times are means)."""
     t = result.timing
@@ -230,18 +240,28 @@ def ranked_profile_findings(ranked: Ranked[ProfileResult],
 
     Collectives make every rank wait for the slowest, so step times come out alike; what
     differs is each rank's own work (step time less the communication it waited for). The
-    rank whose own work exceeds the median of the others' by `straggler_ratio` is named.
+    rank whose own work exceeds the median of the others' by `straggler_ratio` is named,
+    when it does so beyond the noise: where the waits per step are known, the interval of
+    its per-step own work over the median other rank's (`torchscope._timing.compare`) must
+    lie above 1.
     """
     th = thresholds or ProfileThresholds()
     own = [own_ms(r) for r in ranked.results]
     if len(own) < 2:
         return []
     slow = max(range(len(own)), key=lambda i: own[i])
-    others = [v for i, v in enumerate(own) if i != slow]
-    base = statistics.median(others)
+    others = sorted((i for i in range(len(own)) if i != slow), key=lambda i: own[i])
+    base = statistics.median(own[i] for i in others)
     if base <= 0 or own[slow] / base < th.straggler_ratio:
         return []
     ratio = own[slow] / base
+    # Measured step by step, the slow rank's own work must exceed the median other rank's
+    # beyond the noise: an interval that reaches 1 is no measurable straggler.
+    typical = others[len(others) // 2]
+    a, b = own_samples(ranked.results[slow]), own_samples(ranked.results[typical])
+    interval = compare(a, b) if a and b and min(b) > 0 else None
+    if interval is not None and interval.low <= 1.0:
+        return []
     waits = [(i, r.comm.exposed_ms) for i, r in enumerate(ranked.results)
              if i != slow and r.comm is not None]
     waited = (f"; the others wait for it in communication (up to "
@@ -251,7 +271,9 @@ def ranked_profile_findings(ranked: Ranked[ProfileResult],
         f"{rank_list([slow])} is a straggler: its own work takes {ratio:.2f}× the other "
         f"ranks' ({own[slow]:.3g} ms vs {base:.3g} ms per step){waited}.",
         {"rank": slow, "ratio": ratio, "own_ms": own[slow], "others_ms": base,
-         "step_ms": mean_step_ms(ranked.results[slow])},
+         "step_ms": mean_step_ms(ranked.results[slow]),
+         "ratio_low": None if interval is None else interval.low,
+         "ratio_high": None if interval is None else interval.high},
         fix="balance the ranks: the same batch size and sequence lengths on every rank "
         "(DistributedSampler), no extra work on one rank inside the step (logging, "
         "evaluation, checkpointing on rank 0), the same device and CPU threads per rank.")]

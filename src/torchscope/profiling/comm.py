@@ -26,6 +26,8 @@ overlap, and communication outside it is exposed: the rank waited for it.
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -89,6 +91,33 @@ def _intersection(a: Sequence[Interval], b: Sequence[Interval]) -> float:
     return total
 
 
+def _clip(intervals: Sequence[Interval], window: Interval) -> list[Interval]:
+    """The parts of sorted, disjoint intervals inside `window`."""
+    lo, hi = window
+    return [(max(s, lo), min(e, hi)) for s, e in intervals if e > lo and s < hi]
+
+
+def _exposed_per_step(events: Sequence[Any], steps: int, comm_u: Sequence[Interval],
+                      compute_u: Sequence[Interval]) -> tuple[float, ...]:
+    """Each profiled step's exposed communication in ms, cut where the profiler's step
+    ranges (`ProfilerStep*`) start; empty when those do not match the steps one to one.
+
+    The cuts tile the whole profile, so the steps' parts add up to the total: a
+    collective that a backend's thread finishes after its step's range has ended counts
+    for the next step (the first step also takes what came before it).
+    """
+    starts = sorted(_span(e)[0] for e in events if e.name.startswith("ProfilerStep"))
+    if len(starts) != steps:
+        return ()
+    cuts = [-math.inf, *starts[1:], math.inf]
+    out = []
+    for window in itertools.pairwise(cuts):
+        comm_in = _clip(comm_u, window)
+        out.append(max(_length(comm_in) - _intersection(comm_in, _clip(compute_u, window)),
+                       0.0) / 1e3)
+    return tuple(out)
+
+
 def _ours(e: Any) -> bool:
     """Whether a c10d op was issued by torchscope (inside its `RANGE`)."""
     parent = getattr(e, "cpu_parent", None)
@@ -150,4 +179,5 @@ def comm_time(events: Sequence[Any], steps: int) -> CommTime | None:
         exposed_ms=max(comm_ms - overlap, 0.0),
         ops=tuple(CommOp(kind, len(ms) / n, sum(ms) / n)
                   for kind, ms in sorted(per.items(), key=lambda kv: -sum(kv[1]))),
-        source="device" if on_device else "host")
+        source="device" if on_device else "host",
+        exposed_per_step=_exposed_per_step(events, steps, comm_u, compute_u))

@@ -223,6 +223,9 @@ class CommTime:
         exposed_ms: communication time during which it did not: it waited.
         ops: per kind of collective, largest time first.
         source: `device` (NCCL kernels) or `host` (the backend's execution ranges).
+        exposed_per_step: each profiled step's exposed communication (ms), in step order,
+            cut where the profiler's step ranges start (they add up to `exposed_ms` times
+            the steps); empty when those ranges could not be matched.
     """
 
     compute_ms: float
@@ -231,6 +234,7 @@ class CommTime:
     exposed_ms: float
     ops: tuple[CommOp, ...]
     source: str = "host"
+    exposed_per_step: tuple[float, ...] = ()
 
     @property
     def overlap(self) -> float | None:
