@@ -431,3 +431,54 @@ def activations_and_memory(rank: int, world: int, out: Path) -> dict[str, Any]:
         answer["memory_saved"] = [m.saved.total_bytes for m in ranked_memory.results]
         answer["findings_are_a_list"] = isinstance(ranked.findings(), list)
     return answer
+
+
+def lightning_ddp(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """TorchscopeCallback in a Lightning fit with the DDP strategy on this process group
+    (Lightning sees the ranks as launched from outside, as under torchrun), next to a
+    callback that reads the synchronised gradients where the step ends."""
+    import os
+
+    import pytorch_lightning as pl
+
+    from torchscope.integrations.lightning import TorchscopeCallback
+
+    os.environ.update({"LOCAL_RANK": str(rank), "RANK": str(rank), "WORLD_SIZE": str(world),
+                       "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"})
+
+    class Regressor(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = wide(32)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.net(x)  # type: ignore[no-any-return]
+
+        def training_step(self, batch: Any, _i: int) -> torch.Tensor:
+            x, y = batch
+            return torch.nn.functional.cross_entropy(self(x), y)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    synced: list[float] = []
+
+    class Reference(pl.Callback):
+        def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any
+                                     ) -> None:
+            grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+            synced.append(float(torch.linalg.vector_norm(
+                torch.stack([torch.linalg.vector_norm(g) for g in grads]))))
+
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(256, 32, generator=g),
+                                          torch.randint(0, 10, (256,), generator=g))
+    cb = TorchscopeCallback(every=1, out=None, activations=False, memory=False)
+    trainer = pl.Trainer(max_steps=4, accelerator="cpu", devices=world, strategy="ddp",
+                         num_nodes=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[cb, Reference()])
+    trainer.fit(Regressor(), torch.utils.data.DataLoader(data, batch_size=16))
+    assert cb.result is not None
+    return {"reported": list(cb.result.total_norms), "synced": synced,
+            "steps": list(cb.result.grad_param.steps)}

@@ -113,3 +113,15 @@ def test_hsdp_norms_sum_over_the_shard_group_only(tmp_path: Path) -> None:
             assert _close(norm, a["full_tensor"][name]), (name, norm)
         for name, moved in a["moved"].items():
             assert moved > 0 and _close(a["updates"][name], moved), (name, a["updates"])
+
+
+def test_lightning_ddp_reports_the_synchronised_gradients(tmp_path: Path) -> None:
+    """Lightning hands the callback the module inside its DDP wrapper: the norms must still
+    be those of the synchronised gradients the optimizer steps with, on every rank."""
+    pytest.importorskip("pytorch_lightning")
+    ranks = run_ranks("lightning_ddp", tmp_path, timeout=150.0)
+    for a in ranks:
+        assert "raised" not in a, a
+        assert a["steps"] == [0, 1, 2, 3]
+        assert a["reported"] == pytest.approx(a["synced"], rel=1e-6)
+    assert ranks[0]["reported"] == pytest.approx(ranks[1]["reported"], rel=1e-9)

@@ -562,6 +562,9 @@ class GradCollector(HookedContext):
         depth: limit the selection depth.
         inputs: also measure grad_input (see the module docstring; set False to skip).
         scaler: a `torch.amp.GradScaler` whose scale is divided out of every norm.
+        parallel: the `DistributedDataParallel` wrapper `model` trains through, when `model`
+            is the module inside it (a framework callback's view); None: `model` itself
+            says (see `_RankAware.of`).
     """
 
     def __init__(
@@ -572,8 +575,9 @@ class GradCollector(HookedContext):
         depth: int | None = None,
         inputs: bool = True,
         scaler: Any = None,
+        parallel: nn.Module | None = None,
     ) -> None:
-        wrapped = model
+        wrapped = model if parallel is None else parallel
         self._session = HookSession(model)
         model = self._session.model  # compile and DDP wrappers are unwrapped: plain names
         self._targets = select_modules(model, select, depth=depth)

@@ -142,6 +142,11 @@ class GradWatch(HookedContext, Analyzed):
     Its findings (`watch.findings()`) judge the last sample (as `torchscope.grads.diagnose`)
     and the history (a total norm that turns NaN/Inf or grows out of bounds).
 
+    One argument is not `watch_gradients`': `parallel`, the `DistributedDataParallel`
+    wrapper that `model` trains through when `model` is the module inside it (what a
+    framework callback is given); the gradients are then read synchronised, as for a
+    wrapped model.
+
     Attributes:
         every: sample one step in `every`.
         start: the first sampled step.
@@ -170,6 +175,7 @@ class GradWatch(HookedContext, Analyzed):
         on_sample: Callable[[GradFlow], None] | None = None,
         on_step: Callable[[int, GradFlow | None], None] | None = None,
         updates: bool = True,
+        parallel: nn.Module | None = None,
     ) -> None:
         for label, value in (("every", every), ("max_samples", max_samples)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -191,7 +197,7 @@ class GradWatch(HookedContext, Analyzed):
                     fix="leave micro_batches unset: it counts backward passes per step only "
                     "when nothing else says where a step ends.")
         if optimizer is None and not manual and world().distributed and \
-                strategy_of(model) != "none":
+                strategy_of(model if parallel is None else parallel) != "none":
             raise TorchscopeError(
                 "watch_gradients on a DDP or FSDP2 model needs optimizer=: the synchronised "
                 "gradients exist only once backward has returned, and ranks exchange their "
@@ -210,7 +216,7 @@ class GradWatch(HookedContext, Analyzed):
         self._scaler = scaler
         self._micro_batches = micro_batches or 1
         self._collector = GradCollector(model, select=select, depth=depth, inputs=inputs_grad,
-                                        scaler=scaler)
+                                        scaler=scaler, parallel=parallel)
         self._on_sample = on_sample
         self._on_step = on_step
         self._last: GradFlow | None = None

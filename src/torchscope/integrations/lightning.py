@@ -10,8 +10,10 @@ Lightning calls once the gradients of every accumulated micro-batch are in `.gra
 under 16-bit AMP and before gradient clipping, whether the optimizer steps with a closure
 (automatic optimization) or not. The per-layer norms a sample reports are those gradients
 (read on the device by post-accumulate-grad hooks during backward, the GradScaler's scale
-divided out). Scalars go through `pl_module.log_dict`, so every configured logger
-(TensorBoard, CSV, W&B, ...) receives them; the report is written at `on_fit_end`, or at
+divided out). Under the DDP strategy they are the synchronised gradients, the same on
+every rank (each rank's own, before the all-reduce, are kept too, as for a plain loop).
+Scalars go through `pl_module.log_dict`, so every configured logger (TensorBoard, CSV,
+W&B, ...) receives them; the report is written at `on_fit_end`, or at
 `on_exception` as a partial report that says where the run stopped. Every hook is removed
 then. Training is bitwise the same as without the callback.
 
@@ -28,6 +30,7 @@ from typing import Any
 from torch import nn
 
 from torchscope.errors import TorchscopeError
+from torchscope.hooks.parallel import parallel_wrapper
 from torchscope.hooks.select import Selector
 from torchscope.monitoring import Monitor, RunRecord
 
@@ -116,7 +119,7 @@ class TorchscopeCallback(pl.Callback):
             self._watched(pl_module), self._optimizer,
             scaler=getattr(trainer.precision_plugin, "scaler", None), manual=True,
             on_sample=self._on_sample, producer="torchscope.integrations.lightning",
-            **self._options)
+            parallel=parallel_wrapper(trainer.strategy.model), **self._options)
         self._monitor.__enter__()
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:

@@ -71,9 +71,11 @@ def _positive(label: str, value: Any, low: int = 1) -> int:
 class Monitor(HookedContext):
     """Watches a training run and writes its run report; build it with `torchscope.monitor`.
 
-    The arguments are `torchscope.monitor`'s, and three that the framework callbacks use:
+    The arguments are `torchscope.monitor`'s, and four that the framework callbacks use:
     `manual=True` (steps end at `end_step()`), `start` (the first sampled step, see
-    `watch_gradients`) and `producer` (who drove it, for report.json's `options`).
+    `watch_gradients`), `producer` (who drove it, for report.json's `options`) and
+    `parallel` (the `DistributedDataParallel` wrapper `model` trains through when `model` is
+    the module inside it, so that the gradients are read synchronised; see `GradWatch`).
 
     Attributes:
         result: the `RunRecord`, set when the block ends (also through an exception).
@@ -102,6 +104,7 @@ class Monitor(HookedContext):
         name: str | None = None,
         on_sample: Callable[[int, Mapping[str, float]], None] | None = None,
         producer: str = "torchscope.monitor",
+        parallel: nn.Module | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TorchscopeError(f"the model is a {type(model).__name__}, not an nn.Module.",
@@ -112,6 +115,7 @@ class Monitor(HookedContext):
         self._profile_steps = _positive("profile", profile, 0)
         self._out = None if out is None else _check_out(out)
         self._model: nn.Module | None = model
+        self._parallel = parallel
         self._optimizer = optimizer
         self._scaler = scaler
         self._micro_batches = micro_batches
@@ -179,7 +183,8 @@ class Monitor(HookedContext):
             scaler=self._scaler,
             micro_batches=self._micro_batches, manual=self._manual, select=self._select,
             depth=self._depth, inputs_grad=False, max_samples=1,
-            check_nonfinite=self._scaler is None, on_step=self._on_step)
+            check_nonfinite=self._scaler is None, on_step=self._on_step,
+            parallel=self._parallel)
         self._grads.open()
         if self._profile_steps:
             self._time = TimeWatch(model, optimizer=self._optimizer, steps=self._profile_steps,
