@@ -482,3 +482,28 @@ def lightning_ddp(rank: int, world: int, out: Path) -> dict[str, Any]:
     assert cb.result is not None
     return {"reported": list(cb.result.total_norms), "synced": synced,
             "steps": list(cb.result.grad_param.steps)}
+
+
+def ddp_clip(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """watch_gradients in a DDP loop that clips before opt.step(), with two micro-batches
+    (no_sync on the first): what the watch reports against what clipping saw."""
+    net = mlp()
+    model = DDP(net)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = batch(rank, world, n=16)
+    returned: list[float] = []
+    synced: list[dict[str, float]] = []
+    with torchscope.watch_gradients(model, every=1, optimizer=opt) as watch:
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            with model.no_sync():
+                functional.cross_entropy(model(x[:2] * 10), y[:2]).backward()
+            functional.cross_entropy(model(x[2:] * 10), y[2:]).backward()
+            synced.append({n: p.grad.norm().item() for n, p in net.named_parameters()})
+            returned.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)))
+            opt.step()
+        flow = watch.last
+    assert flow is not None
+    return {"returned": returned, "totals": list(watch.history.total_norms),
+            "total_norm": flow.total_norm,
+            "reported": {p.name: p.norm for p in flow.params}, "synced": synced[-1]}

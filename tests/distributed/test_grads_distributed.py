@@ -125,3 +125,19 @@ def test_lightning_ddp_reports_the_synchronised_gradients(tmp_path: Path) -> Non
         assert a["steps"] == [0, 1, 2, 3]
         assert a["reported"] == pytest.approx(a["synced"], rel=1e-6)
     assert ranks[0]["reported"] == pytest.approx(ranks[1]["reported"], rel=1e-9)
+
+
+def test_ddp_norms_are_read_before_the_loop_clips(tmp_path: Path) -> None:
+    """The synchronised gradients are read when DDP's all-reduce has landed, at the end of
+    backward: a loop that clips before opt.step() must not see its clipped gradients in
+    the report, which would read 0.5 here. The report agrees with clip_grad_norm_'s return
+    (the norm before clipping) and with torch's .grad after backward, on both ranks."""
+    ranks = run_ranks("ddp_clip", tmp_path)
+    for a in ranks:
+        assert "raised" not in a, a
+        assert a["returned"][-1] > 1.0  # clipping acted
+        assert a["total_norm"] == pytest.approx(a["returned"][-1], rel=1e-6)
+        assert a["totals"] == pytest.approx(a["returned"], rel=1e-6)  # every step
+        for name, norm in a["synced"].items():
+            assert a["reported"][name] == pytest.approx(norm, rel=1e-6)
+    assert ranks[0]["total_norm"] == ranks[1]["total_norm"]

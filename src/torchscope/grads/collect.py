@@ -42,9 +42,12 @@ On a DDP or FSDP2 model (`_RankAware`) the parameter hooks see what this rank ho
 DDP its own accumulated gradient, before DDP's all-reduce (torch runs a tensor's
 post-accumulate-grad hooks before the reducer's hook on the same accumulator); under FSDP2
 the local shard of the reduce-scattered gradient (FSDP2 runs these hooks itself, after the
-reduce-scatter; a `register_hook` on its DTensor parameters would never fire). `finish()`,
-once backward has returned, reads the synchronised gradients and exchanges every rank's
-numbers in one all_gather: the only communication, once per sampled step.
+reduce-scatter; a `register_hook` on its DTensor parameters would never fire). Under DDP
+the synchronised gradients are read at the very end of backward, in an autograd callback
+queued after DDP's own (the one that writes the averaged gradients into `.grad`), so that
+a loop that clips before `opt.step()` does not have its clipped gradients reported.
+`finish()` exchanges every rank's numbers in one all_gather: the only communication, once
+per sampled step.
 """
 
 from __future__ import annotations
@@ -481,20 +484,11 @@ class _RankAware:
             if strategy == "ddp" else None
         return cls(strategy, group, params)
 
-    def finish(self, names: list[str], params: list[nn.Parameter],
-               local: list[torch.Tensor | None], weights: list[torch.Tensor | None],
-               inv: float) -> RankGrads:
-        """Read the synchronised gradients, exchange every rank's numbers (one all_gather)
-        and return them; `local` holds this rank's 0-d local gradient norms (None: no
-        gradient) and `weights` its 0-d local weight norms (of its shard, under FSDP2)."""
-        import torch.distributed as dist
-
-        device = comm_device(self.group)
-        n = len(params)
-        # (6n,) float64: local norms, synced norms, synced element sums, local weight norms,
-        # then 0/1 presence flags of the local and the synced gradient (a NaN norm is a
-        # measurement).
-        parts: list[torch.Tensor] = []
+    @staticmethod
+    def read_synced(params: list[nn.Parameter]
+                    ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+        """Each whole gradient's 0-d norm and float64 element sum (None: no gradient, or a
+        DTensor shard), on the device."""
         synced: list[torch.Tensor | None] = []
         sums: list[torch.Tensor | None] = []
         for p in params:
@@ -503,6 +497,25 @@ class _RankAware:
             synced.append(_norm(g.detach()) if whole and g is not None else None)
             sums.append(g.detach().sum(dtype=torch.float64) if whole and g is not None
                         else None)
+        return synced, sums
+
+    def finish(self, names: list[str], params: list[nn.Parameter],
+               local: list[torch.Tensor | None], weights: list[torch.Tensor | None],
+               inv: float, read: tuple[list[torch.Tensor | None],
+                                       list[torch.Tensor | None]] | None = None) -> RankGrads:
+        """Exchange every rank's numbers (one all_gather) and return them; `local` holds
+        this rank's 0-d local gradient norms (None: no gradient), `weights` its 0-d local
+        weight norms (of its shard, under FSDP2), and `read` the synchronised gradients'
+        norms and sums as `read_synced` took them at the end of backward (None: read now)."""
+        import torch.distributed as dist
+
+        device = comm_device(self.group)
+        n = len(params)
+        # (6n,) float64: local norms, synced norms, synced element sums, local weight norms,
+        # then 0/1 presence flags of the local and the synced gradient (a NaN norm is a
+        # measurement).
+        parts: list[torch.Tensor] = []
+        synced, sums = read if read is not None else self.read_synced(params)
         zero = torch.zeros((), dtype=torch.float64, device=device)
         for column in (local, synced, sums, weights):
             parts.extend(zero if v is None else v.to(device, torch.float64) for v in column)
@@ -660,6 +673,9 @@ class GradCollector(HookedContext):
         self._counts: dict[str, int] = {}
         self._step_handles: list[Any] = []
         self._backwards = 0
+        # DDP: the synchronised gradients' norms and sums, read when the last backward's
+        # all-reduce had landed (`_read_synced`); None: read them when the step ends.
+        self._synced: tuple[list[torch.Tensor | None], list[torch.Tensor | None]] | None = None
         self._in_root = False  # inside the root module's forward
         self._simple: list[_SimpleCall] = []  # read on the graph when the root returns
         # The previous gradient: a weak reference to it, its data pointer, version and
@@ -750,8 +766,17 @@ class GradCollector(HookedContext):
         self._measure_params()
         self._last = None
         self._backwards += 1
+        if self._rank_aware is not None and self._rank_aware.strategy == "ddp":
+            # DDP writes the averaged gradients into `.grad` in a callback of its own,
+            # queued when its last bucket was ready, after this one: read them in one
+            # queued now, which runs after it, before anything (clipping) changes them.
+            torch.autograd.Variable._execution_engine.queue_callback(self._read_synced)
         if self.on_backward_end is not None:
             self.on_backward_end()
+
+    def _read_synced(self) -> None:
+        assert self._rank_aware is not None
+        self._synced = self._rank_aware.read_synced([p for _, _, p in self._params])
 
     def _measure_params(self) -> None:
         """The norms of every parameter gradient accumulated in this backward: one call per
@@ -1285,5 +1310,6 @@ class GradCollector(HookedContext):
         local = [self._vals[self._param_vals[i]] if i in self._param_vals else None
                  for i in range(len(self._params))]
         w = [self._vals[weights[i]] if i in weights else None for i in range(len(self._params))]
+        read, self._synced = self._synced, None
         return self._rank_aware.finish([n for n, _, _ in self._params],
-                                       [p for _, _, p in self._params], local, w, inv)
+                                       [p for _, _, p in self._params], local, w, inv, read)
