@@ -130,3 +130,74 @@ def test_a_train_that_raises_leaves_no_hook_and_a_partial_report(tmp_path: Path)
     assert run is not None and run.status == "stopped" and run.steps == 7
     data = json.loads((tmp_path / "run" / "report.json").read_text())["sections"]["run"]
     assert data["data"]["status"] == "stopped"
+
+
+_DDP_SCRIPT = """
+import json, os, sys, time
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+from transformers import logging as hf_logging
+from torchscope.integrations.hf import TorchscopeTrainerCallback
+
+hf_logging.set_verbosity_error()
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self):
+        g = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, 100, (80, 16), generator=g)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+torch.manual_seed(0)
+model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=100,
+                                   n_positions=32))
+args = TrainingArguments(
+    output_dir=sys.argv[1], max_steps=6, per_device_train_batch_size=2,
+    gradient_accumulation_steps=2, max_grad_norm=1.0, learning_rate=1e-3, logging_steps=1,
+    report_to="none", save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True,
+    dataloader_num_workers=0, ddp_backend="gloo")
+callback = TorchscopeTrainerCallback(every=1, out=None, activations=False, memory=False)
+trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[callback])
+with callback:
+    trainer.train()
+rank = int(os.environ["RANK"])
+logged = [e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e]
+with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
+    json.dump({"wrapped": type(trainer.model_wrapped).__name__, "logged": logged,
+               "reported": list(callback.result.total_norms)}, f)
+# Let gloo's threads release the last collectives before the group goes (else torch may
+# abort the process at exit), as the doctor's ranks do.
+time.sleep(0.05)
+torch.distributed.destroy_process_group()
+"""
+
+
+def test_hf_trainer_under_ddp_reports_the_synchronised_norm(tmp_path: Path) -> None:
+    """Two ranks under torchrun: the Trainer wraps the model in DDP out of the callback's
+    sight. Each rank must report the Trainer's own grad_norm (synchronised, before
+    clipping), not the norm of its own rows' gradients."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(_DDP_SCRIPT)
+    src = Path(__file__).resolve().parents[2] / "src"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
+        [str(src), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc_per_node", "2", str(script), str(tmp_path)],
+                         env=env, capture_output=True, text=True, timeout=240, check=False)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for a in ranks:
+        assert a["wrapped"] == "DistributedDataParallel"
+        assert len(a["logged"]) == 6 and any(v > 1.0 for v in a["logged"])  # clipping acted
+        assert a["reported"] == pytest.approx(a["logged"], rel=1e-6)
+    assert ranks[0]["reported"] == ranks[1]["reported"]

@@ -57,7 +57,7 @@ import math
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -472,11 +472,15 @@ class _RankAware:
         self.shards = [_shard_ranks(p) for p in params]
 
     @classmethod
-    def of(cls, model: nn.Module, params: list[nn.Parameter]) -> _RankAware | None:
-        """The rank-aware part for `model` (as the user passed it, wrappers included), or
-        None outside a distributed job or for a model that is neither DDP nor FSDP2."""
+    def of(cls, model: nn.Module | Literal["ddp"], params: list[nn.Parameter]
+           ) -> _RankAware | None:
+        """The rank-aware part for `model` (as the user passed it, wrappers included; or
+        `"ddp"`: DDP over the default process group), or None outside a distributed job or
+        for a model that is neither DDP nor FSDP2."""
         if not world().distributed:
             return None
+        if isinstance(model, str):
+            return cls(model, None, params)
         strategy = strategy_of(model)
         if strategy == "none":
             return None
@@ -576,8 +580,9 @@ class GradCollector(HookedContext):
         inputs: also measure grad_input (see the module docstring; set False to skip).
         scaler: a `torch.amp.GradScaler` whose scale is divided out of every norm.
         parallel: the `DistributedDataParallel` wrapper `model` trains through, when `model`
-            is the module inside it (a framework callback's view); None: `model` itself
-            says (see `_RankAware.of`).
+            is the module inside it (a framework callback's view), or `"ddp"` for a wrapper
+            over the default process group that the framework keeps out of sight; None:
+            `model` itself says (see `_RankAware.of`).
     """
 
     def __init__(
@@ -588,9 +593,9 @@ class GradCollector(HookedContext):
         depth: int | None = None,
         inputs: bool = True,
         scaler: Any = None,
-        parallel: nn.Module | None = None,
+        parallel: nn.Module | Literal["ddp"] | None = None,
     ) -> None:
-        wrapped = model if parallel is None else parallel
+        wrapped: nn.Module | Literal["ddp"] = model if parallel is None else parallel
         self._session = HookSession(model)
         model = self._session.model  # compile and DDP wrappers are unwrapped: plain names
         self._targets = select_modules(model, select, depth=depth)

@@ -144,7 +144,8 @@ class GradWatch(HookedContext, Analyzed):
 
     One argument is not `watch_gradients`': `parallel`, the `DistributedDataParallel`
     wrapper that `model` trains through when `model` is the module inside it (what a
-    framework callback is given); the gradients are then read synchronised, as for a
+    framework callback is given), or `"ddp"` when the framework keeps a wrapper over the
+    default process group out of sight; the gradients are then read synchronised, as for a
     wrapped model.
 
     Attributes:
@@ -175,7 +176,7 @@ class GradWatch(HookedContext, Analyzed):
         on_sample: Callable[[GradFlow], None] | None = None,
         on_step: Callable[[int, GradFlow | None], None] | None = None,
         updates: bool = True,
-        parallel: nn.Module | None = None,
+        parallel: nn.Module | Literal["ddp"] | None = None,
     ) -> None:
         for label, value in (("every", every), ("max_samples", max_samples)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -197,7 +198,7 @@ class GradWatch(HookedContext, Analyzed):
                     fix="leave micro_batches unset: it counts backward passes per step only "
                     "when nothing else says where a step ends.")
         if optimizer is None and not manual and world().distributed and \
-                strategy_of(model if parallel is None else parallel) != "none":
+                (parallel is not None or strategy_of(model) != "none"):
             raise TorchscopeError(
                 "watch_gradients on a DDP or FSDP2 model needs optimizer=: the synchronised "
                 "gradients exist only once backward has returned, and ranks exchange their "

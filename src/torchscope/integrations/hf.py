@@ -20,6 +20,9 @@ callbacks get), and the report is written at `on_train_end`. The sampled steps a
 after which `state.global_step` is a multiple of `every`, so with `logging_steps == every`
 each training log carries the scalars of its own step.
 
+Under DDP (torchrun, `accelerate launch`) the norms are those of the synchronised
+gradients, as the Trainer's `grad_norm` is, on every rank; each rank's own are kept too.
+
 The Trainer has no event for an exception: use the callback as a context manager around
 `trainer.train()` (or call `callback.close()`), so that hooks come off and a partial report
 is written if training raises. Reporting callbacks (TensorBoard, W&B, ...) that come before
@@ -33,8 +36,9 @@ This module imports transformers; `import torchscope` never does. Install it wit
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+from torchscope.distributed.world import strategy_of
 from torchscope.errors import TorchscopeError
 from torchscope.hooks.select import Selector
 from torchscope.monitoring import Monitor, RunRecord
@@ -46,6 +50,21 @@ except ImportError as exc:
                       "torchscope[hf]") from exc
 
 __all__ = ["TorchscopeTrainerCallback"]
+
+
+def _data_parallel(args: Any, model: Any) -> Literal["ddp"] | None:
+    """`"ddp"` when the Trainer trains `model` through `DistributedDataParallel` over the
+    default process group: its wrapper (`trainer.model_wrapped`) is not among a callback's
+    arguments. None on one process, and for FSDP2 (its sharded modules say so themselves),
+    FSDP1 and DeepSpeed (not DDP)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or strategy_of(model) != "none":
+        return None
+    if getattr(args, "deepspeed", None) or getattr(args, "fsdp", None):
+        return None
+    mode = getattr(args, "parallel_mode", None)
+    return "ddp" if getattr(mode, "value", None) == "distributed" else None
 
 
 class TorchscopeTrainerCallback(TrainerCallback):
@@ -133,7 +152,7 @@ class TorchscopeTrainerCallback(TrainerCallback):
             model, inner, scaler=getattr(optimizer, "scaler", None), manual=True,
             start=self._options["every"] - 1,
             on_sample=self._on_sample, producer="torchscope.integrations.hf",
-            **self._options)
+            parallel=_data_parallel(args, model), **self._options)
         self._monitor.__enter__()
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

@@ -19,7 +19,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -75,7 +75,8 @@ class Monitor(HookedContext):
     `manual=True` (steps end at `end_step()`), `start` (the first sampled step, see
     `watch_gradients`), `producer` (who drove it, for report.json's `options`) and
     `parallel` (the `DistributedDataParallel` wrapper `model` trains through when `model` is
-    the module inside it, so that the gradients are read synchronised; see `GradWatch`).
+    the module inside it, or `"ddp"` for one kept out of sight, so that the gradients are
+    read synchronised; see `GradWatch`).
 
     Attributes:
         result: the `RunRecord`, set when the block ends (also through an exception).
@@ -104,7 +105,7 @@ class Monitor(HookedContext):
         name: str | None = None,
         on_sample: Callable[[int, Mapping[str, float]], None] | None = None,
         producer: str = "torchscope.monitor",
-        parallel: nn.Module | None = None,
+        parallel: nn.Module | Literal["ddp"] | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TorchscopeError(f"the model is a {type(model).__name__}, not an nn.Module.",
