@@ -9,11 +9,16 @@ its tensors.
 from __future__ import annotations
 
 import dataclasses
+import types
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
+
+# What `objects=True` does not enter: modules (their parameters are no output), and
+# classes, Python modules and functions (their attributes are code, not state).
+_NOT_ENTERED = (nn.Module, type, types.ModuleType, types.FunctionType, types.MethodType)
 
 
 def iter_tensors(obj: Any, path: str = "", _depth: int = 0, *,
@@ -25,7 +30,8 @@ def iter_tensors(obj: Any, path: str = "", _depth: int = 0, *,
             (32 levels at most, which also stops a cycle).
         path: prefix of every yielded path.
         objects: also enter the attributes (`vars()`) of other objects, such as a KV cache
-            a model returns; modules are not entered, and each object is entered once.
+            a model returns; modules, classes and functions are not entered, and each
+            object is entered once.
 
     Yields:
         `(path, tensor)`; paths read like the access: `""` for a bare tensor, `"[0]"`,
@@ -50,7 +56,7 @@ def _walk(obj: Any, path: str, depth: int, entered: set[int] | None
         for field in dataclasses.fields(obj):
             yield from _walk(getattr(obj, field.name), f"{path}.{field.name}", depth + 1,
                              entered)
-    elif entered is not None and not isinstance(obj, (nn.Module, type)) and id(obj) not in entered:
+    elif entered is not None and not isinstance(obj, _NOT_ENTERED) and id(obj) not in entered:
         attrs = getattr(obj, "__dict__", None)
         if isinstance(attrs, dict):
             entered.add(id(obj))
