@@ -504,6 +504,15 @@ def ddp_clip(rank: int, world: int, out: Path) -> dict[str, Any]:
             opt.step()
         flow = watch.last
     assert flow is not None
+    # An unsampled step reads nothing: its backward queues no synchronised read.
+    with torchscope.watch_gradients(model, every=2, optimizer=opt) as sparse:
+        unsampled_reads = []
+        for _ in range(2):
+            opt.zero_grad(set_to_none=True)
+            functional.cross_entropy(model(x), y).backward()
+            unsampled_reads.append(sparse._collector._synced is not None)
+            opt.step()
     return {"returned": returned, "totals": list(watch.history.total_norms),
+            "reads": unsampled_reads,
             "total_norm": flow.total_norm,
             "reported": {p.name: p.norm for p in flow.params}, "synced": synced[-1]}

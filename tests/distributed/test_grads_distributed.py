@@ -138,6 +138,7 @@ def test_ddp_norms_are_read_before_the_loop_clips(tmp_path: Path) -> None:
         assert a["returned"][-1] > 1.0  # clipping acted
         assert a["total_norm"] == pytest.approx(a["returned"][-1], rel=1e-6)
         assert a["totals"] == pytest.approx(a["returned"], rel=1e-6)  # every step
+        assert a["reads"] == [True, False]  # read on the sampled step only
         for name, norm in a["synced"].items():
             assert a["reported"][name] == pytest.approx(norm, rel=1e-6)
     assert ranks[0]["total_norm"] == ranks[1]["total_norm"]

@@ -771,7 +771,7 @@ class GradCollector(HookedContext):
         self._measure_params()
         self._last = None
         self._backwards += 1
-        if self._rank_aware is not None and self._rank_aware.strategy == "ddp":
+        if self.active and self._rank_aware is not None and self._rank_aware.strategy == "ddp":
             # DDP writes the averaged gradients into `.grad` in a callback of its own,
             # queued when its last bucket was ready, after this one: read them in one
             # queued now, which runs after it, before anything (clipping) changes them.
