@@ -68,6 +68,58 @@ def test_a_layer_whose_gradient_falls_away_is_named() -> None:
     assert f.evidence["first_step"] == 0 and f.evidence["last_step"] == 145
 
 
+def test_a_llama_fitting_its_batch_has_no_gradient_warning() -> None:
+    """A transformers Llama fitting one batch with AdamW and clipping: the loss falls
+    smoothly, the total gradient norm falls, and the final RMSNorm gain's gradient grows
+    more than 10x as its direction settles. That is said as info, not as a warning."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2,
+                                   vocab_size=200, max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(cfg)
+    batch = {"input_ids": torch.randint(0, 200, (2, 32)),
+             "labels": torch.randint(0, 200, (2, 32))}
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    losses = []
+    with torchscope.monitor(model, opt, every=5, out=None, memory=False,
+                            activations=False) as mon:
+        for _ in range(40):
+            opt.zero_grad(set_to_none=True)
+            loss = model(**batch).loss
+            loss.backward()
+            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            losses.append(loss.item())
+    run = mon.result
+    assert run is not None
+    assert losses[-1] < 0.75 * losses[0]  # it fits
+    assert run.total_norms[-1] < run.total_norms[0]
+    found = _run_findings(run)
+    loud = [f for f in found if f.severity >= Severity.WARNING]
+    assert not loud, [f.summary for f in loud]
+    grew = [f for f in found if f.code == "run.grad_grew"]
+    assert [f.module for f in grew] == ["model.norm"], [f.summary for f in found]
+    assert grew[0].severity == Severity.INFO
+    assert "while the total gradient norm fell" in grew[0].summary
+    assert grew[0].evidence["ratio"] >= 10 and grew[0].evidence["total_change"] > 1
+
+
+def test_a_layer_whose_gradient_grows_with_the_total_is_a_warning() -> None:
+    """The gate of `Gated` grows 10 % a step outside the optimizer: its own gradient (the
+    root's) grows far faster than the others', and the total with it."""
+    torch.manual_seed(0)
+    model = Gated()
+    opt = torch.optim.SGD([p for p in model.parameters() if p is not model.gate], lr=0.01)
+    run = _run(model, opt, 30, 5, after_step=lambda i: model.gate.mul_(1.1))
+    assert run.total_norms[-1] > 5 * run.total_norms[0]
+    grew = [f for f in _run_findings(run) if f.code == "run.grad_grew" and f.module == ""]
+    assert [f.severity for f in grew] == [Severity.WARNING], \
+        [f.summary for f in _run_findings(run)]
+    assert "total_change" not in grew[0].evidence
+    assert grew[0].evidence["relative_to_median"] >= 10
+
+
 def test_activation_drift_is_reported() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
