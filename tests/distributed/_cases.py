@@ -516,3 +516,27 @@ def ddp_clip(rank: int, world: int, out: Path) -> dict[str, Any]:
             "reads": unsampled_reads,
             "total_norm": flow.total_norm,
             "reported": {p.name: p.norm for p in flow.params}, "synced": synced[-1]}
+
+
+def fsdp1_refused(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """FSDP1 (`FullyShardedDataParallel`) trains flat shards that no layer hook sees:
+    `watch_gradients` and `monitor` refuse it in one line, before any hook, rather than
+    report norms of nothing. (Lightning's `fsdp` strategy is FSDP1 too; it needs an
+    accelerator, so it is not run here.)"""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    model = FullyShardedDataParallel(mlp(), device_id=torch.device("cpu"), use_orig_params=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = hooks(model)
+    errors: dict[str, str | None] = {}
+    for name, watch in (("watch", lambda: torchscope.watch_gradients(model, optimizer=opt)),
+                        ("monitor", lambda: torchscope.monitor(model, opt, out=None))):
+        try:
+            with watch():
+                x, y = batch(rank, world)
+                functional.cross_entropy(model(x), y).backward()
+                opt.step()
+            errors[name] = None
+        except torchscope.TorchscopeError as exc:
+            errors[name] = describe(exc)
+    return {"errors": errors, "hooks": [before, hooks(model)]}

@@ -142,3 +142,16 @@ def test_ddp_norms_are_read_before_the_loop_clips(tmp_path: Path) -> None:
         for name, norm in a["synced"].items():
             assert a["reported"][name] == pytest.approx(norm, rel=1e-6)
     assert ranks[0]["total_norm"] == ranks[1]["total_norm"]
+
+
+def test_fsdp1_is_refused_in_one_line_with_no_hook_left(tmp_path: Path) -> None:
+    """Watched as a plain model, FSDP1 reported a total gradient norm of 0.0 on both ranks."""
+    ranks = run_ranks("fsdp1_refused", tmp_path)
+    for a in ranks:
+        assert "raised" not in a, a
+        assert set(a["errors"]) == {"watch", "monitor"}
+        for where, error in a["errors"].items():
+            assert error is not None, where
+            assert "FullyShardedDataParallel (FSDP1)" in error, (where, error)
+            assert "Fix: shard with torch.distributed.fsdp.fully_shard" in error
+        assert a["hooks"][0] == a["hooks"][1], a

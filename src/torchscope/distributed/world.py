@@ -20,6 +20,7 @@ __all__ = [
     "STRATEGIES",
     "Strategy",
     "World",
+    "fsdp1_module",
     "is_dtensor",
     "local_tensor",
     "shard_groups",
@@ -107,6 +108,19 @@ def shard_groups(t: torch.Tensor) -> tuple[Any, ...]:
     mesh = t.device_mesh  # type: ignore[attr-defined]
     return tuple(mesh.get_group(dim) for dim, p in enumerate(t.placements)  # type: ignore[attr-defined]
                  if p.is_shard() and mesh.size(dim) > 1)
+
+
+def fsdp1_module(model: nn.Module) -> str | None:
+    """The name of the first `FullyShardedDataParallel` (FSDP1) wrapper in `model`'s tree
+    (`""` for the root), or None. FSDP1 trains flattened, sharded copies of the parameters
+    (`FlatParameter`): autograd accumulates into them, not into the parameters the layers
+    own, whose gradients FSDP1 sets to views of this rank's shard after backward."""
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return next((name for name, m in model.named_modules()
+                 if isinstance(m, FullyShardedDataParallel)), None)
 
 
 def strategy_of(model: nn.Module) -> Strategy:

@@ -64,7 +64,14 @@ from torch import nn
 
 from torchscope import _kernels
 from torchscope.distributed.comm import all_gather_tensor, comm_device
-from torchscope.distributed.world import is_dtensor, local_tensor, strategy_of, world
+from torchscope.distributed.world import (
+    fsdp1_module,
+    is_dtensor,
+    local_tensor,
+    strategy_of,
+    world,
+)
+from torchscope.errors import TorchscopeError
 from torchscope.grads.records import (
     FROZEN,
     INPUT_NO_GRAD,
@@ -596,6 +603,18 @@ class GradCollector(HookedContext):
         parallel: nn.Module | Literal["ddp"] | None = None,
     ) -> None:
         wrapped: nn.Module | Literal["ddp"] = model if parallel is None else parallel
+        for m in (model, parallel):
+            fsdp1 = fsdp1_module(m) if isinstance(m, nn.Module) else None
+            if fsdp1 is not None:
+                # Its hooks would see no parameter gradient at all (a total of 0.0 on two
+                # gloo ranks), and its layers' `.grad` are views of shards after backward.
+                raise TorchscopeError(
+                    f"the model is wrapped in FullyShardedDataParallel (FSDP1) at "
+                    f"{fsdp1 or '<root>'}: FSDP1 trains flattened, sharded copies of the "
+                    "parameters, so per-layer gradient norms cannot be read from it; "
+                    "torchscope reads DDP and FSDP2 (fully_shard) models.",
+                    fix="shard with torch.distributed.fsdp.fully_shard (FSDP2; in Lightning, "
+                    "ModelParallelStrategy), or train with DDP.")
         self._session = HookSession(model)
         model = self._session.model  # compile and DDP wrappers are unwrapped: plain names
         self._targets = select_modules(model, select, depth=depth)
