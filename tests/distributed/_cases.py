@@ -65,10 +65,11 @@ def hooks(model: nn.Module) -> int:
     return sum(e.count for e in torchscope.audit_hooks(model).entries)
 
 
-def ddp_grads(rank: int, world: int, out: Path) -> dict[str, Any]:
-    """gradient_flow on DDP: local (before all-reduce) and synchronised norms per rank."""
+def ddp_grads(rank: int, world: int, out: Path, **ddp: Any) -> dict[str, Any]:
+    """gradient_flow on DDP (`ddp`: the wrapper's options): local (before all-reduce) and
+    synchronised norms per rank."""
     net = mlp()
-    model = DDP(net)
+    model = DDP(net, **ddp)
     before = hooks(model)
     x, y = batch(rank, world)
     flow = torchscope.gradient_flow(model, x, loss_fn="cross_entropy", target=y)

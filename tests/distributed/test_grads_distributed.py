@@ -17,8 +17,12 @@ def _close(a: float, b: float, rel: float = REL) -> bool:
     return abs(a - b) <= rel * max(abs(a), abs(b))
 
 
-def test_ddp_local_and_synchronised_norms(tmp_path: Path) -> None:
-    ranks = run_ranks("ddp_grads", tmp_path)
+@pytest.mark.parametrize("ddp", [{}, {"gradient_as_bucket_view": True, "static_graph": True}],
+                         ids=["default", "bucket-views"])
+def test_ddp_local_and_synchronised_norms(tmp_path: Path, ddp: dict[str, bool]) -> None:
+    """With `gradient_as_bucket_view`, `.grad` is DDP's bucket itself, all-reduced in place:
+    the local norm must still be read before that."""
+    ranks = run_ranks("ddp_grads", tmp_path, **ddp)
     for r, a in enumerate(ranks):
         # Hooks went on the wrapped module: the names of one process, no "module." prefix.
         assert a["names"] == ["0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias"]
