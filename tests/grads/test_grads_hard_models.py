@@ -366,3 +366,76 @@ def test_accumulated_gradient_is_not_mistaken_for_its_first_part(skip_first: boo
     assert _close(flow.get("relu").grad_input[0].norm, relu_in.norm().item())
     assert _close(flow.get("a").grad_output[0].norm, h.grad.norm().item())
     assert not math.isclose(h.grad.norm().item(), relu_in.norm().item(), rel_tol=1e-3)
+
+
+class _Checkpointed(nn.Module):
+    """Two blocks through `torch.utils.checkpoint` (`reentrant`: which kind; None: not
+    checkpointed), then a head."""
+
+    def __init__(self, reentrant: bool | None) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)) for _ in range(2))
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        for block in self.blocks:
+            x = block(x) if self.reentrant is None else \
+                checkpoint(block, x, use_reentrant=self.reentrant)
+        out: torch.Tensor = self.head(x)  # (B, 2)
+        return out
+
+
+def _norms_by_call(flow) -> list[tuple[str, int, list[float | None], list[float | None]]]:
+    return [(r.module, r.call, [t.norm for t in r.grad_output], [t.norm for t in r.grad_input])
+            for r in sorted(flow.modules, key=lambda r: (r.module, r.call))]
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_checkpointed_blocks_are_measured_as_without_checkpointing(reentrant: bool) -> None:
+    """A reentrant checkpoint (torch's default when `use_reentrant` is not given) runs its
+    first forward under no_grad and backpropagates through its recomputation: every layer
+    inside was missing from the flow. Both kinds must measure what the plain model does."""
+    torch.manual_seed(0)
+    plain = _Checkpointed(None)
+    model = _Checkpointed(reentrant)
+    model.load_state_dict(plain.state_dict())
+    x = torch.randn(4, 8, requires_grad=True)
+    flows = [gradient_flow(m, x, loss_fn="sum") for m in (plain, model)]
+    want, got = (_norms_by_call(f) for f in flows)
+    assert [r[:2] for r in got] == [r[:2] for r in want]
+    assert len(got) == 7  # the leaves: 2 blocks of 3, and the head
+    for a, b in zip(want, got, strict=True):
+        for u, v in zip(a[2] + a[3], b[2] + b[3], strict=True):
+            assert (u is None) == (v is None) and (u is None or _close(u, v)), (a, b)
+    assert flows[1].micro_batches == 1 and flows[1].backward_calls == 1
+    assert _close(flows[1].total_norm, flows[0].total_norm)
+    assert audit_hooks(model).local_total == 0
+
+
+def test_a_reentrant_checkpoint_of_the_whole_model_is_one_micro_batch() -> None:
+    """The root itself recomputed inside backward: its forward under no_grad recorded
+    nothing, and its recomputation is the micro-batch's one forward with grad."""
+    from torch.utils.checkpoint import checkpoint
+
+    from torchscope.grads import watch_gradients
+
+    torch.manual_seed(0)
+    model = _Checkpointed(None)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 8, requires_grad=True)  # else reentrant checkpointing drops every grad
+    with watch_gradients(model, optimizer=opt) as watch:
+        for _ in range(2):
+            opt.zero_grad()
+            checkpoint(model, x, use_reentrant=True).sum().backward()
+            opt.step()
+    flow = watch.last
+    assert flow is not None
+    assert flow.micro_batches == 1 and flow.backward_calls == 1
+    assert {r.module for r in flow.modules} == {"head", *(f"blocks.{b}.{i}" for b in (0, 1)
+                                                          for i in range(3))}
+    assert all(r.call == 0 for r in flow.modules)
+    assert flow.get("blocks.0.0").reached

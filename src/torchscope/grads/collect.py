@@ -191,6 +191,20 @@ class _NodeReads:
     ins: list[tuple[_Slot, int]] = field(default_factory=list)  # (slot, index in grad_inputs)
 
 
+def _in_backward() -> Literal["no", "replay", "reentrant"]:
+    """Where a forward that runs now stands: `no` outside backward; inside it, a
+    checkpoint's recomputation. Non-reentrant checkpointing (`use_reentrant=False`)
+    recomputes only to refill saved tensors, a `replay`: backward runs the first forward's
+    graph, hooked then. Reentrant checkpointing (torch's default when `use_reentrant` is not
+    given) ran the first forward under no_grad, and its node (`CheckpointFunctionBackward`)
+    backpropagates through the graph that the recomputation builds, in a nested backward:
+    that `reentrant` forward is the one to record."""
+    node = torch._C._current_autograd_node()
+    if node is None:
+        return "no"
+    return "reentrant" if type(node).__name__ == "CheckpointFunctionBackward" else "replay"
+
+
 def _is_plain(t: torch.Tensor) -> bool:
     return t.layout == torch.strided and (type(t) is torch.Tensor or isinstance(t, nn.Parameter))
 
@@ -709,6 +723,15 @@ class GradCollector(HookedContext):
 
     # ------------------------------------------------------------------ hooks
     def _on_root_forward(self, _m: nn.Module, _args: tuple[Any, ...]) -> None:
+        where = _in_backward()
+        if where != "no":
+            # The root's own recomputation: a replay records nothing; a reentrant one is
+            # this micro-batch's only forward with grad (its first ran under no_grad).
+            if where == "reentrant" and self.active:
+                self._in_root = True
+                self._micro += 1
+                self._counts = {}
+            return
         self._bw_queued = False  # a backward that raised never ran its end callback
         for stack in self._in_flight:
             # torch runs no forward hook after a KeyboardInterrupt: drop the calls (and the
@@ -1020,10 +1043,10 @@ class GradCollector(HookedContext):
         pre_handle: list[Any] = [None]  # the pre-hook's handle; None: read on the graph
 
         def skipped() -> bool:
-            # Unsampled steps, eval forwards, and checkpoint recomputation (forward again,
-            # inside backward).
+            # Unsampled steps, eval forwards, and a non-reentrant checkpoint's replay
+            # (forward again, inside backward; see `_in_backward`).
             return not self.active or not torch.is_grad_enabled() or \
-                torch._C._current_autograd_node() is not None
+                _in_backward() == "replay"
 
         def new_call() -> _Call:
             count, seq = self._number_call(name)
