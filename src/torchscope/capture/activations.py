@@ -221,6 +221,8 @@ class ActivationCapture(HookedContext, Analyzed):
 
     # ------------------------------------------------------------------ hooks
     def _begin_forward(self, _m: nn.Module, _args: tuple[Any, ...]) -> None:
+        if torch._C._current_autograd_node() is not None:
+            return  # a checkpoint's recomputation, inside backward: not a forward of its own
         if self._cur or self._vecs or self._fin:
             self._end_forward(None, (), None)  # a forward that raised left pending calls
         self._recording = self.active
@@ -231,6 +233,8 @@ class ActivationCapture(HookedContext, Analyzed):
         self._seen = {}
 
     def _end_forward(self, _m: nn.Module | None, _args: tuple[Any, ...], _out: Any) -> None:
+        if _m is not None and torch._C._current_autograd_node() is not None:
+            return  # the end of a recomputation (`_begin_forward`)
         if self._vecs or self._cur or self._fin:
             self._pending.append((self._step, self._cur, _stack_by_device(self._vecs),
                                   _stack_by_device(self._dead), _stack_by_device(self._fin)))
@@ -284,7 +288,10 @@ class ActivationCapture(HookedContext, Analyzed):
     def _make_hook(self, name: str, type_name: str, relu_family: bool, nonnegative: bool
                    ) -> Any:
         def hook(_module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-            if not self._recording:
+            # Inside backward, a forward is a checkpoint's recomputation of values the
+            # forward already recorded (a reentrant checkpoint's first forward ran under
+            # no_grad, and was recorded then).
+            if not self._recording or torch._C._current_autograd_node() is not None:
                 return
             call = self._calls.get(name, 0)
             self._calls[name] = call + 1
