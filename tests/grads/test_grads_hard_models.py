@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from torchscope.findings import Severity
 from torchscope.grads import gradient_flow
 from torchscope.grads.records import (
     FROZEN,
@@ -413,6 +414,7 @@ def test_checkpointed_blocks_are_measured_as_without_checkpointing(reentrant: bo
             assert (u is None) == (v is None) and (u is None or _close(u, v)), (a, b)
     assert flows[1].micro_batches == 1 and flows[1].backward_calls == 1
     assert _close(flows[1].total_norm, flows[0].total_norm)
+    assert not [f for f in flows[1].findings() if f.code == "grads.unreached"]
     assert audit_hooks(model).local_total == 0
 
 
@@ -439,3 +441,54 @@ def test_a_reentrant_checkpoint_of_the_whole_model_is_one_micro_batch() -> None:
                                                           for i in range(3))}
     assert all(r.call == 0 for r in flow.modules)
     assert flow.get("blocks.0.0").reached
+
+
+def test_a_reentrant_checkpoint_without_input_grad_is_named_as_the_cause() -> None:
+    """The classic trap: a reentrant checkpoint over an input that does not require grad.
+    torch gives every parameter inside no gradient (and a UserWarning); the finding must
+    name the cause and its fix, not tell the user to make the loss depend on them."""
+    from torchscope.grads.records import RAN_IN_REENTRANT_CHECKPOINT
+
+    torch.manual_seed(0)
+    model = _Checkpointed(True)
+    x = torch.randn(4, 8)  # data: no grad
+    with pytest.warns(UserWarning, match="None of the inputs have requires_grad=True"):
+        flow = gradient_flow(model, x, loss_fn="sum")
+    with pytest.warns(UserWarning):
+        model.zero_grad(set_to_none=True)
+        model(x).sum().backward()
+    dropped = sorted(n for n, p in model.named_parameters() if p.grad is None)
+    # torch's own verdict: every parameter of both blocks, none of the head's.
+    assert dropped == sorted(n for n, _ in model.blocks.named_parameters(prefix="blocks"))
+    assert sorted(p.name for p in flow.params if p.norm is None) == dropped
+    assert {p.reason for p in flow.params if p.norm is None} == {RAN_IN_REENTRANT_CHECKPOINT}
+    unreached = [f for f in flow.findings() if f.code == "grads.unreached"]
+    assert [(f.severity, f.module) for f in unreached] == [(Severity.WARNING, "blocks")]
+    assert unreached[0].evidence["params"] == 8
+    assert "use_reentrant=False" in unreached[0].fix
+
+
+def test_a_module_run_under_no_grad_in_the_forward_is_info_with_its_cause() -> None:
+    """A teacher run under torch.no_grad inside the forward (distillation): its trainable
+    parameters get no gradient on purpose; said as info, with that cause."""
+    from torchscope.grads.records import RAN_NO_GRAD
+
+    class Distilled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.teacher = nn.Linear(8, 2)
+            self.student = nn.Linear(8, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                target = self.teacher(x)  # (B, 2)
+            out: torch.Tensor = (self.student(x) - target).pow(2).mean()
+            return out
+
+    flow = gradient_flow(Distilled(), torch.randn(4, 8), loss_fn="sum")
+    assert {p.name: p.reason for p in flow.params if p.norm is None} == \
+        {"teacher.weight": RAN_NO_GRAD, "teacher.bias": RAN_NO_GRAD}
+    unreached = [f for f in flow.findings() if f.code == "grads.unreached"]
+    assert [(f.severity, f.module) for f in unreached] == [(Severity.INFO, "teacher")]
+    assert "torch.no_grad" in unreached[0].fix
+    assert not [f for f in flow.findings() if f.severity >= Severity.WARNING]

@@ -23,6 +23,8 @@ from torchscope.grads.ranks import rank_findings
 from torchscope.grads.records import (
     NO_GRAD,
     NOT_REACHED,
+    RAN_IN_REENTRANT_CHECKPOINT,
+    RAN_NO_GRAD,
     GradFlow,
     GradHistory,
     LayerGrads,
@@ -583,24 +585,54 @@ def find_nonfinite(flow: GradFlow, thresholds: GradThresholds | None = None) -> 
 
 def find_unreached(flow: GradFlow, thresholds: GradThresholds | None = None) -> list[Finding]:
     """Trainable parameters that received no gradient this step, one finding per module
-    (the first five; the rest in one more)."""
+    (the first five; the rest in one more). Those whose modules ran only inside a
+    reentrant checkpoint whose inputs do not require grad are one warning: torch drops
+    their gradients with no more than a UserWarning."""
     del thresholds
     missing: dict[str, list[str]] = {}
+    cut: dict[str, list[str]] = {}  # by a reentrant checkpoint
     for p in flow.params:
-        if p.requires_grad and p.tied_to is None and p.norm is None and \
-                p.reason in (NOT_REACHED, NO_GRAD):
-            missing.setdefault(p.module, []).append(p.name)
-    fix = ("if they should learn, make the loss depend on them; if not, freeze them "
-           "(requires_grad_(False)) so optimizers and DDP skip them.")
+        if p.requires_grad and p.tied_to is None and p.norm is None:
+            if p.reason == RAN_IN_REENTRANT_CHECKPOINT:
+                cut.setdefault(p.module, []).append(p.name)
+            elif p.reason in (NOT_REACHED, NO_GRAD, RAN_NO_GRAD):
+                missing.setdefault(p.module, []).append(p.name)
+    found = []
+    if cut:
+        where = _common_parent(list(cut))
+        count = sum(len(v) for v in cut.values())
+        found.append(Finding(
+            code="grads.unreached",
+            severity=Severity.WARNING,
+            summary=f"{count} trainable parameter(s) in {len(cut)} module(s) under "
+            f"{where or '<root>'} received no gradient: they ran inside a reentrant "
+            "checkpoint (torch.utils.checkpoint with use_reentrant=True, torch's default) "
+            "whose inputs do not require grad, which drops every gradient inside it",
+            evidence={"params": count, "reason": RAN_IN_REENTRANT_CHECKPOINT,
+                      "modules": ", ".join(m or "<root>" for m in list(cut)[:10]),
+                      "step": flow.index},
+            fix="pass use_reentrant=False to checkpoint (recommended), or make its input "
+                "require grad (x.requires_grad_(); in transformers, "
+                "model.enable_input_require_grads()).",
+            module=where))
     mods = list(missing)
-    found = [Finding(
+
+    def fix_for(m: str) -> str:
+        if flow.param(missing[m][0]).reason == RAN_NO_GRAD:
+            return ("it ran under torch.no_grad inside the training forward: if its "
+                    "parameters should learn, run it with gradients enabled; if not, freeze "
+                    "them (requires_grad_(False)) so optimizers and DDP skip them.")
+        return ("if they should learn, make the loss depend on them; if not, freeze them "
+                "(requires_grad_(False)) so optimizers and DDP skip them.")
+
+    found += [Finding(
         code="grads.unreached",
         severity=Severity.INFO,
         summary=f"{m or '<root>'}: {len(missing[m])} trainable parameter(s) received no "
         f"gradient ({', '.join(missing[m])})",
         evidence={"params": len(missing[m]), "reason": flow.param(missing[m][0]).reason,
                   "step": flow.index},
-        fix=fix, module=m) for m in mods[:5]]
+        fix=fix_for(m), module=m) for m in mods[:5]]
     rest = mods[5:]
     if rest:
         found.append(Finding(
@@ -611,7 +643,7 @@ def find_unreached(flow: GradFlow, thresholds: GradThresholds | None = None) -> 
             evidence={"params": sum(len(missing[m]) for m in rest),
                       "modules": ", ".join(m or "<root>" for m in rest[:10]),
                       "step": flow.index},
-            fix=fix))
+            fix=fix_for(rest[0])))
     return found
 
 

@@ -54,12 +54,15 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from types import FrameType
 from typing import Any, Literal
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from torchscope import _kernels
@@ -79,6 +82,8 @@ from torchscope.grads.records import (
     NOT_MEASURED,
     NOT_REACHED,
     OUTPUT_NO_GRAD,
+    RAN_IN_REENTRANT_CHECKPOINT,
+    RAN_NO_GRAD,
     GradFlow,
     ModuleGradRecord,
     ParamGradRecord,
@@ -96,6 +101,9 @@ from torchscope.step import StepInfo
 __all__ = ["GradCollector", "with_updates"]
 
 _HALF = (torch.float16, torch.bfloat16)
+_MAX_FRAMES = 64  # Python frames looked through for a reentrant checkpoint's forward
+# Its one `forward` is CheckpointFunction's.
+_CHECKPOINT_FILE = torch.utils.checkpoint.__file__
 _MAX_WALK = 256  # nodes followed back from an in-place op to the input's producer
 _MAX_PLAN = 16  # nodes followed behind a call's outputs to find where its inputs enter
 _NATIVE_LIST_MEAN = 16384  # elements per tensor, on average, for the native list norms
@@ -203,6 +211,22 @@ def _in_backward() -> Literal["no", "replay", "reentrant"]:
     if node is None:
         return "no"
     return "reentrant" if type(node).__name__ == "CheckpointFunctionBackward" else "replay"
+
+
+def _in_reentrant_checkpoint() -> bool:
+    """Whether the caller runs inside the forward of a reentrant checkpoint
+    (`torch.utils.checkpoint.CheckpointFunction`, which runs it under no_grad): a walk up
+    the Python stack, taken once per module and step, and only for a module that ran with
+    gradients disabled inside a forward with them."""
+    frame: FrameType | None = sys._getframe(1)
+    for _ in range(_MAX_FRAMES):
+        if frame is None:
+            return False
+        code = frame.f_code
+        if code.co_name == "forward" and code.co_filename == _CHECKPOINT_FILE:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _is_plain(t: torch.Tensor) -> bool:
@@ -715,6 +739,10 @@ class GradCollector(HookedContext):
         # all-reduce had landed (`_read_synced`); None: read them when the step ends.
         self._synced: tuple[list[torch.Tensor | None], list[torch.Tensor | None]] | None = None
         self._in_root = False  # inside the root module's forward
+        self._root_grad = False  # ...which runs with gradients enabled
+        # Selected modules that ran with gradients disabled inside a root forward with them
+        # (`_note_no_grad`): name -> whether inside a reentrant checkpoint's forward.
+        self._no_grad_calls: dict[str, bool] = {}
         self._simple: list[_SimpleCall] = []  # read on the graph when the root returns
         # The previous gradient: a weak reference to it, its data pointer, version and
         # element count, and the index of its norm.
@@ -741,13 +769,23 @@ class GradCollector(HookedContext):
         # finished calls stay, as those read at once do.
         self._read_simple_calls()
         self._in_root = True
-        if self.active and torch.is_grad_enabled():  # eval forwards are no micro-batch
+        self._root_grad = torch.is_grad_enabled()
+        if self.active and self._root_grad:  # eval forwards are no micro-batch
             self._micro += 1
             self._counts = {}
 
     def _on_root_forward_end(self, _m: nn.Module, _args: tuple[Any, ...], _out: Any) -> None:
-        self._in_root = False
+        self._in_root = self._root_grad = False
         self._read_simple_calls()
+
+    def _note_no_grad(self, name: str) -> None:
+        """Module `name` ran with gradients disabled: note it when that happened inside a
+        forward with them, where its parameters then get no gradient for a reason the
+        records can name (`RAN_NO_GRAD`, `RAN_IN_REENTRANT_CHECKPOINT`). Only on the path of
+        a call that is not recorded, once per module and step."""
+        if self.active and self._root_grad and self._in_root and \
+                not torch.is_grad_enabled() and name not in self._no_grad_calls:
+            self._no_grad_calls[name] = _in_reentrant_checkpoint()
 
     def _read_simple_calls(self) -> None:
         """Read the simple calls the forward put off (`_read_simple_call`), in their order.
@@ -1054,6 +1092,7 @@ class GradCollector(HookedContext):
 
         def pre(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             if skipped():
+                self._note_no_grad(name)
                 stack.append(None)
                 return None
             intake = _Intake(new_call(), inplace, graph=False)
@@ -1080,6 +1119,7 @@ class GradCollector(HookedContext):
             graph = pre_handle[0] is None
             if graph:
                 if skipped():
+                    self._note_no_grad(name)
                     return
                 if type(output) is torch.Tensor and output.requires_grad and not kwargs and \
                         len(args) == 1 and isinstance(args[0], torch.Tensor):
@@ -1293,6 +1333,7 @@ class GradCollector(HookedContext):
         shapes = [(tuple(p.shape), str(p.dtype), p.requires_grad) for _, _, p in self._params]
         owners = [owner for _, owner, _ in self._params]
         names, param_vals = list(self._names), dict(self._param_vals)
+        no_grad = dict(self._no_grad_calls)
         micro_batches = max(self._micro + 1, 1 if self._calls else 0)
         backwards, fused, eager = self._backwards, self._fused_norms, self._eager_norms
         self.discard()
@@ -1329,8 +1370,10 @@ class GradCollector(HookedContext):
                 if not requires_grad:
                     reason: str | None = FROZEN
                 elif n is None:
+                    owner = mname if mname in no_grad else owners[i]
                     reason = NOT_REACHED if mname in called or owners[i] in called \
-                        else NO_GRAD
+                        else NO_GRAD if owner not in no_grad \
+                        else RAN_IN_REENTRANT_CHECKPOINT if no_grad[owner] else RAN_NO_GRAD
                 else:
                     reason = None
                 w = (ranks.weight_norm(i) if ranks is not None else host[weights[i]]) \
