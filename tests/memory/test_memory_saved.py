@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 
+import pytest
 import torch
 from torch import nn
 
@@ -105,3 +106,79 @@ def test_totals_count_params_grads_and_adam_state() -> None:
     after = memory_totals(model, saved, opt)
     real = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values())
     assert (after.optimizer_state, after.optimizer_state_source) == (real, "measured")
+
+
+class _SelfCheckpointed(nn.Module):
+    """A stem and three blocks, each run through `torch.utils.checkpoint` by the model's own
+    forward (`reentrant`: which kind), then a head."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+        self.stem = nn.Sequential(nn.Linear(512, 128), nn.Tanh())
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(128, 128), nn.Tanh(), nn.Linear(128, 128)) for _ in range(3))
+        self.head = nn.Linear(128, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        x = checkpoint(self.stem, x, use_reentrant=self.reentrant)
+        for block in self.blocks:
+            x = checkpoint(block.forward, x, use_reentrant=self.reentrant)  # a bound method
+        out: torch.Tensor = self.head(x)  # (B, 4)
+        return out
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_a_model_that_checkpoints_itself_keeps_its_blocks_inputs_for_them(
+        reentrant: bool) -> None:
+    """What a checkpoint keeps is the input of what it checkpoints: counted for that module
+    (it was all the root's, which only called `checkpoint`), and named in `checkpointed`."""
+    torch.manual_seed(0)
+    model = _SelfCheckpointed(reentrant)
+    x = torch.randn(32, 512, requires_grad=True)
+    saved = saved_activations(model, x, loss_fn="sum")
+    assert saved.total_bytes == _plain_count(model, x)  # the same bytes as torch's own hooks
+    assert saved.checkpointed == ("stem", "blocks.0", "blocks.1", "blocks.2")
+    rows = {r.module: r.bytes for r in saved.modules}
+    # Each checkpoint keeps its input, (32, 512) or (32, 128) float32; the head its own.
+    assert rows == {"stem": 32 * 512 * 4, "blocks.0": 32 * 128 * 4, "blocks.1": 32 * 128 * 4,
+                    "blocks.2": 32 * 128 * 4, "head": 32 * 128 * 4}
+    fixes = {f.code: f.fix for f in saved.findings()}
+    assert "checkpointed already" in fixes["memory.largest_saver"]
+
+
+def test_transformers_checkpointing_is_named_by_layer() -> None:
+    """transformers checkpoints each decoder layer through `partial(forward, layer)`."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
+        use_cache=False))
+    # `activation_checkpointing_enable` since transformers 5.24; before, the older name.
+    getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
+    model.train()
+    ids = torch.randint(0, 100, (2, 16))
+    saved = saved_activations(model, {"input_ids": ids, "labels": ids})
+    assert saved.checkpointed == ("model.layers.0", "model.layers.1", "model.layers.2")
+    rows = {r.module: r.bytes for r in saved.modules}
+    for i in range(3):  # its hidden states in, (2, 16, 32) float32
+        assert rows[f"model.layers.{i}"] >= 2 * 16 * 32 * 4
+
+
+def test_activation_dominated_memory_in_a_checkpointed_model_is_not_told_to_checkpoint(
+        ) -> None:
+    torch.manual_seed(0)
+    model = _SelfCheckpointed(False)
+    report = ckpt.analyze_memory(model, torch.randn(512, 512, requires_grad=True),
+                                 loss_fn="sum", checkpoint="none")
+    found = {f.code: f for f in report.findings()}
+    assert "already checkpoints 4 part(s) itself (stem, blocks.0, blocks.1, ...)" in \
+        found["memory.activations_dominate"].fix
+    plain = ckpt.analyze_memory(DeepMLP(), torch.randn(512, 64), loss_fn="sum",
+                                checkpoint="none")
+    assert not plain.saved.checkpointed
+    assert "already" not in {f.code: f for f in plain.findings()}[
+        "memory.activations_dominate"].fix

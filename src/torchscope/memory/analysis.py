@@ -32,22 +32,35 @@ _CHECKPOINT_BY_HAND = ("checkpoint parts of forward yourself with "
                        "lower the batch or sequence size.")
 
 
+def _already_checkpointed(names: tuple[str, ...]) -> str:
+    """The fix for activation-dominated memory in a model that checkpoints itself."""
+    shown = ", ".join(n or "<root>" for n in names[:3]) + (", ..." if len(names) > 3 else "")
+    return (f"the model already checkpoints {len(names)} part(s) itself ({shown}): what stays "
+            "saved is mostly their inputs. Lower the batch or sequence size, checkpoint "
+            "longer stretches per call, or keep saved tensors on the host "
+            "(torch.autograd.graph.save_on_cpu).")
+
+
 @analyzer(MemoryReport)
 def analyze_report(report: MemoryReport, thresholds: object = None) -> list[Finding]:
     """Saved activations, the step's totals against its measurement, and the chosen plan.
 
     The fix for activation-dominated memory names only what works for this model: the
-    verified plan, the planner when the model has blocks to checkpoint, else checkpointing
-    by hand.
+    verified plan; for a model that checkpoints itself, what is left to do; the planner
+    when the model has blocks to checkpoint; else checkpointing by hand.
     """
     plan = report.chosen_plan
+    by_hand = _already_checkpointed(report.saved.checkpointed) if report.saved.checkpointed \
+        else _CHECKPOINT_BY_HAND
     if plan is not None and plan.status == "ok" and plan.segments:
         fix = f"apply the verified plan ({report.chosen}): {apply_hint(plan)}"
+    elif report.saved.checkpointed:
+        fix = by_hand
     elif report.plans is None and not report.no_plan and report.checkpointable:
         fix = ("gradient checkpointing trades recompute for this memory: torchscope memory "
                f"--checkpoint auto plans it over {len(report.checkpointable)} blocks.")
     else:
-        fix = _CHECKPOINT_BY_HAND
+        fix = by_hand
     out = analyze_saved(report.saved) + _totals(report.totals, report.measured, fix)
     if report.no_plan:
         # Blocks that all hold no trainable work have nothing to give; without a block
@@ -55,7 +68,7 @@ def analyze_report(report: MemoryReport, thresholds: object = None) -> list[Find
         out.append(Finding("memory.no_plan", Severity.INFO,
                            f"no checkpoint plan: {report.no_plan}",
                            {"reason": report.no_plan},
-                           fix="" if report.checkpointable else _CHECKPOINT_BY_HAND))
+                           fix="" if report.checkpointable else by_hand))
     if report.plans is not None:
         out += _plans(report.plans, report.chosen)
     return out
@@ -90,7 +103,10 @@ def analyze_saved(saved: SavedActivations, thresholds: object = None) -> list[Fi
             f"{top.module or '<root>'} ({top.module_type}) alone keeps "
             f"{top.bytes / total:.0%} of saved activations ({fmt_bytes(top.bytes)}).",
             {"bytes": top.bytes, "share": top.bytes / total, "storages": top.storages},
-            fix="checkpoint the block containing it, or lower its batch or sequence size.",
+            fix=("it is checkpointed already, and these are the inputs its checkpoint keeps: "
+                 "checkpoint a longer stretch in one call, or lower its batch or sequence "
+                 "size." if top.module in saved.checkpointed else
+                 "checkpoint the block containing it, or lower its batch or sequence size."),
             module=top.module,
         ))
     return out

@@ -85,6 +85,10 @@ class SavedActivations(Analyzed, Gatherable):
         saves: number of save events, all kinds.
         step: the training step it was counted on (None for a forward in the user's own
             loop, seen by `watch_memory`).
+        checkpointed: what the model's own code checkpoints with `torch.utils.checkpoint`
+            in this forward, in call order: module names (their inputs, which the
+            checkpoint keeps, count in those modules' rows), or a function's qualified
+            name where the checkpointed function is not a module of the model.
     """
 
     storages: tuple[SavedStorage, ...]
@@ -95,6 +99,7 @@ class SavedActivations(Analyzed, Gatherable):
     output_bytes: int
     saves: int
     step: StepInfo | None = None
+    checkpointed: tuple[str, ...] = ()
 
     @property
     def activation_storages(self) -> tuple[SavedStorage, ...]:

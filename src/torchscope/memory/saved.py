@@ -14,12 +14,16 @@ keeps a reused address from being mistaken for the same storage.
 
 from __future__ import annotations
 
+import functools
+import sys
 from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
+from types import FrameType
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -42,6 +46,50 @@ from torchscope.memory.records import (
     StorageKind,
 )
 from torchscope.step import LossSpec, Step, StepInfo
+
+_CHECKPOINT_FILE = torch.utils.checkpoint.__file__
+_CHECKPOINT_FRAMES = 6  # frames between a pack hook and `torch.utils.checkpoint.checkpoint`
+
+
+def _checkpointed_function() -> tuple[bool, Any]:
+    """Whether the tensor being packed now is an input that `torch.utils.checkpoint` saves
+    (both kinds save their inputs through the ambient saved-tensor hooks, from its own
+    file, just below the hook), and the function it checkpoints (None where not found)."""
+    frame: FrameType | None = sys._getframe(2)  # the pack hook's caller
+    found = False
+    for _ in range(_CHECKPOINT_FRAMES):
+        if frame is None:
+            break
+        code = frame.f_code
+        if code.co_filename == _CHECKPOINT_FILE:
+            found = True
+            if code.co_name == "checkpoint":
+                return True, frame.f_locals.get("function")
+        elif found:
+            break
+        frame = frame.f_back
+    return found, None
+
+
+def _module_of(fn: Any) -> nn.Module | None:
+    """The module a checkpointed function runs: the module itself, one of its bound methods
+    (`block.forward`), either inside `functools.partial`, or a partial of a plain function
+    with the module first (transformers' layers: `partial(forward, self, **kwargs)`)."""
+    for _ in range(8):
+        if isinstance(fn, nn.Module):
+            return fn
+        if isinstance(fn, functools.partial):
+            inner = fn.func
+            if not isinstance(inner, (nn.Module, functools.partial)) and \
+                    getattr(inner, "__self__", None) is None and fn.args and \
+                    isinstance(fn.args[0], nn.Module):
+                return fn.args[0]
+            fn = inner
+        elif isinstance(getattr(fn, "__self__", None), nn.Module):
+            fn = fn.__self__
+        else:
+            return None
+    return None
 
 
 @dataclass
@@ -112,14 +160,19 @@ class _Recorder:
         types: dict[str, str],
         owners: dict[str, str] | None,
         kinds: dict[StorageKey, StorageKind],
+        names: dict[int, str] | None = None,
     ) -> None:
         self._stack = stack
         self._types = types
         self._owners = owners
         self._kinds = kinds  # storages that are not activations (see `known_kinds`)
+        self._names = names or {}  # id(module) -> qualified name
         self.live: dict[StorageKey, _Entry] = {}
         self.saves = 0
         self._anon = 0
+        # What the model checkpoints itself with torch.utils.checkpoint, in call order: the
+        # modules' names, or the functions' qualified names.
+        self.checkpointed: dict[str, None] = {}
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         """The `saved_tensors_hooks` context that feeds this recorder."""
@@ -129,6 +182,20 @@ class _Recorder:
         # Called for every tensor an autograd node saves; reads metadata only (no sync).
         self.saves += 1
         module, module_type = self._where()
+        label = SEGMENT_LABEL.get()
+        if label is None or not self._stack or label[0] != self._stack[-1]:
+            # Not one of torchscope's own checkpoint segments: a checkpoint in the model's
+            # code keeps the inputs of what it checkpoints, for that module, not for the
+            # module whose forward called `checkpoint`.
+            held, fn = _checkpointed_function()
+            if held:
+                target = _module_of(fn)
+                name = self._names.get(id(target)) if target is not None else None
+                if name is not None:
+                    module, module_type = self._row(name, self._types.get(name, ""))
+                self.checkpointed.setdefault(
+                    name if name is not None else
+                    getattr(fn, "__qualname__", type(fn).__name__), None)
         key = storage_key(t)
         ref: StorageWeakRef | None = None
         if key is None:
@@ -159,9 +226,11 @@ class _Recorder:
         top = self._stack[-1]
         label = SEGMENT_LABEL.get()
         if label is not None and label[0] == top:
-            name, module_type = label[1], label[2]
-        else:
-            name, module_type = top, self._types.get(top, "")
+            return self._row(label[1], label[2])
+        return self._row(top, self._types.get(top, ""))
+
+    def _row(self, name: str, module_type: str) -> tuple[str, str]:
+        """The row (with `select=`/`depth=`) and type that `name`'s saves count under."""
         if self._owners is None:
             return name, module_type
         row = self._owners.get(name, name)
@@ -185,7 +254,7 @@ def _unpack(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
 
 def _freeze(
     alive: Sequence[tuple[StorageKey, _Entry]], out_keys: dict[StorageKey, int], saves: int,
-    step: StepInfo | None = None,
+    step: StepInfo | None = None, checkpointed: Sequence[str] = (),
 ) -> SavedActivations:
     storages = tuple(replace(e.first, saves=e.saves, savers=tuple(e.savers)) for _, e in alive)
     rows: dict[str, list[SavedStorage]] = {}
@@ -207,6 +276,7 @@ def _freeze(
         output_bytes=sum(n for k, n in out_keys.items() if k not in saved_keys),
         saves=saves,
         step=step,
+        checkpointed=tuple(checkpointed),
     )
 
 
@@ -230,6 +300,7 @@ def _account(
     with step.preserved(clear_grads=True), HookSession(model) as session, ExitStack() as saving:
         # The session's names: inside a DDP or compile wrapper, those of the module itself.
         types = {name: type(m).__name__ for name, m in session.model.named_modules()}
+        names = {id(m): name for name, m in session.model.named_modules()}
         stack = session.enable_module_stack()
         for name, module in watch:
 
@@ -243,7 +314,7 @@ def _account(
                     t.requires_grad for _, t in iter_tensors((args, kwargs)))
 
             session.forward_pre_hook(module, pre, with_kwargs=True)
-        recorder = _Recorder(stack, types, owners, kinds)
+        recorder = _Recorder(stack, types, owners, kinds, names)
         saving.enter_context(recorder.hooks())
 
         def before_backward(micro: int, output: Any, _loss: torch.Tensor) -> None:
@@ -254,7 +325,7 @@ def _account(
 
         loss = step.forward_backward(before_backward=before_backward)
     alive, out_keys, saves = seen[0]
-    saved = _freeze(alive, out_keys, saves, step.info(loss))
+    saved = _freeze(alive, out_keys, saves, step.info(loss), list(recorder.checkpointed))
     return _Accounting(saved, tuple(k for k, _ in alive), block_inputs, need_grad)
 
 

@@ -71,6 +71,7 @@ class MemoryWatch(HookedContext):
         self._session: HookSession | None = None
         self._stack: list[str] = []
         self._types: dict[str, str] = {}
+        self._names: dict[int, str] = {}
         self._owners: dict[str, str] | None = None
         self._active: _Active | None = None
         self._peak_device: torch.device | None = None  # the last sample's peak is pending
@@ -89,6 +90,7 @@ class MemoryWatch(HookedContext):
         root = session.model  # behind a torch.compile wrapper, the module itself
         self._owners = row_owners(root, self._select, self._depth)
         self._types = {name: type(m).__name__ for name, m in root.named_modules()}
+        self._names = {id(m): name for name, m in root.named_modules()}
         self._stack = session.enable_module_stack()
         # (HookSession.forward_pre_hook is typed for hooks without kwargs.)
         session.track(root.register_forward_pre_hook(self._pre, with_kwargs=True))
@@ -135,7 +137,7 @@ class MemoryWatch(HookedContext):
         if index % self.every or not self.active:
             return
         kinds = known_kinds(module, (args, kwargs))
-        recorder = _Recorder(self._stack, self._types, self._owners, kinds)
+        recorder = _Recorder(self._stack, self._types, self._owners, kinds, self._names)
         device = next((p.device for p in module.parameters() if p.device.type == "cuda"), None)
         if device is not None:
             torch.cuda.reset_peak_memory_stats(device)  # host-side counter: no sync
@@ -151,7 +153,8 @@ class MemoryWatch(HookedContext):
         if sys.exc_info()[1] is not active.exc:
             return  # always_call hooks run while the forward's exception is handled
         rec = active.recorder
-        saved = _freeze(rec.alive(), storage_keys(output), rec.saves)
+        saved = _freeze(rec.alive(), storage_keys(output), rec.saves,
+                        checkpointed=list(rec.checkpointed))
         rows = {m.module: m.bytes for m in saved.modules}
         self._rows.append([active.forward, rows, saved.total_bytes, None])
         self._last = MemorySample(active.forward, saved)
