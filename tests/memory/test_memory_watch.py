@@ -118,6 +118,21 @@ def test_unsampled_and_no_grad_forwards() -> None:
     assert _no_saved_tensor_hooks()
 
 
+def test_a_checkpointed_root_recomputed_in_backward_is_no_forward_of_its_own() -> None:
+    """A loop that checkpoints the whole model: on an unsampled step, backward runs its
+    forward again, inside backward, to refill what the checkpoint did not keep; that was
+    counted as a forward, and sampled. (On a sampled step the watch's own saved-tensor
+    hooks, entered inside the checkpoint's, keep everything: nothing is recomputed.)"""
+    from torch.utils.checkpoint import checkpoint
+
+    model, x = DeepMLP(), torch.randn(8, 64, requires_grad=True)
+    with watch_memory(model, every=2) as watch:
+        for _ in range(4):
+            checkpoint(model, x, use_reentrant=False).sum().backward()
+    assert watch.forwards == 4 and watch.samples == 2
+    assert _no_saved_tensor_hooks()
+
+
 class _SavesThenMutates(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -130,8 +130,10 @@ class MemoryWatch(HookedContext):
             self._stop()  # a forward that never reached its end (KeyboardInterrupt)
         if self._peak_device is not None:
             self._read_peak()
-        if not torch.is_grad_enabled():
-            return  # nothing is saved: not a training forward
+        if not torch.is_grad_enabled() or torch._C._current_autograd_node() is not None:
+            # Nothing is saved (not a training forward), or a checkpoint's recomputation
+            # of the root inside backward: not a forward of its own.
+            return
         index = self.forwards
         self.forwards += 1
         if index % self.every or not self.active:
