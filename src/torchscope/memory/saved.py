@@ -5,7 +5,10 @@ tensor an autograd node saves. Each is attributed to the innermost module runnin
 moment (the `HookSession` module stack), or with `select=`/`depth=` to its nearest selected
 ancestor, and deduplicated by storage: a ReLU output saved by the ReLU and again by the next
 Linear is one allocation, counted once, for the module that saved it first. Parameters and
-buffers are model state, counted apart.
+buffers are model state, counted apart. A `torch.utils.checkpoint` in the model's own code
+saves the inputs of what it checkpoints: they count for that module (found from the
+checkpoint's frame, once per checkpoint call), whichever module called `checkpoint`, and
+`SavedActivations.checkpointed` names what was checkpointed.
 
 Storages freed before backward (a branch whose result was dropped) are not kept for
 backward and are not counted; storage liveness is tracked with `StorageWeakRef`, which also

@@ -58,7 +58,11 @@ def saved_table(saved: SavedActivations, title: str = "Saved activations", limit
                   str(n_storages), str(sum(r.saves for r in rows)), "", end_section=True)
     table.caption = (f"{saved.total_bytes:,} B in {n_storages} storages (inputs "
                      f"{fmt_bytes(saved.input_bytes)}); parameters/buffers saved too: "
-                     f"{fmt_bytes(saved.state_bytes)}, counted as model state.")
+                     f"{fmt_bytes(saved.state_bytes)}, counted as model state."
+                     + (f" Checkpointed by the model itself (their inputs count for them): "
+                        f"{', '.join(n or '<root>' for n in saved.checkpointed[:6])}"
+                        f"{', ...' if len(saved.checkpointed) > 6 else ''}."
+                        if saved.checkpointed else ""))
     return table
 
 
