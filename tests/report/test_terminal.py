@@ -106,3 +106,31 @@ def test_prose_and_names_are_whole_when_there_is_room() -> None:
                              200))
     assert "bert.encoder.layer.11.attention.output.dense" in text
     assert str(ModuleName("a.b", indent=2)) == "  a.b"
+
+
+def test_the_saved_table_names_what_the_model_checkpoints_itself() -> None:
+    import torch
+    from torch import nn
+    from torch.utils.checkpoint import checkpoint
+
+    from torchscope.memory import saved_activations
+    from torchscope.report.memory import saved_table
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+            self.head = nn.Linear(8, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = self.head(checkpoint(self.block, x, use_reentrant=False))
+            return out
+
+    x = torch.randn(4, 8, requires_grad=True)
+    # The caption wraps at the table's width: compare words.
+    text = " ".join(" ".join(_render(saved_table(saved_activations(Net(), x, loss_fn="sum")),
+                                     200)).split())
+    assert "Checkpointed by the model itself (their inputs count for them): block." in text
+    plain = " ".join(_render(saved_table(saved_activations(nn.Linear(8, 2), x,
+                                                           loss_fn="sum")), 200))
+    assert "Checkpointed" not in plain
