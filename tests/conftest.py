@@ -1,4 +1,5 @@
-"""Suite-wide fixtures: every test fails if it leaves a hook on a module it built."""
+"""Suite-wide fixtures: every test fails if it leaves a hook on a module it built; and models
+more than one folder tests."""
 
 from __future__ import annotations
 
@@ -31,6 +32,34 @@ def _console_width(monkeypatch: pytest.MonkeyPatch) -> None:
     """The width a pipe gets (150 columns): pytest-xdist's workers inherit COLUMNS=80, which
     the CLI honours. Tests of narrow consoles set COLUMNS themselves."""
     monkeypatch.setenv("COLUMNS", "150")
+
+
+class CheckpointedBlocks(torch.nn.Module):
+    """Two blocks run through `torch.utils.checkpoint` by the model's own forward
+    (`reentrant`: which kind; None: not checkpointed), then a head."""
+
+    def __init__(self, reentrant: bool | None) -> None:
+        super().__init__()
+        nn = torch.nn
+        self.reentrant = reentrant
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)) for _ in range(2))
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        for block in self.blocks:
+            x = block(x) if self.reentrant is None else \
+                checkpoint(block, x, use_reentrant=self.reentrant)
+        out: torch.Tensor = self.head(x)  # (B, 2)
+        return out
+
+
+@pytest.fixture
+def checkpointed_blocks() -> type[CheckpointedBlocks]:
+    """`CheckpointedBlocks`, the class (build it with the kind of checkpoint you need)."""
+    return CheckpointedBlocks
 
 
 @pytest.fixture

@@ -370,35 +370,15 @@ def test_a_non_finite_model_input_is_no_module_s_fault(bad: float) -> None:
     assert clean.get("0").inputs_finite and trace_nonfinite(clean.records).clean
 
 
-class _Checkpointed(nn.Module):
-    """Two blocks run through `torch.utils.checkpoint` (`reentrant`: which kind; None: not
-    checkpointed), then a head."""
-
-    def __init__(self, reentrant: bool | None) -> None:
-        super().__init__()
-        self.reentrant = reentrant
-        self.blocks = nn.ModuleList(
-            nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)) for _ in range(2))
-        self.head = nn.Linear(8, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from torch.utils.checkpoint import checkpoint
-
-        for block in self.blocks:
-            x = block(x) if self.reentrant is None else \
-                checkpoint(block, x, use_reentrant=self.reentrant)
-        out: torch.Tensor = self.head(x)  # (B, 2)
-        return out
-
-
 @pytest.mark.parametrize("reentrant", [True, False])
-def test_checkpoint_recomputation_is_not_recorded_again(reentrant: bool) -> None:
+def test_checkpoint_recomputation_is_not_recorded_again(
+        checkpointed_blocks: type[nn.Module], reentrant: bool) -> None:
     """Backward recomputes the checkpointed blocks' forward (a reentrant checkpoint all of
     it, the other kind until it has what it needs): the same values again, which were
     recorded as each module's second call of the step."""
     torch.manual_seed(0)
-    plain = _Checkpointed(None)
-    model = _Checkpointed(reentrant)
+    plain = checkpointed_blocks(None)
+    model = checkpointed_blocks(reentrant)
     model.load_state_dict(plain.state_dict())
     x = torch.randn(4, 8, requires_grad=True)  # else a reentrant checkpoint has no backward
     records = []

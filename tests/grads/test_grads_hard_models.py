@@ -369,40 +369,20 @@ def test_accumulated_gradient_is_not_mistaken_for_its_first_part(skip_first: boo
     assert not math.isclose(h.grad.norm().item(), relu_in.norm().item(), rel_tol=1e-3)
 
 
-class _Checkpointed(nn.Module):
-    """Two blocks through `torch.utils.checkpoint` (`reentrant`: which kind; None: not
-    checkpointed), then a head."""
-
-    def __init__(self, reentrant: bool | None) -> None:
-        super().__init__()
-        self.reentrant = reentrant
-        self.blocks = nn.ModuleList(
-            nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)) for _ in range(2))
-        self.head = nn.Linear(8, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from torch.utils.checkpoint import checkpoint
-
-        for block in self.blocks:
-            x = block(x) if self.reentrant is None else \
-                checkpoint(block, x, use_reentrant=self.reentrant)
-        out: torch.Tensor = self.head(x)  # (B, 2)
-        return out
-
-
 def _norms_by_call(flow) -> list[tuple[str, int, list[float | None], list[float | None]]]:
     return [(r.module, r.call, [t.norm for t in r.grad_output], [t.norm for t in r.grad_input])
             for r in sorted(flow.modules, key=lambda r: (r.module, r.call))]
 
 
 @pytest.mark.parametrize("reentrant", [True, False])
-def test_checkpointed_blocks_are_measured_as_without_checkpointing(reentrant: bool) -> None:
+def test_checkpointed_blocks_are_measured_as_without_checkpointing(
+        checkpointed_blocks: type[nn.Module], reentrant: bool) -> None:
     """A reentrant checkpoint (torch's default when `use_reentrant` is not given) runs its
     first forward under no_grad and backpropagates through its recomputation: every layer
     inside was missing from the flow. Both kinds must measure what the plain model does."""
     torch.manual_seed(0)
-    plain = _Checkpointed(None)
-    model = _Checkpointed(reentrant)
+    plain = checkpointed_blocks(None)
+    model = checkpointed_blocks(reentrant)
     model.load_state_dict(plain.state_dict())
     x = torch.randn(4, 8, requires_grad=True)
     flows = [gradient_flow(m, x, loss_fn="sum") for m in (plain, model)]
@@ -418,7 +398,8 @@ def test_checkpointed_blocks_are_measured_as_without_checkpointing(reentrant: bo
     assert audit_hooks(model).local_total == 0
 
 
-def test_a_reentrant_checkpoint_of_the_whole_model_is_one_micro_batch() -> None:
+def test_a_reentrant_checkpoint_of_the_whole_model_is_one_micro_batch(
+        checkpointed_blocks: type[nn.Module]) -> None:
     """The root itself recomputed inside backward: its forward under no_grad recorded
     nothing, and its recomputation is the micro-batch's one forward with grad."""
     from torch.utils.checkpoint import checkpoint
@@ -426,7 +407,7 @@ def test_a_reentrant_checkpoint_of_the_whole_model_is_one_micro_batch() -> None:
     from torchscope.grads import watch_gradients
 
     torch.manual_seed(0)
-    model = _Checkpointed(None)
+    model = checkpointed_blocks(None)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.randn(4, 8, requires_grad=True)  # else reentrant checkpointing drops every grad
     with watch_gradients(model, optimizer=opt) as watch:
@@ -443,14 +424,15 @@ def test_a_reentrant_checkpoint_of_the_whole_model_is_one_micro_batch() -> None:
     assert flow.get("blocks.0.0").reached
 
 
-def test_a_reentrant_checkpoint_without_input_grad_is_named_as_the_cause() -> None:
+def test_a_reentrant_checkpoint_without_input_grad_is_named_as_the_cause(
+        checkpointed_blocks: type[nn.Module]) -> None:
     """The classic trap: a reentrant checkpoint over an input that does not require grad.
     torch gives every parameter inside no gradient (and a UserWarning); the finding must
     name the cause and its fix, not tell the user to make the loss depend on them."""
     from torchscope.grads.records import RAN_IN_REENTRANT_CHECKPOINT
 
     torch.manual_seed(0)
-    model = _Checkpointed(True)
+    model = checkpointed_blocks(True)
     x = torch.randn(4, 8)  # data: no grad
     with pytest.warns(UserWarning, match="None of the inputs have requires_grad=True"):
         flow = gradient_flow(model, x, loss_fn="sum")

@@ -54,15 +54,12 @@ from __future__ import annotations
 
 import functools
 import math
-import sys
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from types import FrameType
 from typing import Any, Literal
 
 import torch
-import torch.utils.checkpoint
 from torch import nn
 
 from torchscope import _kernels
@@ -91,6 +88,7 @@ from torchscope.grads.records import (
     TensorGrad,
     combine_norms,
 )
+from torchscope.hooks.checkpoints import in_backward, in_reentrant_forward
 from torchscope.hooks.lifecycle import HookedContext
 from torchscope.hooks.parallel import parallel_wrapper
 from torchscope.hooks.select import Selector, select_modules
@@ -101,9 +99,6 @@ from torchscope.step import StepInfo
 __all__ = ["GradCollector", "with_updates"]
 
 _HALF = (torch.float16, torch.bfloat16)
-_MAX_FRAMES = 64  # Python frames looked through for a reentrant checkpoint's forward
-# Its one `forward` is CheckpointFunction's.
-_CHECKPOINT_FILE = torch.utils.checkpoint.__file__
 _MAX_WALK = 256  # nodes followed back from an in-place op to the input's producer
 _MAX_PLAN = 16  # nodes followed behind a call's outputs to find where its inputs enter
 _NATIVE_LIST_MEAN = 16384  # elements per tensor, on average, for the native list norms
@@ -197,36 +192,6 @@ class _NodeReads:
 
     outs: list[tuple[_Slot, int]] = field(default_factory=list)  # (slot, index in grad_outputs)
     ins: list[tuple[_Slot, int]] = field(default_factory=list)  # (slot, index in grad_inputs)
-
-
-def _in_backward() -> Literal["no", "replay", "reentrant"]:
-    """Where a forward that runs now stands: `no` outside backward; inside it, a
-    checkpoint's recomputation. Non-reentrant checkpointing (`use_reentrant=False`)
-    recomputes only to refill saved tensors, a `replay`: backward runs the first forward's
-    graph, hooked then. Reentrant checkpointing (torch's default when `use_reentrant` is not
-    given) ran the first forward under no_grad, and its node (`CheckpointFunctionBackward`)
-    backpropagates through the graph that the recomputation builds, in a nested backward:
-    that `reentrant` forward is the one to record."""
-    node = torch._C._current_autograd_node()
-    if node is None:
-        return "no"
-    return "reentrant" if type(node).__name__ == "CheckpointFunctionBackward" else "replay"
-
-
-def _in_reentrant_checkpoint() -> bool:
-    """Whether the caller runs inside the forward of a reentrant checkpoint
-    (`torch.utils.checkpoint.CheckpointFunction`, which runs it under no_grad): a walk up
-    the Python stack, taken once per module and step, and only for a module that ran with
-    gradients disabled inside a forward with them."""
-    frame: FrameType | None = sys._getframe(1)
-    for _ in range(_MAX_FRAMES):
-        if frame is None:
-            return False
-        code = frame.f_code
-        if code.co_name == "forward" and code.co_filename == _CHECKPOINT_FILE:
-            return True
-        frame = frame.f_back
-    return False
 
 
 def _is_plain(t: torch.Tensor) -> bool:
@@ -751,7 +716,7 @@ class GradCollector(HookedContext):
 
     # ------------------------------------------------------------------ hooks
     def _on_root_forward(self, _m: nn.Module, _args: tuple[Any, ...]) -> None:
-        where = _in_backward()
+        where = in_backward()
         if where != "no":
             # The root's own recomputation: a replay records nothing; a reentrant one is
             # this micro-batch's only forward with grad (its first ran under no_grad).
@@ -785,7 +750,7 @@ class GradCollector(HookedContext):
         a call that is not recorded, once per module and step."""
         if self.active and self._root_grad and self._in_root and \
                 not torch.is_grad_enabled() and name not in self._no_grad_calls:
-            self._no_grad_calls[name] = _in_reentrant_checkpoint()
+            self._no_grad_calls[name] = in_reentrant_forward()
 
     def _read_simple_calls(self) -> None:
         """Read the simple calls the forward put off (`_read_simple_call`), in their order.
@@ -1082,9 +1047,9 @@ class GradCollector(HookedContext):
 
         def skipped() -> bool:
             # Unsampled steps, eval forwards, and a non-reentrant checkpoint's replay
-            # (forward again, inside backward; see `_in_backward`).
+            # (forward again, inside backward; see `in_backward`).
             return not self.active or not torch.is_grad_enabled() or \
-                _in_backward() == "replay"
+                in_backward() == "replay"
 
         def new_call() -> _Call:
             count, seq = self._number_call(name)

@@ -17,19 +17,16 @@ keeps a reused address from being mistaken for the same storage.
 
 from __future__ import annotations
 
-import functools
-import sys
 from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
-from types import FrameType
 from typing import Any
 
 import torch
-import torch.utils.checkpoint
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from torchscope.hooks.checkpoints import checkpoint_saving, checkpointed_module
 from torchscope.hooks.parallel import unwrap_parallel
 from torchscope.hooks.select import Selector, select_modules
 from torchscope.hooks.session import HookSession
@@ -49,50 +46,6 @@ from torchscope.memory.records import (
     StorageKind,
 )
 from torchscope.step import LossSpec, Step, StepInfo
-
-_CHECKPOINT_FILE = torch.utils.checkpoint.__file__
-_CHECKPOINT_FRAMES = 6  # frames between a pack hook and `torch.utils.checkpoint.checkpoint`
-
-
-def _checkpointed_function() -> tuple[bool, Any]:
-    """Whether the tensor being packed now is an input that `torch.utils.checkpoint` saves
-    (both kinds save their inputs through the ambient saved-tensor hooks, from its own
-    file, just below the hook), and the function it checkpoints (None where not found)."""
-    frame: FrameType | None = sys._getframe(2)  # the pack hook's caller
-    found = False
-    for _ in range(_CHECKPOINT_FRAMES):
-        if frame is None:
-            break
-        code = frame.f_code
-        if code.co_filename == _CHECKPOINT_FILE:
-            found = True
-            if code.co_name == "checkpoint":
-                return True, frame.f_locals.get("function")
-        elif found:
-            break
-        frame = frame.f_back
-    return found, None
-
-
-def _module_of(fn: Any) -> nn.Module | None:
-    """The module a checkpointed function runs: the module itself, one of its bound methods
-    (`block.forward`), either inside `functools.partial`, or a partial of a plain function
-    with the module first (transformers' layers: `partial(forward, self, **kwargs)`)."""
-    for _ in range(8):
-        if isinstance(fn, nn.Module):
-            return fn
-        if isinstance(fn, functools.partial):
-            inner = fn.func
-            if not isinstance(inner, (nn.Module, functools.partial)) and \
-                    getattr(inner, "__self__", None) is None and fn.args and \
-                    isinstance(fn.args[0], nn.Module):
-                return fn.args[0]
-            fn = inner
-        elif isinstance(getattr(fn, "__self__", None), nn.Module):
-            fn = fn.__self__
-        else:
-            return None
-    return None
 
 
 @dataclass
@@ -190,9 +143,9 @@ class _Recorder:
             # Not one of torchscope's own checkpoint segments: a checkpoint in the model's
             # code keeps the inputs of what it checkpoints, for that module, not for the
             # module whose forward called `checkpoint`.
-            held, fn = _checkpointed_function()
+            held, fn = checkpoint_saving()
             if held:
-                target = _module_of(fn)
+                target = checkpointed_module(fn)
                 name = self._names.get(id(target)) if target is not None else None
                 if name is not None:
                     module, module_type = self._row(name, self._types.get(name, ""))
