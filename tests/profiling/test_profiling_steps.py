@@ -294,7 +294,11 @@ def test_select_times_only_chosen_modules() -> None:
     assert rec.forward_modules_ms + rec.forward_outside_ms == pytest.approx(rec.forward_ms)
 
 
-def test_checkpoint_recompute_counts_as_backward() -> None:
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpoint_recompute_counts_as_backward(reentrant: bool) -> None:
+    """A reentrant checkpoint's layers make their nodes inside backward, in its
+    recomputation: every one of them had 0 ms of backward, all of it going to the module
+    that called `checkpoint`."""
     from torch.utils.checkpoint import checkpoint
 
     class Net(nn.Module):
@@ -304,7 +308,7 @@ def test_checkpoint_recompute_counts_as_backward() -> None:
             self.head = nn.Linear(32, 4)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.head(checkpoint(self.block, x, use_reentrant=False))
+            return self.head(checkpoint(self.block, x, use_reentrant=reentrant))
 
     net = Net()
     result = profile_steps(net, torch.randn(8, 32, requires_grad=True), steps=2,
@@ -312,9 +316,18 @@ def test_checkpoint_recompute_counts_as_backward() -> None:
     block = result.module("block")
     # The recomputation inside backward is not a second forward call...
     assert block.calls == 2
+    assert result.module("block.0").calls == 2
     # ...and block's backward nodes (and their recompute) are still attributed to it.
     assert block.backward_nodes > 0 and block.backward_ms > 0
-    assert result.module("block.0").backward_nodes > 0
+    for leaf in ("block.0", "block.2"):  # AddmmBackward0 and TBackward0, each step
+        assert result.module(leaf).backward_nodes == 4 and result.module(leaf).backward_ms > 0
+    if reentrant:  # the recomputation is the checkpointed module's own backward work
+        assert block.backward_self_ms > 0
+    rec = result.reconciliation
+    bwd_self = sum(m.backward_self_ms for m in result.modules)
+    assert bwd_self == pytest.approx(rec.backward_modules_ms, rel=1e-6)
+    assert (rec.backward_modules_ms + rec.backward_outside_ms + rec.backward_accumulate_ms
+            + rec.backward_engine_ms) == pytest.approx(result.phase("backward").cpu_ms, rel=1e-6)
 
 
 def test_module_ranges_whose_open_fails_removes_the_hooks_it_added(

@@ -12,6 +12,13 @@ Nodes whose forward op ran outside every module (the loss) or before profiling b
 `AccumulateGrad` (which has no sequence number), are reported separately so that module,
 outside and engine times add up to the backward phase.
 
+A reentrant checkpoint (`torch.utils.checkpoint` with `use_reentrant=True`) ran its first
+forward under no_grad: its layers made no node then. Its one node,
+`CheckpointFunctionBackward`, runs their forward again and a backward of its own inside
+itself. That node is opened up: the recomputation's module ranges and ops are read as a
+forward would be (not counted as calls), its nested nodes are attributed through them, and
+what is left of it, the recomputation, is backward time of the checkpointed module.
+
 Communication is no module's own work: collectives (`is_comm`) and FSDP2's own ranges
 (`FSDP::pre_forward`, `FSDP::post_backward_reduce`, ...) that run inside a module's range or
 backward node are taken out of its self time and counted outside modules, so that on a
@@ -32,6 +39,7 @@ __all__ = ["EVALUATE_PREFIX", "Attribution", "attribute"]
 
 EVALUATE_PREFIX = "autograd::engine::evaluate_function: "
 _ACCUMULATE = "AccumulateGrad"
+_REENTRANT = "CheckpointFunctionBackward"
 
 
 @dataclass
@@ -57,6 +65,7 @@ class _Ctx:
     in_backward: bool = False
     phase: str | None = None
     in_comm: bool = False  # inside a collective or an FSDP range already counted
+    recompute: int | None = None  # inside a reentrant checkpoint's node: that event's id
 
 
 @dataclass(frozen=True)
@@ -124,6 +133,10 @@ def attribute(events: Iterable[Any], labels: Mapping[str, tuple[str, str]]) -> A
     seq_owner: dict[tuple[int, int], tuple[str, ...]] = {}
     nodes: list[Any] = []  # backward node events, outermost ones only
     fwd_modules_in_phase = 0.0
+    # Reentrant checkpoints' nodes: event id -> (event, the module chain its recomputation
+    # runs in, its nested nodes' time); their nested nodes are in `nodes`.
+    recomputes: dict[int, tuple[Any, tuple[str, ...], list[float]]] = {}
+    checkpointed: set[int] = set()  # those whose checkpointed module was found
 
     # Depth-first walk with an explicit stack: models nest deep enough to hit recursion limits.
     stack: list[tuple[Any, _Ctx]] = [(r, _Ctx()) for r in reversed(roots)]
@@ -141,6 +154,16 @@ def attribute(events: Iterable[Any], labels: Mapping[str, tuple[str, str]]) -> A
             slot[1] += _dur(ev)
             slot[2] += _dev(ev)
             new = _Ctx(ctx.modules, ctx.in_backward, name)
+        elif name in labels and ctx.recompute is not None and not ctx.in_backward:
+            # A module range in a reentrant checkpoint's recomputation: no call of its own.
+            mod = labels[name][0]
+            if mod in acc:
+                node, target, nested = recomputes[ctx.recompute]
+                if ctx.modules == tuple((m, -1) for m in target) and \
+                        ctx.recompute not in checkpointed:  # the checkpointed module itself
+                    checkpointed.add(ctx.recompute)
+                    recomputes[ctx.recompute] = (node, (*target, mod), nested)
+                new = _Ctx((*ctx.modules, (mod, -1)), False, ctx.phase, recompute=ctx.recompute)
         elif name in labels:
             mod, mtype = labels[name]
             if not ctx.in_backward:
@@ -155,15 +178,27 @@ def attribute(events: Iterable[Any], labels: Mapping[str, tuple[str, str]]) -> A
                     parent_id = ctx.modules[-1][1]
                     child_us[parent_id] = child_us.get(parent_id, 0.0) + _dur(ev)
                 new = _Ctx((*ctx.modules, (mod, ev.id)), ctx.in_backward, ctx.phase)
+        elif name.startswith(EVALUATE_PREFIX) and not ctx.in_backward and \
+                name.endswith(_REENTRANT):
+            owner = seq_owner.get((int(ev.fwd_thread), int(ev.sequence_nr))) \
+                if ev.fwd_thread is not None and ev.sequence_nr is not None else None
+            base = owner or ()
+            recomputes[ev.id] = (ev, base, [])
+            if ctx.recompute is not None:
+                recomputes[ctx.recompute][2].append(_dur(ev))
+            new = _Ctx(tuple((m, -1) for m in base), False, ctx.phase, recompute=ev.id)
         elif name.startswith(EVALUATE_PREFIX):
             if not ctx.in_backward:
                 nodes.append(ev)
+                if ctx.recompute is not None:
+                    recomputes[ctx.recompute][2].append(_dur(ev))
             new = _Ctx(ctx.modules, True, ctx.phase)
         elif _is_comm(name) and not ctx.in_backward and not ctx.in_comm:
-            if ctx.modules:  # not the enclosing module's own work: out of its self time
+            if ctx.modules and ctx.recompute is None:  # out of the enclosing module's self time
                 parent_id = ctx.modules[-1][1]
                 child_us[parent_id] = child_us.get(parent_id, 0.0) + _dur(ev)
-            new = _Ctx(ctx.modules, ctx.in_backward, ctx.phase, in_comm=True)
+            new = _Ctx(ctx.modules, ctx.in_backward, ctx.phase, in_comm=True,
+                       recompute=ctx.recompute)
         elif not ctx.in_backward and ev.sequence_nr is not None and ev.sequence_nr >= 0:
             # Every op records the thread's next sequence number, but only an op that
             # creates an autograd node moves it on: ops that create none (`loss.detach()`,
@@ -183,6 +218,19 @@ def attribute(events: Iterable[Any], labels: Mapping[str, tuple[str, str]]) -> A
 
     bwd_modules = bwd_outside = bwd_accum = 0.0
     unmatched = 0
+    for ev, where, nested in recomputes.values():
+        # What its nested nodes do not cover: the recomputation, the checkpointed module's.
+        comm = _comm_us(ev)
+        d = max(_dur(ev) - sum(nested) - comm, 0.0)
+        bwd_outside += comm
+        if not where:
+            bwd_outside += d
+            continue
+        bwd_modules += d
+        acc[where[-1]].bwd_self_us += d
+        for mod in dict.fromkeys(where):
+            acc[mod].bwd_us += d
+            acc[mod].nodes += 1
     for ev in nodes:
         comm = _comm_us(ev)
         d = _dur(ev) - comm
