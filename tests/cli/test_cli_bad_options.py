@@ -103,3 +103,19 @@ def test_bare_command_still_shows_the_help() -> None:
     result = runner.invoke(app, [])
     assert result.exit_code == 2
     assert "Usage" in result.output and "capture" in result.output and "error:" not in result.output
+
+
+def test_a_torchscript_model_is_one_line_before_any_work(tmp_path: Path) -> None:
+    """A scripted model calls no Python hook: every section of the doctor failed on it, and
+    it said that nothing looked wrong. One line instead, and no report folder."""
+    (tmp_path / "scripted.py").write_text(
+        "import torch\n"
+        "from torch import nn\n\n\n"
+        "def build():\n"
+        "    return torch.jit.script(nn.Sequential(nn.Linear(8, 8), nn.ReLU()))\n")
+    out = tmp_path / "report"
+    for command in ("doctor", "grads", "capture"):
+        _assert_one_line_error([command, f"{tmp_path / 'scripted.py'}:build", "--input", "4x8",
+                                *(["--out", str(out)] if command == "doctor" else [])],
+                               "TorchScript module", "pass the eager module")
+    assert not out.exists()

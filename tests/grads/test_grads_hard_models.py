@@ -474,3 +474,27 @@ def test_a_module_run_under_no_grad_in_the_forward_is_info_with_its_cause() -> N
     assert [(f.severity, f.module) for f in unreached] == [(Severity.INFO, "teacher")]
     assert "torch.no_grad" in unreached[0].fix
     assert not [f for f in flow.findings() if f.severity >= Severity.WARNING]
+
+
+def test_a_torchscript_submodule_is_left_out_and_its_parameters_still_measured() -> None:
+    """`register_forward_pre_hook is not supported on ScriptModules` was raised from inside
+    gradient_flow; the scripted part's parameters are still plain parameters."""
+
+    class Scripted(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.relu(self.lin(x))
+
+    model = nn.Sequential(torch.jit.script(Scripted()), nn.Linear(8, 2))
+    x = torch.randn(4, 8)
+    before = _plain_grads(model, lambda: model(x).sum().backward())
+    flow = gradient_flow(model, x, loss_fn="sum")
+    _assert_same_grads(model, before)
+    assert [r.module for r in flow.modules] == ["1"]
+    assert {p.name for p in flow.params} == set(before)
+    for p in flow.params:
+        assert _close(p.norm, before[p.name].norm().item()), p.name
+    assert audit_hooks(model).local_total == 0

@@ -17,6 +17,7 @@ from torchscope.doctor.section import DoctorOptions, Section
 from torchscope.doctor.sections import registered_sections
 from torchscope.errors import TorchscopeError, describe
 from torchscope.findings import Analyzed
+from torchscope.hooks.session import check_not_scripted
 from torchscope.report.document import Report, SectionOutcome, TargetInfo, machine_facts
 from torchscope.step import Step, StepInfo
 
@@ -116,6 +117,8 @@ def run_doctor(
             `options.loss_fn`, an unknown loss).
     """
     options = options or DoctorOptions()
+    # Every section would fail on it the same way: one error, before any work.
+    check_not_scripted(model.model if isinstance(model, Step) else model)
     step = _doctor_step(model, inputs, options)
     chosen = list(sections) if sections is not None else registered_sections()
     created = datetime.now(timezone.utc).isoformat(timespec="seconds")

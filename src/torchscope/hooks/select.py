@@ -8,18 +8,36 @@ import functools
 import re
 from collections.abc import Callable, Sequence
 
+import torch
 from torch import nn
 
 from torchscope.errors import SelectionError
 
-__all__ = ["Selector", "select_modules"]
+__all__ = ["Selector", "hookable_modules", "select_modules"]
 
 Predicate = Callable[[str, nn.Module], bool]
 Selector = str | type[nn.Module] | Predicate | Sequence["str | type[nn.Module]"] | None
 
 
+def hookable_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """`model.named_modules()` without TorchScript modules and what is inside them: a
+    `torch.jit.ScriptModule` runs compiled code that calls no Python hook, and refuses to
+    take one (`register_forward_hook` raises). Their parameters still get gradients."""
+    out: list[tuple[str, nn.Module]] = []
+    scripted: list[str] = []
+    for name, module in model.named_modules():
+        if any(name == s or name.startswith(s + ".") for s in scripted):
+            continue
+        if isinstance(module, torch.jit.ScriptModule):
+            scripted.append(name)
+            continue
+        out.append((name, module))
+    return out
+
+
 def _is_leaf(module: nn.Module) -> bool:
-    return next(module.children(), None) is None
+    # A module whose children are all TorchScript (unhookable) is the deepest one to hook.
+    return all(isinstance(c, torch.jit.ScriptModule) for c in module.children())
 
 
 def _depth(name: str) -> int:
@@ -96,7 +114,9 @@ def select_modules(
             f"depth={depth} selects no module; expected 0 (the root) or more levels.",
             fix="pass depth=1 for the root's children, or depth=None for no limit.",
         )
-    named = [(n, m) for n, m in model.named_modules() if include_root or n != ""]
+    # A TorchScript submodule takes no hook: left out, and its eager parent, whose only
+    # child it may be, counts as a leaf.
+    named = [(n, m) for n, m in hookable_modules(model) if include_root or n != ""]
     if select is None:
         # The leaves (down to `depth`), and with a depth every module exactly there.
         picked = [(n, m) for n, m in named if _depth(n) == depth

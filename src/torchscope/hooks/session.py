@@ -24,6 +24,7 @@ from torchscope.hooks.compiled import (
     unwrap_compiled,
 )
 from torchscope.hooks.parallel import unwrap_parallel
+from torchscope.hooks.select import hookable_modules
 
 
 class _Removable(Protocol):
@@ -38,6 +39,23 @@ ForwardHook = Callable[[nn.Module, tuple[Any, ...], Any], Any] | \
 ForwardPreHook = Callable[[nn.Module, tuple[Any, ...]], Any] | \
     Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], Any]
 TensorHook = Callable[[torch.Tensor], torch.Tensor | None]
+
+
+def check_not_scripted(model: nn.Module) -> None:
+    """Raise when `model` is a TorchScript module: it runs compiled code that calls no
+    Python hook, and refuses to take one. (A scripted submodule is only left out: see
+    `hookable_modules`.)
+
+    Raises:
+        TorchscopeError: `model` is a `torch.jit.ScriptModule`.
+    """
+    if isinstance(model, torch.jit.ScriptModule):
+        raise TorchscopeError(
+            f"the model is a TorchScript module ({type(model).__name__}, from "
+            "torch.jit.script or torch.jit.trace): it runs compiled code that calls no "
+            "Python hook, so nothing inside it can be measured.",
+            fix="pass the eager module you scripted; to make it faster, torch.compile it "
+            "instead (torchscope sees through torch.compile).")
 
 
 class HookSession:
@@ -83,6 +101,7 @@ class HookSession:
             model = unwrap_parallel(model)
             if "torch._dynamo" in sys.modules:
                 model = unwrap_compiled(model)
+        check_not_scripted(model)
         self._model_ref: weakref.ReferenceType[nn.Module] = weakref.ref(model)
         self._guard_entered = False
         self._handles: list[_Removable] = []
@@ -249,7 +268,7 @@ class HookSession:
             return self._stack
         stack: list[str] = []
         self._stack = stack
-        for name, module in self.model.named_modules():
+        for name, module in hookable_modules(self.model):
 
             def push(_m: nn.Module, _a: tuple[Any, ...], _n: str = name) -> None:
                 if not _n:
