@@ -192,3 +192,25 @@ def test_measured_plans_carry_their_slowdown(deep_report) -> None:
     for f in report.findings():
         if f.code == "memory.checkpoint_plan":
             assert " at -" not in f.summary  # a cost is never negative
+
+
+class _Scripted(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x))
+
+
+def test_a_torchscript_block_is_no_block_to_plan() -> None:
+    """A scripted child takes no hook: as a block, the planner's input hooks raised
+    `register_forward_pre_hook is not supported on ScriptModules`."""
+    model = nn.Sequential(torch.jit.script(_Scripted()),
+                          *(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(3)))
+    assert ckpt.resolve_blocks(model).names == ("1", "2", "3")
+    assert not ckpt.resolve_blocks(model).groupable  # "0" sits between them and the loop
+    report = analyze_memory(model, torch.randn(8, 16, requires_grad=True), loss_fn="sum",
+                            checkpoint="auto")
+    assert report.saved.total_bytes > 0
+    assert report.chosen_plan is not None

@@ -94,10 +94,13 @@ def no_blocks_message(model: nn.Module) -> str:
 
 def _container_blocks(name: str, m: nn.Module) -> Blocks:
     prefix = f"{name}." if name else ""
-    names = tuple(prefix + child for child in m._modules if m._modules[child] is not None)
+    children = [(child, c) for child, c in m._modules.items() if c is not None]
+    # A TorchScript child takes no hook, so the planner cannot measure it: not a block.
+    names = tuple(prefix + child for child, c in children
+                  if not isinstance(c, torch.jit.ScriptModule))
     # Only a plain nn.Sequential's loop can be replaced by one that groups its children.
     plain = (isinstance(m, nn.Sequential) and type(m).forward is nn.Sequential.forward
-             and "forward" not in vars(m))
+             and "forward" not in vars(m) and len(names) == len(children))
     return Blocks(names, name if plain else None)
 
 
