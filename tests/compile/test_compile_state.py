@@ -216,3 +216,26 @@ def test_a_helper_the_user_compiled_keeps_its_code_and_counts_no_recompile() -> 
     with watch_recompiles() as w, torch.no_grad():
         torch.testing.assert_close(user(x), user._orig_mod(x))
     assert w.compiles == 0
+
+
+class _Scripted(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x).relu()
+
+
+def test_a_torchscript_submodule_is_measured_in_this_process() -> None:
+    """torch.save cannot write a scripted submodule for the child process (RuntimeError,
+    not a pickling error): that stopped the report; it measures here instead."""
+    net = nn.Sequential(torch.jit.script(_Scripted()), nn.Linear(8, 2))
+    x = torch.randn(4, 8)
+    before = _process()
+    report = compile_report(net, x, modes=("default",), iters=2, warmup=0)
+    _assert_same(before)
+    m = report.mode("default")
+    assert m.status == "ok", m.error
+    assert not m.isolated
+    assert any("cannot be pickled (RuntimeError" in n for n in report.notes), report.notes

@@ -134,8 +134,9 @@ def _run_child(job: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         job_path, result_path, log_path = tmpdir / "job.pt", tmpdir / "result.pkl", tmpdir / "log"
         try:
             torch.save(job, job_path)
-        except (pickle.PickleError, TypeError, AttributeError) as exc:
-            # A local class or a lambda hook: the model cannot travel to a child.
+        except (pickle.PickleError, TypeError, AttributeError, RuntimeError) as exc:
+            # A local class or a lambda hook: the model cannot travel to a child; nor can a
+            # TorchScript submodule (torch.save raises RuntimeError: no __getstate__).
             return {"status": "not_sent", "error": "the model or its inputs cannot be "
                                                    f"pickled ({type(exc).__name__}: {exc})"}
         # The child imports what this process imports: same torchscope, same user modules.
