@@ -169,3 +169,19 @@ def test_nan_onset_names_the_step_and_the_module(every: int) -> None:
         assert onset.forward_step == 15
         assert "first held NaN/Inf at step 12" in f.summary
         assert "at step 15" in f.summary
+
+
+@pytest.mark.slow
+def test_a_compiled_model_is_said_to_run_eagerly_under_the_monitor() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    compiled = torch.compile(model, backend="eager")  # never compiled: eager under the monitor
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    run = _run(compiled, opt, 4, 2)
+    assert run.compiled == ("",)
+    found = [f for f in run.findings() if f.code == "run.compiled_eager"]
+    assert [f.severity for f in found] == [Severity.INFO]
+    assert "(<root>) ran eagerly for the whole run" in found[0].summary
+    plain = _run(model, opt, 4, 2)
+    assert plain.compiled == ()
+    assert not [f for f in plain.findings() if f.code == "run.compiled_eager"]

@@ -315,6 +315,21 @@ def section_of(finding: Finding) -> str:
     return "run"
 
 
+def _compiled(record: RunRecord) -> list[Finding]:
+    if not record.compiled:
+        return []
+    where = ", ".join(n or "<root>" for n in record.compiled[:3]) + \
+        (", ..." if len(record.compiled) > 3 else "")
+    return [Finding(
+        "run.compiled_eager", Severity.INFO,
+        f"the model's compiled parts ({where}) ran eagerly for the whole run: torchscope's "
+        "hooks fire only in eager code, so the monitor keeps them eager from its start to "
+        "its end, and the step times here are eager ones",
+        {"compiled": len(record.compiled), "steps": record.steps},
+        fix="to train at compiled speed, open the monitor around a stretch of the run only "
+            "(its report covers that stretch).")]
+
+
 @analyzer(RunRecord)
 def analyze_run(record: RunRecord, thresholds: RunThresholds | None = None
                 ) -> list[Finding]:
@@ -329,6 +344,6 @@ def analyze_run(record: RunRecord, thresholds: RunThresholds | None = None
     run = _nonfinite(record)
     found: Sequence[Finding] = [
         *_stopped(record), *run, *_skipped(record, t), *_gradient_trends(record, t),
-        *_activation_drift(record, t), *_dead_growth(record, t),
+        *_activation_drift(record, t), *_dead_growth(record, t), *_compiled(record),
         *_capabilities(record, replaced=bool(run))]
     return rank(found)

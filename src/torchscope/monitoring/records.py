@@ -138,6 +138,8 @@ class RunRecord(Analyzed):
         profile_note: why there is no profile when one was asked for.
         optimizer: the optimizer's class name (None: none was given).
         scaler: whether a GradScaler scaled the loss.
+        compiled: the model's `torch.compile`d parts (`""` is the root): they ran eagerly
+            for the whole run, as every capability runs them while its hooks are on.
     """
 
     model: str
@@ -172,6 +174,7 @@ class RunRecord(Analyzed):
     profile_note: str = ""
     optimizer: str | None = None
     scaler: bool = False
+    compiled: tuple[str, ...] = ()
 
     @property
     def median_step_ms(self) -> float | None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import sys
 import time
 import warnings
 from collections.abc import Callable, Mapping
@@ -29,6 +30,7 @@ from torchscope.capture import ActivationCapture, trace_nonfinite
 from torchscope.capture.analyze import leaf_modules
 from torchscope.errors import TorchscopeError, describe
 from torchscope.grads import GradFlow, GradWatch
+from torchscope.hooks.compiled import compiled_parts
 from torchscope.hooks.lifecycle import HookedContext
 from torchscope.hooks.select import Selector
 from torchscope.hooks.session import HookSession
@@ -149,6 +151,7 @@ class Monitor(HookedContext):
         self._cuda: torch.device | None = None
         self._order: dict[str, int] = {}
         self._facts: tuple[str, int, int, str] = (type(model).__name__, 0, 0, "cpu")
+        self._compiled: tuple[str, ...] = ()
         self.latest: dict[str, float] = {}
         self.result: RunRecord | None = None
         self.paths: tuple[Path, Path] | None = None
@@ -163,6 +166,8 @@ class Monitor(HookedContext):
         self._cuda = device if device.type == "cuda" else None
         # Layers in the model's order (the input side first) in every series.
         self._order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+        # torch.compile imports torch._dynamo: without it nothing is compiled.
+        self._compiled = compiled_parts(model) if "torch._dynamo" in sys.modules else ()
         self._facts = (type(model).__name__, sum(p.numel() for p in params),
                        sum(p.numel() for p in params if p.requires_grad), str(device))
         if self._want_activations:
@@ -387,6 +392,7 @@ class Monitor(HookedContext):
             profile=self._profile,
             profile_note=self._profile_note if self._profile_steps else "",
             optimizer=self._optimizer_name, scaler=self._scaler is not None,
+            compiled=self._compiled,
         )
 
 
