@@ -115,6 +115,22 @@ def test_compiled_capture_whose_enter_fails_restores_the_stance(
     assert eval_frame._stance.stance == "default"
 
 
+def test_captures_closed_in_the_order_they_opened_restore_the_stance() -> None:
+    """The run monitor opens one capture per watch and closes them first to last: each
+    restored the stance it had found, `force_eager` for all but the first."""
+    import torch._dynamo.eval_frame as eval_frame
+
+    compiled = torch.compile(TinyCNN(), backend="eager")
+    first, second = compiled_capture(compiled), compiled_capture(compiled)
+    first.__enter__()
+    second.__enter__()
+    assert eval_frame._stance.stance == "force_eager"
+    first.__exit__(None, None, None)
+    assert eval_frame._stance.stance == "force_eager"  # the second still needs it
+    second.__exit__(None, None, None)
+    assert eval_frame._stance.stance == "default"
+
+
 def test_hook_session_on_a_compiled_model_leaves_the_process_as_found() -> None:
     import os
 

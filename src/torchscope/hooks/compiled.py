@@ -167,6 +167,40 @@ def check_compiled(model: nn.Module, *, policy: Policy = "eager", what: str = "c
     return CompiledCheck(parts, policy)
 
 
+class _SharedEagerStance:
+    """`torch.compiler.set_stance("force_eager")`, held while any capture needs it.
+
+    Several captures can be open on one model at once (the run monitor opens one per watch)
+    and close in any order. Each entering the stance context on its own restored, on exit,
+    the stance it had found, which for all but the first was `force_eager`: closed first to
+    last, they left the process eager for good. The first to acquire enters the stance and
+    the last to release leaves it, whatever the order in between.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._count = 0
+        self._held: contextlib.ExitStack | None = None
+
+    def acquire(self) -> None:
+        with self._lock:
+            if self._count == 0:
+                stack = contextlib.ExitStack()
+                stack.enter_context(torch.compiler.set_stance("force_eager"))
+                self._held = stack
+            self._count += 1
+
+    def release(self) -> None:
+        with self._lock:
+            self._count -= 1
+            if self._count == 0 and self._held is not None:
+                held, self._held = self._held, None
+                held.close()
+
+
+_EAGER = _SharedEagerStance()
+
+
 class CompiledCapture:
     """Context manager: compiled parts of the model run eagerly while torchscope captures.
 
@@ -192,7 +226,8 @@ class CompiledCapture:
             # `with` never calls __exit__ when __enter__ raises: this stack restores the
             # stance itself unless both parts started.
             with contextlib.ExitStack() as stack:
-                stack.enter_context(torch.compiler.set_stance("force_eager"))
+                _EAGER.acquire()
+                stack.callback(_EAGER.release)
                 self._counter = stack.enter_context(CompileCounter())
                 self._stack = stack.pop_all()
         return self
