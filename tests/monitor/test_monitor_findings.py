@@ -173,6 +173,9 @@ def test_nan_onset_names_the_step_and_the_module(every: int) -> None:
 
 @pytest.mark.slow
 def test_a_compiled_model_is_said_to_run_eagerly_under_the_monitor() -> None:
+    """...and runs compiled again after it: the monitor's watches, each holding the eager
+    stance and closed in the order they opened, had left the process in force_eager."""
+    stance = str(torch._dynamo.eval_frame._stance.stance)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
     compiled = torch.compile(model, backend="eager")  # never compiled: eager under the monitor
@@ -182,6 +185,7 @@ def test_a_compiled_model_is_said_to_run_eagerly_under_the_monitor() -> None:
     found = [f for f in run.findings() if f.code == "run.compiled_eager"]
     assert [f.severity for f in found] == [Severity.INFO]
     assert "(<root>) ran eagerly for the whole run" in found[0].summary
+    assert str(torch._dynamo.eval_frame._stance.stance) == stance == "default"
     plain = _run(model, opt, 4, 2)
     assert plain.compiled == ()
     assert not [f for f in plain.findings() if f.code == "run.compiled_eager"]
