@@ -87,6 +87,83 @@ def test_the_head_above_the_blocks_is_not_part_of_the_depth_trend() -> None:
     assert [u.name for u in plain.body] == ["2", "0"]
 
 
+class _EncoderDecoder(nn.Module):
+    """Two stacks, as in an encoder-decoder: every decoder layer reads the encoder's output
+    (what cross-attention does), so the encoder's gradient comes from all of them at once.
+    The encoder's layers end in `encoder_act`."""
+
+    def __init__(self, encoder_act: type[nn.Module], encoder_depth: int) -> None:
+        super().__init__()
+        self.encoder = nn.Module()
+        self.encoder.layers = nn.ModuleList(
+            nn.Sequential(nn.Linear(32, 32), encoder_act()) for _ in range(encoder_depth))
+        self.decoder = nn.Module()
+        self.decoder.layers = nn.ModuleList(
+            nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(4))
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        memory = x
+        for layer in self.encoder.layers:  # type: ignore[union-attr]
+            memory = layer(memory)  # (B, 32)
+        h = x
+        for layer in self.decoder.layers:  # type: ignore[union-attr]
+            h = layer(h) + 0.1 * memory  # (B, 32)
+        out: torch.Tensor = self.head(h)  # (B, 10)
+        return out
+
+
+def test_an_encoder_and_a_decoder_are_judged_apart() -> None:
+    """A transformers BART at initialisation: level within each stack, about 90x lower in
+    the encoder, which gets its gradient through cross-attention. Fitted as one chain, that
+    step read as likely vanishing gradients (a warning)."""
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    torch.manual_seed(0)
+    model = BartForConditionalGeneration(BartConfig(
+        vocab_size=100, d_model=32, encoder_layers=2, decoder_layers=2,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+        decoder_ffn_dim=64, max_position_embeddings=64))
+    ids = torch.randint(0, 100, (2, 16))
+    flow = gradient_flow(model, {"input_ids": ids, "labels": ids})
+    prof = depth_profile(flow)
+    assert [[u.name for u in stack] for stack in prof.stacks] == [
+        ["model.decoder.layers.0"], ["model.encoder.layers.1", "model.encoder.layers.0"]]
+    dec, enc = prof.stacks[0][0], prof.stacks[1][0]
+    assert dec.relative is not None and enc.relative is not None
+    assert dec.relative > 50 * enc.relative  # the step between the stacks
+    assert [f for f in flow.findings() if f.code == "grads.vanishing"] == []
+
+
+def test_vanishing_inside_one_stack_is_still_found() -> None:
+    torch.manual_seed(0)
+    flow = gradient_flow(_EncoderDecoder(nn.Sigmoid, 8), torch.randn(8, 32))
+    prof = depth_profile(flow)
+    assert [len(stack) for stack in prof.stacks] == [4, 8]
+    found = [f for f in flow.findings() if f.code == "grads.vanishing"]
+    assert [f.module for f in found] == ["encoder.layers.0.0"]
+    assert found[0].severity >= Severity.WARNING
+    assert found[0].evidence["nearest"] == "encoder.layers.7.0"
+    healthy = gradient_flow(_EncoderDecoder(nn.Tanh, 8), torch.randn(8, 32))
+    assert [f for f in healthy.findings() if f.code == "grads.vanishing"
+            and f.severity >= Severity.WARNING] == []
+
+
+def test_numbered_stages_are_one_stack() -> None:
+    """torchvision's `layer1` ... `layer4` are stages of one chain, not four stacks."""
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    for i in range(1, 5):
+        model.add_module(f"layer{i}", nn.Sequential(
+            *(nn.Sequential(nn.Linear(32, 32), nn.Sigmoid()) for _ in range(3))))
+    model.add_module("fc", nn.Linear(32, 10))
+    flow = gradient_flow(model, torch.randn(8, 32))
+    prof = depth_profile(flow)
+    assert len(prof.stacks) == 1 and len(prof.stacks[0]) == 12
+    found = [f for f in flow.findings() if f.code == "grads.vanishing"]
+    assert [f.module for f in found] == ["layer1.0.0"] and found[0].severity >= Severity.WARNING
+
+
 def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int, *,
            watch_every: int | None, updates: bool = True
            ) -> list[tuple[int, dict[str, float], dict[str, float]]]:

@@ -119,6 +119,18 @@ def hf_t5() -> tuple[nn.Module, Any]:
         "input_ids": _tokens(), "labels": torch.randint(0, 100, (4, 8), generator=_gen(1))}
 
 
+def hf_bart() -> tuple[nn.Module, Any]:
+    """An encoder-decoder whose encoder gets its gradient through cross-attention: level
+    within each stack, far lower in the encoder than in the decoder at initialisation."""
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    cfg = BartConfig(vocab_size=100, d_model=32, encoder_layers=2, decoder_layers=2,
+                     encoder_attention_heads=4, decoder_attention_heads=4,
+                     encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=32)
+    ids = _tokens()
+    return BartForConditionalGeneration(cfg), {"input_ids": ids, "labels": ids.clone()}
+
+
 def hf_llama() -> tuple[nn.Module, Any]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -300,6 +312,7 @@ ZOO: tuple[Entry, ...] = (
     Entry("hf-bert-classifier", hf_bert_classifier),
     Entry("hf-gpt2", hf_gpt2),
     Entry("hf-t5", hf_t5),
+    Entry("hf-bart", hf_bart),
     Entry("hf-llama", hf_llama),
     Entry("tiny-cnn", builtin("tiny-cnn", (4, 3, 32, 32))),
     Entry("mlp", builtin("mlp", (4, 128))),

@@ -215,9 +215,35 @@ class DepthProfile:
     body: tuple[DepthUnit, ...]
     excluded: tuple[tuple[str, str], ...]
 
-    def trend(self, which: Measure) -> Trend | None:
-        """The fit of one measure over the body; None with fewer than two values."""
-        pts = [(i, u) for i, u in enumerate(self.body) if u.measure(which) is not None]
+    @property
+    def stacks(self) -> tuple[tuple[DepthUnit, ...], ...]:
+        """The body split into stacks of repeated blocks, in backward order: units whose
+        names agree up to their first index (`model.decoder.layers`, `model.encoder.layers`;
+        a ResNet's `stages.2.layers.1` and `stages.1.layers.0` are one stack, and so are
+        torchvision's `layer1.0` and `layer4.1`). A trend is
+        fitted within a stack, never across two: an encoder's gradient comes from every
+        decoder layer at once, through cross-attention, not from the decoder's last block,
+        so the step between two stacks is no layer-by-layer decay (a transformers BART at
+        initialisation: level within each stack, 90-250x lower in the encoder). Units in no
+        repeated block stay with the stack before them."""
+        out: list[list[DepthUnit]] = []
+        keys: list[str | None] = []
+        for u in self.body:
+            key = _stack_name(u.name)
+            if out and (key is None or key == keys[-1] or keys[-1] is None):
+                out[-1].append(u)
+                if keys[-1] is None:
+                    keys[-1] = key
+            else:
+                out.append([u])
+                keys.append(key)
+        return tuple(tuple(stack) for stack in out)
+
+    def trend(self, which: Measure, stack: int | None = None) -> Trend | None:
+        """The fit of one measure over the body, or over one of its `stacks`; None with
+        fewer than two values."""
+        units = self.body if stack is None else self.stacks[stack]
+        pts = [(i, u) for i, u in enumerate(units) if u.measure(which) is not None]
         if len(pts) < 2:
             return None
         xs = [float(i) for i, _ in pts]
@@ -274,6 +300,16 @@ def depth_profile(flow: GradFlow) -> DepthProfile:
     # The head: the units nearer the loss than the first repeated block, at least one.
     first_block = next((i for i, u in enumerate(units) if _in_block(u.name)), 1)
     return DepthProfile(tuple(units), tuple(units[max(first_block, 1):]), tuple(excluded))
+
+
+def _stack_name(unit: str) -> str | None:
+    """The stack a unit's repeated block belongs to: its name up to the first index
+    (`model.decoder.layers.3` -> `model.decoder.layers`), with the numbers that end a name
+    taken off (torchvision's `layer1` ... `layer4` are one chain of stages); None outside
+    any block."""
+    parts = unit.split(".")
+    first = next((i for i, p in enumerate(parts) if p.isdigit()), None)
+    return None if first is None else ".".join(p.rstrip("0123456789") for p in parts[:first])
 
 
 def _in_block(unit: str) -> bool:
@@ -346,15 +382,19 @@ def find_vanishing(flow: GradFlow, thresholds: GradThresholds | None = None) -> 
     prof = depth_profile(flow)
     if len(prof.body) < 2:
         return []
-    rel, rms_ = prof.trend("relative"), prof.trend("rms")
-    if rel is not None and rms_ is not None and min(rel.positions, rms_.positions) >= \
-            t.min_positions and rel.steady(t.consistency) and rms_.steady(t.consistency):
+    found: list[tuple[float, Finding]] = []
+    for k, stack in enumerate(prof.stacks):
+        rel, rms_ = prof.trend("relative", k), prof.trend("rms", k)
+        if rel is None or rms_ is None or min(rel.positions, rms_.positions) < \
+                t.min_positions or not (rel.steady(t.consistency) and
+                                        rms_.steady(t.consistency)):
+            continue
         decay = min(rel.decay, rms_.decay)  # the weaker of the two measures decides
         verdict = _certainty(decay, t)
         if verdict is not None:
             severity, word = verdict
-            far = prof.body[-1].name
-            return [Finding(
+            far = stack[-1].name
+            found.append((decay, Finding(
                 code="grads.vanishing",
                 severity=severity,
                 summary=f"{word} vanishing gradients: the relative gradient ‖g‖/‖w‖ falls "
@@ -367,18 +407,22 @@ def find_vanishing(flow: GradFlow, thresholds: GradThresholds | None = None) -> 
                           "step": flow.index},
                 fix=_vanishing_fix(flow),
                 module=far,
-            )]
+            )))
+    if found:  # the stack that loses the most
+        return [max(found, key=lambda df: df[0])[1]]
     return _bottleneck(flow, prof, t)
 
 
 def _bottleneck(flow: GradFlow, prof: DepthProfile, t: GradThresholds) -> list[Finding]:
-    """A position far below a nearer one in both parameter measures, without a trend."""
+    """A position far below a nearer one of its stack in both parameter measures, without
+    a trend."""
     best: tuple[float, DepthUnit, DepthUnit] | None = None
-    for j, low in enumerate(prof.body):
+    pairs = [(j, low, stack) for stack in prof.stacks for j, low in enumerate(stack)]
+    for j, low, stack in pairs:
         lr, ls = low.measure("relative"), low.measure("rms")
         if lr is None or ls is None:
             continue
-        for high in prof.body[:j]:
+        for high in stack[:j]:
             hr, hs = high.measure("relative"), high.measure("rms")
             if hr is None or hs is None:
                 continue
@@ -414,14 +458,16 @@ def find_exploding(flow: GradFlow, thresholds: GradThresholds | None = None) -> 
     """
     t = thresholds or GradThresholds()
     prof = depth_profile(flow)
-    out_tr = prof.trend("output_rms")
     total = flow.total_norm
     big = math.isfinite(total) and total > t.exploding_norm
     total_sev = (Severity.ERROR if total > t.exploding_error_norm else Severity.WARNING) \
         if big else None
-    rel = prof.trend("relative")
-    if out_tr is not None and out_tr.positions >= t.min_positions and \
-            out_tr.steady(t.consistency):
+    grown: list[tuple[Trend, tuple[Severity, str]]] = []
+    for k in range(len(prof.stacks)):  # within each stack (see `DepthProfile.stacks`)
+        out_tr, rel = prof.trend("output_rms", k), prof.trend("relative", k)
+        if out_tr is None or out_tr.positions < t.min_positions or \
+                not out_tr.steady(t.consistency):
+            continue
         verdict = _certainty(out_tr.change, t)
         # Below `likely`, growth counts only when the weights' gradients grow with it: the
         # backward signal of a residual stack adds up block after block (resnet-mini: 10x
@@ -430,25 +476,27 @@ def find_exploding(flow: GradFlow, thresholds: GradThresholds | None = None) -> 
                 rel is not None and rel.steady(t.consistency) and rel.change >= t.possible):
             verdict = None
         if verdict is not None:
-            severity, word = verdict
-            if total_sev is not None and total_sev > severity:
-                severity, word = total_sev, "likely"
-            if severity == Severity.ERROR:
-                word = "severe"
-            return [Finding(
-                code="grads.exploding",
-                severity=severity,
-                summary=f"{word} exploding gradients: the gradient arriving at each layer "
-                f"grows {_times(out_tr.change)} over {out_tr.positions} layers toward the "
-                f"input ({_times(out_tr.per_position)} per layer, steady: fit R² "
-                f"{out_tr.r2:.2f}), from {out_tr.first} to {out_tr.last}"
-                + (f"; total norm {total:.3g}" if big else ""),
-                evidence={"nearest": out_tr.first, "farthest": out_tr.last,
-                          "positions": out_tr.positions, **_trend_evidence(out_tr),
-                          "total_norm": total, "step": flow.index},
-                fix=_exploding_fix(flow),
-                module=out_tr.last,
-            )]
+            grown.append((out_tr, verdict))
+    if grown:
+        out_tr, (severity, word) = max(grown, key=lambda g: g[0].change)
+        if total_sev is not None and total_sev > severity:
+            severity, word = total_sev, "likely"
+        if severity == Severity.ERROR:
+            word = "severe"
+        return [Finding(
+            code="grads.exploding",
+            severity=severity,
+            summary=f"{word} exploding gradients: the gradient arriving at each layer "
+            f"grows {_times(out_tr.change)} over {out_tr.positions} layers toward the "
+            f"input ({_times(out_tr.per_position)} per layer, steady: fit R² "
+            f"{out_tr.r2:.2f}), from {out_tr.first} to {out_tr.last}"
+            + (f"; total norm {total:.3g}" if big else ""),
+            evidence={"nearest": out_tr.first, "farthest": out_tr.last,
+                      "positions": out_tr.positions, **_trend_evidence(out_tr),
+                      "total_norm": total, "step": flow.index},
+            fix=_exploding_fix(flow),
+            module=out_tr.last,
+        )]
     if total_sev is None:
         return []
     biggest = max(((m, n) for m, n in flow.param_norms().items()
