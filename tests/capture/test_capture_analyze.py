@@ -174,3 +174,68 @@ def test_dead_units_scale_drift_and_near_overflow() -> None:
     near = capture_activations(Step(huge, torch.ones(1, 4), autocast=torch.bfloat16))
     (f,) = [f for f in near.findings() if f.code == "activations.near_overflow"]
     assert f.module == "0" and f.evidence["dtype_max"] == torch.finfo(torch.bfloat16).max
+
+
+class _LoRA(nn.Module):
+    """A frozen Linear plus a low-rank update whose B starts at zero, as LoRA does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.base = nn.Linear(16, 16)
+        self.lora_a = nn.Linear(16, 4, bias=False)
+        self.lora_b = nn.Linear(4, 16, bias=False)
+        nn.init.zeros_(self.lora_b.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.base(x) + self.lora_b(self.lora_a(x))  # (B, 16)
+        return out
+
+
+class _Residual(nn.Module):
+    """x + BN(conv(x)), the norm's gain at zero (torchvision's `zero_init_residual`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        nn.init.zeros_(self.bn.weight)  # its bias is zero from the start
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = x + self.bn(self.conv(x))  # (B, 4, H, W)
+        return out
+
+
+def test_a_zero_initialised_module_is_info_not_a_constant_output_warning() -> None:
+    """LoRA's B, a residual branch's last BatchNorm with its gain at zero: both output
+    zeros everywhere on purpose; a warning said "a constant output carries no
+    information"."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_LoRA(), nn.Unflatten(1, (4, 2, 2)), _Residual(), nn.Flatten(),
+                          nn.Linear(16, 2))
+    capture = capture_activations(model, torch.randn(8, 16))
+    assert capture.zero_init == frozenset({"0.lora_b", "2.bn"})
+    assert capture.result().zero_init == capture.zero_init
+    const = {f.module: f for f in capture.findings() if f.code == "activations.constant"}
+    assert set(const) == {"0.lora_b", "2.bn"}
+    assert all(f.severity == Severity.INFO and f.evidence["zero_init"] for f in const.values())
+    assert not [f for f in capture.findings() if f.severity >= Severity.WARNING]
+    # Trained away from zero, the same modules are judged on their outputs again.
+    with torch.no_grad():
+        model[0].lora_b.weight.fill_(0.1)
+        model[2].bn.weight.fill_(1.0)
+    again = capture_activations(model, torch.randn(8, 16))
+    assert again.zero_init == frozenset()
+
+
+def test_a_transformers_swin_position_bias_table_is_no_constant_output_warning() -> None:
+    """Swin's relative position bias table starts at zero (transformers initialises it so),
+    and the module that looks it up takes no input."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.SwinForImageClassification(transformers.SwinConfig(
+        image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 2],
+        window_size=4, num_labels=10))
+    capture = capture_activations(model, {"pixel_values": torch.randn(2, 3, 32, 32)})
+    tables = {r.module for r in capture.records if r.module_type == "SwinRelativePositionBias"}
+    assert len(tables) == 2 and capture.zero_init == tables
+    assert not [f for f in capture.findings() if f.severity >= Severity.WARNING]

@@ -131,6 +131,17 @@ def hf_bart() -> tuple[nn.Module, Any]:
     return BartForConditionalGeneration(cfg), {"input_ids": ids, "labels": ids.clone()}
 
 
+def hf_swin() -> tuple[nn.Module, Any]:
+    """Windowed attention with a relative position bias table that starts at zero."""
+    from transformers import SwinConfig, SwinForImageClassification
+
+    cfg = SwinConfig(image_size=32, patch_size=4, embed_dim=16, depths=[1, 1],
+                     num_heads=[2, 2], window_size=4, num_labels=10)
+    return SwinForImageClassification(cfg), {
+        "pixel_values": torch.randn(4, 3, 32, 32, generator=_gen()),
+        "labels": _labels(4, classes=10)}
+
+
 def hf_llama() -> tuple[nn.Module, Any]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -308,6 +319,7 @@ def frozen_backbone() -> tuple[nn.Module, Any]:
 ZOO: tuple[Entry, ...] = (
     Entry("hf-resnet", hf_resnet),
     Entry("hf-vit", hf_vit),
+    Entry("hf-swin", hf_swin),
     Entry("hf-bert", hf_bert),
     Entry("hf-bert-classifier", hf_bert_classifier),
     Entry("hf-gpt2", hf_gpt2),

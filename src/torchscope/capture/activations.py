@@ -147,6 +147,7 @@ class ActivationCapture(HookedContext, Analyzed):
         self._targets = select_modules(self._session.model, select, depth=depth)
         self._names = [n for n, _ in self._targets]
         self._weighted = frozenset(n for n, m in self._targets if isinstance(m, _WEIGHTED))
+        self._zero_init: set[str] = set()  # see `zero_init`
         self._store = store
         self._max_bytes = max_bytes
         self._offload = offload
@@ -195,8 +196,13 @@ class ActivationCapture(HookedContext, Analyzed):
     def close(self, *, failed: bool = False) -> None:
         """Remove the hooks; records stay readable."""
         self._session.close(failed=failed)
-        self._targets = []  # drop the module references: records must not keep a model alive
-        self._end_forward(None, (), None)
+        try:
+            self._end_forward(None, (), None)
+            if not failed:
+                self._flush()  # while the modules are known (`_zero_weights`): one host read
+        finally:
+            # Drop the module references: records must not keep a model alive.
+            self._targets = []
 
     @property
     def session(self) -> HookSession:
@@ -218,6 +224,13 @@ class ActivationCapture(HookedContext, Analyzed):
         """Hooked modules with weights that set the scale of what follows (Linear, Conv,
         Embedding)."""
         return self._weighted
+
+    @property
+    def zero_init(self) -> frozenset[str]:
+        """Hooked modules whose output was constant in the last flushed forward while their
+        own parameters were all exactly zero (see `ActivationRecords.zero_init`)."""
+        self._flush()
+        return frozenset(self._zero_init)
 
     # ------------------------------------------------------------------ hooks
     def _begin_forward(self, _m: nn.Module, _args: tuple[Any, ...]) -> None:
@@ -399,7 +412,8 @@ class ActivationCapture(HookedContext, Analyzed):
 
     def result(self) -> ActivationRecords:
         """The records so far as a plain result, without hooks or the model (picklable)."""
-        return ActivationRecords(self.records, self._weighted, self.paths)
+        return ActivationRecords(self.records, self._weighted, self.paths,
+                                 frozenset(self._zero_init))
 
     def gather(self, *, timeout: float | None = None) -> Ranked[ActivationRecords] | None:
         """Every rank's `result()` on rank 0 as one `Ranked` result (None on the other ranks).
@@ -442,9 +456,19 @@ class ActivationCapture(HookedContext, Analyzed):
             out.append(per_kind)
         return out
 
+    def _zero_weights(self, name: str) -> bool:
+        """Whether module `name` has parameters of its own, every one exactly zero. Read
+        from the device (one count per parameter), only for a module whose output was
+        constant, once per flush."""
+        module = dict(self._targets).get(name)
+        params = list(module.parameters(recurse=False)) if module is not None else []
+        with torch.no_grad():
+            return bool(params) and all(int(torch.count_nonzero(p)) == 0 for p in params)
+
     def _flush(self) -> None:
         if not self._pending:
             return
+        checked: dict[str, bool] = {}
         counted = self._count_nonfinite
         for (step, calls, *_), (rows, deads, fins) in zip(self._pending, self._host_values(),
                                                           strict=True):
@@ -482,6 +506,10 @@ class ActivationCapture(HookedContext, Analyzed):
                     and math.isfinite(rows[r][MAX])
                     for r in p.input_rows
                 )
+                if any(s.finite and s.is_close_to_constant() for s in outs) and \
+                        p.module not in checked:
+                    checked[p.module] = zero = self._zero_weights(p.module)
+                    (self._zero_init.add if zero else self._zero_init.discard)(p.module)
                 self._records.append(
                     ActivationRecord(
                         p.module, p.module_type, step, p.call, p.order, tuple(outs), inputs_finite

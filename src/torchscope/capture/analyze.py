@@ -107,7 +107,7 @@ def analyze_activations(
     last = [r for r in records if r.step == records[-1].step]
     leaves = leaf_modules(last)
     judged = [r for r in last if r.module in leaves]
-    out += _per_module(judged, th)
+    out += _per_module(judged, th, capture.zero_init)
     out += _scale_drift(judged, weighted_order(judged, capture.weighted), th)
     return rank(out)
 
@@ -138,7 +138,8 @@ def _nonfinite(records: Sequence[ActivationRecord]) -> list[Finding]:
         fix="check the data pipeline: torch.isfinite(batch).all() before the forward")]
 
 
-def _per_module(judged: Sequence[ActivationRecord], th: ActivationThresholds) -> list[Finding]:
+def _per_module(judged: Sequence[ActivationRecord], th: ActivationThresholds,
+                zero_init: frozenset[str] = frozenset()) -> list[Finding]:
     out: list[Finding] = []
     seen: set[str] = set()
     large: list[tuple[str, ActivationRecord, float, float]] = []  # (name, record, peak, std)
@@ -175,7 +176,17 @@ def _per_module(judged: Sequence[ActivationRecord], th: ActivationThresholds) ->
                     {"zero_frac": s.zero_frac},
                     fix="check the scale of the layer before it and its bias init",
                     module=r.module))
-            if s.finite and s.is_close_to_constant() and not all_dead:
+            if s.finite and s.is_close_to_constant() and not all_dead and \
+                    r.module in zero_init:
+                out.append(Finding(
+                    "activations.constant", Severity.INFO,
+                    f"{name} ({r.module_type}) outputs {s.min:.4g} everywhere: its own "
+                    "parameters are all zero, a deliberate zero init (LoRA's B, a residual "
+                    "branch's last norm gain, a position-bias table)",
+                    {"value": s.min, "numel": s.numel, "zero_init": True},
+                    fix="",
+                    module=r.module))
+            elif s.finite and s.is_close_to_constant() and not all_dead:
                 out.append(Finding(
                     "activations.constant", Severity.WARNING,
                     f"{name} ({r.module_type}) outputs the same value {s.min:.4g} everywhere",

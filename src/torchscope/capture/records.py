@@ -143,8 +143,13 @@ class ActivationRecords(Analyzed, Gatherable):
         records: every record, in forward order then call-completion order.
         weighted: captured modules with weights that set the scale of what follows.
         paths: which path reduced the tensors (fused kernel or eager ops).
+        zero_init: captured modules whose output was constant and whose own parameters
+            were all exactly zero when the records were read: a deliberate zero init
+            (LoRA's B, a residual branch's last norm gain, a position-bias table), not a
+            broken layer.
     """
 
     records: tuple[ActivationRecord, ...]
     weighted: frozenset[str] = frozenset()
     paths: ReductionPaths | None = None
+    zero_init: frozenset[str] = frozenset()
