@@ -3,7 +3,7 @@ more than one folder tests."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -60,6 +60,24 @@ class CheckpointedBlocks(torch.nn.Module):
 def checkpointed_blocks() -> type[CheckpointedBlocks]:
     """`CheckpointedBlocks`, the class (build it with the kind of checkpoint you need)."""
     return CheckpointedBlocks
+
+
+class _ScriptedPart(torch.nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # ReLU, not tanh: TorchScript runs an optimised graph after its first calls, and
+        # with tanh the later calls' gradients differ from the first's in the last bit.
+        return torch.relu(self.fc(x))
+
+
+@pytest.fixture
+def scripted_part() -> Callable[[int], torch.nn.Module]:
+    """Build a `torch.jit.script`ed Linear(width, width) + ReLU: a submodule that takes no
+    hook."""
+    return lambda width=8: torch.jit.script(_ScriptedPart(width))
 
 
 @pytest.fixture

@@ -218,19 +218,11 @@ def test_a_helper_the_user_compiled_keeps_its_code_and_counts_no_recompile() -> 
     assert w.compiles == 0
 
 
-class _Scripted(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(x).relu()
-
-
-def test_a_torchscript_submodule_is_measured_in_this_process() -> None:
+def test_a_torchscript_submodule_is_measured_in_this_process(
+        scripted_part: Callable[[], nn.Module]) -> None:
     """torch.save cannot write a scripted submodule for the child process (RuntimeError,
     not a pickling error): that stopped the report; it measures here instead."""
-    net = nn.Sequential(torch.jit.script(_Scripted()), nn.Linear(8, 2))
+    net = nn.Sequential(scripted_part(), nn.Linear(8, 2))
     x = torch.randn(4, 8)
     before = _process()
     report = compile_report(net, x, modes=("default",), iters=2, warmup=0)

@@ -4,6 +4,7 @@ frozen and unreached parameters, and a transformers GPT-2. Gradients must stay b
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -476,19 +477,11 @@ def test_a_module_run_under_no_grad_in_the_forward_is_info_with_its_cause() -> N
     assert not [f for f in flow.findings() if f.severity >= Severity.WARNING]
 
 
-def test_a_torchscript_submodule_is_left_out_and_its_parameters_still_measured() -> None:
+def test_a_torchscript_submodule_is_left_out_and_its_parameters_still_measured(
+        scripted_part: Callable[[], nn.Module]) -> None:
     """`register_forward_pre_hook is not supported on ScriptModules` was raised from inside
     gradient_flow; the scripted part's parameters are still plain parameters."""
-
-    class Scripted(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = nn.Linear(8, 8)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return torch.relu(self.lin(x))
-
-    model = nn.Sequential(torch.jit.script(Scripted()), nn.Linear(8, 2))
+    model = nn.Sequential(scripted_part(), nn.Linear(8, 2))
     x = torch.randn(4, 8)
     before = _plain_grads(model, lambda: model(x).sum().backward())
     flow = gradient_flow(model, x, loss_fn="sum")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from torch import nn
@@ -194,19 +196,11 @@ def test_measured_plans_carry_their_slowdown(deep_report) -> None:
             assert " at -" not in f.summary  # a cost is never negative
 
 
-class _Scripted(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(16, 16)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.fc(x))
-
-
-def test_a_torchscript_block_is_no_block_to_plan() -> None:
+def test_a_torchscript_block_is_no_block_to_plan(
+        scripted_part: Callable[[int], nn.Module]) -> None:
     """A scripted child takes no hook: as a block, the planner's input hooks raised
     `register_forward_pre_hook is not supported on ScriptModules`."""
-    model = nn.Sequential(torch.jit.script(_Scripted()),
+    model = nn.Sequential(scripted_part(16),
                           *(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(3)))
     assert ckpt.resolve_blocks(model).names == ("1", "2", "3")
     assert not ckpt.resolve_blocks(model).groupable  # "0" sits between them and the loop

@@ -216,6 +216,16 @@ def attribute(events: Iterable[Any], labels: Mapping[str, tuple[str, str]]) -> A
         if phase == "forward":
             fwd_modules_in_phase += self_us
 
+    def credit(chain: tuple[str, ...], d: float, dev: float) -> None:
+        """Backward time `d` of one node: self time of the innermost module, and time of
+        each module around it (one re-entered by recursion, twice in the chain, once)."""
+        acc[chain[-1]].bwd_self_us += d
+        for mod in dict.fromkeys(chain):
+            a = acc[mod]
+            a.bwd_us += d
+            a.bwd_dev_us += dev
+            a.nodes += 1
+
     bwd_modules = bwd_outside = bwd_accum = 0.0
     unmatched = 0
     for ev, where, nested in recomputes.values():
@@ -227,10 +237,7 @@ def attribute(events: Iterable[Any], labels: Mapping[str, tuple[str, str]]) -> A
             bwd_outside += d
             continue
         bwd_modules += d
-        acc[where[-1]].bwd_self_us += d
-        for mod in dict.fromkeys(where):
-            acc[mod].bwd_us += d
-            acc[mod].nodes += 1
+        credit(where, d, 0.0)  # the nested nodes carry the device time
     for ev in nodes:
         comm = _comm_us(ev)
         d = _dur(ev) - comm
@@ -251,13 +258,7 @@ def attribute(events: Iterable[Any], labels: Mapping[str, tuple[str, str]]) -> A
             bwd_outside += d
             continue
         bwd_modules += d
-        acc[chain[-1]].bwd_self_us += d
-        # A module re-entered by recursion appears twice in the chain; count it once.
-        for mod in dict.fromkeys(chain):
-            a = acc[mod]
-            a.bwd_us += d
-            a.bwd_dev_us += _dev(ev)
-            a.nodes += 1
+        credit(chain, d, _dev(ev))
 
     phases = tuple(
         PhaseTime(p, int(phase_us[p][0]), phase_us[p][1] / 1e3, phase_us[p][2] / 1e3)
