@@ -182,3 +182,13 @@ def test_activation_dominated_memory_in_a_checkpointed_model_is_not_told_to_chec
     assert not plain.saved.checkpointed
     assert "already" not in {f.code: f for f in plain.findings()}[
         "memory.activations_dominate"].fix
+
+
+def test_blocks_checkpointed_with_torchscopes_own_apply_are_named() -> None:
+    model = DeepMLP()
+    handle = ckpt.apply(model)
+    try:
+        saved = saved_activations(model, torch.randn(32, 64), loss_fn="sum")
+    finally:
+        handle.remove()
+    assert saved.checkpointed == tuple(str(i) for i in range(8))

@@ -79,8 +79,9 @@ def checkpoint_saving() -> tuple[bool, Any]:
 
 def checkpointed_module(fn: Any) -> nn.Module | None:
     """The module a checkpointed function runs: the module itself, one of its bound methods
-    (`block.forward`), either inside `functools.partial`, or a partial of a plain function
-    with the module first (transformers' layers: `partial(forward, self, **kwargs)`)."""
+    (`block.forward`), either inside `functools.partial`, a partial of a plain function
+    with the module first (transformers' layers: `partial(forward, self, **kwargs)`), or a
+    method of a wrapper that names the module as `.module` (`torchscope.memory.apply`'s)."""
     for _ in range(8):
         if isinstance(fn, nn.Module):
             return fn
@@ -91,8 +92,10 @@ def checkpointed_module(fn: Any) -> nn.Module | None:
                     isinstance(fn.args[0], nn.Module):
                 return fn.args[0]
             fn = inner
-        elif isinstance(getattr(fn, "__self__", None), nn.Module):
-            fn = fn.__self__
-        else:
-            return None
+            continue
+        owner = getattr(fn, "__self__", None)
+        if isinstance(owner, nn.Module):
+            return owner
+        wrapped = getattr(owner, "module", None)
+        return wrapped if isinstance(wrapped, nn.Module) else None
     return None
