@@ -188,6 +188,32 @@ def test_scaler_steps_through_the_scaler() -> None:
     assert torch.allclose(model.weight, before - 0.1 * x.sum(0).expand(3, 4))
 
 
+def test_with_autocast_runs_the_step_as_a_mixed_precision_loop_would() -> None:
+    """bf16: the forward and loss under autocast, gradients as a plain bf16 autocast loop
+    gets them; fp16: with a GradScaler on the step's device."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    x, y = torch.randn(4, 8), torch.randint(0, 3, (4,))
+    plain = Step(model, x, loss_fn="cross_entropy", target=y)
+    assert plain.with_autocast(None) is plain
+    bf16 = plain.with_autocast("bf16")
+    assert bf16.autocast is torch.bfloat16 and bf16.scaler is None
+    assert plain.autocast is None  # the step it came from is unchanged
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = functional.cross_entropy(model(x), y)
+    loss.backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    bf16.forward_backward()
+    assert all(torch.equal(p.grad, w) for p, w in zip(model.parameters(), want, strict=True))
+    fp16 = plain.with_autocast("fp16")
+    assert fp16.autocast is torch.float16
+    assert isinstance(fp16.scaler, torch.amp.GradScaler) and fp16.info(None).scaler
+    with pytest.raises(TorchscopeError, match="choose bf16 or fp16"):
+        plain.with_autocast("fp32")
+
+
 def test_before_backward_sees_each_micro_batch(
         cnn: tuple[nn.Module, torch.Tensor, torch.Tensor]) -> None:
     model, x, _ = cnn

@@ -49,6 +49,7 @@ from torchscope.hooks.tree import iter_tensors
 from torchscope.models.target import ModelInputs, call_model
 
 __all__ = [
+    "AUTOCAST",
     "LOSSES",
     "LossFn",
     "LossName",
@@ -72,6 +73,8 @@ BeforeBackward = Callable[[int, Any, torch.Tensor], None]
 
 _AMP_DTYPES = (torch.float16, torch.bfloat16)
 _HALF = (torch.float16, torch.bfloat16)
+# The precisions a step's forward and loss can run in, by the names the CLI takes.
+AUTOCAST: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -310,6 +313,24 @@ class Step:
     def with_model(self, model: nn.Module) -> Step:
         """The same step on another model (a compiled or checkpointed copy, say)."""
         return replace(self, model=model)
+
+    def with_autocast(self, name: str | None) -> Step:
+        """This step in a mixed precision named `bf16` or `fp16` (see `AUTOCAST`), as a
+        training loop in it runs: forward and loss under `torch.autocast`; float16 also with
+        a `torch.amp.GradScaler` on the step's device, since its gradients underflow
+        without one (bfloat16 has float32's range and gets none). None: this step as it is.
+
+        Raises:
+            TorchscopeError: an unknown name.
+        """
+        if name is None:
+            return self
+        dtype = AUTOCAST.get(name)
+        if dtype is None:
+            raise TorchscopeError(f"{name!r} is not a mixed precision a step runs in.",
+                                  fix=f"choose {' or '.join(AUTOCAST)}.")
+        scaler = torch.amp.GradScaler(self.device.type) if dtype is torch.float16 else None
+        return replace(self, autocast=dtype, scaler=scaler)
 
     # ------------------------------------------------------------------ facts
     @property

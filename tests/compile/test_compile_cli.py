@@ -19,7 +19,7 @@ from torchscope.compile.records import (
     Recompile,
     derive_speed,
 )
-from torchscope.step import StepInfo
+from torchscope.step import Step, StepInfo
 
 runner = CliRunner()
 
@@ -45,9 +45,10 @@ def _fake_report(model: Any, inputs: Any, **kw: Any) -> CompileReport:
 def test_table_json_and_options(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     seen: dict[str, Any] = {}
 
-    def fake(model: Any, inputs: Any, **kw: Any) -> CompileReport:
-        seen.update(kw, modes=list(kw["modes"]))
-        return _fake_report(model, inputs, **kw)
+    def fake(step: Step, **kw: Any) -> CompileReport:
+        # The CLI hands over one Step: the loss and precision it asked for are on it.
+        seen.update(kw, modes=list(kw["modes"]), loss_fn=step.loss_fn, autocast=step.autocast)
+        return _fake_report(step.model, step.inputs, **kw)
 
     monkeypatch.setattr(tc, "compile_report", fake)
     out = tmp_path / "c.json"
@@ -58,7 +59,7 @@ def test_table_json_and_options(monkeypatch: pytest.MonkeyPatch, tmp_path: Path)
     assert seen["modes"] == ["default", "max-autotune"]
     assert seen["measure"] == "step" and seen["loss_fn"] == "mse" and seen["iters"] == 7
     assert seen["batch_sizes"] == (16, 8) and seen["dynamic"] is False
-    assert seen["factory"] == "tiny-cnn"
+    assert seen["factory"] == "tiny-cnn" and seen["autocast"] is None
     for text in ("loss: mean squared error vs seeded targets = 0.5",
                  "default", "4.00×", "2", "1/8", "timeout", "m.py:12", "print() call",
                  "expected 32, actual 16", "pays off after 3,000 calls", "3,000"):

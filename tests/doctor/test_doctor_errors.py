@@ -115,3 +115,6 @@ def test_a_step_with_inputs_or_a_loss_is_refused() -> None:
         run_doctor(Step(model, x), x)
     with pytest.raises(TorchscopeError, match=r"options\.loss_fn='mse' was given with a Step"):
         run_doctor(Step(model, x), options=DoctorOptions(loss_fn="mse"))
+    with pytest.raises(TorchscopeError, match=r"options\.autocast='bf16' was given with a "
+                       r"Step\. Fix: set it on the Step: Step\(model, x\)\.with_autocast"):
+        run_doctor(Step(model, x), options=DoctorOptions(autocast="bf16"))

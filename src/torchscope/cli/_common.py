@@ -123,6 +123,19 @@ LossOpt = Annotated[str, typer.Option(
     "for logits, else mean squared error; targets seeded), cross_entropy, mse or sum.")]
 
 
+AutocastOpt = Annotated[str | None, typer.Option(
+    "--autocast", help="Run the step's forward and loss under torch.autocast in this "
+    "precision, as your training does: bf16, or fp16 (with a GradScaler, as fp16 training "
+    "has). Default: the model's own precision.")]
+
+
+def autocast_name(value: str | None) -> str | None:
+    """`--autocast`, checked (one line and exit 2 for an unknown precision)."""
+    from torchscope.step import AUTOCAST
+
+    return None if value is None else choice("--autocast", value, tuple(AUTOCAST))
+
+
 def fail(message: str, *, code: int = 2) -> NoReturn:
     """Print one error line to stderr and exit."""
     err_console.print(f"[bold red]error:[/] {message}", highlight=False, markup=True)

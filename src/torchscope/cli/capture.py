@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from torchscope.cli._common import (
+    AutocastOpt,
     DebugOpt,
     DepthOpt,
     InputOpt,
@@ -12,6 +13,7 @@ from torchscope.cli._common import (
     JsonOpt,
     SelectOpt,
     TargetArg,
+    autocast_name,
     check_output,
     console,
     guarded,
@@ -31,6 +33,7 @@ def capture(
     inputs: InputsFnOpt = None,
     select: SelectOpt = None,
     depth: DepthOpt = None,
+    autocast: AutocastOpt = None,
     json_path: JsonOpt = None,
     debug: DebugOpt = False,
 ) -> None:
@@ -39,9 +42,12 @@ def capture(
         check_output(json_path, "--json")
         from torchscope.capture import capture_activations, trace_nonfinite
         from torchscope.report.capture import activation_table, nonfinite_lines
+        from torchscope.step import Step
 
+        precision = autocast_name(autocast)
         loaded, model_inputs = load(target, input, inputs)
-        cap = capture_activations(loaded.model, model_inputs, select=select, depth=depth)
+        step = Step(loaded.model, model_inputs).with_autocast(precision)
+        cap = capture_activations(step, select=select, depth=depth)
         records = cap.records
         console.print(activation_table(records, title=f"Activations of {loaded.name}"))
         trace = trace_nonfinite(records)

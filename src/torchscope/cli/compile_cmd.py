@@ -7,12 +7,14 @@ from typing import Annotated
 import typer
 
 from torchscope.cli._common import (
+    AutocastOpt,
     DebugOpt,
     InputOpt,
     InputsFnOpt,
     JsonOpt,
     LossOpt,
     TargetArg,
+    autocast_name,
     check_output,
     choice,
     console,
@@ -44,6 +46,7 @@ def compile_command(
         "--measure", help="forward (inference under no_grad, eval mode) or step (the "
         "training step's forward, loss and backward, train mode).")] = "forward",
     loss: LossOpt = "auto",
+    autocast: AutocastOpt = None,
     iters: Annotated[int, typer.Option(help="Timed calls of eager and of compiled.")] = 30,
     warmup: Annotated[int, typer.Option(help="Untimed calls of each before timing.")] = 3,
     timeout: Annotated[float, typer.Option(help="Seconds allowed per mode.")] = 600.0,
@@ -67,10 +70,11 @@ def compile_command(
             recompile_table,
             shape_call_lines,
         )
-        from torchscope.step import LOSSES
+        from torchscope.step import LOSSES, Step
 
         what = choice("--measure", measure, MEASURES)
         loss_fn = choice("--loss", loss, LOSSES)
+        precision = autocast_name(autocast)
         dyn = _DYNAMIC[choice("--dynamic", dynamic.lower(), tuple(_DYNAMIC))]
         mode_list = split_commas(modes)
         if not mode_list:
@@ -86,8 +90,9 @@ def compile_command(
             if is_tty():
                 err_console.print(f"[dim]{line}[/]", highlight=False)
 
+        step = Step(loaded.model, model_inputs, loss_fn=loss_fn).with_autocast(precision)
         report = compile_report(
-            loaded.model, model_inputs, loss_fn=loss_fn, measure=what, modes=mode_list,
+            step, measure=what, modes=mode_list,
             iters=iters, warmup=warmup, timeout_s=timeout, batch_sizes=sizes, dynamic=dyn,
             name=loaded.name, factory=loaded.name, progress=progress)
         if report.step is not None:

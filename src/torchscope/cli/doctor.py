@@ -11,12 +11,14 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from torchscope.cli._common import (
+    AutocastOpt,
     DebugOpt,
     InputOpt,
     InputsFnOpt,
     JsonOpt,
     LossOpt,
     TargetArg,
+    autocast_name,
     check_output,
     choice,
     console,
@@ -59,6 +61,7 @@ def doctor(
     out: Annotated[str, typer.Option("--out", "-o", help="Folder for report.html and "
                                      "report.json.")] = "torchscope-report",
     loss: LossOpt = "auto",
+    autocast: AutocastOpt = None,
     steps: Annotated[int, typer.Option(help="Profiled training steps.")] = 5,
     compile_modes: Annotated[str, typer.Option(
         "--compile-modes", help="torch.compile modes to measure, comma-separated.")] = "default",
@@ -93,6 +96,7 @@ def doctor(
             fail(f"--skip names unknown section(s) {', '.join(unknown)}. Fix: choose from "
                  f"{', '.join(section_names())}.")
         loss_fn = choice("--loss", loss, LOSSES)
+        precision = autocast_name(autocast)
         floor = None if fail_on is None else \
             Severity[choice("--fail-on", fail_on, ("error", "warning")).upper()]
         if steps < 1:
@@ -107,7 +111,7 @@ def doctor(
             from torchscope.doctor.distributed import DistributedJob, launch
 
             options = DoctorOptions(fast=fast, skip=frozenset(skipped), loss_fn=loss_fn,
-                                    steps=steps, compile_modes=modes)
+                                    steps=steps, compile_modes=modes, autocast=precision)
             job = DistributedJob(target, tuple(input or ()), inputs, ranked[0], ranked[1],
                                  options, out)
             if nproc is not None:
@@ -118,7 +122,7 @@ def doctor(
         loaded, model_inputs = load(target, input, inputs)
         model = loaded.model.to(dev)
         options = DoctorOptions(fast=fast, skip=frozenset(skipped), loss_fn=loss_fn, steps=steps,
-                                compile_modes=modes, device=dev)
+                                compile_modes=modes, device=dev, autocast=precision)
         report = _run_with_progress(model, model_inputs.to(dev), options, loaded.name)
         with writing("--out", out):
             write_report(report, out)

@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from torchscope.cli._common import (
+    AutocastOpt,
     DebugOpt,
     DepthOpt,
     InputOpt,
@@ -16,6 +17,7 @@ from torchscope.cli._common import (
     LossOpt,
     SelectOpt,
     TargetArg,
+    autocast_name,
     check_output,
     choice,
     console,
@@ -37,6 +39,7 @@ def grads(
     input: InputOpt = None,
     inputs: InputsFnOpt = None,
     loss: LossOpt = "auto",
+    autocast: AutocastOpt = None,
     steps: Annotated[int, typer.Option(
         "--steps", help="Training steps (SGD) to run; each one is sampled.")] = 1,
     lr: Annotated[float, typer.Option("--lr", help="SGD learning rate for --steps > 1.")] = 0.01,
@@ -60,6 +63,7 @@ def grads(
         from torchscope.step import LOSSES, Step
 
         loss_fn = choice("--loss", loss, LOSSES)
+        precision = autocast_name(autocast)
         if steps < 1:
             raise TorchscopeError(f"--steps {steps} runs nothing.", fix="pass --steps 1 or more.")
         if not lr > 0:
@@ -69,8 +73,9 @@ def grads(
         loaded, model_inputs = load(target, input, inputs)
         model = loaded.model.train()
         opt = trainable_sgd(model, lr, loaded.name)
-        step = Step(model, model_inputs, loss_fn=loss_fn, optimizer=opt)
-        with watch_gradients(model, every=1, optimizer=opt, select=select,
+        step = Step(model, model_inputs, loss_fn=loss_fn, optimizer=opt).with_autocast(
+            precision)
+        with watch_gradients(model, every=1, optimizer=opt, scaler=step.scaler, select=select,
                              depth=depth) as watch:
             first = step.run()
             for _ in range(steps - 1):

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Annotated, cast
 import typer
 
 from torchscope.cli._common import (
+    AutocastOpt,
     DebugOpt,
     DepthOpt,
     InputOpt,
@@ -14,6 +15,7 @@ from torchscope.cli._common import (
     JsonOpt,
     SelectOpt,
     TargetArg,
+    autocast_name,
     check_output,
     console,
     guarded,
@@ -56,6 +58,7 @@ def memory(
         "--loss", help="The step's loss: auto (the model's .loss, else cross-entropy on "
         "logits or mse, against seeded targets), cross_entropy, mse or sum (saves nothing: "
         "only the model's own tensors are counted).")] = "auto",
+    autocast: AutocastOpt = None,
     optimizer: Annotated[str, typer.Option(
         help="Count this optimizer's state too: none, sgd, momentum, adam, adamw.")] = "none",
     select: SelectOpt = None,
@@ -103,6 +106,7 @@ def memory(
                                   fix=f"use one of {', '.join(_OPTIMIZERS)}.")
         if repeats < 1:
             raise TorchscopeError(f"--repeats {repeats} must be at least 1.", fix="use 1+.")
+        precision = autocast_name(autocast)
         limit = parse_bytes(budget) if budget is not None else None
         loaded, model_inputs = load(target, input, inputs)
         model = loaded.model
@@ -110,7 +114,7 @@ def memory(
             resolve_blocks(model, blocks)  # nothing to checkpoint: one line, before any work
         model.train(not eval_mode)
         opt = _make_optimizer(optimizer, model)
-        step = Step(model, model_inputs, loss_fn=loss, optimizer=opt)
+        step = Step(model, model_inputs, loss_fn=loss, optimizer=opt).with_autocast(precision)
         report = analyze_memory(step, checkpoint=cast("CheckpointChoice", checkpoint),
                                 budget=limit, blocks=blocks, repeats=repeats,
                                 select=select, depth=depth, name=loaded.name)

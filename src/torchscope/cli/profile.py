@@ -8,12 +8,14 @@ from typing import Annotated
 import typer
 
 from torchscope.cli._common import (
+    AutocastOpt,
     DebugOpt,
     InputOpt,
     InputsFnOpt,
     JsonOpt,
     LossOpt,
     TargetArg,
+    autocast_name,
     check_output,
     choice,
     console,
@@ -36,6 +38,7 @@ def profile(
     input: InputOpt = None,
     inputs: InputsFnOpt = None,
     loss: LossOpt = "auto",
+    autocast: AutocastOpt = None,
     steps: Annotated[int, typer.Option(help="Profiled (active) steps.")] = 5,
     wait: Annotated[int, typer.Option(help="Schedule steps skipped first.")] = 1,
     warmup: Annotated[int, typer.Option(help="Schedule steps profiled but discarded.")] = 1,
@@ -70,6 +73,7 @@ def profile(
         from torchscope.step import LOSSES, Step
 
         loss_fn = choice("--loss", loss, LOSSES)
+        precision = autocast_name(autocast)
         choice("--sort", sort, SORT_KEYS)
         choice("--by", by, ("op", "module"))
         if limit < 1:
@@ -88,7 +92,7 @@ def profile(
         model = loaded.model.to(dev).train()
         model_inputs = model_inputs.to(dev)
         step = Step(model, model_inputs, loss_fn=loss_fn,
-                    optimizer=trainable_sgd(model, lr, loaded.name))
+                    optimizer=trainable_sgd(model, lr, loaded.name)).with_autocast(precision)
         with writing("--trace", trace):  # written by the profiler, at the end of its run
             result = profile_steps(
                 step, steps=steps, wait=wait, warmup=warmup,

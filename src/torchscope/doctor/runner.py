@@ -68,15 +68,20 @@ def _run_one(section: Section[Any], step: Step, options: DoctorOptions) -> Secti
 
 def _doctor_step(model: nn.Module | Step, inputs: Any, options: DoctorOptions) -> Step:
     if isinstance(model, Step):
-        if options.loss_fn != "auto":
-            raise TorchscopeError(f"options.loss_fn={options.loss_fn!r} was given with a Step.",
-                                  fix="set loss_fn on the Step (Step(model, x, loss_fn=...)).")
+        given = ("loss_fn", options.loss_fn) if options.loss_fn != "auto" else \
+            ("autocast", options.autocast) if options.autocast is not None else None
+        if given is not None:
+            raise TorchscopeError(f"options.{given[0]}={given[1]!r} was given with a Step.",
+                                  fix="set it on the Step: " + (
+                                      "Step(model, x, loss_fn=...)." if given[0] == "loss_fn"
+                                      else f"Step(model, x).with_autocast({given[1]!r})."))
         return Step.of(model, inputs)
     # Plain SGD over the trainable parameters: the optimizer phase is timed and its state
     # counted, without momentum buffers that would make later steps differ from the first.
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(params, lr=1e-3) if params else None
-    return Step(model, inputs, loss_fn=options.loss_fn, optimizer=optimizer, seed=options.seed)
+    return Step(model, inputs, loss_fn=options.loss_fn, optimizer=optimizer,
+                seed=options.seed).with_autocast(options.autocast)
 
 
 def run_doctor(

@@ -43,6 +43,9 @@ class DoctorOptions:
         device: the device the model and inputs were moved to.
         seed: every section runs with torch's generators seeded with it, and the step's
             synthesized targets are drawn from it.
+        autocast: run the step's forward and loss under `torch.autocast` in `bf16` or
+            `fp16` (with a GradScaler; see `Step.with_autocast`); None runs the model's own
+            precision. Leave it None when giving a `Step`.
     """
 
     fast: bool = False
@@ -53,6 +56,7 @@ class DoctorOptions:
     compile_iters: int = 20
     device: str = "cpu"
     seed: int = 0
+    autocast: str | None = None
 
     @property
     def profile_steps(self) -> int:
