@@ -216,6 +216,23 @@ def test_findings_name_top_op_and_ratio() -> None:
     assert codes["profiling.backward_ratio"].evidence["ratio"] == pytest.approx(ratio)
 
 
+def test_a_step_under_autocast_is_not_told_to_use_mixed_precision() -> None:
+    """The top op's fix suggested torch.autocast to a step that already ran under it."""
+    from torchscope.step import Step
+
+    model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+    x, y = torch.randn(64, 256), torch.randint(0, 10, (64,))
+    fixes = []
+    for precision in (None, "bf16"):
+        step = Step(model, x, loss_fn="cross_entropy", target=y).with_autocast(precision)
+        result = profile_steps(step, steps=2, baseline_steps=0)
+        top = {f.code: f for f in result.findings()}["profiling.top_op"]
+        assert "mm" in top.evidence["op"] or "linear" in top.evidence["op"], top.evidence
+        fixes.append(top.fix)
+    assert "mixed precision (torch.autocast)" in fixes[0]
+    assert "autocast" not in fixes[1] and "torch.compile" in fixes[1]
+
+
 def test_model_error_leaves_no_hooks_and_no_profiler() -> None:
     class Broken(nn.Module):
         def __init__(self) -> None:

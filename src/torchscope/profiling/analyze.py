@@ -23,11 +23,13 @@ _COMPUTE = ("mm", "addmm", "bmm", "matmul", "conv", "convolution", "linear", "ba
             "scaled_dot_product")
 
 
-def _op_fix(name: str) -> str:
+def _op_fix(name: str, mixed: bool) -> str:
+    """What makes the top op cheaper; `mixed`: the step already runs under autocast."""
     base = name.rsplit("::", maxsplit=1)[-1]
     if any(k in base for k in _COMPUTE):
-        return ("this is the model's arithmetic: mixed precision (torch.autocast), a larger "
-                "batch per step or torch.compile make it cheaper.")
+        return ("this is the model's arithmetic: " + ("" if mixed else "mixed precision "
+                "(torch.autocast), ") + "a larger batch per step or torch.compile make it "
+                "cheaper.")
     if base in ("copy_", "to", "_to_copy", "contiguous", "clone"):
         return "look for .to()/.contiguous() copies inside the step and move them out."
     return ""
@@ -111,7 +113,7 @@ def profile_findings(result: ProfileResult,
             f"{o.name} takes {100 * frac:.0f}% of self {where} time "
             f"({o.calls} calls, {ms / result.steps:.3g} ms per step).",
             {"op": o.name, "calls": o.calls, "self_ms": ms, "share": frac},
-            fix=_op_fix(o.name),
+            fix=_op_fix(o.name, result.step is not None and bool(result.step.autocast)),
         ))
     out += _host_syncs(result)
     fwd, bwd, opt = (result.phase(p) for p in ("forward", "backward", "optimizer"))
