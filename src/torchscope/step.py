@@ -71,10 +71,10 @@ LossKind = Literal["model", "scalar", "cross_entropy", "mse", "sum", "callable"]
 TargetKind = Literal["given", "seeded", "none"]
 BeforeBackward = Callable[[int, Any, torch.Tensor], None]
 
-_AMP_DTYPES = (torch.float16, torch.bfloat16)
 _HALF = (torch.float16, torch.bfloat16)
 # The precisions a step's forward and loss can run in, by the names the CLI takes.
 AUTOCAST: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_AMP_DTYPES = tuple(AUTOCAST.values())
 
 
 @dataclass(frozen=True)

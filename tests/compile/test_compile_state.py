@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from torchscope.compile import compile_report, find_graph_breaks, watch_recompiles
+from torchscope.compile.records import CompileReport
 from torchscope.models import MLP
 from torchscope.step import Step
 
@@ -180,20 +181,27 @@ def _entries(code: Any) -> int:
     return len(torch._dynamo.eval_frame._debug_get_cache_entry_list(code))
 
 
-def test_a_decorated_forward_and_its_helpers_are_traced_afresh_and_released() -> None:
-    """The scan and both compiles each trace the decorated forward's own code and the
-    helper afresh: no compile of theirs is a recompile, and none leaves a cache entry."""
-    net = _decorated_class()()
-    x = torch.randn(4, 8)
-    inner = type(net).forward.__wrapped__.__code__  # type: ignore[attr-defined]
+def _measured_here(net: nn.Module, x: torch.Tensor) -> CompileReport:
+    """compile_report of `net` on `x`, one mode, which must have run in this process and
+    left it as it was; the report."""
     before = _process()
     report = compile_report(net, x, modes=("default",), iters=2, warmup=0)
     _assert_same(before)
     m = report.mode("default")
     assert m.status == "ok", m.error
     assert not m.isolated
+    return report
+
+
+def test_a_decorated_forward_and_its_helpers_are_traced_afresh_and_released() -> None:
+    """The scan and both compiles each trace the decorated forward's own code and the
+    helper afresh: no compile of theirs is a recompile, and none leaves a cache entry."""
+    net = _decorated_class()()
+    x = torch.randn(4, 8)
+    inner = type(net).forward.__wrapped__.__code__  # type: ignore[attr-defined]
+    report = _measured_here(net, x)
     assert [b.function for b in report.graph_breaks] == ["_head"]
-    assert m.recompiles == ()
+    assert report.mode("default").recompiles == ()
     assert (_entries(inner), _entries(_head.__code__), _entries(type(net).forward.__code__)
             ) == (0, 0, 0)
     assert "forward" not in net.__dict__
@@ -222,12 +230,5 @@ def test_a_torchscript_submodule_is_measured_in_this_process(
         scripted_part: Callable[[], nn.Module]) -> None:
     """torch.save cannot write a scripted submodule for the child process (RuntimeError,
     not a pickling error): that stopped the report; it measures here instead."""
-    net = nn.Sequential(scripted_part(), nn.Linear(8, 2))
-    x = torch.randn(4, 8)
-    before = _process()
-    report = compile_report(net, x, modes=("default",), iters=2, warmup=0)
-    _assert_same(before)
-    m = report.mode("default")
-    assert m.status == "ok", m.error
-    assert not m.isolated
+    report = _measured_here(nn.Sequential(scripted_part(), nn.Linear(8, 2)), torch.randn(4, 8))
     assert any("cannot be pickled (RuntimeError" in n for n in report.notes), report.notes

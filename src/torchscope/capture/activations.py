@@ -227,8 +227,9 @@ class ActivationCapture(HookedContext, Analyzed):
 
     @property
     def zero_init(self) -> frozenset[str]:
-        """Hooked modules whose output was constant in the last flushed forward while their
-        own parameters were all exactly zero (see `ActivationRecords.zero_init`)."""
+        """Hooked modules whose own parameters were all exactly zero when their output was
+        last seen constant (see `ActivationRecords.zero_init`); a module is checked again
+        each time a read forward gives it a constant output."""
         self._flush()
         return frozenset(self._zero_init)
 

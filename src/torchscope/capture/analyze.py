@@ -176,8 +176,8 @@ def _per_module(judged: Sequence[ActivationRecord], th: ActivationThresholds,
                     {"zero_frac": s.zero_frac},
                     fix="check the scale of the layer before it and its bias init",
                     module=r.module))
-            if s.finite and s.is_close_to_constant() and not all_dead and \
-                    r.module in zero_init:
+            constant = s.finite and s.is_close_to_constant() and not all_dead
+            if constant and r.module in zero_init:
                 out.append(Finding(
                     "activations.constant", Severity.INFO,
                     f"{name} ({r.module_type}) outputs {s.min:.4g} everywhere: its own "
@@ -186,7 +186,7 @@ def _per_module(judged: Sequence[ActivationRecord], th: ActivationThresholds,
                     {"value": s.min, "numel": s.numel, "zero_init": True},
                     fix="",
                     module=r.module))
-            elif s.finite and s.is_close_to_constant() and not all_dead:
+            elif constant:
                 out.append(Finding(
                     "activations.constant", Severity.WARNING,
                     f"{name} ({r.module_type}) outputs the same value {s.min:.4g} everywhere",

@@ -1057,7 +1057,8 @@ class GradCollector(HookedContext):
 
         def pre(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             if skipped():
-                self._note_no_grad(name)
+                if self.active and self._root_grad:  # not on unsampled steps: one check
+                    self._note_no_grad(name)
                 stack.append(None)
                 return None
             intake = _Intake(new_call(), inplace, graph=False)
@@ -1084,7 +1085,8 @@ class GradCollector(HookedContext):
             graph = pre_handle[0] is None
             if graph:
                 if skipped():
-                    self._note_no_grad(name)
+                    if self.active and self._root_grad:
+                        self._note_no_grad(name)
                     return
                 if type(output) is torch.Tensor and output.requires_grad and not kwargs and \
                         len(args) == 1 and isinstance(args[0], torch.Tensor):
