@@ -317,3 +317,20 @@ def test_with_model_keeps_the_options_and_not_the_cache(
     assert (other.loss_fn, other.accumulate, other.seed) == ("mse", 2, 3)
     assert other.target is step.target
     assert other.resolved is None and step.resolved is not None
+
+
+def test_one_output_per_sample_is_not_taken_as_one_class() -> None:
+    # Cross-entropy over one class is log_softmax = 0 whatever the output: its gradient is
+    # zero, and every layer would read as dead. `auto` takes (N, 1) as a regression.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    x = torch.randn(4, 8)
+    step = Step(model, x)
+    step.forward_backward()
+    assert step.info(None).loss == "auto → mean squared error vs seeded targets"
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+    with pytest.raises(ModelError, match="has 1 class"):
+        Step(model, x, loss_fn="cross_entropy").forward_backward()
+    with pytest.raises(ModelError, match="has 1 class"):
+        Step(model, x, loss_fn="cross_entropy", target=torch.zeros(4, dtype=torch.long)
+             ).forward_backward()

@@ -15,10 +15,13 @@ The loss (`loss_fn=`) is one of:
     2. the output carries its own `.loss` (a Hugging Face model called with labels);
     3. the output is a scalar tensor: it is the loss;
     4. the main output (the output itself, its `.logits`, else its first floating tensor)
-       is logits, `(N, C)` or `(N, T, C)`: cross-entropy against seeded class targets;
-    5. any other floating output: mean squared error against seeded standard-normal targets.
-- `"cross_entropy"`: the main output's last dimension holds the classes; targets are the
-  given ones, else seeded integers in `[0, C)`.
+       is logits, `(N, C)` or `(N, T, C)` with `C >= 2`: cross-entropy against seeded
+       class targets;
+    5. any other floating output, `(N, 1)` included: mean squared error against seeded
+       standard-normal targets. Cross-entropy over one class is 0 whatever the output, so
+       its gradient is zero and nothing would learn.
+- `"cross_entropy"`: the main output's last dimension holds the classes (two or more);
+  targets are the given ones, else seeded integers in `[0, C)`.
 - `"mse"`: mean squared error against the given target, else a seeded standard-normal one.
 - `"sum"`: the sum of the main output (accumulated in float32); it saves nothing for
   backward, so memory accounting sees the model's own tensors only.
@@ -438,7 +441,7 @@ class Step:
         if isinstance(output, torch.Tensor) and output.dim() == 0:
             return ResolvedLoss("auto", "scalar", "none")
         out = main_output(output)
-        if out.dim() in (2, 3):
+        if out.dim() in (2, 3) and out.shape[-1] >= 2:
             return ResolvedLoss("auto", "cross_entropy", "seeded")
         return ResolvedLoss("auto", "mse", "seeded")
 
@@ -483,6 +486,13 @@ class Step:
         out = main_output(output)
         if r.kind == "sum":
             return out.sum(dtype=torch.float32) if out.dtype in _HALF else out.sum()
+        if r.kind == "cross_entropy" and out.dim() > 0 and out.shape[-1] == 1:
+            # log_softmax over one class is 0: the loss and its gradient would be zero.
+            raise ModelError(
+                f"cross-entropy over the output {tuple(out.shape)} has 1 class: it is 0 "
+                "whatever the model outputs, and its gradient is zero.",
+                fix="for one value per sample use loss_fn='mse', or a callable such as "
+                "torch.nn.BCEWithLogitsLoss() for a binary label.")
         if target is None:
             target = self._seeded_target(r.kind, out, micro)
         try:
