@@ -235,6 +235,23 @@ def test_dead_layer_end_to_end() -> None:
     assert flow.param("0.weight").norm == 0.0 and flow.param("2.bias").norm > 0
 
 
+def test_all_zero_loss_gradient_is_one_finding_about_the_loss() -> None:
+    # The single-output cross-entropy trap: log_softmax over one class is 0, so every
+    # layer gets a zero gradient. The cause is the loss, not any of them.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    x, y = torch.randn(5, 4), torch.zeros(5, dtype=torch.long)
+    flow = gradient_flow(model, x, target=y, loss_fn=nn.CrossEntropyLoss())
+    assert flow.total_norm == 0.0
+    (f,) = find_dead(flow)
+    assert f.evidence["kind"] == "loss" and f.module is None
+    assert f.evidence["zero_modules"] == 3 and f.evidence["zero_params"] == 4
+    assert f.evidence["loss_value"] == 0.0 and "one class" in f.fix
+    # The same model with a loss that depends on its output: silent.
+    assert find_dead(gradient_flow(model, x, target=torch.randn(5, 1),
+                                   loss_fn=nn.MSELoss())) == []
+
+
 def test_unknown_metric_or_series_kind_is_a_clear_error() -> None:
     flow = GradFlow(0, (), (), 0.0)
     with pytest.raises(TorchscopeError, match=r"metric='norm' is not a gradient metric.*Fix"):

@@ -552,6 +552,8 @@ def find_dead(flow: GradFlow, thresholds: GradThresholds | None = None) -> list[
     modules = [m for m in flow.layers()
                if m in dead_out and m not in alive_out and m not in frozen]
     modules += [m for m in dead_params if m not in alive_params and m not in modules]
+    if modules and not alive_out and not alive_params:
+        return [_zero_loss_gradient(flow, modules, dead_params)]
     # Receives gradient but passes none down (every ReLU unit off, a zero mask): the cause.
     blockers: dict[str, str] = {}
     for r in flow.modules:
@@ -585,6 +587,29 @@ def find_dead(flow: GradFlow, thresholds: GradThresholds | None = None) -> list[
             module=m,
         ))
     return found
+
+
+def _zero_loss_gradient(flow: GradFlow, modules: list[str],
+                        dead_params: dict[str, list[str]]) -> Finding:
+    """One finding for a step in which no module and no parameter got a non-zero gradient:
+    the cause is the loss, above every layer, so no layer is named."""
+    evidence: dict[str, float | int | str | bool | None] = {
+        "kind": "loss", "zero_modules": len(modules),
+        "zero_params": sum(len(v) for v in dead_params.values()), "step": flow.index}
+    if flow.step is not None:
+        evidence["loss"] = flow.step.loss
+        evidence["loss_value"] = flow.step.loss_value
+    return Finding(
+        code="grads.dead",
+        severity=Severity.WARNING,
+        summary="every gradient is zero: the loss gives the model's output an all-zero "
+        f"gradient, so none of its {len(modules)} layers learns",
+        evidence=evidence,
+        fix="make the loss depend on the output: cross-entropy over one class (an (N, 1) "
+        "output) is 0 whatever the output, so use BCEWithLogitsLoss for a binary label or "
+        "MSE for one value; also look for a loss multiplied by zero, or a batch whose "
+        "targets are all ignore_index.",
+    )
 
 
 def find_nonfinite(flow: GradFlow, thresholds: GradThresholds | None = None) -> list[Finding]:
