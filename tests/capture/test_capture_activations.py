@@ -395,3 +395,30 @@ def test_checkpoint_recomputation_is_not_recorded_again(
     assert max(r.call for r in got) == 0
     for a, b in zip(want, got, strict=True):
         assert a.outputs == b.outputs, a.module
+
+
+@pytest.mark.parametrize("count_nonfinite", [True, False])
+def test_complex_outputs_are_read_over_both_parts(count_nonfinite: bool) -> None:
+    # Spectral layers (FNO) and complex-valued networks: a cast to float would read the
+    # real part only, and miss a NaN in the imaginary one.
+    class Spectral(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            z = torch.fft.fft(x)  # (2, 8) complex64; the imaginary part of column 0 is 0
+            return torch.complex(z.real, z.imag / torch.tensor([0.0] + [1.0] * 7))  # 0/0
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 8)
+    z = torch.fft.fft(x)
+    cap = capture_activations(nn.Sequential(nn.Identity(), Spectral()), x,
+                              count_nonfinite=count_nonfinite)
+    s = cap.get("1").output
+    assert s is not None and s.dtype == "torch.complex64" and not s.finite
+    if count_nonfinite:
+        assert s.nan_count == 2  # column 0's imaginary part, in both rows
+    clean = capture_activations(nn.Sequential(nn.Identity(), nn.Identity()), z)
+    c = clean.get("1").output
+    assert c is not None and c.finite
+    parts = torch.view_as_real(z).reshape(-1)  # (32,) real and imaginary parts
+    assert rel_close(c.norm, torch.linalg.vector_norm(z).item())
+    assert rel_close(c.mean, parts.mean().item(), 1e-5)
+    assert (c.min, c.max) == (parts.min().item(), parts.max().item())

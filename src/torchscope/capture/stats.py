@@ -69,11 +69,16 @@ def reduce_stats(x: torch.Tensor, *, count_nonfinite: bool = True) -> torch.Tens
     """Statistics of `x` as a float64 vector of `N_MOMENTS` on `x.device`, by eager ops.
 
     Args:
-        x: any tensor; integer and half tensors are reduced in float32.
+        x: any tensor; integer and half tensors are reduced in float32, complex ones over
+            their real and imaginary parts as separate values (`torch.view_as_real`): the
+            norm is then the complex norm, and a NaN or Inf in either part is counted.
         count_nonfinite: count NaN and Inf exactly; else slots `NANS`/`INFS` hold -1 and the
             reader derives finiteness from min/max.
     """
     t = x.detach()
+    if t.is_complex():
+        # A cast to a real dtype would drop the imaginary part (and warn).
+        t = torch.view_as_real(t.resolve_conj())  # (..., 2)
     if not t.is_floating_point() or t.dtype in (torch.float16, torch.bfloat16):
         t = t.to(torch.float32)  # half sums lose digits; the copy is worth it
     n = t.numel()
@@ -173,8 +178,10 @@ def finiteness(x: torch.Tensor) -> torch.Tensor:
         norm = _kernels.run("norm", t)  # () float64
         if norm is not None:
             return norm
-    if t.numel() and (t.is_floating_point() or t.is_complex()):
-        mn, mx = torch.aminmax(t.reshape(-1).real if t.is_complex() else t.reshape(-1))
+    if t.is_complex():
+        t = torch.view_as_real(t.resolve_conj())  # (..., 2): both parts are checked
+    if t.numel() and t.is_floating_point():
+        mn, mx = torch.aminmax(t.reshape(-1))
         return mn.double() * 0.0 + mx.double() * 0.0  # ()
     return torch.zeros((), dtype=torch.float64, device=t.device)
 
