@@ -102,6 +102,7 @@ def test_forward_interrupted_by_keyboard_interrupt_leaves_nothing_behind() -> No
         gc.collect()
         assert ref() is None  # no input alias of the interrupted call is kept
     assert watch.last is not None
-    # The interrupted forward's finished call of "0" stays, reached by no gradient.
+    # The interrupted forward, which no backward reached, is no micro-batch of the step.
     assert [(r.module, r.micro, r.order) for r in watch.last.modules] == [
-        ("1", 1, 0), ("0", 1, 1), ("0", 0, None)]
+        ("1", 0, 0), ("0", 0, 1)]
+    assert watch.last.micro_batches == 1

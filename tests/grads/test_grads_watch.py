@@ -4,6 +4,7 @@ left, gradient accumulation and GradScaler."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import math
 import tracemalloc
@@ -322,6 +323,37 @@ def test_micro_batches_counts_backward_passes() -> None:
     assert watch.step_by == "micro_batches"
     assert watch.steps == 3 and [f.index for f in flows] == [0, 1, 2]
     assert all(f.backward_calls == 4 and f.micro_batches == 4 for f in flows)
+
+
+def test_a_forward_no_backward_reaches_is_no_micro_batch() -> None:
+    # An evaluation pass run with gradients on (no torch.no_grad), between two steps: its
+    # graph is dropped. Two forwards into one backward (a siamese loss) stay two.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+    twin = copy.deepcopy(model)
+    x, xv = torch.randn(16, 4), torch.randn(8, 4)
+    flows: list[GradFlow] = []
+    with watch_gradients(model, every=1, on_sample=flows.append):
+        for step in range(3):
+            model.train()
+            model.zero_grad()
+            model(x).square().mean().backward()
+            model.eval()
+            model(xv)  # gradients on, output dropped
+            if step == 2:
+                model.train()
+                model.zero_grad()
+                (model(x).mean() - model(xv).mean()).backward()
+        model.zero_grad()  # ends the last step (no optimizer: a zeroing backward is a step)
+    assert [f.micro_batches for f in flows] == [1, 1, 1, 2]
+    assert [len(f.modules) for f in flows] == [4, 4, 4, 8]
+    assert all(r.output_norm is not None for f in flows for r in f.modules)
+    twin.train()
+    twin(x).square().mean().backward()
+    for p in flows[1].params:
+        ref = dict(twin.named_parameters())[p.name].grad
+        assert ref is not None and p.norm is not None
+        assert math.isclose(p.norm, ref.norm().item(), rel_tol=1e-6)
 
 
 def test_manual_steps_end_at_end_step() -> None:

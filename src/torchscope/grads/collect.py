@@ -1295,13 +1295,14 @@ class GradCollector(HookedContext):
                 scale_at = len(self._vals)
                 self._vals.append(scale_t.detach().reshape(()).double())
         values = _host_floats_later(self._vals)
+        forwards = self._micro + 1 - self._drop_unreached()
         calls = sorted(self._calls, key=lambda c: (c.order is None, c.order or 0, c.seq))
         called = {c.module for c in self._calls}
         shapes = [(tuple(p.shape), str(p.dtype), p.requires_grad) for _, _, p in self._params]
         owners = [owner for _, owner, _ in self._params]
         names, param_vals = list(self._names), dict(self._param_vals)
         no_grad = dict(self._no_grad_calls)
-        micro_batches = max(self._micro + 1, 1 if self._calls else 0)
+        micro_batches = max(forwards, 1 if self._calls else 0)
         backwards, fused, eager = self._backwards, self._fused_norms, self._eager_norms
         self.discard()
 
@@ -1354,6 +1355,23 @@ class GradCollector(HookedContext):
                             ranks=ranks, fused_norms=fused, eager_norms=eager)
 
         return functools.cache(build)  # built once, however often it is asked for
+
+    def _drop_unreached(self) -> int:
+        """Leave out the forwards of this step that no backward reached, when another one
+        was reached; how many. Such a forward ran with gradients on but its output was
+        dropped (an evaluation pass without `torch.no_grad`, a forward for logging): it is
+        no micro-batch of the step, and its calls would read as unreached. The micro-batches
+        left are numbered again from 0."""
+        reached = {c.micro for c in self._calls if c.order is not None}
+        idle = {c.micro for c in self._calls} - reached
+        if not reached or not idle or not self._backwards:
+            return 0
+        kept = sorted((set(range(self._micro + 1)) | reached) - idle)
+        renumber = {m: i for i, m in enumerate(kept)}
+        self._calls = [c for c in self._calls if c.micro not in idle]
+        for c in self._calls:
+            c.micro = renumber[c.micro]
+        return len(idle)
 
     def _exchange(self, inv: float, weights: dict[int, int]) -> RankGrads | None:
         """Every rank's per-parameter norms of this step (DDP, FSDP2); None on one process.
