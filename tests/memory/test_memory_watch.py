@@ -118,6 +118,47 @@ def test_unsampled_and_no_grad_forwards() -> None:
     assert _no_saved_tensor_hooks()
 
 
+def test_a_forward_no_backward_reaches_is_no_sample() -> None:
+    # Evaluation passes run with gradients on (no torch.no_grad), on half the batch: they
+    # save tensors that no step uses. The last one, after the last step, was the sample.
+    torch.manual_seed(0)
+    model, x, xv = DeepMLP(), torch.randn(8, 64), torch.randn(4, 64)
+    want = saved_activations(model, x, loss_fn="sum").total_bytes
+    with watch_memory(model) as watch:
+        for _ in range(3):
+            model(x).sum().backward()
+            model.eval()
+            model(xv)  # forwards 1, 3, 5: output dropped
+            model.train()
+        assert audit_hooks(model).local_total > 0
+    assert watch.forwards == 6 and watch.samples == 3
+    assert watch.history.forwards == (0, 2, 4)
+    assert watch.history.total_bytes == (want, want, want)
+    assert watch.last is not None and watch.last.forward == 4
+    assert audit_hooks(model).local_total == 0 and _no_saved_tensor_hooks()
+
+
+def test_two_forwards_into_one_backward_are_two_samples_in_order() -> None:
+    torch.manual_seed(0)
+    model, a, b = DeepMLP(), torch.randn(8, 64), torch.randn(4, 64)
+    with watch_memory(model) as watch:
+        (model(a).sum() - model(b).sum()).backward()  # backward reaches b's output first
+    assert watch.history.forwards == (0, 1) and watch.samples == 2
+    assert watch.history.total_bytes == (
+        saved_activations(model, a, loss_fn="sum").total_bytes,
+        saved_activations(model, b, loss_fn="sum").total_bytes)
+    assert watch.last is not None and watch.last.forward == 1
+
+
+def test_forwards_without_any_backward_are_kept_when_the_watch_closes() -> None:
+    model, x = DeepMLP(), torch.randn(8, 64)
+    with watch_memory(model) as watch:
+        out = model(x)
+    assert watch.samples == 1 and watch.history.forwards == (0,)
+    out.sum().backward()  # after the block: nothing of the watch is left on the graph
+    assert audit_hooks(model).local_total == 0
+
+
 def test_a_checkpointed_root_recomputed_in_backward_is_no_forward_of_its_own() -> None:
     """A loop that checkpoints the whole model: on an unsampled step, backward runs its
     forward again, inside backward, to refill what the checkpoint did not keep; that was

@@ -23,9 +23,14 @@ from torchscope.findings import Finding
 from torchscope.hooks.lifecycle import HookedContext
 from torchscope.hooks.select import Selector
 from torchscope.hooks.session import HookSession
+from torchscope.hooks.tree import iter_tensors
 from torchscope.memory._common import storage_keys
 from torchscope.memory.records import MemoryHistory, MemorySample
 from torchscope.memory.saved import _freeze, _Recorder, known_kinds, row_owners
+
+# Sampled forwards kept while no backward has reached them (two or three in a step that
+# runs the model on several inputs before one backward); older ones are dropped.
+_MAX_PENDING = 8
 
 
 @dataclass
@@ -39,13 +44,25 @@ class _Active:
     device: torch.device | None  # the CUDA device whose peak it reads
 
 
+@dataclass
+class _Pending:
+    """A sampled forward that ended, kept until a backward reaches its output: a forward
+    whose graph is dropped (an evaluation pass run without `torch.no_grad`) saves tensors
+    that no step uses, and is no sample."""
+
+    row: list[Any]  # [forward, {row: bytes}, total bytes, CUDA peak]
+    sample: MemorySample
+    handles: list[Any]  # pre-hooks on the output's autograd nodes
+
+
 class MemoryWatch(HookedContext):
     """Samples saved activations per module in the user's own loop; see `watch_memory`.
 
     Attributes:
         every: sample one grad-enabled forward of the model in `every`.
         forwards: grad-enabled forwards of the model seen so far.
-        samples: samples taken so far (the history keeps the newest `max_samples`).
+        samples: samples taken so far (the history keeps the newest `max_samples`): sampled
+            forwards that a backward reached.
         active: while False, no forward is sampled (a sampler such as the run monitor
             switches it between forwards).
     """
@@ -74,7 +91,10 @@ class MemoryWatch(HookedContext):
         self._names: dict[int, str] = {}
         self._owners: dict[str, str] | None = None
         self._active: _Active | None = None
-        self._peak_device: torch.device | None = None  # the last sample's peak is pending
+        # The newest sampled forward whose CUDA peak is still to be read, and its device.
+        self._peak: tuple[_Pending, torch.device] | None = None
+        self._pending: list[_Pending] = []  # ended, not yet reached by a backward
+        self._backwards = 0  # sampled forwards that a backward reached
         self._last: MemorySample | None = None
         # Newest `max_samples` samples: [forward, {row: bytes}, total bytes, CUDA peak]
         self._rows: deque[list[Any]] = deque(maxlen=max_samples)
@@ -106,8 +126,16 @@ class MemoryWatch(HookedContext):
         try:
             if self._active is not None:
                 self._stop()
-            if self._peak_device is not None:
+            if self._peak is not None:
                 self._read_peak()
+            pending, self._pending = self._pending, []
+            for entry in pending:
+                # A watch whose forwards no backward reached while it was open (forwards
+                # only, or the backward after the block) keeps them; in a training loop
+                # they were evaluation passes.
+                self._release(entry)
+                if not self._backwards:
+                    self._commit(entry)
         finally:
             if self._session is not None:
                 self._session.close(failed=failed)
@@ -128,7 +156,7 @@ class MemoryWatch(HookedContext):
     def _pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self._active is not None:
             self._stop()  # a forward that never reached its end (KeyboardInterrupt)
-        if self._peak_device is not None:
+        if self._peak is not None:
             self._read_peak()
         if not torch.is_grad_enabled() or torch._C._current_autograd_node() is not None:
             # Nothing is saved (not a training forward), or a checkpoint's recomputation
@@ -158,9 +186,52 @@ class MemoryWatch(HookedContext):
         saved = _freeze(rec.alive(), storage_keys(output), rec.saves,
                         checkpointed=list(rec.checkpointed))
         rows = {m.module: m.bytes for m in saved.modules}
-        self._rows.append([active.forward, rows, saved.total_bytes, None])
-        self._last = MemorySample(active.forward, saved)
-        self._peak_device = active.device
+        entry = _Pending([active.forward, rows, saved.total_bytes, None],
+                         MemorySample(active.forward, saved), [])
+        if active.device is not None:
+            self._peak = (entry, active.device)
+        nodes = {id(t.grad_fn): t.grad_fn for _, t in iter_tensors(output)
+                 if t.grad_fn is not None}
+        if not nodes:  # nothing a backward could reach: nothing of it is kept for one
+            self._commit(entry)
+            return
+        session = self.session
+        entry.handles = [session.track(node.register_prehook(self._reached_hook(entry)))
+                         for node in nodes.values()]
+        self._pending.append(entry)
+        if len(self._pending) > _MAX_PENDING:  # forwards whose graphs were dropped
+            self._release(self._pending.pop(0))
+
+    def _reached_hook(self, entry: _Pending) -> Any:
+        def hook(_grad_outputs: Any) -> None:
+            if entry in self._pending:
+                self._pending.remove(entry)
+                self._release(entry)
+                self._backwards += 1
+                self._commit(entry)
+
+        return hook
+
+    def _release(self, entry: _Pending) -> None:
+        handles, entry.handles = entry.handles, []
+        if handles and self._session is not None and not self._session.closed:
+            self._session.release(handles)
+
+    def _commit(self, entry: _Pending) -> None:
+        """Count `entry` as a sample, in forward order (a siamese step's backward reaches
+        its second forward first)."""
+        forward = entry.row[0]
+        at = len(self._rows)
+        while at and self._rows[at - 1][0] > forward:
+            at -= 1
+        if len(self._rows) == self._rows.maxlen:
+            if at == 0:
+                return  # older than every sample the history keeps
+            self._rows.popleft()
+            at -= 1
+        self._rows.insert(at, entry.row)
+        if self._last is None or self._last.forward <= forward:
+            self._last = entry.sample
         self.samples += 1
 
     def _stop(self) -> None:
@@ -170,13 +241,14 @@ class MemoryWatch(HookedContext):
         active.hooks.__exit__(None, None, None)
 
     def _read_peak(self) -> None:
-        # Set only by `_post`, right after it appended the newest sample: that one is pending.
-        device = self._peak_device
-        assert device is not None and self._last is not None
-        self._peak_device = None
+        # Set only by `_post`, for the newest sampled forward, committed or not yet.
+        assert self._peak is not None
+        (entry, device), self._peak = self._peak, None
         peak = int(torch.cuda.max_memory_allocated(device))
-        self._last = replace(self._last, peak_bytes=peak)
-        self._rows[-1][3] = peak
+        old, entry.sample = entry.sample, replace(entry.sample, peak_bytes=peak)
+        entry.row[3] = peak
+        if self._last is old:
+            self._last = entry.sample
 
     # ------------------------------------------------------------------ results
     @property
