@@ -85,6 +85,43 @@ def test_samples_hold_the_gradients_of_their_step() -> None:
     assert len(run.act_std.steps) == 5 and "1" in run.act_dead.layers  # the ReLU
 
 
+def test_an_evaluation_pass_with_gradients_on_is_not_the_step_sampled() -> None:
+    """A validation forward without torch.no_grad, on other data, before each training
+    forward: the activation columns, the micro-batch count and the saved bytes are the
+    training forward's."""
+    torch.manual_seed(0)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = batches(4)
+    xv = torch.randn(3, 8) * 10
+    stds: list[float] = []
+
+    def keep_std(_m: nn.Module, _a: object, out: torch.Tensor) -> None:
+        if model.training:
+            stds.append(out.std().item())
+
+    with torchscope.monitor(model, opt, every=1, out=None) as mon:
+        for x, y in data:
+            model.eval()
+            model(xv)  # gradients on, output dropped
+            model.train()
+            opt.zero_grad()
+            handle = model[0].register_forward_hook(keep_std)
+            nn.functional.mse_loss(model(x), y).backward()
+            handle.remove()
+            opt.step()
+        model.eval()
+        model(xv)  # after the last step
+    run = mon.result
+    assert run is not None and run.samples == 4 and run.last is not None
+    assert run.last.micro_batches == 1
+    for got, want in zip(run.act_std.series("0"), stds, strict=True):
+        assert math.isclose(got, want, rel_tol=1e-4)
+    saved = torchscope.memory.saved_activations(model.train(), data[-1][0], loss_fn="sum")
+    assert run.memory is not None and run.memory.last is not None
+    assert run.memory.last.saved.total_bytes == saved.total_bytes
+
+
 def test_autocast_and_a_gradscaler_report_unscaled_norms() -> None:
     """bfloat16 autocast on CPU; with a GradScaler (scale 2^10) the reported norms are
     those of the run without scaling."""

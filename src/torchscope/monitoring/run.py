@@ -34,6 +34,7 @@ from torchscope.hooks.compiled import compiled_parts
 from torchscope.hooks.lifecycle import HookedContext
 from torchscope.hooks.select import Selector
 from torchscope.hooks.session import HookSession
+from torchscope.hooks.tree import iter_tensors
 from torchscope.memory import MemoryWatch
 from torchscope.models.target import ModelInputs
 from torchscope.monitoring.history import SampleHistory, StepBuckets
@@ -142,6 +143,8 @@ class Monitor(HookedContext):
         self._profile: Any = None
         self._profile_note = ""
         self._acts_seen = -1
+        self._recording = False  # the forward in progress is recorded
+        self._reached: set[int] = set()  # recorded forwards that a backward reached
         self._mem_seen = 0
         self._inputs = ""
         self._forward_onset: tuple[int, str | None, str | None] | None = None
@@ -184,6 +187,8 @@ class Monitor(HookedContext):
         # after the GradWatch's, which decide whether the step in progress is sampled.
         self._session.forward_pre_hook(self._session.model, self._gate,
                                        with_kwargs=True, prepend=True)
+        if self._acts is not None:
+            self._session.forward_hook(self._session.model, self._forward_end)
         self._grads = GradWatch(
             model, every=self.every, start=self._start, optimizer=self._optimizer,
             scaler=self._scaler,
@@ -267,6 +272,30 @@ class Monitor(HookedContext):
             self._acts.active = record
         if self._mem is not None:
             self._mem.active = record
+        self._recording = record
+
+    def _forward_end(self, _module: nn.Module, _args: tuple[Any, ...], output: Any) -> None:
+        """Note when a backward reaches a recorded forward's output: the step's activation
+        columns come from such a forward, not from an evaluation pass that ran with
+        gradients on and whose graph was dropped."""
+        if not self._recording or self._acts is None or \
+                torch._C._current_autograd_node() is not None:  # a checkpoint's recompute
+            return
+        self._recording = False
+        forward = self._acts.forwards - 1  # this forward's records' `step`
+        nodes = {id(t.grad_fn): t.grad_fn for _, t in iter_tensors(output)
+                 if t.grad_fn is not None}
+        session = self._session
+        assert session is not None
+        handles: list[Any] = []
+
+        def reached(_grad_outputs: Any) -> None:
+            self._reached.add(forward)
+            if handles:
+                session.release(handles)
+                handles.clear()
+
+        handles += [session.track(node.register_prehook(reached)) for node in nodes.values()]
 
     def _on_step(self, index: int, flow: GradFlow | None) -> None:
         now = time.perf_counter()
@@ -316,7 +345,12 @@ class Monitor(HookedContext):
         if not fresh:
             return False
         self._acts_seen = fresh[-1].step
-        first = [r for r in fresh if r.step == fresh[0].step]
+        steps = sorted({r.step for r in fresh})
+        # The first forward of the step that a backward reached (the first micro-batch),
+        # else the first recorded.
+        step = next((k for k in steps if k in self._reached), steps[0])
+        self._reached = {k for k in self._reached if k > self._acts_seen}
+        first = [r for r in fresh if r.step == step]
         leaves = leaf_modules(first)
         for r in first:
             s = r.output
