@@ -356,6 +356,45 @@ def test_a_forward_no_backward_reaches_is_no_micro_batch() -> None:
         assert math.isclose(p.norm, ref.norm().item(), rel_tol=1e-6)
 
 
+def test_a_backward_before_zero_grad_is_none_of_the_step() -> None:
+    # A GAN: the generator's step backpropagates through the discriminator, whose
+    # gradients are then set to None before its own step. The discriminator's sample holds
+    # its own step's two forwards and one backward, with torch's output gradients.
+    torch.manual_seed(0)
+    gen = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8))
+    disc = nn.Sequential(nn.Linear(8, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
+    opt_g = torch.optim.Adam(gen.parameters(), 1e-3)
+    opt_d = torch.optim.Adam(disc.parameters(), 1e-3)
+    bce = nn.BCEWithLogitsLoss()
+    seen: list[float] = []
+    want: list[list[float]] = []
+    flows: list[GradFlow] = []
+
+    def note(_m: nn.Module, _gi: object, go: tuple[torch.Tensor, ...]) -> None:
+        seen.append(go[0].norm().item())
+
+    with watch_gradients(disc, every=1, optimizer=opt_d, on_sample=flows.append):
+        for _ in range(3):
+            fake = gen(torch.randn(16, 4))
+            opt_d.zero_grad()
+            handle = disc[2].register_full_backward_hook(note)
+            loss_d = bce(disc(torch.randn(16, 8)), torch.ones(16, 1)) + \
+                bce(disc(fake.detach()), torch.zeros(16, 1))
+            loss_d.backward()
+            handle.remove()
+            want.append(sorted(seen))
+            seen.clear()
+            opt_d.step()
+            opt_g.zero_grad()
+            bce(disc(fake), torch.ones(16, 1)).backward()  # reaches disc, then zeroed
+            opt_g.step()
+    # (A fourth sample is the step left unfinished at the block's end: the last pass.)
+    assert [(f.micro_batches, f.backward_calls) for f in flows[:3]] == [(2, 1)] * 3
+    for f, norms in zip(flows[:3], want, strict=True):
+        got = sorted(r.output_norm for r in f.modules if r.module == "2")
+        assert all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(got, norms, strict=True))
+
+
 def test_manual_steps_end_at_end_step() -> None:
     model = _mlp()
     steps: list[tuple[int, bool]] = []

@@ -700,6 +700,10 @@ class GradCollector(HookedContext):
         self._counts: dict[str, int] = {}
         self._step_handles: list[Any] = []
         self._backwards = 0
+        # Where the backward in progress began: the call order it started from, and the
+        # parameters it measured (`restart_at_last_backward`).
+        self._bw_mark = 0
+        self._bw_params: set[int] = set()
         # DDP: the synchronised gradients' norms and sums, read when the last backward's
         # all-reduce had landed (`_read_synced`); None: read them when the step ends.
         self._synced: tuple[list[torch.Tensor | None], list[torch.Tensor | None]] | None = None
@@ -823,6 +827,24 @@ class GradCollector(HookedContext):
             torch.autograd.Variable._execution_engine.queue_callback(self._read_synced)
         if self.on_backward_end is not None:
             self.on_backward_end()
+        self._bw_mark, self._bw_params = self._order, set()
+
+    def restart_at_last_backward(self) -> None:
+        """Keep only what the backward that just ended measured, and the forwards it
+        reached: the gradients were set to None before it (`zero_grad()` between two
+        backward passes of one optimizer step), so the earlier passes feed no update. A
+        GAN's generator step backpropagates through the discriminator, whose gradients are
+        then zeroed before its own step: that pass is none of the discriminator's step."""
+        this = {c.micro for c in self._calls if c.order is not None and c.order >= self._bw_mark}
+        if not this:
+            return
+        first = min(this)
+        self._calls = [c for c in self._calls if c.micro >= first]
+        for c in self._calls:
+            c.micro -= first
+        self._micro -= first
+        self._param_vals = {i: v for i, v in self._param_vals.items() if i in self._bw_params}
+        self._backwards = 1
 
     def _read_synced(self) -> None:
         assert self._rank_aware is not None
@@ -838,6 +860,7 @@ class GradCollector(HookedContext):
         for (index, _), n in zip(grads, _norms([g for _, g in grads]), strict=True):
             self._vals.append(n)
             self._param_vals[index] = len(self._vals) - 1
+            self._bw_params.add(index)
 
     def _make_param_hook(self, index: int) -> Callable[[torch.Tensor], None]:
         def hook(p: torch.Tensor) -> None:
@@ -847,6 +870,7 @@ class GradCollector(HookedContext):
                     # DDP: this rank's own gradient exists only now, before the reducer's
                     # hook all-reduces it; FSDP2: this rank's shard. Measured at once.
                     self._param_vals[index] = self._push(local_tensor(p.grad))
+                    self._bw_params.add(index)
                 else:
                     self._param_due[index] = p  # measured with the others when backward ends
 

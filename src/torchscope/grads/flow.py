@@ -263,8 +263,7 @@ class GradWatch(HookedContext, Analyzed):
             if self._scaler is not None:
                 self._scaler_states = getattr(self._scaler, "_per_optimizer_states", None)
                 s.forward_pre_hook(s.model, self._check_scaler, prepend=True)
-        if self._step_by in ("micro_batches", "inferred"):
-            c.on_backward_end = self._on_backward_end
+        c.on_backward_end = self._on_backward_end
         c.active = self._collecting(0)
 
     def close(self, *, failed: bool = False) -> None:
@@ -425,6 +424,12 @@ class GradWatch(HookedContext, Analyzed):
 
     def _on_backward_end(self) -> None:
         c = self._collector
+        if self._step_by in ("optimizer", "manual"):
+            # Gradients set to None since the last backward of a sampled step: the passes
+            # before this one feed no update (a GAN's other player's step).
+            if c.active and self._grad_evidence()[0] and c.backward_calls > 1:
+                c.restart_at_last_backward()
+            return
         if self._step_by == "micro_batches":
             self._in_step += 1
             if self._in_step == self._micro_batches:
@@ -454,20 +459,30 @@ class GradWatch(HookedContext, Analyzed):
         by one); `zero_grad()` sets it to None (a new tensor follows) or zeroes it in place
         (the version moves once more). Only metadata is read: no device work.
         """
-        zeroed = accumulated = False
+        replaced, zeroed, accumulated = self._grad_evidence()
+        return replaced or zeroed or not accumulated
+
+    def _grad_evidence(self) -> tuple[bool, bool, bool]:
+        """What happened to the evidence parameters' `.grad` since the last backward's end:
+        set to None or replaced by a new tensor; changed in place more than one
+        accumulation would (zeroed in place, or clipped); accumulated into. A parameter
+        without a gradient then is skipped. The evidence is updated to now."""
+        replaced = zeroed = accumulated = False
         now: list[tuple[weakref.ReferenceType[torch.Tensor], int] | None] = []
         for i, p in enumerate(self._evidence_params):
             g = p.grad
             before = self._evidence[i] if i < len(self._evidence) else None
             if before is not None:
                 ref, version = before
-                if g is None or g is not ref() or g._version > version + 1:
+                if g is None or g is not ref():
+                    replaced = True
+                elif g._version > version + 1:
                     zeroed = True
                 elif g._version == version + 1:
                     accumulated = True
             now.append(None if g is None else (weakref.ref(g), g._version))
         self._evidence = now
-        return zeroed or not accumulated
+        return replaced, zeroed, accumulated
 
     def _check_scaler(self, *_args: Any) -> None:
         """Count a step the GradScaler skipped: its `update()` ran with no optimizer step
