@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import copy
 import os
+import time
+from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchscope.findings import Severity
 from torchscope.models import TinyCNN
 from torchscope.profiling import ProfilingError, phase, watch_time
 
@@ -135,3 +138,56 @@ def test_loop_that_raises_leaves_no_hook() -> None:
 def test_bad_arguments(kwargs: dict[str, int], match: str) -> None:
     with pytest.raises(ProfilingError, match=match):
         watch_time(TinyCNN(), **kwargs)
+
+
+class _SlowDecode(torch.utils.data.Dataset[tuple[torch.Tensor, int]]):
+    """Each sample takes a millisecond to make and reads its label with `.item()`."""
+
+    def __len__(self) -> int:
+        return 1024
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        time.sleep(0.001)
+        return torch.randn(16), int(torch.tensor(i % 4).item())
+
+
+def _loader_loop(model: nn.Module, loader: torch.utils.data.DataLoader[Any], steps: int
+                 ) -> list[Any]:
+    """`steps` steps of a loop over `loader` under `watch_time`: its result, then its
+    findings."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with watch_time(model, optimizer=opt, steps=3) as watch:
+        for i, (x, y) in enumerate(loader):
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            if i == steps:
+                break
+    assert watch.result is not None
+    return [watch.result, *watch.result.findings()]
+
+
+def test_a_loop_that_waits_for_its_dataloader_is_told_to_use_workers() -> None:
+    result, *found = _loader_loop(nn.Linear(16, 4),
+                                  torch.utils.data.DataLoader(_SlowDecode(), batch_size=8), 6)
+    wait = result.input_wait
+    assert wait is not None and wait.calls == 3 and not wait.workers
+    assert wait.host_reads == 3 * 8  # the dataset's own .item(), one per sample
+    assert wait.ms >= 3 * 8 * 1.0  # at least the sleeps
+    codes = {f.code: f for f in found}
+    f = codes["profiling.input_wait"]
+    assert f.severity == Severity.WARNING and "num_workers" in f.fix
+    assert f.evidence["share"] > 0.5
+    assert "profiling.host_read" not in codes  # the dataset's reads are no part of the step
+    assert not codes["profiling.top_op"].summary.startswith("enumerate(DataLoader)")
+
+
+def test_a_loop_fed_ready_batches_has_no_input_warning() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 4))
+    batches = [(torch.randn(64, 256), torch.randint(0, 4, (64,))) for _ in range(8)]
+    loader = torch.utils.data.DataLoader(batches, batch_size=None)  # already batched
+    result, *found = _loader_loop(model, loader, 6)
+    assert result.input_wait is not None and result.input_wait.calls == 3
+    assert not [f for f in found
+                if f.code == "profiling.input_wait" and f.severity == Severity.WARNING]

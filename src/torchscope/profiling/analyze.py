@@ -10,6 +10,7 @@ from torchscope._timing import compare, fmt_ratio
 from torchscope.distributed.ranked import Ranked, rank_list, ranked_analyzer
 from torchscope.findings import Finding, Severity, analyzer, rank
 from torchscope.profiling.comm import is_comm
+from torchscope.profiling.loader import LOADER_RANGE_PREFIX
 from torchscope.profiling.ops import sort_ops
 from torchscope.profiling.records import OWN_SYNC_RANGE, ProfileResult, ProfileThresholds
 
@@ -57,9 +58,14 @@ def _host_syncs(result: ProfileResult) -> list[Finding]:
     if not syncs:
         return []
     # One `.item()` shows as aten::item over aten::_local_scalar_dense (over a copy and a
-    # stream sync on CUDA): count the reads and the explicit device waits, once each.
-    calls = (result.calls("aten::_local_scalar_dense") + device_waits
-             or sum(o.calls for o in syncs))
+    # stream sync on CUDA): count the reads and the explicit device waits, once each. The
+    # reads a DataLoader's dataset makes are of host tensors, outside the step's work.
+    loader = result.input_wait.host_reads if result.input_wait is not None else 0
+    reads = result.calls("aten::_local_scalar_dense") - loader
+    if reads <= 0 and not device_waits and not any(
+            o.name.startswith("cuda") for o in syncs):
+        return []
+    calls = reads + device_waits or sum(o.calls for o in syncs)
     ops = ", ".join(sorted({o.name for o in syncs}))
     evidence: dict[str, float | int | str | bool | None] = {
         "calls": calls, "ops": ops, "device": result.device}
@@ -78,6 +84,37 @@ def _host_syncs(result: ProfileResult) -> list[Finding]:
     )]
 
 
+def _input_wait(result: ProfileResult, th: ProfileThresholds) -> list[Finding]:
+    """The share of the profiled steps spent getting the next batch from a DataLoader: a
+    warning above `input_wait_high` (the model idles while its input is made), an info
+    above a twentieth of it, nothing below."""
+    wait, total = result.input_wait, result.timing.profiled_total_ms
+    if wait is None or total <= 0:
+        return []
+    share = min(wait.ms / total, 1.0)
+    if share < th.input_wait_high / 20:
+        return []
+    high = share > th.input_wait_high
+    how = "waiting for its worker processes" if wait.workers else \
+        "loading it in the main process"
+    evidence: dict[str, float | int | str | bool | None] = {
+        "input_ms": wait.ms, "step_ms": total, "share": share, "batches": wait.calls,
+        "workers": wait.workers}
+    if wait.workers:
+        fix = ("the workers do not keep up: raise num_workers or prefetch_factor, and make "
+               "__getitem__ and the transforms cheaper (decode once and cache, or augment on "
+               "the accelerator).")
+    else:
+        fix = ("load in worker processes, which prepare the next batches while the model "
+               "computes: DataLoader(..., num_workers=N, persistent_workers=True), with "
+               "pin_memory=True for a GPU.")
+    return [Finding(
+        "profiling.input_wait", Severity.WARNING if high else Severity.INFO,
+        f"the loop spends {100 * share:.0f}% of its steps getting the next batch "
+        f"({wait.ms / result.steps:.3g} ms per step, {how}).",
+        evidence, fix=fix if high else "")]
+
+
 @analyzer(ProfileResult)
 def profile_findings(result: ProfileResult,
                      thresholds: ProfileThresholds | None = None) -> list[Finding]:
@@ -90,7 +127,8 @@ def profile_findings(result: ProfileResult,
         thresholds: when figures become warnings; None uses `ProfileThresholds()`.
 
     Codes: `profiling.top_op`, `profiling.host_sync` (with an accelerator),
-    `profiling.host_read` (on CPU), `profiling.backward_ratio`,
+    `profiling.host_read` (on CPU), `profiling.input_wait` (a DataLoader in the
+    profiled steps), `profiling.backward_ratio`,
     `profiling.optimizer_share`, `profiling.top_module`, `profiling.overhead`,
     `profiling.no_phases`, and with collectives `profiling.comm` or
     `profiling.comm_exposed`.
@@ -101,7 +139,9 @@ def profile_findings(result: ProfileResult,
     sort = "self_cuda" if on_device else "self_cpu"
     # Collectives are waits for other ranks, not work (`comm_findings` speaks of them), and
     # FSDP2's own ranges (`FSDP::all_gather (conv1)`) mostly wrap them.
-    top = sort_ops([o for o in result.ops if not o.name.startswith(("autograd::", "FSDP::"))
+    # A DataLoader's `__next__` is the wait for input, not an op (`_input_wait`).
+    top = sort_ops([o for o in result.ops
+                    if not o.name.startswith(("autograd::", "FSDP::", LOADER_RANGE_PREFIX))
                     and not is_comm(o.name)], sort, 1)
     if top:
         o = top[0]
@@ -116,6 +156,7 @@ def profile_findings(result: ProfileResult,
             fix=_op_fix(o.name, result.step is not None and bool(result.step.autocast)),
         ))
     out += _host_syncs(result)
+    out += _input_wait(result, th)
     fwd, bwd, opt = (result.phase(p) for p in ("forward", "backward", "optimizer"))
     if fwd is not None and bwd is not None and fwd.cpu_ms > 0:
         ratio = bwd.cpu_ms / fwd.cpu_ms

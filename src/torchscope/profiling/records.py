@@ -45,6 +45,8 @@ class ProfileThresholds:
         straggler_ratio: one rank's own work per step (step time less exposed
             communication) over the median of the other ranks' at or above which that rank
             is a straggler.
+        input_wait_high: share of the step spent getting the next batch from a DataLoader
+            above which it is a warning (a twentieth of it is an info).
     """
 
     backward_ratio_high: float = 3.5
@@ -52,6 +54,7 @@ class ProfileThresholds:
     overhead_high: float = 1.5
     comm_exposed_high: float = 0.3
     straggler_ratio: float = 1.3
+    input_wait_high: float = 0.2
 
 
 @dataclass(frozen=True)
@@ -248,6 +251,27 @@ class CommTime:
 
 
 @dataclass(frozen=True)
+class InputWait:
+    """The time a loop spent getting batches from a `torch.utils.data.DataLoader` over the
+    profiled steps: its `__next__` ranges, which torch opens itself.
+
+    Attributes:
+        ms: wall time inside `__next__`, what it calls included (the dataset's
+            `__getitem__`, transforms and collation without workers; the wait for a ready
+            batch with them).
+        calls: batches taken.
+        workers: whether the loader runs worker processes.
+        host_reads: tensor reads to Python (`.item()`) inside it: the dataset's own, on the
+            host, no part of the step's device work.
+    """
+
+    ms: float
+    calls: int
+    workers: bool
+    host_reads: int = 0
+
+
+@dataclass(frozen=True)
 class ProfileResult(Analyzed, Gatherable):
     """Everything `profile_steps` (or `watch_time`) measured.
 
@@ -271,6 +295,8 @@ class ProfileResult(Analyzed, Gatherable):
             or `watch_time` in your loop).
         comm: computation against communication per step, when collectives ran (DDP,
             FSDP2); None otherwise. `result.gather()` joins every rank's result on rank 0.
+        input_wait: the time spent getting batches from a DataLoader in the profiled steps
+            (`watch_time` in your loop); None when they took none.
     """
 
     steps: int
@@ -285,6 +311,7 @@ class ProfileResult(Analyzed, Gatherable):
     notes: tuple[str, ...] = field(default_factory=tuple)
     step: StepInfo | None = None
     comm: CommTime | None = None
+    input_wait: InputWait | None = None
 
     def op(self, name: str) -> OpRecord | None:
         """The record of op `name` (first one, when grouped by shape), or None."""

@@ -31,6 +31,7 @@ from torchscope.hooks.select import Selector
 from torchscope.hooks.session import HookSession
 from torchscope.profiling.attribution import attribute
 from torchscope.profiling.comm import comm_time
+from torchscope.profiling.loader import input_wait
 from torchscope.profiling.module_ranges import ModuleRanges
 from torchscope.profiling.ops import op_records
 from torchscope.profiling.records import (
@@ -272,7 +273,8 @@ class TimeWatch(HookedContext):
             steps=len(self._active), device=self._device.type, ops=op_records(averages),
             phases=attr.phases, modules=attr.modules, reconciliation=attr.reconciliation,
             timing=timing, by_module=ranges is not None, trace_path=trace_path,
-            notes=tuple(notes), comm=comm_time(events, len(self._active)))
+            notes=tuple(notes), comm=comm_time(events, len(self._active)),
+            input_wait=input_wait(events))
 
 
 def watch_time(
