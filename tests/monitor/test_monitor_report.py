@@ -59,6 +59,26 @@ def test_report_json_follows_the_schema_and_holds_the_series(profiled: Path) -> 
     assert doc["step"]["text"].startswith("loss: the training loop's own · optimizer: SGD")
     assert "run.step_ms" in doc["metrics"]
     assert load_document(out)["kind"] == "run"
+    # The profiled window's findings are the run's (`RunRecord.findings()`), once each, in
+    # the profile section.
+    codes = [(f["section"], f["code"]) for f in doc["findings"]]
+    profile = [c for sec, c in codes if sec == "profile"]
+    assert profile and all(c.startswith("profiling.") for c in profile)
+    assert len(profile) == len({c for _, c in codes if c.startswith("profiling.")})
+
+
+def test_the_profiled_windows_findings_are_the_runs() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with torchscope.monitor(model, opt, every=2, profile=2) as mon:
+        for x, y in batches(12):
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+    run = mon.result
+    assert run is not None and run.profile is not None
+    assert {f.code for f in run.profile.findings()} <= {f.code for f in run.findings()}
 
 
 def test_a_doctor_report_without_kind_still_validates() -> None:

@@ -297,6 +297,8 @@ def _capabilities(record: RunRecord, replaced: bool) -> list[Finding]:
         found += record.activations.findings()
     if record.memory is not None:
         found += record.memory.findings()
+    if record.profile is not None:
+        found += record.profile.findings()
     if replaced:
         found = [f for f in found if "nonfinite" not in f.code]
     return found
@@ -304,8 +306,10 @@ def _capabilities(record: RunRecord, replaced: bool) -> list[Finding]:
 
 def section_of(finding: Finding) -> str:
     """The run report's section a finding belongs to: `grad_history`, `act_history`,
-    `mem_history` or `run`."""
+    `mem_history`, `profile` or `run`."""
     code = finding.code
+    if code.startswith("profiling."):
+        return "profile"
     if code.startswith(("grads.", "run.grad")):
         return "grad_history"
     if code.startswith(("activations.", "run.activation", "run.dead")):

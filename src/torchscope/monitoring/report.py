@@ -290,7 +290,7 @@ def run_report(record: RunRecord, *, name: str | None = None, created: str = "",
         outcomes.append(SectionOutcome(
             "profile", f"Time: {record.profile.steps} profiled steps", "ok",
             capability="torchscope.watch_time", record=record.profile,
-            data=prof.to_json(record.profile), findings=tuple(record.profile.findings()),
+            data=prof.to_json(record.profile), findings=_findings(record, findings, "profile"),
             renderer=prof))
     elif record.profile_note:
         outcomes.append(SectionOutcome("profile", "Time", "failed", note=record.profile_note,
