@@ -88,8 +88,55 @@ def test_unlabelled_loop_has_modules_but_no_phases() -> None:
     result = w.result
     assert result is not None
     assert [m.module for m in result.modules] == ["conv1", "conv2"]
-    assert result.phases == ()
+    # The root is not timed: no forward; backward and optimizer from torch's own ranges.
+    assert [(p.name, p.derived) for p in result.phases] == [
+        ("backward", True), ("optimizer", True)]
     assert "profiling.no_phases" in {f.code for f in result.findings()}
+
+
+def test_an_unlabelled_loop_gets_the_phases_a_labelled_one_gets() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(128, 128), nn.ReLU()) for _ in range(4)])
+    x, y = torch.randn(64, 128), torch.randn(64, 128)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    results = []
+    for labelled in (False, True):
+        with watch_time(model, optimizer=opt, steps=4) as w:
+            for _ in range(6):
+                if labelled:
+                    with phase("forward"):
+                        out = model(x)
+                    with phase("backward"):
+                        F.mse_loss(out, y).backward()
+                    with phase("optimizer"):
+                        opt.step()
+                else:
+                    F.mse_loss(model(x), y).backward()
+                    opt.step()
+                opt.zero_grad()
+        results.append(w.result)
+    auto, labelled_result = results
+    assert [(p.name, p.derived) for p in auto.phases] == [
+        ("forward", True), ("backward", True), ("optimizer", True)]
+    assert [p.name for p in labelled_result.phases] == ["forward", "backward", "optimizer"]
+    assert not any(p.derived for p in labelled_result.phases)
+    fwd, bwd, opt_phase = (auto.phase(n) for n in ("forward", "backward", "optimizer"))
+    assert fwd is not None and bwd is not None and opt_phase is not None
+    # Read from the ranges torch opens: the model's own forward calls, one per step ...
+    root = auto.module("")
+    assert root is not None and fwd.calls == root.calls == 4
+    assert fwd.cpu_ms == pytest.approx(root.forward_ms)
+    # ... torch.optim's step ranges ...
+    step_range = auto.op("Optimizer.step#Adam.step")
+    assert step_range is not None and opt_phase.calls == step_range.calls == 4
+    assert opt_phase.cpu_ms == pytest.approx(step_range.cpu_total_ms, rel=1e-3)
+    # ... and the autograd nodes, which the module attribution splits with nothing left.
+    rec = auto.reconciliation
+    assert rec.backward_ms == pytest.approx(rec.backward_modules_ms + rec.backward_outside_ms
+                                            + rec.backward_accumulate_ms)
+    codes = {f.code for f in auto.findings()}
+    assert "profiling.no_phases" not in codes and "profiling.backward_ratio" in codes
+    assert any("labelled no phase" in n for n in auto.notes)
 
 
 def test_explicit_steps_without_a_model() -> None:

@@ -213,6 +213,15 @@ def profile_findings(result: ProfileResult,
             "the step labelled no forward/backward/optimizer phase.",
             fix="wrap the step's parts in torchscope.profiling.phase('forward') etc.",
         ))
+    elif fwd is None and all(p.derived for p in result.phases):
+        out.append(Finding(
+            "profiling.no_phases", Severity.INFO,
+            "the step labelled no phase, and its forward could not be read from the "
+            "model's own ranges (no model given, or its root not timed); "
+            + " and ".join(p.name for p in result.phases) + " come from torch's own ranges.",
+            fix="pass the model (and no select= that leaves its root out), or wrap the "
+            "step's parts in torchscope.profiling.phase('forward') etc.",
+        ))
     out.extend(comm_findings(result, th))
     return rank(out)
 

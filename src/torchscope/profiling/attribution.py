@@ -38,7 +38,10 @@ from torchscope.profiling.records import PHASES, ModuleTime, PhaseTime, Reconcil
 __all__ = ["EVALUATE_PREFIX", "Attribution", "attribute"]
 
 EVALUATE_PREFIX = "autograd::engine::evaluate_function: "
+# The range every torch.optim optimizer opens around its own `step()`.
+OPTIMIZER_STEP_PREFIX = "Optimizer.step#"
 _ACCUMULATE = "AccumulateGrad"
+_AUTO_OPTIMIZER = "optimizer (derived)"  # inside an optimizer's own step range
 _REENTRANT = "CheckpointFunctionBackward"
 
 
@@ -89,6 +92,13 @@ def _dev(e: Any) -> float:
         return 0.0
 
 
+def _add(slot: list[float], ev: Any) -> None:
+    """One more range in a phase's [calls, host us, device us]."""
+    slot[0] += 1
+    slot[1] += _dur(ev)
+    slot[2] += _dev(ev)
+
+
 def _is_comm(name: str) -> bool:
     """A collective, or a range of FSDP2's own (its all-gathers and reduce-scatters)."""
     return name.startswith("FSDP::") or is_comm(name)
@@ -129,6 +139,8 @@ def attribute(events: Iterable[Any], labels: Mapping[str, tuple[str, str]]) -> A
     roots = [e for e in host if e.cpu_parent is None]
     acc: dict[str, _Acc] = {}
     phase_us: dict[str, list[float]] = {p: [0, 0.0, 0.0] for p in PHASES}  # calls, host, device
+    # The same, derived for a loop that labels no phase (see `_derived`).
+    auto_us: dict[str, list[float]] = {p: [0, 0.0, 0.0] for p in PHASES}
     # (forward thread, sequence number) -> chain of timed modules around the forward op.
     seq_owner: dict[tuple[int, int], tuple[str, ...]] = {}
     nodes: list[Any] = []  # backward node events, outermost ones only
@@ -147,12 +159,12 @@ def attribute(events: Iterable[Any], labels: Mapping[str, tuple[str, str]]) -> A
         ev, ctx = stack.pop()
         name: str = ev.name
         new = ctx
+        if name.startswith(EVALUATE_PREFIX) and not ctx.in_backward and \
+                ctx.recompute is None and ctx.phase is None:
+            _add(auto_us["backward"], ev)  # an outermost node: the engine's own work
         if name in PHASES and not ctx.in_backward and ctx.phase is None:
             # Only outermost phase ranges count, so nested labels never double-count.
-            slot = phase_us[name]
-            slot[0] += 1
-            slot[1] += _dur(ev)
-            slot[2] += _dev(ev)
+            _add(phase_us[name], ev)
             new = _Ctx(ctx.modules, ctx.in_backward, name)
         elif name in labels and ctx.recompute is not None and not ctx.in_backward:
             # A module range in a reentrant checkpoint's recomputation: no call of its own.
@@ -167,6 +179,8 @@ def attribute(events: Iterable[Any], labels: Mapping[str, tuple[str, str]]) -> A
         elif name in labels:
             mod, mtype = labels[name]
             if not ctx.in_backward:
+                if mod == "" and not ctx.modules and ctx.phase is None:  # the model's call
+                    _add(auto_us["forward"], ev)
                 a = acc.get(mod)
                 if a is None:
                     a = acc[mod] = _Acc(mod, mtype, len(acc))
@@ -178,6 +192,10 @@ def attribute(events: Iterable[Any], labels: Mapping[str, tuple[str, str]]) -> A
                     parent_id = ctx.modules[-1][1]
                     child_us[parent_id] = child_us.get(parent_id, 0.0) + _dur(ev)
                 new = _Ctx((*ctx.modules, (mod, ev.id)), ctx.in_backward, ctx.phase)
+        elif name.startswith(OPTIMIZER_STEP_PREFIX) and not ctx.in_backward and \
+                ctx.phase is None:
+            _add(auto_us["optimizer"], ev)
+            new = _Ctx(ctx.modules, ctx.in_backward, _AUTO_OPTIMIZER)
         elif name.startswith(EVALUATE_PREFIX) and not ctx.in_backward and \
                 name.endswith(_REENTRANT):
             owner = seq_owner.get((int(ev.fwd_thread), int(ev.sequence_nr))) \
@@ -209,11 +227,15 @@ def attribute(events: Iterable[Any], labels: Mapping[str, tuple[str, str]]) -> A
         for child in reversed(ev.cpu_children):
             stack.append((child, new))
 
+    derived = not any(slot[0] for slot in phase_us.values()) and \
+        any(slot[0] for slot in auto_us.values())
+    if derived:
+        phase_us = auto_us
     for rid, (ev, mod, phase) in ranges.items():
         a = acc[mod]
         self_us = _dur(ev) - child_us.get(rid, 0.0)
         a.fwd_self_us += self_us
-        if phase == "forward":
+        if phase == "forward" or (derived and phase is None):
             fwd_modules_in_phase += self_us
 
     def credit(chain: tuple[str, ...], d: float, dev: float) -> None:
@@ -261,7 +283,8 @@ def attribute(events: Iterable[Any], labels: Mapping[str, tuple[str, str]]) -> A
         credit(chain, d, _dev(ev))
 
     phases = tuple(
-        PhaseTime(p, int(phase_us[p][0]), phase_us[p][1] / 1e3, phase_us[p][2] / 1e3)
+        PhaseTime(p, int(phase_us[p][0]), phase_us[p][1] / 1e3, phase_us[p][2] / 1e3,
+                  derived=derived)
         for p in PHASES if phase_us[p][0]
     )
     fwd_total = phase_us["forward"][1]
@@ -288,6 +311,11 @@ def attribute(events: Iterable[Any], labels: Mapping[str, tuple[str, str]]) -> A
         for a in sorted(acc.values(), key=lambda a: a.order)
     )
     notes: list[str] = []
+    if derived:
+        notes.append(
+            "the loop labelled no phase: forward is the model's own forward (the loss "
+            "outside it), backward the autograd engine's nodes, optimizer torch.optim's "
+            "step ranges.")
     if unmatched:
         notes.append(
             f"{unmatched} backward node(s) had no forward op in the profiled window "

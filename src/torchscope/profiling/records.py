@@ -93,12 +93,17 @@ class PhaseTime:
         calls: how many ranges with this label closed (one per step normally).
         cpu_ms: wall time of the ranges on the host.
         device_ms: accelerator kernel time launched inside them (0 on CPU).
+        derived: the loop labelled no phase, so this one was read from ranges torch opens
+            itself: `forward` from the model's outermost forward calls (the loss is outside
+            it), `backward` from the autograd engine's outermost node evaluations (`calls`
+            counts nodes), `optimizer` from torch.optim's `Optimizer.step#` ranges.
     """
 
     name: str
     calls: int
     cpu_ms: float
     device_ms: float
+    derived: bool = False
 
 
 @dataclass(frozen=True)

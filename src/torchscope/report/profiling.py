@@ -80,7 +80,9 @@ def phase_table(result: ProfileResult) -> Table:
     n = max(result.steps, 1)
     step_ms = result.timing.profiled_total_ms / n
     device = any(p.device_ms for p in result.phases)
-    table = Table(title=f"Phases (ms/step, {n} steps)", title_justify="left")
+    derived = " from torch's own ranges (the loss outside forward)" \
+        if any(p.derived for p in result.phases) else ""
+    table = Table(title=f"Phases (ms/step, {n} steps){derived}", title_justify="left")
     table.add_column("phase")
     for col in ("host ms", "% of step", *(("CUDA ms",) if device else ())):
         table.add_column(col, justify="right")
@@ -90,6 +92,12 @@ def phase_table(result: ProfileResult) -> Table:
             row.append(_ms(p.device_ms / n))
         table.add_row(*row)
     other = step_ms - result.phase_total_ms / n
+    wait = result.input_wait
+    if wait is not None:  # outside every phase: the next batch, from a DataLoader
+        other -= wait.ms / n
+        table.add_row("input (DataLoader)", _ms(wait.ms / n),
+                      fmt_pct(wait.ms / n / step_ms if step_ms else None),
+                      *([""] if device else []))
     table.add_row("[dim]between phases[/]", f"[dim]{_ms(max(other, 0.0))}[/]",
                   f"[dim]{fmt_pct(max(other, 0.0) / step_ms if step_ms else None)}[/]",
                   *([""] if device else []))
