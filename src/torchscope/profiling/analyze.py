@@ -13,6 +13,7 @@ from torchscope.profiling.comm import is_comm
 from torchscope.profiling.loader import LOADER_RANGE_PREFIX
 from torchscope.profiling.ops import sort_ops
 from torchscope.profiling.records import OWN_SYNC_RANGE, ProfileResult, ProfileThresholds
+from torchscope.profiling.syncs import READ_OP
 
 __all__ = ["comm_findings", "mean_step_ms", "own_ms", "profile_findings", "ranked_profile_findings"]
 
@@ -46,7 +47,9 @@ def _host_syncs(result: ProfileResult) -> list[Finding]:
     """Host-device synchronisations: a warning only where there is a device to wait for.
 
     On CPU, `.item()` and `.cpu()` read host memory that is already there: at most an info
-    (`profiling.host_read`), since the same line waits for the device on a GPU.
+    (`profiling.host_read`), since the same line waits for the device on a GPU. On a GPU,
+    only the reads of device tensors and the runtime's own waits count
+    (`ProfileResult.host_reads`): Adam's `.item()` on its host-side step counters is none.
     """
     # Waits that are no part of the step: the watch's own at each step boundary (one
     # cudaDeviceSynchronize in its own range), and torch.profiler's when it stops at the
@@ -58,29 +61,35 @@ def _host_syncs(result: ProfileResult) -> list[Finding]:
     if not syncs:
         return []
     # One `.item()` shows as aten::item over aten::_local_scalar_dense (over a copy and a
-    # stream sync on CUDA): count the reads and the explicit device waits, once each. The
-    # reads a DataLoader's dataset makes are of host tensors, outside the step's work.
-    loader = result.input_wait.host_reads if result.input_wait is not None else 0
-    reads = result.calls("aten::_local_scalar_dense") - loader
-    if reads <= 0 and not device_waits and not any(
-            o.name.startswith("cuda") for o in syncs):
-        return []
-    calls = reads + device_waits or sum(o.calls for o in syncs)
+    # stream wait on CUDA): the reads are counted once each, outside DataLoader ranges.
+    hr = result.host_reads
+    reads = hr.reads if hr is not None else result.calls(READ_OP)
     ops = ", ".join(sorted({o.name for o in syncs}))
-    evidence: dict[str, float | int | str | bool | None] = {
-        "calls": calls, "ops": ops, "device": result.device}
     if uses_accelerator(result):
+        if hr is not None and hr.linked:
+            stalls = hr.device + hr.waits + device_waits
+        else:  # the runtime's calls were not nested under the reads: every read counts
+            stalls = reads + device_waits or sum(o.calls for o in syncs)
+        if not stalls:
+            return []
+        evidence: dict[str, float | int | str | bool | None] = {
+            "calls": stalls, "ops": ops, "device": result.device,
+            "host_tensor_reads": reads - (hr.device if hr is not None and hr.linked
+                                          else reads)}
         return [Finding(
             "profiling.host_sync", Severity.WARNING,
-            f"the step synchronises host and device {calls / result.steps:.3g} time(s) per "
+            f"the step synchronises host and device {stalls / result.steps:.3g} time(s) per "
             f"step ({ops}).", evidence,
             fix="drop .item()/.cpu()/print of tensors from the step, or do it every N steps.",
         )]
+    if reads <= 0:
+        return []
     return [Finding(
         "profiling.host_read", Severity.INFO,
-        f"the step reads tensor values to Python {calls / result.steps:.3g} time(s) per step "
-        f"({ops}); on CPU that waits for nothing, on a GPU each read would synchronise "
-        "host and device.", evidence,
+        f"the step reads tensor values to Python {reads / result.steps:.3g} time(s) per step "
+        f"({ops}); on CPU that waits for nothing, on a GPU each read of a device tensor "
+        "would synchronise host and device.", {"calls": reads, "ops": ops,
+                                               "device": result.device},
     )]
 
 

@@ -9,7 +9,7 @@ workers it is the wait for a ready batch; without, the loading itself (the datas
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 from torchscope.profiling.records import InputWait
@@ -17,13 +17,6 @@ from torchscope.profiling.records import InputWait
 __all__ = ["LOADER_RANGE_PREFIX", "input_wait"]
 
 LOADER_RANGE_PREFIX = "enumerate(DataLoader)#"
-_HOST_READ = "aten::_local_scalar_dense"  # under every `.item()`, `bool(t)`, `float(t)`
-
-
-def _below(event: Any) -> Iterator[Any]:
-    for child in event.cpu_children:
-        yield child
-        yield from _below(child)
 
 
 def input_wait(events: Iterable[Any]) -> InputWait | None:
@@ -40,5 +33,4 @@ def input_wait(events: Iterable[Any]) -> InputWait | None:
         ms=sum(float(e.cpu_time_total) for e in ranges) / 1e3,
         calls=len(ranges),
         workers=any("MultiProcessing" in e.name for e in ranges),
-        host_reads=sum(1 for e in ranges for c in _below(e) if c.name == _HOST_READ),
     )

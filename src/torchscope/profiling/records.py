@@ -256,6 +256,28 @@ class CommTime:
 
 
 @dataclass(frozen=True)
+class HostReads:
+    """Tensor values read to Python (`.item()`, `bool(t)`) and synchronising copies in the
+    profiled steps, outside every DataLoader's `__next__` (`torchscope.profiling.syncs`).
+
+    Attributes:
+        reads: every read.
+        device: the reads of an accelerator's tensor (the device runtime's copy and wait
+            ran inside them): each stalls the host until the device has caught up. The
+            others read host memory (Adam's step counters) and wait for nothing.
+        waits: the runtime's stream waits and blocking copies outside a read (`.cpu()`,
+            `.tolist()`, `torch.nonzero`).
+        linked: the profiler nested the runtime's calls under the ops that made them; when
+            it did not (no accelerator, or an older profiler), `device` cannot be told.
+    """
+
+    reads: int
+    device: int = 0
+    waits: int = 0
+    linked: bool = False
+
+
+@dataclass(frozen=True)
 class InputWait:
     """The time a loop spent getting batches from a `torch.utils.data.DataLoader` over the
     profiled steps: its `__next__` ranges, which torch opens itself.
@@ -266,14 +288,11 @@ class InputWait:
             batch with them).
         calls: batches taken.
         workers: whether the loader runs worker processes.
-        host_reads: tensor reads to Python (`.item()`) inside it: the dataset's own, on the
-            host, no part of the step's device work.
     """
 
     ms: float
     calls: int
     workers: bool
-    host_reads: int = 0
 
 
 @dataclass(frozen=True)
@@ -302,6 +321,8 @@ class ProfileResult(Analyzed, Gatherable):
             FSDP2); None otherwise. `result.gather()` joins every rank's result on rank 0.
         input_wait: the time spent getting batches from a DataLoader in the profiled steps
             (`watch_time` in your loop); None when they took none.
+        host_reads: the step's tensor reads to Python and device waits; None when not
+            read from the events (then `findings` counts the op table's reads).
     """
 
     steps: int
@@ -317,6 +338,7 @@ class ProfileResult(Analyzed, Gatherable):
     step: StepInfo | None = None
     comm: CommTime | None = None
     input_wait: InputWait | None = None
+    host_reads: HostReads | None = None
 
     def op(self, name: str) -> OpRecord | None:
         """The record of op `name` (first one, when grouped by shape), or None."""

@@ -40,6 +40,7 @@ from torchscope.profiling.records import (
     ProfilingError,
     StepTiming,
 )
+from torchscope.profiling.syncs import host_reads
 from torchscope.profiling.trace import export_trace, rank_trace_path
 from torchscope.step import synchronize
 
@@ -274,7 +275,7 @@ class TimeWatch(HookedContext):
             phases=attr.phases, modules=attr.modules, reconciliation=attr.reconciliation,
             timing=timing, by_module=ranges is not None, trace_path=trace_path,
             notes=tuple(notes), comm=comm_time(events, len(self._active)),
-            input_wait=input_wait(events))
+            input_wait=input_wait(events), host_reads=host_reads(events))
 
 
 def watch_time(

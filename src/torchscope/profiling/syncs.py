@@ -1,0 +1,63 @@
+"""Tensor reads to Python in the profiled steps, and which of them waited for a device.
+
+`.item()`, `bool(t)` and `float(t)` run `aten::_local_scalar_dense`. On an accelerator's
+tensor it copies the value back and waits for the stream: the device runtime's calls
+(`cudaMemcpyAsync`, `cudaStreamSynchronize`) run inside it, and the profiler nests them
+under it. On a host tensor it waits for nothing: torch.optim's Adam and AdamW keep their
+step counters on the CPU and read them with `.item()` on every step, on a GPU too. A
+synchronising copy without a read (`.cpu()`, `.tolist()`, `torch.nonzero`) shows as a
+runtime wait of its own. Reads and waits inside a DataLoader's `__next__` are the
+dataset's, not the step's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from torchscope.profiling.loader import LOADER_RANGE_PREFIX
+from torchscope.profiling.records import HostReads
+
+__all__ = ["READ_OP", "host_reads"]
+
+READ_OP = "aten::_local_scalar_dense"
+_RUNTIME = ("cuda", "hip")  # the device runtime's own calls, on the host's thread
+_WAITS = frozenset({"cudaStreamSynchronize", "cudaMemcpy", "hipStreamSynchronize",
+                    "hipMemcpy"})
+
+
+def _below(event: Any) -> Iterator[Any]:
+    for child in event.cpu_children:
+        yield child
+        yield from _below(child)
+
+
+def _in_loader(event: Any) -> bool:
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith(LOADER_RANGE_PREFIX):
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
+def host_reads(events: Iterable[Any]) -> HostReads:
+    """The step's tensor reads and device waits among `events` (`prof.events()`, with
+    `cpu_children` populated), outside every DataLoader range."""
+    reads = device = waits = 0
+    linked = False  # the profiler nested runtime calls under ops (so reads can be told)
+    for e in events:
+        name: str = e.name
+        if name.startswith(_RUNTIME) and e.cpu_parent is not None:
+            linked = True
+        if name == READ_OP and not _in_loader(e):
+            reads += 1
+            if any(c.name.startswith(_RUNTIME) for c in _below(e)):
+                device += 1
+        elif name in _WAITS and not _in_loader(e):
+            parent = e.cpu_parent
+            while parent is not None and parent.name != READ_OP:
+                parent = parent.cpu_parent
+            if parent is None:  # not a read's own wait
+                waits += 1
+    return HostReads(reads=reads, device=device, waits=waits, linked=linked)

@@ -1,0 +1,102 @@
+"""Which tensor reads of a step wait for the device: read from the profiler's event tree,
+so that Adam's `.item()` on its host-side step counters is no synchronisation on a GPU."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from torch import nn
+from torch.autograd.profiler_util import EventList, FunctionEvent
+
+from torchscope.findings import Severity
+from torchscope.profiling import profile_steps, watch_time
+from torchscope.profiling.records import HostReads, ProfileResult
+from torchscope.profiling.syncs import host_reads
+
+
+def _tree(spans: list[tuple[str, int, int]]) -> EventList:
+    """Events of one host thread, nested by their time ranges as torch nests them."""
+    events = EventList([FunctionEvent(i, name, thread=1, start_us=a, end_us=b)
+                        for i, (name, a, b) in enumerate(spans)])
+    events._build_tree()
+    return events
+
+
+# What a CUDA step's trace holds: a read of a device tensor (a copy and a stream wait
+# inside it), AdamW's read of its host-side step counter, a `.cpu()` copy, and a read the
+# dataset makes inside the DataLoader's `__next__`.
+_CUDA_STEP = [
+    ("aten::item", 0, 100), ("aten::_local_scalar_dense", 5, 95),
+    ("cudaMemcpyAsync", 10, 20), ("cudaStreamSynchronize", 20, 90),
+    ("Optimizer.step#AdamW.step", 200, 400), ("aten::item", 210, 230),
+    ("aten::_local_scalar_dense", 211, 229),
+    ("aten::to", 500, 600), ("aten::_to_copy", 501, 599), ("aten::copy_", 502, 598),
+    ("cudaMemcpyAsync", 510, 520), ("cudaStreamSynchronize", 520, 590),
+    ("enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__", 700, 800),
+    ("aten::_local_scalar_dense", 710, 720),
+]
+
+
+def test_reads_of_device_tensors_are_told_from_reads_of_host_ones() -> None:
+    assert host_reads(_tree(_CUDA_STEP)) == HostReads(reads=2, device=1, waits=1,
+                                                      linked=True)
+    adam_only = host_reads(_tree(_CUDA_STEP[4:7]))
+    assert adam_only == HostReads(reads=1, device=0, waits=0, linked=False)
+
+
+def _read_step() -> ProfileResult:
+    model = nn.Linear(4, 2)
+    x = torch.randn(3, 4)
+
+    def train_step() -> None:
+        loss = model(x).sum()
+        loss.backward()
+        loss.item()  # one read per step
+
+    return profile_steps(train_step, steps=2, baseline_steps=0)
+
+
+def test_on_a_gpu_only_reads_that_wait_are_a_warning() -> None:
+    result = _read_step()
+    assert result.host_reads == HostReads(reads=2, device=0, waits=0, linked=False)
+    (info,) = [f for f in result.findings() if f.code.startswith("profiling.host_")]
+    assert info.code == "profiling.host_read" and info.evidence["calls"] == 2
+    # The same op table as a GPU step would give, with what its event tree would say.
+    waited = replace(result, device="cuda",
+                     host_reads=HostReads(reads=2, device=2, waits=0, linked=True))
+    (warn,) = [f for f in waited.findings() if f.code.startswith("profiling.host_")]
+    assert warn.code == "profiling.host_sync" and warn.severity == Severity.WARNING
+    assert warn.evidence["calls"] == 2
+    adam = replace(result, device="cuda",
+                   host_reads=HostReads(reads=2, device=0, waits=0, linked=True))
+    assert not [f for f in adam.findings() if f.code.startswith("profiling.host_")]
+    unlinked = replace(result, device="cuda",
+                       host_reads=HostReads(reads=2, device=0, waits=0, linked=False))
+    assert [f.code for f in unlinked.findings() if f.code.startswith("profiling.host_")] \
+        == ["profiling.host_sync"]  # cannot be told: every read counts, as before
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_adam_on_cuda_is_no_synchronisation_and_a_loss_item_is() -> None:
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1)).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    x = torch.randn(32, 64, device="cuda")
+    results = []
+    for read in (False, True):
+        with watch_time(model, optimizer=opt, steps=3) as w:
+            for _ in range(5):
+                loss = model(x).square().mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                if read:
+                    loss.item()
+        results.append(w.result)
+    quiet, loud = results
+    assert quiet is not None and loud is not None
+    assert quiet.host_reads is not None and quiet.host_reads.reads > 0  # AdamW's counters
+    assert "profiling.host_sync" not in {f.code for f in quiet.findings()}
+    sync = [f for f in loud.findings() if f.code == "profiling.host_sync"]
+    assert sync and sync[0].evidence["calls"] == 3
