@@ -222,8 +222,9 @@ def test_a_step_under_autocast_is_not_told_to_use_mixed_precision() -> None:
     """The top op's fix suggested torch.autocast to a step that already ran under it."""
     from torchscope.step import Step
 
-    model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
-    x, y = torch.randn(64, 256), torch.randint(0, 10, (64,))
+    # Matmuls large enough to outweigh autocast's casts of the weights, under load too.
+    model = nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
+    x, y = torch.randn(256, 1024), torch.randint(0, 10, (256,))
     fixes = []
     for precision in (None, "bf16"):
         step = Step(model, x, loss_fn="cross_entropy", target=y).with_autocast(precision)
