@@ -151,3 +151,18 @@ def test_hook_session_on_a_compiled_model_leaves_the_process_as_found() -> None:
     with watch_recompiles() as w, torch.no_grad():
         compiled(x)  # the graph cached before the session, as it was
     assert w.compiles == 0
+
+
+def test_a_model_given_to_watch_recompiles_is_refused_before_it_can_hang() -> None:
+    # Taken as the on_recompile callback, a compiled model was called from inside Dynamo's
+    # compile callback on the first recompile, re-entered the compiler and hung.
+    compiled = torch.compile(nn.Linear(4, 4))
+    for model in (compiled, nn.Linear(4, 4)):
+        with pytest.raises(CompileError, match="takes no model") as err:
+            watch_recompiles(model)  # type: ignore[arg-type]
+        assert "watch_recompiles() as w" in str(err.value)
+    handler = torch._dynamo.callback.callback_handler
+    before = (list(handler.start_callbacks), list(handler.end_callbacks))
+    with pytest.raises(CompileError):
+        watch_recompiles(compiled)  # type: ignore[arg-type]
+    assert (list(handler.start_callbacks), list(handler.end_callbacks)) == before

@@ -15,8 +15,10 @@ from typing import Any
 
 import torch
 import torch._dynamo.guards
+from torch import nn
 
 from torchscope.compile.records import Recompile
+from torchscope.errors import CompileError
 from torchscope.hooks.compiled import CompileCounter
 
 __all__ = ["RecompileWatcher", "recompile_limit", "watch_recompiles"]
@@ -83,6 +85,15 @@ class RecompileWatcher(CompileCounter):
     """
 
     def __init__(self, on_recompile: Callable[[Recompile], None] | None = None) -> None:
+        if isinstance(on_recompile, nn.Module):
+            # A model is callable too: called from inside Dynamo's compile callback, a
+            # compiled one re-enters the compiler and the process hangs.
+            raise CompileError(
+                f"watch_recompiles() got the model {type(on_recompile).__name__} as "
+                "on_recompile: it watches every compiled frame in the process and takes no "
+                "model.",
+                fix="use `with torchscope.watch_recompiles() as w:` around the calls, or pass "
+                "on_recompile=a function of one Recompile (that runs no compiled code).")
         super().__init__()
         self.recompiles: list[Recompile] = []
         self.limit_hits: list[str] = []
@@ -156,6 +167,17 @@ def watch_recompiles(
     on_recompile: Callable[[Recompile], None] | None = None,
 ) -> RecompileWatcher:
     """A `RecompileWatcher` to use as a context manager.
+
+    It watches every compiled frame in the process (Dynamo's compile callbacks), so it
+    takes no model.
+
+    Args:
+        on_recompile: called with each `Recompile` as Dynamo starts its next compile. It
+            runs inside Dynamo's callback: it must not run compiled code (that would
+            re-enter the compiler and hang).
+
+    Raises:
+        CompileError: `on_recompile` is a model (an `nn.Module`).
 
     Example:
         >>> with torchscope.compile.watch_recompiles() as w:
