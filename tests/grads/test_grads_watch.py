@@ -346,7 +346,10 @@ def test_a_forward_no_backward_reaches_is_no_micro_batch() -> None:
                 (model(x).mean() - model(xv).mean()).backward()
         model.zero_grad()  # ends the last step (no optimizer: a zeroing backward is a step)
     assert [f.micro_batches for f in flows] == [1, 1, 1, 2]
+    assert [f.idle_forwards for f in flows] == [0, 1, 1, 1]
     assert [len(f.modules) for f in flows] == [4, 4, 4, 8]
+    assert [[x.code for x in f.findings() if x.code == "grads.idle_forward"] for f in flows] \
+        == [[], ["grads.idle_forward"], ["grads.idle_forward"], ["grads.idle_forward"]]
     assert all(r.output_norm is not None for f in flows for r in f.modules)
     twin.train()
     twin(x).square().mean().backward()

@@ -114,7 +114,8 @@ def test_an_evaluation_pass_with_gradients_on_is_not_the_step_sampled() -> None:
         model(xv)  # after the last step
     run = mon.result
     assert run is not None and run.samples == 4 and run.last is not None
-    assert run.last.micro_batches == 1
+    assert run.last.micro_batches == 1 and run.last.idle_forwards == 1
+    assert "grads.idle_forward" in {f.code for f in run.findings()}
     for got, want in zip(run.act_std.series("0"), stds, strict=True):
         assert math.isclose(got, want, rel_tol=1e-4)
     saved = torchscope.memory.saved_activations(model.train(), data[-1][0], loss_fn="sum")

@@ -45,6 +45,7 @@ __all__ = [
     "find_dead",
     "find_exploding",
     "find_frozen",
+    "find_idle_forwards",
     "find_nonfinite",
     "find_unreached",
     "find_update_ratio",
@@ -793,12 +794,34 @@ def find_update_ratio(flow: GradFlow, thresholds: GradThresholds | None = None
     return []
 
 
+def find_idle_forwards(flow: GradFlow, thresholds: GradThresholds | None = None
+                       ) -> list[Finding]:
+    """Forwards of the step that ran with gradients on and that no backward reached: each
+    built an autograd graph and kept its activations alive for nothing until its output was
+    dropped (the usual cause: an evaluation pass without `torch.no_grad()`)."""
+    del thresholds  # a count, not a measure: any such forward is reported
+    n = flow.idle_forwards
+    if not n:
+        return []
+    return [Finding(
+        code="grads.idle_forward",
+        severity=Severity.INFO,
+        summary=f"{n} forward(s) of the model in step {flow.index} ran with gradients on, "
+        "but no backward reached them: each built an autograd graph and kept its "
+        "activations until its output was dropped",
+        evidence={"idle_forwards": n, "micro_batches": flow.micro_batches,
+                  "step": flow.index},
+        fix="run evaluation under `with torch.no_grad():` (or torch.inference_mode()); "
+        "a forward kept only for logging can detach its output.",
+    )]
+
+
 @analyzer(GradFlow)
 def diagnose(flow: GradFlow, thresholds: GradThresholds | None = None) -> list[Finding]:
     """Every gradient finding for one step, most severe first (`flow.findings()`)."""
     found: list[Finding] = []
     for fn in (find_nonfinite, find_vanishing, find_exploding, find_dead, find_unreached,
-               find_frozen, find_update_ratio):
+               find_frozen, find_update_ratio, find_idle_forwards):
         found += fn(flow, thresholds)
     found += rank_findings(flow)  # DDP/FSDP2 only: ranks that diverge or see skewed data
     return rank(found)

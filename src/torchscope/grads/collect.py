@@ -1319,7 +1319,8 @@ class GradCollector(HookedContext):
                 scale_at = len(self._vals)
                 self._vals.append(scale_t.detach().reshape(()).double())
         values = _host_floats_later(self._vals)
-        forwards = self._micro + 1 - self._drop_unreached()
+        idle = self._drop_unreached()
+        forwards = self._micro + 1 - idle
         calls = sorted(self._calls, key=lambda c: (c.order is None, c.order or 0, c.seq))
         called = {c.module for c in self._calls}
         shapes = [(tuple(p.shape), str(p.dtype), p.requires_grad) for _, _, p in self._params]
@@ -1376,7 +1377,8 @@ class GradCollector(HookedContext):
             total = combine_norms(p.norm for p in params if p.tied_to is None) or 0.0
             return GradFlow(index, modules, tuple(params), total, scale,
                             micro_batches=micro_batches, backward_calls=backwards, step=step,
-                            ranks=ranks, fused_norms=fused, eager_norms=eager)
+                            ranks=ranks, fused_norms=fused, eager_norms=eager,
+                            idle_forwards=idle)
 
         return functools.cache(build)  # built once, however often it is asked for
 

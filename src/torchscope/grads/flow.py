@@ -133,7 +133,8 @@ def _merge(flows: list[GradFlow], index: int) -> GradFlow:
                     micro_batches=micro, backward_calls=sum(f.backward_calls for f in flows),
                     ranks=flows[-1].ranks,  # the exchange after the last backward: final .grad
                     fused_norms=sum(f.fused_norms for f in flows),
-                    eager_norms=sum(f.eager_norms for f in flows))
+                    eager_norms=sum(f.eager_norms for f in flows),
+                    idle_forwards=sum(f.idle_forwards for f in flows))
 
 
 class GradWatch(HookedContext, Analyzed):

@@ -403,8 +403,11 @@ class GradFlow(Analyzed, Gatherable):
         total_norm: the L2 norm over every parameter gradient, the number that
             `torch.nn.utils.clip_grad_norm_` returns; 0.0 when no parameter has a gradient.
         scale: the GradScaler scale that was divided out, or None without a scaler.
-        micro_batches: forwards of the model seen in this step.
+        micro_batches: forwards of the model in this step that a backward reached.
         backward_calls: backward passes that reached the parameters in this step.
+        idle_forwards: forwards of the model in this step that ran with gradients on but
+            that no backward reached (an evaluation pass without `torch.no_grad`); they are
+            no micro-batch, and their calls are not in `modules`.
         step: the training step torchscope ran (loss, its value, optimizer, AMP,
             accumulation); None for a step of the user's own loop (`watch_gradients`).
         ranks: on a DDP or FSDP2 model, every rank's per-parameter norms (`RankGrads`);
@@ -430,6 +433,7 @@ class GradFlow(Analyzed, Gatherable):
     ranks: RankGrads | None = None
     fused_norms: int = 0
     eager_norms: int = 0
+    idle_forwards: int = 0
 
     def get(self, module: str, call: int = 0, micro: int = 0) -> ModuleGradRecord:
         """The record of `module`'s `call`-th call in forward `micro`.
