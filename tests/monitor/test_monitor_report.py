@@ -71,7 +71,7 @@ def test_the_profiled_windows_findings_are_the_runs() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    with torchscope.monitor(model, opt, every=2, profile=2) as mon:
+    with torchscope.monitor(model, opt, every=2, profile=2, out=None) as mon:
         for x, y in batches(12):
             opt.zero_grad()
             nn.functional.mse_loss(model(x), y).backward()
