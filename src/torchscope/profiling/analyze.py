@@ -96,12 +96,12 @@ def _host_syncs(result: ProfileResult) -> list[Finding]:
 def _input_wait(result: ProfileResult, th: ProfileThresholds) -> list[Finding]:
     """The share of the profiled steps spent getting the next batch from a DataLoader: a
     warning above `input_wait_high` (the model idles while its input is made), an info
-    above a twentieth of it, nothing below."""
+    above a quarter of it, nothing below."""
     wait, total = result.input_wait, result.timing.profiled_total_ms
     if wait is None or total <= 0:
         return []
     share = min(wait.ms / total, 1.0)
-    if share < th.input_wait_high / 20:
+    if share < th.input_wait_high / 4:
         return []
     high = share > th.input_wait_high
     how = "waiting for its worker processes" if wait.workers else \

@@ -46,7 +46,7 @@ class ProfileThresholds:
             communication) over the median of the other ranks' at or above which that rank
             is a straggler.
         input_wait_high: share of the step spent getting the next batch from a DataLoader
-            above which it is a warning (a twentieth of it is an info).
+            above which it is a warning (above a quarter of it, an info).
     """
 
     backward_ratio_high: float = 3.5
