@@ -130,6 +130,17 @@ def test_lightning_fit_is_watched_exactly_and_left_unchanged(tmp_path: Path) -> 
     assert doc["kind"] == "run"
     assert doc["options"]["producer"] == "torchscope.integrations.lightning"
     assert doc["sections"]["profile"]["status"] == "ok"
+    # Lightning steps with a closure: forward and backward run inside the optimizer's step
+    # range, which holds Lightning's own code too. Forward and backward are read from
+    # torch's ranges; the optimizer's update is not told apart, and not called costly.
+    profile = run.profile
+    assert profile is not None
+    assert [(p.name, p.derived) for p in profile.phases] == [("forward", True),
+                                                             ("backward", True)]
+    codes = {f.code: f for f in run.findings()}
+    assert "profiling.optimizer_share" not in codes
+    assert not codes["profiling.top_op"].evidence["op"].startswith("Optimizer.")
+    assert any("closure" in n for n in profile.notes)
 
 
 def test_a_fit_that_raises_leaves_no_hook_and_a_partial_report(tmp_path: Path) -> None:

@@ -148,9 +148,12 @@ def profile_findings(result: ProfileResult,
     sort = "self_cuda" if on_device else "self_cpu"
     # Collectives are waits for other ranks, not work (`comm_findings` speaks of them), and
     # FSDP2's own ranges (`FSDP::all_gather (conv1)`) mostly wrap them.
-    # A DataLoader's `__next__` is the wait for input, not an op (`_input_wait`).
+    # A DataLoader's `__next__` is the wait for input, not an op (`_input_wait`); the
+    # optimizer's own ranges are judged as a phase (`profiling.optimizer_share`), and under
+    # a closure (Lightning) they hold the framework's code too.
     top = sort_ops([o for o in result.ops
-                    if not o.name.startswith(("autograd::", "FSDP::", LOADER_RANGE_PREFIX))
+                    if not o.name.startswith(("autograd::", "FSDP::", LOADER_RANGE_PREFIX,
+                                              "Optimizer."))
                     and not is_comm(o.name)], sort, 1)
     if top:
         o = top[0]

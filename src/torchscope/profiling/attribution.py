@@ -41,7 +41,6 @@ EVALUATE_PREFIX = "autograd::engine::evaluate_function: "
 # The range every torch.optim optimizer opens around its own `step()`.
 OPTIMIZER_STEP_PREFIX = "Optimizer.step#"
 _ACCUMULATE = "AccumulateGrad"
-_AUTO_OPTIMIZER = "optimizer (derived)"  # inside an optimizer's own step range
 _REENTRANT = "CheckpointFunctionBackward"
 
 
@@ -69,6 +68,7 @@ class _Ctx:
     phase: str | None = None
     in_comm: bool = False  # inside a collective or an FSDP range already counted
     recompute: int | None = None  # inside a reentrant checkpoint's node: that event's id
+    optimizer: bool = False  # inside torch.optim's own step range (derived phases)
 
 
 @dataclass(frozen=True)
@@ -141,6 +141,11 @@ def attribute(events: Iterable[Any], labels: Mapping[str, tuple[str, str]]) -> A
     phase_us: dict[str, list[float]] = {p: [0, 0.0, 0.0] for p in PHASES}  # calls, host, device
     # The same, derived for a loop that labels no phase (see `_derived`).
     auto_us: dict[str, list[float]] = {p: [0, 0.0, 0.0] for p in PHASES}
+    # The model's outermost forward calls and torch.optim's step ranges, as time spans: a
+    # closure's forward runs inside a step range. (By time: a step boundary the watch cuts
+    # inside the step range, at the closure's forward, leaves it out of the event tree.)
+    forwards: list[tuple[float, float]] = []
+    steps: list[tuple[float, float]] = []
     # (forward thread, sequence number) -> chain of timed modules around the forward op.
     seq_owner: dict[tuple[int, int], tuple[str, ...]] = {}
     nodes: list[Any] = []  # backward node events, outermost ones only
@@ -165,7 +170,7 @@ def attribute(events: Iterable[Any], labels: Mapping[str, tuple[str, str]]) -> A
         if name in PHASES and not ctx.in_backward and ctx.phase is None:
             # Only outermost phase ranges count, so nested labels never double-count.
             _add(phase_us[name], ev)
-            new = _Ctx(ctx.modules, ctx.in_backward, name)
+            new = _Ctx(ctx.modules, ctx.in_backward, name, optimizer=ctx.optimizer)
         elif name in labels and ctx.recompute is not None and not ctx.in_backward:
             # A module range in a reentrant checkpoint's recomputation: no call of its own.
             mod = labels[name][0]
@@ -175,12 +180,14 @@ def attribute(events: Iterable[Any], labels: Mapping[str, tuple[str, str]]) -> A
                         ctx.recompute not in checkpointed:  # the checkpointed module itself
                     checkpointed.add(ctx.recompute)
                     recomputes[ctx.recompute] = (node, (*target, mod), nested)
-                new = _Ctx((*ctx.modules, (mod, -1)), False, ctx.phase, recompute=ctx.recompute)
+                new = _Ctx((*ctx.modules, (mod, -1)), False, ctx.phase, recompute=ctx.recompute,
+                           optimizer=ctx.optimizer)
         elif name in labels:
             mod, mtype = labels[name]
             if not ctx.in_backward:
                 if mod == "" and not ctx.modules and ctx.phase is None:  # the model's call
                     _add(auto_us["forward"], ev)
+                    forwards.append((ev.time_range.start, ev.time_range.end))
                 a = acc.get(mod)
                 if a is None:
                     a = acc[mod] = _Acc(mod, mtype, len(acc))
@@ -191,11 +198,13 @@ def attribute(events: Iterable[Any], labels: Mapping[str, tuple[str, str]]) -> A
                 if ctx.modules:
                     parent_id = ctx.modules[-1][1]
                     child_us[parent_id] = child_us.get(parent_id, 0.0) + _dur(ev)
-                new = _Ctx((*ctx.modules, (mod, ev.id)), ctx.in_backward, ctx.phase)
+                new = _Ctx((*ctx.modules, (mod, ev.id)), ctx.in_backward, ctx.phase,
+                           optimizer=ctx.optimizer)
         elif name.startswith(OPTIMIZER_STEP_PREFIX) and not ctx.in_backward and \
-                ctx.phase is None:
+                ctx.phase is None and not ctx.optimizer:
             _add(auto_us["optimizer"], ev)
-            new = _Ctx(ctx.modules, ctx.in_backward, _AUTO_OPTIMIZER)
+            steps.append((ev.time_range.start, ev.time_range.end))
+            new = _Ctx(ctx.modules, ctx.in_backward, ctx.phase, optimizer=True)
         elif name.startswith(EVALUATE_PREFIX) and not ctx.in_backward and \
                 name.endswith(_REENTRANT):
             owner = seq_owner.get((int(ev.fwd_thread), int(ev.sequence_nr))) \
@@ -204,19 +213,20 @@ def attribute(events: Iterable[Any], labels: Mapping[str, tuple[str, str]]) -> A
             recomputes[ev.id] = (ev, base, [])
             if ctx.recompute is not None:
                 recomputes[ctx.recompute][2].append(_dur(ev))
-            new = _Ctx(tuple((m, -1) for m in base), False, ctx.phase, recompute=ev.id)
+            new = _Ctx(tuple((m, -1) for m in base), False, ctx.phase, recompute=ev.id,
+                       optimizer=ctx.optimizer)
         elif name.startswith(EVALUATE_PREFIX):
             if not ctx.in_backward:
                 nodes.append(ev)
                 if ctx.recompute is not None:
                     recomputes[ctx.recompute][2].append(_dur(ev))
-            new = _Ctx(ctx.modules, True, ctx.phase)
+            new = _Ctx(ctx.modules, True, ctx.phase, optimizer=ctx.optimizer)
         elif _is_comm(name) and not ctx.in_backward and not ctx.in_comm:
             if ctx.modules and ctx.recompute is None:  # out of the enclosing module's self time
                 parent_id = ctx.modules[-1][1]
                 child_us[parent_id] = child_us.get(parent_id, 0.0) + _dur(ev)
             new = _Ctx(ctx.modules, ctx.in_backward, ctx.phase, in_comm=True,
-                       recompute=ctx.recompute)
+                       recompute=ctx.recompute, optimizer=ctx.optimizer)
         elif not ctx.in_backward and ev.sequence_nr is not None and ev.sequence_nr >= 0:
             # Every op records the thread's next sequence number, but only an op that
             # creates an autograd node moves it on: ops that create none (`loss.detach()`,
@@ -229,7 +239,13 @@ def attribute(events: Iterable[Any], labels: Mapping[str, tuple[str, str]]) -> A
 
     derived = not any(slot[0] for slot in phase_us.values()) and \
         any(slot[0] for slot in auto_us.values())
+    closure = derived and any(a <= f0 and f1 <= b for a, b in steps for f0, f1 in forwards)
     if derived:
+        if closure:
+            # A closure ran forward and backward inside the optimizer's step (Lightning,
+            # LBFGS), and the framework's own code with them: the update cannot be told
+            # apart from the rest of the range.
+            auto_us["optimizer"] = [0, 0.0, 0.0]
         phase_us = auto_us
     for rid, (ev, mod, phase) in ranges.items():
         a = acc[mod]
@@ -314,8 +330,10 @@ def attribute(events: Iterable[Any], labels: Mapping[str, tuple[str, str]]) -> A
     if derived:
         notes.append(
             "the loop labelled no phase: forward is the model's own forward (the loss "
-            "outside it), backward the autograd engine's nodes, optimizer torch.optim's "
-            "step ranges.")
+            "outside it), backward the autograd engine's nodes"
+            + (", and the optimizer's update is not told apart: the step ran forward and "
+               "backward in a closure inside it." if closure else
+               ", optimizer torch.optim's step ranges."))
     if unmatched:
         notes.append(
             f"{unmatched} backward node(s) had no forward op in the profiled window "

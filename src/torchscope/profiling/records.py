@@ -96,7 +96,9 @@ class PhaseTime:
         derived: the loop labelled no phase, so this one was read from ranges torch opens
             itself: `forward` from the model's outermost forward calls (the loss is outside
             it), `backward` from the autograd engine's outermost node evaluations (`calls`
-            counts nodes), `optimizer` from torch.optim's `Optimizer.step#` ranges.
+            counts nodes), `optimizer` from torch.optim's `Optimizer.step#` ranges, unless
+            the step ran forward and backward in a closure inside them (Lightning, LBFGS):
+            then there is no optimizer phase.
     """
 
     name: str
