@@ -119,3 +119,29 @@ def test_ten_thousand_steps_hold_no_more_than_the_configured_history() -> None:
     assert run.grad_param.steps[0] == 0 and run.grad_param.steps[-1] == 9990
     assert run.budget.rows <= 80 and run.budget.stride == 16
     assert run.budget.bytes == (64 + 16) * (5 * 3 * 8 + 120)  # 3 layers: 0, 1, 2
+
+
+def test_evaluation_passes_with_gradients_on_leave_no_hooks_piling_up() -> None:
+    """A forward whose graph is dropped never reaches the pre-hooks that wait for its
+    backward (the monitor's and the memory watch's): they are released, not kept."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x, y = torch.randn(4, 4), torch.randn(4, 2)
+
+    def steps(n: int) -> None:
+        for _ in range(n):
+            model(x)  # gradients on, output dropped
+            opt.zero_grad(set_to_none=True)
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+
+    with torchscope.monitor(model, opt, every=1, out=None) as mon:
+        steps(50)
+        assert mon._session is not None and mon._mem is not None
+        counts = (mon._session.handle_count, mon._mem.session.handle_count)
+        steps(200)
+        assert (mon._session.handle_count, mon._mem.session.handle_count) == counts
+    run = mon.result
+    assert run is not None and run.samples == 250 and run.last is not None
+    assert run.last.idle_forwards == 1

@@ -71,6 +71,10 @@ def _positive(label: str, value: Any, low: int = 1) -> int:
     return value
 
 
+# Recorded forwards whose output pre-hooks are kept while no backward has reached them.
+_WAITING_FORWARDS = 8
+
+
 class Monitor(HookedContext):
     """Watches a training run and writes its run report; build it with `torchscope.monitor`.
 
@@ -145,6 +149,7 @@ class Monitor(HookedContext):
         self._acts_seen = -1
         self._recording = False  # the forward in progress is recorded
         self._reached: set[int] = set()  # recorded forwards that a backward reached
+        self._waiting: list[list[Any]] = []  # their pre-hooks' handles, newest last
         self._mem_seen = 0
         self._inputs = ""
         self._forward_onset: tuple[int, str | None, str | None] | None = None
@@ -296,6 +301,13 @@ class Monitor(HookedContext):
                 handles.clear()
 
         handles += [session.track(node.register_prehook(reached)) for node in nodes.values()]
+        # A forward whose graph was dropped never fires them: keep the newest few only.
+        self._waiting.append(handles)
+        if len(self._waiting) > _WAITING_FORWARDS:
+            old = self._waiting.pop(0)
+            if old:
+                session.release(old)
+                old.clear()
 
     def _on_step(self, index: int, flow: GradFlow | None) -> None:
         now = time.perf_counter()
