@@ -102,7 +102,9 @@ def gradient_flow(
 
 StepBy = Literal["optimizer", "micro_batches", "inferred", "manual"]
 
-_EVIDENCE = 32  # parameters whose `.grad` tells a fresh step from accumulation (inferred)
+# Parameters whose `.grad` tells a fresh step from accumulation (inferred steps), and a
+# zero_grad() between two backward passes of one sampled step.
+_EVIDENCE = 32
 _SKIPPED_KEPT = 1000  # indices of GradScaler-skipped steps kept (the newest; all are counted)
 
 
