@@ -26,6 +26,7 @@ from torchscope.lint._astutil import (
     target_names,
     walk_local,
 )
+from torchscope.lint.eval_grad import check_ts010
 from torchscope.lint.fsdp_hooks import check_ts008
 from torchscope.lint.rank_norms import check_ts009
 from torchscope.lint.records import LintViolation
@@ -237,8 +238,9 @@ class _Checker:
                 self._ts005(call, qual)
             elif qual in _CHECKPOINT:
                 self._ts007(call, qual)
-        # The distributed rules live in their own modules.
-        for code, rule in (("TS008", check_ts008), ("TS009", check_ts009)):
+        # The distributed rules and TS010's flow live in their own modules.
+        for code, rule in (("TS008", check_ts008), ("TS009", check_ts009),
+                           ("TS010", check_ts010)):
             if code in self.codes:
                 for call, message in rule(self.tree, self.imports, self.calls):
                     self.report(code, call, message)

@@ -181,6 +181,21 @@ RULES: dict[str, Rule] = {
             Severity.WARNING,
             ("norm",),
         ),
+        Rule(
+            "TS010",
+            "eval-forward-with-grad",
+            "A model called after `model.eval()` in the same function with gradients on: no "
+            "`torch.no_grad()`/`torch.inference_mode()` around the call or on the function "
+            "(or on every call of it in the file), and no backward in the function.",
+            "`eval()` changes dropout and batch norm, not autograd: the forward still builds "
+            "the graph and keeps every activation it saves until its output is dropped, so "
+            "evaluation costs training's memory (and more time), and an output kept for a "
+            "metric holds the whole graph.",
+            "Wrap the evaluation in `with torch.no_grad():` (or `torch.inference_mode()`), "
+            "or decorate the function with `@torch.no_grad()`.",
+            Severity.WARNING,
+            ("eval",),
+        ),
     )
 }
 
