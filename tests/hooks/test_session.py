@@ -149,3 +149,21 @@ def test_module_stack_starts_afresh_after_a_keyboard_interrupt() -> None:
         model(torch.randn(3, 4))
         assert stack == []
     assert seen == [["", "0"]]
+
+
+def test_when_reached_fires_once_for_a_backward_and_never_for_a_dropped_graph() -> None:
+    model = nn.Linear(4, 2)
+    seen: list[str] = []
+    with HookSession(model) as s:
+        out = model(torch.randn(3, 4))
+        handles = s.when_reached((out, out * 2), lambda: seen.append("trained"))
+        assert handles is not None and len(handles) == 2 and s.handle_count == 2
+        (out.sum() + (out * 2).sum()).backward()  # reaches both nodes: fires once
+        assert seen == ["trained"] and s.handle_count == 0
+        dropped = s.when_reached(model(torch.randn(3, 4)), lambda: seen.append("eval"))
+        assert dropped is not None and s.handle_count == 1  # its graph is gone already
+        with torch.no_grad():
+            assert s.when_reached(model(torch.randn(3, 4)), lambda: seen.append("x")) is None
+        s.release(dropped)
+        assert s.handle_count == 0
+    assert seen == ["trained"]

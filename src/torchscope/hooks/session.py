@@ -25,6 +25,7 @@ from torchscope.hooks.compiled import (
 )
 from torchscope.hooks.parallel import unwrap_parallel
 from torchscope.hooks.select import hookable_modules
+from torchscope.hooks.tree import iter_tensors
 
 
 class _Removable(Protocol):
@@ -255,6 +256,32 @@ class HookSession:
         """Register a post-accumulate-grad hook on a leaf tensor (a parameter), owned here."""
         self._check_open()
         return self.track(param.register_post_accumulate_grad_hook(fn))
+
+    def when_reached(self, output: Any, fn: Callable[[], None]) -> list[_Removable] | None:
+        """Call `fn` once, when a backward first reaches a tensor of `output` (a module's
+        output: a forward whose graph is dropped never gets there).
+
+        Pre-hooks on the tensors' autograd nodes, owned here, come off when it fires.
+
+        Returns:
+            Their handles (`release` them to stop waiting), or None when no tensor of
+            `output` has an autograd node, so that no backward can reach it.
+        """
+        self._check_open()
+        nodes = {id(t.grad_fn): t.grad_fn for _, t in iter_tensors(output)
+                 if t.grad_fn is not None}
+        if not nodes:
+            return None
+        handles: list[_Removable] = []
+
+        def reached(_grad_outputs: Any) -> None:
+            if handles:  # the first node backward reaches; the others are let go
+                self.release(handles)
+                handles.clear()
+                fn()
+
+        handles += [self.track(node.register_prehook(reached)) for node in nodes.values()]
+        return handles
 
     # ------------------------------------------------------------------ module stack
     def enable_module_stack(self) -> list[str]:

@@ -23,7 +23,6 @@ from torchscope.findings import Finding
 from torchscope.hooks.lifecycle import HookedContext
 from torchscope.hooks.select import Selector
 from torchscope.hooks.session import HookSession
-from torchscope.hooks.tree import iter_tensors
 from torchscope.memory._common import storage_keys
 from torchscope.memory.records import MemoryHistory, MemorySample
 from torchscope.memory.saved import _freeze, _Recorder, known_kinds, row_owners
@@ -190,27 +189,21 @@ class MemoryWatch(HookedContext):
                          MemorySample(active.forward, saved), [])
         if active.device is not None:
             self._peak = (entry, active.device)
-        nodes = {id(t.grad_fn): t.grad_fn for _, t in iter_tensors(output)
-                 if t.grad_fn is not None}
-        if not nodes:  # nothing a backward could reach: nothing of it is kept for one
+        handles = self.session.when_reached(output, lambda: self._reached(entry))
+        if handles is None:  # nothing a backward could reach: nothing of it is kept for one
             self._commit(entry)
             return
-        session = self.session
-        entry.handles = [session.track(node.register_prehook(self._reached_hook(entry)))
-                         for node in nodes.values()]
+        entry.handles = handles
         self._pending.append(entry)
         if len(self._pending) > _MAX_PENDING:  # forwards whose graphs were dropped
             self._release(self._pending.pop(0))
 
-    def _reached_hook(self, entry: _Pending) -> Any:
-        def hook(_grad_outputs: Any) -> None:
-            if entry in self._pending:
-                self._pending.remove(entry)
-                self._release(entry)
-                self._backwards += 1
-                self._commit(entry)
-
-        return hook
+    def _reached(self, entry: _Pending) -> None:
+        if entry in self._pending:
+            self._pending.remove(entry)
+            entry.handles = []  # released by the session as they fired
+            self._backwards += 1
+            self._commit(entry)
 
     def _release(self, entry: _Pending) -> None:
         handles, entry.handles = entry.handles, []

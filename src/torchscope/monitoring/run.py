@@ -34,7 +34,6 @@ from torchscope.hooks.compiled import compiled_parts
 from torchscope.hooks.lifecycle import HookedContext
 from torchscope.hooks.select import Selector
 from torchscope.hooks.session import HookSession
-from torchscope.hooks.tree import iter_tensors
 from torchscope.memory import MemoryWatch
 from torchscope.models.target import ModelInputs
 from torchscope.monitoring.history import SampleHistory, StepBuckets
@@ -288,26 +287,17 @@ class Monitor(HookedContext):
             return
         self._recording = False
         forward = self._acts.forwards - 1  # this forward's records' `step`
-        nodes = {id(t.grad_fn): t.grad_fn for _, t in iter_tensors(output)
-                 if t.grad_fn is not None}
         session = self._session
         assert session is not None
-        handles: list[Any] = []
-
-        def reached(_grad_outputs: Any) -> None:
-            self._reached.add(forward)
-            if handles:
-                session.release(handles)
-                handles.clear()
-
-        handles += [session.track(node.register_prehook(reached)) for node in nodes.values()]
+        handles = session.when_reached(output, lambda: self._reached.add(forward))
+        if handles is None:
+            return
         # A forward whose graph was dropped never fires them: keep the newest few only.
         self._waiting.append(handles)
         if len(self._waiting) > _WAITING_FORWARDS:
             old = self._waiting.pop(0)
-            if old:
-                session.release(old)
-                old.clear()
+            session.release(old)
+            old.clear()
 
     def _on_step(self, index: int, flow: GradFlow | None) -> None:
         now = time.perf_counter()

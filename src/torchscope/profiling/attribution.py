@@ -139,7 +139,7 @@ def attribute(events: Iterable[Any], labels: Mapping[str, tuple[str, str]]) -> A
     roots = [e for e in host if e.cpu_parent is None]
     acc: dict[str, _Acc] = {}
     phase_us: dict[str, list[float]] = {p: [0, 0.0, 0.0] for p in PHASES}  # calls, host, device
-    # The same, derived for a loop that labels no phase (see `_derived`).
+    # The same, derived for a loop that labels no phase (see `PhaseTime.derived`).
     auto_us: dict[str, list[float]] = {p: [0, 0.0, 0.0] for p in PHASES}
     # The model's outermost forward calls and torch.optim's step ranges, as time spans: a
     # closure's forward runs inside a step range. (By time: a step boundary the watch cuts
