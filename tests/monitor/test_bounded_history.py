@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -80,10 +81,10 @@ def _objects() -> tuple[int, int]:
     return len(objs), sum(1 for o in objs if isinstance(o, torch.Tensor))
 
 
-@pytest.mark.filterwarnings("ignore::FutureWarning")
-def test_ten_thousand_steps_hold_no_more_than_the_configured_history() -> None:
-    """The whole monitor over 10,000 steps (1,000 samples): what it holds after 2,000 steps
-    is what it holds after 10,000, within the configured history."""
+def _tiny_loop(*, evaluate: bool) -> tuple[nn.Module, torch.optim.Optimizer,
+                                          Callable[[int], None]]:
+    """A small model, its optimizer, and a function that trains it `n` steps (each after a
+    forward whose output is dropped, with `evaluate`)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -91,9 +92,20 @@ def test_ten_thousand_steps_hold_no_more_than_the_configured_history() -> None:
 
     def steps(n: int) -> None:
         for _ in range(n):
+            if evaluate:
+                model(x)  # gradients on, output dropped
             opt.zero_grad(set_to_none=True)
             nn.functional.mse_loss(model(x), y).backward()
             opt.step()
+
+    return model, opt, steps
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_ten_thousand_steps_hold_no_more_than_the_configured_history() -> None:
+    """The whole monitor over 10,000 steps (1,000 samples): what it holds after 2,000 steps
+    is what it holds after 10,000, within the configured history."""
+    model, opt, steps = _tiny_loop(evaluate=False)
 
     with torchscope.monitor(model, opt, every=10, out=None, history=64, recent=16) as mon:
         steps(2000)
@@ -124,17 +136,7 @@ def test_ten_thousand_steps_hold_no_more_than_the_configured_history() -> None:
 def test_evaluation_passes_with_gradients_on_leave_no_hooks_piling_up() -> None:
     """A forward whose graph is dropped never reaches the pre-hooks that wait for its
     backward (the monitor's and the memory watch's): they are released, not kept."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    x, y = torch.randn(4, 4), torch.randn(4, 2)
-
-    def steps(n: int) -> None:
-        for _ in range(n):
-            model(x)  # gradients on, output dropped
-            opt.zero_grad(set_to_none=True)
-            nn.functional.mse_loss(model(x), y).backward()
-            opt.step()
+    model, opt, steps = _tiny_loop(evaluate=True)
 
     with torchscope.monitor(model, opt, every=1, out=None) as mon:
         steps(50)
