@@ -334,3 +334,15 @@ def test_one_output_per_sample_is_not_taken_as_one_class() -> None:
     with pytest.raises(ModelError, match="has 1 class"):
         Step(model, x, loss_fn="cross_entropy", target=torch.zeros(4, dtype=torch.long)
              ).forward_backward()
+    # With integer labels, one logit per sample is a binary classifier.
+    labels = torch.tensor([0, 1, 1, 0])
+    model.zero_grad()
+    binary = Step(model, x, target=labels)
+    loss = binary.forward_backward()
+    assert binary.info(None).loss == "auto → binary cross-entropy with logits vs given targets"
+    got = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    model.zero_grad()
+    want = functional.binary_cross_entropy_with_logits(model(x), labels.float()[:, None])
+    want.backward()
+    assert torch.equal(loss, want.detach())
+    assert all(torch.equal(a, p.grad) for a, p in zip(got, model.parameters(), strict=True))

@@ -9,9 +9,10 @@ belong to the same loss on the same targets.
 The loss (`loss_fn=`) is one of:
 
 - `"auto"` (the default), resolved on the model's output, in this order:
-    1. a target was given: an integer target means cross-entropy, a floating one shaped
-       like the output means mean squared error, other floating targets are class
-       probabilities for cross-entropy;
+    1. a target was given: an integer target means cross-entropy (binary cross-entropy
+       with logits for one output column, `(N, 1)`), a floating one shaped like the output
+       means mean squared error, other floating targets are class probabilities for
+       cross-entropy;
     2. the output carries its own `.loss` (a Hugging Face model called with labels);
     3. the output is a scalar tensor: it is the loss;
     4. the main output (the output itself, its `.logits`, else its first floating tensor)
@@ -70,7 +71,8 @@ LossFn = Callable[..., torch.Tensor]
 LossSpec = LossName | LossFn
 LOSSES: tuple[LossName, ...] = ("auto", "cross_entropy", "mse", "sum")
 
-LossKind = Literal["model", "scalar", "cross_entropy", "mse", "sum", "callable"]
+LossKind = Literal["model", "scalar", "cross_entropy", "binary_cross_entropy", "mse", "sum",
+                   "callable"]
 TargetKind = Literal["given", "seeded", "none"]
 BeforeBackward = Callable[[int, Any, torch.Tensor], None]
 
@@ -87,7 +89,8 @@ class ResolvedLoss:
     Attributes:
         requested: the `loss_fn` as given: `auto`, a loss name, or the callable's name.
         kind: `model` (the output's own `.loss`), `scalar` (the output is the loss),
-            `cross_entropy`, `mse`, `sum` or `callable`.
+            `cross_entropy`, `binary_cross_entropy` (with logits: `auto` on one output
+            column and integer labels), `mse`, `sum` or `callable`.
         target: `given`, `seeded` or `none`.
     """
 
@@ -101,11 +104,12 @@ class ResolvedLoss:
             "model": "the model's own loss (output.loss)",
             "scalar": "the model's scalar output",
             "cross_entropy": "cross-entropy",
+            "binary_cross_entropy": "binary cross-entropy with logits",
             "mse": "mean squared error",
             "sum": "sum of the output",
             "callable": f"{self.requested}(output{', target' if self.target != 'none' else ''})",
         }[self.kind]
-        if self.kind in ("cross_entropy", "mse"):
+        if self.kind in ("cross_entropy", "binary_cross_entropy", "mse"):
             what += f" vs {self.target} targets"
         if self.kind == "callable":
             return what
@@ -435,6 +439,10 @@ class Step:
             if isinstance(target, torch.Tensor) and target.is_floating_point() and \
                     tuple(target.shape) == tuple(out.shape):
                 return ResolvedLoss("auto", "mse", given)
+            if out.dim() > 0 and out.shape[-1] == 1 and isinstance(target, torch.Tensor) and \
+                    not target.is_floating_point() and target.numel() == out.numel():
+                # One logit per sample and integer labels: a binary classifier.
+                return ResolvedLoss("auto", "binary_cross_entropy", given)
             return ResolvedLoss("auto", "cross_entropy", given)
         if _own_loss(output) is not None:
             return ResolvedLoss("auto", "model", "none")
@@ -505,6 +513,9 @@ class Step:
                 flat_target = target.reshape(-1) if target.dim() == out.dim() - 1 else \
                     target.reshape(-1, classes)
                 return functional.cross_entropy(out.reshape(-1, classes), flat_target)
+            if r.kind == "binary_cross_entropy":
+                return functional.binary_cross_entropy_with_logits(
+                    out, target.reshape(out.shape).to(out.dtype))  # labels 0/1 as floats
             return functional.mse_loss(out, target)
         except Exception as exc:
             against = f" and target {tuple(target.shape)}" if isinstance(

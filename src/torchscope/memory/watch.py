@@ -274,8 +274,10 @@ def watch_memory(model: nn.Module, *, every: int = 1, select: Selector = None,
     Use the result in a `with` block. Each sampled forward of the model (grad enabled; one
     in `every`) is counted like `saved_activations` counts (storage-deduplicated, per module,
     parameters and buffers apart), while it runs: the hooks see nothing outside the model's
-    forward, so tensors the loss saves are not in it. Unsampled forwards cost two Python
-    calls per module; hooks read tensor metadata only (no device sync).
+    forward, so tensors the loss saves are not in it. It becomes a sample once a backward
+    reaches its output: an evaluation pass run with gradients on, whose graph is dropped,
+    is none (a watch that sees no backward at all keeps its forwards). Unsampled forwards
+    cost two Python calls per module; hooks read tensor metadata only (no device sync).
 
     On CUDA, each sample also reads the peak allocated from the start of its forward until
     the model's next forward (or the end of the watch). That resets the CUDA peak counter
