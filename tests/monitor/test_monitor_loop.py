@@ -123,6 +123,37 @@ def test_an_evaluation_pass_with_gradients_on_is_not_the_step_sampled() -> None:
     assert run.memory.last.saved.total_bytes == saved.total_bytes
 
 
+def test_a_gan_discriminators_columns_come_from_its_own_step() -> None:
+    """The generator's step runs the discriminator on the fakes and backpropagates through
+    it; its gradients are then set to None before the discriminator's step. The watched
+    discriminator's activation columns are those of its own step's first forward."""
+    torch.manual_seed(0)
+    gen = nn.Sequential(nn.Linear(4, 8), nn.Tanh())
+    disc = nn.Sequential(nn.Linear(8, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
+    opt_g = torch.optim.SGD(gen.parameters(), lr=0.01)
+    opt_d = torch.optim.SGD(disc.parameters(), lr=0.01)
+    bce = nn.BCEWithLogitsLoss()
+    stds: list[float] = []  # disc[0]'s output: real, fake.detach(), fake, per iteration
+    handle = disc[0].register_forward_hook(lambda _m, _a, out: stds.append(out.std().item()))
+    with torchscope.monitor(disc, opt_d, every=1, out=None) as mon:
+        for _ in range(4):
+            real = torch.randn(16, 8) * 3  # another scale than the fakes'
+            fake = gen(torch.randn(16, 4))
+            opt_d.zero_grad()
+            (bce(disc(real), torch.ones(16, 1)) +
+             bce(disc(fake.detach()), torch.zeros(16, 1))).backward()
+            opt_d.step()
+            opt_g.zero_grad()
+            bce(disc(fake), torch.ones(16, 1)).backward()
+            opt_g.step()
+    handle.remove()
+    run = mon.result
+    assert run is not None
+    assert run.grad_param.steps[:4] == (0, 1, 2, 3)
+    for got, want in zip(run.act_std.series("0")[:4], stds[::3], strict=True):
+        assert math.isclose(got, want, rel_tol=1e-4)
+
+
 def test_autocast_and_a_gradscaler_report_unscaled_norms() -> None:
     """bfloat16 autocast on CPU; with a GradScaler (scale 2^10) the reported norms are
     those of the run without scaling."""

@@ -327,7 +327,7 @@ class Monitor(HookedContext):
             per_layer[layer] = [nan if p is None else p, nan if o is None else o, nan, nan, nan]
         nonfinite = False
         if self._acts is not None:
-            nonfinite = self._read_activations(index, per_layer)
+            nonfinite = self._read_activations(index, per_layer, flow.micro_batches)
         saved = None
         if self._mem is not None and self._mem.samples > self._mem_seen:
             self._mem_seen = self._mem.samples
@@ -339,18 +339,24 @@ class Monitor(HookedContext):
         if self._on_sample is not None:
             self._on_sample(index, self.latest)
 
-    def _read_activations(self, index: int, per_layer: dict[str, list[float]]) -> bool:
-        """Fill the activation columns from the step's first recorded forward; note where
-        NaN/Inf first came from. Returns whether any output of the step was non-finite."""
+    def _read_activations(self, index: int, per_layer: dict[str, list[float]],
+                          micro_batches: int) -> bool:
+        """Fill the activation columns from the step's first micro-batch; note where NaN/Inf
+        first came from. Returns whether any output of the step was non-finite.
+
+        The step's micro-batches (`GradFlow.micro_batches`) are its last forwards that a
+        backward reached: passes before a `zero_grad()` in the step are none (a GAN's other
+        player's pass through this model), nor are forwards no backward reached."""
         assert self._acts is not None
         fresh = [r for r in self._acts.records if r.step > self._acts_seen]  # one host copy
         if not fresh:
             return False
         self._acts_seen = fresh[-1].step
         steps = sorted({r.step for r in fresh})
-        # The first forward of the step that a backward reached (the first micro-batch),
-        # else the first recorded.
-        step = next((k for k in steps if k in self._reached), steps[0])
+        reached = [k for k in steps if k in self._reached]
+        # The first micro-batch, else the first recorded forward.
+        at = min(max(len(reached) - micro_batches, 0), len(reached) - 1)
+        step = reached[at] if reached else steps[0]
         self._reached = {k for k in self._reached if k > self._acts_seen}
         first = [r for r in fresh if r.step == step]
         leaves = leaf_modules(first)
