@@ -838,11 +838,7 @@ class GradCollector(HookedContext):
         this = {c.micro for c in self._calls if c.order is not None and c.order >= self._bw_mark}
         if not this:
             return
-        first = min(this)
-        self._calls = [c for c in self._calls if c.micro >= first]
-        for c in self._calls:
-            c.micro -= first
-        self._micro -= first
+        self._drop_micro_batches(set(range(min(this))))
         self._param_vals = {i: v for i, v in self._param_vals.items() if i in self._bw_params}
         self._backwards = 1
 
@@ -1320,7 +1316,7 @@ class GradCollector(HookedContext):
                 self._vals.append(scale_t.detach().reshape(()).double())
         values = _host_floats_later(self._vals)
         idle = self._drop_unreached()
-        forwards = self._micro + 1 - idle
+        forwards = self._micro + 1
         calls = sorted(self._calls, key=lambda c: (c.order is None, c.order or 0, c.seq))
         called = {c.module for c in self._calls}
         shapes = [(tuple(p.shape), str(p.dtype), p.requires_grad) for _, _, p in self._params]
@@ -1392,12 +1388,18 @@ class GradCollector(HookedContext):
         idle = {c.micro for c in self._calls} - reached
         if not reached or not idle or not self._backwards:
             return 0
-        kept = sorted((set(range(self._micro + 1)) | reached) - idle)
+        self._drop_micro_batches(idle)
+        return len(idle)
+
+    def _drop_micro_batches(self, drop: set[int]) -> None:
+        """Leave out the calls of micro-batches `drop`, and number the others again from 0
+        in their order (`_micro` is then the last one's number)."""
+        kept = sorted((set(range(self._micro + 1)) | {c.micro for c in self._calls}) - drop)
         renumber = {m: i for i, m in enumerate(kept)}
-        self._calls = [c for c in self._calls if c.micro not in idle]
+        self._calls = [c for c in self._calls if c.micro not in drop]
         for c in self._calls:
             c.micro = renumber[c.micro]
-        return len(idle)
+        self._micro = len(kept) - 1
 
     def _exchange(self, inv: float, weights: dict[int, int]) -> RankGrads | None:
         """Every rank's per-parameter norms of this step (DDP, FSDP2); None on one process.

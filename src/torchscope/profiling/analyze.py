@@ -13,14 +13,13 @@ from torchscope.profiling.comm import is_comm
 from torchscope.profiling.loader import LOADER_RANGE_PREFIX
 from torchscope.profiling.ops import sort_ops
 from torchscope.profiling.records import OWN_SYNC_RANGE, ProfileResult, ProfileThresholds
-from torchscope.profiling.syncs import READ_OP
+from torchscope.profiling.syncs import READ_OP, WAIT_OPS
 
 __all__ = ["comm_findings", "mean_step_ms", "own_ms", "profile_findings", "ranked_profile_findings"]
 
 # Ops that block the host until the device (or a queue) has caught up: a tensor read to
 # Python (`.item()`, `bool(t)`), and the CUDA runtime's own waits and copies.
-_SYNC_OPS = ("aten::_local_scalar_dense", "aten::item", "cudaDeviceSynchronize",
-             "cudaStreamSynchronize", "cudaMemcpy")
+_SYNC_OPS = (READ_OP, "aten::item", "cudaDeviceSynchronize", *WAIT_OPS)
 _COMPUTE = ("mm", "addmm", "bmm", "matmul", "conv", "convolution", "linear", "baddbmm",
             "scaled_dot_product")
 

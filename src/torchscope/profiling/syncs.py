@@ -12,18 +12,18 @@ dataset's, not the step's.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from torchscope.profiling.loader import LOADER_RANGE_PREFIX
 from torchscope.profiling.records import HostReads
 
-__all__ = ["READ_OP", "host_reads"]
+__all__ = ["READ_OP", "WAIT_OPS", "host_reads"]
 
 READ_OP = "aten::_local_scalar_dense"
+#: The device runtime's calls that block the host: a stream wait, a blocking copy.
+WAIT_OPS = ("cudaStreamSynchronize", "cudaMemcpy", "hipStreamSynchronize", "hipMemcpy")
 _RUNTIME = ("cuda", "hip")  # the device runtime's own calls, on the host's thread
-_WAITS = frozenset({"cudaStreamSynchronize", "cudaMemcpy", "hipStreamSynchronize",
-                    "hipMemcpy"})
 
 
 def _below(event: Any) -> Iterator[Any]:
@@ -32,13 +32,18 @@ def _below(event: Any) -> Iterator[Any]:
         yield from _below(child)
 
 
-def _in_loader(event: Any) -> bool:
+def _inside(event: Any, test: Callable[[str], bool]) -> bool:
+    """Whether an event around `event` has a name that passes `test`."""
     parent = event.cpu_parent
     while parent is not None:
-        if parent.name.startswith(LOADER_RANGE_PREFIX):
+        if test(parent.name):
             return True
         parent = parent.cpu_parent
     return False
+
+
+def _in_loader(event: Any) -> bool:
+    return _inside(event, lambda name: name.startswith(LOADER_RANGE_PREFIX))
 
 
 def host_reads(events: Iterable[Any]) -> HostReads:
@@ -54,10 +59,7 @@ def host_reads(events: Iterable[Any]) -> HostReads:
             reads += 1
             if any(c.name.startswith(_RUNTIME) for c in _below(e)):
                 device += 1
-        elif name in _WAITS and not _in_loader(e):
-            parent = e.cpu_parent
-            while parent is not None and parent.name != READ_OP:
-                parent = parent.cpu_parent
-            if parent is None:  # not a read's own wait
-                waits += 1
+        elif name in WAIT_OPS and not _in_loader(e) and \
+                not _inside(e, lambda n: n == READ_OP):  # not a read's own wait
+            waits += 1
     return HostReads(reads=reads, device=device, waits=waits, linked=linked)
