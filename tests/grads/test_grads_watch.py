@@ -15,6 +15,7 @@ from torch import nn
 
 from torchscope.errors import TorchscopeError
 from torchscope.grads import GradFlow, watch_gradients
+from torchscope.grads.records import PASSES_UNSUMMED
 from torchscope.hooks import audit_hooks
 
 
@@ -396,6 +397,175 @@ def test_a_backward_before_zero_grad_is_none_of_the_step() -> None:
     for f, norms in zip(flows[:3], want, strict=True):
         got = sorted(r.output_norm for r in f.modules if r.module == "2")
         assert all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(got, norms, strict=True))
+
+
+def _output_grads(model: nn.Sequential, on: list[bool]
+                  ) -> tuple[dict[tuple[str, int], torch.Tensor], list[object]]:
+    """Each child's output gradient per forward, summed over the backward passes that run
+    while `on[0]`: torch's own tensor hooks, the reference."""
+    got: dict[tuple[str, int], torch.Tensor] = {}
+    forwards = [0]
+
+    def count(_m: nn.Module, _args: object) -> None:
+        forwards[0] += 1
+
+    def keep(name: str) -> object:
+        def hook(_m: nn.Module, _args: object, out: torch.Tensor) -> None:
+            key = (name, forwards[0] - 1)
+
+            def add(g: torch.Tensor) -> None:
+                if on[0]:
+                    got[key] = got.get(key, 0) + g.detach()
+
+            if out.requires_grad:
+                out.register_hook(add)
+
+        return hook
+
+    handles: list[object] = [model.register_forward_pre_hook(count)]
+    handles += [m.register_forward_hook(keep(n)) for n, m in model.named_children()]
+    return got, handles
+
+
+def test_two_backward_passes_over_one_forward_report_the_sum() -> None:
+    # Two losses, each with its own backward, the first keeping the graph: the update uses
+    # the sum of both passes' gradients at every layer, and so does the sample.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 6))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y, r = torch.randn(16, 8), torch.randint(0, 5, (16,)), torch.randn(16)
+    want, handles = _output_grads(model, [True])
+    with watch_gradients(model, optimizer=opt) as watch:
+        opt.zero_grad()
+        out = model(x)
+        nn.functional.cross_entropy(out[:, :5], y).backward(retain_graph=True)
+        nn.functional.mse_loss(out[:, 5], r).backward()
+        opt.step()
+    for h in handles:
+        h.remove()  # type: ignore[attr-defined]
+    flow = watch.last
+    assert flow is not None and flow.backward_calls == 2 and flow.micro_batches == 1
+    assert len(flow.modules) == 3
+    for rec in flow.modules:
+        assert rec.output_norm is not None
+        ref = want[(rec.module, 0)].norm().item()
+        assert math.isclose(rec.output_norm, ref, rel_tol=1e-6), rec.module
+
+
+class _Shift(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.shift = nn.Parameter(torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.shift  # AddBackward0: nothing saved, so backward may run twice
+
+
+def test_a_later_pass_without_a_kept_gradient_is_not_summed() -> None:
+    # Backward through a graph with no saved tensor twice, the first without retain_graph:
+    # the first gradient was not kept, so the sum is not measured, and the record says so.
+    model = nn.Sequential(_Shift())
+    with watch_gradients(model, manual=True) as watch:
+        out = model(torch.randn(2, 4))
+        out.sum().backward()
+        out.sum().backward()
+        watch.end_step()
+    flow = watch.last
+    assert flow is not None and flow.backward_calls == 2
+    (rec,) = flow.modules
+    assert rec.output_norm is None
+    assert rec.grad_output[0].reason == PASSES_UNSUMMED
+    (param,) = flow.params
+    assert param.norm == pytest.approx(2 * 2 * math.sqrt(4))  # two passes of 2 per element
+
+
+@pytest.mark.parametrize("act", ["leaky_relu", "softplus"])
+def test_a_gradient_penalty_pass_is_none_of_the_step(act: str) -> None:
+    # WGAN-GP: `autograd.grad(create_graph=True)` through the discriminator feeds no
+    # update; the update's backward then reaches that forward again through the penalty.
+    # The sample holds that backward's gradients only, as torch's hooks see them.
+    torch.manual_seed(0)
+    make = (lambda: nn.LeakyReLU(0.2)) if act == "leaky_relu" else nn.Softplus
+    disc = nn.Sequential(nn.Linear(8, 32), make(), nn.Linear(32, 32), make(),
+                         nn.Linear(32, 1))
+    opt = torch.optim.Adam(disc.parameters(), lr=1e-4, betas=(0.0, 0.9))
+    real, fake = torch.randn(16, 8) + 2, torch.randn(16, 8)
+    on = [False]
+    want, handles = _output_grads(disc, on)
+    with watch_gradients(disc, optimizer=opt) as watch:
+        opt.zero_grad()
+        mix = torch.rand(16, 1)
+        xh = (mix * real + (1 - mix) * fake).requires_grad_(True)
+        (g,) = torch.autograd.grad(disc(xh).sum(), xh, create_graph=True)
+        penalty = ((g.norm(dim=1) - 1) ** 2).mean()
+        loss = disc(fake).mean() - disc(real).mean() + 10 * penalty
+        on[0] = True
+        loss.backward()
+        opt.step()
+    for h in handles:
+        h.remove()  # type: ignore[attr-defined]
+    flow = watch.last
+    assert flow is not None and flow.backward_calls == 1 and flow.micro_batches == 3
+    assert flow.idle_forwards == 0
+    checked = 0
+    for rec in flow.modules:
+        ref = want.get((rec.module, rec.micro))
+        if ref is None:  # the penalty's graph does not reach the interpolate's logit
+            assert rec.micro == 0 and rec.output_norm is None and rec.module in ("3", "4")
+            continue
+        assert rec.output_norm is not None
+        assert math.isclose(rec.output_norm, ref.norm().item(), rel_tol=1e-5, abs_tol=1e-12)
+        checked += 1
+    assert checked == 13
+    assert not [f for f in flow.findings() if f.severity.label != "info"]
+
+
+def test_adversarial_attack_passes_are_no_steps_and_no_idle_forwards() -> None:
+    # PGD adversarial training: each attack step takes `autograd.grad` of the loss with
+    # respect to the input. Those passes neither end a step (no optimizer given: a step is
+    # inferred) nor make the attack's forwards micro-batches or idle forwards.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(16, 8), torch.randint(0, 4, (16,))
+    flows: list[GradFlow] = []
+    with watch_gradients(model, on_sample=flows.append) as watch:
+        for _ in range(4):
+            xa = x.clone().requires_grad_(True)
+            for _ in range(3):
+                (g,) = torch.autograd.grad(nn.functional.cross_entropy(model(xa), y), xa)
+                xa = (xa + 0.01 * g.sign()).detach().requires_grad_(True)
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(xa.detach()), y).backward()
+            opt.step()
+    assert watch.step_by == "inferred" and watch.steps == 4
+    assert [(f.micro_batches, f.backward_calls, f.idle_forwards) for f in flows] == \
+        [(1, 1, 0)] * 4
+    assert not [f for f in watch.findings() if f.code == "grads.idle_forward"]
+
+
+def test_a_pass_that_feeds_no_update_leaves_earlier_passes_as_they_were() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(8, 4, requires_grad=True)
+    on = [True]
+    want, handles = _output_grads(model, on)
+    with watch_gradients(model, optimizer=opt) as watch:
+        opt.zero_grad()
+        out = model(x)
+        out.square().sum().backward(retain_graph=True)
+        on[0] = False
+        torch.autograd.grad(out.sum(), x)  # the input's saliency, after the update's pass
+        opt.step()
+    for h in handles:
+        h.remove()  # type: ignore[attr-defined]
+    flow = watch.last
+    assert flow is not None and flow.backward_calls == 1
+    for rec in flow.modules:
+        assert rec.output_norm is not None
+        assert math.isclose(rec.output_norm, want[(rec.module, 0)].norm().item(),
+                            rel_tol=1e-6)
 
 
 def test_manual_steps_end_at_end_step() -> None:

@@ -79,6 +79,7 @@ from torchscope.grads.records import (
     NOT_MEASURED,
     NOT_REACHED,
     OUTPUT_NO_GRAD,
+    PASSES_UNSUMMED,
     RAN_IN_REENTRANT_CHECKPOINT,
     RAN_NO_GRAD,
     GradFlow,
@@ -111,10 +112,16 @@ _RESHAPES = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBack
                        "UnsqueezeBackward0"})
 
 
+# Whether the backward pass running now keeps its graph (`retain_graph`, `create_graph`);
+# where a torch lacks the query, every pass is taken to keep it (exact, more memory held).
+_KEEPS_GRAPH: Callable[[], bool] = getattr(
+    torch._C._autograd, "_get_current_graph_task_keep_graph", lambda: True)
+
+
 class _Slot:
     """One tensor of one call; the hook fills `val`, the index of its norm in `_vals`."""
 
-    __slots__ = ("dtype", "path", "reason", "same_as", "shape", "use_node", "val")
+    __slots__ = ("dtype", "held", "path", "reason", "same_as", "shape", "use_node", "val")
 
     def __init__(self, path: str, t: torch.Tensor | tuple[torch.Size, torch.dtype],
                  reason: str | None = None) -> None:
@@ -122,8 +129,10 @@ class _Slot:
         # A tensor, or its (shape, dtype) as read when the call ran; a plain tuple and a
         # string when the step's records are built.
         self.shape, self.dtype = (t.shape, t.dtype) if isinstance(t, torch.Tensor) else t
-        self.val: int | None = None
+        self.val: int | None = None  # -1: reached by passes whose sum is not measured
         self.reason = reason
+        # The gradient itself, kept while a later backward pass may add to it (`_put`).
+        self.held: torch.Tensor | None = None
         self.use_node = False  # measured on an autograd node; ignore the alias hook
         self.same_as: _Slot | None = None  # the same tensor passed again: one measurement
 
@@ -646,6 +655,7 @@ class GradCollector(HookedContext):
         self._before: list[tuple[int, str, nn.Parameter, torch.Tensor]] = []
         # Per hooked module: its calls between pre-hook and forward hook.
         self._in_flight: list[list[tuple[_Call, list[_PendingInput]] | None]] = []
+        self._held: list[_Slot] = []  # the slots holding a gradient (`_put`)
         self._reset()
 
     # ------------------------------------------------------------------ lifecycle
@@ -704,6 +714,16 @@ class GradCollector(HookedContext):
         # parameters it measured (`restart_at_last_backward`).
         self._bw_mark = 0
         self._bw_params: set[int] = set()
+        # Where the pass in progress began in `_vals`; whether it keeps its graph (None:
+        # not read yet); the slots measured again in it (`_put`).
+        self._val_mark = 0
+        self._hold: bool | None = None
+        self._bw_updates = False  # a parameter accumulated a gradient in this pass
+        self._side: set[int] = set()  # micro-batches reached by an undone pass
+        for slot in self._held:
+            slot.held = None
+        self._held = []
+        self._rewritten: list[tuple[_Slot, int | None, torch.Tensor | None, str | None]] = []
         # DDP: the synchronised gradients' norms and sums, read when the last backward's
         # all-reduce had landed (`_read_synced`); None: read them when the step ends.
         self._synced: tuple[list[torch.Tensor | None], list[torch.Tensor | None]] | None = None
@@ -809,6 +829,36 @@ class GradCollector(HookedContext):
         self._last = (weakref.ref(g), ptr, version, numel, index)
         return index
 
+    def _put(self, slot: _Slot, g: torch.Tensor) -> None:
+        """Measure gradient `g` into `slot`, in the backward pass running now."""
+        if slot.val is not None and slot.val < self._val_mark:
+            self._put_again(slot, g)
+            return
+        slot.val = self._push(g)
+        if self._hold is None:  # first write of this pass
+            self._hold = _KEEPS_GRAPH()
+        if self._hold:
+            slot.held = g.detach()
+            self._held.append(slot)
+
+    def _put_again(self, slot: _Slot, g: torch.Tensor) -> None:
+        """`slot` was measured by an earlier backward pass over the same graph (two losses,
+        each with its own `backward`, the first with `retain_graph=True`): the update sums
+        both gradients, so its norm is the sum's. That pass kept its graph, so it kept the
+        gradient too (`_put`); when it did not, the sum is not measured. What the slot held
+        before is logged, for `_undo_pass`."""
+        self._rewritten.append((slot, slot.val, slot.held, slot.reason))
+        if self._hold is None:
+            self._hold = _KEEPS_GRAPH()
+        if slot.held is None:
+            slot.val, slot.reason = -1, PASSES_UNSUMMED
+            return
+        total = slot.held + g.detach()  # same shape as g
+        slot.val = self._push(total)
+        slot.held = total if self._hold else None
+        if self._hold:
+            self._held.append(slot)
+
     def _queue_end(self) -> None:
         if self._bw_queued:
             return
@@ -819,6 +869,17 @@ class GradCollector(HookedContext):
         self._bw_queued = False
         self._measure_params()
         self._last = None
+        # A reentrant checkpoint's nested backward ends inside its node: the pass it is
+        # part of goes on.
+        outermost = torch._C._current_autograd_node() is None
+        if outermost:
+            updates, self._bw_updates = self._bw_updates, False
+            if not updates and any(p.requires_grad for _, _, p in self._params):
+                # No trainable parameter accumulated a gradient: `torch.autograd.grad` (a
+                # gradient penalty's, an adversarial input's) or `backward(inputs=...)`.
+                # Those gradients feed no update: the pass is none of the step's.
+                self._undo_pass()
+                return
         self._backwards += 1
         if self.active and self._rank_aware is not None and self._rank_aware.strategy == "ddp":
             # DDP writes the averaged gradients into `.grad` in a callback of its own,
@@ -828,6 +889,38 @@ class GradCollector(HookedContext):
         if self.on_backward_end is not None:
             self.on_backward_end()
         self._bw_mark, self._bw_params = self._order, set()
+        if outermost:
+            self._end_pass(keep=bool(self._hold))
+
+    def _end_pass(self, *, keep: bool) -> None:
+        """A backward pass is over: later writes are another pass's. What it held goes,
+        unless it kept its graph (a later pass may then add to the same gradients)."""
+        self._val_mark = len(self._vals)
+        self._hold = None
+        self._rewritten = []
+        if not keep:
+            for slot in self._held:
+                slot.held = None
+            self._held = []
+
+    def _undo_pass(self) -> None:
+        """Forget what the backward pass that just ended measured: its slots go back to
+        what earlier passes left, its calls to unreached, and its norms are dropped."""
+        mark = self._val_mark
+        for c in self._calls:
+            if c.order is not None and c.order >= self._bw_mark:
+                c.order = None
+                self._side.add(c.micro)
+            for slot in (*c.outs, *c.ins):
+                if slot.val is not None and slot.val >= mark:
+                    slot.val, slot.held = None, None
+        for slot, val, held, reason in reversed(self._rewritten):
+            slot.val, slot.held, slot.reason = val, held, reason
+        del self._vals[mark:]
+        self._order = self._bw_mark
+        self._bw_params = set()
+        self._held = [s for s in self._held if s.held is not None]
+        self._end_pass(keep=True)
 
     def restart_at_last_backward(self) -> None:
         """Keep only what the backward that just ended measured, and the forwards it
@@ -861,6 +954,7 @@ class GradCollector(HookedContext):
     def _make_param_hook(self, index: int) -> Callable[[torch.Tensor], None]:
         def hook(p: torch.Tensor) -> None:
             self._queue_end()
+            self._bw_updates = True
             if self.active and p.grad is not None:
                 if self._rank_aware is not None:
                     # DDP: this rank's own gradient exists only now, before the reducer's
@@ -876,7 +970,7 @@ class GradCollector(HookedContext):
         # Only for an output without a grad_fn (a leaf that requires grad): the others are
         # read by a post-hook on the node that produced them.
         def hook(g: torch.Tensor) -> None:
-            slot.val = self._push(g)
+            self._put(slot, g)
             if call.order is None:
                 call.order = self._order
                 self._order += 1
@@ -887,7 +981,7 @@ class GradCollector(HookedContext):
     def _input_hook(self, slot: _Slot) -> Callable[[torch.Tensor], None]:
         def hook(g: torch.Tensor) -> None:
             if not slot.use_node:
-                slot.val = self._push(g)
+                self._put(slot, g)
 
         return hook
 
@@ -903,7 +997,7 @@ class GradCollector(HookedContext):
                 for slot, nr in outs:
                     g = grad_outputs[nr]
                     if g is not None:
-                        slot.val = self._push(g)
+                        self._put(slot, g)
                 if call.order is None:
                     call.order = self._order
                     self._order += 1
@@ -911,7 +1005,7 @@ class GradCollector(HookedContext):
             for slot, k in ins:
                 g = grad_inputs[k]
                 if g is not None:
-                    slot.val = self._push(g)
+                    self._put(slot, g)
 
         return hook
 
@@ -1335,7 +1429,7 @@ class GradCollector(HookedContext):
             inv = 1.0 / scale if scale else 1.0
 
             def norm_of(val: int | None) -> float | None:
-                return None if val is None else host[val] * inv
+                return None if val is None or val < 0 else host[val] * inv
 
             def tensor_grad(s: _Slot) -> TensorGrad:
                 n = norm_of(s.root().val)
@@ -1382,13 +1476,15 @@ class GradCollector(HookedContext):
         """Leave out the forwards of this step that no backward reached, when another one
         was reached; how many. Such a forward ran with gradients on but its output was
         dropped (an evaluation pass without `torch.no_grad`, a forward for logging): it is
-        no micro-batch of the step, and its calls would read as unreached. The micro-batches
-        left are numbered again from 0."""
+        no micro-batch of the step, and its calls would read as unreached. A forward that
+        only a pass feeding no update reached (`_undo_pass`: an adversarial attack's) is
+        left out too, but not counted. The micro-batches left are numbered again from 0."""
         reached = {c.micro for c in self._calls if c.order is not None}
-        idle = {c.micro for c in self._calls} - reached
-        if not reached or not idle or not self._backwards:
+        unreached = {c.micro for c in self._calls} - reached
+        if not reached or not unreached or not self._backwards:
             return 0
-        self._drop_micro_batches(idle)
+        idle = unreached - self._side  # the others fed a backward that fed no update
+        self._drop_micro_batches(unreached)
         return len(idle)
 
     def _drop_micro_batches(self, drop: set[int]) -> None:
@@ -1399,6 +1495,7 @@ class GradCollector(HookedContext):
         self._calls = [c for c in self._calls if c.micro not in drop]
         for c in self._calls:
             c.micro = renumber[c.micro]
+        self._side = {renumber[m] for m in self._side if m in renumber}
         self._micro = len(kept) - 1
 
     def _exchange(self, inv: float, weights: dict[int, int]) -> RankGrads | None:

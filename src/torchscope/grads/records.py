@@ -25,6 +25,8 @@ NO_GRAD = "received no gradient (not run, or the loss does not reach it)"
 RAN_NO_GRAD = "ran only with gradients disabled (torch.no_grad) inside a training forward"
 RAN_IN_REENTRANT_CHECKPOINT = ("ran only inside a reentrant checkpoint whose inputs do not "
                                "require grad")
+PASSES_UNSUMMED = ("reached by more than one backward pass, an earlier one without "
+                   "retain_graph: the norm of their sum is not measured")
 
 
 def combine_norms(norms: Iterable[float | None]) -> float | None:
