@@ -167,3 +167,26 @@ def test_when_reached_fires_once_for_a_backward_and_never_for_a_dropped_graph() 
         s.release(dropped)
         assert s.handle_count == 0
     assert seen == ["trained"]
+
+
+def test_when_reached_waits_for_a_backward_that_updates_the_model() -> None:
+    # An adversarial attack's `autograd.grad` with respect to the input, and a backward
+    # limited to the input, reach the output but update no parameter: not yet. Then the
+    # training backward. A frozen model has nothing to update: any backward counts.
+    model = nn.Linear(4, 2)
+    x = torch.randn(3, 4, requires_grad=True)
+    seen: list[str] = []
+    with HookSession(model) as s:
+        out = model(x)
+        s.when_reached(out, lambda: seen.append("trained"))
+        torch.autograd.grad(out.sum(), x, retain_graph=True)
+        out.sum().backward(inputs=[x], retain_graph=True)
+        assert seen == [] and s.handle_count == 1
+        out.sum().backward(inputs=[model.bias], retain_graph=True)
+        assert seen == ["trained"] and s.handle_count == 0
+    frozen = nn.Linear(4, 2).requires_grad_(False)
+    with HookSession(frozen) as s:
+        out = frozen(x)
+        s.when_reached(out, lambda: seen.append("frozen"))
+        torch.autograd.grad(out.sum(), x)
+        assert seen == ["trained", "frozen"]

@@ -257,9 +257,34 @@ class HookSession:
         self._check_open()
         return self.track(param.register_post_accumulate_grad_hook(fn))
 
+    def backward_updates(self) -> bool:
+        """Whether the backward pass running now accumulates a gradient into a trainable
+        parameter of the model, as autograd has planned it: not `torch.autograd.grad` (a
+        gradient penalty's, an adversarial attack's input gradient), nor `backward(inputs=)`
+        that leaves the parameters out. Call it from an autograd hook.
+
+        Also True when the model has no trainable parameter, and for FSDP2's sharded
+        parameters, which are not the tensors autograd accumulates into.
+        """
+        trainable = False
+        for p in self.model.parameters():
+            if not p.requires_grad:
+                continue
+            if type(p).__name__ == "DTensor":  # FSDP2 (torch.distributed is a layer up)
+                return True
+            trainable = True
+            # The parameter's AccumulateGrad node: one in this pass's graph, or a new one
+            # (dropped at once) that no pass will run.
+            if torch._C._will_engine_execute_node(
+                    torch.autograd.graph.get_gradient_edge(p).node):
+                return True
+        return not trainable
+
     def when_reached(self, output: Any, fn: Callable[[], None]) -> list[_Removable] | None:
-        """Call `fn` once, when a backward first reaches a tensor of `output` (a module's
-        output: a forward whose graph is dropped never gets there).
+        """Call `fn` once, when a backward that updates the model's parameters
+        (`backward_updates`) first reaches a tensor of `output` (a module's output: a
+        forward whose graph is dropped, or that only an attack's `autograd.grad` reaches,
+        never gets there).
 
         Pre-hooks on the tensors' autograd nodes, owned here, come off when it fires.
 
@@ -275,7 +300,8 @@ class HookSession:
         handles: list[_Removable] = []
 
         def reached(_grad_outputs: Any) -> None:
-            if handles:  # the first node backward reaches; the others are let go
+            # The first node an updating backward reaches; the others are let go.
+            if handles and self.backward_updates():
                 self.release(handles)
                 handles.clear()
                 fn()
