@@ -123,6 +123,46 @@ def test_an_evaluation_pass_with_gradients_on_is_not_the_step_sampled() -> None:
     assert run.memory.last.saved.total_bytes == saved.total_bytes
 
 
+@pytest.mark.parametrize("with_optimizer", [True, False])
+def test_adversarial_attack_passes_are_not_the_step_sampled(with_optimizer: bool) -> None:
+    """PGD adversarial training: two attack steps before each update, each a forward and
+    `autograd.grad` with respect to the input, on other inputs. The columns, the saved
+    bytes and the step count are the training step's."""
+    torch.manual_seed(0)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = batches(4)
+    stds: list[float] = []
+    training = [False]
+
+    def keep_std(_m: nn.Module, _a: object, out: torch.Tensor) -> None:
+        if training[0]:
+            stds.append(out.std().item())
+
+    handle = model[0].register_forward_hook(keep_std)
+    with torchscope.monitor(model, opt if with_optimizer else None, every=1, out=None) as mon:
+        for x, y in data:
+            xa = (x[:2] * 3).requires_grad_(True)  # another batch size, another scale
+            for _ in range(2):
+                (g,) = torch.autograd.grad(nn.functional.mse_loss(model(xa), y[:2]), xa)
+                xa = (xa + 0.1 * g.sign()).detach().requires_grad_(True)
+            opt.zero_grad()
+            training[0] = True
+            nn.functional.mse_loss(model(x), y).backward()
+            training[0] = False
+            opt.step()
+    handle.remove()
+    run = mon.result
+    assert run is not None and run.steps == 4 and run.samples == 4
+    assert run.last is not None and run.last.micro_batches == 1
+    assert run.last.idle_forwards == 0
+    for got, want in zip(run.act_std.series("0"), stds, strict=True):
+        assert math.isclose(got, want, rel_tol=1e-4)
+    saved = torchscope.memory.saved_activations(model, data[-1][0], loss_fn="sum")
+    assert run.memory is not None and run.memory.last is not None
+    assert run.memory.last.saved.total_bytes == saved.total_bytes
+
+
 def test_a_gan_discriminators_columns_come_from_its_own_step() -> None:
     """The generator's step runs the discriminator on the fakes and backpropagates through
     it; its gradients are then set to None before the discriminator's step. The watched
@@ -294,6 +334,36 @@ def test_closure_steps_and_loops_without_an_optimizer(kind: str) -> None:
     assert run.step_by == ("optimizer" if kind == "lbfgs" else "inferred")
     assert run.last is not None
     assert run.last.backward_calls == (1 if kind == "lbfgs" else 2)
+
+
+@pytest.mark.parametrize(("every", "halves"), [(1, 1), (2, 2)])
+def test_an_inferred_steps_columns_are_its_own(every: int, halves: int) -> None:
+    """Without an optimizer a step ends at the next step's first backward, when the next
+    step's forward has run too: the activation columns are the step's first micro-batch's,
+    and the saved bytes its last's, not the next step's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    stds: list[float] = []  # model[0]'s output, per step: its first micro-batch
+    saved: list[int] = []  # per step: its last micro-batch's saved bytes
+    handle = model[0].register_forward_hook(
+        lambda _m, _a, out: stds.append(out.std().item()) if len(stds) < step[0] + 1 else None)
+    step = [0]
+    with torchscope.monitor(model, every=every, out=None) as mon:
+        for step[0] in range(5):
+            model.zero_grad()
+            x = torch.randn(4 * (step[0] + 1), 8) * (step[0] + 1)  # its own size and scale
+            for part in [c.clone() for c in x.chunk(halves)]:  # a view saves all of x
+                model(part).square().mean().backward()
+            saved.append(part.shape[0])
+    handle.remove()
+    run = mon.result
+    assert run is not None and run.step_by == "inferred" and run.steps == 5
+    assert run.act_std.steps == tuple(range(0, 5, every))
+    for got, want in zip(run.act_std.series("0"), stds[::every], strict=True):
+        assert math.isclose(got, want, rel_tol=1e-4)
+    rows = [torchscope.memory.saved_activations(
+        model, torch.randn(n, 8), loss_fn="sum").total_bytes for n in saved[::every]]
+    assert run.saved_bytes == tuple(rows)
 
 
 def test_bad_options_fail_before_training() -> None:

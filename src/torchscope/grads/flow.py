@@ -145,11 +145,13 @@ class GradWatch(HookedContext, Analyzed):
     Its findings (`watch.findings()`) judge the last sample (as `torchscope.grads.diagnose`)
     and the history (a total norm that turns NaN/Inf or grows out of bounds).
 
-    One argument is not `watch_gradients`': `parallel`, the `DistributedDataParallel`
+    Two arguments are not `watch_gradients`': `parallel`, the `DistributedDataParallel`
     wrapper that `model` trains through when `model` is the module inside it (what a
     framework callback is given), or `"ddp"` when the framework keeps a wrapper over the
     default process group out of sight; the gradients are then read synchronised, as for a
-    wrapped model.
+    wrapped model. And `on_backward`, called at the end of each backward pass of the step,
+    after `on_step` for a step that this pass ended (an inferred step ends at the next
+    step's first backward).
 
     Attributes:
         every: sample one step in `every`.
@@ -180,6 +182,7 @@ class GradWatch(HookedContext, Analyzed):
         on_step: Callable[[int, GradFlow | None], None] | None = None,
         updates: bool = True,
         parallel: nn.Module | Literal["ddp"] | None = None,
+        on_backward: Callable[[], None] | None = None,
     ) -> None:
         for label, value in (("every", every), ("max_samples", max_samples)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -223,6 +226,7 @@ class GradWatch(HookedContext, Analyzed):
                                         scaler=scaler, parallel=parallel)
         self._on_sample = on_sample
         self._on_step = on_step
+        self._on_backward = on_backward
         self._last: GradFlow | None = None
         # Newest `max_samples` samples: (step, {layer: output norm}, {layer: param norm}, total)
         self._rows: deque[tuple[int, dict[str, float], dict[str, float], float]] = deque(
@@ -426,6 +430,12 @@ class GradWatch(HookedContext, Analyzed):
             self._on_step(index, None if sampled is None else sampled())
 
     def _on_backward_end(self) -> None:
+        self._count_backward()
+        if self._on_backward is not None:
+            self._on_backward()
+
+    def _count_backward(self) -> None:
+        """Count a backward pass of the step: where it ends a step, end it."""
         c = self._collector
         if self._step_by in ("optimizer", "manual"):
             # Gradients set to None since the last backward of a sampled step: the passes

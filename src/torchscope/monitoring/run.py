@@ -34,7 +34,7 @@ from torchscope.hooks.compiled import compiled_parts
 from torchscope.hooks.lifecycle import HookedContext
 from torchscope.hooks.select import Selector
 from torchscope.hooks.session import HookSession
-from torchscope.memory import MemoryWatch
+from torchscope.memory import MemorySample, MemoryWatch
 from torchscope.models.target import ModelInputs
 from torchscope.monitoring.history import SampleHistory, StepBuckets
 from torchscope.monitoring.records import HistoryBudget, LayerSeries, NonFiniteOnset, RunRecord
@@ -150,6 +150,10 @@ class Monitor(HookedContext):
         self._reached: set[int] = set()  # recorded forwards that a backward reached
         self._waiting: list[list[Any]] = []  # their pre-hooks' handles, newest last
         self._mem_seen = 0
+        # What the activation capture and the memory watch held at the end of the last
+        # backward: (forwards recorded, memory samples, the last one). An inferred step
+        # ends one backward late, when the next step's forward has been recorded too.
+        self._at_backward: tuple[int, int, MemorySample | None] | None = None
         self._inputs = ""
         self._forward_onset: tuple[int, str | None, str | None] | None = None
         self._error = ""
@@ -199,7 +203,7 @@ class Monitor(HookedContext):
             micro_batches=self._micro_batches, manual=self._manual, select=self._select,
             depth=self._depth, inputs_grad=False, max_samples=1,
             check_nonfinite=self._scaler is None, on_step=self._on_step,
-            parallel=self._parallel)
+            parallel=self._parallel, on_backward=self._backward_end)
         self._grads.open()
         if self._profile_steps:
             self._time = TimeWatch(model, optimizer=self._optimizer, steps=self._profile_steps,
@@ -299,6 +303,13 @@ class Monitor(HookedContext):
             session.release(old)
             old.clear()
 
+    def _backward_end(self) -> None:
+        if self._grads is not None and self._grads.step_by == "inferred":
+            mem = self._mem
+            self._at_backward = (0 if self._acts is None else self._acts.forwards,
+                                 0 if mem is None else mem.samples,
+                                 None if mem is None else mem.last)
+
     def _on_step(self, index: int, flow: GradFlow | None) -> None:
         now = time.perf_counter()
         self._times.add(index, (now - self._last) * 1e3)
@@ -329,10 +340,13 @@ class Monitor(HookedContext):
         if self._acts is not None:
             nonfinite = self._read_activations(index, per_layer, flow.micro_batches)
         saved = None
-        if self._mem is not None and self._mem.samples > self._mem_seen:
-            self._mem_seen = self._mem.samples
-            last = self._mem.last
-            saved = None if last is None else last.saved.total_bytes
+        if self._mem is not None:
+            # An inferred step's: as the step's last backward left them.
+            samples, last = (self._mem.samples, self._mem.last) if self._at_backward is None \
+                else self._at_backward[1:]
+            if samples > self._mem_seen:
+                self._mem_seen = samples
+                saved = None if last is None else last.saved.total_bytes
         self._history.add(index, per_layer, total_norm=flow.total_norm, saved_bytes=saved,
                           nonfinite=nonfinite)
         self.latest = self._scalars(index, flow)
@@ -348,7 +362,10 @@ class Monitor(HookedContext):
         backward reached: passes before a `zero_grad()` in the step are none (a GAN's other
         player's pass through this model), nor are forwards no backward reached."""
         assert self._acts is not None
-        fresh = [r for r in self._acts.records if r.step > self._acts_seen]  # one host copy
+        # An inferred step's forwards: those recorded before its last backward ended.
+        limit = None if self._at_backward is None else self._at_backward[0]
+        fresh = [r for r in self._acts.records  # one host copy
+                 if r.step > self._acts_seen and (limit is None or r.step < limit)]
         if not fresh:
             return False
         self._acts_seen = fresh[-1].step
