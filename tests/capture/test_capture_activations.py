@@ -422,3 +422,18 @@ def test_complex_outputs_are_read_over_both_parts(count_nonfinite: bool) -> None
     assert rel_close(c.norm, torch.linalg.vector_norm(z).item())
     assert rel_close(c.mean, parts.mean().item(), 1e-5)
     assert (c.min, c.max) == (parts.min().item(), parts.max().item())
+
+
+def test_a_parametrized_layers_record_is_its_output_not_its_weight() -> None:
+    # weight_norm's module computes the layer's weight (16, 8): it was the leaf recorded,
+    # with the weight's statistics in place of the layer's output.
+    from torch.nn.utils import parametrizations
+
+    torch.manual_seed(0)
+    model = nn.Sequential(parametrizations.weight_norm(nn.Linear(8, 16)), nn.ReLU())
+    x = torch.randn(4, 8)
+    cap = capture_activations(model, x)
+    assert [r.module for r in cap.records] == ["0", "1"]
+    out = cap.get("0").output
+    assert out is not None and out.shape == (4, 16)
+    assert rel_close(out.std, model[0](x).std().item(), 1e-5)

@@ -491,3 +491,40 @@ def test_a_torchscript_submodule_is_left_out_and_its_parameters_still_measured(
     for p in flow.params:
         assert _close(p.norm, before[p.name].norm().item()), p.name
     assert audit_hooks(model).local_total == 0
+
+
+def test_a_parametrized_layer_is_measured_at_its_output_and_owns_its_parameters() -> None:
+    """With weight_norm and spectral_norm the records were the parametrizations' (the
+    gradient of the computed weight, not of the layer's output), and the parameters they
+    compute the weight from a layer of their own."""
+    from torch.nn.utils import parametrizations
+
+    torch.manual_seed(0)
+    model = nn.Sequential(parametrizations.weight_norm(nn.Linear(8, 16)), nn.ReLU(),
+                          parametrizations.spectral_norm(nn.Linear(16, 4)))
+    model.eval()  # spectral_norm's power iteration updates its vectors in training
+    x = torch.randn(8, 8)
+    outputs: dict[str, torch.Tensor] = {}
+
+    def keep(name: str) -> Callable[..., None]:
+        def hook(_m: nn.Module, _a: object, out: torch.Tensor) -> None:
+            out.register_hook(lambda g: outputs.__setitem__(name, g))
+
+        return hook
+
+    handles = [m.register_forward_hook(keep(n)) for n, m in model.named_children()]
+    before = _plain_grads(model, lambda: model(x).square().sum().backward())
+    for h in handles:
+        h.remove()
+    flow = gradient_flow(model, x, loss_fn=lambda out: out.square().sum(), train=False)
+    _assert_same_grads(model, before)
+    assert [r.module for r in flow.modules] == ["2", "1", "0"]
+    for r in flow.modules:
+        assert _close(r.output_norm, outputs[r.module].norm().item()), r.module
+    per_layer = flow.param_norms()
+    assert set(per_layer) == {"0", "2"}
+    for layer in ("0", "2"):
+        want = math.sqrt(sum(g.norm().item() ** 2 for n, g in before.items()
+                             if n.startswith(layer + ".")))
+        assert _close(per_layer[layer], want), layer
+    assert not flow.findings()

@@ -75,3 +75,26 @@ def test_torchscript_submodules_are_left_out_of_every_selection(
     assert [n for n, _ in hookable_modules(model)] == ["", "1", "2"]
     assert [n for n, _ in select_modules(model)] == ["1", "2"]
     assert [n for n, _ in select_modules(model, "*")] == ["1", "2"]
+
+
+def test_a_parametrized_module_is_the_leaf_not_its_parametrizations() -> None:
+    """weight_norm and spectral_norm (torch.nn.utils.parametrizations) hang modules under
+    the layer that compute its weight: the layer is the leaf, and they are left out of the
+    default selection (a glob or type still reaches them)."""
+    from torch.nn.utils import parametrizations
+
+    from torchscope.hooks.select import own_parameters, parametrization_owners
+
+    model = nn.Sequential(parametrizations.weight_norm(nn.Linear(8, 16)), nn.ReLU(),
+                          parametrizations.spectral_norm(nn.Linear(16, 4)))
+    assert "0.parametrizations.weight.0" in [n for n, _ in model.named_modules()]
+    assert names(select_modules(model)) == ["0", "1", "2"]
+    assert names(select_modules(model, depth=2)) == ["0", "1", "2"]
+    assert names(select_modules(model, "_SpectralNorm")) == ["2.parametrizations.weight.0"]
+    owners = parametrization_owners(model)
+    assert owners["0.parametrizations.weight"] == "0"
+    assert owners["2.parametrizations.weight.0"] == "2"
+    assert "1" not in owners and "0" not in owners
+    assert [n for n, _ in own_parameters(model[0])] == [
+        "bias", "parametrizations.weight.original0", "parametrizations.weight.original1"]
+    assert [n for n, _ in own_parameters(model[1])] == []

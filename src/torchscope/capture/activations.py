@@ -23,7 +23,7 @@ from torchscope.distributed.ranked import Ranked
 from torchscope.errors import BudgetError, TorchscopeError
 from torchscope.findings import Analyzed
 from torchscope.hooks.lifecycle import HookedContext
-from torchscope.hooks.select import Selector, select_modules
+from torchscope.hooks.select import Selector, own_parameters, select_modules
 from torchscope.hooks.session import HookSession
 from torchscope.hooks.tree import iter_tensors
 from torchscope.step import Step
@@ -462,7 +462,7 @@ class ActivationCapture(HookedContext, Analyzed):
         from the device (one count per parameter), only for a module whose output was
         constant, once per flush."""
         module = dict(self._targets).get(name)
-        params = list(module.parameters(recurse=False)) if module is not None else []
+        params = [p for _, p in own_parameters(module)] if module is not None else []
         with torch.no_grad():
             return bool(params) and all(int(torch.count_nonzero(p)) == 0 for p in params)
 

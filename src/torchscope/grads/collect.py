@@ -92,7 +92,12 @@ from torchscope.grads.records import (
 from torchscope.hooks.checkpoints import in_backward, in_reentrant_forward
 from torchscope.hooks.lifecycle import HookedContext
 from torchscope.hooks.parallel import parallel_wrapper
-from torchscope.hooks.select import Selector, select_modules
+from torchscope.hooks.select import (
+    Selector,
+    own_parameters,
+    parametrization_owners,
+    select_modules,
+)
 from torchscope.hooks.session import HookSession
 from torchscope.hooks.tree import iter_tensors
 from torchscope.step import StepInfo
@@ -638,9 +643,13 @@ class GradCollector(HookedContext):
         # Every parameter name in module order: (name, module, index in `_params`, tied to).
         self._names: list[tuple[str, str, int, str | None]] = []
         first: dict[int, int] = {}
-        for mname, module in model.named_modules():
+        # A parametrized weight's parameters (`0.parametrizations.weight.original`) are
+        # its module's (`0`).
+        owners = parametrization_owners(model)
+        for name_at, module in model.named_modules():
+            mname = owners.get(name_at, name_at)
             for pname, p in module.named_parameters(recurse=False):
-                name = f"{mname}.{pname}" if mname else pname
+                name = f"{name_at}.{pname}" if name_at else pname
                 i = first.get(id(p))
                 if i is None:
                     # Hooked and counted once (as clip_grad_norm_ counts tied weights).
@@ -1153,7 +1162,7 @@ class GradCollector(HookedContext):
         stack: list[tuple[_Call, list[_PendingInput]] | None] = []
         self._in_flight.append(stack)
         type_name = type(module).__name__
-        owns = next(module.parameters(recurse=False), None) is not None
+        owns = next(own_parameters(module), None) is not None
         inplace = getattr(module, "inplace", False) is True
         builtin = not inplace and next(module.children(), None) is None and \
             type(module).__module__.startswith("torch.nn.modules.")

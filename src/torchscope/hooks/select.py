@@ -6,14 +6,16 @@ import difflib
 import fnmatch
 import functools
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from torchscope.errors import SelectionError
 
-__all__ = ["Selector", "hookable_modules", "select_modules"]
+__all__ = ["Selector", "hookable_modules", "own_parameters", "parametrization_owners",
+           "select_modules"]
 
 Predicate = Callable[[str, nn.Module], bool]
 Selector = str | type[nn.Module] | Predicate | Sequence["str | type[nn.Module]"] | None
@@ -35,9 +37,43 @@ def hookable_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return out
 
 
+def parametrization_owners(model: nn.Module) -> dict[str, str]:
+    """The modules of `torch.nn.utils.parametrize` in `model` (a parametrized module's
+    `parametrizations` dict, its lists and the parametrizations in them: `weight_norm`,
+    `spectral_norm`, `orthogonal`), each mapped to the name of the module it parametrizes.
+
+    They compute that module's weight when it reads it, not an activation: the weight and
+    the parameters it is computed from belong to that module.
+    """
+    out: dict[str, str] = {}
+    for name, module in model.named_modules():
+        if parametrize.is_parametrized(module):
+            prefix = f"{name}.parametrizations" if name else "parametrizations"
+            dicts = module.parametrizations
+            assert isinstance(dicts, nn.Module)
+            for sub, _ in dicts.named_modules(prefix=prefix):
+                out[sub] = name
+    return out
+
+
+def own_parameters(module: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    """A module's own parameters: those registered on it, and for a module parametrized by
+    `torch.nn.utils.parametrize`, the ones its weights are computed from
+    (`parametrizations.weight.original`), which sit on its submodules."""
+    yield from module.named_parameters(recurse=False)
+    if parametrize.is_parametrized(module):
+        dicts = module.parametrizations
+        assert isinstance(dicts, nn.Module)
+        yield from dicts.named_parameters(prefix="parametrizations")
+
+
 def _is_leaf(module: nn.Module) -> bool:
-    # A module whose children are all TorchScript (unhookable) is the deepest one to hook.
-    return all(isinstance(c, torch.jit.ScriptModule) for c in module.children())
+    # The deepest module to hook: its children are all TorchScript (unhookable), or its own
+    # parametrizations (they compute its weight).
+    return all(isinstance(c, torch.jit.ScriptModule) for c in module.children()) or (
+        parametrize.is_parametrized(module) and
+        all(c is module.parametrizations or isinstance(c, torch.jit.ScriptModule)
+            for c in module.children()))
 
 
 def _depth(name: str) -> int:
@@ -91,7 +127,9 @@ def select_modules(
     Args:
         model: the model.
         select: what to pick.
-            - None: the leaf modules (modules without children).
+            - None: the leaf modules (modules without children; a module parametrized by
+              `torch.nn.utils.parametrize` counts as one, and its parametrizations are
+              left out).
             - a string: a glob over qualified names (`layer*.conv1`; `*` stays within one
               dotted level, `**` crosses levels) or a type name (`Conv2d`); several may be
               joined with commas.
@@ -118,9 +156,11 @@ def select_modules(
     # child it may be, counts as a leaf.
     named = [(n, m) for n, m in hookable_modules(model) if include_root or n != ""]
     if select is None:
-        # The leaves (down to `depth`), and with a depth every module exactly there.
-        picked = [(n, m) for n, m in named if _depth(n) == depth
-                  or (_is_leaf(m) and (depth is None or _depth(n) < depth))]
+        # The leaves (down to `depth`), and with a depth every module exactly there; never
+        # the modules that compute a parametrized weight.
+        owned = parametrization_owners(model)
+        picked = [(n, m) for n, m in named if n not in owned and (
+            _depth(n) == depth or (_is_leaf(m) and (depth is None or _depth(n) < depth)))]
         if not picked and not include_root and _is_leaf(model):
             picked = [("", model)]
         return picked
