@@ -319,3 +319,23 @@ def test_given_blocks_that_match_nothing_fail_before_any_work() -> None:
     model = _MixNet()
     with pytest.raises(SelectionError):
         analyze_memory(model, torch.randn(2, 4, 16), blocks="nothing.here*", checkpoint="all")
+
+
+def test_checkpointing_spectral_norm_layers_fails_verification_and_leaves_them_as_found(
+        ) -> None:
+    """spectral_norm runs a power iteration each training forward, which updates its
+    vectors: the recomputation runs another one, so the gradients differ (the loss does
+    not). The plan is refused, saying so, and the vectors are as they were."""
+    from torch.nn.utils import parametrizations
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(parametrizations.spectral_norm(nn.Linear(8, 8)),
+                                          nn.Tanh()) for _ in range(4)])
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    report = analyze_memory(model, torch.randn(4, 8), checkpoint="sqrt", measure=False,
+                            repeats=1)
+    plan = report.chosen_plan
+    assert plan is not None and plan.status == "unverified" and plan.failed is not None
+    assert "the same loss; largest gradient difference" in plan.failed
+    assert "parametrizations.weight.original" in plan.failed
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

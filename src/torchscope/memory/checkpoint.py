@@ -577,10 +577,12 @@ def check(v: Verification, *, require_bitwise: bool = False) -> Verification:
         )
     if not v.ok or (require_bitwise and not v.bitwise_equal):
         worst = max(v.grads, key=lambda g: g.max_abs_diff, default=None)
-        where = (f"; largest gradient difference {worst.max_abs_diff:.3g} in {worst.name}"
+        where = (f"largest gradient difference {worst.max_abs_diff:.3g} in {worst.name}"
                  if worst is not None and worst.max_abs_diff > 0 else "")
+        loss = (f"loss differs by {v.loss_abs_diff:.3g}" if v.loss_abs_diff
+                else "the same loss" if where else "loss identical")
         raise VerificationError(
-            f"checkpointing changed the result: loss differs by {v.loss_abs_diff:.3g}{where} "
+            f"checkpointing changed the result: {loss}{'; ' if where else ''}{where} "
             f"(seed {v.seed}); expected identical loss and gradients.",
             fix="look for randomness outside torch's RNG or state mutated in forward inside the "
             "checkpointed blocks, or exclude those blocks.",
