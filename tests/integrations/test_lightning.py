@@ -167,3 +167,60 @@ def test_the_model_the_training_step_calls_is_watched(tmp_path: Path) -> None:
     with pytest.raises(Exception, match="not a submodule"):
         _fit(Wrapper(), tmp_path / "logs2", TorchscopeCallback(module="net", out=None),
              steps=2)
+
+
+class Gan(pl.LightningModule):
+    """Manual optimization, two optimizers, the generator's first: the discriminator's
+    step, then the generator's, whose backward goes through the discriminator too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.gen = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8))
+        self.disc = nn.Sequential(nn.Linear(8, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
+        self.disc_norms: list[dict[str, float]] = []  # the discriminator's, at its steps
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], i: int) -> None:
+        opt_g, opt_d = self.optimizers()  # type: ignore[misc]
+        real = batch[0]
+        bce = nn.functional.binary_cross_entropy_with_logits
+        ones, zeros = torch.ones(len(real), 1), torch.zeros(len(real), 1)
+        fake = self.gen(torch.randn(len(real), 4))
+        loss_d = bce(self.disc(real), ones) + bce(self.disc(fake.detach()), zeros)
+        opt_d.zero_grad()
+        self.manual_backward(loss_d)
+        self.disc_norms.append({n: torch.linalg.vector_norm(p.grad).item()
+                                for n, p in self.disc.named_parameters()})
+        opt_d.step()
+        opt_g.zero_grad()
+        self.manual_backward(bce(self.disc(fake), ones))  # adds to the disc's gradients
+        opt_g.step()
+
+    def configure_optimizers(self) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
+        return (torch.optim.Adam(self.gen.parameters(), 1e-3),
+                torch.optim.Adam(self.disc.parameters(), 1e-3))
+
+
+def test_a_gans_discriminator_is_sampled_at_its_own_optimizers_steps(tmp_path: Path) -> None:
+    # The first optimizer was taken for every watched module: the discriminator's samples
+    # were read at the generator's steps, its gradients then holding the generator's pass.
+    module = Gan()
+    callback = TorchscopeCallback(every=1, out=None, module="disc", log=False)
+    pl.seed_everything(0, verbose=False)
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.randn(64, 8) * 2), batch_size=16)
+    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[callback])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, loader)
+    run = callback.result
+    assert run is not None and run.steps == 4 and run.samples == 4
+    assert run.optimizer == "Adam"
+    for layer in ("0", "2"):
+        for step, value in zip(run.grad_param.steps, run.grad_param.series(layer),
+                               strict=True):
+            assert math.isclose(value, _module_norm(module.disc_norms[step], layer),
+                                rel_tol=1e-6)
+    assert audit_hooks(module, include_global=False).local_total == 0

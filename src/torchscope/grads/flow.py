@@ -274,7 +274,9 @@ class GradWatch(HookedContext, Analyzed):
         c.active = self._collecting(0)
 
     def close(self, *, failed: bool = False) -> None:
-        """Sample a due step left unfinished, then remove every hook.
+        """Sample a due step left unfinished, then remove every hook. With `manual=True`
+        only `end_step()` ends a step: backward passes after the last one are no step (a
+        GAN's generator pass through the watched discriminator, after its last step).
 
         Args:
             failed: the caller is unwinding an exception: the unfinished step is dropped
@@ -290,7 +292,8 @@ class GradWatch(HookedContext, Analyzed):
                     flows, self._partials = self._partials, []
                     self._advance(self._sample(self.steps, _merged(flows, self.steps))
                                   if flows else None)
-                elif c.active and c.backward_calls > 0 and self._due(self.steps):
+                elif self._step_by != "manual" and c.active and c.backward_calls > 0 and \
+                        self._due(self.steps):
                     self._sample(self.steps, c.finish_later(self.steps))
                 self._settle()
         finally:

@@ -5,7 +5,9 @@
     trainer = pl.Trainer(max_steps=1000, callbacks=[TorchscopeCallback(every=10, out="run")])
     trainer.fit(model, loader)          # run/report.html, run/report.json at the end of fit
 
-Lightning's hooks give the monitor its steps: a step ends at `on_before_optimizer_step`, which
+Lightning's hooks give the monitor its steps: a step ends at `on_before_optimizer_step` of the
+optimizer that updates the watched module (with several, as in a GAN, the one that holds most
+of its parameters; the others' steps are not its steps), which
 Lightning calls once the gradients of every accumulated micro-batch are in `.grad`, unscaled
 under 16-bit AMP and before gradient clipping, whether the optimizer steps with a closure
 (automatic optimization) or not. The per-layer norms a sample reports are those gradients
@@ -45,6 +47,19 @@ except ImportError:  # the unified `lightning` package
             "torchscope[lightning]") from exc
 
 __all__ = ["TorchscopeCallback"]
+
+
+def _stepping(optimizers: list[Any], module: nn.Module) -> Any:
+    """The optimizer whose steps are the watched module's steps: the one that updates most
+    of its parameters (a GAN's discriminator's own, not the generator's, which comes
+    first); the first one when none does."""
+    own = {id(p) for p in module.parameters()}
+    counts = [sum(id(p) in own for group in opt.param_groups for p in group["params"])
+              for opt in optimizers]
+    if not optimizers:
+        return None
+    best = max(range(len(optimizers)), key=lambda i: (counts[i], -i))
+    return optimizers[best]
 
 
 class TorchscopeCallback(pl.Callback):
@@ -113,10 +128,10 @@ class TorchscopeCallback(pl.Callback):
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         """Open the monitor on the model (hooks go on here)."""
         self._close(failed=True)  # a fit that raised before this one left nothing open
-        optimizers = list(trainer.optimizers)
-        self._optimizer = optimizers[0] if optimizers else None
+        watched = self._watched(pl_module)
+        self._optimizer = _stepping(list(trainer.optimizers), watched)
         self._monitor = Monitor(
-            self._watched(pl_module), self._optimizer,
+            watched, self._optimizer,
             scaler=getattr(trainer.precision_plugin, "scaler", None), manual=True,
             on_sample=self._on_sample, producer="torchscope.integrations.lightning",
             parallel=parallel_wrapper(trainer.strategy.model), **self._options)
@@ -126,7 +141,7 @@ class TorchscopeCallback(pl.Callback):
         """End the step: the gradients are final, unscaled and not yet clipped."""
         mon = self._monitor
         if mon is None or getattr(optimizer, "_optimizer", optimizer) is not self._optimizer:
-            return  # not fitting, or a second optimizer: the first one's steps are the steps
+            return  # not fitting, or another optimizer (a GAN's other player's)
         mon.end_step()
         scalars, self._pending = self._pending, None
         if scalars and self._log:
