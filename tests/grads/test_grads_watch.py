@@ -392,9 +392,10 @@ def test_a_backward_before_zero_grad_is_none_of_the_step() -> None:
             opt_g.zero_grad()
             bce(disc(fake), torch.ones(16, 1)).backward()  # reaches disc, then zeroed
             opt_g.step()
-    # (A fourth sample is the step left unfinished at the block's end: the last pass.)
-    assert [(f.micro_batches, f.backward_calls) for f in flows[:3]] == [(2, 1)] * 3
-    for f, norms in zip(flows[:3], want, strict=True):
+    # The generator's pass after the discriminator's last step fed none of its updates:
+    # no fourth sample.
+    assert [(f.micro_batches, f.backward_calls) for f in flows] == [(2, 1)] * 3
+    for f, norms in zip(flows, want, strict=True):
         got = sorted(r.output_norm for r in f.modules if r.module == "2")
         assert all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(got, norms, strict=True))
 
@@ -566,6 +567,24 @@ def test_a_pass_that_feeds_no_update_leaves_earlier_passes_as_they_were() -> Non
         assert rec.output_norm is not None
         assert math.isclose(rec.output_norm, want[(rec.module, 0)].norm().item(),
                             rel_tol=1e-6)
+
+
+def test_backward_passes_after_the_last_step_are_no_sample_unless_none_stepped() -> None:
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 4)
+    with watch_gradients(model, optimizer=opt) as watch:
+        for _ in range(2):
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+        model(x).sum().backward()  # after the last step: it updates nothing
+    assert watch.steps == 2 and watch.samples == 2
+    with watch_gradients(model, optimizer=opt) as only:
+        opt.zero_grad()
+        model(x).sum().backward()  # a block that only looks at one backward
+    assert only.steps == 0 and only.samples == 1 and only.last is not None
+    assert only.last.backward_calls == 1
 
 
 def test_manual_steps_end_at_end_step() -> None:

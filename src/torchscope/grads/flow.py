@@ -274,9 +274,12 @@ class GradWatch(HookedContext, Analyzed):
         c.active = self._collecting(0)
 
     def close(self, *, failed: bool = False) -> None:
-        """Sample a due step left unfinished, then remove every hook. With `manual=True`
-        only `end_step()` ends a step: backward passes after the last one are no step (a
-        GAN's generator pass through the watched discriminator, after its last step).
+        """Sample a due step left unfinished, then remove every hook.
+
+        Where the optimizer's steps or `end_step()` end steps, backward passes after the
+        last step are none (a GAN's generator pass through the watched discriminator after
+        the discriminator's last step): they fed no update. Only a block in which the
+        optimizer never stepped samples its backward passes, as one step.
 
         Args:
             failed: the caller is unwinding an exception: the unfinished step is dropped
@@ -292,8 +295,9 @@ class GradWatch(HookedContext, Analyzed):
                     flows, self._partials = self._partials, []
                     self._advance(self._sample(self.steps, _merged(flows, self.steps))
                                   if flows else None)
-                elif self._step_by != "manual" and c.active and c.backward_calls > 0 and \
-                        self._due(self.steps):
+                elif c.active and c.backward_calls > 0 and self._due(self.steps) and (
+                        self._step_by == "micro_batches" or
+                        (self._step_by == "optimizer" and not self.steps)):
                     self._sample(self.steps, c.finish_later(self.steps))
                 self._settle()
         finally:
