@@ -199,6 +199,37 @@ def fsdp_watch(rank: int, world: int, out: Path) -> dict[str, Any]:
             "whole_weights": whole}
 
 
+def monitor_ranks(rank: int, world: int, out: Path, strategy: str) -> dict[str, Any]:
+    """torchscope.monitor on a DDP or an FSDP2 model: each rank's activation columns and
+    saved bytes, with torch's own statistics of its rows and one process's saved bytes."""
+    net = sharded_mlp() if strategy == "fsdp2" else mlp()
+    model = net if strategy == "fsdp2" else DDP(net)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = batch(rank, world)
+    stds: list[float] = []
+    before = hooks(net)
+    with torchscope.monitor(model, opt, every=1, out=None) as mon:
+        handle = net[0].register_forward_hook(
+            lambda _m, _a, o: stds.append(float(o.detach().std())))
+        for step in range(3):
+            opt.zero_grad()
+            functional.cross_entropy(model(x * (step + 1)), y).backward()
+            opt.step()
+    handle.remove()
+    run = mon.result
+    assert run is not None
+    plain = mlp()  # one process, the same rows
+    sgd = torch.optim.SGD(plain.parameters(), lr=0.1)
+    with torchscope.monitor(plain, sgd, out=None, every=1) as alone:
+        functional.cross_entropy(plain(x * 1), y).backward()  # a new input, as above
+        sgd.step()
+    assert alone.result is not None
+    single = alone.result.saved_bytes[0]
+    return {"steps": run.steps, "samples": run.samples, "stds": list(run.act_std.series("0")),
+            "ref_stds": stds, "saved": list(run.saved_bytes), "single": single,
+            "hooks": [before, hooks(net)]}
+
+
 def raises_on_rank1(rank: int, world: int, out: Path) -> dict[str, Any]:
     """Every watch open on a DDP model, then rank 1 raises inside the block: no hook may stay
     on any rank, whatever the other ranks see."""

@@ -100,6 +100,22 @@ def test_fsdp2_watch_samples_and_gathers(tmp_path: Path) -> None:
     assert ranks[0]["gathered"] == 2 and ranks[1]["gathered"] is None
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_the_monitor_on_ranks_reads_each_ranks_forward(tmp_path: Path, strategy: str) -> None:
+    """Under FSDP2 the monitor raised at its first step (a DTensor gradient in the
+    every-step NaN check), and the unsharded weights that FSDP2 swaps in were counted as
+    saved activations, some steps and not others."""
+    ranks = run_ranks("monitor_ranks", tmp_path, strategy=strategy)
+    for a in ranks:
+        assert a["steps"] == 3 and a["samples"] == 3
+        assert len(a["stds"]) == 3
+        for got, want in zip(a["stds"], a["ref_stds"], strict=True):
+            assert _close(got, want, 1e-4)
+        assert a["saved"] == [a["single"]] * 3
+        assert a["hooks"][0] == a["hooks"][1]
+    assert ranks[0]["stds"] != ranks[1]["stds"]  # each rank's own rows
+
+
 def test_no_hook_left_on_any_rank_after_rank1_raises(tmp_path: Path) -> None:
     ranks = run_ranks("raises_on_rank1", tmp_path)
     assert ranks[1]["error"] == "RuntimeError: rank 1 fails on purpose"

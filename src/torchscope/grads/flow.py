@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from torchscope.distributed.ranked import Ranked
-from torchscope.distributed.world import strategy_of, world
+from torchscope.distributed.world import local_tensor, strategy_of, world
 from torchscope.errors import TorchscopeError
 from torchscope.findings import Analyzed
 from torchscope.grads.collect import GradCollector, with_updates
@@ -534,6 +534,7 @@ class GradWatch(HookedContext, Analyzed):
         for p in self._params:
             g = p.grad
             if g is not None and not g.is_sparse:
+                g = local_tensor(g)  # FSDP2: this rank's shard
                 by_device.setdefault(g.device, []).append(g)
         bad: torch.Tensor | None = None
         for grads in by_device.values():
