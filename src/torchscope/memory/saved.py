@@ -160,10 +160,17 @@ class _Recorder:
         else:
             ref = StorageWeakRef(t.untyped_storage())
         entry = self.live.get(key)
-        if entry is not None and entry.ref is not None and entry.ref.expired():
-            entry = None  # freed before backward, and its address reused by a new storage
+        if entry is not None and entry.ref is not None and ref is not None and (
+                entry.ref.expired() or entry.ref.cdata != ref.cdata):
+            # Its address now belongs to another storage: that one was freed before
+            # backward, or its memory was (FSDP2 resizes an unsharded weight's to 0).
+            entry = None
         if entry is None:
-            kind = self._kinds.get(key, "activation")
+            # A parameter not among the model's at the forward's start is one still: FSDP2
+            # swaps in the unsharded weights (`nn.Parameter`s) inside each layer's forward.
+            kind = self._kinds.get(key) or (
+                "parameter" if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)
+                else "activation")
             entry = _Entry(SavedStorage(module, module_type, tuple(t.shape), str(t.dtype),
                                         str(t.device), storage_nbytes(t), 0, kind, ()), ref)
             self.live[key] = entry
