@@ -53,11 +53,11 @@ def _stepping(optimizers: list[Any], module: nn.Module) -> Any:
     """The optimizer whose steps are the watched module's steps: the one that updates most
     of its parameters (a GAN's discriminator's own, not the generator's, which comes
     first); the first one when none does."""
+    if not optimizers:
+        return None
     own = {id(p) for p in module.parameters()}
     counts = [sum(id(p) in own for group in opt.param_groups for p in group["params"])
               for opt in optimizers]
-    if not optimizers:
-        return None
     best = max(range(len(optimizers)), key=lambda i: (counts[i], -i))
     return optimizers[best]
 
