@@ -250,3 +250,40 @@ def test_violation_converts_to_a_finding() -> None:
     assert finding.evidence == {"path": "train.py", "line": 1, "col": 7,
                                 "rule": "deprecated-backward-hook"}
     assert finding.fix == v.fix and finding.summary == v.message
+
+
+def test_ts011_what_it_flags_keeps_every_iterations_graph_and_its_fix_does_not() -> None:
+    """The trap, run: `total += loss` after backward holds a chain of one autograd node per
+    iteration, through which every iteration's graph stays reachable; `loss.item()`, the
+    fix, holds a number."""
+    import torch
+    from torch import nn
+
+    src = """
+    import torch
+    def run(model, batches, opt):
+        total, fixed = 0, 0.0
+        for x in batches:
+            loss = torch.nn.functional.mse_loss(model(x), x[:, :2])
+            loss.backward()
+            total += loss
+            fixed += loss.item()
+        return total, fixed
+    """
+    assert [c for _, c in _codes(src, select=["TS011"])] == ["TS011"]
+    namespace: dict[str, object] = {}
+    exec(textwrap.dedent(src), namespace)  # the flagged code itself
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    batches = [torch.randn(3, 4) for _ in range(5)]
+    total, fixed = namespace["run"](  # type: ignore[operator]
+        model, batches, torch.optim.SGD(model.parameters(), lr=0.1))
+    kept, stack = [], [total.grad_fn]  # the graph reachable from the sum (nodes held)
+    while stack:
+        node = stack.pop()
+        if node is not None and all(node is not k for k in kept):
+            kept.append(node)
+            stack += [n for n, _ in node.next_functions]
+    names = [type(n).__name__ for n in kept]
+    assert names.count("MseLossBackward0") == 5  # every iteration's loss, still reachable
+    assert names.count("AddmmBackward0") == 10  # and its model's graph
+    assert isinstance(fixed, float)  # the fix holds a number, no graph

@@ -287,3 +287,36 @@ class ImportMap:
     def is_import(self, name: str) -> bool:
         """Whether `name` was bound by an import statement."""
         return name in self.aliases
+
+
+# Context managers and decorators that set the grad mode (enable_grad: a stated intent).
+GRAD_MODES = frozenset({
+    "torch.no_grad", "torch.inference_mode", "torch.enable_grad", "torch.set_grad_enabled",
+    "torch.autograd.no_grad", "torch.autograd.inference_mode", "torch.autograd.enable_grad",
+    "torch.autograd.set_grad_enabled", "torch.autograd.grad_mode.no_grad",
+    "torch.autograd.grad_mode.inference_mode", "torch.autograd.grad_mode.enable_grad",
+    "torch.autograd.grad_mode.set_grad_enabled",
+})
+
+
+def sets_grad_mode(node: ast.AST, imports: ImportMap) -> bool:
+    """`node` (a `with` item or a decorator) is one of the grad-mode managers."""
+    target = node.func if isinstance(node, ast.Call) else node
+    return imports.qualify(target) in GRAD_MODES
+
+
+def in_grad_mode(tree: Tree, imports: ImportMap, node: ast.AST, scope: ast.AST) -> bool:
+    """A grad-mode `with` encloses `node` inside `scope`."""
+    for _child, parent in tree.edges(node):
+        if parent is scope:
+            return False
+        if isinstance(parent, (ast.With, ast.AsyncWith)) and any(
+                sets_grad_mode(item.context_expr, imports) for item in parent.items):
+            return True
+    return False
+
+
+def grad_mode_decorated(func: ast.AST, imports: ImportMap) -> bool:
+    """`func` is a function that a grad-mode manager decorates."""
+    return isinstance(func, FUNCS) and any(sets_grad_mode(d, imports)
+                                           for d in func.decorator_list)

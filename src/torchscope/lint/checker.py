@@ -28,6 +28,7 @@ from torchscope.lint._astutil import (
 )
 from torchscope.lint.eval_grad import check_ts010
 from torchscope.lint.fsdp_hooks import check_ts008
+from torchscope.lint.loss_history import check_ts011
 from torchscope.lint.rank_norms import check_ts009
 from torchscope.lint.records import LintViolation
 from torchscope.lint.rules import RULES
@@ -161,11 +162,11 @@ class _Checker:
         text = self.lines[line - 1] if 0 < line <= len(self.lines) else ""
         return len(text.encode("utf-8")[:byte_col].decode("utf-8", errors="replace")) + 1
 
-    def report(self, code: str, node: ast.Call, message: str, fix: str | None = None,
-               severity: Severity | None = None) -> None:
+    def report(self, code: str, node: ast.expr | ast.stmt, message: str,
+               fix: str | None = None, severity: Severity | None = None) -> None:
         if code not in self.codes:
             return
-        func = node.func
+        func = node.func if isinstance(node, ast.Call) else None
         if isinstance(func, ast.Attribute) and func.end_lineno is not None \
                 and func.end_col_offset is not None:
             line = func.end_lineno
@@ -240,10 +241,10 @@ class _Checker:
                 self._ts007(call, qual)
         # The distributed rules and TS010's flow live in their own modules.
         for code, rule in (("TS008", check_ts008), ("TS009", check_ts009),
-                           ("TS010", check_ts010)):
+                           ("TS010", check_ts010), ("TS011", check_ts011)):
             if code in self.codes:
-                for call, message in rule(self.tree, self.imports, self.calls):
-                    self.report(code, call, message)
+                for node, message in rule(self.tree, self.imports, self.calls):
+                    self.report(code, node, message)
 
     # ------------------------------------------------------------------ TS001
     def _handle_use(self, call: ast.Call) -> tuple[str, set[str]]:

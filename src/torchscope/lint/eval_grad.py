@@ -18,42 +18,19 @@ from __future__ import annotations
 
 import ast
 
-from torchscope.lint._astutil import FUNCS, ImportMap, Tree, dotted
+from torchscope.lint._astutil import (
+    FUNCS,
+    ImportMap,
+    Tree,
+    dotted,
+    grad_mode_decorated,
+    in_grad_mode,
+)
 
 __all__ = ["check_ts010"]
 
-# Context managers and decorators that set the grad mode (enable_grad: a stated intent).
-_GRAD_MODES = frozenset({
-    "torch.no_grad", "torch.inference_mode", "torch.enable_grad", "torch.set_grad_enabled",
-    "torch.autograd.no_grad", "torch.autograd.inference_mode", "torch.autograd.enable_grad",
-    "torch.autograd.set_grad_enabled", "torch.autograd.grad_mode.no_grad",
-    "torch.autograd.grad_mode.inference_mode", "torch.autograd.grad_mode.enable_grad",
-    "torch.autograd.grad_mode.set_grad_enabled",
-})
 _GRAD_USES = frozenset({"backward", "requires_grad_", "manual_backward"})
 _AUTOGRAD_GRAD = frozenset({"torch.autograd.grad"})
-
-
-def _sets_grad_mode(node: ast.AST, imports: ImportMap) -> bool:
-    """`node` (a `with` item or a decorator) is one of the grad-mode managers."""
-    target = node.func if isinstance(node, ast.Call) else node
-    return imports.qualify(target) in _GRAD_MODES
-
-
-def _in_grad_mode(tree: Tree, imports: ImportMap, node: ast.AST, scope: ast.AST) -> bool:
-    """A grad-mode `with` encloses `node` inside `scope`."""
-    for _child, parent in tree.edges(node):
-        if parent is scope:
-            return False
-        if isinstance(parent, (ast.With, ast.AsyncWith)) and any(
-                _sets_grad_mode(item.context_expr, imports) for item in parent.items):
-            return True
-    return False
-
-
-def _decorated(func: ast.AST, imports: ImportMap) -> bool:
-    return isinstance(func, FUNCS) and any(_sets_grad_mode(d, imports)
-                                           for d in func.decorator_list)
 
 
 def _uses_grad(call: ast.Call, imports: ImportMap) -> bool:
@@ -73,7 +50,7 @@ def _callers_with_grad(tree: Tree, imports: ImportMap, calls: list[ast.Call],
         if name != func.name:
             continue
         scope = tree.scope(call)
-        if _in_grad_mode(tree, imports, call, scope) or _decorated(scope, imports):
+        if in_grad_mode(tree, imports, call, scope) or grad_mode_decorated(scope, imports):
             continue
         return True
     return False
@@ -94,7 +71,7 @@ def check_ts010(tree: Tree, imports: ImportMap, calls: list[ast.Call]
         by_scope.setdefault(tree.scope(call), []).append(call)
     found: list[tuple[ast.Call, str]] = []
     for scope, local in by_scope.items():
-        if not isinstance(scope, (ast.Module, *FUNCS)) or _decorated(scope, imports) or \
+        if not isinstance(scope, (ast.Module, *FUNCS)) or grad_mode_decorated(scope, imports) or \
                 any(_uses_grad(c, imports) for c in local):
             continue
         if isinstance(scope, FUNCS) and not _callers_with_grad(tree, imports, calls, scope):
@@ -111,7 +88,7 @@ def check_ts010(tree: Tree, imports: ImportMap, calls: list[ast.Call]
                     continue
                 if dotted(call.func) != model and _receiver(call, "forward") != model:
                     continue
-                if _in_grad_mode(tree, imports, call, scope):
+                if in_grad_mode(tree, imports, call, scope):
                     continue
                 found.append((call, (
                     f"`{model}(...)` runs after `{model}.eval()` (line {ev.lineno}) with "

@@ -196,6 +196,21 @@ RULES: dict[str, Rule] = {
             Severity.WARNING,
             ("eval",),
         ),
+        Rule(
+            "TS011",
+            "loss-history-kept",
+            "A loss accumulated across a loop's iterations as a tensor: `total += loss`, "
+            "`total = total + loss` or `losses.append(loss)`, where the loop backpropagates "
+            "`loss`, without `.item()`/`.detach()`.",
+            "The accumulator holds each iteration's tensor with its autograd history, so every "
+            "iteration's graph (its nodes; backward freed what they saved) stays reachable "
+            "until the loop ends, and memory grows with each step (the PyTorch FAQ's first "
+            "out-of-memory cause).",
+            "Accumulate `loss.item()` (one host sync a step) or `loss.detach()` (stays on the "
+            "device; read it once at the end).",
+            Severity.WARNING,
+            ("loss", "backward"),
+        ),
     )
 }
 

@@ -1,0 +1,184 @@
+"""TS011: a loss accumulated across loop iterations with its autograd history.
+
+`total += loss` keeps `loss` as a tensor: the sum is a new node of the graph, which holds
+the previous sum, which holds the step before, so every iteration's graph stays reachable
+until the loop ends (the PyTorch FAQ's first out-of-memory cause). After `backward()` the
+graph's saved tensors are freed and what grows is the nodes. The rule is conservative:
+
+- inside a `for`/`while` body: `acc += L`, `acc = acc + L` (any arithmetic, `L` an
+  operand, not inside a call) or `acc.append(L)`, where `acc` is not rebound in the body
+  and the function does not backpropagate `acc` itself (a sum of micro-batches' losses);
+- `L` is a name the same body backpropagates (`L.backward()`, `scaler.scale(L).backward()`,
+  `accelerator.backward(L)`, `self.manual_backward(L)`), so it is a training step's loss
+  (loss terms summed in a loop inside a forward, and returned, are not), and the body does
+  not rebind it detached (`L = L.item()`, `L.detach()`, `float(L)`);
+- no `torch.no_grad()`/`torch.inference_mode()` encloses it or decorates the function.
+"""
+
+from __future__ import annotations
+
+import ast
+
+from torchscope.lint._astutil import (
+    ImportMap,
+    Tree,
+    dotted,
+    grad_mode_decorated,
+    in_grad_mode,
+    refs,
+    target_names,
+    walk_local,
+)
+
+__all__ = ["check_ts011"]
+
+_LOOPS = (ast.For, ast.AsyncFor, ast.While)
+# Backward entry points that take the loss as their first argument.
+_BACKWARD_OF = frozenset({"backward", "manual_backward"})
+# What leaves a tensor without history (or makes a Python number of it).
+_DETACHING = frozenset({"item", "detach", "tolist", "cpu", "numpy", "float", "int"})
+
+
+def _detached(value: ast.AST, name: str) -> bool:
+    """`value` is `name` without history: `name.item()`, `name.detach()`, `float(name)`."""
+    if not isinstance(value, ast.Call):
+        return isinstance(value, ast.Attribute) and value.attr == "data" and \
+            dotted(value.value) == name
+    func = value.func
+    if isinstance(func, ast.Attribute) and func.attr in _DETACHING:
+        return name in {dotted(func.value)}
+    if isinstance(func, ast.Name) and func.id in _DETACHING:
+        return any(dotted(a) == name for a in value.args)
+    return False
+
+
+def _carries(expr: ast.AST, name: str) -> bool:
+    """`expr` is `name`, or arithmetic with `name` as an operand (no call in between: a
+    call may detach it)."""
+    if isinstance(expr, ast.Name):
+        return expr.id == name
+    if isinstance(expr, ast.BinOp):
+        return _carries(expr.left, name) or _carries(expr.right, name)
+    if isinstance(expr, ast.UnaryOp):
+        return _carries(expr.operand, name)
+    if isinstance(expr, ast.Subscript):
+        return _carries(expr.value, name)
+    return False
+
+
+def _backpropagated(call: ast.Call) -> set[str]:
+    """The names a backward call may backpropagate: `L.backward()`,
+    `scaler.scale(L).backward()`, `accelerator.backward(L)`, `self.manual_backward(L)` (the
+    receiver and the first argument: `out.backward(grad)` and `fabric.backward(loss)` read
+    the same)."""
+    func = call.func
+    if not isinstance(func, ast.Attribute) or func.attr not in _BACKWARD_OF:
+        return set()
+    out: set[str] = set()
+    receiver = func.value
+    if isinstance(receiver, ast.Name):
+        out.add(receiver.id)
+    elif isinstance(receiver, ast.Call) and isinstance(receiver.func, ast.Attribute) and \
+            receiver.func.attr == "scale" and receiver.args and \
+            isinstance(receiver.args[0], ast.Name):
+        out.add(receiver.args[0].id)
+    if call.args and isinstance(call.args[0], ast.Name):
+        out.add(call.args[0].id)
+    return out
+
+
+def _feeds_backward(local: list[ast.AST], acc: str) -> bool:
+    """The function backpropagates `acc`, or what it reads from it (`loss = losses[i]`,
+    `for loss in losses:`, `torch.stack(losses).sum()`): the losses are kept for a backward
+    on purpose (a sum of micro-batches' losses, passes run later)."""
+    derived = {acc}
+    grown = True
+    while grown:  # what is read from `acc`, and from that, in any order
+        before = len(derived)
+        for node in local:
+            if isinstance(node, ast.Assign) and refs(node.value) & derived:
+                for t in node.targets:
+                    derived |= target_names(t)
+            elif isinstance(node, (ast.For, ast.AsyncFor)) and refs(node.iter) & derived:
+                derived |= target_names(node.target)
+        grown = len(derived) > before
+    for node in local:
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                node.func.attr in _BACKWARD_OF and \
+                (refs(node.func.value) | set().union(*map(refs, node.args))) & derived:
+            return True
+    return False
+
+
+def _accumulation(stmt: ast.stmt) -> tuple[str, ast.AST] | None:
+    """`(acc, value)` for `acc += value`, `acc = acc <op> value` or `acc.append(value)`."""
+    if isinstance(stmt, ast.AugAssign):
+        acc = dotted(stmt.target)
+        return None if acc is None else (acc, stmt.value)
+    if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and \
+            isinstance(stmt.value, ast.BinOp):
+        acc = dotted(stmt.targets[0])
+        if acc is not None:
+            for side, other in ((stmt.value.left, stmt.value.right),
+                                (stmt.value.right, stmt.value.left)):
+                if dotted(side) == acc:
+                    return acc, other
+        return None
+    if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call):
+        call = stmt.value
+        if isinstance(call.func, ast.Attribute) and call.func.attr == "append" and \
+                len(call.args) == 1 and not call.keywords:
+            acc = dotted(call.func.value)
+            return None if acc is None else (acc, call.args[0])
+    return None
+
+
+def check_ts011(tree: Tree, imports: ImportMap, calls: list[ast.Call]
+                ) -> list[tuple[ast.stmt, str]]:
+    """Each accumulation of a loss with its history inside a loop, with its message."""
+    if not any(q == "torch" or q.startswith("torch.") for q in imports.aliases.values()):
+        return []
+    found: list[tuple[ast.stmt, str]] = []
+    seen: set[int] = set()
+    loops = [n for n in walk_local(tree.module.body) if isinstance(n, _LOOPS)]
+    for func in tree.funcs:
+        loops += [n for n in walk_local(func.body) if isinstance(n, _LOOPS)]
+    for loop in loops:
+        body = list(walk_local(loop.body))
+        losses = set().union(*(_backpropagated(c) for c in body if isinstance(c, ast.Call)))
+        bound: dict[str, list[ast.AST]] = {}
+        for node in body:
+            if isinstance(node, ast.Assign):
+                for t in node.targets:
+                    if (d := dotted(t)) is not None:
+                        bound.setdefault(d, []).append(node.value)
+        # Rebound detached somewhere in the body: judged no further.
+        losses = {n for n in losses if not any(_detached(v, n) for v in bound.get(n, []))}
+        if not losses:
+            continue
+        scope = tree.scope(loop)
+        if grad_mode_decorated(scope, imports):
+            continue
+        local = list(walk_local(getattr(scope, "body", [])))
+        for node in body:
+            if not isinstance(node, ast.stmt):
+                continue
+            acc_value = _accumulation(node)
+            if acc_value is None or id(node) in seen:
+                continue
+            acc, value = acc_value
+            loss = next((n for n in sorted(losses) if _carries(value, n)), None)
+            if loss is None or acc == loss or _feeds_backward(local, acc):
+                continue
+            # Rebound to a fresh value in the body (not by itself): it spans one iteration.
+            if any(not (isinstance(v, ast.BinOp) and acc in {dotted(v.left), dotted(v.right)})
+                   for v in bound.get(acc, [])):
+                continue
+            if in_grad_mode(tree, imports, node, scope):
+                continue
+            seen.add(id(node))
+            found.append((node, (
+                f"`{acc}` accumulates `{loss}` across the loop's iterations with its autograd "
+                f"history: each iteration's graph stays reachable from `{acc}` until the loop "
+                f"ends; accumulate `{loss}.item()` or `{loss}.detach()`")))
+    return found
