@@ -587,6 +587,28 @@ def test_backward_passes_after_the_last_step_are_no_sample_unless_none_stepped()
     assert only.last.backward_calls == 1
 
 
+def test_an_optimizer_that_never_steps_is_named_in_a_finding() -> None:
+    # SAM-style: the loop steps the wrapper's inner optimizer, never the one given.
+    model = _mlp()
+    outer = torch.optim.SGD(model.parameters(), lr=0.1)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 4)
+    for given in (outer, inner):
+        with watch_gradients(model, optimizer=given) as watch:
+            for _ in range(3):
+                inner.zero_grad()
+                model(x).sum().backward()
+                inner.step()
+        codes = [f.code for f in watch.findings()]
+        assert watch.backwards == 3
+        if given is outer:
+            assert watch.steps == 0 and "grads.no_step" in codes
+            (f,) = [f for f in watch.findings() if f.code == "grads.no_step"]
+            assert f.evidence == {"backwards": 3, "optimizer": "SGD"}
+        else:
+            assert watch.steps == 3 and "grads.no_step" not in codes
+
+
 def test_manual_steps_end_at_end_step() -> None:
     model = _mlp()
     steps: list[tuple[int, bool]] = []

@@ -399,3 +399,18 @@ def test_on_cuda_the_device_peak_is_kept_and_training_unchanged(tmp_path: Path) 
     assert record.onset.nonfinite_steps == 0
     doc = json.loads((tmp_path / "report.json").read_text())
     assert doc["sections"]["mem_history"]["data"]["device_peak_bytes"]
+
+
+def test_a_run_whose_optimizer_never_steps_says_so() -> None:
+    torch.manual_seed(0)
+    model = mlp()
+    given = torch.optim.SGD(model.parameters(), lr=0.1)
+    stepped = torch.optim.SGD(model.parameters(), lr=0.1)  # what the loop really steps
+    with torchscope.monitor(model, given, every=1, out=None) as mon:
+        for x, y in batches(3):
+            stepped.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            stepped.step()
+    run = mon.result
+    assert run is not None and run.steps == 0 and run.backwards == 3
+    assert "grads.no_step" in {f.code for f in run.findings()}

@@ -861,10 +861,31 @@ def diagnose_history(
     return rank(found)
 
 
+def find_no_step(step_by: str, steps: int, backwards: int,
+                 optimizer: str | None) -> list[Finding]:
+    """`grads.no_step`: backward passes ran, but the optimizer whose `step()` ends a step
+    never stepped, so no step was counted: the loop steps another optimizer (SAM's
+    `base_optimizer`, a wrapper's inner one) or updates the weights itself."""
+    if step_by != "optimizer" or steps or backwards < 2:
+        return []
+    return [Finding(
+        code="grads.no_step",
+        severity=Severity.WARNING,
+        summary=f"{backwards} backward passes ran but the optimizer given "
+        f"({optimizer or 'optimizer='}) never stepped: a step is counted at its step(), so "
+        "no step was counted or sampled (only the passes left at the end, as one)",
+        evidence={"backwards": backwards, "optimizer": optimizer},
+        fix="pass the optimizer whose step() the loop calls (a wrapper's inner one: SAM's "
+        "base_optimizer), or manual=True and end_step() where each step's gradients are "
+        "final.",
+    )]
+
+
 @analyzer(GradWatch)
 def diagnose_watch(watch: GradWatch, thresholds: GradThresholds | None = None) -> list[Finding]:
     """Findings of a watched loop (`watch.findings()`): the last sample's, then the
     history's, most severe first."""
     last = watch.last
     found = diagnose(last, thresholds) if last is not None else []
+    found += find_no_step(watch.step_by, watch.steps, watch.backwards, watch.optimizer_name)
     return rank(found + diagnose_history(watch.history, thresholds))

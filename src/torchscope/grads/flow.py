@@ -158,6 +158,9 @@ class GradWatch(HookedContext, Analyzed):
         start: the first sampled step.
         steps: steps counted so far (see `step_by`).
         samples: samples taken so far (unbounded count; the history keeps the newest).
+        backwards: backward passes of the model seen so far (a pass that updates no
+            parameter, such as `torch.autograd.grad`'s, is not one).
+        optimizer_name: the class name of the optimizer whose steps are the steps, or None.
         skipped: steps the GradScaler skipped (inf/NaN gradients) so far.
         gathered: in a distributed job, every rank's last sample joined on rank 0 at the end
             of the block (`Ranked[GradFlow]`); None on the other ranks and on one process.
@@ -215,6 +218,8 @@ class GradWatch(HookedContext, Analyzed):
         self.start = start
         self.steps = 0
         self.samples = 0
+        self.backwards = 0
+        self.optimizer_name = None if optimizer is None else type(optimizer).__name__
         self.skipped = 0
         self._step_by: StepBy = "manual" if manual else "optimizer" if optimizer is not None \
             else "micro_batches" if micro_batches is not None else "inferred"
@@ -437,6 +442,7 @@ class GradWatch(HookedContext, Analyzed):
             self._on_step(index, None if sampled is None else sampled())
 
     def _on_backward_end(self) -> None:
+        self.backwards += 1
         self._count_backward()
         if self._on_backward is not None:
             self._on_backward()

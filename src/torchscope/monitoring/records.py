@@ -140,6 +140,7 @@ class RunRecord(Analyzed):
         scaler: whether a GradScaler scaled the loss.
         compiled: the model's `torch.compile`d parts (`""` is the root): they ran eagerly
             for the whole run, as every capability runs them while its hooks are on.
+        backwards: backward passes of the model in the run (`GradWatch.backwards`).
     """
 
     model: str
@@ -175,6 +176,7 @@ class RunRecord(Analyzed):
     optimizer: str | None = None
     scaler: bool = False
     compiled: tuple[str, ...] = ()
+    backwards: int = 0
 
     @property
     def median_step_ms(self) -> float | None:

@@ -451,7 +451,7 @@ class Monitor(HookedContext):
             profile=self._profile,
             profile_note=self._profile_note if self._profile_steps else "",
             optimizer=self._optimizer_name, scaler=self._scaler is not None,
-            compiled=self._compiled,
+            compiled=self._compiled, backwards=grads.backwards,
         )
 
 
