@@ -437,3 +437,34 @@ def test_a_parametrized_layers_record_is_its_output_not_its_weight() -> None:
     out = cap.get("0").output
     assert out is not None and out.shape == (4, 16)
     assert rel_close(out.std, model[0](x).std().item(), 1e-5)
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors:UserWarning")
+def test_nested_tensors_of_the_transformer_encoder_fast_path_are_read_over_their_elements(
+        ) -> None:
+    # In evaluation with a padding mask, nn.TransformerEncoder passes nested tensors
+    # between its layers: the capture raised in its first hook (a reshape of a nested
+    # tensor). Statistics are over the elements, padding left out.
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(d_model=32, nhead=4, dim_feedforward=64,
+                                       batch_first=True)
+    enc = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=True).eval()
+    x = torch.randn(4, 10, 32)
+    mask = torch.zeros(4, 10, dtype=torch.bool)
+    mask[0, 7:] = True
+    mask[1, 5:] = True
+    seen: dict[str, torch.Tensor] = {}
+    handle = enc.layers[0].linear1.register_forward_hook(
+        lambda _m, _a, out: seen.__setitem__("out", out.detach()))
+    with torch.no_grad():
+        cap = capture_activations(enc, {"src": x, "src_key_padding_mask": mask})
+    handle.remove()
+    out = seen["out"]
+    assert out.is_nested  # the fast path ran
+    values = torch.cat(out.unbind())  # (7 + 5 + 10 + 10, 64)
+    rec = cap.get("layers.0.linear1").output
+    assert rec is not None and rec.shape == (4, 10, 64) and rec.numel == values.numel()
+    assert rel_close(rec.mean, values.mean().item(), 1e-5)
+    assert rel_close(rec.std, values.std().item(), 1e-5)
+    assert rec.max == values.max().item() and rec.min == values.min().item()
+    assert not cap.findings()

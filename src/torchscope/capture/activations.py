@@ -18,7 +18,7 @@ from torchscope.capture.records import (
     ReductionPaths,
     TensorStats,
 )
-from torchscope.capture.stats import finiteness, tensor_stats
+from torchscope.capture.stats import finiteness, nested_as_dense, tensor_stats
 from torchscope.distributed.ranked import Ranked
 from torchscope.errors import BudgetError, TorchscopeError
 from torchscope.findings import Analyzed
@@ -294,7 +294,7 @@ class ActivationCapture(HookedContext, Analyzed):
         hit = self._seen.get(id(t))
         if hit is not None and hit[0]() is t:
             return hit[1]
-        self._fin.append(finiteness(t))
+        self._fin.append(finiteness(nested_as_dense(t)[0] if t.is_nested else t))
         row = -len(self._fin)
         self._seen[id(t)] = (weakref.ref(t), row)
         return row
@@ -316,8 +316,11 @@ class ActivationCapture(HookedContext, Analyzed):
             leaves = []
             outs = (("", output),) if type(output) is torch.Tensor else iter_tensors(output)
             for path, t in outs:
+                # A nested tensor (nn.TransformerEncoder's fast path): its elements, and the
+                # padded shape.
+                values, shape = nested_as_dense(t) if t.is_nested else (t, None)
                 vec, dead_count, fused = tensor_stats(
-                    t, count_nonfinite=self._count_nonfinite,
+                    values, count_nonfinite=self._count_nonfinite,
                     dead_units=self._dead_units and relu_family, nonnegative=nonnegative)
                 row = self._add_row(t, vec)
                 dead = -1
@@ -330,9 +333,9 @@ class ActivationCapture(HookedContext, Analyzed):
                     self._eager += 1
                     key = (t.dtype, t.device)
                     if key not in self._eager_why:
-                        self._eager_why[key] = _kernels.why_eager("stats", t) or "eager"
-                leaves.append((path, tuple(t.shape), t.dtype, t.device, t.numel(), row, dead,
-                               fused))
+                        self._eager_why[key] = _kernels.why_eager("stats", values) or "eager"
+                leaves.append((path, tuple(values.shape) if shape is None else shape, t.dtype,
+                               t.device, values.numel(), row, dead, fused))
                 if self._store == "tensors":
                     self._keep(name, call, path, t)
             self._cur.append(
