@@ -463,7 +463,7 @@ def test_nested_tensors_of_the_transformer_encoder_fast_path_are_read_over_their
     assert out.is_nested  # the fast path ran
     values = torch.cat(out.unbind())  # (7 + 5 + 10 + 10, 64)
     rec = cap.get("layers.0.linear1").output
-    assert rec is not None and rec.shape == (4, 10, 64) and rec.numel == values.numel()
+    assert rec is not None and rec.shape == (4, -1, 64) and rec.numel == values.numel()
     assert rel_close(rec.mean, values.mean().item(), 1e-5)
     assert rel_close(rec.std, values.std().item(), 1e-5)
     assert rec.max == values.max().item() and rec.min == values.min().item()

@@ -528,3 +528,34 @@ def test_a_parametrized_layer_is_measured_at_its_output_and_owns_its_parameters(
                              if n.startswith(layer + ".")))
         assert _close(per_layer[layer], want), layer
     assert not flow.findings()
+
+
+def test_a_jagged_nested_input_is_measured_over_its_elements() -> None:
+    """A model on a jagged nested tensor (`layout=torch.jagged`): its gradients' norms are
+    over their elements; reading them raised in `vector_norm`, and the records' ragged
+    shapes broke the findings."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    nt = torch.nested.nested_tensor([torch.randn(3, 16), torch.randn(5, 16)],
+                                    layout=torch.jagged)
+    outputs: dict[str, torch.Tensor] = {}
+
+    def keep(name: str) -> Callable[..., None]:
+        def hook(_m: nn.Module, _a: object, out: torch.Tensor) -> None:
+            out.register_hook(lambda g: outputs.__setitem__(name, g.values().clone()))
+
+        return hook
+
+    handles = [m.register_forward_hook(keep(n)) for n, m in model.named_children()]
+    before = _plain_grads(model, lambda: model(nt).values().square().sum().backward())
+    for h in handles:
+        h.remove()
+    flow = gradient_flow(model, nt, loss_fn=lambda out: out.values().square().sum())
+    _assert_same_grads(model, before)
+    assert [r.module for r in flow.modules] == ["2", "1", "0"]
+    for r in flow.modules:
+        want = outputs[r.module]
+        assert _close(r.output_norm, want.norm().item()), r.module
+        assert r.grad_output[0].numel == want.numel()  # (3 + 5) rows
+    # The analyzers run on the records (they raised on a ragged shape): a healthy model.
+    assert not [f for f in flow.findings() if f.severity != Severity.INFO]

@@ -18,14 +18,14 @@ from torchscope.capture.records import (
     ReductionPaths,
     TensorStats,
 )
-from torchscope.capture.stats import finiteness, nested_as_dense, tensor_stats
+from torchscope.capture.stats import finiteness, tensor_stats
 from torchscope.distributed.ranked import Ranked
 from torchscope.errors import BudgetError, TorchscopeError
 from torchscope.findings import Analyzed
 from torchscope.hooks.lifecycle import HookedContext
 from torchscope.hooks.select import Selector, own_parameters, select_modules
 from torchscope.hooks.session import HookSession
-from torchscope.hooks.tree import iter_tensors
+from torchscope.hooks.tree import iter_tensors, nested_shape, nested_values
 from torchscope.step import Step
 
 Store = Literal["stats", "tensors"]
@@ -294,7 +294,7 @@ class ActivationCapture(HookedContext, Analyzed):
         hit = self._seen.get(id(t))
         if hit is not None and hit[0]() is t:
             return hit[1]
-        self._fin.append(finiteness(nested_as_dense(t)[0] if t.is_nested else t))
+        self._fin.append(finiteness(nested_values(t) if t.is_nested else t))
         row = -len(self._fin)
         self._seen[id(t)] = (weakref.ref(t), row)
         return row
@@ -318,7 +318,8 @@ class ActivationCapture(HookedContext, Analyzed):
             for path, t in outs:
                 # A nested tensor (nn.TransformerEncoder's fast path): its elements, and the
                 # padded shape.
-                values, shape = nested_as_dense(t) if t.is_nested else (t, None)
+                values, shape = (nested_values(t), nested_shape(t)) if t.is_nested \
+                    else (t, None)
                 vec, dead_count, fused = tensor_stats(
                     values, count_nonfinite=self._count_nonfinite,
                     dead_units=self._dead_units and relu_family, nonnegative=nonnegative)

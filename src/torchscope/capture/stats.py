@@ -29,7 +29,6 @@ from torchscope._kernels import DEAD, INFS, N_MOMENTS, NANS
 __all__ = [
     "dead_unit_count",
     "finiteness",
-    "nested_as_dense",
     "reduce_stats",
     "tensor_stats",
 ]
@@ -163,23 +162,6 @@ def _direct_passes(
         torch.count_nonzero(torch.isnan(flat)) if count_nonfinite else zero,
         torch.count_nonzero(torch.isinf(flat)) if count_nonfinite else zero,
     )
-
-
-def nested_as_dense(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
-    """A nested tensor's elements as one dense tensor, and the shape padded to hold them.
-
-    `nn.TransformerEncoder`'s fast path (evaluation with a padding mask) passes nested
-    tensors between its layers, of which no dense op can take a view. Statistics are taken
-    over the elements only, the padding left out: the components joined along their first
-    (ragged) dim, `(sum of lengths, *rest)`, or flat where other dims are ragged too.
-    """
-    parts = t.detach().unbind()  # one copy of the values, outside the graph
-    if not parts:
-        return t.new_zeros((0,)), (0,)
-    padded = (len(parts), *(max(p.shape[i] for p in parts) for i in range(parts[0].dim())))
-    if parts[0].dim() >= 1 and all(p.shape[1:] == parts[0].shape[1:] for p in parts):
-        return torch.cat(parts), padded  # (sum of lengths, *rest)
-    return torch.cat([p.reshape(-1) for p in parts]), padded
 
 
 def finiteness(x: torch.Tensor) -> torch.Tensor:

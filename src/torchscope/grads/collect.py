@@ -99,7 +99,7 @@ from torchscope.hooks.select import (
     select_modules,
 )
 from torchscope.hooks.session import HookSession
-from torchscope.hooks.tree import iter_tensors
+from torchscope.hooks.tree import iter_tensors, nested_values
 from torchscope.step import StepInfo
 
 __all__ = ["GradCollector", "with_updates"]
@@ -133,7 +133,7 @@ class _Slot:
         self.path = path
         # A tensor, or its (shape, dtype) as read when the call ran; a plain tuple and a
         # string when the step's records are built.
-        self.shape, self.dtype = (t.shape, t.dtype) if isinstance(t, torch.Tensor) else t
+        self.shape, self.dtype = (_shape(t), t.dtype) if isinstance(t, torch.Tensor) else t
         self.val: int | None = None  # -1: reached by passes whose sum is not measured
         self.reason = reason
         # The gradient itself, kept while a later backward pass may add to it (`_put`).
@@ -206,6 +206,12 @@ class _NodeReads:
 
     outs: list[tuple[_Slot, int]] = field(default_factory=list)  # (slot, index in grad_outputs)
     ins: list[tuple[_Slot, int]] = field(default_factory=list)  # (slot, index in grad_inputs)
+
+
+def _shape(t: torch.Tensor) -> torch.Size:
+    """The shape a record keeps: a nested tensor's is its element count, which its norm's
+    RMS needs exactly (its ragged lengths are no plain ints)."""
+    return torch.Size((nested_values(t).numel(),)) if t.is_nested else t.shape
 
 
 def _is_plain(t: torch.Tensor) -> bool:
@@ -805,6 +811,8 @@ class GradCollector(HookedContext):
         t = g.detach() if g.requires_grad else g  # requires grad under create_graph only
         if t.is_sparse:  # one property read: `layout`, a Python object, costs more here
             t = t.coalesce().values()
+        elif t.is_nested:  # its elements (a jagged tensor's own values: the reuse holds)
+            t = g = nested_values(t)
         # The gradient a layer passes down usually reaches the layer below as the same
         # tensor, or a view of its memory (through the input alias): reuse its norm. A weak
         # reference to the gradient proves that its memory was not freed and reused in
@@ -1041,7 +1049,7 @@ class GradCollector(HookedContext):
         how: tuple[Any, int] | str = INPUT_NO_GRAD if not x.requires_grad else \
             "" if x is out else NOT_MEASURED if not _is_plain(x) else _edge(x)
         seen = (info, max(self._micro, 0), count, seq, node, out.output_nr,
-                out.shape, out.dtype, x.shape, x.dtype, how)
+                _shape(out), out.dtype, _shape(x), x.dtype, how)
         if self._in_root and not root:
             self._simple.append(seen)
         else:

@@ -62,3 +62,33 @@ def _walk(obj: Any, path: str, depth: int, entered: set[int] | None
             entered.add(id(obj))
             for name, value in list(attrs.items()):
                 yield from _walk(value, f"{path}.{name}", depth + 1, entered)
+
+
+def nested_values(t: torch.Tensor) -> torch.Tensor:
+    """A nested tensor's elements as one dense tensor, its padding left out: a jagged
+    tensor's `values()` (the same memory, `(sum of lengths, *rest)`), or the older kind's
+    components (`nn.TransformerEncoder`'s fast path) joined along their first dim, or flat
+    where other dims are ragged too. No host-device sync."""
+    if t.layout == torch.jagged:
+        values: torch.Tensor = t.values()
+        return values
+    parts = t.unbind()  # sizes are host metadata for this kind
+    if not parts:
+        return t.new_zeros((0,))
+    if parts[0].dim() >= 1 and all(p.shape[1:] == parts[0].shape[1:] for p in parts):
+        return torch.cat(parts)
+    return torch.cat([p.reshape(-1) for p in parts])
+
+
+def nested_shape(t: torch.Tensor) -> tuple[int, ...]:
+    """A nested tensor's shape in plain ints, -1 for each ragged dim (its lengths differ
+    per component; reading them would wait for the device under a jagged layout)."""
+    if t.layout == torch.jagged:
+        rest = list(t.values().shape[1:])
+        rest.insert(getattr(t, "_ragged_idx", 1) - 1, -1)
+        return (t.size(0), *rest)
+    sizes = t._nested_tensor_size()  # (components, dims), on the host
+    if sizes.numel() == 0:
+        return (t.size(0),)
+    return (t.size(0), *(int(col[0]) if bool((col == col[0]).all()) else -1
+                         for col in sizes.T))
