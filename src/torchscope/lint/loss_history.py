@@ -35,8 +35,10 @@ __all__ = ["check_ts011"]
 _LOOPS = (ast.For, ast.AsyncFor, ast.While)
 # Backward entry points that take the loss as their first argument.
 _BACKWARD_OF = frozenset({"backward", "manual_backward"})
-# What leaves a tensor without history (or makes a Python number of it).
-_DETACHING = frozenset({"item", "detach", "tolist", "cpu", "numpy", "float", "int"})
+# What leaves a tensor without history: methods (`.cpu()` and `.float()` keep it), and
+# functions that make a Python number of it.
+_DETACHING_METHODS = frozenset({"item", "detach", "tolist", "numpy"})
+_DETACHING_FUNCTIONS = frozenset({"float", "int"})
 
 
 def _detached(value: ast.AST, name: str) -> bool:
@@ -45,9 +47,9 @@ def _detached(value: ast.AST, name: str) -> bool:
         return isinstance(value, ast.Attribute) and value.attr == "data" and \
             dotted(value.value) == name
     func = value.func
-    if isinstance(func, ast.Attribute) and func.attr in _DETACHING:
+    if isinstance(func, ast.Attribute) and func.attr in _DETACHING_METHODS:
         return name in {dotted(func.value)}
-    if isinstance(func, ast.Name) and func.id in _DETACHING:
+    if isinstance(func, ast.Name) and func.id in _DETACHING_FUNCTIONS:
         return any(dotted(a) == name for a in value.args)
     return False
 
