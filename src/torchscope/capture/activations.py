@@ -316,8 +316,8 @@ class ActivationCapture(HookedContext, Analyzed):
             leaves = []
             outs = (("", output),) if type(output) is torch.Tensor else iter_tensors(output)
             for path, t in outs:
-                # A nested tensor (nn.TransformerEncoder's fast path): its elements, and the
-                # padded shape.
+                # A nested tensor (nn.TransformerEncoder's fast path): its elements, and its
+                # shape with -1 for a ragged dim.
                 values, shape = (nested_values(t), nested_shape(t)) if t.is_nested \
                     else (t, None)
                 vec, dead_count, fused = tensor_stats(

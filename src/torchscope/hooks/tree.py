@@ -68,7 +68,8 @@ def nested_values(t: torch.Tensor) -> torch.Tensor:
     """A nested tensor's elements as one dense tensor, its padding left out: a jagged
     tensor's `values()` (the same memory, `(sum of lengths, *rest)`), or the older kind's
     components (`nn.TransformerEncoder`'s fast path) joined along their first dim, or flat
-    where other dims are ragged too. No host-device sync."""
+    where other dims are ragged too; outside autograd. No host-device sync."""
+    t = t.detach()
     if t.layout == torch.jagged:
         values: torch.Tensor = t.values()
         return values
