@@ -542,7 +542,9 @@ def test_adversarial_attack_passes_are_no_steps_and_no_idle_forwards() -> None:
     assert watch.step_by == "inferred" and watch.steps == 4
     assert [(f.micro_batches, f.backward_calls, f.idle_forwards) for f in flows] == \
         [(1, 1, 0)] * 4
-    assert not [f for f in watch.findings() if f.code == "grads.idle_forward"]
+    assert not [f for f in watch.findings() if f.code in ("grads.idle_forward",
+                                                          "grads.no_update")]
+    assert watch.passes_without_update == 12  # three attack steps before each of 4
 
 
 def test_a_pass_that_feeds_no_update_leaves_earlier_passes_as_they_were() -> None:
@@ -607,6 +609,26 @@ def test_an_optimizer_that_never_steps_is_named_in_a_finding() -> None:
             assert f.evidence == {"backwards": 3, "optimizer": "SGD"}
         else:
             assert watch.steps == 3 and "grads.no_step" not in codes
+
+
+def test_training_copies_of_the_parameters_is_named_in_a_finding() -> None:
+    # torch.func on detached copies: the module's own parameters never get a gradient, so
+    # no pass is a step's; the watch says why it sampled nothing.
+    from torch.func import functional_call
+
+    torch.manual_seed(0)
+    model = _mlp()
+    copies = {k: v.detach().clone().requires_grad_() for k, v in model.named_parameters()}
+    opt = torch.optim.SGD(copies.values(), lr=0.1)
+    x = torch.randn(4, 4)
+    with watch_gradients(model, optimizer=opt) as watch:
+        for _ in range(3):
+            opt.zero_grad()
+            functional_call(model, copies, (x,)).sum().backward()
+            opt.step()
+    assert watch.steps == 3 and watch.samples == 0
+    assert (watch.backwards, watch.passes_without_update) == (0, 3)
+    assert [f.code for f in watch.findings()] == ["grads.no_update"]
 
 
 def test_manual_steps_end_at_end_step() -> None:

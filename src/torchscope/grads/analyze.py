@@ -862,10 +862,26 @@ def diagnose_history(
 
 
 def find_no_step(step_by: str, steps: int, backwards: int,
-                 optimizer: str | None) -> list[Finding]:
+                 optimizer: str | None, without_update: int = 0) -> list[Finding]:
     """`grads.no_step`: backward passes ran, but the optimizer whose `step()` ends a step
     never stepped, so no step was counted: the loop steps another optimizer (SAM's
-    `base_optimizer`, a wrapper's inner one) or updates the weights itself."""
+    `base_optimizer`, a wrapper's inner one) or updates the weights itself.
+
+    `grads.no_update`: every backward pass added to no parameter of the model (`without_update`
+    of them, left out): the loop trains other tensors (functional training on copies of
+    the parameters), or only calls `torch.autograd.grad`."""
+    if not backwards and without_update >= 2:
+        return [Finding(
+            code="grads.no_update",
+            severity=Severity.WARNING,
+            summary=f"{without_update} backward passes ran but none added to a gradient of "
+            "the model's own parameters, so none is a training step's and nothing was "
+            "sampled",
+            evidence={"passes": without_update, "steps": steps},
+            fix="watch the module whose parameters the loop trains; with torch.func, "
+            "functional_call on copies of the parameters trains the copies, not the "
+            "module's parameters.",
+        )]
     if step_by != "optimizer" or steps or backwards < 2:
         return []
     return [Finding(
@@ -887,5 +903,6 @@ def diagnose_watch(watch: GradWatch, thresholds: GradThresholds | None = None) -
     history's, most severe first."""
     last = watch.last
     found = diagnose(last, thresholds) if last is not None else []
-    found += find_no_step(watch.step_by, watch.steps, watch.backwards, watch.optimizer_name)
+    found += find_no_step(watch.step_by, watch.steps, watch.backwards, watch.optimizer_name,
+                          watch.passes_without_update)
     return rank(found + diagnose_history(watch.history, thresholds))

@@ -644,6 +644,8 @@ class GradCollector(HookedContext):
         self._inputs = inputs
         self._scaler = scaler
         self.active = True
+        # Backward passes that added to no trainable parameter (`_undo_pass`), ever.
+        self.passes_without_update = 0
         self.on_backward_end: Callable[[], None] | None = None
         self._params: list[tuple[str, str, nn.Parameter]] = []
         # Every parameter name in module order: (name, module, index in `_params`, tied to).
@@ -895,6 +897,7 @@ class GradCollector(HookedContext):
                 # No trainable parameter accumulated a gradient: `torch.autograd.grad` (a
                 # gradient penalty's, an adversarial input's) or `backward(inputs=...)`.
                 # Those gradients feed no update: the pass is none of the step's.
+                self.passes_without_update += 1
                 self._undo_pass()
                 return
         self._backwards += 1

@@ -160,6 +160,8 @@ class GradWatch(HookedContext, Analyzed):
         samples: samples taken so far (unbounded count; the history keeps the newest).
         backwards: backward passes of the model seen so far (a pass that updates no
             parameter, such as `torch.autograd.grad`'s, is not one).
+        passes_without_update: backward passes that added to no trainable parameter's
+            gradient, left out (`torch.autograd.grad`, `backward(inputs=...)`).
         optimizer_name: the class name of the optimizer whose steps are the steps, or None.
         skipped: steps the GradScaler skipped (inf/NaN gradients) so far.
         gathered: in a distributed job, every rank's last sample joined on rank 0 at the end
@@ -320,6 +322,11 @@ class GradWatch(HookedContext, Analyzed):
             c.close(failed=failed)
         if not failed and self._last is not None and world().distributed:
             self.gathered = self._last.gather()  # after the hooks are off; rank 0 gets it
+
+    @property
+    def passes_without_update(self) -> int:
+        """Backward passes that added to no trainable parameter's gradient, left out."""
+        return self._collector.passes_without_update
 
     @property
     def session(self) -> HookSession:

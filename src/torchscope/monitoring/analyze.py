@@ -293,7 +293,8 @@ def _capabilities(record: RunRecord, replaced: bool) -> list[Finding]:
     if record.last is not None:
         found += diagnose(record.last)
     found += diagnose_history(grad_history(record))
-    found += find_no_step(record.step_by, record.steps, record.backwards, record.optimizer)
+    found += find_no_step(record.step_by, record.steps, record.backwards, record.optimizer,
+                          record.passes_without_update)
     if record.activations is not None:
         found += record.activations.findings()
     if record.memory is not None:

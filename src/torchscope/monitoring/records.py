@@ -141,6 +141,8 @@ class RunRecord(Analyzed):
         compiled: the model's `torch.compile`d parts (`""` is the root): they ran eagerly
             for the whole run, as every capability runs them while its hooks are on.
         backwards: backward passes of the model in the run (`GradWatch.backwards`).
+        passes_without_update: backward passes that added to no parameter of the model,
+            left out (`GradWatch.passes_without_update`).
     """
 
     model: str
@@ -177,6 +179,7 @@ class RunRecord(Analyzed):
     scaler: bool = False
     compiled: tuple[str, ...] = ()
     backwards: int = 0
+    passes_without_update: int = 0
 
     @property
     def median_step_ms(self) -> float | None:

@@ -452,6 +452,7 @@ class Monitor(HookedContext):
             profile_note=self._profile_note if self._profile_steps else "",
             optimizer=self._optimizer_name, scaler=self._scaler is not None,
             compiled=self._compiled, backwards=grads.backwards,
+            passes_without_update=grads.passes_without_update,
         )
 
 
