@@ -862,26 +862,10 @@ def diagnose_history(
 
 
 def find_no_step(step_by: str, steps: int, backwards: int,
-                 optimizer: str | None, without_update: int = 0) -> list[Finding]:
+                 optimizer: str | None) -> list[Finding]:
     """`grads.no_step`: backward passes ran, but the optimizer whose `step()` ends a step
     never stepped, so no step was counted: the loop steps another optimizer (SAM's
-    `base_optimizer`, a wrapper's inner one) or updates the weights itself.
-
-    `grads.no_update`: every backward pass added to no parameter of the model (`without_update`
-    of them, left out): the loop trains other tensors (functional training on copies of
-    the parameters), or only calls `torch.autograd.grad`."""
-    if not backwards and without_update >= 2:
-        return [Finding(
-            code="grads.no_update",
-            severity=Severity.WARNING,
-            summary=f"{without_update} backward passes ran but none added to a gradient of "
-            "the model's own parameters, so none is a training step's and nothing was "
-            "sampled",
-            evidence={"passes": without_update, "steps": steps},
-            fix="watch the module whose parameters the loop trains; with torch.func, "
-            "functional_call on copies of the parameters trains the copies, not the "
-            "module's parameters.",
-        )]
+    `base_optimizer`, a wrapper's inner one) or updates the weights itself."""
     if step_by != "optimizer" or steps or backwards < 2:
         return []
     return [Finding(
@@ -897,12 +881,31 @@ def find_no_step(step_by: str, steps: int, backwards: int,
     )]
 
 
+def find_no_update(backwards: int, without_update: int, steps: int) -> list[Finding]:
+    """`grads.no_update`: every backward pass added to no parameter of the model
+    (`without_update` of them, left out, and no other): the loop trains other tensors
+    (functional training on copies of the parameters), or only calls
+    `torch.autograd.grad`."""
+    if backwards or without_update < 2:
+        return []
+    return [Finding(
+        code="grads.no_update",
+        severity=Severity.WARNING,
+        summary=f"{without_update} backward passes ran but none added to a gradient of "
+        "the model's own parameters, so none is a training step's and nothing was sampled",
+        evidence={"passes": without_update, "steps": steps},
+        fix="watch the module whose parameters the loop trains; with torch.func, "
+        "functional_call on copies of the parameters trains the copies, not the "
+        "module's parameters.",
+    )]
+
+
 @analyzer(GradWatch)
 def diagnose_watch(watch: GradWatch, thresholds: GradThresholds | None = None) -> list[Finding]:
     """Findings of a watched loop (`watch.findings()`): the last sample's, then the
     history's, most severe first."""
     last = watch.last
     found = diagnose(last, thresholds) if last is not None else []
-    found += find_no_step(watch.step_by, watch.steps, watch.backwards, watch.optimizer_name,
-                          watch.passes_without_update)
+    found += find_no_step(watch.step_by, watch.steps, watch.backwards, watch.optimizer_name)
+    found += find_no_update(watch.backwards, watch.passes_without_update, watch.steps)
     return rank(found + diagnose_history(watch.history, thresholds))

@@ -854,9 +854,7 @@ class GradCollector(HookedContext):
             self._put_again(slot, g)
             return
         slot.val = self._push(g)
-        if self._hold is None:  # first write of this pass
-            self._hold = _KEEPS_GRAPH()
-        if self._hold:
+        if self._keeps_graph():
             slot.held = g.detach()
             self._held.append(slot)
 
@@ -867,16 +865,22 @@ class GradCollector(HookedContext):
         gradient too (`_put`); when it did not, the sum is not measured. What the slot held
         before is logged, for `_undo_pass`."""
         self._rewritten.append((slot, slot.val, slot.held, slot.reason))
-        if self._hold is None:
-            self._hold = _KEEPS_GRAPH()
+        keep = self._keeps_graph()
         if slot.held is None:
             slot.val, slot.reason = -1, PASSES_UNSUMMED
             return
         total = slot.held + g.detach()  # same shape as g
         slot.val = self._push(total)
-        slot.held = total if self._hold else None
-        if self._hold:
+        slot.held = total if keep else None
+        if keep:
             self._held.append(slot)
+
+    def _keeps_graph(self) -> bool:
+        """Whether the backward pass running now keeps its graph, read at its first write:
+        a later pass may then add to its gradients, so they are held (`_put_again`)."""
+        if self._hold is None:
+            self._hold = _KEEPS_GRAPH()
+        return self._hold
 
     def _queue_end(self) -> None:
         if self._bw_queued:

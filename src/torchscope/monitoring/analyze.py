@@ -19,7 +19,12 @@ from dataclasses import dataclass
 
 from torchscope.findings import Finding, Severity, analyzer, rank
 from torchscope.grads import GradHistory
-from torchscope.grads.analyze import diagnose, diagnose_history, find_no_step
+from torchscope.grads.analyze import (
+    diagnose,
+    diagnose_history,
+    find_no_step,
+    find_no_update,
+)
 from torchscope.monitoring.records import LayerSeries, RunRecord
 
 __all__ = ["RunThresholds", "analyze_run", "change", "grad_history"]
@@ -293,8 +298,8 @@ def _capabilities(record: RunRecord, replaced: bool) -> list[Finding]:
     if record.last is not None:
         found += diagnose(record.last)
     found += diagnose_history(grad_history(record))
-    found += find_no_step(record.step_by, record.steps, record.backwards, record.optimizer,
-                          record.passes_without_update)
+    found += find_no_step(record.step_by, record.steps, record.backwards, record.optimizer)
+    found += find_no_update(record.backwards, record.passes_without_update, record.steps)
     if record.activations is not None:
         found += record.activations.findings()
     if record.memory is not None:
