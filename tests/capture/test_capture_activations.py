@@ -12,6 +12,7 @@ from torch import nn
 
 from torchscope.capture import capture_activations, trace_nonfinite, watch_activations
 from torchscope.errors import BudgetError, ModelError, SelectionError, TorchscopeError
+from torchscope.findings import Severity
 from torchscope.hooks import audit_hooks
 from torchscope.models import TinyCNN
 
@@ -468,3 +469,44 @@ def test_nested_tensors_of_the_transformer_encoder_fast_path_are_read_over_their
     assert rel_close(rec.std, values.std().item(), 1e-5)
     assert rec.max == values.max().item() and rec.min == values.min().item()
     assert not cap.findings()
+
+
+def test_attention_and_stacked_experts_are_recorded_and_judged_by_default() -> None:
+    """nn.MultiheadAttention computes with its own weights and never calls out_proj: with
+    leaves alone it had no record, and a NaN it produced was blamed on the next module.
+    A module with parameters of its own is judged even where a child of it ran inside
+    (a mixture of experts' expert weights, whose only child is the activation)."""
+    from torchscope.capture.analyze import leaf_modules
+
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    model = nn.Sequential(nn.Linear(4, 16), nn.TransformerEncoder(
+        layer, 2, enable_nested_tensor=False), nn.Linear(16, 3))
+    x = torch.randn(2, 5, 4)
+    healthy = capture_activations(model, x)
+    attn = healthy.get("1.layers.0.self_attn")
+    assert attn.owns_params and attn.output is not None
+    assert [f for f in healthy.findings() if f.severity >= Severity.WARNING] == []
+    with torch.no_grad():
+        # (out_proj's weight: MHA reads it in its own forward; with need_weights=False a NaN
+        # in the input projection vanishes in torch's CPU attention kernel)
+        model[1].layers[1].self_attn.out_proj.weight[0, 0] = float("nan")
+    broken = capture_activations(model, x)
+    trace = trace_nonfinite(broken.records)
+    assert trace.producer is not None and trace.producer.module == "1.layers.1.self_attn"
+    nonfinite = [f for f in broken.findings() if f.code == "activations.nonfinite"]
+    assert [f.module for f in nonfinite] == ["1.layers.1.self_attn"]
+
+    class Experts(nn.Module):  # stacked expert weights, as transformers' Mixtral holds them
+        def __init__(self) -> None:
+            super().__init__()
+            self.up = nn.Parameter(torch.randn(4, 8, 16) * 0.1)  # (experts, in, out)
+            self.act = nn.SiLU()
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            return self.act(h @ self.up[0]).sum(-1, keepdim=True)  # (batch, 1)
+
+    moe = nn.Sequential(nn.Linear(8, 8), Experts())
+    cap = capture_activations(moe, torch.randn(3, 8))
+    assert [r.module for r in cap.records] == ["0", "1.act", "1"]
+    assert leaf_modules(cap.records) == {"0", "1.act", "1"}

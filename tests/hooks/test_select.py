@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
+import torch
 from torch import nn
 
 from torchscope.errors import SelectionError
@@ -98,3 +99,33 @@ def test_a_parametrized_module_is_the_leaf_not_its_parametrizations() -> None:
     assert [n for n, _ in own_parameters(model[0])] == [
         "bias", "parametrizations.weight.original0", "parametrizations.weight.original1"]
     assert [n for n, _ in own_parameters(model[1])] == []
+
+
+def test_the_default_adds_modules_that_compute_with_parameters_of_their_own() -> None:
+    """nn.MultiheadAttention projects and attends with its own weights and reads out_proj's
+    weight without calling it; a layer with a learned scale around a child does the same.
+    Leaves alone left both out, so their outputs were never seen."""
+    from torchscope.hooks.select import holds_parameters
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(4))
+            self.inner = nn.Linear(4, 4)
+
+    class Root(nn.Module):  # the root's own parameters never select it
+        def __init__(self) -> None:
+            super().__init__()
+            self.bias = nn.Parameter(torch.zeros(4))
+            self.attn = nn.MultiheadAttention(4, 2)
+            self.block = nn.Sequential(Scaled(), nn.ReLU())
+
+    model = Root()
+    assert names(select_modules(model)) == [
+        "attn", "attn.out_proj", "block.0", "block.0.inner", "block.1"]
+    assert holds_parameters(model.attn) and not holds_parameters(model.block)
+    assert names(select_modules(model, depth=1)) == ["attn", "block"]
+    # The modules that compute a parametrized weight stay out; the layer is picked once.
+    from torch.nn.utils import parametrizations
+    wn = nn.Sequential(nn.Sequential(parametrizations.weight_norm(nn.Linear(4, 4))))
+    assert names(select_modules(wn)) == ["0.0"]

@@ -23,7 +23,7 @@ from torchscope.distributed.ranked import Ranked
 from torchscope.errors import BudgetError, TorchscopeError
 from torchscope.findings import Analyzed
 from torchscope.hooks.lifecycle import HookedContext
-from torchscope.hooks.select import Selector, own_parameters, select_modules
+from torchscope.hooks.select import Selector, holds_parameters, own_parameters, select_modules
 from torchscope.hooks.session import HookSession
 from torchscope.hooks.tree import iter_tensors, nested_shape, nested_values
 from torchscope.step import Step
@@ -147,6 +147,7 @@ class ActivationCapture(HookedContext, Analyzed):
         self._targets = select_modules(self._session.model, select, depth=depth)
         self._names = [n for n, _ in self._targets]
         self._weighted = frozenset(n for n, m in self._targets if isinstance(m, _WEIGHTED))
+        self._holders = frozenset(n for n, m in self._targets if n and holds_parameters(m))
         self._zero_init: set[str] = set()  # see `zero_init`
         self._store = store
         self._max_bytes = max_bytes
@@ -517,7 +518,8 @@ class ActivationCapture(HookedContext, Analyzed):
                     (self._zero_init.add if zero else self._zero_init.discard)(p.module)
                 self._records.append(
                     ActivationRecord(
-                        p.module, p.module_type, step, p.call, p.order, tuple(outs), inputs_finite
+                        p.module, p.module_type, step, p.call, p.order, tuple(outs), inputs_finite,
+                        p.module in self._holders,
                     )
                 )
         self._pending.clear()

@@ -63,20 +63,28 @@ class ActivationThresholds:
 
 
 def leaf_modules(records: Iterable[ActivationRecord]) -> frozenset[str]:
-    """The recorded modules with no recorded module inside them: the leaves of what was
-    captured (a container's output repeats its last child's, so only these are judged).
+    """The recorded modules with no recorded module inside them, and those with
+    parameters of their own (`ActivationRecord.owns_params`): the layers of what was
+    captured, which are judged (a container's output repeats its last child's; a module that
+    computes with its own weights, such as `nn.MultiheadAttention` or a mixture of experts'
+    expert weights, makes its output itself).
 
-    A capture of every module gives the model's leaf modules (those that ran); a capture of
-    a selection gives the selection's innermost modules.
+    A capture of every module gives the model's layers (those that ran); a capture of a
+    selection gives the selection's innermost modules and its modules with parameters.
     """
-    names = {r.module for r in records}
+    names: set[str] = set()
     inner: set[str] = set()
+    holders: set[str] = set()
+    for r in records:
+        names.add(r.module)
+        if r.owns_params:
+            holders.add(r.module)
     for name in names:
         if name:
             inner.add("")  # the root holds every named module
             parts = name.split(".")
             inner.update(".".join(parts[:i]) for i in range(1, len(parts)))
-    return frozenset(names - inner)
+    return frozenset((names - inner) | holders)
 
 
 def weighted_order(records: Iterable[ActivationRecord], weighted: Iterable[str]

@@ -85,6 +85,9 @@ class ActivationRecord:
             the calls finished.
         outputs: statistics of each tensor leaf of the output.
         inputs_finite: whether every tensor input was free of NaN and Inf.
+        owns_params: whether the module (not the root) has parameters of its own, not
+            only in children (`torchscope.hooks.select.holds_parameters`): its output is
+            its own computation even when children ran inside it.
     """
 
     module: str
@@ -94,6 +97,7 @@ class ActivationRecord:
     order: int
     outputs: tuple[TensorStats, ...]
     inputs_finite: bool
+    owns_params: bool = False
 
     @property
     def output(self) -> TensorStats | None:

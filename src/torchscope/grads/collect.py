@@ -94,7 +94,7 @@ from torchscope.hooks.lifecycle import HookedContext
 from torchscope.hooks.parallel import parallel_wrapper
 from torchscope.hooks.select import (
     Selector,
-    own_parameters,
+    holds_parameters,
     parametrization_owners,
     select_modules,
 )
@@ -1177,7 +1177,7 @@ class GradCollector(HookedContext):
         stack: list[tuple[_Call, list[_PendingInput]] | None] = []
         self._in_flight.append(stack)
         type_name = type(module).__name__
-        owns = next(own_parameters(module), None) is not None
+        owns = holds_parameters(module)
         inplace = getattr(module, "inplace", False) is True
         builtin = not inplace and next(module.children(), None) is None and \
             type(module).__module__.startswith("torch.nn.modules.")

@@ -14,7 +14,8 @@ from torch.nn.utils import parametrize
 
 from torchscope.errors import SelectionError
 
-__all__ = ["Selector", "hookable_modules", "own_parameters", "parametrization_owners",
+__all__ = ["Selector", "holds_parameters", "hookable_modules", "own_parameters",
+           "parametrization_owners",
            "select_modules"]
 
 Predicate = Callable[[str, nn.Module], bool]
@@ -65,6 +66,21 @@ def own_parameters(module: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
         dicts = module.parametrizations
         assert isinstance(dicts, nn.Module)
         yield from dicts.named_parameters(prefix="parametrizations")
+
+
+def holds_parameters(module: nn.Module) -> bool:
+    """Whether `module` has parameters of its own (`own_parameters`), not only in children:
+    it computes with them itself, so its output is more than its last child's."""
+    return next(own_parameters(module), None) is not None
+
+
+def _is_layer(module: nn.Module) -> bool:
+    # What the default selection hooks: the leaves, and the modules that compute with
+    # parameters of their own besides calling children. `nn.MultiheadAttention` does its
+    # input projection and attention with its own weights and reads `out_proj`'s weights
+    # without calling it; a mixture of experts' stacked expert weights sit on a module whose
+    # only child is the activation. Leaves alone would hook neither.
+    return _is_leaf(module) or holds_parameters(module)
 
 
 def _is_leaf(module: nn.Module) -> bool:
@@ -127,9 +143,11 @@ def select_modules(
     Args:
         model: the model.
         select: what to pick.
-            - None: the leaf modules (modules without children; a module parametrized by
-              `torch.nn.utils.parametrize` counts as one, and its parametrizations are
-              left out).
+            - None: the layers: the leaf modules (modules without children; a module
+              parametrized by `torch.nn.utils.parametrize` counts as one, and its
+              parametrizations are left out), and the modules with parameters of their
+              own (`holds_parameters`: `nn.MultiheadAttention`, a mixture of experts'
+              expert weights), which compute with them besides calling their children.
             - a string: a glob over qualified names (`layer*.conv1`; `*` stays within one
               dotted level, `**` crosses levels) or a type name (`Conv2d`); several may be
               joined with commas.
@@ -156,11 +174,11 @@ def select_modules(
     # child it may be, counts as a leaf.
     named = [(n, m) for n, m in hookable_modules(model) if include_root or n != ""]
     if select is None:
-        # The leaves (down to `depth`), and with a depth every module exactly there; never
+        # The layers (down to `depth`), and with a depth every module exactly there; never
         # the modules that compute a parametrized weight.
         owned = parametrization_owners(model)
         picked = [(n, m) for n, m in named if n not in owned and (
-            _depth(n) == depth or (_is_leaf(m) and (depth is None or _depth(n) < depth)))]
+            _depth(n) == depth or (_is_layer(m) and (depth is None or _depth(n) < depth)))]
         if not picked and not include_root and _is_leaf(model):
             picked = [("", model)]
         return picked
