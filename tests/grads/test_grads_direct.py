@@ -1,11 +1,13 @@
-"""Inputs read on autograd's nodes against inputs read through aliases (the two routes of
-`torchscope.grads.collect`).
+"""The two routes of `torchscope.grads.collect` that read what a call passes to its inputs:
+walking the call's own autograd nodes, and reading where earlier calls showed the inputs
+enter the graph.
 
-A watch measures a module's first call through input aliases and, for a `torch.nn` leaf
-whose call consumed each input at one node, its later calls on that node. Both routes read
-the same gradient tensors, so with unchanged weights and inputs every step must give the
-same norms, bit for bit; and a call that does not fit the earlier ones must be reported as
-unmeasured, never measured wrong.
+A watch walks a module's first call and, for a `torch.nn` leaf whose call consumed each
+input at one node, reads its later calls on that node. Both routes read the same gradient
+tensors, so with unchanged weights and inputs every step must give the same norms, bit for
+bit; a call that does not fit the earlier ones must be reported as unmeasured, never
+measured wrong; and neither route puts a node into the graph (an alias of an input would
+change the order in which autograd adds up that input's gradients).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ pytestmark = pytest.mark.usefixtures("reduction_path")
 
 
 def _aliases(loss: torch.Tensor) -> int:
-    """AliasBackward0 nodes in the graph behind `loss`: one per aliased module input."""
+    """AliasBackward0 nodes in the graph behind `loss` (the watch must add none)."""
     # Keeps every node it saw alive: a node's Python object may be made anew on each
     # `next_functions`, and a freed one's id can come back for another node.
     seen: dict[int, Any] = {}
@@ -83,10 +85,7 @@ def test_resnet_inputs_read_on_the_graph_equal_the_aliases() -> None:
     model = ResNetMini(channels=4, blocks=3).train()
     x, y = torch.randn(2, 3, 8, 8), torch.randint(0, 10, (2,))
     flows, aliases = _watched(model, lambda: functional.cross_entropy(model(x), y))
-    # Step 0 aliases every input that requires grad; then every leaf is torch.nn's and
-    # read on the graph: no alias at all.
-    assert aliases[0] == 3 * 3 + 2 + 2  # 3 per block, stem BN and ReLU, pool and fc
-    assert aliases[1:] == [0, 0]
+    assert aliases == [0, 0, 0]
     _assert_routes_agree(flows)
     # A residual block's conv passes down only its share of the block input's gradient.
     conv = flows[-1].get("blocks.1.conv")
@@ -119,7 +118,7 @@ def test_sequence_model_and_in_place_ops() -> None:
     model = _Seq()
     x = torch.randn(2, 5, 6, requires_grad=True)  # a leaf: read at its AccumulateGrad edge
     flows, aliases = _watched(model, lambda: model(x).square().sum())
-    assert aliases[1:] == [0, 0]
+    assert aliases == [0, 0, 0]
     _assert_routes_agree(flows)
     assert flows[-1].get("fc1").grad_input[0].norm == pytest.approx(
         torch.autograd.grad(model(x).square().sum(), x)[0].norm().item(), rel=1e-6)
@@ -181,7 +180,7 @@ def test_a_call_read_when_the_root_returns_keeps_its_place_on_a_shared_node() ->
     x = torch.randn(5, 3)
     flows, aliases = _watched(model, lambda: model(x).square().sum(),
                               select=["0", "1", "1.fc"])
-    assert aliases == [2, 1, 1]  # step 0: 1 and 1.fc (x needs no grad); then 1 alone
+    assert aliases == [0, 0, 0]
     _assert_routes_agree(flows)
     assert [r.module for r in flows[-1].modules] == ["1.fc", "1", "0"]
 
@@ -253,9 +252,9 @@ def test_calls_outside_the_root_forward_are_read_at_once() -> None:
         assert direct[-1].get(name).grad_output[0].norm is not None
 
 
-def test_attention_lstm_and_user_modules_keep_their_aliases() -> None:
+def test_attention_lstm_and_user_modules_agree_on_every_step() -> None:
     """MultiheadAttention (not a leaf), an LSTM (tuple outputs) and a module of the user's
-    code: the same numbers on every step, whatever route each takes."""
+    code, which are walked at every call: the same numbers on every step."""
 
     class Scale(nn.Module):
         def __init__(self) -> None:
@@ -286,15 +285,16 @@ def test_attention_lstm_and_user_modules_keep_their_aliases() -> None:
     x = torch.randn(2, 5, 6)
     flows, aliases = _watched(model, lambda: model(x).sum(),
                               select=["emb", "attn", "scale", "lstm", "head"])
-    assert aliases[1] >= 2  # attn and scale keep theirs
+    assert aliases == [0, 0, 0]
     _assert_routes_agree(flows)
 
 
 def test_tiny_gpt2_routes_agree(tiny_gpt2: nn.Module) -> None:
     model = tiny_gpt2
     ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(1))
+    own = _aliases(model(input_ids=ids, labels=ids).loss)  # GPT-2's own
     flows, aliases = _watched(model, lambda: model(input_ids=ids, labels=ids).loss)
-    assert 0 < aliases[1] < aliases[0]  # LayerNorms leave their aliases, Conv1D keeps its
+    assert aliases == [own] * 3
     _assert_routes_agree(flows)
 
 
@@ -313,7 +313,7 @@ def test_dropout_returning_its_input_in_eval() -> None:
         return out
 
     flows, aliases = _watched(model, loss)
-    assert aliases == [2, 0, 0]  # Dropout and the second Linear alias on the first step only
+    assert aliases == [0, 0, 0]
     assert flows[1].get("1").grad_input[0].norm is not None
     drop = flows[2].get("1")
     assert drop.grad_input[0].norm == drop.grad_output[0].norm is not None
@@ -323,7 +323,8 @@ def test_dropout_returning_its_input_in_eval() -> None:
 def test_a_call_that_does_not_fit_is_unmeasured_not_wrong() -> None:
     """A Bilinear first called with two tensors, then with one tensor twice: its input is
     then consumed at two nodes, so no node holds its whole gradient. That call reports its
-    input as unmeasured, and the next call goes back to aliases and measures it."""
+    input as unmeasured, and the next call is walked again, which adds up both nodes'
+    shares."""
     torch.manual_seed(0)
     bil = nn.Bilinear(4, 4, 3)
     fc = nn.Linear(4, 4)
@@ -345,7 +346,7 @@ def test_a_call_that_does_not_fit_is_unmeasured_not_wrong() -> None:
             loss().backward()
             watch.end_step()
             pre_hooks.append(len(bil._forward_pre_hooks))
-    # The watch's step hook on the root, plus the pre-hook that aliases, which comes off
+    # The watch's step hook on the root, plus the pre-hook of a walked call, which comes off
     # once the module reads on the graph and is back after the misfit.
     assert pre_hooks == [1, 1, 2, 2]
     assert not bil._forward_pre_hooks and not bil._forward_hooks
@@ -358,10 +359,11 @@ def test_a_call_that_does_not_fit_is_unmeasured_not_wrong() -> None:
                                                                    rel=1e-6)
 
 
-def test_a_user_module_that_keeps_its_input_counts_every_use() -> None:
+def test_a_user_module_that_keeps_its_input_reports_what_its_outputs_pass_down() -> None:
     """A module of the user's code may use its input again outside its outputs (kept for a
-    later loss term): only an alias sees that share, so such modules keep their aliases and
-    report the whole gradient they pass down, on every step."""
+    later loss term). That use is not the call's: its grad_input is what its outputs pass
+    down (an alias, which would also see the later use, would change the order in which
+    autograd adds the input's gradients up), and the gradients stay torch's, bit for bit."""
 
     class Keep(nn.Module):
         def __init__(self) -> None:
@@ -389,9 +391,14 @@ def test_a_user_module_that_keeps_its_input_counts_every_use() -> None:
     torch.manual_seed(0)
     model = Net()
     x = torch.randn(5, 3)
+    model.zero_grad(set_to_none=True)
+    model(x).backward()
+    bare = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     flows, _ = _watched(model, lambda: model(x), select=["keep", "keep.fc"])
+    for n, p in model.named_parameters():
+        assert p.grad is not None and torch.equal(p.grad, bare[n]), n
     h = model.stem(x).detach().requires_grad_()
-    (grad,) = torch.autograd.grad(model.keep(h).sum() + h.square().sum(), h)
+    (grad,) = torch.autograd.grad(model.keep(h).sum(), h)
     for flow in flows:
         assert flow.get("keep").grad_input[0].norm == pytest.approx(grad.norm().item(),
                                                                      rel=1e-6)
@@ -401,8 +408,8 @@ def test_a_one_input_call_that_does_not_fit() -> None:
     """A hypernetwork-style call: `functional_call` gives a Linear a weight computed from its
     own input, which then reaches the call's graph twice (the matmul, and the weight). The
     graph cannot tell the call's share from the weight's: that call is left unmeasured. The
-    next, through an alias again, measures what passes through the input argument (the
-    weight was made from the input outside the call)."""
+    next is walked again and measures what passes through the input argument (the weight
+    was made from the input outside the call, before the call's own nodes)."""
     torch.manual_seed(0)
     stem, lin = nn.Linear(3, 4), nn.Linear(4, 4)
     x = torch.randn(5, 3)
@@ -431,7 +438,7 @@ def test_a_one_input_call_that_does_not_fit() -> None:
         return out
 
     flows, aliases = _watched(model, loss, steps=4)
-    assert aliases == [1, 0, 0, 1]
+    assert aliases == [0, 0, 0, 0]
     assert flows[1].get("lin").grad_input[0].norm is not None
     misfit = flows[2].get("lin").grad_input[0]
     assert misfit.norm is None and misfit.reason == NOT_MEASURED
@@ -446,7 +453,7 @@ def test_a_one_input_call_that_does_not_fit() -> None:
 @pytest.mark.parametrize("which", ["resnet", "sequence"])
 def test_cuda_routes_agree(which: str, reduction_path: str,
                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """The same on a GPU: graph-route and alias-route norms agree bit for bit, by the CUDA
+    """The same on a GPU: graph-route and walked norms agree bit for bit, by the CUDA
     kernel or by eager ops. cuDNN's deterministic algorithms make each step's gradients
     themselves bitwise repeatable."""
     from torchscope import _kernels
@@ -467,6 +474,6 @@ def test_cuda_routes_agree(which: str, reduction_path: str,
         model = _Seq().cuda()
         x = torch.randn(2, 5, 6, device="cuda", requires_grad=True)
         flows, aliases = _watched(model, lambda: model(x).square().sum())
-    assert aliases[0] > 0 and aliases[1:] == [0, 0]
+    assert aliases == [0, 0, 0]
     _assert_routes_agree(flows)
     assert (flows[-1].fused_norms > 0) == (reduction_path == "fused")

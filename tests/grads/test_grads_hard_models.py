@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -559,3 +560,124 @@ def test_a_jagged_nested_input_is_measured_over_its_elements() -> None:
         assert r.grad_output[0].numel == want.numel()  # (3 + 5) rows
     # The analyzers run on the records (they raised on a ragged shape): a healthy model.
     assert not [f for f in flow.findings() if f.severity != Severity.INFO]
+
+
+def test_the_default_selection_measures_attention_and_stacked_experts() -> None:
+    """nn.MultiheadAttention and a mixture of experts' expert weights (transformers'
+    Mixtral: one module holds every expert's weights, its only child the activation) compute
+    with parameters of their own: the default selection records them, and their output
+    gradients equal torch's tensor hooks. Before, neither had a record at all."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    seq = SeqNet()
+    x = torch.randn(2, 5, 6)
+    mix = MixtralForCausalLM(MixtralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=32))
+    ids = torch.randint(0, 64, (2, 8))
+    cases: list[tuple[nn.Module, Callable[[], torch.Tensor], dict[str, Any]]] = [
+        (seq, lambda: seq(x).sum(), {"inputs": x, "loss_fn": "sum"}),
+        (mix, lambda: mix(input_ids=ids, labels=ids).loss,
+         {"inputs": {"input_ids": ids, "labels": ids}}),
+    ]
+    for model, loss, kwargs in cases:
+        wanted = [n for n, m in model.named_modules()
+                  if isinstance(m, nn.MultiheadAttention) or type(m).__name__ == "MixtralExperts"]
+        assert len(wanted) == (1 if model is seq else 2)
+        ref: dict[str, float] = {}
+
+        def hook(name: str) -> Callable[..., None]:
+            def fwd(_m: nn.Module, _a: object, out: Any) -> None:
+                t = out[0] if isinstance(out, tuple) else out
+                t.register_hook(lambda g: ref.__setitem__(name, g.norm().item()))
+            return fwd
+
+        mods = dict(model.named_modules())
+        handles = [mods[n].register_forward_hook(hook(n)) for n in wanted]
+        before = _plain_grads(model, lambda: loss().backward())
+        for h in handles:
+            h.remove()
+        flow = gradient_flow(model, **kwargs)
+        _assert_same_grads(model, before)
+        for name in wanted:
+            rec = flow.get(name)
+            assert rec.owns_params
+            assert _close(rec.grad_output[0].norm, ref[name]), name
+        assert audit_hooks(model, include_global=False).local_total == 0
+
+
+class _RMSNorm(nn.Module):
+    """Llama's norm, as transformers and most user code write it: its input is squared and
+    scaled (two uses), and the residual stream uses it a third time outside."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+class _PreNorm(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = _RMSNorm(dim)
+        self.fc = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc(self.norm(x))
+
+
+def test_an_input_used_twice_inside_a_call_and_once_outside_keeps_torch_s_gradients(
+        ) -> None:
+    """An alias of the norm's input added its two uses up first and the residual's after:
+    another order of float additions, and gradients off in the last bits for every layer
+    below (a transformers Llama too). Walking the call's own nodes puts nothing into the
+    graph: the gradients are torch's bit for bit, one-shot and watched, and the input
+    gradient the norm reports is the sum of its two uses."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from torchscope.grads import watch_gradients
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), *[_PreNorm(32) for _ in range(3)],
+                          nn.Linear(32, 4))
+    x = torch.randn(64, 16)
+    llama = LlamaForCausalLM(LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32))
+    ids = torch.randint(0, 64, (2, 8))
+    cases: list[tuple[nn.Module, Callable[[], torch.Tensor], dict[str, Any]]] = [
+        (model, lambda: model(x).pow(2).sum(), {}),
+        (llama, lambda: llama(input_ids=ids, labels=ids).loss,
+         {"inputs": {"input_ids": ids, "labels": ids}}),
+    ]
+    for net, loss, kwargs in cases:
+        before = _plain_grads(net, lambda: loss().backward())
+        if net is model:
+            gradient_flow(net, x, loss_fn=lambda o: o.pow(2).sum())
+        else:
+            gradient_flow(net, **kwargs)
+        _assert_same_grads(net, before)
+        with watch_gradients(net):
+            for _ in range(2):
+                _plain_grads(net, lambda: loss().backward())  # under the watch
+                _assert_same_grads(net, before)
+        assert audit_hooks(net, include_global=False).local_total == 0
+    # What the first norm passes down: both of its uses, as torch sums them.
+    flow = gradient_flow(model, x, loss_fn=lambda o: o.pow(2).sum())
+    ref: dict[str, torch.Tensor] = {}
+
+    def keep(_m: nn.Module, _a: object, o: torch.Tensor) -> None:
+        o.register_hook(lambda g: ref.__setitem__("out", g))
+
+    handle = model[1].norm.register_forward_hook(keep)
+    h = model[0](x).detach().requires_grad_()
+    try:
+        model[1:](h).pow(2).sum().backward()
+    finally:
+        handle.remove()
+    (via_norm,) = torch.autograd.grad(model[1].norm(h), h, ref["out"])  # (64, 32)
+    assert _close(flow.get("1.norm").grad_input[0].norm, via_norm.norm().item())

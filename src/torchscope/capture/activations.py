@@ -90,7 +90,7 @@ class ActivationCapture(HookedContext, Analyzed):
 
     Args:
         model: any `nn.Module` (a `torch.compile` wrapper is unwrapped).
-        select: which modules to hook (see `select_modules`); default: the leaf modules.
+        select: which modules to hook (see `select_modules`); default: the layers.
         depth: limit the selection depth.
         store: "stats" keeps statistics only; "tensors" also keeps detached copies.
         max_bytes: budget for stored tensors, in bytes; None for no budget.

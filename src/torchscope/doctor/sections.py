@@ -79,8 +79,9 @@ class ActivationsSection(Section[ActivationCapture]):
     """Activations of one forward through `torchscope.capture`: shapes, statistics, dead
     units, NaN/Inf producer.
 
-    It captures every module's output (leaf modules are what the tables and plots show; the
-    containers are captured too, so that `trace_nonfinite` can tell a producer from a carrier).
+    It captures every module's output (the layers, `leaf_modules`, are what the tables and
+    plots show; the containers are captured too, so that `trace_nonfinite` can tell a
+    producer from a carrier).
     """
 
     name = "activations"

@@ -8,25 +8,30 @@ outputs are views, so an in-place op after the module (`nn.ReLU(inplace=True)`,
 - grad_output: a post-hook on the autograd node that produced each output, registered in
   a forward hook (a tensor hook only for an output without one, a leaf). The node keeps the
   gradient of the value the module produced even when the output is changed in place later.
-- grad_input, by one of two routes:
-  - aliases, always correct: each tensor input that requires grad is replaced by
-    `aten.alias(x)` in a forward-pre hook, and a hook on that alias sees exactly the
-    gradient this call passes down (other consumers of `x` do not flow through the alias).
+- grad_input, read without putting anything into the graph, by one of two routes:
+  - walking the call: a forward-pre hook notes each tensor input's edge into the graph and
+    autograd's next sequence number; the forward hook walks the nodes behind the outputs
+    that the call made (`_consumers`) and finds every place where each input is consumed.
+    Their grad_inputs at those edges add up to exactly what the call passes down
+    (`_put_part` adds them where there are several). An alias of each input would be one
+    hook, but it adds the call's own uses of the input up before the input's other uses,
+    where autograd adds them in the order they arrive: other float sums, and gradients off
+    in the last bits (an RMSNorm uses its input twice, and the residual stream once more).
   - the graph, for a `torch.nn` leaf (Conv2d, Linear, BatchNorm2d, ReLU, ...) once one of
-    its calls has shown, through its aliases, that each input is consumed at exactly one
-    autograd node behind its outputs, with nothing but parameters besides
-    (`_entry_points`): later calls take no alias, and that node's grad_input at that edge
-    is read by the same post-hook as the output, so one hook serves a call. Each call is
-    checked again; one that does not fit leaves its input unmeasured (`NOT_MEASURED`) and
-    sends the module back to aliases. A module of the user's code always takes aliases: it
-    may also use its input elsewhere (kept for a later loss term), which only an alias sees.
+    its walked calls has shown that each input is consumed at exactly one autograd node
+    behind its outputs, with nothing but parameters besides (`_entry_points`): later calls
+    take no pre-hook, and that node's grad_input at that edge is read by the same post-hook
+    as the output, so one hook serves a call. Each call is checked again; one that does
+    not fit leaves its input unmeasured (`NOT_MEASURED`) and sends the module back to
+    walking. A module of the user's code is walked at every call. A use of an input outside
+    the call (kept on the module for a later loss term) is not the call's.
 
   Inside the root module's forward, a graph-read call's forward hook only notes what its
   tensors are; its nodes are hooked when the root returns, all together, where Python runs
   at a fraction of the cost it has right after a layer (`_read_simple_calls`).
 
-  A module that changes its input in place (`inplace=True`, or the alias' version moved
-  during forward) is measured instead on the autograd node that the in-place op put in
+  A module that changes its input in place (`inplace=True`, or the input's version moved
+  during the call) is measured instead on the autograd node that the in-place op put in
   front of the original producer.
 - parameters: post-accumulate-grad hooks, which see `.grad` after accumulation, mark the
   parameter; when the backward ends, one call measures every marked `.grad` (one for the
@@ -107,6 +112,7 @@ __all__ = ["GradCollector", "with_updates"]
 _HALF = (torch.float16, torch.bfloat16)
 _MAX_WALK = 256  # nodes followed back from an in-place op to the input's producer
 _MAX_PLAN = 16  # nodes followed behind a call's outputs to find where its inputs enter
+_MAX_CALL_NODES = 100_000  # nodes of one call walked to find where its inputs enter
 _NATIVE_LIST_MEAN = 16384  # elements per tensor, on average, for the native list norms
 # A leaf's node, where a walk ends (torch's stubs do not declare the class).
 _ACCUMULATE_GRAD: type = torch._C._functions.AccumulateGrad  # type: ignore[attr-defined]
@@ -115,6 +121,12 @@ _ACCUMULATE_GRAD: type = torch._C._functions.AccumulateGrad  # type: ignore[attr
 _RESHAPES = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0",
                        "SqueezeBackward0", "SqueezeBackward1", "SqueezeBackward2",
                        "UnsqueezeBackward0"})
+
+
+# The sequence number autograd gives the next node made on this thread: nodes made during a
+# call have this number or more. -1 where a torch lacks the query (every node then counts).
+_next_sequence_nr: Callable[[], int] = getattr(
+    torch._C._autograd, "_get_sequence_nr", lambda: -1)
 
 
 # Whether the backward pass running now keeps its graph (`retain_graph`, `create_graph`);
@@ -126,7 +138,8 @@ _KEEPS_GRAPH: Callable[[], bool] = getattr(
 class _Slot:
     """One tensor of one call; the hook fills `val`, the index of its norm in `_vals`."""
 
-    __slots__ = ("dtype", "held", "path", "reason", "same_as", "shape", "use_node", "val")
+    __slots__ = ("acc", "dtype", "got", "held", "parts", "path", "reason", "same_as", "shape",
+                 "val")
 
     def __init__(self, path: str, t: torch.Tensor | tuple[torch.Size, torch.dtype],
                  reason: str | None = None) -> None:
@@ -138,8 +151,12 @@ class _Slot:
         self.reason = reason
         # The gradient itself, kept while a later backward pass may add to it (`_put`).
         self.held: torch.Tensor | None = None
-        self.use_node = False  # measured on an autograd node; ignore the alias hook
         self.same_as: _Slot | None = None  # the same tensor passed again: one measurement
+        # An input that the call consumes at several autograd nodes: what each passes down
+        # is added up here, and measured once all `parts` have run (`_put_part`).
+        self.parts = 1
+        self.got = 0
+        self.acc: torch.Tensor | None = None
 
     def root(self) -> _Slot:
         """The slot that holds the measurement, following `same_as`."""
@@ -169,11 +186,10 @@ class _PendingInput:
     """An input between the pre-hook and the forward hook of one call."""
 
     slot: _Slot
-    tensor: torch.Tensor  # the alias, or the input itself (in-place and direct calls)
+    tensor: torch.Tensor  # the input itself
     producer: Any  # the input's grad_fn before the call (an autograd Node or None)
     nr: int  # the input's output_nr before the call: its edge is (producer, nr)
     version: int
-    aliased: bool
 
 
 @dataclass(slots=True)
@@ -181,14 +197,14 @@ class _Intake:
     """Inputs of one call between its pre-hook and its forward hook."""
 
     call: _Call
-    inplace: bool
-    graph: bool  # read the inputs on autograd's nodes, without aliases
+    graph: bool  # read the inputs where earlier calls showed they enter the graph
+    start: int  # the autograd sequence number the call's own nodes start from
     pending: list[_PendingInput] = field(default_factory=list)
-    seen: dict[int, tuple[torch.Tensor, _Slot]] = field(default_factory=dict)
+    seen: dict[int, _Slot] = field(default_factory=dict)
 
 
 # What a hooked module's calls share: its name, its type's name, whether it owns parameters,
-# and what to do when a call read on the graph does not fit (`to_aliases`).
+# and what to do when a call read on the graph does not fit (`to_walk`).
 _ModuleInfo = tuple[str, str, bool, Callable[[list["_Slot"]], None]]
 # A call of one tensor in and one out, read on the graph, as its forward hook saw it (see
 # `GradCollector._read_simple_call`): its module; its micro-batch, call count and sequence
@@ -354,11 +370,61 @@ def _entry_points(roots: list[Any], edges: list[tuple[Any, int]]) -> list[tuple[
                 followed.append(nxt)
                 todo.append(nxt)
     if todo:
-        return None  # too large to follow: keep the aliases
+        return None  # too large to follow: walk the module's calls
     points = [f for f in found if f is not None]
     if len(points) != len(found):
         return None  # an input went unused
     return [_past_reshape(p, roots, followed) for p in points]
+
+
+def _consumers(roots: list[Any], edges: list[tuple[Any, int]], start: int
+               ) -> list[list[tuple[Any, int]]] | None:
+    """Every place where a call consumes each input edge `(producer, output_nr)`: the
+    (node, index in its `next_functions`) pairs among the call's own autograd nodes, those
+    behind its outputs (`roots`) made during the call (sequence number `start` or more).
+    Their grad_inputs at those indices add up to exactly what the call passes to the input,
+    read without putting anything into the graph. None when the call made more than
+    `_MAX_CALL_NODES` nodes.
+
+    Why not an alias of each input, which one hook would read: autograd adds up the
+    gradients of a tensor used several times in the order they arrive. An alias adds the
+    call's own uses up first, and the sum joins the tensor's other uses afterwards: a
+    different order of float additions, so different gradients in the last bits wherever a
+    call uses its input twice and the input is also used elsewhere (an RMSNorm squares its
+    input and scales it, and the residual stream adds it).
+
+    Args:
+        roots: the grad_fns of the call's outputs.
+        edges: the input edges, as recorded before the call.
+        start: the autograd sequence number when the call began (`_next_sequence_nr`);
+            -1 where torch cannot tell it, and then every node behind the outputs counts.
+    """
+    found: list[list[tuple[Any, int]]] = [[] for _ in edges]
+    todo = [r for r in dict.fromkeys(roots) if type(r) is not _ACCUMULATE_GRAD and
+            r._sequence_nr() >= start]
+    seen = {id(r) for r in todo}
+    steps = 0
+    while todo:
+        steps += 1
+        if steps > _MAX_CALL_NODES:
+            return None
+        node = todo.pop()
+        for k, (nxt, nr) in enumerate(node.next_functions):
+            if nxt is None:
+                continue  # no gradient flows there
+            for i, (producer, pnr) in enumerate(edges):
+                if nxt is producer and nr == pnr:
+                    found[i].append((node, k))
+                    break
+            else:
+                # A parameter's accumulator, a node already seen, or one made before the
+                # call (what it computed from is none of the call's inputs' business).
+                if type(nxt) is _ACCUMULATE_GRAD or id(nxt) in seen or \
+                        nxt._sequence_nr() < start:
+                    continue
+                seen.add(id(nxt))
+                todo.append(nxt)
+    return found
 
 
 def _past_reshape(point: tuple[Any, int], roots: list[Any], followed: list[Any]
@@ -410,7 +476,8 @@ def _past_output_reshape(node: Any, nr: int, inputs: list[Any]) -> tuple[Any, in
     Args:
         node: the output's grad_fn, as the call left it.
         nr: the output's output_nr.
-        inputs: the nodes of the call's inputs (their producers, and their aliases').
+        inputs: the nodes of the call's inputs (their producers, and what an in-place op
+            put in front of them).
     """
     source = _reshape_source(node)
     if source is None or type(source[0]) is _ACCUMULATE_GRAD or \
@@ -605,7 +672,7 @@ class GradCollector(HookedContext):
 
     Args:
         model: the model.
-        select: modules to record per call (see `select_modules`); default the leaves.
+        select: modules to record per call (see `select_modules`); default the layers.
         depth: limit the selection depth.
         inputs: also measure grad_input (see the module docstring; set False to skip).
         scaler: a `torch.amp.GradScaler` whose scale is divided out of every norm.
@@ -671,8 +738,9 @@ class GradCollector(HookedContext):
         self._bw_queued = False
         self._before: list[tuple[int, str, nn.Parameter, torch.Tensor]] = []
         # Per hooked module: its calls between pre-hook and forward hook.
-        self._in_flight: list[list[tuple[_Call, list[_PendingInput]] | None]] = []
+        self._in_flight: list[list[tuple[_Call, list[_PendingInput], int] | None]] = []
         self._held: list[_Slot] = []  # the slots holding a gradient (`_put`)
+        self._partial: list[_Slot] = []  # inputs with some of their parts in (`_put_part`)
         self._reset()
 
     # ------------------------------------------------------------------ lifecycle
@@ -740,6 +808,9 @@ class GradCollector(HookedContext):
         for slot in self._held:
             slot.held = None
         self._held = []
+        for slot in self._partial:
+            slot.acc, slot.got = None, 0
+        self._partial = []
         self._rewritten: list[tuple[_Slot, int | None, torch.Tensor | None, str | None]] = []
         # DDP: the synchronised gradients' norms and sums, read when the last backward's
         # all-reduce had landed (`_read_synced`); None: read them when the step ends.
@@ -769,7 +840,7 @@ class GradCollector(HookedContext):
         self._bw_queued = False  # a backward that raised never ran its end callback
         for stack in self._in_flight:
             # torch runs no forward hook after a KeyboardInterrupt: drop the calls (and the
-            # input aliases, which hold their graph) that an interrupted forward left here.
+            # inputs, which hold their graph) that an interrupted forward left here.
             stack.clear()
         # A forward interrupted before the root's forward hook ran (KeyboardInterrupt): its
         # finished calls stay, as those read at once do.
@@ -816,7 +887,7 @@ class GradCollector(HookedContext):
         elif t.is_nested:  # its elements (a jagged tensor's own values: the reuse holds)
             t = g = nested_values(t)
         # The gradient a layer passes down usually reaches the layer below as the same
-        # tensor, or a view of its memory (through the input alias): reuse its norm. A weak
+        # tensor, or a view of its memory (through a reshape): reuse its norm. A weak
         # reference to the gradient proves that its memory was not freed and reused in
         # between (torch keeps a tensor's Python object while the tensor lives), and the
         # shared version counter that nothing wrote to it. A strong reference would stop
@@ -858,6 +929,32 @@ class GradCollector(HookedContext):
             slot.held = g.detach()
             self._held.append(slot)
 
+    def _put_part(self, slot: _Slot, g: torch.Tensor | None) -> None:
+        """One of the places where a call consumes an input (`_Slot.parts`) passed `g` down
+        (None: nothing): added to the others, and the sum measured once all have run, or
+        when the pass ends (`_flush_parts`). The parts are held until then."""
+        if slot.got == 0:
+            self._partial.append(slot)
+        slot.got += 1
+        if g is not None:
+            g = g.detach()
+            slot.acc = g if slot.acc is None else slot.acc + g  # same shape as g
+        if slot.got == slot.parts:
+            self._flush_part(slot)
+
+    def _flush_part(self, slot: _Slot) -> None:
+        acc, slot.acc, slot.got = slot.acc, None, 0
+        if acc is not None:
+            self._put(slot, acc)
+
+    def _flush_parts(self) -> None:
+        """Measure what the inputs read in parts got in this pass, where some of their
+        parts did not run (a branch the pass did not reach)."""
+        partial, self._partial = self._partial, []
+        for slot in partial:
+            if slot.got:
+                self._flush_part(slot)
+
     def _put_again(self, slot: _Slot, g: torch.Tensor) -> None:
         """`slot` was measured by an earlier backward pass over the same graph (two losses,
         each with its own `backward`, the first with `retain_graph=True`): the update sums
@@ -890,6 +987,7 @@ class GradCollector(HookedContext):
 
     def _backward_done(self) -> None:
         self._bw_queued = False
+        self._flush_parts()
         self._measure_params()
         self._last = None
         # A reentrant checkpoint's nested backward ends inside its node: the pass it is
@@ -1002,13 +1100,6 @@ class GradCollector(HookedContext):
 
         return hook
 
-    def _input_hook(self, slot: _Slot) -> Callable[[torch.Tensor], None]:
-        def hook(g: torch.Tensor) -> None:
-            if not slot.use_node:
-                self._put(slot, g)
-
-        return hook
-
     def _node_hook(self, call: _Call, reads: _NodeReads) -> Callable[[Any, Any], None]:
         """One post-hook per autograd node and call: the node's grad_outputs that are the
         call's outputs' gradients, then its grad_inputs that are what the call passes to its
@@ -1028,7 +1119,9 @@ class GradCollector(HookedContext):
                 self._queue_end()
             for slot, k in ins:
                 g = grad_inputs[k]
-                if g is not None:
+                if slot.parts > 1:
+                    self._put_part(slot, g)
+                elif g is not None:
                     self._put(slot, g)
 
         return hook
@@ -1111,75 +1204,53 @@ class GradCollector(HookedContext):
             self._step_handles.append(self._session.track(
                 node.register_hook(self._node_hook(call, r))))
 
-    def _take_input(self, intake: _Intake, path: str, t: torch.Tensor) -> torch.Tensor:
-        """Record one tensor input; return what the module should receive instead."""
+    def _take_input(self, intake: _Intake, path: str, t: torch.Tensor) -> None:
+        """Record one tensor input and its edge into the graph, as it is before the call."""
         slot = _Slot(path, t)
         intake.call.ins.append(slot)
         hit = intake.seen.get(id(t))
         if hit is not None:
-            # The same tensor again (self-attention's query is key is value): hand out the
-            # same alias so identity checks inside the module still hold.
-            slot.same_as = hit[1]
-            return hit[0]
-        given = t
+            # The same tensor again (self-attention's query is key is value): one edge, so
+            # one measurement of everything the call passes to it.
+            slot.same_as = hit
+            return
         if not t.requires_grad:
             slot.reason = INPUT_NO_GRAD
         elif not _is_plain(t):
             slot.reason = NOT_MEASURED
-        elif intake.inplace or intake.graph:
-            node, nr = _edge(t)
-            intake.pending.append(_PendingInput(slot, t, node, nr, t._version, aliased=False))
         else:
-            # Same storage; its gradient is this call's share only. AliasBackward0 passes the
-            # gradient on as it is, where view_as's backward would make a view of it.
-            # `t[...]` is `aten.alias(t)` by torch's own indexing fast path, without the
-            # Python of an op overload (half the time).
-            given = t[...]
-            self._step_handles.append(self._session.tensor_hook(given, self._input_hook(slot)))
-            intake.pending.append(_PendingInput(slot, given, t.grad_fn, t.output_nr,
-                                                given._version, aliased=True))
-        intake.seen[id(t)] = (given, slot)
-        return given
+            node, nr = _edge(t)
+            intake.pending.append(_PendingInput(slot, t, node, nr, t._version))
+        intake.seen[id(t)] = slot
 
     def _take_inputs(self, intake: _Intake, args: tuple[Any, ...], kwargs: dict[str, Any]
-                     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-        """Record a call's tensor inputs; the arguments the module should receive instead,
-        or None to keep them."""
-        if not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor):
-            # One tensor in, no keywords: most calls, without building new containers.
-            given = self._take_input(intake, "[0]", args[0])
-            return None if given is args[0] else ((given,), kwargs)
-        changed = False
-        new_args = list(args)
-        new_kwargs = dict(kwargs)
+                     ) -> None:
+        """Record a call's tensor inputs (the module receives them as they are)."""
         for i, a in enumerate(args):
             if isinstance(a, torch.Tensor):
-                new_args[i] = self._take_input(intake, f"[{i}]", a)
-                changed = changed or new_args[i] is not a
+                self._take_input(intake, f"[{i}]", a)
         for k, v in kwargs.items():
             if isinstance(v, torch.Tensor):
-                new_kwargs[k] = self._take_input(intake, f"[{k!r}]", v)
-                changed = changed or new_kwargs[k] is not v
-        return (tuple(new_args), new_kwargs) if changed else None
+                self._take_input(intake, f"[{k!r}]", v)
 
     def _hook_module(self, name: str, module: nn.Module) -> None:
         """Hook one selected module: a forward hook always, and a forward-pre hook while its
-        calls take aliases or change their input in place.
+        calls' inputs are found by walking the call's own autograd nodes (`_consumers`).
 
         A torch.nn leaf uses its inputs only in the ops that make its outputs: once one of
         its calls is seen to consume each input at exactly one autograd node, its later
         calls are read on those nodes (see `_entry_points`), and its forward hook alone
         records them: the pre-hook comes off, one Python call per forward less. A call that
-        does not fit puts the pre-hook back. A module of the user's code keeps its aliases,
-        which also see an input used elsewhere (kept on `self` for a later loss term, say).
+        does not fit puts the pre-hook back. A module of the user's code is walked at every
+        call: it may use an input at several nodes (an RMSNorm squares it and scales it).
         """
         s = self._session
-        stack: list[tuple[_Call, list[_PendingInput]] | None] = []
+        stack: list[tuple[_Call, list[_PendingInput], int] | None] = []
         self._in_flight.append(stack)
         type_name = type(module).__name__
         owns = holds_parameters(module)
-        inplace = getattr(module, "inplace", False) is True
-        builtin = not inplace and next(module.children(), None) is None and \
+        builtin = getattr(module, "inplace", False) is not True and \
+            next(module.children(), None) is None and \
             type(module).__module__.startswith("torch.nn.modules.")
         pre_handle: list[Any] = [None]  # the pre-hook's handle; None: read on the graph
 
@@ -1193,34 +1264,36 @@ class GradCollector(HookedContext):
             count, seq = self._number_call(name)
             return _Call(name, type_name, max(self._micro, 0), count, seq, owns)
 
-        def pre(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        def pre(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             if skipped():
                 if self.active and self._root_grad:  # not on unsampled steps: one check
                     self._note_no_grad(name)
                 stack.append(None)
-                return None
-            intake = _Intake(new_call(), inplace, graph=False)
-            stack.append((intake.call, intake.pending))
-            return self._take_inputs(intake, args, kwargs) if self._inputs else None
+                return
+            intake = _Intake(new_call(), graph=False, start=_next_sequence_nr())
+            stack.append((intake.call, intake.pending, intake.start))
+            if self._inputs:
+                self._take_inputs(intake, args, kwargs)
 
         def to_graph() -> None:
             handle, pre_handle[0] = pre_handle[0], None
             if handle is not None:
                 s.release([handle])
 
-        def to_aliases(slots: list[_Slot]) -> None:
+        def to_walk(slots: list[_Slot]) -> None:
             # This call does not fit what earlier calls showed: its inputs go unmeasured,
-            # and the module's next calls take aliases again.
+            # and the module's next calls are walked again.
             for slot in slots:
                 slot.reason = NOT_MEASURED
             if pre_handle[0] is None:
                 pre_handle[0] = s.forward_pre_hook(module, pre, with_kwargs=True)
 
-        info: _ModuleInfo = (name, type_name, owns, to_aliases)
+        info: _ModuleInfo = (name, type_name, owns, to_walk)
 
         def post(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                  output: Any) -> None:
             graph = pre_handle[0] is None
+            start = -1
             if graph:
                 if skipped():
                     if self.active and self._root_grad:
@@ -1233,15 +1306,15 @@ class GradCollector(HookedContext):
                         self._note_simple_call(info, args[0], output, node, _m is s.model)
                         return
                 self._read_simple_calls()  # hooks on a shared node keep the calls' order
-                intake = _Intake(new_call(), False, graph=True)
+                intake = _Intake(new_call(), graph=True, start=-1)
                 if self._inputs:
-                    self._take_inputs(intake, args, kwargs)  # no alias: nothing to hand out
+                    self._take_inputs(intake, args, kwargs)
                 call, pending = intake.call, intake.pending
             else:
                 entry = stack.pop() if stack else None
                 if entry is None:
                     return
-                call, pending = entry
+                call, pending, start = entry
                 self._read_simple_calls()  # hooks on a shared node keep the calls' order
             grad = torch.is_grad_enabled()
             reads: list[tuple[Any, _NodeReads]] = []
@@ -1266,45 +1339,38 @@ class GradCollector(HookedContext):
                     slot = _Slot(path, t, OUTPUT_NO_GRAD)
                 call.outs.append(slot)
                 outs.setdefault(id(t), slot)
-            untouched: list[_PendingInput] = []
-            direct_in = []
+            walked: list[_PendingInput] = []
             for p in pending:
-                if graph:
-                    same = outs.get(id(p.tensor))
-                    if same is not None:  # returned as it came (Dropout in eval)
-                        p.slot.same_as = same
-                    else:
-                        direct_in.append(p)  # read where it enters the graph, below
-                    continue
-                if p.tensor._version == p.version:
-                    if not p.aliased:
-                        untouched.append(p)
-                    continue
-                # Changed in place during this call: the alias' own node left the graph.
-                base = p.tensor._base if p.aliased and p.tensor._base is not None else p.tensor
-                node = _inplace_reader(base.grad_fn, p.producer) \
-                    if p.producer is not None else None
-                p.slot.use_node = True
-                if node is None:
-                    p.slot.reason = NOT_MEASURED
-                else:
-                    _reads_at(reads, node).ins.append((p.slot, 0))
-            if direct_in:
-                self._read_entries(reads, roots, direct_in, to_aliases)
-            elif builtin and not graph and pending and roots and \
-                    all(p.aliased and p.tensor._version == p.version for p in pending) and \
-                    _entry_points(roots, [(p.tensor.grad_fn, p.tensor.output_nr)
-                                          for p in pending]) is not None:
-                to_graph()  # these inputs would have been found on the graph without aliases
-            self._hook_nodes(call, reads)
-            for p in untouched:
-                # An in-place module that left its input alone (Dropout in eval) and returned
-                # it: what it passes down is what it receives.
                 same = outs.get(id(p.tensor))
-                if same is not None:
-                    p.slot.same_as = same
+                if same is not None and p.tensor._version == p.version:
+                    p.slot.same_as = same  # returned as it came (Dropout in eval)
+                elif graph or p.tensor._version == p.version:
+                    walked.append(p)
                 else:
-                    p.slot.reason = NOT_MEASURED
+                    # Changed in place during this call: read on the node that the
+                    # in-place op put in front of the input's producer.
+                    node = _inplace_reader(p.tensor.grad_fn, p.producer) \
+                        if p.producer is not None else None
+                    if node is None:
+                        p.slot.reason = NOT_MEASURED
+                    else:
+                        _reads_at(reads, node).ins.append((p.slot, 0))
+            if walked and graph:
+                self._read_entries(reads, roots, walked, to_walk)
+            elif walked:
+                edges = [(p.producer, p.nr) for p in walked]
+                found = _consumers(roots, edges, start)
+                for i, p in enumerate(walked):
+                    if found is None:
+                        p.slot.reason = NOT_MEASURED
+                        continue
+                    p.slot.parts = len(found[i])  # none: the call's outputs do not use it
+                    for node, k in found[i]:
+                        _reads_at(reads, node).ins.append((p.slot, k))
+                if builtin and found is not None and len(walked) == len(pending) and \
+                        _entry_points(roots, edges) is not None:
+                    to_graph()  # its next calls are read where these inputs entered
+            self._hook_nodes(call, reads)
             self._calls.append(call)
 
         pre_handle[0] = s.forward_pre_hook(module, pre, with_kwargs=True)

@@ -58,13 +58,13 @@ def gradient_flow(
             `torchscope.step` for what each means.
         target: the target for `loss_fn`; None with a named loss draws a seeded one.
         optimizer: recorded in `flow.step`; not stepped.
-        select: modules to record per call (see `select_modules`); default the leaves.
+        select: modules to record per call (see `select_modules`); default the layers.
         depth: limit the selection depth.
         train: put the model in train (True) or eval (False) mode; restored afterwards.
             None leaves the mode as it is.
         zero_grad: set every `.grad` to None first, so the reading is this step's alone.
-        inputs_grad: also measure each call's grad_input (through input aliases, or on
-            autograd's graph for torch.nn leaves).
+        inputs_grad: also measure each call's grad_input (on the autograd nodes of the
+            call that consume each input; nothing is put into the graph).
 
     Returns:
         The step's `GradFlow`, with `flow.step` saying which loss ran and its value. The
@@ -714,10 +714,10 @@ def watch_gradients(
             counted as a step and in `watch.skipped` / `watch.skipped_steps`, and not sampled.
         micro_batches: backward passes per step, for a loop without `optimizer=`.
         manual: steps end only at `watch.end_step()`.
-        select: modules recorded per call (see `select_modules`); default the leaves.
+        select: modules recorded per call (see `select_modules`); default the layers.
         depth: limit the selection depth.
-        inputs_grad: also measure grad_input of each call (through input aliases, or on
-            autograd's graph for torch.nn leaves).
+        inputs_grad: also measure grad_input of each call (on the autograd nodes of the
+            call that consume each input; nothing is put into the graph).
         max_samples: how many samples the history keeps (the newest).
         check_nonfinite: check every step, not only sampled ones, whether any parameter
             gradient is NaN/Inf: one fused norm per step on the device, read only through

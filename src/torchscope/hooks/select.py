@@ -205,7 +205,7 @@ def select_modules(
         patterns = list(select)
     if not patterns:
         raise SelectionError("the selection is an empty list.",
-                             fix="pass None for the leaf modules, or name some modules.")
+                             fix="pass None for the layers, or name some modules.")
 
     picked_ids: set[int] = set()
     for pattern in patterns:

@@ -506,7 +506,7 @@ def monitor(
         scaler: the loop's `torch.amp.GradScaler`, if any.
         micro_batches: backward passes per step, for a loop without an optimizer whose
             steps cannot be inferred (see `watch_gradients`).
-        select: modules to watch (see `select_modules`); default the leaf modules.
+        select: modules to watch (see `select_modules`); default the layers.
         depth: limit the selection depth.
         activations: sample activation statistics.
         memory: sample what the forward saves for backward.

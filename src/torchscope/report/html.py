@@ -153,8 +153,8 @@ def _fold_all(n: int, what: str) -> str:
 
 # ---------------------------------------------------------------------------- fragments
 def leaf_records(capture: ActivationCapture) -> list[ActivationRecord]:
-    """The calls of the captured leaf modules (`torchscope.capture.analyze.leaf_modules`):
-    what the tables, plots and byte counts show (a container repeats its last child)."""
+    """The calls of the captured layers (`torchscope.capture.analyze.leaf_modules`): what
+    the tables, plots and byte counts show (a container repeats its last child)."""
     records = capture.records
     leaves = leaf_modules(records)
     return [r for r in records if r.module in leaves]
