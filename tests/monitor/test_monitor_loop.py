@@ -376,6 +376,42 @@ def test_bad_options_fail_before_training() -> None:
         torchscope.monitor("model")  # type: ignore[arg-type]
 
 
+def test_training_a_transformers_llama_is_bitwise_unchanged(tmp_path: Path) -> None:
+    """The monitor and a gradient watch that reads every call's input gradient, both on a
+    transformers Llama trained with AdamW. Its RMSNorm uses its input twice and the
+    residual stream once more: an input alias once changed the order in which autograd
+    adds those gradients, and the weights drifted in the last bits from the first sampled
+    step on."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    gen = torch.Generator().manual_seed(1)
+    ids = [torch.randint(0, 64, (2, 12), generator=gen) for _ in range(6)]
+
+    def run(watched: bool) -> tuple[list[torch.Tensor], nn.Module]:
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        with contextlib.ExitStack() as stack:
+            if watched:
+                stack.enter_context(torchscope.monitor(model, opt, every=2,
+                                                       out=tmp_path / "run"))
+                stack.enter_context(torchscope.watch_gradients(model, every=3,
+                                                               optimizer=opt))
+            for batch in ids:
+                opt.zero_grad(set_to_none=True)
+                model(input_ids=batch, labels=batch).loss.backward()
+                opt.step()
+        return [p.detach().clone() for p in model.parameters()], model
+
+    watched, model = run(True)
+    plain, _ = run(False)
+    for a, b in zip(watched, plain, strict=True):
+        assert torch.equal(a, b)
+    assert audit_hooks(model, include_global=False).local_total == 0
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_cuda_the_device_peak_is_kept_and_training_unchanged(tmp_path: Path) -> None:
     data = [(x.cuda(), y.cuda()) for x, y in batches(20)]
