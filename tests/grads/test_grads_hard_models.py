@@ -18,6 +18,7 @@ from torchscope.grads.records import (
     INPUT_NO_GRAD,
     NO_GRAD,
     NOT_REACHED,
+    NOT_RUN,
     OUTPUT_NO_GRAD,
 )
 from torchscope.hooks import audit_hooks
@@ -178,7 +179,7 @@ def test_frozen_and_unreached() -> None:
     assert not aux.reached and aux.grad_output[0].reason == NOT_REACHED
     assert flow.param("stem.weight").reason == FROZEN
     assert flow.param("aux.weight").reason == NOT_REACHED
-    assert flow.param("unused.bias").reason == NO_GRAD
+    assert flow.param("unused.bias").reason == NOT_RUN  # hooked, and it had no call
     assert flow.param("head.weight").norm is not None
     total = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
     assert _close(flow.total_norm, total.item())
@@ -189,6 +190,11 @@ def test_frozen_and_unreached() -> None:
     assert set(found) == {"aux", "unused"}
     assert found["aux"].evidence["reason"] == NOT_REACHED
     assert found["unused"].evidence["params"] == 2
+    assert found["unused"].summary.startswith("unused did not run in the step's forward")
+    assert "router" in found["unused"].fix and "router" not in found["aux"].fix
+    # A module left out of the selection is not watched: whether it ran is not known.
+    partial = gradient_flow(model, x, loss_fn="sum", select=["body", "head"])
+    assert partial.param("unused.bias").reason == NO_GRAD
     codes = {(f.code, f.module) for f in flow.findings()}
     assert ("grads.frozen", "stem") in codes
     assert not any(m == "stem" for c, m in codes if c in ("grads.dead", "grads.unreached"))

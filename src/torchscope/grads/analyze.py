@@ -23,6 +23,7 @@ from torchscope.grads.ranks import rank_findings
 from torchscope.grads.records import (
     NO_GRAD,
     NOT_REACHED,
+    NOT_RUN,
     RAN_IN_REENTRANT_CHECKPOINT,
     RAN_NO_GRAD,
     GradFlow,
@@ -669,7 +670,7 @@ def find_unreached(flow: GradFlow, thresholds: GradThresholds | None = None) -> 
         if p.requires_grad and p.tied_to is None and p.norm is None:
             if p.reason == RAN_IN_REENTRANT_CHECKPOINT:
                 cut.setdefault(p.module, []).append(p.name)
-            elif p.reason in (NOT_REACHED, NO_GRAD, RAN_NO_GRAD):
+            elif p.reason in (NOT_REACHED, NO_GRAD, RAN_NO_GRAD, NOT_RUN):
                 missing.setdefault(p.module, []).append(p.name)
     found = []
     if cut:
@@ -692,18 +693,31 @@ def find_unreached(flow: GradFlow, thresholds: GradThresholds | None = None) -> 
     mods = list(missing)
 
     def fix_for(m: str) -> str:
-        if flow.param(missing[m][0]).reason == RAN_NO_GRAD:
+        reason = flow.param(missing[m][0]).reason
+        if reason == RAN_NO_GRAD:
             return ("it ran under torch.no_grad inside the training forward: if its "
                     "parameters should learn, run it with gradients enabled; if not, freeze "
                     "them (requires_grad_(False)) so optimizers and DDP skip them.")
+        if reason == NOT_RUN:
+            return ("a module that a branch or a router skips (an expert of a mixture of "
+                    "experts that got no token) learns nothing in that step; if it never "
+                    "runs, check what selects it (an MoE's load balancing); if it is unused, "
+                    "remove or freeze it (requires_grad_(False)) so optimizers and DDP "
+                    "(find_unused_parameters) skip it.")
         return ("if they should learn, make the loss depend on them; if not, freeze them "
                 "(requires_grad_(False)) so optimizers and DDP skip them.")
+
+    def summary_for(m: str) -> str:
+        names = f"{len(missing[m])} trainable parameter(s) received no gradient " \
+            f"({', '.join(missing[m])})"
+        if flow.param(missing[m][0]).reason == NOT_RUN:
+            return f"{m or '<root>'} did not run in the step's forward: its {names}"
+        return f"{m or '<root>'}: {names}"
 
     found += [Finding(
         code="grads.unreached",
         severity=Severity.INFO,
-        summary=f"{m or '<root>'}: {len(missing[m])} trainable parameter(s) received no "
-        f"gradient ({', '.join(missing[m])})",
+        summary=summary_for(m),
         evidence={"params": len(missing[m]), "reason": flow.param(missing[m][0]).reason,
                   "step": flow.index},
         fix=fix_for(m), module=m) for m in mods[:5]]

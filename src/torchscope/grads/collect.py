@@ -83,6 +83,7 @@ from torchscope.grads.records import (
     NO_GRAD,
     NOT_MEASURED,
     NOT_REACHED,
+    NOT_RUN,
     OUTPUT_NO_GRAD,
     PASSES_UNSUMMED,
     RAN_IN_REENTRANT_CHECKPOINT,
@@ -1503,6 +1504,8 @@ class GradCollector(HookedContext):
         forwards = self._micro + 1
         calls = sorted(self._calls, key=lambda c: (c.order is None, c.order or 0, c.seq))
         called = {c.module for c in self._calls}
+        # A hooked module with no call while others had theirs did not run in the forward.
+        skipped = {n for n, _ in self._targets} - called if called else set()
         shapes = [(tuple(p.shape), str(p.dtype), p.requires_grad) for _, _, p in self._params]
         owners = [owner for _, owner, _ in self._params]
         names, param_vals = list(self._names), dict(self._param_vals)
@@ -1545,7 +1548,8 @@ class GradCollector(HookedContext):
                 elif n is None:
                     owner = mname if mname in no_grad else owners[i]
                     reason = NOT_REACHED if mname in called or owners[i] in called \
-                        else NO_GRAD if owner not in no_grad \
+                        else (NOT_RUN if mname in skipped else NO_GRAD) \
+                        if owner not in no_grad \
                         else RAN_IN_REENTRANT_CHECKPOINT if no_grad[owner] else RAN_NO_GRAD
                 else:
                     reason = None

@@ -22,6 +22,7 @@ NOT_REACHED = "the loss does not reach it"
 NOT_MEASURED = "not measured (non-strided or in-place input without history)"
 FROZEN = "frozen (requires_grad=False)"
 NO_GRAD = "received no gradient (not run, or the loss does not reach it)"
+NOT_RUN = "its module did not run in the step's forward"
 RAN_NO_GRAD = "ran only with gradients disabled (torch.no_grad) inside a training forward"
 RAN_IN_REENTRANT_CHECKPOINT = ("ran only inside a reentrant checkpoint whose inputs do not "
                                "require grad")
