@@ -687,3 +687,34 @@ def test_an_input_used_twice_inside_a_call_and_once_outside_keeps_torch_s_gradie
         handle.remove()
     (via_norm,) = torch.autograd.grad(model[1].norm(h), h, ref["out"])  # (64, 32)
     assert _close(flow.get("1.norm").grad_input[0].norm, via_norm.norm().item())
+
+
+def test_an_input_used_inside_and_outside_a_reentrant_checkpoint_of_one_call() -> None:
+    """A call that uses its input in a reentrant checkpoint (a nested backward) and once
+    more outside it: what it passes down adds both parts up, as torch's full backward hook
+    on the same module reads it."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Mix(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            a = checkpoint(lambda t: self.fc(t).tanh(), x, use_reentrant=True)  # (B, 8)
+            return a + x * 2
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), Mix(), nn.Linear(8, 2))
+    x = torch.randn(5, 4)
+    ref: dict[str, float] = {}
+    handle = model[1].register_full_backward_hook(
+        lambda _m, gi, _go: ref.__setitem__("in", gi[0].norm().item()))
+    _plain_grads(model, lambda: model(x).pow(2).sum().backward())
+    handle.remove()
+    before = _plain_grads(model, lambda: model(x).pow(2).sum().backward())
+    flow = gradient_flow(model, x, loss_fn=lambda o: o.pow(2).sum(),
+                         select=["0", "1", "1.fc", "2"])
+    _assert_same_grads(model, before)
+    assert _close(flow.get("1").grad_input[0].norm, ref["in"])
+    assert flow.get("1.fc").grad_output[0].norm is not None

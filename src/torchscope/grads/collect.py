@@ -988,12 +988,13 @@ class GradCollector(HookedContext):
 
     def _backward_done(self) -> None:
         self._bw_queued = False
-        self._flush_parts()
+        # A reentrant checkpoint's nested backward ends inside its node: the pass it is
+        # part of goes on (an input's parts may lie on both sides of it).
+        outermost = torch._C._current_autograd_node() is None
+        if outermost:
+            self._flush_parts()
         self._measure_params()
         self._last = None
-        # A reentrant checkpoint's nested backward ends inside its node: the pass it is
-        # part of goes on.
-        outermost = torch._C._current_autograd_node() is None
         if outermost:
             updates, self._bw_updates = self._bw_updates, False
             if not updates and any(p.requires_grad for _, _, p in self._params):
@@ -1472,7 +1473,8 @@ class GradCollector(HookedContext):
             step: the training step torchscope ran, when it ran one.
         """
         self._read_simple_calls()  # a forward whose root never returned: record its calls
-        self._measure_params()  # a backward that raised never ran its end callback
+        self._flush_parts()  # a backward that raised never ran its end callback
+        self._measure_params()
         # The weights' norms join the same host copy: one read of each trainable parameter
         # (this rank's shard under FSDP2), taken when the gradients are final and (in a
         # watched loop) before the update.
