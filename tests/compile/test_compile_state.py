@@ -232,3 +232,30 @@ def test_a_torchscript_submodule_is_measured_in_this_process(
     not a pickling error): that stopped the report; it measures here instead."""
     report = _measured_here(nn.Sequential(scripted_part(), nn.Linear(8, 2)), torch.randn(4, 8))
     assert any("cannot be pickled (RuntimeError" in n for n in report.notes), report.notes
+
+
+def test_a_recompile_of_a_decorated_forward_names_that_forward() -> None:
+    """The frame Dynamo recompiles is the decorator's wrapper (transformers' `wrapped_func`
+    in `deprecation.py`, the same for every forward it wraps): the recompile names the
+    decorated forward and its own place instead."""
+
+    class Wrapped(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        @_passes_through
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x).relu()
+
+    x = torch.randn(4, 8)
+    report = compile_report(Wrapped(), x, modes=("default",), iters=2, warmup=0,
+                            batch_sizes=(2,), dynamic=False)
+    m = report.mode("default")
+    assert m.status == "ok", m.error
+    assert m.recompiles, "a new batch size with dynamic=False recompiles"
+    code = Wrapped.forward.__wrapped__.__code__  # type: ignore[attr-defined]
+    for r in m.recompiles:
+        assert (r.function, r.file, r.line) == (
+            Wrapped.forward.__qualname__, code.co_filename, code.co_firstlineno)
+    assert "Wrapped.forward (test_compile_state.py:" in m.recompiles[0].where

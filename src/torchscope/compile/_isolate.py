@@ -30,10 +30,24 @@ from torch import nn
 
 from torchscope._process import kept_environment
 
-__all__ = ["TORCH_DIR", "fresh_inductor_cache", "private_code"]
+__all__ = ["TORCH_DIR", "fresh_inductor_cache", "private_code", "private_origin"]
 
 #: torch's own package directory: code from here is torch's, not the user's.
 TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+
+
+# id of a private copy of a decorator's wrapper code -> what it wraps: the decorated
+# function's qualified name, and its own code's file and first line (see `private_origin`).
+_ORIGINS: dict[int, tuple[str, str, int]] = {}
+
+
+def private_origin(code: types.CodeType) -> tuple[str, str, int] | None:
+    """For a private copy of a decorator's wrapper (`private_code`), the function it wraps:
+    `(qualified name, file, first line)`, as `LlamaForCausalLM.forward` and its place in
+    `modeling_llama.py`. The wrapper's own name and place (`wrapped_func` in transformers'
+    `deprecation.py`) are shared by every function that decorator wraps, and tell the user
+    nothing. None for any other code object."""
+    return _ORIGINS.get(id(code))
 
 
 def _fresh_function(fn: types.FunctionType, codes: list[types.CodeType], *,
@@ -74,6 +88,9 @@ def _fresh_function(fn: types.FunctionType, codes: list[types.CodeType], *,
     new.__dict__.update(fn.__dict__)
     if fresh_inner is not None:
         new.__wrapped__ = fresh_inner  # type: ignore[attr-defined]
+    own = getattr(inspect.unwrap(fn), "__code__", None) if inner is not None else None
+    if isinstance(own, types.CodeType):
+        _ORIGINS[id(code)] = (fn.__qualname__, own.co_filename, own.co_firstlineno)
     codes.append(code)
     return new
 
@@ -147,6 +164,8 @@ def private_code(model: nn.Module) -> Iterator[None]:
                 m.__dict__.pop("forward", None)
             else:
                 m.__dict__["forward"] = own
+        for code in codes:
+            _ORIGINS.pop(id(code), None)
         codes.extend(_ours_since(holding))
         _release(codes)
 

@@ -17,6 +17,7 @@ import torch
 import torch._dynamo.guards
 from torch import nn
 
+from torchscope.compile._isolate import private_origin
 from torchscope.compile.records import Recompile
 from torchscope.errors import CompileError
 from torchscope.hooks.compiled import CompileCounter
@@ -155,7 +156,7 @@ class RecompileWatcher(CompileCounter):
         if m is None or int(m.group(2)) == 0:
             return
         guard, source = parse_guard(texts[0]) if texts else ("unknown guard failure", None)
-        function, file, line = ("?", "?", 0) if code is None else (
+        function, file, line = ("?", "?", 0) if code is None else private_origin(code) or (
             code.co_name, code.co_filename, code.co_firstlineno)
         rec = Recompile(f"{m.group(1)}/{m.group(2)}", function, file, line, guard,
                         tuple(texts), source)
