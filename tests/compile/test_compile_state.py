@@ -259,3 +259,25 @@ def test_a_recompile_of_a_decorated_forward_names_that_forward() -> None:
         assert (r.function, r.file, r.line) == (
             Wrapped.forward.__qualname__, code.co_filename, code.co_firstlineno)
     assert "Wrapped.forward (test_compile_state.py:" in m.recompiles[0].where
+
+
+def test_a_tensor_passed_twice_stays_one_tensor_at_another_batch_size() -> None:
+    """`input_ids=ids, labels=ids`: the batch-size probe made two tensors of the one, and
+    Dynamo's guard that they are the same failed: a recompile the user's loop never makes,
+    reported as theirs."""
+
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return (self.fc(a) - b).square().mean()
+
+    x = torch.randn(4, 8)
+    report = compile_report(Twice(), {"a": x, "b": x}, modes=("default",), iters=2, warmup=0,
+                            batch_sizes=(4,))
+    m = report.mode("default")
+    assert m.status == "ok", m.error
+    assert [c.compiled for c in m.shape_calls] == [False]
+    assert m.recompiles == ()

@@ -100,18 +100,22 @@ def _grads(model: nn.Module) -> list[torch.Tensor]:
 
 def _resized(step: Step, batch_size: int) -> Step:
     """`step` with every tensor whose first dim is the batch (the first dim of the first
-    input tensor), its target included, cut or tiled to `batch_size`."""
+    input tensor), its target included, cut or tiled to `batch_size`. A tensor passed
+    twice (`input_ids=ids, labels=ids`) stays one tensor: two would fail Dynamo's guard
+    that they are the same, a recompile the user's own loop never makes."""
     leaves = [t for _, t in iter_tensors((step.inputs.args, dict(step.inputs.kwargs)))]
     if not leaves or leaves[0].dim() == 0:
         raise ValueError("the inputs have no batch dimension to resize")
     batch = int(leaves[0].shape[0])
+    made: dict[int, torch.Tensor] = {}
 
     def fit(v: Any) -> Any:
         if not isinstance(v, torch.Tensor) or v.dim() == 0 or v.shape[0] != batch:
             return v
-        if batch_size <= batch:
-            return v[:batch_size].clone()
-        return torch.cat([v] * -(-batch_size // batch))[:batch_size]  # (batch_size, ...)
+        if id(v) not in made:
+            made[id(v)] = v[:batch_size].clone() if batch_size <= batch else \
+                torch.cat([v] * -(-batch_size // batch))[:batch_size]  # (batch_size, ...)
+        return made[id(v)]
 
     inputs = ModelInputs(tuple(fit(a) for a in step.inputs.args),
                          {k: fit(v) for k, v in step.inputs.kwargs.items()})
