@@ -67,3 +67,30 @@ def test_refuse_policy_raises_clear_error(
     _, compiled, _ = compiled_cnn
     with pytest.raises(CompileError, match="compiled"):
         HookSession(compiled, compiled="refuse")
+
+
+def test_watches_on_a_compiled_model_say_it_ran_eagerly() -> None:
+    """The gradient watch and the activation capture keep a compiled model eager while
+    open (as the monitor does, which says so): each says so too, as info, and a plain
+    model gets no such finding."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    compiled = torch.compile(model, backend="eager")
+    x = torch.randn(4, 8)
+    for net, parts in ((compiled, ("",)), (model, ())):
+        with torchscope.watch_gradients(net) as grads, \
+                torchscope.watch_activations(net) as acts:
+            for _ in range(2):
+                net.zero_grad(set_to_none=True)
+                net(x).square().sum().backward()
+        assert grads.compiled == parts and acts.compiled == parts
+        for found, code in ((grads.findings(), "grads.compiled_eager"),
+                            (acts.findings(), "activations.compiled_eager")):
+            hits = [f for f in found if f.code == code]
+            if parts:
+                assert [f.severity.label for f in hits] == ["info"]
+                assert "(<root>) ran eagerly while the" in hits[0].summary
+                assert "eager numerics" in hits[0].summary
+            else:
+                assert hits == []
+    assert audit_hooks(model, include_global=False).local_total == 0

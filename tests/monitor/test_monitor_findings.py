@@ -184,7 +184,8 @@ def test_a_compiled_model_is_said_to_run_eagerly_under_the_monitor() -> None:
     assert run.compiled == ("",)
     found = [f for f in run.findings() if f.code == "run.compiled_eager"]
     assert [f.severity for f in found] == [Severity.INFO]
-    assert "(<root>) ran eagerly for the whole run" in found[0].summary
+    assert "(<root>) ran eagerly while the monitor was open" in found[0].summary
+    assert "for the whole run: the step times here are eager ones" in found[0].summary
     assert str(torch._dynamo.eval_frame._stance.stance) == stance == "default"
     plain = _run(model, opt, 4, 2)
     assert plain.compiled == ()

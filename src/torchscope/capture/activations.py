@@ -221,6 +221,13 @@ class ActivationCapture(HookedContext, Analyzed):
         return self._step + 1
 
     @property
+    def compiled(self) -> tuple[str, ...]:
+        """The model's compiled parts (qualified names, `""` the root), which run eagerly
+        while the capture is open: torchscope's hooks fire only in eager code."""
+        check = self._session.compiled_check
+        return check.compiled if check is not None else ()
+
+    @property
     def weighted(self) -> frozenset[str]:
         """Hooked modules with weights that set the scale of what follows (Linear, Conv,
         Embedding)."""

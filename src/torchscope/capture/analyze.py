@@ -25,6 +25,7 @@ from torchscope.capture.activations import ActivationCapture
 from torchscope.capture.nonfinite import trace_nonfinite
 from torchscope.capture.records import ActivationRecord, ActivationRecords
 from torchscope.findings import Finding, Severity, analyzer, rank
+from torchscope.hooks.compiled import ran_eagerly
 
 __all__ = ["ActivationThresholds", "analyze_activations", "leaf_modules", "weighted_order"]
 
@@ -117,6 +118,9 @@ def analyze_activations(
     judged = [r for r in last if r.module in leaves]
     out += _per_module(judged, th, capture.zero_init)
     out += _scale_drift(judged, weighted_order(judged, capture.weighted), th)
+    if isinstance(capture, ActivationCapture):
+        out += ran_eagerly("activations.compiled_eager", capture.compiled,
+                           "the activation capture")
     return rank(out)
 
 

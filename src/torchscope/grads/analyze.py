@@ -33,6 +33,7 @@ from torchscope.grads.records import (
     ratio,
     rms,
 )
+from torchscope.hooks.compiled import ran_eagerly
 
 __all__ = [
     "DepthProfile",
@@ -922,4 +923,5 @@ def diagnose_watch(watch: GradWatch, thresholds: GradThresholds | None = None) -
     found = diagnose(last, thresholds) if last is not None else []
     found += find_no_step(watch.step_by, watch.steps, watch.backwards, watch.optimizer_name)
     found += find_no_update(watch.backwards, watch.passes_without_update, watch.steps)
+    found += ran_eagerly("grads.compiled_eager", watch.compiled, "the gradient watch")
     return rank(found + diagnose_history(watch.history, thresholds))

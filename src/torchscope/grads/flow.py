@@ -329,6 +329,13 @@ class GradWatch(HookedContext, Analyzed):
         return self._collector.passes_without_update
 
     @property
+    def compiled(self) -> tuple[str, ...]:
+        """The model's compiled parts (qualified names, `""` the root), which run eagerly
+        while the watch is open: torchscope's hooks fire only in eager code."""
+        check = self._collector.session.compiled_check
+        return check.compiled if check is not None else ()
+
+    @property
     def session(self) -> HookSession:
         """The `HookSession` owning every hook of this watch."""
         return self._collector.session

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from torchscope.errors import CompileError
+from torchscope.findings import Finding, Severity
 
 __all__ = [
     "CompileCounter",
@@ -29,6 +30,7 @@ __all__ = [
     "check_compiled",
     "compiled_capture",
     "compiled_parts",
+    "ran_eagerly",
     "unwrap_compiled",
 ]
 
@@ -64,6 +66,32 @@ def compiled_parts(model: nn.Module) -> tuple[str, ...]:
     opt = torch._dynamo.eval_frame.OptimizedModule
     return tuple(name for name, m in model.named_modules()
                  if isinstance(m, opt) or getattr(m, "_compiled_call_impl", None) is not None)
+
+
+def ran_eagerly(code: str, parts: tuple[str, ...], what: str, *, also: str = ""
+                ) -> list[Finding]:
+    """The info finding that the model's compiled `parts` ran eagerly while `what` (a watch
+    or the monitor) held its hooks: at eager speed and with eager numerics. Empty when
+    nothing was compiled.
+
+    Args:
+        code: the finding's code (`grads.compiled_eager`, ...).
+        parts: qualified names of the compiled modules (`CompiledCheck.compiled`).
+        what: what held the hooks, as the sentence names it ("the gradient watch").
+        also: a clause to add (what else was eager).
+    """
+    if not parts:
+        return []
+    where = ", ".join(n or "<root>" for n in parts[:3]) + (", ..." if len(parts) > 3 else "")
+    return [Finding(
+        code, Severity.INFO,
+        f"the model's compiled parts ({where}) ran eagerly while {what} was open: "
+        "torchscope's hooks fire only in eager code, so the steps it saw ran at eager speed "
+        "and with eager numerics (eager gradients differ from compiled ones in the last "
+        f"bits){also}",
+        {"compiled": len(parts)},
+        fix=f"to train at compiled speed, open {what} around a stretch of the run only (its "
+            "findings cover that stretch).")]
 
 
 def unwrap_compiled(model: nn.Module) -> nn.Module:

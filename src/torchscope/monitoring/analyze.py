@@ -25,6 +25,7 @@ from torchscope.grads.analyze import (
     find_no_step,
     find_no_update,
 )
+from torchscope.hooks.compiled import ran_eagerly
 from torchscope.monitoring.records import LayerSeries, RunRecord
 
 __all__ = ["RunThresholds", "analyze_run", "change", "grad_history"]
@@ -327,18 +328,8 @@ def section_of(finding: Finding) -> str:
 
 
 def _compiled(record: RunRecord) -> list[Finding]:
-    if not record.compiled:
-        return []
-    where = ", ".join(n or "<root>" for n in record.compiled[:3]) + \
-        (", ..." if len(record.compiled) > 3 else "")
-    return [Finding(
-        "run.compiled_eager", Severity.INFO,
-        f"the model's compiled parts ({where}) ran eagerly for the whole run: torchscope's "
-        "hooks fire only in eager code, so the monitor keeps them eager from its start to "
-        "its end, and the step times here are eager ones",
-        {"compiled": len(record.compiled), "steps": record.steps},
-        fix="to train at compiled speed, open the monitor around a stretch of the run only "
-            "(its report covers that stretch).")]
+    return ran_eagerly("run.compiled_eager", record.compiled, "the monitor",
+                       also=", for the whole run: the step times here are eager ones")
 
 
 @analyzer(RunRecord)
