@@ -7,6 +7,7 @@ import inspect
 import io
 
 import torch
+from torch import nn
 from torch.profiler import profile
 
 from torchscope.models import MLP, DeepMLP
@@ -113,3 +114,26 @@ def test_a_compiled_model_is_timed_eagerly_and_left_compiled() -> None:
         assert all("forward" not in m.__dict__ for m in model.modules())
     finally:
         torch._dynamo.reset()
+
+
+def test_a_compiled_model_profiled_per_module_is_said_to_be_the_eager_one() -> None:
+    """Per-module ranges need hooks, which fire only in eager code: profile_steps times a
+    compiled model eagerly, and says so as a warning (the op table is aten's, not the
+    compiled kernels'); by_module=False profiles the compiled code and says nothing."""
+    import torchscope
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    compiled = torch.compile(model, backend="eager")
+    x = torch.randn(4, 8)
+    eager = torchscope.profile_steps(compiled, x, loss_fn="sum", steps=2)
+    assert eager.compiled == ("",)
+    found = [f for f in eager.findings() if f.code == "profiling.compiled_eager"]
+    assert [f.severity.label for f in found] == ["warning"]
+    assert "by_module=False" in (found[0].fix or "")
+    as_compiled = torchscope.profile_steps(compiled, x, loss_fn="sum", steps=2,
+                                           by_module=False)
+    assert as_compiled.compiled == () and not as_compiled.modules
+    assert not [f for f in as_compiled.findings() if f.code == "profiling.compiled_eager"]
+    plain = torchscope.profile_steps(model, x, loss_fn="sum", steps=2)
+    assert plain.compiled == ()

@@ -68,30 +68,32 @@ def compiled_parts(model: nn.Module) -> tuple[str, ...]:
                  if isinstance(m, opt) or getattr(m, "_compiled_call_impl", None) is not None)
 
 
-def ran_eagerly(code: str, parts: tuple[str, ...], what: str, *, also: str = ""
-                ) -> list[Finding]:
-    """The info finding that the model's compiled `parts` ran eagerly while `what` (a watch
-    or the monitor) held its hooks: at eager speed and with eager numerics. Empty when
-    nothing was compiled.
+def ran_eagerly(code: str, parts: tuple[str, ...], what: str, *, also: str = "",
+                severity: Severity = Severity.INFO, fix: str | None = None) -> list[Finding]:
+    """The finding that the model's compiled `parts` ran eagerly while `what` (a watch, the
+    monitor, a per-module profile) held its hooks: at eager speed and with eager numerics.
+    Empty when nothing was compiled.
 
     Args:
         code: the finding's code (`grads.compiled_eager`, ...).
         parts: qualified names of the compiled modules (`CompiledCheck.compiled`).
         what: what held the hooks, as the sentence names it ("the gradient watch").
         also: a clause to add (what else was eager).
+        severity: info, unless what was measured is itself the eager model's (a profile).
+        fix: the fix; by default, open `what` around a stretch of the run only.
     """
     if not parts:
         return []
     where = ", ".join(n or "<root>" for n in parts[:3]) + (", ..." if len(parts) > 3 else "")
     return [Finding(
-        code, Severity.INFO,
+        code, severity,
         f"the model's compiled parts ({where}) ran eagerly while {what} was open: "
         "torchscope's hooks fire only in eager code, so the steps it saw ran at eager speed "
         "and with eager numerics (eager gradients differ from compiled ones in the last "
         f"bits){also}",
         {"compiled": len(parts)},
-        fix=f"to train at compiled speed, open {what} around a stretch of the run only (its "
-            "findings cover that stretch).")]
+        fix=fix or f"to train at compiled speed, open {what} around a stretch of the run "
+            "only (its findings cover that stretch).")]
 
 
 def unwrap_compiled(model: nn.Module) -> nn.Module:

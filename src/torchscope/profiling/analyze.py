@@ -9,6 +9,7 @@ import statistics
 from torchscope._timing import compare, fmt_ratio
 from torchscope.distributed.ranked import Ranked, rank_list, ranked_analyzer
 from torchscope.findings import Finding, Severity, analyzer, rank
+from torchscope.hooks.compiled import ran_eagerly
 from torchscope.profiling.comm import is_comm
 from torchscope.profiling.loader import LOADER_RANGE_PREFIX
 from torchscope.profiling.ops import sort_ops
@@ -138,8 +139,8 @@ def profile_findings(result: ProfileResult,
     `profiling.host_read` (on CPU), `profiling.input_wait` (a DataLoader in the
     profiled steps), `profiling.backward_ratio`,
     `profiling.optimizer_share`, `profiling.top_module`, `profiling.overhead`,
-    `profiling.no_phases`, and with collectives `profiling.comm` or
-    `profiling.comm_exposed`.
+    `profiling.no_phases`, `profiling.compiled_eager` (a compiled model timed per module
+    ran eagerly), and with collectives `profiling.comm` or `profiling.comm_exposed`.
     """
     th = thresholds or ProfileThresholds()
     out: list[Finding] = []
@@ -234,6 +235,12 @@ def profile_findings(result: ProfileResult,
             "step's parts in torchscope.profiling.phase('forward') etc.",
         ))
     out.extend(comm_findings(result, th))
+    out += ran_eagerly(
+        "profiling.compiled_eager", result.compiled, "the per-module profile",
+        also=": these op and module times are the eager model's, not the compiled one's",
+        severity=Severity.WARNING,
+        fix="to profile the compiled code itself (its kernels and phases, no per-module "
+            "times, which need hooks), pass by_module=False.")
     return rank(out)
 
 

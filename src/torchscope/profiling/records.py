@@ -325,6 +325,8 @@ class ProfileResult(Analyzed, Gatherable):
             (`watch_time` in your loop); None when they took none.
         host_reads: the step's tensor reads to Python and device waits; None when not
             read from the events (then `findings` counts the op table's reads).
+        compiled: the model's `torch.compile`d parts, which ran eagerly for the per-module
+            ranges (hooks fire only in eager code): the times are the eager model's.
     """
 
     steps: int
@@ -341,6 +343,7 @@ class ProfileResult(Analyzed, Gatherable):
     comm: CommTime | None = None
     input_wait: InputWait | None = None
     host_reads: HostReads | None = None
+    compiled: tuple[str, ...] = ()
 
     def op(self, name: str) -> OpRecord | None:
         """The record of op `name` (first one, when grouped by shape), or None."""

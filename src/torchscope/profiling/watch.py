@@ -275,7 +275,9 @@ class TimeWatch(HookedContext):
             phases=attr.phases, modules=attr.modules, reconciliation=attr.reconciliation,
             timing=timing, by_module=ranges is not None, trace_path=trace_path,
             notes=tuple(notes), comm=comm_time(events, len(self._active)),
-            input_wait=input_wait(events), host_reads=host_reads(events))
+            input_wait=input_wait(events), host_reads=host_reads(events),
+            compiled=ranges.session.compiled_check.compiled
+            if ranges is not None and ranges.session.compiled_check is not None else ())
 
 
 def watch_time(
