@@ -224,8 +224,7 @@ class ActivationCapture(HookedContext, Analyzed):
     def compiled(self) -> tuple[str, ...]:
         """The model's compiled parts (qualified names, `""` the root), which run eagerly
         while the capture is open: torchscope's hooks fire only in eager code."""
-        check = self._session.compiled_check
-        return check.compiled if check is not None else ()
+        return self._session.compiled
 
     @property
     def weighted(self) -> frozenset[str]:

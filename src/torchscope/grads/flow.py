@@ -332,8 +332,7 @@ class GradWatch(HookedContext, Analyzed):
     def compiled(self) -> tuple[str, ...]:
         """The model's compiled parts (qualified names, `""` the root), which run eagerly
         while the watch is open: torchscope's hooks fire only in eager code."""
-        check = self._collector.session.compiled_check
-        return check.compiled if check is not None else ()
+        return self._collector.session.compiled
 
     @property
     def session(self) -> HookSession:

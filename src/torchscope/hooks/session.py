@@ -148,6 +148,12 @@ class HookSession:
         return self._closed
 
     @property
+    def compiled(self) -> tuple[str, ...]:
+        """The model's compiled parts (qualified names, `""` the root), which run eagerly
+        while this session holds hooks; empty for a model with none."""
+        return self.compiled_check.compiled if self.compiled_check is not None else ()
+
+    @property
     def model(self) -> nn.Module:
         """The model, while it is alive.
 

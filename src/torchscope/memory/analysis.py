@@ -12,6 +12,7 @@ from collections import Counter
 from torchscope._timing import fmt_ratio
 from torchscope._util import fmt_bytes
 from torchscope.findings import Finding, Severity, analyzer
+from torchscope.hooks.compiled import ran_eagerly
 from torchscope.memory.records import (
     CheckpointPlan,
     LiveTensors,
@@ -77,9 +78,17 @@ def analyze_report(report: MemoryReport, thresholds: object = None) -> list[Find
 @analyzer(SavedActivations)
 def analyze_saved(saved: SavedActivations, thresholds: object = None) -> list[Finding]:
     """Which module types hold the saved activations, and the largest single holder."""
+    compiled = ran_eagerly(
+        "memory.compiled_eager", saved.compiled, "the saved-activation count",
+        also=": these are the bytes the eager model saves; the compiled graph keeps what "
+             "its partitioner chose (often less, recomputing cheap ops in backward)",
+        severity=Severity.WARNING,
+        fix="compare the compiled step's own peak (torch.cuda.max_memory_allocated around "
+            "it, no torchscope hooks open) with the eager one; per-module saved bytes need "
+            "hooks, which need eager code.")
     total = saved.total_bytes
     if total <= 0:
-        return []
+        return compiled
     by_type: Counter[str] = Counter()
     for row in saved.modules:
         by_type[row.module_type or "(no module)"] += row.bytes
@@ -109,7 +118,7 @@ def analyze_saved(saved: SavedActivations, thresholds: object = None) -> list[Fi
                  "checkpoint the block containing it, or lower its batch or sequence size."),
             module=top.module,
         ))
-    return out
+    return compiled + out
 
 
 @analyzer(MemoryTotals)

@@ -89,6 +89,9 @@ class SavedActivations(Analyzed, Gatherable):
             in this forward, in call order: module names (their inputs, which the
             checkpoint keeps, count in those modules' rows), or a function's qualified
             name where the checkpointed function is not a module of the model.
+        compiled: the model's `torch.compile`d parts, which ran eagerly while it was
+            counted (hooks fire only in eager code): what the eager model saves, not what
+            the compiled graph keeps.
     """
 
     storages: tuple[SavedStorage, ...]
@@ -100,6 +103,7 @@ class SavedActivations(Analyzed, Gatherable):
     saves: int
     step: StepInfo | None = None
     checkpointed: tuple[str, ...] = ()
+    compiled: tuple[str, ...] = ()
 
     @property
     def activation_storages(self) -> tuple[SavedStorage, ...]:

@@ -218,6 +218,7 @@ def _unpack(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
 def _freeze(
     alive: Sequence[tuple[StorageKey, _Entry]], out_keys: dict[StorageKey, int], saves: int,
     step: StepInfo | None = None, checkpointed: Sequence[str] = (),
+    compiled: tuple[str, ...] = (),
 ) -> SavedActivations:
     storages = tuple(replace(e.first, saves=e.saves, savers=tuple(e.savers)) for _, e in alive)
     rows: dict[str, list[SavedStorage]] = {}
@@ -240,6 +241,7 @@ def _freeze(
         saves=saves,
         step=step,
         checkpointed=tuple(checkpointed),
+        compiled=compiled,
     )
 
 
@@ -288,7 +290,8 @@ def _account(
 
         loss = step.forward_backward(before_backward=before_backward)
     alive, out_keys, saves = seen[0]
-    saved = _freeze(alive, out_keys, saves, step.info(loss), list(recorder.checkpointed))
+    saved = _freeze(alive, out_keys, saves, step.info(loss), list(recorder.checkpointed),
+                    session.compiled)
     return _Accounting(saved, tuple(k for k, _ in alive), block_inputs, need_grad)
 
 

@@ -183,7 +183,8 @@ class MemoryWatch(HookedContext):
             return  # always_call hooks run while the forward's exception is handled
         rec = active.recorder
         saved = _freeze(rec.alive(), storage_keys(output), rec.saves,
-                        checkpointed=list(rec.checkpointed))
+                        checkpointed=list(rec.checkpointed),
+                        compiled=self._session.compiled if self._session else ())
         rows = {m.module: m.bytes for m in saved.modules}
         entry = _Pending([active.forward, rows, saved.total_bytes, None],
                          MemorySample(active.forward, saved), [])

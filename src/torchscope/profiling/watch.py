@@ -276,8 +276,7 @@ class TimeWatch(HookedContext):
             timing=timing, by_module=ranges is not None, trace_path=trace_path,
             notes=tuple(notes), comm=comm_time(events, len(self._active)),
             input_wait=input_wait(events), host_reads=host_reads(events),
-            compiled=ranges.session.compiled_check.compiled
-            if ranges is not None and ranges.session.compiled_check is not None else ())
+            compiled=ranges.session.compiled if ranges is not None else ())
 
 
 def watch_time(
