@@ -222,9 +222,11 @@ def test_a_step_under_autocast_is_not_told_to_use_mixed_precision() -> None:
     """The top op's fix suggested torch.autocast to a step that already ran under it."""
     from torchscope.step import Step
 
-    # Matmuls large enough to outweigh autocast's casts of the weights, under load too.
+    # Matmuls large enough to outweigh autocast's casts of the weights, under load too: the
+    # casts grow with the weights, the matmuls with the batch too (at a batch of 256 the
+    # casts, aten::copy_, came first in some runs on a loaded 2-core machine).
     model = nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
-    x, y = torch.randn(256, 1024), torch.randint(0, 10, (256,))
+    x, y = torch.randn(1024, 1024), torch.randint(0, 10, (1024,))
     fixes = []
     for precision in (None, "bf16"):
         step = Step(model, x, loss_fn="cross_entropy", target=y).with_autocast(precision)
