@@ -510,3 +510,19 @@ def test_attention_and_stacked_experts_are_recorded_and_judged_by_default() -> N
     cap = capture_activations(moe, torch.randn(3, 8))
     assert [r.module for r in cap.records] == ["0", "1.act", "1"]
     assert leaf_modules(cap.records) == {"0", "1.act", "1"}
+
+    class Embed(nn.Module):  # as ViT's embeddings: own position parameters, then dropout
+        def __init__(self) -> None:
+            super().__init__()
+            self.pos = nn.Parameter(torch.randn(8) * 0.1)
+            self.drop = nn.Dropout(0.0)
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = self.drop(h + self.pos)
+            return out
+
+    # Its output is its dropout's, the same tensor: judged (and counted) there, once.
+    cap = capture_activations(nn.Sequential(nn.Linear(8, 8), Embed()), torch.randn(3, 8))
+    assert [r.module for r in cap.records] == ["0", "1.drop", "1"]
+    assert cap.get("1").owns_params
+    assert leaf_modules(cap.records) == {"0", "1.drop"}

@@ -23,7 +23,7 @@ import torch
 from torchscope._util import fit_line
 from torchscope.capture.activations import ActivationCapture
 from torchscope.capture.nonfinite import trace_nonfinite
-from torchscope.capture.records import ActivationRecord, ActivationRecords
+from torchscope.capture.records import ActivationRecord, ActivationRecords, TensorStats
 from torchscope.findings import Finding, Severity, analyzer, rank
 from torchscope.hooks.compiled import ran_eagerly
 
@@ -71,14 +71,18 @@ def leaf_modules(records: Iterable[ActivationRecord]) -> frozenset[str]:
     expert weights, makes its output itself).
 
     A capture of every module gives the model's layers (those that ran); a capture of a
-    selection gives the selection's innermost modules and its modules with parameters.
+    selection gives the selection's innermost modules and its modules with parameters. A
+    module with parameters that returns what its last child returned (`_passes_on`) is
+    judged at that child, once.
     """
     names: set[str] = set()
     inner: set[str] = set()
     holders: set[str] = set()
+    records = list(records)
+    by_order = {(r.step, r.order): r for r in records}
     for r in records:
         names.add(r.module)
-        if r.owns_params:
+        if r.owns_params and not _passes_on(r, by_order.get((r.step, r.order - 1))):
             holders.add(r.module)
     for name in names:
         if name:
@@ -86,6 +90,28 @@ def leaf_modules(records: Iterable[ActivationRecord]) -> frozenset[str]:
             parts = name.split(".")
             inner.update(".".join(parts[:i]) for i in range(1, len(parts)))
     return frozenset((names - inner) | holders)
+
+
+def _passes_on(r: ActivationRecord, before: ActivationRecord | None) -> bool:
+    """Whether module call `r` returned what the call that finished just before it, one of
+    its children, returned: the same statistics (ViT's embeddings add their own position
+    parameters, then return their dropout's output). Its output is then that child's, and
+    judged there once."""
+    if before is None or not r.module or not before.module.startswith(r.module + ".") or \
+            len(before.outputs) != len(r.outputs) or not r.outputs:
+        return False
+    return all(_same_stats(a, b) for a, b in zip(before.outputs, r.outputs, strict=True))
+
+
+def _same_stats(a: TensorStats, b: TensorStats) -> bool:
+    def same(x: float | int | None, y: float | int | None) -> bool:
+        return x == y or (isinstance(x, float) and isinstance(y, float) and
+                          math.isnan(x) and math.isnan(y))
+
+    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and all(
+        same(getattr(a, f), getattr(b, f))
+        for f in ("numel", "mean", "std", "min", "max", "norm", "zero_frac", "nan_count",
+                  "inf_count"))
 
 
 def weighted_order(records: Iterable[ActivationRecord], weighted: Iterable[str]
