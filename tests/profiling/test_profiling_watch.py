@@ -238,4 +238,8 @@ def test_a_loop_fed_ready_batches_has_no_input_warning() -> None:
     loader = torch.utils.data.DataLoader(batches, batch_size=None)  # already batched
     result, *found = _loader_loop(model, loader, 6)
     assert result.input_wait is not None and result.input_wait.calls == 3
-    assert "profiling.input_wait" not in {f.code for f in found}
+    # No warning. (An info, a wait of 5-20 % of the steps, came once on a loaded 2-core
+    # machine, when the scheduler took the process away inside one batch's fetch.)
+    assert not [f for f in found if f.code == "profiling.input_wait"
+                and f.severity >= Severity.WARNING]
+    assert result.input_wait.ms < 0.2 * result.timing.profiled_total_ms
