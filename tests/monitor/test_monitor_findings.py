@@ -190,3 +190,23 @@ def test_a_compiled_model_is_said_to_run_eagerly_under_the_monitor() -> None:
     plain = _run(model, opt, 4, 2)
     assert plain.compiled == ()
     assert not [f for f in plain.findings() if f.code == "run.compiled_eager"]
+
+
+def test_activations_that_drift_together_are_one_finding() -> None:
+    """Every weight scaled up 10 % a step, no normalisation: every layer's output grows,
+    each faster than the one before. One finding says the whole model drifted; a layer is
+    named only where it went 10x further than the median layer (it had one warning per
+    layer, a dozen on a diverging Llama)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)], nn.Linear(8, 2))
+    run = _run(model, torch.optim.SGD(model.parameters(), lr=0.0), 40, 2,
+               after_step=lambda i: [m.weight.mul_(1.1) for m in model])
+    drift = [f for f in _run_findings(run) if f.code == "run.activation_drift"]
+    whole = [f for f in drift if f.module is None]
+    assert len(whole) == 1 and whole[0].severity == Severity.WARNING
+    assert "the whole model's activations drifted together (5 layers)" in whole[0].summary
+    named = [f for f in drift if f.module is not None]
+    assert len(named) < 5
+    for f in named:
+        assert f.evidence["ratio"] >= 10 * whole[0].evidence["median_change"]
+        assert "more than the median layer's" in f.summary

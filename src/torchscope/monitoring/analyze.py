@@ -45,7 +45,9 @@ class RunThresholds:
             the median layer (the layer diverges from the rest of the model); a change the
             whole model shares is reported once, as info when it falls (training converging)
             and as a warning when it grows.
-        drift_info: output std that changes this many times is reported (info).
+        drift_info: output std that changes this many times is reported (info); when the
+            median layer's does, the whole model drifted: one finding, and a layer only
+            where it went `relative_ratio` times further.
         drift_warn: ...and this many times is a warning.
         dead_warn: fraction of dead channels at the end of the run that is a warning...
         dead_growth: ...when it grew by at least this fraction since the start.
@@ -191,29 +193,56 @@ def _gradient_trends(record: RunRecord, t: RunThresholds) -> list[Finding]:
 
 
 def _activation_drift(record: RunRecord, t: RunThresholds) -> list[Finding]:
+    """Layers whose output std drifted `drift_info` times or more. When the median layer
+    drifted that far, the whole model drifted together (a diverging run): one finding
+    says so, and a layer is named only when it drifted `relative_ratio` times more than the
+    median, as for gradients."""
     series = record.act_std
     if len(series.steps) < t.min_samples:
         return []
+    found = {k: c for k in series.layers if (c := change(series, k, t.window))}
+    if not found:
+        return []
+    ratios = {k: c[3] / c[1] for k, c in found.items()}  # > 1: grew
+    median = statistics.median(ratios.values())
+    together = max(median, 1 / median) >= t.drift_info
     out = []
-    for k in series.layers:
-        c = change(series, k, t.window)
-        if c is None:
-            continue
-        s0, v0, s1, v1 = c
-        ratio = v1 / v0
+    for k, ratio in ratios.items():
+        s0, v0, s1, v1 = found[k]
         size = ratio if ratio >= 1 else 1 / ratio
         if size < t.drift_info:
             continue
+        suffix = ""
+        if together and (ratio >= 1) == (median >= 1):
+            # The model's way: named only when it went much further than the median layer.
+            further = ratio / median if median >= 1 else median / ratio
+            if further < t.relative_ratio:
+                continue
+            suffix = f", {_times(further)} more than the median layer's"
         out.append(Finding(
             "run.activation_drift",
             Severity.WARNING if size >= t.drift_warn else Severity.INFO,
             f"{_name(k)}'s output std {'grew' if ratio >= 1 else 'shrank'} {_times(size)} "
-            f"between step {s0} and step {s1}",
+            f"between step {s0} and step {s1}{suffix}",
             {"first_step": s0, "first_std": v0, "last_step": s1, "last_std": v1,
-             "ratio": ratio},
+             "ratio": ratio, "median_change": median},
             fix="activations that drift this far change what every later layer sees: check "
                 "the learning rate of the layers before it, or normalise (LayerNorm/BatchNorm)",
             module=k))
+    if together:
+        size = median if median >= 1 else 1 / median
+        first = min(c[0] for c in found.values())
+        last = max(c[2] for c in found.values())
+        out.append(Finding(
+            "run.activation_drift",
+            Severity.WARNING if size >= t.drift_warn else Severity.INFO,
+            f"the median layer's output std {'grew' if median >= 1 else 'shrank'} "
+            f"{_times(size)} between step {first} and step {last}: the whole model's "
+            f"activations drifted together ({len(ratios)} layers)",
+            {"first_step": first, "last_step": last, "median_change": median,
+             "layers": len(ratios)},
+            fix="the whole model's scale moves: lower the learning rate or add warm-up, and "
+                "check weight decay and normalisation"))
     return out
 
 
