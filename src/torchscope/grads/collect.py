@@ -198,8 +198,6 @@ class _Intake:
     """Inputs of one call between its pre-hook and its forward hook."""
 
     call: _Call
-    graph: bool  # read the inputs where earlier calls showed they enter the graph
-    start: int  # the autograd sequence number the call's own nodes start from
     pending: list[_PendingInput] = field(default_factory=list)
     seen: dict[int, _Slot] = field(default_factory=dict)
 
@@ -1272,8 +1270,9 @@ class GradCollector(HookedContext):
                     self._note_no_grad(name)
                 stack.append(None)
                 return
-            intake = _Intake(new_call(), graph=False, start=_next_sequence_nr())
-            stack.append((intake.call, intake.pending, intake.start))
+            # The call's own autograd nodes are numbered from here (`_consumers`).
+            intake = _Intake(new_call())
+            stack.append((intake.call, intake.pending, _next_sequence_nr()))
             if self._inputs:
                 self._take_inputs(intake, args, kwargs)
 
@@ -1308,7 +1307,7 @@ class GradCollector(HookedContext):
                         self._note_simple_call(info, args[0], output, node, _m is s.model)
                         return
                 self._read_simple_calls()  # hooks on a shared node keep the calls' order
-                intake = _Intake(new_call(), graph=True, start=-1)
+                intake = _Intake(new_call())
                 if self._inputs:
                     self._take_inputs(intake, args, kwargs)
                 call, pending = intake.call, intake.pending
