@@ -563,6 +563,15 @@ def find_dead(flow: GradFlow, thresholds: GradThresholds | None = None) -> list[
         out_n, in_n = r.output_norm, r.input_norm
         if out_n is not None and in_n is not None and out_n > t.dead_norm >= in_n:
             blockers.setdefault(r.module, r.module_type)
+    # A module whose own parameters are all exactly zero passes no gradient down until the
+    # optimizer's first update moves them: a deliberate zero init (LoRA's B, a residual
+    # branch's last norm gain), not a dead layer. The layers it starves are told under it.
+    zeroed = [m for m in blockers if m in _zero_init(flow)]
+    if zeroed:
+        starved = [m for m in modules if any(_within(m, _scope(z)) for z in zeroed)]
+        found.append(_zero_init_finding(flow, zeroed, starved))
+        blockers = {m: v for m, v in blockers.items() if m not in zeroed}
+        modules = [m for m in modules if m not in starved]
     for m, type_name in blockers.items():
         found.append(Finding(
             code="grads.dead",
@@ -590,6 +599,54 @@ def find_dead(flow: GradFlow, thresholds: GradThresholds | None = None) -> list[
             module=m,
         ))
     return found
+
+
+def _zero_init(flow: GradFlow) -> frozenset[str]:
+    """Modules whose own trainable parameters all read exactly zero when the gradient was
+    read (before the optimizer's update). A frozen parameter's value is not read, so a
+    module holding one is never in it."""
+    zero: dict[str, bool] = {}
+    for p in flow.params:
+        if p.tied_to is None:
+            zero[p.module] = zero.get(p.module, True) and p.weight_norm == 0.0
+    return frozenset(m for m, z in zero.items() if z)
+
+
+def _scope(module: str) -> str:
+    """The layer a zero-initialised module belongs to, whose other modules it starves: its
+    parent, or its grandparent when the parent is a named wrapper rather than a block of a
+    list (peft keeps LoRA's B in a dict by adapter name: `q_proj.lora_B.default`)."""
+    parent = module.rpartition(".")[0]
+    wrapper, _, key = parent.rpartition(".")
+    return wrapper if wrapper and not key.isdigit() else parent
+
+
+def _within(module: str, scope: str) -> bool:
+    return not scope or module == scope or module.startswith(scope + ".")
+
+
+def _zero_init_finding(flow: GradFlow, zeroed: list[str], starved: list[str]) -> Finding:
+    """One finding for the zero-initialised modules that pass no gradient down in this step,
+    and for the modules under their parents that receive none because of them."""
+    def named(ms: list[str]) -> str:
+        return ", ".join(ms[:3]) + (f" and {len(ms) - 3} more" if len(ms) > 3 else "")
+
+    after = f", so {len(starved)} module(s) before them get none in this step " \
+        f"({named(starved)})" if starved else ""
+    return Finding(
+        code="grads.zero_init",
+        severity=Severity.INFO,
+        summary=f"{len(zeroed)} module(s) start at zero ({named(zeroed)}): all their "
+        "parameters are 0, a deliberate zero init (LoRA's B, a residual branch's last norm "
+        f"gain), and they pass no gradient down until the optimizer first moves them{after}",
+        evidence={"zero_init": len(zeroed), "modules": ", ".join(zeroed),
+                  "starved": len(starved), "starved_modules": ", ".join(starved),
+                  "step": flow.index},
+        fix="nothing at the first step; if later steps still show it, the optimizer does "
+        "not move those parameters: check that they are in its parameter groups with a "
+        "non-zero learning rate.",
+        module=zeroed[0],
+    )
 
 
 def _zero_loss_gradient(flow: GradFlow, modules: list[str],
