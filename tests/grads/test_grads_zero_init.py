@@ -1,7 +1,7 @@
 """Zero-initialised layers on real adapters: peft's LoRA on a transformers Llama, and a
 residual block whose last norm gain starts at zero. Their first step passes no gradient
-below them by design: one info finding, not a dead-layer warning per module. Broken models
-still warn."""
+below them by design: one info finding, not a dead-layer warning per module. A layer that
+grows from zero is left out of the update ratio's median. Broken models still warn."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from torchscope.findings import Severity
-from torchscope.grads import gradient_flow
+from torchscope.grads import gradient_flow, watch_gradients
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
@@ -56,6 +56,29 @@ def test_lora_first_step_is_one_info_and_exact() -> None:
     # Every A, and nothing outside the adapters: the base layers get gradient.
     assert {n.replace("lora_B", "lora_A") for n in b_modules} <= starved
     assert all(".lora_" in n for n in starved)
+
+
+def test_lora_update_ratio_leaves_out_layers_grown_from_zero() -> None:
+    model = _lora_llama()
+    batch = _batch()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    with watch_gradients(model, every=1, optimizer=opt) as watch:
+        for _ in range(3):
+            opt.zero_grad()
+            model(**batch).loss.backward()
+            opt.step()
+    last = watch.last
+    assert last is not None and last.index == 2
+    b_weights = {n for n, _ in model.named_parameters() if ".lora_B." in n}
+    assert set(last.from_zero) == b_weights
+    # B has grown from zero for two updates: it moves by about half its norm each step.
+    b_ratio = [lg.update_ratio for lg in last.layer_grads() if "lora_B" in lg.module]
+    assert b_ratio and all(r is not None and r > 0.3 for r in b_ratio)
+    ratios = [f for f in watch.findings() if f.code == "grads.update_ratio"]
+    for f in ratios:  # judged on the A layers only
+        assert f.evidence["from_zero"] == 4 and f.evidence["layers"] == 4
+        assert "lora_A" in str(f.evidence["largest_module"])
+        assert f.severity is Severity.INFO
 
 
 class _Block(nn.Module):

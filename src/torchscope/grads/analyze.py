@@ -833,15 +833,20 @@ def find_update_ratio(flow: GradFlow, thresholds: GradThresholds | None = None
     (`watch_gradients` with an optimizer): the median over the layers of ‖Δw‖/‖w‖, whose
     usual healthy figure is about 1e-3."""
     t = thresholds or GradThresholds()
+    # A layer whose weights started at zero (LoRA's B) moves by about 1/k of its norm at its
+    # k-th update whatever the learning rate: it has no scale yet to compare the step with.
+    grown = _grown_from_zero(flow)
     ratios = sorted((lg.update_ratio, lg.module) for lg in flow.layer_grads()
-                    if lg.update_ratio is not None and math.isfinite(lg.update_ratio))
+                    if lg.update_ratio is not None and math.isfinite(lg.update_ratio)
+                    and lg.module not in grown)
     if not ratios:
         return []
     median = ratios[len(ratios) // 2][0]
     hi, lo = ratios[-1], ratios[0]
     evidence: dict[str, float | int | str | bool | None] = {
         "median": median, "largest": hi[0], "largest_module": hi[1], "smallest": lo[0],
-        "smallest_module": lo[1], "layers": len(ratios), "step": flow.index}
+        "smallest_module": lo[1], "layers": len(ratios), "from_zero": len(grown),
+        "step": flow.index}
     if median >= t.update_elevated:
         likely = median >= t.update_high
         return [Finding(
@@ -864,6 +869,17 @@ def find_update_ratio(flow: GradFlow, thresholds: GradThresholds | None = None
             "nothing",
             module=lo[1])]
     return []
+
+
+def _grown_from_zero(flow: GradFlow) -> frozenset[str]:
+    """Modules every trainable parameter of which started at zero in the watch
+    (`GradFlow.from_zero`); a zero bias beside a random weight does not make one."""
+    started = set(flow.from_zero)
+    every: dict[str, bool] = {}
+    for p in flow.params:
+        if p.requires_grad and p.tied_to is None:
+            every[p.module] = every.get(p.module, True) and p.name in started
+    return frozenset(m for m, z in every.items() if z)
 
 
 def find_idle_forwards(flow: GradFlow, thresholds: GradThresholds | None = None

@@ -240,6 +240,7 @@ class GradWatch(HookedContext, Analyzed):
             maxlen=max_samples)
         self._layers: dict[str, None] = {}
         self._skipped_steps: deque[int] = deque(maxlen=_SKIPPED_KEPT)
+        self._from_zero: set[str] = set()  # parameters read all zero at a sampled step
         self._carry = False  # a due step had no gradients (or was skipped): sample the next
         self._in_step = 0  # backward passes of the current step (micro_batches, inferred)
         # Inferred: the due step's flow per backward, built when its step has ended.
@@ -591,6 +592,11 @@ class GradWatch(HookedContext, Analyzed):
             self._take(self._untaken.popleft()())
 
     def _take(self, flow: GradFlow) -> GradFlow:
+        # A parameter that starts at zero grows from there: its update ratio is no step size.
+        self._from_zero.update(p.name for p in flow.params
+                               if p.requires_grad and p.weight_norm == 0.0)
+        if self._from_zero:
+            flow = replace(flow, from_zero=tuple(sorted(self._from_zero)))
         self._last = flow
         outs = {k: v for k, v in flow.output_norms().items() if v is not None}
         params = {k: v for k, v in flow.param_norms().items() if v is not None}

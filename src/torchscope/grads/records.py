@@ -423,6 +423,9 @@ class GradFlow(Analyzed, Gatherable):
             eager `vector_norm` did (while the kernel was building, or where it cannot run);
             parameter norms come from one call per backward (the native list kernel or
             `torch._foreach_norm`).
+        from_zero: trainable parameters that read all zero at this or an earlier sampled
+            step of the same watch (a zero init: LoRA's B). Their update ratio measures how
+            far they have grown from zero, not the step's size. Empty for `gradient_flow`.
     """
 
     index: int
@@ -437,6 +440,7 @@ class GradFlow(Analyzed, Gatherable):
     fused_norms: int = 0
     eager_norms: int = 0
     idle_forwards: int = 0
+    from_zero: tuple[str, ...] = ()
 
     def get(self, module: str, call: int = 0, micro: int = 0) -> ModuleGradRecord:
         """The record of `module`'s `call`-th call in forward `micro`.
