@@ -215,9 +215,10 @@ def test_a_zero_initialised_module_is_info_not_a_constant_output_warning() -> No
     capture = capture_activations(model, torch.randn(8, 16))
     assert capture.zero_init == frozenset({"0.lora_b", "2.bn"})
     assert capture.result().zero_init == capture.zero_init
-    const = {f.module: f for f in capture.findings() if f.code == "activations.constant"}
-    assert set(const) == {"0.lora_b", "2.bn"}
-    assert all(f.severity == Severity.INFO and f.evidence["zero_init"] for f in const.values())
+    [const] = [f for f in capture.findings() if f.code == "activations.constant"]
+    assert str(const.evidence["modules"]).split(", ") == ["0.lora_b", "2.bn"]  # one finding
+    assert const.severity == Severity.INFO and const.evidence["zero_init"]
+    assert const.evidence["count"] == 2 and const.evidence["value"] == 0.0
     assert not [f for f in capture.findings() if f.severity >= Severity.WARNING]
     # Trained away from zero, the same modules are judged on their outputs again.
     with torch.no_grad():

@@ -181,6 +181,7 @@ def _per_module(judged: Sequence[ActivationRecord], th: ActivationThresholds,
     out: list[Finding] = []
     seen: set[str] = set()
     large: list[tuple[str, ActivationRecord, float, float]] = []  # (name, record, peak, std)
+    zeroed: list[tuple[str, ActivationRecord, float]] = []  # (name, record, value)
     for r in judged:
         if r.module in seen:  # judge each module on its first call only
             continue
@@ -216,14 +217,7 @@ def _per_module(judged: Sequence[ActivationRecord], th: ActivationThresholds,
                     module=r.module))
             constant = s.finite and s.is_close_to_constant() and not all_dead
             if constant and r.module in zero_init:
-                out.append(Finding(
-                    "activations.constant", Severity.INFO,
-                    f"{name} ({r.module_type}) outputs {s.min:.4g} everywhere: its own "
-                    "parameters are all zero, a deliberate zero init (LoRA's B, a residual "
-                    "branch's last norm gain, a position-bias table)",
-                    {"value": s.min, "numel": s.numel, "zero_init": True},
-                    fix="",
-                    module=r.module))
+                zeroed.append((name, r, s.min))
             elif constant:
                 out.append(Finding(
                     "activations.constant", Severity.WARNING,
@@ -245,6 +239,8 @@ def _per_module(judged: Sequence[ActivationRecord], th: ActivationThresholds,
                     module=r.module))
             elif peak >= th.large_abs:
                 large.append((name, r, peak, s.std))
+    if zeroed:
+        out.append(_zero_init_constants(zeroed))
     if large:
         # One finding where the values first get large (forward order); the modules after it
         # that carry them on are counted, not repeated.
@@ -260,6 +256,27 @@ def _per_module(judged: Sequence[ActivationRecord], th: ActivationThresholds,
                 "overflow in fp16 and slow training",
             module=r.module))
     return out
+
+
+def _zero_init_constants(zeroed: Sequence[tuple[str, ActivationRecord, float]]) -> Finding:
+    """One finding for the outputs that are constant because their module's own parameters
+    are all zero: a peft model has one LoRA B per adapted projection."""
+    name, r, value = zeroed[0]
+    names = [n for n, _, _ in zeroed]
+    values = {v for _, _, v in zeroed}
+    what = f"{name} ({r.module_type}) outputs {value:.4g}" if len(zeroed) == 1 else \
+        f"{len(zeroed)} modules ({', '.join(names[:3])}" \
+        + (f" and {len(names) - 3} more" if len(names) > 3 else "") + ") output " \
+        + (f"{value:.4g}" if len(values) == 1 else "a constant")
+    own = "its own parameters are" if len(zeroed) == 1 else "their own parameters are"
+    return Finding(
+        "activations.constant", Severity.INFO,
+        f"{what} everywhere: {own} all zero, a deliberate zero init (LoRA's B, a residual "
+        "branch's last norm gain, a position-bias table)",
+        {"value": value if len(values) == 1 else None, "modules": ", ".join(names),
+         "count": len(zeroed), "zero_init": True},
+        fix="",
+        module=r.module)
 
 
 def _low_precision_max(dtype: str) -> float | None:
