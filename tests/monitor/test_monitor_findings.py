@@ -3,6 +3,7 @@ module when a layer's gradient falls away, activations drift, units die, or NaN 
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
 
 import pytest
@@ -210,3 +211,31 @@ def test_activations_that_drift_together_are_one_finding() -> None:
     for f in named:
         assert f.evidence["ratio"] >= 10 * whole[0].evidence["median_change"]
         assert "more than the median layer's" in f.summary
+
+
+def test_a_convnext_layer_scale_growing_from_1e6_is_no_activation_drift() -> None:
+    """transformers' ConvNeXt scales each block's branch by a layer scale that starts at
+    1e-6; AdamW moves it by about the learning rate a step, so the branch's output grows
+    hundreds of times in a few steps while the residual stream does not move. That had two
+    `run.activation_drift` warnings; a layer that starts at a normal scale still has one."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.ConvNextForImageClassification(transformers.ConvNextConfig(
+        num_channels=3, hidden_sizes=[16, 32], depths=[1, 1], num_stages=2, num_labels=5,
+        image_size=32))
+    batch = {"pixel_values": torch.randn(4, 3, 32, 32), "labels": torch.randint(0, 5, (4,))}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    with torchscope.monitor(model, opt, every=1, out=None, memory=False) as mon:
+        for _ in range(6):
+            opt.zero_grad()
+            model(**batch).loss.backward()
+            opt.step()
+    run = mon.result
+    assert run is not None
+    branch = "convnext.encoder.stages.0.layers.0.drop_path"
+    std = run.act_std.series(branch)
+    assert std[-1] > 100 * std[0]  # it did grow that much...
+    first = [v for v in run.act_std.values[0] if v == v]  # NaN: no std for that layer
+    assert std[0] < 1e-3 * statistics.median(first)  # ...from negligible
+    drift = [f for f in run.findings() if f.code == "run.activation_drift"]
+    assert not drift, [f.summary for f in drift]

@@ -206,11 +206,18 @@ def _activation_drift(record: RunRecord, t: RunThresholds) -> list[Finding]:
     ratios = {k: c[3] / c[1] for k, c in found.items()}  # > 1: grew
     median = statistics.median(ratios.values())
     together = max(median, 1 / median) >= t.drift_info
+    start = statistics.median(c[1] for c in found.values())
+    end = statistics.median(c[3] for c in found.values())
     out = []
     for k, ratio in ratios.items():
         s0, v0, s1, v1 = found[k]
         size = ratio if ratio >= 1 else 1 / ratio
         if size < t.drift_info:
+            continue
+        if ratio >= 1 and v0 * t.drift_warn <= start and v1 <= end:
+            # It started negligible against the model and grew to no more than the median
+            # layer's scale: a branch behind a layer scale (ConvNeXt's 1e-6, CaiT's) or a
+            # zero init that Adam moves by the learning rate each step, not a drift.
             continue
         suffix = ""
         if together and (ratio >= 1) == (median >= 1):
