@@ -239,3 +239,43 @@ def test_a_convnext_layer_scale_growing_from_1e6_is_no_activation_drift() -> Non
     assert std[0] < 1e-3 * statistics.median(first)  # ...from negligible
     drift = [f for f in run.findings() if f.code == "run.activation_drift"]
     assert not drift, [f.summary for f in drift]
+
+
+def test_the_whole_model_s_gradients_growing_with_the_total_is_a_warning() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)], nn.Linear(8, 2))
+    run = _run(model, torch.optim.SGD(model.parameters(), lr=0.0), 40, 2,
+               after_step=lambda i: [m.weight.mul_(1.1) for m in model])
+    assert run.total_norms[-1] > 10 * run.total_norms[0]
+    whole = [f for f in _run_findings(run) if f.code == "run.grad_grew" and f.module is None]
+    assert [f.severity for f in whole] == [Severity.WARNING]
+    assert "total_change" not in whole[0].evidence
+
+
+def test_dinov2_behind_a_1e5_layer_scale_is_no_gradient_growth_warning() -> None:
+    """transformers' DINOv2 trained from scratch with the paper's layer scale of 1e-5:
+    every block's branch gets gradient through that scale, which AdamW grows by the
+    learning rate a step, so the median layer's gradient grows 25x in a few steps while the
+    model's total falls. That was a warning telling to lower the learning rate."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.Dinov2ForImageClassification(transformers.Dinov2Config(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        image_size=28, patch_size=14, layerscale_value=1e-5, num_labels=3))
+    batch = {"pixel_values": torch.randn(2, 3, 28, 28), "labels": torch.randint(0, 3, (2,))}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    with torchscope.monitor(model, opt, every=1, out=None, memory=False,
+                            activations=False) as mon:
+        for _ in range(8):
+            opt.zero_grad()
+            model(**batch).loss.backward()
+            opt.step()
+    run = mon.result
+    assert run is not None
+    assert run.total_norms[-1] < run.total_norms[0]
+    whole = [f for f in _run_findings(run) if f.code == "run.grad_grew" and f.module is None]
+    assert len(whole) == 1 and 1 / whole[0].evidence["median_change"] >= 10
+    assert whole[0].severity == Severity.INFO and whole[0].evidence["total_change"] > 1
+    assert "while the total gradient norm" in whole[0].summary
+    loud = [f for f in _run_findings(run) if f.severity >= Severity.WARNING]
+    assert not loud, [f.summary for f in loud]

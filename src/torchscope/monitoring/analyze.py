@@ -181,14 +181,26 @@ def _gradient_trends(record: RunRecord, t: RunThresholds) -> list[Finding]:
              "layers": len(falls)},
             fix=""))
     elif 1 / median >= t.change_ratio:
-        out.append(Finding(
-            "run.grad_grew", Severity.WARNING,
-            f"the median layer's gradient grew {_times(1 / median)} between step {first} and "
-            f"step {last}",
-            {"first_step": first, "last_step": last, "median_change": median,
-             "layers": len(falls)},
-            fix="the whole model's gradients grow: lower the learning rate, add warm-up, or "
-                "clip gradients (clip_grad_norm_)"))
+        evidence = {"first_step": first, "last_step": last, "median_change": median,
+                    "layers": len(falls)}
+        summary = f"the median layer's gradient grew {_times(1 / median)} between step " \
+            f"{first} and step {last}"
+        if total_grew:
+            severity, fix = Severity.WARNING, (
+                "the whole model's gradients grow: lower the learning rate, add warm-up, or "
+                "clip gradients (clip_grad_norm_)")
+        else:
+            # Most layers sit behind a gain that starts small (DINOv2's and CaiT's layer
+            # scale of 1e-5): their gradients grow with it while the model's total falls.
+            assert total is not None
+            fall = evidence["total_change"] = total[1] / total[3]  # >= 1
+            severity = Severity.INFO
+            summary += (f", while the total gradient norm fell {_times(fall)}" if fall >= 1.05
+                        else ", while the total gradient norm did not grow")
+            fix = ("layers behind a gain that starts small (a layer scale, a zero-initialised "
+                   "norm) get more gradient as it grows; it needs action only if the total "
+                   "turns up or the loss stalls")
+        out.append(Finding("run.grad_grew", severity, summary, evidence, fix=fix))
     return out
 
 
