@@ -741,3 +741,34 @@ def test_start_shifts_the_sampled_steps() -> None:
     assert watch.history.steps == (9, 19, 29)
     with pytest.raises(TorchscopeError, match="start=-1"):
         watch_gradients(model, start=-1)
+
+
+def test_a_compiled_wrapper_made_before_the_watch_is_a_warning_not_a_healthy_step() -> None:
+    """A `torch.compile` wrapper that ran before the watch opened never runs the hooks added
+    later to the module it wraps: the watch measured nothing per layer and said nothing,
+    which read as a healthy step."""
+    torch.manual_seed(0)
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    x, y = torch.randn(4, 4), torch.randn(4, 2)
+    compiled = torch.compile(model, backend="eager")
+
+    def step() -> None:
+        opt.zero_grad()
+        nn.functional.mse_loss(compiled(x), y).backward()
+        opt.step()
+
+    step()  # compiled before the watch
+    with watch_gradients(model, every=1, optimizer=opt) as watch:
+        step()
+        step()
+    last = watch.last
+    assert last is not None and last.modules == () and last.param("0.weight").norm
+    [f] = [f for f in watch.findings() if f.code == "grads.unseen_forward"]
+    assert f.severity.name == "WARNING" and "compile" in f.fix
+    # Given the wrapper the loop calls, the watch runs it eagerly and sees every layer.
+    with watch_gradients(compiled, every=1, optimizer=opt) as watch:
+        step()
+    last = watch.last
+    assert last is not None and {r.module for r in last.modules} == {"0", "1", "2"}
+    assert not [f for f in watch.findings() if f.code == "grads.unseen_forward"]

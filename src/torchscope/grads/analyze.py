@@ -50,6 +50,7 @@ __all__ = [
     "find_idle_forwards",
     "find_nonfinite",
     "find_unreached",
+    "find_unseen_forward",
     "find_update_ratio",
     "find_vanishing",
     "layer_norms",
@@ -904,12 +905,33 @@ def find_idle_forwards(flow: GradFlow, thresholds: GradThresholds | None = None
     )]
 
 
+def find_unseen_forward(flow: GradFlow, thresholds: GradThresholds | None = None
+                        ) -> list[Finding]:
+    """`grads.unseen_forward`: the parameters got gradients in the step, but no hook on the
+    watched modules fired in its forward, so nothing per layer was measured. A watch reports
+    such a step as empty, which reads as healthy."""
+    del thresholds  # no measure: either a hook fired or none did
+    if flow.modules or not any(p.norm is not None for p in flow.params):
+        return []
+    return [Finding(
+        code="grads.unseen_forward",
+        severity=Severity.WARNING,
+        summary=f"the parameters got gradients in step {flow.index}, but no watched module's "
+        "forward ran through torchscope's hooks: nothing per layer was measured",
+        evidence={"step": flow.index, "backward_calls": flow.backward_calls},
+        fix="give torchscope the module that the loop calls: a torch.compile wrapper made "
+        "before the watch opened never runs hooks added later (pass the compiled module, "
+        "which then runs eagerly while watched); check that `select` names modules that "
+        "run.",
+    )]
+
+
 @analyzer(GradFlow)
 def diagnose(flow: GradFlow, thresholds: GradThresholds | None = None) -> list[Finding]:
     """Every gradient finding for one step, most severe first (`flow.findings()`)."""
     found: list[Finding] = []
     for fn in (find_nonfinite, find_vanishing, find_exploding, find_dead, find_unreached,
-               find_frozen, find_update_ratio, find_idle_forwards):
+               find_frozen, find_update_ratio, find_idle_forwards, find_unseen_forward):
         found += fn(flow, thresholds)
     found += rank_findings(flow)  # DDP/FSDP2 only: ranks that diverge or see skewed data
     return rank(found)
