@@ -169,6 +169,32 @@ def test_the_model_the_training_step_calls_is_watched(tmp_path: Path) -> None:
              steps=2)
 
 
+def test_a_compiled_module_given_to_fit_runs_eagerly_under_the_callback(
+        tmp_path: Path) -> None:
+    """`trainer.fit(torch.compile(module))`: Lightning unwraps the compiled module and sets
+    compiled `forward` and `training_step` on the instance. torchscope did not see them as
+    compiled, Dynamo traced its hooks and compiled 90 frames in 8 steps; they now run
+    eagerly while the callback is open, the report says so once, and they compile again
+    after."""
+    from torchscope.hooks.compiled import CompileCounter
+
+    module = Net()
+    callback = TorchscopeCallback(every=2, out=None)
+    with CompileCounter() as counter:
+        _fit(torch.compile(module, backend="eager"), tmp_path / "logs", callback, steps=6)
+    assert counter.compiles == 0
+    run = callback.result
+    assert run is not None and run.compiled == ("",) and run.samples == 3
+    assert run.act_std.layers and run.last is not None and run.last.modules
+    assert [f.code for f in run.findings() if f.code.endswith(".compiled_eager")] \
+        == ["run.compiled_eager"]
+    assert audit_hooks(module, include_global=False).local_total == 0
+    assert str(torch._dynamo.eval_frame._stance.stance) == "default"
+    with CompileCounter() as counter:
+        module(torch.randn(4, 8))
+    assert counter.compiles >= 1
+
+
 class Gan(pl.LightningModule):
     """Manual optimization, two optimizers, the generator's first: the discriminator's
     step, then the generator's, whose backward goes through the discriminator too."""

@@ -186,7 +186,11 @@ def test_a_compiled_model_is_said_to_run_eagerly_under_the_monitor() -> None:
     found = [f for f in run.findings() if f.code == "run.compiled_eager"]
     assert [f.severity for f in found] == [Severity.INFO]
     assert "(<root>) ran eagerly while the monitor was open" in found[0].summary
-    assert "for the whole run: the step times here are eager ones" in found[0].summary
+    assert "for the whole run: the step times, saved bytes and profile here are the eager " \
+        "model's" in found[0].summary
+    # Said once for the run, not again by each of its watches.
+    assert [f.code for f in run.findings() if f.code.endswith(".compiled_eager")] \
+        == ["run.compiled_eager"]
     assert str(torch._dynamo.eval_frame._stance.stance) == stance == "default"
     plain = _run(model, opt, 4, 2)
     assert plain.compiled == ()

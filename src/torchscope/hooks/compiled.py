@@ -61,11 +61,21 @@ class CompiledCheck:
 
 
 def compiled_parts(model: nn.Module) -> tuple[str, ...]:
-    """Qualified names of compiled modules inside `model`: `torch.compile` wrappers and
-    modules compiled in place with `module.compile()` (`""` is the root)."""
+    """Qualified names of compiled modules inside `model` (`""` is the root): `torch.compile`
+    wrappers, modules compiled in place with `module.compile()`, and modules with a compiled
+    method set on the instance (`m.forward = torch.compile(m.forward)`; Lightning does so to
+    the module of a compiled model given to `fit`, for `forward` and `training_step`)."""
     opt = torch._dynamo.eval_frame.OptimizedModule
     return tuple(name for name, m in model.named_modules()
-                 if isinstance(m, opt) or getattr(m, "_compiled_call_impl", None) is not None)
+                 if isinstance(m, opt) or getattr(m, "_compiled_call_impl", None) is not None
+                 or _compiled_method(m))
+
+
+def _compiled_method(module: nn.Module) -> bool:
+    """Whether a method of `module` was replaced on the instance by a `torch.compile`d
+    function (Dynamo marks those with the callable they wrap)."""
+    return any(callable(v) and hasattr(v, "_torchdynamo_orig_callable")
+               for v in vars(module).values())
 
 
 def ran_eagerly(code: str, parts: tuple[str, ...], what: str, *, also: str = "",

@@ -357,7 +357,8 @@ def _capabilities(record: RunRecord, replaced: bool) -> list[Finding]:
         found += record.profile.findings()
     if replaced:
         found = [f for f in found if "nonfinite" not in f.code]
-    return found
+    # The run's own finding says it once for the whole run (`_compiled`), not each watch.
+    return [f for f in found if not f.code.endswith(".compiled_eager")]
 
 
 def section_of(finding: Finding) -> str:
@@ -377,7 +378,8 @@ def section_of(finding: Finding) -> str:
 
 def _compiled(record: RunRecord) -> list[Finding]:
     return ran_eagerly("run.compiled_eager", record.compiled, "the monitor",
-                       also=", for the whole run: the step times here are eager ones")
+                       also=", for the whole run: the step times, saved bytes and profile "
+                       "here are the eager model's")
 
 
 @analyzer(RunRecord)
