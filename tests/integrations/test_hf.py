@@ -58,8 +58,8 @@ class Explode(TrainerCallback):  # type: ignore[misc]
             raise RuntimeError("out of data at step 7")
 
 
-def _trainer(tmp: Path, callbacks: list[TrainerCallback], steps: int = 20
-             ) -> tuple[Trainer, torch.nn.Module]:
+def _trainer(tmp: Path, callbacks: list[TrainerCallback], steps: int = 20,
+             **options: Any) -> tuple[Trainer, torch.nn.Module]:
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=100,
                                        n_positions=32))
@@ -67,7 +67,7 @@ def _trainer(tmp: Path, callbacks: list[TrainerCallback], steps: int = 20
         output_dir=str(tmp), max_steps=steps, per_device_train_batch_size=2,
         gradient_accumulation_steps=2, max_grad_norm=1.0, learning_rate=1e-3,
         logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, seed=0,
-        disable_tqdm=True, dataloader_num_workers=0)
+        disable_tqdm=True, dataloader_num_workers=0, **options)
     return Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=callbacks), model
 
 
@@ -106,6 +106,35 @@ def test_hf_trainer_reports_the_pre_clip_norm_and_trains_unchanged(tmp_path: Pat
     assert doc["options"]["producer"] == "torchscope.integrations.hf"
     assert "transformer.h.0.attn.c_attn" in doc["sections"]["grad_history"]["data"][
         "param_norms"]["layers"]
+
+
+def test_a_trainer_with_torch_compile_runs_eagerly_under_the_callback(tmp_path: Path) -> None:
+    """`torch_compile=True`: the Trainer calls the model through a compile wrapper that no
+    callback is given. Dynamo traced the callback's hooks into its graph and recompiled at
+    every step (3.7 s a step instead of 14 ms on a LoRA Llama). The model now runs eagerly
+    while the callback is open, and the report says so; compiled code runs again after."""
+    from torchscope.hooks.compiled import CompileCounter
+
+    transformers.logging.set_verbosity_error()
+    callback = TorchscopeTrainerCallback(every=2, out=None)
+    trainer, model = _trainer(tmp_path / "a", [callback], steps=6, torch_compile=True,
+                              torch_compile_backend="eager")
+    with CompileCounter() as counter, callback:
+        trainer.train()
+    assert counter.compiles == 0
+    assert isinstance(trainer.model_wrapped, torch._dynamo.eval_frame.OptimizedModule)
+    run = callback.result
+    assert run is not None and run.compiled == ("",) and run.samples == 3
+    assert "transformer.h.0.attn.c_attn" in run.act_std.layers  # the hooks fired
+    assert run.last is not None and run.last.modules
+    assert [f.severity.name for f in run.findings() if f.code == "run.compiled_eager"] \
+        == ["INFO"]
+    assert not [f for f in run.findings() if f.code == "grads.unseen_forward"]
+    assert audit_hooks(model, include_global=False).local_total == 0
+    assert str(torch._dynamo.eval_frame._stance.stance) == "default"
+    with CompileCounter() as counter:
+        trainer.model_wrapped(input_ids=torch.zeros(1, 8, dtype=torch.long))
+    assert counter.compiles >= 1  # compiled again once the callback closed
 
 
 def test_install_puts_the_callback_before_the_reporters(tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -30,6 +31,7 @@ __all__ = [
     "check_compiled",
     "compiled_capture",
     "compiled_parts",
+    "eager_stance",
     "ran_eagerly",
     "unwrap_compiled",
 ]
@@ -239,6 +241,29 @@ class _SharedEagerStance:
 
 
 _EAGER = _SharedEagerStance()
+
+
+@contextlib.contextmanager
+def eager_stance(what: str = "torchscope") -> Iterator[None]:
+    """Run every `torch.compile`d function eagerly while open, sharing the stance with the
+    open captures: for a model that the loop calls through a compile wrapper torchscope is
+    not given (the HF Trainer's `torch_compile=True`), whose hooks Dynamo would otherwise
+    trace into its graph and recompile on.
+
+    Raises:
+        CompileError: this torch has no `torch.compiler.set_stance`.
+    """
+    if not hasattr(torch.compiler, "set_stance"):
+        raise CompileError(
+            f"{what} runs a compiled model, and this torch {torch.__version__} cannot run "
+            "it eagerly (no torch.compiler.set_stance): hooks would be traced into its graph.",
+            fix="turn compilation off while torchscope watches (torch_compile=False), or "
+                "upgrade torch to 2.6 or later.")
+    _EAGER.acquire()
+    try:
+        yield
+    finally:
+        _EAGER.release()
 
 
 class CompiledCapture:

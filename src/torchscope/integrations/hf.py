@@ -20,6 +20,11 @@ callbacks get), and the report is written at `on_train_end`. The sampled steps a
 after which `state.global_step` is a multiple of `every`, so with `logging_steps == every`
 each training log carries the scalars of its own step.
 
+With `torch_compile=True` the Trainer calls the model through a `torch.compile` wrapper that
+no callback is given. The model then runs eagerly while the callback is open, as any compiled
+model does under torchscope's hooks, and the report says so: Dynamo would otherwise trace
+the hooks into its graph and recompile at every step.
+
 Under DDP (torchrun, `accelerate launch`) the norms are those of the synchronised
 gradients, as the Trainer's `grad_norm` is, on every rank; each rank's own are kept too.
 
@@ -152,7 +157,10 @@ class TorchscopeTrainerCallback(TrainerCallback):
             model, inner, scaler=getattr(optimizer, "scaler", None), manual=True,
             start=self._options["every"] - 1,
             on_sample=self._on_sample, producer="torchscope.integrations.hf",
-            parallel=_data_parallel(args, model), **self._options)
+            parallel=_data_parallel(args, model),
+            # The Trainer calls the model through its torch.compile wrapper, which no
+            # callback is given: the whole model runs eagerly while the hooks are on.
+            compiled_outside=bool(getattr(args, "torch_compile", False)), **self._options)
         self._monitor.__enter__()
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

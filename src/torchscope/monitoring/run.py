@@ -30,7 +30,7 @@ from torchscope.capture import ActivationCapture, trace_nonfinite
 from torchscope.capture.analyze import leaf_modules
 from torchscope.errors import TorchscopeError, describe
 from torchscope.grads import GradFlow, GradWatch
-from torchscope.hooks.compiled import compiled_parts
+from torchscope.hooks.compiled import compiled_parts, eager_stance
 from torchscope.hooks.lifecycle import HookedContext
 from torchscope.hooks.select import Selector
 from torchscope.hooks.session import HookSession
@@ -82,7 +82,10 @@ class Monitor(HookedContext):
     `watch_gradients`), `producer` (who drove it, for report.json's `options`) and
     `parallel` (the `DistributedDataParallel` wrapper `model` trains through when `model` is
     the module inside it, or `"ddp"` for one kept out of sight, so that the gradients are
-    read synchronised; see `GradWatch`).
+    read synchronised; see `GradWatch`), and `compiled_outside` (the loop calls `model`
+    through a `torch.compile` wrapper kept out of sight, the HF Trainer's
+    `torch_compile=True`: the whole model then runs eagerly while the monitor is open, as
+    compiled parts it is given do, and the report says so).
 
     Attributes:
         result: the `RunRecord`, set when the block ends (also through an exception).
@@ -112,6 +115,7 @@ class Monitor(HookedContext):
         on_sample: Callable[[int, Mapping[str, float]], None] | None = None,
         producer: str = "torchscope.monitor",
         parallel: nn.Module | Literal["ddp"] | None = None,
+        compiled_outside: bool = False,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TorchscopeError(f"the model is a {type(model).__name__}, not an nn.Module.",
@@ -163,6 +167,8 @@ class Monitor(HookedContext):
         self._order: dict[str, int] = {}
         self._facts: tuple[str, int, int, str] = (type(model).__name__, 0, 0, "cpu")
         self._compiled: tuple[str, ...] = ()
+        self._compiled_outside = compiled_outside
+        self._eager = contextlib.ExitStack()  # the eager stance, for a wrapper out of sight
         self.latest: dict[str, float] = {}
         self.result: RunRecord | None = None
         self.paths: tuple[Path, Path] | None = None
@@ -179,6 +185,10 @@ class Monitor(HookedContext):
         self._order = {name: i for i, (name, _) in enumerate(model.named_modules())}
         # torch.compile imports torch._dynamo: without it nothing is compiled.
         self._compiled = compiled_parts(model) if "torch._dynamo" in sys.modules else ()
+        if self._compiled_outside and not self._compiled:
+            # Before any hook: Dynamo would trace them into the wrapper's graph.
+            self._eager.enter_context(eager_stance("the monitor"))
+            self._compiled = ("",)
         self._facts = (type(model).__name__, sum(p.numel() for p in params),
                        sum(p.numel() for p in params if p.requires_grad), str(device))
         if self._want_activations:
@@ -227,6 +237,7 @@ class Monitor(HookedContext):
         # Every close runs even if one raises: last in, first out (the profile, then the
         # gradient watch, which may still sample an unfinished step, then the others).
         with contextlib.ExitStack() as stack:
+            stack.push(self._eager)  # left last: no hook is on when compiled code runs again
             stack.callback(setattr, self, "_optimizer", None)
             stack.callback(setattr, self, "_model", None)
             if self._session is not None:
