@@ -81,6 +81,25 @@ def test_lora_update_ratio_leaves_out_layers_grown_from_zero() -> None:
         assert f.severity is Severity.INFO
 
 
+def test_lora_b_read_zero_when_the_watch_opened_counts_before_the_first_sample() -> None:
+    """A callback samples every 10th step: by the first sample B has had several updates and
+    is no longer zero. The watch reads which parameters are zero when it opens."""
+    model = _lora_llama()
+    batch = _batch()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    with watch_gradients(model, every=4, start=3, optimizer=opt) as watch:
+        for _ in range(4):
+            opt.zero_grad()
+            model(**batch).loss.backward()
+            opt.step()
+    last = watch.last
+    assert last is not None and last.index == 3
+    assert all(p.weight_norm for p in last.params if ".lora_B." in p.name)  # moved by now
+    assert set(last.from_zero) == {n for n, _ in model.named_parameters() if ".lora_B." in n}
+    assert not [f for f in watch.findings()
+                if f.code == "grads.update_ratio" and "lora_B" in str(f.module)]
+
+
 class _Block(nn.Module):
     """A residual block whose last norm gain starts at zero (torchvision's
     `zero_init_residual`, Goyal et al. 2017)."""

@@ -1393,6 +1393,17 @@ class GradCollector(HookedContext):
             return torch.tensor(float(scaler.get_scale()), dtype=torch.float64)
         return scale
 
+    def zero_parameters(self) -> set[str]:
+        """Names of the trainable parameters that are all zero now (this rank's shard under
+        FSDP2): one norm per parameter, read with one host copy per device."""
+        kept = [name for name, _, p in self._params if p.requires_grad]
+        if not kept:
+            return set()
+        with torch.no_grad():  # to_local() records no graph
+            weights = [local_tensor(p).detach() for _, _, p in self._params if p.requires_grad]
+        return {name for name, n in zip(kept, _host_floats(_norms(weights)), strict=True)
+                if n == 0.0}
+
     def snapshot_weights(self) -> None:
         """Copy every trainable parameter, just before an optimizer update (sampled steps
         only: it costs one more copy of the trainable parameters until `measure_updates`).

@@ -240,7 +240,7 @@ class GradWatch(HookedContext, Analyzed):
             maxlen=max_samples)
         self._layers: dict[str, None] = {}
         self._skipped_steps: deque[int] = deque(maxlen=_SKIPPED_KEPT)
-        self._from_zero: set[str] = set()  # parameters read all zero at a sampled step
+        self._from_zero: set[str] = set()  # parameters read all zero at open or a sample
         self._carry = False  # a due step had no gradients (or was skipped): sample the next
         self._in_step = 0  # backward passes of the current step (micro_batches, inferred)
         # Inferred: the due step's flow per backward, built when its step has ended.
@@ -280,6 +280,10 @@ class GradWatch(HookedContext, Analyzed):
                 s.forward_pre_hook(s.model, self._check_scaler, prepend=True)
         c.on_backward_end = self._on_backward_end
         c.active = self._collecting(0)
+        if self._updates:
+            # Parameters that start at zero (LoRA's B) before the first sampled step, which
+            # may come after their first updates (a callback sampling every 10th step).
+            self._from_zero.update(c.zero_parameters())
 
     def close(self, *, failed: bool = False) -> None:
         """Sample a due step left unfinished, then remove every hook.

@@ -423,9 +423,10 @@ class GradFlow(Analyzed, Gatherable):
             eager `vector_norm` did (while the kernel was building, or where it cannot run);
             parameter norms come from one call per backward (the native list kernel or
             `torch._foreach_norm`).
-        from_zero: trainable parameters that read all zero at this or an earlier sampled
-            step of the same watch (a zero init: LoRA's B). Their update ratio measures how
-            far they have grown from zero, not the step's size. Empty for `gradient_flow`.
+        from_zero: trainable parameters that read all zero when the watch opened (with an
+            optimizer) or at this or an earlier sampled step of it (a zero init: LoRA's B).
+            Their update ratio measures how far they have grown from zero, not the step's
+            size. Empty for `gradient_flow`.
     """
 
     index: int
