@@ -718,3 +718,39 @@ def test_an_input_used_inside_and_outside_a_reentrant_checkpoint_of_one_call() -
     _assert_same_grads(model, before)
     assert _close(flow.get("1").grad_input[0].norm, ref["in"])
     assert flow.get("1.fc").grad_output[0].norm is not None
+
+
+@pytest.mark.parametrize("scale", [1e-5, 1.0])
+def test_blocks_behind_a_small_layer_scale_are_left_out_of_the_depth_profile(
+        scale: float) -> None:
+    """transformers' DINOv2 with the paper's layer scale of 1e-5, after 4 AdamW steps: each
+    block's matrices get the stream's gradient times the scale (about 3e-4 by then), the
+    patch embedding on the stream gets all of it. That step read as "likely exploding
+    gradients ... 221x over 3 layers toward the input"; with a scale of 1 the blocks stay in."""
+    transformers = pytest.importorskip("transformers")
+    from torchscope.grads import watch_gradients
+    from torchscope.grads.analyze import depth_profile
+
+    torch.manual_seed(0)
+    model = transformers.Dinov2ForImageClassification(transformers.Dinov2Config(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        image_size=28, patch_size=14, layerscale_value=scale, num_labels=3))
+    batch = {"pixel_values": torch.randn(2, 3, 28, 28), "labels": torch.randint(0, 3, (2,))}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    with watch_gradients(model, every=1, optimizer=opt) as watch:
+        for _ in range(4):
+            opt.zero_grad()
+            model(**batch).loss.backward()
+            opt.step()
+    last = watch.last
+    assert last is not None
+    profile = depth_profile(last)
+    behind = {m for m, why in profile.excluded if why.startswith("behind a layer scale")}
+    blocks = {u.name for u in profile.units}
+    if scale < 1:
+        assert "dinov2.encoder.layer.0.attention.q_proj" in behind
+        assert "dinov2.encoder.layer.0" not in blocks
+        assert not [f for f in last.findings()
+                    if f.code in ("grads.exploding", "grads.vanishing")]
+    else:
+        assert not behind and {"dinov2.encoder.layer.0", "dinov2.encoder.layer.1"} <= blocks

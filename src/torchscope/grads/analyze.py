@@ -212,7 +212,8 @@ class DepthProfile:
             classifier, an LM head or BERT's pooler, nearer the loss and in no repeated
             block, routinely gets 10-1000x the body's relative gradient at
             initialisation); without repeated blocks, every unit but the nearest.
-        excluded: modules left out of the profile and why (embeddings, tied weights).
+        excluded: modules left out of the profile and why (embeddings, tied weights,
+            a block's matrices behind a small layer scale).
     """
 
     units: tuple[DepthUnit, ...]
@@ -265,6 +266,32 @@ def _unit_name(module: str) -> str:
     return ".".join(parts[: idx[-1] + 1]) if idx else module
 
 
+# A block's branch behind a per-channel gain of this RMS or less gets that much of the
+# stream's gradient: 10x less and more, the size of a "possible" trend.
+_LAYER_SCALE_RMS = 0.1
+
+
+def _layer_scaled(flow: GradFlow) -> dict[str, str]:
+    """Repeated blocks whose branches sit behind a small layer scale, each with the scale's
+    name: a trainable one-dimensional parameter of RMS at most `_LAYER_SCALE_RMS`, neither a
+    bias nor a norm layer's gain, in the block (ConvNeXt's `layer_scale_parameter` starts
+    at 1e-6, DINOv2's `lambda1` and CaiT's at 1e-5). Until it grows, the block's matrices
+    get gradient scaled by it, while the stem and the head on the residual stream do not:
+    a step in the profile that is no decay across depth."""
+    types = {r.module: r.module_type for r in flow.modules}
+    out: dict[str, str] = {}
+    for p in flow.params:
+        t = types.get(p.module)
+        if not p.requires_grad or p.tied_to is not None or len(p.shape) != 1 \
+                or p.name.endswith("bias") or t is None or "Norm" in t:
+            continue
+        scale = rms(p.weight_norm, p.numel)
+        unit = _unit_name(p.module)
+        if scale is not None and scale <= _LAYER_SCALE_RMS and _in_block(unit):
+            out.setdefault(unit, p.name)
+    return out
+
+
 def depth_profile(flow: GradFlow) -> DepthProfile:
     """Scale-free gradient measures per depth position, in backward order.
 
@@ -281,6 +308,7 @@ def depth_profile(flow: GradFlow) -> DepthProfile:
     layers = sorted((lg for lg in flow.layer_grads() if lg.order is not None),
                     key=lambda lg: lg.order or 0)
     dims = {p.name: len(p.shape) for p in flow.params}
+    scaled = _layer_scaled(flow)
     for lg in layers:
         if not any(dims[p] >= 2 for p in lg.params):  # no weight matrix (norms, biases only)
             continue
@@ -289,6 +317,9 @@ def depth_profile(flow: GradFlow) -> DepthProfile:
             continue
         if lg.tied:
             excluded.append((lg.module, "tied weight"))
+            continue
+        if _unit_name(lg.module) in scaled:
+            excluded.append((lg.module, f"behind a layer scale ({scaled[_unit_name(lg.module)]})"))
             continue
         groups.setdefault(_unit_name(lg.module), []).append(lg)
     units: list[DepthUnit] = []
