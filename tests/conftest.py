@@ -62,6 +62,22 @@ def checkpointed_blocks() -> type[CheckpointedBlocks]:
     return CheckpointedBlocks
 
 
+def _train_own_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor],
+                    opt: torch.optim.Optimizer, steps: int) -> None:
+    for _ in range(steps):
+        opt.zero_grad()
+        model(**batch).loss.backward()
+        opt.step()
+
+
+@pytest.fixture
+def train_own_loss() -> Callable[[torch.nn.Module, dict[str, torch.Tensor],
+                                  torch.optim.Optimizer, int], None]:
+    """`train(model, batch, opt, steps)`: `steps` optimizer steps of a transformers model on
+    the loss it computes itself from `batch` (which holds the labels)."""
+    return _train_own_loss
+
+
 class _ScriptedPart(torch.nn.Module):
     def __init__(self, width: int) -> None:
         super().__init__()

@@ -722,7 +722,7 @@ def test_an_input_used_inside_and_outside_a_reentrant_checkpoint_of_one_call() -
 
 @pytest.mark.parametrize("scale", [1e-5, 1.0])
 def test_blocks_behind_a_small_layer_scale_are_left_out_of_the_depth_profile(
-        scale: float) -> None:
+        scale: float, train_own_loss: Any) -> None:
     """transformers' DINOv2 with the paper's layer scale of 1e-5, after 4 AdamW steps: each
     block's matrices get the stream's gradient times the scale (about 3e-4 by then), the
     patch embedding on the stream gets all of it. That step read as "likely exploding
@@ -738,10 +738,7 @@ def test_blocks_behind_a_small_layer_scale_are_left_out_of_the_depth_profile(
     batch = {"pixel_values": torch.randn(2, 3, 28, 28), "labels": torch.randint(0, 3, (2,))}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     with watch_gradients(model, every=1, optimizer=opt) as watch:
-        for _ in range(4):
-            opt.zero_grad()
-            model(**batch).loss.backward()
-            opt.step()
+        train_own_loss(model, batch, opt, 4)
     last = watch.last
     assert last is not None
     profile = depth_profile(last)

@@ -6,6 +6,7 @@ grows from zero is left out of the update ratio's median. Broken models still wa
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -58,15 +59,12 @@ def test_lora_first_step_is_one_info_and_exact() -> None:
     assert all(".lora_" in n for n in starved)
 
 
-def test_lora_update_ratio_leaves_out_layers_grown_from_zero() -> None:
+def test_lora_update_ratio_leaves_out_layers_grown_from_zero(train_own_loss: Any) -> None:
     model = _lora_llama()
     batch = _batch()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     with watch_gradients(model, every=1, optimizer=opt) as watch:
-        for _ in range(3):
-            opt.zero_grad()
-            model(**batch).loss.backward()
-            opt.step()
+        train_own_loss(model, batch, opt, 3)
     last = watch.last
     assert last is not None and last.index == 2
     b_weights = {n for n, _ in model.named_parameters() if ".lora_B." in n}
@@ -81,17 +79,15 @@ def test_lora_update_ratio_leaves_out_layers_grown_from_zero() -> None:
         assert f.severity is Severity.INFO
 
 
-def test_lora_b_read_zero_when_the_watch_opened_counts_before_the_first_sample() -> None:
+def test_lora_b_read_zero_when_the_watch_opened_counts_before_the_first_sample(
+        train_own_loss: Any) -> None:
     """A callback samples every 10th step: by the first sample B has had several updates and
     is no longer zero. The watch reads which parameters are zero when it opens."""
     model = _lora_llama()
     batch = _batch()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     with watch_gradients(model, every=4, start=3, optimizer=opt) as watch:
-        for _ in range(4):
-            opt.zero_grad()
-            model(**batch).loss.backward()
-            opt.step()
+        train_own_loss(model, batch, opt, 4)
     last = watch.last
     assert last is not None and last.index == 3
     assert all(p.weight_norm for p in last.params if ".lora_B." in p.name)  # moved by now

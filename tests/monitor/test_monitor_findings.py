@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -217,7 +218,8 @@ def test_activations_that_drift_together_are_one_finding() -> None:
         assert "more than the median layer's" in f.summary
 
 
-def test_a_convnext_layer_scale_growing_from_1e6_is_no_activation_drift() -> None:
+def test_a_convnext_layer_scale_growing_from_1e6_is_no_activation_drift(
+        train_own_loss: Any) -> None:
     """transformers' ConvNeXt scales each block's branch by a layer scale that starts at
     1e-6; AdamW moves it by about the learning rate a step, so the branch's output grows
     hundreds of times in a few steps while the residual stream does not move. That had two
@@ -230,10 +232,7 @@ def test_a_convnext_layer_scale_growing_from_1e6_is_no_activation_drift() -> Non
     batch = {"pixel_values": torch.randn(4, 3, 32, 32), "labels": torch.randint(0, 5, (4,))}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     with torchscope.monitor(model, opt, every=1, out=None, memory=False) as mon:
-        for _ in range(6):
-            opt.zero_grad()
-            model(**batch).loss.backward()
-            opt.step()
+        train_own_loss(model, batch, opt, 6)
     run = mon.result
     assert run is not None
     branch = "convnext.encoder.stages.0.layers.0.drop_path"
@@ -256,7 +255,8 @@ def test_the_whole_model_s_gradients_growing_with_the_total_is_a_warning() -> No
     assert "total_change" not in whole[0].evidence
 
 
-def test_dinov2_behind_a_1e5_layer_scale_is_no_gradient_growth_warning() -> None:
+def test_dinov2_behind_a_1e5_layer_scale_is_no_gradient_growth_warning(
+        train_own_loss: Any) -> None:
     """transformers' DINOv2 trained from scratch with the paper's layer scale of 1e-5:
     every block's branch gets gradient through that scale, which AdamW grows by the
     learning rate a step, so the median layer's gradient grows 25x in a few steps while the
@@ -270,10 +270,7 @@ def test_dinov2_behind_a_1e5_layer_scale_is_no_gradient_growth_warning() -> None
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     with torchscope.monitor(model, opt, every=1, out=None, memory=False,
                             activations=False) as mon:
-        for _ in range(8):
-            opt.zero_grad()
-            model(**batch).loss.backward()
-            opt.step()
+        train_own_loss(model, batch, opt, 8)
     run = mon.result
     assert run is not None
     assert run.total_norms[-1] < run.total_norms[0]

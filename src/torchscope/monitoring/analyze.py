@@ -117,6 +117,15 @@ def grad_history(record: RunRecord) -> GradHistory:
                        param_norms=rows(g), total_norms=record.total_norms)
 
 
+def _total_did_not_grow(total: tuple[int, float, int, float],
+                        evidence: dict[str, float | int]) -> str:
+    """The clause for a growth the total gradient norm did not share (`total`: `_ends` of
+    the totals); the total's fall goes into `evidence` as `total_change`."""
+    fall = evidence["total_change"] = total[1] / total[3]  # >= 1
+    return f", while the total gradient norm fell {_times(fall)}" if fall >= 1.05 \
+        else ", while the total gradient norm did not grow"
+
+
 def _gradient_trends(record: RunRecord, t: RunThresholds) -> list[Finding]:
     series = record.grad_param
     skip = frozenset(record.skipped_steps)
@@ -159,10 +168,8 @@ def _gradient_trends(record: RunRecord, t: RunThresholds) -> list[Finding]:
                 "(clip_grad_norm_), lower the learning rate, or normalise around it")
         else:
             assert total is not None
-            fall = evidence["total_change"] = total[1] / total[3]  # >= 1
             severity = Severity.INFO
-            summary += (f", while the total gradient norm fell {_times(fall)}" if fall >= 1.05
-                        else ", while the total gradient norm did not grow")
+            summary += _total_did_not_grow(total, evidence)
             fix = ("a layer whose gradient grows while the model's total falls is usually one "
                    "whose gradient gains direction as the model fits (normalisation gains, "
                    "output layers); it needs action only if the total turns up or the loss "
@@ -193,10 +200,8 @@ def _gradient_trends(record: RunRecord, t: RunThresholds) -> list[Finding]:
             # Most layers sit behind a gain that starts small (DINOv2's and CaiT's layer
             # scale of 1e-5): their gradients grow with it while the model's total falls.
             assert total is not None
-            fall = evidence["total_change"] = total[1] / total[3]  # >= 1
             severity = Severity.INFO
-            summary += (f", while the total gradient norm fell {_times(fall)}" if fall >= 1.05
-                        else ", while the total gradient norm did not grow")
+            summary += _total_did_not_grow(total, evidence)
             fix = ("layers behind a gain that starts small (a layer scale, a zero-initialised "
                    "norm) get more gradient as it grows; it needs action only if the total "
                    "turns up or the loss stalls")
