@@ -186,6 +186,24 @@ def test_dead_layers() -> None:
     assert find_dead(flow, GradThresholds(dead_norm=-1.0)) == []
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_a_gradient_that_underflows_in_float16_says_so(dtype: torch.dtype) -> None:
+    """A float16 model trained on a small loss without a GradScaler: its gradient rounds to
+    zero below 6e-8 (a transformers Llama in half precision: "look for dead ReLUs" at its
+    RMSNorms). The same model in float32 gets a gradient everywhere."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 1)).to(dtype)
+    x = torch.randn(8, 16, dtype=dtype)
+    flow = gradient_flow(model, x, loss_fn=lambda out: out.float().sum() * 1e-7)
+    dead = [f for f in flow.findings() if f.code == "grads.dead"]
+    if dtype == torch.float32:
+        assert not dead
+        return
+    assert dead and all(f.evidence["float16"] for f in dead)
+    assert all("GradScaler" in f.fix and "6e-8" in f.fix for f in dead)
+    assert flow.param("0.weight").norm == 0.0
+
+
 def test_nonfinite_first_module_in_backward_order() -> None:
     nan = math.nan
     mods = (_rec("fc", 0, 1.0, 1.0), _rec("conv2", 1, 1.0, nan), _rec("conv1", 2, nan, None))

@@ -604,14 +604,16 @@ def find_dead(flow: GradFlow, thresholds: GradThresholds | None = None) -> list[
         found.append(_zero_init_finding(flow, zeroed, starved))
         blockers = {m: v for m, v in blockers.items() if m not in zeroed}
         modules = [m for m in modules if m not in starved]
+    half = _float16(flow)
     for m, type_name in blockers.items():
         found.append(Finding(
             code="grads.dead",
             severity=Severity.WARNING,
             summary=f"{m or '<root>'} ({type_name}) receives gradient but passes an all-zero "
             "gradient down",
-            evidence={"kind": "blocks", "step": flow.index},
-            fix="look for dead ReLUs (lower the learning rate, LeakyReLU/GELU, check biases "
+            evidence={"kind": "blocks", "float16": m in half, "step": flow.index},
+            fix=_UNDERFLOW if m in half else
+            "look for dead ReLUs (lower the learning rate, LeakyReLU/GELU, check biases "
             "and init) or a mask that blocks every position.",
             module=m,
         ))
@@ -625,12 +627,29 @@ def find_dead(flow: GradFlow, thresholds: GradThresholds | None = None) -> list[
             summary=f"{m or '<root>'} receives {what}",
             evidence={"kind": "zero", "zero_outputs": len(dead_out.get(m, [])),
                       "zero_params": len(names),
-                      "params": ", ".join(names), "step": flow.index},
-            fix="look for dead ReLUs (lower the learning rate, LeakyReLU/GELU), a branch "
+                      "params": ", ".join(names), "float16": m in half, "step": flow.index},
+            fix=_UNDERFLOW if m in half else
+            "look for dead ReLUs (lower the learning rate, LeakyReLU/GELU), a branch "
             "multiplied by zero, or a mask that blocks every position.",
             module=m,
         ))
     return found
+
+
+# float16's smallest subnormal is 2**-24, about 6e-8: a gradient below it is 0 there.
+_UNDERFLOW = ("its gradient is float16, where values under 6e-8 round to 0: scale the loss "
+              "with torch.amp.GradScaler (torch.autocast's fp16 recipe), or train in bfloat16; "
+              "if it stays zero with a scaled loss, look for dead ReLUs or a mask that blocks "
+              "every position.")
+
+
+def _float16(flow: GradFlow) -> frozenset[str]:
+    """Modules whose recorded gradients are float16 and which held no GradScaler's scale:
+    there a small gradient underflows to zero."""
+    if flow.scale is not None:
+        return frozenset()
+    return frozenset(r.module for r in flow.modules
+                     if any(g.dtype == "torch.float16" for g in (*r.grad_output, *r.grad_input)))
 
 
 def _zero_init(flow: GradFlow) -> frozenset[str]:
