@@ -41,9 +41,38 @@ _CUDA_STEP = [
 
 def test_reads_of_device_tensors_are_told_from_reads_of_host_ones() -> None:
     assert host_reads(_tree(_CUDA_STEP)) == HostReads(reads=2, device=1, waits=1,
-                                                      linked=True)
+                                                      linked=True, optimizer=1)
     adam_only = host_reads(_tree(_CUDA_STEP[4:7]))
-    assert adam_only == HostReads(reads=1, device=0, waits=0, linked=False)
+    assert adam_only == HostReads(reads=1, device=0, waits=0, linked=False, optimizer=1)
+    # A read in a step range of an optimizer that is not torch.optim's is not told apart.
+    mine = [("Optimizer.step#MyOpt.step", 200, 400), *_CUDA_STEP[5:7]]
+    assert host_reads(_tree(mine)).optimizer == 0
+
+
+def test_adam_s_step_counters_are_no_host_read_on_cpu() -> None:
+    """torch.optim's AdamW reads each parameter's step counter with `.item()` on every step,
+    on a GPU too, where the counters stay on the host: 39 reads a step on a 4-layer Llama
+    read as an info to look at. A `loss.item()` of the step still is one."""
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    x = torch.randn(8, 16)
+    results = []
+    for read in (False, True):
+        with watch_time(model, optimizer=opt, steps=3) as w:
+            for _ in range(5):
+                loss = model(x).square().mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                if read:
+                    loss.item()
+        results.append(w.result)
+    quiet, loud = results
+    assert quiet is not None and loud is not None and quiet.host_reads is not None
+    assert quiet.host_reads.reads == quiet.host_reads.optimizer == 3 * 4  # 4 parameters
+    assert "profiling.host_read" not in {f.code for f in quiet.findings()}
+    [read] = [f for f in loud.findings() if f.code == "profiling.host_read"]
+    assert read.summary.startswith("the step reads tensor values to Python 1 time(s)")
 
 
 def _read_step() -> ProfileResult:

@@ -271,12 +271,15 @@ class HostReads:
             `.tolist()`, `torch.nonzero`).
         linked: the profiler nested the runtime's calls under the ops that made them; when
             it did not (no accelerator, or an older profiler), `device` cannot be told.
+        optimizer: the reads of host tensors inside the step of one of torch.optim's own
+            optimizers: the Adam family's step counters, kept on the host on a GPU too.
     """
 
     reads: int
     device: int = 0
     waits: int = 0
     linked: bool = False
+    optimizer: int = 0
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+import torch
+
+from torchscope.profiling.attribution import OPTIMIZER_STEP_PREFIX
 from torchscope.profiling.loader import LOADER_RANGE_PREFIX
 from torchscope.profiling.records import HostReads
 
@@ -46,10 +49,17 @@ def _in_loader(event: Any) -> bool:
     return _inside(event, lambda name: name.startswith(LOADER_RANGE_PREFIX))
 
 
+def _in_torch_optimizer(event: Any) -> bool:
+    """Inside the step of one of torch.optim's own optimizers (`Optimizer.step#AdamW.step`),
+    whose reads are of its host-side step counters."""
+    return _inside(event, lambda name: name.startswith(OPTIMIZER_STEP_PREFIX) and isinstance(
+        getattr(torch.optim, name[len(OPTIMIZER_STEP_PREFIX):].partition(".")[0], None), type))
+
+
 def host_reads(events: Iterable[Any]) -> HostReads:
     """The step's tensor reads and device waits among `events` (`prof.events()`, with
     `cpu_children` populated), outside every DataLoader range."""
-    reads = device = waits = 0
+    reads = device = waits = optimizer = 0
     linked = False  # the profiler nested runtime calls under ops (so reads can be told)
     for e in events:
         name: str = e.name
@@ -59,7 +69,10 @@ def host_reads(events: Iterable[Any]) -> HostReads:
             reads += 1
             if any(c.name.startswith(_RUNTIME) for c in _below(e)):
                 device += 1
+            elif _in_torch_optimizer(e):
+                optimizer += 1
         elif name in WAIT_OPS and not _in_loader(e) and \
                 not _inside(e, lambda n: n == READ_OP):  # not a read's own wait
             waits += 1
-    return HostReads(reads=reads, device=device, waits=waits, linked=linked)
+    return HostReads(reads=reads, device=device, waits=waits, linked=linked,
+                     optimizer=optimizer)
