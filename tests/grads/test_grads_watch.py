@@ -772,3 +772,71 @@ def test_a_compiled_wrapper_made_before_the_watch_is_a_warning_not_a_healthy_ste
     last = watch.last
     assert last is not None and {r.module for r in last.modules} == {"0", "1", "2"}
     assert not [f for f in watch.findings() if f.code == "grads.unseen_forward"]
+
+
+def test_a_loop_that_never_zeroes_its_gradients_is_a_warning() -> None:
+    """The classic: no `optimizer.zero_grad()`, so each step's update uses the sum of every
+    gradient so far. The watch read those sums as the steps' gradients and said nothing."""
+    torch.manual_seed(0)
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, y = torch.randn(4, 4), torch.randn(4, 2)
+    with watch_gradients(model, every=1, optimizer=opt) as watch:
+        for _ in range(6):
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+    assert (watch.unzeroed_steps, watch.first_unzeroed) == (5, 1)
+    [f] = [f for f in watch.findings() if f.code == "grads.not_zeroed"]
+    assert f.severity.name == "WARNING" and f.evidence["of"] == 6
+    assert "zero_grad()" in f.fix
+
+
+@pytest.mark.parametrize("loop", ["accumulate", "in_place", "module", "gan", "lbfgs"])
+def test_loops_that_zero_their_gradients_are_not_said_to_miss_it(loop: str) -> None:
+    torch.manual_seed(0)
+    model = _mlp()
+    x, y = torch.randn(4, 4), torch.randn(4, 2)
+
+    def loss() -> torch.Tensor:
+        return nn.functional.mse_loss(model(x), y)
+
+    if loop == "lbfgs":
+        lbfgs = torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=3)
+
+        def closure() -> torch.Tensor:
+            lbfgs.zero_grad()
+            value = loss()
+            value.backward()
+            return value
+
+        with watch_gradients(model, every=1, optimizer=lbfgs) as watch:
+            for _ in range(4):
+                lbfgs.step(closure)
+        assert watch.unzeroed_steps == 0
+        return
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    other = torch.optim.SGD(model[0].parameters(), lr=1e-2)
+    with watch_gradients(model, every=1, optimizer=opt) as watch:
+        for i in range(8):
+            if loop == "accumulate":  # four micro-batches a step, zeroed after each step
+                (loss() / 4).backward()
+                if i % 4 == 3:
+                    opt.step()
+                    opt.zero_grad()
+            elif loop == "in_place":
+                opt.zero_grad(set_to_none=False)
+                loss().backward()
+                opt.step()
+            elif loop == "module":
+                loss().backward()
+                opt.step()
+                model.zero_grad()
+            else:  # a second player's pass adds to these gradients between their steps
+                opt.zero_grad()
+                loss().backward()
+                opt.step()
+                other.zero_grad()
+                (-loss()).backward()
+                other.step()
+    assert watch.steps > 1 and watch.unzeroed_steps == 0
+    assert not [f for f in watch.findings() if f.code == "grads.not_zeroed"]

@@ -280,3 +280,20 @@ def test_dinov2_behind_a_1e5_layer_scale_is_no_gradient_growth_warning(
     assert "while the total gradient norm" in whole[0].summary
     loud = [f for f in _run_findings(run) if f.severity >= Severity.WARNING]
     assert not loud, [f.summary for f in loud]
+
+
+def test_a_run_that_never_zeroes_its_gradients_says_so() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = batches(4)
+    with torchscope.monitor(model, opt, every=5, out=None, memory=False) as mon:
+        for i in range(20):
+            x, y = data[i % len(data)]
+            nn.functional.mse_loss(model(x), y).backward()  # no zero_grad()
+            opt.step()
+    run = mon.result
+    assert run is not None and (run.unzeroed_steps, run.first_unzeroed) == (19, 1)
+    assert run.total_norms[-1] > 3 * run.total_norms[0]  # the sums grow
+    [f] = [f for f in run.findings() if f.code == "grads.not_zeroed"]
+    assert f.severity == Severity.WARNING and f.evidence["steps"] == 19

@@ -49,6 +49,7 @@ __all__ = [
     "find_frozen",
     "find_idle_forwards",
     "find_nonfinite",
+    "find_not_zeroed",
     "find_unreached",
     "find_unseen_forward",
     "find_update_ratio",
@@ -1041,6 +1042,25 @@ def find_no_step(step_by: str, steps: int, backwards: int,
     )]
 
 
+def find_not_zeroed(unzeroed: int, first: int | None, steps: int) -> list[Finding]:
+    """`grads.not_zeroed`: optimizer steps whose gradients still held the previous step's,
+    because nothing zeroed them in between: each update uses the sum of every gradient since
+    the loop began, so it grows step after step."""
+    if not unzeroed:
+        return []
+    return [Finding(
+        code="grads.not_zeroed",
+        severity=Severity.WARNING,
+        summary=f"the gradients were never zeroed between optimizer steps: {unzeroed} of "
+        f"{steps} steps (from step {first}) updated with the sum of every earlier step's "
+        "gradient too",
+        evidence={"steps": unzeroed, "first_step": first, "of": steps},
+        fix="call optimizer.zero_grad() once per step (before backward, or after step()); "
+        "to accumulate over micro-batches, zero after each step(), not after each "
+        "backward.",
+    )]
+
+
 def find_no_update(backwards: int, without_update: int, steps: int) -> list[Finding]:
     """`grads.no_update`: every backward pass added to no parameter of the model
     (`without_update` of them, left out, and no other): the loop trains other tensors
@@ -1068,5 +1088,6 @@ def diagnose_watch(watch: GradWatch, thresholds: GradThresholds | None = None) -
     found = diagnose(last, thresholds) if last is not None else []
     found += find_no_step(watch.step_by, watch.steps, watch.backwards, watch.optimizer_name)
     found += find_no_update(watch.backwards, watch.passes_without_update, watch.steps)
+    found += find_not_zeroed(watch.unzeroed_steps, watch.first_unzeroed, watch.steps)
     found += ran_eagerly("grads.compiled_eager", watch.compiled, "the gradient watch")
     return rank(found + diagnose_history(watch.history, thresholds))

@@ -164,6 +164,11 @@ class GradWatch(HookedContext, Analyzed):
             gradient, left out (`torch.autograd.grad`, `backward(inputs=...)`).
         optimizer_name: the class name of the optimizer whose steps are the steps, or None.
         skipped: steps the GradScaler skipped (inf/NaN gradients) so far.
+        unzeroed_steps: optimizer steps (after the first) whose gradients still held the
+            previous step's: the backward passes in between only accumulated into them, so
+            nothing zeroed them (`optimizer.zero_grad()` missing). Read from the gradients'
+            version counters: clipping or unscaling in place counts as a change.
+        first_unzeroed: the first such step (optimizer steps counted from 0), or None.
         gathered: in a distributed job, every rank's last sample joined on rank 0 at the end
             of the block (`Ranked[GradFlow]`); None on the other ranks and on one process.
     """
@@ -241,6 +246,13 @@ class GradWatch(HookedContext, Analyzed):
         self._layers: dict[str, None] = {}
         self._skipped_steps: deque[int] = deque(maxlen=_SKIPPED_KEPT)
         self._from_zero: set[str] = set()  # parameters read all zero at open or a sample
+        # Missing zero_grad: optimizer steps seen, backward passes since the last one, and
+        # whether any of them found the gradients set to None, replaced or changed in place.
+        self.unzeroed_steps = 0
+        self.first_unzeroed: int | None = None
+        self._optimizer_steps = 0
+        self._passes_since_step = 0
+        self._cleared = False
         self._carry = False  # a due step had no gradients (or was skipped): sample the next
         self._in_step = 0  # backward passes of the current step (micro_batches, inferred)
         # Inferred: the due step's flow per backward, built when its step has ended.
@@ -383,6 +395,7 @@ class GradWatch(HookedContext, Analyzed):
     def _on_optimizer_step(self, _opt: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
                            ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         self._stepped = True
+        self._check_cleared()
         if self._updates:
             # Before the update (a closure only recomputes the gradients, never w): keep w of
             # a sampled step to measure the update it applies. Manual steps end before
@@ -439,6 +452,18 @@ class GradWatch(HookedContext, Analyzed):
             self._pending_updates = (self._update_step, self._collector.measure_updates())
             self._update_step = None
 
+    def _check_cleared(self) -> None:
+        """At an optimizer step: count it when backward passes since the last step only
+        accumulated into the gradients that step had used (nothing set them to None,
+        replaced them or changed them in place: no zero_grad). Metadata only."""
+        if self._passes_since_step and self._optimizer_steps and not self._cleared:
+            self.unzeroed_steps += 1
+            if self.first_unzeroed is None:
+                self.first_unzeroed = self._optimizer_steps
+        self._optimizer_steps += 1
+        self._passes_since_step = 0
+        self._cleared = False
+
     def _end_step(self) -> None:
         """The collector holds the whole step: sample it if due, then count it."""
         c = self._collector
@@ -469,9 +494,12 @@ class GradWatch(HookedContext, Analyzed):
         """Count a backward pass of the step: where it ends a step, end it."""
         c = self._collector
         if self._step_by in ("optimizer", "manual"):
+            replaced, zeroed, _ = self._grad_evidence()
+            self._cleared = self._cleared or replaced or zeroed
+            self._passes_since_step += 1
             # Gradients set to None since the last backward of a sampled step: the passes
             # before this one feed no update (a GAN's other player's step).
-            if c.active and self._grad_evidence()[0] and c.backward_calls > 1:
+            if c.active and replaced and c.backward_calls > 1:
                 c.restart_at_last_backward()
             return
         if self._step_by == "micro_batches":

@@ -24,6 +24,7 @@ from torchscope.grads.analyze import (
     diagnose_history,
     find_no_step,
     find_no_update,
+    find_not_zeroed,
 )
 from torchscope.hooks.compiled import ran_eagerly
 from torchscope.monitoring.records import LayerSeries, RunRecord
@@ -354,6 +355,7 @@ def _capabilities(record: RunRecord, replaced: bool) -> list[Finding]:
     found += diagnose_history(grad_history(record))
     found += find_no_step(record.step_by, record.steps, record.backwards, record.optimizer)
     found += find_no_update(record.backwards, record.passes_without_update, record.steps)
+    found += find_not_zeroed(record.unzeroed_steps, record.first_unzeroed, record.steps)
     if record.activations is not None:
         found += record.activations.findings()
     if record.memory is not None:

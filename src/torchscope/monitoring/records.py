@@ -143,6 +143,8 @@ class RunRecord(Analyzed):
         backwards: backward passes of the model in the run (`GradWatch.backwards`).
         passes_without_update: backward passes that added to no parameter of the model,
             left out (`GradWatch.passes_without_update`).
+        unzeroed_steps: optimizer steps whose gradients still held the previous step's
+            (`GradWatch.unzeroed_steps`), and the first of them.
     """
 
     model: str
@@ -180,6 +182,8 @@ class RunRecord(Analyzed):
     compiled: tuple[str, ...] = ()
     backwards: int = 0
     passes_without_update: int = 0
+    unzeroed_steps: int = 0
+    first_unzeroed: int | None = None
 
     @property
     def median_step_ms(self) -> float | None:

@@ -464,6 +464,7 @@ class Monitor(HookedContext):
             optimizer=self._optimizer_name, scaler=self._scaler is not None,
             compiled=self._compiled, backwards=grads.backwards,
             passes_without_update=grads.passes_without_update,
+            unzeroed_steps=grads.unzeroed_steps, first_unzeroed=grads.first_unzeroed,
         )
 
 
