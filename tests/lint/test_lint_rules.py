@@ -287,3 +287,42 @@ def test_ts011_what_it_flags_keeps_every_iterations_graph_and_its_fix_does_not()
     assert names.count("MseLossBackward0") == 5  # every iteration's loss, still reachable
     assert names.count("AddmmBackward0") == 10  # and its model's graph
     assert isinstance(fixed, float)  # the fix holds a number, no graph
+
+
+def test_ts012_what_it_flags_steps_on_summed_gradients_and_its_fix_does_not() -> None:
+    """The trap, run: without zero_grad the gradient the last step used is the sum of every
+    batch's (SGD at lr 0 keeps the weights, so each batch's gradient can be recomputed); with
+    the fix it is the last batch's alone."""
+    import torch
+    from torch import nn
+
+    src = """
+    import torch
+    def run(model, batches, opt, fix):
+        for x in batches:
+            if fix:
+                opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), x[:, :2]).backward()
+            opt.step()
+    """
+    assert [c for _, c in _codes(src, select=["TS012"])] == []  # the fix is in the loop
+    flagged = src.replace("            if fix:\n                opt.zero_grad()\n", "")
+    assert [c for _, c in _codes(flagged, select=["TS012"])] == ["TS012"]
+    namespace: dict[str, object] = {}
+    exec(textwrap.dedent(src), namespace)
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    batches = [torch.randn(3, 4) for _ in range(5)]
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+
+    def grad_of(x: torch.Tensor) -> torch.Tensor:
+        (g,) = torch.autograd.grad(nn.functional.mse_loss(model(x), x[:, :2]), [model.weight])
+        return g
+
+    run = namespace["run"]
+    run(model, batches, opt, fix=False)  # type: ignore[operator]
+    assert model.weight.grad is not None
+    summed = torch.stack([grad_of(x) for x in batches]).sum(0)
+    torch.testing.assert_close(model.weight.grad, summed)  # every batch's, summed
+    run(model, batches, opt, fix=True)  # type: ignore[operator]
+    assert torch.equal(model.weight.grad, grad_of(batches[-1]))  # the last batch's only

@@ -32,6 +32,7 @@ from torchscope.lint.loss_history import check_ts011
 from torchscope.lint.rank_norms import check_ts009
 from torchscope.lint.records import LintViolation
 from torchscope.lint.rules import RULES
+from torchscope.lint.zero_grad import check_ts012
 
 __all__ = ["check_tree"]
 
@@ -241,7 +242,8 @@ class _Checker:
                 self._ts007(call, qual)
         # The distributed rules and TS010's flow live in their own modules.
         for code, rule in (("TS008", check_ts008), ("TS009", check_ts009),
-                           ("TS010", check_ts010), ("TS011", check_ts011)):
+                           ("TS010", check_ts010), ("TS011", check_ts011),
+                           ("TS012", check_ts012)):
             if code in self.codes:
                 for node, message in rule(self.tree, self.imports, self.calls):
                     self.report(code, node, message)

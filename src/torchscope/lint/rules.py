@@ -211,6 +211,20 @@ RULES: dict[str, Rule] = {
             Severity.WARNING,
             ("loss", "backward"),
         ),
+        Rule(
+            "TS012",
+            "gradients-never-zeroed",
+            "A loop whose own body calls a tensor's `backward()` and an optimizer's `step()` "
+            "while nothing in the loop (nor a function of the file it calls) zeroes the "
+            "gradients: no `zero_grad()`, no `p.grad = None`.",
+            "`backward()` adds to `.grad`: without zeroing, each step updates with the sum of "
+            "every gradient since the loop began, so the steps grow and point at the "
+            "average of the old batches rather than the current one.",
+            "Call `optimizer.zero_grad()` once per step, before `backward()` or after "
+            "`step()`; to accumulate over micro-batches, zero after each `step()`.",
+            Severity.WARNING,
+            ("backward",),
+        ),
     )
 }
 

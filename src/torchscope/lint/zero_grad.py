@@ -1,0 +1,140 @@
+"""TS012: a training loop that never zeroes the gradients it steps on.
+
+`loss.backward()` adds to `.grad`; only `zero_grad()` (or `p.grad = None`) starts a step
+from zero. A loop that backpropagates and steps an optimizer on every iteration without
+zeroing updates with the sum of every gradient since the loop began. The rule is
+conservative:
+
+- the loop's own body (not a nested loop's, not a nested function's) calls a tensor's
+  `backward()` (no positional argument: `loss.backward()`, `scaler.scale(loss).backward()`;
+  `accelerator.backward(loss)` and DeepSpeed's `engine.backward(loss)`, whose `step()`
+  zeroes, are not) or `torch.autograd.backward`, and an optimizer's `step()`: a receiver
+  whose name says optimizer (`optimizer`, `opt_g`, `self.optim`), or `scaler.step(opt)`;
+- nothing in the loop's body, nested blocks and loops included, zeroes: a `zero_grad()`
+  call on anything, `p.grad = None`, `p.grad.zero_()`; nor does a function of this file
+  that the body calls (one call deep, by name).
+
+A loop that makes a new optimizer on each iteration (one step on each of several setups) is
+not a training loop and is not judged. Zeroing once before the loop does not count: the
+gradients still pile up across its iterations.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+
+from torchscope.lint._astutil import FUNCS, ImportMap, Tree, dotted, walk_local
+
+__all__ = ["check_ts012"]
+
+_LOOPS = (ast.For, ast.AsyncFor, ast.While)
+
+
+def _own(body: list[ast.stmt]) -> Iterator[ast.AST]:
+    """The nodes of a loop body that run once per iteration of that loop: not inside a
+    nested loop, function, lambda or class."""
+    stack: list[ast.AST] = list(reversed(body))
+    while stack:
+        node = stack.pop()
+        yield node
+        if isinstance(node, (*_LOOPS, *FUNCS, ast.Lambda, ast.ClassDef)):
+            continue
+        stack.extend(reversed(list(ast.iter_child_nodes(node))))
+
+
+def _is_backward(call: ast.Call, imports: ImportMap) -> bool:
+    func = call.func
+    if isinstance(func, ast.Attribute) and func.attr == "backward" and not call.args:
+        return True
+    return imports.qualify(func) == "torch.autograd.backward"
+
+
+def _optimizer_named(node: ast.AST | None) -> bool:
+    name = dotted(node) if node is not None else None
+    last = (name or "").rpartition(".")[2].lower()
+    return "opt" in last and "sched" not in last
+
+
+def _is_step(call: ast.Call) -> bool:
+    """`optimizer.step()` (a receiver named for an optimizer) or `scaler.step(optimizer)`."""
+    func = call.func
+    if not isinstance(func, ast.Attribute) or func.attr != "step":
+        return False
+    return _optimizer_named(func.value) or (bool(call.args) and _optimizer_named(call.args[0]))
+
+
+def _zeroes(node: ast.AST) -> bool:
+    """`x.zero_grad(...)`, `p.grad = None` (or any value), `p.grad.zero_()`."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+        if node.func.attr == "zero_grad":
+            return True
+        receiver = node.func.value
+        return node.func.attr in ("zero_", "detach_") and isinstance(receiver, ast.Attribute) \
+            and receiver.attr == "grad"
+    if isinstance(node, ast.Assign):
+        return any(isinstance(t, ast.Attribute) and t.attr == "grad" for t in node.targets)
+    return False
+
+
+def _optimizer_of(step: ast.Call) -> set[str]:
+    """The dotted names of the optimizer a step call steps: its receiver, or `scaler.step`'s
+    argument."""
+    assert isinstance(step.func, ast.Attribute)
+    names = {dotted(step.func.value)} | ({dotted(step.args[0])} if step.args else set())
+    return {n for n in names if n is not None}
+
+
+def _bound(nodes: list[ast.AST]) -> set[str]:
+    """Dotted names assigned in `nodes` (`opt = ...`, `self.opt = ...`)."""
+    out: set[str] = set()
+    for node in nodes:
+        if isinstance(node, ast.Assign):
+            out |= {d for t in node.targets if (d := dotted(t)) is not None}
+        elif isinstance(node, (ast.AnnAssign, ast.AugAssign)) and \
+                (d := dotted(node.target)) is not None:
+            out.add(d)
+    return out
+
+
+def _called_names(nodes: list[ast.AST]) -> set[str]:
+    out: set[str] = set()
+    for node in nodes:
+        if isinstance(node, ast.Call):
+            func = node.func
+            if isinstance(func, ast.Name):
+                out.add(func.id)
+            elif isinstance(func, ast.Attribute):
+                out.add(func.attr)
+    return out
+
+
+def check_ts012(tree: Tree, imports: ImportMap, calls: list[ast.Call]
+                ) -> list[tuple[ast.Call, str]]:
+    """Each optimizer step of a loop that backpropagates and never zeroes, with its
+    message."""
+    del calls  # the loops are walked instead
+    if not any(q == "torch" or q.startswith("torch.") for q in imports.aliases.values()):
+        return []
+    zeroing_funcs = {f.name for f in tree.funcs if any(map(_zeroes, walk_local(f.body)))}
+    loops = [n for n in walk_local(tree.module.body) if isinstance(n, _LOOPS)]
+    for func in tree.funcs:
+        loops += [n for n in walk_local(func.body) if isinstance(n, _LOOPS)]
+    found: list[tuple[ast.Call, str]] = []
+    for loop in loops:
+        assert isinstance(loop, _LOOPS)
+        own = [n for n in _own(loop.body) if isinstance(n, ast.Call)]
+        backward = next((c for c in own if _is_backward(c, imports)), None)
+        step = next((c for c in own if _is_step(c)), None)
+        if backward is None or step is None:
+            continue
+        everything = list(walk_local(loop.body))
+        if any(map(_zeroes, everything)) or _called_names(everything) & zeroing_funcs:
+            continue
+        if _optimizer_of(step) & _bound(everything):
+            continue  # a new optimizer (and model) each iteration: one step each, not a loop
+        found.append((step, (
+            f"`{ast.unparse(step)}` runs on every iteration of this loop and nothing in the loop "
+            f"zeroes the gradients `{ast.unparse(backward)}` adds to: each step updates with "
+            "the sum of every gradient since the loop began")))
+    return found
