@@ -297,3 +297,39 @@ def test_a_run_that_never_zeroes_its_gradients_says_so() -> None:
     assert run.total_norms[-1] > 3 * run.total_norms[0]  # the sums grow
     [f] = [f for f in run.findings() if f.code == "grads.not_zeroed"]
     assert f.severity == Severity.WARNING and f.evidence["steps"] == 19
+
+
+@pytest.mark.parametrize("loop", ["forgot_train", "train_again", "no_dropout"])
+def test_steps_trained_in_eval_mode_after_an_evaluation_are_a_warning(loop: str) -> None:
+    """An evaluation at each epoch's end calls model.eval() and never model.train(): every
+    later epoch trains with dropout off and BatchNorm frozen on its running statistics."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(),
+                               nn.Dropout(0.1), nn.Linear(16, 2)]
+    if loop == "no_dropout":  # the mode changes nothing: eval mode is no news
+        layers = [nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.0), nn.Linear(16, 2)]
+    model = nn.Sequential(*layers)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = batches(4)
+    with torchscope.monitor(model, opt, every=5, out=None, memory=False) as mon:
+        for _ in range(3):
+            if loop == "train_again":
+                model.train()
+            for x, y in data:
+                opt.zero_grad()
+                nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+            model.eval()
+            with torch.no_grad():
+                model(data[0][0])  # the evaluation: no gradients, no step
+    run = mon.result
+    assert run is not None
+    found = [f for f in run.findings() if f.code == "run.eval_mode"]
+    if loop == "forgot_train":
+        assert (run.modes.train, run.modes.eval, run.modes.first_eval) == (4, 8, 4)
+        assert [f.severity for f in found] == [Severity.WARNING]
+        assert found[0].evidence["modules"] == 2 and "model.train()" in found[0].fix
+    elif loop == "train_again":
+        assert (run.modes.train, run.modes.eval) == (12, 0) and not found
+    else:
+        assert run.modes.eval == 8 and run.modes.sensitive == 0 and not found

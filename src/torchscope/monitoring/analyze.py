@@ -383,6 +383,33 @@ def section_of(finding: Finding) -> str:
     return "run"
 
 
+def _eval_mode(record: RunRecord) -> list[Finding]:
+    """Steps whose forward ran with the model in eval mode, where the mode changes what it
+    computes: after steps in train mode, a `model.eval()` for evaluation left in place."""
+    m = record.modes
+    if not m.eval or not m.sensitive:
+        return []
+    what = (f"its {m.sensitive} dropout and batch-norm module(s) computed as at inference "
+            "(no dropout; BatchNorm normalising with running statistics, which stop "
+            "updating)")
+    if m.train:
+        return [Finding(
+            "run.eval_mode", Severity.WARNING,
+            f"{m.eval} of {m.train + m.eval} steps, from step {m.first_eval}, trained with the "
+            f"model in eval mode after steps in train mode: {what}",
+            {"eval_steps": m.eval, "train_steps": m.train, "first_step": m.first_eval,
+             "modules": m.sensitive},
+            fix="call model.train() after evaluating, before the next training step: "
+                "model.eval() for an evaluation pass was not undone.")]
+    return [Finding(
+        "run.eval_mode", Severity.INFO,
+        f"every step ({m.eval}) trained with the model in eval mode: {what}",
+        {"eval_steps": m.eval, "train_steps": 0, "first_step": m.first_eval,
+         "modules": m.sensitive},
+        fix="call model.train() before training, unless eval mode is meant (BatchNorm "
+            "statistics kept frozen, no dropout).")]
+
+
 def _compiled(record: RunRecord) -> list[Finding]:
     return ran_eagerly("run.compiled_eager", record.compiled, "the monitor",
                        also=", for the whole run: the step times, saved bytes and profile "
@@ -403,6 +430,7 @@ def analyze_run(record: RunRecord, thresholds: RunThresholds | None = None
     run = _nonfinite(record)
     found: Sequence[Finding] = [
         *_stopped(record), *run, *_skipped(record, t), *_gradient_trends(record, t),
-        *_activation_drift(record, t), *_dead_growth(record, t), *_compiled(record),
+        *_activation_drift(record, t), *_dead_growth(record, t), *_eval_mode(record),
+        *_compiled(record),
         *_capabilities(record, replaced=bool(run))]
     return rank(found)

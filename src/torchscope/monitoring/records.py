@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
+
+from torch import nn
 
 from torchscope.findings import Analyzed
 from torchscope.monitoring.history import Bucket
@@ -15,7 +17,8 @@ if TYPE_CHECKING:
     from torchscope.memory import MemoryWatch
     from torchscope.profiling import ProfileResult
 
-__all__ = ["HistoryBudget", "LayerSeries", "NonFiniteOnset", "RunRecord", "RunStatus"]
+__all__ = ["HistoryBudget", "LayerSeries", "ModeCounts", "NonFiniteOnset", "RunRecord",
+           "RunStatus", "mode_sensitive"]
 
 RunStatus = Literal["completed", "stopped"]
 
@@ -76,6 +79,34 @@ class NonFiniteOnset:
     forward_step: int | None = None
     module: str | None = None
     module_type: str | None = None
+
+
+@dataclass(frozen=True)
+class ModeCounts:
+    """The steps of a run by the model's mode at their forward (`model.training` at the
+    step's last forward with gradients on), and whether that mode changes what it computes.
+
+    Attributes:
+        train: steps whose forward ran in train mode.
+        eval: steps whose forward ran in eval mode.
+        first_eval: the first of those (counted from 0), or None.
+        sensitive: the model's modules that compute otherwise in eval mode: dropout with
+            p > 0, and norms that track running statistics (BatchNorm); 0 when the mode
+            changes nothing.
+    """
+
+    train: int = 0
+    eval: int = 0
+    first_eval: int | None = None
+    sensitive: int = 0
+
+
+def mode_sensitive(model: nn.Module) -> int:
+    """The modules of `model` whose output depends on its mode: dropout with p > 0, norms
+    that track running statistics."""
+    return sum(1 for m in model.modules()
+               if (isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0)
+               or (isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats))
 
 
 @dataclass(frozen=True)
@@ -145,6 +176,7 @@ class RunRecord(Analyzed):
             left out (`GradWatch.passes_without_update`).
         unzeroed_steps: optimizer steps whose gradients still held the previous step's
             (`GradWatch.unzeroed_steps`), and the first of them.
+        modes: the steps by the model's mode at their forward.
     """
 
     model: str
@@ -184,6 +216,7 @@ class RunRecord(Analyzed):
     passes_without_update: int = 0
     unzeroed_steps: int = 0
     first_unzeroed: int | None = None
+    modes: ModeCounts = field(default_factory=ModeCounts)
 
     @property
     def median_step_ms(self) -> float | None:

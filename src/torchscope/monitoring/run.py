@@ -18,6 +18,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal
@@ -37,7 +38,14 @@ from torchscope.hooks.session import HookSession
 from torchscope.memory import MemorySample, MemoryWatch
 from torchscope.models.target import ModelInputs
 from torchscope.monitoring.history import SampleHistory, StepBuckets
-from torchscope.monitoring.records import HistoryBudget, LayerSeries, NonFiniteOnset, RunRecord
+from torchscope.monitoring.records import (
+    HistoryBudget,
+    LayerSeries,
+    ModeCounts,
+    NonFiniteOnset,
+    RunRecord,
+    mode_sensitive,
+)
 from torchscope.profiling import ProfilingError, TimeWatch
 
 __all__ = ["Monitor", "monitor"]
@@ -167,6 +175,8 @@ class Monitor(HookedContext):
         self._order: dict[str, int] = {}
         self._facts: tuple[str, int, int, str] = (type(model).__name__, 0, 0, "cpu")
         self._compiled: tuple[str, ...] = ()
+        self._mode: bool | None = None  # `training` at the step's last forward with grad
+        self._modes = ModeCounts()
         self._compiled_outside = compiled_outside
         self._eager = contextlib.ExitStack()  # the eager stance, for a wrapper out of sight
         self.latest: dict[str, float] = {}
@@ -189,6 +199,7 @@ class Monitor(HookedContext):
             # Before any hook: Dynamo would trace them into the wrapper's graph.
             self._eager.enter_context(eager_stance("the monitor"))
             self._compiled = ("",)
+        self._modes = ModeCounts(sensitive=mode_sensitive(model))
         self._facts = (type(model).__name__, sum(p.numel() for p in params),
                        sum(p.numel() for p in params if p.requires_grad), str(device))
         if self._want_activations:
@@ -281,10 +292,12 @@ class Monitor(HookedContext):
         """The gradient watch that defines the steps (None before the block)."""
         return self._grads
 
-    def _gate(self, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    def _gate(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
               ) -> None:
         if not self._inputs:
             self._inputs = ModelInputs(tuple(args), dict(kwargs)).describe()
+        if torch.is_grad_enabled():  # a training forward's mode (evaluation runs without)
+            self._mode = module.training
         record = self._grads is not None and self._grads.collecting and \
             torch.is_grad_enabled()
         if self._acts is not None:
@@ -322,6 +335,11 @@ class Monitor(HookedContext):
                                  None if mem is None else mem.last)
 
     def _on_step(self, index: int, flow: GradFlow | None) -> None:
+        if self._mode is not None:  # the mode of the step's last forward with gradients on
+            m = self._modes
+            self._modes = replace(m, train=m.train + 1) if self._mode else replace(
+                m, eval=m.eval + 1, first_eval=index if m.first_eval is None else m.first_eval)
+            self._mode = None
         now = time.perf_counter()
         self._times.add(index, (now - self._last) * 1e3)
         self._last = now
@@ -465,6 +483,7 @@ class Monitor(HookedContext):
             compiled=self._compiled, backwards=grads.backwards,
             passes_without_update=grads.passes_without_update,
             unzeroed_steps=grads.unzeroed_steps, first_unzeroed=grads.first_unzeroed,
+            modes=self._modes,
         )
 
 
