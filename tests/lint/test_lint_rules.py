@@ -326,3 +326,41 @@ def test_ts012_what_it_flags_steps_on_summed_gradients_and_its_fix_does_not() ->
     torch.testing.assert_close(model.weight.grad, summed)  # every batch's, summed
     run(model, batches, opt, fix=True)  # type: ignore[operator]
     assert torch.equal(model.weight.grad, grad_of(batches[-1]))  # the last batch's only
+
+
+def test_ts013_what_it_flags_freezes_batchnorm_and_its_fix_does_not() -> None:
+    """The trap, run: after the first epoch's evaluation the flagged loop trains in eval
+    mode, so BatchNorm's running statistics stop updating; with `model.train()` at the top of
+    each epoch they keep moving."""
+    import torch
+    from torch import nn
+
+    src = """
+    import torch
+    def fit(model, batches, opt, epochs, fix):
+        means = []
+        for _ in range(epochs):
+            if fix:
+                model.train()
+            for x in batches:
+                opt.zero_grad()
+                model(x).square().mean().backward()
+                opt.step()
+            means.append(model[1].running_mean.clone())
+            model.eval()
+            with torch.no_grad():
+                model(batches[0])
+        return means
+    """
+    assert [c for _, c in _codes(src, select=["TS013"])] == []  # the fix is in the loop
+    flagged = src.replace("            if fix:\n                model.train()\n", "")
+    assert [c for _, c in _codes(flagged, select=["TS013"])] == ["TS013"]
+    namespace: dict[str, object] = {}
+    exec(textwrap.dedent(src), namespace)
+    batches = [torch.randn(8, 4) + 3 for _ in range(4)]
+    for fix in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        means = namespace["fit"](model, batches, opt, 3, fix)  # type: ignore[operator]
+        assert torch.equal(means[1], means[2]) != fix  # frozen after the first evaluation

@@ -27,6 +27,7 @@ from torchscope.lint._astutil import (
     walk_local,
 )
 from torchscope.lint.eval_grad import check_ts010
+from torchscope.lint.eval_mode import check_ts013
 from torchscope.lint.fsdp_hooks import check_ts008
 from torchscope.lint.loss_history import check_ts011
 from torchscope.lint.rank_norms import check_ts009
@@ -243,7 +244,7 @@ class _Checker:
         # The distributed rules and TS010's flow live in their own modules.
         for code, rule in (("TS008", check_ts008), ("TS009", check_ts009),
                            ("TS010", check_ts010), ("TS011", check_ts011),
-                           ("TS012", check_ts012)):
+                           ("TS012", check_ts012), ("TS013", check_ts013)):
             if code in self.codes:
                 for node, message in rule(self.tree, self.imports, self.calls):
                     self.report(code, node, message)

@@ -225,6 +225,20 @@ RULES: dict[str, Rule] = {
             Severity.WARNING,
             ("backward",),
         ),
+        Rule(
+            "TS013",
+            "eval-mode-not-undone",
+            "A loop that backpropagates and calls `model.eval()` (or an evaluation function "
+            "of the file that does) on the model it trains, while nothing in the loop calls "
+            "`model.train()` again.",
+            "`eval()` stays in effect: every step after the first evaluation trains with "
+            "dropout off and BatchNorm normalising with its running statistics, which no "
+            "longer update. Nothing fails; the model trains differently (and often worse).",
+            "Call `model.train()` after the evaluation (or at the top of each epoch), or "
+            "evaluate in a function that restores the mode it found.",
+            Severity.WARNING,
+            ("eval",),
+        ),
     )
 }
 

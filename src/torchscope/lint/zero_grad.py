@@ -26,7 +26,7 @@ from collections.abc import Iterator
 
 from torchscope.lint._astutil import FUNCS, ImportMap, Tree, dotted, walk_local
 
-__all__ = ["check_ts012"]
+__all__ = ["called_names", "check_ts012", "is_backward"]
 
 _LOOPS = (ast.For, ast.AsyncFor, ast.While)
 
@@ -43,7 +43,9 @@ def _own(body: list[ast.stmt]) -> Iterator[ast.AST]:
         stack.extend(reversed(list(ast.iter_child_nodes(node))))
 
 
-def _is_backward(call: ast.Call, imports: ImportMap) -> bool:
+def is_backward(call: ast.Call, imports: ImportMap) -> bool:
+    """A tensor's `backward()` (no positional argument: not `accelerator.backward(loss)`)
+    or `torch.autograd.backward`."""
     func = call.func
     if isinstance(func, ast.Attribute) and func.attr == "backward" and not call.args:
         return True
@@ -97,7 +99,8 @@ def _bound(nodes: list[ast.AST]) -> set[str]:
     return out
 
 
-def _called_names(nodes: list[ast.AST]) -> set[str]:
+def called_names(nodes: list[ast.AST]) -> set[str]:
+    """The names `nodes` call: a function's, or a method's attribute."""
     out: set[str] = set()
     for node in nodes:
         if isinstance(node, ast.Call):
@@ -124,12 +127,12 @@ def check_ts012(tree: Tree, imports: ImportMap, calls: list[ast.Call]
     for loop in loops:
         assert isinstance(loop, _LOOPS)
         own = [n for n in _own(loop.body) if isinstance(n, ast.Call)]
-        backward = next((c for c in own if _is_backward(c, imports)), None)
+        backward = next((c for c in own if is_backward(c, imports)), None)
         step = next((c for c in own if _is_step(c)), None)
         if backward is None or step is None:
             continue
         everything = list(walk_local(loop.body))
-        if any(map(_zeroes, everything)) or _called_names(everything) & zeroing_funcs:
+        if any(map(_zeroes, everything)) or called_names(everything) & zeroing_funcs:
             continue
         if _optimizer_of(step) & _bound(everything):
             continue  # a new optimizer (and model) each iteration: one step each, not a loop
