@@ -86,6 +86,12 @@ def test_refuse_policy_and_inner_compiled_parts() -> None:
     inplace = TinyCNN()
     inplace.compile(backend="eager")
     assert compiled_parts(inplace) == ("",)
+    # A method compiled on the instance (Lightning's `fit` on a compiled module) is a
+    # compiled part; one that torch._dynamo.disable wraps is not.
+    method = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    method[1].forward = torch.compile(method[1].forward, backend="eager")
+    method[0].forward = torch._dynamo.disable(method[0].forward)
+    assert compiled_parts(method) == ("1",)
 
 
 def test_unwrap_compiled() -> None:

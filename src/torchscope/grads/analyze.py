@@ -319,10 +319,11 @@ def depth_profile(flow: GradFlow) -> DepthProfile:
         if lg.tied:
             excluded.append((lg.module, "tied weight"))
             continue
-        if _unit_name(lg.module) in scaled:
-            excluded.append((lg.module, f"behind a layer scale ({scaled[_unit_name(lg.module)]})"))
+        unit = _unit_name(lg.module)
+        if unit in scaled:
+            excluded.append((lg.module, f"behind a layer scale ({scaled[unit]})"))
             continue
-        groups.setdefault(_unit_name(lg.module), []).append(lg)
+        groups.setdefault(unit, []).append(lg)
     units: list[DepthUnit] = []
     for name, lgs in groups.items():
         g = combine_norms(lg.grad_norm for lg in lgs)

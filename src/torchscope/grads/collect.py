@@ -1396,12 +1396,12 @@ class GradCollector(HookedContext):
     def zero_parameters(self) -> set[str]:
         """Names of the trainable parameters that are all zero now (this rank's shard under
         FSDP2): one norm per parameter, read with one host copy per device."""
-        kept = [name for name, _, p in self._params if p.requires_grad]
+        kept = [(name, p) for name, _, p in self._params if p.requires_grad]
         if not kept:
             return set()
         with torch.no_grad():  # to_local() records no graph
-            weights = [local_tensor(p).detach() for _, _, p in self._params if p.requires_grad]
-        return {name for name, n in zip(kept, _host_floats(_norms(weights)), strict=True)
+            norms = _norms([local_tensor(p).detach() for _, p in kept])
+        return {name for (name, _), n in zip(kept, _host_floats(norms), strict=True)
                 if n == 0.0}
 
     def snapshot_weights(self) -> None:

@@ -75,8 +75,10 @@ def compiled_parts(model: nn.Module) -> tuple[str, ...]:
 
 def _compiled_method(module: nn.Module) -> bool:
     """Whether a method of `module` was replaced on the instance by a `torch.compile`d
-    function (Dynamo marks those with the callable they wrap)."""
+    function (Dynamo marks those with the callable they wrap; a `torch._dynamo.disable`d
+    one is marked too, and as disabled)."""
     return any(callable(v) and hasattr(v, "_torchdynamo_orig_callable")
+               and not getattr(v, "_torchdynamo_disable", False)
                for v in vars(module).values())
 
 
