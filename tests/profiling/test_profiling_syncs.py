@@ -49,13 +49,12 @@ def test_reads_of_device_tensors_are_told_from_reads_of_host_ones() -> None:
     assert host_reads(_tree(mine)).optimizer == 0
 
 
-def test_adam_s_step_counters_are_no_host_read_on_cpu() -> None:
-    """torch.optim's AdamW reads each parameter's step counter with `.item()` on every step,
-    on a GPU too, where the counters stay on the host: 39 reads a step on a 4-layer Llama
-    read as an info to look at. A `loss.item()` of the step still is one."""
-    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1))
+def _adam_steps(device: torch.device) -> tuple[ProfileResult, ProfileResult]:
+    """Three profiled AdamW steps of a 4-parameter MLP on `device`: without and with a
+    `loss.item()` a step."""
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1)).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
-    x = torch.randn(8, 16)
+    x = torch.randn(8, 16, device=device)
     results = []
     for read in (False, True):
         with watch_time(model, optimizer=opt, steps=3) as w:
@@ -66,9 +65,17 @@ def test_adam_s_step_counters_are_no_host_read_on_cpu() -> None:
                 opt.zero_grad()
                 if read:
                     loss.item()
+        assert w.result is not None
         results.append(w.result)
-    quiet, loud = results
-    assert quiet is not None and loud is not None and quiet.host_reads is not None
+    return results[0], results[1]
+
+
+def test_adam_s_step_counters_are_no_host_read_on_cpu() -> None:
+    """torch.optim's AdamW reads each parameter's step counter with `.item()` on every step,
+    on a GPU too, where the counters stay on the host: 39 reads a step on a 4-layer Llama
+    read as an info to look at. A `loss.item()` of the step still is one."""
+    quiet, loud = _adam_steps(torch.device("cpu"))
+    assert quiet.host_reads is not None
     assert quiet.host_reads.reads == quiet.host_reads.optimizer == 3 * 4  # 4 parameters
     assert "profiling.host_read" not in {f.code for f in quiet.findings()}
     [read] = [f for f in loud.findings() if f.code == "profiling.host_read"]
@@ -109,22 +116,7 @@ def test_on_a_gpu_only_reads_that_wait_are_a_warning() -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_adam_on_cuda_is_no_synchronisation_and_a_loss_item_is() -> None:
-    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1)).cuda()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
-    x = torch.randn(32, 64, device="cuda")
-    results = []
-    for read in (False, True):
-        with watch_time(model, optimizer=opt, steps=3) as w:
-            for _ in range(5):
-                loss = model(x).square().mean()
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                if read:
-                    loss.item()
-        results.append(w.result)
-    quiet, loud = results
-    assert quiet is not None and loud is not None
+    quiet, loud = _adam_steps(torch.device("cuda"))
     assert quiet.host_reads is not None and quiet.host_reads.reads > 0  # AdamW's counters
     assert "profiling.host_sync" not in {f.code for f in quiet.findings()}
     sync = [f for f in loud.findings() if f.code == "profiling.host_sync"]

@@ -67,6 +67,22 @@ def walk_local(nodes: list[ast.stmt] | list[ast.AST]) -> Iterator[ast.AST]:
         stack.extend(reversed(list(ast.iter_child_nodes(node))))
 
 
+LOOPS = (ast.For, ast.AsyncFor, ast.While)
+
+
+def uses_torch(imports: ImportMap) -> bool:
+    """Whether the file imports torch or anything from it."""
+    return any(q == "torch" or q.startswith("torch.") for q in imports.aliases.values())
+
+
+def all_loops(tree: Tree) -> list[ast.For | ast.AsyncFor | ast.While]:
+    """Every loop of the file: at module level and in each function, nested ones too."""
+    loops = [n for n in walk_local(tree.module.body) if isinstance(n, LOOPS)]
+    for func in tree.funcs:
+        loops += [n for n in walk_local(func.body) if isinstance(n, LOOPS)]
+    return loops
+
+
 @dataclass(frozen=True)
 class Loop:
     """A loop that encloses a node: its AST node, body, and the names that vary per iteration."""

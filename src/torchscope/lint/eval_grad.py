@@ -25,6 +25,7 @@ from torchscope.lint._astutil import (
     dotted,
     grad_mode_decorated,
     in_grad_mode,
+    uses_torch,
 )
 
 __all__ = ["check_ts010"]
@@ -64,7 +65,7 @@ def _receiver(call: ast.Call, method: str) -> str | None:
 def check_ts010(tree: Tree, imports: ImportMap, calls: list[ast.Call]
                 ) -> list[tuple[ast.Call, str]]:
     """Each model call after `.eval()` that runs with gradients on, with its message."""
-    if not any(q == "torch" or q.startswith("torch.") for q in imports.aliases.values()):
+    if not uses_torch(imports):
         return []
     by_scope: dict[ast.AST, list[ast.Call]] = {}
     for call in calls:

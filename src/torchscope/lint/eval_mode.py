@@ -18,12 +18,18 @@ from __future__ import annotations
 
 import ast
 
-from torchscope.lint._astutil import ImportMap, Tree, dotted, in_grad_mode, walk_local
+from torchscope.lint._astutil import (
+    ImportMap,
+    Tree,
+    all_loops,
+    dotted,
+    in_grad_mode,
+    uses_torch,
+    walk_local,
+)
 from torchscope.lint.zero_grad import called_names, is_backward
 
 __all__ = ["check_ts013"]
-
-_LOOPS = (ast.For, ast.AsyncFor, ast.While)
 
 
 def _mode_arg(call: ast.Call) -> bool | None:
@@ -53,18 +59,14 @@ def check_ts013(tree: Tree, imports: ImportMap, calls: list[ast.Call]
     """Each call that leaves a trained model in eval mode inside its training loop, with
     its message."""
     del calls  # the loops are walked instead
-    if not any(q == "torch" or q.startswith("torch.") for q in imports.aliases.values()):
+    if not uses_torch(imports):
         return []
     evaluators = {f.name for f in tree.funcs
                   if any(map(_sets_eval, walk_local(f.body)))
                   and not any(map(_sets_train, walk_local(f.body)))}
     trainers = {f.name for f in tree.funcs if any(map(_sets_train, walk_local(f.body)))}
-    loops = [n for n in walk_local(tree.module.body) if isinstance(n, _LOOPS)]
-    for func in tree.funcs:
-        loops += [n for n in walk_local(func.body) if isinstance(n, _LOOPS)]
     found: list[tuple[ast.Call, str]] = []
-    for loop in loops:
-        assert isinstance(loop, _LOOPS)
+    for loop in all_loops(tree):
         nodes = list(walk_local(loop.body))
         loop_calls = [n for n in nodes if isinstance(n, ast.Call)]
         if not any(is_backward(c, imports) for c in loop_calls):

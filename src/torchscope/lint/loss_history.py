@@ -22,17 +22,18 @@ import ast
 from torchscope.lint._astutil import (
     ImportMap,
     Tree,
+    all_loops,
     dotted,
     grad_mode_decorated,
     in_grad_mode,
     refs,
     target_names,
+    uses_torch,
     walk_local,
 )
 
 __all__ = ["check_ts011"]
 
-_LOOPS = (ast.For, ast.AsyncFor, ast.While)
 # Backward entry points that take the loss as their first argument.
 _BACKWARD_OF = frozenset({"backward", "manual_backward"})
 # What leaves a tensor without history: methods (`.cpu()` and `.float()` keep it), and
@@ -138,14 +139,11 @@ def _accumulation(stmt: ast.stmt) -> tuple[str, ast.AST] | None:
 def check_ts011(tree: Tree, imports: ImportMap, calls: list[ast.Call]
                 ) -> list[tuple[ast.stmt, str]]:
     """Each accumulation of a loss with its history inside a loop, with its message."""
-    if not any(q == "torch" or q.startswith("torch.") for q in imports.aliases.values()):
+    if not uses_torch(imports):
         return []
     found: list[tuple[ast.stmt, str]] = []
     seen: set[int] = set()
-    loops = [n for n in walk_local(tree.module.body) if isinstance(n, _LOOPS)]
-    for func in tree.funcs:
-        loops += [n for n in walk_local(func.body) if isinstance(n, _LOOPS)]
-    for loop in loops:
+    for loop in all_loops(tree):
         body = list(walk_local(loop.body))
         losses = set().union(*(_backpropagated(c) for c in body if isinstance(c, ast.Call)))
         bound: dict[str, list[ast.AST]] = {}

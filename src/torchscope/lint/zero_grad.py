@@ -24,11 +24,18 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterator
 
-from torchscope.lint._astutil import FUNCS, ImportMap, Tree, dotted, walk_local
+from torchscope.lint._astutil import (
+    FUNCS,
+    LOOPS,
+    ImportMap,
+    Tree,
+    all_loops,
+    dotted,
+    uses_torch,
+    walk_local,
+)
 
 __all__ = ["called_names", "check_ts012", "is_backward"]
-
-_LOOPS = (ast.For, ast.AsyncFor, ast.While)
 
 
 def _own(body: list[ast.stmt]) -> Iterator[ast.AST]:
@@ -38,7 +45,7 @@ def _own(body: list[ast.stmt]) -> Iterator[ast.AST]:
     while stack:
         node = stack.pop()
         yield node
-        if isinstance(node, (*_LOOPS, *FUNCS, ast.Lambda, ast.ClassDef)):
+        if isinstance(node, (*LOOPS, *FUNCS, ast.Lambda, ast.ClassDef)):
             continue
         stack.extend(reversed(list(ast.iter_child_nodes(node))))
 
@@ -117,15 +124,11 @@ def check_ts012(tree: Tree, imports: ImportMap, calls: list[ast.Call]
     """Each optimizer step of a loop that backpropagates and never zeroes, with its
     message."""
     del calls  # the loops are walked instead
-    if not any(q == "torch" or q.startswith("torch.") for q in imports.aliases.values()):
+    if not uses_torch(imports):
         return []
     zeroing_funcs = {f.name for f in tree.funcs if any(map(_zeroes, walk_local(f.body)))}
-    loops = [n for n in walk_local(tree.module.body) if isinstance(n, _LOOPS)]
-    for func in tree.funcs:
-        loops += [n for n in walk_local(func.body) if isinstance(n, _LOOPS)]
     found: list[tuple[ast.Call, str]] = []
-    for loop in loops:
-        assert isinstance(loop, _LOOPS)
+    for loop in all_loops(tree):
         own = [n for n in _own(loop.body) if isinstance(n, ast.Call)]
         backward = next((c for c in own if is_backward(c, imports)), None)
         step = next((c for c in own if _is_step(c)), None)
