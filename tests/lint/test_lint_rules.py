@@ -364,3 +364,67 @@ def test_ts013_what_it_flags_freezes_batchnorm_and_its_fix_does_not() -> None:
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         means = namespace["fit"](model, batches, opt, 3, fix)  # type: ignore[operator]
         assert torch.equal(means[1], means[2]) != fix  # frozen after the first evaluation
+
+
+def test_ts014_what_it_flags_cannot_fit_and_its_fix_can() -> None:
+    """The trap, run: cross-entropy on softmax outputs cannot go below log(1 + (C-1)/e)
+    however confident the model, and its gradient is smaller than on the logits."""
+    import math
+
+    import torch
+
+    src = """
+    import torch.nn.functional as F
+    def loss(logits, y, fix):
+        return F.cross_entropy(logits if fix else F.softmax(logits, dim=1), y)
+    """
+    flagged = src.replace("logits if fix else F.softmax(logits, dim=1)",
+                          "F.softmax(logits, dim=1)")
+    assert [c for _, c in _codes(flagged, select=["TS014"])] == ["TS014"]
+    namespace: dict[str, object] = {}
+    exec(textwrap.dedent(src), namespace)
+    loss = namespace["loss"]
+    y = torch.tensor([0, 1])
+    sure = torch.tensor([[20.0, -20.0, -20.0], [-20.0, 20.0, -20.0]], requires_grad=True)
+    trapped = loss(sure, y, False)  # type: ignore[operator]
+    assert float(trapped) == pytest.approx(math.log(1 + 2 / math.e), rel=1e-4)
+    assert float(loss(sure, y, True)) < 1e-6  # type: ignore[operator]
+    soft = torch.randn(2, 3, requires_grad=True)
+    (g_trap,) = torch.autograd.grad(loss(soft, y, False), soft)  # type: ignore[operator]
+    (g_fix,) = torch.autograd.grad(loss(soft, y, True), soft)  # type: ignore[operator]
+    assert float(g_trap.norm()) < float(g_fix.norm())
+
+
+def test_ts015_what_it_flags_clips_by_the_loss_scale_and_its_fix_does_not() -> None:
+    """The trap, run: clipping the scaled gradients leaves them max_norm long after the
+    scaler divides by its scale, so the update is scale times too small."""
+    import torch
+    from torch import nn
+
+    src = """
+    import torch
+    def step(model, x, opt, scaler, fix):
+        opt.zero_grad()
+        scaler.scale(model(x).square().sum()).backward()
+        if fix:
+            scaler.unscale_(opt)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e3)
+        scaler.step(opt)
+        scaler.update()
+        return norm
+    """
+    flagged = src.replace("        if fix:\n            scaler.unscale_(opt)\n", "")
+    assert [c for _, c in _codes(flagged, select=["TS015"])] == ["TS015"]
+    assert [c for _, c in _codes(src, select=["TS015"])] == []
+    namespace: dict[str, object] = {}
+    exec(textwrap.dedent(src), namespace)
+    moved = []
+    for fix in (False, True):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+        before = model.weight.detach().clone()
+        namespace["step"](model, torch.ones(8, 4), opt, scaler, fix)  # type: ignore[operator]
+        moved.append(float((model.weight - before).norm()))
+    assert moved[1] > 1000 * moved[0]  # the clip acted on the scaled norm only

@@ -30,6 +30,7 @@ from torchscope.lint.eval_grad import check_ts010
 from torchscope.lint.eval_mode import check_ts013
 from torchscope.lint.fsdp_hooks import check_ts008
 from torchscope.lint.loss_history import check_ts011
+from torchscope.lint.loss_inputs import check_ts014, check_ts015
 from torchscope.lint.rank_norms import check_ts009
 from torchscope.lint.records import LintViolation
 from torchscope.lint.rules import RULES
@@ -244,7 +245,8 @@ class _Checker:
         # The distributed rules and TS010's flow live in their own modules.
         for code, rule in (("TS008", check_ts008), ("TS009", check_ts009),
                            ("TS010", check_ts010), ("TS011", check_ts011),
-                           ("TS012", check_ts012), ("TS013", check_ts013)):
+                           ("TS012", check_ts012), ("TS013", check_ts013),
+                           ("TS014", check_ts014), ("TS015", check_ts015)):
             if code in self.codes:
                 for node, message in rule(self.tree, self.imports, self.calls):
                     self.report(code, node, message)

@@ -239,6 +239,36 @@ RULES: dict[str, Rule] = {
             Severity.WARNING,
             ("eval",),
         ),
+        Rule(
+            "TS014",
+            "softmax-into-loss",
+            "`cross_entropy` / `nn.CrossEntropyLoss` given the output of `softmax`, or "
+            "`nll_loss` / `nn.NLLLoss` given `softmax` probabilities: directly, or through a "
+            "name that the function only binds to a softmax.",
+            "Cross-entropy takes logits and applies log_softmax itself: after a softmax the "
+            "outputs live in [0, 1], the loss cannot go below log(1 + (C - 1)/e) (0.31 for "
+            "two classes, 1.46 for ten) and the gradient shrinks as they saturate, so "
+            "training stalls. NLL loss takes "
+            "log-probabilities: given probabilities it computes -p, not -log p.",
+            "Pass the logits to cross_entropy (keep softmax for reporting probabilities); "
+            "for nll_loss, use log_softmax.",
+            Severity.ERROR,
+            ("softmax",),
+        ),
+        Rule(
+            "TS015",
+            "clip-before-unscale",
+            "`torch.nn.utils.clip_grad_norm_` or `clip_grad_value_` in a function that scales "
+            "the loss and steps through a GradScaler (`scaler.scale(loss).backward()`, "
+            "`scaler.step(opt)`) without `scaler.unscale_(opt)`.",
+            "The gradients still carry the loss scale (65536 at first, changing as the "
+            "scaler adapts): the clip compares max_norm with the scaled norm, so it clips "
+            "every step by a factor that follows the scale, not the gradients.",
+            "Call `scaler.unscale_(optimizer)` before clipping; `scaler.step` then does not "
+            "unscale again.",
+            Severity.ERROR,
+            ("clip_grad",),
+        ),
     )
 }
 
