@@ -10,6 +10,7 @@ apt-get when it can).
 from __future__ import annotations
 
 import html as html_module
+import inspect
 import json
 import re
 import shutil
@@ -105,9 +106,12 @@ def _full_run(out: Path) -> FullRun:
     model = DeepMLP()
     before = {k: v.detach().clone() for k, v in model.state_dict().items()}
     flags = [m.training for m in model.modules()]
+    # The model's own source file is linted too: torchscope's, which has no trap.
+    source = inspect.getsourcefile(DeepMLP)
+    assert source is not None
     report = run_doctor(model, torch.randn(32, 64), name="deep-mlp",
                         options=DoctorOptions(steps=2, compile_modes=("default",),
-                                              compile_iters=5))
+                                              compile_iters=5, sources=(source,)))
     html, js = write_report(report, out)
     changed = [k for k, v in model.state_dict().items() if not torch.equal(before[k], v)]
     changed += [f"{n}.grad" for n, p in model.named_parameters() if p.grad is not None]
@@ -135,7 +139,8 @@ def test_full_run_report_json_is_schema_valid(full_run: FullRun) -> None:
     assert all(s["status"] == "ok" and s["data"] is not None for s in doc["sections"].values())
     assert doc["options"]["fast"] is False
     assert {f["code"].split(".")[0] for f in doc["findings"]} <= {
-        "activations", "grads", "memory", "profiling", "compile"}
+        "activations", "grads", "memory", "profiling", "compile"}  # no trap in the source
+    assert doc["sections"]["lint"]["data"]["files"] == 1
 
 
 def test_full_run_compile_section_is_the_capabilitys(full_run: FullRun) -> None:

@@ -33,7 +33,10 @@ def test_demo_equivalent_run_writes_valid_report(tmp_path: Path) -> None:
     assert doc["target"]["name"] == "tiny-cnn"
     assert doc["options"]["fast"] is True
     sections = doc["sections"]
-    assert list(sections) == ["activations", "gradients", "memory", "profile", "compile"]
+    assert list(sections) == ["activations", "gradients", "memory", "profile", "compile",
+                              "lint"]
+    assert sections["lint"]["status"] == "skipped"  # a built-in model has no source file
+    assert "no source file" in sections["lint"]["note"]
     assert sections["activations"]["status"] == "ok"
     assert sections["compile"]["status"] == "skipped"
     assert "--fast" in sections["compile"]["note"]
@@ -78,6 +81,46 @@ def test_doctor_prints_ranked_findings_with_evidence_and_fix(tmp_path: Path) -> 
     order = {"error": 0, "warning": 1, "info": 2}
     assert sev == sorted(sev, key=order.__getitem__)
     assert "6 of 8 channels" in res.output
+
+
+def test_doctor_lints_the_file_the_model_comes_from(tmp_path: Path) -> None:
+    """The factory's file trains with softmax into cross-entropy and never zeroes its
+    gradients: both are findings of the report, with their lines, next to the measured ones;
+    `--skip lint` leaves the section out."""
+    factory = tmp_path / "trainer.py"
+    factory.write_text(
+        "import torch\nfrom torch import nn\n"
+        "def build():\n"
+        "    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))\n"
+        "def train(model, loader, opt):\n"
+        "    for x, y in loader:\n"
+        "        probs = torch.softmax(model(x), 1)\n"
+        "        nn.functional.cross_entropy(probs, y).backward()\n"
+        "        opt.step()\n")
+    res = runner.invoke(app, ["doctor", f"{factory}:build", "--input", "4x8", "--fast",
+                              "--skip", "profile,memory", "--out", str(tmp_path / "r")])
+    assert res.exit_code == 0, res.output
+    doc = json.loads((tmp_path / "r" / "report.json").read_text())
+    _validate(doc)
+    lint = doc["sections"]["lint"]
+    assert lint["status"] == "ok" and doc["options"]["sources"] == [str(factory)]
+    assert [(v["code"], v["line"]) for v in lint["data"]["violations"]] == [
+        ("TS014", 8), ("TS012", 9)]
+    codes = {f["code"]: f for f in doc["findings"]}
+    assert codes["lint.TS014"]["severity"] == "error"
+    assert codes["lint.TS014"]["evidence"]["line"] == 8
+    assert {"lint.TS012", "grads.frozen"} & set(codes) == {"lint.TS012"}
+    assert doc["metrics"]["lint.problems"]["value"] == 2
+    assert "softmax" in res.output and "│ lint" in res.output  # in the findings table
+    html = (tmp_path / "r" / "report.html").read_text()
+    assert 'data-section="lint"' in html and "TS012" in html
+    skipped = runner.invoke(app, ["doctor", f"{factory}:build", "--input", "4x8", "--fast",
+                                  "--skip", "profile,memory,lint", "--out",
+                                  str(tmp_path / "s")])
+    assert skipped.exit_code == 0, skipped.output
+    doc = json.loads((tmp_path / "s" / "report.json").read_text())
+    assert doc["sections"]["lint"]["status"] == "skipped"
+    assert not [f for f in doc["findings"] if f["code"].startswith("lint.")]
 
 
 @pytest.mark.parametrize(("args", "needle"), [

@@ -87,7 +87,7 @@ def test_a_section_that_raises_in_backward_is_reported_once(tmp_path: Path, debu
         assert "Traceback" not in res.output and "section gradients failed" not in res.output
         # One line for the section as it finishes, with the whole note.
         (line,) = [ln for ln in res.stdout.splitlines() if "Gradient flow: failed" in ln]
-        assert line.startswith("[2/5] Gradient flow: failed (") and line.endswith(f" - {note}")
+        assert line.startswith("[2/6] Gradient flow: failed (") and line.endswith(f" - {note}")
 
 
 def test_the_outcome_keeps_the_exception_and_its_cause(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""The run report: report.json against the shipped schema (kind "run", schema 1.3), the HTML
+"""The run report: report.json against the shipped schema (kind "run", schema 1.4), the HTML
 page with the gradient-flow heat map, the doctor's renderers reused, and `diff` between runs."""
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def test_report_json_follows_the_schema_and_holds_the_series(profiled: Path) -> 
     out = profiled
     doc = json.loads((out / "report.json").read_text())
     jsonschema.Draft202012Validator(load_schema()).validate(doc)
-    assert doc["kind"] == "run" and doc["schema_version"] == SCHEMA_VERSION == "1.3"
+    assert doc["kind"] == "run" and doc["schema_version"] == SCHEMA_VERSION == "1.4"
     assert list(doc["sections"]) == ["run", "grad_history", "act_history", "mem_history",
                                      "profile", "last_step"]
     assert all(s["status"] == "ok" for s in doc["sections"].values())

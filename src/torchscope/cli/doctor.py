@@ -54,7 +54,7 @@ def doctor(
     inputs: InputsFnOpt = None,
     skip: Annotated[str | None, typer.Option(
         "--skip", help="Sections not to run, comma-separated: activations, gradients, memory, "
-        "profile, compile.")] = None,
+        "profile, compile, lint (the target's source file, for training traps).")] = None,
     fast: Annotated[bool, typer.Option(
         "--fast", help="Skip torch.compile (seconds of cold compile per mode) and profile 3 "
         "steps instead of --steps: seconds instead of tens of seconds.")] = False,
@@ -87,6 +87,7 @@ def doctor(
         from torchscope.compile import known_modes
         from torchscope.doctor import DoctorOptions, section_names
         from torchscope.findings import Severity
+        from torchscope.models.target import source_files
         from torchscope.report.html import write_report
         from torchscope.step import LOSSES
 
@@ -111,7 +112,8 @@ def doctor(
             from torchscope.doctor.distributed import DistributedJob, launch
 
             options = DoctorOptions(fast=fast, skip=frozenset(skipped), loss_fn=loss_fn,
-                                    steps=steps, compile_modes=modes, autocast=precision)
+                                    steps=steps, compile_modes=modes, autocast=precision,
+                                    sources=source_files(target, inputs))
             job = DistributedJob(target, tuple(input or ()), inputs, ranked[0], ranked[1],
                                  options, out)
             if nproc is not None:
@@ -122,7 +124,8 @@ def doctor(
         loaded, model_inputs = load(target, input, inputs)
         model = loaded.model.to(dev)
         options = DoctorOptions(fast=fast, skip=frozenset(skipped), loss_fn=loss_fn, steps=steps,
-                                compile_modes=modes, device=dev, autocast=precision)
+                                compile_modes=modes, device=dev, autocast=precision,
+                                sources=source_files(target, inputs))
         report = _run_with_progress(model, model_inputs.to(dev), options, loaded.name)
         with writing("--out", out):
             write_report(report, out)

@@ -50,6 +50,8 @@ def _run_one(section: Section[Any], step: Step, options: DoctorOptions) -> Secti
         return SectionOutcome(status="skipped", note="skipped by --skip", **base)
     if options.fast and section.slow:
         return SectionOutcome(status="skipped", note="skipped by --fast", **base)
+    if (why := section.skip_reason(options)) is not None:
+        return SectionOutcome(status="skipped", note=why, **base)
     t0 = time.perf_counter()
     try:
         # Seeded the same way before every section, on the unchanged model: each section's

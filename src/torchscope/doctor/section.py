@@ -46,6 +46,8 @@ class DoctorOptions:
         autocast: run the step's forward and loss under `torch.autocast` in `bf16` or
             `fp16` (with a GradScaler; see `Step.with_autocast`); None runs the model's own
             precision. Leave it None when giving a `Step`.
+        sources: Python files to lint for the classic training traps (`torchscope lint`'s
+            rules): the CLI gives the file the model and its inputs come from.
     """
 
     fast: bool = False
@@ -57,6 +59,7 @@ class DoctorOptions:
     device: str = "cpu"
     seed: int = 0
     autocast: str | None = None
+    sources: tuple[str, ...] = ()
 
     @property
     def profile_steps(self) -> int:
@@ -67,7 +70,8 @@ class DoctorOptions:
         """The `options` object of report.json."""
         return {"fast": self.fast, "skip": sorted(self.skip), "loss": self.loss_fn,
                 "steps": self.steps, "compile_modes": list(self.compile_modes),
-                "compile_iters": self.compile_iters, "device": self.device, "seed": self.seed}
+                "compile_iters": self.compile_iters, "device": self.device, "seed": self.seed,
+                "sources": list(self.sources)}
 
 
 class Section(ABC, Generic[R]):
@@ -95,6 +99,11 @@ class Section(ABC, Generic[R]):
         its record what it could not do (the memory analysis, a checkpoint plan that
         failed).
         """
+
+    def skip_reason(self, options: DoctorOptions) -> str | None:
+        """Why the section has nothing to do with these options (its report says so); None
+        to run it."""
+        return None
 
     @abstractmethod
     def to_json(self, record: R) -> dict[str, Any]:

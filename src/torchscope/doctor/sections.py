@@ -13,8 +13,10 @@ from typing import TYPE_CHECKING, Any
 from torchscope.capture import ActivationCapture, TensorStats, capture_activations, trace_nonfinite
 from torchscope.compile import CompileReport, compile_report
 from torchscope.doctor.section import DoctorOptions, Section
+from torchscope.findings import Severity
 from torchscope.grads import GradFlow, gradient_flow, layer_norms
 from torchscope.grads.records import combine_norms
+from torchscope.lint import LintResult, lint_paths
 from torchscope.memory import MemoryReport, analyze_memory
 from torchscope.profiling import ProfileResult, profile_steps
 from torchscope.report.document import Metric
@@ -23,6 +25,7 @@ from torchscope.report.html import (
     compile_fragment,
     gradients_fragment,
     leaf_records,
+    lint_fragment,
     memory_fragment,
     mode_error,
     per_step,
@@ -30,6 +33,7 @@ from torchscope.report.html import (
     plan_rows,
     profile_fragment,
 )
+from torchscope.report.lint import json_payload
 from torchscope.report.plots_doctor import (
     activation_stats_plot,
     activation_zeros_plot,
@@ -49,6 +53,7 @@ __all__ = [
     "ActivationsSection",
     "CompileSection",
     "GradientsSection",
+    "LintSection",
     "MemorySection",
     "ProfileSection",
     "get_section",
@@ -333,8 +338,37 @@ class CompileSection(Section[CompileReport]):
         return compile_fragment(record, plots)
 
 
+class LintSection(Section[LintResult]):
+    """The classic training traps in the model's source (`torchscope.lint.lint_paths` on
+    `options.sources`): the file the model and its inputs come from, given by the CLI."""
+
+    name = "lint"
+    title = "Code"
+    capability = "torchscope.lint.lint_paths"
+
+    def skip_reason(self, options: DoctorOptions) -> str | None:
+        return None if options.sources else \
+            "no source file to lint: the model is a built-in or was given as an object"
+
+    def run(self, step: Step, options: DoctorOptions) -> LintResult:
+        del step  # the source, not the model
+        return lint_paths(list(options.sources))
+
+    def metrics(self, record: LintResult) -> dict[str, Metric]:
+        problems = sum(v.severity >= Severity.WARNING for v in record.violations)
+        return {"lint.problems": Metric(float(problems), "lower", "count",
+                                        "traps in the source (warnings and errors)")}
+
+    def to_json(self, record: LintResult) -> dict[str, Any]:
+        return json_payload(record)
+
+    def html(self, record: LintResult, plots: Mapping[str, str]) -> str:
+        return lint_fragment(record)
+
+
 _REGISTRY: list[Section[Any]] = [
     ActivationsSection(), GradientsSection(), MemorySection(), ProfileSection(), CompileSection(),
+    LintSection(),
 ]
 
 

@@ -162,6 +162,32 @@ def _call(spec: str, what: str, fix: str) -> Any:
                          fix=f"{fix}, or rerun with --debug.") from exc
 
 
+def source_files(*specs: str | None) -> tuple[str, ...]:
+    """The user's Python files behind TARGET-style specs (`path/to/file.py:fn`, or
+    `pkg.mod:fn` for a module outside site-packages), in order, each once; built-in names and
+    installed packages give none."""
+    out: dict[str, None] = {}
+    for spec in specs:
+        if spec is None or ":" not in spec:
+            continue
+        where = spec.rpartition(":")[0]
+        if where.endswith(".py") or "/" in where or "\\" in where:
+            path = Path(where)
+        else:
+            try:
+                found = importlib.util.find_spec(where)
+            except (ImportError, ValueError):
+                continue
+            if found is None or not found.origin or not found.origin.endswith(".py"):
+                continue
+            path = Path(found.origin)
+            if any(part in ("site-packages", "dist-packages") for part in path.parts):
+                continue
+        if path.is_file():
+            out[str(path)] = None
+    return tuple(out)
+
+
 def load_target(target: str | None = None) -> LoadedTarget:
     """Build the model a TARGET names.
 

@@ -28,6 +28,7 @@ from torchscope.compile import CompileReport, ModeResult
 from torchscope.findings import Finding, Severity
 from torchscope.grads import GradFlow, layer_norms
 from torchscope.grads.records import combine_norms
+from torchscope.lint import LintResult
 from torchscope.memory import CheckpointPlan, MemoryReport, PlanReport
 from torchscope.profiling import ProfileResult
 from torchscope.report.charts import DEEP_ROWS, block_groups, block_label
@@ -39,6 +40,7 @@ __all__ = [
     "compile_fragment",
     "gradients_fragment",
     "leaf_records",
+    "lint_fragment",
     "memory_fragment",
     "mode_error",
     "per_step",
@@ -412,6 +414,23 @@ def compile_fragment(report: CompileReport, plots: Mapping[str, str]) -> str:
          "break-even calls", "graph breaks", "recompiles", "max abs diff", "error"),
         rows, numeric=(1, 2, 3, 4, 5, 6, 7, 8, 9),
         bad_rows=[i for i, m in enumerate(report.modes) if not m.ok])
+
+
+def lint_fragment(result: LintResult) -> str:
+    """One row per violation in the linted source files, and one per file that could not be
+    checked."""
+    if not result.violations and not result.errors:
+        return (f'<p class="note">No trap found in {result.files} source file(s) '
+                f"({len(result.codes)} rules).</p>")
+    rows = [(f'<span class="sev {v.severity.label}">{v.severity.label}</span>',
+             f"<code>{_e(v.code)}</code>", _e(f"{v.path}:{v.line}:{v.col}"), _e(v.message),
+             f'<span class="fix">{_e(v.fix)}</span>')
+            for v in result.violations]
+    rows += [('<span class="sev error">error</span>', "—",
+              _e(e.path if e.line is None else f"{e.path}:{e.line}"), _e(e.message), "—")
+             for e in result.errors]
+    return _h3("Traps in the source") + table(
+        ("severity", "rule", "where", "what", "fix"), rows, raw=(0, 1, 2, 3, 4))
 
 
 # ---------------------------------------------------------------------------- page
