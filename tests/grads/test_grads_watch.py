@@ -791,7 +791,8 @@ def test_a_loop_that_never_zeroes_its_gradients_is_a_warning() -> None:
     assert "zero_grad()" in f.fix
 
 
-@pytest.mark.parametrize("loop", ["accumulate", "in_place", "module", "gan", "lbfgs"])
+@pytest.mark.parametrize("loop", ["accumulate", "in_place", "module", "gan", "lbfgs",
+                                  "closure"])
 def test_loops_that_zero_their_gradients_are_not_said_to_miss_it(loop: str) -> None:
     torch.manual_seed(0)
     model = _mlp()
@@ -831,6 +832,15 @@ def test_loops_that_zero_their_gradients_are_not_said_to_miss_it(loop: str) -> N
                 loss().backward()
                 opt.step()
                 model.zero_grad()
+            elif loop == "closure":  # Lightning's way: one closure that zeroes, then backward
+
+                def zero_then_backward() -> torch.Tensor:
+                    opt.zero_grad()
+                    value = loss()
+                    value.backward()
+                    return value
+
+                opt.step(zero_then_backward)
             else:  # a second player's pass adds to these gradients between their steps
                 opt.zero_grad()
                 loss().backward()

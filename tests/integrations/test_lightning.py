@@ -141,6 +141,9 @@ def test_lightning_fit_is_watched_exactly_and_left_unchanged(tmp_path: Path) -> 
     assert "profiling.optimizer_share" not in codes
     assert not codes["profiling.top_op"].evidence["op"].startswith("Optimizer.")
     assert any("closure" in n for n in profile.notes)
+    # Lightning zeroes in the closure that each step runs: the first step's closure held
+    # the first backward the watch saw, with nothing before it to compare with.
+    assert run.unzeroed_steps == 0 and "grads.not_zeroed" not in codes
 
 
 def test_a_fit_that_raises_leaves_no_hook_and_a_partial_report(tmp_path: Path) -> None:

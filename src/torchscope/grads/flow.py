@@ -494,8 +494,11 @@ class GradWatch(HookedContext, Analyzed):
         """Count a backward pass of the step: where it ends a step, end it."""
         c = self._collector
         if self._step_by in ("optimizer", "manual"):
+            # No evidence from an earlier backward (the first one, inside the first step's
+            # closure under Lightning): nothing says that it accumulated.
+            known = any(e is not None for e in self._evidence)
             replaced, zeroed, _ = self._grad_evidence()
-            self._cleared = self._cleared or replaced or zeroed
+            self._cleared = self._cleared or replaced or zeroed or not known
             self._passes_since_step += 1
             # Gradients set to None since the last backward of a sampled step: the passes
             # before this one feed no update (a GAN's other player's step).
