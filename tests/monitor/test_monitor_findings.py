@@ -242,6 +242,12 @@ def test_a_convnext_layer_scale_growing_from_1e6_is_no_activation_drift(
     assert std[0] < 1e-3 * statistics.median(first)  # ...from negligible
     drift = [f for f in run.findings() if f.code == "run.activation_drift"]
     assert not drift, [f.summary for f in drift]
+    # Their gradients grow with the scale while the total does not: one info for all of
+    # them (it was one per layer, eight here).
+    grew = [f for f in run.findings() if f.code == "run.grad_grew"]
+    assert [f.severity for f in grew] == [Severity.INFO], [f.summary for f in grew]
+    assert int(grew[0].evidence["layers"]) > 3
+    assert "dwconv" in str(grew[0].evidence["modules"])
 
 
 def test_the_whole_model_s_gradients_growing_with_the_total_is_a_warning() -> None:

@@ -118,6 +118,39 @@ def grad_history(record: RunRecord) -> GradHistory:
                        param_norms=rows(g), total_norms=record.total_norms)
 
 
+# Layers whose gradient grew while the total did not, named one by one up to this many.
+_GREW_NAMED = 3
+
+
+def _grew_together(found: list[Finding]) -> list[Finding]:
+    """`found` with the layers whose gradient grew while the total did not (info) as one
+    finding when there are more than `_GREW_NAMED`: a ConvNeXt's branches behind a layer
+    scale that AdamW grows from 1e-6 grow together, eight of them in two blocks."""
+    grew = [f for f in found if f.code == "run.grad_grew" and f.severity == Severity.INFO]
+    if len(grew) <= _GREW_NAMED:
+        return found
+    sizes = [float(f.evidence["ratio"] or 0) for f in grew]
+    rel = [float(f.evidence["relative_to_median"] or 0) for f in grew]
+    ev = grew[0].evidence
+    names = [str(f.module) for f in grew]
+    total = f", while the total gradient norm fell {_times(float(ev['total_change'] or 1))}" \
+        if float(ev.get("total_change") or 1) >= 1.05 else \
+        ", while the total gradient norm did not grow"
+    one = Finding(
+        "run.grad_grew", Severity.INFO,
+        f"{len(grew)} layers' gradients grew {_times(min(sizes))}–{_times(max(sizes))} between "
+        f"step {ev['first_step']} and step {ev['last_step']}, {_times(min(rel))}–"
+        f"{_times(max(rel))} more than the median layer's{total} "
+        f"({', '.join(names[:_GREW_NAMED])} and {len(names) - _GREW_NAMED} more)",
+        {"layers": len(grew), "modules": ", ".join(names), "ratio_min": min(sizes),
+         "ratio_max": max(sizes), "first_step": ev["first_step"],
+         "last_step": ev["last_step"], "total_change": ev.get("total_change")},
+        fix=grew[0].fix + "; layers behind a gain that starts small (a layer scale) grow "
+            "with it",
+        module=names[0])
+    return [f for f in found if f not in grew] + [one]
+
+
 def _total_did_not_grow(total: tuple[int, float, int, float],
                         evidence: dict[str, float | int]) -> str:
     """The clause for a growth the total gradient norm did not share (`total`: `_ends` of
@@ -177,6 +210,7 @@ def _gradient_trends(record: RunRecord, t: RunThresholds) -> list[Finding]:
                    "stalls")
         out.append(Finding("run.grad_fell" if fell else "run.grad_grew", severity, summary,
                            evidence, fix=fix, module=k))
+    out = _grew_together(out)
     first = min(c[0] for c in found.values())
     last = max(c[2] for c in found.values())
     if median >= t.change_ratio:
