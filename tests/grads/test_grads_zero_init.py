@@ -19,14 +19,14 @@ peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
 
-def _lora_llama() -> nn.Module:
+def _lora_llama(dora: bool = False) -> nn.Module:
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
         vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
     base = transformers.LlamaForCausalLM(cfg)
     lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
-                           target_modules=["q_proj", "v_proj"])
+                           target_modules=["q_proj", "v_proj"], use_dora=dora)
     return peft.get_peft_model(base, lora)
 
 
@@ -57,6 +57,18 @@ def test_lora_first_step_is_one_info_and_exact() -> None:
     # Every A, and nothing outside the adapters: the base layers get gradient.
     assert {n.replace("lora_B", "lora_A") for n in b_modules} <= starved
     assert all(".lora_" in n for n in starved)
+
+
+def test_dora_s_magnitude_passing_no_gradient_at_the_first_step_is_part_of_it() -> None:
+    """DoRA scales the base output by magnitude / ‖W‖ - 1, which is 0 at the start, and the
+    zero LoRA update by the magnitude: its magnitude module passes no gradient down. That was
+    one `grads.dead` warning per adapted projection."""
+    model = _lora_llama(dora=True)
+    found = gradient_flow(model, _batch()).findings()
+    assert not [f for f in found if f.severity >= Severity.WARNING], [f.summary for f in found]
+    [info] = [f for f in found if f.code == "grads.zero_init"]
+    starved = str(info.evidence["starved_modules"])
+    assert starved.count("lora_magnitude_vector") >= 2 and starved.count("lora_A") == 4
 
 
 def test_lora_update_ratio_leaves_out_layers_grown_from_zero(train_own_loss: Any) -> None:
@@ -131,6 +143,23 @@ def test_zero_init_residual_is_info_and_names_the_branches() -> None:
         f"{b}.{m}" for b in (1, 2) for m in ("conv1", "bn1", "relu", "conv2")}
     assert not [f for f in gradient_flow(_resnet(zero=False), x).findings()
                 if f.code == "grads.zero_init"]
+
+
+def test_a_dead_relu_after_the_residual_sum_of_a_zero_init_block_still_warns() -> None:
+    """The block's own module that receives gradient and passes none down is no part of the
+    zero init's explanation: only an adapter's (a named wrapper's) modules are."""
+    model = _resnet(zero=True)
+
+    class Off(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:  # every unit off
+            return torch.relu(x - 1e6)
+
+    model[1].out = Off()
+    block = model[1]
+    inner = block.forward
+    block.forward = lambda x: block.out(inner(x))  # type: ignore[method-assign]
+    found = gradient_flow(model, torch.randn(4, 3, 8, 8)).findings()
+    assert "1.out" in {f.module for f in found if f.code == "grads.dead"}
 
 
 def test_a_dead_layer_beside_a_zero_init_still_warns() -> None:

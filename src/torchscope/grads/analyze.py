@@ -602,9 +602,15 @@ def find_dead(flow: GradFlow, thresholds: GradThresholds | None = None) -> list[
     # branch's last norm gain), not a dead layer. The layers it starves are told under it.
     zeroed = [m for m in blockers if m in _zero_init(flow)]
     if zeroed:
+        # The other modules of their layers that get no gradient because of them (LoRA's
+        # A), and, in an adapter layer (`q_proj.lora_B.default`), those that pass none down
+        # because of them: DoRA's magnitude scales a zero update at the start. A block's own
+        # module that passes none down (a dead ReLU after a residual sum) is still told.
         starved = [m for m in modules if any(_within(m, _scope(z)) for z in zeroed)]
+        starved += [m for m in blockers if m not in zeroed and any(
+            _within(m, _scope(z)) for z in zeroed if _scope(z) != _parent(z))]
         found.append(_zero_init_finding(flow, zeroed, starved))
-        blockers = {m: v for m, v in blockers.items() if m not in zeroed}
+        blockers = {m: v for m, v in blockers.items() if m not in zeroed and m not in starved}
         modules = [m for m in modules if m not in starved]
     half = _float16(flow)
     for m, type_name in blockers.items():
@@ -665,11 +671,15 @@ def _zero_init(flow: GradFlow) -> frozenset[str]:
     return frozenset(m for m, z in zero.items() if z)
 
 
+def _parent(module: str) -> str:
+    return module.rpartition(".")[0]
+
+
 def _scope(module: str) -> str:
     """The layer a zero-initialised module belongs to, whose other modules it starves: its
     parent, or its grandparent when the parent is a named wrapper rather than a block of a
     list (peft keeps LoRA's B in a dict by adapter name: `q_proj.lora_B.default`)."""
-    parent = module.rpartition(".")[0]
+    parent = _parent(module)
     wrapper, _, key = parent.rpartition(".")
     return wrapper if wrapper and not key.isdigit() else parent
 
@@ -680,12 +690,12 @@ def _within(module: str, scope: str) -> bool:
 
 def _zero_init_finding(flow: GradFlow, zeroed: list[str], starved: list[str]) -> Finding:
     """One finding for the zero-initialised modules that pass no gradient down in this step,
-    and for the modules under their parents that receive none because of them."""
+    and for the other modules of their layers that get or pass down none because of them."""
     def named(ms: list[str]) -> str:
         return ", ".join(ms[:3]) + (f" and {len(ms) - 3} more" if len(ms) > 3 else "")
 
-    after = f", so {len(starved)} module(s) before them get none in this step " \
-        f"({named(starved)})" if starved else ""
+    after = f", so {len(starved)} other module(s) of their layers get or pass down none in " \
+        f"this step ({named(starved)})" if starved else ""
     return Finding(
         code="grads.zero_init",
         severity=Severity.INFO,
