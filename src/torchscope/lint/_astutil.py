@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef, ast.Module)
@@ -73,6 +73,19 @@ LOOPS = (ast.For, ast.AsyncFor, ast.While)
 def uses_torch(imports: ImportMap) -> bool:
     """Whether the file imports torch or anything from it."""
     return any(q == "torch" or q.startswith("torch.") for q in imports.aliases.values())
+
+
+def loops_around(tree: Tree, nodes: Iterable[ast.AST]
+                 ) -> list[ast.For | ast.AsyncFor | ast.While]:
+    """The loops that enclose any of `nodes` (in their bodies, nested ones too, up to the
+    module), each once, in first-seen order: the loops a rule about those nodes needs to
+    look at, without walking every loop of the file."""
+    out: dict[int, ast.For | ast.AsyncFor | ast.While] = {}
+    for node in nodes:
+        for _child, parent in tree.edges(node):
+            if isinstance(parent, LOOPS):
+                out.setdefault(id(parent), parent)
+    return list(out.values())
 
 
 def all_loops(tree: Tree) -> list[ast.For | ast.AsyncFor | ast.While]:

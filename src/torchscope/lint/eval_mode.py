@@ -21,9 +21,9 @@ import ast
 from torchscope.lint._astutil import (
     ImportMap,
     Tree,
-    all_loops,
     dotted,
     in_grad_mode,
+    loops_around,
     uses_torch,
     walk_local,
 )
@@ -58,19 +58,19 @@ def check_ts013(tree: Tree, imports: ImportMap, calls: list[ast.Call]
                 ) -> list[tuple[ast.Call, str]]:
     """Each call that leaves a trained model in eval mode inside its training loop, with
     its message."""
-    del calls  # the loops are walked instead
     if not uses_torch(imports):
+        return []
+    backwards = [c for c in calls if is_backward(c, imports)]
+    if not backwards:
         return []
     evaluators = {f.name for f in tree.funcs
                   if any(map(_sets_eval, walk_local(f.body)))
                   and not any(map(_sets_train, walk_local(f.body)))}
     trainers = {f.name for f in tree.funcs if any(map(_sets_train, walk_local(f.body)))}
     found: list[tuple[ast.Call, str]] = []
-    for loop in all_loops(tree):
+    for loop in loops_around(tree, backwards):
         nodes = list(walk_local(loop.body))
         loop_calls = [n for n in nodes if isinstance(n, ast.Call)]
-        if not any(is_backward(c, imports) for c in loop_calls):
-            continue
         if any(map(_sets_train, loop_calls)) or called_names(nodes) & trainers:
             continue
         scope = tree.scope(loop)

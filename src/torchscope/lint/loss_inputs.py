@@ -18,6 +18,7 @@ from __future__ import annotations
 import ast
 
 from torchscope.lint._astutil import (
+    FUNCS,
     ImportMap,
     Tree,
     dotted,
@@ -73,7 +74,7 @@ def _bind_losses(node: ast.AST, imports: ImportMap, out: dict[str, str]) -> None
 def check_ts014(tree: Tree, imports: ImportMap, calls: list[ast.Call]
                 ) -> list[tuple[ast.Call, str]]:
     """Each loss call given softmax probabilities, with its message."""
-    if not uses_torch(imports):
+    if not uses_torch(imports) or not any(_is_softmax(c, imports) for c in calls):
         return []
     modules = _loss_modules(tree, imports)
     found: list[tuple[ast.Call, str]] = []
@@ -111,11 +112,11 @@ def check_ts015(tree: Tree, imports: ImportMap, calls: list[ast.Call]
                 ) -> list[tuple[ast.Call, str]]:
     """Each gradient clip in a function that scales the loss and steps through the same
     GradScaler without unscaling, with its message."""
-    del calls  # walked per function
-    if not uses_torch(imports):
+    clips = [c for c in calls if imports.qualify(c.func) in _CLIPS]
+    if not uses_torch(imports) or not clips:
         return []
     found: list[tuple[ast.Call, str]] = []
-    for func in tree.funcs:
+    for func in {id(f): f for c in clips if isinstance(f := tree.scope(c), FUNCS)}.values():
         body = [n for n in walk_local(func.body) if isinstance(n, ast.Call)]
         by_method: dict[str, set[str]] = {}
         for c in body:

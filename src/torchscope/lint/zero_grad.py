@@ -29,8 +29,8 @@ from torchscope.lint._astutil import (
     LOOPS,
     ImportMap,
     Tree,
-    all_loops,
     dotted,
+    loops_around,
     uses_torch,
     walk_local,
 )
@@ -123,12 +123,14 @@ def check_ts012(tree: Tree, imports: ImportMap, calls: list[ast.Call]
                 ) -> list[tuple[ast.Call, str]]:
     """Each optimizer step of a loop that backpropagates and never zeroes, with its
     message."""
-    del calls  # the loops are walked instead
     if not uses_torch(imports):
+        return []
+    backwards = [c for c in calls if is_backward(c, imports)]
+    if not backwards:
         return []
     zeroing_funcs = {f.name for f in tree.funcs if any(map(_zeroes, walk_local(f.body)))}
     found: list[tuple[ast.Call, str]] = []
-    for loop in all_loops(tree):
+    for loop in loops_around(tree, backwards):
         own = [n for n in _own(loop.body) if isinstance(n, ast.Call)]
         backward = next((c for c in own if is_backward(c, imports)), None)
         step = next((c for c in own if _is_step(c)), None)
