@@ -248,9 +248,10 @@ _EAGER = _SharedEagerStance()
 @contextlib.contextmanager
 def eager_stance(what: str = "torchscope") -> Iterator[None]:
     """Run every `torch.compile`d function eagerly while open, sharing the stance with the
-    open captures: for a model that the loop calls through a compile wrapper torchscope is
-    not given (the HF Trainer's `torch_compile=True`), whose hooks Dynamo would otherwise
-    trace into its graph and recompile on.
+    other open captures (`CompiledCapture` holds it through this too). The monitor holds it
+    for a model that the loop calls through a compile wrapper torchscope is not given (the
+    HF Trainer's `torch_compile=True`), whose hooks Dynamo would otherwise trace into its
+    graph and recompile on.
 
     Raises:
         CompileError: this torch has no `torch.compiler.set_stance`.
@@ -293,8 +294,7 @@ class CompiledCapture:
             # `with` never calls __exit__ when __enter__ raises: this stack restores the
             # stance itself unless both parts started.
             with contextlib.ExitStack() as stack:
-                _EAGER.acquire()
-                stack.callback(_EAGER.release)
+                stack.enter_context(eager_stance(self._what))
                 self._counter = stack.enter_context(CompileCounter())
                 self._stack = stack.pop_all()
         return self

@@ -63,10 +63,14 @@ def check_ts013(tree: Tree, imports: ImportMap, calls: list[ast.Call]
     backwards = [c for c in calls if is_backward(c, imports)]
     if not backwards:
         return []
-    evaluators = {f.name for f in tree.funcs
-                  if any(map(_sets_eval, walk_local(f.body)))
-                  and not any(map(_sets_train, walk_local(f.body)))}
-    trainers = {f.name for f in tree.funcs if any(map(_sets_train, walk_local(f.body)))}
+    evaluators: set[str] = set()  # functions of the file that call .eval() and not .train()
+    trainers: set[str] = set()  # ...that call .train()
+    for f in tree.funcs:
+        body = list(walk_local(f.body))
+        if any(map(_sets_train, body)):
+            trainers.add(f.name)
+        elif any(map(_sets_eval, body)):
+            evaluators.add(f.name)
     found: list[tuple[ast.Call, str]] = []
     for loop in loops_around(tree, backwards):
         nodes = list(walk_local(loop.body))

@@ -133,9 +133,7 @@ def _grew_together(found: list[Finding]) -> list[Finding]:
     rel = [float(f.evidence["relative_to_median"] or 0) for f in grew]
     ev = grew[0].evidence
     names = [str(f.module) for f in grew]
-    total = f", while the total gradient norm fell {_times(float(ev['total_change'] or 1))}" \
-        if float(ev.get("total_change") or 1) >= 1.05 else \
-        ", while the total gradient norm did not grow"
+    total = _total_clause(float(ev.get("total_change") or 1))
     one = Finding(
         "run.grad_grew", Severity.INFO,
         f"{len(grew)} layers' gradients grew {_times(min(sizes))}–{_times(max(sizes))} between "
@@ -155,7 +153,12 @@ def _total_did_not_grow(total: tuple[int, float, int, float],
                         evidence: dict[str, float | int]) -> str:
     """The clause for a growth the total gradient norm did not share (`total`: `_ends` of
     the totals); the total's fall goes into `evidence` as `total_change`."""
-    fall = evidence["total_change"] = total[1] / total[3]  # >= 1
+    evidence["total_change"] = total[1] / total[3]  # >= 1
+    return _total_clause(total[1] / total[3])
+
+
+def _total_clause(fall: float) -> str:
+    """How the total gradient norm did not grow, from its fall (first / last, >= 1)."""
     return f", while the total gradient norm fell {_times(fall)}" if fall >= 1.05 \
         else ", while the total gradient norm did not grow"
 
