@@ -61,6 +61,7 @@ __all__ = [
     "ResolvedLoss",
     "Step",
     "StepInfo",
+    "autocast_dtype",
     "main_output",
     "preserved",
     "synchronize",
@@ -160,6 +161,14 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
     elif device.type != "cpu" and hasattr(torch, "accelerator"):
         torch.accelerator.synchronize()
+
+
+def autocast_dtype(device_type: str) -> str | None:
+    """The dtype `torch.autocast` casts to on `device_type` here and now (`"torch.bfloat16"`),
+    or None outside an autocast region: what the user's own loop runs its forward in."""
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    return str(torch.get_autocast_dtype(device_type))
 
 
 def main_output(output: Any) -> torch.Tensor:

@@ -104,6 +104,7 @@ def test_hf_trainer_reports_the_pre_clip_norm_and_trains_unchanged(tmp_path: Pat
         e["torchscope/grad_norm/total"] for e in sampled]
     doc = json.loads((tmp_path / "run" / "report.json").read_text())
     assert doc["options"]["producer"] == "torchscope.integrations.hf"
+    assert run.modes.autocast == () and doc["step"]["autocast"] is None
     assert "transformer.h.0.attn.c_attn" in doc["sections"]["grad_history"]["data"][
         "param_norms"]["layers"]
 
@@ -135,6 +136,25 @@ def test_a_trainer_with_torch_compile_runs_eagerly_under_the_callback(tmp_path: 
     with CompileCounter() as counter:
         trainer.model_wrapped(input_ids=torch.zeros(1, 8, dtype=torch.long))
     assert counter.compiles >= 1  # compiled again once the callback closed
+
+
+def test_a_bf16_trainer_is_reported_as_trained_under_bfloat16_autocast(tmp_path: Path
+                                                                       ) -> None:
+    """Accelerate enters the Trainer's autocast inside the model's forward, after the
+    root's forward pre-hooks; bfloat16 needs no GradScaler, so no warning."""
+    transformers.logging.set_verbosity_error()
+    callback = TorchscopeTrainerCallback(every=2, out=tmp_path / "run")
+    trainer, model = _trainer(tmp_path / "a", [callback], steps=4, bf16=True)
+    with callback:
+        trainer.train()
+    run = callback.result
+    assert run is not None and run.steps == 4
+    assert run.modes.autocast == (("torch.bfloat16", 4),)
+    assert "run.fp16_unscaled" not in {f.code for f in run.findings()}
+    doc = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert doc["step"]["autocast"] == "torch.bfloat16"
+    assert "autocast: torch.bfloat16" in doc["step"]["text"]
+    assert audit_hooks(model, include_global=False).local_total == 0
 
 
 def test_install_puts_the_callback_before_the_reporters(tmp_path: Path) -> None:

@@ -339,3 +339,56 @@ def test_steps_trained_in_eval_mode_after_an_evaluation_are_a_warning(loop: str)
         assert (run.modes.train, run.modes.eval) == (12, 0) and not found
     else:
         assert run.modes.eval == 8 and run.modes.sensitive == 0 and not found
+
+
+class _AutocastInside(nn.Module):
+    """Autocast entered inside the model's forward, as accelerate does for the HF Trainer's
+    bf16/fp16: the root's pre-hooks run before it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.float16):
+            return self.net(x).float()
+
+
+@pytest.mark.parametrize("loop", ["fp16", "fp16_scaled", "fp16_inside", "bf16", "float32"])
+def test_float16_autocast_without_a_grad_scaler_is_a_warning(loop: str) -> None:
+    """float16 autocast gives float16 gradients, which flush to zero below 6e-8 unless a
+    GradScaler scales the loss; bfloat16 has float32's range, and float32 is no autocast."""
+    torch.manual_seed(0)
+    model: nn.Module = _AutocastInside() if loop == "fp16_inside" else nn.Sequential(
+        nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu") if loop == "fp16_scaled" else None
+    dtype = torch.bfloat16 if loop == "bf16" else torch.float16
+    with torchscope.monitor(model, opt, every=2, out=None, memory=False,
+                            scaler=scaler) as mon:
+        for x, y in batches(4):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=dtype, enabled=loop in ("fp16", "fp16_scaled",
+                                                                      "bf16")):
+                loss = nn.functional.mse_loss(model(x).float(), y)
+            if scaler is not None:
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+            else:
+                loss.backward()
+                opt.step()
+    assert not torch.is_autocast_enabled("cpu")
+    run = mon.result
+    assert run is not None
+    found = [f for f in run.findings() if f.code == "run.fp16_unscaled"]
+    expected = {"bf16": (("torch.bfloat16", 4),), "float32": ()}.get(
+        loop, (("torch.float16", 4),))
+    assert run.modes.autocast == expected
+    assert run.modes.main_autocast == (expected[0][0] if expected else None)
+    if loop in ("fp16", "fp16_inside"):
+        assert [f.severity for f in found] == [Severity.WARNING]
+        assert found[0].evidence == {"steps": 4, "of": 4}
+        assert "GradScaler" in found[0].fix and "bfloat16" in found[0].fix
+    else:
+        assert not found

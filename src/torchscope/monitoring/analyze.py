@@ -447,6 +447,27 @@ def _eval_mode(record: RunRecord) -> list[Finding]:
             "statistics kept frozen, no dropout).")]
 
 
+def _unscaled_float16(record: RunRecord) -> list[Finding]:
+    """Steps whose forward ran under float16 autocast with no GradScaler: float16's range
+    ends at 6.0e-8, and the backward of a float16 op gives float16 gradients."""
+    m = record.modes
+    steps = dict(m.autocast).get("torch.float16", 0)  # ModeCounts keeps str(dtype)
+    if not steps or record.scaler:
+        return []
+    return [Finding(
+        "run.fp16_unscaled", Severity.WARNING,
+        f"{steps} of {m.train + m.eval} steps ran their forward under float16 autocast with "
+        "no GradScaler (none was given to the monitor): float16 gradients below 6.0e-8 "
+        "round to zero and those below 6.1e-5 lose precision, so the updates they carry "
+        "are lost without a sign",
+        {"steps": steps, "of": m.train + m.eval},
+        fix="scale the loss with torch.amp.GradScaler (scaler.scale(loss).backward(); "
+            "scaler.step(optimizer); scaler.update()) and pass scaler= to the monitor, or "
+            "autocast to torch.bfloat16, which has float32's range and needs no scaling. A "
+            "loop that scales already: pass its scaler=, or the norms here are the scaled "
+            "ones.")]
+
+
 def _compiled(record: RunRecord) -> list[Finding]:
     return ran_eagerly("run.compiled_eager", record.compiled, "the monitor",
                        also=", for the whole run: the step times, saved bytes and profile "
@@ -468,6 +489,6 @@ def analyze_run(record: RunRecord, thresholds: RunThresholds | None = None
     found: Sequence[Finding] = [
         *_stopped(record), *run, *_skipped(record, t), *_gradient_trends(record, t),
         *_activation_drift(record, t), *_dead_growth(record, t), *_eval_mode(record),
-        *_compiled(record),
+        *_unscaled_float16(record), *_compiled(record),
         *_capabilities(record, replaced=bool(run))]
     return rank(found)

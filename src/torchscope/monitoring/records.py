@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal
 
 from torch import nn
@@ -83,8 +83,9 @@ class NonFiniteOnset:
 
 @dataclass(frozen=True)
 class ModeCounts:
-    """The steps of a run by the model's mode at their forward (`model.training` at the
-    step's last forward with gradients on), and whether that mode changes what it computes.
+    """The steps of a run by the model's mode at their forward (`model.training` and the
+    autocast state at the step's last forward with gradients on), and whether the train/eval
+    mode changes what it computes.
 
     Attributes:
         train: steps whose forward ran in train mode.
@@ -93,12 +94,33 @@ class ModeCounts:
         sensitive: the model's modules that compute otherwise in eval mode: dropout with
             p > 0, and norms that track running statistics (BatchNorm); 0 when the mode
             changes nothing.
+        autocast: the steps whose forward ran under `torch.autocast` on the model's device,
+            by its dtype: `(("torch.bfloat16", 12),)`; empty when none did.
     """
 
     train: int = 0
     eval: int = 0
     first_eval: int | None = None
     sensitive: int = 0
+    autocast: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def main_autocast(self) -> str | None:
+        """The autocast dtype most steps ran under, or None when most ran without."""
+        if not self.autocast:
+            return None
+        dtype, steps = max(self.autocast, key=lambda c: c[1])
+        return dtype if 2 * steps >= self.train + self.eval else None
+
+    def with_step(self, training: bool, index: int, autocast: str | None) -> ModeCounts:
+        """These counts with one more step, `index`, whose forward ran in this mode."""
+        counts = dict(self.autocast)
+        if autocast is not None:
+            counts[autocast] = counts.get(autocast, 0) + 1
+        if training:
+            return replace(self, train=self.train + 1, autocast=tuple(counts.items()))
+        return replace(self, eval=self.eval + 1, autocast=tuple(counts.items()),
+                       first_eval=index if self.first_eval is None else self.first_eval)
 
 
 def mode_sensitive(model: nn.Module) -> int:

@@ -306,6 +306,7 @@ def run_report(record: RunRecord, *, name: str | None = None, created: str = "",
     last = record.last
     step = StepInfo(loss="the training loop's own", loss_value=None,
                     optimizer=record.optimizer, scaler=record.scaler,
+                    autocast=record.modes.main_autocast,
                     accumulate=last.micro_batches if last is not None else 1)
     return RunReport(target, dict(options or {}), tuple(outcomes),
                      machine_facts(record.device), created, record.seconds, step, kind="run")

@@ -18,7 +18,6 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal
@@ -47,6 +46,7 @@ from torchscope.monitoring.records import (
     mode_sensitive,
 )
 from torchscope.profiling import ProfilingError, TimeWatch
+from torchscope.step import autocast_dtype
 
 __all__ = ["Monitor", "monitor"]
 
@@ -176,6 +176,8 @@ class Monitor(HookedContext):
         self._facts: tuple[str, int, int, str] = (type(model).__name__, 0, 0, "cpu")
         self._compiled: tuple[str, ...] = ()
         self._mode: bool | None = None  # `training` at the step's last forward with grad
+        self._autocast: str | None = None  # and its autocast dtype, None without
+        self._device_type = "cpu"
         self._modes = ModeCounts()
         self._compiled_outside = compiled_outside
         self._eager = contextlib.ExitStack()  # the eager stance, for a wrapper out of sight
@@ -191,6 +193,7 @@ class Monitor(HookedContext):
         params = list(model.parameters())
         device = params[0].device if params else torch.device("cpu")
         self._cuda = device if device.type == "cuda" else None
+        self._device_type = device.type
         # Layers in the model's order (the input side first) in every series.
         self._order = {name: i for i, (name, _) in enumerate(model.named_modules())}
         # torch.compile imports torch._dynamo: without it nothing is compiled.
@@ -216,6 +219,12 @@ class Monitor(HookedContext):
         # after the GradWatch's, which decide whether the step in progress is sampled.
         self._session.forward_pre_hook(self._session.model, self._gate,
                                        with_kwargs=True, prepend=True)
+        # Accelerate (the HF Trainer's bf16/fp16) enters autocast inside the model's forward,
+        # after the root's pre-hooks: its first layer with parameters sees it.
+        first = next((m for m in model.modules() if next(m.children(), None) is None
+                      and next(m.parameters(recurse=False), None) is not None), None)
+        if first is not None and first is not model:
+            self._session.forward_pre_hook(first, self._inner_autocast)
         if self._acts is not None:
             self._session.forward_hook(self._session.model, self._forward_end)
         self._grads = GradWatch(
@@ -298,6 +307,7 @@ class Monitor(HookedContext):
             self._inputs = ModelInputs(tuple(args), dict(kwargs)).describe()
         if torch.is_grad_enabled():  # a training forward's mode (evaluation runs without)
             self._mode = module.training
+            self._autocast = autocast_dtype(self._device_type)
         record = self._grads is not None and self._grads.collecting and \
             torch.is_grad_enabled()
         if self._acts is not None:
@@ -305,6 +315,10 @@ class Monitor(HookedContext):
         if self._mem is not None:
             self._mem.active = record
         self._recording = record
+
+    def _inner_autocast(self, _module: nn.Module, _args: tuple[Any, ...]) -> None:
+        if self._autocast is None and torch.is_grad_enabled():
+            self._autocast = autocast_dtype(self._device_type)
 
     def _forward_end(self, _module: nn.Module, _args: tuple[Any, ...], output: Any) -> None:
         """Note when a backward reaches a recorded forward's output: the step's activation
@@ -336,9 +350,7 @@ class Monitor(HookedContext):
 
     def _on_step(self, index: int, flow: GradFlow | None) -> None:
         if self._mode is not None:  # the mode of the step's last forward with gradients on
-            m = self._modes
-            self._modes = replace(m, train=m.train + 1) if self._mode else replace(
-                m, eval=m.eval + 1, first_eval=index if m.first_eval is None else m.first_eval)
+            self._modes = self._modes.with_step(self._mode, index, self._autocast)
             self._mode = None
         now = time.perf_counter()
         self._times.add(index, (now - self._last) * 1e3)
@@ -534,7 +546,8 @@ def monitor(
         every: sample one step in `every`.
         out: folder for report.html and report.json (created now, so a bad path fails
             before training); None writes nothing (read `result`).
-        scaler: the loop's `torch.amp.GradScaler`, if any.
+        scaler: the loop's `torch.amp.GradScaler`, if any (its scale is divided out of
+            the norms; a float16 autocast run without one is a `run.fp16_unscaled` warning).
         micro_batches: backward passes per step, for a loop without an optimizer whose
             steps cannot be inferred (see `watch_gradients`).
         select: modules to watch (see `select_modules`); default the layers.
