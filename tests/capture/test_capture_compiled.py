@@ -94,3 +94,25 @@ def test_watches_on_a_compiled_model_say_it_ran_eagerly() -> None:
             else:
                 assert hits == []
     assert audit_hooks(model, include_global=False).local_total == 0
+
+
+def test_a_compiled_wrapper_made_before_the_watch_is_a_warning_not_a_clean_record() -> None:
+    """The loop calls a `torch.compile` wrapper that ran before the watch opened: the hooks
+    added later never fire, and an empty capture said nothing, as a healthy one does."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    compiled = torch.compile(model, backend="eager")
+    x = torch.randn(4, 4)
+    compiled(x).sum().backward()  # compiled before the watch
+    with torchscope.watch_activations(model) as watch:
+        compiled(x).sum().backward()
+    assert watch.forwards == 0 and not watch.records
+    [f] = watch.findings()
+    assert (f.code, f.severity.name) == ("activations.unseen_forward", "WARNING")
+    assert "compile" in f.fix
+    # Given the wrapper the loop calls, the watch runs it eagerly and records every layer.
+    with torchscope.watch_activations(compiled) as watch:
+        compiled(x).sum().backward()
+    assert {r.module for r in watch.records} == {"0", "1", "2"}
+    assert "activations.unseen_forward" not in {f.code for f in watch.findings()}
+    assert audit_hooks(model, include_global=False).local_total == 0

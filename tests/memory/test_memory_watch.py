@@ -266,3 +266,23 @@ def test_cuda_peak_covers_the_sampled_step() -> None:
     assert len(peaks) == 2 and all(p is not None for p in peaks)
     assert watch.last is not None and watch.last.peak_bytes == peaks[-1]
     assert peaks[-1] >= watch.last.saved.total_bytes  # type: ignore[operator]
+
+
+def test_a_compiled_wrapper_made_before_the_watch_is_a_warning_not_a_clean_record() -> None:
+    """The loop calls a `torch.compile` wrapper that ran before the watch opened: its root
+    hooks never fire, and an empty watch said nothing, as one with nothing to say does."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    compiled = torch.compile(model, backend="eager")
+    x = torch.randn(4, 4)
+    compiled(x).sum().backward()  # compiled before the watch
+    with watch_memory(model) as watch:
+        compiled(x).sum().backward()
+    assert watch.forwards == 0 and watch.samples == 0
+    [f] = watch.findings()
+    assert (f.code, f.severity.name) == ("memory.unseen_forward", "WARNING")
+    with watch_memory(compiled) as watch:
+        compiled(x).sum().backward()
+    assert watch.samples == 1
+    assert "memory.unseen_forward" not in {f.code for f in watch.findings()}
+    assert audit_hooks(model, include_global=False).local_total == 0

@@ -25,7 +25,7 @@ from torchscope.capture.activations import ActivationCapture
 from torchscope.capture.nonfinite import trace_nonfinite
 from torchscope.capture.records import ActivationRecord, ActivationRecords, TensorStats
 from torchscope.findings import Finding, Severity, analyzer, rank
-from torchscope.hooks.compiled import ran_eagerly
+from torchscope.hooks.compiled import ran_eagerly, unseen_forward
 
 __all__ = ["ActivationThresholds", "analyze_activations", "leaf_modules", "weighted_order"]
 
@@ -137,6 +137,11 @@ def analyze_activations(
     th = thresholds or ActivationThresholds()
     records = capture.records
     if not records:
+        if isinstance(capture, ActivationCapture) and not capture.forwards:
+            return [unseen_forward(
+                "activations.unseen_forward", "no forward of the watched modules ran "
+                "through the activation capture's hooks while it was open: nothing was "
+                "recorded, which is no sign of health", {"forwards": 0})]
         return []
     out = _nonfinite(records)
     last = [r for r in records if r.step == records[-1].step]

@@ -33,7 +33,7 @@ from torchscope.grads.records import (
     ratio,
     rms,
 )
-from torchscope.hooks.compiled import ran_eagerly
+from torchscope.hooks.compiled import ran_eagerly, unseen_forward
 
 __all__ = [
     "DepthProfile",
@@ -975,17 +975,11 @@ def find_unseen_forward(flow: GradFlow, thresholds: GradThresholds | None = None
     del thresholds  # no measure: either a hook fired or none did
     if flow.modules or not any(p.norm is not None for p in flow.params):
         return []
-    return [Finding(
-        code="grads.unseen_forward",
-        severity=Severity.WARNING,
-        summary=f"the parameters got gradients in step {flow.index}, but no watched module's "
+    return [unseen_forward(
+        "grads.unseen_forward",
+        f"the parameters got gradients in step {flow.index}, but no watched module's "
         "forward ran through torchscope's hooks: nothing per layer was measured",
-        evidence={"step": flow.index, "backward_calls": flow.backward_calls},
-        fix="give torchscope the module that the loop calls: a torch.compile wrapper made "
-        "before the watch opened never runs hooks added later (pass the compiled module, "
-        "which then runs eagerly while watched); check that `select` names modules that "
-        "run.",
-    )]
+        {"step": flow.index, "backward_calls": flow.backward_calls})]
 
 
 @analyzer(GradFlow)

@@ -33,6 +33,7 @@ __all__ = [
     "compiled_parts",
     "eager_stance",
     "ran_eagerly",
+    "unseen_forward",
     "unwrap_compiled",
 ]
 
@@ -108,6 +109,25 @@ def ran_eagerly(code: str, parts: tuple[str, ...], what: str, *, also: str = "",
         {"compiled": len(parts)},
         fix=fix or f"to train at compiled speed, open {what} around a stretch of the run "
             "only (its findings cover that stretch).")]
+
+
+def unseen_forward(code: str, summary: str, evidence: dict[str, int | None]) -> Finding:
+    """The warning that a watch's hooks saw no forward of the model while the model, as far
+    as the watch can tell, did run: its parameters got gradients, or the watch was open and
+    recorded nothing. A `torch.compile` wrapper built before the watch opened runs its
+    graph without the hooks added later, and an empty record reads as a healthy one.
+
+    Args:
+        code: the finding's code (`grads.unseen_forward`, ...).
+        summary: what the watch saw, in one sentence.
+        evidence: the finding's evidence.
+    """
+    return Finding(
+        code, Severity.WARNING, summary, dict(evidence),
+        fix="give torchscope the module that the loop calls: a torch.compile wrapper made "
+            "before the watch opened never runs hooks added later (pass the compiled module, "
+            "which then runs eagerly while watched); check that `select` names modules that "
+            "run.")
 
 
 def unwrap_compiled(model: nn.Module) -> nn.Module:

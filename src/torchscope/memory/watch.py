@@ -20,6 +20,7 @@ from torch import nn
 
 from torchscope.errors import TorchscopeError
 from torchscope.findings import Finding
+from torchscope.hooks.compiled import unseen_forward
 from torchscope.hooks.lifecycle import HookedContext
 from torchscope.hooks.select import Selector
 from torchscope.hooks.session import HookSession
@@ -264,6 +265,11 @@ class MemoryWatch(HookedContext):
 
     def findings(self, thresholds: object = None) -> list[Finding]:
         """Findings of the last sample's saved activations and of the history's growth."""
+        if not self.forwards:
+            return [unseen_forward(
+                "memory.unseen_forward", "no forward of the model with gradients on ran "
+                "through the memory watch's hooks while it was open: nothing was sampled",
+                {"forwards": 0})]
         last = self._last.saved.findings(thresholds) if self._last is not None else []
         return last + self.history.findings(thresholds)
 

@@ -401,8 +401,11 @@ def _capabilities(record: RunRecord, replaced: bool) -> list[Finding]:
         found += record.profile.findings()
     if replaced:
         found = [f for f in found if "nonfinite" not in f.code]
-    # The run's own finding says it once for the whole run (`_compiled`), not each watch.
-    return [f for f in found if not f.code.endswith(".compiled_eager")]
+    # The run's own finding says it once for the whole run (`_compiled`), not each watch;
+    # the monitor samples its activations and memory only on sampled steps, and its
+    # gradient watch tells a forward that bypassed the hooks (`grads.unseen_forward`).
+    return [f for f in found if not f.code.endswith(".compiled_eager") and
+            f.code not in ("activations.unseen_forward", "memory.unseen_forward")]
 
 
 def section_of(finding: Finding) -> str:
