@@ -131,6 +131,9 @@ def _get_callable(module: ModuleType, attr: str, where: str) -> Callable[..., An
     factory = getattr(module, attr, None)
     if factory is None:
         names = [n for n, v in vars(module).items() if callable(v) and not n.startswith("_")]
+        # The file's own factories first: its imports (a transformers file's config and
+        # model classes) would otherwise fill the list.
+        names.sort(key=lambda n: getattr(vars(module)[n], "__module__", None) != module.__name__)
         close = difflib.get_close_matches(attr, names, n=3)
         hint = (
             f"did you mean {', '.join(close)}?"
