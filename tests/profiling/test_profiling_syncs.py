@@ -121,3 +121,80 @@ def test_adam_on_cuda_is_no_synchronisation_and_a_loss_item_is() -> None:
     assert "profiling.host_sync" not in {f.code for f in quiet.findings()}
     sync = [f for f in loud.findings() if f.code == "profiling.host_sync"]
     assert sync and sync[0].evidence["calls"] == 3
+
+
+# A GradScaler's step on CUDA: its unscale op, then `GradScaler.step`'s read of found_inf
+# (a device tensor) just before the optimizer's step, then its scale update.
+_READ_AT = [("aten::item", 0, 100), ("aten::_local_scalar_dense", 5, 95),
+            ("cudaMemcpyAsync", 10, 20), ("cudaStreamSynchronize", 20, 90)]
+
+
+def _read(at: int) -> list[tuple[str, int, int]]:
+    return [(name, a + at, b + at) for name, a, b in _READ_AT]
+
+
+_SCALER_STEP = [("aten::_amp_foreach_non_finite_check_and_unscale_", 0, 50), *_read(100),
+                ("Optimizer.step#SGD.step", 300, 400), ("aten::_amp_update_scale_", 500, 510)]
+
+
+def test_a_grad_scaler_s_inf_check_is_told_from_the_loop_s_reads() -> None:
+    assert host_reads(_tree(_SCALER_STEP)) == HostReads(reads=1, device=1, waits=0,
+                                                        linked=True, scaler=1)
+    # A step the scaler skipped: the read, then the update, no optimizer step.
+    skipped = [_SCALER_STEP[0], *_read(100), ("aten::_amp_update_scale_", 500, 510)]
+    assert host_reads(_tree(skipped)).scaler == 1
+    # The loop's own read of the loss before the backward is not the scaler's; of two reads
+    # after the unscale (a clipped norm's `.item()`, then found_inf) the last one is.
+    loop = [*_read(-1000), *_SCALER_STEP[:1], *_read(60), *_read(200),
+            ("Optimizer.step#SGD.step", 300, 400)]
+    assert host_reads(_tree(loop)) == HostReads(reads=3, device=3, waits=0, linked=True,
+                                                scaler=1)
+    # A fused optimizer takes found_inf on the device: a read before its step is the loop's.
+    fused = [*_SCALER_STEP[:1], *_read(100), ("Optimizer.step#AdamW.step", 300, 400),
+             ("aten::_fused_adamw_", 310, 390)]
+    assert host_reads(_tree(fused)).scaler == 0
+
+
+def _scaled_steps(*, read: bool, fused: bool = False) -> ProfileResult:
+    """Three profiled float16 autocast steps with a GradScaler (and a `loss.item()` each)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True) if fused else \
+        torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    x = torch.randn(8, 16)
+    with watch_time(model, optimizer=opt, steps=3) as w:
+        for _ in range(5):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(x).float().square().mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            if read:
+                loss.item()
+    assert w.result is not None
+    return w.result
+
+
+def test_a_grad_scaler_s_read_is_no_host_read_and_on_a_gpu_an_info_of_its_own() -> None:
+    """`GradScaler.step` reads found_inf once a step: the doctor's own fp16 step read as
+    a host read of the user's step, and on a GPU as a warning to drop `.item()`."""
+    quiet = _scaled_steps(read=False)
+    assert quiet.host_reads is not None and quiet.host_reads.scaler == 3
+    assert not [f for f in quiet.findings() if f.code.startswith("profiling.host_")]
+    [read] = [f for f in _scaled_steps(read=True).findings()
+              if f.code == "profiling.host_read"]
+    assert read.evidence["calls"] == 3  # the loss's reads only
+    # The same op table as a GPU step would give, found_inf being a device tensor there.
+    gpu = replace(quiet, device="cuda",
+                  host_reads=HostReads(reads=3, device=3, waits=0, linked=True, scaler=3))
+    codes = [f.code for f in gpu.findings() if f.code.startswith(("profiling.host_",
+                                                                    "profiling.scaler"))]
+    assert codes == ["profiling.scaler_sync"]
+    [info] = [f for f in gpu.findings() if f.code == "profiling.scaler_sync"]
+    assert info.severity == Severity.INFO and "fused=True" in info.fix
+    # A fused optimizer: GradScaler.step reads nothing.
+    fused = _scaled_steps(read=False, fused=True)
+    assert fused.host_reads is not None and fused.host_reads.scaler == 0
+    assert not [f for f in fused.findings() if f.code.startswith("profiling.host_")]

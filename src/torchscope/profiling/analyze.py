@@ -50,6 +50,8 @@ def _host_syncs(result: ProfileResult) -> list[Finding]:
     (`profiling.host_read`), since the same line waits for the device on a GPU. On a GPU,
     only the reads of device tensors and the runtime's own waits count
     (`ProfileResult.host_reads`): Adam's `.item()` on its host-side step counters is none.
+    A GradScaler's read of its inf check is told apart: on a GPU an info of its own
+    (`profiling.scaler_sync`, with the fused optimizer that avoids it), on CPU nothing.
     """
     # Waits that are no part of the step: the watch's own at each step boundary (one
     # cudaDeviceSynchronize in its own range), and torch.profiler's when it stops at the
@@ -64,14 +66,18 @@ def _host_syncs(result: ProfileResult) -> list[Finding]:
     # stream wait on CUDA): the reads are counted once each, outside DataLoader ranges.
     hr = result.host_reads
     reads = hr.reads if hr is not None else result.calls(READ_OP)
+    scaler = hr.scaler if hr is not None else 0
     ops = ", ".join(sorted({o.name for o in syncs}))
     if uses_accelerator(result):
         if hr is not None and hr.linked:
             stalls = hr.device + hr.waits + device_waits
         else:  # the runtime's calls were not nested under the reads: every read counts
             stalls = reads + device_waits or sum(o.calls for o in syncs)
+        # The GradScaler's own read is a sync the loop did not write: said on its own.
+        scaler_sync = _scaler_sync(scaler, result.steps)
+        stalls = max(stalls - scaler, 0)
         if not stalls:
-            return []
+            return scaler_sync
         evidence: dict[str, float | int | str | bool | None] = {
             "calls": stalls, "ops": ops, "device": result.device,
             "host_tensor_reads": reads - (hr.device if hr is not None and hr.linked
@@ -81,9 +87,10 @@ def _host_syncs(result: ProfileResult) -> list[Finding]:
             f"the step synchronises host and device {stalls / result.steps:.3g} time(s) per "
             f"step ({ops}).", evidence,
             fix="drop .item()/.cpu()/print of tensors from the step, or do it every N steps.",
-        )]
-    # torch.optim's Adam family reads its host-side step counters: no wait on a GPU either.
-    reads -= hr.optimizer if hr is not None else 0
+        ), *scaler_sync]
+    # torch.optim's Adam family reads its host-side step counters: no wait on a GPU either;
+    # the GradScaler's inf check is no read the loop wrote.
+    reads -= (hr.optimizer + hr.scaler) if hr is not None else 0
     if reads <= 0:
         return []
     return [Finding(
@@ -93,6 +100,21 @@ def _host_syncs(result: ProfileResult) -> list[Finding]:
         "would synchronise host and device.", {"calls": reads, "ops": ops,
                                                "device": result.device},
     )]
+
+
+def _scaler_sync(reads: int, steps: int) -> list[Finding]:
+    """`profiling.scaler_sync`: a GradScaler read its inf check to the host at each step of
+    a non-fused optimizer, on an accelerator a sync that the loop's own code did not write."""
+    if not reads:
+        return []
+    return [Finding(
+        "profiling.scaler_sync", Severity.INFO,
+        f"the GradScaler synchronises host and device {reads / max(steps, 1):.3g} time(s) "
+        "per step: GradScaler.step reads its inf check (found_inf) to decide whether to "
+        "step.", {"calls": reads},
+        fix="an optimizer built with fused=True (Adam, AdamW, SGD) takes the check on the "
+            "device, and GradScaler.step then reads nothing; one sync a step costs little "
+            "when steps are long.")]
 
 
 def _input_wait(result: ProfileResult, th: ProfileThresholds) -> list[Finding]:
@@ -137,8 +159,8 @@ def profile_findings(result: ProfileResult,
         result: the profile.
         thresholds: when figures become warnings; None uses `ProfileThresholds()`.
 
-    Codes: `profiling.top_op`, `profiling.host_sync` (with an accelerator),
-    `profiling.host_read` (on CPU), `profiling.input_wait` (a DataLoader in the
+    Codes: `profiling.top_op`, `profiling.host_sync` and `profiling.scaler_sync` (with an
+    accelerator), `profiling.host_read` (on CPU), `profiling.input_wait` (a DataLoader in the
     profiled steps), `profiling.backward_ratio`,
     `profiling.optimizer_share`, `profiling.top_module`, `profiling.overhead`,
     `profiling.no_phases`, `profiling.compiled_eager` (a compiled model timed per module

@@ -273,6 +273,8 @@ class HostReads:
             it did not (no accelerator, or an older profiler), `device` cannot be told.
         optimizer: the reads of host tensors inside the step of one of torch.optim's own
             optimizers: the Adam family's step counters, kept on the host on a GPU too.
+        scaler: the reads that are a GradScaler's inf check in `GradScaler.step`, one per
+            step of a non-fused optimizer (of a device tensor on a GPU: among `device`).
     """
 
     reads: int
@@ -280,6 +282,7 @@ class HostReads:
     waits: int = 0
     linked: bool = False
     optimizer: int = 0
+    scaler: int = 0
 
 
 @dataclass(frozen=True)

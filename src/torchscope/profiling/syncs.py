@@ -24,6 +24,9 @@ from torchscope.profiling.records import HostReads
 __all__ = ["READ_OP", "WAIT_OPS", "host_reads"]
 
 READ_OP = "aten::_local_scalar_dense"
+#: GradScaler's ops: the unscale that finds infs, and the scale's update at `update()`.
+_UNSCALE_OP = "aten::_amp_foreach_non_finite_check_and_unscale_"
+_UPDATE_OP = "aten::_amp_update_scale_"
 #: The device runtime's calls that block the host: a stream wait, a blocking copy.
 WAIT_OPS = ("cudaStreamSynchronize", "cudaMemcpy", "hipStreamSynchronize", "hipMemcpy")
 _RUNTIME = ("cuda", "hip")  # the device runtime's own calls, on the host's thread
@@ -56,11 +59,33 @@ def _in_torch_optimizer(event: Any) -> bool:
         getattr(torch.optim, name[len(OPTIMIZER_STEP_PREFIX):].partition(".")[0], None), type))
 
 
+def _scaler_reads(marks: list[tuple[float, str, Any]]) -> set[int]:
+    """Of one thread's reads, unscale ops and optimizer steps (`(start, kind, event)`), the
+    reads that are a GradScaler's inf check: the last read after an unscale and before the
+    next step of a non-fused optimizer or scale update."""
+    found: set[int] = set()
+    armed, last = False, None
+    for _start, kind, event in sorted(marks, key=lambda m: m[0]):
+        if kind == "unscale":
+            armed, last = True, None
+        elif kind == "read":
+            last = event if armed else None
+        else:  # a step or an update ends the check; a fused step reads nothing to skip
+            fused = kind == "step" and any(c.name.startswith("aten::_fused_")
+                                           for c in _below(event))
+            if armed and last is not None and not fused:
+                found.add(id(last))
+            armed, last = False, None
+    return found
+
+
 def host_reads(events: Iterable[Any]) -> HostReads:
     """The step's tensor reads and device waits among `events` (`prof.events()`, with
     `cpu_children` populated), outside every DataLoader range."""
     reads = device = waits = optimizer = 0
     linked = False  # the profiler nested runtime calls under ops (so reads can be told)
+    marks: dict[Any, list[tuple[float, str, Any]]] = {}  # per thread, for the GradScaler
+    counted: list[Any] = []
     for e in events:
         name: str = e.name
         if name.startswith(_RUNTIME) and e.cpu_parent is not None:
@@ -71,8 +96,17 @@ def host_reads(events: Iterable[Any]) -> HostReads:
                 device += 1
             elif _in_torch_optimizer(e):
                 optimizer += 1
+                continue
+            counted.append(e)
+            marks.setdefault(e.thread, []).append((e.time_range.start, "read", e))
         elif name in WAIT_OPS and not _in_loader(e) and \
                 not _inside(e, lambda n: n == READ_OP):  # not a read's own wait
             waits += 1
+        elif name == _UNSCALE_OP:
+            marks.setdefault(e.thread, []).append((e.time_range.start, "unscale", e))
+        elif name == _UPDATE_OP or name.startswith(OPTIMIZER_STEP_PREFIX):
+            kind = "update" if name == _UPDATE_OP else "step"
+            marks.setdefault(e.thread, []).append((e.time_range.start, kind, e))
+    scaler = set().union(*(_scaler_reads(m) for m in marks.values())) if marks else set()
     return HostReads(reads=reads, device=device, waits=waits, linked=linked,
-                     optimizer=optimizer)
+                     optimizer=optimizer, scaler=sum(1 for e in counted if id(e) in scaler))
