@@ -80,3 +80,50 @@ def test_conv_bn_is_not_told_to_add_normalization() -> None:
     assert "replace the saturating Sigmoid" in f.fix and "gain" in f.fix
     for m in (healthy, broken):
         m.zero_grad(set_to_none=True)
+
+
+def _mobilenet_v2(kaiming: bool) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    from transformers import MobileNetV2Config, MobileNetV2ForImageClassification
+
+    torch.manual_seed(0)
+    model = MobileNetV2ForImageClassification(MobileNetV2Config(
+        image_size=64, depth_multiplier=0.35, num_labels=10))
+    if kaiming:  # torchvision's init for its MobileNetV2
+        for m in model.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out")
+    g = torch.Generator().manual_seed(0)
+    return model, {"pixel_values": torch.randn(4, 3, 64, 64, generator=g),
+                   "labels": torch.randint(0, 10, (4,), generator=g)}
+
+
+def test_a_batch_norm_network_with_a_small_init_is_told_to_raise_it_not_lower_it() -> None:
+    """transformers' MobileNetV2 initialises its convolutions with std 0.02, 10x below
+    1/sqrt(fan_in). Behind BatchNorm a weight's scale cancels in the forward and its gradient
+    grows as it shrinks: the gradients do grow toward the input (the relative gradient 300x
+    and more), and the fix said to lower the init scale, which makes it worse."""
+    model, inputs = _mobilenet_v2(kaiming=False)
+    [f] = [f for f in gradient_flow(model, inputs).findings() if f.code == "grads.exploding"]
+    assert f.severity == Severity.WARNING
+    assert "raise the init scale, not lower it" in f.fix and "10× below" in f.fix
+    assert "kaiming_normal_" in f.fix
+    # With torchvision's init the same network is silent.
+    model, inputs = _mobilenet_v2(kaiming=True)
+    assert _alarms(gradient_flow(model, inputs)) == []
+
+
+def test_a_large_init_is_told_by_how_much_to_lower_it() -> None:
+    """Eight ReLU layers with std-1 weights, fan_in 32: 5.7x std 1/sqrt(fan_in)."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(8):
+        layers += [nn.Linear(32, 32), nn.ReLU()]
+    model = nn.Sequential(*layers)
+    with torch.no_grad():
+        for m in model:
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=1.0)
+    [f] = [f for f in gradient_flow(model, torch.randn(4, 32)).findings()
+           if f.code == "grads.exploding"]
+    assert "lower the init scale: the layers' weights are 6× std 1/sqrt(fan_in)" in f.fix
+    assert "add normalization layers" in f.fix

@@ -11,6 +11,7 @@ is ordinary at initialisation. docs/diagnosis.md gives every criterion and its s
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -355,6 +356,12 @@ def _in_block(unit: str) -> bool:
 
 
 # ---------------------------------------------------------------------- advice
+# Weights this far below (or above, inverted) std 1/sqrt(fan_in) are an init far off the
+# usual ones (Kaiming's with ReLU is 1.41 of it; transformers' std 0.02 is 0.18 of it at a
+# width of 64 and 1.3 at 4096).
+_SMALL_INIT = 0.25
+
+
 def _model_kinds(flow: GradFlow) -> tuple[frozenset[str], bool]:
     """The saturating activations the step ran through, and whether it has norm layers."""
     types = {r.module_type for r in flow.modules}
@@ -378,10 +385,39 @@ def _vanishing_fix(flow: GradFlow) -> str:
     return "; ".join(parts) + "."
 
 
+def _init_scale(flow: GradFlow) -> float | None:
+    """How the weight matrices of the depth profile's layers compare with an init of std
+    1/sqrt(fan_in): the median over them of `rms(w) * sqrt(fan_in)` (1 for LeCun's init,
+    1.41 for Kaiming's with ReLU); None without weights read."""
+    layers = {m for u in depth_profile(flow).units for m in u.modules}
+    types = {r.module: r.module_type for r in flow.modules}
+    scales = []
+    for p in flow.params:
+        if p.module not in layers or len(p.shape) < 2 or not p.weight_norm:
+            continue
+        # GPT-2's Conv1D keeps its weight as (in, out); Linear and Conv as (out, in, ...).
+        fan_in = p.shape[0] if types.get(p.module) == "Conv1D" else math.prod(p.shape[1:])
+        scales.append(p.weight_norm / math.sqrt(p.numel) * math.sqrt(fan_in))
+    return statistics.median(scales) if scales else None
+
+
 def _exploding_fix(flow: GradFlow) -> str:
     _, has_norm = _model_kinds(flow)
-    parts = ["clip with torch.nn.utils.clip_grad_norm_ (max_norm around 1.0)",
-             "lower the init scale (Kaiming/Xavier: std = gain/sqrt(fan_in))"]
+    scale = _init_scale(flow)
+    batch_norm = any("BatchNorm" in r.module_type for r in flow.modules)
+    if scale is not None and scale < _SMALL_INIT and batch_norm:
+        # Behind BatchNorm a weight's scale cancels in the forward, and its gradient grows
+        # as it shrinks: a small init makes the gradients large, the other way round.
+        init = (f"raise the init scale, not lower it: the layers' weights are "
+                f"{1 / scale:.0f}× below std 1/sqrt(fan_in) (median layer), and behind "
+                "BatchNorm a weight's gradient grows as the weight shrinks; initialise with "
+                "nn.init.kaiming_normal_(weight, mode='fan_out'), as torchvision's models do")
+    elif scale is not None and scale > 1 / _SMALL_INIT:
+        init = (f"lower the init scale: the layers' weights are {scale:.0f}× std "
+                "1/sqrt(fan_in) (median layer); Kaiming/Xavier: std = gain/sqrt(fan_in)")
+    else:
+        init = "lower the init scale (Kaiming/Xavier: std = gain/sqrt(fan_in))"
+    parts = ["clip with torch.nn.utils.clip_grad_norm_ (max_norm around 1.0)", init]
     if not has_norm:
         parts.append("add normalization layers")
     parts.append("lower the learning rate")
