@@ -240,3 +240,37 @@ def test_a_transformers_swin_position_bias_table_is_no_constant_output_warning()
     tables = {r.module for r in capture.records if r.module_type == "SwinRelativePositionBias"}
     assert len(tables) == 2 and capture.zero_init == tables
     assert not [f for f in capture.findings() if f.severity >= Severity.WARNING]
+
+
+def _mobilevit(size: int) -> list:  # type: ignore[type-arg]
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.MobileViTForImageClassification(transformers.MobileViTConfig(
+        image_size=size, num_labels=10, hidden_sizes=[32, 48, 64],
+        neck_hidden_sizes=[8, 8, 16, 16, 24, 32, 160]))
+    x = torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(0))
+    return [f for f in capture_activations(model, {"pixel_values": x}).findings()
+            if f.code == "activations.constant"]
+
+
+def test_uniform_attention_at_init_is_info_and_attention_over_one_position_a_warning() -> None:
+    """transformers' MobileViT at init: every attention score of its second stage is equal,
+    so the attention probabilities are 1/256 everywhere, which read as a constant output to
+    check. It still passes gradient to the
+    scores. With a 64-pixel image the last stage attends over one patch: the softmax is 1
+    whatever the scores, and the query and key projections never get a gradient."""
+    [uniform] = _mobilevit(256)
+    assert uniform.severity == Severity.INFO and uniform.evidence["softmax_over"] == 256
+    assert "1/256" in uniform.summary and uniform.module.endswith("attention.dropout")
+    small = _mobilevit(64)
+    one = [f for f in small if f.severity == Severity.WARNING]
+    assert len(one) == 3 and all(f.evidence["softmax_over"] == 1 for f in one)
+    assert "sequence of length 1" in one[0].fix
+    # A sigmoid stuck at 0.5 over a last dimension of 2 is no softmax: still a warning.
+    model = nn.Sequential(nn.Linear(4, 2), nn.Sigmoid())
+    with torch.no_grad():
+        model[0].weight.zero_()
+        model[0].bias.zero_()
+    [stuck] = [f for f in capture_activations(model, torch.randn(3, 4)).findings()
+               if f.code == "activations.constant" and f.module == "1"]
+    assert stuck.severity == Severity.WARNING and "softmax_over" not in stuck.evidence

@@ -127,3 +127,22 @@ def test_a_large_init_is_told_by_how_much_to_lower_it() -> None:
            if f.code == "grads.exploding"]
     assert "lower the init scale: the layers' weights are 6× std 1/sqrt(fan_in)" in f.fix
     assert "add normalization layers" in f.fix
+
+
+def test_query_and_key_of_an_attention_over_one_position_are_told_why_they_get_nothing(
+        ) -> None:
+    """transformers' MobileViT given 64-pixel images attends over one patch in its last
+    stage: the softmax is 1 whatever the scores, so its query and key projections get an
+    all-zero gradient, and the fix spoke only of dead ReLUs, zero branches and masks."""
+    from transformers import MobileViTConfig, MobileViTForImageClassification
+
+    torch.manual_seed(0)
+    model = MobileViTForImageClassification(MobileViTConfig(
+        image_size=64, num_labels=10, hidden_sizes=[32, 48, 64],
+        neck_hidden_sizes=[8, 8, 16, 16, 24, 32, 160]))
+    g = torch.Generator().manual_seed(0)
+    flow = gradient_flow(model, {"pixel_values": torch.randn(2, 3, 64, 64, generator=g),
+                                 "labels": torch.randint(0, 10, (2,), generator=g)})
+    dead = [f for f in flow.findings() if f.code == "grads.dead"]
+    assert sorted(f.module.rsplit(".", 1)[-1] for f in dead) == ["key"] * 3 + ["query"] * 3
+    assert all("softmax over one element" in f.fix for f in dead)

@@ -224,13 +224,7 @@ def _per_module(judged: Sequence[ActivationRecord], th: ActivationThresholds,
             if constant and r.module in zero_init:
                 zeroed.append((name, r, s.min))
             elif constant:
-                out.append(Finding(
-                    "activations.constant", Severity.WARNING,
-                    f"{name} ({r.module_type}) outputs the same value {s.min:.4g} everywhere",
-                    {"value": s.min, "numel": s.numel},
-                    fix="a constant output carries no information: check its input and weights "
-                        "(zero init? saturated?)",
-                    module=r.module))
+                out.append(_constant(name, r, s))
             if not s.finite:
                 continue
             peak = max(abs(s.min), abs(s.max))
@@ -261,6 +255,47 @@ def _per_module(judged: Sequence[ActivationRecord], th: ActivationThresholds,
                 "overflow in fp16 and slow training",
             module=r.module))
     return out
+
+
+def _constant(name: str, r: ActivationRecord, s: TensorStats) -> Finding:
+    """`activations.constant` for one output. A value of exactly 1/N over a last dimension
+    of N is a softmax with all scores equal (attention probabilities): over N > 1 it mixes
+    every position alike and still passes gradient to the scores, as at an init whose scores
+    are near zero (info); over one element it is 1 whatever the scores, which then get no
+    gradient (warning)."""
+    evidence: dict[str, float | int | str | bool | None] = {"value": s.min, "numel": s.numel}
+    n = s.shape[-1] if s.shape else 0
+    # Where attention probabilities show: a Softmax module, the dropout after one, or a
+    # module of an attention (a sigmoid stuck at 0.5 over a last dimension of 2 is no softmax).
+    probs = r.module_type in ("Softmax", "Dropout") or "att" in r.module.lower()
+    if probs and n and abs(s.min * n - 1) < 1e-4:
+        evidence["softmax_over"] = n
+        if n > 1:
+            return Finding(
+                "activations.constant", Severity.INFO,
+                f"{name} ({r.module_type}) outputs {s.min:.4g} = 1/{n} everywhere, uniform "
+                f"over its last dimension of {n}: a softmax whose scores are all equal (an "
+                "attention that weighs every position alike)",
+                evidence,
+                fix="usual at init while the scores are near zero, and their projections still "
+                    "learn; if it stays uniform in training, check the scale of what the "
+                    "scores are computed from.",
+                module=r.module)
+        return Finding(
+            "activations.constant", Severity.WARNING,
+            f"{name} ({r.module_type}) outputs 1 everywhere over a last dimension of 1: a "
+            "softmax over one element is 1 whatever its scores, which get no gradient",
+            evidence,
+            fix="check the length of what it attends over: an attention over a sequence of "
+                "length 1 (an input smaller than the model expects, one patch left) trains "
+                "no query or key.",
+            module=r.module)
+    return Finding(
+        "activations.constant", Severity.WARNING,
+        f"{name} ({r.module_type}) outputs the same value {s.min:.4g} everywhere", evidence,
+        fix="a constant output carries no information: check its input and weights "
+            "(zero init? saturated?)",
+        module=r.module)
 
 
 def _zero_init_constants(zeroed: Sequence[tuple[str, ActivationRecord, float]]) -> Finding:

@@ -674,7 +674,8 @@ def find_dead(flow: GradFlow, thresholds: GradThresholds | None = None) -> list[
                       "params": ", ".join(names), "float16": m in half, "step": flow.index},
             fix=_UNDERFLOW if m in half else
             "look for dead ReLUs (lower the learning rate, LeakyReLU/GELU), a branch "
-            "multiplied by zero, or a mask that blocks every position.",
+            "multiplied by zero, a mask that blocks every position, or a softmax over one "
+            "element (attention over a sequence of length 1: its query and key get none).",
             module=m,
         ))
     return found
