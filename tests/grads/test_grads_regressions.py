@@ -146,3 +146,28 @@ def test_query_and_key_of_an_attention_over_one_position_are_told_why_they_get_n
     dead = [f for f in flow.findings() if f.code == "grads.dead"]
     assert sorted(f.module.rsplit(".", 1)[-1] for f in dead) == ["key"] * 3 + ["query"] * 3
     assert all("softmax over one element" in f.fix for f in dead)
+
+
+def test_a_small_init_embedding_before_a_norm_is_no_exploding_warning() -> None:
+    """transformers' RWKV starts its embedding at std 1e-4 and normalises it at once (its
+    small-init embedding): nearly all of a total norm above 1000 is that embedding's, a
+    gradient that grows as the weights shrink. It read as a warning to clip at 1.0 and lower
+    the init, which would shrink every other gradient 1000x and the embedding further."""
+    from transformers import RwkvConfig, RwkvForCausalLM
+
+    torch.manual_seed(0)
+    model = RwkvForCausalLM(RwkvConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2,
+                                       attention_hidden_size=64, intermediate_size=128,
+                                       context_length=32))
+    ids = torch.randint(3, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    flow = gradient_flow(model, {"input_ids": ids, "labels": ids})
+    assert flow.total_norm > 1000
+    [f] = [f for f in flow.findings() if f.code == "grads.exploding"]
+    assert f.severity == Severity.INFO and f.evidence["param"] == "rwkv.embeddings.weight"
+    assert f.evidence["share"] > 0.99 and "Adam" in f.fix
+    # A large total from ordinary weights (inputs 300x too large) is still a warning.
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1))
+    loud = gradient_flow(plain, torch.randn(8, 16) * 300)
+    [g] = [f for f in loud.findings() if f.code == "grads.exploding"]
+    assert g.severity == Severity.WARNING and "clip" in g.fix

@@ -572,6 +572,9 @@ def find_exploding(flow: GradFlow, thresholds: GradThresholds | None = None) -> 
         )]
     if total_sev is None:
         return []
+    small = _small_init_total(flow, t) if total_sev == Severity.WARNING else None
+    if small is not None:
+        return [small]
     biggest = max(((m, n) for m, n in flow.param_norms().items()
                    if n is not None and math.isfinite(n)), key=lambda x: x[1],
                   default=(None, math.nan))
@@ -586,6 +589,45 @@ def find_exploding(flow: GradFlow, thresholds: GradThresholds | None = None) -> 
         fix=_exploding_fix(flow),
         module=biggest[0],
     )]
+
+
+def _small_init_total(flow: GradFlow, t: GradThresholds) -> Finding | None:
+    """The large total norm of one parameter with weights 100x smaller than the median
+    weight matrix's (RMS): what follows it normalises its output, so its gradient grows as its
+    weights shrink (RWKV's small-init embedding, std 1e-4 before a LayerNorm, by design).
+    Info, with what clipping the total would do; None when the total is spread out."""
+    total = flow.total_norm
+    params = [p for p in flow.params if p.requires_grad and p.tied_to is None
+              and p.norm is not None and p.weight_norm is not None and p.numel]
+    if not params or not total > 0:
+        return None
+    top = max(params, key=lambda p: p.norm or 0.0)
+    share = ((top.norm or 0.0) / total) ** 2
+    matrices = [p.weight_norm / math.sqrt(p.numel) for p in params
+                if p.weight_norm and len(p.shape) >= 2]
+    if not matrices:
+        return None
+    median = statistics.median(matrices)
+    top_rms = (top.weight_norm or 0.0) / math.sqrt(top.numel)
+    if share < 0.9 or not median > 0 or top_rms > median / 100:
+        return None
+    return Finding(
+        code="grads.exploding",
+        severity=Severity.INFO,
+        summary=f"total gradient norm {total:.3g} is above {t.exploding_norm:g}, "
+        f"{100 * share:.0f}% of it (squared) {top.name}'s, whose weights are "
+        f"{median / top_rms:.0f}× smaller than the median weight matrix's (RMS "
+        f"{top_rms:.2g}): what follows normalises its output, so "
+        "its gradient grows as its weights shrink (a small init by design, as RWKV's "
+        "embedding)",
+        evidence={"total_norm": total, "largest_module": top.module, "param": top.name,
+                  "share": share, "weight_rms": top_rms, "median_weight_rms": median,
+                  "step": flow.index},
+        fix="with Adam-family optimizers its size does not matter. Clipping the total "
+            "(clip_grad_norm_ at 1.0, the HF Trainer's default) shrinks every other "
+            "parameter's gradient with it: under SGD, clip or scale that parameter apart "
+            "(its own parameter group).",
+        module=top.module)
 
 
 def find_dead(flow: GradFlow, thresholds: GradThresholds | None = None) -> list[Finding]:
