@@ -392,3 +392,32 @@ def test_float16_autocast_without_a_grad_scaler_is_a_warning(loop: str) -> None:
         assert "GradScaler" in found[0].fix and "bfloat16" in found[0].fix
     else:
         assert not found
+
+
+def test_a_small_init_embedding_growing_into_its_scale_is_no_falling_gradient_warning(
+        ) -> None:
+    """transformers' RWKV starts its embedding at std 1e-4 before a LayerNorm: over 40
+    AdamW steps the embedding grows 55x and its gradient falls as much (a gradient behind a
+    normalisation scales as 1/||w||), and the LayerNorm's output leaves its eps regime, 28x,
+    with the same effect on its own gradient. Both read as layers that stop learning."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.RwkvForCausalLM(transformers.RwkvConfig(
+        vocab_size=128, hidden_size=64, num_hidden_layers=2, attention_hidden_size=64,
+        intermediate_size=128, context_length=32))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    with torchscope.monitor(model, opt, every=5, out=None) as mon:
+        for _ in range(40):
+            ids = torch.randint(3, 128, (4, 16), generator=g)
+            opt.zero_grad()
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+    run = mon.result
+    assert run is not None
+    fell = {f.module: f for f in run.findings() if f.code == "run.grad_fell" and f.module}
+    emb, ln = fell["rwkv.embeddings"], fell["rwkv.blocks.0.pre_ln"]
+    assert emb.severity == ln.severity == Severity.INFO
+    assert emb.evidence["weights_growth"] > 10 and ln.evidence["output_growth"] > 10
+    assert "normalises its output" in emb.summary
+    assert not [f for f in run.findings() if f.severity >= Severity.WARNING]

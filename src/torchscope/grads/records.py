@@ -479,6 +479,11 @@ class GradFlow(Analyzed, Gatherable):
         of them has a gradient."""
         return _by_module((p.module, p.norm) for p in self.params)
 
+    def weight_norms(self) -> dict[str, float | None]:
+        """Per module, the norm of its own parameters together, as read with their
+        gradients (before the optimizer's update); None where none was read (frozen)."""
+        return _by_module((p.module, p.weight_norm) for p in self.params)
+
     def tied(self) -> dict[str, str]:
         """Second names of tied parameters, each with the name it is tied to."""
         return {p.name: p.tied_to for p in self.params if p.tied_to is not None}

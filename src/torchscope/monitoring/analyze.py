@@ -194,7 +194,19 @@ def _gradient_trends(record: RunRecord, t: RunThresholds) -> list[Finding]:
         summary = (f"{_name(k)}'s gradient {'fell' if fell else 'grew'} {_times(size)} "
                    f"between step {s0} and step {s1}, {_times(relative)} more than the median "
                    "layer's")
-        if fell:
+        grown = _normalised_after(record, k, t, skip) if fell else None
+        if grown is not None:
+            # RWKV's embedding starts at std 1e-4 before a LayerNorm and grows 55x in 35
+            # AdamW steps; the LayerNorm's own output leaves its eps regime, 28x.
+            severity = Severity.INFO
+            summary += (f", while its {grown[0]} grew {_times(grown[1])}: what follows "
+                        "normalises its output, so its gradient falls as "
+                        + ("they grow" if grown[0] == "weights" else "it grows"))
+            evidence[f"{grown[0]}_growth"] = grown[1]
+            fix = ("a small init growing into its scale (a small-init embedding, a layer "
+                   "behind BatchNorm or LayerNorm) needs no action; weight decay bounds such "
+                   "growth where it goes on")
+        elif fell:
             severity, fix = Severity.WARNING, (
                 "the layer stops learning while the rest of the model does: look for "
                 "saturating activations or dying units around it, and check its learning rate "
@@ -421,6 +433,27 @@ def section_of(finding: Finding) -> str:
     if code.startswith("memory."):
         return "mem_history"
     return "run"
+
+
+def _normalised_after(record: RunRecord, layer: str, t: RunThresholds,
+                      skip: frozenset[int]) -> tuple[str, float] | None:
+    """Whether a layer's falling gradient is what a normalisation after it does: its
+    weights, or its output, grew by `change_ratio` or more while the gradient times them
+    stayed within sqrt(`change_ratio`), as when the loss sees the output only through a
+    norm and the gradient scales as 1/scale. (A softmax saturating as logits grow loses its
+    gradient far faster than they grow.) Returns what grew and by how much, or None."""
+    band = math.sqrt(t.change_ratio)
+    for what, grown, grads in (("weights", record.weight, record.grad_param),
+                               ("output", record.act_std, record.grad_output)):
+        if layer not in grown.layers or layer not in grads.layers:
+            continue
+        w, g = change(grown, layer, t.window, skip), change(grads, layer, t.window, skip)
+        if w is None or g is None:
+            continue
+        growth, fall = w[3] / w[1], g[1] / g[3]
+        if growth >= t.change_ratio and 1 / band <= fall / growth <= band:
+            return what, growth
+    return None
 
 
 def _eval_mode(record: RunRecord) -> list[Finding]:

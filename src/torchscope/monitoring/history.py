@@ -17,7 +17,8 @@ from dataclasses import dataclass
 __all__ = ["METRICS", "SampleHistory", "SampleRow", "StepBuckets"]
 
 # Per-layer numbers of one sample, in this order in `SampleRow.values`.
-METRICS: tuple[str, ...] = ("grad_param", "grad_output", "act_std", "act_zero", "act_dead")
+METRICS: tuple[str, ...] = ("grad_param", "grad_output", "act_std", "act_zero", "act_dead",
+                             "weight")
 _WIDTH = len(METRICS)
 _BYTES_PER_VALUE = 8  # array('d')
 

@@ -29,7 +29,7 @@ class LayerSeries:
 
     Attributes:
         name: what it measures (`grad_param`, `grad_output`, `act_std`, `act_zero`,
-            `act_dead`; see `torchscope.monitoring.history.METRICS`).
+            `act_dead`, `weight`; see `torchscope.monitoring.history.METRICS`).
         steps: the sampled steps, oldest first.
         layers: module names (columns).
         values: `[sample][layer]`; NaN where the layer had no such number in that sample.
@@ -199,6 +199,7 @@ class RunRecord(Analyzed):
         unzeroed_steps: optimizer steps whose gradients still held the previous step's
             (`GradWatch.unzeroed_steps`), and the first of them.
         modes: the steps by the model's mode at their forward.
+        weight: per-layer norm of the layer's own parameters, read with their gradients.
     """
 
     model: str
@@ -239,6 +240,7 @@ class RunRecord(Analyzed):
     unzeroed_steps: int = 0
     first_unzeroed: int | None = None
     modes: ModeCounts = field(default_factory=ModeCounts)
+    weight: LayerSeries = field(default_factory=lambda: LayerSeries("weight", (), (), ()))
 
     @property
     def median_step_ms(self) -> float | None:

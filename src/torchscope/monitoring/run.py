@@ -371,12 +371,13 @@ class Monitor(HookedContext):
 
     def _sample(self, index: int, flow: GradFlow) -> None:
         nan = math.nan
-        params, outs = flow.param_norms(), flow.output_norms()
+        params, outs, weights = flow.param_norms(), flow.output_norms(), flow.weight_norms()
         per_layer: dict[str, list[float]] = {}
         order = self._order
         for layer in sorted({*params, *outs}, key=lambda k: order.get(k, len(order))):
-            p, o = params.get(layer), outs.get(layer)
-            per_layer[layer] = [nan if p is None else p, nan if o is None else o, nan, nan, nan]
+            p, o, w = params.get(layer), outs.get(layer), weights.get(layer)
+            per_layer[layer] = [nan if p is None else p, nan if o is None else o, nan, nan, nan,
+                                nan if w is None else w]
         nonfinite = False
         if self._acts is not None:
             nonfinite = self._read_activations(index, per_layer, flow.micro_batches)
@@ -482,6 +483,7 @@ class Monitor(HookedContext):
             act_std=self._series("act_std").present(),
             act_zero=self._series("act_zero").present(),
             act_dead=self._series("act_dead").present(),
+            weight=self._series("weight").present(),
             step_ms=self._times.buckets(), device_peak=self._peaks.buckets(),
             saved_bytes=tuple(r.saved_bytes for r in rows) if self._mem is not None else (),
             skipped=grads.skipped, skipped_steps=grads.skipped_steps,
