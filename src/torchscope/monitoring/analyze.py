@@ -321,6 +321,10 @@ def _activation_drift(record: RunRecord, t: RunThresholds) -> list[Finding]:
 
 
 def _dead_growth(record: RunRecord, t: RunThresholds) -> list[Finding]:
+    """Dead channels that grew: the median fraction of the last `window` of the samples
+    against that of the first, by `dead_growth` to `dead_warn` or more, and by two channels
+    or more where the layer's channel count is known (one unit of a squeeze-excitation's
+    eight, zero on eight samples, flips by chance)."""
     series = record.act_dead
     out = []
     for k in series.layers:
@@ -328,18 +332,33 @@ def _dead_growth(record: RunRecord, t: RunThresholds) -> list[Finding]:
                  if math.isfinite(v)]
         if len(pairs) < 2:
             continue
-        (s0, v0), (s1, v1) = pairs[0], pairs[-1]
-        if v1 >= t.dead_warn and v1 - v0 >= t.dead_growth:
+        n = min(max(1, math.floor(len(pairs) * t.window)), len(pairs) // 2)
+        s0, s1 = pairs[0][0], pairs[-1][0]
+        v0 = statistics.median(v for _, v in pairs[:n])
+        v1 = statistics.median(v for _, v in pairs[-n:])
+        channels = _channels(record, k)
+        if v1 >= t.dead_warn and v1 - v0 >= t.dead_growth and (
+                channels is None or (v1 - v0) * channels >= 2 - 1e-9):
             out.append(Finding(
                 "run.dead_units", Severity.WARNING,
                 f"{_name(k)}: dead channels grew from {100 * v0:.0f}% at step {s0} to "
                 f"{100 * v1:.0f}% at step {s1}",
                 {"first_step": s0, "first_fraction": v0, "last_step": s1,
-                 "last_fraction": v1},
+                 "last_fraction": v1, "channels": channels},
                 fix="units die during training: lower the learning rate, use LeakyReLU/GELU, "
                     "or check the bias of the layer before it",
                 module=k))
     return out
+
+
+def _channels(record: RunRecord, layer: str) -> int | None:
+    """The layer's channel count in the last sampled forward, None when not recorded."""
+    if record.activations is None:
+        return None
+    for r in reversed(record.activations.records):
+        if r.module == layer:
+            return next((o.channels for o in r.outputs if o.channels), None)
+    return None
 
 
 def _nonfinite(record: RunRecord) -> list[Finding]:
