@@ -232,6 +232,25 @@ def test_update_ratio_findings_and_opt_out() -> None:
     assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
 
 
+def test_a_warm_up_s_first_step_is_no_step_too_small() -> None:
+    """A linear warm-up from 0 (the HF Trainer's with `warmup_ratio`, LambdaLR here) moves
+    nothing on its first step: every update ratio is 0, which read as "possibly too small a
+    step" with the fix to raise the learning rate."""
+    torch.manual_seed(0)
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    warmup = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(step / 10, 1.0))
+    with watch_gradients(model, optimizer=opt) as watch:
+        _train(model, opt, 1, watch_every=None)
+    (f,) = [f for f in watch.findings() if f.code == "grads.update_ratio"]
+    assert f.severity == Severity.INFO and f.evidence["largest"] == 0
+    assert "moved no layer" in f.summary and "warm-up" in f.fix
+    warmup.step()
+    with watch_gradients(model, optimizer=opt) as watch:
+        _train(model, opt, 1, watch_every=None)  # lr 1e-4: a step, judged as ever
+    assert not [f for f in watch.findings() if "moved no layer" in f.summary]
+
+
 def test_frozen_parameters_are_never_dead() -> None:
     model = _mlp()
     for p in model[2].parameters():

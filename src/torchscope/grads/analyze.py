@@ -1000,6 +1000,17 @@ def find_update_ratio(flow: GradFlow, thresholds: GradThresholds | None = None
             evidence=evidence,
             fix="lower the learning rate (or warm it up); check the loss scale",
             module=hi[1])]
+    if hi[0] == 0:  # no layer moved at all: nothing about the step's size to judge
+        return [Finding(
+            code="grads.update_ratio",
+            severity=Severity.INFO,
+            summary=f"the optimizer step moved no layer's weights (‖Δw‖ = 0 in all "
+            f"{len(ratios)}): a learning rate of 0, as on a warm-up's first step, or a step "
+            "that skipped the update",
+            evidence=evidence,
+            fix="nothing to do on a warm-up's first step; otherwise check the learning rate "
+            "and that the optimizer holds these parameters",
+            module=lo[1])]
     if median <= t.update_low:
         return [Finding(
             code="grads.update_ratio",
