@@ -171,3 +171,23 @@ def test_a_small_init_embedding_before_a_norm_is_no_exploding_warning() -> None:
     loud = gradient_flow(plain, torch.randn(8, 16) * 300)
     [g] = [f for f in loud.findings() if f.code == "grads.exploding"]
     assert g.severity == Severity.WARNING and "clip" in g.fix
+
+
+def test_zero_initialised_tokens_before_a_norm_are_no_exploding_warning() -> None:
+    """transformers' AST starts its class, distillation and position embeddings at zero, and
+    its first LayerNorm (eps 1e-12) sees them nearly constant: together they hold the whole
+    total norm of ~10^4, which read as exploding gradients, one parameter holding only half."""
+    from transformers import ASTConfig, ASTForAudioClassification
+
+    torch.manual_seed(0)
+    model = ASTForAudioClassification(ASTConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+        max_length=64, num_mel_bins=32, num_labels=10))
+    g = torch.Generator().manual_seed(0)
+    flow = gradient_flow(model, {"input_values": torch.randn(2, 64, 32, generator=g),
+                                 "labels": torch.randint(0, 10, (2,), generator=g)})
+    assert flow.total_norm > 1000
+    [f] = [f for f in flow.findings() if f.code == "grads.exploding"]
+    assert f.severity == Severity.INFO and f.evidence["params"] == 3
+    assert f.evidence["weight_rms"] == 0 and "all zero" in f.summary
+    assert "cls_token" in f.summary

@@ -30,6 +30,7 @@ from torchscope.grads.records import (
     GradFlow,
     GradHistory,
     LayerGrads,
+    ParamGradRecord,
     combine_norms,
     ratio,
     rms,
@@ -592,41 +593,57 @@ def find_exploding(flow: GradFlow, thresholds: GradThresholds | None = None) -> 
 
 
 def _small_init_total(flow: GradFlow, t: GradThresholds) -> Finding | None:
-    """The large total norm of one parameter with weights 100x smaller than the median
-    weight matrix's (RMS): what follows it normalises its output, so its gradient grows as its
-    weights shrink (RWKV's small-init embedding, std 1e-4 before a LayerNorm, by design).
-    Info, with what clipping the total would do; None when the total is spread out."""
+    """The large total norm of parameters with weights 100x smaller than the median weight
+    matrix's (RMS), or zero: what follows normalises them, so their gradient grows as their
+    weights shrink (RWKV's small-init embedding, std 1e-4 before a LayerNorm, by design; the
+    zero class and position tokens of transformers' AST before a LayerNorm of eps 1e-12).
+    Info, with what clipping the total would do, when they hold 90 % of it (squared); None
+    when the total is spread out."""
     total = flow.total_norm
     params = [p for p in flow.params if p.requires_grad and p.tied_to is None
               and p.norm is not None and p.weight_norm is not None and p.numel]
-    if not params or not total > 0:
-        return None
-    top = max(params, key=lambda p: p.norm or 0.0)
-    share = ((top.norm or 0.0) / total) ** 2
     matrices = [p.weight_norm / math.sqrt(p.numel) for p in params
                 if p.weight_norm and len(p.shape) >= 2]
-    if not matrices:
+    if not matrices or not total > 0:
         return None
     median = statistics.median(matrices)
-    top_rms = (top.weight_norm or 0.0) / math.sqrt(top.numel)
-    if share < 0.9 or not median > 0 or top_rms > median / 100:
+
+    def weight_rms(p: ParamGradRecord) -> float:
+        return (p.weight_norm or 0.0) / math.sqrt(p.numel)
+
+    # Biases start at zero by convention: their gradients are no sign of a small init.
+    small = sorted((p for p in params if weight_rms(p) <= median / 100
+                    and not p.name.endswith("bias")),
+                   key=lambda p: p.norm or 0.0, reverse=True)
+    share = math.fsum((p.norm or 0.0) ** 2 for p in small) / total ** 2
+    if not small or share < 0.9 or not median > 0:
         return None
+    top = small[0]
+    names = ", ".join(p.name for p in small[:3]) + (", ..." if len(small) > 3 else "")
+    largest = max(weight_rms(p) for p in small)
+    if len(small) == 1:
+        what = f"{top.name}'s, whose weights are " + ("zero" if largest == 0 else (
+            f"{median / largest:.0f}× smaller than the median weight matrix's (RMS "
+            f"{largest:.2g})"))
+    else:
+        what = f"that of {len(small)} parameters whose weights are " + (
+            "all zero" if largest == 0 else
+            f"{median / largest:.0f}× or more below the median weight matrix's") + \
+            f" ({names})"
     return Finding(
         code="grads.exploding",
         severity=Severity.INFO,
         summary=f"total gradient norm {total:.3g} is above {t.exploding_norm:g}, "
-        f"{100 * share:.0f}% of it (squared) {top.name}'s, whose weights are "
-        f"{median / top_rms:.0f}× smaller than the median weight matrix's (RMS "
-        f"{top_rms:.2g}): what follows normalises its output, so "
-        "its gradient grows as its weights shrink (a small init by design, as RWKV's "
-        "embedding)",
+        f"{100 * share:.0f}% of it (squared) {what}: what follows normalises them, so "
+        "their gradient grows as their weights shrink (a small or zero init, as RWKV's "
+        "embedding or a class token's)",
         evidence={"total_norm": total, "largest_module": top.module, "param": top.name,
-                  "share": share, "weight_rms": top_rms, "median_weight_rms": median,
-                  "step": flow.index},
-        fix="with Adam-family optimizers its size does not matter. Clipping the total "
-            "(clip_grad_norm_ at 1.0, the HF Trainer's default) shrinks every other "
-            "parameter's gradient with it: under SGD, clip or scale that parameter apart "
-            "(its own parameter group).",
+                  "params": len(small), "share": share, "weight_rms": largest,
+                  "median_weight_rms": median, "step": flow.index},
+        fix="with Adam-family optimizers its size does not matter, and it falls as those "
+            "weights grow. Clipping the total (clip_grad_norm_ at 1.0, the HF Trainer's "
+            "default) shrinks every other parameter's gradient with it: under SGD, clip or "
+            "scale those parameters apart (their own parameter group).",
         module=top.module)
 
 
