@@ -10,6 +10,7 @@ import json
 import math
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -74,7 +75,7 @@ class Reference(pl.Callback):
 
 
 def _fit(module: pl.LightningModule, tmp: Path, *callbacks: pl.Callback,
-         steps: int = 20) -> pl.Trainer:
+         steps: int = 20, **options: Any) -> pl.Trainer:
     pl.seed_everything(0, verbose=False)
     g = torch.Generator().manual_seed(0)
     ds = torch.utils.data.TensorDataset(torch.randn(160, 8, generator=g),
@@ -83,7 +84,7 @@ def _fit(module: pl.LightningModule, tmp: Path, *callbacks: pl.Callback,
     trainer = pl.Trainer(max_steps=steps, accumulate_grad_batches=2, accelerator="cpu",
                          devices=1, logger=CSVLogger(tmp), log_every_n_steps=1,
                          enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=list(callbacks))
+                         enable_model_summary=False, callbacks=list(callbacks), **options)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(module, loader)
@@ -144,6 +145,16 @@ def test_lightning_fit_is_watched_exactly_and_left_unchanged(tmp_path: Path) -> 
     # Lightning zeroes in the closure that each step runs: the first step's closure held
     # the first backward the watch saw, with nothing before it to compare with.
     assert run.unzeroed_steps == 0 and "grads.not_zeroed" not in codes
+
+
+def test_mixed_precision_is_reported_as_the_autocast_dtype_it_ran(tmp_path: Path) -> None:
+    """Lightning autocasts around `training_step`; on CPU its "16-mixed" is bfloat16, which
+    needs no GradScaler: no run.fp16_unscaled."""
+    callback = TorchscopeCallback(every=2, out=None)
+    _fit(Net(), tmp_path / "logs", callback, steps=4, precision="16-mixed")
+    run = callback.result
+    assert run is not None and run.modes.autocast == (("torch.bfloat16", 4),)
+    assert "run.fp16_unscaled" not in {f.code for f in run.findings()}
 
 
 def test_a_fit_that_raises_leaves_no_hook_and_a_partial_report(tmp_path: Path) -> None:
