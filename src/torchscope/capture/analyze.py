@@ -15,6 +15,7 @@ architectures in tests/zoo).
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -267,7 +268,8 @@ def _constant(name: str, r: ActivationRecord, s: TensorStats) -> Finding:
     n = s.shape[-1] if s.shape else 0
     # Where attention probabilities show: a Softmax module, the dropout after one, or a
     # module of an attention (a sigmoid stuck at 0.5 over a last dimension of 2 is no softmax).
-    probs = r.module_type in ("Softmax", "Dropout") or "att" in r.module.lower()
+    probs = r.module_type in ("Softmax", "Dropout") or re.search(
+        r"(^|[._])att", r.module.lower()) is not None  # attention, self_attn; not flatten
     if probs and n and abs(s.min * n - 1) < 1e-4:
         evidence["softmax_over"] = n
         if n > 1:
