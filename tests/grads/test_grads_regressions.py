@@ -191,3 +191,25 @@ def test_zero_initialised_tokens_before_a_norm_are_no_exploding_warning() -> Non
     assert f.severity == Severity.INFO and f.evidence["params"] == 3
     assert f.evidence["weight_rms"] == 0 and "all zero" in f.summary
     assert "cls_token" in f.summary
+
+
+def test_a_layer_that_layerdrop_skipped_is_one_finding_not_one_per_module() -> None:
+    """transformers' HuBERT drops whole encoder layers in training (LayerDrop): a dropped
+    layer's six modules were six `grads.unreached` findings (five, then "6 more")."""
+    from transformers import HubertConfig, HubertForSequenceClassification
+
+    torch.manual_seed(0)
+    model = HubertForSequenceClassification(HubertConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3),
+        num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4, num_labels=3,
+        layerdrop=1.0))  # every encoder layer dropped: deterministic
+    g = torch.Generator().manual_seed(0)
+    flow = gradient_flow(model, {"input_values": torch.randn(2, 2000, generator=g),
+                                 "labels": torch.randint(0, 3, (2,), generator=g)})
+    unreached = [f for f in flow.findings() if f.code == "grads.unreached"]
+    assert [f.module for f in unreached] == ["hubert.encoder.layers.0",
+                                             "hubert.encoder.layers.1"]
+    assert all(f.evidence["params"] == 16 for f in unreached)
+    assert "did not run in the step's forward" in unreached[0].summary
+    assert "LayerDrop" in unreached[0].fix

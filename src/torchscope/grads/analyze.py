@@ -907,6 +907,15 @@ def find_unreached(flow: GradFlow, thresholds: GradThresholds | None = None) -> 
                 "require grad (x.requires_grad_(); in transformers, "
                 "model.enable_input_require_grads()).",
             module=where))
+    # A repeated block none of whose parameters ran (LayerDrop skipped the layer): one
+    # finding for the block, not one per module in it.
+    for unit in dict.fromkeys(_unit_name(m) for m in missing):
+        inside = [p for p in flow.params if p.requires_grad and p.tied_to is None
+                  and (p.module == unit or p.module.startswith(unit + "."))]
+        held = [m for m in missing if m == unit or m.startswith(unit + ".")]
+        if len(held) > 1 and all(p.reason == NOT_RUN for p in inside):
+            names = [n for m in held for n in missing.pop(m)]
+            missing[unit] = names
     mods = list(missing)
 
     def fix_for(m: str) -> str:
@@ -916,8 +925,9 @@ def find_unreached(flow: GradFlow, thresholds: GradThresholds | None = None) -> 
                     "parameters should learn, run it with gradients enabled; if not, freeze "
                     "them (requires_grad_(False)) so optimizers and DDP skip them.")
         if reason == NOT_RUN:
-            return ("a module that a branch or a router skips (an expert of a mixture of "
-                    "experts that got no token) learns nothing in that step; if it never "
+            return ("a module that a branch, a router or LayerDrop skips (an expert of a "
+                    "mixture of experts that got no token, a layer dropped for the step) "
+                    "learns nothing in that step; if it never "
                     "runs, check what selects it (an MoE's load balancing); if it is unused, "
                     "remove or freeze it (requires_grad_(False)) so optimizers and DDP "
                     "(find_unused_parameters) skip it.")
@@ -925,8 +935,8 @@ def find_unreached(flow: GradFlow, thresholds: GradThresholds | None = None) -> 
                 "(requires_grad_(False)) so optimizers and DDP skip them.")
 
     def summary_for(m: str) -> str:
-        names = f"{len(missing[m])} trainable parameter(s) received no gradient " \
-            f"({', '.join(missing[m])})"
+        shown = ", ".join(missing[m][:4]) + (", ..." if len(missing[m]) > 4 else "")
+        names = f"{len(missing[m])} trainable parameter(s) received no gradient ({shown})"
         if flow.param(missing[m][0]).reason == NOT_RUN:
             return f"{m or '<root>'} did not run in the step's forward: its {names}"
         return f"{m or '<root>'}: {names}"
