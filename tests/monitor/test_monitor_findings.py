@@ -446,3 +446,28 @@ def test_one_more_dead_unit_of_a_small_layer_is_no_warning() -> None:
     fractions = [v for v in run.act_dead.series(se) if v == v]
     assert fractions[0] == 0.25 and fractions[-1] == 0.375  # one channel of 8 more
     assert not [f for f in run.findings() if f.code == "run.dead_units"]
+
+
+def test_a_drift_is_named_at_the_layer_that_makes_it_not_at_the_dropout_after_it() -> None:
+    """A transformers GPT-2 diverging under AdamW at lr 0.5: each projection's output drift
+    was said twice, again at the dropout it feeds (`resid_dropout`, `mlp.dropout`), which
+    only passes it on. GPT-2's MLP registers c_proj before the activation it calls first,
+    so the layer before the dropout is read from the forward's call order."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=128, n_embd=64, n_layer=4, n_head=4, n_positions=32))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.5)
+    g = torch.Generator().manual_seed(1)
+    with torchscope.monitor(model, opt, every=5, out=None, memory=False) as mon:
+        for _ in range(60):
+            ids = torch.randint(0, 128, (4, 32), generator=g)
+            opt.zero_grad()
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+    run = mon.result
+    assert run is not None
+    drift = [f for f in run.findings() if f.code == "run.activation_drift" and f.module]
+    named = {f.module for f in drift}
+    assert any(m.endswith("c_proj") for m in named)
+    assert not [m for m in named if "dropout" in m], sorted(named)

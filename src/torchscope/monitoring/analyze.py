@@ -276,10 +276,18 @@ def _activation_drift(record: RunRecord, t: RunThresholds) -> list[Finding]:
     start = statistics.median(c[1] for c in found.values())
     end = statistics.median(c[3] for c in found.values())
     out = []
-    for k, ratio in ratios.items():
+    named: dict[str, float] = {}  # the layers named so far, with their change
+    order = _call_order(record, list(ratios))
+    for i, k in enumerate(order):
+        ratio = ratios[k]
         s0, v0, s1, v1 = found[k]
         size = ratio if ratio >= 1 else 1 / ratio
         if size < t.drift_info:
+            continue
+        prev = order[i - 1] if i else None
+        if prev in named and abs(math.log(ratio / named[prev])) < math.log(1.1):
+            # It only passes on the layer before it's drift (GPT-2's resid_dropout after its
+            # c_proj): named once, at the layer that makes it.
             continue
         if ratio >= 1 and v0 * t.drift_warn <= start and v1 <= end:
             # It started negligible against the model and grew to no more than the median
@@ -293,6 +301,7 @@ def _activation_drift(record: RunRecord, t: RunThresholds) -> list[Finding]:
             if further < t.relative_ratio:
                 continue
             suffix = f", {_times(further)} more than the median layer's"
+        named[k] = ratio
         out.append(Finding(
             "run.activation_drift",
             Severity.WARNING if size >= t.drift_warn else Severity.INFO,
@@ -318,6 +327,18 @@ def _activation_drift(record: RunRecord, t: RunThresholds) -> list[Finding]:
             fix="the whole model's scale moves: lower the learning rate or add warm-up, and "
                 "check weight decay and normalisation"))
     return out
+
+
+def _call_order(record: RunRecord, layers: list[str]) -> list[str]:
+    """`layers` in the order the last sampled forward called them (GPT-2's MLP registers
+    c_proj before the activation it calls first), those not called last; the model's order
+    without a capture."""
+    if record.activations is None:
+        return layers
+    first: dict[str, int] = {}
+    for r in record.activations.records:
+        first.setdefault(r.module, r.order)
+    return sorted(layers, key=lambda k: first.get(k, len(first)))
 
 
 def _dead_growth(record: RunRecord, t: RunThresholds) -> list[Finding]:
