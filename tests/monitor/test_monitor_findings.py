@@ -171,6 +171,9 @@ def test_nan_onset_names_the_step_and_the_module(every: int) -> None:
         assert onset.forward_step == 15
         assert "first held NaN/Inf at step 12" in f.summary
         assert "at step 15" in f.summary
+        # The summary says why fc1 produces it: no GradScaler skipped step 12's update.
+        assert "likely from its own weights" in f.summary and f.module == "fc1"
+        assert "the cause is at or before step 12" in f.summary
 
 
 @pytest.mark.slow

@@ -394,6 +394,12 @@ def _nonfinite(record: RunRecord) -> list[Finding]:
         summary = (f"the gradients first held NaN/Inf at step {o.gradient_step} (every step "
                    f"checked); the first sampled forward with NaN/Inf, at step "
                    f"{o.forward_step}, has it produced by {where}")
+        if not record.scaler and o.gradient_step is not None and \
+                o.gradient_step < o.forward_step:
+            # No GradScaler skipped that step: the optimizer wrote NaN/Inf into weights.
+            summary += (f" from finite inputs, likely from its own weights, which the update "
+                        f"with step {o.gradient_step}'s gradients wrote: the cause is at or "
+                        f"before step {o.gradient_step}")
     elif o.forward_step is not None:
         summary = f"the model's input already held NaN/Inf at step {o.forward_step}"
     else:
