@@ -397,6 +397,22 @@ def test_float16_autocast_without_a_grad_scaler_is_a_warning(loop: str) -> None:
         assert not found
 
 
+def _train_lm(model: nn.Module, *, lr: float, steps: int, length: int,
+              memory: bool) -> RunRecord:
+    """Monitor `steps` AdamW steps of a transformers language model (vocabulary of 128) on
+    seeded batches of 4 sequences, one step in 5 sampled."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    g = torch.Generator().manual_seed(1)
+    with torchscope.monitor(model, opt, every=5, out=None, memory=memory) as mon:
+        for _ in range(steps):
+            ids = torch.randint(3, 128, (4, length), generator=g)
+            opt.zero_grad()
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+    assert mon.result is not None
+    return mon.result
+
+
 def test_a_small_init_embedding_growing_into_its_scale_is_no_falling_gradient_warning(
         ) -> None:
     """transformers' RWKV starts its embedding at std 1e-4 before a LayerNorm: over 40
@@ -408,16 +424,7 @@ def test_a_small_init_embedding_growing_into_its_scale_is_no_falling_gradient_wa
     model = transformers.RwkvForCausalLM(transformers.RwkvConfig(
         vocab_size=128, hidden_size=64, num_hidden_layers=2, attention_hidden_size=64,
         intermediate_size=128, context_length=32))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    g = torch.Generator().manual_seed(1)
-    with torchscope.monitor(model, opt, every=5, out=None) as mon:
-        for _ in range(40):
-            ids = torch.randint(3, 128, (4, 16), generator=g)
-            opt.zero_grad()
-            model(input_ids=ids, labels=ids).loss.backward()
-            opt.step()
-    run = mon.result
-    assert run is not None
+    run = _train_lm(model, lr=1e-3, steps=40, length=16, memory=True)
     fell = {f.module: f for f in run.findings() if f.code == "run.grad_fell" and f.module}
     emb, ln = fell["rwkv.embeddings"], fell["rwkv.blocks.0.pre_ln"]
     assert emb.severity == ln.severity == Severity.INFO
@@ -460,16 +467,7 @@ def test_a_drift_is_named_at_the_layer_that_makes_it_not_at_the_dropout_after_it
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
         vocab_size=128, n_embd=64, n_layer=4, n_head=4, n_positions=32))
-    opt = torch.optim.AdamW(model.parameters(), lr=0.5)
-    g = torch.Generator().manual_seed(1)
-    with torchscope.monitor(model, opt, every=5, out=None, memory=False) as mon:
-        for _ in range(60):
-            ids = torch.randint(0, 128, (4, 32), generator=g)
-            opt.zero_grad()
-            model(input_ids=ids, labels=ids).loss.backward()
-            opt.step()
-    run = mon.result
-    assert run is not None
+    run = _train_lm(model, lr=0.5, steps=60, length=32, memory=False)
     drift = [f for f in run.findings() if f.code == "run.activation_drift" and f.module]
     named = {f.module for f in drift}
     assert any(m.endswith("c_proj") for m in named)
