@@ -3,6 +3,8 @@ model, the NaN producer on a broken one, on any selection and over several forwa
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import pytest
 import torch
 from torch import nn
@@ -274,3 +276,9 @@ def test_uniform_attention_at_init_is_info_and_attention_over_one_position_a_war
     [stuck] = [f for f in capture_activations(model, torch.randn(3, 4)).findings()
                if f.code == "activations.constant" and f.module == "1"]
     assert stuck.severity == Severity.WARNING and "softmax_over" not in stuck.evidence
+    # ...nor is a module whose name merely holds "att": `flatten` passing it on.
+    named = nn.Sequential(OrderedDict(
+        [("fc", model[0]), ("sigmoid", nn.Sigmoid()), ("flatten", nn.Flatten())]))
+    [flat] = [f for f in capture_activations(named, torch.randn(3, 4)).findings()
+              if f.code == "activations.constant" and f.module == "flatten"]
+    assert flat.severity == Severity.WARNING and "softmax_over" not in flat.evidence
