@@ -30,7 +30,6 @@ from torchscope.grads.records import (
     GradFlow,
     GradHistory,
     LayerGrads,
-    ParamGradRecord,
     combine_norms,
     ratio,
     rms,
@@ -398,7 +397,7 @@ def _init_scale(flow: GradFlow) -> float | None:
             continue
         # GPT-2's Conv1D keeps its weight as (in, out); Linear and Conv as (out, in, ...).
         fan_in = p.shape[0] if types.get(p.module) == "Conv1D" else math.prod(p.shape[1:])
-        scales.append(p.weight_norm / math.sqrt(p.numel) * math.sqrt(fan_in))
+        scales.append((rms(p.weight_norm, p.numel) or 0.0) * math.sqrt(fan_in))
     return statistics.median(scales) if scales else None
 
 
@@ -602,17 +601,13 @@ def _small_init_total(flow: GradFlow, t: GradThresholds) -> Finding | None:
     total = flow.total_norm
     params = [p for p in flow.params if p.requires_grad and p.tied_to is None
               and p.norm is not None and p.weight_norm is not None and p.numel]
-    matrices = [p.weight_norm / math.sqrt(p.numel) for p in params
-                if p.weight_norm and len(p.shape) >= 2]
+    weight_rms = {p.name: rms(p.weight_norm, p.numel) or 0.0 for p in params}
+    matrices = [weight_rms[p.name] for p in params if p.weight_norm and len(p.shape) >= 2]
     if not matrices or not total > 0:
         return None
     median = statistics.median(matrices)
-
-    def weight_rms(p: ParamGradRecord) -> float:
-        return (p.weight_norm or 0.0) / math.sqrt(p.numel)
-
     # Biases start at zero by convention: their gradients are no sign of a small init.
-    small = sorted((p for p in params if weight_rms(p) <= median / 100
+    small = sorted((p for p in params if weight_rms[p.name] <= median / 100
                     and not p.name.endswith("bias")),
                    key=lambda p: p.norm or 0.0, reverse=True)
     share = math.fsum((p.norm or 0.0) ** 2 for p in small) / total ** 2
@@ -620,7 +615,7 @@ def _small_init_total(flow: GradFlow, t: GradThresholds) -> Finding | None:
         return None
     top = small[0]
     names = ", ".join(p.name for p in small[:3]) + (", ..." if len(small) > 3 else "")
-    largest = max(weight_rms(p) for p in small)
+    largest = max(weight_rms[p.name] for p in small)
     if len(small) == 1:
         what = f"{top.name}'s, whose weights are " + ("zero" if largest == 0 else (
             f"{median / largest:.0f}× smaller than the median weight matrix's (RMS "

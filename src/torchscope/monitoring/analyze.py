@@ -90,10 +90,12 @@ def change(series: LayerSeries, layer: str, window: float = 0.1,
 
 
 def _ends(steps: Sequence[int], values: Sequence[float], window: float,
-          skip_steps: frozenset[int]) -> tuple[int, float, int, float] | None:
-    """`change` on one series of values, one per step."""
+          skip_steps: frozenset[int], *, positive: bool = True
+          ) -> tuple[int, float, int, float] | None:
+    """`change` on one series of values, one per step (with `positive=False`, zeros count
+    too: a fraction that starts at 0)."""
     pairs = [(s, v) for s, v in zip(steps, values, strict=True)
-             if s not in skip_steps and math.isfinite(v) and v > 0]
+             if s not in skip_steps and math.isfinite(v) and (v > 0 or not positive)]
     if len(pairs) < 2:
         return None
     n = max(1, math.floor(len(pairs) * window))
@@ -349,14 +351,10 @@ def _dead_growth(record: RunRecord, t: RunThresholds) -> list[Finding]:
     series = record.act_dead
     out = []
     for k in series.layers:
-        pairs = [(s, v) for s, v in zip(series.steps, series.series(k), strict=True)
-                 if math.isfinite(v)]
-        if len(pairs) < 2:
+        ends = _ends(series.steps, series.series(k), t.window, frozenset(), positive=False)
+        if ends is None:
             continue
-        n = min(max(1, math.floor(len(pairs) * t.window)), len(pairs) // 2)
-        s0, s1 = pairs[0][0], pairs[-1][0]
-        v0 = statistics.median(v for _, v in pairs[:n])
-        v1 = statistics.median(v for _, v in pairs[-n:])
+        s0, v0, s1, v1 = ends
         channels = _channels(record, k)
         if v1 >= t.dead_warn and v1 - v0 >= t.dead_growth and (
                 channels is None or (v1 - v0) * channels >= 2 - 1e-9):
