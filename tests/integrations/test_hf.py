@@ -98,6 +98,9 @@ def test_hf_trainer_reports_the_pre_clip_norm_and_trains_unchanged(tmp_path: Pat
         assert entry["grad_norm"] > 1.0  # clipping acted: a post-clip norm would read 1.0
     for step, total in zip(run.grad_param.steps, run.total_norms, strict=True):
         assert math.isclose(total, steps[step]["grad_norm"], rel_tol=1e-6)
+    # The Trainer clipped every step to max_grad_norm=1.0 before the update: read there.
+    assert len(run.applied_norms) == 10
+    assert all(math.isclose(a or 0, 1.0, rel_tol=1e-5) for a in run.applied_norms)
     # The callbacks after this one got the scalars in `logs`, on the sampled steps.
     assert [logs["torchscope/grad_norm/total"] for logs in later.seen
             if "torchscope/grad_norm/total" in logs] == [
@@ -107,6 +110,7 @@ def test_hf_trainer_reports_the_pre_clip_norm_and_trains_unchanged(tmp_path: Pat
     assert run.modes.autocast == () and doc["step"]["autocast"] is None
     assert "transformer.h.0.attn.c_attn" in doc["sections"]["grad_history"]["data"][
         "param_norms"]["layers"]
+    assert doc["sections"]["grad_history"]["data"]["applied_norms"] == list(run.applied_norms)
 
 
 def test_a_trainer_with_torch_compile_runs_eagerly_under_the_callback(tmp_path: Path) -> None:

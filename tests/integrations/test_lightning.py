@@ -91,6 +91,22 @@ def _fit(module: pl.LightningModule, tmp: Path, *callbacks: pl.Callback,
     return trainer
 
 
+def test_lightning_s_gradient_clipping_is_read_after_its_closure(tmp_path: Path) -> None:
+    """`gradient_clip_val`: Lightning clips inside the closure it passes to the optimizer's
+    step, after `on_before_optimizer_step` ended the step: the norm the update used is
+    read once the closure has returned."""
+    callback = TorchscopeCallback(every=2, out=None)
+    pl.seed_everything(0, verbose=False)
+    _fit(Net(), tmp_path, callback, steps=8, gradient_clip_val=0.01)
+    run = callback.result
+    assert run is not None and len(run.total_norms) == 4
+    assert all(t > 0.5 for t in run.total_norms)  # before clipping
+    assert len(run.applied_norms) == 4
+    assert all(math.isclose(a or 0, 0.01, rel_tol=1e-4) for a in run.applied_norms)
+    (clipped,) = [f for f in run.findings() if f.code == "grads.clipped"]
+    assert clipped.evidence["clipped"] == 4
+
+
 def _module_norm(norms: dict[str, float], module: str) -> float:
     return math.sqrt(math.fsum(v * v for k, v in norms.items()
                                if k.rsplit(".", 1)[0] == module))

@@ -264,6 +264,34 @@ def test_the_whole_model_s_gradients_growing_with_the_total_is_a_warning() -> No
     assert "total_change" not in whole[0].evidence
 
 
+def test_gradients_that_grow_under_clipping_are_not_told_to_clip() -> None:
+    """The same growth in a loop that clips at 0.01: the monitor reads the norm each update
+    used (every sample), and the fixes say that the loop clips already."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)], nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    data = batches(8)
+    with torchscope.monitor(model, opt, every=2, out=None, memory=False) as mon:
+        for i in range(40):
+            x, y = data[i % len(data)]
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+            opt.step()
+            with torch.no_grad():
+                for m in model:
+                    m.weight.mul_(1.1)
+    run = mon.result
+    assert run is not None and len(run.applied_norms) == run.samples == 20
+    assert all(a == pytest.approx(0.01, rel=1e-4) for a in run.applied_norms)
+    (whole,) = [f for f in _run_findings(run) if f.code == "run.grad_grew" and f.module is None]
+    assert whole.severity == Severity.WARNING
+    assert "clips already" in whole.fix and "clip_grad_norm_" not in whole.fix
+    grew = [f for f in run.findings() if f.code == "grads.exploding" and "grew" in f.summary]
+    assert grew and all("already clips" in f.fix for f in grew)
+    assert [f.code for f in run.findings()].count("grads.clipped") == 1
+
+
 def test_dinov2_behind_a_1e5_layer_scale_is_no_gradient_growth_warning(
         train_own_loss: Any) -> None:
     """transformers' DINOv2 trained from scratch with the paper's layer scale of 1e-5:

@@ -174,6 +174,7 @@ class GradientsSection(Section[GradFlow]):
         reached = {r.module for r in record.modules if r.reached}
         return {
             "total_norm": record.total_norm,
+            "applied_norm": record.applied_norm,
             "vanishing_ratio": None if ratio is None else ratio.value,
             # Every call of a module combined, reached modules in backward order.
             "layers": [{"module": m, "grad_output_norm": outputs.get(m),

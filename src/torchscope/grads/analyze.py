@@ -93,6 +93,9 @@ class GradThresholds:
         update_elevated: the median update ratio reported as possibly high (info).
         update_low: the median update ratio below which the step possibly barely moves
             the weights (info).
+        clipped_by: in a history, the median factor by which the loop's clipping shrank
+            the gradients on the clipped samples, from which clipping on half the samples
+            or more is said (`grads.clipped`).
     """
 
     possible: float = 10.0
@@ -108,6 +111,7 @@ class GradThresholds:
     update_high: float = 1e-1
     update_elevated: float = 1e-2
     update_low: float = 1e-5
+    clipped_by: float = 2.0
 
 
 def _times(ratio: float) -> str:
@@ -417,7 +421,13 @@ def _exploding_fix(flow: GradFlow) -> str:
                 "1/sqrt(fan_in) (median layer); Kaiming/Xavier: std = gain/sqrt(fan_in)")
     else:
         init = "lower the init scale (Kaiming/Xavier: std = gain/sqrt(fan_in))"
-    parts = ["clip with torch.nn.utils.clip_grad_norm_ (max_norm around 1.0)", init]
+    clip = "clip with torch.nn.utils.clip_grad_norm_ (max_norm around 1.0)"
+    if flow.clip_factor > 1:
+        # The loop clips already: the update is bounded, the gradients' size is the symptom.
+        clip = (f"the loop already clips (the update used a total norm of "
+                f"{flow.applied_norm:.3g}, {_times(flow.clip_factor)} below this), which "
+                "bounds each step but not the cause")
+    parts = [clip, init]
     if not has_norm:
         parts.append("add normalization layers")
     parts.append("lower the learning rate")
@@ -1033,6 +1043,21 @@ def find_update_ratio(flow: GradFlow, thresholds: GradThresholds | None = None
             fix="nothing to do on a warm-up's first step; otherwise check the learning rate "
             "and that the optimizer holds these parameters",
             module=lo[1])]
+    if median <= t.update_low and flow.clip_factor > 1:
+        # The update is lr times the clipped gradient: the clipping sets its size.
+        evidence["clip_factor"] = flow.clip_factor
+        return [Finding(
+            code="grads.update_ratio",
+            severity=Severity.INFO,
+            summary=f"possibly too small a step: the optimizer moves the median layer by "
+            f"{median:.2g} of its norm (‖Δw‖/‖w‖; about 1e-3 is usual), with gradients the "
+            f"loop clipped {_times(flow.clip_factor)} (total norm {flow.total_norm:.3g} to "
+            f"{flow.applied_norm:.3g})",
+            evidence=evidence,
+            fix="the clipping, not the learning rate, sets this step's size: where it acts "
+            "on every step, bring the gradients' scale down (init, normalisation) or raise "
+            "max_norm before raising the learning rate",
+            module=lo[1])]
     if median <= t.update_low:
         return [Finding(
             code="grads.update_ratio",
@@ -1108,9 +1133,10 @@ def diagnose(flow: GradFlow, thresholds: GradThresholds | None = None) -> list[F
 def diagnose_history(
     history: GradHistory, thresholds: GradThresholds | None = None
 ) -> list[Finding]:
-    """Findings over sampled steps: the first non-finite total, and a growing total norm."""
+    """Findings over sampled steps: the first non-finite total, a growing total norm, and
+    clipping that acts on most steps (`find_clipping`)."""
     t = thresholds or GradThresholds()
-    found: list[Finding] = []
+    found: list[Finding] = find_clipping(history, t)
     totals = history.total_norms
     bad = next((i for i, v in enumerate(totals) if not math.isfinite(v)), None)
     if bad is not None:
@@ -1134,9 +1160,45 @@ def diagnose_history(
                 f"step {s1}",
                 evidence={"first_step": s0, "first_norm": v0, "last_step": s1,
                           "last_norm": v1, "ratio": v1 / v0},
-                fix="clip with torch.nn.utils.clip_grad_norm_ and lower the learning rate.",
+                fix=("the loop already clips the gradients it applies; lower the learning "
+                     "rate." if history.clip_factors()[-1] > 1 else
+                     "clip with torch.nn.utils.clip_grad_norm_ and lower the learning rate."),
             ))
     return rank(found)
+
+
+def find_clipping(history: GradHistory, thresholds: GradThresholds | None = None
+                  ) -> list[Finding]:
+    """`grads.clipped` (info): the loop shrank the gradients it applied (clipping, read as
+    `GradHistory.applied_norms`) on half the sampled steps or more, three samples or more,
+    by `clipped_by` or more (median). Clipping that cuts spikes now and then, or that
+    trims a few percent, stays silent."""
+    t = thresholds or GradThresholds()
+    factors = history.clip_factors()
+    clipped = [i for i, f in enumerate(factors) if f > 1]
+    if len(history) < 3 or 2 * len(clipped) < len(history):
+        return []
+    totals = [history.total_norms[i] for i in clipped]
+    applied = [history.applied_norms[i] or 0.0 for i in clipped]
+    factor, total = statistics.median(factors[i] for i in clipped), statistics.median(totals)
+    if factor < t.clipped_by:
+        return []
+    return [Finding(
+        code="grads.clipped",
+        severity=Severity.INFO,
+        summary=f"the loop clipped the gradients on {len(clipped)} of {len(history)} sampled "
+        f"steps, by {_times(factor)} (median: a total norm of {total:.3g} applied as "
+        f"{statistics.median(applied):.3g})",
+        evidence={"clipped": len(clipped), "samples": len(history), "median_factor": factor,
+                  "median_total_norm": total, "median_applied_norm": statistics.median(applied),
+                  "first_step": history.steps[clipped[0]],
+                  "last_step": history.steps[clipped[-1]]},
+        fix="where clipping acts on most steps, max_norm, not the gradient, sets each "
+            "update's size, and the learning rate scales a normalised step: fine if meant "
+            f"(early in a large model's training); otherwise set max_norm near the usual "
+            f"total ({total:.3g}) so that it cuts only spikes, and lower the learning rate "
+            "if the steps are then too large",
+    )]
 
 
 def find_no_step(step_by: str, steps: int, backwards: int,

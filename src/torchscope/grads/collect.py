@@ -308,6 +308,19 @@ def _norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [n for n in out if n is not None]
 
 
+def total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm over `tensors` together, as `clip_grad_norm_` computes it, as a 0-d
+    float64 tensor on the first tensor's device (no host sync): `_norms` of each, joined.
+    `tensors` must not be empty."""
+    norms = _norms(tensors)
+    device = norms[0].device
+    with torch.no_grad():
+        joined = torch.stack([n.to(device, torch.float64, non_blocking=True)
+                              for n in norms])  # (len(tensors),)
+        out: torch.Tensor = torch.linalg.vector_norm(joined)  # ()
+    return out
+
+
 def with_updates(flow: GradFlow, updates: dict[str, torch.Tensor]) -> GradFlow:
     """`flow` with each parameter's `update_norm` filled from `updates` (parameter name ->
     0-d device tensor, as `GradCollector.measure_updates` returns), copied to the host

@@ -18,7 +18,7 @@ from torchscope.distributed.ranked import Ranked
 from torchscope.distributed.world import local_tensor, strategy_of, world
 from torchscope.errors import TorchscopeError
 from torchscope.findings import Analyzed
-from torchscope.grads.collect import GradCollector, with_updates
+from torchscope.grads.collect import GradCollector, _host_floats, total_norm, with_updates
 from torchscope.grads.records import GradFlow, GradHistory, ModuleGradRecord, combine_norms
 from torchscope.hooks.lifecycle import HookedContext
 from torchscope.hooks.select import Selector
@@ -137,6 +137,15 @@ def _merge(flows: list[GradFlow], index: int) -> GradFlow:
                     fused_norms=sum(f.fused_norms for f in flows),
                     eager_norms=sum(f.eager_norms for f in flows),
                     idle_forwards=sum(f.idle_forwards for f in flows))
+
+
+def _with_closure(args: tuple[Any, ...], kwargs: dict[str, Any], closure: Callable[[], Any]
+                  ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """An optimizer step pre-hook's result that passes `closure` in place of the step's
+    own (a keyword argument, or step's first parameter after the optimizer)."""
+    if "closure" in kwargs:
+        return args, {**kwargs, "closure": closure}
+    return (args[0], closure, *args[2:]), kwargs
 
 
 class GradWatch(HookedContext, Analyzed):
@@ -276,6 +285,12 @@ class GradWatch(HookedContext, Analyzed):
         # device), merged into that step's sample when `last` is read.
         self._update_step: int | None = None
         self._pending_updates: tuple[int, dict[str, torch.Tensor]] | None = None
+        # Sampled steps whose gradients the loop changed in place before the update
+        # (clipping): (step index, the total norm the update used, 0-d on the device), and
+        # those already copied to the host.
+        self._applied: deque[tuple[int, torch.Tensor]] = deque(maxlen=max_samples)
+        self._applied_host: dict[int, float] = {}
+        self._max_samples = max_samples
 
     # ------------------------------------------------------------------ lifecycle
     def open(self) -> None:
@@ -410,20 +425,64 @@ class GradWatch(HookedContext, Analyzed):
             if sampled:
                 self._update_step = index
                 c.snapshot_weights()
-        if self._step_by == "manual":
-            return None
         # args[0] is the optimizer; a closure is step's first parameter.
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if self._step_by == "manual":
+            # The step ended before `step()`, or ends inside its closure (Lightning's runs
+            # the backward, then clipping): the update's gradients are final after it.
+            if not callable(closure):
+                self._note_applied(self.steps - 1, self._last_index == self.steps - 1)
+                return None
+            return _with_closure(args, kwargs, self._noting_closure(closure))
         if not callable(closure):
+            self._note_applied(self.steps, self._due_now())
             self._end_step()  # before the update: `.grad` is final and not yet zeroed
             return None
         # `step(closure)` runs forward and backward inside the step (Lightning, LBFGS): the
         # step's gradients exist once the closure has returned, before the update.
-        wrapped = self._closure_of_step(closure)
         self._closure_pending = True
-        if "closure" in kwargs:
-            return args, {**kwargs, "closure": wrapped}
-        return (args[0], wrapped, *args[2:]), kwargs
+        return _with_closure(args, kwargs, self._closure_of_step(closure))
+
+    def _noting_closure(self, closure: Callable[[], Any]) -> Callable[[], Any]:
+        """`closure`, after whose first evaluation a manual step's applied norm is read."""
+        first = True
+
+        def evaluate() -> Any:
+            nonlocal first
+            result = closure()
+            if first:
+                first = False
+                self._note_applied(self.steps - 1, self._last_index == self.steps - 1)
+            return result
+
+        return evaluate
+
+    def _note_applied(self, index: int, sampled: bool) -> None:
+        """Where step `index`'s gradients are those the update will use: on a sampled step
+        whose gradients the loop changed since the last backward's end (clipping), read
+        the total norm the update uses (`applied_norm`): one read of the gradients, no host
+        sync. Whether they changed is read from metadata."""
+        if not sampled or not self._changed_since_backward():
+            return
+        grads = [g for p in self._params if (g := p.grad) is not None]
+        if not grads or any(local_tensor(g) is not g for g in grads):
+            return  # FSDP2: this rank's shards, whose total is not the step's
+        self._applied.append((index, total_norm([g.detach() for g in grads])))
+
+    def _changed_since_backward(self) -> bool:
+        """Whether an evidence parameter's `.grad` was replaced or changed in place since
+        the last backward's end (metadata only)."""
+        for p, before in zip(self._evidence_params, self._evidence, strict=False):
+            g = p.grad
+            if before is not None and g is not None and \
+                    (g is not before[0]() or g._version > before[1]):
+                return True
+        return False
+
+    def _due_now(self) -> bool:
+        """Whether the step in progress is sampled when it ends now."""
+        c = self._collector
+        return c.active and c.backward_calls > 0 and self._due(self.steps)
 
     def _closure_of_step(self, closure: Callable[[], Any]) -> Callable[[], Any]:
         def evaluate() -> Any:
@@ -439,6 +498,7 @@ class GradWatch(HookedContext, Analyzed):
                     c.discard()  # backward counts of the re-evaluation
             result = closure()
             self._closure_pending = False
+            self._note_applied(self.steps, self._due_now())
             self._end_step()
             return result
 
@@ -469,7 +529,7 @@ class GradWatch(HookedContext, Analyzed):
         c = self._collector
         if self._check_nonfinite:
             self._check_step()
-        if c.active and c.backward_calls > 0 and self._due(self.steps):
+        if self._due_now():
             self._advance(self._sample(self.steps, c.finish_later(self.steps)))
         else:
             c.discard()  # counters of an unsampled step
@@ -655,7 +715,26 @@ class GradWatch(HookedContext, Analyzed):
         if pending is not None and self._last is not None and pending[0] == self._last.index:
             self._last = with_updates(self._last, pending[1])
             self._pending_updates = None
+        if self._last is not None and self._last.applied_norm is None:
+            applied = self.applied_norms.get(self._last.index)
+            if applied is not None:
+                self._last = replace(self._last, applied_norm=applied)
         return self._last
+
+    @property
+    def applied_norms(self) -> dict[int, float]:
+        """Per sampled step whose gradients the loop changed in place before the update
+        (clipping): the total norm of the gradients the update used
+        (`GradFlow.applied_norm`), newest `max_samples`. Read from the device when first
+        read after the step."""
+        if self._applied:
+            pending = list(self._applied)
+            self._applied.clear()
+            floats = _host_floats([t for _, t in pending])
+            self._applied_host.update(zip((i for i, _ in pending), floats, strict=True))
+            for old in sorted(self._applied_host)[:-self._max_samples]:
+                del self._applied_host[old]
+        return dict(self._applied_host)
 
     @property
     def skipped_steps(self) -> tuple[int, ...]:
@@ -684,12 +763,14 @@ class GradWatch(HookedContext, Analyzed):
         """Per-layer norms of the newest `max_samples` samples."""
         self._settle()
         layers = tuple(self._layers)
+        applied = self.applied_norms
         return GradHistory(
             steps=tuple(r[0] for r in self._rows),
             layers=layers,
             output_norms=tuple(tuple(r[1].get(k, math.nan) for k in layers) for r in self._rows),
             param_norms=tuple(tuple(r[2].get(k, math.nan) for k in layers) for r in self._rows),
             total_norms=tuple(r[3] for r in self._rows),
+            applied_norms=tuple(applied.get(r[0]) for r in self._rows) if applied else (),
         )
 
 

@@ -28,6 +28,19 @@ RAN_IN_REENTRANT_CHECKPOINT = ("ran only inside a reentrant checkpoint whose inp
                                "require grad")
 PASSES_UNSUMMED = ("reached by more than one backward pass, an earlier one without "
                    "retain_graph: the norm of their sum is not measured")
+# Two total norms of one step's gradients within 1 % are the same: the two reads sum in
+# different orders and precisions (float64 native sums, `torch._foreach_norm`).
+_SAME = 1.01
+
+
+def clip_factor(total_norm: float, applied_norm: float | None) -> float:
+    """`total_norm / applied_norm`: how many times smaller the gradients a step's update
+    used were than the backward's; 1.0 where they were not smaller by 1 % or more, or where
+    `applied_norm` is None or either is not finite."""
+    a, t = applied_norm, total_norm
+    if a is None or not (math.isfinite(a) and math.isfinite(t)) or t <= a * _SAME:
+        return 1.0
+    return math.inf if a == 0 else t / a
 
 
 def combine_norms(norms: Iterable[float | None]) -> float | None:
@@ -427,6 +440,11 @@ class GradFlow(Analyzed, Gatherable):
             optimizer) or at this or an earlier sampled step of it (a zero init: LoRA's B).
             Their update ratio measures how far they have grown from zero, not the step's
             size. Empty for `gradient_flow`.
+        applied_norm: the total norm of the gradients the optimizer's update used, where
+            the loop changed them between the backward and the update (clipping; a
+            GradScaler's scale is divided out of both); None where nothing changed them
+            (the update used `total_norm`'s gradients), or where it was not read (no
+            optimizer, an unsampled step, FSDP2 shards).
     """
 
     index: int
@@ -442,6 +460,14 @@ class GradFlow(Analyzed, Gatherable):
     eager_norms: int = 0
     idle_forwards: int = 0
     from_zero: tuple[str, ...] = ()
+    applied_norm: float | None = None
+
+    @property
+    def clip_factor(self) -> float:
+        """How many times smaller the gradients the update used were than the backward's
+        (`total_norm / applied_norm`): above 1 where the loop clipped them; 1.0 where it
+        did not, or where it is not known. Differences under 1 % count as none."""
+        return clip_factor(self.total_norm, self.applied_norm)
 
     def get(self, module: str, call: int = 0, micro: int = 0) -> ModuleGradRecord:
         """The record of `module`'s `call`-th call in forward `micro`.
@@ -539,6 +565,9 @@ class GradHistory:
         output_norms: `[sample][layer]` grad-output norms; NaN where a layer had none.
         param_norms: `[sample][layer]` parameter-gradient norms; NaN where none.
         total_norms: per sample, the `clip_grad_norm_` total.
+        applied_norms: per sample, `GradFlow.applied_norm`: the total norm of the gradients
+            the update used where the loop changed them in place (clipping); None where it
+            did not. Empty where not read.
     """
 
     steps: tuple[int, ...]
@@ -546,9 +575,18 @@ class GradHistory:
     output_norms: tuple[tuple[float, ...], ...]
     param_norms: tuple[tuple[float, ...], ...]
     total_norms: tuple[float, ...]
+    applied_norms: tuple[float | None, ...] = ()
 
     def __len__(self) -> int:
         return len(self.steps)
+
+    def clip_factors(self) -> tuple[float, ...]:
+        """Per sample, `clip_factor`: how many times the loop shrank the gradients it
+        applied (clipping); 1.0 where it did not, or where that was not read."""
+        if not self.applied_norms:
+            return tuple(1.0 for _ in self.steps)
+        return tuple(clip_factor(t, a)
+                     for t, a in zip(self.total_norms, self.applied_norms, strict=True))
 
     def series(self, layer: str, kind: str = "output") -> list[float]:
         """One layer's norms over the samples; `kind` is "output" or "params".

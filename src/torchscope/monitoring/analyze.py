@@ -117,7 +117,8 @@ def grad_history(record: RunRecord) -> GradHistory:
         return tuple(tuple(math.nan if j is None else row[j] for j in idx) for row in s.values)
 
     return GradHistory(steps=g.steps, layers=layers, output_norms=rows(o),
-                       param_norms=rows(g), total_norms=record.total_norms)
+                       param_norms=rows(g), total_norms=record.total_norms,
+                       applied_norms=record.applied_norms)
 
 
 # Layers whose gradient grew while the total did not, named one by one up to this many.
@@ -163,6 +164,15 @@ def _total_clause(fall: float) -> str:
     """How the total gradient norm did not grow, from its fall (first / last, >= 1)."""
     return f", while the total gradient norm fell {_times(fall)}" if fall >= 1.05 \
         else ", while the total gradient norm did not grow"
+
+
+_CLIPS = "; the loop clips already, which bounds the update but not the cause"
+
+
+def _clips(record: RunRecord) -> bool:
+    """Whether the loop clipped the gradients of the last sample (`grads.clipped`)."""
+    factors = grad_history(record).clip_factors()
+    return bool(factors) and factors[-1] > 1
 
 
 def _gradient_trends(record: RunRecord, t: RunThresholds) -> list[Finding]:
@@ -215,8 +225,10 @@ def _gradient_trends(record: RunRecord, t: RunThresholds) -> list[Finding]:
                 "and weight decay")
         elif total_grew:
             severity, fix = Severity.WARNING, (
-                "this layer's gradient grows, and the model's total with it: clip gradients "
-                "(clip_grad_norm_), lower the learning rate, or normalise around it")
+                "this layer's gradient grows, and the model's total with it: "
+                + ("lower the learning rate, or normalise around it" + _CLIPS
+                   if _clips(record) else "clip gradients (clip_grad_norm_), lower the "
+                   "learning rate, or normalise around it"))
         else:
             assert total is not None
             severity = Severity.INFO
@@ -246,8 +258,9 @@ def _gradient_trends(record: RunRecord, t: RunThresholds) -> list[Finding]:
             f"{first} and step {last}"
         if total_grew:
             severity, fix = Severity.WARNING, (
-                "the whole model's gradients grow: lower the learning rate, add warm-up, or "
-                "clip gradients (clip_grad_norm_)")
+                "the whole model's gradients grow: "
+                + ("lower the learning rate, or add warm-up" + _CLIPS if _clips(record) else
+                   "lower the learning rate, add warm-up, or clip gradients (clip_grad_norm_)"))
         else:
             # Most layers sit behind a gain that starts small (DINOv2's and CaiT's layer
             # scale of 1e-5): their gradients grow with it while the model's total falls.

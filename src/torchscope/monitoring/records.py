@@ -172,6 +172,9 @@ class RunRecord(Analyzed):
         grad_param: per-layer parameter-gradient norms (modules owning parameters).
         grad_output: per-layer norms of the gradient arriving at each module.
         total_norms: per sample (the steps of `grad_param`), the total gradient norm.
+        applied_norms: per sample, the total norm of the gradients the update used where the
+            loop changed them before it (clipping: `GradFlow.applied_norm`), else None;
+            empty where no sample's were.
         act_std: per-layer output standard deviation of the sampled forward.
         act_zero: per-layer fraction of exactly-zero outputs.
         act_dead: per-layer fraction of dead channels (ReLU family), NaN elsewhere.
@@ -227,6 +230,7 @@ class RunRecord(Analyzed):
     skipped_steps: tuple[int, ...]
     onset: NonFiniteOnset
     budget: HistoryBudget
+    applied_norms: tuple[float | None, ...] = ()
     last: GradFlow | None = None
     activations: ActivationCapture | None = None
     memory: MemoryWatch | None = None

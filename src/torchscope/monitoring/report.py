@@ -148,7 +148,8 @@ class _Gradients(_Section):
     def data(self, record: RunRecord) -> dict[str, Any]:
         return {"param_norms": _series_json(record.grad_param),
                 "output_norms": _series_json(record.grad_output),
-                "total_norms": list(record.total_norms)}
+                "total_norms": list(record.total_norms),
+                "applied_norms": list(record.applied_norms)}
 
     def plots(self, record: RunRecord) -> Mapping[str, Figure]:
         if not record.grad_param.layers or not record.grad_param.steps:

@@ -131,6 +131,8 @@ class Monitor(HookedContext):
         self.every = _positive("every", every)
         self._history = SampleHistory(_positive("history", history, 2),
                                       _positive("recent", recent))
+        # Per sampled step the loop clipped: the total norm its update used.
+        self._applied: dict[int, float] = {}
         self._profile_steps = _positive("profile", profile, 0)
         self._out = None if out is None else _check_out(out)
         self._model: nn.Module | None = model
@@ -348,7 +350,19 @@ class Monitor(HookedContext):
                                  0 if mem is None else mem.samples,
                                  None if mem is None else mem.last)
 
+    def _note_applied(self) -> None:
+        """Keep the total norms the updates of sampled steps used where the loop clipped
+        (`GradWatch.applied_norms`, which keeps only the newest here), for the kept rows."""
+        if self._grads is None:
+            return
+        self._applied.update(self._grads.applied_norms)
+        h = self._history
+        if len(self._applied) > 2 * (h.capacity + h.recent):
+            kept = {r.step for r in h.rows()}
+            self._applied = {k: v for k, v in self._applied.items() if k in kept}
+
     def _on_step(self, index: int, flow: GradFlow | None) -> None:
+        self._note_applied()
         if self._mode is not None:  # the mode of the step's last forward with gradients on
             self._modes = self._modes.with_step(self._mode, index, self._autocast)
             self._mode = None
@@ -468,6 +482,7 @@ class Monitor(HookedContext):
     def _record(self, *, stopped: bool) -> RunRecord:
         grads = self._grads
         assert grads is not None
+        self._note_applied()  # a manual step's comes after its end
         h = self._history
         rows = h.rows()
         onset = self._forward_onset or (None, None, None)
@@ -480,6 +495,8 @@ class Monitor(HookedContext):
             grad_param=self._series("grad_param").present(),
             grad_output=self._series("grad_output").present(),
             total_norms=tuple(r.total_norm for r in rows),
+            applied_norms=tuple(self._applied.get(r.step) for r in rows)
+            if self._applied else (),
             act_std=self._series("act_std").present(),
             act_zero=self._series("act_zero").present(),
             act_dead=self._series("act_dead").present(),

@@ -54,6 +54,9 @@ def grad_table(flow: GradFlow, title: str | None = None) -> Table:
                       r.module_type, call, _norms(r.grad_output), _norms(r.grad_input),
                       pnorms)
     scale = f", GradScaler scale {flow.scale:g} divided out" if flow.scale else ""
+    if flow.clip_factor > 1:
+        scale += (f"; the update used {fmt_num(flow.applied_norm)} (clipped "
+                  f"{fmt_num(flow.clip_factor)}×)")
     step = f"\n{flow.step.describe()}" if flow.step is not None else ""
     table.caption = (f"total norm (as clip_grad_norm_): {fmt_num(flow.total_norm)}"
                      f"{scale}{step}")
