@@ -545,7 +545,7 @@ def ddp_clip(rank: int, world: int, out: Path) -> dict[str, Any]:
             unsampled_reads.append(sparse._collector._synced is not None)
             opt.step()
     return {"returned": returned, "totals": list(watch.history.total_norms),
-            "reads": unsampled_reads,
+            "applied": list(watch.history.applied_norms), "reads": unsampled_reads,
             "total_norm": flow.total_norm,
             "reported": {p.name: p.norm for p in flow.params}, "synced": synced[-1]}
 

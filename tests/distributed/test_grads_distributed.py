@@ -151,13 +151,15 @@ def test_ddp_norms_are_read_before_the_loop_clips(tmp_path: Path) -> None:
     """The synchronised gradients are read when DDP's all-reduce has landed, at the end of
     backward: a loop that clips before opt.step() must not see its clipped gradients in
     the report, which would read 0.5 here. The report agrees with clip_grad_norm_'s return
-    (the norm before clipping) and with torch's .grad after backward, on both ranks."""
+    (the norm before clipping) and with torch's .grad after backward, on both ranks; the
+    norm the update used (`applied_norms`) is the clipped 0.5."""
     ranks = run_ranks("ddp_clip", tmp_path)
     for a in ranks:
         assert "raised" not in a, a
         assert a["returned"][-1] > 1.0  # clipping acted
         assert a["total_norm"] == pytest.approx(a["returned"][-1], rel=1e-6)
         assert a["totals"] == pytest.approx(a["returned"], rel=1e-6)  # every step
+        assert a["applied"] == pytest.approx([0.5] * 3, rel=1e-5)  # what opt.step() used
         assert a["reads"] == [True, False]  # read on the sampled step only
         for name, norm in a["synced"].items():
             assert a["reported"][name] == pytest.approx(norm, rel=1e-6)
