@@ -774,9 +774,12 @@ def test_a_compiled_wrapper_made_before_the_watch_is_a_warning_not_a_healthy_ste
     assert not [f for f in watch.findings() if f.code == "grads.unseen_forward"]
 
 
-def test_a_loop_that_never_zeroes_its_gradients_is_a_warning() -> None:
+@pytest.mark.parametrize("clips", [False, True])
+def test_a_loop_that_never_zeroes_its_gradients_is_a_warning(clips: bool) -> None:
     """The classic: no `optimizer.zero_grad()`, so each step's update uses the sum of every
-    gradient so far. The watch read those sums as the steps' gradients and said nothing."""
+    gradient so far. The watch read those sums as the steps' gradients and said nothing.
+    A loop that clips too changes the gradients in place before each update, which read as
+    a zeroing until the evidence was taken again after the update."""
     torch.manual_seed(0)
     model = _mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -784,6 +787,8 @@ def test_a_loop_that_never_zeroes_its_gradients_is_a_warning() -> None:
     with watch_gradients(model, every=1, optimizer=opt) as watch:
         for _ in range(6):
             nn.functional.mse_loss(model(x), y).backward()
+            if clips:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
     assert (watch.unzeroed_steps, watch.first_unzeroed) == (5, 1)
     [f] = [f for f in watch.findings() if f.code == "grads.not_zeroed"]
@@ -791,8 +796,8 @@ def test_a_loop_that_never_zeroes_its_gradients_is_a_warning() -> None:
     assert "zero_grad()" in f.fix
 
 
-@pytest.mark.parametrize("loop", ["accumulate", "in_place", "module", "gan", "lbfgs",
-                                  "closure"])
+@pytest.mark.parametrize("loop", ["accumulate", "in_place", "in_place_clip", "module", "gan",
+                                  "lbfgs", "closure"])
 def test_loops_that_zero_their_gradients_are_not_said_to_miss_it(loop: str) -> None:
     torch.manual_seed(0)
     model = _mlp()
@@ -827,6 +832,11 @@ def test_loops_that_zero_their_gradients_are_not_said_to_miss_it(loop: str) -> N
             elif loop == "in_place":
                 opt.zero_grad(set_to_none=False)
                 loss().backward()
+                opt.step()
+            elif loop == "in_place_clip":
+                opt.zero_grad(set_to_none=False)
+                loss().backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
                 opt.step()
             elif loop == "module":
                 loss().backward()

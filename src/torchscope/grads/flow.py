@@ -505,6 +505,9 @@ class GradWatch(HookedContext, Analyzed):
         return evaluate
 
     def _after_optimizer_step(self, _opt: Any, _args: Any, _kwargs: Any) -> None:
+        # What the loop did to the gradients before the update (clipping multiplies them in
+        # place) is no zeroing: the next backward's evidence starts from the update.
+        self._grad_evidence()
         if self._closure_pending:  # the optimizer never called its closure
             self._closure_pending = False
             self._end_step()
