@@ -134,3 +134,15 @@ def test_the_saved_table_names_what_the_model_checkpoints_itself() -> None:
     plain = " ".join(_render(saved_table(saved_activations(nn.Linear(8, 2), x,
                                                            loss_fn="sum")), 200))
     assert "Checkpointed" not in plain
+
+
+def test_a_finding_line_ends_its_summary_with_one_period() -> None:
+    from torchscope.report.findings import finding_lines
+
+    clause = Finding("memory.x", Severity.INFO, "outputs hold 41% (2.0 MiB of 4.8 MiB)", {},
+                     fix="apply the plan")
+    sentence = Finding("memory.y", Severity.INFO, "outputs hold 41% (2.0 MiB of 4.8 MiB).", {},
+                       fix="")
+    lines = finding_lines([clause, sentence])
+    assert all("MiB)." in line and "MiB).." not in line for line in lines)
+    assert lines[0].endswith("Fix: apply the plan[/]") and lines[1].endswith("MiB).")

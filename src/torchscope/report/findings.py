@@ -37,8 +37,10 @@ def finding_lines(findings: Sequence[Finding]) -> list[str]:
     lines = []
     for f in rank(findings):
         fix = f" [dim]Fix: {escape(f.fix)}[/]" if f.fix else ""
+        # Summaries are clauses; those that end a sentence of their own keep one period.
+        end = "" if f.summary.endswith((".", "?", "!")) else "."
         lines.append(f"[{SEVERITY_STYLE[f.severity]}]{f.severity.label}[/] "
-                     f"{escape(f.summary)}.{fix}")
+                     f"{escape(f.summary)}{end}{fix}")
     return lines
 
 
