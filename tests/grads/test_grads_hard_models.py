@@ -751,3 +751,98 @@ def test_blocks_behind_a_small_layer_scale_are_left_out_of_the_depth_profile(
                     if f.code in ("grads.exploding", "grads.vanishing")]
     else:
         assert not behind and {"dinov2.encoder.layer.0", "dinov2.encoder.layer.1"} <= blocks
+
+
+def test_reformer_s_reversible_layers_are_read_in_the_backward_that_recomputes_them() -> None:
+    """transformers' Reformer runs its layers inside a custom autograd Function: forward
+    under no_grad, then its backward recomputes each layer with gradients and
+    backpropagates through it, as a reentrant checkpoint does. The flow held no record of
+    any encoder layer; each leaf's output gradient now equals the one torch gives a tensor
+    hook in that recomputation."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.ReformerConfig(
+        vocab_size=64, hidden_size=32, num_attention_heads=2, attention_head_size=16,
+        feed_forward_size=64, attn_layers=["local", "local"], axial_pos_embds_dim=[16, 16],
+        axial_pos_shape=[4, 4], max_position_embeddings=16, is_decoder=True,
+        local_attn_chunk_length=8, hidden_dropout_prob=0.0,
+        local_attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    model = transformers.ReformerModelWithLMHead(config).train()
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    seen: dict[str, float] = {}
+
+    def note(name: str) -> Callable[..., None]:
+        def read(g: torch.Tensor) -> None:
+            seen.setdefault(name, g.norm().item())
+
+        def hook(_m: nn.Module, _args: Any, out: Any) -> None:
+            recomputing = torch._C._current_autograd_node() is not None
+            if recomputing and isinstance(out, torch.Tensor) and out.requires_grad:
+                out.register_hook(read)
+        return hook
+
+    handles = [m.register_forward_hook(note(n)) for n, m in model.named_modules()
+               if n.startswith("reformer.encoder.layers.") and next(m.children(), None) is None]
+    try:
+        model(input_ids=ids, labels=ids).loss.backward()
+    finally:
+        for h in handles:
+            h.remove()
+    def step() -> None:
+        model(input_ids=ids, labels=ids).loss.backward()
+
+    want = _plain_grads(model, step)
+    flow = gradient_flow(model, {"input_ids": ids, "labels": ids})
+    _assert_same_grads(model, want)
+    read = {r.module: r.output_norm for r in flow.modules
+            if r.module.startswith("reformer.encoder.layers.")}
+    assert len(seen) >= 14 and set(read) == set(seen)
+    for name, norm in seen.items():
+        assert read[name] is not None and _close(read[name], norm), name
+    assert audit_hooks(model).local_total == 0
+
+
+def test_a_custom_function_inside_a_non_reentrant_checkpoint_is_still_a_replay() -> None:
+    """The replay of a non-reentrant checkpoint runs when a node unpacks a saved tensor;
+    that node may be a custom Function's. Its forward is no recomputation with gradients
+    of its own (backward runs the first forward's graph), so nothing is recorded twice."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Square(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            ctx.save_for_backward(x)
+            return x * x
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+            (x,) = ctx.saved_tensors
+            return 2 * x * g
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return Square.apply(self.a(x))
+
+    class Net(nn.Module):
+        def __init__(self, ckpt: bool) -> None:
+            super().__init__()
+            self.block, self.head, self.ckpt = Block(), nn.Linear(8, 2), ckpt
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = checkpoint(self.block, x, use_reentrant=False) if self.ckpt else self.block(x)
+            return self.head(h)
+
+    torch.manual_seed(0)
+    plain, model = Net(False), Net(True)
+    model.load_state_dict(plain.state_dict())
+    x = torch.randn(4, 8)
+    flows = [gradient_flow(m, x, loss_fn="sum") for m in (plain, model)]
+    want, got = (_norms_by_call(f) for f in flows)
+    assert [r[:2] for r in got] == [r[:2] for r in want] == [("block.a", 0), ("head", 0)]
+    for a, b in zip(want, got, strict=True):
+        for u, v in zip(a[2] + a[3], b[2] + b[3], strict=True):
+            assert (u is None) == (v is None) and (u is None or _close(u, v)), (a, b)

@@ -34,11 +34,32 @@ def in_backward() -> Literal["no", "replay", "reentrant"]:
     graph. Reentrant checkpointing (torch's default when `use_reentrant` is not given) ran
     the first forward under no_grad, and its node (`CheckpointFunctionBackward`)
     backpropagates through the graph that the recomputation builds, in a nested backward:
-    that `reentrant` forward is the one with gradients."""
+    that `reentrant` forward is the one with gradients. So is a forward inside another
+    custom Function's backward, outside `torch.utils.checkpoint`'s code."""
     node = torch._C._current_autograd_node()
     if node is None:
         return "no"
-    return "reentrant" if type(node).__name__ == "CheckpointFunctionBackward" else "replay"
+    if type(node).__name__ == "CheckpointFunctionBackward":
+        return "reentrant"
+    if isinstance(node, torch.autograd.function.BackwardCFunction) and not _in_checkpoint():
+        # Another custom Function's backward that runs modules with gradients: it
+        # recomputes its forward, which ran without them, and backpropagates through that
+        # (transformers' Reformer's reversible layers), as a reentrant checkpoint does.
+        return "reentrant"
+    return "replay"
+
+
+def _in_checkpoint() -> bool:
+    """Whether the caller runs inside `torch.utils.checkpoint`'s code: there, a forward in
+    backward is a non-reentrant checkpoint's replay, whichever node unpacks the tensor."""
+    frame: FrameType | None = sys._getframe(1)
+    for _ in range(_MAX_FRAMES):
+        if frame is None:
+            return False
+        if frame.f_code.co_filename == _FILE:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def in_reentrant_forward() -> bool:
