@@ -8,6 +8,8 @@ conv already followed by BatchNorm). Each case now stays silent or is worded cor
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
@@ -213,3 +215,34 @@ def test_a_layer_that_layerdrop_skipped_is_one_finding_not_one_per_module() -> N
     assert all(f.evidence["params"] == 16 for f in unreached)
     assert "did not run in the step's forward" in unreached[0].summary
     assert "LayerDrop" in unreached[0].fix
+
+
+def test_modules_that_no_block_runs_are_one_finding_for_the_stack() -> None:
+    """transformers' Longformer holds global-attention projections in every layer, which
+    run only with a `global_attention_mask`: without one they were six `grads.unreached`
+    findings (five, then "2 more"), one per module. A module that some block runs and
+    another does not is still its own finding."""
+    from transformers import LongformerConfig, LongformerForMaskedLM
+
+    torch.manual_seed(0)
+    model = LongformerForMaskedLM(LongformerConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, attention_window=[8, 8], max_position_embeddings=40))
+    ids = torch.randint(3, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    flow = gradient_flow(model, {"input_ids": ids, "labels": ids})
+    torch_none = {n for n, p in model.named_parameters() if p.grad is None}
+    unreached = [f for f in flow.findings() if f.code == "grads.unreached"]
+    [f] = unreached
+    assert f.module == "longformer.encoder.layer" and f.evidence["blocks"] == 2
+    assert f.evidence["params"] == len(torch_none) == 12
+    assert f.summary.startswith("attention.self.query_global, attention.self.key_global, "
+                                "attention.self.value_global did not run")
+    assert "global_attention_mask" in f.fix
+    # Layer 1 alone runs its global projections: nothing common to every block.
+    part = replace(flow, params=tuple(
+        replace(p, norm=1.0, reason=None) if p.name.startswith(
+            "longformer.encoder.layer.1.attention.self.query_global") else p
+        for p in flow.params))
+    modules = sorted(str(f.module) for f in part.findings() if f.code == "grads.unreached")
+    assert "longformer.encoder.layer" in modules
+    assert "longformer.encoder.layer.0.attention.self.query_global" in modules

@@ -921,6 +921,7 @@ def find_unreached(flow: GradFlow, thresholds: GradThresholds | None = None) -> 
         if len(held) > 1 and all(p.reason == NOT_RUN for p in inside):
             names = [n for m in held for n in missing.pop(m)]
             missing[unit] = names
+    found += _unused_in_every_block(flow, missing)
     mods = list(missing)
 
     def fix_for(m: str) -> str:
@@ -964,6 +965,50 @@ def find_unreached(flow: GradFlow, thresholds: GradThresholds | None = None) -> 
                       "modules": ", ".join(m or "<root>" for m in rest[:10]),
                       "step": flow.index},
             fix=fix_for(rest[0])))
+    return found
+
+
+def _unused_in_every_block(flow: GradFlow, missing: dict[str, list[str]]) -> list[Finding]:
+    """One finding per stack of repeated blocks for the modules that did not run in any of
+    its blocks (transformers' Longformer has global-attention projections in each layer,
+    which run only with a `global_attention_mask`), taken out of `missing` (module ->
+    its parameters without gradient)."""
+
+    def split(module: str) -> tuple[str, str, str] | None:
+        unit = _unit_name(module)  # model.layers.3
+        family, _, index = unit.rpartition(".")
+        return (family, index, module[len(unit) + 1:]) if index.isdigit() else None
+
+    blocks: dict[str, set[str]] = {}  # stack -> its blocks' indices
+    for p in flow.params:
+        if (where := split(p.module)) is not None:
+            blocks.setdefault(where[0], set()).add(where[1])
+    unused: dict[tuple[str, str], set[str]] = {}  # (stack, module in a block) -> blocks
+    for m, names in missing.items():
+        where = split(m)
+        if where is not None and where[2] and flow.param(names[0]).reason == NOT_RUN:
+            unused.setdefault((where[0], where[2]), set()).add(where[1])
+    found = []
+    for family, indices in blocks.items():
+        rests = [r for (f, r), seen in unused.items() if f == family and seen == indices]
+        if len(indices) < 2 or not rests:
+            continue
+        names = [n for r in rests for i in sorted(indices, key=int)
+                 for n in missing.pop(f"{family}.{i}.{r}")]
+        found.append(Finding(
+            code="grads.unreached",
+            severity=Severity.INFO,
+            summary=f"{', '.join(rests)} did not run in the step's forward in any of the "
+            f"{len(indices)} blocks of {family}: their {len(names)} trainable parameter(s) "
+            "received no gradient",
+            evidence={"params": len(names), "reason": NOT_RUN, "blocks": len(indices),
+                      "modules": ", ".join(rests), "step": flow.index},
+            fix="modules that every block holds and none runs are a part of the "
+                "architecture that this configuration or input leaves out (Longformer's "
+                "global-attention projections without a global_attention_mask); if they "
+                "never run in training, freeze them (requires_grad_(False)) so optimizers "
+                "and DDP (find_unused_parameters) skip them.",
+            module=family))
     return found
 
 
