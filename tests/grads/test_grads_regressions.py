@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
 import torch
 from torch import nn
 
@@ -246,3 +247,38 @@ def test_modules_that_no_block_runs_are_one_finding_for_the_stack() -> None:
     modules = sorted(str(f.module) for f in part.findings() if f.code == "grads.unreached")
     assert "longformer.encoder.layer" in modules
     assert "longformer.encoder.layer.0.attention.self.query_global" in modules
+
+
+@pytest.mark.parametrize("drop", [None, 0.1])
+def test_a_dropout_that_drops_everything_is_one_cause_and_one_effect(drop: float | None
+                                                                     ) -> None:
+    """transformers' MobileNetV1Config defaults classifier_dropout_prob to 0.999: almost
+    every feature is dropped, and with a small batch all of them. That read as 83
+    `grads.dead` warnings (the dropout, then one per module below it), each with the fix to
+    look for dead ReLUs. It is now the dropout's finding, whose fix names its p, and one for
+    the 82 modules it starves. A usual p is silent."""
+    from transformers import MobileNetV1Config, MobileNetV1ForImageClassification
+
+    options = {} if drop is None else {"classifier_dropout_prob": drop}
+    torch.manual_seed(0)
+    model = MobileNetV1ForImageClassification(MobileNetV1Config(
+        image_size=32, depth_multiplier=0.25, num_labels=5, **options))
+    g = torch.Generator().manual_seed(0)
+    flow = gradient_flow(model, {"pixel_values": torch.randn(2, 3, 32, 32, generator=g),
+                                 "labels": torch.randint(0, 5, (2,), generator=g)})
+    dead = [f for f in flow.findings() if f.code == "grads.dead"]
+    if drop is not None:
+        assert not dead
+        return
+    starved = {n for n, p in model.named_parameters()
+               if p.grad is not None and not p.grad.any()}
+    # torch agrees: every gradient is zero but the classifier's bias (its weight meets
+    # only dropped, zero features).
+    assert starved == {n for n, _ in model.named_parameters()} - {"classifier.bias"}
+    cause, effect = dead
+    assert cause.module == "dropout" and cause.evidence["kind"] == "blocks"
+    assert "classifier_dropout_prob=0.999" in cause.fix and "dead ReLUs" not in cause.fix
+    assert effect.module == "mobilenet_v1.pooler" and effect.evidence["cause"] == "dropout"
+    assert effect.evidence["last"] == "mobilenet_v1.conv_stem.convolution"
+    owners = {n.rsplit(".", 1)[0] for n in starved} - {"classifier"}
+    assert int(effect.evidence["modules"] or 0) > len(owners)  # activations too

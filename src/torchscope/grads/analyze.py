@@ -720,11 +720,32 @@ def find_dead(flow: GradFlow, thresholds: GradThresholds | None = None) -> list[
             summary=f"{m or '<root>'} ({type_name}) receives gradient but passes an all-zero "
             "gradient down",
             evidence={"kind": "blocks", "float16": m in half, "step": flow.index},
-            fix=_UNDERFLOW if m in half else
+            fix=_UNDERFLOW if m in half else _DROPS_ALL if "Dropout" in type_name else
             "look for dead ReLUs (lower the learning rate, LeakyReLU/GELU, check biases "
             "and init) or a mask that blocks every position.",
             module=m,
         ))
+    # One module that passes no gradient down starves the modules below it: two or more
+    # are one finding (transformers' MobileNetV1: a dropout of p=0.999, then 82 modules).
+    if len(blockers) == 1:
+        order = {m: i for i, m in enumerate(flow.layers())}
+        cause = next(iter(blockers))
+        at = order.get(cause, -1)
+        below = [m for m in modules if order.get(m, -1) > at >= 0]
+        if len(below) > 1:
+            modules = [m for m in modules if m not in below]
+            found.append(Finding(
+                code="grads.dead",
+                severity=Severity.WARNING,
+                summary=f"{below[0]} and the {len(below) - 1} module(s) below it receive an "
+                f"all-zero gradient (to {below[-1]}): {cause or '<root>'} passes none down",
+                evidence={"kind": "zero", "modules": len(below), "last": below[-1],
+                          "cause": cause, "float16": any(m in half for m in below),
+                          "step": flow.index},
+                fix=_UNDERFLOW if any(m in half for m in below) else
+                f"see {cause or '<root>'}'s finding: what passes no gradient down stops every "
+                "layer below it from learning.",
+                module=below[0]))
     for m in modules:
         names = dead_params.get(m, []) if m not in alive_params else []
         what = "an all-zero gradient" if m in dead_out and m not in alive_out else \
@@ -743,6 +764,12 @@ def find_dead(flow: GradFlow, thresholds: GradThresholds | None = None) -> list[
             module=m,
         ))
     return found
+
+
+_DROPS_ALL = ("a dropout passes an all-zero gradient down only where it dropped every "
+              "element: check its p, the probability of dropping (p near 1 drops nearly "
+              "all; a keep probability given as p does this, as transformers' "
+              "MobileNetV1Config's default classifier_dropout_prob=0.999 does).")
 
 
 # float16's smallest subnormal is 2**-24, about 6e-8: a gradient below it is 0 there.
