@@ -858,5 +858,35 @@ def test_loops_that_zero_their_gradients_are_not_said_to_miss_it(loop: str) -> N
                 other.zero_grad()
                 (-loss()).backward()
                 other.step()
-    assert watch.steps > 1 and watch.unzeroed_steps == 0
-    assert not [f for f in watch.findings() if f.code == "grads.not_zeroed"]
+    assert watch.steps > 1 and watch.unzeroed_steps == 0 and watch.cleared_steps == 0
+    assert not [f for f in watch.findings()
+                if f.code in ("grads.not_zeroed", "grads.cleared_before_step")]
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_gradients_cleared_between_backward_and_step_are_a_warning(set_to_none: bool) -> None:
+    """`zero_grad()` between `loss.backward()` and `step()`: every update uses no gradient
+    and the model never learns. Set to None, it is read from metadata on every step; zeroed
+    in place, from the norm the update used on sampled steps, which is 0. Either was
+    silent; the in-place one read as gradients never zeroed."""
+    torch.manual_seed(0)
+    model = _mlp()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(4, 4), torch.randn(4, 2)
+    with watch_gradients(model, every=2, optimizer=opt) as watch:
+        for _ in range(6):
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.zero_grad(set_to_none=set_to_none)
+            opt.step()
+    for a, b in zip(model.parameters(), before, strict=True):
+        assert torch.equal(a, b)  # torch agrees: no update moved anything
+    [f] = [f for f in watch.findings() if f.code == "grads.cleared_before_step"]
+    assert f.severity.name == "WARNING" and "zero_grad()" in f.fix
+    if set_to_none:
+        assert (watch.cleared_steps, watch.first_cleared) == (6, 0)
+        assert f.evidence["steps"] == 6 and f.evidence["of"] == 6
+    else:
+        assert watch.cleared_steps == 0 and f.evidence["zeroed_samples"] == 3
+        assert watch.history.applied_norms == (0.0, 0.0, 0.0)
+    assert not [f for f in watch.findings() if f.code in ("grads.not_zeroed", "grads.clipped")]

@@ -45,6 +45,7 @@ __all__ = [
     "diagnose",
     "diagnose_history",
     "diagnose_watch",
+    "find_cleared",
     "find_dead",
     "find_exploding",
     "find_frozen",
@@ -1293,11 +1294,14 @@ def find_no_step(step_by: str, steps: int, backwards: int,
     )]
 
 
-def find_not_zeroed(unzeroed: int, first: int | None, steps: int) -> list[Finding]:
+def find_not_zeroed(unzeroed: int, first: int | None, steps: int,
+                    history: GradHistory | None = None) -> list[Finding]:
     """`grads.not_zeroed`: optimizer steps whose gradients still held the previous step's,
     because nothing zeroed them in between: each update uses the sum of every gradient since
-    the loop began, so it grows step after step."""
-    if not unzeroed:
+    the loop began, so it grows step after step. A loop that zeroes them in place between
+    the backward and the step reads the same way from metadata: where `history` shows it
+    (`_zeroed_samples`), `grads.cleared_before_step` says so instead."""
+    if not unzeroed or _zeroed_samples(history):
         return []
     return [Finding(
         code="grads.not_zeroed",
@@ -1310,6 +1314,44 @@ def find_not_zeroed(unzeroed: int, first: int | None, steps: int) -> list[Findin
         "to accumulate over micro-batches, zero after each step(), not after each "
         "backward.",
     )]
+
+
+def find_cleared(cleared: int, first: int | None, steps: int,
+                 history: GradHistory | None = None) -> list[Finding]:
+    """`grads.cleared_before_step`: optimizer steps whose gradients the loop cleared between
+    the backward and the step (`cleared`, set to None: metadata), or zeroed in place (sampled
+    steps of `history` whose update used a total norm of 0 while the backward's was not):
+    those updates used no gradient, so the model does not learn."""
+    zeroed = _zeroed_samples(history)
+    if not cleared and not zeroed:
+        return []
+    if cleared:
+        summary = (f"the loop cleared the gradients between the backward and the optimizer's "
+                   f"step on {cleared} of {steps} steps (from step {first}): those updates "
+                   "used no gradient")
+    else:
+        summary = (f"the gradients that the optimizer's update used were all zero on "
+                   f"{len(zeroed)} sampled step(s) (from step {zeroed[0]}), while the "
+                   "backward's were not: the loop zeroed them between the backward and the "
+                   "step")
+    return [Finding(
+        code="grads.cleared_before_step",
+        severity=Severity.WARNING,
+        summary=summary,
+        evidence={"steps": cleared, "first_step": first if cleared else zeroed[0],
+                  "of": steps, "zeroed_samples": len(zeroed)},
+        fix="zero the gradients before the forward (optimizer.zero_grad() at the top of the "
+            "loop) or after optimizer.step(), never between loss.backward() and step().",
+    )]
+
+
+def _zeroed_samples(history: GradHistory | None) -> list[int]:
+    """The sampled steps whose update used gradients of total norm 0 while the backward's
+    was not: zeroed between the backward and the step."""
+    if history is None or not history.applied_norms:
+        return []
+    return [s for s, t, a in zip(history.steps, history.total_norms, history.applied_norms,
+                                 strict=True) if a == 0 and t > 0]
 
 
 def find_no_update(backwards: int, without_update: int, steps: int) -> list[Finding]:
@@ -1339,6 +1381,9 @@ def diagnose_watch(watch: GradWatch, thresholds: GradThresholds | None = None) -
     found = diagnose(last, thresholds) if last is not None else []
     found += find_no_step(watch.step_by, watch.steps, watch.backwards, watch.optimizer_name)
     found += find_no_update(watch.backwards, watch.passes_without_update, watch.steps)
-    found += find_not_zeroed(watch.unzeroed_steps, watch.first_unzeroed, watch.steps)
+    found += find_not_zeroed(watch.unzeroed_steps, watch.first_unzeroed, watch.steps,
+                             watch.history)
+    found += find_cleared(watch.cleared_steps, watch.first_cleared, watch.steps,
+                          watch.history)
     found += ran_eagerly("grads.compiled_eager", watch.compiled, "the gradient watch")
     return rank(found + diagnose_history(watch.history, thresholds))

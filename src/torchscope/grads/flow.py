@@ -176,8 +176,14 @@ class GradWatch(HookedContext, Analyzed):
         unzeroed_steps: optimizer steps (after the first) whose gradients still held the
             previous step's: the backward passes in between only accumulated into them, so
             nothing zeroed them (`optimizer.zero_grad()` missing). Read from the gradients'
-            version counters: clipping or unscaling in place counts as a change.
+            identity and version counters; what the loop does to them between the backward
+            and the update (clipping) is no zeroing, so a loop that zeroes them in place
+            there counts too (`grads.cleared_before_step` names it from a sampled step).
         first_unzeroed: the first such step (optimizer steps counted from 0), or None.
+        cleared_steps: optimizer steps whose gradients the loop set to None between the
+            last backward and the step (`zero_grad()` before `step()` instead of after it):
+            the update used no gradient. Metadata only.
+        first_cleared: the first such step (optimizer steps counted from 0), or None.
         gathered: in a distributed job, every rank's last sample joined on rank 0 at the end
             of the block (`Ranked[GradFlow]`); None on the other ranks and on one process.
     """
@@ -259,6 +265,8 @@ class GradWatch(HookedContext, Analyzed):
         # whether any of them found the gradients set to None, replaced or changed in place.
         self.unzeroed_steps = 0
         self.first_unzeroed: int | None = None
+        self.cleared_steps = 0
+        self.first_cleared: int | None = None
         self._optimizer_steps = 0
         self._passes_since_step = 0
         self._cleared = False
@@ -431,11 +439,11 @@ class GradWatch(HookedContext, Analyzed):
             # The step ended before `step()`, or ends inside its closure (Lightning's runs
             # the backward, then clipping): the update's gradients are final after it.
             if not callable(closure):
-                self._note_applied(self.steps - 1, self._last_index == self.steps - 1)
+                self._before_update(self.steps - 1, self._last_index == self.steps - 1)
                 return None
             return _with_closure(args, kwargs, self._noting_closure(closure))
         if not callable(closure):
-            self._note_applied(self.steps, self._due_now())
+            self._before_update(self.steps, self._due_now())
             self._end_step()  # before the update: `.grad` is final and not yet zeroed
             return None
         # `step(closure)` runs forward and backward inside the step (Lightning, LBFGS): the
@@ -452,10 +460,23 @@ class GradWatch(HookedContext, Analyzed):
             result = closure()
             if first:
                 first = False
-                self._note_applied(self.steps - 1, self._last_index == self.steps - 1)
+                self._before_update(self.steps - 1, self._last_index == self.steps - 1)
             return result
 
         return evaluate
+
+    def _before_update(self, index: int, sampled: bool) -> None:
+        """Where step `index`'s gradients are those the update will use: count the step if
+        the loop cleared them since the last backward (every evidence parameter's `.grad`
+        set to None: the update uses none), else read what it applies (`_note_applied`)."""
+        had = [p for p, before in zip(self._evidence_params, self._evidence, strict=False)
+               if before is not None]
+        if had and all(p.grad is None for p in had):
+            self.cleared_steps += 1
+            if self.first_cleared is None:
+                self.first_cleared = self._optimizer_steps - 1  # this step, counted from 0
+            return
+        self._note_applied(index, sampled)
 
     def _note_applied(self, index: int, sampled: bool) -> None:
         """Where step `index`'s gradients are those the update will use: on a sampled step
@@ -498,7 +519,7 @@ class GradWatch(HookedContext, Analyzed):
                     c.discard()  # backward counts of the re-evaluation
             result = closure()
             self._closure_pending = False
-            self._note_applied(self.steps, self._due_now())
+            self._before_update(self.steps, self._due_now())
             self._end_step()
             return result
 

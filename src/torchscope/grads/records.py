@@ -35,12 +35,13 @@ _SAME = 1.01
 
 def clip_factor(total_norm: float, applied_norm: float | None) -> float:
     """`total_norm / applied_norm`: how many times smaller the gradients a step's update
-    used were than the backward's; 1.0 where they were not smaller by 1 % or more, or where
-    `applied_norm` is None or either is not finite."""
+    used were than the backward's; 1.0 where they were not smaller by 1 % or more, where
+    `applied_norm` is None or either is not finite, and where it is 0 (zeroed, not
+    clipped: `grads.cleared_before_step`)."""
     a, t = applied_norm, total_norm
-    if a is None or not (math.isfinite(a) and math.isfinite(t)) or t <= a * _SAME:
+    if a is None or a == 0 or not (math.isfinite(a) and math.isfinite(t)) or t <= a * _SAME:
         return 1.0
-    return math.inf if a == 0 else t / a
+    return t / a
 
 
 def combine_norms(norms: Iterable[float | None]) -> float | None:

@@ -22,6 +22,7 @@ from torchscope.grads import GradHistory
 from torchscope.grads.analyze import (
     diagnose,
     diagnose_history,
+    find_cleared,
     find_no_step,
     find_no_update,
     find_not_zeroed,
@@ -461,7 +462,10 @@ def _capabilities(record: RunRecord, replaced: bool) -> list[Finding]:
     found += diagnose_history(grad_history(record))
     found += find_no_step(record.step_by, record.steps, record.backwards, record.optimizer)
     found += find_no_update(record.backwards, record.passes_without_update, record.steps)
-    found += find_not_zeroed(record.unzeroed_steps, record.first_unzeroed, record.steps)
+    found += find_not_zeroed(record.unzeroed_steps, record.first_unzeroed, record.steps,
+                             grad_history(record))
+    found += find_cleared(record.cleared_steps, record.first_cleared, record.steps,
+                          grad_history(record))
     if record.activations is not None:
         found += record.activations.findings()
     if record.memory is not None:

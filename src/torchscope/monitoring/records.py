@@ -201,6 +201,8 @@ class RunRecord(Analyzed):
             left out (`GradWatch.passes_without_update`).
         unzeroed_steps: optimizer steps whose gradients still held the previous step's
             (`GradWatch.unzeroed_steps`), and the first of them.
+        cleared_steps: optimizer steps whose gradients the loop set to None between the
+            backward and the step (`GradWatch.cleared_steps`), and the first of them.
         modes: the steps by the model's mode at their forward.
         weight: per-layer norm of the layer's own parameters, read with their gradients.
     """
@@ -243,6 +245,8 @@ class RunRecord(Analyzed):
     passes_without_update: int = 0
     unzeroed_steps: int = 0
     first_unzeroed: int | None = None
+    cleared_steps: int = 0
+    first_cleared: int | None = None
     modes: ModeCounts = field(default_factory=ModeCounts)
     weight: LayerSeries = field(default_factory=lambda: LayerSeries("weight", (), (), ()))
 

@@ -514,6 +514,7 @@ class Monitor(HookedContext):
             compiled=self._compiled, backwards=grads.backwards,
             passes_without_update=grads.passes_without_update,
             unzeroed_steps=grads.unzeroed_steps, first_unzeroed=grads.first_unzeroed,
+            cleared_steps=grads.cleared_steps, first_cleared=grads.first_cleared,
             modes=self._modes,
         )
 
