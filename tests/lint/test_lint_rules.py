@@ -428,3 +428,42 @@ def test_ts015_what_it_flags_clips_by_the_loss_scale_and_its_fix_does_not() -> N
         namespace["step"](model, torch.ones(8, 4), opt, scaler, fix)  # type: ignore[operator]
         moved.append(float((model.weight - before).norm()))
     assert moved[1] > 1000 * moved[0]  # the clip acted on the scaled norm only
+
+
+def test_ts016_what_it_flags_never_moves_the_weights_and_the_watch_agrees() -> None:
+    """The trap, run: `zero_grad()` between `backward()` and `step()` leaves the step no
+    gradient, so the weights never move; the same loop under a gradient watch is
+    `grads.cleared_before_step`. Zeroing first trains."""
+    import torch
+    from torch import nn
+
+    from torchscope.grads import watch_gradients
+
+    src = """
+    import torch
+    def run(model, batches, opt):
+        for x in batches:
+            loss = torch.nn.functional.mse_loss(model(x), x[:, :2])
+            loss.backward()
+            opt.zero_grad()
+            opt.step()
+    """
+    fixed = src.replace("            loss.backward()\n            opt.zero_grad()\n",
+                        "            opt.zero_grad()\n            loss.backward()\n")
+    assert [c for _, c in _codes(src, select=["TS016"])] == ["TS016"]
+    assert [c for _, c in _codes(fixed, select=["TS016"])] == []
+    moved, codes = [], []
+    for text in (src, fixed):
+        namespace: dict[str, object] = {}
+        exec(textwrap.dedent(text), namespace)
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        before = model.weight.detach().clone()
+        with watch_gradients(model, optimizer=opt) as watch:
+            namespace["run"](model, [torch.randn(3, 4) for _ in range(4)], opt)  # type: ignore[operator]
+        moved.append(float((model.weight - before).norm()))
+        codes.append({f.code for f in watch.findings()})
+    assert moved[0] == 0.0 and moved[1] > 0
+    assert "grads.cleared_before_step" in codes[0]
+    assert "grads.cleared_before_step" not in codes[1]

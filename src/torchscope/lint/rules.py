@@ -269,6 +269,18 @@ RULES: dict[str, Rule] = {
             Severity.ERROR,
             ("clip_grad",),
         ),
+        Rule(
+            "TS016",
+            "zero-grad-before-step",
+            "`opt.zero_grad()` after a `backward()` and before `opt.step()` of that same "
+            "optimizer, in one block of statements.",
+            "`zero_grad()` clears (or zeroes) the gradients that `backward()` has just made: "
+            "the step then updates with no gradient, and the model does not learn.",
+            "Call `optimizer.zero_grad()` before the forward (or after `step()`), never "
+            "between `backward()` and `step()`.",
+            Severity.ERROR,
+            ("zero_grad",),
+        ),
     )
 }
 

@@ -1,4 +1,5 @@
-"""TS012: a training loop that never zeroes the gradients it steps on.
+"""TS012: a training loop that never zeroes the gradients it steps on. TS016: gradients
+zeroed between the backward that makes them and the step that should use them.
 
 `loss.backward()` adds to `.grad`; only `zero_grad()` (or `p.grad = None`) starts a step
 from zero. A loop that backpropagates and steps an optimizer on every iteration without
@@ -17,6 +18,12 @@ conservative:
 A loop that makes a new optimizer on each iteration (one step on each of several setups) is
 not a training loop and is not judged. Zeroing once before the loop does not count: the
 gradients still pile up across its iterations.
+
+TS016 reads each block of statements in order: a statement that backpropagates, then
+`opt.zero_grad()` (a statement of its own, not under a condition of its own), then
+`opt.step()` on that same optimizer with no backward in between. A branch's block starts
+from the backward before the branch (`if (i + 1) % n == 0:` around the zeroing and the
+step). A `zero_grad()` of another optimizer (a GAN's other player) is not judged.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ from torchscope.lint._astutil import (
     walk_local,
 )
 
-__all__ = ["called_names", "check_ts012", "is_backward"]
+__all__ = ["called_names", "check_ts012", "check_ts016", "is_backward"]
 
 
 def _own(body: list[ast.stmt]) -> Iterator[ast.AST]:
@@ -145,4 +152,67 @@ def check_ts012(tree: Tree, imports: ImportMap, calls: list[ast.Call]
             f"`{ast.unparse(step)}` runs on every iteration of this loop and nothing in the loop "
             f"zeroes the gradients `{ast.unparse(backward)}` adds to: each step updates with "
             "the sum of every gradient since the loop began")))
+    return found
+
+
+_BRANCHES = (ast.If, ast.With, ast.AsyncWith, ast.Try)
+
+
+def _blocks_of(stmt: ast.stmt) -> Iterator[list[ast.stmt]]:
+    """The blocks of statements a compound statement holds."""
+    for field in ("body", "orelse", "finalbody"):
+        block = getattr(stmt, field, None)
+        if isinstance(block, list) and block:
+            yield block
+    for handler in getattr(stmt, "handlers", []):
+        yield handler.body
+
+
+def _zero_grad_of(stmt: ast.stmt) -> tuple[ast.Call, str | None] | None:
+    """`x.zero_grad(...)` as a statement of its own, with `x`'s dotted name."""
+    if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call) and \
+            isinstance(stmt.value.func, ast.Attribute) and stmt.value.func.attr == "zero_grad":
+        return stmt.value, dotted(stmt.value.func.value)
+    return None
+
+
+def _scan(block: list[ast.stmt], backward: ast.Call | None, imports: ImportMap,
+          found: list[tuple[ast.Call, str]]) -> None:
+    """TS016 over one block, in order; `backward` is the one that ran before it (in the
+    enclosing block, with no step since). A branch's blocks start from the state before
+    the branch; a loop's or a function's from none."""
+    zeroed: tuple[ast.Call, str | None] | None = None  # a zero_grad() after `backward`
+    for stmt in block:
+        if isinstance(stmt, (*LOOPS, *FUNCS, ast.ClassDef)):
+            for inner in _blocks_of(stmt):
+                _scan(inner, None, imports, found)
+            continue
+        if isinstance(stmt, _BRANCHES) and zeroed is None:
+            for inner in _blocks_of(stmt):
+                _scan(inner, backward, imports, found)
+        own = [n for n in _own([stmt]) if isinstance(n, ast.Call)]
+        step = next((c for c in own if _is_step(c)), None)
+        here = next((c for c in own if is_backward(c, imports)), None)
+        if step is not None and zeroed is not None and backward is not None and \
+                here is None and zeroed[1] in _optimizer_of(step):
+            found.append((zeroed[0], (
+                f"`{ast.unparse(zeroed[0])}` clears the gradients that "
+                f"`{ast.unparse(backward)}` has just made, before `{ast.unparse(step)}` "
+                "uses them: the update uses no gradient")))
+        if step is not None:
+            backward = zeroed = None
+        if here is not None:
+            backward, zeroed = here, None
+        elif backward is not None and (zero := _zero_grad_of(stmt)) is not None:
+            zeroed = zero
+
+
+def check_ts016(tree: Tree, imports: ImportMap, calls: list[ast.Call]
+                ) -> list[tuple[ast.Call, str]]:
+    """Each `opt.zero_grad()` that runs between a backward and `opt.step()`, with its
+    message."""
+    if not uses_torch(imports) or not any(is_backward(c, imports) for c in calls):
+        return []
+    found: list[tuple[ast.Call, str]] = []
+    _scan(tree.module.body, None, imports, found)
     return found
