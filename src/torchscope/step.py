@@ -62,6 +62,7 @@ __all__ = [
     "Step",
     "StepInfo",
     "autocast_dtype",
+    "inner_optimizer",
     "main_output",
     "preserved",
     "synchronize",
@@ -169,6 +170,31 @@ def autocast_dtype(device_type: str) -> str | None:
     if not torch.is_autocast_enabled(device_type):
         return None
     return str(torch.get_autocast_dtype(device_type))
+
+
+def inner_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer behind a framework's wrapper, whose step hooks fire: accelerate's
+    `AcceleratedOptimizer` holds it as `.optimizer` and has no hooks of its own (registering
+    one raised AttributeError); Lightning's `LightningOptimizer` shares its hooks already.
+    None stays None.
+
+    Raises:
+        TorchscopeError: no torch optimizer is found (an object without step hooks).
+    """
+    if optimizer is None:
+        return None
+    given = optimizer
+    for _ in range(4):  # wrappers of wrappers, boundedly
+        if hasattr(optimizer, "_optimizer_step_pre_hooks"):
+            return optimizer
+        optimizer = getattr(optimizer, "optimizer", None)
+        if optimizer is None:
+            break
+    raise TorchscopeError(
+        f"optimizer= is a {type(given).__name__}, which is no torch.optim.Optimizer and "
+        "wraps none: its steps cannot be seen.",
+        fix="pass the torch.optim.Optimizer the loop steps, or manual=True and end_step() "
+            "where each step's gradients are final.")
 
 
 def main_output(output: Any) -> torch.Tensor:

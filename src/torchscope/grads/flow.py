@@ -23,7 +23,7 @@ from torchscope.grads.records import GradFlow, GradHistory, ModuleGradRecord, co
 from torchscope.hooks.lifecycle import HookedContext
 from torchscope.hooks.select import Selector
 from torchscope.hooks.session import HookSession
-from torchscope.step import LossSpec, Step
+from torchscope.step import LossSpec, Step, inner_optimizer
 
 
 def gradient_flow(
@@ -241,6 +241,7 @@ class GradWatch(HookedContext, Analyzed):
         self.steps = 0
         self.samples = 0
         self.backwards = 0
+        optimizer = inner_optimizer(optimizer)  # accelerate's wrapper: its inner one's hooks
         self.optimizer_name = None if optimizer is None else type(optimizer).__name__
         self.skipped = 0
         self._step_by: StepBy = "manual" if manual else "optimizer" if optimizer is not None \

@@ -47,6 +47,7 @@ from torchscope.distributed.world import strategy_of
 from torchscope.errors import TorchscopeError
 from torchscope.hooks.select import Selector
 from torchscope.monitoring import Monitor, RunRecord
+from torchscope.step import inner_optimizer
 
 try:
     from transformers import TrainerCallback
@@ -150,7 +151,7 @@ class TorchscopeTrainerCallback(TrainerCallback):
         if model is None:
             raise TorchscopeError("the Trainer passed no model to on_train_begin.",
                                   fix="use a transformers Trainer (>= 4.40).")
-        inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper
+        inner = inner_optimizer(optimizer)  # accelerate's wrapper
         # Sample the steps the Trainer logs when logging_steps == every: its global_step
         # after step i (0-based) is i + 1.
         self._monitor = Monitor(

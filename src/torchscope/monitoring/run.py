@@ -46,7 +46,7 @@ from torchscope.monitoring.records import (
     mode_sensitive,
 )
 from torchscope.profiling import ProfilingError, TimeWatch
-from torchscope.step import autocast_dtype
+from torchscope.step import autocast_dtype, inner_optimizer
 
 __all__ = ["Monitor", "monitor"]
 
@@ -137,6 +137,7 @@ class Monitor(HookedContext):
         self._out = None if out is None else _check_out(out)
         self._model: nn.Module | None = model
         self._parallel = parallel
+        optimizer = inner_optimizer(optimizer)  # accelerate's wrapper has no hooks
         self._optimizer = optimizer
         self._scaler = scaler
         self._micro_batches = micro_batches

@@ -42,7 +42,7 @@ from torchscope.profiling.records import (
 )
 from torchscope.profiling.syncs import host_reads
 from torchscope.profiling.trace import export_trace, rank_trace_path
-from torchscope.step import synchronize
+from torchscope.step import inner_optimizer, synchronize
 
 # Phases opened with `phase()` on this thread, and the watches open in this process: a step
 # boundary never falls inside a labelled phase (its range would be cut at the window's edges).
@@ -122,7 +122,7 @@ class TimeWatch(HookedContext):
             raise ProfilingError(f"model is a {type(model).__name__}, not an nn.Module.",
                                  fix="pass the model (or None to profile without modules).")
         self._model = model
-        self._optimizer = optimizer
+        self._optimizer = inner_optimizer(optimizer)  # accelerate's wrapper has no hooks
         self._steps, self._wait, self._warmup = int(steps), int(wait), int(warmup)
         self._by_module = by_module and model is not None
         self._select, self._depth = select, depth
