@@ -277,3 +277,38 @@ def test_frozen_parameters_are_never_dead() -> None:
     # the trainable layer below it is, with the others the zero head starves
     [below] = [f for f in flow.findings() if f.code == "grads.dead" and f.module == "3"]
     assert below.evidence["last"] == "0" and below.evidence["cause"] == "4"
+
+
+def test_a_second_optimizer_s_parameters_get_no_update_from_the_watched_one() -> None:
+    """Muon for the matrices, AdamW for the embedding and the norm, stepped after it: the
+    watch given Muon measured the embedding's and the norm's update as 0 (their step comes
+    after Muon's is measured). Only Muon's parameters get an update now, each equal to
+    torch's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(50, 32), nn.LayerNorm(32), nn.Linear(32, 32),
+                          nn.GELU(), nn.Linear(32, 50))
+    matrices = [p for n, p in model.named_parameters() if p.ndim == 2 and n[0] != "0"]
+    rest = [p for n, p in model.named_parameters() if not (p.ndim == 2 and n[0] != "0")]
+    # torch.optim.Muon since torch 2.9; SGD plays its part before that.
+    muon = getattr(torch.optim, "Muon", torch.optim.SGD)(matrices, lr=0.02)
+    adamw = torch.optim.AdamW(rest, lr=1e-3)
+    x = torch.randint(0, 50, (8, 16), generator=torch.Generator().manual_seed(0))
+    with watch_gradients(model, every=1, optimizer=muon) as watch:
+        for _ in range(3):
+            muon.zero_grad()
+            adamw.zero_grad()
+            nn.functional.cross_entropy(model(x).reshape(-1, 50), x.reshape(-1)).backward()
+            before = {n: p.detach().clone() for n, p in model.named_parameters()}
+            muon.step()
+            moved = {n: torch.linalg.vector_norm(p.detach() - before[n]).item()
+                     for n, p in model.named_parameters()}
+            adamw.step()
+    last = watch.last
+    assert last is not None
+    for p in last.params:
+        if p.name in ("2.weight", "4.weight"):
+            assert p.update_norm == pytest.approx(moved[p.name], rel=1e-5) and moved[p.name] > 0
+        else:
+            assert p.update_norm is None, p.name
+    ratios = {lg.module: lg.update_ratio for lg in last.layer_grads()}
+    assert ratios["0"] is None and ratios["1"] is None and ratios["2"] is not None

@@ -1417,15 +1417,21 @@ class GradCollector(HookedContext):
         return {name for (name, _), n in zip(kept, _host_floats(norms), strict=True)
                 if n == 0.0}
 
-    def snapshot_weights(self) -> None:
+    def snapshot_weights(self, updated: set[int] | None = None) -> None:
         """Copy every trainable parameter, just before an optimizer update (sampled steps
         only: it costs one more copy of the trainable parameters until `measure_updates`).
         The copies' norms are the step's weight norms (`finish` reuses them): one read.
 
         Under FSDP2 each rank copies its shard of a sharded parameter (`measure_updates`
         joins the shards' updates).
+
+        Args:
+            updated: the `id()`s of the parameters this update writes (the optimizer's);
+                the others (another optimizer's, stepped after it) get no update measured.
+                None: every trainable parameter.
         """
-        kept = [(i, name, p) for i, (name, _, p) in enumerate(self._params) if p.requires_grad]
+        kept = [(i, name, p) for i, (name, _, p) in enumerate(self._params)
+                if p.requires_grad and (updated is None or id(p) in updated)]
         self._before = []
         self._weight_vals = {}
         if not kept:

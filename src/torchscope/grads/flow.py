@@ -433,7 +433,10 @@ class GradWatch(HookedContext, Analyzed):
                 sampled = c.active and self._due(index)
             if sampled:
                 self._update_step = index
-                c.snapshot_weights()
+                # Only what this optimizer updates: a second optimizer's parameters (AdamW
+                # beside Muon) move at its own step, after this one's update is measured.
+                c.snapshot_weights({id(p) for group in self._optimizer.param_groups
+                                    for p in group["params"]})
         # args[0] is the optimizer; a closure is step's first parameter.
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
         if self._step_by == "manual":
