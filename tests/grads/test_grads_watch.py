@@ -890,3 +890,5 @@ def test_gradients_cleared_between_backward_and_step_are_a_warning(set_to_none: 
         assert watch.cleared_steps == 0 and f.evidence["zeroed_samples"] == 3
         assert watch.history.applied_norms == (0.0, 0.0, 0.0)
     assert not [f for f in watch.findings() if f.code in ("grads.not_zeroed", "grads.clipped")]
+    [still] = [f for f in watch.findings() if f.code == "grads.update_ratio"]
+    assert "moved no layer" in still.summary and "zero_grad()" in still.fix

@@ -1110,11 +1110,12 @@ def find_update_ratio(flow: GradFlow, thresholds: GradThresholds | None = None
             code="grads.update_ratio",
             severity=Severity.INFO,
             summary=f"the optimizer step moved no layer's weights (‖Δw‖ = 0 in all "
-            f"{len(ratios)}): a learning rate of 0, as on a warm-up's first step, or a step "
-            "that skipped the update",
+            f"{len(ratios)}): a learning rate of 0, as on a warm-up's first step, a step "
+            "that skipped the update, or gradients cleared before it",
             evidence=evidence,
-            fix="nothing to do on a warm-up's first step; otherwise check the learning rate "
-            "and that the optimizer holds these parameters",
+            fix="nothing to do on a warm-up's first step; otherwise check the learning rate, "
+            "that the optimizer holds these parameters, and that zero_grad() does not run "
+            "between backward() and step()",
             module=lo[1])]
     if median <= t.update_low and flow.clip_factor > 1:
         # The update is lr times the clipped gradient: the clipping sets its size.
