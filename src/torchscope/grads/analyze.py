@@ -46,6 +46,7 @@ __all__ = [
     "diagnose_history",
     "diagnose_watch",
     "find_cleared",
+    "find_clipping",
     "find_dead",
     "find_exploding",
     "find_frozen",

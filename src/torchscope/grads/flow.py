@@ -456,7 +456,8 @@ class GradWatch(HookedContext, Analyzed):
         return _with_closure(args, kwargs, self._closure_of_step(closure))
 
     def _noting_closure(self, closure: Callable[[], Any]) -> Callable[[], Any]:
-        """`closure`, after whose first evaluation a manual step's applied norm is read."""
+        """`closure`, after whose first evaluation a manual step's gradients are checked
+        (`_before_update`): there they are the ones the update uses."""
         first = True
 
         def evaluate() -> Any:

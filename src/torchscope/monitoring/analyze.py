@@ -459,13 +459,13 @@ def _capabilities(record: RunRecord, replaced: bool) -> list[Finding]:
     found: list[Finding] = []
     if record.last is not None:
         found += diagnose(record.last)
-    found += diagnose_history(grad_history(record))
+    history = grad_history(record)
+    found += diagnose_history(history)
     found += find_no_step(record.step_by, record.steps, record.backwards, record.optimizer)
     found += find_no_update(record.backwards, record.passes_without_update, record.steps)
     found += find_not_zeroed(record.unzeroed_steps, record.first_unzeroed, record.steps,
-                             grad_history(record))
-    found += find_cleared(record.cleared_steps, record.first_cleared, record.steps,
-                          grad_history(record))
+                             history)
+    found += find_cleared(record.cleared_steps, record.first_cleared, record.steps, history)
     if record.activations is not None:
         found += record.activations.findings()
     if record.memory is not None:

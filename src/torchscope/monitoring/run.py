@@ -351,7 +351,7 @@ class Monitor(HookedContext):
                                  0 if mem is None else mem.samples,
                                  None if mem is None else mem.last)
 
-    def _note_applied(self) -> None:
+    def _keep_applied(self) -> None:
         """Keep the total norms the updates of sampled steps used where the loop clipped
         (`GradWatch.applied_norms`, which keeps only the newest here), for the kept rows."""
         if self._grads is None:
@@ -363,7 +363,7 @@ class Monitor(HookedContext):
             self._applied = {k: v for k, v in self._applied.items() if k in kept}
 
     def _on_step(self, index: int, flow: GradFlow | None) -> None:
-        self._note_applied()
+        self._keep_applied()
         if self._mode is not None:  # the mode of the step's last forward with gradients on
             self._modes = self._modes.with_step(self._mode, index, self._autocast)
             self._mode = None
@@ -483,7 +483,7 @@ class Monitor(HookedContext):
     def _record(self, *, stopped: bool) -> RunRecord:
         grads = self._grads
         assert grads is not None
-        self._note_applied()  # a manual step's comes after its end
+        self._keep_applied()  # a manual step's comes after its end
         h = self._history
         rows = h.rows()
         onset = self._forward_onset or (None, None, None)
