@@ -461,6 +461,35 @@ def test_a_small_init_embedding_growing_into_its_scale_is_no_falling_gradient_wa
     assert not [f for f in run.findings() if f.severity >= Severity.WARNING]
 
 
+def test_a_gradient_read_while_the_weights_were_zero_is_no_baseline() -> None:
+    """transformers' Data2VecVision starts its class token at zero, before a LayerNorm of
+    eps 1e-12: its gradient is 52 at step 0 and 0.04 once AdamW has moved it. That read as
+    "the embeddings' gradient fell 1,070x, 1,700x more than the median layer's" (warning).
+    Samples taken while a layer's weights were all zero are left out of its trend."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.Data2VecVisionForImageClassification(
+        transformers.Data2VecVisionConfig(
+            image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2,
+            num_attention_heads=4, intermediate_size=64, num_labels=5, use_mean_pooling=True))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    with torchscope.monitor(model, opt, every=5, out=None, memory=False) as mon:
+        for _ in range(40):
+            x, y = torch.randn(2, 3, 32, 32, generator=g), torch.randint(0, 5, (2,), generator=g)
+            opt.zero_grad()
+            model(pixel_values=x, labels=y).loss.backward()
+            opt.step()
+    run = mon.result
+    assert run is not None
+    cls = "data2vec_vision.embeddings"
+    weights, grads = run.weight.series(cls), run.grad_param.series(cls)
+    assert weights[0] == 0 and all(w > 0 for w in weights[1:])  # a zero init, then moved
+    assert grads[0] > 100 * max(grads[1:])
+    assert not [f for f in run.findings() if f.code == "run.grad_fell" and f.module == cls]
+    assert not [f for f in run.findings() if f.severity >= Severity.WARNING]
+
+
 def test_one_more_dead_unit_of_a_small_layer_is_no_warning() -> None:
     """transformers' RegNet, 40 AdamW steps on batches of 8: a squeeze-excitation ReLU of 8
     channels, each seen on 8 values, had 2 channels zero on one sample and 3 on the last;

@@ -181,7 +181,10 @@ def _gradient_trends(record: RunRecord, t: RunThresholds) -> list[Finding]:
     skip = frozenset(record.skipped_steps)
     if len(series.steps) < t.min_samples:
         return []
-    found = {k: c for k in series.layers if (c := change(series, k, t.window, skip))}
+    # A gradient read while the layer's weights were all zero (a zero-init class token
+    # before a LayerNorm of eps 1e-12: 52, then 0.04 once AdamW moved it) is no baseline.
+    found = {k: c for k in series.layers
+             if (c := change(series, k, t.window, skip | _zero_weight_steps(record, k)))}
     if not found:
         return []
     falls = {k: c[1] / c[3] for k, c in found.items()}  # > 1: fell
@@ -494,6 +497,14 @@ def section_of(finding: Finding) -> str:
     if code.startswith("memory."):
         return "mem_history"
     return "run"
+
+
+def _zero_weight_steps(record: RunRecord, layer: str) -> frozenset[int]:
+    """The sampled steps at which `layer`'s own weights read exactly zero (a zero init)."""
+    w = record.weight
+    if layer not in w.layers:
+        return frozenset()
+    return frozenset(s for s, v in zip(w.steps, w.series(layer), strict=True) if v == 0)
 
 
 def _normalised_after(record: RunRecord, layer: str, t: RunThresholds,
