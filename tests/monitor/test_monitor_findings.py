@@ -461,6 +461,23 @@ def test_a_small_init_embedding_growing_into_its_scale_is_no_falling_gradient_wa
     assert not [f for f in run.findings() if f.severity >= Severity.WARNING]
 
 
+def _train_images(model: nn.Module, *, batch: int, size: int, classes: int, seed: int,
+                  memory: bool = True) -> RunRecord:
+    """40 AdamW steps (lr 1e-3) of a transformers image classifier on random images and
+    labels, monitored every 5 steps."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(seed)
+    with torchscope.monitor(model, opt, every=5, out=None, memory=memory) as mon:
+        for _ in range(40):
+            x = torch.randn(batch, 3, size, size, generator=g)
+            y = torch.randint(0, classes, (batch,), generator=g)
+            opt.zero_grad()
+            model(pixel_values=x, labels=y).loss.backward()
+            opt.step()
+    assert mon.result is not None
+    return mon.result
+
+
 def test_a_gradient_read_while_the_weights_were_zero_is_no_baseline() -> None:
     """transformers' Data2VecVision starts its class token at zero, before a LayerNorm of
     eps 1e-12: its gradient is 52 at step 0 and 0.04 once AdamW has moved it. That read as
@@ -472,16 +489,7 @@ def test_a_gradient_read_while_the_weights_were_zero_is_no_baseline() -> None:
         transformers.Data2VecVisionConfig(
             image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2,
             num_attention_heads=4, intermediate_size=64, num_labels=5, use_mean_pooling=True))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    g = torch.Generator().manual_seed(0)
-    with torchscope.monitor(model, opt, every=5, out=None, memory=False) as mon:
-        for _ in range(40):
-            x, y = torch.randn(2, 3, 32, 32, generator=g), torch.randint(0, 5, (2,), generator=g)
-            opt.zero_grad()
-            model(pixel_values=x, labels=y).loss.backward()
-            opt.step()
-    run = mon.result
-    assert run is not None
+    run = _train_images(model, batch=2, size=32, classes=5, seed=0, memory=False)
     cls = "data2vec_vision.embeddings"
     weights, grads = run.weight.series(cls), run.grad_param.series(cls)
     assert weights[0] == 0 and all(w > 0 for w in weights[1:])  # a zero init, then moved
@@ -499,16 +507,7 @@ def test_one_more_dead_unit_of_a_small_layer_is_no_warning() -> None:
     model = transformers.RegNetForImageClassification(transformers.RegNetConfig(
         embedding_size=16, hidden_sizes=[16, 32, 64, 128], depths=[1, 1, 1, 1],
         groups_width=8, num_labels=10))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    g = torch.Generator().manual_seed(1)
-    with torchscope.monitor(model, opt, every=5, out=None) as mon:
-        for _ in range(40):
-            x, y = torch.randn(8, 3, 64, 64, generator=g), torch.randint(0, 10, (8,), generator=g)
-            opt.zero_grad()
-            model(pixel_values=x, labels=y).loss.backward()
-            opt.step()
-    run = mon.result
-    assert run is not None
+    run = _train_images(model, batch=8, size=64, classes=10, seed=1)
     se = "regnet.encoder.stages.2.layers.0.layer.2.attention.1"
     fractions = [v for v in run.act_dead.series(se) if v == v]
     assert fractions[0] == 0.25 and fractions[-1] == 0.375  # one channel of 8 more
