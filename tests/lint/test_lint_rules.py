@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import textwrap
 from pathlib import Path
 
@@ -467,3 +468,45 @@ def test_ts016_what_it_flags_never_moves_the_weights_and_the_watch_agrees() -> N
     assert moved[0] == 0.0 and moved[1] > 0
     assert "grads.cleared_before_step" in codes[0]
     assert "grads.cleared_before_step" not in codes[1]
+
+
+def test_ts017_what_it_flags_updates_with_the_unclipped_gradients() -> None:
+    """The trap, run: clipping after `step()` leaves the update unbounded (SGD moves the
+    weights by lr times the whole gradient), and a gradient watch reads no clipping before
+    any update; clipping before the step bounds it."""
+    import torch
+    from torch import nn
+
+    from torchscope.grads import watch_gradients
+
+    src = """
+    import torch
+    def run(model, batches, opt):
+        for x in batches:
+            opt.zero_grad()
+            (1000 * torch.nn.functional.mse_loss(model(x), x[:, :2])).backward()
+            opt.step()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    """
+    fixed = src.replace("            opt.step()\n            torch.nn.utils.clip_grad_norm_("
+                        "model.parameters(), 1.0)\n",
+                        "            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)"
+                        "\n            opt.step()\n")
+    assert [c for _, c in _codes(src, select=["TS017"])] == ["TS017"]
+    assert [c for _, c in _codes(fixed, select=["TS017"])] == []
+    moved, applied = [], []
+    for text in (src, fixed):
+        namespace: dict[str, object] = {}
+        exec(textwrap.dedent(text), namespace)
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        before = [p.detach().clone() for p in model.parameters()]
+        with watch_gradients(model, optimizer=opt) as watch:
+            namespace["run"](model, [torch.randn(3, 4)], opt)  # type: ignore[operator]
+        moved.append(math.sqrt(sum(float((p - b).norm()) ** 2
+                                   for p, b in zip(model.parameters(), before, strict=True))))
+        applied.append(watch.history.applied_norms)
+    assert moved[0] > 10 * moved[1]  # lr times the whole gradient, against lr times 1.0
+    assert moved[1] == pytest.approx(1e-3, rel=1e-4)
+    assert applied[0] == () and applied[1] == pytest.approx((1.0,), rel=1e-5)

@@ -5,9 +5,9 @@ registered in a loop, TS002 discarded hook handle, ... TS007 checkpoint without
 `use_reentrant=`; TS008 and TS009, the distributed ones, live in `fsdp_hooks` and
 `rank_norms`; TS010, a model called after `eval()` with gradients on, in `eval_grad`;
 TS011, a loss accumulated across a loop with its autograd history, in `loss_history`;
-TS012, a training loop that never zeroes its gradients, and TS016, gradients zeroed between
-`backward()` and `step()`, in `zero_grad`; TS013, a training
-loop that leaves its model in eval mode, in `eval_mode`; TS014 and TS015, softmax
+TS012, a training loop that never zeroes its gradients, TS016, gradients zeroed between
+`backward()` and `step()`, and TS017, gradients clipped after `step()`, in `zero_grad`;
+TS013, a training loop that leaves its model in eval mode, in `eval_mode`; TS014 and TS015, softmax
 probabilities given to a loss and gradients clipped before unscaling, in `loss_inputs`) is
 described, with why it is a trap and the fix, in `torchscope.lint.RULES`.
 

@@ -34,7 +34,7 @@ from torchscope.lint.loss_inputs import check_ts014, check_ts015
 from torchscope.lint.rank_norms import check_ts009
 from torchscope.lint.records import LintViolation
 from torchscope.lint.rules import RULES
-from torchscope.lint.zero_grad import check_ts012, check_ts016
+from torchscope.lint.zero_grad import check_ts012, check_ts016, check_ts017
 
 __all__ = ["check_tree"]
 
@@ -247,7 +247,7 @@ class _Checker:
                            ("TS010", check_ts010), ("TS011", check_ts011),
                            ("TS012", check_ts012), ("TS013", check_ts013),
                            ("TS014", check_ts014), ("TS015", check_ts015),
-                           ("TS016", check_ts016)):
+                           ("TS016", check_ts016), ("TS017", check_ts017)):
             if code in self.codes:
                 for node, message in rule(self.tree, self.imports, self.calls):
                     self.report(code, node, message)

@@ -26,7 +26,7 @@ from torchscope.lint._astutil import (
     walk_local,
 )
 
-__all__ = ["check_ts014", "check_ts015"]
+__all__ = ["check_ts014", "check_ts015", "is_clip"]
 
 _SOFTMAX = frozenset({"torch.softmax", "torch.nn.functional.softmax", "torch.special.softmax"})
 _CROSS_ENTROPY = ("torch.nn.functional.cross_entropy", "torch.nn.CrossEntropyLoss")
@@ -34,6 +34,14 @@ _NLL = ("torch.nn.functional.nll_loss", "torch.nn.NLLLoss")
 _CLIPS = frozenset({"torch.nn.utils.clip_grad_norm_", "torch.nn.utils.clip_grad_value_",
                     "torch.nn.utils.clip_grad.clip_grad_norm_",
                     "torch.nn.utils.clip_grad.clip_grad_value_"})
+
+
+def is_clip(call: ast.Call, imports: ImportMap) -> bool:
+    """`torch.nn.utils.clip_grad_norm_`/`clip_grad_value_`, or a framework's method of that
+    name (`accelerator.clip_grad_norm_`)."""
+    func = call.func
+    return imports.qualify(func) in _CLIPS or (
+        isinstance(func, ast.Attribute) and func.attr in ("clip_grad_norm_", "clip_grad_value_"))
 
 
 def _is_softmax(node: ast.AST, imports: ImportMap) -> bool:

@@ -281,6 +281,17 @@ RULES: dict[str, Rule] = {
             Severity.ERROR,
             ("zero_grad",),
         ),
+        Rule(
+            "TS017",
+            "clip-after-step",
+            "`clip_grad_norm_` or `clip_grad_value_` after a backward's `opt.step()` and "
+            "before the next backward, with no step after it.",
+            "The optimizer has already updated with the unclipped gradients: the clip bounds "
+            "nothing, and a gradient spike goes into the weights whole.",
+            "Clip between `backward()` (and `scaler.unscale_(opt)`) and `opt.step()`.",
+            Severity.ERROR,
+            ("clip_grad",),
+        ),
     )
 }
 

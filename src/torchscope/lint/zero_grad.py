@@ -1,5 +1,6 @@
 """TS012: a training loop that never zeroes the gradients it steps on. TS016: gradients
-zeroed between the backward that makes them and the step that should use them.
+zeroed between the backward that makes them and the step that should use them. TS017:
+gradients clipped after the step that used them.
 
 `loss.backward()` adds to `.grad`; only `zero_grad()` (or `p.grad = None`) starts a step
 from zero. A loop that backpropagates and steps an optimizer on every iteration without
@@ -24,6 +25,10 @@ TS016 reads each block of statements in order: a statement that backpropagates, 
 `opt.step()` on that same optimizer with no backward in between. A branch's block starts
 from the backward before the branch (`if (i + 1) % n == 0:` around the zeroing and the
 step). A `zero_grad()` of another optimizer (a GAN's other player) is not judged.
+
+TS017 reads the same blocks: a backward, an optimizer's `step()`, then a clip
+(`clip_grad_norm_`/`clip_grad_value_`) before the next backward, with no step after the clip
+in the block (a GAN clips its other player's gradients between two steps).
 """
 
 from __future__ import annotations
@@ -41,8 +46,9 @@ from torchscope.lint._astutil import (
     uses_torch,
     walk_local,
 )
+from torchscope.lint.loss_inputs import is_clip
 
-__all__ = ["called_names", "check_ts012", "check_ts016", "is_backward"]
+__all__ = ["called_names", "check_ts012", "check_ts016", "check_ts017", "is_backward"]
 
 
 def _own(body: list[ast.stmt]) -> Iterator[ast.AST]:
@@ -221,4 +227,58 @@ def check_ts016(tree: Tree, imports: ImportMap, calls: list[ast.Call]
         return []
     found: list[tuple[ast.Call, str]] = []
     _scan(tree.module.body, None, imports, found)
+    return found
+
+
+def _scan_clips(block: list[ast.stmt], imports: ImportMap,
+                found: list[tuple[ast.Call, str]]) -> None:
+    """TS017 over one block and the blocks inside it, in order."""
+    stepped: ast.Call | None = None  # a step after a backward, with no backward since
+    backward = False
+    late: tuple[ast.Call, ast.Call] | None = None  # (clip, the step before it), unconfirmed
+    for stmt in block:
+        for inner in _blocks_of(stmt) if isinstance(stmt, (*LOOPS, *FUNCS, ast.ClassDef,
+                                                           *_BRANCHES)) else ():
+            _scan_clips(inner, imports, found)
+        if isinstance(stmt, (*LOOPS, *FUNCS, ast.ClassDef)):
+            continue
+        own = [n for n in _own([stmt]) if isinstance(n, ast.Call)]
+        step = next((c for c in own if _is_step(c)), None)
+        here = any(is_backward(c, imports) for c in own)
+        clip = next((c for c in own if is_clip(c, imports) and not _measures_only(c)), None)
+        if late is not None and (here or step is not None):
+            if here and step is None:
+                found.append((late[0], _late_message(*late)))
+            late = None
+        if here:
+            backward, stepped = True, None
+        if step is not None:
+            stepped = step if backward and not here else None
+        elif clip is not None and stepped is not None and not here:
+            late = (clip, stepped)
+    if late is not None:
+        found.append((late[0], _late_message(*late)))
+
+
+def _measures_only(clip: ast.Call) -> bool:
+    """`clip_grad_norm_(params, float("inf"))`: the total norm, read to be logged; no clip."""
+    bound = clip.args[1] if len(clip.args) > 1 else next(
+        (k.value for k in clip.keywords if k.arg in ("max_norm", "clip_value")), None)
+    return bound is not None and "inf" in ast.unparse(bound)
+
+
+def _late_message(clip: ast.Call, step: ast.Call) -> str:
+    return (f"`{ast.unparse(clip.func)}` runs after `{ast.unparse(step)}`, which has already "
+            "updated with the unclipped gradients: the clip bounds nothing")
+
+
+def check_ts017(tree: Tree, imports: ImportMap, calls: list[ast.Call]
+                ) -> list[tuple[ast.Call, str]]:
+    """Each gradient clip that runs after the optimizer step it should bound, with its
+    message."""
+    if not uses_torch(imports) or not any(is_clip(c, imports) for c in calls) or \
+            not any(is_backward(c, imports) for c in calls):
+        return []
+    found: list[tuple[ast.Call, str]] = []
+    _scan_clips(tree.module.body, imports, found)
     return found
