@@ -312,3 +312,27 @@ def test_a_second_optimizer_s_parameters_get_no_update_from_the_watched_one() ->
             assert p.update_norm is None, p.name
     ratios = {lg.module: lg.update_ratio for lg in last.layer_grads()}
     assert ratios["0"] is None and ratios["1"] is None and ratios["2"] is not None
+
+
+@pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon: torch 2.9+")
+def test_muon_s_step_of_about_its_learning_rate_is_not_called_large() -> None:
+    """Muon orthogonalises each update, which moves a matrix by about its learning rate (0.02)
+    of its norm by design: that read as "possibly too large a step" against the 1e-3 rule
+    of SGD and Adam. A Muon step of 10 % or more is still a warning."""
+    found: dict[float, list[str]] = {}
+    for lr in (0.02, 0.5):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 64, bias=False), nn.ReLU(),
+                              nn.Linear(64, 64, bias=False))
+        opt = torch.optim.Muon(model.parameters(), lr=lr)
+        x = torch.randn(16, 64, generator=torch.Generator().manual_seed(0))
+        with watch_gradients(model, optimizer=opt) as watch:
+            for _ in range(2):
+                opt.zero_grad()
+                model(x).square().mean().backward()
+                opt.step()
+        assert watch.last is not None and watch.last.optimizer == "Muon"
+        ratios = [lg.update_ratio for lg in watch.last.layer_grads() if lg.update_ratio]
+        assert ratios and (min(ratios) > 0.01 if lr == 0.02 else min(ratios) > 0.1)
+        found[lr] = [f.severity.name for f in watch.findings() if f.code == "grads.update_ratio"]
+    assert found == {0.02: [], 0.5: ["WARNING"]}

@@ -1075,6 +1075,10 @@ def find_frozen(flow: GradFlow, thresholds: GradThresholds | None = None) -> lis
     )]
 
 
+# Optimizers whose update has a set size relative to the weights, whatever the gradient.
+_NORMALISED_UPDATES = frozenset({"Muon"})
+
+
 def find_update_ratio(flow: GradFlow, thresholds: GradThresholds | None = None
                       ) -> list[Finding]:
     """The optimizer step's size against the weights, when it was measured
@@ -1095,6 +1099,11 @@ def find_update_ratio(flow: GradFlow, thresholds: GradThresholds | None = None
         "median": median, "largest": hi[0], "largest_module": hi[1], "smallest": lo[0],
         "smallest_module": lo[1], "layers": len(ratios), "from_zero": len(grown),
         "step": flow.index}
+    optimizer = flow.optimizer or (flow.step.optimizer if flow.step is not None else None)
+    if t.update_elevated <= median < t.update_high and optimizer in _NORMALISED_UPDATES:
+        # Muon orthogonalises each update: it moves a matrix by about the learning rate
+        # (0.02 by default) of its norm by design, not 1e-3.
+        return []
     if median >= t.update_elevated:
         likely = median >= t.update_high
         return [Finding(

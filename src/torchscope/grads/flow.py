@@ -721,6 +721,8 @@ class GradWatch(HookedContext, Analyzed):
                                if p.requires_grad and p.weight_norm == 0.0)
         if self._from_zero:
             flow = replace(flow, from_zero=tuple(sorted(self._from_zero)))
+        if self._updates:
+            flow = replace(flow, optimizer=self.optimizer_name)
         self._last = flow
         outs = {k: v for k, v in flow.output_norms().items() if v is not None}
         params = {k: v for k, v in flow.param_norms().items() if v is not None}

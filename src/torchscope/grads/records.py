@@ -446,6 +446,7 @@ class GradFlow(Analyzed, Gatherable):
             GradScaler's scale is divided out of both); None where nothing changed them
             (the update used `total_norm`'s gradients), or where it was not read (no
             optimizer, an unsampled step, FSDP2 shards).
+        optimizer: the class name of the optimizer whose update a watch measured, or None.
     """
 
     index: int
@@ -462,6 +463,7 @@ class GradFlow(Analyzed, Gatherable):
     idle_forwards: int = 0
     from_zero: tuple[str, ...] = ()
     applied_norm: float | None = None
+    optimizer: str | None = None
 
     @property
     def clip_factor(self) -> float:
