@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -431,14 +432,31 @@ def test_ts015_what_it_flags_clips_by_the_loss_scale_and_its_fix_does_not() -> N
     assert moved[1] > 1000 * moved[0]  # the clip acted on the scaled norm only
 
 
-def test_ts016_what_it_flags_never_moves_the_weights_and_the_watch_agrees() -> None:
-    """The trap, run: `zero_grad()` between `backward()` and `step()` leaves the step no
-    gradient, so the weights never move; the same loop under a gradient watch is
-    `grads.cleared_before_step`. Zeroing first trains."""
+def _run_watched(text: str, *, lr: float, batches: int) -> tuple[float, Any]:
+    """Run the source's `run(model, batches, opt)` on a seeded nn.Linear(4, 2) with SGD at
+    `lr` under `watch_gradients`: how far its parameters moved (L2), and the watch."""
     import torch
     from torch import nn
 
     from torchscope.grads import watch_gradients
+
+    namespace: dict[str, object] = {}
+    exec(textwrap.dedent(text), namespace)
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    before = [p.detach().clone() for p in model.parameters()]
+    with watch_gradients(model, optimizer=opt) as watch:
+        namespace["run"](model, [torch.randn(3, 4) for _ in range(batches)], opt)  # type: ignore[operator]
+    moved = math.sqrt(sum(float((p - b).norm()) ** 2
+                          for p, b in zip(model.parameters(), before, strict=True)))
+    return moved, watch
+
+
+def test_ts016_what_it_flags_never_moves_the_weights_and_the_watch_agrees() -> None:
+    """The trap, run: `zero_grad()` between `backward()` and `step()` leaves the step no
+    gradient, so the weights never move; the same loop under a gradient watch is
+    `grads.cleared_before_step`. Zeroing first trains."""
 
     src = """
     import torch
@@ -455,15 +473,8 @@ def test_ts016_what_it_flags_never_moves_the_weights_and_the_watch_agrees() -> N
     assert [c for _, c in _codes(fixed, select=["TS016"])] == []
     moved, codes = [], []
     for text in (src, fixed):
-        namespace: dict[str, object] = {}
-        exec(textwrap.dedent(text), namespace)
-        torch.manual_seed(0)
-        model = nn.Linear(4, 2)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        before = model.weight.detach().clone()
-        with watch_gradients(model, optimizer=opt) as watch:
-            namespace["run"](model, [torch.randn(3, 4) for _ in range(4)], opt)  # type: ignore[operator]
-        moved.append(float((model.weight - before).norm()))
+        distance, watch = _run_watched(text, lr=0.1, batches=4)
+        moved.append(distance)
         codes.append({f.code for f in watch.findings()})
     assert moved[0] == 0.0 and moved[1] > 0
     assert "grads.cleared_before_step" in codes[0]
@@ -474,10 +485,6 @@ def test_ts017_what_it_flags_updates_with_the_unclipped_gradients() -> None:
     """The trap, run: clipping after `step()` leaves the update unbounded (SGD moves the
     weights by lr times the whole gradient), and a gradient watch reads no clipping before
     any update; clipping before the step bounds it."""
-    import torch
-    from torch import nn
-
-    from torchscope.grads import watch_gradients
 
     src = """
     import torch
@@ -496,16 +503,8 @@ def test_ts017_what_it_flags_updates_with_the_unclipped_gradients() -> None:
     assert [c for _, c in _codes(fixed, select=["TS017"])] == []
     moved, applied = [], []
     for text in (src, fixed):
-        namespace: dict[str, object] = {}
-        exec(textwrap.dedent(text), namespace)
-        torch.manual_seed(0)
-        model = nn.Linear(4, 2)
-        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-        before = [p.detach().clone() for p in model.parameters()]
-        with watch_gradients(model, optimizer=opt) as watch:
-            namespace["run"](model, [torch.randn(3, 4)], opt)  # type: ignore[operator]
-        moved.append(math.sqrt(sum(float((p - b).norm()) ** 2
-                                   for p, b in zip(model.parameters(), before, strict=True))))
+        distance, watch = _run_watched(text, lr=1e-3, batches=1)
+        moved.append(distance)
         applied.append(watch.history.applied_norms)
     assert moved[0] > 10 * moved[1]  # lr times the whole gradient, against lr times 1.0
     assert moved[1] == pytest.approx(1e-3, rel=1e-4)
