@@ -200,7 +200,7 @@ def _scan(block: list[ast.stmt], backward: ast.Call | None, imports: ImportMap,
         step = next((c for c in own if _is_step(c)), None)
         here = next((c for c in own if is_backward(c, imports)), None)
         if step is not None and zeroed is not None and backward is not None and \
-                here is None and zeroed[1] in _optimizer_of(step) and not _with_closure(step):
+                here is None and zeroed[1] in _optimizer_of(step) and not _steps_a_closure(step):
             found.append((zeroed[0], (
                 f"`{ast.unparse(zeroed[0])}` clears the gradients that "
                 f"`{ast.unparse(backward)}` has just made, before `{ast.unparse(step)}` "
@@ -213,7 +213,7 @@ def _scan(block: list[ast.stmt], backward: ast.Call | None, imports: ImportMap,
             zeroed = zero
 
 
-def _with_closure(step: ast.Call) -> bool:
+def _steps_a_closure(step: ast.Call) -> bool:
     """`optimizer.step(closure)`: the closure makes the gradients again (LBFGS)."""
     assert isinstance(step.func, ast.Attribute)
     return _optimizer_named(step.func.value) and bool(step.args or step.keywords)

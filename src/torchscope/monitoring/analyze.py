@@ -196,6 +196,7 @@ def _gradient_trends(record: RunRecord, t: RunThresholds) -> list[Finding]:
     total = _ends(series.steps, record.total_norms, t.window, skip) \
         if len(record.total_norms) == len(series.steps) else None
     total_grew = total is None or total[3] > total[1]
+    clips = _clips(record)
     out: list[Finding] = []
     for k, ratio in falls.items():
         s0, v0, s1, v1 = found[k]
@@ -231,7 +232,7 @@ def _gradient_trends(record: RunRecord, t: RunThresholds) -> list[Finding]:
             severity, fix = Severity.WARNING, (
                 "this layer's gradient grows, and the model's total with it: "
                 + ("lower the learning rate, or normalise around it" + _CLIPS
-                   if _clips(record) else "clip gradients (clip_grad_norm_), lower the "
+                   if clips else "clip gradients (clip_grad_norm_), lower the "
                    "learning rate, or normalise around it"))
         else:
             assert total is not None
@@ -263,7 +264,7 @@ def _gradient_trends(record: RunRecord, t: RunThresholds) -> list[Finding]:
         if total_grew:
             severity, fix = Severity.WARNING, (
                 "the whole model's gradients grow: "
-                + ("lower the learning rate, or add warm-up" + _CLIPS if _clips(record) else
+                + ("lower the learning rate, or add warm-up" + _CLIPS if clips else
                    "lower the learning rate, add warm-up, or clip gradients (clip_grad_norm_)"))
         else:
             # Most layers sit behind a gain that starts small (DINOv2's and CaiT's layer
