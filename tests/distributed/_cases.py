@@ -414,11 +414,15 @@ def hsdp_norms(rank: int, world: int, out: Path) -> dict[str, Any]:
     flow = torchscope.gradient_flow(net, x, loss_fn="cross_entropy", target=y)
     full = {n: p.grad.full_tensor().norm().item() for n, p in net.named_parameters()}
     assert flow.ranks is not None
-    # One watched step: each update's norm joins its shard group's shards only.
+    # One watched step: each update's norm joins its shard group's shards only, and so
+    # does the norm of the gradients it used, clipped to 0.02.
     opt = torch.optim.Adam(net.parameters(), lr=1e-2)
     with torchscope.watch_gradients(net, optimizer=opt) as watch:
         opt.zero_grad()
         functional.cross_entropy(net(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 0.02)
+        used = math.sqrt(sum(p.grad.full_tensor().norm().item() ** 2
+                             for p in net.parameters()))
         start = {n: p.full_tensor().clone() for n, p in net.named_parameters()}
         opt.step()
         moved = {n: (p.full_tensor() - start[n]).norm().item()
@@ -427,7 +431,8 @@ def hsdp_norms(rank: int, world: int, out: Path) -> dict[str, Any]:
     assert last is not None
     return {"params": {p.name: p.norm for p in flow.params}, "full_tensor": full,
             "shard_rows": [list(r) for r in flow.ranks.shard_rows],
-            "updates": {p.name: p.update_norm for p in last.params}, "moved": moved}
+            "updates": {p.name: p.update_norm for p in last.params}, "moved": moved,
+            "applied": last.applied_norm, "used": used}
 
 
 def activations_and_memory(rank: int, world: int, out: Path) -> dict[str, Any]:
@@ -548,6 +553,36 @@ def ddp_clip(rank: int, world: int, out: Path) -> dict[str, Any]:
             "applied": list(watch.history.applied_norms), "reads": unsampled_reads,
             "total_norm": flow.total_norm,
             "reported": {p.name: p.norm for p in flow.params}, "synced": synced[-1]}
+
+
+def fsdp_clip(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """watch_gradients in an FSDP2 loop that clips before opt.step() on two of three steps:
+    the total norm each update used, joined from the ranks' shards, against torch's own
+    (the clipped gradients' full tensors) and what clip_grad_norm_ saw."""
+    net = sharded_mlp()
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    x, y = batch(rank, world)
+    returned: list[float] = []
+    used: list[float] = []
+    clipped = None
+    with torchscope.watch_gradients(net, every=1, optimizer=opt) as watch:
+        for step in range(3):
+            opt.zero_grad()
+            functional.cross_entropy(net(x * 10), y).backward()
+            if step < 2:  # the last step does not clip: nothing to read
+                norm = torch.nn.utils.clip_grad_norm_(net.parameters(), 0.5)
+                returned.append(float(norm.full_tensor()))  # type: ignore[attr-defined]
+                # torch's norm of the clipped gradients (an all-gather each, for comparison)
+                used.append(math.sqrt(sum(p.grad.full_tensor().norm().item() ** 2
+                                          for p in net.parameters())))
+            opt.step()
+            if step == 1:
+                clipped = watch.last
+        flow = watch.last
+    assert flow is not None and clipped is not None
+    return {"returned": returned, "used": used, "applied": watch.applied_norms,
+            "history": list(watch.history.applied_norms), "last": flow.applied_norm,
+            "factor": clipped.clip_factor, "total": clipped.total_norm, "hooks": hooks(net)}
 
 
 def fsdp1_refused(rank: int, world: int, out: Path) -> dict[str, Any]:

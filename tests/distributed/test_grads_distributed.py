@@ -133,6 +133,30 @@ def test_hsdp_norms_sum_over_the_shard_group_only(tmp_path: Path) -> None:
             assert _close(norm, a["full_tensor"][name]), (name, norm)
         for name, moved in a["moved"].items():
             assert moved > 0 and _close(a["updates"][name], moved), (name, a["updates"])
+        # Summed over the replicas too it would read 0.02 * sqrt(2).
+        assert a["used"] == pytest.approx(0.02, rel=1e-4)
+        assert a["applied"] == pytest.approx(a["used"], rel=1e-6)
+
+
+def test_fsdp2_reads_the_norm_each_clipped_update_used(tmp_path: Path) -> None:
+    """Under FSDP2 each rank holds shards of the clipped gradients: the norm the update used
+    is joined from both ranks' shards in the step's exchange (one rank's alone is about
+    0.5 / sqrt(2)). It equals torch's norm of the clipped gradients' full tensors on both
+    ranks, and the step that does not clip reads none."""
+    ranks = run_ranks("fsdp_clip", tmp_path)
+    for a in ranks:
+        assert "raised" not in a, a
+        assert min(a["returned"]) > 1.0  # clipping acted on both clipped steps
+        assert a["used"] == pytest.approx([0.5, 0.5], rel=1e-5)
+        assert [a["applied"][k] for k in ("0", "1")] == pytest.approx(a["used"], rel=1e-6)
+        assert set(a["applied"]) == {"0", "1"} and a["last"] is None
+        assert a["history"][:2] == pytest.approx(a["used"], rel=1e-6)
+        assert a["history"][2] is None
+        assert a["hooks"] == ranks[0]["hooks"]
+        # The step's total is the backward's (what clip_grad_norm_ returned), and the
+        # clipping reads as their ratio.
+        assert a["total"] == pytest.approx(a["returned"][1], rel=1e-5)
+        assert a["factor"] == pytest.approx(a["returned"][1] / 0.5, rel=1e-4)
 
 
 def test_lightning_ddp_reports_the_synchronised_gradients(tmp_path: Path) -> None:

@@ -615,26 +615,41 @@ class _RankAware:
     def finish(self, names: list[str], params: list[nn.Parameter],
                local: list[torch.Tensor | None], weights: list[torch.Tensor | None],
                inv: float, read: tuple[list[torch.Tensor | None],
-                                       list[torch.Tensor | None]] | None = None) -> RankGrads:
+                                       list[torch.Tensor | None]] | None = None,
+               applied: dict[int, torch.Tensor] | None = None
+               ) -> tuple[RankGrads, float | None]:
         """Exchange every rank's numbers (one all_gather) and return them; `local` holds
         this rank's 0-d local gradient norms (None: no gradient), `weights` its 0-d local
         weight norms (of its shard, under FSDP2), and `read` the synchronised gradients'
-        norms and sums as `read_synced` took them at the end of backward (None: read now)."""
+        norms and sums as `read_synced` took them at the end of backward (None: read now).
+
+        Under FSDP2 the same exchange joins `applied` (parameter index -> this rank's 0-d
+        shard norm of the gradient the update uses, from `GradCollector.note_applied`; None
+        where the loop did not change the gradients) into the total norm the update used,
+        returned second: None unless every rank noted it and it differs from the total of
+        the backward's gradients (`local`), as they were or unscaled. Its columns are in every FSDP2
+        exchange, so that each rank gathers the same size whatever it noted."""
         import torch.distributed as dist
 
         device = comm_device(self.group)
         n = len(params)
         # (6n,) float64: local norms, synced norms, synced element sums, local weight norms,
         # then 0/1 presence flags of the local and the synced gradient (a NaN norm is a
-        # measurement).
+        # measurement). FSDP2 adds n + 1: the applied shard norms and their 0/1 flag.
         parts: list[torch.Tensor] = []
         synced, sums = read if read is not None else self.read_synced(params)
         zero = torch.zeros((), dtype=torch.float64, device=device)
+        one = torch.ones((), dtype=torch.float64, device=device)
         for column in (local, synced, sums, weights):
             parts.extend(zero if v is None else v.to(device, torch.float64) for v in column)
         for column in (local, synced):
-            parts.extend(torch.ones((), dtype=torch.float64, device=device) if v is not None
-                         else zero for v in column)
+            parts.extend(one if v is not None else zero for v in column)
+        sharded = self.strategy == "fsdp2"
+        if sharded:
+            got = applied or {}
+            parts.extend(got[i].to(device, torch.float64) if i in got else zero
+                         for i in range(n))
+            parts.append(one if applied is not None else zero)
         rows = all_gather_tensor(torch.stack(parts), group=self.group,
                                  what="the gradient-norm exchange").cpu().tolist()  # (ranks, 6n)
 
@@ -645,11 +660,29 @@ class _RankAware:
                                for i in range(n)) for row in rows)
 
         row_of = self._row_of()
+        shard_rows = tuple(tuple(row_of[r] for r in s if r in row_of) for s in self.shards)
+        total: float | None = None
+        if sharded and applied is not None and all(row[7 * n] for row in rows):
+            me = rows[row_of[dist.get_rank()]]
+
+            def joined(at: int, flags: int | None = None) -> float:
+                # A sharded parameter's squared norm sums over its shard group only (HSDP's
+                # replicas hold the same shards); one held whole is this rank's.
+                return math.sqrt(sum(
+                    sum(rows[r][at + i] ** 2 for r in shard if flags is None or
+                        rows[r][flags + i]) if shard else me[at + i] ** 2
+                    for i, shard in enumerate(shard_rows)))
+
+            used, backward = joined(6 * n), joined(0, 4 * n)
+            # Unchanged gradients read the same (the same kernel on the same shards); an
+            # unscale_ alone divides them by the scale. Either is no change by the loop.
+            if all(abs(used - b) > 1e-6 * max(used, b) for b in (backward, backward * inv)):
+                total = used
         return RankGrads(
             strategy=self.strategy, rank=dist.get_rank(), ranks=self.ranks, names=tuple(names),
             local=block(0, inv), synced=block(1, inv), fingerprints=block(2, inv),
             weights=tuple(tuple(row[3 * n + i] for i in range(n)) for row in rows),
-            shard_rows=tuple(tuple(row_of[r] for r in s if r in row_of) for s in self.shards))
+            shard_rows=shard_rows), total
 
     def _row_of(self) -> dict[int, int]:
         """Global rank -> its row in an exchange over `group`."""
@@ -827,6 +860,8 @@ class GradCollector(HookedContext):
         # DDP: the synchronised gradients' norms and sums, read when the last backward's
         # all-reduce had landed (`_read_synced`); None: read them when the step ends.
         self._synced: tuple[list[torch.Tensor | None], list[torch.Tensor | None]] | None = None
+        # FSDP2: this rank's shard norms of the gradients the update uses (`note_applied`).
+        self._applied: dict[int, torch.Tensor] | None = None
         self._in_root = False  # inside the root module's forward
         self._root_grad = False  # ...which runs with gradients enabled
         # Selected modules that ran with gradients disabled inside a root forward with them
@@ -1520,11 +1555,12 @@ class GradCollector(HookedContext):
                 weights[i] = len(self._vals)
                 self._vals.append(known[i])
         ranks = None
+        applied: float | None = None
         scale_at: int | None = None
         scale: float | None = None
         if self._rank_aware is not None:  # a collective: every rank reads it now
             scale = self._scale()
-            ranks = self._exchange(1.0 / scale if scale else 1.0, weights)
+            ranks, applied = self._exchange(1.0 / scale if scale else 1.0, weights)
         else:
             scale_t = self._scale_tensor()
             if scale_t is not None:  # read with the norms, not by its own `.item()`
@@ -1593,7 +1629,7 @@ class GradCollector(HookedContext):
             return GradFlow(index, modules, tuple(params), total, scale,
                             micro_batches=micro_batches, backward_calls=backwards, step=step,
                             ranks=ranks, fused_norms=fused, eager_norms=eager,
-                            idle_forwards=idle)
+                            idle_forwards=idle, applied_norm=applied)
 
         return functools.cache(build)  # built once, however often it is asked for
 
@@ -1623,18 +1659,37 @@ class GradCollector(HookedContext):
         self._side = {renumber[m] for m in self._side if m in renumber}
         self._micro = len(kept) - 1
 
-    def _exchange(self, inv: float, weights: dict[int, int]) -> RankGrads | None:
-        """Every rank's per-parameter norms of this step (DDP, FSDP2); None on one process.
+    def _exchange(self, inv: float, weights: dict[int, int]
+                  ) -> tuple[RankGrads | None, float | None]:
+        """Every rank's per-parameter norms of this step (DDP, FSDP2), and under FSDP2 the
+        total norm the update used when the loop changed the gradients (`note_applied`);
+        (None, None) on one process.
 
         Args:
             inv: one over the GradScaler's scale.
             weights: parameter index -> index in `_vals` of its (local) weight norm.
         """
         if self._rank_aware is None:
-            return None
+            return None, None
         local = [self._vals[self._param_vals[i]] if i in self._param_vals else None
                  for i in range(len(self._params))]
         w = [self._vals[weights[i]] if i in weights else None for i in range(len(self._params))]
         read, self._synced = self._synced, None
         return self._rank_aware.finish([n for n, _, _ in self._params],
-                                       [p for _, _, p in self._params], local, w, inv, read)
+                                       [p for _, _, p in self._params], local, w, inv, read,
+                                       self._applied)
+
+    def note_applied(self) -> None:
+        """Under FSDP2, at a sampled step whose update is about to use the gradients: take
+        this rank's shard norm of each parameter's gradient (one fused read, no host sync).
+        The step's exchange in `finish` joins every rank's into `GradFlow.applied_norm`
+        where it differs from the backward's."""
+        seen: set[int] = set()
+        at: list[int] = []
+        for i, (_, _, p) in enumerate(self._params):
+            if p.grad is not None and id(p) not in seen:  # a tied weight counts once
+                seen.add(id(p))
+                at.append(i)
+        grads = [local_tensor(g).detach() for i in at if (g := self._params[i][2].grad)
+                 is not None]
+        self._applied = dict(zip(at, _norms(grads), strict=True))

@@ -488,12 +488,22 @@ class GradWatch(HookedContext, Analyzed):
         whose gradients the loop changed since the last backward's end (clipping), read
         the total norm the update uses (`applied_norm`): one read of the gradients, no host
         sync. Whether they changed is read from metadata."""
-        if not sampled or not self._changed_since_backward():
+        if not sampled:
             return
         grads = [g for p in self._params if (g := p.grad) is not None]
-        if not grads or any(local_tensor(g) is not g for g in grads):
-            return  # FSDP2: this rank's shards, whose total is not the step's
-        self._applied.append((index, total_norm([g.detach() for g in grads])))
+        if not grads:
+            return
+        if any(local_tensor(g) is not g for g in grads):
+            # FSDP2: this rank holds shards, and clipping them moves no version counter
+            # (DTensor runs the in-place op below autograd), so every sampled step reads
+            # them. The step's exchange joins every rank's into the total where it differs
+            # from the backward's (`GradFlow.applied_norm`); a manual step has had its
+            # exchange.
+            if self._step_by != "manual":
+                self._collector.note_applied()
+            return
+        if self._changed_since_backward():
+            self._applied.append((index, total_norm([g.detach() for g in grads])))
 
     def _changed_since_backward(self) -> bool:
         """Whether an evidence parameter's `.grad` was replaced or changed in place since
@@ -724,6 +734,8 @@ class GradWatch(HookedContext, Analyzed):
         if self._updates:
             flow = replace(flow, optimizer=self.optimizer_name)
         self._last = flow
+        if flow.applied_norm is not None:  # FSDP2: joined in the step's exchange
+            self._keep_applied({flow.index: flow.applied_norm})
         outs = {k: v for k, v in flow.output_norms().items() if v is not None}
         params = {k: v for k, v in flow.param_norms().items() if v is not None}
         self._layers.update(dict.fromkeys([*outs, *params]))  # new layers join at the end
@@ -758,14 +770,18 @@ class GradWatch(HookedContext, Analyzed):
         (clipping): the total norm of the gradients the update used
         (`GradFlow.applied_norm`), newest `max_samples`. Read from the device when first
         read after the step."""
+        self._settle()  # FSDP2's arrive with their step's records
         if self._applied:
             pending = list(self._applied)
             self._applied.clear()
             floats = _host_floats([t for _, t in pending])
-            self._applied_host.update(zip((i for i, _ in pending), floats, strict=True))
-            for old in sorted(self._applied_host)[:-self._max_samples]:
-                del self._applied_host[old]
+            self._keep_applied(dict(zip((i for i, _ in pending), floats, strict=True)))
         return dict(self._applied_host)
+
+    def _keep_applied(self, norms: dict[int, float]) -> None:
+        self._applied_host.update(norms)
+        for old in sorted(self._applied_host)[:-self._max_samples]:
+            del self._applied_host[old]
 
     @property
     def skipped_steps(self) -> tuple[int, ...]:

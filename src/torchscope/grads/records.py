@@ -445,7 +445,9 @@ class GradFlow(Analyzed, Gatherable):
             the loop changed them between the backward and the update (clipping; a
             GradScaler's scale is divided out of both); None where nothing changed them
             (the update used `total_norm`'s gradients), or where it was not read (no
-            optimizer, an unsampled step, FSDP2 shards).
+            optimizer, an unsampled step, FSDP2 under `manual=True`). Under FSDP2 it is
+            joined from every rank's shards, and kept only where it differs from
+            `total_norm` (clipping moves no DTensor's version counter).
         optimizer: the class name of the optimizer whose update a watch measured, or None.
     """
 
