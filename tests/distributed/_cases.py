@@ -571,7 +571,7 @@ def fsdp_clip(rank: int, world: int, out: Path) -> dict[str, Any]:
             functional.cross_entropy(net(x * 10), y).backward()
             if step < 2:  # the last step does not clip: nothing to read
                 norm = torch.nn.utils.clip_grad_norm_(net.parameters(), 0.5)
-                returned.append(float(norm.full_tensor()))  # type: ignore[attr-defined]
+                returned.append(float(norm.full_tensor()))
                 # torch's norm of the clipped gradients (an all-gather each, for comparison)
                 used.append(math.sqrt(sum(p.grad.full_tensor().norm().item() ** 2
                                           for p in net.parameters())))
@@ -583,6 +583,33 @@ def fsdp_clip(rank: int, world: int, out: Path) -> dict[str, Any]:
     return {"returned": returned, "used": used, "applied": watch.applied_norms,
             "history": list(watch.history.applied_norms), "last": flow.applied_norm,
             "factor": clipped.clip_factor, "total": clipped.total_norm, "hooks": hooks(net)}
+
+
+def fsdp_zeroing(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """watch_gradients on FSDP2 loops that zero the gradients in place before each backward
+    (healthy), never zero them, or zero them in place between the backward and the step;
+    what each update moved, by torch's full tensors, with the watch's counts and codes."""
+    answers: dict[str, Any] = {}
+    x, y = batch(rank, world)
+    for mode in ("in_place", "never", "before_step"):
+        net = sharded_mlp()
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        moved = 0.0
+        with torchscope.watch_gradients(net, optimizer=opt, every=1) as watch:
+            for _ in range(4):
+                if mode == "in_place":
+                    opt.zero_grad(set_to_none=False)
+                functional.cross_entropy(net(x), y).backward()
+                if mode == "before_step":
+                    opt.zero_grad(set_to_none=False)
+                start = net[0].weight.full_tensor().clone()
+                opt.step()
+                moved += (net[0].weight.full_tensor() - start).norm().item()
+                if mode == "before_step":
+                    opt.zero_grad()
+        answers[mode] = {"unzeroed": watch.unzeroed_steps,
+                         "codes": sorted(f.code for f in watch.findings()), "moved": moved}
+    return answers
 
 
 def fsdp1_refused(rank: int, world: int, out: Path) -> dict[str, Any]:

@@ -159,6 +159,23 @@ def test_fsdp2_reads_the_norm_each_clipped_update_used(tmp_path: Path) -> None:
         assert a["factor"] == pytest.approx(a["returned"][1] / 0.5, rel=1e-4)
 
 
+def test_fsdp2_zeroing_in_place_is_told_from_accumulation(tmp_path: Path) -> None:
+    """FSDP2 accumulates into a DTensor gradient's shard, and the loop's in-place ops move
+    only the DTensor's own version counter. Zeroing in place before each backward read as
+    no zeroing at all (`grads.not_zeroed` on a healthy loop); never zeroing must still be
+    caught, and zeroing between the backward and the step too (the weights never move)."""
+    ranks = run_ranks("fsdp_zeroing", tmp_path)
+    for a in ranks:
+        assert "raised" not in a, a
+        healthy, never, before = a["in_place"], a["never"], a["before_step"]
+        assert healthy["unzeroed"] == 0 and "grads.not_zeroed" not in healthy["codes"]
+        assert healthy["moved"] > 0
+        assert never["unzeroed"] == 3 and "grads.not_zeroed" in never["codes"]
+        assert before["moved"] == 0.0  # torch agrees: the update used no gradient
+        assert "grads.cleared_before_step" in before["codes"]
+        assert "grads.not_zeroed" not in before["codes"]
+
+
 def test_lightning_ddp_reports_the_synchronised_gradients(tmp_path: Path) -> None:
     """Lightning hands the callback the module inside its DDP wrapper: the norms must still
     be those of the synchronised gradients the optimizer steps with, on every rank."""

@@ -283,7 +283,7 @@ class GradWatch(HookedContext, Analyzed):
         spread = max(1, len(self._params) // _EVIDENCE)
         self._evidence_params = self._params[::spread][:_EVIDENCE]
         # Per evidence parameter, its `.grad` at the end of the last backward: (ref, version).
-        self._evidence: list[tuple[weakref.ReferenceType[torch.Tensor], int] | None] = []
+        self._evidence: list[_Evidence | None] = []
         self._check_nonfinite = check_nonfinite
         self._nonfinite: tuple[torch.Tensor, torch.Tensor] | None = None  # (first step, count)
         self._scaler_states: Any = None
@@ -511,7 +511,7 @@ class GradWatch(HookedContext, Analyzed):
         for p, before in zip(self._evidence_params, self._evidence, strict=False):
             g = p.grad
             if before is not None and g is not None and \
-                    (g is not before[0]() or g._version > before[1]):
+                    (g is not before[0]() or _versions(g)[0] > before[1]):
                 return True
         return False
 
@@ -640,21 +640,32 @@ class GradWatch(HookedContext, Analyzed):
         """What happened to the evidence parameters' `.grad` since the last backward's end:
         set to None or replaced by a new tensor; changed in place more than one
         accumulation would (zeroed in place, or clipped); accumulated into. A parameter
-        without a gradient then is skipped. The evidence is updated to now."""
+        without a gradient then is skipped. The evidence is updated to now.
+
+        A DTensor gradient (FSDP2) keeps two counters (`_versions`): the loop's in-place
+        ops move the DTensor's own, FSDP2's accumulation into its shard moves only the
+        shard's."""
         replaced = zeroed = accumulated = False
-        now: list[tuple[weakref.ReferenceType[torch.Tensor], int] | None] = []
+        now: list[_Evidence | None] = []
         for i, p in enumerate(self._evidence_params):
             g = p.grad
             before = self._evidence[i] if i < len(self._evidence) else None
+            if g is not None:
+                loop, shard = _versions(g)
             if before is not None:
-                ref, version = before
+                ref, version, shard_version = before
                 if g is None or g is not ref():
                     replaced = True
-                elif g._version > version + 1:
+                elif shard_version is not None:  # DTensor
+                    if loop > version:
+                        zeroed = True
+                    elif shard is not None and shard > shard_version:
+                        accumulated = True
+                elif loop > version + 1:
                     zeroed = True
-                elif g._version == version + 1:
+                elif loop == version + 1:
                     accumulated = True
-            now.append(None if g is None else (weakref.ref(g), g._version))
+            now.append(None if g is None else (weakref.ref(g), loop, shard))
         self._evidence = now
         return replaced, zeroed, accumulated
 
@@ -819,6 +830,20 @@ class GradWatch(HookedContext, Analyzed):
             total_norms=tuple(r[3] for r in self._rows),
             applied_norms=tuple(applied.get(r[0]) for r in self._rows) if applied else (),
         )
+
+
+# An evidence parameter's `.grad` at the last look: a weak reference to it, its version
+# counter, and its local shard's (a DTensor's; None for a plain tensor).
+_Evidence = tuple["weakref.ReferenceType[torch.Tensor]", int, int | None]
+
+
+def _versions(g: torch.Tensor) -> tuple[int, int | None]:
+    """`g`'s version counter, and its local shard's where `g` is a DTensor (FSDP2), else
+    None. Autograd moves a plain gradient's counter once per accumulation, and in-place
+    ops on it move it too. A DTensor's own counter moves for the loop's in-place ops
+    (`zero_`, `mul_`) only: FSDP2 accumulates into the shard, whose counter moves then."""
+    local = local_tensor(g)
+    return g._version, (local._version if local is not g else None)
 
 
 def watch_gradients(
