@@ -521,6 +521,50 @@ def lightning_ddp(rank: int, world: int, out: Path) -> dict[str, Any]:
             "steps": list(cb.result.grad_param.steps)}
 
 
+def hf_ddp(rank: int, world: int, out: Path, fsdp: bool) -> dict[str, Any]:
+    """TorchscopeTrainerCallback in a transformers Trainer on this process group (as under
+    torchrun), logging every other step: the sampled total norms against the `grad_norm`
+    the Trainer logs (what accelerate's clip_grad_norm_ returned on the synchronised
+    gradients). With `fsdp` set on CPU, accelerate trains through DDP all the same."""
+    import os
+
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+    from torchscope.integrations.hf import TorchscopeTrainerCallback
+
+    os.environ.update({"LOCAL_RANK": str(rank), "RANK": str(rank), "WORLD_SIZE": str(world),
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"})
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32))
+
+    class Tokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+        def __len__(self) -> int:
+            return 32
+
+        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+            ids = torch.randint(0, 64, (16,), generator=torch.Generator().manual_seed(i))
+            return {"input_ids": ids, "labels": ids.clone()}
+
+    extra: dict[str, Any] = {"fsdp": "full_shard", "fsdp_config": {
+        "fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}} \
+        if fsdp else {}
+    args = TrainingArguments(
+        output_dir=str(out / "trainer"), per_device_train_batch_size=2, max_steps=4,
+        logging_steps=2, learning_rate=1e-3, max_grad_norm=1.0, report_to=[],
+        disable_tqdm=True, use_cpu=True, save_strategy="no", ddp_backend="gloo", **extra)
+    cb = TorchscopeTrainerCallback(every=2, out=None, activations=False, memory=False)
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[cb])
+    with cb:
+        trainer.train()
+    assert cb.result is not None
+    return {"reported": list(cb.result.total_norms),
+            "steps": list(cb.result.grad_param.steps),
+            "logged": [e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e],
+            "wrapper": type(trainer.model_wrapped).__name__}
+
+
 def ddp_clip(rank: int, world: int, out: Path) -> dict[str, Any]:
     """watch_gradients in a DDP loop that clips before opt.step(), with two micro-batches
     (no_sync on the first): what the watch reports against what clipping saw."""

@@ -188,6 +188,24 @@ def test_lightning_ddp_reports_the_synchronised_gradients(tmp_path: Path) -> Non
     assert ranks[0]["reported"] == pytest.approx(ranks[1]["reported"], rel=1e-9)
 
 
+@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp-args-on-cpu"])
+def test_hf_trainer_on_ranks_reports_the_synchronised_gradients(tmp_path: Path,
+                                                                 fsdp: bool) -> None:
+    """The Trainer logs `grad_norm`, the total norm of the synchronised gradients that
+    clipping returned: the callback's sampled totals must be that, on both ranks. With
+    `fsdp` in TrainingArguments on CPU, accelerate trains through DDP all the same, and the
+    callback reported each rank's own gradients (the ranks disagreed)."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    ranks = run_ranks("hf_ddp", tmp_path, timeout=150.0, fsdp=fsdp)
+    for a in ranks:
+        assert "raised" not in a, a
+        assert a["wrapper"] == "DistributedDataParallel"
+        assert a["steps"] == [1, 3] and len(a["logged"]) == 2
+        assert a["reported"] == pytest.approx(a["logged"], rel=1e-5)
+    assert ranks[0]["reported"] == pytest.approx(ranks[1]["reported"], rel=1e-9)
+
+
 def test_ddp_norms_are_read_before_the_loop_clips(tmp_path: Path) -> None:
     """The synchronised gradients are read when DDP's all-reduce has landed, at the end of
     backward: a loop that clips before opt.step() must not see its clipped gradients in

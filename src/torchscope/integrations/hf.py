@@ -27,6 +27,8 @@ the hooks into its graph and recompile at every step.
 
 Under DDP (torchrun, `accelerate launch`) the norms are those of the synchronised
 gradients, as the Trainer's `grad_norm` is, on every rank; each rank's own are kept too.
+That holds where `fsdp` is set but accelerate trains through DDP (on CPU): accelerate's own
+state says which it does, not the arguments.
 
 The Trainer has no event for an exception: use the callback as a context manager around
 `trainer.train()` (or call `callback.close()`), so that hooks come off and a partial report
@@ -62,15 +64,32 @@ def _data_parallel(args: Any, model: Any) -> Literal["ddp"] | None:
     """`"ddp"` when the Trainer trains `model` through `DistributedDataParallel` over the
     default process group: its wrapper (`trainer.model_wrapped`) is not among a callback's
     arguments. None on one process, and for FSDP2 (its sharded modules say so themselves),
-    FSDP1 and DeepSpeed (not DDP)."""
+    FSDP1 and DeepSpeed (not DDP).
+
+    `fsdp` in the arguments is no proof of FSDP: accelerate, which wraps the model, trains
+    through DDP where it cannot shard (on CPU), so its own state is asked."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or strategy_of(model) != "none":
         return None
-    if getattr(args, "deepspeed", None) or getattr(args, "fsdp", None):
+    if getattr(args, "deepspeed", None) or (getattr(args, "fsdp", None) and _sharding()):
         return None
     mode = getattr(args, "parallel_mode", None)
     return "ddp" if getattr(mode, "value", None) == "distributed" else None
+
+
+def _sharding() -> bool:
+    """Whether accelerate's state (the Trainer's) says it shards the model with FSDP; True
+    where it cannot tell. The state is read where it is kept, never made: constructing an
+    `AcceleratorState` would initialise one."""
+    try:
+        from accelerate.state import AcceleratorState
+        from accelerate.utils import DistributedType
+    except ImportError:
+        return True
+    shared = getattr(AcceleratorState, "_shared_state", None)
+    kind = shared.get("distributed_type") if isinstance(shared, dict) else None
+    return kind is None or bool(kind == DistributedType.FSDP)
 
 
 class TorchscopeTrainerCallback(TrainerCallback):
