@@ -892,3 +892,47 @@ def test_gradients_cleared_between_backward_and_step_are_a_warning(set_to_none: 
     assert not [f for f in watch.findings() if f.code in ("grads.not_zeroed", "grads.clipped")]
     [still] = [f for f in watch.findings() if f.code == "grads.update_ratio"]
     assert "moved no layer" in still.summary and "zero_grad()" in still.fix
+
+
+@pytest.mark.parametrize("loop", ["set_to_none", "in_place", "healthy", "clipped"])
+def test_one_of_two_optimizers_cleared_before_its_step(loop: str) -> None:
+    """AdamW for the matrices, SGD for the embedding and the norm; the watch is given
+    AdamW. Its `zero_grad()` between the backward and its step left the other
+    optimizer's gradients in place: set to None, that was silent; zeroed in place, it read
+    as clipping (the whole model's total against what was left of it). What the loop does
+    is now read on the watched optimizer's parameters, whose update used nothing (torch
+    agrees: its matrices never move). A healthy loop stays silent, and clipping the whole
+    model is still read as clipping."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(50, 32), nn.LayerNorm(32), nn.Linear(32, 32),
+                          nn.GELU(), nn.Linear(32, 50))
+    matrices = [p for n, p in model.named_parameters() if p.ndim == 2 and n[0] != "0"]
+    rest = [p for n, p in model.named_parameters() if not (p.ndim == 2 and n[0] != "0")]
+    adamw = torch.optim.AdamW(matrices, lr=1e-3, weight_decay=0.0)  # decay moves zeros too
+    sgd = torch.optim.SGD(rest, lr=0.1)
+    start = [p.detach().clone() for p in matrices]
+    x = torch.randint(0, 50, (8, 16), generator=torch.Generator().manual_seed(0))
+    with watch_gradients(model, every=1, optimizer=adamw) as watch:
+        for _ in range(4):
+            if loop in ("healthy", "clipped"):
+                adamw.zero_grad()
+            sgd.zero_grad()
+            nn.functional.cross_entropy(model(x).reshape(-1, 50), x.reshape(-1)).backward()
+            if loop == "clipped":
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+            elif loop != "healthy":
+                adamw.zero_grad(set_to_none=loop == "set_to_none")
+            adamw.step()
+            sgd.step()
+    found = {f.code for f in watch.findings()}
+    moved = any(not torch.equal(p, s) for p, s in zip(matrices, start, strict=True))
+    assert "grads.not_zeroed" not in found
+    assert ("grads.clipped" in found) == (loop == "clipped"), found
+    if loop in ("healthy", "clipped"):
+        assert moved and "grads.cleared_before_step" not in found
+        # Clipping the whole model reads as such: the update used 0.1.
+        assert list(watch.applied_norms.values()) == \
+            ([pytest.approx(0.1, rel=1e-5)] * 4 if loop == "clipped" else [])
+    else:
+        assert not moved and "grads.cleared_before_step" in found
+        assert watch.cleared_steps == (4 if loop == "set_to_none" else 0)

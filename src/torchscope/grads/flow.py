@@ -280,8 +280,13 @@ class GradWatch(HookedContext, Analyzed):
         self._last_index: int | None = None  # the newest sampled step, built or not
         # `parameters()` yields a tied parameter once.
         self._params = [p for p in self._collector.session.model.parameters() if p.requires_grad]
-        spread = max(1, len(self._params) // _EVIDENCE)
-        self._evidence_params = self._params[::spread][:_EVIDENCE]
+        # The gradients the watched optimizer's update uses: where it steps only part of the
+        # model (Muon for the matrices, AdamW for the rest), what the loop does to them is
+        # read on its own parameters (`_note_applied`).
+        self._stepped_params = _stepped_by(optimizer, self._params)
+        self._partial_update = len(self._stepped_params) < len(self._params)
+        spread = max(1, len(self._stepped_params) // _EVIDENCE)
+        self._evidence_params = self._stepped_params[::spread][:_EVIDENCE]
         # Per evidence parameter, its `.grad` at the end of the last backward: (ref, version).
         self._evidence: list[_Evidence | None] = []
         self._check_nonfinite = check_nonfinite
@@ -295,9 +300,11 @@ class GradWatch(HookedContext, Analyzed):
         self._update_step: int | None = None
         self._pending_updates: tuple[int, dict[str, torch.Tensor]] | None = None
         # Sampled steps whose gradients the loop changed in place before the update
-        # (clipping): (step index, the total norm the update used, 0-d on the device), and
-        # those already copied to the host.
-        self._applied: deque[tuple[int, torch.Tensor]] = deque(maxlen=max_samples)
+        # (clipping): (step index, the total norm of the model's gradients then, and of the
+        # watched optimizer's where it steps only part of the model, 0-d on the device),
+        # and those already copied to the host.
+        self._applied: deque[tuple[int, torch.Tensor, torch.Tensor | None]] = deque(
+            maxlen=max_samples)
         self._applied_host: dict[int, float] = {}
         self._max_samples = max_samples
 
@@ -359,6 +366,7 @@ class GradWatch(HookedContext, Analyzed):
             self._optimizer = None
             self._params = []
             self._evidence_params = []
+            self._stepped_params = []
             self._evidence = []
             c.close(failed=failed)
         if not failed and self._last is not None and world().distributed:
@@ -502,8 +510,15 @@ class GradWatch(HookedContext, Analyzed):
             if self._step_by != "manual":
                 self._collector.note_applied()
             return
-        if self._changed_since_backward():
-            self._applied.append((index, total_norm([g.detach() for g in grads])))
+        if not self._changed_since_backward():
+            return
+        # With two optimizers, the watched one's gradients all 0 is a zeroing before its
+        # step (the other's are left); otherwise the model's total compares with the
+        # backward's (clipping the whole model).
+        mine = [g.detach() for p in self._stepped_params if (g := p.grad) is not None] \
+            if self._partial_update else []
+        self._applied.append((index, total_norm([g.detach() for g in grads]),
+                              total_norm(mine) if mine else None))
 
     def _changed_since_backward(self) -> bool:
         """Whether an evidence parameter's `.grad` was replaced or changed in place since
@@ -785,8 +800,13 @@ class GradWatch(HookedContext, Analyzed):
         if self._applied:
             pending = list(self._applied)
             self._applied.clear()
-            floats = _host_floats([t for _, t in pending])
-            self._keep_applied(dict(zip((i for i, _ in pending), floats, strict=True)))
+            floats = iter(_host_floats([t for _, whole, mine in pending
+                                        for t in (whole, mine) if t is not None]))
+            norms: dict[int, float] = {}
+            for i, _, mine in pending:
+                whole = next(floats)
+                norms[i] = 0.0 if mine is not None and next(floats) == 0.0 else whole
+            self._keep_applied(norms)
         return dict(self._applied_host)
 
     def _keep_applied(self, norms: dict[int, float]) -> None:
@@ -835,6 +855,15 @@ class GradWatch(HookedContext, Analyzed):
 # An evidence parameter's `.grad` at the last look: a weak reference to it, its version
 # counter, and its local shard's (a DTensor's; None for a plain tensor).
 _Evidence = tuple["weakref.ReferenceType[torch.Tensor]", int, int | None]
+
+
+def _stepped_by(optimizer: Any, params: list[nn.Parameter]) -> list[nn.Parameter]:
+    """Those of `params` that `optimizer` steps, in their order; all of them without an
+    optimizer, or where it steps none of them."""
+    if optimizer is None:
+        return params
+    ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    return [p for p in params if id(p) in ids] or params
 
 
 def _versions(g: torch.Tensor) -> tuple[int, int | None]:
