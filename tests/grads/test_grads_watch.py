@@ -129,12 +129,15 @@ def test_without_optimizer_a_backward_into_zeroed_gradients_is_a_step() -> None:
     assert watch.samples == 3
 
 
-def test_grad_scaler_norms_are_unscaled() -> None:
+@pytest.mark.parametrize("given", [True, False], ids=["given", "found"])
+def test_grad_scaler_norms_are_unscaled(given: bool) -> None:
+    """Not given, the GradScaler is found stepping the optimizer (`scaler.step(opt)`): the
+    norms were 2^10 times too large, which reads as exploding gradients."""
     model = _mlp()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
     unscaled: dict[str, float] = {}
-    with watch_gradients(model, optimizer=opt, scaler=scaler) as watch:
+    with watch_gradients(model, optimizer=opt, scaler=scaler if given else None) as watch:
         opt.zero_grad()
         scaler.scale(model(torch.randn(4, 4)).sum()).backward()
         scaler.unscale_(opt)
@@ -143,7 +146,7 @@ def test_grad_scaler_norms_are_unscaled() -> None:
         scaler.step(opt)
         scaler.update()
     flow = watch.last
-    assert flow is not None and flow.scale == 2.0**10
+    assert flow is not None and flow.scale == 2.0**10 and watch.scaler is scaler
     for p in flow.params:
         assert math.isclose(p.norm, unscaled[p.name], rel_tol=1e-6)
     assert math.isclose(flow.total_norm, clip, rel_tol=1e-6)
@@ -647,15 +650,17 @@ def test_manual_steps_end_at_end_step() -> None:
         other.end_step()
 
 
-def test_skipped_scaler_steps_are_counted_not_sampled() -> None:
+@pytest.mark.parametrize("given", [True, False], ids=["given", "found"])
+def test_skipped_scaler_steps_are_counted_not_sampled(given: bool) -> None:
     """A step whose gradients overflow is skipped by the GradScaler (no optimizer step): it
-    counts as a step, is listed, and its sample goes to the next step."""
+    counts as a step, is listed, and its sample goes to the next step. A scaler found at
+    the first step it takes counts the same."""
     model = _mlp()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
     x = torch.randn(4, 4)
     flows = []
-    with watch_gradients(model, every=2, optimizer=opt, scaler=scaler,
+    with watch_gradients(model, every=2, optimizer=opt, scaler=scaler if given else None,
                          on_sample=flows.append) as watch:
         for i in range(6):
             opt.zero_grad()

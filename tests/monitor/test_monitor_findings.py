@@ -385,22 +385,25 @@ class _AutocastInside(nn.Module):
             return self.net(x).float()
 
 
-@pytest.mark.parametrize("loop", ["fp16", "fp16_scaled", "fp16_inside", "bf16", "float32"])
+@pytest.mark.parametrize("loop", ["fp16", "fp16_scaled", "fp16_scaled_not_given",
+                                  "fp16_inside", "bf16", "float32"])
 def test_float16_autocast_without_a_grad_scaler_is_a_warning(loop: str) -> None:
     """float16 autocast gives float16 gradients, which flush to zero below 6e-8 unless a
-    GradScaler scales the loss; bfloat16 has float32's range, and float32 is no autocast."""
+    GradScaler scales the loss; bfloat16 has float32's range, and float32 is no autocast.
+    A loop's GradScaler not given to the monitor is found stepping the optimizer: that
+    loop read as unscaled, and its norms, 65536 times too large, as exploding."""
     torch.manual_seed(0)
     model: nn.Module = _AutocastInside() if loop == "fp16_inside" else nn.Sequential(
         nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    scaler = torch.amp.GradScaler("cpu") if loop == "fp16_scaled" else None
+    scaler = torch.amp.GradScaler("cpu") if loop.startswith("fp16_scaled") else None
     dtype = torch.bfloat16 if loop == "bf16" else torch.float16
     with torchscope.monitor(model, opt, every=2, out=None, memory=False,
-                            scaler=scaler) as mon:
+                            scaler=None if loop == "fp16_scaled_not_given" else scaler) as mon:
         for x, y in batches(4):
             opt.zero_grad()
-            with torch.autocast("cpu", dtype=dtype, enabled=loop in ("fp16", "fp16_scaled",
-                                                                      "bf16")):
+            with torch.autocast("cpu", dtype=dtype, enabled=loop in (
+                    "fp16", "fp16_scaled", "fp16_scaled_not_given", "bf16")):
                 loss = nn.functional.mse_loss(model(x).float(), y)
             if scaler is not None:
                 scaler.scale(loss).backward()
@@ -423,6 +426,10 @@ def test_float16_autocast_without_a_grad_scaler_is_a_warning(loop: str) -> None:
         assert "GradScaler" in found[0].fix and "bfloat16" in found[0].fix
     else:
         assert not found
+    assert run.scaler == loop.startswith("fp16_scaled")
+    if scaler is not None:  # the norms are the unscaled ones: under 10 here, not ~6.5e5
+        assert max(run.total_norms) < 10.0
+        assert not [f for f in run.findings() if f.code == "grads.exploding"]
 
 
 def _train_lm(model: nn.Module, *, lr: float, steps: int, length: int,

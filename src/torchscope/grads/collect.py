@@ -1425,6 +1425,11 @@ class GradCollector(HookedContext):
         pre_handle[0] = s.forward_pre_hook(module, pre, with_kwargs=True)
         s.forward_hook(module, post, always_call=True, with_kwargs=True)
 
+    def set_scaler(self, scaler: Any) -> None:
+        """Divide `scaler`'s scale out of the norms from the step in progress on (a
+        GradScaler found stepping the optimizer, not given)."""
+        self._scaler = scaler
+
     # ------------------------------------------------------------------ results
     def _scale(self) -> float | None:
         """The GradScaler's scale on the host (a read from the device), or None."""

@@ -5,10 +5,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import sys
 import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
+from types import FrameType
 from typing import Any, Literal
 
 import torch
@@ -105,6 +107,10 @@ StepBy = Literal["optimizer", "micro_batches", "inferred", "manual"]
 # Parameters whose `.grad` tells a fresh step from accumulation (inferred steps), and a
 # zero_grad() between two backward passes of one sampled step.
 _EVIDENCE = 32
+# How far above the optimizer's step hook a GradScaler's `step` is looked for: torch's step
+# wrapper, then `GradScaler._maybe_opt_step`, then `GradScaler.step` (accelerate's and
+# Lightning's own step wrappers call that).
+_SCALER_FRAMES = 6
 _SKIPPED_KEPT = 1000  # indices of GradScaler-skipped steps kept (the newest; all are counted)
 
 
@@ -426,6 +432,10 @@ class GradWatch(HookedContext, Analyzed):
 
     def _on_optimizer_step(self, _opt: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
                            ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        if self._scaler is None:
+            found = _stepping_scaler()
+            if found is not None:
+                self._adopt_scaler(found)
         self._stepped = True
         self._check_cleared()
         if self._updates:
@@ -684,6 +694,26 @@ class GradWatch(HookedContext, Analyzed):
         self._evidence = now
         return replaced, zeroed, accumulated
 
+    @property
+    def scaler(self) -> Any:
+        """The loop's GradScaler: the one given, or the one found stepping the optimizer
+        (`scaler.step(optimizer)`); None without one."""
+        return self._scaler
+
+    def _adopt_scaler(self, scaler: Any) -> None:
+        """Take `scaler`, found stepping the optimizer, as if it had been given: its scale
+        is divided out of the norms from this step on (this one's included where the step
+        ends here), the steps it skips are counted, and inf/NaN gradients are its to
+        handle (the steps it skipped never reached the optimizer: none was checked)."""
+        self._scaler = scaler
+        self._collector.set_scaler(scaler)
+        self._scaler_states = getattr(scaler, "_per_optimizer_states", None)
+        s = self._collector.session
+        if not s.closed:
+            s.forward_pre_hook(s.model, self._check_scaler, prepend=True)
+        self._check_nonfinite = False
+        self._nonfinite = None
+
     def _check_scaler(self, *_args: Any) -> None:
         """Count a step the GradScaler skipped: its `update()` ran with no optimizer step
         since the last one (found inf/NaN). Reads host-side state only."""
@@ -866,6 +896,23 @@ def _stepped_by(optimizer: Any, params: list[nn.Parameter]) -> list[nn.Parameter
     return [p for p in params if id(p) in ids] or params
 
 
+def _stepping_scaler() -> Any:
+    """The `torch.amp.GradScaler` whose `step(optimizer)` called the optimizer step in
+    progress, read from the call stack (a few frames above the step hook); None when the
+    loop stepped the optimizer itself. Only frames named as the scaler's stepping methods
+    are looked into."""
+    frame: FrameType | None = sys._getframe(2)  # above this function and the step hook
+    for _ in range(_SCALER_FRAMES):
+        if frame is None:
+            return None
+        if frame.f_code.co_name in ("step", "_maybe_opt_step"):
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, torch.amp.GradScaler):
+                return owner
+        frame = frame.f_back
+    return None
+
+
 def _versions(g: torch.Tensor) -> tuple[int, int | None]:
     """`g`'s version counter, and its local shard's where `g` is a DTensor (FSDP2), else
     None. Autograd moves a plain gradient's counter once per accumulation, and in-place
@@ -941,6 +988,9 @@ def watch_gradients(
             norms are those of the unscaled gradients. With `optimizer=`, a step the
             scaler skips (inf/NaN; its `update()` ran without an optimizer step) is
             counted as a step and in `watch.skipped` / `watch.skipped_steps`, and not sampled.
+            Not given, with `optimizer=`, the scaler whose `step(optimizer)` steps it is
+            found at its first step and taken as if given (`watch.scaler`); with
+            `manual=True` that step has ended already, and the next ones are unscaled.
         micro_batches: backward passes per step, for a loop without `optimizer=`.
         manual: steps end only at `watch.end_step()`.
         select: modules recorded per call (see `select_modules`); default the layers.

@@ -566,15 +566,16 @@ def _unscaled_float16(record: RunRecord) -> list[Finding]:
     return [Finding(
         "run.fp16_unscaled", Severity.WARNING,
         f"{steps} of {m.train + m.eval} steps ran their forward under float16 autocast with "
-        "no GradScaler (none was given to the monitor): float16 gradients below 6.0e-8 "
+        "no GradScaler (none was given to the monitor or stepped the optimizer): float16 "
+        "gradients below 6.0e-8 "
         "round to zero and those below 6.1e-5 lose precision, so the updates they carry "
         "are lost without a sign",
         {"steps": steps, "of": m.train + m.eval},
         fix="scale the loss with torch.amp.GradScaler (scaler.scale(loss).backward(); "
-            "scaler.step(optimizer); scaler.update()) and pass scaler= to the monitor, or "
-            "autocast to torch.bfloat16, which has float32's range and needs no scaling. A "
-            "loop that scales already: pass its scaler=, or the norms here are the scaled "
-            "ones.")]
+            "scaler.step(optimizer); scaler.update()), or autocast to torch.bfloat16, which "
+            "has float32's range and needs no scaling. A loop that scales another way "
+            "(its own loss scale, or a scaler that does not step the optimizer): pass its "
+            "scaler=, or the norms here are the scaled ones.")]
 
 
 def _compiled(record: RunRecord) -> list[Finding]:

@@ -511,7 +511,7 @@ class Monitor(HookedContext):
             last=grads.last, activations=self._acts, memory=self._mem,
             profile=self._profile,
             profile_note=self._profile_note if self._profile_steps else "",
-            optimizer=self._optimizer_name, scaler=self._scaler is not None,
+            optimizer=self._optimizer_name, scaler=grads.scaler is not None,
             compiled=self._compiled, backwards=grads.backwards,
             passes_without_update=grads.passes_without_update,
             unzeroed_steps=grads.unzeroed_steps, first_unzeroed=grads.first_unzeroed,
@@ -569,6 +569,8 @@ def monitor(
             before training); None writes nothing (read `result`).
         scaler: the loop's `torch.amp.GradScaler`, if any (its scale is divided out of
             the norms; a float16 autocast run without one is a `run.fp16_unscaled` warning).
+            Not given, the scaler whose `step(optimizer)` steps the optimizer is found at
+            its first step (see `watch_gradients`).
         micro_batches: backward passes per step, for a loop without an optimizer whose
             steps cannot be inferred (see `watch_gradients`).
         select: modules to watch (see `select_modules`); default the layers.
