@@ -354,6 +354,82 @@ def test_checkpoint_recompute_counts_as_backward(reentrant: bool) -> None:
             + rec.backward_engine_ms) == pytest.approx(result.phase("backward").cpu_ms, rel=1e-6)
 
 
+def test_non_reentrant_recompute_is_each_recomputed_module_s_backward() -> None:
+    """A non-reentrant checkpoint runs its region's forward again inside the first backward
+    node that unpacks one of its saved tensors: here the head Linear's, after a module
+    whose forward is costly and whose backward is one multiply. All of that recomputation
+    read as the Linear's backward; it is the costly module's own backward work."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Costly(nn.Module):  # a mask from 30 matmuls on a detached copy: no backward
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            w = x.detach()
+            for _ in range(30):
+                w = torch.tanh(w @ w.T @ w / w.shape[0])
+            return x * (w > 0)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = nn.Sequential(Costly(), nn.Linear(128, 128))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return checkpoint(self.block, x, use_reentrant=False)  # type: ignore[no-any-return]
+
+    net = Net()
+    result = profile_steps(net, torch.randn(128, 128, requires_grad=True), steps=2,
+                           baseline_steps=0)
+    costly, linear = result.module("block.0"), result.module("block.1")
+    assert costly.calls == linear.calls == 2  # the recomputation is no call
+    # The recomputation is at least the costly forward again; the Linear's own backward is
+    # three small matmuls.
+    assert costly.backward_self_ms > 0.5 * costly.forward_self_ms
+    assert linear.backward_self_ms < costly.backward_self_ms
+    rec = result.reconciliation
+    bwd_self = sum(m.backward_self_ms for m in result.modules)
+    assert bwd_self == pytest.approx(rec.backward_modules_ms, rel=1e-6)
+    assert (rec.backward_modules_ms + rec.backward_outside_ms + rec.backward_accumulate_ms
+            + rec.backward_engine_ms) == pytest.approx(result.phase("backward").cpu_ms, rel=1e-6)
+    # Inclusive times hold the recomputation too: the block's backward covers its children.
+    block = result.module("block")
+    assert block.backward_ms >= costly.backward_self_ms + linear.backward_self_ms - 1e-9
+
+
+def test_non_reentrant_recompute_outside_modules_is_the_enclosing_module_s() -> None:
+    """transformers' layers checkpoint their forward without going through a module call:
+    the recomputation opens only the ranges of the layer's children. Its work between them
+    (here a costly mask, the residual adds of a decoder layer) belongs to the module around
+    them all, not to the first child, nor to the node that happened to unpack first."""
+    from torch.utils.checkpoint import checkpoint
+
+    def mask(x: torch.Tensor) -> torch.Tensor:
+        w = x.detach()
+        for _ in range(30):
+            w = torch.tanh(w @ w.T @ w / w.shape[0])
+        return x * (w > 0)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(128, 128)
+            self.b = nn.Linear(128, 128)
+
+        def region(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(mask(self.a(x)))  # type: ignore[no-any-return]
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return checkpoint(self.region, x, use_reentrant=False)  # type: ignore[no-any-return]
+
+    result = profile_steps(Net(), torch.randn(128, 128, requires_grad=True), steps=2,
+                           baseline_steps=0)
+    root, a, b = result.module(""), result.module("a"), result.module("b")
+    assert root.backward_self_ms > 0.5 * root.forward_self_ms  # the mask, computed again
+    assert root.backward_self_ms > a.backward_self_ms + b.backward_self_ms
+    rec = result.reconciliation
+    assert sum(m.backward_self_ms for m in result.modules) == \
+        pytest.approx(rec.backward_modules_ms, rel=1e-6)
+
+
 def test_module_ranges_whose_open_fails_removes_the_hooks_it_added(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
