@@ -625,10 +625,10 @@ class _RankAware:
 
         Under FSDP2 the same exchange joins `applied` (parameter index -> this rank's 0-d
         shard norm of the gradient the update uses, from `GradCollector.note_applied`; None
-        where the loop did not change the gradients) into the total norm the update used,
-        returned second: None unless every rank noted it and it differs from the total of
-        the backward's gradients (`local`), as they were or unscaled. Its columns are in every FSDP2
-        exchange, so that each rank gathers the same size whatever it noted."""
+        where none was taken) into the total norm the update used, returned second: None
+        unless every rank took it and it differs from the total of the backward's
+        gradients (`local`), as they were or unscaled. Its columns are in every FSDP2
+        exchange, so that each rank gathers the same size whatever it took."""
         import torch.distributed as dist
 
         device = comm_device(self.group)

@@ -505,7 +505,8 @@ class GradWatch(HookedContext, Analyzed):
         """Where step `index`'s gradients are those the update will use: on a sampled step
         whose gradients the loop changed since the last backward's end (clipping), read
         the total norm the update uses (`applied_norm`): one read of the gradients, no host
-        sync. Whether they changed is read from metadata."""
+        sync. Whether they changed is read from metadata (under FSDP2, which hides it, the
+        step's rank exchange compares the two totals instead)."""
         if not sampled:
             return
         grads = [g for p in self._params if (g := p.grad) is not None]

@@ -113,14 +113,18 @@ def _is_comm(name: str) -> bool:
     return name.startswith("FSDP::") or is_comm(name)
 
 
-def _comm_us(ev: Any) -> float:
-    """Time of the outermost communication events under `ev`."""
+def _comm_us(ev: Any, before: float | None = None, skip: set[int] | None = None) -> float:
+    """Time of the outermost communication events under `ev`; only those that start
+    before `before`, and not under the events of ids `skip`, where given."""
     total = 0.0
     stack = list(ev.cpu_children)
     while stack:
         e = stack.pop()
+        if skip is not None and e.id in skip:
+            continue
         if _is_comm(e.name):
-            total += _dur(e)
+            if before is None or e.time_range.start < before:
+                total += _dur(e)
         else:
             stack.extend(e.cpu_children)
     return total
@@ -331,7 +335,10 @@ def attribute(events: Iterable[Any], labels: Mapping[str, tuple[str, str]]) -> A
     for node, outer in outermost.items():
         start = node_by_id[node].time_range.start
         end = max(e.time_range.end for e in outer)
-        own = max(end - start - sum(_dur(e) for e in outer), 0.0)
+        # FSDP2 all-gathers a recomputed module's parameters before its range opens: that
+        # communication stays outside modules, as the node's own `comm` counts it.
+        gap_comm = _comm_us(node_by_id[node], before=end, skip={e.id for e in outer})
+        own = max(end - start - sum(_dur(e) for e in outer) - gap_comm, 0.0)
         credits.append((_around([replays[e.id][1] for e in outer], acc), own))
         replayed[node] = own + sum(_dur(e) - _comm_us(e) for e in outer)
     for rid, (ev, mod, _node, _parent) in replays.items():
