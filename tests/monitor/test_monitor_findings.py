@@ -535,3 +535,53 @@ def test_a_drift_is_named_at_the_layer_that_makes_it_not_at_the_dropout_after_it
     named = {f.module for f in drift}
     assert any(m.endswith("c_proj") for m in named)
     assert not [m for m in named if "dropout" in m], sorted(named)
+
+
+@pytest.mark.parametrize("routing", ["collapsed", "healthy"])
+def test_experts_no_token_reaches_are_dead_over_the_run(routing: str) -> None:
+    """transformers' DeepSeek-V3, a mixture of 8 experts (top 2) in fused weights: two
+    experts that its routing bias keeps the router from ever picking got a zero slice of
+    the experts' gradient at every step (torch agrees), which no finding said. Over 6
+    sampled steps they are `run.dead_experts`; with the routing as built, it is silent."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+        vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=128, num_key_value_heads=4, n_routed_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=64, first_k_dense_replace=1,
+        kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8,
+        v_head_dim=16, n_group=1, topk_group=1))
+    moe = model.model.layers[1].mlp
+    if routing == "collapsed":
+        with torch.no_grad():
+            moe.gate.e_score_correction_bias[[2, 5]] = -1e4
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    idle: list[list[int]] = []
+    with torchscope.monitor(model, opt, every=1, out=None, activations=False,
+                            memory=False) as mon:
+        for _ in range(6):
+            x = torch.randint(0, 128, (4, 16), generator=g)
+            opt.zero_grad()
+            model(input_ids=x, labels=x).loss.backward()
+            grad = moe.experts.gate_up_proj.grad  # (experts, 2 * moe_intermediate, hidden)
+            per_expert = torch.linalg.vector_norm(grad.flatten(1), dim=1)  # (experts,)
+            idle.append([e for e in range(8) if float(per_expert[e]) == 0.0])
+            opt.step()
+    run = mon.result
+    assert run is not None and run.last is not None
+    [use] = run.experts
+    assert use.module == "model.layers.1.mlp.experts" and use.samples == 6
+    assert list(use.idle) == [sum(e in step for step in idle) for e in range(8)]
+    read = run.last.param("model.layers.1.mlp.experts.gate_up_proj").expert_norms
+    assert read is not None
+    assert list(read) == pytest.approx(per_expert.tolist(), rel=1e-5)
+    found = [f for f in run.findings() if f.code == "run.dead_experts"]
+    if routing == "collapsed":
+        assert idle == [[2, 5]] * 6
+        [f] = found
+        assert f.severity == Severity.WARNING and f.module == use.module
+        assert f.evidence["experts"] == "2,5" and f.evidence["of"] == 8
+        assert "load-balancing" in f.fix
+    else:
+        assert idle == [[]] * 6 and not found

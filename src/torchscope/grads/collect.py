@@ -780,6 +780,15 @@ class GradCollector(HookedContext):
                     self._names.append((name, mname, i, self._params[i][0]))
         self._rank_aware: _RankAware | None = _RankAware.of(
             wrapped, [p for _, _, p in self._params])
+        # A mixture of experts' fused expert weights, (experts, ...) each: their gradient is
+        # read per expert too (an expert no token reached has a zero slice). Not under
+        # FSDP2, whose shards split the experts between ranks.
+        modules = dict(model.named_modules())
+        self._experts = set() if self._rank_aware is not None and \
+            self._rank_aware.strategy == "fsdp2" else \
+            {i for i, (_, mname, p) in enumerate(self._params)
+             if p.ndim == 3 and p.shape[0] > 1 and mname in modules and
+             type(modules[mname]).__name__.endswith("Experts")}
         self._bw_queued = False
         self._before: list[tuple[int, str, nn.Parameter, torch.Tensor]] = []
         # Per hooked module: its calls between pre-hook and forward hook.
@@ -1559,6 +1568,16 @@ class GradCollector(HookedContext):
             if i in known:
                 weights[i] = len(self._vals)
                 self._vals.append(known[i])
+        # Per expert, the norm of its slice of each fused expert weight's gradient.
+        experts: dict[int, int] = {}  # param index -> index in `_vals` of its first expert
+        for i in sorted(self._experts):
+            g = self._params[i][2].grad
+            if g is not None and g.layout == torch.strided:
+                experts[i] = len(self._vals)
+                with torch.no_grad():
+                    per = torch.linalg.vector_norm(g.detach().flatten(1), dim=1,
+                                                   dtype=torch.float32)  # (experts,)
+                self._vals.extend(per.unbind())
         ranks = None
         applied: float | None = None
         scale_at: int | None = None
@@ -1627,8 +1646,12 @@ class GradCollector(HookedContext):
                     reason = None
                 w = (ranks.weight_norm(i) if ranks is not None else host[weights[i]]) \
                     if i in weights else None
+                at = experts.get(i)
+                per_expert = None if at is None else \
+                    tuple(host[at + e] * inv for e in range(shape[0]))
                 params.append(ParamGradRecord(pname, mname, shape, dtype, requires_grad, n,
-                                              reason, weight_norm=w, tied_to=tied_to))
+                                              reason, weight_norm=w, tied_to=tied_to,
+                                              expert_norms=per_expert))
             # Each tensor once, as clip_grad_norm_ counts tied weights.
             total = combine_norms(p.norm for p in params if p.tied_to is None) or 0.0
             return GradFlow(index, modules, tuple(params), total, scale,

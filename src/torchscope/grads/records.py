@@ -210,6 +210,10 @@ class ParamGradRecord:
         update_norm: L2 norm of the optimizer's change to the parameter in this step,
             `‖w_after - w_before‖`; None unless measured (`watch_gradients` with an optimizer).
         tied_to: for a second name of the same tensor, the first name; else None.
+        expert_norms: for a mixture of experts' fused expert weight (shape (experts, ...),
+            owned by a module whose class name ends in `Experts`, as transformers' are),
+            the norm of each expert's slice of the gradient: 0 for an expert that no token
+            reached in the step. None for any other parameter, and under FSDP2.
     """
 
     name: str
@@ -222,6 +226,7 @@ class ParamGradRecord:
     weight_norm: float | None = None
     update_norm: float | None = None
     tied_to: str | None = None
+    expert_norms: tuple[float, ...] | None = None
 
     @property
     def finite(self) -> bool:

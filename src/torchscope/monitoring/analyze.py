@@ -55,6 +55,9 @@ class RunThresholds:
         dead_growth: ...when it grew by at least this fraction since the start.
         skipped_warn: fraction of steps the GradScaler skipped that is a warning (the first
             steps of a run calibrate the scale; a few skips are normal).
+        expert_samples: sampled steps in which an expert of a mixture of experts got no
+            gradient, every one of them, before it is called dead (few tokens per step can
+            miss an expert now and then).
     """
 
     window: float = 0.1
@@ -66,6 +69,7 @@ class RunThresholds:
     dead_warn: float = 0.25
     dead_growth: float = 0.1
     skipped_warn: float = 0.05
+    expert_samples: int = 5
 
 
 def _times(ratio: float) -> str:
@@ -529,6 +533,30 @@ def _normalised_after(record: RunRecord, layer: str, t: RunThresholds,
     return None
 
 
+def _dead_experts(record: RunRecord, t: RunThresholds) -> list[Finding]:
+    """Experts of a mixture of experts that no token reached in any sampled step: the
+    router never picks them (it collapsed onto the others), and they never learn."""
+    found = []
+    for use in record.experts:
+        dead = [e for e, n in enumerate(use.idle) if n == use.samples]
+        if use.samples < t.expert_samples or not dead:
+            continue
+        shown = ", ".join(map(str, dead[:8])) + (", ..." if len(dead) > 8 else "")
+        found.append(Finding(
+            "run.dead_experts", Severity.WARNING,
+            f"{_name(use.module)}: {len(dead)} of {len(use.idle)} experts ({shown}) got no "
+            f"token in any of the {use.samples} sampled steps: the router never picks them, "
+            "and their weights never learn",
+            {"experts": ",".join(map(str, dead)), "dead": len(dead), "of": len(use.idle),
+             "samples": use.samples, "param": use.param},
+            fix="keep the router from collapsing onto a few experts with a load-balancing "
+                "loss (transformers: output_router_logits=True, with router_aux_loss_coef "
+                "above 0; DeepSeek-V3 balances by its routing bias instead) or router noise, "
+                "and look at the router's init and learning rate.",
+            module=use.module))
+    return found
+
+
 def _eval_mode(record: RunRecord) -> list[Finding]:
     """Steps whose forward ran with the model in eval mode, where the mode changes what it
     computes: after steps in train mode, a `model.eval()` for evaluation left in place."""
@@ -599,6 +627,6 @@ def analyze_run(record: RunRecord, thresholds: RunThresholds | None = None
     found: Sequence[Finding] = [
         *_stopped(record), *run, *_skipped(record, t), *_gradient_trends(record, t),
         *_activation_drift(record, t), *_dead_growth(record, t), *_eval_mode(record),
-        *_unscaled_float16(record), *_compiled(record),
+        *_unscaled_float16(record), *_compiled(record), *_dead_experts(record, t),
         *_capabilities(record, replaced=bool(run))]
     return rank(found)

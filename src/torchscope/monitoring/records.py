@@ -17,8 +17,8 @@ if TYPE_CHECKING:
     from torchscope.memory import MemoryWatch
     from torchscope.profiling import ProfileResult
 
-__all__ = ["HistoryBudget", "LayerSeries", "ModeCounts", "NonFiniteOnset", "RunRecord",
-           "RunStatus", "mode_sensitive"]
+__all__ = ["ExpertUse", "HistoryBudget", "LayerSeries", "ModeCounts", "NonFiniteOnset",
+           "RunRecord", "RunStatus", "mode_sensitive"]
 
 RunStatus = Literal["completed", "stopped"]
 
@@ -132,6 +132,25 @@ def mode_sensitive(model: nn.Module) -> int:
 
 
 @dataclass(frozen=True)
+class ExpertUse:
+    """How often each expert of a mixture of experts' fused expert weights got no gradient
+    over the run's sampled steps (`ParamGradRecord.expert_norms`: no token reached it).
+
+    Attributes:
+        module: the experts module (transformers' `...Experts`).
+        param: its first fused weight, whose gradient was read per expert.
+        samples: sampled steps in which that weight had a gradient.
+        idle: per expert, of those samples, the ones in which its slice of the gradient
+            was zero.
+    """
+
+    module: str
+    param: str
+    samples: int
+    idle: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class HistoryBudget:
     """What bounds the run's memory, as configured and as used.
 
@@ -205,6 +224,8 @@ class RunRecord(Analyzed):
             backward and the step (`GradWatch.cleared_steps`), and the first of them.
         modes: the steps by the model's mode at their forward.
         weight: per-layer norm of the layer's own parameters, read with their gradients.
+        experts: per fused experts module of a mixture of experts, how often each expert
+            got no gradient over the sampled steps.
     """
 
     model: str
@@ -249,6 +270,7 @@ class RunRecord(Analyzed):
     first_cleared: int | None = None
     modes: ModeCounts = field(default_factory=ModeCounts)
     weight: LayerSeries = field(default_factory=lambda: LayerSeries("weight", (), (), ()))
+    experts: tuple[ExpertUse, ...] = ()
 
     @property
     def median_step_ms(self) -> float | None:

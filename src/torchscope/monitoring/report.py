@@ -149,7 +149,9 @@ class _Gradients(_Section):
         return {"param_norms": _series_json(record.grad_param),
                 "output_norms": _series_json(record.grad_output),
                 "total_norms": list(record.total_norms),
-                "applied_norms": list(record.applied_norms)}
+                "applied_norms": list(record.applied_norms),
+                "experts": [{"module": u.module, "param": u.param, "samples": u.samples,
+                             "idle": list(u.idle)} for u in record.experts]}
 
     def plots(self, record: RunRecord) -> Mapping[str, Figure]:
         if not record.grad_param.layers or not record.grad_param.steps:

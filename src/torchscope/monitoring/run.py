@@ -38,6 +38,7 @@ from torchscope.memory import MemorySample, MemoryWatch
 from torchscope.models.target import ModelInputs
 from torchscope.monitoring.history import SampleHistory, StepBuckets
 from torchscope.monitoring.records import (
+    ExpertUse,
     HistoryBudget,
     LayerSeries,
     ModeCounts,
@@ -133,6 +134,8 @@ class Monitor(HookedContext):
                                       _positive("recent", recent))
         # Per sampled step the loop clipped: the total norm its update used.
         self._applied: dict[int, float] = {}
+        # Per fused experts module: (the weight read per expert, [samples, idle per expert]).
+        self._experts: dict[str, tuple[str, list[int]]] = {}
         self._profile_steps = _positive("profile", profile, 0)
         self._out = None if out is None else _check_out(out)
         self._model: nn.Module | None = model
@@ -385,6 +388,15 @@ class Monitor(HookedContext):
             self._close_profile(failed=False)
 
     def _sample(self, index: int, flow: GradFlow) -> None:
+        for rec in flow.params:  # a mixture of experts' experts that no token reached
+            per = rec.expert_norms
+            if per is None or rec.tied_to is not None:
+                continue
+            name, counts = self._experts.setdefault(rec.module, (rec.name, [0] * (1 + len(per))))
+            if name == rec.name:  # one weight per experts module: [samples, idle per expert]
+                counts[0] += 1
+                for e, n in enumerate(per):
+                    counts[1 + e] += n == 0.0
         nan = math.nan
         params, outs, weights = flow.param_norms(), flow.output_norms(), flow.weight_norms()
         per_layer: dict[str, list[float]] = {}
@@ -517,6 +529,8 @@ class Monitor(HookedContext):
             unzeroed_steps=grads.unzeroed_steps, first_unzeroed=grads.first_unzeroed,
             cleared_steps=grads.cleared_steps, first_cleared=grads.first_cleared,
             modes=self._modes,
+            experts=tuple(ExpertUse(m, name, c[0], tuple(c[1:]))
+                          for m, (name, c) in self._experts.items()),
         )
 
 
