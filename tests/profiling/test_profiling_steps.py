@@ -354,6 +354,15 @@ def test_checkpoint_recompute_counts_as_backward(reentrant: bool) -> None:
             + rec.backward_engine_ms) == pytest.approx(result.phase("backward").cpu_ms, rel=1e-6)
 
 
+def _costly_mask(x: torch.Tensor) -> torch.Tensor:
+    """`x` masked by 30 matmuls on a detached copy: a costly forward with a backward of one
+    multiply."""
+    w = x.detach()
+    for _ in range(30):
+        w = torch.tanh(w @ w.T @ w / w.shape[0])
+    return x * (w > 0)
+
+
 def test_non_reentrant_recompute_is_each_recomputed_module_s_backward() -> None:
     """A non-reentrant checkpoint runs its region's forward again inside the first backward
     node that unpacks one of its saved tensors: here the head Linear's, after a module
@@ -361,12 +370,9 @@ def test_non_reentrant_recompute_is_each_recomputed_module_s_backward() -> None:
     read as the Linear's backward; it is the costly module's own backward work."""
     from torch.utils.checkpoint import checkpoint
 
-    class Costly(nn.Module):  # a mask from 30 matmuls on a detached copy: no backward
+    class Costly(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            w = x.detach()
-            for _ in range(30):
-                w = torch.tanh(w @ w.T @ w / w.shape[0])
-            return x * (w > 0)
+            return _costly_mask(x)
 
     class Net(nn.Module):
         def __init__(self) -> None:
@@ -402,12 +408,6 @@ def test_non_reentrant_recompute_outside_modules_is_the_enclosing_module_s() -> 
     them all, not to the first child, nor to the node that happened to unpack first."""
     from torch.utils.checkpoint import checkpoint
 
-    def mask(x: torch.Tensor) -> torch.Tensor:
-        w = x.detach()
-        for _ in range(30):
-            w = torch.tanh(w @ w.T @ w / w.shape[0])
-        return x * (w > 0)
-
     class Net(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -415,7 +415,7 @@ def test_non_reentrant_recompute_outside_modules_is_the_enclosing_module_s() -> 
             self.b = nn.Linear(128, 128)
 
         def region(self, x: torch.Tensor) -> torch.Tensor:
-            return self.b(mask(self.a(x)))  # type: ignore[no-any-return]
+            return self.b(_costly_mask(self.a(x)))  # type: ignore[no-any-return]
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return checkpoint(self.region, x, use_reentrant=False)  # type: ignore[no-any-return]
