@@ -551,8 +551,10 @@ def _dead_experts(record: RunRecord, t: RunThresholds) -> list[Finding]:
              "samples": use.samples, "param": use.param},
             fix="keep the router from collapsing onto a few experts with a load-balancing "
                 "loss (transformers: output_router_logits=True, with router_aux_loss_coef "
-                "above 0; DeepSeek-V3 balances by its routing bias instead) or router noise, "
-                "and look at the router's init and learning rate.",
+                "above 0) or, as DeepSeek-V3 trains, by moving each expert's routing bias "
+                "(e_score_correction_bias, which transformers does not update) toward the "
+                "experts that get too few tokens; look at the router's init and learning "
+                "rate too.",
             module=use.module))
     return found
 
