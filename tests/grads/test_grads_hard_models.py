@@ -846,3 +846,48 @@ def test_a_custom_function_inside_a_non_reentrant_checkpoint_is_still_a_replay()
     for a, b in zip(want, got, strict=True):
         for u, v in zip(a[2] + a[3], b[2] + b[3], strict=True):
             assert (u is None) == (v is None) and (u is None or _close(u, v)), (a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_fused_experts_gradient_is_read_per_expert(dtype: torch.dtype) -> None:
+    """transformers' Mixtral keeps its experts' weights fused, (experts, ...) each: the
+    one-shot flow reads each expert's slice of their gradient, equal to torch's (bfloat16
+    summed in float32)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+        num_experts_per_tok=2)).to(dtype)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    flow = gradient_flow(model, {"input_ids": ids, "labels": ids})
+    experts = model.model.layers[0].mlp.experts
+    for name, p in experts.named_parameters():
+        rec = flow.param(f"model.layers.0.mlp.experts.{name}")
+        want = torch.linalg.vector_norm(p.grad.float().flatten(1), dim=1)  # (experts,)
+        assert rec.expert_norms is not None and len(rec.expert_norms) == 4
+        assert list(rec.expert_norms) == pytest.approx(want.tolist(), rel=1e-5)
+    # Any other weight has none.
+    assert flow.param("model.layers.0.mlp.gate.weight").expert_norms is None
+
+
+def test_fused_experts_in_float64_are_read_in_float64() -> None:
+    """A float64 experts module (transformers' own run only in 32 and 16 bits) raised:
+    float64 cannot be summed in float32."""
+
+    class ToyExperts(nn.Module):  # transformers' layout: one (experts, out, in) weight
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(3, 4, 4, dtype=torch.float64))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x @ self.weight[0].T + x @ self.weight[2].T  # expert 1 gets nothing
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4).double(), ToyExperts())
+    flow = gradient_flow(model, torch.randn(2, 4, dtype=torch.float64), loss_fn="sum")
+    grad = model[1].weight.grad  # (experts, out, in)
+    norms = flow.param("1.weight").expert_norms
+    assert norms is not None and norms[1] == 0.0
+    assert list(norms) == pytest.approx(
+        torch.linalg.vector_norm(grad.flatten(1), dim=1).tolist(), rel=1e-12)

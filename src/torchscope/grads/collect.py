@@ -1574,9 +1574,10 @@ class GradCollector(HookedContext):
             g = self._params[i][2].grad
             if g is not None and g.layout == torch.strided:
                 experts[i] = len(self._vals)
-                with torch.no_grad():
-                    per = torch.linalg.vector_norm(g.detach().flatten(1), dim=1,
-                                                   dtype=torch.float32)  # (experts,)
+                with torch.no_grad():  # half precision summed in float32, as `_norm` does
+                    flat = g.detach().flatten(1)  # (experts, rest)
+                    per = torch.linalg.vector_norm(flat, dim=1, dtype=torch.float32) \
+                        if flat.dtype in _HALF else torch.linalg.vector_norm(flat, dim=1)
                 self._vals.extend(per.unbind())
         ranks = None
         applied: float | None = None
