@@ -585,3 +585,45 @@ def test_experts_no_token_reaches_are_dead_over_the_run(routing: str) -> None:
         assert "load-balancing" in f.fix
     else:
         assert idle == [[]] * 6 and not found
+
+
+@pytest.mark.parametrize("routing", ["collapsed", "healthy"])
+def test_experts_kept_as_modules_no_token_reaches_are_dead_too(routing: str) -> None:
+    """transformers' Switch Transformers keeps each expert a module of its own: an expert
+    its router never picks (here its routing bias) gets no gradient at all in a step. Over
+    6 sampled steps that is `run.dead_experts` too; torch agrees step by step, and the
+    routing as built is silent (an expert missed now and then is not dead)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.SwitchTransformersForConditionalGeneration(
+        transformers.SwitchTransformersConfig(
+            vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
+            num_heads=4, num_experts=4, encoder_sparse_step=1, decoder_sparse_step=1,
+            router_bias=True, decoder_start_token_id=0, pad_token_id=0))
+    moe = model.encoder.block[0].layer[1].mlp
+    if routing == "collapsed":
+        with torch.no_grad():
+            moe.router.classifier.bias[1] = -1e4
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    idle = [0] * 4
+    with torchscope.monitor(model, opt, every=1, out=None, activations=False,
+                            memory=False) as mon:
+        for _ in range(6):
+            x = torch.randint(0, 64, (4, 16), generator=g)
+            opt.zero_grad()
+            model(input_ids=x, labels=torch.randint(0, 64, (4, 8), generator=g)).loss.backward()
+            for e, expert in enumerate(moe.experts.children()):
+                idle[e] += all(p.grad is None or not p.grad.any() for p in expert.parameters())
+            opt.step()
+    run = mon.result
+    assert run is not None
+    use = next(u for u in run.experts if u.module == "encoder.block.0.layer.1.mlp.experts")
+    assert use.param == "" and use.samples == 6 and list(use.idle) == idle
+    found = [f for f in run.findings() if f.code == "run.dead_experts"]
+    if routing == "collapsed":
+        assert idle[1] == 6
+        [f] = found
+        assert f.module == use.module and f.evidence["experts"] == "1"
+    else:
+        assert max(max(u.idle) for u in run.experts) < 6 and not found

@@ -60,7 +60,7 @@ from __future__ import annotations
 import functools
 import math
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -562,6 +562,24 @@ def _shard_ranks(p: torch.Tensor) -> tuple[int, ...]:
     return tuple(int(r) for r in mesh.mesh[index].flatten().tolist())
 
 
+def _split_experts(modules: dict[str, nn.Module]) -> Iterator[tuple[str, tuple[str, ...]]]:
+    """The mixtures of experts kept as separate modules: per experts module (a class name
+    ending in `Experts`, or an `nn.ModuleList` named `experts`), its children that hold
+    trainable parameters, two or more, in order."""
+    for name, module in modules.items():
+        last = name.rpartition(".")[2]
+        if not (type(module).__name__.endswith("Experts") or
+                (isinstance(module, nn.ModuleList) and last == "experts")):
+            continue
+        if any(p.ndim == 3 for p in module.parameters(recurse=False)):
+            continue  # fused: read per expert from the weights (`expert_norms`)
+        members = tuple(f"{name}.{child}" if name else child
+                        for child, sub in module.named_children()
+                        if any(p.requires_grad for p in sub.parameters()))
+        if len(members) > 1:
+            yield name, members
+
+
 class _RankAware:
     """The rank-aware part of a collector on a DDP or FSDP2 model (see the module docstring).
 
@@ -789,6 +807,9 @@ class GradCollector(HookedContext):
             {i for i, (_, mname, p) in enumerate(self._params)
              if p.ndim == 3 and p.shape[0] > 1 and mname in modules and
              type(modules[mname]).__name__.endswith("Experts")}
+        # Experts kept as modules of their own: whether each got a gradient is read from its
+        # parameters' (`GradFlow.idle_experts`).
+        self._split_experts = tuple(_split_experts(modules))
         self._bw_queued = False
         self._before: list[tuple[int, str, nn.Parameter, torch.Tensor]] = []
         # Per hooked module: its calls between pre-hook and forward hook.
@@ -1579,6 +1600,7 @@ class GradCollector(HookedContext):
                     per = torch.linalg.vector_norm(flat, dim=1, dtype=torch.float32) \
                         if flat.dtype in _HALF else torch.linalg.vector_norm(flat, dim=1)
                 self._vals.extend(per.unbind())
+        split_experts = self._split_experts
         ranks = None
         applied: float | None = None
         scale_at: int | None = None
@@ -1658,7 +1680,8 @@ class GradCollector(HookedContext):
             return GradFlow(index, modules, tuple(params), total, scale,
                             micro_batches=micro_batches, backward_calls=backwards, step=step,
                             ranks=ranks, fused_norms=fused, eager_norms=eager,
-                            idle_forwards=idle, applied_norm=applied)
+                            idle_forwards=idle, applied_norm=applied,
+                            experts=split_experts)
 
         return functools.cache(build)  # built once, however often it is asked for
 

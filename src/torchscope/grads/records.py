@@ -454,6 +454,10 @@ class GradFlow(Analyzed, Gatherable):
             joined from every rank's shards, and kept only where it differs from
             `total_norm` (clipping moves no DTensor's version counter).
         optimizer: the class name of the optimizer whose update a watch measured, or None.
+        experts: a mixture of experts kept as separate modules (the children of a module
+            whose class name ends in `Experts`, or of an `nn.ModuleList` named `experts`):
+            per experts module, its expert modules in order. Fused expert weights carry
+            their experts in `ParamGradRecord.expert_norms` instead.
     """
 
     index: int
@@ -471,6 +475,25 @@ class GradFlow(Analyzed, Gatherable):
     from_zero: tuple[str, ...] = ()
     applied_norm: float | None = None
     optimizer: str | None = None
+    experts: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+    def idle_experts(self) -> dict[str, tuple[str, tuple[bool, ...]]]:
+        """Per experts module of a mixture of experts: the weight read per expert (its
+        first fused weight; "" for experts kept as separate modules), and per expert,
+        whether no gradient reached it in this step (no token did): a zero slice of the
+        fused weight's gradient, or no gradient in any of its module's parameters."""
+        out: dict[str, tuple[str, tuple[bool, ...]]] = {}
+        for p in self.params:
+            if p.expert_norms is not None and p.tied_to is None and p.module not in out:
+                out[p.module] = (p.name, tuple(n == 0.0 for n in p.expert_norms))
+        for module, members in self.experts:
+            idle = []
+            for m in members:
+                own = [p for p in self.params if p.requires_grad and p.tied_to is None and
+                       (p.module == m or p.module.startswith(m + "."))]
+                idle.append(all(p.norm is None or p.norm == 0.0 for p in own))
+            out[module] = ("", tuple(idle))
+        return out
 
     @property
     def clip_factor(self) -> float:

@@ -133,15 +133,16 @@ def mode_sensitive(model: nn.Module) -> int:
 
 @dataclass(frozen=True)
 class ExpertUse:
-    """How often each expert of a mixture of experts' fused expert weights got no gradient
-    over the run's sampled steps (`ParamGradRecord.expert_norms`: no token reached it).
+    """How often each expert of a mixture of experts got no gradient over the run's sampled
+    steps (`GradFlow.idle_experts`: no token reached it).
 
     Attributes:
-        module: the experts module (transformers' `...Experts`).
-        param: its first fused weight, whose gradient was read per expert.
-        samples: sampled steps in which that weight had a gradient.
-        idle: per expert, of those samples, the ones in which its slice of the gradient
-            was zero.
+        module: the experts module (transformers' `...Experts`, or an `nn.ModuleList`
+            named `experts`).
+        param: its first fused weight, whose gradient was read per expert; "" where the
+            experts are modules of their own.
+        samples: sampled steps that read it.
+        idle: per expert, of those samples, the ones in which no gradient reached it.
     """
 
     module: str

@@ -388,15 +388,12 @@ class Monitor(HookedContext):
             self._close_profile(failed=False)
 
     def _sample(self, index: int, flow: GradFlow) -> None:
-        for rec in flow.params:  # a mixture of experts' experts that no token reached
-            per = rec.expert_norms
-            if per is None or rec.tied_to is not None:
-                continue
-            name, counts = self._experts.setdefault(rec.module, (rec.name, [0] * (1 + len(per))))
-            if name == rec.name:  # one weight per experts module: [samples, idle per expert]
-                counts[0] += 1
-                for e, n in enumerate(per):
-                    counts[1 + e] += n == 0.0
+        # A mixture of experts' experts that no token reached: [samples, idle per expert].
+        for module, (name, idle) in flow.idle_experts().items():
+            _, counts = self._experts.setdefault(module, (name, [0] * (1 + len(idle))))
+            counts[0] += 1
+            for e, none in enumerate(idle):
+                counts[1 + e] += none
         nan = math.nan
         params, outs, weights = flow.param_norms(), flow.output_norms(), flow.weight_norms()
         per_layer: dict[str, list[float]] = {}
