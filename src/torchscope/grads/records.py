@@ -486,13 +486,21 @@ class GradFlow(Analyzed, Gatherable):
         for p in self.params:
             if p.expert_norms is not None and p.tied_to is None and p.module not in out:
                 out[p.module] = (p.name, tuple(n == 0.0 for n in p.expert_norms))
-        for module, members in self.experts:
-            idle = []
-            for m in members:
-                own = [p for p in self.params if p.requires_grad and p.tied_to is None and
-                       (p.module == m or p.module.startswith(m + "."))]
-                idle.append(all(p.norm is None or p.norm == 0.0 for p in own))
-            out[module] = ("", tuple(idle))
+        if not self.experts:
+            return out
+        # Each parameter to the expert module that holds it: one walk up its module's name.
+        member = {m: (module, e) for module, ms in self.experts for e, m in enumerate(ms)}
+        got: set[tuple[str, int]] = set()
+        for p in self.params:
+            if p.norm is None or p.norm == 0.0 or not p.requires_grad:
+                continue
+            name = p.module
+            while name and name not in member:
+                name = name.rpartition(".")[0]
+            if name in member:
+                got.add(member[name])
+        for module, ms in self.experts:
+            out[module] = ("", tuple((module, e) not in got for e in range(len(ms))))
         return out
 
     @property
