@@ -562,14 +562,19 @@ def _shard_ranks(p: torch.Tensor) -> tuple[int, ...]:
     return tuple(int(r) for r in mesh.mesh[index].flatten().tolist())
 
 
+def _holds_experts(name: str, module: nn.Module) -> bool:
+    """Whether `module` holds a mixture of experts' experts: a class name ending in
+    `Experts` (transformers'), or an `nn.ModuleList` named `experts`."""
+    return type(module).__name__.endswith("Experts") or \
+        (isinstance(module, nn.ModuleList) and name.rpartition(".")[2] == "experts")
+
+
 def _split_experts(modules: dict[str, nn.Module]) -> Iterator[tuple[str, tuple[str, ...]]]:
     """The mixtures of experts kept as separate modules: per experts module (a class name
     ending in `Experts`, or an `nn.ModuleList` named `experts`), its children that hold
     trainable parameters, two or more, in order."""
     for name, module in modules.items():
-        last = name.rpartition(".")[2]
-        if not (type(module).__name__.endswith("Experts") or
-                (isinstance(module, nn.ModuleList) and last == "experts")):
+        if not _holds_experts(name, module):
             continue
         if any(p.ndim == 3 for p in module.parameters(recurse=False)):
             continue  # fused: read per expert from the weights (`expert_norms`)
@@ -806,7 +811,7 @@ class GradCollector(HookedContext):
             self._rank_aware.strategy == "fsdp2" else \
             {i for i, (_, mname, p) in enumerate(self._params)
              if p.ndim == 3 and p.shape[0] > 1 and mname in modules and
-             type(modules[mname]).__name__.endswith("Experts")}
+             _holds_experts(mname, modules[mname])}
         # Experts kept as modules of their own: whether each got a gradient is read from its
         # parameters' (`GradFlow.idle_experts`).
         self._split_experts = tuple(_split_experts(modules))
@@ -1736,12 +1741,10 @@ class GradCollector(HookedContext):
         this rank's shard norm of each parameter's gradient (one fused read, no host sync).
         The step's exchange in `finish` joins every rank's into `GradFlow.applied_norm`
         where it differs from the backward's."""
-        seen: set[int] = set()
         at: list[int] = []
-        for i, (_, _, p) in enumerate(self._params):
-            if p.grad is not None and id(p) not in seen:  # a tied weight counts once
-                seen.add(id(p))
+        grads: list[torch.Tensor] = []
+        for i, (_, _, p) in enumerate(self._params):  # a tied weight is there once
+            if (g := p.grad) is not None:
                 at.append(i)
-        grads = [local_tensor(g).detach() for i in at if (g := self._params[i][2].grad)
-                 is not None]
+                grads.append(local_tensor(g).detach())
         self._applied = dict(zip(at, _norms(grads), strict=True))
