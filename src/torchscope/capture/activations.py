@@ -19,6 +19,7 @@ from torchscope.capture.records import (
     TensorStats,
 )
 from torchscope.capture.stats import finiteness, tensor_stats
+from torchscope.capture.units import Candidate, unit_candidates, unit_dim
 from torchscope.distributed.ranked import Ranked
 from torchscope.errors import BudgetError, TorchscopeError
 from torchscope.findings import Analyzed
@@ -52,9 +53,9 @@ class _Pending(NamedTuple):
     call: int
     order: int
     # (path, shape, dtype, device, numel, row in the stats matrix, index of its dead-unit
-    # count or -1, reduced by the fused kernel); dtype and device are made strings when
-    # the records are built, not in the hook.
-    leaves: tuple[tuple[str, tuple[int, ...], torch.dtype, torch.device, int, int, int,
+    # count or -1, the dimension of its units, reduced by the fused kernel); dtype and
+    # device are made strings when the records are built, not in the hook.
+    leaves: tuple[tuple[str, tuple[int, ...], torch.dtype, torch.device, int, int, int, int,
                         bool], ...]
     # Per tensor input, where its finiteness is: an earlier output's stats row (i >= 0), or
     # `finiteness` value -1 - i.
@@ -188,10 +189,12 @@ class ActivationCapture(HookedContext, Analyzed):
         s.forward_pre_hook(model, self._begin_forward, prepend=True)
         s.forward_hook(model, self._end_forward, always_call=True)
         for name, module in self._targets:
+            relu_family = isinstance(module, _RELU_FAMILY)
             s.forward_hook(
                 module,
-                self._make_hook(name, type(module).__name__, isinstance(module, _RELU_FAMILY),
-                                isinstance(module, _NONNEGATIVE)),
+                self._make_hook(name, type(module).__name__, relu_family,
+                                isinstance(module, _NONNEGATIVE),
+                                unit_candidates(model, name) if relu_family else ()),
             )
 
     def close(self, *, failed: bool = False) -> None:
@@ -306,8 +309,8 @@ class ActivationCapture(HookedContext, Analyzed):
         self._seen[id(t)] = (weakref.ref(t), row)
         return row
 
-    def _make_hook(self, name: str, type_name: str, relu_family: bool, nonnegative: bool
-                   ) -> Any:
+    def _make_hook(self, name: str, type_name: str, relu_family: bool, nonnegative: bool,
+                   units: tuple[Candidate, ...]) -> Any:
         def hook(_module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
             # Inside backward, a forward is a checkpoint's recomputation of values the
             # forward already recorded (a reentrant checkpoint's first forward ran under
@@ -327,9 +330,12 @@ class ActivationCapture(HookedContext, Analyzed):
                 # shape with -1 for a ragged dim.
                 values, shape = (nested_values(t), nested_shape(t)) if t.is_nested \
                     else (t, None)
+                # (N, C, ...) after a convolution, (N, ..., C) after a linear layer.
+                udim = unit_dim(values.shape, units) if units and values.dim() > 2 else 1
                 vec, dead_count, fused = tensor_stats(
                     values, count_nonfinite=self._count_nonfinite,
-                    dead_units=self._dead_units and relu_family, nonnegative=nonnegative)
+                    dead_units=self._dead_units and relu_family, nonnegative=nonnegative,
+                    unit_dim=udim)
                 row = self._add_row(t, vec)
                 dead = -1
                 if dead_count is not None:
@@ -343,7 +349,7 @@ class ActivationCapture(HookedContext, Analyzed):
                     if key not in self._eager_why:
                         self._eager_why[key] = _kernels.why_eager("stats", values) or "eager"
                 leaves.append((path, tuple(values.shape) if shape is None else shape, t.dtype,
-                               t.device, values.numel(), row, dead, fused))
+                               t.device, values.numel(), row, dead, udim, fused))
                 if self._store == "tensors":
                     self._keep(name, call, path, t)
             self._cur.append(
@@ -486,7 +492,7 @@ class ActivationCapture(HookedContext, Analyzed):
                                                           strict=True):
             for p in calls:
                 outs = []
-                for path, shape, dtype, device, numel, row, di, fused in p.leaves:
+                for path, shape, dtype, device, numel, row, di, udim, fused in p.leaves:
                     v = rows[row]
                     dead = di >= 0
                     outs.append(
@@ -505,7 +511,8 @@ class ActivationCapture(HookedContext, Analyzed):
                             nan_count=int(v[NANS]) if counted and v[NANS] >= 0 else None,
                             inf_count=int(v[INFS]) if counted and v[INFS] >= 0 else None,
                             dead_units=int(deads[di]) if dead else None,
-                            channels=shape[1] if dead else None,
+                            channels=shape[udim] if dead else None,
+                            unit_dim=(udim if udim == 1 else -1) if dead else None,
                             fused=fused,
                         )
                     )

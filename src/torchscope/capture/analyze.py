@@ -203,12 +203,14 @@ def _per_module(judged: Sequence[ActivationRecord], th: ActivationThresholds,
                 out.append(Finding(
                     "activations.dead_units",
                     Severity.WARNING if likely else Severity.INFO,
-                    f"{name} ({r.module_type}): {s.dead_units} of {s.channels} channels "
-                    f"({100 * frac:.0f}%) are zero for every sample and position"
+                    f"{name} ({r.module_type}): {s.dead_units} of {s.channels} "
+                    + ("units (the last dim; " if s.unit_dim == -1 else "channels (")
+                    + f"{100 * frac:.0f}%) are zero for every sample and position"
                     + ("" if likely else
                        f" (only {seen_per_channel} values per channel: may be chance)" if few
                        else ": possibly a loss of capacity"),
-                    {"dead": s.dead_units, "channels": s.channels, "fraction": frac,
+                    {"dead": s.dead_units, "channels": s.channels, "unit_dim": s.unit_dim,
+                     "fraction": frac,
                      "zero_frac": s.zero_frac, "values_per_channel": seen_per_channel},
                     fix="lower the learning rate or use LeakyReLU/GELU; check the init and the "
                         "bias of the layer before it (Kaiming init keeps a deep ReLU stack's "

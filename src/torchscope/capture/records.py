@@ -23,11 +23,16 @@ class TensorStats:
         zero_frac: fraction of elements exactly zero (NaN when uncounted NaNs hide it).
         nan_count, inf_count: non-finite elements; None when not counted (capture with
             `count_nonfinite=False`), in which case `finite` still holds exactly, from min/max.
-        dead_units: for ReLU-family outputs of rank >= 2, channels (dim 1) that are zero for
-            every sample and position; None where not measured.
-        channels: the size of dim 1 when `dead_units` is measured.
+        dead_units: for ReLU-family outputs of rank >= 2, units that are zero for every
+            sample and position; None where not measured. The units are dim 1 after a
+            convolution (N, C, ...) and the last dim after a linear layer (N, ..., C): see
+            `unit_dim`.
+        channels: the number of units when `dead_units` is measured.
         fused: True when the fused kernel reduced it in one pass (`torchscope._kernels`),
             False when eager ops did (the kernel was still building, or cannot run here).
+        unit_dim: the dimension that holds the units when `dead_units` is measured: 1, or
+            -1 for the last of 3 or more dims (read from the layers beside the module:
+            `torchscope.capture.units`).
     """
 
     path: str
@@ -46,6 +51,7 @@ class TensorStats:
     dead_units: int | None = None
     channels: int | None = None
     fused: bool = False
+    unit_dim: int | None = None
 
     @property
     def finite(self) -> bool:

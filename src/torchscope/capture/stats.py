@@ -36,7 +36,7 @@ __all__ = [
 
 def tensor_stats(
     x: torch.Tensor, *, count_nonfinite: bool = True, dead_units: bool = False,
-    nonnegative: bool = False,
+    nonnegative: bool = False, unit_dim: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
     """Statistics of `x` as a float64 vector of `N_MOMENTS` on `x.device`, its dead-unit
     count, and whether the fused kernel computed the statistics (else the eager ops of
@@ -48,20 +48,21 @@ def tensor_stats(
     Args:
         x: the tensor.
         count_nonfinite: count NaN and Inf exactly on the eager path.
-        dead_units: also count the channels (dim 1) that are zero everywhere, in the fused
-            pass where the kernel can, else by `dead_unit_count`; None for a tensor of
-            fewer than 2 dims or no elements, or without `dead_units`.
+        dead_units: also count the units (dim `unit_dim`) that are zero everywhere, in the
+            fused pass where the kernel can (units in dim 1), else by `dead_unit_count`;
+            None for a tensor of fewer than 2 dims or no elements, or without `dead_units`.
         nonnegative: `x` holds no negative values (see `dead_unit_count`).
+        unit_dim: the dimension that holds the units (`torchscope.capture.units`).
     """
     want_dead = dead_units and x.dim() >= 2 and x.numel() > 0
-    fused = _kernels.run("stats", x, dead_units=want_dead)
+    fused = _kernels.run("stats", x, dead_units=want_dead and unit_dim == 1)
     if fused is None:
         stats = reduce_stats(x, count_nonfinite=count_nonfinite)
     elif fused.shape[0] > N_MOMENTS:  # the kernel counted dead units in the same pass
         return fused[:N_MOMENTS], fused[DEAD], True
     else:
         stats = fused
-    dead = dead_unit_count(x, nonnegative=nonnegative) if want_dead else None
+    dead = dead_unit_count(x, nonnegative=nonnegative, dim=unit_dim) if want_dead else None
     return stats, dead, fused is not None
 
 
@@ -186,16 +187,19 @@ def finiteness(x: torch.Tensor) -> torch.Tensor:
     return torch.zeros((), dtype=torch.float64, device=t.device)
 
 
-def dead_unit_count(x: torch.Tensor, *, nonnegative: bool = False) -> torch.Tensor:
-    """Channels (dim 1) of a rank >= 2 tensor that are zero everywhere, as a 0-d device tensor.
+def dead_unit_count(x: torch.Tensor, *, nonnegative: bool = False, dim: int = 1
+                    ) -> torch.Tensor:
+    """Units (dim `dim`) of a rank >= 2 tensor that are zero everywhere, as a 0-d device
+    tensor.
 
     Args:
         x: the tensor.
-        nonnegative: `x` holds no negative values (a ReLU's output): a channel whose max is 0
+        nonnegative: `x` holds no negative values (a ReLU's output): a unit whose max is 0
             is all zero, one reduction instead of two.
+        dim: the dimension that holds the units: 1 for (N, C, ...), the last for (N, ..., C).
     """
     t = x.detach()
-    dims = [d for d in range(t.dim()) if d != 1]
+    dims = [d for d in range(t.dim()) if d != dim]
     if t.dtype == torch.bool:
         return (~t.any(dim=dims)).sum().double()
     dead = t.amax(dim=dims) == 0  # (C,); NaN is never 0, as in the two-sided test
