@@ -216,6 +216,30 @@ def deep_tanh_small() -> tuple[nn.Module, Any]:
     return model, torch.randn(4, 32, generator=_gen())
 
 
+def tanh_too_wide() -> tuple[nn.Module, Any]:
+    """makemore's MLP (30 -> 200 -> 200 tanh -> 27) with weights of std 5 / sqrt(fan_in),
+    three times Kaiming's tanh gain: about two thirds of each tanh's values sit in its
+    flat tails."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(30, 200), nn.Tanh(), nn.Linear(200, 200), nn.Tanh(),
+                          nn.Linear(200, 27))
+    with torch.no_grad():
+        for m in model:
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=5.0 / m.in_features ** 0.5)
+                m.bias.zero_()
+    return model, torch.randn(32, 30, generator=_gen())
+
+
+def hf_t5_dead_ffn() -> tuple[nn.Module, Any]:
+    """The healthy T5 with 48 of the 64 units of its first feed-forward held at zero (zero
+    rows of wi; T5 has no biases): dead units along the last dim of (batch, tokens, d_ff)."""
+    model, inputs = hf_t5()
+    with torch.no_grad():
+        model.get_submodule("encoder.block.0.layer.1.DenseReluDense.wi").weight[:48] = 0.0
+    return model, inputs
+
+
 def large_init() -> tuple[nn.Module, Any]:
     """Eight ReLU layers initialised with std 1 (4x Kaiming's sqrt(2 / fan_in) for fan_in 32)
     and no normalisation: activations and the backward signal grow about 4x per layer."""
@@ -337,6 +361,10 @@ ZOO: tuple[Entry, ...] = (
     Entry("large-init", large_init, (Expect("grads.exploding", "0"),),
           allowed=frozenset({"activations.large", "activations.scale_drift"})),
     Entry("dead-bias", dead_bias, (Expect("activations.dead_units", "relu"),)),
+    Entry("hf-t5-dead-ffn", hf_t5_dead_ffn, (
+        Expect("activations.dead_units", "encoder.block.0.layer.1.DenseReluDense.act"),)),
+    Entry("tanh-too-wide", tanh_too_wide, (Expect("activations.saturated", "1"),
+                                           Expect("activations.saturated", "3"))),
     Entry("dead-layer", dead_layer, (
         Expect("activations.dead_units", "relu"),
         Expect("grads.dead", "relu"),  # receives gradient, passes zeros down

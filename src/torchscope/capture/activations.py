@@ -18,7 +18,7 @@ from torchscope.capture.records import (
     ReductionPaths,
     TensorStats,
 )
-from torchscope.capture.stats import finiteness, tensor_stats
+from torchscope.capture.stats import finiteness, saturation, tensor_stats
 from torchscope.capture.units import Candidate, unit_candidates, unit_dim
 from torchscope.distributed.ranked import Ranked
 from torchscope.errors import BudgetError, TorchscopeError
@@ -40,6 +40,31 @@ GROWTH_WARNING_RECORDS = 50_000
 # Modules whose outputs are >= 0 and whose dead channels mean dead units.
 _RELU_FAMILY = (nn.ReLU, nn.ReLU6, nn.Hardtanh, nn.Threshold)
 _NONNEGATIVE = (nn.ReLU, nn.ReLU6)  # outputs >= 0: one reduction finds a dead channel
+# Bounded activations' tails, where the local gradient has fallen below this share of its
+# peak (smooth ones) or to zero (piecewise-linear ones): a value there passes almost no
+# gradient back, and a unit whose every value sits there does not learn.
+_PEAK_SHARE = 0.05
+_TANH_TAIL = math.sqrt(1.0 - _PEAK_SHARE)  # tanh' = 1 - y**2 <= 0.05  <=>  |y| >= 0.9747
+
+
+def _saturation_bounds(m: nn.Module) -> tuple[float, float] | None:
+    """(low, high): the output values at or beyond which module `m`'s local gradient is
+    below `_PEAK_SHARE` of its peak, or zero; None for an activation that is not bounded
+    (or not one)."""
+    if isinstance(m, nn.Tanh):
+        return -_TANH_TAIL, _TANH_TAIL
+    if isinstance(m, nn.Sigmoid):  # s' = s(1 - s) = (1 - (2s - 1)**2) / 4
+        return 0.5 - _TANH_TAIL / 2, 0.5 + _TANH_TAIL / 2
+    if isinstance(m, nn.Softsign):  # s' = (1 - |y|)**2
+        tail = 1.0 - math.sqrt(_PEAK_SHARE)
+        return -tail, tail
+    if isinstance(m, nn.Hardsigmoid):  # zero gradient outside -3 < x < 3: y = 0 or 1
+        return 0.0, 1.0
+    if isinstance(m, nn.Hardtanh) and not isinstance(m, nn.ReLU6):  # ReLU6's 0 is a ReLU's
+        return float(m.min_val), float(m.max_val)
+    return None
+
+
 # Modules whose weights set the scale of what follows; scale drift is read between these.
 _WEIGHTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding)
 
@@ -53,10 +78,11 @@ class _Pending(NamedTuple):
     call: int
     order: int
     # (path, shape, dtype, device, numel, row in the stats matrix, index of its dead-unit
-    # count or -1, the dimension of its units, reduced by the fused kernel); dtype and
-    # device are made strings when the records are built, not in the hook.
+    # count or -1, the dimension of its units, index of its saturation counts or -1,
+    # reduced by the fused kernel); dtype and device are made strings when the records are
+    # built, not in the hook.
     leaves: tuple[tuple[str, tuple[int, ...], torch.dtype, torch.device, int, int, int, int,
-                        bool], ...]
+                        int, bool], ...]
     # Per tensor input, where its finiteness is: an earlier output's stats row (i >= 0), or
     # `finiteness` value -1 - i.
     input_rows: tuple[int, ...]
@@ -64,7 +90,8 @@ class _Pending(NamedTuple):
 
 _Rows = tuple[list[int], torch.Tensor]
 """Values of one forward that live on one device: their indices, and the values stacked (stats
-vectors into a (rows, N_MOMENTS) matrix, dead-unit counts into a vector) on that device
+vectors into a (rows, N_MOMENTS) matrix, dead-unit counts into a vector, saturation counts
+into a (rows, 2) matrix) on that device
 until `records` is read."""
 
 
@@ -166,14 +193,15 @@ class ActivationCapture(HookedContext, Analyzed):
         self._stored_bytes = 0
         self._warned_budget = False
         self._step = -1
-        # Per forward: pending calls, the device stats vectors, dead-unit counts and input
-        # finiteness values they wrote, flushed together.
+        # Per forward: pending calls, the device stats vectors, dead-unit counts, input
+        # finiteness values and saturation counts they wrote, flushed together.
         self._pending: list[tuple[int, list[_Pending], list[_Rows], list[_Rows],
-                                  list[_Rows]]] = []
+                                  list[_Rows], list[_Rows]]] = []
         self._cur: list[_Pending] = []
         self._vecs: list[torch.Tensor] = []
         self._dead: list[torch.Tensor] = []
         self._fin: list[torch.Tensor] = []
+        self._sat: list[torch.Tensor] = []
         self._fused = 0
         self._eager = 0
         self._eager_why: dict[tuple[torch.dtype, torch.device], str] = {}
@@ -190,11 +218,13 @@ class ActivationCapture(HookedContext, Analyzed):
         s.forward_hook(model, self._end_forward, always_call=True)
         for name, module in self._targets:
             relu_family = isinstance(module, _RELU_FAMILY)
+            bounds = _saturation_bounds(module)
             s.forward_hook(
                 module,
                 self._make_hook(name, type(module).__name__, relu_family,
-                                isinstance(module, _NONNEGATIVE),
-                                unit_candidates(model, name) if relu_family else ()),
+                                isinstance(module, _NONNEGATIVE), bounds,
+                                unit_candidates(model, name)
+                                if relu_family or bounds is not None else ()),
             )
 
     def close(self, *, failed: bool = False) -> None:
@@ -261,10 +291,12 @@ class ActivationCapture(HookedContext, Analyzed):
             return  # the end of a recomputation (`_begin_forward`)
         if self._vecs or self._cur or self._fin:
             self._pending.append((self._step, self._cur, _stack_by_device(self._vecs),
-                                  _stack_by_device(self._dead), _stack_by_device(self._fin)))
+                                  _stack_by_device(self._dead), _stack_by_device(self._fin),
+                                  _stack_by_device(self._sat)))
             self._pending_calls += len(self._cur)
             self._bound()
         self._cur, self._vecs, self._dead, self._fin, self._seen = [], [], [], [], {}
+        self._sat = []
 
     def _bound(self) -> None:
         """Drop forwards older than `keep_last` (pending ones without reading them), or warn
@@ -310,7 +342,7 @@ class ActivationCapture(HookedContext, Analyzed):
         return row
 
     def _make_hook(self, name: str, type_name: str, relu_family: bool, nonnegative: bool,
-                   units: tuple[Candidate, ...]) -> Any:
+                   bounds: tuple[float, float] | None, units: tuple[Candidate, ...]) -> Any:
         def hook(_module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
             # Inside backward, a forward is a checkpoint's recomputation of values the
             # forward already recorded (a reentrant checkpoint's first forward ran under
@@ -341,6 +373,10 @@ class ActivationCapture(HookedContext, Analyzed):
                 if dead_count is not None:
                     self._dead.append(dead_count)
                     dead = len(self._dead) - 1
+                sat = -1
+                if bounds is not None and values.is_floating_point():
+                    self._sat.append(saturation(values, *bounds, dim=udim))
+                    sat = len(self._sat) - 1
                 if fused:
                     self._fused += 1
                 else:
@@ -349,7 +385,7 @@ class ActivationCapture(HookedContext, Analyzed):
                     if key not in self._eager_why:
                         self._eager_why[key] = _kernels.why_eager("stats", values) or "eager"
                 leaves.append((path, tuple(values.shape) if shape is None else shape, t.dtype,
-                               t.device, values.numel(), row, dead, udim, fused))
+                               t.device, values.numel(), row, dead, udim, sat, fused))
                 if self._store == "tensors":
                     self._keep(name, call, path, t)
             self._cur.append(
@@ -445,8 +481,8 @@ class ActivationCapture(HookedContext, Analyzed):
         return self.result().gather(timeout=timeout)
 
     def _host_values(self) -> list[list[list[Any]]]:
-        """Each pending forward's stats rows, dead-unit counts and input finiteness values
-        on the host, in that forward's numbering.
+        """Each pending forward's stats rows, dead-unit counts, input finiteness values
+        and saturation counts on the host, in that forward's numbering.
 
         One host copy per device for everything pending: flatten and cat there, then
         `.cpu()` once.
@@ -488,13 +524,15 @@ class ActivationCapture(HookedContext, Analyzed):
             return
         checked: dict[str, bool] = {}
         counted = self._count_nonfinite
-        for (step, calls, *_), (rows, deads, fins) in zip(self._pending, self._host_values(),
-                                                          strict=True):
+        for (step, calls, *_), (rows, deads, fins, sats) in zip(
+                self._pending, self._host_values(), strict=True):
             for p in calls:
                 outs = []
-                for path, shape, dtype, device, numel, row, di, udim, fused in p.leaves:
+                for path, shape, dtype, device, numel, row, di, udim, si, fused in p.leaves:
                     v = rows[row]
                     dead = di >= 0
+                    units = dead or (si >= 0 and len(shape) >= 2)
+                    sat_count, sat_units = sats[si] if si >= 0 else (None, None)
                     outs.append(
                         TensorStats(
                             path,
@@ -511,9 +549,13 @@ class ActivationCapture(HookedContext, Analyzed):
                             nan_count=int(v[NANS]) if counted and v[NANS] >= 0 else None,
                             inf_count=int(v[INFS]) if counted and v[INFS] >= 0 else None,
                             dead_units=int(deads[di]) if dead else None,
-                            channels=shape[udim] if dead else None,
-                            unit_dim=(udim if udim == 1 else -1) if dead else None,
+                            channels=shape[udim] if units else None,
+                            unit_dim=(udim if udim == 1 else -1) if units else None,
                             fused=fused,
+                            saturated_frac=None if sat_count is None else
+                            sat_count / numel if numel else 0.0,
+                            saturated_units=None if sat_units is None or sat_units < 0
+                            else int(sat_units),
                         )
                     )
                 # An input is an earlier output, whose stats decide (counts, or -1 when

@@ -53,6 +53,11 @@ class ActivationThresholds:
         consistency: smallest R² of the log-linear fit of std against depth for a drift
             across three or more layers to be a likely (warning) one; a drift between the
             ends without a steady trend is possible (info).
+        saturated_warn: fraction of a bounded activation's values in its saturated tails
+            (`TensorStats.saturated_frac`) from which it is a warning. A tanh layer under
+            Kaiming's tanh gain (5/3) on unit-variance inputs has about 20 % there; with
+            the pre-activations three times that wide, about 65 %.
+        saturated_info: the fraction from which it is reported as info.
     """
 
     dead_warn: float = 0.75
@@ -62,6 +67,8 @@ class ActivationThresholds:
     low_precision_headroom: float = 0.5
     scale_drift: float = 100.0
     consistency: float = 0.75
+    saturated_warn: float = 0.5
+    saturated_info: float = 0.25
 
 
 def leaf_modules(records: Iterable[ActivationRecord]) -> frozenset[str]:
@@ -149,11 +156,58 @@ def analyze_activations(
     leaves = leaf_modules(last)
     judged = [r for r in last if r.module in leaves]
     out += _per_module(judged, th, capture.zero_init)
+    out += _saturated(judged, capture.weighted, th)
     out += _scale_drift(judged, weighted_order(judged, capture.weighted), th)
     if isinstance(capture, ActivationCapture):
         out += ran_eagerly("activations.compiled_eager", capture.compiled,
                            "the activation capture")
     return rank(out)
+
+
+def _saturated(judged: Sequence[ActivationRecord], weighted: Iterable[str],
+               th: ActivationThresholds) -> list[Finding]:
+    """`activations.saturated`: bounded activations (tanh, sigmoid) whose values sit in the
+    tails where they pass almost no gradient back. Only those a weighted layer follows in
+    the forward: a model's last sigmoid or tanh saturates as its predictions grow sure (and
+    a loss on its logits gets the gradient anyway)."""
+    wanted = set(weighted)
+    last_weighted = max((r.order for r in judged if r.module in wanted), default=-1)
+    out: list[Finding] = []
+    seen: set[str] = set()
+    for r in judged:
+        if r.module in seen or r.order > last_weighted:
+            continue
+        seen.add(r.module)
+        for s in r.outputs:
+            frac = s.saturated_frac
+            if frac is None or not s.numel:
+                continue
+            per_unit = s.numel // s.channels if s.channels else 0
+            units = s.saturated_units if per_unit >= th.dead_min_observations else 0
+            unit_frac = units / s.channels if units and s.channels else 0.0
+            if frac < th.saturated_info and not units:
+                continue
+            warn = frac >= th.saturated_warn or unit_frac >= th.dead_warn
+            name = (r.module or "<root>") + s.path
+            out.append(Finding(
+                "activations.saturated", Severity.WARNING if warn else Severity.INFO,
+                f"{name} ({r.module_type}): {100 * frac:.0f}% of its values sit where its "
+                "gradient is below 5% of its peak"
+                + (f"; {units} of {s.channels} units do in every sample and position"
+                   if units else ""),
+                {"saturated_frac": frac, "saturated_units": units, "channels": s.channels,
+                 "unit_dim": s.unit_dim, "values_per_unit": per_unit},
+                fix="shrink the pre-activations: initialise the layer before it for this "
+                    f"nonlinearity (nn.init.xavier_uniform_ with "
+                    f"gain=nn.init.calculate_gain('{_gain_name(r.module_type)}')), put a "
+                    "normalisation layer before it, or lower the learning rate; saturated "
+                    "units pass almost no gradient back",
+                module=r.module))
+    return out
+
+
+def _gain_name(module_type: str) -> str:
+    return "tanh" if "tanh" in module_type.lower() or module_type == "Softsign" else "sigmoid"
 
 
 def _nonfinite(records: Sequence[ActivationRecord]) -> list[Finding]:

@@ -27,12 +27,18 @@ class TensorStats:
             sample and position; None where not measured. The units are dim 1 after a
             convolution (N, C, ...) and the last dim after a linear layer (N, ..., C): see
             `unit_dim`.
-        channels: the number of units when `dead_units` is measured.
+        channels: the number of units when `dead_units` or `saturated_units` is measured.
         fused: True when the fused kernel reduced it in one pass (`torchscope._kernels`),
             False when eager ops did (the kernel was still building, or cannot run here).
-        unit_dim: the dimension that holds the units when `dead_units` is measured: 1, or
-            -1 for the last of 3 or more dims (read from the layers beside the module:
+        unit_dim: the dimension that holds the units when `channels` is set: 1, or -1 for
+            the last of 3 or more dims (read from the layers beside the module:
             `torchscope.capture.units`).
+        saturated_frac: for bounded activations (Tanh, Sigmoid, Softsign, Hardtanh,
+            Hardsigmoid), the fraction of values in the saturated tails, where the local
+            gradient is below 5 % of its peak (|y| >= 0.975 for tanh) or zero; None where
+            not measured.
+        saturated_units: of those outputs with 2 or more dims, the units whose every value
+            (every sample and position) is in the tails.
     """
 
     path: str
@@ -52,6 +58,8 @@ class TensorStats:
     channels: int | None = None
     fused: bool = False
     unit_dim: int | None = None
+    saturated_frac: float | None = None
+    saturated_units: int | None = None
 
     @property
     def finite(self) -> bool:

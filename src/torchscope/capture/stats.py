@@ -30,6 +30,7 @@ __all__ = [
     "dead_unit_count",
     "finiteness",
     "reduce_stats",
+    "saturation",
     "tensor_stats",
 ]
 
@@ -207,3 +208,27 @@ def dead_unit_count(x: torch.Tensor, *, nonnegative: bool = False, dim: int = 1
         # amax and amin instead of abs().amax(): no full-size temporary.
         dead &= t.amin(dim=dims) == 0
     return dead.sum().double()
+
+
+def saturation(x: torch.Tensor, low: float, high: float, *, dim: int = 1) -> torch.Tensor:
+    """How much of a bounded activation's output sits in its saturated tails, as a float64
+    (2,) device tensor: the values at or below `low` or at or above `high`, and the units
+    (dim `dim`) whose every value is (-1 for a tensor of fewer than 2 dims).
+
+    NaN is in neither tail. Two comparisons and two reductions: eager ops, run only on
+    the outputs of saturating activations (`torchscope.capture.activations`).
+
+    Args:
+        x: the activation's output.
+        low, high: the tails' bounds (where the local gradient has fallen below a share
+            of its peak, or to zero).
+        dim: the dimension that holds the units.
+    """
+    t = x.detach()
+    tail = (t <= low) | (t >= high)  # same shape as x, bool
+    count = tail.sum().double()  # ()
+    if t.dim() < 2 or t.numel() == 0:
+        return torch.stack([count, count.new_full((), -1.0)])
+    dims = [d for d in range(t.dim()) if d != dim % t.dim()]
+    units = tail.all(dim=dims).sum().double()  # () over the (C,) units
+    return torch.stack([count, units])

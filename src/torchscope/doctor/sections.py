@@ -71,6 +71,8 @@ def _stats_json(s: TensorStats) -> dict[str, Any]:
         "numel": s.numel, "bytes": s.nbytes, "mean": s.mean, "std": s.std, "min": s.min,
         "max": s.max, "norm": s.norm, "zero_frac": s.zero_frac, "nan": s.nan_count,
         "inf": s.inf_count, "dead_units": s.dead_units, "channels": s.channels,
+        "unit_dim": s.unit_dim, "saturated_frac": s.saturated_frac,
+        "saturated_units": s.saturated_units,
     }
 
 
