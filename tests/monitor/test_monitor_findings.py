@@ -627,3 +627,41 @@ def test_experts_kept_as_modules_no_token_reaches_are_dead_too(routing: str) -> 
         assert f.module == use.module and f.evidence["experts"] == "1"
     else:
         assert max(max(u.idle) for u in run.experts) < 6 and not found
+
+
+def test_t5_feed_forward_units_that_die_in_training_are_counted_on_their_last_dim() -> None:
+    # T5 v1.0's ReLU feed-forward on (batch, tokens, d_ff), trained at a learning rate high
+    # enough for units to die: at each sampled step the run's dead fraction is torch's
+    # count of units zero at every token of the batch. Counted over dim 1 (the tokens), it
+    # read 0 throughout.
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = transformers.T5Config(vocab_size=100, d_model=32, d_kv=16, d_ff=64, num_layers=2,
+                                num_heads=2, dropout_rate=0.0, feed_forward_proj="relu",
+                                decoder_start_token_id=0, pad_token_id=0)
+    model = transformers.T5ForConditionalGeneration(cfg)
+    act = "decoder.block.1.layer.2.DenseReluDense.act"
+    seen: list[float] = []  # torch's dead fraction at the first call of each forward
+
+    def count(_m: nn.Module, _i: object, out: torch.Tensor) -> None:
+        seen.append(float((out.amax(dim=(0, 1)) == 0).sum()) / out.shape[-1])
+
+    hook = model.get_submodule(act).register_forward_hook(count)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(0)
+    try:
+        with torchscope.monitor(model, opt, every=5, out=None, memory=False) as mon:
+            for _ in range(30):
+                ids = torch.randint(0, 100, (8, 16), generator=g)
+                model(input_ids=ids, labels=ids).loss.backward()
+                opt.step()
+                opt.zero_grad()
+    finally:
+        hook.remove()
+    run = mon.result
+    assert run is not None and len(seen) == 30
+    series = run.act_dead.series(act)
+    assert len(run.act_dead.steps) == 6
+    assert series == [seen[s] for s in run.act_dead.steps]
+    assert max(series) >= 0.1  # units died: 13 of 64 by the last sample here
