@@ -15,13 +15,14 @@ import torchscope
 from torchscope.capture import activations as capture_activations_module
 from torchscope.capture import watch_activations
 from torchscope.monitoring import SampleHistory, StepBuckets
+from torchscope.monitoring.history import METRICS
 from torchscope.monitoring.run import KEEP_FORWARDS
 
 
 def test_sample_history_keeps_the_whole_run_in_a_fixed_budget() -> None:
     h = SampleHistory(capacity=16, recent=4)
     for i in range(1000):
-        h.add(i * 10, {"a": [float(i)] * 6}, total_norm=float(i))
+        h.add(i * 10, {"a": [float(i)] * len(METRICS)}, total_norm=float(i))
     rows = h.rows()
     assert len(rows) <= 16 + 4
     assert rows[0].step == 0 and rows[-1].step == 9990  # the whole run, first to last
@@ -29,7 +30,7 @@ def test_sample_history_keeps_the_whole_run_in_a_fixed_budget() -> None:
     spread = [r.sample for r in rows[:-4]]
     assert all(s % h.stride == 0 for s in spread)  # evenly spaced
     assert [r.sample for r in rows[-4:]] == [996, 997, 998, 999]  # the newest in full
-    assert h.budget_bytes() == (16 + 4) * (6 * 8 + 120)
+    assert h.budget_bytes() == (16 + 4) * (len(METRICS) * 8 + 120)
 
 
 def test_step_buckets_merge_in_pairs() -> None:
@@ -130,7 +131,7 @@ def test_ten_thousand_steps_hold_no_more_than_the_configured_history() -> None:
     assert run is not None and run.steps == 10000 and run.samples == 1000
     assert run.grad_param.steps[0] == 0 and run.grad_param.steps[-1] == 9990
     assert run.budget.rows <= 80 and run.budget.stride == 16
-    assert run.budget.bytes == (64 + 16) * (6 * 3 * 8 + 120)  # 3 layers: 0, 1, 2
+    assert run.budget.bytes == (64 + 16) * (len(METRICS) * 3 * 8 + 120)  # 3 layers: 0, 1, 2
 
 
 def test_evaluation_passes_with_gradients_on_leave_no_hooks_piling_up() -> None:

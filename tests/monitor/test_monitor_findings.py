@@ -665,3 +665,49 @@ def test_t5_feed_forward_units_that_die_in_training_are_counted_on_their_last_di
     assert len(run.act_dead.steps) == 6
     assert series == [seen[s] for s in run.act_dead.steps]
     assert max(series) >= 0.1  # units died: 13 of 64 by the last sample here
+
+
+def _tanh_mlp() -> nn.Sequential:
+    """makemore's MLP, 30 -> 200 -> 200 tanh -> 27, under Kaiming's tanh gain."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(30, 200), nn.Tanh(), nn.Linear(200, 200), nn.Tanh(),
+                          nn.Linear(200, 27))
+    with torch.no_grad():
+        for m in model:
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=(5 / 3) / m.in_features ** 0.5)
+                m.bias.zero_()
+    return model
+
+
+@pytest.mark.parametrize(("lr", "saturates"), [(0.1, True), (1e-3, False)])
+def test_tanh_units_that_saturate_in_training(lr: float, saturates: bool) -> None:
+    # Adam at 0.1 drives the pre-activations wide: the second tanh goes from 9% of its
+    # values in the flat tails to over 90% in 60 steps. At each sampled step the run's
+    # fraction is torch's, at the step's forward; at 1e-3 the run stays where it began.
+    model = _tanh_mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    seen: list[float] = []
+    hook = model[3].register_forward_hook(
+        lambda _m, _i, out: seen.append(int((out.abs() >= 0.95 ** 0.5).sum()) / out.numel()))
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(512, 30, generator=g), torch.randint(0, 27, (512,), generator=g)
+    try:
+        with torchscope.monitor(model, opt, every=4, out=None, memory=False) as mon:
+            for _ in range(60):
+                i = torch.randint(0, 512, (32,), generator=g)
+                opt.zero_grad()
+                nn.functional.cross_entropy(model(x[i]), y[i]).backward()
+                opt.step()
+    finally:
+        hook.remove()
+    run = mon.result
+    assert run is not None
+    series = run.act_sat.series("3")
+    assert series == [seen[s] for s in run.act_sat.steps]
+    found = {f.module for f in run.findings() if f.code == "run.saturated"}
+    if saturates:
+        assert series[0] < 0.25 and series[-1] > 0.9 and "3" in found
+    else:
+        assert max(series) < 0.25 and not found
+    assert "4" not in run.act_sat.layers  # the output Linear; no bounded activation

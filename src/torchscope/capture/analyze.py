@@ -28,7 +28,8 @@ from torchscope.capture.records import ActivationRecord, ActivationRecords, Tens
 from torchscope.findings import Finding, Severity, analyzer, rank
 from torchscope.hooks.compiled import ran_eagerly, unseen_forward
 
-__all__ = ["ActivationThresholds", "analyze_activations", "leaf_modules", "weighted_order"]
+__all__ = ["ActivationThresholds", "analyze_activations", "before_weighted", "leaf_modules",
+           "weighted_order"]
 
 
 @dataclass(frozen=True)
@@ -164,18 +165,29 @@ def analyze_activations(
     return rank(out)
 
 
+def before_weighted(records: Iterable[ActivationRecord], weighted: Iterable[str]
+                    ) -> frozenset[str]:
+    """The modules of one forward's `records` whose first call finished before a `weighted`
+    module's last call: those whose output a weighted layer may still take in, as a hidden
+    layer's is. A model's last activation (a classifier's sigmoid, a generator's tanh) is
+    not among them."""
+    records = list(records)
+    wanted = set(weighted)
+    last = max((r.order for r in records if r.module in wanted), default=-1)
+    return frozenset(r.module for r in records if r.call == 0 and r.order < last)
+
+
 def _saturated(judged: Sequence[ActivationRecord], weighted: Iterable[str],
                th: ActivationThresholds) -> list[Finding]:
     """`activations.saturated`: bounded activations (tanh, sigmoid) whose values sit in the
     tails where they pass almost no gradient back. Only those a weighted layer follows in
-    the forward: a model's last sigmoid or tanh saturates as its predictions grow sure (and
-    a loss on its logits gets the gradient anyway)."""
-    wanted = set(weighted)
-    last_weighted = max((r.order for r in judged if r.module in wanted), default=-1)
+    the forward (`before_weighted`): a model's last sigmoid or tanh saturates as its
+    predictions grow sure (and a loss on its logits gets the gradient anyway)."""
+    hidden = before_weighted(judged, weighted)
     out: list[Finding] = []
     seen: set[str] = set()
     for r in judged:
-        if r.module in seen or r.order > last_weighted:
+        if r.module in seen or r.module not in hidden:
             continue
         seen.add(r.module)
         for s in r.outputs:

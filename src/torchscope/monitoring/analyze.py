@@ -17,6 +17,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from torchscope.capture.analyze import ActivationThresholds, before_weighted
 from torchscope.findings import Finding, Severity, analyzer, rank
 from torchscope.grads import GradHistory
 from torchscope.grads.analyze import (
@@ -58,6 +59,9 @@ class RunThresholds:
         expert_samples: sampled steps in which an expert of a mixture of experts got no
             gradient, every one of them, before it is called dead (few tokens per step can
             miss an expert now and then).
+        saturated_growth: growth of a bounded activation's saturated fraction (tanh,
+            sigmoid) since the start of the run that is a warning, when it ends at
+            `ActivationThresholds.saturated_warn` or more.
     """
 
     window: float = 0.1
@@ -70,6 +74,7 @@ class RunThresholds:
     dead_growth: float = 0.1
     skipped_warn: float = 0.05
     expert_samples: int = 5
+    saturated_growth: float = 0.25
 
 
 def _times(ratio: float) -> str:
@@ -392,6 +397,39 @@ def _dead_growth(record: RunRecord, t: RunThresholds) -> list[Finding]:
     return out
 
 
+def _saturation_growth(record: RunRecord, t: RunThresholds) -> list[Finding]:
+    """Bounded activations (tanh, sigmoid) that drifted into their flat tails during the
+    run: the median saturated fraction of the last `window` of the samples against that of
+    the first, by `saturated_growth` to the capture's `saturated_warn` or more. Only where a
+    weighted layer takes their output in (`before_weighted`: a model's last sigmoid
+    saturates as its predictions grow sure). One that starts saturated is the last
+    sample's `activations.saturated`."""
+    series, acts = record.act_sat, record.activations
+    if not series.layers or acts is None or not acts.records:
+        return []
+    last = [r for r in acts.records if r.step == acts.records[-1].step]
+    hidden = before_weighted(last, acts.weighted)
+    warn = ActivationThresholds().saturated_warn
+    out = []
+    for k in series.layers:
+        ends = _ends(series.steps, series.series(k), t.window, frozenset(), positive=False)
+        if k not in hidden or ends is None:
+            continue
+        s0, v0, s1, v1 = ends
+        if v1 >= warn and v1 - v0 >= t.saturated_growth:
+            out.append(Finding(
+                "run.saturated", Severity.WARNING,
+                f"{_name(k)}: the values where its gradient is below 5% of its peak grew "
+                f"from {100 * v0:.0f}% at step {s0} to {100 * v1:.0f}% at step {s1}",
+                {"first_step": s0, "first_fraction": v0, "last_step": s1,
+                 "last_fraction": v1},
+                fix="its pre-activations grew in training until it saturated: lower the "
+                    "learning rate, add weight decay, or put a normalisation layer before "
+                    "it; saturated units pass almost no gradient back",
+                module=k))
+    return out
+
+
 def _channels(record: RunRecord, layer: str) -> int | None:
     """The layer's channel count in the last sampled forward, None when not recorded."""
     if record.activations is None:
@@ -628,7 +666,8 @@ def analyze_run(record: RunRecord, thresholds: RunThresholds | None = None
     run = _nonfinite(record)
     found: Sequence[Finding] = [
         *_stopped(record), *run, *_skipped(record, t), *_gradient_trends(record, t),
-        *_activation_drift(record, t), *_dead_growth(record, t), *_eval_mode(record),
+        *_activation_drift(record, t), *_dead_growth(record, t),
+        *_saturation_growth(record, t), *_eval_mode(record),
         *_unscaled_float16(record), *_compiled(record), *_dead_experts(record, t),
         *_capabilities(record, replaced=bool(run))]
     return rank(found)

@@ -18,7 +18,7 @@ __all__ = ["METRICS", "SampleHistory", "SampleRow", "StepBuckets"]
 
 # Per-layer numbers of one sample, in this order in `SampleRow.values`.
 METRICS: tuple[str, ...] = ("grad_param", "grad_output", "act_std", "act_zero", "act_dead",
-                             "weight")
+                             "weight", "act_sat")
 _WIDTH = len(METRICS)
 _BYTES_PER_VALUE = 8  # array('d')
 

@@ -29,7 +29,7 @@ class LayerSeries:
 
     Attributes:
         name: what it measures (`grad_param`, `grad_output`, `act_std`, `act_zero`,
-            `act_dead`, `weight`; see `torchscope.monitoring.history.METRICS`).
+            `act_dead`, `weight`, `act_sat`; see `torchscope.monitoring.history.METRICS`).
         steps: the sampled steps, oldest first.
         layers: module names (columns).
         values: `[sample][layer]`; NaN where the layer had no such number in that sample.
@@ -197,7 +197,7 @@ class RunRecord(Analyzed):
             empty where no sample's were.
         act_std: per-layer output standard deviation of the sampled forward.
         act_zero: per-layer fraction of exactly-zero outputs.
-        act_dead: per-layer fraction of dead channels (ReLU family), NaN elsewhere.
+        act_dead: per-layer fraction of dead units (ReLU family), NaN elsewhere.
         step_ms: wall time between step ends, in buckets of consecutive steps.
         device_peak: the device's peak allocated memory during each step, in buckets
             (empty where the device does not report it: CPU).
@@ -227,6 +227,8 @@ class RunRecord(Analyzed):
         weight: per-layer norm of the layer's own parameters, read with their gradients.
         experts: per fused experts module of a mixture of experts, how often each expert
             got no gradient over the sampled steps.
+        act_sat: per-layer fraction of values in the saturated tails of bounded
+            activations (tanh, sigmoid: `TensorStats.saturated_frac`), NaN elsewhere.
     """
 
     model: str
@@ -272,6 +274,7 @@ class RunRecord(Analyzed):
     modes: ModeCounts = field(default_factory=ModeCounts)
     weight: LayerSeries = field(default_factory=lambda: LayerSeries("weight", (), (), ()))
     experts: tuple[ExpertUse, ...] = ()
+    act_sat: LayerSeries = field(default_factory=lambda: LayerSeries("act_sat", (), (), ()))
 
     @property
     def median_step_ms(self) -> float | None:

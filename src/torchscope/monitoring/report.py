@@ -176,7 +176,8 @@ class _Activations(_Section):
     def data(self, record: RunRecord) -> dict[str, Any]:
         return {"std": _series_json(record.act_std),
                 "zero_frac": _series_json(record.act_zero),
-                "dead_frac": _series_json(record.act_dead)}
+                "dead_frac": _series_json(record.act_dead),
+                "sat_frac": _series_json(record.act_sat)}
 
     def metrics(self, record: RunRecord) -> dict[str, Metric]:
         s = record.act_dead
@@ -211,7 +212,8 @@ class _Activations(_Section):
         return series_fragment(
             [("Output std", record.act_std, "num"),
              ("Exactly-zero outputs", record.act_zero, "pct"),
-             ("Dead channels (ReLU family)", record.act_dead, "pct")],
+             ("Dead units (ReLU family)", record.act_dead, "pct"),
+             ("Saturated values (tanh, sigmoid)", record.act_sat, "pct")],
             plots, {"run-act-std": ("Activation drift", "Each layer's output standard "
                                     "deviation (log), the layers that changed most."),
                     "run-act-dead": ("Dead channels", "Channels that are zero for every "

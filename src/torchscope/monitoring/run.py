@@ -36,7 +36,7 @@ from torchscope.hooks.select import Selector
 from torchscope.hooks.session import HookSession
 from torchscope.memory import MemorySample, MemoryWatch
 from torchscope.models.target import ModelInputs
-from torchscope.monitoring.history import SampleHistory, StepBuckets
+from torchscope.monitoring.history import METRICS, SampleHistory, StepBuckets
 from torchscope.monitoring.records import (
     ExpertUse,
     HistoryBudget,
@@ -401,7 +401,7 @@ class Monitor(HookedContext):
         for layer in sorted({*params, *outs}, key=lambda k: order.get(k, len(order))):
             p, o, w = params.get(layer), outs.get(layer), weights.get(layer)
             per_layer[layer] = [nan if p is None else p, nan if o is None else o, nan, nan, nan,
-                                nan if w is None else w]
+                                nan if w is None else w, nan]  # `METRICS`' order
         nonfinite = False
         if self._acts is not None:
             nonfinite = self._read_activations(index, per_layer, flow.micro_batches)
@@ -447,10 +447,12 @@ class Monitor(HookedContext):
             s = r.output
             if r.module not in leaves or r.call or s is None or "float" not in s.dtype:
                 continue
-            row = per_layer.setdefault(r.module, [math.nan] * 5)
+            row = per_layer.setdefault(r.module, [math.nan] * len(METRICS))
             row[2], row[3] = s.std, s.zero_frac
             if s.dead_units is not None and s.channels:
                 row[4] = s.dead_units / s.channels
+            if s.saturated_frac is not None:
+                row[6] = s.saturated_frac
         bad = next((r.step for r in fresh if not r.finite), None)
         if bad is None:
             return False
@@ -511,6 +513,7 @@ class Monitor(HookedContext):
             act_zero=self._series("act_zero").present(),
             act_dead=self._series("act_dead").present(),
             weight=self._series("weight").present(),
+            act_sat=self._series("act_sat").present(),
             step_ms=self._times.buckets(), device_peak=self._peaks.buckets(),
             saved_bytes=tuple(r.saved_bytes for r in rows) if self._mem is not None else (),
             skipped=grads.skipped, skipped_steps=grads.skipped_steps,
