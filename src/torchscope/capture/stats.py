@@ -215,8 +215,11 @@ def saturation(x: torch.Tensor, low: float, high: float, *, dim: int = 1) -> tor
     (2,) device tensor: the values at or below `low` or at or above `high`, and the units
     (dim `dim`) whose every value is (-1 for a tensor of fewer than 2 dims).
 
-    NaN is in neither tail. Two comparisons and two reductions: eager ops, run only on
-    the outputs of saturating activations (`torchscope.capture.activations`).
+    NaN is in neither tail. Eager ops, run only on the outputs of saturating activations
+    (`torchscope.capture.activations`): a distance past the nearer bound (whose sign is
+    exact: a float difference is 0 only between equal values and never changes sign in
+    rounding), its minimum per unit, and a float count of where it is >= 0 (bool sums run
+    several times slower on CPU).
 
     Args:
         x: the activation's output.
@@ -225,10 +228,14 @@ def saturation(x: torch.Tensor, low: float, high: float, *, dim: int = 1) -> tor
         dim: the dimension that holds the units.
     """
     t = x.detach()
-    tail = (t <= low) | (t >= high)  # same shape as x, bool
-    count = tail.sum().double()  # ()
-    if t.dim() < 2 or t.numel() == 0:
-        return torch.stack([count, count.new_full((), -1.0)])
-    dims = [d for d in range(t.dim()) if d != dim % t.dim()]
-    units = tail.all(dim=dims).sum().double()  # () over the (C,) units
+    # Same shape as x, >= 0 in a tail.
+    past = t.abs().sub_(high) if low == -high else \
+        torch.maximum(t.sub(high), t.neg().add_(low))
+    units = torch.full((), -1.0, dtype=torch.float64, device=t.device)
+    if t.dim() >= 2 and t.numel():
+        dims = [d for d in range(t.dim()) if d != dim % t.dim()]
+        units = (past.amin(dim=dims) >= 0).sum().double()  # () over the (C,) units
+    hits = torch.ge(past, 0, out=past)  # 1.0 in a tail, 0.0 elsewhere and at NaN
+    # float32 counts whole numbers exactly up to 2**24; past that, sum in float64.
+    count = hits.sum(dtype=torch.float64 if t.numel() > 2 ** 24 else None).double()  # ()
     return torch.stack([count, units])
