@@ -103,3 +103,43 @@ def test_the_nearest_layer_that_fits_decides() -> None:
     assert unit_candidates(seq, "") == ()
     # Nothing beside it fits: dim 1, as for a convolution.
     assert unit_dim((2, 5, 7), unit_candidates(seq, "1")) == 1
+
+
+class _Shared(nn.Module):
+    """One ReLU shared by a ModuleList of linear layers on (batch, tokens, 16): nothing
+    weighted sits beside the ReLU itself but the list."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(16, 16) for _ in range(2)])
+        self.act = nn.ReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (N, 16, 16)
+        for block in self.blocks:
+            x = self.act(block(x))
+        return x
+
+
+class _Wrapped(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.ReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.inner(x)
+        return out
+
+
+def test_layers_in_a_list_beside_it_and_above_a_wrapper_count() -> None:
+    torch.manual_seed(0)
+    model = _Shared()
+    with torch.no_grad():
+        model.blocks[0].bias[:4] = -100.0  # 4 of the first layer's 16 units never fire
+    x = torch.randn(2, 16, 16)
+    res = capture_activations(model, x)
+    first = next(r.output for r in res.records if r.module == "act")
+    with torch.no_grad():
+        want = _torch_dead(model.act(model.blocks[0](x)), -1)
+    assert first is not None and (first.unit_dim, first.dead_units) == (-1, want) == (-1, 4)
+    seq = nn.Sequential(nn.Linear(8, 12), _Wrapped())
+    assert unit_candidates(seq, "1.inner") == ((12, False),)

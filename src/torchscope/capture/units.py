@@ -54,27 +54,41 @@ def _layer_units(m: nn.Module) -> list[Candidate]:
 
 
 def unit_candidates(model: nn.Module, name: str) -> tuple[Candidate, ...]:
-    """The units of the weighted layers beside module `name` in its parent, nearest first:
-    those registered before it (the nearer the earlier), then those after it.
+    """The units of the weighted layers beside module `name`, nearest first: in its parent,
+    those registered before it (the nearer the earlier), then those after it; a container
+    beside it (an `nn.ModuleList` of layers, a block) gives its own children's. Where its
+    parent holds none, the same one level up, and so on to the root.
 
     Args:
         model: the root module.
         name: a qualified module name; the root has no siblings and gets none.
     """
-    if not name:
-        return ()
-    parent_name, _, own = name.rpartition(".")
-    try:
-        parent = model.get_submodule(parent_name)
-    except AttributeError:
-        return ()
-    names = [n for n, _ in parent.named_children()]
-    if own not in names:
-        return ()
-    children = dict(parent.named_children())
-    at = names.index(own)
-    order = names[:at][::-1] + names[at + 1:]
-    return tuple(c for n in order for c in _layer_units(children[n]))
+    while name:
+        parent_name, _, own = name.rpartition(".")
+        try:
+            parent = model.get_submodule(parent_name)
+        except AttributeError:
+            return ()
+        children = dict(parent.named_children())
+        names = list(children)
+        if own not in children:
+            return ()
+        at = names.index(own)
+        found = [c for n in names[:at][::-1] for c in _beside(children[n], nearest_last=True)]
+        found += [c for n in names[at + 1:] for c in _beside(children[n], nearest_last=False)]
+        if found:
+            return tuple(found)
+        name = parent_name
+    return ()
+
+
+def _beside(m: nn.Module, *, nearest_last: bool) -> list[Candidate]:
+    """A sibling's units: its own, else its children's (one level down), nearest first."""
+    own = _layer_units(m)
+    if own:
+        return own
+    kids = list(m.children())
+    return [c for k in (kids[::-1] if nearest_last else kids) for c in _layer_units(k)]
 
 
 def unit_dim(shape: Sequence[int], candidates: Sequence[Candidate]) -> int:
