@@ -194,13 +194,17 @@ def compile_findings(report: CompileReport, thresholds: object = None) -> list[F
     best = report.best
     ok = [m for m in report.modes if m.ok]
     if best is not None and len(ok) > 1:
+        tied = report.as_fast_as_best
         out.append(Finding(
             "compile.best_mode", Severity.INFO,
             f"best mode: {best.mode!r}, {best.speedup:.2f}× eager"
-            + (f", paid back after {_calls(best.break_even_calls)}."
-               if best.break_even_calls is not None else "."),
+            + (f", paid back after {_calls(best.break_even_calls)}"
+               if best.break_even_calls is not None else "")
+            + (f" ({', '.join(f'{m.mode!r} {m.speedup:.2f}×' for m in tied)}: no "
+               "measurable difference, and it is the simplest)." if tied else "."),
             {"mode": best.mode, "speedup": best.speedup,
-             "break_even_calls": best.break_even_calls},
+             "break_even_calls": best.break_even_calls,
+             "as_fast": ", ".join(m.mode for m in tied)},
             fix=f"torch.compile(model, mode={best.mode!r})" if best.mode != "default"
             else "torch.compile(model)"))
     elif ok and best is None:

@@ -183,6 +183,11 @@ class ModeResult:
         return self.speedup is not None and self.speedup > 1.0
 
 
+# Modes from the simplest: the choice among modes whose speedups the noise cannot tell apart.
+_SIMPLEST = {"default": 0, "reduce-overhead": 1, "max-autotune-no-cudagraphs": 2,
+             "max-autotune": 3}
+
+
 @dataclass(frozen=True)
 class CompileReport(Analyzed):
     """The torch.compile doctor's answer for one model and input.
@@ -232,13 +237,34 @@ class CompileReport(Analyzed):
 
     @property
     def best(self) -> ModeResult | None:
-        """The mode with the highest speedup over eager, among those that beat it.
+        """The mode to use, among those that beat eager: the fastest, or where other modes
+        are as fast within the timing noise (`as_fast_as_best`), the simplest of them
+        (default, then reduce-overhead, then max-autotune-no-cudagraphs, then
+        max-autotune: no CUDA graphs to keep static, no autotuning to wait for).
 
         Speedups are ratios timed side by side within one child, so they compare across
         modes even when the machine's load changed between children; raw times do not.
         """
+        tied = self._tied()
+        return min(tied, key=lambda m: (_SIMPLEST.get(m.mode, len(_SIMPLEST)),
+                                        self.modes.index(m))) if tied else None
+
+    @property
+    def as_fast_as_best(self) -> tuple[ModeResult, ...]:
+        """The other modes whose speedup is the best one's within the timing noise: their
+        intervals overlap the fastest mode's (by the median alone where no interval was
+        measured)."""
+        best = self.best
+        return tuple(m for m in self._tied() if m is not best)
+
+    def _tied(self) -> list[ModeResult]:
         fast = [m for m in self.modes if m.ok and m.faster]
-        return max(fast, key=lambda m: m.speedup or -math.inf) if fast else None
+        if not fast:
+            return []
+        top = max(fast, key=lambda m: m.speedup or -math.inf)
+        a = top.speedup_ratio
+        return [m for m in fast if m is top or (
+            a is not None and m.speedup_ratio is not None and m.speedup_ratio.high >= a.low)]
 
 
 def derive_speed(
