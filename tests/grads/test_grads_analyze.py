@@ -278,3 +278,39 @@ def test_unknown_metric_or_series_kind_is_a_clear_error() -> None:
     assert history.series("fc") == [1.0] and history.series("fc", "params") == [2.0]
     with pytest.raises(TorchscopeError, match=r"kind='param' is not a series.*Fix"):
         history.series("fc", "param")
+
+
+class _RnnLM(nn.Module):
+    def __init__(self, recurrent_scale: float) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 32)
+        self.rnn = nn.RNN(32, 64, batch_first=True)
+        self.head = nn.Linear(64, 50)
+        with torch.no_grad():
+            self.rnn.weight_hh_l0.mul_(recurrent_scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T) token ids
+        out, _ = self.rnn(self.emb(x))  # (B, T, 64)
+        return self.head(out).flatten(0, 1)  # (B * T, 50)
+
+
+@pytest.mark.parametrize("scale", [1.0, 4.0])
+def test_an_rnn_exploding_through_time_is_told_of_its_recurrent_weight(scale: float) -> None:
+    # A vanilla RNN whose recurrent weight's largest eigenvalue exceeds 1 (torch's default
+    # init times 4) explodes through its 100 time steps inside one module: the advice is
+    # its recurrent weight, not the depth's init.
+    torch.manual_seed(0)
+    model = _RnnLM(scale)
+    x, y = torch.randint(0, 50, (8, 100)), torch.randint(0, 50, (800,))
+    flow = gradient_flow(model, x, target=y)
+    w = model.rnn.weight_hh_l0.detach()  # (64, 64)
+    radius = float(torch.linalg.eigvals(w).abs().max())
+    exploding = [f for f in flow.findings() if f.code == "grads.exploding"]
+    if scale == 1.0:
+        assert radius < 1 and not exploding
+        return
+    (f,) = exploding
+    gain = float(w.pow(2).mean().sqrt()) * 8  # RMS x sqrt(64)
+    assert radius > 1 and gain == pytest.approx(radius, rel=0.2)
+    assert f"rnn.weight_hh_l0 with nn.init.orthogonal_: its RMS × √hidden is {gain:.2f}" in f.fix
+    assert "lower the init scale" not in f.fix

@@ -407,6 +407,22 @@ def _init_scale(flow: GradFlow) -> float | None:
     return statistics.median(scales) if scales else None
 
 
+def _recurrent_gain(flow: GradFlow) -> tuple[str, float] | None:
+    """The recurrent weight (`weight_hh*` of an `nn.RNN`, `nn.LSTM`, `nn.GRU` or their
+    cells) with the largest RMS × √hidden, and that figure: an orthogonal matrix's is 1,
+    and an i.i.d. one's largest eigenvalue is about it (the circular law), so above 1 the
+    gradient through time grows by about that factor per step. None without one read."""
+    types = {r.module: r.module_type for r in flow.modules}
+    gains = []
+    for p in flow.params:
+        if not p.name.rpartition(".")[2].startswith("weight_hh") or len(p.shape) != 2 or \
+                not p.weight_norm or types.get(p.module, "").removesuffix("Cell") not in \
+                ("RNN", "LSTM", "GRU"):
+            continue
+        gains.append((p.name, (rms(p.weight_norm, p.numel) or 0.0) * math.sqrt(p.shape[1])))
+    return max(gains, key=lambda g: g[1]) if gains else None
+
+
 def _exploding_fix(flow: GradFlow) -> str:
     _, has_norm = _model_kinds(flow)
     scale = _init_scale(flow)
@@ -430,7 +446,13 @@ def _exploding_fix(flow: GradFlow) -> str:
                 f"{flow.applied_norm:.3g}, {_times(flow.clip_factor)} below this), which "
                 "bounds each step but not the cause")
     parts = [clip, init]
-    if not has_norm:
+    recurrent = _recurrent_gain(flow)
+    if recurrent is not None and recurrent[1] > 1.0:
+        # Through time, not through depth: the recurrent weight is applied at every step.
+        parts[1] = (f"initialise the recurrent weight {recurrent[0]} with nn.init.orthogonal_: "
+                    f"its RMS × √hidden is {recurrent[1]:.2f} (an orthogonal matrix's is 1), "
+                    "and the gradient through time grows by about that much per time step")
+    elif not has_norm:
         parts.append("add normalization layers")
     parts.append("lower the learning rate")
     return "; ".join(parts) + "."
