@@ -3,10 +3,13 @@ module when a layer's gradient falls away, activations drift, units die, or NaN 
 
 from __future__ import annotations
 
+import json
 import statistics
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 import torch
 from torch import nn
@@ -14,6 +17,7 @@ from torch import nn
 import torchscope
 from torchscope.findings import Finding, Severity
 from torchscope.monitoring import RunRecord
+from torchscope.report.document import load_schema
 
 from ._models import Faulty, Gated, batches
 
@@ -681,7 +685,8 @@ def _tanh_mlp() -> nn.Sequential:
 
 
 @pytest.mark.parametrize(("lr", "saturates"), [(0.1, True), (1e-3, False)])
-def test_tanh_units_that_saturate_in_training(lr: float, saturates: bool) -> None:
+def test_tanh_units_that_saturate_in_training(lr: float, saturates: bool, tmp_path: Path
+                                              ) -> None:
     # Adam at 0.1 drives the pre-activations wide: the second tanh goes from 9% of its
     # values in the flat tails to over 90% in 60 steps. At each sampled step the run's
     # fraction is torch's, at the step's forward; at 1e-3 the run stays where it began.
@@ -693,7 +698,7 @@ def test_tanh_units_that_saturate_in_training(lr: float, saturates: bool) -> Non
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(512, 30, generator=g), torch.randint(0, 27, (512,), generator=g)
     try:
-        with torchscope.monitor(model, opt, every=4, out=None, memory=False) as mon:
+        with torchscope.monitor(model, opt, every=4, out=tmp_path, memory=False) as mon:
             for _ in range(60):
                 i = torch.randint(0, 512, (32,), generator=g)
                 opt.zero_grad()
@@ -711,3 +716,9 @@ def test_tanh_units_that_saturate_in_training(lr: float, saturates: bool) -> Non
     else:
         assert max(series) < 0.25 and not found
     assert "4" not in run.act_sat.layers  # the output Linear; no bounded activation
+    doc = json.loads((tmp_path / "report.json").read_text())
+    jsonschema.Draft202012Validator(load_schema()).validate(doc)
+    sat = doc["sections"]["act_history"]["data"]["sat_frac"]
+    assert sat["layers"] == ["1", "3"] and [row[1] for row in sat["values"]] == series
+    page = (tmp_path / "report.html").read_text()
+    assert ('data-plot="run-act-sat"' in page) == saturates

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from torchscope._util import fmt_bytes, fmt_num, to_jsonable
+from torchscope.capture.analyze import ActivationThresholds
 from torchscope.doctor.sections import GradientsSection, ProfileSection
 from torchscope.findings import Finding
 from torchscope.monitoring.analyze import section_of
@@ -195,8 +196,13 @@ class _Activations(_Section):
                 log=True)
         if any(v > 0 for row in record.act_dead.values for v in row):  # NaN > 0 is False
             out["run-act-dead"] = series_lines_plot(
-                record.act_dead, title="Dead channels per layer", ylabel="dead channels (%)",
+                record.act_dead, title="Dead units per layer", ylabel="dead units (%)",
                 percent=True)
+        if any(v >= ActivationThresholds().saturated_info for row in record.act_sat.values
+               for v in row):
+            out["run-act-sat"] = series_lines_plot(
+                record.act_sat, title="Saturated values per layer (tanh, sigmoid)",
+                ylabel="in the flat tails (%)", percent=True)
         return out
 
     def html(self, record: RunRecord, plots: Mapping[str, str]) -> str:
@@ -216,8 +222,10 @@ class _Activations(_Section):
              ("Saturated values (tanh, sigmoid)", record.act_sat, "pct")],
             plots, {"run-act-std": ("Activation drift", "Each layer's output standard "
                                     "deviation (log), the layers that changed most."),
-                    "run-act-dead": ("Dead channels", "Channels that are zero for every "
-                                     "sample and position.")},
+                    "run-act-dead": ("Dead units", "Units that are zero for every "
+                                     "sample and position."),
+                    "run-act-sat": ("Saturated values", "Values of bounded activations "
+                                    "where their local gradient is below 5% of its peak.")},
             note=note)
 
 

@@ -183,14 +183,15 @@ def activations_fragment(capture: ActivationCapture, plots: Mapping[str, str]) -
         if not r.finite:
             bad.append(len(rows))
         dead = f"{s.dead_units}/{s.channels}" if s.dead_units is not None else None
+        saturated = None if s.saturated_frac is None else fmt_pct(s.saturated_frac)
         rows.append((r.module or "<root>", r.module_type, r.call if r.call else None,
                      fmt_shape(s.shape), s.dtype.replace("torch.", ""), s.mean, s.std, s.min,
-                     s.max, fmt_pct(s.zero_frac), dead, s.nonfinite))
+                     s.max, fmt_pct(s.zero_frac), dead, saturated, s.nonfinite))
     out_bytes = sum(s.nbytes for r in leaf_records(capture) for s in r.outputs)
     head = (f'<p class="note">One forward, {len(leaves):,} leaf-module calls, '
             f"{_e(fmt_bytes(out_bytes))} of outputs.</p>")
     headers = ("module", "type", "call", "output shape", "dtype", "mean", "std", "min", "max",
-               "zeros", "dead ch.", "NaN/Inf")
+               "zeros", "dead units", "saturated", "NaN/Inf")
     names = [r.module for r in leaves]
     groups = _blocks(names)
     summary = ""
@@ -207,11 +208,11 @@ def activations_fragment(capture: ActivationCapture, plots: Mapping[str, str]) -
 
         summary = _h3("Per block") + table(
             ("block", "modules", "outputs", "mean", "std", "min", "max", "zeros (max)",
-             "dead ch.", "NaN/Inf modules"),
+             "dead units", "NaN/Inf modules"),
             _per_block(names, groups, block), numeric=(1, 2, 3, 4, 5, 6, 7, 8, 9),
             bad_rows=[k for k, (_, idx) in enumerate(groups)
                       if any(not leaves[i].finite for i in idx)])
-    per_module = table(headers, rows, numeric=(2, 5, 6, 7, 8, 9, 10, 11), bad_rows=bad,
+    per_module = table(headers, rows, numeric=(2, 5, 6, 7, 8, 9, 10, 11, 12), bad_rows=bad,
                        folded=None if groups is None else
                        _fold_all(len(rows), "leaf-module outputs"))
     return head + trace + _plots(plots, {
