@@ -36,6 +36,8 @@ def activation_table(records: Sequence[ActivationRecord], title: str = "Activati
         for s in r.outputs:
             name = ModuleName((r.module or "<root>") + (s.path if s.path else ""))
             dead = f" ({s.dead_units}/{s.channels} dead)" if s.dead_units else ""
+            if s.saturated_frac:
+                dead += f" ({fmt_pct(s.saturated_frac)} saturated)"
             nonfinite = "0" if s.finite else f"[red]{s.nan_count} NaN, {s.inf_count} Inf[/]"
             table.add_row(
                 name,
