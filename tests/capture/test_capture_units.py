@@ -143,3 +143,14 @@ def test_layers_in_a_list_beside_it_and_above_a_wrapper_count() -> None:
     assert first is not None and (first.unit_dim, first.dead_units) == (-1, want) == (-1, 4)
     seq = nn.Sequential(nn.Linear(8, 12), _Wrapped())
     assert unit_candidates(seq, "1.inner") == ((12, False),)
+
+
+def test_a_long_sequential_gives_each_activation_its_nearest_layers_only() -> None:
+    # A thousand (Linear, ReLU) pairs: each ReLU looks at the four layers before it and
+    # the four after it, reading the parent's children once for all of them.
+    model = nn.Sequential(*[m for i in range(1000) for m in (nn.Linear(8, 8 + i), nn.ReLU())])
+    cache: dict[str, object] = {}
+    got = unit_candidates(model, "1001", cache)  # the ReLU after Linear(8, 508)
+    assert got == tuple((n, False) for n in (508, 507, 506, 505, 509, 510, 511, 512))
+    assert list(cache) == [""]
+    assert all(len(unit_candidates(model, str(i), cache)) <= 8 for i in range(1, 2000, 2))

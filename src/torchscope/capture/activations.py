@@ -216,6 +216,7 @@ class ActivationCapture(HookedContext, Analyzed):
         model = s.model
         s.forward_pre_hook(model, self._begin_forward, prepend=True)
         s.forward_hook(model, self._end_forward, always_call=True)
+        children: dict[str, Any] = {}  # `unit_candidates`' cache: each parent read once
         for name, module in self._targets:
             relu_family = isinstance(module, _RELU_FAMILY)
             bounds = _saturation_bounds(module)
@@ -223,7 +224,7 @@ class ActivationCapture(HookedContext, Analyzed):
                 module,
                 self._make_hook(name, type(module).__name__, relu_family,
                                 isinstance(module, _NONNEGATIVE), bounds,
-                                unit_candidates(model, name)
+                                unit_candidates(model, name, children)
                                 if relu_family or bounds is not None else ()),
             )
 
