@@ -14,19 +14,7 @@ from torch import nn
 from torchscope.capture import capture_activations
 from torchscope.findings import Severity
 
-
-def _mlp(scale: float, act: type[nn.Module] = nn.Tanh) -> nn.Sequential:
-    """makemore's MLP: 30 inputs, two hidden layers of 200, 27 classes; weights of std
-    scale / sqrt(fan_in), zero biases."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(30, 200), act(), nn.Linear(200, 200), act(),
-                          nn.Linear(200, 27))
-    with torch.no_grad():
-        for layer in model:
-            if isinstance(layer, nn.Linear):
-                nn.init.normal_(layer.weight, std=scale / math.sqrt(layer.in_features))
-                layer.bias.zero_()
-    return model
+from .._builders import makemore_mlp
 
 
 def _local_grads(act: nn.Module, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,7 +47,7 @@ def test_the_tails_are_where_autograd_s_local_gradient_is_small(
 def test_a_tanh_mlp_initialised_too_wide_is_saturated_at_both_layers(reduction_path: str
                                                                      ) -> None:
     x = torch.randn(32, 30)
-    res = capture_activations(_mlp(5.0), x)
+    res = capture_activations(makemore_mlp(5.0), x)
     found = {f.module: f for f in res.findings() if f.code == "activations.saturated"}
     assert set(found) == {"1", "3"}
     for name, f in found.items():
@@ -72,7 +60,7 @@ def test_a_tanh_mlp_initialised_too_wide_is_saturated_at_both_layers(reduction_p
 @pytest.mark.parametrize("act", [nn.Tanh, nn.Sigmoid])
 def test_kaiming_s_gain_is_silent(act: type[nn.Module]) -> None:
     gain = nn.init.calculate_gain("tanh" if act is nn.Tanh else "sigmoid")
-    res = capture_activations(_mlp(gain, act), torch.randn(32, 30))
+    res = capture_activations(makemore_mlp(gain, act), torch.randn(32, 30))
     assert not [f for f in res.findings() if f.code == "activations.saturated"]
     fracs = [r.output.saturated_frac for r in res.records if r.output is not None and
              r.output.saturated_frac is not None]

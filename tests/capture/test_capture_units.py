@@ -10,6 +10,8 @@ from torch import nn
 from torchscope.capture import capture_activations
 from torchscope.capture.units import unit_candidates, unit_dim
 
+from .._builders import t5_relu
+
 
 def _torch_dead(out: torch.Tensor, dim: int) -> int:
     dims = [d for d in range(out.dim()) if d != dim % out.dim()]
@@ -30,13 +32,7 @@ def test_a_t5_feed_forward_s_dead_units_are_its_last_dim(reduction_path: str) ->
     # T5's feed-forward runs on (batch, tokens, d_ff); 48 of its 64 units get a zero row of
     # wi (T5 has no bias) and never fire. Counted over dim 1, the 16 token positions, none
     # was dead.
-    transformers = pytest.importorskip("transformers")
-    transformers.logging.set_verbosity_error()
-    torch.manual_seed(0)
-    cfg = transformers.T5Config(vocab_size=100, d_model=32, d_kv=16, d_ff=64, num_layers=2,
-                                num_heads=2, dropout_rate=0.0, feed_forward_proj="relu",
-                                decoder_start_token_id=0, pad_token_id=0)
-    model = transformers.T5ForConditionalGeneration(cfg).eval()
+    model = t5_relu().eval()
     broken = "encoder.block.0.layer.1.DenseReluDense.act"
     with torch.no_grad():
         model.get_submodule(broken.replace(".act", ".wi")).weight[:48] = 0.0

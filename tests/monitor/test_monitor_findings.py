@@ -19,6 +19,7 @@ from torchscope.findings import Finding, Severity
 from torchscope.monitoring import RunRecord
 from torchscope.report.document import load_schema
 
+from .._builders import makemore_mlp, t5_relu
 from ._models import Faulty, Gated, batches
 
 
@@ -638,13 +639,7 @@ def test_t5_feed_forward_units_that_die_in_training_are_counted_on_their_last_di
     # enough for units to die: at each sampled step the run's dead fraction is torch's
     # count of units zero at every token of the batch. Counted over dim 1 (the tokens), it
     # read 0 throughout.
-    transformers = pytest.importorskip("transformers")
-    transformers.logging.set_verbosity_error()
-    torch.manual_seed(0)
-    cfg = transformers.T5Config(vocab_size=100, d_model=32, d_kv=16, d_ff=64, num_layers=2,
-                                num_heads=2, dropout_rate=0.0, feed_forward_proj="relu",
-                                decoder_start_token_id=0, pad_token_id=0)
-    model = transformers.T5ForConditionalGeneration(cfg)
+    model = t5_relu()
     act = "decoder.block.1.layer.2.DenseReluDense.act"
     seen: list[float] = []  # torch's dead fraction at the first call of each forward
 
@@ -671,26 +666,13 @@ def test_t5_feed_forward_units_that_die_in_training_are_counted_on_their_last_di
     assert max(series) >= 0.1  # units died: 13 of 64 by the last sample here
 
 
-def _tanh_mlp() -> nn.Sequential:
-    """makemore's MLP, 30 -> 200 -> 200 tanh -> 27, under Kaiming's tanh gain."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(30, 200), nn.Tanh(), nn.Linear(200, 200), nn.Tanh(),
-                          nn.Linear(200, 27))
-    with torch.no_grad():
-        for m in model:
-            if isinstance(m, nn.Linear):
-                nn.init.normal_(m.weight, std=(5 / 3) / m.in_features ** 0.5)
-                m.bias.zero_()
-    return model
-
-
 @pytest.mark.parametrize(("lr", "saturates"), [(0.1, True), (1e-3, False)])
 def test_tanh_units_that_saturate_in_training(lr: float, saturates: bool, tmp_path: Path
                                               ) -> None:
     # Adam at 0.1 drives the pre-activations wide: the second tanh goes from 9% of its
     # values in the flat tails to over 90% in 60 steps. At each sampled step the run's
     # fraction is torch's, at the step's forward; at 1e-3 the run stays where it began.
-    model = _tanh_mlp()
+    model = makemore_mlp(5 / 3)
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     seen: list[float] = []
     hook = model[3].register_forward_hook(

@@ -23,6 +23,8 @@ from torchscope.grads import gradient_flow
 from torchscope.models.zoo import BUILTINS
 from torchscope.step import Step
 
+from .._builders import makemore_mlp
+
 
 @dataclass(frozen=True)
 class Expect:
@@ -220,15 +222,7 @@ def tanh_too_wide() -> tuple[nn.Module, Any]:
     """makemore's MLP (30 -> 200 -> 200 tanh -> 27) with weights of std 5 / sqrt(fan_in),
     three times Kaiming's tanh gain: about two thirds of each tanh's values sit in its
     flat tails."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(30, 200), nn.Tanh(), nn.Linear(200, 200), nn.Tanh(),
-                          nn.Linear(200, 27))
-    with torch.no_grad():
-        for m in model:
-            if isinstance(m, nn.Linear):
-                nn.init.normal_(m.weight, std=5.0 / m.in_features ** 0.5)
-                m.bias.zero_()
-    return model, torch.randn(32, 30, generator=_gen())
+    return makemore_mlp(5.0), torch.randn(32, 30, generator=_gen())
 
 
 def hf_t5_dead_ffn() -> tuple[nn.Module, Any]:

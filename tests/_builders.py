@@ -1,0 +1,38 @@
+"""Models that tests in several folders build: one definition each."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+
+def makemore_mlp(scale: float, act: type[nn.Module] = nn.Tanh) -> nn.Sequential:
+    """makemore's MLP: 30 inputs, two hidden layers of 200 behind `act`, 27 classes;
+    weights of std scale / sqrt(fan_in), zero biases (Kaiming's tanh gain is 5/3)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(30, 200), act(), nn.Linear(200, 200), act(),
+                          nn.Linear(200, 27))
+    with torch.no_grad():
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                nn.init.normal_(layer.weight, std=scale / math.sqrt(layer.in_features))
+                layer.bias.zero_()
+    return model
+
+
+def t5_relu(**config: Any) -> nn.Module:
+    """transformers' T5 (v1.0: a ReLU feed-forward on (batch, tokens, d_ff)), 2 + 2 layers
+    of 32 with 64 feed-forward units, no dropout; skipped without transformers."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = transformers.T5Config(**{
+        "vocab_size": 100, "d_model": 32, "d_kv": 16, "d_ff": 64, "num_layers": 2,
+        "num_heads": 2, "dropout_rate": 0.0, "feed_forward_proj": "relu",
+        "decoder_start_token_id": 0, "pad_token_id": 0, **config})
+    model: nn.Module = transformers.T5ForConditionalGeneration(cfg)
+    return model
