@@ -67,6 +67,16 @@ def _saturation_bounds(m: nn.Module) -> tuple[float, float] | None:
 
 # Modules whose weights set the scale of what follows; scale drift is read between these.
 _WEIGHTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding)
+# Those whose default init expects float inputs of about unit scale: a model input they take
+# as it is gets its statistics read (`ActivationRecord.model_input`).
+_TAKES_DATA = (nn.Linear, nn.Bilinear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+_Leaf = tuple[str, tuple[int, ...], torch.dtype, torch.device, int, int, int, int, int, bool]
+"""One tensor of a recorded call, until the host values arrive: (path, shape, dtype, device,
+numel, row in the stats matrix, index of its dead-unit count or -1, the dimension of its
+units, index of its saturation counts or -1, reduced by the fused kernel); dtype and device
+are made strings when the records are built, not in the hook."""
 
 
 class _Pending(NamedTuple):
@@ -77,15 +87,12 @@ class _Pending(NamedTuple):
     module_type: str
     call: int
     order: int
-    # (path, shape, dtype, device, numel, row in the stats matrix, index of its dead-unit
-    # count or -1, the dimension of its units, index of its saturation counts or -1,
-    # reduced by the fused kernel); dtype and device are made strings when the records are
-    # built, not in the hook.
-    leaves: tuple[tuple[str, tuple[int, ...], torch.dtype, torch.device, int, int, int, int,
-                        int, bool], ...]
+    leaves: tuple[_Leaf, ...]
     # Per tensor input, where its finiteness is: an earlier output's stats row (i >= 0), or
     # `finiteness` value -1 - i.
     input_rows: tuple[int, ...]
+    # A weighted layer's first input where that is the model's own input.
+    model_input: _Leaf | None = None
 
 
 _Rows = tuple[list[int], torch.Tensor]
@@ -208,13 +215,15 @@ class ActivationCapture(HookedContext, Analyzed):
         self._calls: dict[str, int] = {}
         # Identity of tensors already reduced this forward -> row in `_vecs`.
         self._seen: dict[int, tuple[weakref.ReferenceType[torch.Tensor], int]] = {}
+        # The forward's model inputs (see `_begin_forward`).
+        self._inputs: dict[int, weakref.ReferenceType[torch.Tensor]] = {}
 
     # ------------------------------------------------------------------ session
     def open(self) -> None:
         """Register the hooks."""
         s = self._session
         model = s.model
-        s.forward_pre_hook(model, self._begin_forward, prepend=True)
+        s.forward_pre_hook(model, self._begin_forward, with_kwargs=True, prepend=True)
         s.forward_hook(model, self._end_forward, always_call=True)
         children: dict[str, Any] = {}  # `unit_candidates`' cache: each parent read once
         for name, module in self._targets:
@@ -225,7 +234,8 @@ class ActivationCapture(HookedContext, Analyzed):
                 self._make_hook(name, type(module).__name__, relu_family,
                                 isinstance(module, _NONNEGATIVE), bounds,
                                 unit_candidates(model, name, children)
-                                if relu_family or bounds is not None else ()),
+                                if relu_family or bounds is not None else (),
+                                isinstance(module, _TAKES_DATA)),
             )
 
     def close(self, *, failed: bool = False) -> None:
@@ -275,7 +285,8 @@ class ActivationCapture(HookedContext, Analyzed):
         return frozenset(self._zero_init)
 
     # ------------------------------------------------------------------ hooks
-    def _begin_forward(self, _m: nn.Module, _args: tuple[Any, ...]) -> None:
+    def _begin_forward(self, _m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+                       ) -> None:
         if torch._C._current_autograd_node() is not None:
             return  # a checkpoint's recomputation, inside backward: not a forward of its own
         if self._cur or self._vecs or self._fin:
@@ -286,6 +297,10 @@ class ActivationCapture(HookedContext, Analyzed):
         self._step += 1
         self._calls = {}
         self._seen = {}
+        # The model's own float inputs, by identity: a weighted layer that takes one as it
+        # is gets its statistics read (`ActivationRecord.model_input`).
+        self._inputs = {id(t): weakref.ref(t) for _, t in iter_tensors((args, kwargs))
+                        if t.is_floating_point() and not t.is_nested}
 
     def _end_forward(self, _m: nn.Module | None, _args: tuple[Any, ...], _out: Any) -> None:
         if _m is not None and torch._C._current_autograd_node() is not None:
@@ -297,7 +312,7 @@ class ActivationCapture(HookedContext, Analyzed):
             self._pending_calls += len(self._cur)
             self._bound()
         self._cur, self._vecs, self._dead, self._fin, self._seen = [], [], [], [], {}
-        self._sat = []
+        self._sat, self._inputs = [], {}
 
     def _bound(self) -> None:
         """Drop forwards older than `keep_last` (pending ones without reading them), or warn
@@ -331,6 +346,21 @@ class ActivationCapture(HookedContext, Analyzed):
         self._seen[id(t)] = (weakref.ref(t), len(self._vecs) - 1)
         return len(self._vecs) - 1
 
+    def _model_input(self, t: torch.Tensor) -> _Leaf | None:
+        """A model input that a weighted layer takes as it is, or through a view (an MLP's
+        `x.flatten(1)`): its statistics (one row, which its finiteness then reads too), as
+        a leaf of `_Pending`."""
+        base = t._base if t._base is not None else t
+        ref = self._inputs.get(id(base))
+        if ref is None or ref() is not base:
+            return None
+        hit = self._seen.get(id(t))
+        if hit is not None and hit[0]() is t and hit[1] >= 0:
+            return None  # read for an earlier layer already
+        vec, _, fused = tensor_stats(t, count_nonfinite=self._count_nonfinite)
+        row = self._add_row(t, vec)
+        return ("", tuple(t.shape), t.dtype, t.device, t.numel(), row, -1, 1, -1, fused)
+
     def _row_for_input(self, t: torch.Tensor) -> int:
         """Where `t`'s finiteness is read: an earlier output's stats row when it is one
         (or an input already checked), else a new `finiteness` value (-1 - its index)."""
@@ -343,7 +373,8 @@ class ActivationCapture(HookedContext, Analyzed):
         return row
 
     def _make_hook(self, name: str, type_name: str, relu_family: bool, nonnegative: bool,
-                   bounds: tuple[float, float] | None, units: tuple[Candidate, ...]) -> Any:
+                   bounds: tuple[float, float] | None, units: tuple[Candidate, ...],
+                   takes_data: bool) -> Any:
         def hook(_module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
             # Inside backward, a forward is a checkpoint's recomputation of values the
             # forward already recorded (a reentrant checkpoint's first forward ran under
@@ -355,8 +386,10 @@ class ActivationCapture(HookedContext, Analyzed):
             # One tensor in, one out is most calls: no walk over nested containers then.
             ins = args if len(args) == 1 and type(args[0]) is torch.Tensor else \
                 [t for _, t in iter_tensors(args)]
+            model_input = self._model_input(ins[0]) if takes_data and ins and \
+                self._inputs else None
             input_rows = tuple(self._row_for_input(t) for t in ins)
-            leaves = []
+            leaves: list[_Leaf] = []
             outs = (("", output),) if type(output) is torch.Tensor else iter_tensors(output)
             for path, t in outs:
                 # A nested tensor (nn.TransformerEncoder's fast path): its elements, and its
@@ -390,7 +423,8 @@ class ActivationCapture(HookedContext, Analyzed):
                 if self._store == "tensors":
                     self._keep(name, call, path, t)
             self._cur.append(
-                _Pending(name, type_name, call, len(self._cur), tuple(leaves), input_rows)
+                _Pending(name, type_name, call, len(self._cur), tuple(leaves), input_rows,
+                         model_input)
             )
 
         return hook
@@ -528,37 +562,7 @@ class ActivationCapture(HookedContext, Analyzed):
         for (step, calls, *_), (rows, deads, fins, sats) in zip(
                 self._pending, self._host_values(), strict=True):
             for p in calls:
-                outs = []
-                for path, shape, dtype, device, numel, row, di, udim, si, fused in p.leaves:
-                    v = rows[row]
-                    dead = di >= 0
-                    units = dead or (si >= 0 and len(shape) >= 2)
-                    sat_count, sat_units = sats[si] if si >= 0 else (None, None)
-                    outs.append(
-                        TensorStats(
-                            path,
-                            shape,
-                            str(dtype),
-                            str(device),
-                            numel,
-                            mean=v[MEAN],
-                            std=v[STD],
-                            min=v[MIN],
-                            max=v[MAX],
-                            norm=v[NORM],
-                            zero_frac=v[ZEROS],
-                            nan_count=int(v[NANS]) if counted and v[NANS] >= 0 else None,
-                            inf_count=int(v[INFS]) if counted and v[INFS] >= 0 else None,
-                            dead_units=int(deads[di]) if dead else None,
-                            channels=shape[udim] if units else None,
-                            unit_dim=(udim if udim == 1 else -1) if units else None,
-                            fused=fused,
-                            saturated_frac=None if sat_count is None else
-                            sat_count / numel if numel else 0.0,
-                            saturated_units=None if sat_units is None or sat_units < 0
-                            else int(sat_units),
-                        )
-                    )
+                outs = [_leaf_stats(leaf, rows, deads, sats, counted) for leaf in p.leaves]
                 # An input is an earlier output, whose stats decide (counts, or -1 when
                 # uncounted, and min/max in every case), or has a `finiteness` value.
                 inputs_finite = all(
@@ -576,12 +580,45 @@ class ActivationCapture(HookedContext, Analyzed):
                     ActivationRecord(
                         p.module, p.module_type, step, p.call, p.order, tuple(outs), inputs_finite,
                         p.module in self._holders,
+                        None if p.model_input is None
+                        else _leaf_stats(p.model_input, rows, deads, sats, counted),
                     )
                 )
         self._pending.clear()
         self._pending_calls = 0
         if self._keep_last is not None:
             self._bound()
+
+
+def _leaf_stats(leaf: _Leaf, rows: list[Any], deads: list[Any], sats: list[Any],
+                counted: bool) -> TensorStats:
+    """One leaf of a flushed call as `TensorStats`, from its forward's host values."""
+    path, shape, dtype, device, numel, row, di, udim, si, fused = leaf
+    v = rows[row]
+    dead = di >= 0
+    units = dead or (si >= 0 and len(shape) >= 2)
+    sat_count, sat_units = sats[si] if si >= 0 else (None, None)
+    return TensorStats(
+        path,
+        shape,
+        str(dtype),
+        str(device),
+        numel,
+        mean=v[MEAN],
+        std=v[STD],
+        min=v[MIN],
+        max=v[MAX],
+        norm=v[NORM],
+        zero_frac=v[ZEROS],
+        nan_count=int(v[NANS]) if counted and v[NANS] >= 0 else None,
+        inf_count=int(v[INFS]) if counted and v[INFS] >= 0 else None,
+        dead_units=int(deads[di]) if dead else None,
+        channels=shape[udim] if units else None,
+        unit_dim=(udim if udim == 1 else -1) if units else None,
+        fused=fused,
+        saturated_frac=None if sat_count is None else sat_count / numel if numel else 0.0,
+        saturated_units=None if sat_units is None or sat_units < 0 else int(sat_units),
+    )
 
 
 def capture_activations(

@@ -59,6 +59,11 @@ class ActivationThresholds:
             Kaiming's tanh gain (5/3) on unit-variance inputs has about 20 % there; with
             the pre-activations three times that wide, about 65 %.
         saturated_info: the fraction from which it is reported as info.
+        input_rms: root mean square of a model input that a Linear or convolution takes as
+            it is (`ActivationRecord.model_input`) from which it is reported as not
+            normalised (a warning). Their default inits expect inputs of about unit scale;
+            0-255 pixels have an RMS of about 140, standardised data of 1, and pixels in
+            [0, 1] of about 0.5.
     """
 
     dead_warn: float = 0.75
@@ -70,6 +75,7 @@ class ActivationThresholds:
     consistency: float = 0.75
     saturated_warn: float = 0.5
     saturated_info: float = 0.25
+    input_rms: float = 10.0
 
 
 def leaf_modules(records: Iterable[ActivationRecord]) -> frozenset[str]:
@@ -158,6 +164,7 @@ def analyze_activations(
     judged = [r for r in last if r.module in leaves]
     out += _per_module(judged, th, capture.zero_init)
     out += _saturated(judged, capture.weighted, th)
+    out += _input_scale(last, th)
     out += _scale_drift(judged, weighted_order(judged, capture.weighted), th)
     if isinstance(capture, ActivationCapture):
         out += ran_eagerly("activations.compiled_eager", capture.compiled,
@@ -215,6 +222,34 @@ def _saturated(judged: Sequence[ActivationRecord], weighted: Iterable[str],
                     "normalisation layer before it, or lower the learning rate; saturated "
                     "units pass almost no gradient back",
                 module=r.module))
+    return out
+
+
+def _input_scale(records: Sequence[ActivationRecord], th: ActivationThresholds
+                 ) -> list[Finding]:
+    """`activations.input_scale`: a model input far from unit scale that a Linear or
+    convolution takes as it is (not one the model rescales itself first)."""
+    out = []
+    for r in records:
+        s = r.model_input
+        if s is None or r.call or not s.finite or s.numel < 2:
+            continue
+        # The population mean square from the unbiased std: (n - 1) / n of its square.
+        rms = math.sqrt(s.mean ** 2 + s.std ** 2 * (s.numel - 1) / s.numel)
+        if rms < th.input_rms:
+            continue
+        out.append(Finding(
+            "activations.input_scale", Severity.WARNING,
+            f"{r.module} ({r.module_type}) takes the model's input as it is, at mean "
+            f"{s.mean:.3g} and std {s.std:.3g} (from {s.min:.3g} to {s.max:.3g}): its "
+            "default init expects inputs of about unit scale",
+            {"mean": s.mean, "std": s.std, "min": s.min, "max": s.max, "rms": rms,
+             "shape": "x".join(map(str, s.shape))},
+            fix="normalise the input with the training set's statistics, (x - mean) / std "
+                "per feature or channel (for 0-255 pixels, divide by 255 first, then "
+                "torchvision's Normalize); large inputs make large pre-activations, "
+                "saturated units and large gradients in the first layer",
+            module=r.module))
     return out
 
 

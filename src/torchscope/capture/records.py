@@ -102,6 +102,9 @@ class ActivationRecord:
         owns_params: whether the module (not the root) has parameters of its own, not
             only in children (`torchscope.hooks.select.holds_parameters`): its output is
             its own computation even when children ran inside it.
+        model_input: for a Linear or convolution whose first input is the model's own
+            input, a float tensor the model was called with, as it is: that input's
+            statistics (what the data pipeline feeds the first layer); None otherwise.
     """
 
     module: str
@@ -112,6 +115,7 @@ class ActivationRecord:
     outputs: tuple[TensorStats, ...]
     inputs_finite: bool
     owns_params: bool = False
+    model_input: TensorStats | None = None
 
     @property
     def output(self) -> TensorStats | None:

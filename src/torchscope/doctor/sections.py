@@ -123,7 +123,9 @@ class ActivationsSection(Section[ActivationCapture]):
             "modules": [
                 {"module": r.module, "type": r.module_type, "call": r.call,
                  "leaf": r.module in leaf_names, "inputs_finite": r.inputs_finite,
-                 "outputs": [_stats_json(s) for s in r.outputs]}
+                 "outputs": [_stats_json(s) for s in r.outputs],
+                 "model_input": None if r.model_input is None
+                 else _stats_json(r.model_input)}
                 for r in record.records
             ],
             "nonfinite": {
