@@ -8,9 +8,10 @@ forward with 48 of its 64 units dead read as none dead).
 
 The output's shape alone cannot tell the two apart: a (4, 16, 64) tensor may be either.
 The layers around the activation can. `unit_candidates` reads, once per hooked module,
-the sizes and layouts of the weighted layers beside it in its parent (nearest first: a
-`nn.Sequential` lists its layers in the order they run), and `unit_dim` takes, at each
-call, the first whose size sits where its layout puts it.
+the sizes and layouts of the nearest weighted layers beside it in its parent (nearest
+first: a `nn.Sequential` lists its layers in the order they run; a parent with none
+defers to the one above), and `unit_dim` takes, at each call, the first whose size sits
+where its layout puts it.
 """
 
 from __future__ import annotations
