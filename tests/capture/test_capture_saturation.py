@@ -94,3 +94,44 @@ def test_units_of_a_sequence_are_its_last_dim() -> None:
         y = model[1](model[0](x))  # (4, 16, 16)
     assert s is not None and (s.unit_dim, s.channels) == (-1, 16)
     assert s.saturated_units == int((y.abs() >= math.sqrt(0.95)).all(dim=(0, 1)).sum()) == 3
+
+
+@pytest.mark.parametrize("recurrent_scale", [1.0, 8.0])
+def test_a_tanh_rnn_s_outputs_are_its_tanh_s(recurrent_scale: float) -> None:
+    # An nn.RNN's sequence output and final state are tanh(...) themselves. With its
+    # recurrent weight 8x torch's default init (an eigenvalue above 4) most hidden states
+    # pin at +-1 (58 %; 22 % at 4x); at the default none do. Units are the last dim of
+    # (batch, time, 64).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(50, 32), nn.RNN(32, 64, batch_first=True))
+    head = nn.Linear(64, 50)
+    with torch.no_grad():
+        model[1].weight_hh_l0.mul_(recurrent_scale)
+
+    class LM(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body, self.head = model, head
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T) token ids
+            out, _ = self.body(x)  # (B, T, 64)
+            return self.head(out)  # (B, T, 50)
+
+    lm = LM()
+    x = torch.randint(0, 50, (8, 100))
+    res = capture_activations(lm, x)
+    rec = next(r for r in res.records if r.module == "body.1")
+    seq, final = rec.outputs
+    with torch.no_grad():
+        out, h = model[1](model[0](x))  # (8, 100, 64), (1, 8, 64)
+    c = math.sqrt(0.95)
+    assert seq.saturated_frac == int((out.abs() >= c).sum()) / out.numel()
+    assert final.saturated_frac == int((h.abs() >= c).sum()) / h.numel()
+    assert (seq.unit_dim, seq.channels) == (-1, 64)
+    found = [f for f in res.findings() if f.code == "activations.saturated"]
+    if recurrent_scale == 1.0:
+        assert seq.saturated_frac < 0.25 and not found
+    else:
+        (f,) = found
+        assert seq.saturated_frac > 0.5 and f.severity == Severity.WARNING
+        assert "nn.init.orthogonal_" in f.fix and f.module == "body.1"

@@ -62,7 +62,19 @@ def _saturation_bounds(m: nn.Module) -> tuple[float, float] | None:
         return 0.0, 1.0
     if isinstance(m, nn.Hardtanh) and not isinstance(m, nn.ReLU6):  # ReLU6's 0 is a ReLU's
         return float(m.min_val), float(m.max_val)
+    if isinstance(m, nn.RNN | nn.RNNCell) and m.nonlinearity == "tanh":
+        return -_TANH_TAIL, _TANH_TAIL  # its outputs are its tanh's: h_t = tanh(...)
     return None
+
+
+def _own_units(m: nn.Module) -> tuple[Candidate, ...]:
+    """A recurrent layer's own units, last in its outputs: (..., hidden × directions) for
+    its sequence, (..., hidden) for its final state."""
+    if isinstance(m, nn.RNN):
+        return (m.hidden_size * (2 if m.bidirectional else 1), False), (m.hidden_size, False)
+    if isinstance(m, nn.RNNCell):
+        return ((m.hidden_size, False),)
+    return ()
 
 
 # Modules whose weights set the scale of what follows; scale drift is read between these.
@@ -233,7 +245,7 @@ class ActivationCapture(HookedContext, Analyzed):
                 module,
                 self._make_hook(name, type(module).__name__, relu_family,
                                 isinstance(module, _NONNEGATIVE), bounds,
-                                unit_candidates(model, name, children)
+                                _own_units(module) + unit_candidates(model, name, children)
                                 if relu_family or bounds is not None else (),
                                 isinstance(module, _TAKES_DATA)),
             )

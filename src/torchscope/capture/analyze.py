@@ -197,10 +197,11 @@ def _saturated(judged: Sequence[ActivationRecord], weighted: Iterable[str],
         if r.module in seen or r.module not in hidden:
             continue
         seen.add(r.module)
-        for s in r.outputs:
-            frac = s.saturated_frac
-            if frac is None or not s.numel:
-                continue
+        # One finding per module, at its most saturated output (an nn.RNN's sequence and
+        # final state are both its tanh's).
+        measured = [s for s in r.outputs if s.saturated_frac is not None and s.numel]
+        for s in sorted(measured, key=lambda s: -(s.saturated_frac or 0.0))[:1]:
+            frac = s.saturated_frac or 0.0
             per_unit = s.numel // s.channels if s.channels else 0
             units = s.saturated_units if per_unit >= th.dead_min_observations else 0
             unit_frac = units / s.channels if units and s.channels else 0.0
@@ -216,11 +217,7 @@ def _saturated(judged: Sequence[ActivationRecord], weighted: Iterable[str],
                    if units else ""),
                 {"saturated_frac": frac, "saturated_units": units, "channels": s.channels,
                  "unit_dim": s.unit_dim, "values_per_unit": per_unit},
-                fix="shrink the pre-activations: initialise the layer before it for this "
-                    f"nonlinearity (nn.init.xavier_uniform_ with "
-                    f"gain=nn.init.calculate_gain('{_gain_name(r.module_type)}')), put a "
-                    "normalisation layer before it, or lower the learning rate; saturated "
-                    "units pass almost no gradient back",
+                fix=_saturated_fix(r.module_type),
                 module=r.module))
     return out
 
@@ -253,8 +250,19 @@ def _input_scale(records: Sequence[ActivationRecord], th: ActivationThresholds
     return out
 
 
-def _gain_name(module_type: str) -> str:
-    return "tanh" if "tanh" in module_type.lower() or module_type == "Softsign" else "sigmoid"
+def _saturated_fix(module_type: str) -> str:
+    if module_type in ("RNN", "RNNCell"):
+        # Its own weights make its pre-activations: the input's and the recurrent one's.
+        return ("shrink its pre-activations: initialise weight_hh with nn.init.orthogonal_ "
+                "and weight_ih for tanh (nn.init.xavier_uniform_ with "
+                "gain=nn.init.calculate_gain('tanh')), or lower the learning rate; "
+                "saturated units pass almost no gradient back through time")
+    gain = "tanh" if "tanh" in module_type.lower() or module_type == "Softsign" \
+        else "sigmoid"
+    return ("shrink the pre-activations: initialise the layer before it for this "
+            f"nonlinearity (nn.init.xavier_uniform_ with "
+            f"gain=nn.init.calculate_gain('{gain}')), put a normalisation layer before it, "
+            "or lower the learning rate; saturated units pass almost no gradient back")
 
 
 def _nonfinite(records: Sequence[ActivationRecord]) -> list[Finding]:

@@ -34,9 +34,9 @@ class TensorStats:
             the last of 3 or more dims (read from the layers beside the module:
             `torchscope.capture.units`).
         saturated_frac: for bounded activations (Tanh, Sigmoid, Softsign, Hardtanh,
-            Hardsigmoid), the fraction of values in the saturated tails, where the local
-            gradient is below 5 % of its peak (|y| >= 0.975 for tanh) or zero; None where
-            not measured.
+            Hardsigmoid, a tanh RNN or RNNCell), the fraction of values in the saturated
+            tails, where the local gradient is below 5 % of its peak (|y| >= 0.975 for
+            tanh) or zero; None where not measured.
         saturated_units: of those outputs with 2 or more dims, the units whose every value
             (every sample and position) is in the tails.
     """
