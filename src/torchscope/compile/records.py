@@ -252,8 +252,8 @@ class CompileReport(Analyzed):
     @property
     def as_fast_as_best(self) -> tuple[ModeResult, ...]:
         """The other modes whose speedup is the best one's within the timing noise: their
-        intervals overlap the fastest mode's (by the median alone where no interval was
-        measured)."""
+        intervals overlap the fastest mode's (none where either was measured without an
+        interval: the fastest median then decides)."""
         best = self.best
         return tuple(m for m in self._tied() if m is not best)
 
