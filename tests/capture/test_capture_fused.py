@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import ClassVar, Literal
 
@@ -185,11 +185,34 @@ class _ItemSpy(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+def _bounded() -> nn.Module:
+    """Saturation reads (a tanh, a sigmoid, a tanh RNN) and a first layer that takes the
+    model's input through a view."""
+
+    class Bounded(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rnn = nn.RNN(12, 16, batch_first=True)
+            self.mlp = nn.Sequential(nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 16),
+                                     nn.Sigmoid())
+            self.fc = nn.Linear(32, 10)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:  # (8, 3, 16, 16)
+            seq, _ = self.rnn(x.flatten(2)[..., :12])  # (8, 3, 16)
+            h = torch.cat([self.mlp(x.flatten(1)[:, :64]), seq[:, -1]], dim=1)  # (8, 32)
+            out: torch.Tensor = self.fc(h)  # (8, 10)
+            return out
+
+    return Bounded()
+
+
+@pytest.mark.parametrize("build", [TinyCNN, _bounded], ids=["tinycnn", "bounded"])
 @pytest.mark.parametrize("path", ["fused", "eager"])
-def test_hooks_never_read_on_the_host(fused_dtypes: tuple[torch.dtype, ...], path: str) -> None:
+def test_hooks_never_read_on_the_host(fused_dtypes: tuple[torch.dtype, ...], path: str,
+                                      build: Callable[[], nn.Module]) -> None:
     from torchscope.grads import watch_gradients
 
-    model = TinyCNN()
+    model = build()
     x, y = torch.randn(8, 3, 16, 16), torch.randint(0, 10, (8,))
     spy = _ItemSpy()
     with _kernels.disabled() if path == "eager" else contextlib.nullcontext():
@@ -219,6 +242,10 @@ def test_hooks_never_read_on_the_host(fused_dtypes: tuple[torch.dtype, ...], pat
     assert "aten::_local_scalar_dense" in [e.name for e in prof.events()]
     assert records and all(r.output is None or r.output.fused == (path == "fused")
                            for r in records)
+    assert any(r.model_input is not None for r in records)  # read during the step too
+    if build is _bounded:
+        assert all(r.output is not None and r.output.saturated_frac is not None
+                   for r in records if r.module in ("rnn", "mlp.1", "mlp.3"))
     flow = grads.last
     assert flow is not None and flow.modules
     assert (flow.fused_norms > 0) == (path == "fused") and (flow.eager_norms > 0) == (
