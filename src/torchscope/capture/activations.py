@@ -127,8 +127,9 @@ class ActivationCapture(HookedContext, Analyzed):
     """Collects activation records while its `HookSession` is open.
 
     `findings()` judges what it recorded (see `torchscope.capture.analyze`): the module that
-    makes the first NaN/Inf, dead ReLU channels, constant, mostly-zero, large and
-    near-overflow outputs, and activation scale drifting across the weighted layers.
+    makes the first NaN/Inf, dead ReLU units, saturated tanh and sigmoid units, model
+    inputs never normalised, constant, mostly-zero, large and near-overflow outputs, and
+    activation scale drifting across the weighted layers.
 
     Hooks only enqueue device reductions; reading `records` copies everything pending to
     the host at once, one transfer per device. Tensors kept with `store="tensors"` are in

@@ -4,8 +4,9 @@
 `capture.findings()`. It works on any capture: a selection of modules, containers included
 or not, one forward or many. It flags what an experienced user looks for first: the module
 that makes the first NaN/Inf (in the first forward that had one), and, in the last forward,
-dead ReLU channels, outputs that do not vary, all-zero ReLU outputs, values near the dtype's
-overflow or merely large, and activation scale drifting across the weighted layers.
+dead ReLU units, saturated tanh and sigmoid units, model inputs never normalised, outputs
+that do not vary, all-zero ReLU outputs, values near the dtype's overflow or merely large,
+and activation scale drifting across the weighted layers.
 
 Severity says how sure the finding is; docs/diagnosis.md gives each criterion and why the
 thresholds sit where they do (checked against healthy initialisations of real

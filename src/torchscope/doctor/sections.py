@@ -77,7 +77,7 @@ def _stats_json(s: TensorStats) -> dict[str, Any]:
 
 
 def _totals(record: ActivationCapture) -> tuple[int, int]:
-    """(bytes of every leaf output, dead channels over every leaf output)."""
+    """(bytes of every leaf output, dead units over every leaf output)."""
     stats = [s for r in leaf_records(record) for s in r.outputs]
     return sum(s.nbytes for s in stats), sum(s.dead_units or 0 for s in stats)
 
@@ -108,7 +108,7 @@ class ActivationsSection(Section[ActivationCapture]):
             "activations.nonfinite_modules": Metric(float(nonfinite), "lower", "count",
                                                     "module calls with NaN/Inf output"),
             "activations.dead_units": Metric(float(dead), "lower", "count",
-                                             "dead ReLU channels"),
+                                             "dead ReLU units"),
             "activations.output_bytes": Metric(float(output_bytes), "lower", "bytes",
                                                "bytes of leaf outputs"),
         }

@@ -387,7 +387,7 @@ def _dead_growth(record: RunRecord, t: RunThresholds) -> list[Finding]:
                 channels is None or (v1 - v0) * channels >= 2 - 1e-9):
             out.append(Finding(
                 "run.dead_units", Severity.WARNING,
-                f"{_name(k)}: dead channels grew from {100 * v0:.0f}% at step {s0} to "
+                f"{_name(k)}: dead units grew from {100 * v0:.0f}% at step {s0} to "
                 f"{100 * v1:.0f}% at step {s1}",
                 {"first_step": s0, "first_fraction": v0, "last_step": s1,
                  "last_fraction": v1, "channels": channels},
