@@ -941,3 +941,70 @@ def test_one_of_two_optimizers_cleared_before_its_step(loop: str) -> None:
     else:
         assert not moved and "grads.cleared_before_step" in found
         assert watch.cleared_steps == (4 if loop == "set_to_none" else 0)
+
+
+def _global_step_hooks() -> int:
+    from torch.optim import optimizer
+
+    return len(optimizer._global_optimizer_post_hooks)
+
+
+def test_a_head_added_after_the_optimizer_is_named_and_nothing_else() -> None:
+    # The optimizer was built from the body only: the head gets gradients that no
+    # optimizer steps. torch agrees: its weights never move, and opt.zero_grad() never
+    # clears its gradient, which grows with every step.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.Adam(model[0].parameters(), lr=1e-2)
+    x, y = torch.randn(64, 16), torch.randint(0, 4, (64,))
+    head, body = model[2].weight.detach().clone(), model[0].weight.detach().clone()
+    hooks = _global_step_hooks()
+    with watch_gradients(model, optimizer=opt, every=2) as watch:
+        assert _global_step_hooks() == hooks + 1
+        for _ in range(6):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    assert _global_step_hooks() == hooks
+    assert torch.equal(model[2].weight, head) and not torch.equal(model[0].weight, body)
+    assert watch.unoptimized == ("2.weight", "2.bias")
+    (f,) = [f for f in watch.findings() if f.code == "grads.not_optimized"]
+    assert f.module == "2" and "(2.weight, 2.bias)" in f.summary and "Adam.zero_grad()" in \
+        f.summary
+
+
+def test_parameters_another_optimizer_steps_are_not_named() -> None:
+    # A GAN in one module: the watch is given the discriminator's optimizer; the
+    # generator's own optimizer steps the rest. A frozen layer gets no gradient at all.
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"g": nn.Linear(8, 8), "d": nn.Linear(8, 1),
+                           "frozen": nn.Linear(8, 8).requires_grad_(False)})
+    opt_d = torch.optim.SGD(model["d"].parameters(), lr=0.1)
+    opt_g = torch.optim.SGD(model["g"].parameters(), lr=0.1)
+    z = torch.randn(16, 8)
+    hooks = _global_step_hooks()
+    with pytest.raises(RuntimeError, match="out of data"), \
+            watch_gradients(model, optimizer=opt_d) as watch:
+        for i in range(4):
+            opt_d.zero_grad()
+            model["d"](model["frozen"](model["g"](z)).detach()).mean().backward()
+            opt_d.step()
+            opt_g.zero_grad()
+            (-model["d"](model["g"](z))).mean().backward()
+            opt_g.step()
+            if i == 3:
+                raise RuntimeError("out of data")
+    assert _global_step_hooks() == hooks  # removed when the loop raised, too
+    assert watch.unoptimized == ()
+    assert not [f for f in watch.findings() if f.code == "grads.not_optimized"]
+
+
+def test_an_optimizer_that_steps_the_whole_model_adds_no_global_hook() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    hooks = _global_step_hooks()
+    with watch_gradients(model, optimizer=opt) as watch:
+        assert _global_step_hooks() == hooks
+        nn.functional.mse_loss(model(torch.randn(8, 4)), torch.randn(8, 2)).backward()
+        opt.step()
+    assert watch.unoptimized == ()

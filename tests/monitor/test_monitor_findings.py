@@ -113,12 +113,22 @@ def test_a_llama_fitting_its_batch_has_no_gradient_warning() -> None:
 
 
 def test_a_layer_whose_gradient_grows_with_the_total_is_a_warning() -> None:
-    """The gate of `Gated` grows 10 % a step outside the optimizer: its own gradient (the
-    root's) grows far faster than the others', and the total with it."""
+    """The gate of `Gated` grows 10 % a step outside the watched optimizer: its own
+    gradient (the root's) grows far faster than the others', and the total with it. An
+    optimizer of its own steps it at lr 0 and never zeroes it, so its gradient also adds
+    up (a gate that no optimizer stepped would be `grads.not_optimized`, and its growth
+    no finding of its own)."""
     torch.manual_seed(0)
     model = Gated()
     opt = torch.optim.SGD([p for p in model.parameters() if p is not model.gate], lr=0.01)
-    run = _run(model, opt, 30, 5, after_step=lambda i: model.gate.mul_(1.1))
+    own = torch.optim.SGD([model.gate], lr=0.0)
+
+    def grow(_i: int) -> None:
+        own.step()
+        model.gate.mul_(1.1)
+
+    run = _run(model, opt, 30, 5, after_step=grow)
+    assert run.unoptimized == ()
     assert run.total_norms[-1] > 5 * run.total_norms[0]
     grew = [f for f in _run_findings(run) if f.code == "run.grad_grew" and f.module == ""]
     assert [f.severity for f in grew] == [Severity.WARNING], \
@@ -704,3 +714,26 @@ def test_tanh_units_that_saturate_in_training(lr: float, saturates: bool, tmp_pa
     assert sat["layers"] == ["1", "3"] and [row[1] for row in sat["values"]] == series
     page = (tmp_path / "report.html").read_text()
     assert ('data-plot="run-act-sat"' in page) == saturates
+
+
+def test_a_head_no_optimizer_steps_is_named_not_its_growing_gradient() -> None:
+    # The optimizer was built before the head was added: its gradient only adds up
+    # (nothing steps or zeroes it), 18x over the run. That growth is no finding of its
+    # own; the cause is.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),
+                          nn.Linear(32, 4))
+    opt = torch.optim.Adam([*model[0].parameters(), *model[2].parameters()], lr=1e-3)
+    x, y = torch.randn(64, 16), torch.randint(0, 4, (64,))
+    with torchscope.monitor(model, opt, every=2, out=None, memory=False) as mon:
+        for _ in range(20):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    run = mon.result
+    assert run is not None and run.unoptimized == ("4.weight", "4.bias")
+    head = run.grad_param.series("4")
+    assert head[-1] > 10 * head[0]  # the pile-up
+    codes = {(f.code, f.module) for f in run.findings()}
+    assert ("grads.not_optimized", "4") in codes
+    assert not {c for c in codes if c[0] in ("run.grad_grew", "run.grad_fell")}

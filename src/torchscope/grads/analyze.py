@@ -52,6 +52,7 @@ __all__ = [
     "find_frozen",
     "find_idle_forwards",
     "find_nonfinite",
+    "find_not_optimized",
     "find_not_zeroed",
     "find_unreached",
     "find_unseen_forward",
@@ -1379,6 +1380,28 @@ def find_cleared(cleared: int, first: int | None, steps: int,
     )]
 
 
+def find_not_optimized(names: Sequence[str], optimizer: str | None) -> list[Finding]:
+    """`grads.not_optimized`: trainable parameters that get gradients but that no optimizer
+    stepped while the watch was open (`GradWatch.unoptimized`): they never train, and the
+    optimizer's `zero_grad()` never clears them either, so their gradients pile up."""
+    if not names:
+        return []
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    return [Finding(
+        code="grads.not_optimized",
+        severity=Severity.WARNING,
+        summary=f"{len(names)} parameter(s) get gradients that no optimizer steps ({shown}): "
+                f"they never train, and {optimizer or 'the optimizer'}.zero_grad() never "
+                "clears them, so their gradients add up over the steps",
+        evidence={"parameters": len(names), "first": names[0]},
+        fix="build the optimizer from model.parameters() once the model is complete (a "
+            "layer added after the optimizer was built is not in it), or add them with "
+            "optimizer.add_param_group({'params': [...]}); freeze them with "
+            "requires_grad_(False) if they are not meant to train.",
+        module=names[0].rpartition(".")[0] or None,
+    )]
+
+
 def _zeroed_samples(history: GradHistory | None) -> list[int]:
     """The sampled steps whose update used gradients of total norm 0 while the backward's
     was not: zeroed between the backward and the step."""
@@ -1419,5 +1442,6 @@ def diagnose_watch(watch: GradWatch, thresholds: GradThresholds | None = None) -
                              watch.history)
     found += find_cleared(watch.cleared_steps, watch.first_cleared, watch.steps,
                           watch.history)
+    found += find_not_optimized(watch.unoptimized, watch.optimizer_name)
     found += ran_eagerly("grads.compiled_eager", watch.compiled, "the gradient watch")
     return rank(found + diagnose_history(watch.history, thresholds))

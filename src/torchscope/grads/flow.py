@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from torchscope.distributed.ranked import Ranked
 from torchscope.distributed.world import local_tensor, strategy_of, world
@@ -291,6 +292,16 @@ class GradWatch(HookedContext, Analyzed):
         # read on its own parameters (`_note_applied`).
         self._stepped_params = _stepped_by(optimizer, self._params)
         self._partial_update = len(self._stepped_params) < len(self._params)
+        # The model's other trainable parameters: one that gets a gradient must be stepped
+        # by another optimizer (a GAN's, AdamW beside Muon), or it never trains (a head
+        # added after the optimizer was built). Which of them had a gradient at a watched
+        # step, and which any other optimizer stepped while the watch was open (`unoptimized`).
+        stepped = {id(p) for p in self._stepped_params}
+        self._others = [(name, p) for name, p in self._collector.session.model.named_parameters()
+                        if p.requires_grad and id(p) not in stepped] \
+            if optimizer is not None and self._partial_update else []
+        self._with_grad: set[int] = set()
+        self._stepped_elsewhere: set[int] = set()
         spread = max(1, len(self._stepped_params) // _EVIDENCE)
         self._evidence_params = self._stepped_params[::spread][:_EVIDENCE]
         # Per evidence parameter, its `.grad` at the end of the last backward: (ref, version).
@@ -324,6 +335,10 @@ class GradWatch(HookedContext, Analyzed):
         if self._optimizer is not None:
             s.track(self._optimizer.register_step_pre_hook(self._on_optimizer_step))
             s.track(self._optimizer.register_step_post_hook(self._after_optimizer_step))
+            if self._others:
+                # Every optimizer's steps, the process over: removed with the session's.
+                s.track(register_optimizer_step_post_hook(
+                    self._any_optimizer_step))
             if self._scaler is not None:
                 self._scaler_states = getattr(self._scaler, "_per_optimizer_states", None)
                 s.forward_pre_hook(s.model, self._check_scaler, prepend=True)
@@ -438,6 +453,9 @@ class GradWatch(HookedContext, Analyzed):
                 self._adopt_scaler(found)
         self._stepped = True
         self._check_cleared()
+        for _, p in self._others:  # metadata only; none where the optimizer steps them all
+            if p.grad is not None:
+                self._with_grad.add(id(p))
         if self._updates:
             # Before the update (a closure only recomputes the gradients, never w): keep w of
             # a sampled step to measure the update it applies. Manual steps end before
@@ -576,6 +594,20 @@ class GradWatch(HookedContext, Analyzed):
         if self._update_step is not None:
             self._pending_updates = (self._update_step, self._collector.measure_updates())
             self._update_step = None
+
+    def _any_optimizer_step(self, opt: Any, _args: Any, _kwargs: Any) -> None:
+        """Any optimizer's step in the process: the parameters of the model it holds."""
+        if opt is not self._optimizer:
+            self._stepped_elsewhere.update(id(p) for group in opt.param_groups
+                                           for p in group["params"])
+
+    @property
+    def unoptimized(self) -> tuple[str, ...]:
+        """Trainable parameters that had a gradient at a step of the watched optimizer but
+        that neither it nor any other optimizer that stepped while the watch was open
+        holds: they never train (`grads.not_optimized`)."""
+        return tuple(name for name, p in self._others
+                     if id(p) in self._with_grad and id(p) not in self._stepped_elsewhere)
 
     def _check_cleared(self) -> None:
         """At an optimizer step: count it when backward passes since the last step only

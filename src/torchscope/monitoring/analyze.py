@@ -26,6 +26,7 @@ from torchscope.grads.analyze import (
     find_cleared,
     find_no_step,
     find_no_update,
+    find_not_optimized,
     find_not_zeroed,
 )
 from torchscope.hooks.compiled import ran_eagerly
@@ -192,8 +193,11 @@ def _gradient_trends(record: RunRecord, t: RunThresholds) -> list[Finding]:
         return []
     # A gradient read while the layer's weights were all zero (a zero-init class token
     # before a LayerNorm of eps 1e-12: 52, then 0.04 once AdamW moved it) is no baseline.
-    found = {k: c for k in series.layers
-             if (c := change(series, k, t.window, skip | _zero_weight_steps(record, k)))}
+    # A layer no optimizer steps has gradients that only add up (`grads.not_optimized`
+    # names it): their growth is that, not the model's.
+    idle = {name.rpartition(".")[0] for name in record.unoptimized}
+    found = {k: c for k in series.layers if k not in idle
+             and (c := change(series, k, t.window, skip | _zero_weight_steps(record, k)))}
     if not found:
         return []
     falls = {k: c[1] / c[3] for k, c in found.items()}  # > 1: fell
@@ -512,6 +516,7 @@ def _capabilities(record: RunRecord, replaced: bool) -> list[Finding]:
     found += find_not_zeroed(record.unzeroed_steps, record.first_unzeroed, record.steps,
                              history)
     found += find_cleared(record.cleared_steps, record.first_cleared, record.steps, history)
+    found += find_not_optimized(record.unoptimized, record.optimizer)
     if record.activations is not None:
         found += record.activations.findings()
     if record.memory is not None:

@@ -229,6 +229,8 @@ class RunRecord(Analyzed):
             got no gradient over the sampled steps.
         act_sat: per-layer fraction of values in the saturated tails of bounded
             activations (tanh, sigmoid: `TensorStats.saturated_frac`), NaN elsewhere.
+        unoptimized: trainable parameters that got gradients that no optimizer stepped
+            (`GradWatch.unoptimized`).
     """
 
     model: str
@@ -275,6 +277,7 @@ class RunRecord(Analyzed):
     weight: LayerSeries = field(default_factory=lambda: LayerSeries("weight", (), (), ()))
     experts: tuple[ExpertUse, ...] = ()
     act_sat: LayerSeries = field(default_factory=lambda: LayerSeries("act_sat", (), (), ()))
+    unoptimized: tuple[str, ...] = ()
 
     @property
     def median_step_ms(self) -> float | None:
