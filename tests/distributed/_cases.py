@@ -631,13 +631,22 @@ def fsdp_clip(rank: int, world: int, out: Path) -> dict[str, Any]:
 
 def fsdp_zeroing(rank: int, world: int, out: Path) -> dict[str, Any]:
     """watch_gradients on FSDP2 loops that zero the gradients in place before each backward
-    (healthy), never zero them, or zero them in place between the backward and the step;
-    what each update moved, by torch's full tensors, with the watch's counts and codes."""
+    (healthy), never zero them, or zero them in place between the backward and the step,
+    and on one whose optimizer was built before `fully_shard` replaced the parameters; what
+    each update moved, by torch's full tensors, with the watch's counts and codes."""
     answers: dict[str, Any] = {}
     x, y = batch(rank, world)
-    for mode in ("in_place", "never", "before_step"):
-        net = sharded_mlp()
-        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    for mode in ("in_place", "never", "before_step", "optimizer_first"):
+        if mode == "optimizer_first":
+            plain = mlp()
+            opt = torch.optim.SGD(plain.parameters(), lr=0.1)  # before fully_shard
+            for layer in plain:
+                if isinstance(layer, nn.Linear):
+                    fully_shard(layer)
+            net = fully_shard(plain)
+        else:
+            net = sharded_mlp()
+            opt = torch.optim.SGD(net.parameters(), lr=0.1)
         moved = 0.0
         with torchscope.watch_gradients(net, optimizer=opt, every=1) as watch:
             for _ in range(4):
@@ -652,7 +661,8 @@ def fsdp_zeroing(rank: int, world: int, out: Path) -> dict[str, Any]:
                 if mode == "before_step":
                     opt.zero_grad()
         answers[mode] = {"unzeroed": watch.unzeroed_steps,
-                         "codes": sorted(f.code for f in watch.findings()), "moved": moved}
+                         "codes": sorted(f.code for f in watch.findings()), "moved": moved,
+                         "unoptimized": list(watch.unoptimized)}
     return answers
 
 

@@ -163,7 +163,8 @@ def test_fsdp2_zeroing_in_place_is_told_from_accumulation(tmp_path: Path) -> Non
     """FSDP2 accumulates into a DTensor gradient's shard, and the loop's in-place ops move
     only the DTensor's own version counter. Zeroing in place before each backward read as
     no zeroing at all (`grads.not_zeroed` on a healthy loop); never zeroing must still be
-    caught, and zeroing between the backward and the step too (the weights never move)."""
+    caught, and zeroing between the backward and the step too (the weights never move). In
+    the same launch: an optimizer built before `fully_shard` (`grads.not_optimized`)."""
     ranks = run_ranks("fsdp_zeroing", tmp_path)
     for a in ranks:
         assert "raised" not in a, a
@@ -174,6 +175,12 @@ def test_fsdp2_zeroing_in_place_is_told_from_accumulation(tmp_path: Path) -> Non
         assert before["moved"] == 0.0  # torch agrees: the update used no gradient
         assert "grads.cleared_before_step" in before["codes"]
         assert "grads.not_zeroed" not in before["codes"]
+        # An optimizer built before fully_shard holds the replaced parameters: torch agrees
+        # that the model never moves, and every parameter is named, on every rank.
+        first = a["optimizer_first"]
+        assert first["moved"] == 0.0 and "grads.not_optimized" in first["codes"]
+        assert first["unoptimized"] == [f"{i}.{k}" for i in (0, 2, 4) for k in ("weight", "bias")]
+        assert all(not a[m]["unoptimized"] for m in ("in_place", "never", "before_step"))
 
 
 def test_lightning_ddp_reports_the_synchronised_gradients(tmp_path: Path) -> None:

@@ -1008,3 +1008,20 @@ def test_an_optimizer_that_steps_the_whole_model_adds_no_global_hook() -> None:
         nn.functional.mse_loss(model(torch.randn(8, 4)), torch.randn(8, 2)).backward()
         opt.step()
     assert watch.unoptimized == ()
+
+
+def test_an_optimizer_built_on_a_copy_of_the_model_steps_none_of_it() -> None:
+    # The optimizer holds a deep copy's parameters (a model rebuilt after the optimizer):
+    # it steps the copy, and the watched model never trains.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(copy.deepcopy(model).parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    with watch_gradients(model, optimizer=opt) as watch:
+        for _ in range(3):
+            opt.zero_grad()
+            nn.functional.mse_loss(model(torch.randn(8, 8)), torch.randn(8, 2)).backward()
+            opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before, strict=True))
+    assert watch.unoptimized == ("0.weight", "0.bias", "2.weight", "2.bias")
+    assert [f.module for f in watch.findings() if f.code == "grads.not_optimized"] == ["0"]

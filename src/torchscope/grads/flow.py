@@ -296,10 +296,13 @@ class GradWatch(HookedContext, Analyzed):
         # by another optimizer (a GAN's, AdamW beside Muon), or it never trains (a head
         # added after the optimizer was built). Which of them had a gradient at a watched
         # step, and which any other optimizer stepped while the watch was open (`unoptimized`).
-        stepped = {id(p) for p in self._stepped_params}
+        # (An optimizer that holds none of them, built on a copy of the model or before
+        # FSDP2's `fully_shard` replaced its parameters, steps none of them: all are others.)
+        held = set() if optimizer is None else \
+            {id(p) for group in optimizer.param_groups for p in group["params"]}
         self._others = [(name, p) for name, p in self._collector.session.model.named_parameters()
-                        if p.requires_grad and id(p) not in stepped] \
-            if optimizer is not None and self._partial_update else []
+                        if p.requires_grad and id(p) not in held] \
+            if optimizer is not None else []
         self._with_grad: set[int] = set()
         self._stepped_elsewhere: set[int] = set()
         spread = max(1, len(self._stepped_params) // _EVIDENCE)
