@@ -48,19 +48,22 @@ def test_eval_forward_in_sampled_step_is_no_micro_batch() -> None:
 def test_watch_kept_for_its_results_does_not_keep_the_weights_alive(
     with_optimizer: bool,
 ) -> None:
-    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
-    opt = torch.optim.SGD(model.parameters(), lr=0.1) if with_optimizer else None
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 1))
+    # The last layer is in no optimizer: the watch follows it (`unoptimized`) until close.
+    opt = torch.optim.SGD(model[0].parameters(), lr=0.1) if with_optimizer else None
     with watch_gradients(model, optimizer=opt) as watch:
         model(torch.randn(1, 2)).sum().backward()
         if opt is not None:
             opt.step()
     weight = weakref.ref(model[0].weight)
     layer = weakref.ref(model[0])
+    other = weakref.ref(model[2].weight)
     del model, opt
     gc.collect()
-    assert weight() is None and layer() is None
+    assert weight() is None and layer() is None and other() is None
     assert watch.last is not None and watch.last.param("0.weight").norm is not None
     assert watch.history.series("0") and len(watch.history) == 1
+    assert watch.unoptimized == (("2.weight", "2.bias") if with_optimizer else ())
 
 
 def test_watch_left_by_an_exception_drops_the_unfinished_step() -> None:

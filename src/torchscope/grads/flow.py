@@ -300,9 +300,11 @@ class GradWatch(HookedContext, Analyzed):
         # FSDP2's `fully_shard` replaced its parameters, steps none of them: all are others.)
         held = set() if optimizer is None else \
             {id(p) for group in optimizer.param_groups for p in group["params"]}
-        self._others = [(name, p) for name, p in self._collector.session.model.named_parameters()
+        self._others = [p for p in self._collector.session.model.parameters()
                         if p.requires_grad and id(p) not in held] \
             if optimizer is not None else []
+        named = {id(p): name for name, p in self._collector.session.model.named_parameters()}
+        self._other_names = {id(p): named[id(p)] for p in self._others}  # kept after close
         self._with_grad: set[int] = set()
         self._stepped_elsewhere: set[int] = set()
         spread = max(1, len(self._stepped_params) // _EVIDENCE)
@@ -391,6 +393,7 @@ class GradWatch(HookedContext, Analyzed):
             self._params = []
             self._evidence_params = []
             self._stepped_params = []
+            self._others = []
             self._evidence = []
             c.close(failed=failed)
         if not failed and self._last is not None and world().distributed:
@@ -456,7 +459,7 @@ class GradWatch(HookedContext, Analyzed):
                 self._adopt_scaler(found)
         self._stepped = True
         self._check_cleared()
-        for _, p in self._others:  # metadata only; none where the optimizer steps them all
+        for p in self._others:  # metadata only; none where the optimizer steps them all
             if p.grad is not None:
                 self._with_grad.add(id(p))
         if self._updates:
@@ -609,8 +612,8 @@ class GradWatch(HookedContext, Analyzed):
         """Trainable parameters that had a gradient at a step of the watched optimizer but
         that neither it nor any other optimizer that stepped while the watch was open
         holds: they never train (`grads.not_optimized`)."""
-        return tuple(name for name, p in self._others
-                     if id(p) in self._with_grad and id(p) not in self._stepped_elsewhere)
+        return tuple(name for key, name in self._other_names.items()
+                     if key in self._with_grad and key not in self._stepped_elsewhere)
 
     def _check_cleared(self) -> None:
         """At an optimizer step: count it when backward passes since the last step only
