@@ -201,25 +201,27 @@ def _saturated(judged: Sequence[ActivationRecord], weighted: Iterable[str],
         # One finding per module, at its most saturated output (an nn.RNN's sequence and
         # final state are both its tanh's).
         measured = [s for s in r.outputs if s.saturated_frac is not None and s.numel]
-        for s in sorted(measured, key=lambda s: -(s.saturated_frac or 0.0))[:1]:
-            frac = s.saturated_frac or 0.0
-            per_unit = s.numel // s.channels if s.channels else 0
-            units = s.saturated_units if per_unit >= th.dead_min_observations else 0
-            unit_frac = units / s.channels if units and s.channels else 0.0
-            if frac < th.saturated_info and not units:
-                continue
-            warn = frac >= th.saturated_warn or unit_frac >= th.dead_warn
-            name = (r.module or "<root>") + s.path
-            out.append(Finding(
-                "activations.saturated", Severity.WARNING if warn else Severity.INFO,
-                f"{name} ({r.module_type}): {100 * frac:.0f}% of its values sit where its "
-                "gradient is below 5% of its peak"
-                + (f"; {units} of {s.channels} units do in every sample and position"
-                   if units else ""),
-                {"saturated_frac": frac, "saturated_units": units, "channels": s.channels,
-                 "unit_dim": s.unit_dim, "values_per_unit": per_unit},
-                fix=_saturated_fix(r.module_type),
-                module=r.module))
+        if not measured:
+            continue
+        s = max(measured, key=lambda s: s.saturated_frac or 0.0)
+        frac = s.saturated_frac or 0.0
+        per_unit = s.numel // s.channels if s.channels else 0
+        units = s.saturated_units if per_unit >= th.dead_min_observations else 0
+        unit_frac = units / s.channels if units and s.channels else 0.0
+        if frac < th.saturated_info and not units:
+            continue
+        warn = frac >= th.saturated_warn or unit_frac >= th.dead_warn
+        name = (r.module or "<root>") + s.path
+        out.append(Finding(
+            "activations.saturated", Severity.WARNING if warn else Severity.INFO,
+            f"{name} ({r.module_type}): {100 * frac:.0f}% of its values sit where its "
+            "gradient is below 5% of its peak"
+            + (f"; {units} of {s.channels} units do in every sample and position"
+               if units else ""),
+            {"saturated_frac": frac, "saturated_units": units, "channels": s.channels,
+             "unit_dim": s.unit_dim, "values_per_unit": per_unit},
+            fix=_saturated_fix(r.module_type),
+            module=r.module))
     return out
 
 

@@ -298,13 +298,13 @@ class GradWatch(HookedContext, Analyzed):
         # step, and which any other optimizer stepped while the watch was open (`unoptimized`).
         # (An optimizer that holds none of them, built on a copy of the model or before
         # FSDP2's `fully_shard` replaced its parameters, steps none of them: all are others.)
-        held = set() if optimizer is None else \
-            {id(p) for group in optimizer.param_groups for p in group["params"]}
-        self._others = [p for p in self._collector.session.model.parameters()
-                        if p.requires_grad and id(p) not in held] \
+        model = self._collector.session.model
+        held = set() if optimizer is None else _held(optimizer)
+        self._others = [p for p in self._params if id(p) not in held] \
             if optimizer is not None else []
-        named = {id(p): name for name, p in self._collector.session.model.named_parameters()}
-        self._other_names = {id(p): named[id(p)] for p in self._others}  # kept after close
+        self._other_names = {id(p): name for name, p in model.named_parameters()
+                             if p.requires_grad and id(p) not in held} \
+            if self._others else {}  # kept after close
         self._with_grad: set[int] = set()
         self._stepped_elsewhere: set[int] = set()
         spread = max(1, len(self._stepped_params) // _EVIDENCE)
@@ -477,8 +477,7 @@ class GradWatch(HookedContext, Analyzed):
                 self._update_step = index
                 # Only what this optimizer updates: a second optimizer's parameters (AdamW
                 # beside Muon) move at its own step, after this one's update is measured.
-                c.snapshot_weights({id(p) for group in self._optimizer.param_groups
-                                    for p in group["params"]})
+                c.snapshot_weights(_held(self._optimizer))
         # args[0] is the optimizer; a closure is step's first parameter.
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
         if self._step_by == "manual":
@@ -604,8 +603,7 @@ class GradWatch(HookedContext, Analyzed):
     def _any_optimizer_step(self, opt: Any, _args: Any, _kwargs: Any) -> None:
         """Any optimizer's step in the process: the parameters of the model it holds."""
         if opt is not self._optimizer:
-            self._stepped_elsewhere.update(id(p) for group in opt.param_groups
-                                           for p in group["params"])
+            self._stepped_elsewhere.update(_held(opt))
 
     @property
     def unoptimized(self) -> tuple[str, ...]:
@@ -926,12 +924,17 @@ class GradWatch(HookedContext, Analyzed):
 _Evidence = tuple["weakref.ReferenceType[torch.Tensor]", int, int | None]
 
 
+def _held(optimizer: Any) -> set[int]:
+    """The identities of the parameters in `optimizer`'s param groups."""
+    return {id(p) for group in optimizer.param_groups for p in group["params"]}
+
+
 def _stepped_by(optimizer: Any, params: list[nn.Parameter]) -> list[nn.Parameter]:
     """Those of `params` that `optimizer` steps, in their order; all of them without an
     optimizer, or where it steps none of them."""
     if optimizer is None:
         return params
-    ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    ids = _held(optimizer)
     return [p for p in params if id(p) in ids] or params
 
 
