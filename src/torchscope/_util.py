@@ -13,6 +13,7 @@ import enum
 import json
 import math
 import os
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -20,8 +21,19 @@ from typing import Any
 __version__ = "0.1.0"
 
 __all__ = [
-    "__version__", "fit_line", "fmt_bytes", "fmt_num", "fmt_pct", "fmt_shape", "module_block",
-    "output_problem", "shorten_name", "to_jsonable", "write_json",
+    "__version__",
+    "fit_line",
+    "fmt_bytes",
+    "fmt_num",
+    "fmt_pct",
+    "fmt_shape",
+    "fmt_times",
+    "is_norm_type",
+    "module_block",
+    "output_problem",
+    "shorten_name",
+    "to_jsonable",
+    "write_json",
 ]
 
 ELLIPSIS = "…"
@@ -43,6 +55,13 @@ def fmt_num(x: float | None, digits: int = 4) -> str:
 def fmt_pct(frac: float | None) -> str:
     """A fraction as a percentage: `41.2%`."""
     return "—" if frac is None or not math.isfinite(frac) else f"{100 * frac:.1f}%"
+
+
+def fmt_times(ratio: float) -> str:
+    """A ratio as a factor: `1.5×`, `32×`, `4.7e33×` (a collapse spans many orders)."""
+    if ratio >= 1e4:
+        return f"{ratio:.1e}×".replace("e+0", "e").replace("e+", "e")
+    return f"{ratio:.0f}×" if ratio >= 10 else f"{ratio:.1f}×"
 
 
 def fmt_bytes(n: float | None) -> str:
@@ -79,6 +98,17 @@ def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
     if sxx == 0:
         return 0.0, 0.0
     return sxy / sxx, (sxy * sxy / (sxx * syy) if syy > 0 else 0.0)
+
+
+# A normalization layer by its class name, torch's and the model libraries' own (`BatchNorm2d`,
+# `LlamaRMSNorm`, `T5LayerNorm`, `ConvNextLayerNorm`); not MobileBERT's `NoNorm`, an
+# elementwise affine, nor `LocalResponseNorm`, which has no gain.
+_NORM_TYPE = re.compile(r"(Batch|Layer|Group|Instance|RMS)Norm")
+
+
+def is_norm_type(module_type: str) -> bool:
+    """Whether a module class name is a normalization layer's (see `_NORM_TYPE`)."""
+    return _NORM_TYPE.search(module_type) is not None
 
 
 def module_block(name: str) -> str:

@@ -282,3 +282,63 @@ def test_uniform_attention_at_init_is_info_and_attention_over_one_position_a_war
     [flat] = [f for f in capture_activations(named, torch.randn(3, 4)).findings()
               if f.code == "activations.constant" and f.module == "flatten"]
     assert flat.severity == Severity.WARNING and "softmax_over" not in flat.evidence
+
+
+def _conv_bn_stack(gain: float, depth: int = 6) -> nn.Sequential:
+    """`depth` conv (no bias, as before a norm) → BatchNorm → ReLU layers whose BatchNorm
+    weights (γ) are all `gain`. Their eps is EfficientNet's, 1e-3: a norm layer whose input
+    variance falls below it scales down what it passes on, layer after layer."""
+    layers: list[nn.Module] = [nn.Conv2d(3, 8, 3, padding=1, bias=False)]
+    for _ in range(depth):
+        bn = nn.BatchNorm2d(8, eps=1e-3)
+        nn.init.constant_(bn.weight, gain)
+        layers += [bn, nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1, bias=False)]
+    return nn.Sequential(*layers)
+
+
+class _ZeroGammaBlock(nn.Module):
+    """A residual block whose branch ends in a zero-initialised BatchNorm (Goyal et al.)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(8, 8, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(8)
+        nn.init.zeros_(self.bn.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.bn(self.conv(x))  # (N, 8, H, W)
+
+
+def test_scale_drift_names_the_norm_gains_that_set_it() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(8, 3, 8, 8)
+    # transformers' EfficientNet (5.x) draws its BatchNorm weights like its convs' (normal,
+    # std 0.02): each BatchNorm scales the signal to about that.
+    small = _conv_bn_stack(0.02)
+    (drift,) = [f for f in capture_activations(small, x).findings()
+                if f.code == "activations.scale_drift"]
+    norms = [n for n, m in small.named_modules() if isinstance(m, nn.BatchNorm2d)]
+    assert drift.evidence["ratio"] < 1e-2
+    assert drift.evidence["norms_small"] == drift.evidence["norms"] == len(norms)
+    assert drift.evidence["norm_onset"] == norms[0] == "1"
+    with torch.no_grad():  # what the first BatchNorm outputs: its gain, 0.02
+        onset = small[1](small[0](x)).std().item()
+    assert f"from 1 ({onset:.2g}) on" in drift.fix and "near zero" in drift.fix
+    assert "nn.init.ones_(norm.weight)" in drift.fix
+    # Gains far above 1 drift no further: the next norm takes the scale back out.
+    assert not [f for f in capture_activations(_conv_bn_stack(30.0), x).findings()
+                if f.code == "activations.scale_drift"]
+    # Healthy gains hold the scale: no drift.
+    assert not [f for f in capture_activations(_conv_bn_stack(1.0), x).findings()
+                if f.code == "activations.scale_drift"]
+    # A drift no norm layer sets keeps the init advice. The zero-γ norm outputs a constant
+    # zero: a deliberate init, not a small gain.
+    off_init = nn.Sequential(_conv_bn_stack(1.0, depth=2), _ZeroGammaBlock(),
+                             nn.Conv2d(8, 8, 3, padding=1, bias=False))
+    with torch.no_grad():
+        off_init[-1].weight.mul_(1e-4)
+    (init,) = [f for f in capture_activations(off_init, x).findings()
+               if f.code == "activations.scale_drift"]
+    assert init.evidence["ratio"] < 1e-2 and init.evidence["norms"] == 3
+    assert init.evidence["norms_small"] == 0 and init.evidence["norm_onset"] is None
+    assert "check weight init" in init.fix

@@ -144,6 +144,31 @@ def hf_swin() -> tuple[nn.Module, Any]:
         "labels": _labels(4, classes=10)}
 
 
+def hf_efficientnet(bn_weight: Callable[[torch.Tensor], object] = nn.init.ones_
+                    ) -> Callable[[], tuple[nn.Module, Any]]:
+    """A small EfficientNet (BatchNorm eps 1e-3, squeeze-excitation) whose BatchNorm
+    weights are set by `bn_weight`: to 1 by default, torch's own init."""
+    def build() -> tuple[nn.Module, Any]:
+        from transformers import EfficientNetConfig, EfficientNetForImageClassification
+
+        cfg = EfficientNetConfig(width_coefficient=0.2, depth_coefficient=0.2, image_size=64,
+                                 hidden_dim=256, num_labels=10)
+        model = EfficientNetForImageClassification(cfg)
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                bn_weight(m.weight)
+        return model, {"pixel_values": torch.randn(4, 3, 64, 64, generator=_gen()),
+                       "labels": _labels(4)}
+    return build
+
+
+def _like_its_convs(weight: torch.Tensor) -> object:
+    """transformers 5's EfficientNet init draws BatchNorm weights as it draws its convs',
+    normal with std 0.02: each norm layer then scales the signal to about 0.02 of unit
+    std, and below eps 1e-3 the next ones shrink it further, to ~1e-34 by the classifier."""
+    return nn.init.normal_(weight, 0.0, 0.02)
+
+
 def hf_llama() -> tuple[nn.Module, Any]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -344,6 +369,7 @@ ZOO: tuple[Entry, ...] = (
     Entry("hf-t5", hf_t5),
     Entry("hf-bart", hf_bart),
     Entry("hf-llama", hf_llama),
+    Entry("hf-efficientnet", hf_efficientnet()),
     Entry("tiny-cnn", builtin("tiny-cnn", (4, 3, 32, 32))),
     Entry("mlp", builtin("mlp", (4, 128))),
     Entry("deep-mlp", builtin("deep-mlp")),
@@ -357,6 +383,11 @@ ZOO: tuple[Entry, ...] = (
     Entry("dead-bias", dead_bias, (Expect("activations.dead_units", "relu"),)),
     Entry("hf-t5-dead-ffn", hf_t5_dead_ffn, (
         Expect("activations.dead_units", "encoder.block.0.layer.1.DenseReluDense.act"),)),
+    Entry("hf-efficientnet-bn-init", hf_efficientnet(_like_its_convs),
+          (Expect("activations.scale_drift", "classifier"),),
+          # what a signal at 1e-34 leaves: weight gradients that underflow to zero, and
+          # squeeze-excitation gates at sigmoid(0) = 0.5
+          allowed=frozenset({"grads.dead", "activations.constant"})),
     Entry("tanh-too-wide", tanh_too_wide, (Expect("activations.saturated", "1"),
                                            Expect("activations.saturated", "3"))),
     Entry("dead-layer", dead_layer, (

@@ -54,3 +54,12 @@ def test_precision_and_recall_over_the_zoo(zoo_diagnoses) -> None:
     assert fp_healthy == 0 and p_healthy == 1.0
     assert r_broken == 1.0
     assert p_all == 1.0
+
+
+def test_efficientnet_drift_is_put_down_to_its_norm_gains(zoo_diagnoses) -> None:
+    """The drift's fix names the cause: the BatchNorm gains, first the stem's."""
+    (d,) = [d for d in zoo_diagnoses if d.entry.name == "hf-efficientnet-bn-init"]
+    (drift,) = [f for f in d.findings if f.code == "activations.scale_drift"]
+    assert drift.evidence["norm_onset"] == "efficientnet.embeddings.batchnorm"
+    assert drift.evidence["norms_small"] == drift.evidence["norms"] > 10
+    assert "nn.init.ones_(norm.weight)" in drift.fix

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from torchscope._util import fit_line
+from torchscope._util import fit_line, fmt_times, is_norm_type
 from torchscope.capture.activations import ActivationCapture
 from torchscope.capture.nonfinite import trace_nonfinite
 from torchscope.capture.records import ActivationRecord, ActivationRecords, TensorStats
@@ -466,12 +466,50 @@ def _scale_drift(judged: Sequence[ActivationRecord], weighted: Sequence[str],
     _, r2 = fit_line(range(len(names)), [math.log10(stds[n]) for n in names])
     steady = len(names) == 2 or r2 >= th.consistency
     grows = ratio >= 1
+    small, norms = _small_norm_gains(judged, first, last)
+    fix = "check weight init (kaiming/xavier for the nonlinearity) or add normalisation"
+    if small and not grows:
+        # The layers meant to hold the scale at 1 set it. The first one is the cause; later
+        # ones read smaller still once their input variance falls below their eps.
+        onset, std = small[0]
+        fix = (f"{len(small)} of the {norms} normalization layers between them output std "
+               f"below {_NORM_GAIN_SMALL:g}, from {onset} ({std:.2g}) on: while a norm layer "
+               "normalizes, its output std is the RMS of its weight (γ), so these gains start "
+               "near zero, not at 1; initialise them with nn.init.ones_(norm.weight) (zero "
+               "only a residual branch's last norm)")
     return [Finding(
         "activations.scale_drift", Severity.WARNING if steady else Severity.INFO,
         f"{'' if steady else 'possible drift: '}activation std "
-        f"{'grows' if grows else 'shrinks'} {ratio if grows else 1 / ratio:.0f}× from {first} "
-        f"to {last}" + ("" if len(names) == 2 else f" over {len(names)} weighted layers (fit "
-                        f"R² {r2:.2f})"),
-        {"first": first, "last": last, "ratio": ratio, "layers": len(names), "r2": r2},
-        fix="check weight init (kaiming/xavier for the nonlinearity) or add normalisation",
+        f"{'grows' if grows else 'shrinks'} {fmt_times(ratio if grows else 1 / ratio)} "
+        f"from {first} to {last}" + ("" if len(names) == 2 else
+                                     f" over {len(names)} weighted layers (fit R² {r2:.2f})"),
+        {"first": first, "last": last, "ratio": ratio, "layers": len(names), "r2": r2,
+         "norms_small": len(small) if not grows else 0, "norms": norms,
+         "norm_onset": small[0][0] if small and not grows else None},
+        fix=fix,
         module=last)]
+
+
+# A normalization layer whose output std is below this has a gain near zero. (A gain far
+# above 1 is no drift: the next norm layer takes its scale back out.)
+_NORM_GAIN_SMALL = 0.1
+
+
+def _small_norm_gains(judged: Sequence[ActivationRecord], first: str, last: str
+                      ) -> tuple[list[tuple[str, float]], int]:
+    """The normalization layers between `first` and `last` (in `judged` order) whose output
+    std is below `_NORM_GAIN_SMALL`, with that std, and how many normalization layers lie
+    there. Below their eps (EfficientNet's is 1e-3) norm layers pass a shrinking input on
+    shrunk further by their gains, so such gains compound into a drift across depth. A
+    constant output (a residual branch's zero-initialised last norm) is a deliberate zero,
+    not counted."""
+    order = [r.module for r in judged]
+    lo, hi = order.index(first), order.index(last)
+    seen: dict[str, float | None] = {}
+    for r in judged[lo:hi + 1]:
+        s = r.output
+        if r.module in seen or not is_norm_type(r.module_type) or s is None:
+            continue
+        seen[r.module] = s.std if s.finite and s.std > 0 and math.isfinite(s.std) else None
+    small = [(n, std) for n, std in seen.items() if std is not None and std < _NORM_GAIN_SMALL]
+    return small, len(seen)

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from torchscope._util import fit_line
+from torchscope._util import fit_line, fmt_times, is_norm_type
 from torchscope.errors import TorchscopeError
 from torchscope.findings import Finding, Severity, analyzer, rank
 from torchscope.grads.flow import GradWatch
@@ -115,12 +115,6 @@ class GradThresholds:
     update_elevated: float = 1e-2
     update_low: float = 1e-5
     clipped_by: float = 2.0
-
-
-def _times(ratio: float) -> str:
-    if ratio >= 1e4:
-        return f"{ratio:.1e}×".replace("e+0", "e").replace("e+", "e")
-    return f"{ratio:.0f}×" if ratio >= 10 else f"{ratio:.1f}×"
 
 
 def layer_norms(flow: GradFlow, metric: Metric = "grad_output") -> list[tuple[str, float]]:
@@ -292,7 +286,7 @@ def _layer_scaled(flow: GradFlow) -> dict[str, str]:
     for p in flow.params:
         t = types.get(p.module)
         if not p.requires_grad or p.tied_to is not None or len(p.shape) != 1 \
-                or p.name.endswith("bias") or t is None or "Norm" in t:
+                or p.name.endswith("bias") or t is None or is_norm_type(t):
             continue
         scale = rms(p.weight_norm, p.numel)
         unit = _unit_name(p.module)
@@ -372,7 +366,7 @@ _SMALL_INIT = 0.25
 def _model_kinds(flow: GradFlow) -> tuple[frozenset[str], bool]:
     """The saturating activations the step ran through, and whether it has norm layers."""
     types = {r.module_type for r in flow.modules}
-    return frozenset(types & _SATURATING), any("Norm" in t for t in types)
+    return frozenset(types & _SATURATING), any(is_norm_type(t) for t in types)
 
 
 def _vanishing_fix(flow: GradFlow) -> str:
@@ -444,7 +438,7 @@ def _exploding_fix(flow: GradFlow) -> str:
     if flow.clip_factor > 1:
         # The loop clips already: the update is bounded, the gradients' size is the symptom.
         clip = (f"the loop already clips (the update used a total norm of "
-                f"{flow.applied_norm:.3g}, {_times(flow.clip_factor)} below this), which "
+                f"{flow.applied_norm:.3g}, {fmt_times(flow.clip_factor)} below this), which "
                 "bounds each step but not the cause")
     parts = [clip, init]
     recurrent = _recurrent_gain(flow)
@@ -506,8 +500,8 @@ def find_vanishing(flow: GradFlow, thresholds: GradThresholds | None = None) -> 
                 code="grads.vanishing",
                 severity=severity,
                 summary=f"{word} vanishing gradients: the relative gradient ‖g‖/‖w‖ falls "
-                f"{_times(rel.decay)} over {rel.positions} layers toward the input "
-                f"({_times(1 / rel.per_position)} per layer, steady: fit R² {rel.r2:.2f}), "
+                f"{fmt_times(rel.decay)} over {rel.positions} layers toward the input "
+                f"({fmt_times(1 / rel.per_position)} per layer, steady: fit R² {rel.r2:.2f}), "
                 f"from {rel.first} to {rel.last}",
                 evidence={"nearest": rel.first, "farthest": rel.last,
                           "positions": rel.positions, "decay": decay,
@@ -543,7 +537,7 @@ def _bottleneck(flow: GradFlow, prof: DepthProfile, t: GradThresholds) -> list[F
     return [Finding(
         code="grads.vanishing",
         severity=Severity.INFO,
-        summary=f"possible gradient bottleneck: {low.name} gets {_times(drop)} less relative "
+        summary=f"possible gradient bottleneck: {low.name} gets {fmt_times(drop)} less relative "
         f"gradient than {high.name}, nearer the loss, without a steady trend in between",
         evidence={"nearest": high.name, "farthest": low.name, "drop": drop,
                   "relative_high": high.relative, "relative_low": low.relative,
@@ -595,8 +589,8 @@ def find_exploding(flow: GradFlow, thresholds: GradThresholds | None = None) -> 
             code="grads.exploding",
             severity=severity,
             summary=f"{word} exploding gradients: the gradient arriving at each layer "
-            f"grows {_times(out_tr.change)} over {out_tr.positions} layers toward the "
-            f"input ({_times(out_tr.per_position)} per layer, steady: fit R² "
+            f"grows {fmt_times(out_tr.change)} over {out_tr.positions} layers toward the "
+            f"input ({fmt_times(out_tr.per_position)} per layer, steady: fit R² "
             f"{out_tr.r2:.2f}), from {out_tr.first} to {out_tr.last}"
             + (f"; total norm {total:.3g}" if big else ""),
             evidence={"nearest": out_tr.first, "farthest": out_tr.last,
@@ -1158,7 +1152,7 @@ def find_update_ratio(flow: GradFlow, thresholds: GradThresholds | None = None
             severity=Severity.INFO,
             summary=f"possibly too small a step: the optimizer moves the median layer by "
             f"{median:.2g} of its norm (‖Δw‖/‖w‖; about 1e-3 is usual), with gradients the "
-            f"loop clipped {_times(flow.clip_factor)} (total norm {flow.total_norm:.3g} to "
+            f"loop clipped {fmt_times(flow.clip_factor)} (total norm {flow.total_norm:.3g} to "
             f"{flow.applied_norm:.3g})",
             evidence=evidence,
             fix="the clipping, not the learning rate, sets this step's size: where it acts "
@@ -1263,7 +1257,7 @@ def diagnose_history(
             found.append(Finding(
                 code="grads.exploding",
                 severity=Severity.WARNING,
-                summary=f"the total gradient norm grew {_times(v1 / v0)} from step {s0} to "
+                summary=f"the total gradient norm grew {fmt_times(v1 / v0)} from step {s0} to "
                 f"step {s1}",
                 evidence={"first_step": s0, "first_norm": v0, "last_step": s1,
                           "last_norm": v1, "ratio": v1 / v0},
@@ -1294,7 +1288,7 @@ def find_clipping(history: GradHistory, thresholds: GradThresholds | None = None
         code="grads.clipped",
         severity=Severity.INFO,
         summary=f"the loop clipped the gradients on {len(clipped)} of {len(history)} sampled "
-        f"steps, by {_times(factor)} (median: a total norm of {total:.3g} applied as "
+        f"steps, by {fmt_times(factor)} (median: a total norm of {total:.3g} applied as "
         f"{statistics.median(applied):.3g})",
         evidence={"clipped": len(clipped), "samples": len(history), "median_factor": factor,
                   "median_total_norm": total, "median_applied_norm": statistics.median(applied),

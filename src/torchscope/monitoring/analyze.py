@@ -17,6 +17,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from torchscope._util import fmt_times
 from torchscope.capture.analyze import ActivationThresholds, before_weighted
 from torchscope.findings import Finding, Severity, analyzer, rank
 from torchscope.grads import GradHistory
@@ -76,10 +77,6 @@ class RunThresholds:
     skipped_warn: float = 0.05
     expert_samples: int = 5
     saturated_growth: float = 0.25
-
-
-def _times(ratio: float) -> str:
-    return f"{ratio:.0f}×" if ratio >= 10 else f"{ratio:.1f}×"
 
 
 def _name(module: str | None) -> str:
@@ -150,9 +147,9 @@ def _grew_together(found: list[Finding]) -> list[Finding]:
     total = _total_clause(float(ev.get("total_change") or 1))
     one = Finding(
         "run.grad_grew", Severity.INFO,
-        f"{len(grew)} layers' gradients grew {_times(min(sizes))}–{_times(max(sizes))} between "
-        f"step {ev['first_step']} and step {ev['last_step']}, {_times(min(rel))}–"
-        f"{_times(max(rel))} more than the median layer's{total} "
+        f"{len(grew)} layers' gradients grew {fmt_times(min(sizes))}–{fmt_times(max(sizes))} "
+        f"between step {ev['first_step']} and step {ev['last_step']}, {fmt_times(min(rel))}–"
+        f"{fmt_times(max(rel))} more than the median layer's{total} "
         f"({', '.join(names[:_GREW_NAMED])} and {len(names) - _GREW_NAMED} more)",
         {"layers": len(grew), "modules": ", ".join(names), "ratio_min": min(sizes),
          "ratio_max": max(sizes), "first_step": ev["first_step"],
@@ -173,7 +170,7 @@ def _total_did_not_grow(total: tuple[int, float, int, float],
 
 def _total_clause(fall: float) -> str:
     """How the total gradient norm did not grow, from its fall (first / last, >= 1)."""
-    return f", while the total gradient norm fell {_times(fall)}" if fall >= 1.05 \
+    return f", while the total gradient norm fell {fmt_times(fall)}" if fall >= 1.05 \
         else ", while the total gradient norm did not grow"
 
 
@@ -221,15 +218,15 @@ def _gradient_trends(record: RunRecord, t: RunThresholds) -> list[Finding]:
         evidence: dict[str, float | int] = {
             "first_step": s0, "first_norm": v0, "last_step": s1, "last_norm": v1,
             "ratio": size, "relative_to_median": relative, "median_change": median}
-        summary = (f"{_name(k)}'s gradient {'fell' if fell else 'grew'} {_times(size)} "
-                   f"between step {s0} and step {s1}, {_times(relative)} more than the median "
+        summary = (f"{_name(k)}'s gradient {'fell' if fell else 'grew'} {fmt_times(size)} "
+                   f"between step {s0} and step {s1}, {fmt_times(relative)} more than the median "
                    "layer's")
         grown = _normalised_after(record, k, t, skip) if fell else None
         if grown is not None:
             # RWKV's embedding starts at std 1e-4 before a LayerNorm and grows 55x in 35
             # AdamW steps; the LayerNorm's own output leaves its eps regime, 28x.
             severity = Severity.INFO
-            summary += (f", while its {grown[0]} grew {_times(grown[1])}: what follows "
+            summary += (f", while its {grown[0]} grew {fmt_times(grown[1])}: what follows "
                         "normalises its output, so its gradient falls as "
                         + ("they grow" if grown[0] == "weights" else "it grows"))
             evidence[f"{grown[0]}_growth"] = grown[1]
@@ -263,7 +260,7 @@ def _gradient_trends(record: RunRecord, t: RunThresholds) -> list[Finding]:
     if median >= t.change_ratio:
         out.append(Finding(
             "run.grad_fell", Severity.INFO,
-            f"the median layer's gradient fell {_times(median)} between step {first} and "
+            f"the median layer's gradient fell {fmt_times(median)} between step {first} and "
             f"step {last}: the whole model's gradients shrank together, as they do while the "
             "loss falls",
             {"first_step": first, "last_step": last, "median_change": median,
@@ -272,7 +269,7 @@ def _gradient_trends(record: RunRecord, t: RunThresholds) -> list[Finding]:
     elif 1 / median >= t.change_ratio:
         evidence = {"first_step": first, "last_step": last, "median_change": median,
                     "layers": len(falls)}
-        summary = f"the median layer's gradient grew {_times(1 / median)} between step " \
+        summary = f"the median layer's gradient grew {fmt_times(1 / median)} between step " \
             f"{first} and step {last}"
         if total_grew:
             severity, fix = Severity.WARNING, (
@@ -333,12 +330,12 @@ def _activation_drift(record: RunRecord, t: RunThresholds) -> list[Finding]:
             further = ratio / median if median >= 1 else median / ratio
             if further < t.relative_ratio:
                 continue
-            suffix = f", {_times(further)} more than the median layer's"
+            suffix = f", {fmt_times(further)} more than the median layer's"
         named[k] = ratio
         out.append(Finding(
             "run.activation_drift",
             Severity.WARNING if size >= t.drift_warn else Severity.INFO,
-            f"{_name(k)}'s output std {'grew' if ratio >= 1 else 'shrank'} {_times(size)} "
+            f"{_name(k)}'s output std {'grew' if ratio >= 1 else 'shrank'} {fmt_times(size)} "
             f"between step {s0} and step {s1}{suffix}",
             {"first_step": s0, "first_std": v0, "last_step": s1, "last_std": v1,
              "ratio": ratio, "median_change": median},
@@ -353,7 +350,7 @@ def _activation_drift(record: RunRecord, t: RunThresholds) -> list[Finding]:
             "run.activation_drift",
             Severity.WARNING if size >= t.drift_warn else Severity.INFO,
             f"the median layer's output std {'grew' if median >= 1 else 'shrank'} "
-            f"{_times(size)} between step {first} and step {last}: the whole model's "
+            f"{fmt_times(size)} between step {first} and step {last}: the whole model's "
             f"activations drifted together ({len(ratios)} layers)",
             {"first_step": first, "last_step": last, "median_change": median,
              "layers": len(ratios)},
