@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -314,3 +315,45 @@ def test_an_rnn_exploding_through_time_is_told_of_its_recurrent_weight(scale: fl
     assert radius > 1 and gain == pytest.approx(radius, rel=0.2)
     assert f"rnn.weight_hh_l0 with nn.init.orthogonal_: its RMS × √hidden is {gain:.2f}" in f.fix
     assert "lower the init scale" not in f.fix
+
+
+def test_zero_parameter_gradients_under_an_arriving_gradient_are_one_finding() -> None:
+    # Eight bias-free layers that each scale the signal by about 1e-7: every product of a
+    # layer's arriving gradient and its input is about 1e-49, under float32's smallest
+    # subnormal, so torch rounds each weight gradient to exactly 0. A gradient still
+    # reaches all but the first layer, though from layer 3 down its float32 norm reads 0.
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(16, 16, bias=False) for _ in range(8)])
+    with torch.no_grad():
+        for layer in model:
+            layer.weight.normal_(0.0, 1e-7 / 4)  # std · sqrt(fan_in) = 1e-7
+    x = torch.randn(4, 16)
+    arriving: dict[int, torch.Tensor] = {}
+    ref = copy.deepcopy(model)
+    for i, layer in enumerate(ref):
+        layer.register_full_backward_hook(
+            lambda m, gi, go, i=i: arriving.__setitem__(i, go[0].detach()))
+    ref(x.clone().requires_grad_()).sum().backward()
+    assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in ref.parameters())
+    assert [i for i in range(8) if bool(arriving[i].abs().max() > 0)] == list(range(1, 8))
+    norms = [float(torch.linalg.vector_norm(arriving[i])) for i in range(8)]
+    assert norms[3] == 0.0 < norms[4]  # a gradient torch's own norm reads as zero
+    flow = gradient_flow(model, x, loss_fn="sum")
+    (group,) = find_dead(flow)  # no layer "passes an all-zero gradient down"
+    assert group.evidence["kind"] == "vanished" and group.code == "grads.dead"
+    assert group.evidence["modules"] == 8 and group.evidence["zero_params"] == 8
+    assert (group.evidence["first"], group.evidence["last"]) == ("7", "0")
+    assert group.module == "0" and "below what float32 holds" in group.summary
+    assert "activations.scale_drift" in group.fix
+    assert group.evidence["smallest_arriving"] == pytest.approx(norms[4], rel=1e-4)
+
+    # A normal gradient reaching a layer whose input is all zeros: its input is the cause.
+    zero_in = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8, bias=False),
+                            nn.Linear(8, 2))
+    with torch.no_grad():
+        zero_in[0].bias.fill_(-100.0)  # every ReLU unit off: layer 2 takes zeros
+    flow = gradient_flow(zero_in, torch.randn(5, 4), loss_fn="sum")
+    (one,) = [f for f in find_dead(flow) if f.evidence["kind"] == "zero_input"]
+    assert one.module == "2" and one.evidence["modules"] == 1
+    assert one.summary.startswith("2 (gradient norm ") and "inputs are all zero" in one.fix
+    assert flow.param("2.weight").norm == 0.0 and (flow.get("2").output_norm or 0) > 0

@@ -732,6 +732,19 @@ def find_dead(flow: GradFlow, thresholds: GradThresholds | None = None) -> list[
         blockers = {m: v for m, v in blockers.items() if m not in zeroed and m not in starved}
         modules = [m for m in modules if m not in starved]
     half = _float16(flow)
+    # Where the gradient reaching a module is this small, a zero it passes down is float32
+    # running out of range (a norm reads 0 once every element is under about 1e-19), and
+    # so is the zero the modules under it get: one finding with those whose parameter
+    # gradients round to zero below (`_zero_despite_gradient`).
+    arriving = _arriving(flow)
+    faded = [m for m in blockers
+             if m not in half and arriving.get(m, math.inf) < _VANISHED_NORM]
+    if faded:
+        order = {m: i for i, m in enumerate(flow.layers())}
+        top = min(order.get(m, len(order)) for m in faded)
+        faded += [m for m in modules if m not in alive_out and m not in half
+                  and order.get(m, -1) > top]
+        blockers = {m: v for m, v in blockers.items() if m not in faded}
     for m, type_name in blockers.items():
         found.append(Finding(
             code="grads.dead",
@@ -765,6 +778,21 @@ def find_dead(flow: GradFlow, thresholds: GradThresholds | None = None) -> list[
                 f"see {cause or '<root>'}'s finding: what passes no gradient down stops every "
                 "layer below it from learning.",
                 module=below[0]))
+    # A gradient reaches these, yet every parameter gradient is exactly zero: what they
+    # multiply it by is zero, or the products round to zero. One finding for them all.
+    reached = [m for m in modules if m in alive_out and m not in half]
+    if any(arriving.get(m, math.inf) < _VANISHED_NORM for m in reached + faded):
+        # Once the gradient has faded, a module reading an all-zero gradient with no
+        # blocker above it has faded with it (EfficientNet's squeeze-excitation gates,
+        # whose gradient is the one arriving times activations at 1e-34).
+        order = {m: i for i, m in enumerate(flow.layers())}
+        top = min((order.get(b, len(order)) for b in blockers), default=len(order))
+        faded += [m for m in modules if m not in alive_out and m not in half
+                  and m not in faded and order.get(m, len(order)) < top]
+    if reached or faded:
+        modules = [m for m in modules if m not in reached and m not in faded]
+        found.append(_zero_despite_gradient(flow, list(dict.fromkeys(reached + faded)),
+                                            dead_params, arriving))
     for m in modules:
         names = dead_params.get(m, []) if m not in alive_params else []
         what = "an all-zero gradient" if m in dead_out and m not in alive_out else \
@@ -783,6 +811,73 @@ def find_dead(flow: GradFlow, thresholds: GradThresholds | None = None) -> list[
             module=m,
         ))
     return found
+
+
+# A gradient this small reaching a layer leaves products with its input that float32 (whose
+# smallest subnormal is 1.4e-45) rounds to zero: the gradient has vanished, not stopped.
+_VANISHED_NORM = 1e-20
+
+
+def _arriving(flow: GradFlow) -> dict[str, float]:
+    """The smallest non-zero norm of the gradient reaching each module's output."""
+    out: dict[str, float] = {}
+    for r in flow.modules:
+        n = r.output_norm
+        if n is not None and n > 0 and math.isfinite(n):
+            out[r.module] = min(n, out.get(r.module, math.inf))
+    return out
+
+
+def _zero_despite_gradient(flow: GradFlow, modules: list[str],
+                           dead_params: dict[str, list[str]],
+                           arriving: dict[str, float]) -> Finding:
+    """One finding for the modules whose parameter gradients are all exactly zero though a
+    non-zero gradient reaches their outputs, and, where that gradient has faded under
+    `_VANISHED_NORM`, for the modules that pass or get a gradient whose float32 norm reads
+    0 from there down. A weight's gradient is the gradient reaching the module times its
+    input: with a normal gradient arriving, the input is zero; with a vanishing one, the
+    products round to zero (transformers' EfficientNet with its BatchNorm gains at 0.02:
+    45 layers, the gradient at the stem 3e-35)."""
+    order = {m: i for i, m in enumerate(flow.layers())}
+    modules = sorted(modules, key=lambda m: order.get(m, len(order)))  # from the loss down
+    norms = {m: arriving[m] for m in modules if m in arriving}
+    near, far = modules[0], modules[-1]
+    vanished = min(norms.values(), default=math.inf) < _VANISHED_NORM
+
+    def at(m: str) -> str:
+        return f"{m or '<root>'} (gradient norm {norms[m]:.1e})" if m in norms else \
+            f"{m or '<root>'}"
+
+    if vanished:
+        lowest = min(norms, key=norms.__getitem__)
+        summary = (f"{len(modules)} module(s) get no usable gradient, from {at(near)} to "
+                   f"{far or '<root>'}: the gradient reaching them falls to {at(lowest)}, "
+                   "below what float32 holds in their parameter gradients")
+        fix = ("the gradient and the activations it multiplies have shrunk through depth "
+               "until float32 rounds their products to 0 (under 1.4e-45), and a gradient "
+               "norm to 0 (every element under about 1e-19): find where the activation "
+               "scale collapses (activations.scale_drift; norm gains near zero or an init "
+               "far too small) and fix that, and the gradients come back with it.")
+    else:
+        summary = (f"{at(near)} gets all-zero parameter gradients though a gradient reaches "
+                   "it" if len(modules) == 1 else
+                   f"{len(modules)} modules get all-zero parameter gradients though a "
+                   f"gradient reaches each, from {at(near)} to {at(far)}")
+        fix = ("their inputs are all zero: the layer feeding them outputs zeros (dead ReLUs, "
+               "a zero mask, a zero-initialised or constant layer); see its activation "
+               "findings.")
+    return Finding(
+        code="grads.dead",
+        severity=Severity.WARNING,
+        summary=summary,
+        evidence={"kind": "vanished" if vanished else "zero_input", "modules": len(modules),
+                  "first": near, "last": far,
+                  "zero_params": sum(len(dead_params.get(m, [])) for m in modules),
+                  "smallest_arriving": min(norms.values(), default=None),
+                  "step": flow.index},
+        fix=fix,
+        module=far,
+    )
 
 
 _DROPS_ALL = ("a dropout passes an all-zero gradient down only where it dropped every "
