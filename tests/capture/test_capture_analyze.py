@@ -342,3 +342,46 @@ def test_scale_drift_names_the_norm_gains_that_set_it() -> None:
     assert init.evidence["ratio"] < 1e-2 and init.evidence["norms"] == 3
     assert init.evidence["norms_small"] == 0 and init.evidence["norm_onset"] is None
     assert "check weight init" in init.fix
+
+
+class _Gates(nn.Module):
+    """Two squeeze-excitation-like gates, each a sigmoid over a linear layer's output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.ModuleList([nn.Linear(4, 4) for _ in range(2)])
+        self.gate = nn.ModuleList([nn.Sigmoid() for _ in range(2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for fc, gate in zip(self.fc, self.gate, strict=True):
+            x = x * gate(fc(x))  # (N, 4)
+        return x
+
+
+def test_constants_of_one_kind_and_value_are_one_finding() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(8, 4)
+    model = _Gates()
+    with torch.no_grad():
+        for fc in model.fc:
+            fc.weight.mul_(1e-30)  # gate inputs of ~1e-30: sigmoid rounds them to 0.5
+            fc.bias.zero_()
+    (const,) = [f for f in capture_activations(model, x).findings()
+                if f.code == "activations.constant"]
+    with torch.no_grad():
+        assert torch.equal(model.gate[0](model.fc[0](x)), torch.full((8, 4), 0.5))
+    assert const.evidence["count"] == 2 and const.evidence["value"] == 0.5
+    assert const.evidence["modules"] == "gate.0, gate.1" and const.module == "gate.0"
+    assert const.summary.startswith("2 Sigmoid modules (gate.0, gate.1) output the same "
+                                    "value 0.5 everywhere, their value at 0")
+    assert "vanishingly small" in const.fix
+    # One gate pinned elsewhere (a huge bias: sigmoid(1e3) = 1) is told on its own, without
+    # the value-at-0 reading; the other keeps it.
+    with torch.no_grad():
+        model.fc[1].bias.fill_(1e3)
+    found = {f.module: f for f in capture_activations(model, x).findings()
+             if f.code == "activations.constant"}
+    assert set(found) == {"gate.0", "gate.1", "fc.1"}  # fc.1 outputs its bias, 1e3
+    assert found["gate.0"].summary.endswith("its value at 0")
+    assert found["gate.1"].evidence["value"] == 1.0 and "at_zero_input" not in \
+        found["gate.1"].evidence

@@ -57,9 +57,20 @@ def test_precision_and_recall_over_the_zoo(zoo_diagnoses) -> None:
 
 
 def test_efficientnet_drift_is_put_down_to_its_norm_gains(zoo_diagnoses) -> None:
-    """The drift's fix names the cause: the BatchNorm gains, first the stem's."""
+    """The drift's fix names the cause: the BatchNorm gains, first the stem's; the
+    gradients that vanish with it are one finding."""
     (d,) = [d for d in zoo_diagnoses if d.entry.name == "hf-efficientnet-bn-init"]
     (drift,) = [f for f in d.findings if f.code == "activations.scale_drift"]
     assert drift.evidence["norm_onset"] == "efficientnet.embeddings.batchnorm"
     assert drift.evidence["norms_small"] == drift.evidence["norms"] > 10
     assert "nn.init.ones_(norm.weight)" in drift.fix
+    # Gradients that underflow float32 are one finding that points at the drift, not one
+    # "look for dead ReLUs" warning per layer (49 before).
+    (dead,) = [f for f in d.findings if f.code == "grads.dead"]
+    assert dead.evidence["kind"] == "vanished" and dead.evidence["modules"] > 40
+    assert dead.module == "efficientnet.embeddings.convolution"
+    assert "activations.scale_drift" in dead.fix
+    # So are the seven squeeze-excitation gates stuck at sigmoid(0).
+    (gates,) = [f for f in d.findings if f.code == "activations.constant"]
+    assert gates.evidence["count"] == 7 and gates.evidence["value"] == 0.5
+    assert gates.evidence["at_zero_input"] is True

@@ -300,6 +300,7 @@ def _per_module(judged: Sequence[ActivationRecord], th: ActivationThresholds,
     seen: set[str] = set()
     large: list[tuple[str, ActivationRecord, float, float]] = []  # (name, record, peak, std)
     zeroed: list[tuple[str, ActivationRecord, float]] = []  # (name, record, value)
+    constants: list[tuple[ActivationRecord, Finding]] = []
     for r in judged:
         if r.module in seen:  # judge each module on its first call only
             continue
@@ -339,7 +340,7 @@ def _per_module(judged: Sequence[ActivationRecord], th: ActivationThresholds,
             if constant and r.module in zero_init:
                 zeroed.append((name, r, s.min))
             elif constant:
-                out.append(_constant(name, r, s))
+                constants.append((r, _constant(name, r, s)))
             if not s.finite:
                 continue
             peak = max(abs(s.min), abs(s.max))
@@ -355,6 +356,7 @@ def _per_module(judged: Sequence[ActivationRecord], th: ActivationThresholds,
                 large.append((name, r, peak, s.std))
     if zeroed:
         out.append(_zero_init_constants(zeroed))
+    out += _same_constants(constants)
     if large:
         # One finding where the values first get large (forward order); the modules after it
         # that carry them on are counted, not repeated.
@@ -406,12 +408,63 @@ def _constant(name: str, r: ActivationRecord, s: TensorStats) -> Finding:
                 "length 1 (an input smaller than the model expects, one patch left) trains "
                 "no query or key.",
             module=r.module)
+    at_zero = _AT_ZERO.get(r.module_type)
+    if at_zero is not None and abs(s.min - at_zero) <= 1e-6:
+        # What the activation gives for an input of 0: its input is 0, or has collapsed.
+        evidence["at_zero_input"] = True
+        return Finding(
+            "activations.constant", Severity.WARNING,
+            f"{name} ({r.module_type}) outputs the same value {s.min:.4g} everywhere, its "
+            "value at 0", evidence,
+            fix="its input is zero everywhere, or vanishingly small: the activations "
+                "before it have collapsed (see activations.scale_drift) or a layer feeding "
+                "it outputs zeros",
+            module=r.module)
     return Finding(
         "activations.constant", Severity.WARNING,
         f"{name} ({r.module_type}) outputs the same value {s.min:.4g} everywhere", evidence,
         fix="a constant output carries no information: check its input and weights "
             "(zero init? saturated?)",
         module=r.module)
+
+
+# What an elementwise activation gives for an input of 0.
+_AT_ZERO: dict[str, float] = {
+    "Sigmoid": 0.5, "Hardsigmoid": 0.5, "Tanh": 0.0, "Softsign": 0.0, "SiLU": 0.0,
+    "GELU": 0.0, "Mish": 0.0, "Hardswish": 0.0, "ELU": 0.0, "SELU": 0.0, "CELU": 0.0,
+    "LeakyReLU": 0.0, "Hardtanh": 0.0,
+}
+
+
+def _same_constants(constants: Sequence[tuple[ActivationRecord, Finding]]) -> list[Finding]:
+    """The `activations.constant` warnings, with two or more of one module type and one
+    value made one finding: EfficientNet's seven squeeze-excitation gates at sigmoid(0)
+    are one cause, not seven."""
+    groups: dict[tuple[str, float | None, str], list[tuple[ActivationRecord, Finding]]] = {}
+    out: list[Finding] = []
+    for r, f in constants:
+        value = f.evidence.get("value")
+        if f.severity < Severity.WARNING or not isinstance(value, float) or \
+                "softmax_over" in f.evidence:
+            out.append(f)
+            continue
+        groups.setdefault((r.module_type, value, f.fix), []).append((r, f))
+    for (module_type, value, fix), members in groups.items():
+        if len(members) == 1:
+            out.append(members[0][1])
+            continue
+        names = [r.module or "<root>" for r, _ in members]
+        first = members[0][1]
+        out.append(Finding(
+            "activations.constant", Severity.WARNING,
+            f"{len(members)} {module_type} modules ({', '.join(names[:2])}"
+            + (f" and {len(names) - 2} more" if len(names) > 2 else "")
+            + f") output the same value {value:.4g} everywhere"
+            + (", their value at 0" if first.evidence.get("at_zero_input") else ""),
+            {**first.evidence, "modules": ", ".join(names), "count": len(members)},
+            fix=fix,
+            module=members[0][0].module))
+    return out
 
 
 def _zero_init_constants(zeroed: Sequence[tuple[str, ActivationRecord, float]]) -> Finding:
