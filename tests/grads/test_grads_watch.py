@@ -999,6 +999,37 @@ def test_parameters_another_optimizer_steps_are_not_named() -> None:
     assert not [f for f in watch.findings() if f.code == "grads.not_optimized"]
 
 
+def test_parameters_the_loop_updates_by_hand_are_not_named() -> None:
+    # The head is trained by the loop's own SGD step under no_grad, beside Adam for the
+    # body: torch's version counter sees the in-place update between two Adam steps. A
+    # write through `p.data` escapes that counter and still reads as untrained.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.Adam(model[0].parameters(), lr=1e-2)
+    x, y = torch.randn(64, 16), torch.randint(0, 4, (64,))
+
+    def train(by_data: bool) -> tuple[str, ...]:
+        head = model[2].weight.detach().clone()
+        with watch_gradients(model, optimizer=opt) as watch:
+            for _ in range(3):
+                opt.zero_grad()
+                model[2].zero_grad()
+                nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+                for p in model[2].parameters():
+                    assert p.grad is not None
+                    if by_data:
+                        p.data.sub_(0.1 * p.grad)
+                    else:
+                        with torch.no_grad():
+                            p.sub_(0.1 * p.grad)  # the loop's own SGD step
+        assert not torch.equal(model[2].weight, head)  # the head did train
+        return watch.unoptimized
+
+    assert train(by_data=False) == ()
+    assert train(by_data=True) == ("2.weight", "2.bias")  # the limit, stated
+
+
 def test_an_optimizer_that_steps_the_whole_model_adds_no_global_hook() -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -307,6 +307,7 @@ class GradWatch(HookedContext, Analyzed):
             if self._others else {}  # kept after close
         self._with_grad: set[int] = set()
         self._stepped_elsewhere: set[int] = set()
+        self._other_versions: dict[int, int] = {}  # id -> `_version` at the last step
         spread = max(1, len(self._stepped_params) // _EVIDENCE)
         self._evidence_params = self._stepped_params[::spread][:_EVIDENCE]
         # Per evidence parameter, its `.grad` at the end of the last backward: (ref, version).
@@ -462,6 +463,12 @@ class GradWatch(HookedContext, Analyzed):
         for p in self._others:  # metadata only; none where the optimizer steps them all
             if p.grad is not None:
                 self._with_grad.add(id(p))
+            # Changed in place since the last step (the loop's own `p -= lr * p.grad` under
+            # no_grad, or an update torch's optimizer hooks do not see): it is trained.
+            # Only `p.data` writes escape the version counter.
+            version = p._version
+            if self._other_versions.setdefault(id(p), version) != version:
+                self._stepped_elsewhere.add(id(p))
         if self._updates:
             # Before the update (a closure only recomputes the gradients, never w): keep w of
             # a sampled step to measure the update it applies. Manual steps end before
@@ -609,7 +616,9 @@ class GradWatch(HookedContext, Analyzed):
     def unoptimized(self) -> tuple[str, ...]:
         """Trainable parameters that had a gradient at a step of the watched optimizer but
         that neither it nor any other optimizer that stepped while the watch was open
-        holds: they never train (`grads.not_optimized`)."""
+        holds, and that nothing changed in place between two of its steps: they never
+        train (`grads.not_optimized`). A loop that updates one by hand through `p.data`,
+        which torch's version counter does not see, reads as not training it."""
         return tuple(name for key, name in self._other_names.items()
                      if key in self._with_grad and key not in self._stepped_elsewhere)
 
