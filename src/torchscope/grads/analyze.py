@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -30,6 +30,7 @@ from torchscope.grads.records import (
     GradFlow,
     GradHistory,
     LayerGrads,
+    ParamGradRecord,
     combine_norms,
     ratio,
     rms,
@@ -59,6 +60,8 @@ __all__ = [
     "find_update_ratio",
     "find_vanishing",
     "layer_norms",
+    "layer_scaled",
+    "unit_name",
 ]
 
 Metric = Literal["grad_output", "params"]
@@ -261,7 +264,7 @@ class DepthProfile:
                      10.0 ** (slope * span), r2)
 
 
-def _unit_name(module: str) -> str:
+def unit_name(module: str) -> str:
     """The repeated block a module belongs to: its name up to the last numeric component
     (`model.layers.3.mlp.up_proj` -> `model.layers.3`); the module itself without one."""
     parts = module.split(".")
@@ -274,13 +277,21 @@ def _unit_name(module: str) -> str:
 _LAYER_SCALE_RMS = 0.1
 
 
-def _layer_scaled(flow: GradFlow) -> dict[str, str]:
+def layer_scaled(flow: GradFlow,
+                 scale_of: Callable[[ParamGradRecord], float | None] | None = None,
+                 ) -> dict[str, str]:
     """Repeated blocks whose branches sit behind a small layer scale, each with the scale's
     name: a trainable one-dimensional parameter of RMS at most `_LAYER_SCALE_RMS`, neither a
     bias nor a norm layer's gain, in the block (ConvNeXt's `layer_scale_parameter` starts
     at 1e-6, DINOv2's `lambda1` and CaiT's at 1e-5). Until it grows, the block's matrices
     get gradient scaled by it, while the stem and the head on the residual stream do not:
-    a step in the profile that is no decay across depth."""
+    a step in the profile that is no decay across depth.
+
+    Args:
+        flow: the step whose parameters are read.
+        scale_of: a parameter's RMS at another time than `flow`'s (a run's first sample,
+            before the scale grew); its RMS in `flow` by default.
+    """
     types = {r.module: r.module_type for r in flow.modules}
     out: dict[str, str] = {}
     for p in flow.params:
@@ -288,8 +299,8 @@ def _layer_scaled(flow: GradFlow) -> dict[str, str]:
         if not p.requires_grad or p.tied_to is not None or len(p.shape) != 1 \
                 or p.name.endswith("bias") or t is None or is_norm_type(t):
             continue
-        scale = rms(p.weight_norm, p.numel)
-        unit = _unit_name(p.module)
+        scale = rms(p.weight_norm, p.numel) if scale_of is None else scale_of(p)
+        unit = unit_name(p.module)
         if scale is not None and scale <= _LAYER_SCALE_RMS and _in_block(unit):
             out.setdefault(unit, p.name)
     return out
@@ -311,7 +322,7 @@ def depth_profile(flow: GradFlow) -> DepthProfile:
     layers = sorted((lg for lg in flow.layer_grads() if lg.order is not None),
                     key=lambda lg: lg.order or 0)
     dims = {p.name: len(p.shape) for p in flow.params}
-    scaled = _layer_scaled(flow)
+    scaled = layer_scaled(flow)
     for lg in layers:
         if not any(dims[p] >= 2 for p in lg.params):  # no weight matrix (norms, biases only)
             continue
@@ -321,7 +332,7 @@ def depth_profile(flow: GradFlow) -> DepthProfile:
         if lg.tied:
             excluded.append((lg.module, "tied weight"))
             continue
-        unit = _unit_name(lg.module)
+        unit = unit_name(lg.module)
         if unit in scaled:
             excluded.append((lg.module, f"behind a layer scale ({scaled[unit]})"))
             continue
@@ -1055,7 +1066,7 @@ def find_unreached(flow: GradFlow, thresholds: GradThresholds | None = None) -> 
             module=where))
     # A repeated block none of whose parameters ran (LayerDrop skipped the layer): one
     # finding for the block, not one per module in it.
-    for unit in dict.fromkeys(_unit_name(m) for m in missing):
+    for unit in dict.fromkeys(unit_name(m) for m in missing):
         inside = [p for p in flow.params if p.requires_grad and p.tied_to is None
                   and (p.module == unit or p.module.startswith(unit + "."))]
         held = [m for m in missing if m == unit or m.startswith(unit + ".")]
@@ -1116,7 +1127,7 @@ def _unused_in_every_block(flow: GradFlow, missing: dict[str, list[str]]) -> lis
     its parameters without gradient)."""
 
     def split(module: str) -> tuple[str, str, str] | None:
-        unit = _unit_name(module)  # model.layers.3
+        unit = unit_name(module)  # model.layers.3
         family, _, index = unit.rpartition(".")
         return (family, index, module[len(unit) + 1:]) if index.isdigit() else None
 

@@ -29,7 +29,10 @@ from torchscope.grads.analyze import (
     find_no_update,
     find_not_optimized,
     find_not_zeroed,
+    layer_scaled,
+    unit_name,
 )
+from torchscope.grads.records import ParamGradRecord, rms
 from torchscope.hooks.compiled import ran_eagerly
 from torchscope.monitoring.records import LayerSeries, RunRecord
 
@@ -198,7 +201,12 @@ def _gradient_trends(record: RunRecord, t: RunThresholds) -> list[Finding]:
     if not found:
         return []
     falls = {k: c[1] / c[3] for k, c in found.items()}  # > 1: fell
-    median = statistics.median(falls.values())
+    # The reference is the median layer outside blocks behind a layer scale: theirs follow
+    # the scale as it grows from 1e-6 (ConvNeXt), not the loss, and as most of the model
+    # they would make the stem's ordinary fall read 13x the median's.
+    scaled = _scaled_at_start(record)
+    free = [v for k, v in falls.items() if unit_name(k) not in scaled]
+    median = statistics.median(free if len(free) >= _MIN_REFERENCE else falls.values())
     # The total norm over the same windows: one layer's gradient that grows while the
     # total does not is one layer gathering direction as the model fits (a final norm's
     # gain on a transformers Llama: 11x in 40 AdamW steps while the loss fell smoothly and
@@ -542,6 +550,31 @@ def section_of(finding: Finding) -> str:
     if code.startswith("memory."):
         return "mem_history"
     return "run"
+
+
+# Layers outside layer-scaled blocks needed to take the median over them alone.
+_MIN_REFERENCE = 3
+
+
+def _scaled_at_start(record: RunRecord) -> frozenset[str]:
+    """The blocks whose branches sat behind a small layer scale at the run's first sample
+    (`layer_scaled`, with each module's own weights as read then: by the last sample,
+    ConvNeXt's scale of 1e-6 may have grown past the bound)."""
+    flow, w = record.last, record.weight
+    if flow is None or not w.steps:
+        return frozenset()
+    numel: dict[str, int] = {}
+    for p in flow.params:
+        if p.requires_grad and p.tied_to is None:
+            numel[p.module] = numel.get(p.module, 0) + p.numel
+    first = dict(zip(w.layers, w.values[0], strict=True))
+
+    def scale_of(p: ParamGradRecord) -> float | None:
+        norm = first.get(p.module)
+        return rms(norm, numel.get(p.module, 0)) if norm is not None and \
+            math.isfinite(norm) else None
+
+    return frozenset(layer_scaled(flow, scale_of))
 
 
 def _zero_weight_steps(record: RunRecord, layer: str) -> frozenset[int]:
