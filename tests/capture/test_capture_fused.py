@@ -242,7 +242,9 @@ def test_hooks_never_read_on_the_host(fused_dtypes: tuple[torch.dtype, ...], pat
     assert "aten::_local_scalar_dense" in [e.name for e in prof.events()]
     assert records and all(r.output is None or r.output.fused == (path == "fused")
                            for r in records)
-    assert any(r.model_input is not None for r in records)  # read during the step too
+    inputs = [r.model_input for r in records if r.model_input is not None]
+    assert inputs  # read during the step too, with their features' scale
+    assert all(s.feature_rms_max is not None and s.feature_dim is not None for s in inputs)
     if build is _bounded:
         assert all(r.output is not None and r.output.saturated_frac is not None
                    for r in records if r.module in ("rnn", "mlp.1", "mlp.3"))

@@ -79,3 +79,49 @@ def test_a_vit_fed_pixels_its_image_processor_never_normalised() -> None:
         s = next(r.model_input for r in res.records if r.module == conv)
         assert s is not None and s.max == float(pixels.max())
     assert found == {"raw": [conv], "processed": []}
+
+
+def _table(age_column: bool) -> torch.Tensor:
+    """A (256, 64) table of standardised features; with `age_column`, column 7 holds ages
+    in years as they came (18 to 80), the one feature left out of the scaling."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 64, generator=g)  # (256, 64)
+    if age_column:
+        x[:, 7] = torch.randint(18, 81, (256,), generator=g).float()
+    return x
+
+
+def test_one_column_left_unscaled_is_found_by_its_own_scale(reduction_path: str) -> None:
+    # Over the whole table the RMS is about 6.5, under the bound of 10: only the column's
+    # own scale (about 52) tells.
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 1))
+    x = _table(age_column=True)
+    res = capture_activations(model, x)
+    s = next(r.model_input for r in res.records if r.module == "0")
+    per_column = x.double().square().mean(dim=0).sqrt()  # (64,): torch's RMS per column
+    assert float(x.double().square().mean().sqrt()) < 10  # the overall scale passes
+    assert s is not None and (s.feature_dim, s.feature_max_index) == (-1, 7)
+    assert s.feature_rms_max == pytest.approx(float(per_column.max()), rel=1e-6)
+    assert s.feature_rms_median == pytest.approx(
+        float(per_column.median()), rel=1e-6)  # torch's median: the lower one
+    (f,) = [f for f in res.findings() if f.code == "activations.input_scale"]
+    assert f.module == "0" and f.evidence["feature"] == 7
+    assert "column 7 (of 64) has RMS" in f.summary and "(x - mean) / std" in f.fix
+    # Scaled like the others: silent.
+    clean = capture_activations(model, _table(age_column=False))
+    assert not [f for f in clean.findings() if f.code == "activations.input_scale"]
+
+
+def test_a_convolution_reads_its_input_s_scale_per_channel() -> None:
+    # An image batch normalised per channel, but for a depth channel in millimetres.
+    model = nn.Sequential(nn.Conv2d(4, 8, 3), nn.ReLU())
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 4, 16, 16, generator=g)  # (N, C, H, W)
+    x[:, 3] = x[:, 3].abs() * 30
+    res = capture_activations(model, x)
+    s = next(r.model_input for r in res.records if r.module == "0")
+    per_channel = x.double().square().mean(dim=(0, 2, 3)).sqrt()  # (4,)
+    assert s is not None and (s.feature_dim, s.feature_max_index) == (1, 3)
+    assert s.feature_rms_max == pytest.approx(float(per_channel.max()), rel=1e-6)
+    (f,) = [f for f in res.findings() if f.code == "activations.input_scale"]
+    assert "channel 3 (of 4)" in f.summary

@@ -18,7 +18,7 @@ from torchscope.capture.records import (
     ReductionPaths,
     TensorStats,
 )
-from torchscope.capture.stats import finiteness, saturation, tensor_stats
+from torchscope.capture.stats import feature_scale, finiteness, saturation, tensor_stats
 from torchscope.capture.units import Candidate, unit_candidates, unit_dim
 from torchscope.distributed.ranked import Ranked
 from torchscope.errors import BudgetError, TorchscopeError
@@ -80,15 +80,26 @@ def _own_units(m: nn.Module) -> tuple[Candidate, ...]:
 # Modules whose weights set the scale of what follows; scale drift is read between these.
 _WEIGHTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding)
 # Those whose default init expects float inputs of about unit scale: a model input they take
-# as it is gets its statistics read (`ActivationRecord.model_input`).
+# as it is gets its statistics read (`ActivationRecord.model_input`), and its features' scale
+# along the dim each one reads them from (`_feature_dim`).
 _TAKES_DATA = (nn.Linear, nn.Bilinear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
-_Leaf = tuple[str, tuple[int, ...], torch.dtype, torch.device, int, int, int, int, int, bool]
+def _feature_dim(m: nn.Module) -> int | None:
+    """Where a layer that takes data holds its input's features: the last dim for a linear
+    layer, dim 1 (channels) for a convolution; None for other modules."""
+    if isinstance(m, nn.Linear | nn.Bilinear):
+        return -1
+    return 1 if isinstance(m, _TAKES_DATA) else None
+
+
+_Leaf = tuple[str, tuple[int, ...], torch.dtype, torch.device, int, int, int, int, int, bool,
+              int, int]
 """One tensor of a recorded call, until the host values arrive: (path, shape, dtype, device,
 numel, row in the stats matrix, index of its dead-unit count or -1, the dimension of its
-units, index of its saturation counts or -1, reduced by the fused kernel); dtype and device
-are made strings when the records are built, not in the hook."""
+units, index of its saturation counts or -1, reduced by the fused kernel, index of its
+feature scale or -1 (a model input's), the dim of those features); dtype and device are
+made strings when the records are built, not in the hook."""
 
 
 class _Pending(NamedTuple):
@@ -110,7 +121,7 @@ class _Pending(NamedTuple):
 _Rows = tuple[list[int], torch.Tensor]
 """Values of one forward that live on one device: their indices, and the values stacked (stats
 vectors into a (rows, N_MOMENTS) matrix, dead-unit counts into a vector, saturation counts
-into a (rows, 2) matrix) on that device
+into a (rows, 2) matrix, feature scales into a (rows, 3) one) on that device
 until `records` is read."""
 
 
@@ -214,14 +225,16 @@ class ActivationCapture(HookedContext, Analyzed):
         self._warned_budget = False
         self._step = -1
         # Per forward: pending calls, the device stats vectors, dead-unit counts, input
-        # finiteness values and saturation counts they wrote, flushed together.
+        # finiteness values, saturation counts and model-input feature scales they wrote,
+        # flushed together.
         self._pending: list[tuple[int, list[_Pending], list[_Rows], list[_Rows],
-                                  list[_Rows], list[_Rows]]] = []
+                                  list[_Rows], list[_Rows], list[_Rows]]] = []
         self._cur: list[_Pending] = []
         self._vecs: list[torch.Tensor] = []
         self._dead: list[torch.Tensor] = []
         self._fin: list[torch.Tensor] = []
         self._sat: list[torch.Tensor] = []
+        self._feat: list[torch.Tensor] = []
         self._fused = 0
         self._eager = 0
         self._eager_why: dict[tuple[torch.dtype, torch.device], str] = {}
@@ -248,7 +261,7 @@ class ActivationCapture(HookedContext, Analyzed):
                                 isinstance(module, _NONNEGATIVE), bounds,
                                 _own_units(module) + unit_candidates(model, name, children)
                                 if relu_family or bounds is not None else (),
-                                isinstance(module, _TAKES_DATA)),
+                                _feature_dim(module)),
             )
 
     def close(self, *, failed: bool = False) -> None:
@@ -321,11 +334,11 @@ class ActivationCapture(HookedContext, Analyzed):
         if self._vecs or self._cur or self._fin:
             self._pending.append((self._step, self._cur, _stack_by_device(self._vecs),
                                   _stack_by_device(self._dead), _stack_by_device(self._fin),
-                                  _stack_by_device(self._sat)))
+                                  _stack_by_device(self._sat), _stack_by_device(self._feat)))
             self._pending_calls += len(self._cur)
             self._bound()
         self._cur, self._vecs, self._dead, self._fin, self._seen = [], [], [], [], {}
-        self._sat, self._inputs = [], {}
+        self._sat, self._feat, self._inputs = [], [], {}
 
     def _bound(self) -> None:
         """Drop forwards older than `keep_last` (pending ones without reading them), or warn
@@ -359,10 +372,10 @@ class ActivationCapture(HookedContext, Analyzed):
         self._seen[id(t)] = (weakref.ref(t), len(self._vecs) - 1)
         return len(self._vecs) - 1
 
-    def _model_input(self, t: torch.Tensor) -> _Leaf | None:
+    def _model_input(self, t: torch.Tensor, dim: int) -> _Leaf | None:
         """A model input that a weighted layer takes as it is, or through a view (an MLP's
-        `x.flatten(1)`): its statistics (one row, which its finiteness then reads too), as
-        a leaf of `_Pending`."""
+        `x.flatten(1)`): its statistics (one row, which its finiteness then reads too) and
+        the scale of its features along `dim`, as a leaf of `_Pending`."""
         base = t._base if t._base is not None else t
         ref = self._inputs.get(id(base))
         if ref is None or ref() is not base:
@@ -372,7 +385,9 @@ class ActivationCapture(HookedContext, Analyzed):
             return None  # read for an earlier layer already
         vec, _, fused = tensor_stats(t, count_nonfinite=self._count_nonfinite)
         row = self._add_row(t, vec)
-        return ("", tuple(t.shape), t.dtype, t.device, t.numel(), row, -1, 1, -1, fused)
+        self._feat.append(feature_scale(t, dim=dim))
+        return ("", tuple(t.shape), t.dtype, t.device, t.numel(), row, -1, 1, -1, fused,
+                len(self._feat) - 1, dim)
 
     def _row_for_input(self, t: torch.Tensor) -> int:
         """Where `t`'s finiteness is read: an earlier output's stats row when it is one
@@ -387,7 +402,7 @@ class ActivationCapture(HookedContext, Analyzed):
 
     def _make_hook(self, name: str, type_name: str, relu_family: bool, nonnegative: bool,
                    bounds: tuple[float, float] | None, units: tuple[Candidate, ...],
-                   takes_data: bool) -> Any:
+                   feature_dim: int | None) -> Any:
         def hook(_module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
             # Inside backward, a forward is a checkpoint's recomputation of values the
             # forward already recorded (a reentrant checkpoint's first forward ran under
@@ -399,8 +414,8 @@ class ActivationCapture(HookedContext, Analyzed):
             # One tensor in, one out is most calls: no walk over nested containers then.
             ins = args if len(args) == 1 and type(args[0]) is torch.Tensor else \
                 [t for _, t in iter_tensors(args)]
-            model_input = self._model_input(ins[0]) if takes_data and ins and \
-                self._inputs else None
+            model_input = self._model_input(ins[0], feature_dim) \
+                if feature_dim is not None and ins and self._inputs else None
             input_rows = tuple(self._row_for_input(t) for t in ins)
             leaves: list[_Leaf] = []
             outs = (("", output),) if type(output) is torch.Tensor else iter_tensors(output)
@@ -432,7 +447,7 @@ class ActivationCapture(HookedContext, Analyzed):
                     if key not in self._eager_why:
                         self._eager_why[key] = _kernels.why_eager("stats", values) or "eager"
                 leaves.append((path, tuple(values.shape) if shape is None else shape, t.dtype,
-                               t.device, values.numel(), row, dead, udim, sat, fused))
+                               t.device, values.numel(), row, dead, udim, sat, fused, -1, 0))
                 if self._store == "tensors":
                     self._keep(name, call, path, t)
             self._cur.append(
@@ -572,10 +587,11 @@ class ActivationCapture(HookedContext, Analyzed):
             return
         checked: dict[str, bool] = {}
         counted = self._count_nonfinite
-        for (step, calls, *_), (rows, deads, fins, sats) in zip(
+        for (step, calls, *_), (rows, deads, fins, sats, feats) in zip(
                 self._pending, self._host_values(), strict=True):
             for p in calls:
-                outs = [_leaf_stats(leaf, rows, deads, sats, counted) for leaf in p.leaves]
+                outs = [_leaf_stats(leaf, rows, deads, sats, feats, counted)
+                        for leaf in p.leaves]
                 # An input is an earlier output, whose stats decide (counts, or -1 when
                 # uncounted, and min/max in every case), or has a `finiteness` value.
                 inputs_finite = all(
@@ -594,7 +610,7 @@ class ActivationCapture(HookedContext, Analyzed):
                         p.module, p.module_type, step, p.call, p.order, tuple(outs), inputs_finite,
                         p.module in self._holders,
                         None if p.model_input is None
-                        else _leaf_stats(p.model_input, rows, deads, sats, counted),
+                        else _leaf_stats(p.model_input, rows, deads, sats, feats, counted),
                     )
                 )
         self._pending.clear()
@@ -604,13 +620,15 @@ class ActivationCapture(HookedContext, Analyzed):
 
 
 def _leaf_stats(leaf: _Leaf, rows: list[Any], deads: list[Any], sats: list[Any],
-                counted: bool) -> TensorStats:
+                feats: list[Any], counted: bool) -> TensorStats:
     """One leaf of a flushed call as `TensorStats`, from its forward's host values."""
-    path, shape, dtype, device, numel, row, di, udim, si, fused = leaf
+    path, shape, dtype, device, numel, row, di, udim, si, fused, fi, fdim = leaf
     v = rows[row]
     dead = di >= 0
     units = dead or (si >= 0 and len(shape) >= 2)
     sat_count, sat_units = sats[si] if si >= 0 else (None, None)
+    top, median, at = feats[fi] if fi >= 0 else (-1.0, -1.0, -1.0)
+    featured = at >= 0  # measured, on 2 or more dims
     return TensorStats(
         path,
         shape,
@@ -631,6 +649,10 @@ def _leaf_stats(leaf: _Leaf, rows: list[Any], deads: list[Any], sats: list[Any],
         fused=fused,
         saturated_frac=None if sat_count is None else sat_count / numel if numel else 0.0,
         saturated_units=None if sat_units is None or sat_units < 0 else int(sat_units),
+        feature_dim=fdim if featured else None,
+        feature_rms_max=math.sqrt(top) if featured else None,
+        feature_rms_median=math.sqrt(median) if featured else None,
+        feature_max_index=int(at) if featured else None,
     )
 
 

@@ -228,7 +228,9 @@ def _saturated(judged: Sequence[ActivationRecord], weighted: Iterable[str],
 def _input_scale(records: Sequence[ActivationRecord], th: ActivationThresholds
                  ) -> list[Finding]:
     """`activations.input_scale`: a model input far from unit scale that a Linear or
-    convolution takes as it is (not one the model rescales itself first)."""
+    convolution takes as it is (not one the model rescales itself first): over all its
+    values, or in one of its features (a column of a table, a channel of an image) whose
+    RMS alone is that far, beside others at unit scale."""
     out = []
     for r in records:
         s = r.model_input
@@ -236,15 +238,30 @@ def _input_scale(records: Sequence[ActivationRecord], th: ActivationThresholds
             continue
         # The population mean square from the unbiased std: (n - 1) / n of its square.
         rms = math.sqrt(s.mean ** 2 + s.std ** 2 * (s.numel - 1) / s.numel)
-        if rms < th.input_rms:
+        top = s.feature_rms_max
+        wild = top is not None and math.isfinite(top) and top >= th.input_rms
+        if rms < th.input_rms and not wild:
             continue
+        evidence: dict[str, float | int | str | bool | None] = {
+            "mean": s.mean, "std": s.std, "min": s.min, "max": s.max, "rms": rms,
+            "shape": "x".join(map(str, s.shape))}
+        if s.feature_dim is not None:
+            evidence.update(feature_dim=s.feature_dim, feature=s.feature_max_index,
+                            feature_rms=top, median_feature_rms=s.feature_rms_median)
+        what = "column" if s.feature_dim == -1 else "channel"
+        median = s.feature_rms_median
+        if not wild or median is None or median >= th.input_rms:  # all of it, not one
+            summary = (f"{r.module} ({r.module_type}) takes the model's input as it is, at "
+                       f"mean {s.mean:.3g} and std {s.std:.3g} (from {s.min:.3g} to "
+                       f"{s.max:.3g}): its default init expects inputs of about unit scale")
+        else:
+            count = s.shape[s.feature_dim] if s.feature_dim is not None and s.shape else 0
+            summary = (f"{r.module} ({r.module_type}) takes the model's input as it is, "
+                       f"whose {what} {s.feature_max_index} (of {count}) has RMS {top:.3g} "
+                       f"while the median {what}'s is {median:.3g}: its default "
+                       "init expects every input feature at about unit scale")
         out.append(Finding(
-            "activations.input_scale", Severity.WARNING,
-            f"{r.module} ({r.module_type}) takes the model's input as it is, at mean "
-            f"{s.mean:.3g} and std {s.std:.3g} (from {s.min:.3g} to {s.max:.3g}): its "
-            "default init expects inputs of about unit scale",
-            {"mean": s.mean, "std": s.std, "min": s.min, "max": s.max, "rms": rms,
-             "shape": "x".join(map(str, s.shape))},
+            "activations.input_scale", Severity.WARNING, summary, evidence,
             fix="normalise the input with the training set's statistics, (x - mean) / std "
                 "per feature or channel (for 0-255 pixels, divide by 255 first, then "
                 "torchvision's Normalize); large inputs make large pre-activations, "

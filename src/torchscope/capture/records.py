@@ -39,6 +39,12 @@ class TensorStats:
             tanh) or zero; None where not measured.
         saturated_units: of those outputs with 2 or more dims, the units whose every value
             (every sample and position) is in the tails.
+        feature_dim: for a model input (`ActivationRecord.model_input`), the dim that holds
+            its features: -1 (the last, a Linear's columns) or 1 (a convolution's
+            channels); None elsewhere.
+        feature_rms_max, feature_rms_median: the RMS of its largest feature and of its
+            median feature, over every sample and position.
+        feature_max_index: which feature is the largest.
     """
 
     path: str
@@ -60,6 +66,10 @@ class TensorStats:
     unit_dim: int | None = None
     saturated_frac: float | None = None
     saturated_units: int | None = None
+    feature_dim: int | None = None
+    feature_rms_max: float | None = None
+    feature_rms_median: float | None = None
+    feature_max_index: int | None = None
 
     @property
     def finite(self) -> bool:

@@ -28,6 +28,7 @@ from torchscope._kernels import DEAD, INFS, N_MOMENTS, NANS
 
 __all__ = [
     "dead_unit_count",
+    "feature_scale",
     "finiteness",
     "reduce_stats",
     "saturation",
@@ -239,3 +240,23 @@ def saturation(x: torch.Tensor, low: float, high: float, *, dim: int = 1) -> tor
     # float32 counts whole numbers exactly up to 2**24; past that, sum in float64.
     count = hits.sum(dtype=torch.float64 if t.numel() > 2 ** 24 else None).double()  # ()
     return torch.stack([count, units])
+
+
+def feature_scale(x: torch.Tensor, *, dim: int) -> torch.Tensor:
+    """The mean square of each feature of a model input (dim `dim`: a column of a table
+    that a Linear takes, a channel of an image that a convolution takes), as a float64 (3,)
+    device tensor: the largest, the median (the lower one for an even count), and the
+    index of the largest; -1 each for a tensor of fewer than 2 dims.
+
+    Eager ops, run once per forward on the model's own input only
+    (`torchscope.capture.activations`): an input whose overall scale is fine can still
+    hold one column a hundred times the others' (an age in years beside standardised
+    features), which its first layer's init does not expect.
+    """
+    t = x.detach()
+    if t.dim() < 2 or not t.numel():
+        return torch.full((3,), -1.0, dtype=torch.float64, device=t.device)
+    dims = [d for d in range(t.dim()) if d != dim % t.dim()]
+    ms = t.float().square().mean(dim=dims)  # (F,): the mean square of each feature
+    top, at = ms.max(dim=0)
+    return torch.stack([top.double(), ms.median().double(), at.double()])

@@ -73,6 +73,11 @@ def _stats_json(s: TensorStats) -> dict[str, Any]:
         "inf": s.inf_count, "dead_units": s.dead_units, "channels": s.channels,
         "unit_dim": s.unit_dim, "saturated_frac": s.saturated_frac,
         "saturated_units": s.saturated_units,
+        # A model input's features (since 1.8), only where read.
+        **({} if s.feature_dim is None else {
+            "feature_dim": s.feature_dim, "feature_rms_max": s.feature_rms_max,
+            "feature_rms_median": s.feature_rms_median,
+            "feature_max_index": s.feature_max_index}),
     }
 
 
