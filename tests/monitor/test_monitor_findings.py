@@ -778,3 +778,35 @@ def test_a_head_no_optimizer_steps_is_named_not_its_growing_gradient() -> None:
     codes = {(f.code, f.module) for f in run.findings()}
     assert ("grads.not_optimized", "4") in codes
     assert not {c for c in codes if c[0] in ("run.grad_grew", "run.grad_fell")}
+
+
+@pytest.mark.parametrize("lr", [0.05, 1e-7])
+def test_a_small_step_is_read_against_how_far_the_gradients_fell(lr: float) -> None:
+    """An MLP fitting a linear target with SGD: after 1,500 steps its loss is about 6e-8
+    and its steps move the weights by about 3e-6 of their norm, as a fitted model's do.
+    That was "possibly too small a step: raise the learning rate". The same small step
+    from a learning rate of 1e-7, whose gradients never fell, still asks for a larger one."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 8, generator=g)
+    y = x @ torch.randn(8, 1, generator=g)  # (64, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    with torchscope.monitor(model, opt, every=50, out=None, memory=False,
+                            activations=False) as mon:
+        for _ in range(1500):
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    run = mon.result
+    assert run is not None
+    (f,) = [f for f in run.findings() if f.code == "grads.update_ratio"]
+    assert f.severity == Severity.INFO and float(f.evidence["median"]) < 1e-5
+    if lr == 0.05:
+        assert loss.item() < 1e-6
+        assert run.total_norms[0] > 1000 * run.total_norms[-1]
+        assert float(f.evidence["gradient_fall"]) > 1000
+        assert "fits its data" in f.summary and f.fix.startswith("nothing while the loss")
+    else:
+        assert "gradient_fall" not in f.evidence and f.fix.startswith("raise the learning")

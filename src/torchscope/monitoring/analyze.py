@@ -29,6 +29,7 @@ from torchscope.grads.analyze import (
     find_no_update,
     find_not_optimized,
     find_not_zeroed,
+    find_update_ratio,
     layer_scaled,
     unit_name,
 )
@@ -513,7 +514,9 @@ def _capabilities(record: RunRecord, replaced: bool) -> list[Finding]:
     run's onset (`replaced`), which knows the first step."""
     found: list[Finding] = []
     if record.last is not None:
-        found += diagnose(record.last)
+        # The step's size is judged against how far the run's gradients have fallen.
+        found += [f for f in diagnose(record.last) if f.code != "grads.update_ratio"]
+        found += find_update_ratio(record.last, fallen=_total_fall(record))
     history = grad_history(record)
     found += diagnose_history(history)
     found += find_no_step(record.step_by, record.steps, record.backwards, record.optimizer)
@@ -550,6 +553,17 @@ def section_of(finding: Finding) -> str:
     if code.startswith("memory."):
         return "mem_history"
     return "run"
+
+
+def _total_fall(record: RunRecord, t: RunThresholds | None = None) -> float | None:
+    """How many times the total gradient norm fell from the first tenth of the samples to
+    the last (`_ends`); None with too few samples or no totals."""
+    t = t or RunThresholds()
+    steps = record.grad_param.steps
+    if len(steps) < t.min_samples or len(record.total_norms) != len(steps):
+        return None
+    ends = _ends(steps, record.total_norms, t.window, frozenset(record.skipped_steps))
+    return None if ends is None or not ends[3] > 0 else ends[1] / ends[3]
 
 
 # Layers outside layer-scaled blocks needed to take the median over them alone.
