@@ -357,3 +357,34 @@ def test_zero_parameter_gradients_under_an_arriving_gradient_are_one_finding() -
     assert one.module == "2" and one.evidence["modules"] == 1
     assert one.summary.startswith("2 (gradient norm ") and "inputs are all zero" in one.fix
     assert flow.param("2.weight").norm == 0.0 and (flow.get("2").output_norm or 0) > 0
+
+
+class _Positions(nn.Module):
+    """A fixed (frozen) position table added to the tokens, and a frozen bias."""
+
+    def __init__(self, table: torch.Tensor) -> None:
+        super().__init__()
+        self.table = nn.Parameter(table, requires_grad=False)  # (T, C)
+        self.proj = nn.Linear(8, 8)
+        self.proj.bias.requires_grad_(False)
+        nn.init.zeros_(self.proj.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (N, T, C)
+        return self.proj(x + self.table)
+
+
+def test_a_frozen_table_left_at_zero_is_found() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(4, 6, 8)
+    zero = _Positions(torch.zeros(6, 8))
+    flow = gradient_flow(zero, x, loss_fn="sum")
+    assert flow.frozen_zero == ("table",)  # the zero frozen bias is not a table
+    (f,) = [f for f in diagnose(flow) if f.code == "grads.frozen_zero"]
+    assert f.severity == Severity.WARNING and f.module == ""
+    assert f.summary.startswith("table is frozen (requires_grad=False) and all zero")
+    assert torch.count_nonzero(zero.table) == 0 and not zero.table.requires_grad
+    # A frozen table that holds values (a sin-cos one, pretrained weights): silent.
+    filled = _Positions(torch.randn(6, 8))
+    flow = gradient_flow(filled, x, loss_fn="sum")
+    assert flow.frozen_zero == ()
+    assert not [f for f in diagnose(flow) if f.code == "grads.frozen_zero"]

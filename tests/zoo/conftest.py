@@ -169,6 +169,30 @@ def _like_its_convs(weight: torch.Tensor) -> object:
     return nn.init.normal_(weight, 0.0, 0.02)
 
 
+def hf_vitmae(sincos: bool) -> Callable[[], tuple[nn.Module, Any]]:
+    """ViT-MAE for pre-training. transformers 5's init leaves its fixed (frozen) position
+    tables all zero, the encoder's and the decoder's: every masked token then enters the
+    decoder as the same zero vector, and the decoder's attention query and key get no
+    gradient. With `sincos`, both hold the 2-D sin-cos table the model is meant to have."""
+    def build() -> tuple[nn.Module, Any]:
+        from transformers import ViTMAEConfig, ViTMAEForPreTraining
+        from transformers.models.vit_mae import modeling_vit_mae
+
+        cfg = ViTMAEConfig(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2,
+                           num_attention_heads=2, intermediate_size=64, decoder_hidden_size=32,
+                           decoder_num_hidden_layers=1, decoder_num_attention_heads=2,
+                           decoder_intermediate_size=64)
+        model = ViTMAEForPreTraining(cfg)
+        tables = (model.vit.embeddings.position_embeddings, model.decoder.decoder_pos_embed)
+        with torch.no_grad():
+            for t in tables:  # (1, 17, 32): the class token's row, then 4 x 4 patches
+                t.copy_(modeling_vit_mae.build_2d_sinusoidal_position_embedding(
+                    height=4, width=4, embed_dim=32, cls_token=True).reshape(t.shape)
+                    if sincos else torch.zeros_like(t))
+        return model, {"pixel_values": torch.randn(4, 3, 32, 32, generator=_gen())}
+    return build
+
+
 def hf_llama() -> tuple[nn.Module, Any]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -370,6 +394,7 @@ ZOO: tuple[Entry, ...] = (
     Entry("hf-bart", hf_bart),
     Entry("hf-llama", hf_llama),
     Entry("hf-efficientnet", hf_efficientnet()),
+    Entry("hf-vitmae", hf_vitmae(sincos=True)),
     Entry("tiny-cnn", builtin("tiny-cnn", (4, 3, 32, 32))),
     Entry("mlp", builtin("mlp", (4, 128))),
     Entry("deep-mlp", builtin("deep-mlp")),
@@ -388,6 +413,10 @@ ZOO: tuple[Entry, ...] = (
           # what a signal at 1e-34 leaves: weight gradients that underflow to zero, and
           # squeeze-excitation gates at sigmoid(0) = 0.5
           allowed=frozenset({"grads.dead", "activations.constant"})),
+    Entry("hf-vitmae-zero-positions", hf_vitmae(sincos=False),
+          (Expect("grads.frozen_zero", "vit.embeddings"),),
+          # what identical masked tokens leave: a decoder key projection with no gradient
+          allowed=frozenset({"grads.dead"})),
     Entry("tanh-too-wide", tanh_too_wide, (Expect("activations.saturated", "1"),
                                            Expect("activations.saturated", "3"))),
     Entry("dead-layer", dead_layer, (

@@ -51,6 +51,7 @@ __all__ = [
     "find_dead",
     "find_exploding",
     "find_frozen",
+    "find_frozen_zero",
     "find_idle_forwards",
     "find_nonfinite",
     "find_not_optimized",
@@ -1198,6 +1199,34 @@ def find_frozen(flow: GradFlow, thresholds: GradThresholds | None = None) -> lis
     )]
 
 
+def find_frozen_zero(flow: GradFlow, thresholds: GradThresholds | None = None
+                     ) -> list[Finding]:
+    """Frozen parameters whose every value is zero (`GradFlow.frozen_zero`): no optimizer
+    moves them, so whatever they add or scale gets nothing from them, for good
+    (transformers 5's ViT-MAE: its decoder's fixed position table, zeroed by its init,
+    leaves every masked token the same, and the decoder's attention query and key get no
+    gradient)."""
+    del thresholds
+    if not flow.frozen_zero:
+        return []
+    names = list(flow.frozen_zero)
+    owner = {p.name: p.module for p in flow.params}
+    one = len(names) == 1
+    named = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return [Finding(
+        code="grads.frozen_zero",
+        severity=Severity.WARNING,
+        summary=f"{named} {'is' if one else 'are'} frozen (requires_grad=False) and all "
+        f"zero: nothing will ever change {'it' if one else 'them'}, so what "
+        f"{'it feeds gets' if one else 'they feed get'} nothing from {'it' if one else 'them'}",
+        evidence={"params": ", ".join(names), "count": len(names), "step": flow.index},
+        fix="give it the values it is meant to hold (a fixed position embedding needs its "
+        "sin-cos table; a frozen weight, its pretrained values), or let it train "
+        "(requires_grad_(True)) if zero is only its starting point.",
+        module=owner.get(names[0]),
+    )]
+
+
 # Optimizers whose update has a set size relative to the weights, whatever the gradient.
 _NORMALISED_UPDATES = frozenset({"Muon"})
 
@@ -1354,7 +1383,8 @@ def diagnose(flow: GradFlow, thresholds: GradThresholds | None = None) -> list[F
     """Every gradient finding for one step, most severe first (`flow.findings()`)."""
     found: list[Finding] = []
     for fn in (find_nonfinite, find_vanishing, find_exploding, find_dead, find_unreached,
-               find_frozen, find_update_ratio, find_idle_forwards, find_unseen_forward):
+               find_frozen, find_frozen_zero, find_update_ratio, find_idle_forwards,
+               find_unseen_forward):
         found += fn(flow, thresholds)
     found += rank_findings(flow)  # DDP/FSDP2 only: ranks that diverge or see skewed data
     return rank(found)

@@ -115,6 +115,8 @@ _MAX_WALK = 256  # nodes followed back from an in-place op to the input's produc
 _MAX_PLAN = 16  # nodes followed behind a call's outputs to find where its inputs enter
 _MAX_CALL_NODES = 100_000  # nodes of one call walked to find where its inputs enter
 _NATIVE_LIST_MEAN = 16384  # elements per tensor, on average, for the native list norms
+# Frozen parameters up to this many elements are checked for being all zero, once per read.
+_FROZEN_READ = 1 << 20
 # A leaf's node, where a walk ends (torch's stubs do not declare the class).
 _ACCUMULATE_GRAD: type = torch._C._functions.AccumulateGrad  # type: ignore[attr-defined]
 # Nodes of reshapes and (un)squeezes: every element, in the same order, so that they pass
@@ -1594,6 +1596,16 @@ class GradCollector(HookedContext):
             if i in known:
                 weights[i] = len(self._vals)
                 self._vals.append(known[i])
+        # Frozen parameters that are all zero can never change (transformers 5's ViT-MAE
+        # zeroes its decoder's fixed position table): one count each, small ones only,
+        # read with the rest; not across ranks, where each holds part of them.
+        frozen: dict[int, int] = {}  # param index -> index in `_vals` of its count
+        if self._rank_aware is None:
+            for i, (name, _, p) in enumerate(self._params):
+                if not p.requires_grad and p.layout == torch.strided and \
+                        0 < p.numel() <= _FROZEN_READ and not name.endswith("bias"):
+                    frozen[i] = len(self._vals)
+                    self._vals.append(torch.count_nonzero(p.detach()))  # ()
         # Per expert, the norm of its slice of each fused expert weight's gradient.
         experts: dict[int, int] = {}  # param index -> index in `_vals` of its first expert
         for i in sorted(self._experts):
@@ -1680,13 +1692,15 @@ class GradCollector(HookedContext):
                 params.append(ParamGradRecord(pname, mname, shape, dtype, requires_grad, n,
                                               reason, weight_norm=w, tied_to=tied_to,
                                               expert_norms=per_expert))
+            frozen_zero = tuple(pname for pname, _, i, tied_to in names
+                                if tied_to is None and i in frozen and host[frozen[i]] == 0)
             # Each tensor once, as clip_grad_norm_ counts tied weights.
             total = combine_norms(p.norm for p in params if p.tied_to is None) or 0.0
             return GradFlow(index, modules, tuple(params), total, scale,
                             micro_batches=micro_batches, backward_calls=backwards, step=step,
                             ranks=ranks, fused_norms=fused, eager_norms=eager,
                             idle_forwards=idle, applied_norm=applied,
-                            experts=split_experts)
+                            experts=split_experts, frozen_zero=frozen_zero)
 
         return functools.cache(build)  # built once, however often it is asked for
 

@@ -458,6 +458,9 @@ class GradFlow(Analyzed, Gatherable):
             whose class name ends in `Experts`, or of an `nn.ModuleList` named `experts`):
             per experts module, its expert modules in order. Fused expert weights carry
             their experts in `ParamGradRecord.expert_norms` instead.
+        frozen_zero: frozen parameters (requires_grad=False; not biases, up to 2**20
+            elements) whose every value was zero when the gradients were read: nothing can
+            change them. Not read across ranks (empty under DDP and FSDP2).
     """
 
     index: int
@@ -476,6 +479,7 @@ class GradFlow(Analyzed, Gatherable):
     applied_norm: float | None = None
     optimizer: str | None = None
     experts: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    frozen_zero: tuple[str, ...] = ()
 
     def idle_experts(self) -> dict[str, tuple[str, tuple[bool, ...]]]:
         """Per experts module of a mixture of experts: the weight read per expert (its
