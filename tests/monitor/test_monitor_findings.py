@@ -810,3 +810,57 @@ def test_a_small_step_is_read_against_how_far_the_gradients_fell(lr: float) -> N
         assert "fits its data" in f.summary and f.fix.startswith("nothing while the loss")
     else:
         assert "gradient_fall" not in f.evidence and f.fix.startswith("raise the learning")
+
+
+def _own_norms(model: nn.Module) -> dict[str, float]:
+    """Each module's own parameters' joint norm (what the run's weight series reads)."""
+    out = {}
+    for name, m in model.named_modules():
+        own = [p.detach().double() for p in m.parameters(recurse=False)]
+        if own:
+            out[name] = float(torch.sqrt(sum(p.square().sum() for p in own)))
+    return out
+
+
+@pytest.mark.parametrize("case", ["lr_0.1", "weight_decay_50", "healthy"])
+def test_weights_carried_far_from_their_scale_are_one_warning(case: str) -> None:
+    """transformers' GPT-2 under AdamW at lr 0.1 (each weight moves by about 0.1 a step,
+    against an init of std 0.02) or with weight_decay 50 (each step multiplies the weights
+    by 1 - 1e-3 * 50 = 0.95), neither learning: the median layer's weights grow or shrink
+    by 10x or more, against torch's own norms. At lr 1e-3 and the usual decay: silent."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=2, n_head=2, n_embd=32, vocab_size=100, n_positions=32))
+    lr, wd = {"lr_0.1": (0.1, 0.01), "weight_decay_50": (1e-3, 50.0),
+              "healthy": (1e-3, 0.01)}[case]
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=wd)
+    g = torch.Generator().manual_seed(0)
+    norms: list[dict[str, float]] = []
+    with torchscope.monitor(model, opt, every=5, out=None, memory=False,
+                            activations=False) as mon:
+        for i in range(100):
+            ids = torch.randint(0, 100, (4, 16), generator=g)  # (4, 16)
+            model(input_ids=ids, labels=ids).loss.backward()
+            if i in (0, 95):  # the first and the last sample, read before the update
+                norms.append(_own_norms(model))
+            opt.step()
+            opt.zero_grad()
+    run = mon.result
+    assert run is not None and run.param_groups == ((lr, wd),)
+    found = [f for f in run.findings() if f.code == "run.weight_scale"]
+    if case == "healthy":
+        assert not found, [f.summary for f in found]
+        return
+    (f,) = found
+    ref = statistics.median(norms[1][k] / norms[0][k] for k in norms[0])
+    assert f.severity == Severity.WARNING
+    assert float(f.evidence["median_change"]) == pytest.approx(ref, rel=1e-4)
+    (whole,) = [f for f in run.findings() if f.code == "run.grad_fell" and f.module is None]
+    if case == "lr_0.1":
+        assert ref > 10 and "weights grew" in f.summary and "lower the learning rate" in f.fix
+        assert "while its weights grew" in whole.summary  # not "while the loss falls"
+    else:
+        assert ref < 0.1 and "weights shrank" in f.summary
+        assert f.evidence["decay_per_step"] == pytest.approx(0.05)
+        assert "1 - lr × weight_decay = 0.95 every step" in f.fix

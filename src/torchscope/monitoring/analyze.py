@@ -267,11 +267,17 @@ def _gradient_trends(record: RunRecord, t: RunThresholds) -> list[Finding]:
     first = min(c[0] for c in found.values())
     last = max(c[2] for c in found.values())
     if median >= t.change_ratio:
+        weights = _weight_growth(record, t)
+        moved = weights is not None and not \
+            1 / t.change_ratio < weights[2] < t.change_ratio
+        why = "as they do while the loss falls" if weights is None or not moved else (
+            f"while its weights {'grew' if weights[2] > 1 else 'shrank'} "
+            f"{fmt_times(max(weights[2], 1 / weights[2]))} (run.weight_scale): no sign by "
+            "itself that the loss falls")
         out.append(Finding(
             "run.grad_fell", Severity.INFO,
             f"the median layer's gradient fell {fmt_times(median)} between step {first} and "
-            f"step {last}: the whole model's gradients shrank together, as they do while the "
-            "loss falls",
+            f"step {last}: the whole model's gradients shrank together, {why}",
             {"first_step": first, "last_step": last, "median_change": median,
              "layers": len(falls)},
             fix=""))
@@ -296,6 +302,82 @@ def _gradient_trends(record: RunRecord, t: RunThresholds) -> list[Finding]:
                    "turns up or the loss stalls")
         out.append(Finding("run.grad_grew", severity, summary, evidence, fix=fix))
     return out
+
+
+def _weight_growth(record: RunRecord, t: RunThresholds
+                   ) -> tuple[int, int, float, int] | None:
+    """How the median layer's own weights changed over the run, its last sample's norm over
+    its first: (first step, last step, that factor, layers); None with fewer than three
+    layers or `min_samples` samples. Weights are no noisy series: the first sample is their
+    init, which Adam at a learning rate of 0.1 leaves 10x behind within five steps, before
+    a window's median could hold it."""
+    w = record.weight
+    if len(w.steps) < t.min_samples:
+        return None
+    ends = []
+    for k in w.layers:
+        pairs = [(s, v) for s, v in zip(w.steps, w.series(k), strict=True)
+                 if math.isfinite(v) and v > 0]
+        if len(pairs) >= 2:
+            ends.append((pairs[0][0], pairs[-1][0], pairs[-1][1] / pairs[0][1]))
+    if len(ends) < _MIN_REFERENCE:
+        return None
+    return (min(e[0] for e in ends), max(e[1] for e in ends),
+            statistics.median(e[2] for e in ends), len(ends))
+
+
+# Optimizers whose weight decay multiplies each weight by (1 - lr * weight_decay) a step
+# (decoupled in AdamW; SGD's L2 term does the same, before momentum).
+_DECAY_FACTOR = frozenset({"AdamW", "SGD"})
+
+
+def _weight_scale(record: RunRecord, t: RunThresholds) -> list[Finding]:
+    """`run.weight_scale`: the whole model's weights grew or shrank `change_ratio` times
+    or more over the run. Healthy runs move the median layer's weight norm by at most 2x
+    in a few hundred steps (GPT-2, Llama, BERT, T5, ResNet, ViT, Swin, ConvNeXt,
+    EfficientNet and MobileNetV2 from transformers, AdamW at 1e-3 or SGD); AdamW at 0.1
+    grew GPT-2's 26x in 150 steps while its loss stayed at chance, and a weight decay of
+    50 shrank them 700x."""
+    growth = _weight_growth(record, t)
+    if growth is None:
+        return []
+    first, last, factor, layers = growth
+    if 1 / t.change_ratio < factor < t.change_ratio:
+        return []
+    grew = factor >= 1
+    evidence: dict[str, float | int | str | None] = {
+        "first_step": first, "last_step": last, "median_change": factor, "layers": layers}
+    decays = [(lr, wd) for lr, wd in record.param_groups if wd > 0 and math.isfinite(lr)]
+    if grew:
+        summary = (f"the median layer's weights grew {fmt_times(factor)} between step "
+                   f"{first} and step {last}: the updates carry the whole model far from "
+                   "the scale it started at")
+        lrs = sorted({lr for lr, _ in record.param_groups if math.isfinite(lr)})
+        fix = ("lower the learning rate" + (f" (it is {lrs[-1]:g}; " if lrs else " (")
+               + "an Adam-type optimizer moves every weight by about the learning rate each "
+               "step, whatever its gradient), and warm it up; behind normalization layers "
+               "such growth only slows learning, elsewhere it ends in overflow")
+    else:
+        summary = (f"the median layer's weights shrank {fmt_times(1 / factor)} between step "
+                   f"{first} and step {last}: something pulls the whole model toward zero "
+                   "faster than its gradients hold it")
+        if decays and record.optimizer in _DECAY_FACTOR:
+            lr, wd = max(decays, key=lambda d: d[0] * d[1])
+            evidence.update(lr=lr, weight_decay=wd, decay_per_step=lr * wd)
+            fix = (f"lower the weight decay: {record.optimizer} multiplies each weight by "
+                   f"1 - lr × weight_decay = {1 - lr * wd:.4g} every step (lr {lr:g}, "
+                   f"weight_decay {wd:g}), {fmt_times((1 - lr * wd) ** -(last - first))} over "
+                   "these steps before the gradients push back; AdamW's usual weight_decay "
+                   "is 0.01 to 0.1")
+        elif decays:
+            lr, wd = max(decays, key=lambda d: d[0] * d[1])
+            evidence.update(lr=lr, weight_decay=wd)
+            fix = (f"lower the weight decay (it is {wd:g}), or the learning rate it acts "
+                   "with")
+        else:
+            fix = ("the optimizer decays nothing: look for a penalty on the weights in the "
+                   "loss, or a loop that rescales them")
+    return [Finding("run.weight_scale", Severity.WARNING, summary, evidence, fix=fix)]
 
 
 def _activation_drift(record: RunRecord, t: RunThresholds) -> list[Finding]:
@@ -716,7 +798,7 @@ def analyze_run(record: RunRecord, thresholds: RunThresholds | None = None
     found: Sequence[Finding] = [
         *_stopped(record), *run, *_skipped(record, t), *_gradient_trends(record, t),
         *_activation_drift(record, t), *_dead_growth(record, t),
-        *_saturation_growth(record, t), *_eval_mode(record),
+        *_saturation_growth(record, t), *_weight_scale(record, t), *_eval_mode(record),
         *_unscaled_float16(record), *_compiled(record), *_dead_experts(record, t),
         *_capabilities(record, replaced=bool(run))]
     return rank(found)

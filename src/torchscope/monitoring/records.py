@@ -231,6 +231,8 @@ class RunRecord(Analyzed):
             activations (tanh, sigmoid: `TensorStats.saturated_frac`), NaN elsewhere.
         unoptimized: trainable parameters that got gradients that no optimizer stepped
             (`GradWatch.unoptimized`).
+        param_groups: the optimizer's (learning rate, weight decay) per parameter group,
+            as they were when the run ended; empty without an optimizer.
     """
 
     model: str
@@ -278,6 +280,7 @@ class RunRecord(Analyzed):
     experts: tuple[ExpertUse, ...] = ()
     act_sat: LayerSeries = field(default_factory=lambda: LayerSeries("act_sat", (), (), ()))
     unoptimized: tuple[str, ...] = ()
+    param_groups: tuple[tuple[float, float], ...] = ()
 
     @property
     def median_step_ms(self) -> float | None:

@@ -12,6 +12,7 @@ and writes the run report.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import sys
@@ -260,6 +261,8 @@ class Monitor(HookedContext):
             failed: an exception is unwinding: the step in progress is dropped, the report
                 says where the run stopped, and a failure to write it only warns.
         """
+        # The optimizer's settings as the run ends, before the reference is dropped.
+        groups = _param_groups(self._optimizer)
         # Every close runs even if one raises: last in, first out (the profile, then the
         # gradient watch, which may still sample an unfinished step, then the others).
         with contextlib.ExitStack() as stack:
@@ -274,7 +277,7 @@ class Monitor(HookedContext):
             stack.callback(self._close_profile, failed=failed)
         if self._grads is None:
             return  # open() failed before anything ran
-        self.result = self._record(stopped=failed)
+        self.result = dataclasses.replace(self._record(stopped=failed), param_groups=groups)
         if self._out is not None:
             from torchscope.monitoring.report import write_run_report
 
@@ -533,6 +536,18 @@ class Monitor(HookedContext):
             experts=tuple(ExpertUse(m, name, c[0], tuple(c[1:]))
                           for m, (name, c) in self._experts.items()),
         )
+
+
+def _param_groups(optimizer: Any) -> tuple[tuple[float, float], ...]:
+    """(lr, weight_decay) of each of the optimizer's parameter groups, where both read as
+    numbers (a tensor learning rate is read once, when the run ends)."""
+    out = []
+    for g in getattr(optimizer, "param_groups", None) or ():
+        try:
+            out.append((float(g.get("lr", math.nan)), float(g.get("weight_decay", 0.0) or 0.0)))
+        except (TypeError, ValueError):
+            continue
+    return tuple(out)
 
 
 def monitor(
