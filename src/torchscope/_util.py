@@ -24,6 +24,7 @@ __all__ = [
     "__version__",
     "fit_line",
     "fmt_bytes",
+    "fmt_names",
     "fmt_num",
     "fmt_pct",
     "fmt_shape",
@@ -55,6 +56,12 @@ def fmt_num(x: float | None, digits: int = 4) -> str:
 def fmt_pct(frac: float | None) -> str:
     """A fraction as a percentage: `41.2%`."""
     return "—" if frac is None or not math.isfinite(frac) else f"{100 * frac:.1f}%"
+
+
+def fmt_names(names: Sequence[str], shown: int = 3) -> str:
+    """The first `shown` names, then how many more: `a, b, c and 4 more`."""
+    rest = len(names) - shown
+    return ", ".join(names[:shown]) + (f" and {rest} more" if rest > 0 else "")
 
 
 def fmt_times(ratio: float) -> str:

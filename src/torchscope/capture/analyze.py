@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from torchscope._util import fit_line, fmt_times, is_norm_type
+from torchscope._util import fit_line, fmt_names, fmt_times, is_norm_type
 from torchscope.capture.activations import ActivationCapture
 from torchscope.capture.nonfinite import trace_nonfinite
 from torchscope.capture.records import ActivationRecord, ActivationRecords, TensorStats
@@ -474,8 +474,7 @@ def _same_constants(constants: Sequence[tuple[ActivationRecord, Finding]]) -> li
         first = members[0][1]
         out.append(Finding(
             "activations.constant", Severity.WARNING,
-            f"{len(members)} {module_type} modules ({', '.join(names[:2])}"
-            + (f" and {len(names) - 2} more" if len(names) > 2 else "")
+            f"{len(members)} {module_type} modules ({fmt_names(names, 2)}"
             + f") output the same value {value:.4g} everywhere"
             + (", their value at 0" if first.evidence.get("at_zero_input") else ""),
             {**first.evidence, "modules": ", ".join(names), "count": len(members)},
@@ -491,8 +490,7 @@ def _zero_init_constants(zeroed: Sequence[tuple[str, ActivationRecord, float]]) 
     names = [n for n, _, _ in zeroed]
     values = {v for _, _, v in zeroed}
     what = f"{name} ({r.module_type}) outputs {value:.4g}" if len(zeroed) == 1 else \
-        f"{len(zeroed)} modules ({', '.join(names[:3])}" \
-        + (f" and {len(names) - 3} more" if len(names) > 3 else "") + ") output " \
+        f"{len(zeroed)} modules ({fmt_names(names)}) output " \
         + (f"{value:.4g}" if len(values) == 1 else "a constant")
     own = "its own parameters are" if len(zeroed) == 1 else "their own parameters are"
     return Finding(

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from torchscope._util import fit_line, fmt_times, is_norm_type
+from torchscope._util import fit_line, fmt_names, fmt_times, is_norm_type
 from torchscope.errors import TorchscopeError
 from torchscope.findings import Finding, Severity, analyzer, rank
 from torchscope.grads.flow import GradWatch
@@ -945,15 +945,12 @@ def _within(module: str, scope: str) -> bool:
 def _zero_init_finding(flow: GradFlow, zeroed: list[str], starved: list[str]) -> Finding:
     """One finding for the zero-initialised modules that pass no gradient down in this step,
     and for the other modules of their layers that get or pass down none because of them."""
-    def named(ms: list[str]) -> str:
-        return ", ".join(ms[:3]) + (f" and {len(ms) - 3} more" if len(ms) > 3 else "")
-
     after = f", so {len(starved)} other module(s) of their layers get or pass down none in " \
-        f"this step ({named(starved)})" if starved else ""
+        f"this step ({fmt_names(starved)})" if starved else ""
     return Finding(
         code="grads.zero_init",
         severity=Severity.INFO,
-        summary=f"{len(zeroed)} module(s) start at zero ({named(zeroed)}): all their "
+        summary=f"{len(zeroed)} module(s) start at zero ({fmt_names(zeroed)}): all their "
         "parameters are 0, a deliberate zero init (LoRA's B, a residual branch's last norm "
         f"gain), and they pass no gradient down until the optimizer first moves them{after}",
         evidence={"zero_init": len(zeroed), "modules": ", ".join(zeroed),
@@ -1212,7 +1209,7 @@ def find_frozen_zero(flow: GradFlow, thresholds: GradThresholds | None = None
     names = list(flow.frozen_zero)
     owner = {p.name: p.module for p in flow.params}
     one = len(names) == 1
-    named = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    named = fmt_names(names)
     return [Finding(
         code="grads.frozen_zero",
         severity=Severity.WARNING,
@@ -1539,7 +1536,7 @@ def find_not_optimized(names: Sequence[str], optimizer: str | None) -> list[Find
     optimizer's `zero_grad()` never clears them either, so their gradients pile up."""
     if not names:
         return []
-    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    shown = fmt_names(names, 4)
     return [Finding(
         code="grads.not_optimized",
         severity=Severity.WARNING,

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import Counter
 
 from torchscope._timing import fmt_ratio
-from torchscope._util import fmt_bytes
+from torchscope._util import fmt_bytes, fmt_names
 from torchscope.findings import Finding, Severity, analyzer
 from torchscope.hooks.compiled import ran_eagerly
 from torchscope.memory.records import (
@@ -230,7 +230,7 @@ def _plans(report: PlanReport, chosen: str | None) -> list[Finding]:
     out: list[Finding] = []
     if report.excluded:
         names = [n for n, _ in report.excluded]
-        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        shown = fmt_names(names, 4)
         reasons = "; ".join(sorted({r for _, r in report.excluded}))
         out.append(Finding(
             "memory.blocks_excluded", Severity.INFO,
