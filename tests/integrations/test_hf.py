@@ -111,6 +111,12 @@ def test_hf_trainer_reports_the_pre_clip_norm_and_trains_unchanged(tmp_path: Pat
     assert "transformer.h.0.attn.c_attn" in doc["sections"]["grad_history"]["data"][
         "param_norms"]["layers"]
     assert doc["sections"]["grad_history"]["data"]["applied_norms"] == list(run.applied_norms)
+    # The linear schedule ends at lr 0; the run keeps the peak its samples saw, with the
+    # Trainer's two groups (decay and no decay).
+    assert [g["lr"] for g in trainer.optimizer.param_groups] == [0.0, 0.0]
+    peak = max(float(e["learning_rate"]) for e in steps)
+    assert [wd for _, wd in run.param_groups] == [0.0, 0.0]
+    assert all(lr == pytest.approx(peak, rel=0.1) for lr, _ in run.param_groups)
 
 
 def test_a_trainer_with_torch_compile_runs_eagerly_under_the_callback(tmp_path: Path) -> None:

@@ -863,4 +863,4 @@ def test_weights_carried_far_from_their_scale_are_one_warning(case: str) -> None
     else:
         assert ref < 0.1 and "weights shrank" in f.summary
         assert f.evidence["decay_per_step"] == pytest.approx(0.05)
-        assert "1 - lr × weight_decay = 0.95 every step" in f.fix
+        assert "1 - lr × weight_decay = 0.95 every step at its peak" in f.fix

@@ -365,9 +365,10 @@ def _weight_scale(record: RunRecord, t: RunThresholds) -> list[Finding]:
             lr, wd = max(decays, key=lambda d: d[0] * d[1])
             evidence.update(lr=lr, weight_decay=wd, decay_per_step=lr * wd)
             fix = (f"lower the weight decay: {record.optimizer} multiplies each weight by "
-                   f"1 - lr × weight_decay = {1 - lr * wd:.4g} every step (lr {lr:g}, "
-                   f"weight_decay {wd:g}), {fmt_times((1 - lr * wd) ** -(last - first))} over "
-                   "these steps before the gradients push back; AdamW's usual weight_decay "
+                   f"1 - lr × weight_decay = {1 - lr * wd:.4g} every step at its peak "
+                   f"learning rate (lr {lr:g}, weight_decay {wd:g}), up to "
+                   f"{fmt_times((1 - lr * wd) ** -(last - first))} over these steps before "
+                   "the gradients push back; AdamW's usual weight_decay "
                    "is 0.01 to 0.1")
         elif decays:
             lr, wd = max(decays, key=lambda d: d[0] * d[1])

@@ -231,8 +231,9 @@ class RunRecord(Analyzed):
             activations (tanh, sigmoid: `TensorStats.saturated_frac`), NaN elsewhere.
         unoptimized: trainable parameters that got gradients that no optimizer stepped
             (`GradWatch.unoptimized`).
-        param_groups: the optimizer's (learning rate, weight decay) per parameter group,
-            as they were when the run ended; empty without an optimizer.
+        param_groups: the optimizer's (learning rate, weight decay) per parameter group:
+            the largest learning rate read at a sampled step or at the run's end (a
+            schedule's peak, not the 0 a linear decay ends at); empty without an optimizer.
     """
 
     model: str

@@ -143,6 +143,7 @@ class Monitor(HookedContext):
         self._parallel = parallel
         optimizer = inner_optimizer(optimizer)  # accelerate's wrapper has no hooks
         self._optimizer = optimizer
+        self._groups: tuple[tuple[float, float], ...] = ()  # see `_note_groups`
         self._scaler = scaler
         self._micro_batches = micro_batches
         self._manual = manual
@@ -261,8 +262,9 @@ class Monitor(HookedContext):
             failed: an exception is unwinding: the step in progress is dropped, the report
                 says where the run stopped, and a failure to write it only warns.
         """
-        # The optimizer's settings as the run ends, before the reference is dropped.
-        groups = _param_groups(self._optimizer)
+        # The optimizer's settings, before the reference is dropped: peaks seen at samples.
+        self._note_groups()
+        groups = self._groups
         # Every close runs even if one raises: last in, first out (the profile, then the
         # gradient watch, which may still sample an unfinished step, then the others).
         with contextlib.ExitStack() as stack:
@@ -390,7 +392,19 @@ class Monitor(HookedContext):
         if tw is not None and tw.boundaries >= tw.window:
             self._close_profile(failed=False)
 
+    def _note_groups(self) -> None:
+        """Each parameter group's largest learning rate seen at a sampled step, and its
+        weight decay: a schedule that ends at 0 acted with its peak, not its last value."""
+        now = _param_groups(self._optimizer)
+        if len(now) != len(self._groups):  # the first read, or a group added since
+            self._groups = now
+            return
+        self._groups = tuple(
+            (max(lr, peak) if math.isfinite(lr) else peak, wd)
+            for (lr, wd), (peak, _) in zip(now, self._groups, strict=True))
+
     def _sample(self, index: int, flow: GradFlow) -> None:
+        self._note_groups()
         # A mixture of experts' experts that no token reached: [samples, idle per expert].
         for module, (name, idle) in flow.idle_experts().items():
             _, counts = self._experts.setdefault(module, (name, [0] * (1 + len(idle))))
