@@ -822,7 +822,7 @@ def _own_norms(model: nn.Module) -> dict[str, float]:
     return out
 
 
-@pytest.mark.parametrize("case", ["lr_0.1", "weight_decay_50", "healthy"])
+@pytest.mark.parametrize("case", ["lr_0.1", "lr_0.1_no_decay", "weight_decay_50", "healthy"])
 def test_weights_carried_far_from_their_scale_are_one_warning(case: str) -> None:
     """transformers' GPT-2 under AdamW at lr 0.1 (each weight moves by about 0.1 a step,
     against an init of std 0.02) or with weight_decay 50 (each step multiplies the weights
@@ -832,8 +832,8 @@ def test_weights_carried_far_from_their_scale_are_one_warning(case: str) -> None
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
         n_layer=2, n_head=2, n_embd=32, vocab_size=100, n_positions=32))
-    lr, wd = {"lr_0.1": (0.1, 0.01), "weight_decay_50": (1e-3, 50.0),
-              "healthy": (1e-3, 0.01)}[case]
+    lr, wd = {"lr_0.1": (0.1, 0.01), "lr_0.1_no_decay": (0.1, 0.0),
+              "weight_decay_50": (1e-3, 50.0), "healthy": (1e-3, 0.01)}[case]
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=wd)
     g = torch.Generator().manual_seed(0)
     norms: list[dict[str, float]] = []
@@ -857,9 +857,11 @@ def test_weights_carried_far_from_their_scale_are_one_warning(case: str) -> None
     assert f.severity == Severity.WARNING
     assert float(f.evidence["median_change"]) == pytest.approx(ref, rel=1e-4)
     (whole,) = [f for f in run.findings() if f.code == "run.grad_fell" and f.module is None]
-    if case == "lr_0.1":
+    if case.startswith("lr_0.1"):
         assert ref > 10 and "weights grew" in f.summary and "lower the learning rate" in f.fix
         assert "while its weights grew" in whole.summary  # not "while the loss falls"
+        # Without any weight decay, nothing bounds the growth: the fix says so.
+        assert ("no parameter group has weight decay" in f.fix) == (wd == 0)
     else:
         assert ref < 0.1 and "weights shrank" in f.summary
         assert f.evidence["decay_per_step"] == pytest.approx(0.05)

@@ -353,10 +353,14 @@ def _weight_scale(record: RunRecord, t: RunThresholds) -> list[Finding]:
                    f"{first} and step {last}: the updates carry the whole model far from "
                    "the scale it started at")
         lrs = sorted({lr for lr, _ in record.param_groups if math.isfinite(lr)})
-        fix = ("lower the learning rate" + (f" (it is {lrs[-1]:g}; " if lrs else " (")
+        fix = ("lower the learning rate" + (f" (its peak is {lrs[-1]:g}; " if lrs else " (")
                + "an Adam-type optimizer moves every weight by about the learning rate each "
                "step, whatever its gradient), and warm it up; behind normalization layers "
                "such growth only slows learning, elsewhere it ends in overflow")
+        if record.param_groups and not decays:
+            # Nothing pulls back: a long run at a steady rate drifts this far too.
+            fix += ("; no parameter group has weight decay, so nothing bounds the growth: "
+                    "add some (AdamW's usual weight_decay is 0.01 to 0.1)")
     else:
         summary = (f"the median layer's weights shrank {fmt_times(1 / factor)} between step "
                    f"{first} and step {last}: something pulls the whole model toward zero "
