@@ -474,8 +474,8 @@ def _same_constants(constants: Sequence[tuple[ActivationRecord, Finding]]) -> li
         first = members[0][1]
         out.append(Finding(
             "activations.constant", Severity.WARNING,
-            f"{len(members)} {module_type} modules ({fmt_names(names, 2)}"
-            + f") output the same value {value:.4g} everywhere"
+            f"{len(members)} {module_type} modules ({fmt_names(names, 2)}) output the "
+            f"same value {value:.4g} everywhere"
             + (", their value at 0" if first.evidence.get("at_zero_input") else ""),
             {**first.evidence, "modules": ", ".join(names), "count": len(members)},
             fix=fix,
@@ -535,8 +535,10 @@ def _scale_drift(judged: Sequence[ActivationRecord], weighted: Sequence[str],
     steady = len(names) == 2 or r2 >= th.consistency
     grows = ratio >= 1
     small, norms = _small_norm_gains(judged, first, last)
+    if grows:
+        small = []  # a gain far above 1 is no growth: the next norm layer undoes it
     fix = "check weight init (kaiming/xavier for the nonlinearity) or add normalisation"
-    if small and not grows:
+    if small:
         # The layers meant to hold the scale at 1 set it. The first one is the cause; later
         # ones read smaller still once their input variance falls below their eps.
         onset, std = small[0]
@@ -552,8 +554,8 @@ def _scale_drift(judged: Sequence[ActivationRecord], weighted: Sequence[str],
         f"from {first} to {last}" + ("" if len(names) == 2 else
                                      f" over {len(names)} weighted layers (fit R² {r2:.2f})"),
         {"first": first, "last": last, "ratio": ratio, "layers": len(names), "r2": r2,
-         "norms_small": len(small) if not grows else 0, "norms": norms,
-         "norm_onset": small[0][0] if small and not grows else None},
+         "norms_small": len(small), "norms": norms,
+         "norm_onset": small[0][0] if small else None},
         fix=fix,
         module=last)]
 

@@ -744,6 +744,7 @@ def find_dead(flow: GradFlow, thresholds: GradThresholds | None = None) -> list[
         blockers = {m: v for m, v in blockers.items() if m not in zeroed and m not in starved}
         modules = [m for m in modules if m not in starved]
     half = _float16(flow)
+    order = {m: i for i, m in enumerate(flow.layers())}  # backward order
     # Where the gradient reaching a module is this small, a zero it passes down is float32
     # running out of range (a norm reads 0 once every element is under about 1e-19), and
     # so is the zero the modules under it get: one finding with those whose parameter
@@ -752,7 +753,6 @@ def find_dead(flow: GradFlow, thresholds: GradThresholds | None = None) -> list[
     faded = [m for m in blockers
              if m not in half and arriving.get(m, math.inf) < _VANISHED_NORM]
     if faded:
-        order = {m: i for i, m in enumerate(flow.layers())}
         top = min(order.get(m, len(order)) for m in faded)
         faded += [m for m in modules if m not in alive_out and m not in half
                   and order.get(m, -1) > top]
@@ -772,7 +772,6 @@ def find_dead(flow: GradFlow, thresholds: GradThresholds | None = None) -> list[
     # One module that passes no gradient down starves the modules below it: two or more
     # are one finding (transformers' MobileNetV1: a dropout of p=0.999, then 82 modules).
     if len(blockers) == 1:
-        order = {m: i for i, m in enumerate(flow.layers())}
         cause = next(iter(blockers))
         at = order.get(cause, -1)
         below = [m for m in modules if order.get(m, -1) > at >= 0]
@@ -797,7 +796,6 @@ def find_dead(flow: GradFlow, thresholds: GradThresholds | None = None) -> list[
         # Once the gradient has faded, a module reading an all-zero gradient with no
         # blocker above it has faded with it (EfficientNet's squeeze-excitation gates,
         # whose gradient is the one arriving times activations at 1e-34).
-        order = {m: i for i, m in enumerate(flow.layers())}
         top = min((order.get(b, len(order)) for b in blockers), default=len(order))
         faded += [m for m in modules if m not in alive_out and m not in half
                   and m not in faded and order.get(m, len(order)) < top]

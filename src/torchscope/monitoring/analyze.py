@@ -365,7 +365,8 @@ def _weight_scale(record: RunRecord, t: RunThresholds) -> list[Finding]:
         summary = (f"the median layer's weights shrank {fmt_times(1 / factor)} between step "
                    f"{first} and step {last}: something pulls the whole model toward zero "
                    "faster than its gradients hold it")
-        if decays and record.optimizer in _DECAY_FACTOR:
+        if decays and record.optimizer in _DECAY_FACTOR and \
+                0 < max(lr * wd for lr, wd in decays) < 1:
             lr, wd = max(decays, key=lambda d: d[0] * d[1])
             evidence.update(lr=lr, weight_decay=wd, decay_per_step=lr * wd)
             fix = (f"lower the weight decay: {record.optimizer} multiplies each weight by "

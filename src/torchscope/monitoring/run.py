@@ -263,7 +263,7 @@ class Monitor(HookedContext):
                 says where the run stopped, and a failure to write it only warns.
         """
         # The optimizer's settings, before the reference is dropped: peaks seen at samples.
-        self._note_groups()
+        self._note_groups(end=True)
         groups = self._groups
         # Every close runs even if one raises: last in, first out (the profile, then the
         # gradient watch, which may still sample an unfinished step, then the others).
@@ -392,10 +392,11 @@ class Monitor(HookedContext):
         if tw is not None and tw.boundaries >= tw.window:
             self._close_profile(failed=False)
 
-    def _note_groups(self) -> None:
-        """Each parameter group's largest learning rate seen at a sampled step, and its
-        weight decay: a schedule that ends at 0 acted with its peak, not its last value."""
-        now = _param_groups(self._optimizer)
+    def _note_groups(self, *, end: bool = False) -> None:
+        """Each parameter group's largest learning rate seen at a sampled step (and at the
+        run's `end`, the only read of a tensor one), and its weight decay: a schedule that
+        ends at 0 acted with its peak, not its last value."""
+        now = _param_groups(self._optimizer, tensors=end)
         if len(now) != len(self._groups):  # the first read, or a group added since
             self._groups = now
             return
@@ -552,14 +553,19 @@ class Monitor(HookedContext):
         )
 
 
-def _param_groups(optimizer: Any) -> tuple[tuple[float, float], ...]:
+def _param_groups(optimizer: Any, *, tensors: bool = True) -> tuple[tuple[float, float], ...]:
     """(lr, weight_decay) of each of the optimizer's parameter groups, where both read as
-    numbers (a tensor learning rate is read once, when the run ends)."""
+    numbers. A tensor learning rate (`capturable` optimizers, schedulers that keep one) is
+    read only with `tensors` (the run's end: a read of a device tensor waits for it) and
+    is NaN otherwise."""
     out = []
     for g in getattr(optimizer, "param_groups", None) or ():
+        lr, wd = g.get("lr", math.nan), g.get("weight_decay", 0.0) or 0.0
+        if isinstance(lr, torch.Tensor) and not tensors:
+            lr = math.nan
         try:
-            out.append((float(g.get("lr", math.nan)), float(g.get("weight_decay", 0.0) or 0.0)))
-        except (TypeError, ValueError):
+            out.append((float(lr), float(wd)))
+        except (TypeError, ValueError, RuntimeError):
             continue
     return tuple(out)
 
