@@ -385,3 +385,34 @@ def test_constants_of_one_kind_and_value_are_one_finding() -> None:
     assert found["gate.0"].summary.endswith("its value at 0")
     assert found["gate.1"].evidence["value"] == 1.0 and "at_zero_input" not in \
         found["gate.1"].evidence
+
+
+def _pooled_bn(running_stats: bool = True) -> nn.Sequential:
+    """A conv stem pooled to 1×1, then a BatchNorm: its channels see one value per sample."""
+    return nn.Sequential(nn.Conv2d(3, 8, 3), nn.AdaptiveAvgPool2d(1),
+                         nn.BatchNorm2d(8, track_running_stats=running_stats),
+                         nn.Flatten(), nn.Linear(8, 2))
+
+
+def test_batch_norm_over_a_few_values_per_channel_is_found() -> None:
+    torch.manual_seed(0)
+    model = _pooled_bn()
+    x = torch.randn(2, 3, 8, 8)
+    (f,) = [f for f in capture_activations(model, x).findings()
+            if f.code == "activations.batch_stats"]
+    assert f.module == "2" and f.severity == Severity.WARNING
+    assert (f.evidence["values"], f.evidence["batch"], f.evidence["layers"]) == (2, 2, 1)
+    assert "over 2 values (a batch of 2 × 1 positions)" in f.summary
+    with torch.no_grad():  # torch: over two values, each channel's outputs are ±one value
+        out = model[2](model[1](model[0](x)))  # (2, 8, 1, 1), γ = 1, β = 0
+    assert torch.allclose(out[0], -out[1], atol=1e-6) and float(out.abs().max()) <= 1
+    # Enough values, or running statistics in eval mode: silent.
+    assert not [f for f in capture_activations(model, torch.randn(32, 3, 8, 8)).findings()
+                if f.code == "activations.batch_stats"]
+    model.eval()
+    assert not [f for f in capture_activations(model, x).findings()
+                if f.code == "activations.batch_stats"]
+    # Without running statistics, a BatchNorm uses the batch's even in eval mode.
+    stateless = _pooled_bn(running_stats=False).eval()
+    assert [f.module for f in capture_activations(stateless, x).findings()
+            if f.code == "activations.batch_stats"] == ["2"]

@@ -67,12 +67,14 @@ def _labels(n: int, classes: int = 10) -> torch.Tensor:
 
 # ---------------------------------------------------------------- healthy: transformers
 def hf_resnet() -> tuple[nn.Module, Any]:
+    """A ResNet at 64 pixels, batches of 8: its last stage's 2×2 map gives each BatchNorm
+    channel 32 values. (At 32 pixels and 4 images, 4 values: `activations.batch_stats`.)"""
     from transformers import ResNetConfig, ResNetForImageClassification
 
     cfg = ResNetConfig(embedding_size=16, hidden_sizes=[16, 32, 64, 128], depths=[2, 2, 2, 2],
                        layer_type="basic", num_labels=10)
     return ResNetForImageClassification(cfg), {
-        "pixel_values": torch.randn(4, 3, 32, 32, generator=_gen()), "labels": _labels(4)}
+        "pixel_values": torch.randn(8, 3, 64, 64, generator=_gen()), "labels": _labels(8)}
 
 
 def hf_vit() -> tuple[nn.Module, Any]:
@@ -191,6 +193,14 @@ def hf_vitmae(sincos: bool) -> Callable[[], tuple[nn.Module, Any]]:
                     if sincos else torch.zeros_like(t))
         return model, {"pixel_values": torch.randn(4, 3, 32, 32, generator=_gen())}
     return build
+
+
+def hf_resnet_small_batch() -> tuple[nn.Module, Any]:
+    """The same ResNet on 32-pixel images in batches of 4: its last stage is 1×1, and each
+    of its BatchNorm channels is normalised over 4 values."""
+    model, _ = hf_resnet()
+    return model, {"pixel_values": torch.randn(4, 3, 32, 32, generator=_gen()),
+                   "labels": _labels(4)}
 
 
 def hf_llama() -> tuple[nn.Module, Any]:
@@ -417,6 +427,8 @@ ZOO: tuple[Entry, ...] = (
           (Expect("grads.frozen_zero", "vit.embeddings"),),
           # what identical masked tokens leave: a decoder key projection with no gradient
           allowed=frozenset({"grads.dead"})),
+    Entry("hf-resnet-small-batch", hf_resnet_small_batch, (Expect(
+        "activations.batch_stats", "resnet.encoder.stages.3.layers.0.layer.0.normalization"),)),
     Entry("tanh-too-wide", tanh_too_wide, (Expect("activations.saturated", "1"),
                                            Expect("activations.saturated", "3"))),
     Entry("dead-layer", dead_layer, (

@@ -83,6 +83,8 @@ _WEIGHTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding)
 # as it is gets its statistics read (`ActivationRecord.model_input`), and its features' scale
 # along the dim each one reads them from (`_feature_dim`).
 _TAKES_DATA = (nn.Linear, nn.Bilinear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+# BatchNorm1d/2d/3d, their lazy forms and SyncBatchNorm.
+_BatchNorm = nn.modules.batchnorm._BatchNorm
 
 
 def _feature_dim(m: nn.Module) -> int | None:
@@ -116,6 +118,8 @@ class _Pending(NamedTuple):
     input_rows: tuple[int, ...]
     # A weighted layer's first input where that is the model's own input.
     model_input: _Leaf | None = None
+    # A BatchNorm that normalised this call with the batch's own statistics.
+    batch_stats: bool = False
 
 
 _Rows = tuple[list[int], torch.Tensor]
@@ -403,7 +407,7 @@ class ActivationCapture(HookedContext, Analyzed):
     def _make_hook(self, name: str, type_name: str, relu_family: bool, nonnegative: bool,
                    bounds: tuple[float, float] | None, units: tuple[Candidate, ...],
                    feature_dim: int | None) -> Any:
-        def hook(_module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
             # Inside backward, a forward is a checkpoint's recomputation of values the
             # forward already recorded (a reentrant checkpoint's first forward ran under
             # no_grad, and was recorded then).
@@ -450,9 +454,13 @@ class ActivationCapture(HookedContext, Analyzed):
                                t.device, values.numel(), row, dead, udim, sat, fused, -1, 0))
                 if self._store == "tensors":
                     self._keep(name, call, path, t)
+            # A BatchNorm normalises with the batch's statistics in training mode, and
+            # always without running statistics (`track_running_stats=False`).
+            batch_stats = isinstance(module, _BatchNorm) and (
+                module.training or module.running_mean is None)
             self._cur.append(
                 _Pending(name, type_name, call, len(self._cur), tuple(leaves), input_rows,
-                         model_input)
+                         model_input, batch_stats)
             )
 
         return hook
@@ -611,6 +619,7 @@ class ActivationCapture(HookedContext, Analyzed):
                         p.module in self._holders,
                         None if p.model_input is None
                         else _leaf_stats(p.model_input, rows, deads, sats, feats, counted),
+                        p.batch_stats,
                     )
                 )
         self._pending.clear()

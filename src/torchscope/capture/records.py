@@ -115,6 +115,8 @@ class ActivationRecord:
         model_input: for a Linear or convolution whose first input is the model's own
             input, a float tensor the model was called with, as it is: that input's
             statistics (what the data pipeline feeds the first layer); None otherwise.
+        batch_stats: for a BatchNorm, whether it normalised this call with the batch's own
+            statistics (training mode, or no running statistics kept); False otherwise.
     """
 
     module: str
@@ -126,6 +128,7 @@ class ActivationRecord:
     inputs_finite: bool
     owns_params: bool = False
     model_input: TensorStats | None = None
+    batch_stats: bool = False
 
     @property
     def output(self) -> TensorStats | None:
