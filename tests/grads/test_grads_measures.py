@@ -336,3 +336,75 @@ def test_muon_s_step_of_about_its_learning_rate_is_not_called_large() -> None:
         assert ratios and (min(ratios) > 0.01 if lr == 0.02 else min(ratios) > 0.1)
         found[lr] = [f.severity.name for f in watch.findings() if f.code == "grads.update_ratio"]
     assert found == {0.02: [], 0.5: ["WARNING"]}
+
+
+def _stale_run(model: nn.Module, lr: float, steps: int = 3, *, autocast: bool = False
+               ) -> tuple[dict[str, tuple[int, int]], object]:
+    """AdamW steps of a tiny GPT-2, watched on the last one; returns what torch counts on
+    that step (per parameter: elements with a nonzero gradient that `opt.step()` left
+    exactly as they were, and elements with a nonzero gradient) and the watch."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    ids = torch.randint(0, 100, (4, 16), generator=torch.Generator().manual_seed(0))
+    counts: dict[str, tuple[int, int]] = {}
+    with watch_gradients(model, optimizer=opt, every=steps, start=steps - 1) as watch:
+        for _ in range(steps):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                loss = model(ids, labels=ids).loss
+            loss.backward()
+            before = {n: p.detach().clone() for n, p in model.named_parameters()}
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()
+                     if p.grad is not None}
+            opt.step()
+            counts = {n: (int(((g != 0) & (p.detach() == before[n])).sum()),
+                          int((g != 0).sum()))
+                      for n, p in model.named_parameters() if (g := grads.get(n)) is not None}
+    return counts, watch
+
+
+@pytest.mark.parametrize("lr", [1e-5, 1e-8])
+def test_stale_bfloat16_weights_are_counted_as_torch_counts_them(tiny_gpt2, lr: float) -> None:
+    """A GPT-2 kept in bfloat16 under AdamW at a fine-tuning rate (1e-5): most updates are
+    under half the spacing of bfloat16 numbers at the weights and round back to them. The
+    update ratios alone read as ordinary; the count per parameter equals torch's. At 1e-8
+    the ratios are tiny because the steps were rounded away: not called a small step."""
+    torch.manual_seed(0)
+    model = tiny_gpt2.train().to(torch.bfloat16)
+    counts, watch = _stale_run(model, lr)
+    last = watch.last
+    assert last is not None
+    stale = {p.name: p.update_stale for p in last.params if p.tied_to is None}
+    assert stale == counts  # every parameter, exactly
+    (f,) = [f for f in watch.findings() if f.code == "grads.stale_weights"]
+    kept, moving = (sum(c[i] for c in counts.values()) for i in (0, 1))
+    assert f.severity == Severity.WARNING and f.evidence["kept"] == kept
+    assert f.evidence["moving"] == moving and kept / moving > 0.5
+    assert "float32" in f.fix and "autocast" in f.fix
+    assert not [f for f in watch.findings()
+                if f.code == "grads.update_ratio" and "small" in f.summary]
+
+
+@pytest.mark.parametrize("case", ["bfloat16-lr-1e-3", "float32-autocast", "lr-0"])
+def test_weights_that_move_are_not_called_stale(tiny_gpt2, case: str) -> None:
+    """bfloat16 weights under steps large enough to register (AdamW at 1e-3: a few percent
+    kept, LayerNorm gains at 1.0 first), float32 weights under bfloat16 autocast (mixed
+    precision), and a learning rate of 0 (nothing moves at all: not rounding) are silent."""
+    torch.manual_seed(0)
+    model = tiny_gpt2.train()
+    if case != "float32-autocast":
+        model = model.to(torch.bfloat16)
+    counts, watch = _stale_run(model, {"bfloat16-lr-1e-3": 1e-3, "lr-0": 0.0}.get(case, 1e-5),
+                               autocast=case == "float32-autocast")
+    assert not [f for f in watch.findings() if f.code == "grads.stale_weights"]
+    last = watch.last
+    assert last is not None
+    if case == "float32-autocast":
+        assert all(p.update_stale is None for p in last.params)
+        return
+    kept, moving = (sum(c[i] for c in counts.values()) for i in (0, 1))
+    if case == "lr-0":
+        assert kept == moving > 0
+        (f,) = [f for f in watch.findings() if f.code == "grads.update_ratio"]
+        assert "moved no layer" in f.summary and "half-precision" in f.summary
+    else:
+        assert 0 < kept / moving < 0.1

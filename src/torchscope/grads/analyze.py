@@ -56,6 +56,7 @@ __all__ = [
     "find_nonfinite",
     "find_not_optimized",
     "find_not_zeroed",
+    "find_stale_weights",
     "find_unreached",
     "find_unseen_forward",
     "find_update_ratio",
@@ -103,6 +104,11 @@ class GradThresholds:
         clipped_by: in a history, the median factor by which the loop's clipping shrank
             the gradients on the clipped samples, from which clipping on half the samples
             or more is said (`grads.clipped`).
+        stale_warn: the share of half-precision weights with a gradient that an update
+            left as they were (rounded back: `ParamGradRecord.update_stale`) from which
+            `grads.stale_weights` is a warning. A bfloat16 GPT-2 under AdamW keeps 82 % at
+            lr 1e-5, 15 % at 1e-4 and 1.5 % at 1e-3.
+        stale_info: the share from which it is an info.
     """
 
     possible: float = 10.0
@@ -119,6 +125,8 @@ class GradThresholds:
     update_elevated: float = 1e-2
     update_low: float = 1e-5
     clipped_by: float = 2.0
+    stale_warn: float = 0.5
+    stale_info: float = 0.1
 
 
 def layer_norms(flow: GradFlow, metric: Metric = "grad_output") -> list[tuple[str, float]]:
@@ -1273,17 +1281,26 @@ def find_update_ratio(flow: GradFlow, thresholds: GradThresholds | None = None, 
             fix="lower the learning rate (or warm it up); check the loss scale",
             module=hi[1])]
     if hi[0] == 0:  # no layer moved at all: nothing about the step's size to judge
+        # Half-precision weights also stay put under a step below half their spacing.
+        half = any(p.update_stale is not None for p in flow.params)
         return [Finding(
             code="grads.update_ratio",
             severity=Severity.INFO,
             summary=f"the optimizer step moved no layer's weights (‖Δw‖ = 0 in all "
             f"{len(ratios)}): a learning rate of 0, as on a warm-up's first step, a step "
-            "that skipped the update, or gradients cleared before it",
+            "that skipped the update, "
+            + ("gradients cleared before it, or a step too small for half-precision weights "
+               "to register (stale weights)" if half else "or gradients cleared before it"),
             evidence=evidence,
             fix="nothing to do on a warm-up's first step; otherwise check the learning rate, "
             "that the optimizer holds these parameters, and that zero_grad() does not run "
             "between backward() and step()",
             module=lo[1])]
+    stale = _stale_share(_stale_held(flow))
+    if median <= t.update_low and stale is not None and stale >= t.stale_warn:
+        # Most half-precision weights rounded their step away: the ratio measures the
+        # rounding, not the learning rate (`grads.stale_weights` says so).
+        return []
     if median <= t.update_low and flow.clip_factor > 1:
         # The update is lr times the clipped gradient: the clipping sets its size.
         evidence["clip_factor"] = flow.clip_factor
@@ -1323,6 +1340,62 @@ def find_update_ratio(flow: GradFlow, thresholds: GradThresholds | None = None, 
             "nothing",
             module=lo[1])]
     return []
+
+
+def _stale_held(flow: GradFlow) -> list[tuple[ParamGradRecord, tuple[int, int]]]:
+    """Half-precision parameters whose update was counted, with (kept, moving)."""
+    return [(p, p.update_stale) for p in flow.params
+            if p.update_stale is not None and p.tied_to is None and p.update_stale[1]]
+
+
+def _stale_share(held: list[tuple[ParamGradRecord, tuple[int, int]]]) -> float | None:
+    """The share of half-precision weights with a gradient that the update left as they
+    were; None where none was counted, or where nothing moved at all (a learning rate of 0
+    is as likely as rounding: `grads.update_ratio` says so)."""
+    kept = sum(c[0] for _, c in held)
+    moving = sum(c[1] for _, c in held)
+    return kept / moving if moving and kept < moving else None
+
+
+def find_stale_weights(flow: GradFlow, thresholds: GradThresholds | None = None
+                       ) -> list[Finding]:
+    """`grads.stale_weights`: bfloat16 or float16 weights that the optimizer's update left
+    exactly as they were though their gradient was nonzero (`update_stale`, measured with
+    the update ratios). Kept in half precision with no float32 master copy, a weight moves
+    only by a step of at least half the spacing of the dtype's numbers there: from 1/512 of
+    it in bfloat16, which at AdamW's fine-tuning rates (1e-5 per step) on weights of 0.02
+    is most of them (the Gopher paper's appendix C.2 saw it at scale). The loss then stalls
+    with no other sign: the update ratios stay ordinary, carried by the small weights that
+    still move."""
+    t = thresholds or GradThresholds()
+    held = _stale_held(flow)
+    share = _stale_share(held)
+    if share is None or share < t.stale_info:
+        return []
+    kept = sum(c[0] for _, c in held)
+    moving = sum(c[1] for _, c in held)
+    # Named by the parameter holding the most stale weights: LayerNorm gains at 1.0 go
+    # stale first (a step under 1/512 of 1.0), but are few.
+    worst, (w_kept, w_moving) = max(held, key=lambda pc: pc[1][0])
+    dtypes = sorted({p.dtype.removeprefix("torch.") for p, _ in held})
+    spacing = {"bfloat16": "1/512 to 1/256 of it in bfloat16",
+               "float16": "1/4096 to 1/2048 of it in float16"}
+    return [Finding(
+        code="grads.stale_weights",
+        severity=Severity.WARNING if share >= t.stale_warn else Severity.INFO,
+        summary=f"stale weights: the optimizer step left {share:.0%} of the {moving:,} "
+        f"{' and '.join(dtypes)} weights that had a gradient exactly as they were "
+        f"({len(held)} parameters; {w_kept:,} in {worst.name}): without float32 master "
+        "weights, a step under half the spacing of the dtype's numbers at a weight ("
+        + "; ".join(spacing[d] for d in dtypes if d in spacing) + ") rounds back to it",
+        evidence={"stale": share, "kept": kept, "moving": moving, "params": len(held),
+                  "dtypes": ", ".join(dtypes), "worst": worst.name,
+                  "worst_stale": w_kept / w_moving, "step": flow.index},
+        fix="keep the weights in float32 and compute in half precision under "
+        "torch.autocast (mixed precision: the update lands on float32 weights), or use an "
+        "optimizer that keeps a float32 copy of the weights or rounds "
+        "stochastically; a larger learning rate only moves the threshold",
+        module=worst.module)]
 
 
 def _grown_from_zero(flow: GradFlow) -> frozenset[str]:
@@ -1378,8 +1451,8 @@ def diagnose(flow: GradFlow, thresholds: GradThresholds | None = None) -> list[F
     """Every gradient finding for one step, most severe first (`flow.findings()`)."""
     found: list[Finding] = []
     for fn in (find_nonfinite, find_vanishing, find_exploding, find_dead, find_unreached,
-               find_frozen, find_frozen_zero, find_update_ratio, find_idle_forwards,
-               find_unseen_forward):
+               find_frozen, find_frozen_zero, find_update_ratio, find_stale_weights,
+               find_idle_forwards, find_unseen_forward):
         found += fn(flow, thresholds)
     found += rank_findings(flow)  # DDP/FSDP2 only: ranks that diverge or see skewed data
     return rank(found)

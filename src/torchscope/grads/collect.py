@@ -62,7 +62,7 @@ import math
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import nn
@@ -108,7 +108,7 @@ from torchscope.hooks.session import HookSession
 from torchscope.hooks.tree import iter_tensors, nested_values
 from torchscope.step import StepInfo
 
-__all__ = ["GradCollector", "with_updates"]
+__all__ = ["GradCollector", "Updates", "with_updates"]
 
 _HALF = (torch.float16, torch.bfloat16)
 _MAX_WALK = 256  # nodes followed back from an in-place op to the input's producer
@@ -272,6 +272,17 @@ def _host_floats_later(vals: list[torch.Tensor]) -> Callable[[], list[float]]:
     return read
 
 
+def _stale(grad: torch.Tensor, after: torch.Tensor, before: torch.Tensor
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Of a half-precision parameter's elements with a nonzero gradient, how many an update
+    left exactly as they were, and how many there are: two 0-d counts, on the device.
+    Without master weights, a step under half the spacing of bfloat16 numbers at a weight
+    (1/512 to 1/256 of it; float16: 1/4096 to 1/2048) rounds back to the weight."""
+    moving = grad != 0  # the elements the optimizer was given a direction for
+    kept = (moving & (after == before)).sum()  # ()
+    return kept, moving.sum()
+
+
 def _norm(t: torch.Tensor) -> torch.Tensor:
     """L2 norm as a 0-d tensor on t's device; half precision is summed in float32 so it
     cannot overflow. One read of `t`, no host sync."""
@@ -323,13 +334,34 @@ def total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
     return out
 
 
-def with_updates(flow: GradFlow, updates: dict[str, torch.Tensor]) -> GradFlow:
-    """`flow` with each parameter's `update_norm` filled from `updates` (parameter name ->
-    0-d device tensor, as `GradCollector.measure_updates` returns), copied to the host
-    once. A tied parameter's second name gets its first name's update."""
-    names = list(updates)
-    host = dict(zip(names, _host_floats([updates[n] for n in names]), strict=True))
-    params = tuple(replace(p, update_norm=host.get(p.tied_to or p.name)) for p in flow.params)
+class Updates(NamedTuple):
+    """What `GradCollector.measure_updates` read of one optimizer update, on the device.
+
+    Attributes:
+        norms: parameter name -> `‖w_after - w_before‖` (0-d).
+        stale: for bfloat16 and float16 parameters with a gradient, parameter name ->
+            (elements the update left as they were though their gradient was nonzero,
+            elements whose gradient was nonzero), 0-d counts each.
+    """
+
+    norms: dict[str, torch.Tensor]
+    stale: dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+def with_updates(flow: GradFlow, updates: Updates) -> GradFlow:
+    """`flow` with each parameter's `update_norm` (and `update_stale`) filled from
+    `updates`, as `GradCollector.measure_updates` returns them, copied to the host once. A
+    tied parameter's second name gets its first name's update."""
+    names = list(updates.norms)
+    stale = list(updates.stale)
+    vals = _host_floats([updates.norms[n] for n in names]
+                        + [c for n in stale for c in updates.stale[n]])
+    host = dict(zip(names, vals[:len(names)], strict=True))
+    counts = {n: (int(vals[len(names) + 2 * k]), int(vals[len(names) + 2 * k + 1]))
+              for k, n in enumerate(stale)}
+    params = tuple(replace(p, update_norm=host.get(p.tied_to or p.name),
+                           update_stale=counts.get(p.tied_to or p.name))
+                   for p in flow.params)
     return replace(flow, params=params)
 
 
@@ -1524,9 +1556,11 @@ class GradCollector(HookedContext):
             self._weight_vals = {i: n for (i, _, _), n in zip(kept, norms, strict=True)}
         self._before = [(i, name, p, c) for (i, name, p), c in zip(kept, copies, strict=True)]
 
-    def measure_updates(self) -> dict[str, torch.Tensor]:
+    def measure_updates(self) -> Updates:
         """Right after the update: `‖w_after - w_before‖` per parameter snapshotted by
-        `snapshot_weights`, as 0-d tensors; the copies are freed. Empty without a snapshot.
+        `snapshot_weights`, as 0-d tensors, and for bfloat16 and float16 parameters how many
+        elements with a nonzero gradient the update left as they were; the copies are freed.
+        Empty without a snapshot.
 
         On one process and under DDP they stay on the device (no host sync). Under FSDP2 a
         sharded parameter's update is the root of the summed squares of its shards' updates:
@@ -1534,12 +1568,16 @@ class GradCollector(HookedContext):
         and those of the sharded parameters come back on the host.
         """
         if not self._before:
-            return {}
+            return Updates({}, {})
         self._weight_vals = {}  # the weights moved: their snapshot norms are not theirs now
         indices = [i for i, _, _, _ in self._before]
         names = [name for _, name, _, _ in self._before]
         with torch.no_grad():
             after = [local_tensor(p).detach() for _, _, p, _ in self._before]
+            stale = {name: _stale(local_tensor(p.grad).detach(), now, before)
+                     for (_, name, p, before), now in zip(self._before, after, strict=True)
+                     if before.dtype in _HALF and p.grad is not None
+                     and p.grad.layout == torch.strided}
         befores = [before for _, _, _, before in self._before]
         self._before = []
         diffs = _kernels.diff_norms(after, befores)
@@ -1549,7 +1587,7 @@ class GradCollector(HookedContext):
             diffs = _norms(befores)
         if self._rank_aware is not None:
             diffs = self._rank_aware.whole_updates(indices, diffs)
-        return dict(zip(names, diffs, strict=True))
+        return Updates(dict(zip(names, diffs, strict=True)), stale)
 
     def discard(self) -> None:
         """Drop whatever the current step measured, and its hooks."""

@@ -21,7 +21,13 @@ from torchscope.distributed.ranked import Ranked
 from torchscope.distributed.world import local_tensor, strategy_of, world
 from torchscope.errors import TorchscopeError
 from torchscope.findings import Analyzed
-from torchscope.grads.collect import GradCollector, _host_floats, total_norm, with_updates
+from torchscope.grads.collect import (
+    GradCollector,
+    Updates,
+    _host_floats,
+    total_norm,
+    with_updates,
+)
 from torchscope.grads.records import GradFlow, GradHistory, ModuleGradRecord, combine_norms
 from torchscope.hooks.lifecycle import HookedContext
 from torchscope.hooks.select import Selector
@@ -321,7 +327,7 @@ class GradWatch(HookedContext, Analyzed):
         # The optimizer update of a sampled step: (step index, ‖Δw‖ per parameter on the
         # device), merged into that step's sample when `last` is read.
         self._update_step: int | None = None
-        self._pending_updates: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._pending_updates: tuple[int, Updates] | None = None
         # Sampled steps whose gradients the loop changed in place before the update
         # (clipping): (step index, the total norm of the model's gradients then, and of the
         # watched optimizer's where it steps only part of the model, 0-d on the device),

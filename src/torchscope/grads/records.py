@@ -214,6 +214,11 @@ class ParamGradRecord:
             owned by a module whose class name ends in `Experts`, as transformers' are),
             the norm of each expert's slice of the gradient: 0 for an expert that no token
             reached in the step. None for any other parameter, and under FSDP2.
+        update_stale: for a bfloat16 or float16 parameter whose update was measured,
+            `(kept, moving)`: of its `moving` elements with a nonzero gradient, the `kept`
+            ones the update left exactly as they were (stale weights: a step smaller than
+            half the spacing of the dtype's numbers at a weight rounds back to it). Under
+            FSDP2, this rank's shard. None otherwise.
     """
 
     name: str
@@ -227,6 +232,7 @@ class ParamGradRecord:
     update_norm: float | None = None
     tied_to: str | None = None
     expert_norms: tuple[float, ...] | None = None
+    update_stale: tuple[int, int] | None = None
 
     @property
     def finite(self) -> bool:
