@@ -64,6 +64,17 @@ def fmt_names(names: Sequence[str], shown: int = 3) -> str:
     return ", ".join(names[:shown]) + (f" and {rest} more" if rest > 0 else "")
 
 
+def common_parent(names: Sequence[str]) -> str:
+    """The deepest module containing every one of `names` ("" for the root)."""
+    split = [n.split(".") if n else [] for n in names]
+    common: list[str] = []
+    for parts in zip(*split, strict=False):
+        if len(set(parts)) != 1:
+            break
+        common.append(parts[0])
+    return ".".join(common)
+
+
 def fmt_times(ratio: float) -> str:
     """A ratio as a factor: `1.5×`, `32×`, `4.7e33×` (a collapse spans many orders)."""
     if ratio >= 1e4:

@@ -416,3 +416,40 @@ def test_batch_norm_over_a_few_values_per_channel_is_found() -> None:
     stateless = _pooled_bn(running_stats=False).eval()
     assert [f.module for f in capture_activations(stateless, x).findings()
             if f.code == "activations.batch_stats"] == ["2"]
+
+
+def _resnet() -> nn.Module:
+    """transformers' ResNet from a small config: 16 BatchNorm layers under `resnet`."""
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    cfg = ResNetConfig(embedding_size=16, hidden_sizes=[16, 32, 64, 128], depths=[1, 1, 1, 1],
+                       num_labels=10)
+    return ResNetForImageClassification(cfg)
+
+
+@pytest.mark.parametrize("case", ["frozen-in-training", "frozen-in-eval", "trainable"])
+def test_a_backbone_frozen_by_requires_grad_alone_still_changes(case: str) -> None:
+    """A ResNet backbone frozen with requires_grad_(False) and left in training mode (as the
+    HF Trainer's model.train() at every step leaves it): torch moves its BatchNorm running
+    statistics at each forward. In eval mode, or trained as a whole, nothing is said."""
+    torch.manual_seed(0)
+    model = _resnet().train()
+    if case != "trainable":
+        model.resnet.requires_grad_(False)
+    if case == "frozen-in-eval":
+        model.resnet.eval()
+    bn = model.resnet.embedder.embedder.normalization
+    before = bn.running_mean.clone()
+    x = torch.randn(8, 3, 32, 32)
+    found = [f for f in capture_activations(model, x).findings()
+             if f.code == "activations.frozen_batch_norm"]
+    moved = not torch.equal(before, bn.running_mean)  # torch: did the frozen part change?
+    assert moved == (case != "frozen-in-eval")
+    if case != "frozen-in-training":
+        assert not found
+        return
+    (f,) = found
+    assert f.severity == Severity.WARNING and f.module == "resnet"
+    assert f.evidence["layers"] == 16 == sum(
+        isinstance(m, nn.BatchNorm2d) for m in model.resnet.modules())
+    assert "eval" in f.fix and "FrozenBatchNorm2d" in f.fix

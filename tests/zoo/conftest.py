@@ -386,6 +386,14 @@ class _FineTune(nn.Module):
         return out
 
 
+def hf_resnet_frozen_bn() -> tuple[nn.Module, Any]:
+    """The healthy ResNet with its backbone frozen by requires_grad_(False) alone and left
+    in training mode: its 16 BatchNorm layers' running statistics still move."""
+    model, inputs = hf_resnet()
+    model.resnet.requires_grad_(False)
+    return model, inputs
+
+
 def frozen_backbone() -> tuple[nn.Module, Any]:
     """A frozen backbone under a trainable head: frozen is not dead."""
     model = _FineTune()
@@ -440,6 +448,10 @@ ZOO: tuple[Entry, ...] = (
           allowed=frozenset({"grads.nonfinite"})),
     Entry("unreached", unreached, (Expect("grads.unreached", "aux", Severity.INFO),)),
     Entry("frozen-backbone", frozen_backbone, (Expect("grads.frozen", "backbone", Severity.INFO),)),
+    Entry("hf-resnet-frozen-bn", hf_resnet_frozen_bn, (
+        Expect("activations.frozen_batch_norm", "resnet"),
+        Expect("grads.frozen", "resnet", Severity.INFO),
+    )),
 )
 
 

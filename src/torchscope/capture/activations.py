@@ -120,6 +120,8 @@ class _Pending(NamedTuple):
     model_input: _Leaf | None = None
     # A BatchNorm that normalised this call with the batch's own statistics.
     batch_stats: bool = False
+    # A BatchNorm in training mode with running statistics and frozen affine parameters.
+    frozen: bool = False
 
 
 _Rows = tuple[list[int], torch.Tensor]
@@ -458,9 +460,13 @@ class ActivationCapture(HookedContext, Analyzed):
             # always without running statistics (`track_running_stats=False`).
             batch_stats = isinstance(module, _BatchNorm) and (
                 module.training or module.running_mean is None)
+            # In training mode its running statistics move with every batch, whether or not
+            # its own weight trains: a backbone frozen by requires_grad alone still changes.
+            frozen = batch_stats and module.training and module.running_mean is not None \
+                and isinstance(module.weight, nn.Parameter) and not module.weight.requires_grad
             self._cur.append(
                 _Pending(name, type_name, call, len(self._cur), tuple(leaves), input_rows,
-                         model_input, batch_stats)
+                         model_input, batch_stats, frozen)
             )
 
         return hook
@@ -620,6 +626,7 @@ class ActivationCapture(HookedContext, Analyzed):
                         None if p.model_input is None
                         else _leaf_stats(p.model_input, rows, deads, sats, feats, counted),
                         p.batch_stats,
+                        p.frozen,
                     )
                 )
         self._pending.clear()

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from torchscope._util import fit_line, fmt_names, fmt_times, is_norm_type
+from torchscope._util import common_parent, fit_line, fmt_names, fmt_times, is_norm_type
 from torchscope.capture.activations import ActivationCapture
 from torchscope.capture.nonfinite import trace_nonfinite
 from torchscope.capture.records import ActivationRecord, ActivationRecords, TensorStats
@@ -172,6 +172,7 @@ def analyze_activations(
     out += _saturated(judged, capture.weighted, th)
     out += _input_scale(last, th)
     out += _batch_stats(judged, th)
+    out += _frozen_batch_norm(judged)
     out += _scale_drift(judged, weighted_order(judged, capture.weighted), th)
     if isinstance(capture, ActivationCapture):
         out += ran_eagerly("activations.compiled_eager", capture.compiled,
@@ -315,6 +316,34 @@ def _batch_stats(judged: Sequence[ActivationRecord], th: ActivationThresholds
             "GroupNorm/LayerNorm, which do not depend on the batch; when fine-tuning with "
             "small batches, keep BatchNorm in eval mode (its running statistics)",
         module=r.module)]
+
+
+def _frozen_batch_norm(judged: Sequence[ActivationRecord]) -> list[Finding]:
+    """`activations.frozen_batch_norm`: BatchNorm layers whose weights are frozen but that
+    ran in training mode (`ActivationRecord.frozen`). `requires_grad=False` stops their
+    weights, not their running statistics, which move toward each batch's (momentum 0.1),
+    while their outputs use the batch's own: a backbone frozen this way still changes, and
+    behaves differently in training and in evaluation. The usual cause: `model.train()`
+    (which the HF Trainer calls at every step, and Lightning at every epoch) puts back into
+    training mode a backbone the user set to eval once."""
+    names = list(dict.fromkeys(r.module for r in judged if r.frozen))
+    if not names:
+        return []
+    where = common_parent(names) if len(names) > 1 else names[0]
+    return [Finding(
+        "activations.frozen_batch_norm", Severity.WARNING,
+        f"{len(names)} BatchNorm layer(s) with frozen weights"
+        + (f" under {where}" if where and len(names) > 1 else "")
+        + f" ran in training mode ({fmt_names(names)}): requires_grad=False stops their "
+        "weights, not their running statistics, which move with every batch, and their "
+        "outputs use each batch's own statistics: the frozen part of the model still "
+        "changes",
+        {"layers": len(names), "modules": ", ".join(names), "under": where},
+        fix="keep them in eval mode after every model.train() (override train() on the "
+            "frozen module, or call .eval() on it at each step's start), or replace them "
+            "with torchvision.ops.FrozenBatchNorm2d; leave them if adapting their "
+            "statistics to the new data is intended",
+        module=where or names[0])]
 
 
 def _saturated_fix(module_type: str) -> str:

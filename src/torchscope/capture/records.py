@@ -117,6 +117,9 @@ class ActivationRecord:
             statistics (what the data pipeline feeds the first layer); None otherwise.
         batch_stats: for a BatchNorm, whether it normalised this call with the batch's own
             statistics (training mode, or no running statistics kept); False otherwise.
+        frozen: for a BatchNorm in training mode that keeps running statistics, whether its
+            own weight is frozen (`requires_grad=False`): its running statistics still move
+            with every batch. False otherwise.
     """
 
     module: str
@@ -129,6 +132,7 @@ class ActivationRecord:
     owns_params: bool = False
     model_input: TensorStats | None = None
     batch_stats: bool = False
+    frozen: bool = False
 
     @property
     def output(self) -> TensorStats | None:

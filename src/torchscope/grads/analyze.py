@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from torchscope._util import fit_line, fmt_names, fmt_times, is_norm_type
+from torchscope._util import common_parent, fit_line, fmt_names, fmt_times, is_norm_type
 from torchscope.errors import TorchscopeError
 from torchscope.findings import Finding, Severity, analyzer, rank
 from torchscope.grads.flow import GradWatch
@@ -1052,7 +1052,7 @@ def find_unreached(flow: GradFlow, thresholds: GradThresholds | None = None) -> 
                 missing.setdefault(p.module, []).append(p.name)
     found = []
     if cut:
-        where = _common_parent(list(cut))
+        where = common_parent(list(cut))
         count = sum(len(v) for v in cut.values())
         found.append(Finding(
             code="grads.unreached",
@@ -1168,17 +1168,6 @@ def _unused_in_every_block(flow: GradFlow, missing: dict[str, list[str]]) -> lis
     return found
 
 
-def _common_parent(names: Sequence[str]) -> str:
-    """The deepest module containing every one of `names` ("" for the root)."""
-    split = [n.split(".") if n else [] for n in names]
-    common: list[str] = []
-    for parts in zip(*split, strict=False):
-        if len(set(parts)) != 1:
-            break
-        common.append(parts[0])
-    return ".".join(common)
-
-
 def find_frozen(flow: GradFlow, thresholds: GradThresholds | None = None) -> list[Finding]:
     """Frozen parameters (requires_grad=False), named once: they are not trained, so no
     other finding judges them (a frozen layer is never "dead")."""
@@ -1187,7 +1176,7 @@ def find_frozen(flow: GradFlow, thresholds: GradThresholds | None = None) -> lis
     if not frozen:
         return []
     mods = list(dict.fromkeys(p.module for p in frozen))
-    where = _common_parent(mods) if len(mods) > 1 else mods[0]
+    where = common_parent(mods) if len(mods) > 1 else mods[0]
     total = len([p for p in flow.params if p.tied_to is None])
     return [Finding(
         code="grads.frozen",
