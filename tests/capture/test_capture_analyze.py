@@ -418,6 +418,32 @@ def test_batch_norm_over_a_few_values_per_channel_is_found() -> None:
             if f.code == "activations.batch_stats"] == ["2"]
 
 
+def test_a_sync_batch_norm_counts_the_values_of_every_rank_it_gathers() -> None:
+    """SyncBatchNorm normalises over its process group's batches: 2 values here are 16 over
+    8 ranks, the remedy the finding itself names. On one process it normalises locally, as
+    torch's forward decides, and is read so (its multi-rank path needs GPUs: torch refuses
+    CPU tensors there, so that is judged from the record)."""
+    from dataclasses import replace
+
+    from torchscope.capture.analyze import analyze_activations
+
+    torch.manual_seed(0)
+    model = nn.SyncBatchNorm.convert_sync_batchnorm(_pooled_bn())
+    assert isinstance(model[2], nn.SyncBatchNorm)
+    result = capture_activations(model, torch.randn(2, 3, 8, 8)).result()
+    (bn,) = [r for r in result.records if r.module == "2"]
+    assert bn.batch_stats and bn.batch_ranks == 1  # no process group: local statistics
+    assert [f.evidence["values"] for f in analyze_activations(result)
+            if f.code == "activations.batch_stats"] == [2]
+    gathered = [replace(r, batch_ranks=8) if r.module == "2" else r for r in result.records]
+    assert not [f for f in analyze_activations(replace(result, records=tuple(gathered)))
+                if f.code == "activations.batch_stats"]
+    two = [replace(r, batch_ranks=2) if r.module == "2" else r for r in result.records]
+    (f,) = [f for f in analyze_activations(replace(result, records=tuple(two)))
+            if f.code == "activations.batch_stats"]
+    assert f.evidence["values"] == 4 and "× 2 ranks" in f.summary
+
+
 def _resnet() -> nn.Module:
     """transformers' ResNet from a small config: 16 BatchNorm layers under `resnet`."""
     from transformers import ResNetConfig, ResNetForImageClassification

@@ -8,6 +8,7 @@ import weakref
 from typing import Any, Literal, NamedTuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from torchscope import _kernels
@@ -87,6 +88,15 @@ _TAKES_DATA = (nn.Linear, nn.Bilinear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _BatchNorm = nn.modules.batchnorm._BatchNorm
 
 
+def _synced_ranks(m: nn.Module) -> int:
+    """The ranks whose batches a SyncBatchNorm normalises over in this call, as its forward
+    decides (training, a process group of more than one rank); 1 for any other layer."""
+    if not (isinstance(m, nn.SyncBatchNorm) and m.training and dist.is_available()
+            and dist.is_initialized()):
+        return 1
+    return int(dist.get_world_size(m.process_group or dist.group.WORLD))
+
+
 def _feature_dim(m: nn.Module) -> int | None:
     """Where a layer that takes data holds its input's features: the last dim for a linear
     layer, dim 1 (channels) for a convolution; None for other modules."""
@@ -122,6 +132,8 @@ class _Pending(NamedTuple):
     batch_stats: bool = False
     # A BatchNorm in training mode with running statistics and frozen affine parameters.
     frozen: bool = False
+    # A SyncBatchNorm that normalised over its process group's batches: the group's size.
+    batch_ranks: int = 1
 
 
 _Rows = tuple[list[int], torch.Tensor]
@@ -466,7 +478,8 @@ class ActivationCapture(HookedContext, Analyzed):
                 and isinstance(module.weight, nn.Parameter) and not module.weight.requires_grad
             self._cur.append(
                 _Pending(name, type_name, call, len(self._cur), tuple(leaves), input_rows,
-                         model_input, batch_stats, frozen)
+                         model_input, batch_stats, frozen,
+                         _synced_ranks(module) if batch_stats else 1)
             )
 
         return hook
@@ -627,6 +640,7 @@ class ActivationCapture(HookedContext, Analyzed):
                         else _leaf_stats(p.model_input, rows, deads, sats, feats, counted),
                         p.batch_stats,
                         p.frozen,
+                        p.batch_ranks,
                     )
                 )
         self._pending.clear()

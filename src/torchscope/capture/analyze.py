@@ -293,7 +293,9 @@ def _batch_stats(judged: Sequence[ActivationRecord], th: ActivationThresholds
                 not s.shape[1]:
             continue
         seen.add(r.module)
-        values = s.numel // s.shape[1]  # per channel: N × positions
+        # Per channel: N × positions, on every rank a SyncBatchNorm gathers (each rank's
+        # batch taken as this one's size).
+        values = s.numel // s.shape[1] * r.batch_ranks
         if 0 < values <= th.batch_norm_values:
             few.append((values, r))
     if not few:
@@ -302,15 +304,18 @@ def _batch_stats(judged: Sequence[ActivationRecord], th: ActivationThresholds
     values, r = few[0]
     names = [x.module for _, x in few]
     batch = r.output.shape[0] if r.output is not None else 0
+    ranks = r.batch_ranks
     return [Finding(
         "activations.batch_stats", Severity.WARNING,
         f"{r.module} ({r.module_type}) normalises each channel over {values} values "
-        f"(a batch of {batch} × {values // batch if batch else 0} positions)"
+        f"(a batch of {batch} × {values // (batch * ranks) if batch else 0} positions"
+        + (f" × {ranks} ranks" if ranks > 1 else "") + ")"
         + (f", and {len(few) - 1} more BatchNorm layer(s) over {th.batch_norm_values} or "
            "fewer" if len(few) > 1 else "")
         + ": batch statistics over so few values pin its output near ±γ (+ β), whatever "
         "the input, and make its gradients large",
-        {"values": values, "batch": batch, "layers": len(few), "modules": ", ".join(names)},
+        {"values": values, "batch": batch, "ranks": ranks, "layers": len(few),
+         "modules": ", ".join(names)},
         fix="give BatchNorm more values per channel: a larger batch per device (or "
             "nn.SyncBatchNorm across devices), or larger inputs; or replace it with "
             "GroupNorm/LayerNorm, which do not depend on the batch; when fine-tuning with "

@@ -120,6 +120,9 @@ class ActivationRecord:
         frozen: for a BatchNorm in training mode that keeps running statistics, whether its
             own weight is frozen (`requires_grad=False`): its running statistics still move
             with every batch. False otherwise.
+        batch_ranks: for a SyncBatchNorm that normalised over its process group (training,
+            more than one rank), the group's size: its statistics cover that many ranks'
+            batches. 1 otherwise.
     """
 
     module: str
@@ -133,6 +136,7 @@ class ActivationRecord:
     model_input: TensorStats | None = None
     batch_stats: bool = False
     frozen: bool = False
+    batch_ranks: int = 1
 
     @property
     def output(self) -> TensorStats | None:
