@@ -388,7 +388,7 @@ class _FineTune(nn.Module):
 
 def hf_resnet_frozen_bn() -> tuple[nn.Module, Any]:
     """The healthy ResNet with its backbone frozen by requires_grad_(False) alone and left
-    in training mode: its 16 BatchNorm layers' running statistics still move."""
+    in training mode: its 20 BatchNorm layers' running statistics still move."""
     model, inputs = hf_resnet()
     model.resnet.requires_grad_(False)
     return model, inputs

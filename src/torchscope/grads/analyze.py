@@ -1285,7 +1285,7 @@ def find_update_ratio(flow: GradFlow, thresholds: GradThresholds | None = None, 
             "that the optimizer holds these parameters, and that zero_grad() does not run "
             "between backward() and step()",
             module=lo[1])]
-    stale = _stale_share(_stale_held(flow))
+    stale = _stale(flow)[3]
     if median <= t.update_low and stale is not None and stale >= t.stale_warn:
         # Most half-precision weights rounded their step away: the ratio measures the
         # rounding, not the learning rate (`grads.stale_weights` says so).
@@ -1331,19 +1331,19 @@ def find_update_ratio(flow: GradFlow, thresholds: GradThresholds | None = None, 
     return []
 
 
-def _stale_held(flow: GradFlow) -> list[tuple[ParamGradRecord, tuple[int, int]]]:
-    """Half-precision parameters whose update was counted, with (kept, moving)."""
-    return [(p, p.update_stale) for p in flow.params
-            if p.update_stale is not None and p.tied_to is None and p.update_stale[1]]
+_Stale = tuple[list[tuple[ParamGradRecord, tuple[int, int]]], int, int, float | None]
 
 
-def _stale_share(held: list[tuple[ParamGradRecord, tuple[int, int]]]) -> float | None:
-    """The share of half-precision weights with a gradient that the update left as they
-    were; None where none was counted, or where nothing moved at all (a learning rate of 0
+def _stale(flow: GradFlow) -> _Stale:
+    """Half-precision parameters whose update was counted, with (kept, moving) each; the
+    totals of both; and the share of weights with a gradient that the update left as they
+    were: None where none was counted, or where nothing moved at all (a learning rate of 0
     is as likely as rounding: `grads.update_ratio` says so)."""
+    held = [(p, p.update_stale) for p in flow.params
+            if p.update_stale is not None and p.tied_to is None and p.update_stale[1]]
     kept = sum(c[0] for _, c in held)
     moving = sum(c[1] for _, c in held)
-    return kept / moving if moving and kept < moving else None
+    return held, kept, moving, kept / moving if moving and kept < moving else None
 
 
 def find_stale_weights(flow: GradFlow, thresholds: GradThresholds | None = None
@@ -1357,12 +1357,9 @@ def find_stale_weights(flow: GradFlow, thresholds: GradThresholds | None = None
     with no other sign: the update ratios stay ordinary, carried by the small weights that
     still move."""
     t = thresholds or GradThresholds()
-    held = _stale_held(flow)
-    share = _stale_share(held)
+    held, kept, moving, share = _stale(flow)
     if share is None or share < t.stale_info:
         return []
-    kept = sum(c[0] for _, c in held)
-    moving = sum(c[1] for _, c in held)
     # Named by the parameter holding the most stale weights: LayerNorm gains at 1.0 go
     # stale first (a step under 1/512 of 1.0), but are few.
     worst, (w_kept, w_moving) = max(held, key=lambda pc: pc[1][0])
