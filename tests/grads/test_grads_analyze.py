@@ -14,6 +14,7 @@ from torchscope.findings import Severity
 from torchscope.grads import GradThresholds, diagnose, gradient_flow, layer_norms
 from torchscope.grads.analyze import (
     diagnose_history,
+    find_broken_update,
     find_dead,
     find_exploding,
     find_nonfinite,
@@ -22,6 +23,7 @@ from torchscope.grads.analyze import (
 )
 from torchscope.grads.records import (
     INPUT_NO_GRAD,
+    BrokenUpdate,
     GradFlow,
     GradHistory,
     ModuleGradRecord,
@@ -388,3 +390,29 @@ def test_a_frozen_table_left_at_zero_is_found() -> None:
     flow = gradient_flow(filled, x, loss_fn="sum")
     assert flow.frozen_zero == ()
     assert not [f for f in diagnose(flow) if f.code == "grads.frozen_zero"]
+
+
+@pytest.mark.parametrize(("optimizer", "dtype", "eps", "named"), [
+    ("AdamW", "torch.float16", 1e-8, True),
+    ("Adagrad", "torch.float16", 1e-10, True),
+    ("Adam", "torch.float16", 2.0 ** -25, True),  # a tie: rounds to even, 0
+    ("Adam", "torch.float16", 1e-7, False),  # float16 holds it (as 1.2e-7)
+    ("AdamW", "torch.bfloat16", 1e-8, False),  # bfloat16 has float32's range
+    ("SGD", "torch.float16", 1e-8, False),  # no eps in its step
+    ("AdamW", "torch.float16", None, False),
+])
+def test_a_broken_update_names_eps_only_where_the_dtype_rounds_it_to_zero(
+        optimizer: str, dtype: str, eps: float | None, named: bool) -> None:
+    """The eps is named as the cause only for an optimizer that divides by it and a dtype
+    in which torch rounds it to 0; the threshold is torch's own rounding."""
+    torch_dtype = getattr(torch, dtype.removeprefix("torch."))
+    if eps is not None:
+        assert (torch.tensor(eps, dtype=torch_dtype) == 0).item() == (
+            dtype == "torch.float16" and eps <= 2.0 ** -25)
+    broken = BrokenUpdate(step=3, params=("fc.weight", "fc.bias"), dtypes=(dtype,),
+                          measured=4, optimizer=optimizer, eps=eps)
+    (f,) = find_broken_update(broken)
+    assert f.code == "grads.nonfinite_update" and f.severity == Severity.ERROR
+    assert f.module == "fc" and f.evidence["parameters"] == 2 and f.evidence["step"] == 3
+    assert ("is 0 in float16" in f.summary) == named
+    assert find_broken_update(None) == []

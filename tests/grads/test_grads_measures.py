@@ -408,3 +408,101 @@ def test_weights_that_move_are_not_called_stale(tiny_gpt2, case: str) -> None:
         assert "moved no layer" in f.summary and "half-precision" in f.summary
     else:
         assert 0 < kept / moving < 0.1
+
+
+def _broken_run(model: nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor, steps: int,
+                **watch_kw: object) -> tuple[list[list[str]], list[bool], object]:
+    """Watched steps of a language model; returns, per step, the parameters that torch
+    shows finite before `opt.step()` (weights and gradient) and NaN/Inf after it; per step,
+    whether those are NaN/Inf exactly where Adam's running square (`exp_avg_sq`) is 0
+    (vacuously where none is); and the watch."""
+    broken: list[list[str]] = []
+    at_zero: list[bool] = []
+    with watch_gradients(model, optimizer=opt, **watch_kw) as watch:  # type: ignore[arg-type]
+        for _ in range(steps):
+            opt.zero_grad()
+            model(ids, labels=ids).loss.backward()
+            finite = {n for n, p in model.named_parameters() if bool(p.isfinite().all())
+                      and p.grad is not None and bool(p.grad.isfinite().all())}
+            opt.step()
+            broken.append([n for n, p in model.named_parameters()
+                           if n in finite and not bool(p.isfinite().all())])
+            at_zero.append(all(torch.equal(~p.isfinite(), opt.state[p]["exp_avg_sq"] == 0)
+                               for n, p in model.named_parameters() if n in broken[-1]))
+    return broken, at_zero, watch
+
+
+@pytest.mark.parametrize("sampling", ["every-step", "callback", "first-only"])
+def test_an_update_that_writes_nan_into_float16_weights_is_named_with_adams_eps(
+        tiny_gpt2, sampling: str) -> None:
+    """A GPT-2 kept in float16 under AdamW (eps 1e-8, which is 0 in float16): its first
+    update turns finite weights NaN/Inf wherever a gradient's running square underflowed to
+    0, and every later step is NaN. The watch names that update, as torch's own before and
+    after show it, and the eps; not the NaN gradients of the steps after it. Read alike
+    where a callback takes each sample before its update, and where only step 0 is
+    sampled."""
+    torch.manual_seed(0)
+    model = tiny_gpt2.train().to(torch.float16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    ids = torch.randint(0, 100, (4, 16), generator=torch.Generator().manual_seed(0))
+    kw: dict[str, object] = {"every": 1}
+    if sampling == "callback":
+        kw["on_sample"] = lambda flow: None
+    elif sampling == "first-only":
+        kw = {"every": 100}
+    broken, at_zero, watch = _broken_run(model, opt, ids, 3, **kw)
+    assert broken[0] and not broken[1] and not broken[2]  # torch: step 0 wrote them
+    assert at_zero[0]  # the cause named is torch's: where the running square underflowed
+    b = watch.broken_update
+    assert b is not None and b.step == 0 and list(b.params) == broken[0]
+    assert b.dtypes == ("torch.float16",) and b.optimizer == "AdamW" and b.eps == 1e-8
+    found = watch.findings()
+    (f,) = [f for f in found if f.code == "grads.nonfinite_update"]
+    assert f.severity == Severity.ERROR and f.evidence["step"] == 0
+    assert "eps=1e-08 is 0 in float16" in f.summary and "1e-4" in f.fix
+    assert not [f for f in found if f.code == "grads.nonfinite"]
+
+
+def test_an_overflowing_update_is_named_without_blaming_eps() -> None:
+    """SGD with a learning rate that carries float16 weights past 65504: the update wrote
+    Inf, and there is no eps to blame."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)).half()
+    opt = torch.optim.SGD(model.parameters(), lr=6e4)  # float16 holds it; lr × grad it does not
+    x = torch.randn(16, 8).half()
+    with watch_gradients(model, optimizer=opt, every=1) as watch:
+        opt.zero_grad()
+        (model(x).float().sum() * 100).backward()
+        assert all(bool(p.grad.isfinite().all()) for p in model.parameters())
+        opt.step()
+    inf = [n for n, p in model.named_parameters() if not bool(p.isfinite().all())]
+    b = watch.broken_update
+    assert inf and b is not None and list(b.params) == inf and b.eps is None
+    (f,) = [f for f in watch.findings() if f.code == "grads.nonfinite_update"]
+    assert "eps" not in f.summary and "lower the learning rate" in f.fix
+
+
+@pytest.mark.parametrize("case", ["float16-eps-1e-4", "bfloat16", "float32", "nan-input"])
+def test_updates_that_keep_weights_finite_or_carry_nan_gradients_are_no_broken_update(
+        tiny_gpt2, case: str) -> None:
+    """float16 weights under AdamW with an eps float16 holds (1e-4), bfloat16 and float32
+    weights under eps 1e-8 train finite: silent. NaN gradients (a NaN input) make NaN
+    weights too, but from NaN gradients: that is `grads.nonfinite`'s, not the update's."""
+    torch.manual_seed(0)
+    model = tiny_gpt2.train()
+    if case != "float32":
+        model = model.to(torch.bfloat16 if case == "bfloat16" else torch.float16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5,
+                            eps=1e-4 if case == "float16-eps-1e-4" else 1e-8)
+    ids = torch.randint(0, 100, (4, 16), generator=torch.Generator().manual_seed(0))
+    nan = model.transformer.wpe.register_forward_hook(lambda m, i, o: o * math.nan) \
+        if case == "nan-input" else None
+    broken, _, watch = _broken_run(model, opt, ids, 2, every=1)
+    if nan is not None:
+        nan.remove()
+    assert watch.broken_update is None and not any(broken)
+    codes = {f.code for f in watch.findings()}
+    assert "grads.nonfinite_update" not in codes
+    assert ("grads.nonfinite" in codes) == (case == "nan-input")
+    if case != "nan-input":
+        assert all(bool(p.isfinite().all()) for p in model.parameters())

@@ -191,6 +191,28 @@ def test_nan_onset_names_the_step_and_the_module(every: int) -> None:
         assert "the cause is at or before step 12" in f.summary
 
 
+def test_nan_written_by_the_update_is_named_as_the_update_not_a_module(tiny_gpt2) -> None:
+    """A GPT-2 kept in float16 under AdamW: step 0's gradients are finite, its update writes
+    NaN/Inf into the weights (eps 1e-8 is 0 in float16), and step 1's embedding produces
+    NaN from them. The run names the update, not the embedding at step 1."""
+    torch.manual_seed(0)
+    model = tiny_gpt2.train().to(torch.float16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    ids = torch.randint(0, 100, (4, 16), generator=torch.Generator().manual_seed(0))
+    with torchscope.monitor(model, opt, every=1, out=None, memory=False) as mon:
+        for _ in range(3):
+            opt.zero_grad()
+            model(ids, labels=ids).loss.backward()
+            opt.step()
+    run = mon.result
+    assert run.onset.gradient_step == 1 and run.onset.forward_step == 1
+    assert run.broken_update is not None and run.broken_update.step == 0
+    nonfinite = [f for f in run.findings() if "nonfinite" in f.code]
+    assert [f.code for f in nonfinite] == ["grads.nonfinite_update"]
+    assert nonfinite[0].severity == Severity.ERROR
+    assert "eps=1e-08 is 0 in float16" in nonfinite[0].summary
+
+
 @pytest.mark.slow
 def test_a_compiled_model_is_said_to_run_eagerly_under_the_monitor() -> None:
     """...and runs compiled again after it: the monitor's watches, each holding the eager

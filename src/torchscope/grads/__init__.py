@@ -32,6 +32,7 @@ gradients differ (`grads.ranks_diverge`) and skewed local gradients (`grads.rank
 from torchscope.grads.analyze import GradThresholds, depth_profile, diagnose, layer_norms
 from torchscope.grads.flow import GradWatch, gradient_flow, watch_gradients
 from torchscope.grads.records import (
+    BrokenUpdate,
     GradFlow,
     GradHistory,
     LayerGrads,
@@ -42,6 +43,7 @@ from torchscope.grads.records import (
 )
 
 __all__ = [
+    "BrokenUpdate",
     "GradFlow",
     "GradHistory",
     "GradThresholds",

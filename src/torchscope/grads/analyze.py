@@ -27,6 +27,7 @@ from torchscope.grads.records import (
     NOT_RUN,
     RAN_IN_REENTRANT_CHECKPOINT,
     RAN_NO_GRAD,
+    BrokenUpdate,
     GradFlow,
     GradHistory,
     LayerGrads,
@@ -46,6 +47,7 @@ __all__ = [
     "diagnose",
     "diagnose_history",
     "diagnose_watch",
+    "find_broken_update",
     "find_cleared",
     "find_clipping",
     "find_dead",
@@ -1036,6 +1038,56 @@ def find_nonfinite(flow: GradFlow, thresholds: GradThresholds | None = None) -> 
     )]
 
 
+# Optimizers whose step divides by a running statistic plus `eps` (Adam's sqrt(v) + eps).
+_DIVIDES_BY_EPS = frozenset({"Adam", "AdamW", "NAdam", "RAdam", "Adamax", "Adagrad",
+                             "Adadelta", "RMSprop", "SparseAdam"})
+# The smallest positive number of each half-precision dtype (a subnormal): a value at or
+# under half of it rounds to 0 there.
+_SMALLEST = {"torch.float16": 2.0 ** -24, "torch.bfloat16": 2.0 ** -133}
+
+
+def find_broken_update(broken: BrokenUpdate | None) -> list[Finding]:
+    """`grads.nonfinite_update` (error): an optimizer update wrote NaN/Inf into parameters
+    whose weights and gradients were finite (`GradFlow.broken_update`; a watch's first,
+    `GradWatch.broken_update`). Every later forward computes with those weights, so the
+    NaN/Inf that later steps show starts here, not in a module. Where the optimizer
+    divides by a running statistic plus `eps` and `eps` is 0 in the parameters' dtype
+    (Adam's default 1e-8 in float16), that is named: a statistic that underflows to 0
+    then divides by 0."""
+    if broken is None:
+        return []
+    zero_in = [d for d in broken.dtypes if broken.eps is not None and d in _SMALLEST
+               and broken.eps <= _SMALLEST[d] / 2]
+    opt = broken.optimizer or "the optimizer"
+    cause = ""
+    if zero_in and broken.optimizer in _DIVIDES_BY_EPS:
+        dtype = zero_in[0].removeprefix("torch.")
+        cause = (f": {opt}'s eps={broken.eps:g} is 0 in {dtype} (its smallest number is "
+                 f"{_SMALLEST[zero_in[0]]:.1e}), so where a gradient's running square "
+                 "underflows to 0 the step divides by 0")
+        fix = (f"keep the weights in float32 and run the forward under torch.autocast("
+               f"dtype=torch.{dtype}) with a torch.amp.GradScaler: {opt} then keeps its "
+               f"state in float32; if the weights must stay {dtype}, pass an eps that "
+               f"{dtype} holds (1e-4, not {broken.eps:g}).")
+    else:
+        fix = ("lower the learning rate; with half-precision weights, keep them in float32 "
+               "under torch.autocast; look for NaN/Inf in the optimizer's state (a custom "
+               "optimizer that divides by a running statistic needs an eps).")
+    return [Finding(
+        code="grads.nonfinite_update",
+        severity=Severity.ERROR,
+        summary=f"{opt}'s update at step {broken.step} wrote NaN/Inf into "
+                f"{len(broken.params)} of {broken.measured} parameters "
+                f"({fmt_names(broken.params, 3)}) whose weights and gradients were finite"
+                f"{cause}; every later step computes with them",
+        evidence={"step": broken.step, "parameters": len(broken.params),
+                  "measured": broken.measured, "first": broken.params[0],
+                  "dtypes": ", ".join(broken.dtypes), "eps": broken.eps},
+        fix=fix,
+        module=broken.params[0].rpartition(".")[0] or None,
+    )]
+
+
 def find_unreached(flow: GradFlow, thresholds: GradThresholds | None = None) -> list[Finding]:
     """Trainable parameters that received no gradient this step, one finding per module
     (the first five; the rest in one more). Those whose modules ran only inside a
@@ -1440,6 +1492,7 @@ def diagnose(flow: GradFlow, thresholds: GradThresholds | None = None) -> list[F
                find_frozen, find_frozen_zero, find_update_ratio, find_stale_weights,
                find_idle_forwards, find_unseen_forward):
         found += fn(flow, thresholds)
+    found += find_broken_update(flow.broken_update)
     found += rank_findings(flow)  # DDP/FSDP2 only: ranks that diverge or see skewed data
     return rank(found)
 
@@ -1643,6 +1696,13 @@ def diagnose_watch(watch: GradWatch, thresholds: GradThresholds | None = None) -
     history's, most severe first."""
     last = watch.last
     found = diagnose(last, thresholds) if last is not None else []
+    broken = watch.broken_update
+    if broken is not None:
+        # The first update that wrote NaN/Inf is the cause of the NaN/Inf gradients of the
+        # steps after it, last's included: they computed with its weights.
+        found = [f for f in found if f.code != "grads.nonfinite_update"
+                 and not _after_update(f, broken)]
+        found += find_broken_update(broken)
     found += find_no_step(watch.step_by, watch.steps, watch.backwards, watch.optimizer_name)
     found += find_no_update(watch.backwards, watch.passes_without_update, watch.steps)
     found += find_not_zeroed(watch.unzeroed_steps, watch.first_unzeroed, watch.steps,
@@ -1651,4 +1711,13 @@ def diagnose_watch(watch: GradWatch, thresholds: GradThresholds | None = None) -
                           watch.history)
     found += find_not_optimized(watch.unoptimized, watch.optimizer_name)
     found += ran_eagerly("grads.compiled_eager", watch.compiled, "the gradient watch")
-    return rank(found + diagnose_history(watch.history, thresholds))
+    history = diagnose_history(watch.history, thresholds)
+    if broken is not None:
+        history = [f for f in history if not _after_update(f, broken)]
+    return rank(found + history)
+
+
+def _after_update(finding: Finding, broken: BrokenUpdate) -> bool:
+    """A `grads.nonfinite` of a step after the update that wrote NaN/Inf into weights."""
+    step = finding.evidence.get("step")
+    return finding.code == "grads.nonfinite" and isinstance(step, int) and step > broken.step

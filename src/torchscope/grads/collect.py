@@ -108,7 +108,7 @@ from torchscope.hooks.session import HookSession
 from torchscope.hooks.tree import iter_tensors, nested_values
 from torchscope.step import StepInfo
 
-__all__ = ["GradCollector", "Updates", "with_updates"]
+__all__ = ["GradCollector", "HostUpdates", "Updates", "updates_later", "with_updates"]
 
 _HALF = (torch.float16, torch.bfloat16)
 _MAX_WALK = 256  # nodes followed back from an in-place op to the input's producer
@@ -348,19 +348,40 @@ class Updates(NamedTuple):
     stale: dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
-def with_updates(flow: GradFlow, updates: Updates) -> GradFlow:
-    """`flow` with each parameter's `update_norm` (and `update_stale`) filled from
-    `updates`, as `GradCollector.measure_updates` returns them, copied to the host once. A
-    tied parameter's second name gets its first name's update."""
+class HostUpdates(NamedTuple):
+    """`Updates` on the host: parameter name -> update norm, and -> (kept, moving)."""
+
+    norms: dict[str, float]
+    stale: dict[str, tuple[int, int]]
+
+
+def updates_later(updates: Updates) -> Callable[[], HostUpdates]:
+    """`updates` on their way to the host: the copy starts now (`_host_floats_later`: no
+    wait on CUDA) and the returned function waits for it, once, when first called."""
     names = list(updates.norms)
     stale = list(updates.stale)
-    vals = _host_floats([updates.norms[n] for n in names]
-                        + [c for n in stale for c in updates.stale[n]])
-    host = dict(zip(names, vals[:len(names)], strict=True))
-    counts = {n: (int(vals[len(names) + 2 * k]), int(vals[len(names) + 2 * k + 1]))
-              for k, n in enumerate(stale)}
-    params = tuple(replace(p, update_norm=host.get(p.tied_to or p.name),
-                           update_stale=counts.get(p.tied_to or p.name))
+    read = _host_floats_later([updates.norms[n] for n in names]
+                              + [c for n in stale for c in updates.stale[n]])
+    done: list[HostUpdates] = []
+
+    def host() -> HostUpdates:
+        if not done:
+            vals = read()
+            done.append(HostUpdates(
+                dict(zip(names, vals[:len(names)], strict=True)),
+                {n: (int(vals[len(names) + 2 * k]), int(vals[len(names) + 2 * k + 1]))
+                 for k, n in enumerate(stale)}))
+        return done[0]
+
+    return host
+
+
+def with_updates(flow: GradFlow, updates: HostUpdates) -> GradFlow:
+    """`flow` with each parameter's `update_norm` (and `update_stale`) filled from
+    `updates`, as `GradCollector.measure_updates` measured them (`updates_later`). A tied
+    parameter's second name gets its first name's update."""
+    params = tuple(replace(p, update_norm=updates.norms.get(p.tied_to or p.name),
+                           update_stale=updates.stale.get(p.tied_to or p.name))
                    for p in flow.params)
     return replace(flow, params=params)
 

@@ -23,12 +23,19 @@ from torchscope.errors import TorchscopeError
 from torchscope.findings import Analyzed
 from torchscope.grads.collect import (
     GradCollector,
-    Updates,
+    HostUpdates,
     _host_floats,
     total_norm,
+    updates_later,
     with_updates,
 )
-from torchscope.grads.records import GradFlow, GradHistory, ModuleGradRecord, combine_norms
+from torchscope.grads.records import (
+    BrokenUpdate,
+    GradFlow,
+    GradHistory,
+    ModuleGradRecord,
+    combine_norms,
+)
 from torchscope.hooks.lifecycle import HookedContext
 from torchscope.hooks.select import Selector
 from torchscope.hooks.session import HookSession
@@ -197,6 +204,9 @@ class GradWatch(HookedContext, Analyzed):
             last backward and the step (`zero_grad()` before `step()` instead of after it):
             the update used no gradient. Metadata only.
         first_cleared: the first such step (optimizer steps counted from 0), or None.
+        broken_update: with `optimizer=` (and `updates=True`), the first sampled step's
+            update that wrote NaN/Inf into parameters whose weights and gradients were
+            finite (`BrokenUpdate`), or None. Only sampled steps' updates are measured.
         gathered: in a distributed job, every rank's last sample joined on rank 0 at the end
             of the block (`Ranked[GradFlow]`); None on the other ranks and on one process.
     """
@@ -324,10 +334,15 @@ class GradWatch(HookedContext, Analyzed):
         self._stepped = False  # the optimizer stepped since the scaler's last update()
         self._closure_pending = False
         self._updates = updates and optimizer is not None
-        # The optimizer update of a sampled step: (step index, ‖Δw‖ per parameter on the
-        # device), merged into that step's sample when `last` is read.
+        # The optimizer update of a sampled step: (step index, ‖Δw‖ per parameter on its
+        # way to the host), merged into that step's sample when `last` is read, and checked
+        # for NaN/Inf against that step's records (`_check_update`) once both are there:
+        # the records come first where a callback takes each sample at once
+        # (`_awaiting`), else the update.
         self._update_step: int | None = None
-        self._pending_updates: tuple[int, Updates] | None = None
+        self._pending_updates: tuple[int, Callable[[], HostUpdates]] | None = None
+        self._awaiting: GradFlow | None = None
+        self.broken_update: BrokenUpdate | None = None
         # Sampled steps whose gradients the loop changed in place before the update
         # (clipping): (step index, the total norm of the model's gradients then, and of the
         # watched optimizer's where it steps only part of the model, 0-d on the device),
@@ -610,7 +625,8 @@ class GradWatch(HookedContext, Analyzed):
             self._closure_pending = False
             self._end_step()
         if self._update_step is not None:
-            self._pending_updates = (self._update_step, self._collector.measure_updates())
+            self._pending_updates = (self._update_step,
+                                     updates_later(self._collector.measure_updates()))
             self._update_step = None
 
     def _any_optimizer_step(self, opt: Any, _args: Any, _kwargs: Any) -> None:
@@ -840,7 +856,9 @@ class GradWatch(HookedContext, Analyzed):
         if self._from_zero:
             flow = replace(flow, from_zero=tuple(sorted(self._from_zero)))
         if self._updates:
-            flow = replace(flow, optimizer=self.optimizer_name)
+            flow = replace(flow, optimizer=self.optimizer_name,
+                           optimizer_eps=_smallest_eps(self._optimizer))
+            self._meet_update(flow)
         self._last = flow
         if flow.applied_norm is not None:  # FSDP2: joined in the step's exchange
             self._keep_applied({flow.index: flow.applied_norm})
@@ -851,6 +869,32 @@ class GradWatch(HookedContext, Analyzed):
         if self._on_sample is not None:
             self._on_sample(flow)
         return flow
+
+    def _meet_update(self, flow: GradFlow | None) -> None:
+        """Check the newest measured update against the records of its step
+        (`_check_update`), where both are here: the records taken before it (`_awaiting`),
+        or `flow`, taken now. Keep `flow` for its update otherwise. By now the update's copy
+        to the host has arrived (it started a step ago), or `last` is being read."""
+        pending = self._pending_updates
+        waiting = self._awaiting
+        if pending is not None and waiting is not None and pending[0] == waiting.index:
+            self._check_update(waiting, pending[1]())
+            waiting = None
+        if flow is not None and pending is not None and pending[0] == flow.index:
+            self._check_update(flow, pending[1]())
+            waiting = None
+        elif flow is not None:
+            waiting = flow
+        self._awaiting = waiting
+
+    def _check_update(self, flow: GradFlow, updates: HostUpdates) -> None:
+        """Keep the first sampled update that wrote NaN/Inf into finite weights
+        (`broken_update`). A loop over the update norms on the host; the records are
+        joined with them only where one is NaN/Inf."""
+        if self.broken_update is not None or \
+                all(math.isfinite(v) for v in updates.norms.values()):
+            return
+        self.broken_update = with_updates(flow, updates).broken_update
 
     # ------------------------------------------------------------------ results
     @property
@@ -864,7 +908,8 @@ class GradWatch(HookedContext, Analyzed):
         self._settle()
         pending = self._pending_updates
         if pending is not None and self._last is not None and pending[0] == self._last.index:
-            self._last = with_updates(self._last, pending[1])
+            self._meet_update(None)
+            self._last = with_updates(self._last, pending[1]())
             self._pending_updates = None
         if self._last is not None and self._last.applied_norm is None:
             applied = self.applied_norms.get(self._last.index)
@@ -937,6 +982,14 @@ class GradWatch(HookedContext, Analyzed):
 # An evidence parameter's `.grad` at the last look: a weak reference to it, its version
 # counter, and its local shard's (a DTensor's; None for a plain tensor).
 _Evidence = tuple["weakref.ReferenceType[torch.Tensor]", int, int | None]
+
+
+def _smallest_eps(optimizer: Any) -> float | None:
+    """The smallest float `eps` over `optimizer`'s parameter groups (Adam's, RMSprop's:
+    what the step divides by where a running statistic is 0), or None."""
+    values = [e for g in getattr(optimizer, "param_groups", None) or ()
+              if isinstance(e := g.get("eps"), float)]
+    return min(values) if values else None
 
 
 def _held(optimizer: Any) -> set[int]:

@@ -416,6 +416,29 @@ def _disagree(values: tuple[float | None, ...], rel: float) -> bool:
 
 
 @dataclass(frozen=True)
+class BrokenUpdate:
+    """A sampled optimizer update that wrote NaN/Inf into parameters whose weights and
+    gradients were finite before it (`GradFlow.broken_update`; a watch keeps the first,
+    `GradWatch.broken_update`). Every later forward computes with those weights.
+
+    Attributes:
+        step: the sampled step whose update it was.
+        params: the parameters it made NaN/Inf, in module order (a tied parameter once).
+        dtypes: their dtypes, each once, in order of first appearance.
+        measured: parameters whose update the step measured.
+        optimizer: the optimizer's class name, or None.
+        eps: the optimizer's `eps` (`GradFlow.optimizer_eps`), or None.
+    """
+
+    step: int
+    params: tuple[str, ...]
+    dtypes: tuple[str, ...]
+    measured: int
+    optimizer: str | None = None
+    eps: float | None = None
+
+
+@dataclass(frozen=True)
 class GradFlow(Analyzed, Gatherable):
     """Everything measured in one step: per-call module records and per-parameter norms.
 
@@ -460,6 +483,8 @@ class GradFlow(Analyzed, Gatherable):
             joined from every rank's shards, and kept only where it differs from
             `total_norm` (clipping moves no DTensor's version counter).
         optimizer: the class name of the optimizer whose update a watch measured, or None.
+        optimizer_eps: that optimizer's `eps` (the smallest over its parameter groups),
+            or None: without one, or where no group holds a float `eps`.
         experts: a mixture of experts kept as separate modules (the children of a module
             whose class name ends in `Experts`, or of an `nn.ModuleList` named `experts`):
             per experts module, its expert modules in order. Fused expert weights carry
@@ -486,6 +511,23 @@ class GradFlow(Analyzed, Gatherable):
     optimizer: str | None = None
     experts: tuple[tuple[str, tuple[str, ...]], ...] = ()
     frozen_zero: tuple[str, ...] = ()
+    optimizer_eps: float | None = None
+
+    @property
+    def broken_update(self) -> BrokenUpdate | None:
+        """The parameters whose weights and gradient were finite when the gradients were
+        read but whose measured update is NaN/Inf: the optimizer's update wrote NaN/Inf
+        into them (`BrokenUpdate`); None where it wrote none, or no update was measured."""
+        measured = [p for p in self.params if p.update_norm is not None and p.tied_to is None]
+        broken = [p for p in measured if p.update_norm is not None
+                  and not math.isfinite(p.update_norm) and p.finite
+                  and p.weight_norm is not None and math.isfinite(p.weight_norm)]
+        if not broken:
+            return None
+        return BrokenUpdate(step=self.index, params=tuple(p.name for p in broken),
+                            dtypes=tuple(dict.fromkeys(p.dtype for p in broken)),
+                            measured=len(measured), optimizer=self.optimizer,
+                            eps=self.optimizer_eps)
 
     def idle_experts(self) -> dict[str, tuple[str, tuple[bool, ...]]]:
         """Per experts module of a mixture of experts: the weight read per expert (its

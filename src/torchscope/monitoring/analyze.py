@@ -24,6 +24,7 @@ from torchscope.grads import GradHistory
 from torchscope.grads.analyze import (
     diagnose,
     diagnose_history,
+    find_broken_update,
     find_cleared,
     find_no_step,
     find_no_update,
@@ -542,6 +543,9 @@ def _nonfinite(record: RunRecord) -> list[Finding]:
     o = record.onset
     if o.gradient_step is None and o.forward_step is None:
         return []
+    b = record.broken_update
+    if b is not None and all(s is None or s > b.step for s in (o.gradient_step, o.forward_step)):
+        return []  # an update wrote the NaN/Inf into the weights: its finding says so
     where = _name(o.module) + (f" ({o.module_type})" if o.module_type else "")
     if o.forward_step is not None and o.module is not None and \
             o.gradient_step in (None, o.forward_step):
@@ -599,12 +603,16 @@ def _stopped(record: RunRecord) -> list[Finding]:
 
 def _capabilities(record: RunRecord, replaced: bool) -> list[Finding]:
     """The capabilities' own analyzers on the run's data; NaN/Inf findings give way to the
-    run's onset (`replaced`), which knows the first step."""
+    run's onset (`replaced`), which knows the first step, and to the first update that
+    wrote NaN/Inf into the weights (`grads.nonfinite_update`), which caused them."""
     found: list[Finding] = []
     if record.last is not None:
-        # The step's size is judged against how far the run's gradients have fallen.
-        found += [f for f in diagnose(record.last) if f.code != "grads.update_ratio"]
+        # The step's size is judged against how far the run's gradients have fallen; the
+        # run's first broken update, not the last step's, is the one to name.
+        found += [f for f in diagnose(record.last)
+                  if f.code not in ("grads.update_ratio", "grads.nonfinite_update")]
         found += find_update_ratio(record.last, fallen=_total_fall(record))
+    found += find_broken_update(record.broken_update)
     history = grad_history(record)
     found += diagnose_history(history)
     found += find_no_step(record.step_by, record.steps, record.backwards, record.optimizer)
@@ -619,8 +627,9 @@ def _capabilities(record: RunRecord, replaced: bool) -> list[Finding]:
         found += record.memory.findings()
     if record.profile is not None:
         found += record.profile.findings()
-    if replaced:
-        found = [f for f in found if "nonfinite" not in f.code]
+    if replaced or record.broken_update is not None:
+        found = [f for f in found
+                 if "nonfinite" not in f.code or f.code == "grads.nonfinite_update"]
     # The run's own finding says it once for the whole run (`_compiled`), not each watch;
     # the monitor samples its activations and memory only on sampled steps, and its
     # gradient watch tells a forward that bypassed the hooks (`grads.unseen_forward`).

@@ -13,7 +13,7 @@ from torchscope.monitoring.history import Bucket
 
 if TYPE_CHECKING:
     from torchscope.capture import ActivationCapture
-    from torchscope.grads import GradFlow
+    from torchscope.grads import BrokenUpdate, GradFlow
     from torchscope.memory import MemoryWatch
     from torchscope.profiling import ProfileResult
 
@@ -234,6 +234,8 @@ class RunRecord(Analyzed):
         param_groups: the optimizer's (learning rate, weight decay) per parameter group:
             the largest learning rate read at a sampled step or at the run's end (a
             schedule's peak, not the 0 a linear decay ends at); empty without an optimizer.
+        broken_update: the first sampled step's optimizer update that wrote NaN/Inf into
+            finite weights (`GradWatch.broken_update`), or None.
     """
 
     model: str
@@ -282,6 +284,7 @@ class RunRecord(Analyzed):
     act_sat: LayerSeries = field(default_factory=lambda: LayerSeries("act_sat", (), (), ()))
     unoptimized: tuple[str, ...] = ()
     param_groups: tuple[tuple[float, float], ...] = ()
+    broken_update: BrokenUpdate | None = None
 
     @property
     def median_step_ms(self) -> float | None:

@@ -547,6 +547,7 @@ class Monitor(HookedContext):
             unzeroed_steps=grads.unzeroed_steps, first_unzeroed=grads.first_unzeroed,
             cleared_steps=grads.cleared_steps, first_cleared=grads.first_cleared,
             unoptimized=grads.unoptimized,
+            broken_update=grads.broken_update,  # read after `last`, which checks its update
             modes=self._modes,
             experts=tuple(ExpertUse(m, name, c[0], tuple(c[1:]))
                           for m, (name, c) in self._experts.items()),
