@@ -212,6 +212,67 @@ def hf_llama() -> tuple[nn.Module, Any]:
     return LlamaForCausalLM(cfg), {"input_ids": ids, "labels": ids.clone()}
 
 
+def hf_mistral() -> tuple[nn.Module, Any]:
+    """Grouped-query attention (4 query heads over 2 key/value heads), sliding window."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    cfg = MistralConfig(vocab_size=100, hidden_size=32, intermediate_size=64,
+                        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                        max_position_embeddings=64, sliding_window=8)
+    ids = _tokens()
+    return MistralForCausalLM(cfg), {"input_ids": ids, "labels": ids.clone()}
+
+
+def hf_phi() -> tuple[nn.Module, Any]:
+    """Parallel attention and MLP off one LayerNorm, partial rotary embeddings."""
+    from transformers import PhiConfig, PhiForCausalLM
+
+    cfg = PhiConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                    num_attention_heads=4, max_position_embeddings=64)
+    ids = _tokens()
+    return PhiForCausalLM(cfg), {"input_ids": ids, "labels": ids.clone()}
+
+
+def hf_mamba() -> tuple[nn.Module, Any]:
+    """A selective state-space model: no attention (transformers' slow path on CPU)."""
+    from transformers import MambaConfig, MambaForCausalLM
+
+    cfg = MambaConfig(vocab_size=100, hidden_size=32, state_size=8, num_hidden_layers=4)
+    ids = _tokens()
+    return MambaForCausalLM(cfg), {"input_ids": ids, "labels": ids.clone()}
+
+
+def hf_deberta() -> tuple[nn.Module, Any]:
+    """DeBERTa-v2 as a masked LM: disentangled relative-position attention."""
+    from transformers import DebertaV2Config, DebertaV2ForMaskedLM
+
+    cfg = DebertaV2Config(vocab_size=100, hidden_size=32, intermediate_size=64,
+                          num_hidden_layers=4, num_attention_heads=4,
+                          max_position_embeddings=64)
+    ids = _tokens()
+    return DebertaV2ForMaskedLM(cfg), {"input_ids": ids, "labels": ids.clone()}
+
+
+def hf_regnet() -> tuple[nn.Module, Any]:
+    """RegNet's Y blocks (grouped convolutions, squeeze-excitation, BatchNorm) at 64 pixels
+    in batches of 8: its last stage's 2×2 map gives each BatchNorm 32 values per channel."""
+    from transformers import RegNetConfig, RegNetForImageClassification
+
+    cfg = RegNetConfig(embedding_size=16, hidden_sizes=[16, 32, 64, 128], depths=[1, 1, 1, 1],
+                       groups_width=8, num_labels=10)
+    return RegNetForImageClassification(cfg), {
+        "pixel_values": torch.randn(8, 3, 64, 64, generator=_gen()), "labels": _labels(8)}
+
+
+def hf_convnext() -> tuple[nn.Module, Any]:
+    """ConvNeXt: depthwise 7×7 convolutions, LayerNorm, layer scale 1e-6."""
+    from transformers import ConvNextConfig, ConvNextForImageClassification
+
+    cfg = ConvNextConfig(hidden_sizes=[16, 32, 64, 128], depths=[1, 1, 2, 1], num_labels=10)
+    return ConvNextForImageClassification(cfg), {
+        "pixel_values": torch.randn(4, 3, 64, 64, generator=_gen()), "labels": _labels(4)}
+
+
 def builtin(name: str, shape: tuple[int, ...] | None = None) -> Callable[[], tuple[nn.Module, Any]]:
     def build() -> tuple[nn.Module, Any]:
         b = BUILTINS[name]
@@ -411,6 +472,12 @@ ZOO: tuple[Entry, ...] = (
     Entry("hf-t5", hf_t5),
     Entry("hf-bart", hf_bart),
     Entry("hf-llama", hf_llama),
+    Entry("hf-mistral", hf_mistral),
+    Entry("hf-phi", hf_phi),
+    Entry("hf-mamba", hf_mamba),
+    Entry("hf-deberta-v2", hf_deberta),
+    Entry("hf-regnet", hf_regnet),
+    Entry("hf-convnext", hf_convnext),
     Entry("hf-efficientnet", hf_efficientnet()),
     Entry("hf-vitmae", hf_vitmae(sincos=True)),
     Entry("tiny-cnn", builtin("tiny-cnn", (4, 3, 32, 32))),
