@@ -105,6 +105,8 @@ def test_a_llama_fitting_its_batch_has_no_gradient_warning() -> None:
     found = _run_findings(run)
     loud = [f for f in found if f.severity >= Severity.WARNING]
     assert not loud, [f.summary for f in loud]
+    # It does train on one batch, on purpose: said as info.
+    assert [f.severity for f in found if f.code == "run.same_batch"] == [Severity.INFO]
     grew = [f for f in found if f.code == "run.grad_grew"]
     assert [f.module for f in grew] == ["model.norm"], [f.summary for f in found]
     assert grew[0].severity == Severity.INFO
@@ -211,6 +213,47 @@ def test_nan_written_by_the_update_is_named_as_the_update_not_a_module(tiny_gpt2
     assert [f.code for f in nonfinite] == ["grads.nonfinite_update"]
     assert nonfinite[0].severity == Severity.ERROR
     assert "eps=1e-08 is 0 in float16" in nonfinite[0].summary
+
+
+@pytest.mark.parametrize(("loop", "every", "told"), [
+    ("one batch", 2, True), ("one batch", 1, True), ("one batch in micro-batches", 3, True),
+    ("new batches", 2, False), ("two batches in turn", 2, False),
+    ("two batches in turn", 1, False), ("each batch twice (R-Drop)", 2, False),
+    ("new batches in micro-batches", 3, False)])
+def test_a_loop_that_trains_on_one_batch_is_told(loop: str, every: int, told: bool) -> None:
+    """A batch taken once before the loop is trained on at every step: each sampled step's
+    input equals the next step's. Batches that come round again with the dataset's length
+    (every second step here, sampled every second step) are never consecutive, and a second
+    forward of the step's own batch (R-Drop) or its micro-batches are no steps."""
+    torch.manual_seed(0)
+    model = Gated()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = batches(24)
+    steps = 12
+    with torchscope.monitor(model, opt, every=every, out=None, memory=False) as mon:
+        for i in range(steps):
+            x, y = data[0] if loop.startswith("one batch") else \
+                data[i % 2] if loop.startswith("two") else data[i]
+            opt.zero_grad()
+            if "micro-batches" in loop:  # two halves, one backward each
+                for half in (slice(0, 4), slice(4, 8)):
+                    nn.functional.mse_loss(model(x[half]), y[half]).backward()
+            else:
+                loss = nn.functional.mse_loss(model(x), y)
+                if "twice" in loop:
+                    loss = loss + nn.functional.mse_loss(model(x), y)
+                loss.backward()
+            opt.step()
+    run = mon.result
+    assert run is not None
+    # Each sampled step and the next: steps 0 and 1, 2 and 3, ... (every step with every=1).
+    pairs = len(range(0, steps - 1, every))
+    assert run.same_inputs == (pairs, pairs if told else 0)
+    found = [f for f in run.findings() if f.code == "run.same_batch"]
+    assert [f.severity for f in found] == ([Severity.INFO] if told else [])
+    if told:
+        assert "trains on one batch" in found[0].summary
+        assert "next(iter(loader))" in found[0].fix
 
 
 @pytest.mark.slow

@@ -69,6 +69,8 @@ class RunThresholds:
         saturated_growth: growth of a bounded activation's saturated fraction (tanh,
             sigmoid) since the start of the run that is a warning, when it ends at
             `ActivationThresholds.saturated_warn` or more.
+        same_batch_pairs: pairs of consecutive steps compared (`RunRecord.same_inputs`),
+            every one with the same input, before the run is said to train on one batch.
     """
 
     window: float = 0.1
@@ -82,6 +84,7 @@ class RunThresholds:
     skipped_warn: float = 0.05
     expert_samples: int = 5
     saturated_growth: float = 0.25
+    same_batch_pairs: int = 3
 
 
 def _name(module: str | None) -> str:
@@ -770,6 +773,27 @@ def _eval_mode(record: RunRecord) -> list[Finding]:
             "statistics kept frozen, no dropout).")]
 
 
+def _same_batch(record: RunRecord, t: RunThresholds) -> list[Finding]:
+    """`run.same_batch` (info): at every pair of consecutive steps compared (each sampled
+    step and the next), the model's first training forward got the same input: the loop
+    trains on one batch (a `next(iter(loader))` before the loop). Batches that repeat
+    with the dataset's length are never consecutive, and a second pass over a step's own
+    batch (R-Drop, micro-batches) is no step of its own. Info, not a warning: fitting one
+    batch is also a deliberate check of a pipeline."""
+    pairs, same = record.same_inputs
+    if pairs < t.same_batch_pairs or same < pairs:
+        return []
+    return [Finding(
+        "run.same_batch", Severity.INFO,
+        f"the model got the same input at consecutive steps in each of the {pairs} pairs "
+        f"compared (each sampled step and the next, over {record.steps} steps): the loop "
+        "trains on one batch",
+        {"pairs": pairs, "same": same, "steps": record.steps},
+        fix="draw a new batch at every step (for x, y in loader: ...): a batch taken once "
+            "before the loop, as next(iter(loader)) does, is trained on at every step. "
+            "Overfitting one batch on purpose (a check of the pipeline) reads the same.")]
+
+
 def _unscaled_float16(record: RunRecord) -> list[Finding]:
     """Steps whose forward ran under float16 autocast with no GradScaler: float16's range
     ends at 6.0e-8, and the backward of a float16 op gives float16 gradients."""
@@ -814,6 +838,7 @@ def analyze_run(record: RunRecord, thresholds: RunThresholds | None = None
         *_stopped(record), *run, *_skipped(record, t), *_gradient_trends(record, t),
         *_activation_drift(record, t), *_dead_growth(record, t),
         *_saturation_growth(record, t), *_weight_scale(record, t), *_eval_mode(record),
+        *_same_batch(record, t),
         *_unscaled_float16(record), *_compiled(record), *_dead_experts(record, t),
         *_capabilities(record, replaced=bool(run))]
     return rank(found)

@@ -236,6 +236,10 @@ class RunRecord(Analyzed):
             schedule's peak, not the 0 a linear decay ends at); empty without an optimizer.
         broken_update: the first sampled step's optimizer update that wrote NaN/Inf into
             finite weights (`GradWatch.broken_update`), or None.
+        same_inputs: (pairs of consecutive steps whose inputs were compared, pairs whose
+            inputs were the same): each sampled step's first training forward against the
+            next step's, by fingerprint (shapes, dtypes, each tensor's sum and sum of
+            squares). (0, 0) where no step ended at an optimizer step or `end_step()`.
     """
 
     model: str
@@ -285,6 +289,7 @@ class RunRecord(Analyzed):
     unoptimized: tuple[str, ...] = ()
     param_groups: tuple[tuple[float, float], ...] = ()
     broken_update: BrokenUpdate | None = None
+    same_inputs: tuple[int, int] = (0, 0)
 
     @property
     def median_step_ms(self) -> float | None:

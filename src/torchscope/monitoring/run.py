@@ -35,6 +35,7 @@ from torchscope.hooks.compiled import compiled_parts, eager_stance
 from torchscope.hooks.lifecycle import HookedContext
 from torchscope.hooks.select import Selector
 from torchscope.hooks.session import HookSession
+from torchscope.hooks.tree import iter_tensors
 from torchscope.memory import MemorySample, MemoryWatch
 from torchscope.models.target import ModelInputs
 from torchscope.monitoring.history import METRICS, SampleHistory, StepBuckets
@@ -175,6 +176,14 @@ class Monitor(HookedContext):
         # ends one backward late, when the next step's forward has been recorded too.
         self._at_backward: tuple[int, int, MemorySample | None] | None = None
         self._inputs = ""
+        # Whether the model's input repeats from step to step (`_note_input`): the
+        # fingerprint of a sampled step's first training forward, (step, what it holds,
+        # its sums on the device), and over the pairs of steps compared, how many held
+        # the same input (a 0-d count on the device, read when the run ends).
+        self._fp_step = -1
+        self._fp_prev: tuple[int, tuple[Any, ...], torch.Tensor] | None = None
+        self._fp_pairs = 0
+        self._fp_same: torch.Tensor | None = None
         self._forward_onset: tuple[int, str | None, str | None] | None = None
         self._error = ""
         self._t0 = self._last = 0.0
@@ -319,6 +328,7 @@ class Monitor(HookedContext):
         if torch.is_grad_enabled():  # a training forward's mode (evaluation runs without)
             self._mode = module.training
             self._autocast = autocast_dtype(self._device_type)
+            self._note_input(args, kwargs)
         record = self._grads is not None and self._grads.collecting and \
             torch.is_grad_enabled()
         if self._acts is not None:
@@ -326,6 +336,29 @@ class Monitor(HookedContext):
         if self._mem is not None:
             self._mem.active = record
         self._recording = record
+
+    def _note_input(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """At a step's first training forward: fingerprint the input where the step is
+        sampled and where the step before was, and count whether the two steps' inputs are
+        the same (`RunRecord.same_inputs`). A step's later forwards (micro-batches, a second
+        pass over the same batch) are no step of their own. Not for steps ended by the
+        next backward (no optimizer), which are not known at the forward."""
+        g = self._grads
+        if g is None or g.step_by == "inferred" or g.steps == self._fp_step:
+            return
+        step, prev = g.steps, self._fp_prev
+        self._fp_step = step
+        if not g.collecting and (prev is None or prev[0] != step - 1):
+            return
+        now = _fingerprint(args, kwargs)
+        if prev is not None and prev[0] == step - 1 and now is not None:
+            self._fp_pairs += 1
+            if prev[1] == now[0]:
+                same = torch.equal(prev[2], now[1]) if prev[2].device.type == "cpu" \
+                    else (prev[2] == now[1]).all()  # on the device: no wait for it
+                count = torch.as_tensor(same, dtype=torch.int64, device=prev[2].device)
+                self._fp_same = count if self._fp_same is None else self._fp_same + count
+        self._fp_prev = (step, *now) if g.collecting and now is not None else None
 
     def _inner_autocast(self, _module: nn.Module, _args: tuple[Any, ...]) -> None:
         if self._autocast is None and torch.is_grad_enabled():
@@ -548,10 +581,36 @@ class Monitor(HookedContext):
             cleared_steps=grads.cleared_steps, first_cleared=grads.first_cleared,
             unoptimized=grads.unoptimized,
             broken_update=grads.broken_update,  # read after `last`, which checks its update
+            same_inputs=(self._fp_pairs, 0 if self._fp_same is None else int(self._fp_same)),
             modes=self._modes,
             experts=tuple(ExpertUse(m, name, c[0], tuple(c[1:]))
                           for m, (name, c) in self._experts.items()),
         )
+
+
+def _fingerprint(args: tuple[Any, ...], kwargs: dict[str, Any]
+                 ) -> tuple[tuple[Any, ...], torch.Tensor] | None:
+    """What a forward's input holds (each plain tensor's shape and dtype, and the device
+    of the first) and, on that device, each tensor's sum and sum of squares in float64:
+    two different batches that agree on all of them do not occur in practice. Tensors on
+    other devices are left out. None without a tensor."""
+    tensors = [t for _, t in iter_tensors((args, kwargs))
+               if type(t) is torch.Tensor and t.layout == torch.strided and not t.is_complex()]
+    if not tensors:
+        return None
+    device = tensors[0].device
+    tensors = [t for t in tensors if t.device == device]
+    key = (device, *((tuple(t.shape), t.dtype) for t in tensors))
+    with torch.no_grad():
+        sums: list[torch.Tensor] = []
+        for t in tensors:
+            if t.is_floating_point():
+                sums += [t.sum(dtype=torch.float64),
+                         torch.linalg.vector_norm(t, dtype=torch.float64)]  # () each
+            else:  # token ids, masks: small
+                x = t.to(torch.float64)
+                sums += [x.sum(), x.square().sum()]  # () each
+        return key, torch.stack(sums)  # (2 * len(tensors),)
 
 
 def _param_groups(optimizer: Any, *, tensors: bool = True) -> tuple[tuple[float, float], ...]:
