@@ -65,6 +65,12 @@ def _labels(n: int, classes: int = 10) -> torch.Tensor:
     return torch.randint(0, classes, (n,), generator=_gen(1))
 
 
+def _lm_batch(model: nn.Module) -> tuple[nn.Module, Any]:
+    """`model` with a batch of tokens that are also its labels (its own loss)."""
+    ids = _tokens()
+    return model, {"input_ids": ids, "labels": ids.clone()}
+
+
 # ---------------------------------------------------------------- healthy: transformers
 def hf_resnet() -> tuple[nn.Module, Any]:
     """A ResNet at 64 pixels, batches of 8: its last stage's 2×2 map gives each BatchNorm
@@ -91,8 +97,7 @@ def hf_bert() -> tuple[nn.Module, Any]:
 
     cfg = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=4, num_attention_heads=2,
                      intermediate_size=64, max_position_embeddings=32)
-    ids = _tokens()
-    return BertForMaskedLM(cfg), {"input_ids": ids, "labels": ids.clone()}
+    return _lm_batch(BertForMaskedLM(cfg))
 
 
 def hf_bert_classifier() -> tuple[nn.Module, Any]:
@@ -110,8 +115,7 @@ def hf_gpt2() -> tuple[nn.Module, Any]:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     cfg = GPT2Config(n_layer=4, n_head=2, n_embd=32, vocab_size=100, n_positions=32)
-    ids = _tokens()
-    return GPT2LMHeadModel(cfg), {"input_ids": ids, "labels": ids.clone()}
+    return _lm_batch(GPT2LMHeadModel(cfg))
 
 
 def hf_t5() -> tuple[nn.Module, Any]:
@@ -131,8 +135,7 @@ def hf_bart() -> tuple[nn.Module, Any]:
     cfg = BartConfig(vocab_size=100, d_model=32, encoder_layers=2, decoder_layers=2,
                      encoder_attention_heads=4, decoder_attention_heads=4,
                      encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=32)
-    ids = _tokens()
-    return BartForConditionalGeneration(cfg), {"input_ids": ids, "labels": ids.clone()}
+    return _lm_batch(BartForConditionalGeneration(cfg))
 
 
 def hf_swin() -> tuple[nn.Module, Any]:
@@ -208,8 +211,7 @@ def hf_llama() -> tuple[nn.Module, Any]:
 
     cfg = LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                       num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
-    ids = _tokens()
-    return LlamaForCausalLM(cfg), {"input_ids": ids, "labels": ids.clone()}
+    return _lm_batch(LlamaForCausalLM(cfg))
 
 
 def hf_mistral() -> tuple[nn.Module, Any]:
@@ -219,8 +221,7 @@ def hf_mistral() -> tuple[nn.Module, Any]:
     cfg = MistralConfig(vocab_size=100, hidden_size=32, intermediate_size=64,
                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                         max_position_embeddings=64, sliding_window=8)
-    ids = _tokens()
-    return MistralForCausalLM(cfg), {"input_ids": ids, "labels": ids.clone()}
+    return _lm_batch(MistralForCausalLM(cfg))
 
 
 def hf_phi() -> tuple[nn.Module, Any]:
@@ -229,8 +230,7 @@ def hf_phi() -> tuple[nn.Module, Any]:
 
     cfg = PhiConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                     num_attention_heads=4, max_position_embeddings=64)
-    ids = _tokens()
-    return PhiForCausalLM(cfg), {"input_ids": ids, "labels": ids.clone()}
+    return _lm_batch(PhiForCausalLM(cfg))
 
 
 def hf_mamba() -> tuple[nn.Module, Any]:
@@ -238,8 +238,7 @@ def hf_mamba() -> tuple[nn.Module, Any]:
     from transformers import MambaConfig, MambaForCausalLM
 
     cfg = MambaConfig(vocab_size=100, hidden_size=32, state_size=8, num_hidden_layers=4)
-    ids = _tokens()
-    return MambaForCausalLM(cfg), {"input_ids": ids, "labels": ids.clone()}
+    return _lm_batch(MambaForCausalLM(cfg))
 
 
 def hf_deberta() -> tuple[nn.Module, Any]:
@@ -249,8 +248,7 @@ def hf_deberta() -> tuple[nn.Module, Any]:
     cfg = DebertaV2Config(vocab_size=100, hidden_size=32, intermediate_size=64,
                           num_hidden_layers=4, num_attention_heads=4,
                           max_position_embeddings=64)
-    ids = _tokens()
-    return DebertaV2ForMaskedLM(cfg), {"input_ids": ids, "labels": ids.clone()}
+    return _lm_batch(DebertaV2ForMaskedLM(cfg))
 
 
 def hf_regnet() -> tuple[nn.Module, Any]:

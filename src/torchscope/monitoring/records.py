@@ -238,8 +238,8 @@ class RunRecord(Analyzed):
             finite weights (`GradWatch.broken_update`), or None.
         same_inputs: (pairs of consecutive steps whose inputs were compared, pairs whose
             inputs were the same): each sampled step's first training forward against the
-            next step's, by fingerprint (shapes, dtypes, each tensor's sum and sum of
-            squares). (0, 0) where no step ended at an optimizer step or `end_step()`.
+            next step's, by fingerprint (shapes, dtypes, each tensor's sum and L2
+            norm). (0, 0) where no step ended at an optimizer step or `end_step()`.
     """
 
     model: str

@@ -354,9 +354,7 @@ class Monitor(HookedContext):
         if prev is not None and prev[0] == step - 1 and now is not None:
             self._fp_pairs += 1
             if prev[1] == now[0]:
-                same = torch.equal(prev[2], now[1]) if prev[2].device.type == "cpu" \
-                    else (prev[2] == now[1]).all()  # on the device: no wait for it
-                count = torch.as_tensor(same, dtype=torch.int64, device=prev[2].device)
+                count = (prev[2] == now[1]).all().to(torch.int64)  # () on the device
                 self._fp_same = count if self._fp_same is None else self._fp_same + count
         self._fp_prev = (step, *now) if g.collecting and now is not None else None
 
@@ -591,8 +589,8 @@ class Monitor(HookedContext):
 def _fingerprint(args: tuple[Any, ...], kwargs: dict[str, Any]
                  ) -> tuple[tuple[Any, ...], torch.Tensor] | None:
     """What a forward's input holds (each plain tensor's shape and dtype, and the device
-    of the first) and, on that device, each tensor's sum and sum of squares in float64:
-    two different batches that agree on all of them do not occur in practice. Tensors on
+    of the first) and, on that device, each tensor's sum and L2 norm in float64: two
+    different batches that agree on all of them do not occur in practice. Tensors on
     other devices are left out. None without a tensor."""
     tensors = [t for _, t in iter_tensors((args, kwargs))
                if type(t) is torch.Tensor and t.layout == torch.strided and not t.is_complex()]
@@ -604,12 +602,10 @@ def _fingerprint(args: tuple[Any, ...], kwargs: dict[str, Any]
     with torch.no_grad():
         sums: list[torch.Tensor] = []
         for t in tensors:
-            if t.is_floating_point():
-                sums += [t.sum(dtype=torch.float64),
-                         torch.linalg.vector_norm(t, dtype=torch.float64)]  # () each
-            else:  # token ids, masks: small
-                x = t.to(torch.float64)
-                sums += [x.sum(), x.square().sum()]  # () each
+            # Token ids and masks (small) are copied to float64, which `vector_norm` needs.
+            x = t if t.is_floating_point() else t.to(torch.float64)
+            sums += [x.sum(dtype=torch.float64),
+                     torch.linalg.vector_norm(x, dtype=torch.float64)]  # () each
         return key, torch.stack(sums)  # (2 * len(tensors),)
 
 
