@@ -10,9 +10,9 @@ The loss (`loss_fn=`) is one of:
 
 - `"auto"` (the default), resolved on the model's output, in this order:
     1. a target was given: an integer target means cross-entropy (binary cross-entropy
-       with logits for one output column, `(N, 1)`), a floating one shaped like the output
-       means mean squared error, other floating targets are class probabilities for
-       cross-entropy;
+       with logits for one output column, `(N, 1)`), a floating one with as many elements
+       as the output means mean squared error, other floating targets are class
+       probabilities for cross-entropy;
     2. the output carries its own `.loss` (a Hugging Face model called with labels);
     3. the output is a scalar tensor: it is the loss;
     4. the main output (the output itself, its `.logits`, else its first floating tensor)
@@ -38,7 +38,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import sys
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
@@ -55,15 +57,20 @@ from torchscope.models.target import ModelInputs, call_model
 __all__ = [
     "AUTOCAST",
     "LOSSES",
+    "LossBroadcast",
     "LossFn",
     "LossName",
     "LossSpec",
+    "OutputEdge",
     "ResolvedLoss",
     "Step",
     "StepInfo",
     "autocast_dtype",
     "inner_optimizer",
+    "loss_broadcast",
+    "loss_broadcast_at",
     "main_output",
+    "output_edges",
     "preserved",
     "synchronize",
 ]
@@ -121,6 +128,138 @@ class ResolvedLoss:
 
 
 @dataclass(frozen=True)
+class LossBroadcast:
+    """A loss that broadcast a model output against a tensor without gradient (its target)
+    of as many elements, laid out otherwise: `(N, 1)` predictions against `(N,)` targets
+    become an `(N, N)` table of every prediction against every target. The loss is then the
+    mean over that table, and its gradient pulls each prediction toward the mean of all
+    targets: the model learns the targets' mean. `torch.nn.MSELoss` warns once; a loss
+    written by hand (`((out - y) ** 2).mean()`) does not.
+
+    Attributes:
+        output: where the output sits in what the model returned (`""` for the output
+            itself, `".logits"`, `"[0]"`).
+        output_shape: its shape, e.g. `(32, 1)`.
+        shape: the broadcast shape, e.g. `(32, 32)`: the output's element count squared.
+        op: the autograd node that made it: `SubBackward0` (`out - y`), `ExpandBackward0`
+            (`torch.broadcast_tensors` inside `mse_loss` and `l1_loss`), ...
+        target_shape: the step's target's shape where the step was given one of the same
+            element count; else None (the operand is known only by its lack of gradient).
+    """
+
+    output: str
+    output_shape: tuple[int, ...]
+    shape: tuple[int, ...]
+    op: str
+    target_shape: tuple[int, ...] | None = None
+
+
+# Autograd nodes walked from the loss toward the model's outputs, at most: the loss's own
+# part of the graph is a few nodes; a regularisation term over every weight adds one or two
+# per weight. The walk stops at the outputs and never enters the model.
+_LOSS_WALK = 1024
+
+
+# A floating tensor a model returned, as a loss's graph meets it: (its path in the output,
+# the autograd node that made it, which of that node's results it is, its shape). Holding
+# the node keeps it (and what the next backward frees) until the edges are dropped.
+OutputEdge = tuple[str, Any, int, tuple[int, ...]]
+
+
+def output_edges(output: Any) -> tuple[OutputEdge, ...]:
+    """The floating tensors of more than one element in what a model returned, with the
+    autograd nodes that made them: where `loss_broadcast_at` stops its walk."""
+    return tuple((path, t.grad_fn, t.output_nr, tuple(t.shape))
+                 for path, t in iter_tensors(output)
+                 if t.grad_fn is not None and t.is_floating_point() and t.numel() > 1)
+
+
+def loss_broadcast(loss_tensor: torch.Tensor, output: Any, target: Any = None
+                   ) -> LossBroadcast | None:
+    """Where `loss_tensor` broadcast one of the floating tensors in `output` (n > 1 elements)
+    into n * n elements against an operand that carries no gradient (a target, a
+    constant), read on autograd's graph between the loss and the output
+    (`loss_broadcast_at` on `output_edges(output)`).
+
+    Between the output and the broadcast any op that keeps its n elements may come (a
+    `squeeze`, a `view`, a cast, a scale). Silent on a pairwise loss (`s - s.T`: both
+    operands carry the output's gradient), on a comparison with a learned or constant
+    tensor of another size (bins, centres: n * K elements), and where autograd keeps no
+    input metadata on its nodes (a torch without `Node._input_metadata`).
+
+    Args:
+        loss_tensor: the scalar loss, before backward.
+        output: what the model returned.
+        target: the step's target, named in the record when it has n elements.
+    """
+    return loss_broadcast_at(loss_tensor, output_edges(output), target)
+
+
+def loss_broadcast_at(loss_tensor: torch.Tensor, edges: tuple[OutputEdge, ...],
+                      target: Any = None) -> LossBroadcast | None:
+    """`loss_broadcast` on outputs taken earlier (`output_edges`): a watch takes them
+    when the model returns and reads the loss's graph when the loop hands it the loss."""
+    root = loss_tensor.grad_fn
+    if root is None or not hasattr(root, "_input_metadata") or not edges:
+        return None
+    outputs = {(id(node), nr): (path, shape) for path, node, nr, shape in edges}
+    # parent[id(node)] = (the node that consumes it, the index of its result consumed):
+    # breadth first from the loss, each node once. `seen` holds the nodes walked, so that
+    # no id is reused while the walk runs.
+    parent: dict[int, tuple[Any, int]] = {id(root): (None, 0)}
+    seen, queue = [root], deque([root])
+    while queue and len(seen) < _LOSS_WALK:
+        node = queue.popleft()
+        for nxt, nr in node.next_functions:
+            if nxt is None:
+                continue
+            hit = outputs.get((id(nxt), nr))
+            if hit is not None:
+                path, shape = hit
+                n = math.prod(shape)
+                found = _broadcast_above(node, nxt, parent, n, loss_tensor)
+                if found is not None:
+                    t_shape = tuple(target.shape) if isinstance(target, torch.Tensor) and \
+                        target.numel() == n else None
+                    return LossBroadcast(path, shape, found[0], found[1], t_shape)
+                continue  # never into the model
+            if id(nxt) not in parent:
+                parent[id(nxt)] = (node, nr)
+                seen.append(nxt)
+                queue.append(nxt)
+    return None
+
+
+def _broadcast_above(node: Any, below: Any, parent: dict[int, tuple[Any, int]], n: int,
+                     loss_tensor: torch.Tensor) -> tuple[tuple[int, ...], str] | None:
+    """From `node`, which consumes a model output of n elements (made by `below`), up
+    toward the loss: the first node whose result does not hold n elements. `(its shape,
+    its name)` when it holds n * n and its other operand carries no gradient: no edge of
+    its own besides the output's path, or, for a one-input op (`expand`), none of its
+    consumer's (`mse_loss` takes the expanded target there)."""
+    while node is not None:
+        up, nr = parent[id(node)]
+        if up is None:
+            shape = tuple(loss_tensor.shape)
+        else:
+            meta = node._input_metadata  # the shapes of the node's forward results
+            if nr >= len(meta):
+                return None
+            shape = tuple(meta[nr].shape)
+        size = math.prod(shape)
+        if size == n:
+            below, node = node, up
+            continue
+        if size != n * n:
+            return None
+        judge, path = (node, below) if len(node.next_functions) > 1 or up is None else \
+            (up, node)
+        others = [e for e, _ in judge.next_functions if e is not None and e is not path]
+        return None if others else (shape, type(node).__name__)
+    return None
+
+
+@dataclass(frozen=True)
 class StepInfo:
     """The training step a result was measured on, as every report states it.
 
@@ -132,6 +271,9 @@ class StepInfo:
         autocast: the autocast dtype (`torch.bfloat16`), or None.
         scaler: whether a GradScaler scaled the loss.
         accumulate: micro-batches per optimizer step.
+        loss_broadcast: where the loss broadcast the model's output against its target
+            into every pair of the two (`loss_broadcast`, read on the first
+            micro-batch's graph); None where it did not.
     """
 
     loss: str
@@ -140,6 +282,7 @@ class StepInfo:
     autocast: str | None = None
     scaler: bool = False
     accumulate: int = 1
+    loss_broadcast: LossBroadcast | None = None
 
     def describe(self) -> str:
         """One line: `loss: auto → cross-entropy vs seeded targets = 2.303 · optimizer: SGD`."""
@@ -231,6 +374,30 @@ def _scalar(loss: Any, what: str) -> torch.Tensor:
         raise ModelError(f"{what} is {shape}, not a scalar tensor.",
                          fix="return loss.mean() or loss.sum().")
     return loss.reshape(())
+
+
+def _same_shape(out: torch.Tensor, target: Any) -> None:
+    """Refuse a target that mean squared error would broadcast the output against: an
+    `(N,)` target for an `(N, 1)` output compares every output with every target (the
+    mistake `loss_broadcast` finds in a loss the user wrote).
+
+    Raises:
+        ModelError: the broadcast shape is not the output's.
+    """
+    if not isinstance(target, torch.Tensor):
+        return
+    try:
+        shape = tuple(torch.broadcast_shapes(out.shape, target.shape))
+    except RuntimeError:
+        return  # mse_loss raises, and says so
+    if shape == tuple(out.shape):
+        return
+    fix = f"target.reshape{tuple(out.shape)}" if target.numel() == out.numel() else \
+        "a target shaped like the output"
+    raise ModelError(
+        f"the target {tuple(target.shape)} and the output {tuple(out.shape)} broadcast to "
+        f"{shape}: mean squared error would compare every output with every target.",
+        fix=f"pass {fix}.")
 
 
 def _callable_name(fn: Callable[..., Any]) -> str:
@@ -403,7 +570,8 @@ class Step:
             loss=loss, loss_value=value,
             optimizer=None if self.optimizer is None else type(self.optimizer).__name__,
             autocast=None if self.autocast is None else str(self.autocast),
-            scaler=self.scaler is not None, accumulate=self.accumulate)
+            scaler=self.scaler is not None, accumulate=self.accumulate,
+            loss_broadcast=self._cache.get("broadcast"))
 
     def _requested(self) -> str:
         return _callable_name(self.loss_fn) if callable(self.loss_fn) else str(self.loss_fn)
@@ -472,7 +640,9 @@ class Step:
         if target is not None:
             out = main_output(output)
             if isinstance(target, torch.Tensor) and target.is_floating_point() and \
-                    tuple(target.shape) == tuple(out.shape):
+                    target.numel() == out.numel():
+                # Shaped like the output, or laid out otherwise (`(N,)` for `(N, 1)`),
+                # which `_compute` refuses rather than broadcast.
                 return ResolvedLoss("auto", "mse", given)
             if out.dim() > 0 and out.shape[-1] == 1 and isinstance(target, torch.Tensor) and \
                     not target.is_floating_point() and target.numel() == out.numel():
@@ -505,7 +675,12 @@ class Step:
         resolved = self.resolve(output, target)
         self._cache["resolved"] = resolved
         with self.autocast_context():
-            return self._compute(resolved, output, target, micro)
+            value = self._compute(resolved, output, target, micro)
+        if "broadcast" not in self._cache and value.grad_fn is not None:
+            # Once per step object, on the graph of its first loss with gradient: a few
+            # nodes between the loss and the output.
+            self._cache["broadcast"] = loss_broadcast(value, output, target)
+        return value
 
     def _compute(self, r: ResolvedLoss, output: Any, target: Any, micro: int) -> torch.Tensor:
         if r.kind == "callable":
@@ -538,6 +713,8 @@ class Step:
                 "torch.nn.BCEWithLogitsLoss() for a binary label.")
         if target is None:
             target = self._seeded_target(r.kind, out, micro)
+        if r.kind == "mse":
+            _same_shape(out, target)
         try:
             if r.kind == "cross_entropy":
                 if out.dim() == 0:

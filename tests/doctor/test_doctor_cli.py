@@ -83,6 +83,36 @@ def test_doctor_prints_ranked_findings_with_evidence_and_fix(tmp_path: Path) -> 
     assert "6 of 8 channels" in res.output
 
 
+def test_doctor_tells_a_models_own_loss_that_broadcasts_its_output(tmp_path: Path) -> None:
+    # A regressor that computes its own loss, as a transformers head does, against (N,)
+    # labels: the step's loss compares every output with every label.
+    factory = tmp_path / "regressor.py"
+    factory.write_text(
+        "import warnings\nimport torch\nfrom torch import nn\n"
+        "class Regressor(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))\n"
+        "    def forward(self, x, labels):\n"
+        "        out = self.net(x)\n"
+        "        with warnings.catch_warnings():\n"
+        "            warnings.simplefilter('ignore')\n"
+        "            return {'logits': out, 'loss': nn.functional.mse_loss(out, labels)}\n"
+        "def build():\n"
+        "    torch.manual_seed(0)\n"
+        "    return Regressor(), {'x': torch.randn(32, 8), 'labels': torch.randn(32)}\n")
+    res = runner.invoke(app, ["doctor", f"{factory}:build", "--skip", "compile,profile,memory,"
+                              "activations,lint", "--out", str(tmp_path / "r")])
+    assert res.exit_code == 0, res.output
+    doc = json.loads((tmp_path / "r" / "report.json").read_text())
+    _validate(doc)
+    assert doc["step"]["loss_broadcast"] == {
+        "output": "['logits']", "output_shape": [32, 1], "shape": [32, 32],
+        "op": "ExpandBackward0", "target_shape": None}
+    (told,) = [f for f in doc["findings"] if f["code"] == "grads.loss_broadcast"]
+    assert told["section"] == "gradients" and told["severity"] == "error"
+
+
 def test_doctor_lints_the_file_the_model_comes_from(tmp_path: Path) -> None:
     """The factory's file trains with softmax into cross-entropy and never zeroes its
     gradients: both are findings of the report, with their lines, next to the measured ones;

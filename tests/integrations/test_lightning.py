@@ -280,3 +280,49 @@ def test_a_gans_discriminator_is_sampled_at_its_own_optimizers_steps(tmp_path: P
             assert math.isclose(value, _module_norm(module.disc_norms[step], layer),
                                 rel_tol=1e-6)
     assert audit_hooks(module, include_global=False).local_total == 0
+
+
+class Regressor(pl.LightningModule):
+    """One output per sample against `(N,)` targets, as a regression tutorial writes it:
+    `mse_loss(self(x), y)` compares every output with every target unless squeezed."""
+
+    def __init__(self, squeeze: bool) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+        self.squeeze = squeeze
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], i: int) -> torch.Tensor:
+        x, y = batch  # (N, 8), (N,)
+        out = self(x)  # (N, 1)
+        return nn.functional.mse_loss(out.squeeze(-1) if self.squeeze else out, y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+@pytest.mark.parametrize("squeeze", [False, True])
+def test_a_loss_that_broadcasts_the_output_against_the_target_is_told(
+        tmp_path: Path, squeeze: bool) -> None:
+    callback = TorchscopeCallback(every=2, out=None)
+    pl.seed_everything(0, verbose=False)
+    g = torch.Generator().manual_seed(0)
+    ds = torch.utils.data.TensorDataset(torch.randn(64, 8, generator=g),
+                                        torch.randn(64, generator=g))
+    trainer = pl.Trainer(max_steps=4, accelerator="cpu", devices=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[callback])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(Regressor(squeeze), torch.utils.data.DataLoader(ds, batch_size=16))
+    run = callback.result
+    assert run is not None and run.steps == 4
+    codes = [f.code for f in run.findings()]
+    if squeeze:
+        assert run.loss_broadcast is None and "grads.loss_broadcast" not in codes
+    else:
+        b = run.loss_broadcast
+        assert b is not None and (b.output_shape, b.shape) == ((16, 1), (16, 16))
+        assert codes.count("grads.loss_broadcast") == 1

@@ -111,6 +111,18 @@ def hf_bert_classifier() -> tuple[nn.Module, Any]:
                                                 "labels": _labels(4, classes=3)}
 
 
+def hf_bert_regression() -> tuple[nn.Module, Any]:
+    """BERT with one regression output against (N,) float labels: its own loss squeezes
+    the (N, 1) logits before mean squared error."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    cfg = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                     intermediate_size=64, max_position_embeddings=32, num_labels=1,
+                     problem_type="regression")
+    return BertForSequenceClassification(cfg), {
+        "input_ids": _tokens(), "labels": torch.randn(4, generator=_gen(1))}
+
+
 def hf_gpt2() -> tuple[nn.Module, Any]:
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -445,6 +457,25 @@ class _FineTune(nn.Module):
         return out
 
 
+class _BroadcastRegressor(nn.Module):
+    """A regressor that computes its own loss against (N,) labels from its (N, 1) output
+    without a squeeze: every output is compared with every label."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = self.net(x)  # (N, 1)
+        diff = out - labels  # (N, 1) - (N,) -> (N, N)
+        return {"logits": out, "loss": diff.square().mean()}
+
+
+def broadcast_regressor() -> tuple[nn.Module, Any]:
+    return _BroadcastRegressor(), {"x": torch.randn(16, 16, generator=_gen()),
+                                   "labels": torch.randn(16, generator=_gen(1))}
+
+
 def hf_resnet_frozen_bn() -> tuple[nn.Module, Any]:
     """The healthy ResNet with its backbone frozen by requires_grad_(False) alone and left
     in training mode: its 20 BatchNorm layers' running statistics still move."""
@@ -466,6 +497,7 @@ ZOO: tuple[Entry, ...] = (
     Entry("hf-swin", hf_swin),
     Entry("hf-bert", hf_bert),
     Entry("hf-bert-classifier", hf_bert_classifier),
+    Entry("hf-bert-regression", hf_bert_regression),
     Entry("hf-gpt2", hf_gpt2),
     Entry("hf-t5", hf_t5),
     Entry("hf-bart", hf_bart),
@@ -513,6 +545,8 @@ ZOO: tuple[Entry, ...] = (
           allowed=frozenset({"grads.nonfinite"})),
     Entry("unreached", unreached, (Expect("grads.unreached", "aux", Severity.INFO),)),
     Entry("frozen-backbone", frozen_backbone, (Expect("grads.frozen", "backbone", Severity.INFO),)),
+    Entry("broadcast-regressor", broadcast_regressor,
+          (Expect("grads.loss_broadcast", None, Severity.ERROR),)),
     Entry("hf-resnet-frozen-bn", hf_resnet_frozen_bn, (
         Expect("activations.frozen_batch_norm", "resnet"),
         Expect("grads.frozen", "resnet", Severity.INFO),

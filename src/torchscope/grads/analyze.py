@@ -37,6 +37,7 @@ from torchscope.grads.records import (
     rms,
 )
 from torchscope.hooks.compiled import ran_eagerly, unseen_forward
+from torchscope.step import LossBroadcast
 
 __all__ = [
     "DepthProfile",
@@ -55,6 +56,7 @@ __all__ = [
     "find_frozen",
     "find_frozen_zero",
     "find_idle_forwards",
+    "find_loss_broadcast",
     "find_nonfinite",
     "find_not_optimized",
     "find_not_zeroed",
@@ -1088,6 +1090,37 @@ def find_broken_update(broken: BrokenUpdate | None) -> list[Finding]:
     )]
 
 
+def find_loss_broadcast(b: LossBroadcast | None) -> list[Finding]:
+    """`grads.loss_broadcast` (error): the loss broadcast the model's output against a
+    target of as many elements laid out otherwise (`StepInfo.loss_broadcast` of a step
+    torchscope ran, `GradWatch.loss_broadcast` of the user's): `(N, 1)` predictions
+    against `(N,)` targets are compared pairwise, every prediction with every target. Each
+    prediction's gradient then pulls it toward the mean of all targets, and the model
+    learns that mean; the gradients reach every layer and nothing else reads wrong."""
+    if b is None:
+        return []
+    out = f"the output{b.output} {b.output_shape}"
+    against = f"the target {b.target_shape}" if b.target_shape is not None else \
+        "a tensor without gradient (the target)"
+    if b.target_shape is not None:
+        fix = (f"give both one shape before the loss: target.view{b.output_shape}, or "
+               f"output{b.output}.view{b.target_shape}.")
+    else:
+        fix = (f"give the target the output's shape {b.output_shape} before the loss "
+               "(target.view_as(output)), or squeeze the output's size-1 dimension.")
+    return [Finding(
+        code="grads.loss_broadcast",
+        severity=Severity.ERROR,
+        summary=f"the loss broadcast {out} against {against} into {b.shape} ({b.op}): it "
+                "compares every prediction with every target, so each prediction is pulled "
+                "toward the mean of all targets and the model learns their mean",
+        evidence={"output": b.output, "output_shape": str(b.output_shape),
+                  "broadcast_shape": str(b.shape), "op": b.op,
+                  "target_shape": None if b.target_shape is None else str(b.target_shape)},
+        fix=fix,
+    )]
+
+
 def find_unreached(flow: GradFlow, thresholds: GradThresholds | None = None) -> list[Finding]:
     """Trainable parameters that received no gradient this step, one finding per module
     (the first five; the rest in one more). Those whose modules ran only inside a
@@ -1492,6 +1525,7 @@ def diagnose(flow: GradFlow, thresholds: GradThresholds | None = None) -> list[F
                find_frozen, find_frozen_zero, find_update_ratio, find_stale_weights,
                find_idle_forwards, find_unseen_forward):
         found += fn(flow, thresholds)
+    found += find_loss_broadcast(None if flow.step is None else flow.step.loss_broadcast)
     found += find_broken_update(flow.broken_update)
     found += rank_findings(flow)  # DDP/FSDP2 only: ranks that diverge or see skewed data
     return rank(found)
@@ -1703,6 +1737,7 @@ def diagnose_watch(watch: GradWatch, thresholds: GradThresholds | None = None) -
         found = [f for f in found if f.code != "grads.nonfinite_update"
                  and not _after_update(f, broken)]
         found += find_broken_update(broken)
+    found += find_loss_broadcast(watch.loss_broadcast)
     found += find_no_step(watch.step_by, watch.steps, watch.backwards, watch.optimizer_name)
     found += find_no_update(watch.backwards, watch.passes_without_update, watch.steps)
     found += find_not_zeroed(watch.unzeroed_steps, watch.first_unzeroed, watch.steps,

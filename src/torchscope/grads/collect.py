@@ -106,7 +106,7 @@ from torchscope.hooks.select import (
 )
 from torchscope.hooks.session import HookSession
 from torchscope.hooks.tree import iter_tensors, nested_values
-from torchscope.step import StepInfo
+from torchscope.step import OutputEdge, StepInfo, output_edges
 
 __all__ = ["GradCollector", "HostUpdates", "Updates", "updates_later", "with_updates"]
 
@@ -876,6 +876,11 @@ class GradCollector(HookedContext):
         self._in_flight: list[list[tuple[_Call, list[_PendingInput], int] | None]] = []
         self._held: list[_Slot] = []  # the slots holding a gradient (`_put`)
         self._partial: list[_Slot] = []  # inputs with some of their parts in (`_put_part`)
+        # The model's floating outputs of its last forward with gradients, kept only while
+        # `keep_outputs` (a watch that awaits the loss, `GradWatch.check_loss`): holding
+        # their nodes holds that forward's graph until the watch reads the loss.
+        self.keep_outputs = False
+        self.outputs: tuple[OutputEdge, ...] | None = None
         self._reset()
 
     # ------------------------------------------------------------------ lifecycle
@@ -913,6 +918,7 @@ class GradCollector(HookedContext):
         self._before = []
         self._rank_aware = None
         self._in_flight = []
+        self.keep_outputs, self.outputs = False, None
         self._reset()
 
     def _reset(self) -> None:
@@ -988,7 +994,9 @@ class GradCollector(HookedContext):
             self._micro += 1
             self._counts = {}
 
-    def _on_root_forward_end(self, _m: nn.Module, _args: tuple[Any, ...], _out: Any) -> None:
+    def _on_root_forward_end(self, _m: nn.Module, _args: tuple[Any, ...], out: Any) -> None:
+        if self.keep_outputs and self._root_grad:
+            self.outputs = output_edges(out)
         self._in_root = self._root_grad = False
         self._read_simple_calls()
 

@@ -39,7 +39,7 @@ from torchscope.grads.records import (
 from torchscope.hooks.lifecycle import HookedContext
 from torchscope.hooks.select import Selector
 from torchscope.hooks.session import HookSession
-from torchscope.step import LossSpec, Step, inner_optimizer
+from torchscope.step import LossBroadcast, LossSpec, Step, inner_optimizer, loss_broadcast_at
 
 
 def gradient_flow(
@@ -207,6 +207,9 @@ class GradWatch(HookedContext, Analyzed):
         broken_update: with `optimizer=` (and `updates=True`), the first sampled step's
             update that wrote NaN/Inf into parameters whose weights and gradients were
             finite (`BrokenUpdate`), or None. Only sampled steps' updates are measured.
+        loss_broadcast: where the loop's loss broadcast the model's output against its
+            target into every pair of the two (`LossBroadcast`), read once from a loss
+            handed to `check_loss`; None where it did not, or where no loss was handed.
         gathered: in a distributed job, every rank's last sample joined on rank 0 at the end
             of the block (`Ranked[GradFlow]`); None on the other ranks and on one process.
     """
@@ -343,6 +346,8 @@ class GradWatch(HookedContext, Analyzed):
         self._pending_updates: tuple[int, Callable[[], HostUpdates]] | None = None
         self._awaiting: GradFlow | None = None
         self.broken_update: BrokenUpdate | None = None
+        self.loss_broadcast: LossBroadcast | None = None
+        self._loss_read = False
         # Sampled steps whose gradients the loop changed in place before the update
         # (clipping): (step index, the total norm of the model's gradients then, and of the
         # watched optimizer's where it steps only part of the model, 0-d on the device),
@@ -420,6 +425,24 @@ class GradWatch(HookedContext, Analyzed):
             c.close(failed=failed)
         if not failed and self._last is not None and world().distributed:
             self.gathered = self._last.gather()  # after the hooks are off; rank 0 gets it
+
+    def check_loss(self, loss: torch.Tensor) -> None:
+        """Hand the watch a step's loss between its forward and its backward, once a step
+        (the Lightning callback does, from `on_before_backward`): the watch reads the
+        loss's graph once, back to the model's output, for a broadcast against the target
+        (`loss_broadcast`, `grads.loss_broadcast`). The first call arms it: the output of
+        the model's next forward is kept until the next call reads it, and is dropped then.
+        A few autograd nodes are walked, once; no tensor is read.
+        """
+        c = self._collector
+        if self._loss_read or loss.grad_fn is None:
+            return
+        edges, c.outputs = c.outputs, None
+        if edges is None:
+            c.keep_outputs = True  # the next forward's output, for the next call
+            return
+        self.loss_broadcast = loss_broadcast_at(loss, edges)  # None without edges
+        self._loss_read, c.keep_outputs = True, False
 
     @property
     def passes_without_update(self) -> int:

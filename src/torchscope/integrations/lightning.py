@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from torchscope.errors import TorchscopeError
@@ -136,6 +137,12 @@ class TorchscopeCallback(pl.Callback):
             on_sample=self._on_sample, producer="torchscope.integrations.lightning",
             parallel=parallel_wrapper(trainer.strategy.model), **self._options)
         self._monitor.__enter__()
+
+    def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
+        """Hand the monitor the loss training_step returned, before its backward: its graph
+        is read once for a broadcast against the target (`grads.loss_broadcast`)."""
+        if self._monitor is not None and isinstance(loss, torch.Tensor):
+            self._monitor.check_loss(loss)
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         """End the step: the gradients are final, unscaled and not yet clipped."""

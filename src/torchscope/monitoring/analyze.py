@@ -26,6 +26,7 @@ from torchscope.grads.analyze import (
     diagnose_history,
     find_broken_update,
     find_cleared,
+    find_loss_broadcast,
     find_no_step,
     find_no_update,
     find_not_optimized,
@@ -616,6 +617,7 @@ def _capabilities(record: RunRecord, replaced: bool) -> list[Finding]:
                   if f.code not in ("grads.update_ratio", "grads.nonfinite_update")]
         found += find_update_ratio(record.last, fallen=_total_fall(record))
     found += find_broken_update(record.broken_update)
+    found += find_loss_broadcast(record.loss_broadcast)
     history = grad_history(record)
     found += diagnose_history(history)
     found += find_no_step(record.step_by, record.steps, record.backwards, record.optimizer)

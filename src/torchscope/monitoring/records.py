@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from torchscope.grads import BrokenUpdate, GradFlow
     from torchscope.memory import MemoryWatch
     from torchscope.profiling import ProfileResult
+    from torchscope.step import LossBroadcast
 
 __all__ = ["ExpertUse", "HistoryBudget", "LayerSeries", "ModeCounts", "NonFiniteOnset",
            "RunRecord", "RunStatus", "mode_sensitive"]
@@ -236,6 +237,10 @@ class RunRecord(Analyzed):
             schedule's peak, not the 0 a linear decay ends at); empty without an optimizer.
         broken_update: the first sampled step's optimizer update that wrote NaN/Inf into
             finite weights (`GradWatch.broken_update`), or None.
+        loss_broadcast: where the loop's loss broadcast the model's output against its
+            target into every pair of the two (`GradWatch.loss_broadcast`: read where a
+            framework callback hands the monitor each step's loss, `Monitor.check_loss`),
+            or None.
         same_inputs: (pairs of consecutive steps whose inputs were compared, pairs whose
             inputs were the same): each sampled step's first training forward against the
             next step's, by fingerprint (shapes, dtypes, each tensor's sum and L2
@@ -289,6 +294,7 @@ class RunRecord(Analyzed):
     unoptimized: tuple[str, ...] = ()
     param_groups: tuple[tuple[float, float], ...] = ()
     broken_update: BrokenUpdate | None = None
+    loss_broadcast: LossBroadcast | None = None
     same_inputs: tuple[int, int] = (0, 0)
 
     @property

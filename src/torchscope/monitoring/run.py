@@ -311,6 +311,14 @@ class Monitor(HookedContext):
                                   fix="use it in a `with` block: with torchscope.monitor(...):")
         self._grads.end_step()
 
+    def check_loss(self, loss: torch.Tensor) -> None:
+        """Hand the monitor a step's loss before its backward: its graph is read once for
+        a loss that broadcasts the model's output against its target
+        (`GradWatch.check_loss`, `grads.loss_broadcast`). The framework callbacks that see
+        the loss call it; a plain loop may, once a step."""
+        if self._grads is not None:
+            self._grads.check_loss(loss)
+
     @property
     def steps(self) -> int:
         """Steps completed so far."""
@@ -579,6 +587,7 @@ class Monitor(HookedContext):
             cleared_steps=grads.cleared_steps, first_cleared=grads.first_cleared,
             unoptimized=grads.unoptimized,
             broken_update=grads.broken_update,  # read after `last`, which checks its update
+            loss_broadcast=grads.loss_broadcast,
             same_inputs=(self._fp_pairs, 0 if self._fp_same is None else int(self._fp_same)),
             modes=self._modes,
             experts=tuple(ExpertUse(m, name, c[0], tuple(c[1:]))

@@ -49,7 +49,7 @@ __all__ = [
 ]
 
 SCHEMA_ID = "torchscope.report"
-SCHEMA_VERSION = "1.8"
+SCHEMA_VERSION = "1.9"
 
 Status = Literal["ok", "skipped", "failed"]
 ReportKind = Literal["doctor", "run"]
