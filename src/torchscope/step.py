@@ -43,7 +43,7 @@ import sys
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import nn
@@ -58,8 +58,10 @@ __all__ = [
     "AUTOCAST",
     "LOSSES",
     "LossBroadcast",
+    "LossFaults",
     "LossFn",
     "LossName",
+    "LossOnProbabilities",
     "LossSpec",
     "OutputEdge",
     "ResolvedLoss",
@@ -67,8 +69,8 @@ __all__ = [
     "StepInfo",
     "autocast_dtype",
     "inner_optimizer",
-    "loss_broadcast",
-    "loss_broadcast_at",
+    "loss_faults",
+    "loss_faults_at",
     "main_output",
     "output_edges",
     "preserved",
@@ -86,6 +88,8 @@ TargetKind = Literal["given", "seeded", "none"]
 BeforeBackward = Callable[[int, Any, torch.Tensor], None]
 
 _HALF = (torch.float16, torch.bfloat16)
+# The losses a step computes itself from logits (`_compute`).
+_OWN_LOGIT_LOSSES = ("cross_entropy", "binary_cross_entropy")
 # The precisions a step's forward and loss can run in, by the names the CLI takes.
 AUTOCAST: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
 _AMP_DTYPES = tuple(AUTOCAST.values())
@@ -138,7 +142,7 @@ class LossBroadcast:
 
     Attributes:
         output: where the output sits in what the model returned (`""` for the output
-            itself, `".logits"`, `"[0]"`).
+            itself, `"['logits']"`, `"[0]"`).
         output_shape: its shape, e.g. `(32, 1)`.
         shape: the broadcast shape, e.g. `(32, 32)`: the output's element count squared.
         op: the autograd node that made it: `SubBackward0` (`out - y`), `ExpandBackward0`
@@ -154,60 +158,132 @@ class LossBroadcast:
     target_shape: tuple[int, ...] | None = None
 
 
+@dataclass(frozen=True)
+class LossOnProbabilities:
+    """A loss that applies its own softmax or sigmoid to an output that already went
+    through one: `cross_entropy` (its `log_softmax`) after a softmax, `nll_loss` (which
+    wants log-probabilities) on softmax probabilities, `binary_cross_entropy_with_logits`
+    (its sigmoid) after a sigmoid. The probabilities are taken as logits: the loss has a
+    floor it cannot go below and its gradient shrinks as they saturate, so training stalls.
+
+    Attributes:
+        output: where the output sits in what the model returned (as `LossBroadcast`).
+        output_shape: its shape.
+        squash: `softmax` or `sigmoid`: what made the probabilities.
+        loss: `cross_entropy`, `nll_loss` or `binary_cross_entropy_with_logits`.
+        in_model: the output itself is the squash's result (a final `nn.Softmax` or
+            `nn.Sigmoid` layer); False where the loss code applies it.
+        classes: the softmax's dimension size (C), else None.
+        assumed: the loss is torchscope's own (`loss_fn="auto"` or a named loss on a
+            model whose output is a softmax's or sigmoid's result), not the training
+            code's: the mistake is the training's only where it takes that loss too.
+    """
+
+    output: str
+    output_shape: tuple[int, ...]
+    squash: str
+    loss: str
+    in_model: bool
+    classes: int | None = None
+    assumed: bool = False
+
+
+class LossFaults(NamedTuple):
+    """What the loss's graph shows between the model's output and the loss (`loss_faults`):
+    each None where it is not so."""
+
+    broadcast: LossBroadcast | None = None
+    probabilities: LossOnProbabilities | None = None
+
+
 # Autograd nodes walked from the loss toward the model's outputs, at most: the loss's own
 # part of the graph is a few nodes; a regularisation term over every weight adds one or two
 # per weight. The walk stops at the outputs and never enters the model.
 _LOSS_WALK = 1024
-
 
 # A floating tensor a model returned, as a loss's graph meets it: (its path in the output,
 # the autograd node that made it, which of that node's results it is, its shape). Holding
 # the node keeps it (and what the next backward frees) until the edges are dropped.
 OutputEdge = tuple[str, Any, int, tuple[int, ...]]
 
+# The losses that apply their own squash, by node: (the loss, the squash whose
+# probabilities it must not be given). `nll_loss` applies none, and wants
+# log-probabilities: softmax's probabilities straight into it are the same mistake.
+_SQUASHED = {"LogSoftmaxBackward0": ("cross_entropy", "softmax"),
+             "NllLossBackward0": ("nll_loss", "softmax"),
+             "NllLoss2DBackward0": ("nll_loss", "softmax"),
+             "BinaryCrossEntropyWithLogitsBackward0": ("binary_cross_entropy_with_logits",
+                                                       "sigmoid")}
+_SQUASH = {"SoftmaxBackward0": "softmax", "SigmoidBackward0": "sigmoid"}
+# Ops between the squash and the loss that leave its probabilities probabilities: views,
+# casts and copies.
+_KEEPS = frozenset({
+    "ViewBackward0", "ReshapeAliasBackward0", "UnsafeViewBackward0", "SqueezeBackward0",
+    "SqueezeBackward1", "SqueezeBackward2", "UnsqueezeBackward0", "PermuteBackward0",
+    "TransposeBackward0", "TBackward0", "ToCopyBackward0", "CloneBackward0",
+    "ContiguousBackward0", "SelectBackward0", "SliceBackward0", "IndexBackward0",
+    "AliasBackward0", "ExpandBackward0", "FlattenBackward0"})
+
 
 def output_edges(output: Any) -> tuple[OutputEdge, ...]:
     """The floating tensors of more than one element in what a model returned, with the
-    autograd nodes that made them: where `loss_broadcast_at` stops its walk."""
+    autograd nodes that made them: where `loss_faults_at` stops its walk."""
     return tuple((path, t.grad_fn, t.output_nr, tuple(t.shape))
                  for path, t in iter_tensors(output)
-                 if t.grad_fn is not None and t.is_floating_point() and t.numel() > 1)
+                 if t.grad_fn is not None and t.is_floating_point() and not t.is_nested
+                 and t.numel() > 1)
 
 
-def loss_broadcast(loss_tensor: torch.Tensor, output: Any, target: Any = None
-                   ) -> LossBroadcast | None:
-    """Where `loss_tensor` broadcast one of the floating tensors in `output` (n > 1 elements)
-    into n * n elements against an operand that carries no gradient (a target, a
-    constant), read on autograd's graph between the loss and the output
-    (`loss_broadcast_at` on `output_edges(output)`).
+def loss_faults(loss_tensor: torch.Tensor, output: Any, target: Any = None) -> LossFaults:
+    """Two mistakes between a model's output and its loss, read once on autograd's graph
+    before backward (`loss_faults_at` on `output_edges(output)`); no tensor is read.
 
-    Between the output and the broadcast any op that keeps its n elements may come (a
-    `squeeze`, a `view`, a cast, a scale). Silent on a pairwise loss (`s - s.T`: both
-    operands carry the output's gradient), on a comparison with a learned or constant
-    tensor of another size (bins, centres: n * K elements), and where autograd keeps no
-    input metadata on its nodes (a torch without `Node._input_metadata`).
+    - `broadcast`: the loss broadcast a floating output of n > 1 elements into n * n
+      against an operand that carries no gradient (a target, a constant). Silent on a
+      pairwise loss (`s - s.T`: both operands carry the output's gradient) and on a
+      comparison with a learned or constant tensor of another size (bins, centres).
+    - `probabilities`: a softmax (a sigmoid) then a loss that applies its own
+      (`cross_entropy`, `binary_cross_entropy_with_logits`), or softmax probabilities into
+      `nll_loss`. Silent on `nll_loss(log(softmax))` and on `binary_cross_entropy` of
+      probabilities, which take them as they are.
+
+    Between the output and the mistake any op that keeps its n elements may come (a
+    `squeeze`, a `view`, a cast, a scale). Both are None where autograd keeps no input
+    metadata on its nodes (a torch without `Node._input_metadata`).
 
     Args:
         loss_tensor: the scalar loss, before backward.
         output: what the model returned.
-        target: the step's target, named in the record when it has n elements.
+        target: the step's target, named in a broadcast when it has n elements.
     """
-    return loss_broadcast_at(loss_tensor, output_edges(output), target)
+    return loss_faults_at(loss_tensor, output_edges(output), target)
 
 
-def loss_broadcast_at(loss_tensor: torch.Tensor, edges: tuple[OutputEdge, ...],
-                      target: Any = None) -> LossBroadcast | None:
-    """`loss_broadcast` on outputs taken earlier (`output_edges`): a watch takes them
-    when the model returns and reads the loss's graph when the loop hands it the loss."""
+def loss_faults_at(loss_tensor: torch.Tensor, edges: tuple[OutputEdge, ...],
+                   target: Any = None) -> LossFaults:
+    """`loss_faults` on outputs taken earlier (`output_edges`): a watch takes them when the
+    model returns and reads the loss's graph when the loop hands it the loss."""
     root = loss_tensor.grad_fn
     if root is None or not hasattr(root, "_input_metadata") or not edges:
-        return None
+        return LossFaults()
+    try:
+        return _walk_loss(root, loss_tensor, edges, target)
+    except (RuntimeError, ValueError, TypeError, AttributeError, IndexError):
+        # A node whose metadata Python cannot read (a tensor subclass's, a ragged dim's):
+        # no reading, rather than a step that fails for a diagnosis.
+        return LossFaults()
+
+
+def _walk_loss(root: Any, loss_tensor: torch.Tensor, edges: tuple[OutputEdge, ...],
+               target: Any) -> LossFaults:
     outputs = {(id(node), nr): (path, shape) for path, node, nr, shape in edges}
     # parent[id(node)] = (the node that consumes it, the index of its result consumed):
     # breadth first from the loss, each node once. `seen` holds the nodes walked, so that
     # no id is reused while the walk runs.
     parent: dict[int, tuple[Any, int]] = {id(root): (None, 0)}
     seen, queue = [root], deque([root])
+    broadcast: LossBroadcast | None = None
+    probabilities: LossOnProbabilities | None = None
     while queue and len(seen) < _LOSS_WALK:
         node = queue.popleft()
         for nxt, nr in node.next_functions:
@@ -216,27 +292,32 @@ def loss_broadcast_at(loss_tensor: torch.Tensor, edges: tuple[OutputEdge, ...],
             hit = outputs.get((id(nxt), nr))
             if hit is not None:
                 path, shape = hit
-                n = math.prod(shape)
-                found = _broadcast_above(node, nxt, parent, n, loss_tensor)
-                if found is not None:
+                chain, top = _chain_above(node, nxt, parent, math.prod(shape), loss_tensor)
+                if broadcast is None and top is not None:
                     t_shape = tuple(target.shape) if isinstance(target, torch.Tensor) and \
-                        target.numel() == n else None
-                    return LossBroadcast(path, shape, found[0], found[1], t_shape)
+                        target.numel() == math.prod(shape) else None
+                    broadcast = LossBroadcast(path, shape, top[0], top[1], t_shape)
+                if probabilities is None:
+                    probabilities = _squashed_twice(path, shape, chain)
                 continue  # never into the model
             if id(nxt) not in parent:
                 parent[id(nxt)] = (node, nr)
                 seen.append(nxt)
                 queue.append(nxt)
-    return None
+    return LossFaults(broadcast, probabilities)
 
 
-def _broadcast_above(node: Any, below: Any, parent: dict[int, tuple[Any, int]], n: int,
-                     loss_tensor: torch.Tensor) -> tuple[tuple[int, ...], str] | None:
-    """From `node`, which consumes a model output of n elements (made by `below`), up
-    toward the loss: the first node whose result does not hold n elements. `(its shape,
-    its name)` when it holds n * n and its other operand carries no gradient: no edge of
-    its own besides the output's path, or, for a one-input op (`expand`), none of its
-    consumer's (`mse_loss` takes the expanded target there)."""
+def _chain_above(node: Any, below: Any, parent: dict[int, tuple[Any, int]], n: int,
+                 loss_tensor: torch.Tensor
+                 ) -> tuple[list[tuple[Any, tuple[int, ...]]], tuple[tuple[int, ...], str] | None]:
+    """From the output's node `below` up through `node`, its consumer, toward the loss:
+    `(chain, broadcast)`. `chain` holds `(node, the shape of its result)` for the output's
+    node and every node above it whose result keeps the output's n elements, then the first
+    that does not. `broadcast` is `(shape, name)` of that first node where it holds n * n
+    and its other operand carries no gradient: no edge of its own besides the output's
+    path, or, for a one-input op (`expand`), none of its consumer's (`mse_loss` takes the
+    expanded target there)."""
+    chain: list[tuple[Any, tuple[int, ...]]] = [(below, ())]
     while node is not None:
         up, nr = parent[id(node)]
         if up is None:
@@ -244,18 +325,46 @@ def _broadcast_above(node: Any, below: Any, parent: dict[int, tuple[Any, int]], 
         else:
             meta = node._input_metadata  # the shapes of the node's forward results
             if nr >= len(meta):
-                return None
+                return chain, None
             shape = tuple(meta[nr].shape)
+            if not all(type(d) is int for d in shape):
+                return chain, None  # a nested tensor's ragged dim: no element count
+        chain.append((node, shape))
         size = math.prod(shape)
         if size == n:
             below, node = node, up
             continue
         if size != n * n:
-            return None
+            return chain, None
         judge, path = (node, below) if len(node.next_functions) > 1 or up is None else \
             (up, node)
         others = [e for e, _ in judge.next_functions if e is not None and e is not path]
-        return None if others else (shape, type(node).__name__)
+        return chain, None if others else (shape, type(node).__name__)
+    return chain, None
+
+
+def _squashed_twice(path: str, shape: tuple[int, ...],
+                    chain: list[tuple[Any, tuple[int, ...]]]) -> LossOnProbabilities | None:
+    """A softmax or sigmoid on the chain from the output up, then, through ops that keep
+    its elements, the node of a loss that applies its own (`_SQUASHED`)."""
+    squash: tuple[int, str] | None = None  # (its place on the chain, softmax or sigmoid)
+    for i, (node, _) in enumerate(chain):
+        name = type(node).__name__
+        if name in _SQUASH:
+            squash = (i, _SQUASH[name])
+        elif squash is not None and name in _SQUASHED and _SQUASHED[name][1] == squash[1]:
+            first = chain[squash[0]][0]
+            classes = None
+            if squash[1] == "softmax":
+                dim = int(getattr(first, "_saved_dim", -1))
+                if dim >= 2 ** 63:  # a negative dim, read back as an unsigned int64
+                    dim -= 2 ** 64
+                size = tuple(first._input_metadata[0].shape)
+                classes = size[dim] if -len(size) <= dim < len(size) else None
+            return LossOnProbabilities(path, shape, squash[1], _SQUASHED[name][0],
+                                       in_model=squash[0] == 0, classes=classes)
+        elif squash is not None and name not in _KEEPS:
+            squash = None  # log, clamp, ...: the loss no longer sees the probabilities
     return None
 
 
@@ -272,8 +381,10 @@ class StepInfo:
         scaler: whether a GradScaler scaled the loss.
         accumulate: micro-batches per optimizer step.
         loss_broadcast: where the loss broadcast the model's output against its target
-            into every pair of the two (`loss_broadcast`, read on the first
-            micro-batch's graph); None where it did not.
+            into every pair of the two (`loss_faults`, read on the first micro-batch's
+            graph); None where it did not.
+        loss_on_probabilities: where the loss applied its own softmax or sigmoid to an
+            output that already went through one (`loss_faults`); None where it did not.
     """
 
     loss: str
@@ -283,6 +394,7 @@ class StepInfo:
     scaler: bool = False
     accumulate: int = 1
     loss_broadcast: LossBroadcast | None = None
+    loss_on_probabilities: LossOnProbabilities | None = None
 
     def describe(self) -> str:
         """One line: `loss: auto → cross-entropy vs seeded targets = 2.303 · optimizer: SGD`."""
@@ -379,7 +491,7 @@ def _scalar(loss: Any, what: str) -> torch.Tensor:
 def _same_shape(out: torch.Tensor, target: Any) -> None:
     """Refuse a target that mean squared error would broadcast the output against: an
     `(N,)` target for an `(N, 1)` output compares every output with every target (the
-    mistake `loss_broadcast` finds in a loss the user wrote).
+    mistake `loss_faults` finds in a loss the user wrote).
 
     Raises:
         ModelError: the broadcast shape is not the output's.
@@ -566,12 +678,13 @@ class Step:
         value = None if loss_value is None else float(loss_value)
         resolved = self.resolved
         loss = resolved.describe() if resolved is not None else self._requested()
+        faults: LossFaults = self._cache.get("faults", LossFaults())
         return StepInfo(
             loss=loss, loss_value=value,
             optimizer=None if self.optimizer is None else type(self.optimizer).__name__,
             autocast=None if self.autocast is None else str(self.autocast),
             scaler=self.scaler is not None, accumulate=self.accumulate,
-            loss_broadcast=self._cache.get("broadcast"))
+            loss_broadcast=faults.broadcast, loss_on_probabilities=faults.probabilities)
 
     def _requested(self) -> str:
         return _callable_name(self.loss_fn) if callable(self.loss_fn) else str(self.loss_fn)
@@ -676,10 +789,14 @@ class Step:
         self._cache["resolved"] = resolved
         with self.autocast_context():
             value = self._compute(resolved, output, target, micro)
-        if "broadcast" not in self._cache and value.grad_fn is not None:
+        if "faults" not in self._cache and value.grad_fn is not None:
             # Once per step object, on the graph of its first loss with gradient: a few
             # nodes between the loss and the output.
-            self._cache["broadcast"] = loss_broadcast(value, output, target)
+            faults = loss_faults(value, output, target)
+            if faults.probabilities is not None and resolved.kind in _OWN_LOGIT_LOSSES:
+                faults = faults._replace(
+                    probabilities=replace(faults.probabilities, assumed=True))
+            self._cache["faults"] = faults
         return value
 
     def _compute(self, r: ResolvedLoss, output: Any, target: Any, micro: int) -> torch.Tensor:

@@ -476,6 +476,13 @@ def broadcast_regressor() -> tuple[nn.Module, Any]:
                                    "labels": torch.randn(16, generator=_gen(1))}
 
 
+def softmax_classifier() -> tuple[nn.Module, Any]:
+    """A classifier whose last layer is nn.Softmax: cross-entropy takes its probabilities
+    as logits."""
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 10), nn.Softmax(dim=1))
+    return model, torch.randn(16, 16, generator=_gen())
+
+
 def hf_resnet_frozen_bn() -> tuple[nn.Module, Any]:
     """The healthy ResNet with its backbone frozen by requires_grad_(False) alone and left
     in training mode: its 20 BatchNorm layers' running statistics still move."""
@@ -547,6 +554,8 @@ ZOO: tuple[Entry, ...] = (
     Entry("frozen-backbone", frozen_backbone, (Expect("grads.frozen", "backbone", Severity.INFO),)),
     Entry("broadcast-regressor", broadcast_regressor,
           (Expect("grads.loss_broadcast", None, Severity.ERROR),)),
+    Entry("softmax-classifier", softmax_classifier,
+          (Expect("grads.loss_on_probabilities", None),)),
     Entry("hf-resnet-frozen-bn", hf_resnet_frozen_bn, (
         Expect("activations.frozen_batch_norm", "resnet"),
         Expect("grads.frozen", "resnet", Severity.INFO),

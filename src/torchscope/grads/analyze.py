@@ -37,7 +37,7 @@ from torchscope.grads.records import (
     rms,
 )
 from torchscope.hooks.compiled import ran_eagerly, unseen_forward
-from torchscope.step import LossBroadcast
+from torchscope.step import LossBroadcast, LossOnProbabilities
 
 __all__ = [
     "DepthProfile",
@@ -57,6 +57,7 @@ __all__ = [
     "find_frozen_zero",
     "find_idle_forwards",
     "find_loss_broadcast",
+    "find_loss_on_probabilities",
     "find_nonfinite",
     "find_not_optimized",
     "find_not_zeroed",
@@ -1121,6 +1122,56 @@ def find_loss_broadcast(b: LossBroadcast | None) -> list[Finding]:
     )]
 
 
+def find_loss_on_probabilities(p: LossOnProbabilities | None) -> list[Finding]:
+    """`grads.loss_on_probabilities` (error): the loss applied its own softmax or sigmoid
+    to an output that already went through one (`StepInfo.loss_on_probabilities`,
+    `GradWatch.loss_on_probabilities`): probabilities taken as logits. The runtime side of
+    the lint rule TS014, wherever the softmax is: a model's final `nn.Softmax` or
+    `nn.Sigmoid` layer included, which no reading of the training code can see. A warning
+    where the loss was torchscope's own choice (`assumed`): the training is wrong only if
+    it takes the same loss."""
+    if p is None:
+        return []
+    out = f"the output{p.output} {p.output_shape}"
+    where = f"{out}, a {p.squash}'s result" if p.in_model else \
+        f"a {p.squash} of {out}"
+    severity = Severity.ERROR
+    if p.loss == "cross_entropy":
+        c = p.classes or 2
+        floor = math.log(1 + (c - 1) / math.e)
+        summary = (f"cross-entropy takes log_softmax of {where}: probabilities taken as "
+                   f"logits, so the loss cannot fall below log(1 + (C - 1)/e) = {floor:.2f} "
+                   f"(C = {c}) and the gradient shrinks as they saturate: training stalls")
+        fix = ("give cross_entropy the logits: " + (
+            f"drop the model's final {p.squash.capitalize()} layer and apply softmax only to "
+            "report probabilities." if p.in_model else "remove the softmax before it."))
+    elif p.loss == "nll_loss":
+        summary = (f"nll_loss takes {where}: it wants log-probabilities, and of "
+                   "probabilities it computes -p, not -log p")
+        fix = "use log_softmax instead of softmax, or cross_entropy on the logits."
+    else:
+        summary = (f"{p.loss} applies a sigmoid to {where}: probabilities taken as logits, "
+                   "so its predictions stay between 0.5 and 0.73 and the gradient toward a "
+                   "0 label never falls below 0.5")
+        fix = ("give it the logits: " + (
+            "drop the model's final Sigmoid layer." if p.in_model else
+            "remove the sigmoid before it.") +
+            " Or keep the probabilities and use binary_cross_entropy.")
+    if p.assumed:
+        # torchscope chose the loss: the training code is wrong only if it does the same.
+        severity = Severity.WARNING
+        summary = f"if the training takes {p.loss} as this step does: {summary}"
+    return [Finding(
+        code="grads.loss_on_probabilities",
+        severity=severity,
+        summary=summary,
+        evidence={"output": p.output, "output_shape": str(p.output_shape),
+                  "squash": p.squash, "loss": p.loss, "in_model": p.in_model,
+                  "classes": p.classes, "assumed": p.assumed},
+        fix=fix,
+    )]
+
+
 def find_unreached(flow: GradFlow, thresholds: GradThresholds | None = None) -> list[Finding]:
     """Trainable parameters that received no gradient this step, one finding per module
     (the first five; the rest in one more). Those whose modules ran only inside a
@@ -1525,7 +1576,9 @@ def diagnose(flow: GradFlow, thresholds: GradThresholds | None = None) -> list[F
                find_frozen, find_frozen_zero, find_update_ratio, find_stale_weights,
                find_idle_forwards, find_unseen_forward):
         found += fn(flow, thresholds)
-    found += find_loss_broadcast(None if flow.step is None else flow.step.loss_broadcast)
+    if flow.step is not None:
+        found += find_loss_broadcast(flow.step.loss_broadcast)
+        found += find_loss_on_probabilities(flow.step.loss_on_probabilities)
     found += find_broken_update(flow.broken_update)
     found += rank_findings(flow)  # DDP/FSDP2 only: ranks that diverge or see skewed data
     return rank(found)
@@ -1738,6 +1791,7 @@ def diagnose_watch(watch: GradWatch, thresholds: GradThresholds | None = None) -
                  and not _after_update(f, broken)]
         found += find_broken_update(broken)
     found += find_loss_broadcast(watch.loss_broadcast)
+    found += find_loss_on_probabilities(watch.loss_on_probabilities)
     found += find_no_step(watch.step_by, watch.steps, watch.backwards, watch.optimizer_name)
     found += find_no_update(watch.backwards, watch.passes_without_update, watch.steps)
     found += find_not_zeroed(watch.unzeroed_steps, watch.first_unzeroed, watch.steps,

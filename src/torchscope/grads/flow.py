@@ -39,7 +39,14 @@ from torchscope.grads.records import (
 from torchscope.hooks.lifecycle import HookedContext
 from torchscope.hooks.select import Selector
 from torchscope.hooks.session import HookSession
-from torchscope.step import LossBroadcast, LossSpec, Step, inner_optimizer, loss_broadcast_at
+from torchscope.step import (
+    LossBroadcast,
+    LossOnProbabilities,
+    LossSpec,
+    Step,
+    inner_optimizer,
+    loss_faults_at,
+)
 
 
 def gradient_flow(
@@ -210,6 +217,9 @@ class GradWatch(HookedContext, Analyzed):
         loss_broadcast: where the loop's loss broadcast the model's output against its
             target into every pair of the two (`LossBroadcast`), read once from a loss
             handed to `check_loss`; None where it did not, or where no loss was handed.
+        loss_on_probabilities: where the loop's loss applied its own softmax or sigmoid
+            to an output that already went through one (`LossOnProbabilities`), read with
+            `loss_broadcast`; else None.
         gathered: in a distributed job, every rank's last sample joined on rank 0 at the end
             of the block (`Ranked[GradFlow]`); None on the other ranks and on one process.
     """
@@ -347,6 +357,7 @@ class GradWatch(HookedContext, Analyzed):
         self._awaiting: GradFlow | None = None
         self.broken_update: BrokenUpdate | None = None
         self.loss_broadcast: LossBroadcast | None = None
+        self.loss_on_probabilities: LossOnProbabilities | None = None
         self._loss_read = False
         # Sampled steps whose gradients the loop changed in place before the update
         # (clipping): (step index, the total norm of the model's gradients then, and of the
@@ -430,7 +441,9 @@ class GradWatch(HookedContext, Analyzed):
         """Hand the watch a step's loss between its forward and its backward, once a step
         (the Lightning callback does, from `on_before_backward`): the watch reads the
         loss's graph once, back to the model's output, for a broadcast against the target
-        (`loss_broadcast`, `grads.loss_broadcast`). The first call arms it: the output of
+        and for probabilities given to a loss that wants logits (`loss_broadcast`,
+        `loss_on_probabilities`; `grads.loss_broadcast`, `grads.loss_on_probabilities`,
+        `torchscope.step.loss_faults`). The first call arms it: the output of
         the model's next forward is kept until the next call reads it, and is dropped then.
         A few autograd nodes are walked, once; no tensor is read.
         """
@@ -441,7 +454,8 @@ class GradWatch(HookedContext, Analyzed):
         if edges is None:
             c.keep_outputs = True  # the next forward's output, for the next call
             return
-        self.loss_broadcast = loss_broadcast_at(loss, edges)  # None without edges
+        # Both None without edges (no floating output of more than one element).
+        self.loss_broadcast, self.loss_on_probabilities = loss_faults_at(loss, edges)
         self._loss_read, c.keep_outputs = True, False
 
     @property

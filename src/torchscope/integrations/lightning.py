@@ -140,7 +140,7 @@ class TorchscopeCallback(pl.Callback):
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
         """Hand the monitor the loss training_step returned, before its backward: its graph
-        is read once for a broadcast against the target (`grads.loss_broadcast`)."""
+        is read once (`Monitor.check_loss`)."""
         if self._monitor is not None and isinstance(loss, torch.Tensor):
             self._monitor.check_loss(loss)
 

@@ -27,6 +27,7 @@ from torchscope.grads.analyze import (
     find_broken_update,
     find_cleared,
     find_loss_broadcast,
+    find_loss_on_probabilities,
     find_no_step,
     find_no_update,
     find_not_optimized,
@@ -618,6 +619,7 @@ def _capabilities(record: RunRecord, replaced: bool) -> list[Finding]:
         found += find_update_ratio(record.last, fallen=_total_fall(record))
     found += find_broken_update(record.broken_update)
     found += find_loss_broadcast(record.loss_broadcast)
+    found += find_loss_on_probabilities(record.loss_on_probabilities)
     history = grad_history(record)
     found += diagnose_history(history)
     found += find_no_step(record.step_by, record.steps, record.backwards, record.optimizer)

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from torchscope.grads import BrokenUpdate, GradFlow
     from torchscope.memory import MemoryWatch
     from torchscope.profiling import ProfileResult
-    from torchscope.step import LossBroadcast
+    from torchscope.step import LossBroadcast, LossOnProbabilities
 
 __all__ = ["ExpertUse", "HistoryBudget", "LayerSeries", "ModeCounts", "NonFiniteOnset",
            "RunRecord", "RunStatus", "mode_sensitive"]
@@ -241,6 +241,9 @@ class RunRecord(Analyzed):
             target into every pair of the two (`GradWatch.loss_broadcast`: read where a
             framework callback hands the monitor each step's loss, `Monitor.check_loss`),
             or None.
+        loss_on_probabilities: where that loss applied its own softmax or sigmoid to an
+            output that already went through one (`GradWatch.loss_on_probabilities`), or
+            None.
         same_inputs: (pairs of consecutive steps whose inputs were compared, pairs whose
             inputs were the same): each sampled step's first training forward against the
             next step's, by fingerprint (shapes, dtypes, each tensor's sum and L2
@@ -295,6 +298,7 @@ class RunRecord(Analyzed):
     param_groups: tuple[tuple[float, float], ...] = ()
     broken_update: BrokenUpdate | None = None
     loss_broadcast: LossBroadcast | None = None
+    loss_on_probabilities: LossOnProbabilities | None = None
     same_inputs: tuple[int, int] = (0, 0)
 
     @property

@@ -313,9 +313,9 @@ class Monitor(HookedContext):
 
     def check_loss(self, loss: torch.Tensor) -> None:
         """Hand the monitor a step's loss before its backward: its graph is read once for
-        a loss that broadcasts the model's output against its target
-        (`GradWatch.check_loss`, `grads.loss_broadcast`). The framework callbacks that see
-        the loss call it; a plain loop may, once a step."""
+        a loss that broadcasts the model's output against its target, or that applies its
+        own softmax or sigmoid to probabilities (`GradWatch.check_loss`). The framework
+        callbacks that see the loss call it; a plain loop may, once a step."""
         if self._grads is not None:
             self._grads.check_loss(loss)
 
@@ -588,6 +588,7 @@ class Monitor(HookedContext):
             unoptimized=grads.unoptimized,
             broken_update=grads.broken_update,  # read after `last`, which checks its update
             loss_broadcast=grads.loss_broadcast,
+            loss_on_probabilities=grads.loss_on_probabilities,
             same_inputs=(self._fp_pairs, 0 if self._fp_same is None else int(self._fp_same)),
             modes=self._modes,
             experts=tuple(ExpertUse(m, name, c[0], tuple(c[1:]))

@@ -1,10 +1,13 @@
-"""`grads.loss_broadcast`: a loss that compares `(N, 1)` predictions with `(N,)` targets
-pairwise. Told on the graph between the loss and the model's output, whatever wrote the
-loss; silent where the shapes agree and on losses that enlarge the output on purpose."""
+"""Two mistakes between the model's output and its loss, read on autograd's graph whatever
+wrote the loss: `grads.loss_broadcast` (`(N, 1)` predictions against `(N,)` targets,
+compared pairwise) and `grads.loss_on_probabilities` (a softmax or sigmoid, then a loss
+that applies its own). Silent where the loss is right, and on losses that enlarge the
+output or take probabilities on purpose."""
 
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 from collections.abc import Callable
 
@@ -16,7 +19,7 @@ from torch.nn import functional
 import torchscope
 from torchscope.errors import ModelError
 from torchscope.grads import gradient_flow, watch_gradients
-from torchscope.step import Step, loss_broadcast
+from torchscope.step import Step, loss_faults
 
 N = 32
 
@@ -168,12 +171,12 @@ def test_the_walk_is_the_losss_own_part_of_the_graph() -> None:
     out = model(x)
     reg = sum(p.square().sum() for p in model.parameters())
     loss = ((out - y) ** 2).mean() + 1e-4 * reg
-    b = loss_broadcast(loss, out, y)
+    b = loss_faults(loss, out, y).broadcast
     assert b is not None and b.shape == (N, N)
-    assert loss_broadcast(functional.mse_loss(out, y[:, None]) + 1e-4 * reg, out) is None
+    assert loss_faults(functional.mse_loss(out, y[:, None]) + 1e-4 * reg, out).broadcast is None
     # No graph, nothing to read.
     with torch.no_grad():
-        assert loss_broadcast(((model(x) - y) ** 2).mean(), out) is None
+        assert loss_faults(((model(x) - y) ** 2).mean(), out) == (None, None)
 
 
 @pytest.mark.parametrize("broadcast", [True, False])
@@ -227,3 +230,148 @@ def test_the_monitor_reports_what_its_watch_read() -> None:
     assert run is not None and run.loss_broadcast is not None
     assert run.loss_broadcast.op == "SubBackward0"
     assert [f.code for f in run.findings()].count("grads.loss_broadcast") == 1
+
+
+# ---------------------------------------------------------------- probabilities as logits
+C = 10
+
+
+def _classifier(last: nn.Module | None = None, classes: int = C) -> nn.Module:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, classes)]
+    return nn.Sequential(*layers, *([last] if last is not None else []))
+
+
+def _labels(classes: int = C) -> torch.Tensor:
+    return torch.randint(0, classes, (N,), generator=torch.Generator().manual_seed(2))
+
+
+def _tokens_ce(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    # A language model's shape: (B, T, C) probabilities flattened for cross-entropy.
+    probs = torch.softmax(o.view(4, N // 4, C), dim=-1)
+    return functional.cross_entropy(probs.reshape(-1, C), t)
+
+
+# Each: (the model's last layer, the loss, and what must be read: squash, loss, in_model).
+ON_PROBABILITIES: dict[str, tuple[nn.Module | None, Callable[..., torch.Tensor],
+                                  tuple[str, str, bool]]] = {
+    "nn.Softmax then CrossEntropyLoss": (
+        nn.Softmax(dim=1), nn.CrossEntropyLoss(), ("softmax", "cross_entropy", True)),
+    "softmax in the loss": (
+        None, lambda o, t: functional.cross_entropy(functional.softmax(o, dim=1), t),
+        ("softmax", "cross_entropy", False)),
+    "label smoothing": (
+        nn.Softmax(dim=1), nn.CrossEntropyLoss(label_smoothing=0.1),
+        ("softmax", "cross_entropy", True)),
+    "flattened tokens": (None, _tokens_ce, ("softmax", "cross_entropy", False)),
+    "softmax into nll_loss": (
+        nn.Softmax(dim=1), nn.NLLLoss(), ("softmax", "nll_loss", True)),
+}
+
+
+@pytest.mark.parametrize("name", list(ON_PROBABILITIES))
+def test_probabilities_given_to_a_loss_that_wants_logits_are_told(name: str) -> None:
+    last, loss_fn, (squash, loss, in_model) = ON_PROBABILITIES[name]
+    model, (x, _) = _classifier(last), _data()
+    flow = gradient_flow(model, x, loss_fn=loss_fn, target=_labels())
+    p = flow.step.loss_on_probabilities if flow.step is not None else None
+    assert p is not None
+    assert (p.output, p.output_shape, p.squash, p.loss, p.in_model, p.classes, p.assumed) == \
+        ("", (N, C), squash, loss, in_model, C, False)
+    (found,) = [f for f in flow.findings() if f.code == "grads.loss_on_probabilities"]
+    assert found.severity.label == "error"
+    if loss == "cross_entropy":
+        assert "cannot fall below log(1 + (C - 1)/e) = 1.46 (C = 10)" in found.summary
+        assert ("drop the model's final Softmax layer" in found.fix) == in_model
+
+
+def test_the_floor_that_the_finding_gives_is_cross_entropys() -> None:
+    # The best a softmax's output can do: one-hot probabilities of the right class.
+    labels = _labels()
+    best = functional.one_hot(labels, C).float()  # (N, C), each row a softmax's limit
+    floor = functional.cross_entropy(best, labels)
+    assert math.isclose(float(floor), math.log(1 + (C - 1) / math.e), rel_tol=1e-6)
+
+
+def test_a_sigmoid_into_bce_with_logits_is_told() -> None:
+    model, (x, y) = _classifier(nn.Sigmoid(), classes=1), _data()
+    labels = (y > 0).float()[:, None]  # (N, 1)
+    flow = gradient_flow(model, x, loss_fn=nn.BCEWithLogitsLoss(), target=labels)
+    p = flow.step.loss_on_probabilities if flow.step is not None else None
+    assert p is not None and (p.squash, p.loss, p.in_model, p.classes) == \
+        ("sigmoid", "binary_cross_entropy_with_logits", True, None)
+    (found,) = [f for f in flow.findings() if f.code == "grads.loss_on_probabilities"]
+    assert "between 0.5 and 0.73" in found.summary
+    # What it says of the predictions: the loss's own sigmoid of a probability.
+    with torch.no_grad():
+        probs = model(x)
+    assert float(torch.sigmoid(probs).min()) >= 0.5 and \
+        float(torch.sigmoid(probs).max()) <= 1 / (1 + math.exp(-1))
+
+
+def test_under_autocast_the_casts_between_are_passed() -> None:
+    model, (x, _) = _classifier(nn.Softmax(dim=1)), _data()
+    step = Step(model, x, loss_fn=nn.CrossEntropyLoss(), target=_labels(),
+                autocast=torch.bfloat16)
+    step.forward_backward()
+    p = step.info(None).loss_on_probabilities
+    assert p is not None and (p.squash, p.loss, p.in_model) == ("softmax", "cross_entropy", True)
+
+
+SILENT_CLASSIFIERS: dict[str, tuple[nn.Module | None, Callable[..., torch.Tensor]]] = {
+    "logits into cross_entropy": (None, nn.CrossEntropyLoss()),
+    "log_softmax into nll_loss": (nn.LogSoftmax(dim=1), nn.NLLLoss()),
+    "log of softmax into nll_loss": (
+        nn.Softmax(dim=1), lambda o, t: functional.nll_loss(torch.log(o), t)),
+    "probabilities against one-hot": (
+        nn.Softmax(dim=1), lambda o, t: functional.mse_loss(o, functional.one_hot(t, C).float())),
+    "distillation": (None, lambda o, t: functional.kl_div(
+        functional.log_softmax(o, dim=1), torch.softmax(torch.randn(N, C), dim=1),
+        reduction="batchmean")),
+}
+
+
+@pytest.mark.parametrize("name", list(SILENT_CLASSIFIERS))
+def test_losses_that_take_probabilities_as_such_are_silent(name: str) -> None:
+    last, loss_fn = SILENT_CLASSIFIERS[name]
+    model, (x, _) = _classifier(last), _data()
+    flow = gradient_flow(model, x, loss_fn=loss_fn, target=_labels())
+    assert flow.step is not None and flow.step.loss_on_probabilities is None
+    assert flow.step.loss_broadcast is None
+    assert not [f for f in flow.findings() if f.code.startswith("grads.loss_")]
+
+
+def test_a_sigmoid_into_binary_cross_entropy_is_silent() -> None:
+    model, (x, y) = _classifier(nn.Sigmoid(), classes=1), _data()
+    flow = gradient_flow(model, x, loss_fn=nn.BCELoss(), target=(y > 0).float()[:, None])
+    assert flow.step is not None and flow.step.loss_on_probabilities is None
+
+
+def test_torchscopes_own_cross_entropy_on_a_softmax_output_is_a_warning() -> None:
+    # `auto` takes (N, C) as logits: the step itself takes cross-entropy of probabilities,
+    # which is the training's mistake only where the training does the same.
+    model, (x, _) = _classifier(nn.Softmax(dim=1)), _data()
+    flow = gradient_flow(model, x)
+    assert flow.step is not None and flow.step.loss == "auto → cross-entropy vs seeded targets"
+    p = flow.step.loss_on_probabilities
+    assert p is not None and p.assumed and p.in_model
+    (found,) = [f for f in flow.findings() if f.code == "grads.loss_on_probabilities"]
+    assert found.severity.label == "warning"
+    assert found.summary.startswith("if the training takes cross_entropy as this step does")
+
+
+def test_a_monitored_loop_that_hands_its_loss_is_told_of_a_final_softmax() -> None:
+    model, (x, _) = _classifier(nn.Softmax(dim=1)), _data()
+    labels = _labels()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with torchscope.monitor(model, opt, every=1, out=None) as mon:
+        for _ in range(3):
+            opt.zero_grad()
+            loss = functional.cross_entropy(model(x), labels)
+            mon.check_loss(loss)
+            loss.backward()
+            opt.step()
+    run = mon.result
+    assert run is not None and run.loss_on_probabilities is not None
+    assert run.loss_on_probabilities.in_model and not run.loss_on_probabilities.assumed
+    assert [f.code for f in run.findings()].count("grads.loss_on_probabilities") == 1
