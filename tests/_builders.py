@@ -36,3 +36,15 @@ def t5_relu(**config: Any) -> nn.Module:
         "decoder_start_token_id": 0, "pad_token_id": 0, **config})
     model: nn.Module = transformers.T5ForConditionalGeneration(cfg)
     return model
+
+
+def assert_broadcast_told(run: Any, told: bool, shapes: tuple[tuple[int, ...], ...]) -> None:
+    """A run's `grads.loss_broadcast`: once, with (output shape, broadcast shape) `shapes`,
+    where `told`; else no record and no finding."""
+    codes = [f.code for f in run.findings()]
+    if not told:
+        assert run.loss_broadcast is None and "grads.loss_broadcast" not in codes
+        return
+    b = run.loss_broadcast
+    assert b is not None and (b.output_shape, b.shape) == shapes
+    assert codes.count("grads.loss_broadcast") == 1

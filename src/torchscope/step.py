@@ -73,6 +73,7 @@ __all__ = [
     "loss_faults_at",
     "main_output",
     "output_edges",
+    "own_loss",
     "preserved",
     "synchronize",
 ]
@@ -475,7 +476,9 @@ def main_output(output: Any) -> torch.Tensor:
     )
 
 
-def _own_loss(output: Any) -> torch.Tensor | None:
+def own_loss(output: Any) -> torch.Tensor | None:
+    """The loss a model returned with its output (`output.loss`, `output["loss"]`: a
+    transformers model given labels), or None."""
     loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
     return loss if isinstance(loss, torch.Tensor) else None
 
@@ -762,7 +765,7 @@ class Step:
                 # One logit per sample and integer labels: a binary classifier.
                 return ResolvedLoss("auto", "binary_cross_entropy", given)
             return ResolvedLoss("auto", "cross_entropy", given)
-        if _own_loss(output) is not None:
+        if own_loss(output) is not None:
             return ResolvedLoss("auto", "model", "none")
         if isinstance(output, torch.Tensor) and output.dim() == 0:
             return ResolvedLoss("auto", "scalar", "none")
@@ -813,7 +816,7 @@ class Step:
                                  "(output) without a target.") from exc
             return _scalar(value, "the value loss_fn returned")
         if r.kind == "model":
-            own = _own_loss(output)
+            own = own_loss(output)
             assert own is not None
             return _scalar(own, "the model's .loss")
         if r.kind == "scalar":

@@ -375,3 +375,40 @@ def test_a_monitored_loop_that_hands_its_loss_is_told_of_a_final_softmax() -> No
     assert run is not None and run.loss_on_probabilities is not None
     assert run.loss_on_probabilities.in_model and not run.loss_on_probabilities.assumed
     assert [f.code for f in run.findings()].count("grads.loss_on_probabilities") == 1
+
+
+class _OwnLoss(nn.Module):
+    """Returns its own loss, as a transformers model given labels does."""
+
+    def __init__(self, squeeze: bool) -> None:
+        super().__init__()
+        self.net = _regressor()
+        self.squeeze = squeeze
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = self.net(x)  # (N, 1)
+        pred = out.squeeze(-1) if self.squeeze else out
+        return {"logits": out, "loss": (pred - labels).square().mean()}
+
+
+@pytest.mark.parametrize("squeeze", [False, True])
+def test_a_models_own_loss_is_read_at_its_first_forward(squeeze: bool) -> None:
+    # No loss handed over: the one the model returns is read when the model returns it.
+    model, (x, y) = _OwnLoss(squeeze), _data()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with watch_gradients(model, every=1, optimizer=opt) as watch:
+        with torch.no_grad():
+            model(x, labels=y)  # an evaluation first: no graph, not read
+        assert watch._collector.on_output is not None
+        for _ in range(2):
+            opt.zero_grad()
+            model(x, labels=y)["loss"].backward()
+            assert watch._collector.on_output is None  # once
+            opt.step()
+    b = watch.loss_broadcast
+    if squeeze:
+        assert b is None
+    else:
+        assert b is not None and (b.output, b.shape, b.op) == ("['logits']", (N, N),
+                                                               "SubBackward0")
+    assert ("grads.loss_broadcast" in [f.code for f in watch.findings()]) != squeeze

@@ -26,6 +26,8 @@ from transformers import (  # noqa: E402
 from torchscope.hooks import audit_hooks  # noqa: E402
 from torchscope.integrations.hf import TorchscopeTrainerCallback  # noqa: E402
 
+from .._builders import assert_broadcast_told  # noqa: E402
+
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning",
                                         "ignore::DeprecationWarning")
 
@@ -260,3 +262,53 @@ def test_hf_trainer_under_ddp_reports_the_synchronised_norm(tmp_path: Path) -> N
         assert len(a["logged"]) == 6 and any(v > 1.0 for v in a["logged"])  # clipping acted
         assert a["reported"] == pytest.approx(a["logged"], rel=1e-6)
     assert ranks[0]["reported"] == ranks[1]["reported"]
+
+
+class OwnLossRegressor(torch.nn.Module):
+    """A model of the user's for the Trainer that returns its own loss, as Trainer models
+    do: one output per row against `(N,)` labels, squeezed or not."""
+
+    def __init__(self, squeeze: bool) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
+                                       torch.nn.Linear(16, 1))
+        self.squeeze = squeeze
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = self.net(x)  # (N, 1)
+        pred = out.squeeze(-1) if self.squeeze else out
+        return {"loss": (pred - labels).square().mean(), "logits": out}
+
+
+class Rows(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x, self.y = torch.randn(64, 8, generator=g), torch.randn(64, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"x": self.x[i], "labels": self.y[i]}
+
+
+@pytest.mark.parametrize("squeeze", [False, True])
+def test_a_models_own_loss_is_read_under_the_trainer(tmp_path: Path, squeeze: bool) -> None:
+    # No callback sees the Trainer's loss: the model's own, returned with its output, is
+    # read at its first forward with gradients.
+    transformers.logging.set_verbosity_error()
+    callback = TorchscopeTrainerCallback(every=2, out=None)
+    torch.manual_seed(0)
+    args = TrainingArguments(
+        output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=16,
+        learning_rate=1e-3, report_to="none", save_strategy="no", use_cpu=True, seed=0,
+        disable_tqdm=True, dataloader_num_workers=0)
+    trainer = Trainer(model=OwnLossRegressor(squeeze), args=args, train_dataset=Rows(),
+                      callbacks=[callback])
+    with callback:
+        trainer.train()
+    run = callback.result
+    assert run is not None and run.steps == 4
+    assert_broadcast_told(run, not squeeze, ((16, 1), (16, 16)))
+    if not squeeze:
+        assert run.loss_broadcast.output == "['logits']"

@@ -22,6 +22,8 @@ from pytorch_lightning.loggers import CSVLogger  # noqa: E402
 from torchscope.hooks import audit_hooks  # noqa: E402
 from torchscope.integrations.lightning import TorchscopeCallback  # noqa: E402
 
+from .._builders import assert_broadcast_told  # noqa: E402
+
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning",
                                         "ignore::FutureWarning")
 
@@ -319,10 +321,4 @@ def test_a_loss_that_broadcasts_the_output_against_the_target_is_told(
         trainer.fit(Regressor(squeeze), torch.utils.data.DataLoader(ds, batch_size=16))
     run = callback.result
     assert run is not None and run.steps == 4
-    codes = [f.code for f in run.findings()]
-    if squeeze:
-        assert run.loss_broadcast is None and "grads.loss_broadcast" not in codes
-    else:
-        b = run.loss_broadcast
-        assert b is not None and (b.output_shape, b.shape) == ((16, 1), (16, 16))
-        assert codes.count("grads.loss_broadcast") == 1
+    assert_broadcast_told(run, not squeeze, ((16, 1), (16, 16)))

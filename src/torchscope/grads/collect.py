@@ -881,6 +881,9 @@ class GradCollector(HookedContext):
         # their nodes holds that forward's graph until the watch reads the loss.
         self.keep_outputs = False
         self.outputs: tuple[OutputEdge, ...] | None = None
+        # Called with the output of the model's next forward with gradients, then dropped
+        # (`GradWatch`: a model that returns its own loss has it read at once).
+        self.on_output: Callable[[Any], None] | None = None
         self._reset()
 
     # ------------------------------------------------------------------ lifecycle
@@ -918,7 +921,7 @@ class GradCollector(HookedContext):
         self._before = []
         self._rank_aware = None
         self._in_flight = []
-        self.keep_outputs, self.outputs = False, None
+        self.keep_outputs, self.outputs, self.on_output = False, None, None
         self._reset()
 
     def _reset(self) -> None:
@@ -995,6 +998,9 @@ class GradCollector(HookedContext):
             self._counts = {}
 
     def _on_root_forward_end(self, _m: nn.Module, _args: tuple[Any, ...], out: Any) -> None:
+        if self._root_grad and self.on_output is not None:
+            once, self.on_output = self.on_output, None
+            once(out)
         if self.keep_outputs and self._root_grad:
             self.outputs = output_edges(out)
         self._in_root = self._root_grad = False

@@ -45,7 +45,9 @@ from torchscope.step import (
     LossSpec,
     Step,
     inner_optimizer,
+    loss_faults,
     loss_faults_at,
+    own_loss,
 )
 
 
@@ -215,8 +217,9 @@ class GradWatch(HookedContext, Analyzed):
             update that wrote NaN/Inf into parameters whose weights and gradients were
             finite (`BrokenUpdate`), or None. Only sampled steps' updates are measured.
         loss_broadcast: where the loop's loss broadcast the model's output against its
-            target into every pair of the two (`LossBroadcast`), read once from a loss
-            handed to `check_loss`; None where it did not, or where no loss was handed.
+            target into every pair of the two (`LossBroadcast`), read once: from the loss
+            the model returns with its output, else from a loss handed to `check_loss`;
+            None where it did not, or where no loss was seen.
         loss_on_probabilities: where the loop's loss applied its own softmax or sigmoid
             to an output that already went through one (`LossOnProbabilities`), read with
             `loss_broadcast`; else None.
@@ -386,6 +389,7 @@ class GradWatch(HookedContext, Analyzed):
                 self._scaler_states = getattr(self._scaler, "_per_optimizer_states", None)
                 s.forward_pre_hook(s.model, self._check_scaler, prepend=True)
         c.on_backward_end = self._on_backward_end
+        c.on_output = self._read_own_loss
         c.active = self._collecting(0)
         if self._updates:
             # Parameters that start at zero (LoRA's B) before the first sampled step, which
@@ -457,6 +461,16 @@ class GradWatch(HookedContext, Analyzed):
         # Both None without edges (no floating output of more than one element).
         self.loss_broadcast, self.loss_on_probabilities = loss_faults_at(loss, edges)
         self._loss_read, c.keep_outputs = True, False
+
+    def _read_own_loss(self, out: Any) -> None:
+        """The model's first forward with gradients: a model that returns its own loss (a
+        transformers model given labels, under the HF Trainer too) has that loss's graph
+        read at once, as `check_loss` would; the forwards after it are not looked at."""
+        loss = own_loss(out)
+        if self._loss_read or loss is None or loss.grad_fn is None:
+            return
+        self.loss_broadcast, self.loss_on_probabilities = loss_faults(loss, out)
+        self._loss_read, self._collector.keep_outputs = True, False
 
     @property
     def passes_without_update(self) -> int:

@@ -238,9 +238,9 @@ class RunRecord(Analyzed):
         broken_update: the first sampled step's optimizer update that wrote NaN/Inf into
             finite weights (`GradWatch.broken_update`), or None.
         loss_broadcast: where the loop's loss broadcast the model's output against its
-            target into every pair of the two (`GradWatch.loss_broadcast`: read where a
-            framework callback hands the monitor each step's loss, `Monitor.check_loss`),
-            or None.
+            target into every pair of the two (`GradWatch.loss_broadcast`: read from the
+            loss the model returns, or from one handed to `Monitor.check_loss`, as the
+            Lightning callback does), or None.
         loss_on_probabilities: where that loss applied its own softmax or sigmoid to an
             output that already went through one (`GradWatch.loss_on_probabilities`), or
             None.
