@@ -447,9 +447,13 @@ class GradWatch(HookedContext, Analyzed):
         loss's graph once, back to the model's output, for a broadcast against the target
         and for probabilities given to a loss that wants logits (`loss_broadcast`,
         `loss_on_probabilities`; `grads.loss_broadcast`, `grads.loss_on_probabilities`,
-        `torchscope.step.loss_faults`). The first call arms it: the output of
-        the model's next forward is kept until the next call reads it, and is dropped then.
-        A few autograd nodes are walked, once; no tensor is read.
+        `torchscope.step.loss_faults`). The first call arms it: the output of the model's
+        next forward is kept until the next call reads it, and is dropped then. A few
+        autograd nodes are walked, once; no tensor is read. A model that returns its own
+        loss has it read at its first forward, and the calls after that do nothing.
+
+        Args:
+            loss: the scalar loss, before its backward.
         """
         c = self._collector
         if self._loss_read or loss.grad_fn is None:

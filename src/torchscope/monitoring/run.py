@@ -314,8 +314,12 @@ class Monitor(HookedContext):
     def check_loss(self, loss: torch.Tensor) -> None:
         """Hand the monitor a step's loss before its backward: its graph is read once for
         a loss that broadcasts the model's output against its target, or that applies its
-        own softmax or sigmoid to probabilities (`GradWatch.check_loss`). The framework
-        callbacks that see the loss call it; a plain loop may, once a step."""
+        own softmax or sigmoid to probabilities (`GradWatch.check_loss`). The Lightning
+        callback calls it; a plain loop may, once a step.
+
+        Args:
+            loss: the scalar loss, before its backward.
+        """
         if self._grads is not None:
             self._grads.check_loss(loss)
 
