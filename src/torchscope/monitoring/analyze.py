@@ -798,6 +798,27 @@ def _same_batch(record: RunRecord, t: RunThresholds) -> list[Finding]:
             "Overfitting one batch on purpose (a check of the pipeline) reads the same.")]
 
 
+def _padding_in_loss(record: RunRecord) -> list[Finding]:
+    """`run.padding_in_loss` (warning): a transformers model's labels hold a token (not
+    -100) at positions that its attention mask pads, on the sampled steps. Its loss ignores
+    only -100, so it trains the model to predict the pad token there (for GPT-2 and
+    Llama, whose pad token is often the end-of-sequence token, to end every text early).
+    `labels = input_ids.clone()` after padding does it; DataCollatorForLanguageModeling
+    (mlm=False) writes -100 there."""
+    padded, counted = record.padded_labels
+    if not counted:
+        return []
+    return [Finding(
+        "run.padding_in_loss", Severity.WARNING,
+        f"the loss trains on padding: {counted} of the {padded} label positions that the "
+        "attention mask pads (on the sampled steps) hold a token, not -100, so the model "
+        "learns to predict the pad token there",
+        {"padded": padded, "counted": counted, "samples": record.samples},
+        fix="set the labels to -100 where attention_mask is 0 (labels[attention_mask == 0] "
+            "= -100), or build the batches with DataCollatorForLanguageModeling(tokenizer, "
+            "mlm=False), which does.")]
+
+
 def _unscaled_float16(record: RunRecord) -> list[Finding]:
     """Steps whose forward ran under float16 autocast with no GradScaler: float16's range
     ends at 6.0e-8, and the backward of a float16 op gives float16 gradients."""
@@ -843,6 +864,7 @@ def analyze_run(record: RunRecord, thresholds: RunThresholds | None = None
         *_activation_drift(record, t), *_dead_growth(record, t),
         *_saturation_growth(record, t), *_weight_scale(record, t), *_eval_mode(record),
         *_same_batch(record, t),
+        *_padding_in_loss(record),
         *_unscaled_float16(record), *_compiled(record), *_dead_experts(record, t),
         *_capabilities(record, replaced=bool(run))]
     return rank(found)

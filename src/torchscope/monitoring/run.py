@@ -184,6 +184,12 @@ class Monitor(HookedContext):
         self._fp_prev: tuple[int, tuple[Any, ...], torch.Tensor] | None = None
         self._fp_pairs = 0
         self._fp_same: torch.Tensor | None = None
+        # Sampled training forwards' label positions that the attention mask pads: (those
+        # padded, those of them with a label the loss counts), (2,) on the device, read
+        # when the run ends (`RunRecord.padded_labels`). Only for a transformers model
+        # that is no encoder-decoder (`_labels_against_mask`).
+        self._labels_checked = False
+        self._padded: torch.Tensor | None = None
         self._forward_onset: tuple[int, str | None, str | None] | None = None
         self._error = ""
         self._t0 = self._last = 0.0
@@ -220,6 +226,7 @@ class Monitor(HookedContext):
             self._eager.enter_context(eager_stance("the monitor"))
             self._compiled = ("",)
         self._modes = ModeCounts(sensitive=mode_sensitive(model))
+        self._labels_checked = _labels_against_mask(model)
         self._facts = (type(model).__name__, sum(p.numel() for p in params),
                        sum(p.numel() for p in params if p.requires_grad), str(device))
         if self._want_activations:
@@ -341,6 +348,8 @@ class Monitor(HookedContext):
             self._mode = module.training
             self._autocast = autocast_dtype(self._device_type)
             self._note_input(args, kwargs)
+            if self._labels_checked and self._grads is not None and self._grads.collecting:
+                self._note_padding(kwargs)
         record = self._grads is not None and self._grads.collecting and \
             torch.is_grad_enabled()
         if self._acts is not None:
@@ -369,6 +378,24 @@ class Monitor(HookedContext):
                 count = (prev[2] == now[1]).all().to(torch.int64)  # () on the device
                 self._fp_same = count if self._fp_same is None else self._fp_same + count
         self._fp_prev = (step, *now) if g.collecting and now is not None else None
+
+    def _note_padding(self, kwargs: dict[str, Any]) -> None:
+        """At a sampled step's training forward: count the label positions that the
+        attention mask pads (0), and those of them whose label is not -100, which a
+        transformers model's loss counts. Two reductions on the device, read at the end."""
+        mask, labels = kwargs.get("attention_mask"), kwargs.get("labels")
+        if not isinstance(mask, torch.Tensor) or not isinstance(labels, torch.Tensor) or \
+                mask.shape != labels.shape or labels.is_floating_point():
+            return
+        pad = mask == 0  # (N, T)
+        counts = torch.stack((pad.sum(), (pad & (labels != -100)).sum()))  # (2,)
+        self._padded = counts if self._padded is None else self._padded + counts
+
+    def _padded_labels(self) -> tuple[int, int]:
+        if self._padded is None:
+            return (0, 0)
+        padded, counted = self._padded.tolist()  # the run's one read of them
+        return int(padded), int(counted)
 
     def _inner_autocast(self, _module: nn.Module, _args: tuple[Any, ...]) -> None:
         if self._autocast is None and torch.is_grad_enabled():
@@ -594,10 +621,22 @@ class Monitor(HookedContext):
             loss_broadcast=grads.loss_broadcast,
             loss_on_probabilities=grads.loss_on_probabilities,
             same_inputs=(self._fp_pairs, 0 if self._fp_same is None else int(self._fp_same)),
+            padded_labels=self._padded_labels(),
             modes=self._modes,
             experts=tuple(ExpertUse(m, name, c[0], tuple(c[1:]))
                           for m, (name, c) in self._experts.items()),
         )
+
+
+def _labels_against_mask(model: nn.Module) -> bool:
+    """Whether a model's `labels` line up with its `attention_mask` and its loss ignores
+    only -100: a transformers model (a `PreTrainedModel`) that is no encoder-decoder,
+    whose labels are the decoder's, not the masked encoder input's. Another model's loss
+    may ignore its own pad id."""
+    pretrained = any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers")
+                     for c in type(model).__mro__)
+    config = getattr(model, "config", None)
+    return pretrained and not getattr(config, "is_encoder_decoder", False)
 
 
 def _fingerprint(args: tuple[Any, ...], kwargs: dict[str, Any]

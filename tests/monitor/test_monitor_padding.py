@@ -1,0 +1,81 @@
+"""`run.padding_in_loss`: a transformers model's labels that hold tokens where the attention
+mask pads, counted on the device over the sampled steps and checked against the batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import torchscope
+
+transformers = pytest.importorskip("transformers")
+
+PAD = 0
+LENGTHS = (16, 12, 9, 5)  # real tokens per row; the rest of each row of 16 is padding
+
+
+def _gpt2() -> nn.Module:
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=2, n_head=2, n_embd=32, vocab_size=100, n_positions=32, pad_token_id=PAD))
+
+
+def _batch(masked: bool) -> dict[str, torch.Tensor]:
+    """Rows padded on the right; labels copied from the ids, with -100 at the padding
+    where `masked`."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 100, (len(LENGTHS), 16), generator=g)
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate(LENGTHS):
+        mask[row, :n] = 1
+    ids[mask == 0] = PAD
+    labels = ids.clone()
+    if masked:
+        labels[mask == 0] = -100
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def _run(model: nn.Module, batch: dict[str, torch.Tensor], steps: int = 4, every: int = 2
+         ) -> torchscope.monitoring.RunRecord:
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with torchscope.monitor(model, opt, every=every, out=None) as mon:
+        for _ in range(steps):
+            opt.zero_grad()
+            model(**batch).loss.backward()
+            opt.step()
+    assert mon.result is not None
+    return mon.result
+
+
+def test_labels_on_padding_are_counted_exactly_and_told() -> None:
+    batch = _batch(masked=False)
+    run = _run(_gpt2(), batch)
+    padded = int((batch["attention_mask"] == 0).sum())  # 4 + 7 + 11 = 22 a forward
+    assert padded == 22
+    assert run.samples == 2 and run.padded_labels == (2 * padded, 2 * padded)
+    (found,) = [f for f in run.findings() if f.code == "run.padding_in_loss"]
+    assert found.severity.label == "warning"
+    assert "44 of the 44 label positions" in found.summary
+    assert "labels[attention_mask == 0] = -100" in (found.fix or "")
+
+
+def test_labels_masked_with_minus_100_are_silent() -> None:
+    run = _run(_gpt2(), _batch(masked=True))
+    assert run.padded_labels == (44, 0)
+    assert "run.padding_in_loss" not in [f.code for f in run.findings()]
+
+
+def test_without_a_mask_or_on_an_encoder_decoder_nothing_is_counted() -> None:
+    batch = _batch(masked=False)
+    del batch["attention_mask"]
+    assert _run(_gpt2(), batch).padded_labels == (0, 0)
+    # T5's labels are the decoder's: its encoder's mask says nothing of them, even where
+    # the two have one shape.
+    torch.manual_seed(0)
+    t5 = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=100, d_model=32, d_ff=64, num_layers=1, num_heads=2, d_kv=16,
+        decoder_start_token_id=PAD, pad_token_id=PAD))
+    run = _run(t5, _batch(masked=False), steps=2, every=1)
+    assert run.padded_labels == (0, 0)
+    assert "run.padding_in_loss" not in [f.code for f in run.findings()]
