@@ -217,13 +217,11 @@ _SQUASHED = {"LogSoftmaxBackward0": ("cross_entropy", "softmax"),
                                                        "sigmoid")}
 _SQUASH = {"SoftmaxBackward0": "softmax", "SigmoidBackward0": "sigmoid"}
 # Ops between the squash and the loss that leave its probabilities probabilities: views,
-# casts and copies.
+# casts and copies (the chain holds only ops that keep every element).
 _KEEPS = frozenset({
-    "ViewBackward0", "ReshapeAliasBackward0", "UnsafeViewBackward0", "SqueezeBackward0",
-    "SqueezeBackward1", "SqueezeBackward2", "UnsqueezeBackward0", "PermuteBackward0",
-    "TransposeBackward0", "TBackward0", "ToCopyBackward0", "CloneBackward0",
-    "ContiguousBackward0", "SelectBackward0", "SliceBackward0", "IndexBackward0",
-    "AliasBackward0", "ExpandBackward0", "FlattenBackward0"})
+    "ViewBackward0", "UnsafeViewBackward0", "SqueezeBackward0", "SqueezeBackward1",
+    "SqueezeBackward2", "UnsqueezeBackward0", "PermuteBackward0", "TransposeBackward0",
+    "TBackward0", "ToCopyBackward0", "CloneBackward0", "AliasBackward0"})
 
 
 def output_edges(output: Any) -> tuple[OutputEdge, ...]:
@@ -309,16 +307,14 @@ def _walk_loss(root: Any, loss_tensor: torch.Tensor, edges: tuple[OutputEdge, ..
 
 
 def _chain_above(node: Any, below: Any, parent: dict[int, tuple[Any, int]], n: int,
-                 loss_tensor: torch.Tensor
-                 ) -> tuple[list[tuple[Any, tuple[int, ...]]], tuple[tuple[int, ...], str] | None]:
+                 loss_tensor: torch.Tensor) -> tuple[list[Any], tuple[tuple[int, ...], str] | None]:
     """From the output's node `below` up through `node`, its consumer, toward the loss:
-    `(chain, broadcast)`. `chain` holds `(node, the shape of its result)` for the output's
-    node and every node above it whose result keeps the output's n elements, then the first
-    that does not. `broadcast` is `(shape, name)` of that first node where it holds n * n
-    and its other operand carries no gradient: no edge of its own besides the output's
-    path, or, for a one-input op (`expand`), none of its consumer's (`mse_loss` takes the
-    expanded target there)."""
-    chain: list[tuple[Any, tuple[int, ...]]] = [(below, ())]
+    `(chain, broadcast)`. `chain` holds the output's node and every node above it whose
+    result keeps the output's n elements, then the first that does not. `broadcast` is
+    `(shape, name)` of that first node where it holds n * n and its other operand carries
+    no gradient: no edge of its own besides the output's path, or, for a one-input op
+    (`expand`), none of its consumer's (`mse_loss` takes the expanded target there)."""
+    chain: list[Any] = [below]
     while node is not None:
         up, nr = parent[id(node)]
         if up is None:
@@ -330,7 +326,7 @@ def _chain_above(node: Any, below: Any, parent: dict[int, tuple[Any, int]], n: i
             shape = tuple(meta[nr].shape)
             if not all(type(d) is int for d in shape):
                 return chain, None  # a nested tensor's ragged dim: no element count
-        chain.append((node, shape))
+        chain.append(node)
         size = math.prod(shape)
         if size == n:
             below, node = node, up
@@ -344,17 +340,17 @@ def _chain_above(node: Any, below: Any, parent: dict[int, tuple[Any, int]], n: i
     return chain, None
 
 
-def _squashed_twice(path: str, shape: tuple[int, ...],
-                    chain: list[tuple[Any, tuple[int, ...]]]) -> LossOnProbabilities | None:
+def _squashed_twice(path: str, shape: tuple[int, ...], chain: list[Any]
+                    ) -> LossOnProbabilities | None:
     """A softmax or sigmoid on the chain from the output up, then, through ops that keep
     its elements, the node of a loss that applies its own (`_SQUASHED`)."""
     squash: tuple[int, str] | None = None  # (its place on the chain, softmax or sigmoid)
-    for i, (node, _) in enumerate(chain):
+    for i, node in enumerate(chain):
         name = type(node).__name__
         if name in _SQUASH:
             squash = (i, _SQUASH[name])
         elif squash is not None and name in _SQUASHED and _SQUASHED[name][1] == squash[1]:
-            first = chain[squash[0]][0]
+            first = chain[squash[0]]
             classes = None
             if squash[1] == "softmax":
                 dim = int(getattr(first, "_saved_dim", -1))

@@ -412,3 +412,10 @@ def test_a_models_own_loss_is_read_at_its_first_forward(squeeze: bool) -> None:
         assert b is not None and (b.output, b.shape, b.op) == ("['logits']", (N, N),
                                                                "SubBackward0")
     assert ("grads.loss_broadcast" in [f.code for f in watch.findings()]) != squeeze
+
+
+def test_a_monitor_that_is_not_open_refuses_the_loss() -> None:
+    model, (x, y) = _regressor(), _data()
+    mon = torchscope.monitor(model, out=None)
+    with pytest.raises(torchscope.TorchscopeError, match="this monitor is not open"):
+        mon.check_loss(((model(x) - y) ** 2).mean())

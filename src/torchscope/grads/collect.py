@@ -998,11 +998,12 @@ class GradCollector(HookedContext):
             self._counts = {}
 
     def _on_root_forward_end(self, _m: nn.Module, _args: tuple[Any, ...], out: Any) -> None:
-        if self._root_grad and self.on_output is not None:
-            once, self.on_output = self.on_output, None
-            once(out)
-        if self.keep_outputs and self._root_grad:
-            self.outputs = output_edges(out)
+        if self._root_grad:
+            if self.on_output is not None:
+                once, self.on_output = self.on_output, None
+                once(out)
+            if self.keep_outputs:
+                self.outputs = output_edges(out)
         self._in_root = self._root_grad = False
         self._read_simple_calls()
 

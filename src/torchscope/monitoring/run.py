@@ -188,7 +188,7 @@ class Monitor(HookedContext):
         # padded, those of them with a label the loss counts), (2,) on the device, read
         # when the run ends (`RunRecord.padded_labels`). Only for a transformers model
         # that is no encoder-decoder (`_labels_against_mask`).
-        self._labels_checked = False
+        self._check_padding = False
         self._padded: torch.Tensor | None = None
         self._forward_onset: tuple[int, str | None, str | None] | None = None
         self._error = ""
@@ -226,7 +226,7 @@ class Monitor(HookedContext):
             self._eager.enter_context(eager_stance("the monitor"))
             self._compiled = ("",)
         self._modes = ModeCounts(sensitive=mode_sensitive(model))
-        self._labels_checked = _labels_against_mask(model)
+        self._check_padding = _labels_against_mask(model)
         self._facts = (type(model).__name__, sum(p.numel() for p in params),
                        sum(p.numel() for p in params if p.requires_grad), str(device))
         if self._want_activations:
@@ -313,10 +313,13 @@ class Monitor(HookedContext):
     def end_step(self) -> None:
         """End the current step now (only with `manual=True`; framework callbacks call it
         where the framework's gradients are final, before clipping)."""
+        self._open_watch().end_step()
+
+    def _open_watch(self) -> GradWatch:
         if self._grads is None:
             raise TorchscopeError("this monitor is not open.",
                                   fix="use it in a `with` block: with torchscope.monitor(...):")
-        self._grads.end_step()
+        return self._grads
 
     def check_loss(self, loss: torch.Tensor) -> None:
         """Hand the monitor a step's loss before its backward: its graph is read once for
@@ -326,9 +329,11 @@ class Monitor(HookedContext):
 
         Args:
             loss: the scalar loss, before its backward.
+
+        Raises:
+            TorchscopeError: the monitor is not open.
         """
-        if self._grads is not None:
-            self._grads.check_loss(loss)
+        self._open_watch().check_loss(loss)
 
     @property
     def steps(self) -> int:
@@ -348,7 +353,7 @@ class Monitor(HookedContext):
             self._mode = module.training
             self._autocast = autocast_dtype(self._device_type)
             self._note_input(args, kwargs)
-            if self._labels_checked and self._grads is not None and self._grads.collecting:
+            if self._check_padding and self._grads is not None and self._grads.collecting:
                 self._note_padding(kwargs)
         record = self._grads is not None and self._grads.collecting and \
             torch.is_grad_enabled()
