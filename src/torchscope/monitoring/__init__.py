@@ -13,6 +13,8 @@ The monitor is a composition of the capabilities' own watches (`watch_gradients`
 (`torchscope.integrations.lightning`, `torchscope.integrations.hf`) drive the same `Monitor`.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from torchscope.monitoring.analyze import RunThresholds, analyze_run
 from torchscope.monitoring.history import SampleHistory, StepBuckets
 from torchscope.monitoring.records import (
@@ -21,8 +23,26 @@ from torchscope.monitoring.records import (
     NonFiniteOnset,
     RunRecord,
 )
-from torchscope.monitoring.report import RunReport, run_report, write_run_report
 from torchscope.monitoring.run import Monitor, monitor
+
+if TYPE_CHECKING:
+    from torchscope.monitoring.report import RunReport, run_report, write_run_report
+
+# The run report renders with the doctor's sections, matplotlib and rich: a training
+# script that only opens a monitor should not wait for them (seconds, more than torch's
+# own import on a slow machine). They are imported when the report is written, or when
+# one of these names is first asked for.
+_REPORT_NAMES = frozenset({"RunReport", "run_report", "write_run_report"})
+
+
+def __getattr__(name: str) -> Any:
+    if name in _REPORT_NAMES:
+        from torchscope.monitoring import report
+
+        value = getattr(report, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'torchscope.monitoring' has no attribute {name!r}")
 
 __all__ = [
     "HistoryBudget",
