@@ -1,14 +1,23 @@
 """Suite-wide fixtures: every test fails if it leaves a hook on a module it built; and models
-more than one folder tests."""
+more than one folder tests. Every test runs on one CPU thread."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 
 import pytest
 import torch
 
 from torchscope.hooks.leakcheck import HookLeakTracker
+
+# `make test` runs two pytest-xdist workers on a machine of two cores (and CI alike). At
+# torch's default of one OpenMP thread per core each worker runs two, and a thread waiting
+# for a core the other worker holds spins: tests/grads and the monitor's findings took
+# 180 s of wall time and 354 s of CPU that way, 47 s and 85 s with one thread per worker.
+# Child processes (the CLI, the compile child, torchrun's ranks) get one thread too.
+torch.set_num_threads(1)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(autouse=True)

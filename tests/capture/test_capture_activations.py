@@ -40,13 +40,15 @@ def test_tiny_cnn_shapes_and_stats_equal_torch(reduction_path: str) -> None:
         s = cap.get(name).output
         assert s is not None
         assert s.fused == (reduction_path == "fused")
-        # Eager statistics are torch's own float32 reductions; the fused kernel sums in
-        # float64, so its reference is torch in float64 (float32 torch drifts ~2e-6 here).
-        ref = ref32.double() if s.fused else ref32
-        assert rel_close(s.mean, ref.mean().item())
-        assert rel_close(s.std, ref.std().item())
+        # Both are checked against torch in float64. The fused kernel sums in float64: 1e-6.
+        # Eager statistics are float32 reductions, whose rounding depends on how torch
+        # splits them over threads: its std read 1.0e-6 off on one thread, 1e-5 allowed.
+        ref = ref32.double()
+        tol = 1e-6 if s.fused else 1e-5
+        assert rel_close(s.mean, ref.mean().item(), tol)
+        assert rel_close(s.std, ref.std().item(), tol)
         assert s.min == ref.min().item() and s.max == ref.max().item()
-        assert rel_close(s.norm, ref.norm().item())
+        assert rel_close(s.norm, ref.norm().item(), tol)
         assert rel_close(s.zero_frac, (ref == 0).float().mean().item())
         assert s.numel == ref.numel() and s.dtype == "torch.float32" and s.device == "cpu"
         assert s.nan_count == 0 and s.inf_count == 0

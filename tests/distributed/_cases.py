@@ -262,15 +262,17 @@ def wide(width: int = 256) -> nn.Sequential:
 
 
 def profile_ddp(rank: int, world: int, out: Path) -> dict[str, Any]:
-    """profile_steps on DDP, rank 1 with 32× the rows of rank 0 (a straggler), traces in one
-    folder; every rank's result joined on rank 0.
+    """profile_steps on DDP, rank 1 with 128× the rows of rank 0 (a straggler), traces in
+    one folder; every rank's result joined on rank 0.
 
     The gap is wide on purpose: the slow rank's own work should stand far above the 1.3×
-    threshold even when another test shares the two cores."""
+    threshold at every step even when another test shares the two cores. At 32× it did not
+    once: rank 0, descheduled in one step, read 7.9 ms of own work against rank 1's
+    11.1 ms."""
     model = DDP(wide())
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(rank)
-    rows = 32 if rank == 0 else 1024
+    rows = 32 if rank == 0 else 4096
     x, y = torch.randn(rows, 256, generator=g), torch.randint(0, 10, (rows,), generator=g)
     result = torchscope.profile_steps(model, x, loss_fn="cross_entropy", target=y,
                                       optimizer=opt, steps=3, baseline_steps=0,

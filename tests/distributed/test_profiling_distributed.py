@@ -30,7 +30,7 @@ def test_ddp_profile_comm_straggler_and_traces(tmp_path: Path) -> None:
         assert a["modules"] == ["", "0", "1", "2", "3", "4"]
         assert a["top_op"] is not None and not a["top_op"].startswith(("gloo", "c10d"))
         assert a["trace"] == str(tmp_path / "traces" / f"rank{r}.json.gz")
-    # Rank 1 trains on 32x the rows: rank 0 waits for it, and the joined result says so.
+    # Rank 1 trains on 128x the rows: rank 0 waits for it, and the joined result says so.
     assert ranks[0]["gathered"] == 2 and ranks[1]["gathered"] is None
     timing = [(a["step_ms"], a["exposed_ms"]) for a in ranks]  # (step, waited) per rank
     assert ranks[0]["straggler"] is not None and ranks[0]["straggler"]["rank"] == 1, timing

@@ -18,18 +18,13 @@ from torchscope.step import Step
 
 @pytest.fixture(scope="module")
 def deep_report():
-    threads = torch.get_num_threads()  # module scope runs before the one-thread fixture
-    torch.set_num_threads(1)
-    try:
-        torch.manual_seed(0)
-        model = DeepMLP()
-        x = torch.randn(32, 64)
-        # The budget plan is the least measured recompute: with one timed forward per block,
-        # one slow forward (a background build on the other core) made a 2-block segment
-        # look cheaper than the last block alone. A median of five does not.
-        return model, x, plan_checkpointing(model, x, loss_fn="sum", budget="64KB", repeats=5)
-    finally:
-        torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    model = DeepMLP()
+    x = torch.randn(32, 64)
+    # The budget plan is the least measured recompute: with one timed forward per block,
+    # one slow forward (a background build on the other core) made a 2-block segment
+    # look cheaper than the last block alone. A median of five does not.
+    return model, x, plan_checkpointing(model, x, loss_fn="sum", budget="64KB", repeats=5)
 
 
 def test_sqrt_and_budget_plans_reduce_saved_bytes(deep_report) -> None:
