@@ -21,14 +21,18 @@ def _gpt2() -> nn.Module:
         n_layer=2, n_head=2, n_embd=32, vocab_size=100, n_positions=32, pad_token_id=PAD))
 
 
-def _batch(masked: bool) -> dict[str, torch.Tensor]:
-    """Rows padded on the right; labels copied from the ids, with -100 at the padding
-    where `masked`."""
+def _batch(masked: bool, lengths: tuple[int, ...] = LENGTHS, left: bool = False
+           ) -> dict[str, torch.Tensor]:
+    """Rows padded on the right (on the left where `left`); labels copied from the ids,
+    with -100 at the padding where `masked`."""
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(1, 100, (len(LENGTHS), 16), generator=g)
+    ids = torch.randint(1, 100, (len(lengths), 16), generator=g)
     mask = torch.zeros_like(ids)
-    for row, n in enumerate(LENGTHS):
-        mask[row, :n] = 1
+    for row, n in enumerate(lengths):
+        if left:
+            mask[row, 16 - n:] = 1
+        else:
+            mask[row, :n] = 1
     ids[mask == 0] = PAD
     labels = ids.clone()
     if masked:
@@ -79,3 +83,36 @@ def test_without_a_mask_or_on_an_encoder_decoder_nothing_is_counted() -> None:
     run = _run(t5, _batch(masked=False), steps=2, every=1)
     assert run.padded_labels == (0, 0)
     assert "run.padding_in_loss" not in [f.code for f in run.findings()]
+
+
+def test_a_causal_lms_first_label_is_never_read_so_a_left_pad_there_is_silent() -> None:
+    """GPT-2's loss predicts label t + 1 from position t: the label at position 0 is never
+    read (its loss is bitwise the same with -100 there). Rows left-padded by one position
+    are silent; longer left padding counts all but each row's first pad."""
+    model = _gpt2()
+    one = _batch(masked=False, lengths=(16, 15, 15, 15), left=True)
+    unread = {**one, "labels": one["labels"].clone()}
+    unread["labels"][:, 0] = -100
+    model.eval()  # no dropout: the two forwards differ in their labels only
+    with torch.no_grad():
+        assert torch.equal(model(**one).loss, model(**unread).loss)
+    model.train()
+    run = _run(model, one)
+    assert run.padded_labels == (0, 0)
+    assert "run.padding_in_loss" not in [f.code for f in run.findings()]
+    longer = _batch(masked=False, left=True)  # 0, 4, 7 and 11 pads: 3 + 6 + 10 read
+    run = _run(_gpt2(), longer)
+    assert run.padded_labels == (2 * 19, 2 * 19)
+    assert "38 of the 38 label positions" in next(
+        f.summary for f in run.findings() if f.code == "run.padding_in_loss")
+
+
+def test_a_masked_lm_reads_every_label_so_a_pad_at_position_0_counts() -> None:
+    """BERT's masked-LM loss reads each label where it stands: no shift."""
+    torch.manual_seed(0)
+    bert = transformers.BertForMaskedLM(transformers.BertConfig(
+        vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=32, pad_token_id=PAD))
+    run = _run(bert, _batch(masked=False, lengths=(16, 15, 15, 15), left=True))
+    assert run.padded_labels == (2 * 3, 2 * 3)
+    assert "run.padding_in_loss" in [f.code for f in run.findings()]

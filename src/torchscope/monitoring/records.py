@@ -248,11 +248,12 @@ class RunRecord(Analyzed):
             inputs were the same): each sampled step's first training forward against the
             next step's, by fingerprint (shapes, dtypes, each tensor's sum and L2
             norm). (0, 0) where no step ended at an optimizer step or `end_step()`.
-        padded_labels: (label positions that the attention mask pads, those of them whose
-            label is not -100, so that the loss counts them), over the sampled steps'
-            training forwards of a transformers model given `labels` and an
-            `attention_mask` of one shape; (0, 0) elsewhere (an encoder-decoder, whose
-            labels are the decoder's, included).
+        padded_labels: (label positions that the attention mask pads and the loss reads,
+            those of them whose label is not -100, so that the loss counts them), over
+            the sampled steps' training forwards of a transformers model given `labels`
+            and an `attention_mask` of one shape; (0, 0) elsewhere (an encoder-decoder,
+            whose labels are the decoder's, included). A causal language model's loss
+            shifts its labels and never reads position 0, which is left out.
     """
 
     model: str

@@ -187,8 +187,9 @@ class Monitor(HookedContext):
         # Sampled training forwards' label positions that the attention mask pads: (those
         # padded, those of them with a label the loss counts), (2,) on the device, read
         # when the run ends (`RunRecord.padded_labels`). Only for a transformers model
-        # that is no encoder-decoder (`_labels_against_mask`).
-        self._check_padding = False
+        # that is no encoder-decoder: the first label position its loss reads
+        # (`_labels_against_mask`), None for another model.
+        self._check_padding: int | None = None
         self._padded: torch.Tensor | None = None
         self._forward_onset: tuple[int, str | None, str | None] | None = None
         self._error = ""
@@ -353,8 +354,9 @@ class Monitor(HookedContext):
             self._mode = module.training
             self._autocast = autocast_dtype(self._device_type)
             self._note_input(args, kwargs)
-            if self._check_padding and self._grads is not None and self._grads.collecting:
-                self._note_padding(kwargs)
+            if self._check_padding is not None and self._grads is not None and \
+                    self._grads.collecting:
+                self._note_padding(kwargs, self._check_padding)
         record = self._grads is not None and self._grads.collecting and \
             torch.is_grad_enabled()
         if self._acts is not None:
@@ -384,15 +386,17 @@ class Monitor(HookedContext):
                 self._fp_same = count if self._fp_same is None else self._fp_same + count
         self._fp_prev = (step, *now) if g.collecting and now is not None else None
 
-    def _note_padding(self, kwargs: dict[str, Any]) -> None:
-        """At a sampled step's training forward: count the label positions that the
+    def _note_padding(self, kwargs: dict[str, Any], first: int) -> None:
+        """At a sampled step's training forward: count the label positions from `first`
+        on (1 for a causal language model, whose loss never reads position 0) that the
         attention mask pads (0), and those of them whose label is not -100, which a
         transformers model's loss counts. Two reductions on the device, read at the end."""
         mask, labels = kwargs.get("attention_mask"), kwargs.get("labels")
         if not isinstance(mask, torch.Tensor) or not isinstance(labels, torch.Tensor) or \
-                mask.shape != labels.shape or labels.is_floating_point():
+                mask.shape != labels.shape or labels.is_floating_point() or mask.dim() == 0:
             return
-        pad = mask == 0  # (N, T)
+        mask, labels = mask[..., first:], labels[..., first:]  # (N, T - first)
+        pad = mask == 0  # (N, T - first)
         counts = torch.stack((pad.sum(), (pad & (labels != -100)).sum()))  # (2,)
         self._padded = counts if self._padded is None else self._padded + counts
 
@@ -633,15 +637,25 @@ class Monitor(HookedContext):
         )
 
 
-def _labels_against_mask(model: nn.Module) -> bool:
-    """Whether a model's `labels` line up with its `attention_mask` and its loss ignores
-    only -100: a transformers model (a `PreTrainedModel`) that is no encoder-decoder,
-    whose labels are the decoder's, not the masked encoder input's. Another model's loss
-    may ignore its own pad id."""
+def _labels_against_mask(model: nn.Module) -> int | None:
+    """The first label position a model's loss reads, where its `labels` line up with its
+    `attention_mask` and its loss ignores only -100: a transformers model (a
+    `PreTrainedModel`) that is no encoder-decoder, whose labels are the decoder's, not the
+    masked encoder input's. Another model's loss may ignore its own pad id: None.
+
+    A causal language model's loss shifts its labels by one (position t's logits predict
+    label t + 1), so the label at position 0 is never read: 1 there, 0 elsewhere. A
+    left-padded row's first pad is then no fault; its later pads are.
+    """
     pretrained = any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers")
                      for c in type(model).__mro__)
     config = getattr(model, "config", None)
-    return pretrained and not getattr(config, "is_encoder_decoder", False)
+    if not pretrained or getattr(config, "is_encoder_decoder", False):
+        return None
+    # transformers names its causal heads so (LlamaForCausalLM, GPT2LMHeadModel,
+    # BertLMHeadModel), and picks their shifted loss by the same name.
+    name = type(model).__name__
+    return 1 if "ForCausalLM" in name or name.endswith("LMHeadModel") else 0
 
 
 def _fingerprint(args: tuple[Any, ...], kwargs: dict[str, Any]
