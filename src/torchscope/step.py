@@ -191,10 +191,12 @@ class LossOnProbabilities:
 
 class LossFaults(NamedTuple):
     """What the loss's graph shows between the model's output and the loss (`loss_faults`):
-    each None where it is not so."""
+    each None where it is not so. `reached`: the walk met the model's output; where it did
+    not (a loss from another forward), the two Nones say nothing."""
 
     broadcast: LossBroadcast | None = None
     probabilities: LossOnProbabilities | None = None
+    reached: bool = False
 
 
 # Autograd nodes walked from the loss toward the model's outputs, at most: the loss's own
@@ -283,6 +285,7 @@ def _walk_loss(root: Any, loss_tensor: torch.Tensor, edges: tuple[OutputEdge, ..
     seen, queue = [root], deque([root])
     broadcast: LossBroadcast | None = None
     probabilities: LossOnProbabilities | None = None
+    reached = False
     while queue and len(seen) < _LOSS_WALK:
         node = queue.popleft()
         for nxt, nr in node.next_functions:
@@ -290,6 +293,7 @@ def _walk_loss(root: Any, loss_tensor: torch.Tensor, edges: tuple[OutputEdge, ..
                 continue
             hit = outputs.get((id(nxt), nr))
             if hit is not None:
+                reached = True
                 path, shape = hit
                 chain, top = _chain_above(node, nxt, parent, math.prod(shape), loss_tensor)
                 if broadcast is None and top is not None:
@@ -303,7 +307,7 @@ def _walk_loss(root: Any, loss_tensor: torch.Tensor, edges: tuple[OutputEdge, ..
                 parent[id(nxt)] = (node, nr)
                 seen.append(nxt)
                 queue.append(nxt)
-    return LossFaults(broadcast, probabilities)
+    return LossFaults(broadcast, probabilities, reached)
 
 
 def _chain_above(node: Any, below: Any, parent: dict[int, tuple[Any, int]], n: int,

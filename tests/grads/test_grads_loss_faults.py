@@ -173,10 +173,12 @@ def test_the_walk_is_the_losss_own_part_of_the_graph() -> None:
     loss = ((out - y) ** 2).mean() + 1e-4 * reg
     b = loss_faults(loss, out, y).broadcast
     assert b is not None and b.shape == (N, N)
-    assert loss_faults(functional.mse_loss(out, y[:, None]) + 1e-4 * reg, out).broadcast is None
-    # No graph, nothing to read.
+    healthy = loss_faults(functional.mse_loss(out, y[:, None]) + 1e-4 * reg, out)
+    assert healthy == (None, None, True)  # it reached the output, and found nothing
+    # Another forward's output, or no graph: nothing reached, nothing to read.
+    assert loss_faults(loss, model(x), y) == (None, None, False)
     with torch.no_grad():
-        assert loss_faults(((model(x) - y) ** 2).mean(), out) == (None, None)
+        assert loss_faults(((model(x) - y) ** 2).mean(), out) == (None, None, False)
 
 
 @pytest.mark.parametrize("broadcast", [True, False])
@@ -214,6 +216,35 @@ def test_a_loop_that_hands_its_loss_to_the_watch_is_told_once(broadcast: bool) -
         assert "a tensor without gradient (the target)" in found.summary
     else:
         assert watch.loss_broadcast is None and "grads.loss_broadcast" not in codes
+
+
+@pytest.mark.parametrize("extra", [(1,), (0, 1, 2, 3, 4, 5)])
+def test_a_check_after_another_forward_is_tried_again_at_the_next_step(
+        extra: tuple[int, ...]) -> None:
+    """A forward with gradients between a step's own forward and its check (a validation
+    batch outside no_grad) leaves the watch holding that forward's output, which the loss
+    does not reach: the next step's check reads it. A loop that always does so is given
+    up after four losses, and holds nothing more."""
+    model, (x, y) = _regressor(), _data()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    loss_fn = _quiet(functional.mse_loss)
+    with watch_gradients(model, every=1, optimizer=opt) as watch:
+        for step in range(6):
+            opt.zero_grad()
+            loss = loss_fn(model(x), y)
+            if step in extra:
+                model(x + 1.0)  # its output goes nowhere
+            watch.check_loss(loss)
+            loss.backward()
+            opt.step()
+            if extra == (1,):
+                # Armed at step 0, missed at step 1, read at step 2.
+                assert (watch.loss_broadcast is not None) == (step >= 2)
+    if extra == (1,):
+        assert watch.loss_broadcast is not None and watch.loss_broadcast.shape == (N, N)
+    else:
+        assert watch.loss_broadcast is None
+        assert not watch._collector.keep_outputs and watch._collector.outputs is None
 
 
 def test_the_monitor_reports_what_its_watch_read() -> None:

@@ -135,6 +135,12 @@ _EVIDENCE = 32
 # Lightning's own step wrappers call that).
 _SCALER_FRAMES = 6
 _SKIPPED_KEPT = 1000  # indices of GradScaler-skipped steps kept (the newest; all are counted)
+# Losses handed to `check_loss` whose graph may miss the kept output (each from another
+# forward than the latest) before the watch stops looking: a step that runs another forward
+# with gradients between its own forward and the check (a validation batch outside
+# no_grad) is followed by one that does not; a loss that never reaches the model's output
+# (past the walk's 1024 nodes) costs four walks in all.
+_LOSS_TRIES = 4
 
 
 def _merged(builds: list[Callable[[], GradFlow]], index: int) -> Callable[[], GradFlow]:
@@ -361,7 +367,10 @@ class GradWatch(HookedContext, Analyzed):
         self.broken_update: BrokenUpdate | None = None
         self.loss_broadcast: LossBroadcast | None = None
         self.loss_on_probabilities: LossOnProbabilities | None = None
+        # Whether the loss's graph has been read (`check_loss`), and how many losses
+        # handed to it did not reach the kept output (see `_LOSS_TRIES`).
         self._loss_read = False
+        self._loss_missed = 0
         # Sampled steps whose gradients the loop changed in place before the update
         # (clipping): (step index, the total norm of the model's gradients then, and of the
         # watched optimizer's where it steps only part of the model, 0-d on the device),
@@ -449,8 +458,10 @@ class GradWatch(HookedContext, Analyzed):
         `loss_on_probabilities`; `grads.loss_broadcast`, `grads.loss_on_probabilities`,
         `torchscope.step.loss_faults`). The first call arms it: the output of the model's
         next forward is kept until the next call reads it, and is dropped then. A few
-        autograd nodes are walked, once; no tensor is read. A model that returns its own
-        loss has it read at its first forward, and the calls after that do nothing.
+        autograd nodes are walked, once; no tensor is read. Where the loss's graph does not
+        reach that output (another forward ran in between), the next call tries again, up
+        to four losses. A model that returns its own loss has it read at its first forward,
+        and the calls after that do nothing.
 
         Args:
             loss: the scalar loss, before its backward.
@@ -462,8 +473,13 @@ class GradWatch(HookedContext, Analyzed):
         if edges is None:
             c.keep_outputs = True  # the next forward's output, for the next call
             return
-        # Both None without edges (no floating output of more than one element).
-        self.loss_broadcast, self.loss_on_probabilities = loss_faults_at(loss, edges)
+        faults = loss_faults_at(loss, edges)
+        if not faults.reached and edges and self._loss_missed + 1 < _LOSS_TRIES:
+            # The latest forward was not this loss's (an evaluation forward with
+            # gradients between the step's forward and its loss): the next one may be.
+            self._loss_missed += 1
+            return
+        self.loss_broadcast, self.loss_on_probabilities = faults.broadcast, faults.probabilities
         self._loss_read, c.keep_outputs = True, False
 
     def _read_own_loss(self, out: Any) -> None:
@@ -473,7 +489,8 @@ class GradWatch(HookedContext, Analyzed):
         loss = own_loss(out)
         if self._loss_read or loss is None or loss.grad_fn is None:
             return
-        self.loss_broadcast, self.loss_on_probabilities = loss_faults(loss, out)
+        faults = loss_faults(loss, out)
+        self.loss_broadcast, self.loss_on_probabilities = faults.broadcast, faults.probabilities
         self._loss_read, self._collector.keep_outputs = True, False
 
     @property
