@@ -322,3 +322,53 @@ def test_a_loss_that_broadcasts_the_output_against_the_target_is_told(
     run = callback.result
     assert run is not None and run.steps == 4
     assert_broadcast_told(run, not squeeze, ((16, 1), (16, 16)))
+
+
+class CausalLM(pl.LightningModule):
+    """A LightningModule around a transformers GPT-2, as fine-tuning scripts write it: the
+    training step calls `self.model(**batch)` and takes its own loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        transformers = pytest.importorskip("transformers")
+        self.model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            n_layer=1, n_head=2, n_embd=32, vocab_size=100, n_positions=16, pad_token_id=0))
+
+    def training_step(self, batch: dict[str, torch.Tensor], i: int) -> torch.Tensor:
+        loss: torch.Tensor = self.model(**batch).loss
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_labels_on_padding_are_told_through_a_wrapped_transformers_model(
+        tmp_path: Path, masked: bool) -> None:
+    """The labels copied from right-padded ids reach the wrapped model, not the
+    LightningModule: they are counted at its own forward (3 + 6 padded positions a batch
+    of two rows, at each of the 2 sampled steps)."""
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for n in (13, 10, 16, 7):
+        ids = torch.randint(1, 100, (16,), generator=g)
+        mask = (torch.arange(16) < n).long()  # (16,)
+        ids[mask == 0] = 0
+        labels = ids.masked_fill(mask == 0, -100) if masked else ids.clone()
+        rows.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
+    loader = torch.utils.data.DataLoader(rows, batch_size=2)  # default collate: stacked
+    callback = TorchscopeCallback(every=2, out=None)
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(max_steps=4, accelerator="cpu", devices=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[callback])
+    module = CausalLM()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, loader)
+    run = callback.result
+    assert run is not None and run.samples == 2
+    # Sampled steps 0 and 2 see the first batch (rows 13 and 10: 3 + 6 pads) twice.
+    assert run.padded_labels == (18, 0 if masked else 18)
+    assert ("run.padding_in_loss" in [f.code for f in run.findings()]) == (not masked)
+    assert audit_hooks(module, include_global=False).local_total == 0

@@ -250,8 +250,9 @@ class RunRecord(Analyzed):
             norm). (0, 0) where no step ended at an optimizer step or `end_step()`.
         padded_labels: (label positions that the attention mask pads and the loss reads,
             those of them whose label is not -100, so that the loss counts them), over
-            the sampled steps' training forwards of a transformers model given `labels`
-            and an `attention_mask` of one shape; (0, 0) elsewhere (an encoder-decoder,
+            the sampled steps' training forwards of a transformers model (the watched one,
+            or the outermost ones inside it, as a LightningModule's `self.model`) given
+            `labels` and an `attention_mask` of one shape; (0, 0) elsewhere (an encoder-decoder,
             whose labels are the decoder's, included). A causal language model's loss
             shifts its labels and never reads position 0, which is left out.
     """

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import os
 import sys
@@ -188,7 +189,9 @@ class Monitor(HookedContext):
         # padded, those of them with a label the loss counts), (2,) on the device, read
         # when the run ends (`RunRecord.padded_labels`). Only for a transformers model
         # that is no encoder-decoder: the first label position its loss reads
-        # (`_labels_against_mask`), None for another model.
+        # (`_labels_against_mask`), None for another model. A transformers model inside
+        # the watched one (a LightningModule's `self.model`) is checked at its own
+        # forward, by a pre-hook (`_padding_gate`).
         self._check_padding: int | None = None
         self._padded: torch.Tensor | None = None
         self._forward_onset: tuple[int, str | None, str | None] | None = None
@@ -252,6 +255,13 @@ class Monitor(HookedContext):
             self._session.forward_pre_hook(first, self._inner_autocast)
         if self._acts is not None:
             self._session.forward_hook(self._session.model, self._forward_end)
+        if self._check_padding is None:
+            # A wrapper (a LightningModule whose training step calls `self.model(**batch)`):
+            # the outermost transformers models inside it get the labels and the mask.
+            for inner, first_label in _inner_labelled(model):
+                self._session.forward_pre_hook(
+                    inner, functools.partial(self._padding_gate, first_label),
+                    with_kwargs=True)
         self._grads = GradWatch(
             model, every=self.every, start=self._start, optimizer=self._optimizer,
             scaler=self._scaler,
@@ -385,6 +395,14 @@ class Monitor(HookedContext):
                 count = (prev[2] == now[1]).all().to(torch.int64)  # () on the device
                 self._fp_same = count if self._fp_same is None else self._fp_same + count
         self._fp_prev = (step, *now) if g.collecting and now is not None else None
+
+    def _padding_gate(self, first: int, _module: nn.Module, _args: tuple[Any, ...],
+                      kwargs: dict[str, Any]) -> None:
+        """A transformers model's forward inside the watched one: `_note_padding` at a
+        sampled step's training forward, as the root's own pre-hook does for a root that
+        is one."""
+        if torch.is_grad_enabled() and self._grads is not None and self._grads.collecting:
+            self._note_padding(kwargs, first)
 
     def _note_padding(self, kwargs: dict[str, Any], first: int) -> None:
         """At a sampled step's training forward: count the label positions from `first`
@@ -647,15 +665,35 @@ def _labels_against_mask(model: nn.Module) -> int | None:
     label t + 1), so the label at position 0 is never read: 1 there, 0 elsewhere. A
     left-padded row's first pad is then no fault; its later pads are.
     """
-    pretrained = any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers")
-                     for c in type(model).__mro__)
     config = getattr(model, "config", None)
-    if not pretrained or getattr(config, "is_encoder_decoder", False):
+    if not _pretrained(model) or getattr(config, "is_encoder_decoder", False):
         return None
     # transformers names its causal heads so (LlamaForCausalLM, GPT2LMHeadModel,
     # BertLMHeadModel), and picks their shifted loss by the same name.
     name = type(model).__name__
     return 1 if "ForCausalLM" in name or name.endswith("LMHeadModel") else 0
+
+
+def _pretrained(model: nn.Module) -> bool:
+    """A transformers model (a `PreTrainedModel`), found without importing transformers."""
+    return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers")
+               for c in type(model).__mro__)
+
+
+def _inner_labelled(model: nn.Module) -> list[tuple[nn.Module, int]]:
+    """The outermost modules inside `model` whose labels `_labels_against_mask` reads (a
+    LightningModule's transformers model), each with the first label position its loss
+    reads; the modules inside them are not looked at."""
+    found: list[tuple[nn.Module, int]] = []
+    stack = list(model.children())[::-1]
+    while stack:
+        m = stack.pop()
+        if not _pretrained(m):
+            stack.extend(list(m.children())[::-1])
+        elif (first := _labels_against_mask(m)) is not None:
+            found.append((m, first))
+        # Inside an encoder-decoder, the stacks are transformers models given no labels.
+    return found
 
 
 def _fingerprint(args: tuple[Any, ...], kwargs: dict[str, Any]
