@@ -683,16 +683,16 @@ def _pretrained(model: nn.Module) -> bool:
 def _inner_labelled(model: nn.Module) -> list[tuple[nn.Module, int]]:
     """The outermost modules inside `model` whose labels `_labels_against_mask` reads (a
     LightningModule's transformers model), each with the first label position its loss
-    reads; the modules inside them are not looked at."""
+    reads; the modules inside them are not looked at, nor those of a transformers model
+    that is the watched one (an encoder-decoder's stacks get no labels)."""
     found: list[tuple[nn.Module, int]] = []
-    stack = list(model.children())[::-1]
+    stack = [] if _pretrained(model) else list(model.children())[::-1]
     while stack:
         m = stack.pop()
         if not _pretrained(m):
             stack.extend(list(m.children())[::-1])
         elif (first := _labels_against_mask(m)) is not None:
             found.append((m, first))
-        # Inside an encoder-decoder, the stacks are transformers models given no labels.
     return found
 
 
