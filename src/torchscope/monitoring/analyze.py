@@ -811,8 +811,8 @@ def _padding_in_loss(record: RunRecord) -> list[Finding]:
     return [Finding(
         "run.padding_in_loss", Severity.WARNING,
         f"the loss trains on padding: {counted} of the {padded} label positions that the "
-        "attention mask pads (on the sampled steps) hold a token, not -100, so the model "
-        "learns to predict the pad token there",
+        "attention mask pads and the loss reads (on the sampled steps) hold a token, not "
+        "-100, so the model learns to predict the pad token there",
         {"padded": padded, "counted": counted, "samples": record.samples},
         fix="set the labels to -100 where attention_mask is 0 (labels[attention_mask == 0] "
             "= -100), or build the batches with DataCollatorForLanguageModeling(tokenizer, "

@@ -187,12 +187,9 @@ class Monitor(HookedContext):
         self._fp_same: torch.Tensor | None = None
         # Sampled training forwards' label positions that the attention mask pads: (those
         # padded, those of them with a label the loss counts), (2,) on the device, read
-        # when the run ends (`RunRecord.padded_labels`). Only for a transformers model
-        # that is no encoder-decoder: the first label position its loss reads
-        # (`_labels_against_mask`), None for another model. A transformers model inside
-        # the watched one (a LightningModule's `self.model`) is checked at its own
-        # forward, by a pre-hook (`_padding_gate`).
-        self._check_padding: int | None = None
+        # when the run ends (`RunRecord.padded_labels`). Counted by a pre-hook on each
+        # transformers model that is no encoder-decoder: the watched one, or the outermost
+        # ones inside it (`_labelled`, `_padding_gate`).
         self._padded: torch.Tensor | None = None
         self._forward_onset: tuple[int, str | None, str | None] | None = None
         self._error = ""
@@ -230,7 +227,6 @@ class Monitor(HookedContext):
             self._eager.enter_context(eager_stance("the monitor"))
             self._compiled = ("",)
         self._modes = ModeCounts(sensitive=mode_sensitive(model))
-        self._check_padding = _labels_against_mask(model)
         self._facts = (type(model).__name__, sum(p.numel() for p in params),
                        sum(p.numel() for p in params if p.requires_grad), str(device))
         if self._want_activations:
@@ -255,13 +251,11 @@ class Monitor(HookedContext):
             self._session.forward_pre_hook(first, self._inner_autocast)
         if self._acts is not None:
             self._session.forward_hook(self._session.model, self._forward_end)
-        if self._check_padding is None:
-            # A wrapper (a LightningModule whose training step calls `self.model(**batch)`):
-            # the outermost transformers models inside it get the labels and the mask.
-            for inner, first_label in _inner_labelled(model):
-                self._session.forward_pre_hook(
-                    inner, functools.partial(self._padding_gate, first_label),
-                    with_kwargs=True)
+        # Appended: on the root it runs after the GradWatch's prepended hook, which decides
+        # whether the step in progress is sampled.
+        for labelled, first_label in _labelled(model):
+            self._session.forward_pre_hook(
+                labelled, functools.partial(self._padding_gate, first_label), with_kwargs=True)
         self._grads = GradWatch(
             model, every=self.every, start=self._start, optimizer=self._optimizer,
             scaler=self._scaler,
@@ -364,9 +358,6 @@ class Monitor(HookedContext):
             self._mode = module.training
             self._autocast = autocast_dtype(self._device_type)
             self._note_input(args, kwargs)
-            if self._check_padding is not None and self._grads is not None and \
-                    self._grads.collecting:
-                self._note_padding(kwargs, self._check_padding)
         record = self._grads is not None and self._grads.collecting and \
             torch.is_grad_enabled()
         if self._acts is not None:
@@ -398,9 +389,8 @@ class Monitor(HookedContext):
 
     def _padding_gate(self, first: int, _module: nn.Module, _args: tuple[Any, ...],
                       kwargs: dict[str, Any]) -> None:
-        """A transformers model's forward inside the watched one: `_note_padding` at a
-        sampled step's training forward, as the root's own pre-hook does for a root that
-        is one."""
+        """A transformers model's forward (the watched one's, or one's inside it):
+        `_note_padding` at a sampled step's training forward."""
         if torch.is_grad_enabled() and self._grads is not None and self._grads.collecting:
             self._note_padding(kwargs, first)
 
@@ -680,13 +670,14 @@ def _pretrained(model: nn.Module) -> bool:
                for c in type(model).__mro__)
 
 
-def _inner_labelled(model: nn.Module) -> list[tuple[nn.Module, int]]:
-    """The outermost modules inside `model` whose labels `_labels_against_mask` reads (a
-    LightningModule's transformers model), each with the first label position its loss
-    reads; the modules inside them are not looked at, nor those of a transformers model
-    that is the watched one (an encoder-decoder's stacks get no labels)."""
+def _labelled(model: nn.Module) -> list[tuple[nn.Module, int]]:
+    """The modules whose labels `_labels_against_mask` reads, each with the first label
+    position its loss reads: `model` itself where it is a transformers model, else the
+    outermost ones inside it (a LightningModule's `self.model`, a DDP or compiled
+    wrapper's module). Nothing inside a transformers model is looked at: an
+    encoder-decoder's stacks get no labels."""
     found: list[tuple[nn.Module, int]] = []
-    stack = [] if _pretrained(model) else list(model.children())[::-1]
+    stack = [model]
     while stack:
         m = stack.pop()
         if not _pretrained(m):
