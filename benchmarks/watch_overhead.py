@@ -190,7 +190,31 @@ def _kernel_lines(cold_build: bool, device: torch.device) -> list[str]:
         load = f"load {k.load_s * 1e3:.0f} ms" if k.load_s is not None else k.reason
         lines.append(f"kernel {k.program} {k.dtype} {k.device}: {k.state}, {k.backend} "
                      f"({how}{load})")
-    return lines
+    return [*lines, _kernel_reads(device)]
+
+
+def _kernel_reads(device: torch.device) -> str:
+    """What each fused kernel costs, in reads: its time on a 16 MiB float32 tensor over one
+    `sum` of it (interleaved medians; the tensor stays in the caches where they hold it)."""
+    x = torch.randn(4 * 2**20, device=device)  # (4M,): 16 MiB
+
+    def timed(fn: Callable[[], object]) -> Callable[[], None]:
+        def run() -> None:
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+        return run
+
+    runs = {"sum": timed(x.sum), **{p: timed(lambda p=p: _kernels.run(p, x))
+                                    for p in _kernels.PROGRAMS}}
+    if any(_kernels.run(p, x) is None for p in _kernels.PROGRAMS):
+        return "kernel cost: not measured (a kernel is not ready here)"
+    rows = interleaved_paired(runs, repeats=51, warmup=5)
+    one = rows["sum"][0][0]
+    return ("kernel cost on 16 MiB of float32, in reads (one `sum`: "
+            f"{one * 1e3:.3f} ms): " + ", ".join(
+                f"{p} {rows[p][0][0] * 1e3:.3f} ms = {rows[p][0][0] / one:.2f}"
+                for p in _kernels.PROGRAMS))
 
 
 def _training_rows(name: str, build: Callable[[], nn.Module], args: argparse.Namespace,

@@ -247,6 +247,45 @@ def test_native_list_ops_against_float64() -> None:
 
 
 @pytest.mark.slow
+def test_native_numbers_do_not_depend_on_the_cpus_vector_width(tmp_path: Path) -> None:
+    """The library built for baseline x86-64 (SSE2: 4 float32 lanes) gives the very bits
+    this machine's own build gives (8 lanes with AVX2, 16 with AVX-512): each lane sums the
+    same elements in the same order on every CPU, and no multiply-add is fused. So a
+    figure in a report does not depend on the machine it was taken on, and the widths this
+    machine cannot run follow the same code."""
+    import platform
+
+    _native_ready()
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip(f"a baseline x86-64 build needs an x86-64 machine, not {platform.machine()}")
+    namespace = "torchscope_baseline_test"
+    error = _kernels._compile_native(tmp_path / "baseline.so", march="x86-64",
+                                     namespace=namespace)
+    assert error is None, error
+    torch.ops.load_library(str(tmp_path / "baseline.so"))
+    base = getattr(torch.ops, namespace)
+
+    def same(a: torch.Tensor, b: torch.Tensor) -> bool:  # bitwise, NaN included
+        return torch.equal(a.view(torch.int64), b.view(torch.int64))
+
+    g = torch.Generator().manual_seed(3)
+    cases = [t for _, t in _span_cases()] + [torch.randn(8, 16, 32, 32, generator=g).relu()]
+    for i, t in enumerate(cases):
+        for dead in (False, True):
+            got = _kernels.run("stats", t, dead_units=dead)
+            assert got is not None and same(got, base.stats(t, dead)), (i, dead)
+        norm = _kernels.run("norm", t)
+        assert norm is not None and same(norm, base.norm(t)), i
+    steps = [t + 1e-3 * torch.randn(t.shape, generator=g) for t in cases]
+    made, diffs, alone = (_kernels.copy_norms(cases), _kernels.diff_norms(steps, cases),
+                          _kernels.norms(cases))
+    assert made is not None and diffs is not None and alone is not None
+    assert same(torch.stack(made[1]), base.copy_norms(cases)[1])  # (n,) each
+    assert same(torch.stack(diffs), base.diff_norms(steps, cases))
+    assert same(torch.stack(alone), base.norms(cases))
+
+
+@pytest.mark.slow
 def test_native_build_is_locked_and_leaves_only_the_library(fresh: Path) -> None:
     """A fresh build into an empty cache; a second process finds it there (this process
     already holds the library, whose operators register once per process)."""
