@@ -13,8 +13,8 @@ it in one pass: `stats` (every statistic, and on request the dead-unit count) an
   at each span's end, and redoes in float64 any span whose float32 sums are not finite
   (it holds NaN or Inf, where the counts are taken) or may have underflowed. On a
   2-thread CPU `stats` costs about two reads of the tensor (AVX-512: 0.054 ms per 1M
-  elements, 3.9x faster than the AOTInductor program; AVX2: 2.0-2.1 `sum`s), `norm`
-  one read (1.2-1.3 `sum`s), and `stats` counts all-zero channels in the same pass. Two
+  elements, 3.9x faster than the AOTInductor program; AVX2: 1.9-2.1 `sum`s), `norm`
+  one read (1.1-1.3 `sum`s), and `stats` counts all-zero channels in the same pass. Two
   more ops take a list of tensors, a model's weights around an optimizer update:
   `copy_norms` (a snapshot and its norms from one read) and `diff_norms` (each update's
   norm from two reads, the differences never written).
