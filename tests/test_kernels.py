@@ -152,6 +152,9 @@ def _span_cases() -> Iterator[tuple[str, torch.Tensor]]:
     yield "NaN in a late span", late
     yield "all zero", torch.zeros(4096)
     yield "ReLU output", randn(200_000).clamp_min(0)
+    signed = randn(70_000).abs()  # zeros of both signs: the minimum is a zero
+    signed[::5], signed[1::7] = -0.0, 0.0
+    yield "zeros of both signs", signed
 
 
 def test_native_kernel_is_exact_where_it_must_be() -> None:
@@ -283,6 +286,11 @@ def test_native_numbers_do_not_depend_on_the_cpus_vector_width(tmp_path: Path) -
     assert same(torch.stack(made[1]), base.copy_norms(cases)[1])  # (n,) each
     assert same(torch.stack(diffs), base.diff_norms(steps, cases))
     assert same(torch.stack(alone), base.norms(cases))
+    # Lanes keep a -0 or a +0 by their order, which differs by width: a zero bound is +0.
+    signed = dict(_span_cases())["zeros of both signs"]
+    low = _kernels.run("stats", signed)
+    assert low is not None and float(low[MIN]) == 0.0
+    assert math.copysign(1.0, float(low[MIN])) == 1.0
 
 
 @pytest.mark.slow

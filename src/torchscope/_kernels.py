@@ -10,11 +10,12 @@ it in one pass: `stats` (every statistic, and on request the dead-unit count) an
   `torch.ops.load_library`. It reads 1024-element spans in the CPU's own float32 vectors
   (16 lanes with AVX-512, 8 with AVX2, 4 otherwise; each lane sums the same 32 elements
   of a span on every CPU, so the numbers do not depend on the machine), goes to float64
-  at each span's end, and redoes in float64 any span whose float32 sums are not finite
-  (it holds NaN or Inf, where the counts are taken) or may have underflowed. On a
-  2-thread CPU `stats` costs about two reads of the tensor (AVX-512: 0.054 ms per 1M
-  elements, 3.9x faster than the AOTInductor program; AVX2: 1.9-2.1 `sum`s), `norm`
-  one read (1.1-1.3 `sum`s), and `stats` counts all-zero channels in the same pass. Two
+  at each span's end by a fixed tree over the lanes, and redoes in float64 any span whose
+  float32 sums are not finite (it holds NaN or Inf, where the counts are taken) or may
+  have underflowed. On a 2-thread CPU `stats` costs one to two reads of the tensor
+  (AVX-512: 0.054 ms per 1M elements, 3.9x faster than the AOTInductor program; AVX2:
+  1.1 `sum`s), `norm` one read (1.0 `sum`s on AVX2), and `stats` counts all-zero
+  channels in the same pass. Two
   more ops take a list of tensors, a model's weights around an optimizer update:
   `copy_norms` (a snapshot and its norms from one read) and `diff_norms` (each update's
   norm from two reads, the differences never written).

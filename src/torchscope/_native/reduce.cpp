@@ -17,8 +17,9 @@
 //
 // Why it is fast and still exact where it must be: the data is read in spans of at most
 // 1024 elements. A span's sums run in float32 vector lanes (32 elements per lane at most,
-// so the rounding stays near float32's own; the same 32 on every CPU, see kLanes) and go to float64 at the span's end; min, max
-// and the zero count are exact in any precision. A span whose float32 sum of squares is
+// so the rounding stays near float32's own; the same 32 on every CPU, see kStep) and go to
+// float64 at the span's end, by a fixed tree (lane_sum); min, max and the zero count are
+// exact in any precision. A span whose float32 sum of squares is
 // not finite (it holds NaN or Inf, or squares past float32's range) or underflows (tiny
 // values) is read again in float64, element by element, where NaN and Inf are counted
 // exactly. So the common, finite span costs about one vector instruction per statistic.
@@ -66,6 +67,23 @@ inline vf load(const float* p) {
   return v;
 }
 
+// The float64 sum of a span's kWays float32 accumulators, taken as kStep values (element
+// e = w * kLanes + j: the same e on every CPU, see kStep), by a fixed pairwise tree over e
+// (e with e + 16, then e + 8, ...): the same additions in the same order on every CPU,
+// which the compiler turns into a few vector instructions, where 32 dependent scalar
+// additions per span cost a fifth of `norm` (AVX2).
+__attribute__((always_inline)) inline double lane_sum(const vf* v) {
+  float f[kStep];
+  static_assert(sizeof(f) == kWays * sizeof(vf), "kWays vectors hold kStep floats");
+  std::memcpy(f, v, sizeof(f));
+  double d[kStep];
+  for (int e = 0; e < kStep; ++e) d[e] = f[e];
+#pragma GCC unroll 8
+  for (int h = kStep / 2; h >= 1; h /= 2)
+    for (int e = 0; e < h; ++e) d[e] += d[e + h];
+  return d[0];
+}
+
 struct Acc {
   double s1 = 0, s2 = 0;  // sums of d = x - k and of d * d
   float mn = std::numeric_limits<float>::infinity();
@@ -98,40 +116,47 @@ void slow_span(const float* p, int64_t n, double k, Acc& a) {
 template <bool kShift>
 int64_t stats_span(const float* p, int64_t n, float kf, double k, Acc& a) {
   const vf kv = vf{} + kf;
-  vf s1[kWays], s2[kWays], mn_v[kWays], mx_v[kWays];
-  vi z[kWays];
+  // The sums keep one accumulator per way (each lane its own 32 elements, see kStep); min,
+  // max and the zero count are exact in any order, so they keep one for all the ways: five
+  // per way would not fit AVX2's 16 registers: the accumulators spilled to the stack, and
+  // every loop step waited on its own stores.
+  vf s1[kWays], s2[kWays];
 #pragma GCC unroll 8
   for (int w = 0; w < kWays; ++w) {
     s1[w] = vf{};
     s2[w] = vf{};
-    mn_v[w] = vf{} + std::numeric_limits<float>::infinity();
-    mx_v[w] = -mn_v[w];
-    z[w] = vi{};
   }
+  vf mn_v = vf{} + std::numeric_limits<float>::infinity(), mx_v = -mn_v;
+  vi z = vi{};
   int64_t i = 0;
   for (; i + kStep <= n; i += kStep) {
+    vf x[kWays];
 #pragma GCC unroll 8
     for (int w = 0; w < kWays; ++w) {
-      const vf x = load(p + i + w * kLanes);
-      const vf d = kShift ? x - kv : x;
+      x[w] = load(p + i + w * kLanes);
+      const vf d = kShift ? x[w] - kv : x[w];
       s1[w] += d;
       s2[w] += d * d;
-      mn_v[w] = x < mn_v[w] ? x : mn_v[w];
-      mx_v[w] = x > mx_v[w] ? x : mx_v[w];
-      z[w] -= x == 0;  // a true compare is -1 in every lane
+      z -= x[w] == 0;  // a true compare is -1 in every lane
     }
+    // The ways' minimum and maximum by a tree: one dependent step per loop step. A NaN
+    // may spoil them; its span is then read again (slow_span), and they are not used.
+    vf lo = x[0], hi = x[0];
+#pragma GCC unroll 8
+    for (int w = 1; w < kWays; ++w) {
+      lo = x[w] < lo ? x[w] : lo;
+      hi = x[w] > hi ? x[w] : hi;
+    }
+    mn_v = lo < mn_v ? lo : mn_v;
+    mx_v = hi > mx_v ? hi : mx_v;
   }
-  double t1 = 0, t2 = 0;
-  float mn = mn_v[0][0], mx = mx_v[0][0];
+  double t1 = lane_sum(s1), t2 = lane_sum(s2);
+  float mn = mn_v[0], mx = mx_v[0];
   int64_t zc = 0;
-  for (int w = 0; w < kWays; ++w) {
-    for (int j = 0; j < kLanes; ++j) {
-      t1 += s1[w][j];
-      t2 += s2[w][j];
-      mn = std::min(mn, mn_v[w][j]);
-      mx = std::max(mx, mx_v[w][j]);
-      zc += z[w][j];
-    }
+  for (int j = 0; j < kLanes; ++j) {
+    mn = std::min(mn, mn_v[j]);
+    mx = std::max(mx, mx_v[j]);
+    zc += z[j];
   }
   for (; i < n; ++i) {  // the tail: fewer than 32 elements
     const float v = p[i], d = v - kf;
@@ -245,8 +270,9 @@ at::Tensor stats(const at::Tensor& x, bool dead_units) {
   double* o = out.data_ptr<double>();
   o[0] = k + t.s1 / nd;                                     // MEAN
   o[1] = t.nans + t.infs ? nan : std::sqrt(ss / (nd - 1));  // STD (unbiased)
-  o[2] = t.nans ? nan : t.mn;                               // MIN
-  o[3] = t.nans ? nan : t.mx;                               // MAX
+  // + 0.0: a zero bound is +0 whichever sign the lanes kept (their order differs by CPU).
+  o[2] = t.nans ? nan : t.mn + 0.0;                         // MIN
+  o[3] = t.nans ? nan : t.mx + 0.0;                         // MAX
   o[4] = t.nans ? nan : t.infs ? inf : std::sqrt(sq);       // NORM
   o[5] = static_cast<double>(t.zeros) / nd;                 // ZEROS (fraction)
   o[6] = static_cast<double>(t.nans);                       // NANS
@@ -270,9 +296,7 @@ double norm_span(const float* p, int64_t n) {
       sq[w] += x * x;
     }
   }
-  double s = 0;
-  for (int w = 0; w < kWays; ++w)
-    for (int j = 0; j < kLanes; ++j) s += sq[w][j];
+  double s = lane_sum(sq);
   for (; i < n; ++i) s += static_cast<double>(p[i]) * p[i];
   if (std::isfinite(s) && s >= kTiny) return s;
   if (s == 0) {  // all zero (a dead unit's gradient), or squares that underflowed to 0
@@ -298,9 +322,7 @@ double diff_span(const float* a, const float* b, int64_t n) {
       sq[w] += d * d;
     }
   }
-  double s = 0;
-  for (int w = 0; w < kWays; ++w)
-    for (int j = 0; j < kLanes; ++j) s += sq[w][j];
+  double s = lane_sum(sq);
   for (; i < n; ++i) {
     const float d = a[i] - b[i];
     s += static_cast<double>(d) * d;
