@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from torchscope.findings import Severity
-from torchscope.grads import gradient_flow, layer_norms
+from torchscope.grads import GradFlow, gradient_flow, layer_norms
 from torchscope.models.zoo import BUILTINS
 from torchscope.step import Step
 
@@ -135,8 +135,9 @@ def test_a_large_init_is_told_by_how_much_to_lower_it() -> None:
 def test_query_and_key_of_an_attention_over_one_position_are_told_why_they_get_nothing(
         ) -> None:
     """transformers' MobileViT given 64-pixel images attends over one patch in its last
-    stage: the softmax is 1 whatever the scores, so its query and key projections get an
-    all-zero gradient, and the fix spoke only of dead ReLUs, zero branches and masks."""
+    stage: the softmax is 1 whatever the scores, so the query and key projections of its
+    three attention layers get an all-zero gradient. That was six findings, whose fix
+    spoke of dead ReLUs, zero branches and masks first; it is one, with that cause."""
     from transformers import MobileViTConfig, MobileViTForImageClassification
 
     torch.manual_seed(0)
@@ -146,9 +147,49 @@ def test_query_and_key_of_an_attention_over_one_position_are_told_why_they_get_n
     g = torch.Generator().manual_seed(0)
     flow = gradient_flow(model, {"pixel_values": torch.randn(2, 3, 64, 64, generator=g),
                                  "labels": torch.randint(0, 10, (2,), generator=g)})
-    dead = [f for f in flow.findings() if f.code == "grads.dead"]
-    assert sorted(f.module.rsplit(".", 1)[-1] for f in dead) == ["key"] * 3 + ["query"] * 3
-    assert all("softmax over one element" in f.fix for f in dead)
+    [dead] = [f for f in flow.findings() if f.code == "grads.dead"]
+    assert dead.evidence["kind"] == "no_score_gradient"
+    assert (dead.evidence["modules"], dead.evidence["layers"]) == (6, 3)
+    assert "3 attention layers in mobilevit.encoder.layer.4.transformer" in dead.summary
+    assert "softmax over one position" in dead.fix and "64-pixel" in dead.fix
+    # Exactly what the records say: queries and keys zero, their values not.
+    for r in flow.modules:
+        leaf = r.module.rsplit(".", 1)[-1]
+        if leaf in ("query", "key", "value") and "encoder.layer.4" in r.module:
+            assert (r.output_norm == 0) == (leaf != "value"), r.module
+
+
+def _attention(seq: int, mask_all_but_one: bool = False) -> GradFlow:
+    """A one-head self-attention block on (2, seq, 16) with BERT's projection names."""
+
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.query, self.key, self.value = (nn.Linear(16, 16) for _ in range(3))
+            self.out = nn.Linear(16, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (2, seq, 16)
+            scores = self.query(x) @ self.key(x).transpose(1, 2) / 4.0  # (2, seq, seq)
+            if mask_all_but_one:
+                keep = torch.zeros(seq, dtype=torch.bool)
+                keep[0] = True
+                scores = scores.masked_fill(~keep, float("-inf"))
+            return self.out(scores.softmax(-1) @ self.value(x)).mean(1)  # (2, 4)
+
+    torch.manual_seed(0)
+    return gradient_flow(nn.Sequential(Attention()), torch.randn(2, seq, 16))
+
+
+def test_an_attention_over_one_position_is_one_finding_and_a_longer_one_is_silent() -> None:
+    """Its query and key named together, with the cause, where the value still learns; a
+    mask that keeps one position is the same; over six positions nothing is dead."""
+    one = [f for f in _attention(1).findings() if f.code == "grads.dead"]
+    assert [f.evidence["kind"] for f in one] == ["no_score_gradient"]
+    assert one[0].evidence["modules"] == 2 and one[0].module == "0.query"
+    masked = [f for f in _attention(6, mask_all_but_one=True).findings()
+              if f.code == "grads.dead"]
+    assert [f.evidence["kind"] for f in masked] == ["no_score_gradient"]
+    assert not [f for f in _attention(6).findings() if f.code == "grads.dead"]
 
 
 def test_a_small_init_embedding_before_a_norm_is_no_exploding_warning() -> None:

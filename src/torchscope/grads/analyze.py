@@ -816,6 +816,11 @@ def find_dead(flow: GradFlow, thresholds: GradThresholds | None = None) -> list[
         modules = [m for m in modules if m not in reached and m not in faded]
         found.append(_zero_despite_gradient(flow, list(dict.fromkeys(reached + faded)),
                                             dead_params, arriving))
+    # Queries and keys that get none while their values do: the scores get none.
+    one = _scoreless_attention([m for m in modules if m not in half], alive_out)
+    if one:
+        modules = [m for m in modules if m not in one]
+        found.append(_scoreless_finding(flow, one))
     for m in modules:
         names = dead_params.get(m, []) if m not in alive_params else []
         what = "an all-zero gradient" if m in dead_out and m not in alive_out else \
@@ -834,6 +839,55 @@ def find_dead(flow: GradFlow, thresholds: GradThresholds | None = None) -> list[
             module=m,
         ))
     return found
+
+
+# An attention's query, key and value projections by their usual names: BERT, ViT and
+# MobileViT's `query`/`key`/`value`, Llama, BART and OPT's `q_proj`/`k_proj`/`v_proj`, T5's
+# `q`/`k`/`v`.
+_QKV = (("query", "key", "value"), ("q_proj", "k_proj", "v_proj"), ("q", "k", "v"))
+
+
+def _scoreless_attention(modules: list[str], alive_out: set[str]) -> list[str]:
+    """The query and key projections among `modules` (which get an all-zero gradient) whose
+    attention's value projection gets a non-zero one, both of one attention or neither.
+
+    The scores are the only way into the queries and keys, and a softmax over one element
+    is 1 whatever its score: with one position to attend to, they get exactly zero while
+    the values, which the softmax weighs by 1, still get the whole gradient. (So they do
+    when every position holds the same value vector.)"""
+    dead = set(modules)
+    found: list[str] = []
+    for parent in dict.fromkeys(m.rpartition(".")[0] for m in modules):
+        at = f"{parent}." if parent else ""
+        for q, k, v in _QKV:
+            if f"{at}{q}" in dead and f"{at}{k}" in dead and f"{at}{v}" in alive_out:
+                found += [f"{at}{q}", f"{at}{k}"]
+    return found
+
+
+def _scoreless_finding(flow: GradFlow, modules: list[str]) -> Finding:
+    """One finding for the query and key projections that `_scoreless_attention` found."""
+    layers = list(dict.fromkeys(m.rpartition(".")[0] for m in modules))
+    where = f"the attention {layers[0] or '<root>'}" if len(layers) == 1 else \
+        f"{len(layers)} attention layers in {common_parent(layers) or '<root>'}"
+    return Finding(
+        code="grads.dead",
+        severity=Severity.WARNING,
+        summary=f"the query and key projections of {where} receive an all-zero gradient "
+        "while their value projections do not: no gradient reaches the attention scores",
+        evidence={"kind": "no_score_gradient", "modules": len(modules),
+                  "layers": len(layers), "first": modules[0], "last": modules[-1],
+                  "step": flow.index},
+        fix="the scores are the only way into the queries and keys, and they get no gradient "
+        "when the weights they set cannot change the output: most often a softmax over one "
+        "position, which is 1 whatever its score (the sequence these attentions run over "
+        "has length 1, as in transformers' MobileViT given 64-pixel images, one patch in "
+        "its last stage; or a mask leaves one position): give them a longer sequence "
+        "(larger inputs, smaller patches) or leave those attentions out. Otherwise every "
+        "position holds the same value vector (identical tokens: check the embeddings and "
+        "position tables before them).",
+        module=modules[0],
+    )
 
 
 # A gradient this small reaching a layer leaves products with its input that float32 (whose
