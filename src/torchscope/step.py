@@ -150,6 +150,8 @@ class LossBroadcast:
             (`torch.broadcast_tensors` inside `mse_loss` and `l1_loss`), ...
         target_shape: the step's target's shape where the step was given one of the same
             element count; else None (the operand is known only by its lack of gradient).
+            Where it equals `shape`, the output was broadcast along the target's own
+            dimensions instead (`per_row`).
     """
 
     output: str
@@ -157,6 +159,15 @@ class LossBroadcast:
     shape: tuple[int, ...]
     op: str
     target_shape: tuple[int, ...] | None = None
+
+    @property
+    def per_row(self) -> int | None:
+        """How many targets each prediction met where the output (`(N, 1)`) was broadcast
+        along a larger target's own dimensions (`(N, K)`, K of them); None where every
+        prediction met every target."""
+        if self.target_shape is None or self.target_shape != self.shape:
+            return None
+        return math.prod(self.shape) // max(math.prod(self.output_shape), 1)
 
 
 @dataclass(frozen=True)
@@ -242,7 +253,12 @@ def loss_faults(loss_tensor: torch.Tensor, output: Any, target: Any = None) -> L
     - `broadcast`: the loss broadcast a floating output of n > 1 elements into n * n
       against an operand that carries no gradient (a target, a constant). Silent on a
       pairwise loss (`s - s.T`: both operands carry the output's gradient) and on a
-      comparison with a learned or constant tensor of another size (bins, centres).
+      comparison with a learned or constant tensor of another size (bins, centres). Also
+      an output broadcast along the dimensions of a larger target (`(N, 1)` against
+      `(N, K)`) where the target is known to be that operand: the one `mse_loss`,
+      `huber_loss` or `smooth_l1_loss` saved, or the step's `target` under `l1_loss`. A
+      subtraction written by hand is not told there: against K fixed centres it reads the
+      same.
     - `probabilities`: a softmax (a sigmoid) then a loss that applies its own
       (`cross_entropy`, `binary_cross_entropy_with_logits`), or softmax probabilities into
       `nll_loss`. Silent on `nll_loss(log(softmax))` and on `binary_cross_entropy` of
@@ -295,10 +311,11 @@ def _walk_loss(root: Any, loss_tensor: torch.Tensor, edges: tuple[OutputEdge, ..
             if hit is not None:
                 reached = True
                 path, shape = hit
-                chain, top = _chain_above(node, nxt, parent, math.prod(shape), loss_tensor)
+                given = tuple(target.shape) if isinstance(target, torch.Tensor) else None
+                chain, top = _chain_above(node, nxt, parent, shape, loss_tensor, given)
                 if broadcast is None and top is not None:
-                    t_shape = tuple(target.shape) if isinstance(target, torch.Tensor) and \
-                        target.numel() == math.prod(shape) else None
+                    t_shape = given if given is not None and \
+                        math.prod(given) == math.prod(shape) else top[2]
                     broadcast = LossBroadcast(path, shape, top[0], top[1], t_shape)
                 if probabilities is None:
                     probabilities = _squashed_twice(path, shape, chain)
@@ -310,14 +327,22 @@ def _walk_loss(root: Any, loss_tensor: torch.Tensor, edges: tuple[OutputEdge, ..
     return LossFaults(broadcast, probabilities, reached)
 
 
-def _chain_above(node: Any, below: Any, parent: dict[int, tuple[Any, int]], n: int,
-                 loss_tensor: torch.Tensor) -> tuple[list[Any], tuple[tuple[int, ...], str] | None]:
+_Broadcast = tuple[tuple[int, ...], str, tuple[int, ...] | None]  # (shape, op, target's)
+
+
+def _chain_above(node: Any, below: Any, parent: dict[int, tuple[Any, int]],
+                 out_shape: tuple[int, ...], loss_tensor: torch.Tensor,
+                 target_shape: tuple[int, ...] | None) -> tuple[list[Any], _Broadcast | None]:
     """From the output's node `below` up through `node`, its consumer, toward the loss:
     `(chain, broadcast)`. `chain` holds the output's node and every node above it whose
     result keeps the output's n elements, then the first that does not. `broadcast` is
-    `(shape, name)` of that first node where it holds n * n and its other operand carries
-    no gradient: no edge of its own besides the output's path, or, for a one-input op
-    (`expand`), none of its consumer's (`mse_loss` takes the expanded target there)."""
+    `(shape, name, None)` of that first node where it holds n * n and its other operand
+    carries no gradient: no edge of its own besides the output's path, or, for a
+    one-input op (`expand`), none of its consumer's (`mse_loss` takes the expanded target
+    there). Where it holds more than n, not n * n, it is `(shape, name, shape)` when the
+    target is known to be that operand and has the result's shape, and the output fills
+    it along its own size-1 dimensions only (`(N, 1)` against `(N, K)`)."""
+    n = math.prod(out_shape)
     chain: list[Any] = [below]
     while node is not None:
         up, nr = parent[id(node)]
@@ -335,13 +360,39 @@ def _chain_above(node: Any, below: Any, parent: dict[int, tuple[Any, int]], n: i
         if size == n:
             below, node = node, up
             continue
-        if size != n * n:
-            return chain, None
         judge, path = (node, below) if len(node.next_functions) > 1 or up is None else \
             (up, node)
         others = [e for e, _ in judge.next_functions if e is not None and e is not path]
-        return chain, None if others else (shape, type(node).__name__)
+        if others:
+            return chain, None
+        if size == n * n:
+            return chain, (shape, type(node).__name__, None)
+        # Known to be the target: the one the loss saved (`mse_loss`, `huber_loss` and
+        # `smooth_l1_loss` expand the output to it), or the step's, where a loss expanded
+        # the output for a subtraction (`l1_loss`). Not `out - y` written by hand: against
+        # K fixed centres (a soft histogram of a scalar) it reads the same.
+        name = type(node).__name__
+        saved = getattr(judge, "_saved_target", None)
+        # The loss saves the target as broadcast: one expanded itself ((1, K) bin centres,
+        # stride 0 along the batch) is no target of the batch's own.
+        known = (tuple(saved.shape) if 0 not in saved.stride() else None) \
+            if isinstance(saved, torch.Tensor) else target_shape \
+            if name == "ExpandBackward0" and type(judge).__name__ in _SUBTRACTIONS else None
+        if size > n and shape == known and _fills(out_shape, shape):
+            return chain, (shape, name, shape)
+        return chain, None
     return chain, None
+
+
+_SUBTRACTIONS = frozenset({"SubBackward0", "RsubBackward0", "RsubBackward1"})
+
+
+def _fills(small: tuple[int, ...], big: tuple[int, ...]) -> bool:
+    """`small` broadcasts to `big` by its size-1 dimensions alone, and they share their
+    first dimension (the batch): `(N, 1)` and `(N, K)`; not `(N, 1)` and `(1, K)`."""
+    if len(small) != len(big) or not small or small[0] != big[0]:
+        return False
+    return all(s in (b, 1) for s, b in zip(small, big, strict=True))
 
 
 def _squashed_twice(path: str, shape: tuple[int, ...], chain: list[Any]

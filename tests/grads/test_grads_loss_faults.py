@@ -1,8 +1,9 @@
 """Two mistakes between the model's output and its loss, read on autograd's graph whatever
 wrote the loss: `grads.loss_broadcast` (`(N, 1)` predictions against `(N,)` targets,
-compared pairwise) and `grads.loss_on_probabilities` (a softmax or sigmoid, then a loss
-that applies its own). Silent where the loss is right, and on losses that enlarge the
-output or take probabilities on purpose."""
+compared pairwise, or against `(N, K)` targets, each row's K) and
+`grads.loss_on_probabilities` (a softmax or sigmoid, then a loss that applies its own).
+Silent where the loss is right, and on losses that enlarge the output or take
+probabilities on purpose."""
 
 from __future__ import annotations
 
@@ -162,6 +163,90 @@ def test_a_transformers_regression_head_under_its_own_and_a_users_loss() -> None
     assert b is not None and (b.output_shape, b.shape, b.target_shape) == ((8, 1), (8, 8), (8,))
     assert b.output == "['logits']"
     assert "grads.loss_broadcast" in [f.code for f in users.findings()]
+
+
+K = 3
+
+# Each: a loss of (output (N, 1), target (N, K)) that broadcasts the output along the
+# target's own K, and whether the step must name the target (l1_loss saves none).
+PER_ROW: dict[str, tuple[Callable[[torch.Tensor, torch.Tensor], torch.Tensor], bool]] = {
+    "mse_loss": (_quiet(functional.mse_loss), False),
+    "huber_loss": (_quiet(functional.huber_loss), False),
+    "smooth_l1_loss": (_quiet(functional.smooth_l1_loss), False),
+    "l1_loss": (_quiet(functional.l1_loss), True),
+}
+
+
+def _rows() -> torch.Tensor:
+    return torch.randn(N, K, generator=torch.Generator().manual_seed(2))  # (N, K)
+
+
+@pytest.mark.parametrize("name", list(PER_ROW))
+def test_an_output_broadcast_along_a_larger_targets_rows_is_a_warning(name: str) -> None:
+    model, (x, _) = _regressor(), _data()
+    loss_fn, needs_target = PER_ROW[name]
+    flow = gradient_flow(model, x, loss_fn=loss_fn, target=_rows())
+    b = flow.step.loss_broadcast if flow.step is not None else None
+    assert b is not None and b.per_row == K
+    assert (b.output_shape, b.shape, b.target_shape) == ((N, 1), (N, K), (N, K))
+    (found,) = [f for f in flow.findings() if f.code == "grads.loss_broadcast"]
+    assert found.severity.label == "warning" and found.evidence["per_row"] == K
+    assert f"compared with the {K} targets of its row" in found.summary
+    assert f"give the model {K} outputs per row" in found.fix
+    # Read from the loss's graph alone, without the step's target, where the loss saved it.
+    out = model(x)
+    alone = loss_faults(loss_fn(out, _rows()), out).broadcast
+    assert (alone is None) == needs_target
+
+
+def test_what_the_per_row_finding_says_the_gradient_is() -> None:
+    # Each prediction against its row's K targets: exactly the gradient of a loss against
+    # the row's mean, so each row learns that mean.
+    model, (x, _) = _regressor(), _data()
+    y = _rows()
+    out = model(x)  # (N, 1)
+    broadcast = torch.autograd.grad(_quiet(functional.mse_loss)(out, y), out)[0]
+    to_mean = torch.autograd.grad(functional.mse_loss(out, y.mean(1, keepdim=True)), out)[0]
+    torch.testing.assert_close(broadcast, to_mean)
+
+
+def _soft_histogram(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    # A scalar output softly binned over K fixed centres, against (N, K) target histograms:
+    # (N, 1) - (K,) is an (N, K) subtraction of the target's shape, and right.
+    centres = torch.linspace(-2, 2, K)
+    return -(torch.softmax(-(o - centres) ** 2, dim=1) * t.softmax(1)).sum(1).mean()
+
+
+PER_ROW_SILENT: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "soft histogram against (N, K)": _soft_histogram,
+    "mse_loss against (1, K) centres": lambda o, t: _quiet(functional.mse_loss)(
+        o, torch.linspace(-1, 1, K)[None]),
+    "one column of the target": lambda o, t: functional.mse_loss(o, t[:, :1]),
+}
+
+
+@pytest.mark.parametrize("name", list(PER_ROW_SILENT))
+def test_a_scalar_against_fixed_centres_or_its_own_column_is_silent(name: str) -> None:
+    model, (x, _) = _regressor(), _data()
+    flow = gradient_flow(model, x, loss_fn=PER_ROW_SILENT[name], target=_rows())
+    assert flow.step is not None and flow.step.loss_broadcast is None
+    assert "grads.loss_broadcast" not in [f.code for f in flow.findings()]
+
+
+def test_a_loop_whose_mse_broadcasts_along_the_targets_rows_is_told() -> None:
+    model, (x, _) = _regressor(), _data()
+    y = _rows()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with watch_gradients(model, every=1, optimizer=opt) as watch:
+        for _ in range(2):
+            opt.zero_grad()
+            loss = _quiet(functional.mse_loss)(model(x), y)
+            watch.check_loss(loss)
+            loss.backward()
+            opt.step()
+    b = watch.loss_broadcast
+    assert b is not None and b.per_row == K and b.target_shape == (N, K)
+    assert [f.code for f in watch.findings()].count("grads.loss_broadcast") == 1
 
 
 def test_the_walk_is_the_losss_own_part_of_the_graph() -> None:

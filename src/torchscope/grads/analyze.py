@@ -1151,29 +1151,42 @@ def find_loss_broadcast(b: LossBroadcast | None) -> list[Finding]:
     torchscope ran, `GradWatch.loss_broadcast` of the user's): `(N, 1)` predictions
     against `(N,)` targets are compared pairwise, every prediction with every target. Each
     prediction's gradient then pulls it toward the mean of all targets, and the model
-    learns that mean; the gradients reach every layer and nothing else reads wrong."""
+    learns that mean; the gradients reach every layer and nothing else reads wrong. A
+    warning where the output was broadcast along a larger target's own dimensions (`(N,
+    1)` against `(N, K)`, `LossBroadcast.per_row`): each row learns its targets' mean."""
     if b is None:
         return []
     out = f"the output{b.output} {b.output_shape}"
-    against = f"the target {b.target_shape}" if b.target_shape is not None else \
-        "a tensor without gradient (the target)"
-    if b.target_shape is not None:
-        fix = (f"give both one shape before the loss: target.view{b.output_shape}, or "
-               f"output{b.output}.view{b.target_shape}.")
+    evidence: dict[str, float | int | str | bool | None] = {
+        "output": b.output, "output_shape": str(b.output_shape),
+        "broadcast_shape": str(b.shape), "op": b.op,
+        "target_shape": None if b.target_shape is None else str(b.target_shape)}
+    k = b.per_row
+    if k is not None:
+        # (N, 1) against (N, K): each prediction meets its own row's K targets. A warning:
+        # one value per row scored against K may be meant (rarely).
+        evidence["per_row"] = k
+        severity = Severity.WARNING
+        summary = (f"the loss broadcast {out} against the target {b.target_shape} ({b.op}): "
+                   f"each prediction is compared with the {k} targets of its row, so it is "
+                   f"pulled toward their mean and the model learns one value where the "
+                   f"target holds {k}")
+        fix = (f"give the model {k} outputs per row where it should predict {k} values (its "
+               "last layer's out_features), or give the target the output's shape "
+               f"{b.output_shape} (one value per row) before the loss.")
     else:
-        fix = (f"give the target the output's shape {b.output_shape} before the loss "
-               "(target.view_as(output)), or squeeze the output's size-1 dimension.")
-    return [Finding(
-        code="grads.loss_broadcast",
-        severity=Severity.ERROR,
-        summary=f"the loss broadcast {out} against {against} into {b.shape} ({b.op}): it "
-                "compares every prediction with every target, so each prediction is pulled "
-                "toward the mean of all targets and the model learns their mean",
-        evidence={"output": b.output, "output_shape": str(b.output_shape),
-                  "broadcast_shape": str(b.shape), "op": b.op,
-                  "target_shape": None if b.target_shape is None else str(b.target_shape)},
-        fix=fix,
-    )]
+        against = f"the target {b.target_shape}" if b.target_shape is not None else \
+            "a tensor without gradient (the target)"
+        severity = Severity.ERROR
+        summary = (f"the loss broadcast {out} against {against} into {b.shape} ({b.op}): it "
+                   "compares every prediction with every target, so each prediction is "
+                   "pulled toward the mean of all targets and the model learns their mean")
+        fix = (f"give both one shape before the loss: target.view{b.output_shape}, or "
+               f"output{b.output}.view{b.target_shape}.") if b.target_shape is not None else \
+            (f"give the target the output's shape {b.output_shape} before the loss "
+             "(target.view_as(output)), or squeeze the output's size-1 dimension.")
+    return [Finding(code="grads.loss_broadcast", severity=severity, summary=summary,
+                    evidence=evidence, fix=fix)]
 
 
 def find_loss_on_probabilities(p: LossOnProbabilities | None) -> list[Finding]:
