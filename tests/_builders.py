@@ -48,3 +48,37 @@ def assert_broadcast_told(run: Any, told: bool, shapes: tuple[tuple[int, ...], .
     b = run.loss_broadcast
     assert b is not None and (b.output_shape, b.shape) == shapes
     assert codes.count("grads.loss_broadcast") == 1
+
+
+PAD = 0
+LENGTHS = (16, 12, 9, 5)  # real tokens per row; the rest of each row of 16 is padding
+
+
+def tiny_gpt2() -> nn.Module:
+    """transformers' GPT-2 LM head: 2 layers of 32, vocabulary 100, pad token PAD; skipped
+    without transformers."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model: nn.Module = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=2, n_head=2, n_embd=32, vocab_size=100, n_positions=32, pad_token_id=PAD))
+    return model
+
+
+def padded_lm_batch(masked: bool, lengths: tuple[int, ...] = LENGTHS, left: bool = False
+                    ) -> dict[str, torch.Tensor]:
+    """Rows of 16 token ids padded with PAD on the right (on the left where `left`), their
+    attention mask, and labels copied from the ids, with -100 at the padding where
+    `masked`."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 100, (len(lengths), 16), generator=g)
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate(lengths):
+        if left:
+            mask[row, 16 - n:] = 1
+        else:
+            mask[row, :n] = 1
+    ids[mask == 0] = PAD
+    labels = ids.clone()
+    if masked:
+        labels[mask == 0] = -100
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}

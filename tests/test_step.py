@@ -346,3 +346,26 @@ def test_one_output_per_sample_is_not_taken_as_one_class() -> None:
     want.backward()
     assert torch.equal(loss, want.detach())
     assert all(torch.equal(a, p.grad) for a, p in zip(got, model.parameters(), strict=True))
+
+
+def test_labels_on_padding_are_counted_over_the_steps_micro_batches() -> None:
+    """`StepInfo.padded_labels`: GPT-2's padded label positions that its shifted loss reads
+    and that hold a token, summed over micro-batches, read once when the info is built;
+    None for a model that is no transformers model."""
+    from ._builders import padded_lm_batch, tiny_gpt2
+
+    batch = padded_lm_batch(masked=False)  # 4 + 7 + 11 padded positions, on the right
+    whole = Step(tiny_gpt2(), batch)
+    whole.forward_backward()
+    assert whole.info(None).padded_labels == (22, 22)
+    halves = Step(tiny_gpt2(), batch, accumulate=2)  # rows (16, 12) and (9, 5)
+    halves.forward_backward()
+    assert [int((m.kwargs["attention_mask"] == 0).sum())
+            for m, _ in halves.micro_batches()] == [4, 18]
+    assert halves.info(None).padded_labels == (22, 22)
+    masked = Step(tiny_gpt2(), padded_lm_batch(masked=True))
+    masked.forward_backward()
+    assert masked.info(None).padded_labels == (22, 0)
+    plain = Step(nn.Linear(4, 2), torch.randn(3, 4))
+    plain.forward_backward()
+    assert plain.info(None).padded_labels is None

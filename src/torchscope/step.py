@@ -69,11 +69,14 @@ __all__ = [
     "StepInfo",
     "autocast_dtype",
     "inner_optimizer",
+    "labelled_modules",
+    "labels_against_mask",
     "loss_faults",
     "loss_faults_at",
     "main_output",
     "output_edges",
     "own_loss",
+    "padded_label_counts",
     "preserved",
     "synchronize",
 ]
@@ -420,6 +423,63 @@ def _squashed_twice(path: str, shape: tuple[int, ...], chain: list[Any]
     return None
 
 
+# ------------------------------------------------------------------ labels on padding
+def labels_against_mask(model: nn.Module) -> int | None:
+    """The first label position a model's loss reads, where its `labels` line up with its
+    `attention_mask` and its loss ignores only -100: a transformers model (a
+    `PreTrainedModel`) that is no encoder-decoder, whose labels are the decoder's, not the
+    masked encoder input's. Another model's loss may ignore its own pad id: None.
+
+    A causal language model's loss shifts its labels by one (position t's logits predict
+    label t + 1), so the label at position 0 is never read: 1 there, 0 elsewhere. A
+    left-padded row's first pad is then no fault; its later pads are.
+    """
+    config = getattr(model, "config", None)
+    if not _pretrained(model) or getattr(config, "is_encoder_decoder", False):
+        return None
+    # transformers names its causal heads so (LlamaForCausalLM, GPT2LMHeadModel,
+    # BertLMHeadModel), and picks their shifted loss by the same name.
+    name = type(model).__name__
+    return 1 if "ForCausalLM" in name or name.endswith("LMHeadModel") else 0
+
+
+def _pretrained(model: nn.Module) -> bool:
+    """A transformers model (a `PreTrainedModel`), found without importing transformers."""
+    return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers")
+               for c in type(model).__mro__)
+
+
+def labelled_modules(model: nn.Module) -> list[tuple[nn.Module, int]]:
+    """The modules whose labels `labels_against_mask` reads, each with the first label
+    position its loss reads: `model` itself where it is a transformers model, else the
+    outermost ones inside it (a LightningModule's `self.model`, a DDP or compiled
+    wrapper's module). Nothing inside a transformers model is looked at: an
+    encoder-decoder's stacks get no labels."""
+    found: list[tuple[nn.Module, int]] = []
+    stack = [model]
+    while stack:
+        m = stack.pop()
+        if not _pretrained(m):
+            stack.extend(list(m.children())[::-1])
+        elif (first := labels_against_mask(m)) is not None:
+            found.append((m, first))
+    return found
+
+
+def padded_label_counts(kwargs: Mapping[str, Any], first: int) -> torch.Tensor | None:
+    """Of a transformers forward's keyword inputs: the label positions from `first` on
+    that the attention mask pads (0), and those of them whose label is not -100, which
+    the model's loss counts, as a (2,) int64 tensor on their device (two reductions; not
+    read here). None without an `attention_mask` and integer `labels` of one shape."""
+    mask, labels = kwargs.get("attention_mask"), kwargs.get("labels")
+    if not isinstance(mask, torch.Tensor) or not isinstance(labels, torch.Tensor) or \
+            mask.shape != labels.shape or labels.is_floating_point() or mask.dim() == 0:
+        return None
+    mask, labels = mask[..., first:], labels[..., first:]  # (N, T - first)
+    pad = mask == 0  # (N, T - first)
+    return torch.stack((pad.sum(), (pad & (labels != -100)).sum()))  # (2,)
+
+
 @dataclass(frozen=True)
 class StepInfo:
     """The training step a result was measured on, as every report states it.
@@ -437,6 +497,11 @@ class StepInfo:
             graph); None where it did not.
         loss_on_probabilities: where the loss applied its own softmax or sigmoid to an
             output that already went through one (`loss_faults`); None where it did not.
+        padded_labels: `(padded, counted)` where the model is a transformers model whose
+            loss reads `labels` against its `attention_mask` and the step gave it both
+            (`padded_label_counts`, over every micro-batch): the label positions the mask
+            pads that the loss reads, and those of them that hold a token, not -100. None
+            where not so.
     """
 
     loss: str
@@ -447,6 +512,7 @@ class StepInfo:
     accumulate: int = 1
     loss_broadcast: LossBroadcast | None = None
     loss_on_probabilities: LossOnProbabilities | None = None
+    padded_labels: tuple[int, int] | None = None
 
     def describe(self) -> str:
         """One line: `loss: auto → cross-entropy vs seeded targets = 2.303 · optimizer: SGD`."""
@@ -738,7 +804,28 @@ class Step:
             optimizer=None if self.optimizer is None else type(self.optimizer).__name__,
             autocast=None if self.autocast is None else str(self.autocast),
             scaler=self.scaler is not None, accumulate=self.accumulate,
-            loss_broadcast=faults.broadcast, loss_on_probabilities=faults.probabilities)
+            loss_broadcast=faults.broadcast, loss_on_probabilities=faults.probabilities,
+            padded_labels=self._padded_labels())
+
+    def _padded_labels(self) -> tuple[int, int] | None:
+        """`StepInfo.padded_labels` of the step's own inputs, counted once, here: outside
+        every timed or profiled forward. The model's own keyword inputs only (a wrapper
+        that passes other ones to a transformers model inside it is not read)."""
+        if "padded" not in self._cache:
+            first = labels_against_mask(self.model)
+            counts: torch.Tensor | None = None
+            if first is not None:
+                for inputs, _ in self.micro_batches():
+                    c = padded_label_counts(inputs.kwargs, first)  # (2,) or None
+                    if c is not None:
+                        counts = c if counts is None else counts + c
+            if counts is None:
+                self._cache["padded"] = None
+            else:
+                padded, counted = counts.tolist()  # the step's one read of them
+                self._cache["padded"] = (int(padded), int(counted))
+        found: tuple[int, int] | None = self._cache["padded"]
+        return found
 
     def _requested(self) -> str:
         return _callable_name(self.loss_fn) if callable(self.loss_fn) else str(self.loss_fn)

@@ -113,6 +113,33 @@ def test_doctor_tells_a_models_own_loss_that_broadcasts_its_output(tmp_path: Pat
     assert told["section"] == "gradients" and told["severity"] == "error"
 
 
+@pytest.mark.parametrize("masked", [False, True])
+def test_doctor_tells_labels_on_padding_in_its_inputs(tmp_path: Path, masked: bool) -> None:
+    """GPT-2 given right-padded rows with `labels = input_ids.clone()`: the doctor's step
+    counts the padded label positions its loss reads (from position 1: the shift) and
+    tells them in the gradients section; with -100 there it counts them and is silent."""
+    pytest.importorskip("transformers")
+    factory = tmp_path / "lm.py"
+    factory.write_text(
+        "from tests._builders import padded_lm_batch, tiny_gpt2\n"
+        "def build():\n"
+        f"    return tiny_gpt2(), padded_lm_batch(masked={masked})\n")
+    res = runner.invoke(app, ["doctor", f"{factory}:build", "--skip", "compile,profile,memory,"
+                              "activations,lint", "--out", str(tmp_path / "r")])
+    assert res.exit_code == 0, res.output
+    doc = json.loads((tmp_path / "r" / "report.json").read_text())
+    _validate(doc)
+    # 4 + 7 + 11 padded positions, none at position 0 (right padding)
+    assert doc["step"]["padded_labels"] == [22, 0 if masked else 22]
+    told = [f for f in doc["findings"] if f["code"] == "grads.padding_in_loss"]
+    if masked:
+        assert not told
+    else:
+        (found,) = told
+        assert found["section"] == "gradients" and found["severity"] == "warning"
+        assert "22 of the 22 label positions" in found["summary"]
+
+
 def test_doctor_lints_the_file_the_model_comes_from(tmp_path: Path) -> None:
     """The factory's file trains with softmax into cross-entropy and never zeroes its
     gradients: both are findings of the report, with their lines, next to the measured ones;

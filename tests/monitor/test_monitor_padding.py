@@ -9,36 +9,9 @@ from torch import nn
 
 import torchscope
 
+from .._builders import PAD, padded_lm_batch, tiny_gpt2
+
 transformers = pytest.importorskip("transformers")
-
-PAD = 0
-LENGTHS = (16, 12, 9, 5)  # real tokens per row; the rest of each row of 16 is padding
-
-
-def _gpt2() -> nn.Module:
-    torch.manual_seed(0)
-    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        n_layer=2, n_head=2, n_embd=32, vocab_size=100, n_positions=32, pad_token_id=PAD))
-
-
-def _batch(masked: bool, lengths: tuple[int, ...] = LENGTHS, left: bool = False
-           ) -> dict[str, torch.Tensor]:
-    """Rows padded on the right (on the left where `left`); labels copied from the ids,
-    with -100 at the padding where `masked`."""
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(1, 100, (len(lengths), 16), generator=g)
-    mask = torch.zeros_like(ids)
-    for row, n in enumerate(lengths):
-        if left:
-            mask[row, 16 - n:] = 1
-        else:
-            mask[row, :n] = 1
-    ids[mask == 0] = PAD
-    labels = ids.clone()
-    if masked:
-        labels[mask == 0] = -100
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
-
 
 def _run(model: nn.Module, batch: dict[str, torch.Tensor], steps: int = 4, every: int = 2
          ) -> torchscope.monitoring.RunRecord:
@@ -53,8 +26,8 @@ def _run(model: nn.Module, batch: dict[str, torch.Tensor], steps: int = 4, every
 
 
 def test_labels_on_padding_are_counted_exactly_and_told() -> None:
-    batch = _batch(masked=False)
-    run = _run(_gpt2(), batch)
+    batch = padded_lm_batch(masked=False)
+    run = _run(tiny_gpt2(), batch)
     padded = int((batch["attention_mask"] == 0).sum())  # 4 + 7 + 11 = 22 a forward
     assert padded == 22
     assert run.samples == 2 and run.padded_labels == (2 * padded, 2 * padded)
@@ -65,22 +38,22 @@ def test_labels_on_padding_are_counted_exactly_and_told() -> None:
 
 
 def test_labels_masked_with_minus_100_are_silent() -> None:
-    run = _run(_gpt2(), _batch(masked=True))
+    run = _run(tiny_gpt2(), padded_lm_batch(masked=True))
     assert run.padded_labels == (44, 0)
     assert "run.padding_in_loss" not in [f.code for f in run.findings()]
 
 
 def test_without_a_mask_or_on_an_encoder_decoder_nothing_is_counted() -> None:
-    batch = _batch(masked=False)
+    batch = padded_lm_batch(masked=False)
     del batch["attention_mask"]
-    assert _run(_gpt2(), batch).padded_labels == (0, 0)
+    assert _run(tiny_gpt2(), batch).padded_labels == (0, 0)
     # T5's labels are the decoder's: its encoder's mask says nothing of them, even where
     # the two have one shape.
     torch.manual_seed(0)
     t5 = transformers.T5ForConditionalGeneration(transformers.T5Config(
         vocab_size=100, d_model=32, d_ff=64, num_layers=1, num_heads=2, d_kv=16,
         decoder_start_token_id=PAD, pad_token_id=PAD))
-    run = _run(t5, _batch(masked=False), steps=2, every=1)
+    run = _run(t5, padded_lm_batch(masked=False), steps=2, every=1)
     assert run.padded_labels == (0, 0)
     assert "run.padding_in_loss" not in [f.code for f in run.findings()]
 
@@ -89,8 +62,8 @@ def test_a_causal_lms_first_label_is_never_read_so_a_left_pad_there_is_silent() 
     """GPT-2's loss predicts label t + 1 from position t: the label at position 0 is never
     read (its loss is bitwise the same with -100 there). Rows left-padded by one position
     are silent; longer left padding counts all but each row's first pad."""
-    model = _gpt2()
-    one = _batch(masked=False, lengths=(16, 15, 15, 15), left=True)
+    model = tiny_gpt2()
+    one = padded_lm_batch(masked=False, lengths=(16, 15, 15, 15), left=True)
     unread = {**one, "labels": one["labels"].clone()}
     unread["labels"][:, 0] = -100
     model.eval()  # no dropout: the two forwards differ in their labels only
@@ -100,8 +73,8 @@ def test_a_causal_lms_first_label_is_never_read_so_a_left_pad_there_is_silent() 
     run = _run(model, one)
     assert run.padded_labels == (0, 0)
     assert "run.padding_in_loss" not in [f.code for f in run.findings()]
-    longer = _batch(masked=False, left=True)  # 0, 4, 7 and 11 pads: 3 + 6 + 10 read
-    run = _run(_gpt2(), longer)
+    longer = padded_lm_batch(masked=False, left=True)  # 0, 4, 7 and 11 pads: 3 + 6 + 10 read
+    run = _run(tiny_gpt2(), longer)
     assert run.padded_labels == (2 * 19, 2 * 19)
     assert "38 of the 38 label positions" in next(
         f.summary for f in run.findings() if f.code == "run.padding_in_loss")
@@ -113,6 +86,6 @@ def test_a_masked_lm_reads_every_label_so_a_pad_at_position_0_counts() -> None:
     bert = transformers.BertForMaskedLM(transformers.BertConfig(
         vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
         intermediate_size=64, max_position_embeddings=32, pad_token_id=PAD))
-    run = _run(bert, _batch(masked=False, lengths=(16, 15, 15, 15), left=True))
+    run = _run(bert, padded_lm_batch(masked=False, lengths=(16, 15, 15, 15), left=True))
     assert run.padded_labels == (2 * 3, 2 * 3)
     assert "run.padding_in_loss" in [f.code for f in run.findings()]

@@ -61,6 +61,7 @@ __all__ = [
     "find_nonfinite",
     "find_not_optimized",
     "find_not_zeroed",
+    "find_padding_in_loss",
     "find_stale_weights",
     "find_unreached",
     "find_unseen_forward",
@@ -1189,6 +1190,39 @@ def find_loss_broadcast(b: LossBroadcast | None) -> list[Finding]:
                     evidence=evidence, fix=fix)]
 
 
+def find_padding_in_loss(padded_labels: tuple[int, int] | None, *,
+                         code: str = "grads.padding_in_loss", where: str = "in this step",
+                         evidence: dict[str, int] | None = None) -> list[Finding]:
+    """Labels on padding (warning): a transformers model's labels hold a token (not -100)
+    at positions that its attention mask pads and its loss reads (`padded_label_counts`).
+    Its loss ignores only -100, so it trains the model to predict the pad token there (for
+    GPT-2 and Llama, whose pad token is often the end-of-sequence token, to end every text
+    early). `labels = input_ids.clone()` after padding does it;
+    DataCollatorForLanguageModeling (mlm=False) writes -100 there.
+
+    One finding for a step torchscope ran (`grads.padding_in_loss`, from
+    `StepInfo.padded_labels`) and for a run's sampled steps (`run.padding_in_loss`).
+
+    Args:
+        padded_labels: `(padded, counted)`, or None where they were not read.
+        code: the finding's code.
+        where: which steps were counted, as the summary says it.
+        evidence: more evidence (a run's sample count).
+    """
+    if padded_labels is None or not padded_labels[1]:
+        return []
+    padded, counted = padded_labels
+    return [Finding(
+        code, Severity.WARNING,
+        f"the loss trains on padding: {counted} of the {padded} label positions that the "
+        f"attention mask pads and the loss reads ({where}) hold a token, not -100, so the "
+        "model learns to predict the pad token there",
+        {"padded": padded, "counted": counted, **(evidence or {})},
+        fix="set the labels to -100 where attention_mask is 0 (labels[attention_mask == 0] "
+            "= -100), or build the batches with DataCollatorForLanguageModeling(tokenizer, "
+            "mlm=False), which does.")]
+
+
 def find_loss_on_probabilities(p: LossOnProbabilities | None) -> list[Finding]:
     """`grads.loss_on_probabilities` (error): the loss applied its own softmax or sigmoid
     to an output that already went through one (`StepInfo.loss_on_probabilities`,
@@ -1646,6 +1680,7 @@ def diagnose(flow: GradFlow, thresholds: GradThresholds | None = None) -> list[F
     if flow.step is not None:
         found += find_loss_broadcast(flow.step.loss_broadcast)
         found += find_loss_on_probabilities(flow.step.loss_on_probabilities)
+        found += find_padding_in_loss(flow.step.padded_labels)
     found += find_broken_update(flow.broken_update)
     found += rank_findings(flow)  # DDP/FSDP2 only: ranks that diverge or see skewed data
     return rank(found)

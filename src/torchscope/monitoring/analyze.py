@@ -32,6 +32,7 @@ from torchscope.grads.analyze import (
     find_no_update,
     find_not_optimized,
     find_not_zeroed,
+    find_padding_in_loss,
     find_update_ratio,
     layer_scaled,
     unit_name,
@@ -799,24 +800,11 @@ def _same_batch(record: RunRecord, t: RunThresholds) -> list[Finding]:
 
 
 def _padding_in_loss(record: RunRecord) -> list[Finding]:
-    """`run.padding_in_loss` (warning): a transformers model's labels hold a token (not
-    -100) at positions that its attention mask pads, on the sampled steps. Its loss ignores
-    only -100, so it trains the model to predict the pad token there (for GPT-2 and
-    Llama, whose pad token is often the end-of-sequence token, to end every text early).
-    `labels = input_ids.clone()` after padding does it; DataCollatorForLanguageModeling
-    (mlm=False) writes -100 there."""
-    padded, counted = record.padded_labels
-    if not counted:
-        return []
-    return [Finding(
-        "run.padding_in_loss", Severity.WARNING,
-        f"the loss trains on padding: {counted} of the {padded} label positions that the "
-        "attention mask pads and the loss reads (on the sampled steps) hold a token, not "
-        "-100, so the model learns to predict the pad token there",
-        {"padded": padded, "counted": counted, "samples": record.samples},
-        fix="set the labels to -100 where attention_mask is 0 (labels[attention_mask == 0] "
-            "= -100), or build the batches with DataCollatorForLanguageModeling(tokenizer, "
-            "mlm=False), which does.")]
+    """`run.padding_in_loss` (warning): labels on padding on the sampled steps
+    (`find_padding_in_loss`)."""
+    return find_padding_in_loss(record.padded_labels, code="run.padding_in_loss",
+                                where="on the sampled steps",
+                                evidence={"samples": record.samples})
 
 
 def _unscaled_float16(record: RunRecord) -> list[Finding]:

@@ -50,7 +50,12 @@ from torchscope.monitoring.records import (
     mode_sensitive,
 )
 from torchscope.profiling import ProfilingError, TimeWatch
-from torchscope.step import autocast_dtype, inner_optimizer
+from torchscope.step import (
+    autocast_dtype,
+    inner_optimizer,
+    labelled_modules,
+    padded_label_counts,
+)
 
 __all__ = ["Monitor", "monitor"]
 
@@ -189,7 +194,7 @@ class Monitor(HookedContext):
         # padded, those of them with a label the loss counts), (2,) on the device, read
         # when the run ends (`RunRecord.padded_labels`). Counted by a pre-hook on each
         # transformers model that is no encoder-decoder: the watched one, or the outermost
-        # ones inside it (`_labelled`, `_padding_gate`).
+        # ones inside it (`labelled_modules`, `_padding_gate`).
         self._padded: torch.Tensor | None = None
         self._forward_onset: tuple[int, str | None, str | None] | None = None
         self._error = ""
@@ -253,7 +258,7 @@ class Monitor(HookedContext):
             self._session.forward_hook(self._session.model, self._forward_end)
         # Appended: on the root it runs after the GradWatch's prepended hook, which decides
         # whether the step in progress is sampled.
-        for labelled, first_label in _labelled(model):
+        for labelled, first_label in labelled_modules(model):
             self._session.forward_pre_hook(
                 labelled, functools.partial(self._padding_gate, first_label), with_kwargs=True)
         self._grads = GradWatch(
@@ -399,14 +404,9 @@ class Monitor(HookedContext):
         on (1 for a causal language model, whose loss never reads position 0) that the
         attention mask pads (0), and those of them whose label is not -100, which a
         transformers model's loss counts. Two reductions on the device, read at the end."""
-        mask, labels = kwargs.get("attention_mask"), kwargs.get("labels")
-        if not isinstance(mask, torch.Tensor) or not isinstance(labels, torch.Tensor) or \
-                mask.shape != labels.shape or labels.is_floating_point() or mask.dim() == 0:
-            return
-        mask, labels = mask[..., first:], labels[..., first:]  # (N, T - first)
-        pad = mask == 0  # (N, T - first)
-        counts = torch.stack((pad.sum(), (pad & (labels != -100)).sum()))  # (2,)
-        self._padded = counts if self._padded is None else self._padded + counts
+        counts = padded_label_counts(kwargs, first)  # (2,) on the device, or None
+        if counts is not None:
+            self._padded = counts if self._padded is None else self._padded + counts
 
     def _padded_labels(self) -> tuple[int, int]:
         if self._padded is None:
@@ -643,48 +643,6 @@ class Monitor(HookedContext):
             experts=tuple(ExpertUse(m, name, c[0], tuple(c[1:]))
                           for m, (name, c) in self._experts.items()),
         )
-
-
-def _labels_against_mask(model: nn.Module) -> int | None:
-    """The first label position a model's loss reads, where its `labels` line up with its
-    `attention_mask` and its loss ignores only -100: a transformers model (a
-    `PreTrainedModel`) that is no encoder-decoder, whose labels are the decoder's, not the
-    masked encoder input's. Another model's loss may ignore its own pad id: None.
-
-    A causal language model's loss shifts its labels by one (position t's logits predict
-    label t + 1), so the label at position 0 is never read: 1 there, 0 elsewhere. A
-    left-padded row's first pad is then no fault; its later pads are.
-    """
-    config = getattr(model, "config", None)
-    if not _pretrained(model) or getattr(config, "is_encoder_decoder", False):
-        return None
-    # transformers names its causal heads so (LlamaForCausalLM, GPT2LMHeadModel,
-    # BertLMHeadModel), and picks their shifted loss by the same name.
-    name = type(model).__name__
-    return 1 if "ForCausalLM" in name or name.endswith("LMHeadModel") else 0
-
-
-def _pretrained(model: nn.Module) -> bool:
-    """A transformers model (a `PreTrainedModel`), found without importing transformers."""
-    return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers")
-               for c in type(model).__mro__)
-
-
-def _labelled(model: nn.Module) -> list[tuple[nn.Module, int]]:
-    """The modules whose labels `_labels_against_mask` reads, each with the first label
-    position its loss reads: `model` itself where it is a transformers model, else the
-    outermost ones inside it (a LightningModule's `self.model`, a DDP or compiled
-    wrapper's module). Nothing inside a transformers model is looked at: an
-    encoder-decoder's stacks get no labels."""
-    found: list[tuple[nn.Module, int]] = []
-    stack = [model]
-    while stack:
-        m = stack.pop()
-        if not _pretrained(m):
-            stack.extend(list(m.children())[::-1])
-        elif (first := _labels_against_mask(m)) is not None:
-            found.append((m, first))
-    return found
 
 
 def _fingerprint(args: tuple[Any, ...], kwargs: dict[str, Any]

@@ -49,7 +49,7 @@ __all__ = [
 ]
 
 SCHEMA_ID = "torchscope.report"
-SCHEMA_VERSION = "1.9"
+SCHEMA_VERSION = "1.10"
 
 Status = Literal["ok", "skipped", "failed"]
 ReportKind = Literal["doctor", "run"]
