@@ -317,8 +317,8 @@ def _walk_loss(root: Any, loss_tensor: torch.Tensor, edges: tuple[OutputEdge, ..
                 given = tuple(target.shape) if isinstance(target, torch.Tensor) else None
                 chain, top = _chain_above(node, nxt, parent, shape, loss_tensor, given)
                 if broadcast is None and top is not None:
-                    t_shape = given if given is not None and \
-                        math.prod(given) == math.prod(shape) else top[2]
+                    t_shape = top[2] if top[2] is not None else given \
+                        if given is not None and math.prod(given) == math.prod(shape) else None
                     broadcast = LossBroadcast(path, shape, top[0], top[1], t_shape)
                 if probabilities is None:
                     probabilities = _squashed_twice(path, shape, chain)

@@ -197,6 +197,10 @@ def test_an_output_broadcast_along_a_larger_targets_rows_is_a_warning(name: str)
     out = model(x)
     alone = loss_faults(loss_fn(out, _rows()), out).broadcast
     assert (alone is None) == needs_target
+    if not needs_target:  # a step target of the output's element count does not hide it
+        out = model(x)
+        other = loss_faults(loss_fn(out, _rows()), out, torch.zeros(N)).broadcast
+        assert other is not None and other.per_row == K and other.target_shape == (N, K)
 
 
 def test_what_the_per_row_finding_says_the_gradient_is() -> None:
