@@ -49,13 +49,11 @@ _ROOT = Path(__file__).resolve().parent.parent
 _Runner = Callable[[torch.Tensor, bool], torch.Tensor]
 
 
-def _previous_version() -> str:
-    """The commit that wrote the source's version before its last change."""
-    out = subprocess.run(["git", "log", "-n", "1", "--skip", "1", "--format=%H", "--", _SOURCE],
-                         cwd=_ROOT, capture_output=True, text=True, check=True).stdout.strip()
-    if not out:
-        raise SystemExit(f"{_SOURCE} has one version in git history: pass --against REV")
-    return out
+def _git(*args: str) -> str | None:
+    """A git command's output in this checkout; None where it fails."""
+    done = subprocess.run(["git", *args], cwd=_ROOT, capture_output=True, text=True,
+                          check=False)
+    return done.stdout.strip() if done.returncode == 0 else None
 
 
 def _build(label: str, source: Path, into: Path) -> Any:
@@ -89,6 +87,8 @@ def _runners(ops: Any) -> dict[tuple[str, torch.dtype, torch.device], _Runner]:
 
 
 def _per_call_us(fn: Callable[[], object], calls: int = 25) -> float:
+    """`fn`'s mean time over `calls` calls in a row, in µs: a single call of a few µs is
+    below what one timer read resolves, so the rounds interleave runs of calls instead."""
     fn()
     t0 = time.perf_counter()
     for _ in range(calls):
@@ -179,22 +179,30 @@ def main() -> None:
     models = _model_names(ap, args) if args.models else []
     if args.device != "cpu" and models:
         ap.error("the native kernels are CPU kernels: run the steps with --device cpu")
+    try:
+        threads = [int(t) for t in args.kernel_threads.split(",")]
+    except ValueError:
+        ap.error(f"--kernel-threads {args.kernel_threads!r}: expected counts such as 1,2")
     if not (sys.platform.startswith("linux") and _kernels._NATIVE_SOURCE.is_file()):
         print("native kernels are built on Linux only: nothing to compare here")
         return
-    rev = args.against or _previous_version()
-    old_text = subprocess.run(["git", "show", f"{rev}:{_SOURCE}"], cwd=_ROOT,
-                              capture_output=True, text=True, check=True).stdout
+    # The version before the source's last change, or the one asked for, as a commit hash.
+    rev = _git("rev-parse", "--verify", "--quiet", f"{args.against}^{{commit}}") \
+        if args.against else _git("log", "-n", "1", "--skip", "1", "--format=%H", "--", _SOURCE)
+    old_text = _git("show", f"{rev}:{_SOURCE}") if rev else None
+    if rev is None or not old_text:
+        ap.error(f"no earlier version of {_SOURCE} "
+                 f"{'at ' + repr(args.against) if args.against else 'in git history'}: "
+                 "pass --against with a commit of this checkout that holds it")
     print(f"torch {torch.__version__}; {heap_line(args)}")
     with tempfile.TemporaryDirectory() as tmp:
         old_source = Path(tmp) / "reduce_old.cpp"
         old_source.write_text(old_text)
-        label = f"at_{rev[:10]}".replace("~", "_").replace("^", "_")
+        label = f"at_{rev[:10]}"  # a hash: a name the operator namespace takes
         versions = {label: _build(label, old_source, Path(tmp)),
                     "working_tree": _build("working_tree", _kernels._NATIVE_SOURCE, Path(tmp))}
         _same_bits(versions)
-        _kernels_table(versions, [int(t) for t in args.kernel_threads.split(",")],
-                       args.rounds)
+        _kernels_table(versions, threads, args.rounds)
         if models:
             _steps(versions, models, args)
 

@@ -15,10 +15,9 @@ it in one pass: `stats` (every statistic, and on request the dead-unit count) an
   have underflowed. On a 2-thread CPU `stats` costs one to two reads of the tensor
   (AVX-512: 0.054 ms per 1M elements, 3.9x faster than the AOTInductor program; AVX2:
   1.1 `sum`s), `norm` one read (1.0 `sum`s on AVX2), and `stats` counts all-zero
-  channels in the same pass. Two
-  more ops take a list of tensors, a model's weights around an optimizer update:
-  `copy_norms` (a snapshot and its norms from one read) and `diff_norms` (each update's
-  norm from two reads, the differences never written).
+  channels in the same pass. Two more ops take a list of tensors, a model's weights
+  around an optimizer update: `copy_norms` (a snapshot and its norms from one read) and
+  `diff_norms` (each update's norm from two reads, the differences never written).
 - **aotinductor** (CUDA, and the other float dtypes or a failed native build): the programs
   below, exported with a dynamic length (`torch.export`, one flattened dimension, so one
   kernel serves every size) and compiled by AOTInductor into a `.pt2` package in a child
