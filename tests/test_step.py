@@ -369,3 +369,63 @@ def test_labels_on_padding_are_counted_over_the_steps_micro_batches() -> None:
     plain = Step(nn.Linear(4, 2), torch.randn(3, 4))
     plain.forward_backward()
     assert plain.info(None).padded_labels is None
+
+
+class _Batched(nn.Module):
+    """A LightningModule-like wrapper: its forward takes a batch of (ids, mask, labels) and
+    gives the transformers model inside it keyword inputs, returning the loss; `fail`
+    raises after that model ran."""
+
+    def __init__(self, inner: nn.Module, fail: bool = False) -> None:
+        super().__init__()
+        self.model = inner
+        self.fail = fail
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor
+                ) -> torch.Tensor:
+        loss: torch.Tensor = self.model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        if self.fail:
+            raise RuntimeError("after the inner model")
+        return loss
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_labels_on_padding_are_counted_inside_a_wrapper(masked: bool) -> None:
+    """A wrapper that passes its batch to GPT-2 as keyword inputs: the step counts what
+    GPT-2 was given in its first whole pass (every micro-batch), through a pre-hook that
+    is gone when the pass ends, and the gradient flow tells it. None before any pass."""
+    from torchscope.grads import gradient_flow
+
+    from ._builders import padded_lm_batch, tiny_gpt2
+
+    b = padded_lm_batch(masked=masked)
+    args = (b["input_ids"], b["attention_mask"], b["labels"])
+    want = (22, 0 if masked else 22)
+    wrapper = _Batched(tiny_gpt2())
+    assert Step(wrapper, args).info(None).padded_labels is None  # no pass yet
+    step = Step(wrapper, args, accumulate=2)
+    flow = gradient_flow(step)
+    assert flow.step is not None and flow.step.padded_labels == want
+    assert ("grads.padding_in_loss" in [f.code for f in flow.findings()]) == (not masked)
+    assert not wrapper.model._forward_pre_hooks
+    whole = Step(wrapper, args)
+    with torch.no_grad():
+        whole.forward()  # the doctor's first, plain forward
+    assert whole.info(None).padded_labels == want
+    assert not wrapper.model._forward_pre_hooks
+
+
+def test_a_wrapper_that_raises_keeps_no_padding_hook() -> None:
+    """The pre-hook comes off when the pass raises, and a later pass counts again."""
+    from ._builders import padded_lm_batch, tiny_gpt2
+
+    b = padded_lm_batch(masked=False)
+    wrapper = _Batched(tiny_gpt2(), fail=True)
+    step = Step(wrapper, (b["input_ids"], b["attention_mask"], b["labels"]))
+    with pytest.raises(ModelError):
+        step.forward_backward()
+    assert not wrapper.model._forward_pre_hooks
+    assert step.info(None).padded_labels is None
+    wrapper.fail = False
+    step.forward_backward()
+    assert step.info(None).padded_labels == (22, 22)

@@ -498,10 +498,10 @@ class StepInfo:
         loss_on_probabilities: where the loss applied its own softmax or sigmoid to an
             output that already went through one (`loss_faults`); None where it did not.
         padded_labels: `(padded, counted)` where the model is a transformers model whose
-            loss reads `labels` against its `attention_mask` and the step gave it both
-            (`padded_label_counts`, over every micro-batch): the label positions the mask
-            pads that the loss reads, and those of them that hold a token, not -100. None
-            where not so.
+            loss reads `labels` against its `attention_mask` and the step gave it both, or
+            the model runs one that it gives both (`padded_label_counts`, over every
+            micro-batch): the label positions the mask pads that the loss reads, and those
+            of them that hold a token, not -100. None where not so.
     """
 
     loss: str
@@ -808,13 +808,18 @@ class Step:
             padded_labels=self._padded_labels())
 
     def _padded_labels(self) -> tuple[int, int] | None:
-        """`StepInfo.padded_labels` of the step's own inputs, counted once, here: outside
-        every timed or profiled forward. The model's own keyword inputs only (a wrapper
-        that passes other ones to a transformers model inside it is not read)."""
+        """`StepInfo.padded_labels`: of the step's own inputs, counted once, here, outside
+        every timed or profiled forward, where the model is a transformers model; else of
+        what a transformers model inside it was given in the step's first whole pass
+        (`_inner_padding`), None before that pass."""
         if "padded" not in self._cache:
             first = labels_against_mask(self.model)
             counts: torch.Tensor | None = None
-            if first is not None:
+            if first is None:
+                if "inner_padded" not in self._cache:
+                    return None  # no pass yet: nothing to cache
+                counts = self._cache["inner_padded"]
+            else:
                 for inputs, _ in self.micro_batches():
                     c = padded_label_counts(inputs.kwargs, first)  # (2,) or None
                     if c is not None:
@@ -872,8 +877,47 @@ class Step:
 
     def forward(self, inputs: ModelInputs | None = None) -> Any:
         """`model(*inputs)` under the step's autocast (a failure becomes a `ModelError`)."""
-        with self.autocast_context():
+        with self._inner_padding(whole=inputs is None), self.autocast_context():
             return call_model(self.model, self.inputs if inputs is None else inputs)
+
+    @contextlib.contextmanager
+    def _inner_padding(self, *, whole: bool) -> Iterator[None]:
+        """Around the step's first whole pass over its batch (`whole`: every micro-batch):
+        where the model is no transformers model itself but one runs inside it (a
+        LightningModule's `self.model`, a wrapper that builds its inputs), count what that
+        one is given (`padded_label_counts`), by a forward pre-hook on it that is removed
+        when the pass ends, raised or not. Its count is `StepInfo.padded_labels`. Only
+        once per step object, and never where a compiled module is part of the model: its
+        graph would trace the hook."""
+        if not whole or "inner_padded" in self._cache or \
+                labels_against_mask(self.model) is not None:
+            yield
+            return
+        compiled = any(type(m).__name__ == "OptimizedModule" for m in self.model.modules())
+        inner = [] if compiled else labelled_modules(self.model)
+        if not inner:
+            self._cache["inner_padded"] = None
+            yield
+            return
+        counts: list[torch.Tensor] = []
+
+        def counter(first: int) -> Callable[..., None]:
+            def pre(_m: nn.Module, _args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+                c = padded_label_counts(kwargs, first)  # (2,) or None
+                if c is not None:
+                    counts.append(c)
+
+            return pre
+
+        handles = [m.register_forward_pre_hook(counter(first), with_kwargs=True)
+                   for m, first in inner]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+        # Read in `info()`, once: no host sync in the pass.
+        self._cache["inner_padded"] = torch.stack(counts).sum(0) if counts else None  # (2,)
 
     def resolve(self, output: Any, target: Any = None) -> ResolvedLoss:
         """What the loss is for this output (and target), without computing it.
@@ -1044,18 +1088,19 @@ class Step:
         """
         total: torch.Tensor | None = None
         n = self.accumulate
-        for micro, (inputs, target) in enumerate(self.micro_batches()):
-            with torch.enable_grad():
-                with record_function("forward"):
-                    output = self.forward(inputs)
-                    loss = self.loss(output, target, micro=micro)
-                if before_backward is not None:
-                    before_backward(micro, output, loss)
-                if backward:
-                    self._backward(loss)
-            value = loss.detach()
-            total = value if total is None else total + value
-            del output, loss
+        with self._inner_padding(whole=True):
+            for micro, (inputs, target) in enumerate(self.micro_batches()):
+                with torch.enable_grad():
+                    with record_function("forward"):
+                        output = self.forward(inputs)
+                        loss = self.loss(output, target, micro=micro)
+                    if before_backward is not None:
+                        before_backward(micro, output, loss)
+                    if backward:
+                        self._backward(loss)
+                value = loss.detach()
+                total = value if total is None else total + value
+                del output, loss
         assert total is not None
         return total / n if n > 1 else total
 
