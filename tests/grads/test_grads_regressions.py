@@ -159,6 +159,35 @@ def test_query_and_key_of_an_attention_over_one_position_are_told_why_they_get_n
             assert (r.output_norm == 0) == (leaf != "value"), r.module
 
 
+def test_an_attention_bias_table_over_one_position_is_not_put_down_to_a_zero_input(
+        ) -> None:
+    """transformers' LeViT given 64-pixel images ends on a 1×1 map: its last attention's
+    softmax runs over one position, so the bias table it adds to the scores (its own
+    parameter) gets exactly zero. That read as "their inputs are all zero", which only
+    holds for a leaf applying its parameters to its input; its input is not zero."""
+    from transformers import LevitConfig, LevitForImageClassification
+
+    torch.manual_seed(0)
+    model = LevitForImageClassification(LevitConfig(
+        image_size=64, hidden_sizes=[32, 48, 64], num_attention_heads=[1, 2, 2],
+        depths=[1, 1, 1], key_dim=[8, 8, 8], num_labels=10))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 3, 64, 64, generator=g)
+    name = "levit.encoder.stages.2.layers.0.module"
+    seen: list[torch.Tensor] = []
+    handle = model.get_submodule(name).register_forward_hook(
+        lambda _m, args, _o: seen.append(args[0].detach()))
+    flow = gradient_flow(model, {"pixel_values": x,
+                                 "labels": torch.randint(0, 10, (4,), generator=g)})
+    handle.remove()
+    assert seen[0].shape[1] == 1 and seen[0].norm() > 0  # one position, not zero
+    [dead] = [f for f in flow.findings() if f.code == "grads.dead"]
+    assert dead.module == name and dead.evidence["kind"] == "zero"
+    assert dead.evidence["params"] == f"{name}.attention_biases"
+    assert "own parameters" in dead.summary and "softmax runs over one element" in dead.fix
+    assert "inputs are all zero" not in dead.fix
+
+
 def _attention(seq: int, mask_all_but_one: bool = False) -> GradFlow:
     """A one-head self-attention block on (2, seq, 16) with BERT's projection names."""
 

@@ -805,7 +805,13 @@ def find_dead(flow: GradFlow, thresholds: GradThresholds | None = None) -> list[
                 module=below[0]))
     # A gradient reaches these, yet every parameter gradient is exactly zero: what they
     # multiply it by is zero, or the products round to zero. One finding for them all.
-    reached = [m for m in modules if m in alive_out and m not in half]
+    # Only a leaf (Linear, Conv, a norm) applies its parameters to its input, so only there
+    # does that mean a zero input. A module with children uses its own parameters inside
+    # its forward (a bias table added to its attention scores, a class token): LeViT's
+    # `attention_biases` get none under a softmax over its 1x1 map's one position. Those
+    # are told below, with that cause.
+    parents = {a for r in flow.modules for a in _ancestors(r.module)}
+    reached = [m for m in modules if m in alive_out and m not in half and m not in parents]
     if any(arriving.get(m, math.inf) < _VANISHED_NORM for m in reached + faded):
         # Once the gradient has faded, a module reading an all-zero gradient with no
         # blocker above it has faded with it (EfficientNet's squeeze-excitation gates,
@@ -824,7 +830,9 @@ def find_dead(flow: GradFlow, thresholds: GradThresholds | None = None) -> list[
         found.append(_scoreless_finding(flow, one))
     for m in modules:
         names = dead_params.get(m, []) if m not in alive_params else []
+        own = m in alive_out and m in parents  # its own parameters, used inside its forward
         what = "an all-zero gradient" if m in dead_out and m not in alive_out else \
+            "all-zero gradients for its own parameters" if own else \
             "all-zero parameter gradients"
         found.append(Finding(
             code="grads.dead",
@@ -833,13 +841,27 @@ def find_dead(flow: GradFlow, thresholds: GradThresholds | None = None) -> list[
             evidence={"kind": "zero", "zero_outputs": len(dead_out.get(m, [])),
                       "zero_params": len(names),
                       "params": ", ".join(names), "float16": m in half, "step": flow.index},
-            fix=_UNDERFLOW if m in half else
+            fix=_UNDERFLOW if m in half else _OWN_PARAMS if own else
             "look for dead ReLUs (lower the learning rate, LeakyReLU/GELU), a branch "
             "multiplied by zero, a mask that blocks every position, or a softmax over one "
             "element (attention over a sequence of length 1: its query and key get none).",
             module=m,
         ))
     return found
+
+
+_OWN_PARAMS = (
+    "a gradient reaches it, and its own parameters are used inside its forward, not on its "
+    "input: a bias added to attention scores gets none where the softmax runs over one "
+    "element (a sequence of length 1, a 1×1 feature map: inputs too small for the model, "
+    "or a mask that leaves one position); else look for a branch multiplied by zero.")
+
+
+def _ancestors(module: str) -> list[str]:
+    """The names of every module above `module`, the root ("") included; none for the
+    root itself."""
+    parts = module.split(".") if module else []
+    return [".".join(parts[:i]) for i in range(len(parts))]
 
 
 # An attention's query, key and value projections by their usual names: BERT, ViT and
