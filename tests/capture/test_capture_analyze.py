@@ -403,9 +403,22 @@ def test_batch_norm_over_a_few_values_per_channel_is_found() -> None:
     assert f.module == "2" and f.severity == Severity.WARNING
     assert (f.evidence["values"], f.evidence["batch"], f.evidence["layers"]) == (2, 2, 1)
     assert "over 2 values (a batch of 2 × 1 positions)" in f.summary
+    assert "within ±1 exactly of zero" in f.summary
+    # One position per sample (after the pool): only the batch can help.
+    assert "larger inputs do not help" in f.fix
     with torch.no_grad():  # torch: over two values, each channel's outputs are ±one value
         out = model[2](model[1](model[0](x)))  # (2, 8, 1, 1), γ = 1, β = 0
     assert torch.allclose(out[0], -out[1], atol=1e-6) and float(out.abs().max()) <= 1
+    # One image of 2×2 positions: 4 values, within ±sqrt(3); larger inputs would help.
+    conv_bn = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8))
+    one = torch.randn(1, 3, 4, 4)
+    (f4,) = [f for f in capture_activations(conv_bn, one).findings()
+             if f.code == "activations.batch_stats"]
+    assert "over 4 values (a batch of 1 × 4 positions)" in f4.summary
+    assert "within ±1.7 of zero" in f4.summary and "or larger inputs" in f4.fix
+    with torch.no_grad():
+        peak = float(conv_bn(one).abs().amax())  # (1, 8, 2, 2), γ = 1, β = 0
+    assert 1.0 < peak <= 3 ** 0.5
     # Enough values, or running statistics in eval mode: silent.
     assert not [f for f in capture_activations(model, torch.randn(32, 3, 8, 8)).findings()
                 if f.code == "activations.batch_stats"]

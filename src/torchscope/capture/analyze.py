@@ -281,10 +281,11 @@ def _batch_stats(judged: Sequence[ActivationRecord], th: ActivationThresholds
                  ) -> list[Finding]:
     """`activations.batch_stats`: BatchNorm layers that normalised each channel with the
     batch's own statistics over `batch_norm_values` values or fewer (the batch times the
-    positions). Their outputs are pinned near ±γ (+ β) and their gradients are large:
-    transformers' MobileNetV2 on 32-pixel images in batches of 4 reaches a 1×1 map in its
-    last stages, where each channel is normalised over 4 values, and its gradient grows
-    32× toward the input. One finding for all of them, named by the fewest values."""
+    positions). Their outputs lie within ±sqrt(n - 1) of zero before γ and β, and their
+    gradients are large: transformers' MobileNetV2 on 32-pixel images in batches of 4
+    reaches a 1×1 map in its last stages, where each channel is normalised over 4 values,
+    and its gradient grows 32× toward the input. One finding for all of them, named by
+    the fewest values."""
     few: list[tuple[int, ActivationRecord]] = []
     seen: set[str] = set()
     for r in judged:
@@ -305,19 +306,27 @@ def _batch_stats(judged: Sequence[ActivationRecord], th: ActivationThresholds
     names = [x.module for _, x in few]
     batch = r.output.shape[0] if r.output is not None else 0
     ranks = r.batch_ranks
+    positions = values // (batch * ranks) if batch else 0
+    # n values normalised by their own mean and (biased) deviation lie within ±sqrt(n - 1)
+    # of zero, whatever they were: ±1 exactly for two.
+    bound = "±1 exactly" if values == 2 else f"±{math.sqrt(values - 1):.2g}"
+    # After a pool to one position only the batch counts: larger inputs cannot help there.
+    more = "a larger batch per device (or nn.SyncBatchNorm across devices); larger " \
+        "inputs do not help, as it sees one position per sample" if positions == 1 else \
+        "a larger batch per device (or nn.SyncBatchNorm across devices), or larger inputs"
     return [Finding(
         "activations.batch_stats", Severity.WARNING,
         f"{r.module} ({r.module_type}) normalises each channel over {values} values "
-        f"(a batch of {batch} × {values // (batch * ranks) if batch else 0} positions"
+        f"(a batch of {batch} × {positions} positions"
         + (f" × {ranks} ranks" if ranks > 1 else "") + ")"
         + (f", and {len(few) - 1} more BatchNorm layer(s) over {th.batch_norm_values} or "
            "fewer" if len(few) > 1 else "")
-        + ": batch statistics over so few values pin its output near ±γ (+ β), whatever "
-        "the input, and make its gradients large",
+        + f": batch statistics over so few values leave each normalised value within "
+        f"{bound} of zero (times γ, plus β), whatever the input, and make its gradients "
+        "large",
         {"values": values, "batch": batch, "ranks": ranks, "layers": len(few),
          "modules": ", ".join(names)},
-        fix="give BatchNorm more values per channel: a larger batch per device (or "
-            "nn.SyncBatchNorm across devices), or larger inputs; or replace it with "
+        fix=f"give BatchNorm more values per channel: {more}; or replace it with "
             "GroupNorm/LayerNorm, which do not depend on the batch; when fine-tuning with "
             "small batches, keep BatchNorm in eval mode (its running statistics)",
         module=r.module)]
