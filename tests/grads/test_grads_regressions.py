@@ -188,6 +188,37 @@ def test_an_attention_bias_table_over_one_position_is_not_put_down_to_a_zero_inp
     assert "inputs are all zero" not in dead.fix
 
 
+def test_a_part_of_the_model_that_gets_no_gradient_is_one_finding_at_its_top() -> None:
+    """transformers' CvT with a class token in its last stage: the head reads that token
+    alone, and in the last layer the convolutional query projection makes only the other
+    positions' queries, so it gets exactly zero (a convolution, its BatchNorm and a
+    reshape). That was three warnings; it is one, at the projection, whose fix names an
+    output the loss reads no element of."""
+    from transformers import CvtConfig, CvtForImageClassification
+
+    torch.manual_seed(0)
+    model = CvtForImageClassification(CvtConfig(
+        embed_dim=[16, 32], num_heads=[1, 2], depth=[1, 2], patch_sizes=[7, 3],
+        patch_stride=[4, 2], patch_padding=[2, 1], mlp_ratio=[2.0, 2.0],
+        drop_path_rate=[0.0, 0.0], cls_token=[False, True], num_labels=10))
+    g = torch.Generator().manual_seed(0)
+    batch = {"pixel_values": torch.randn(4, 3, 64, 64, generator=g),
+             "labels": torch.randint(0, 10, (4,), generator=g)}
+    flow = gradient_flow(model, batch)
+    top = "cvt.encoder.stages.1.layers.1.attention.attention.convolution_projection_query"
+    [dead] = [f for f in flow.findings() if f.code == "grads.dead"]
+    assert dead.module == top and dead.evidence["modules"] == 3
+    assert "a head on the class token alone" in dead.fix
+    # torch: exactly those parameters get zero; the key and value projections do not.
+    model.zero_grad()
+    model(**batch).loss.backward()
+    at = top.rpartition(".")[0]
+    zero = {n for n, p in model.named_parameters() if n.startswith(at) and
+            torch.equal(p.grad, torch.zeros_like(p))}
+    assert zero == set(dead.evidence["params"].split(", ")) and len(zero) == 3
+    assert all(n.startswith(top) for n in zero)
+
+
 def _attention(seq: int, mask_all_but_one: bool = False) -> GradFlow:
     """A one-head self-attention block on (2, seq, 16) with BERT's projection names."""
 

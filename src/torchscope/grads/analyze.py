@@ -828,6 +828,23 @@ def find_dead(flow: GradFlow, thresholds: GradThresholds | None = None) -> list[
     if one:
         modules = [m for m in modules if m not in one]
         found.append(_scoreless_finding(flow, one))
+    # A part of the model every measured module of which gets none is one finding, at
+    # its top (CvT's last query projection: a convolution, its norm and a reshape).
+    for part, inside in _dead_parts(flow, modules).items():
+        modules = [m for m in modules if m not in inside]
+        params = [n for m in inside if m not in alive_params for n in dead_params.get(m, [])]
+        found.append(Finding(
+            code="grads.dead",
+            severity=Severity.WARNING,
+            summary=f"{part} and the {len(inside)} module(s) in it receive an all-zero "
+            f"gradient ({fmt_names(inside)})",
+            evidence={"kind": "zero", "modules": len(inside), "first": inside[0],
+                      "last": inside[-1], "zero_params": len(params),
+                      "params": ", ".join(params), "float16": any(m in half for m in inside),
+                      "step": flow.index},
+            fix=_UNDERFLOW if any(m in half for m in inside) else _ZERO_CAUSES,
+            module=part,
+        ))
     for m in modules:
         names = dead_params.get(m, []) if m not in alive_params else []
         own = m in alive_out and m in parents  # its own parameters, used inside its forward
@@ -841,13 +858,33 @@ def find_dead(flow: GradFlow, thresholds: GradThresholds | None = None) -> list[
             evidence={"kind": "zero", "zero_outputs": len(dead_out.get(m, [])),
                       "zero_params": len(names),
                       "params": ", ".join(names), "float16": m in half, "step": flow.index},
-            fix=_UNDERFLOW if m in half else _OWN_PARAMS if own else
-            "look for dead ReLUs (lower the learning rate, LeakyReLU/GELU), a branch "
-            "multiplied by zero, a mask that blocks every position, or a softmax over one "
-            "element (attention over a sequence of length 1: its query and key get none).",
+            fix=_UNDERFLOW if m in half else _OWN_PARAMS if own else _ZERO_CAUSES,
             module=m,
         ))
     return found
+
+
+_ZERO_CAUSES = (
+    "look for dead ReLUs (lower the learning rate, LeakyReLU/GELU), a branch multiplied "
+    "by zero, a mask that blocks every position, an output the loss reads no element of "
+    "(a slice that leaves it out: a head on the class token alone, after a last layer "
+    "that still computes every position), or a softmax over one element (attention over "
+    "a sequence of length 1: its query and key get none).")
+
+
+def _dead_parts(flow: GradFlow, modules: list[str]) -> dict[str, list[str]]:
+    """Parts of the model (a module with children, not the root) holding two or more of
+    `modules`, whose every measured module (one with a record or a parameter) is among
+    them: the topmost such part -> its modules among them, in `modules`' order."""
+    dead = set(modules)
+    known = {r.module for r in flow.modules} | {p.module for p in flow.params}
+    parts: dict[str, list[str]] = {}
+    for m in modules:
+        tops = [a for a in _ancestors(m)[1:]  # not the root
+                if all(x in dead for x in known if _within(x, a))]
+        if tops:
+            parts.setdefault(tops[0], []).append(m)
+    return {top: inside for top, inside in parts.items() if len(inside) > 1}
 
 
 _OWN_PARAMS = (
