@@ -836,8 +836,8 @@ def find_dead(flow: GradFlow, thresholds: GradThresholds | None = None) -> list[
         found.append(Finding(
             code="grads.dead",
             severity=Severity.WARNING,
-            summary=f"{part} and the {len(inside)} module(s) in it receive an all-zero "
-            f"gradient ({fmt_names(inside)})",
+            summary=f"{part}: the {len(inside)} module(s) in it get all-zero gradients "
+            f"({fmt_names(inside)})",
             evidence={"kind": "zero", "modules": len(inside), "first": inside[0],
                       "last": inside[-1], "zero_params": len(params),
                       "params": ", ".join(params), "float16": any(m in half for m in inside),
