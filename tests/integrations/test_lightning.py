@@ -324,6 +324,27 @@ def test_a_loss_that_broadcasts_the_output_against_the_target_is_told(
     assert_broadcast_told(run, not squeeze, ((16, 1), (16, 16)))
 
 
+def test_a_trainer_without_a_logger_gets_no_warning_from_the_scalars(tmp_path: Path) -> None:
+    """`logger=False`: the sampled steps' scalars go nowhere, and Lightning says nothing
+    about them (with `logger=True` passed to `log_dict` it warned once per scalar)."""
+    callback = TorchscopeCallback(every=2, out=None)
+    pl.seed_everything(0, verbose=False)
+    g = torch.Generator().manual_seed(0)
+    ds = torch.utils.data.TensorDataset(torch.randn(64, 8, generator=g),
+                                        torch.randn(64, 1, generator=g))
+    trainer = pl.Trainer(max_steps=4, accelerator="cpu", devices=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[callback])
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer.fit(Regressor(squeeze=False),
+                    torch.utils.data.DataLoader(ds, batch_size=16))
+    run = callback.result
+    assert run is not None and run.steps == 4 and run.samples
+    assert not [w for w in seen if "torchscope/" in str(w.message)], \
+        [str(w.message) for w in seen]
+
+
 class CausalLM(pl.LightningModule):
     """A LightningModule around a transformers GPT-2, as fine-tuning scripts write it: the
     training step calls `self.model(**batch)` and takes its own loss."""

@@ -152,8 +152,10 @@ class TorchscopeCallback(pl.Callback):
         mon.end_step()
         scalars, self._pending = self._pending, None
         if scalars and self._log:
-            pl_module.log_dict(dict(scalars), on_step=True, on_epoch=False, logger=True,
-                               prog_bar=False, batch_size=1)
+            # Lightning's default `logger`: every configured logger gets them, and a
+            # Trainer without one (`logger=False`) gets no warning per scalar.
+            pl_module.log_dict(dict(scalars), on_step=True, on_epoch=False, prog_bar=False,
+                               batch_size=1)
 
     def _on_sample(self, _step: int, scalars: Mapping[str, float]) -> None:
         self._pending = scalars
