@@ -348,6 +348,62 @@ def test_one_output_per_sample_is_not_taken_as_one_class() -> None:
     assert all(torch.equal(a, p.grad) for a, p in zip(got, model.parameters(), strict=True))
 
 
+def _seg() -> nn.Module:
+    """Per-pixel logits: (N, 3, 8, 8) -> (N, C, 8, 16), C classes on dim 1 (the width, 16,
+    differs from every other size)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(),
+                         nn.Upsample(size=(8, 16)), nn.Conv2d(4, 5, 1))
+
+
+def test_cross_entropy_takes_a_segmentation_s_classes_on_dim_1() -> None:
+    """(N, C, H, W) logits, as torch's cross_entropy takes them: seeded targets are
+    (N, H, W) indices in [0, C) and a given (N, H, W) target is used as it is; the loss
+    and every gradient equal torch's own. It took the width for the classes."""
+    x = torch.randn(2, 3, 8, 8)
+    model = _seg()
+    seeded = Step(model, x, loss_fn="cross_entropy")
+    loss = seeded.forward_backward()
+    target = seeded._seeded_target("cross_entropy", model(x), 0)
+    assert target.shape == (2, 8, 16) and int(target.max()) < 5
+    assert torch.equal(loss, functional.cross_entropy(model(x), target).detach())
+    labels = torch.randint(0, 5, (2, 8, 16), generator=torch.Generator().manual_seed(1))
+    for spec in ("auto", "cross_entropy"):
+        model.zero_grad()
+        given = Step(model, x, loss_fn=spec, target=labels)
+        loss = given.forward_backward()
+        got = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        model.zero_grad()
+        want = functional.cross_entropy(model(x), labels)
+        want.backward()
+        assert torch.equal(loss, want.detach())
+        assert all(torch.equal(a, p.grad) for a, p in zip(got, model.parameters(), strict=True))
+    # (N, C, L) against (N, L) indices: dim 1 too; (N, T, C) against (N, T): the last.
+    seq = torch.randn(2, 5, 7, requires_grad=True)
+    by_dim1 = Step(nn.Identity(), seq, target=torch.zeros(2, 7, dtype=torch.long))
+    assert torch.equal(by_dim1.forward_backward(),
+                       functional.cross_entropy(seq, torch.zeros(2, 7, dtype=torch.long)))
+    by_last = Step(nn.Identity(), seq, target=torch.zeros(2, 5, dtype=torch.long))
+    assert torch.equal(by_last.forward_backward(), functional.cross_entropy(
+        seq.reshape(-1, 7), torch.zeros(10, dtype=torch.long)))
+
+
+def test_one_logit_per_pixel_with_integer_labels_is_a_binary_segmentation() -> None:
+    """(N, 1, H, W) logits against (N, H, W) 0/1 labels: binary cross-entropy with logits,
+    as torch computes it; cross-entropy over its one class is refused."""
+    torch.manual_seed(0)
+    model = nn.Conv2d(3, 1, 3, padding=1)
+    x = torch.randn(2, 3, 8, 8)
+    labels = torch.randint(0, 2, (2, 8, 8), generator=torch.Generator().manual_seed(1))
+    step = Step(model, x, target=labels)
+    loss = step.forward_backward()
+    assert step.info(None).loss == "auto → binary cross-entropy with logits vs given targets"
+    assert torch.equal(loss, functional.binary_cross_entropy_with_logits(
+        model(x), labels[:, None].float()).detach())
+    with pytest.raises(ModelError, match="has 1 class"):
+        Step(model, x, loss_fn="cross_entropy").forward_backward()
+
+
 def test_labels_on_padding_are_counted_over_the_steps_micro_batches() -> None:
     """`StepInfo.padded_labels`: GPT-2's padded label positions that its shifted loss reads
     and that hold a token, summed over micro-batches, read once when the info is built;

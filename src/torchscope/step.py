@@ -21,8 +21,10 @@ The loss (`loss_fn=`) is one of:
     5. any other floating output, `(N, 1)` included: mean squared error against seeded
        standard-normal targets. Cross-entropy over one class is 0 whatever the output, so
        its gradient is zero and nothing would learn.
-- `"cross_entropy"`: the main output's last dimension holds the classes (two or more);
-  targets are the given ones, else seeded integers in `[0, C)`.
+- `"cross_entropy"`: the classes (two or more) are the main output's last dimension for
+  `(N, C)` and `(N, T, C)` logits, and dim 1 for `(N, C, H, W, ...)`, as torch's
+  `cross_entropy` takes a segmentation's per-pixel logits (and for `(N, C, L)` against a
+  given `(N, L)` target); targets are the given ones, else seeded integers in `[0, C)`.
 - `"mse"`: mean squared error against the given target, else a seeded standard-normal one.
 - `"sum"`: the sum of the main output (accumulated in float32); it saves nothing for
   backward, so memory accounting sees the model's own tensors only.
@@ -570,6 +572,20 @@ def inner_optimizer(optimizer: Any) -> Any:
             "where each step's gradients are final.")
 
 
+def _class_dim(out: torch.Tensor, target: Any = None) -> int:
+    """The dimension of `out` that holds cross-entropy's classes: the last of `(N, C)`
+    logits and of a sequence model's `(N, T, C)`; dim 1 of `(N, C, d1, d2, ...)`, as
+    torch's `cross_entropy` takes them (a segmentation's per-pixel logits), and of
+    `(N, C, L)` where the given target is `(N, L)` class indices and not `(N, T)`."""
+    if out.dim() >= 4:
+        return 1
+    if out.dim() == 3 and isinstance(target, torch.Tensor) and \
+            not target.is_floating_point() and \
+            tuple(target.shape) == (out.shape[0], out.shape[2]) != tuple(out.shape[:2]):
+        return 1
+    return max(out.dim() - 1, 0)
+
+
 def main_output(output: Any) -> torch.Tensor:
     """The tensor a loss is computed from: the output itself, `.logits` of a transformers
     output, else its first floating-point tensor.
@@ -942,9 +958,11 @@ class Step:
                 # Shaped like the output, or laid out otherwise (`(N,)` for `(N, 1)`),
                 # which `_compute` refuses rather than broadcast.
                 return ResolvedLoss("auto", "mse", given)
-            if out.dim() > 0 and out.shape[-1] == 1 and isinstance(target, torch.Tensor) and \
-                    not target.is_floating_point() and target.numel() == out.numel():
-                # One logit per sample and integer labels: a binary classifier.
+            if out.dim() > 0 and out.shape[_class_dim(out, target)] == 1 and \
+                    isinstance(target, torch.Tensor) and not target.is_floating_point() and \
+                    target.numel() == out.numel():
+                # One logit per sample (or per pixel) and integer labels: a binary
+                # classifier (or segmentation).
                 return ResolvedLoss("auto", "binary_cross_entropy", given)
             return ResolvedLoss("auto", "cross_entropy", given)
         if own_loss(output) is not None:
@@ -1006,7 +1024,8 @@ class Step:
         out = main_output(output)
         if r.kind == "sum":
             return out.sum(dtype=torch.float32) if out.dtype in _HALF else out.sum()
-        if r.kind == "cross_entropy" and out.dim() > 0 and out.shape[-1] == 1:
+        if r.kind == "cross_entropy" and out.dim() > 0 and \
+                out.shape[_class_dim(out, target)] == 1:
             # log_softmax over one class is 0: the loss and its gradient would be zero.
             raise ModelError(
                 f"cross-entropy over the output {tuple(out.shape)} has 1 class: it is 0 "
@@ -1021,6 +1040,10 @@ class Step:
             if r.kind == "cross_entropy":
                 if out.dim() == 0:
                     raise ValueError("cross-entropy needs a class dimension, got a scalar")
+                if _class_dim(out, target) == 1 and out.dim() > 2:
+                    # (N, C, d1, ...) logits against (N, d1, ...) class indices or
+                    # (N, C, d1, ...) probabilities: torch's own layout.
+                    return functional.cross_entropy(out, target)
                 classes = out.shape[-1]
                 # (..., C) logits -> (N, C) rows; (...) class indices -> (N,), or (..., C)
                 # probabilities -> (N, C).
@@ -1048,8 +1071,11 @@ class Step:
             if out.dim() == 0:
                 raise ModelError("cross-entropy needs an output with a class dimension, got "
                                  "a scalar.", fix="use loss_fn='sum' or 'mse'.")
-            # (..., C) logits -> (...) class indices, drawn on the CPU for reproducibility.
-            made = torch.randint(0, out.shape[-1], tuple(out.shape[:-1]), generator=g)
+            # (..., C) logits -> (...) class indices, (N, C, d1, ...) -> (N, d1, ...);
+            # drawn on the CPU for reproducibility.
+            dim = _class_dim(out)
+            made = torch.randint(0, out.shape[dim], tuple(out.shape[:dim] + out.shape[dim + 1:]),
+                                 generator=g)
             made = made.to(out.device)
         else:
             dtype = out.dtype if out.is_floating_point() else torch.float32
