@@ -54,15 +54,20 @@ def _lesson_flow(fc: float = 3.16, conv2: float = 0.4, conv1: float = 0.047) -> 
 
 
 def _chain(relative: list[float], out_rms: list[float] | None = None,
-           types: tuple[str, ...] = ()) -> GradFlow:
+           types: tuple[str, ...] = (), head: tuple[str, ...] = ()) -> GradFlow:
     """Layers l0 (nearest the loss) ... ln, each a (4, 4) weight of norm 2: parameter
     gradient norm 2 * relative[i], so relative gradient relative[i] and RMS relative[i] / 2;
-    grad_output RMS out_rms[i] (default 1)."""
+    grad_output RMS out_rms[i] (default 1). Activations of `types` follow l0, l1, ... in
+    backward order (between two layers); those of `head` come before l0 (an output
+    activation, nearer the loss than every layer)."""
     outs = out_rms or [1.0] * len(relative)
-    mods = tuple(_rec(f"l{i}", i, 4.0 * o, None) for i, o in enumerate(outs))
-    mods += tuple(ModuleGradRecord(f"act{i}", t, 0, 0, 0, len(outs) + i,
+    mods = tuple(_rec(f"l{i}", 2 * i + 1, 4.0 * o, None) for i, o in enumerate(outs))
+    mods += tuple(ModuleGradRecord(f"act{i}", t, 0, 0, 0, 2 * i + 2,
                                    (TensorGrad("", (4, 4), "torch.float32", 1.0),), ())
                   for i, t in enumerate(types))
+    mods += tuple(ModuleGradRecord(f"out{i}", t, 0, 0, 0, 0,
+                                   (TensorGrad("", (4, 4), "torch.float32", 1.0),), ())
+                  for i, t in enumerate(head))
     params = tuple(_param(f"l{i}", 2.0 * r, 2.0) for i, r in enumerate(relative))
     return GradFlow(0, mods, params, math.sqrt(math.fsum((2.0 * r) ** 2 for r in relative)))
 
@@ -114,8 +119,12 @@ def test_vanishing_fix_fits_the_model() -> None:
     decaying = [5.0, 1.0, 0.1, 0.01, 0.001]
     (plain,) = find_vanishing(_chain(decaying))
     assert "add normalization" in plain.fix and "saturating" not in plain.fix
-    (sig,) = find_vanishing(_chain(decaying, types=("Sigmoid",)))
+    (sig,) = find_vanishing(_chain(decaying, types=("Sigmoid", "Sigmoid")))
     assert "replace the saturating Sigmoid" in sig.fix
+    # An output Tanh (a GAN generator's) lies above the layers the gradient fades over:
+    # replacing it would change the model's range and touch none of them.
+    (out,) = find_vanishing(_chain(decaying, head=("Tanh",)))
+    assert "saturating" not in out.fix
     # Defect 1: a conv followed by BatchNorm is not told to add normalization.
     (bn,) = find_vanishing(_chain(decaying, types=("BatchNorm2d",)))
     assert "add normalization" not in bn.fix and "gain" in bn.fix
@@ -175,7 +184,7 @@ def test_measures_on_records() -> None:
     assert zero_w.relative is None  # all-zero weight: no ratio
     flow = _chain([5.0, 1.0])
     (l0, l1) = flow.layer_grads()
-    assert (l0.module, l0.order, l0.relative, l0.rms) == ("l0", 0, 5.0, 2.5)
+    assert (l0.module, l0.order, l0.relative, l0.rms) == ("l0", 1, 5.0, 2.5)
     assert l1.output_rms == 1.0 and l1.params == ("l1.weight",)
 
 

@@ -389,14 +389,30 @@ def _in_block(unit: str) -> bool:
 _SMALL_INIT = 0.25
 
 
-def _model_kinds(flow: GradFlow) -> tuple[frozenset[str], bool]:
-    """The saturating activations the step ran through, and whether it has norm layers."""
+def _model_kinds(flow: GradFlow, between: tuple[str, str] | None = None
+                 ) -> tuple[frozenset[str], bool]:
+    """The saturating activations the step ran through, and whether it has norm layers.
+
+    Args:
+        between: the depth units (`DepthUnit.name`) nearest to and farthest from the loss
+            of the stretch judged: only the saturating activations whose calls lie between
+            them in backward order count (a generator's output Tanh, above its nearest
+            layer, is none of the stretch's).
+    """
     types = {r.module_type for r in flow.modules}
-    return frozenset(types & _SATURATING), any(is_norm_type(t) for t in types)
+    saturating = types & _SATURATING
+    if between is not None:
+        reached = [(r.order, r) for r in flow.modules if r.order is not None]
+        near = min((o for o, r in reached if _within(r.module, between[0])), default=None)
+        last = max((o for o, r in reached if _within(r.module, between[1])), default=None)
+        if near is not None and last is not None:
+            saturating = {r.module_type for o, r in reached if near < o < last
+                          and r.module_type in _SATURATING}
+    return frozenset(saturating), any(is_norm_type(t) for t in types)
 
 
-def _vanishing_fix(flow: GradFlow) -> str:
-    saturating, has_norm = _model_kinds(flow)
+def _vanishing_fix(flow: GradFlow, between: tuple[str, str] | None = None) -> str:
+    saturating, has_norm = _model_kinds(flow, between)
     parts = []
     if saturating:
         parts.append(f"replace the saturating {'/'.join(sorted(saturating))} between layers "
@@ -533,7 +549,7 @@ def find_vanishing(flow: GradFlow, thresholds: GradThresholds | None = None) -> 
                           "positions": rel.positions, "decay": decay,
                           **_trend_evidence(rel), **_trend_evidence(rms_),
                           "step": flow.index},
-                fix=_vanishing_fix(flow),
+                fix=_vanishing_fix(flow, (rel.first, rel.last)),
                 module=far,
             )))
     if found:  # the stack that loses the most
@@ -569,7 +585,7 @@ def _bottleneck(flow: GradFlow, prof: DepthProfile, t: GradThresholds) -> list[F
                   "relative_high": high.relative, "relative_low": low.relative,
                   "rms_high": high.rms, "rms_low": low.rms, "step": flow.index},
         fix="look at what lies between them: a saturating gate or activation, a small "
-        "scale factor, or a detach(); " + _vanishing_fix(flow),
+        "scale factor, or a detach(); " + _vanishing_fix(flow, (high.name, low.name)),
         module=low.name,
     )]
 
