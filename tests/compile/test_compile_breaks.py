@@ -53,6 +53,53 @@ def test_print_and_data_dependent_branch_give_two_breaks() -> None:
         assert b.hook is None
 
 
+class _Breaking(nn.Module):
+    """A block that breaks the graph at every call (`.item()` of its mean)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        scale = h.abs().mean().item()
+        return torch.relu(h) * scale
+
+
+class _Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(_Breaking() for _ in range(4))
+        self.out = nn.Linear(16, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+
+def test_identical_blocks_that_break_are_counted_as_torch_compiles_them(
+        fresh_dynamo: None) -> None:
+    """Four instances of one breaking block share one code object: once the break makes
+    Dynamo compile the block's frame on its own, it compiles it once for all four. Each
+    instance had its own private copy of the code: 8 graphs and 4 breaks, for torch's 3
+    and 1 (and twice the cold compile in the measured modes)."""
+    x = torch.randn(4, 16)
+    scan = find_graph_breaks(_Stack(), x)
+    graphs: list[torch.fx.GraphModule] = []
+
+    def counting(gm: torch.fx.GraphModule, _example: object) -> object:
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(_Stack(), backend=counting)(x)
+    assert scan.graph_count == len(graphs) == 3
+    assert [b.kind for b in scan.breaks] == ["Tensor.item()"]
+
+
 def test_break_inside_a_hook_names_the_hook() -> None:
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
     seen: list[float] = []

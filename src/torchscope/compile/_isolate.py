@@ -142,6 +142,11 @@ def private_code(model: nn.Module) -> Iterator[None]:
     """
     saved: list[tuple[nn.Module, Any]] = []
     codes: list[types.CodeType] = []
+    # One private copy per function, shared by every instance that runs it, as the user's
+    # model shares one code object: once a break makes Dynamo compile a block's frame on
+    # its own, it compiles it once for all the blocks (four identical breaking blocks were
+    # eight graphs, and twice the cold compile, with a copy per instance).
+    made: dict[tuple[types.FunctionType, bool], types.FunctionType] = {}
     holding = _holding_before()
     try:
         for m in model.modules():
@@ -154,7 +159,10 @@ def private_code(model: nn.Module) -> Iterator[None]:
                 fn, bound = own, False
             if not isinstance(fn, types.FunctionType) or fn is nn.Module.forward:
                 continue
-            new = _fresh_function(fn, codes, root=m is model)
+            root = m is model
+            new = made.get((fn, root))
+            if new is None:
+                new = made[(fn, root)] = _fresh_function(fn, codes, root=root)
             saved.append((m, own))
             m.__dict__["forward"] = types.MethodType(new, m) if bound else new
         yield
