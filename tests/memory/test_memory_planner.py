@@ -178,6 +178,29 @@ def test_a_negative_or_noisy_recompute_cost_is_no_measurable_cost(deep_report) -
     assert "+20% (1.17–1.23×)" in table(slower)
 
 
+def test_a_plan_says_what_it_did_to_the_measured_peak(deep_report) -> None:
+    """Saved activations given back are not always the step's peak: where the measured
+    peak did not fall (it comes later, in backward), the plan says it lowers it by
+    nothing; where it fell, the two peaks are given."""
+    from dataclasses import replace
+
+    _, _, report = deep_report
+    none = report.measurement("none")
+    assert none is not None and none.peak_bytes > 0  # measured on the CPU too
+
+    def with_peak(peak: int) -> str:
+        m = report.measurement("sqrt")
+        r = replace(report, measurements=tuple(replace(x, peak_bytes=peak) if x is m else x
+                                               for x in report.measurements))
+        return next(f.summary for f in r.findings() if f.code == "memory.checkpoint_plan"
+                    and f.evidence["plan"] == "sqrt")
+
+    higher = with_peak(none.peak_bytes + 5_000)
+    assert "measured peak" in higher and "lowers it by nothing" in higher
+    lower = with_peak(none.peak_bytes // 2)
+    assert "measured peak" in lower and "lowers it by nothing" not in lower
+
+
 def test_measured_plans_carry_their_slowdown(deep_report) -> None:
     _, _, report = deep_report
     assert report.measurement("none").slowdown is None

@@ -296,10 +296,20 @@ def _plans(report: PlanReport, chosen: str | None) -> list[Finding]:
                         else f", gradients verified within tolerance (max diff "
                         f"{v.max_abs_diff:.2g})")
             evidence.update(bitwise_equal=v.bitwise_equal, max_abs_diff=v.max_abs_diff)
+        # What the saved activations give back is not always the step's peak: where the
+        # peak comes later in backward (the gradients being written), it does not fall.
+        none = report.measurement("none")
+        peak = ""
+        if m is not None and none is not None and none.peak_bytes > 0:
+            evidence.update(peak_bytes=m.peak_bytes, baseline_peak_bytes=none.peak_bytes)
+            peak = f"; measured peak {fmt_bytes(none.peak_bytes)} → {fmt_bytes(m.peak_bytes)}"
+            if m.peak_bytes >= none.peak_bytes:
+                peak += (": no lower, so on this step the saved activations do not set the "
+                         "peak and this plan lowers it by nothing")
         out.append(Finding(
             "memory.checkpoint_plan", Severity.INFO,
             f"{name}: checkpointing {describe_segments(plan)} saves {fmt_bytes(saving)} "
-            f"of saved activations ({saving / base:.0%}){cost}{verified}.",
+            f"of saved activations ({saving / base:.0%}){cost}{verified}{peak}.",
             evidence,
             fix=apply_hint(plan),
         ))
