@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from torchscope.distributed.ranked import Ranked
 from torchscope.distributed.world import World
-from torchscope.findings import Finding
+from torchscope.findings import Finding, Severity
 from torchscope.models import TinyCNN
 from torchscope.profiling import ProfileResult, profile_steps
 from torchscope.profiling.analyze import own_ms, ranked_profile_findings
@@ -81,6 +81,26 @@ def test_a_rank_slower_in_every_step_is_a_straggler_beyond_the_noise(
     assert found.evidence["rank"] == 1
     # Own work 10 ms against 1 ms in every step: the interval is 10x at both ends.
     assert (found.evidence["ratio_low"], found.evidence["ratio_high"]) == (10.0, 10.0)
+
+
+def test_a_small_gap_over_three_steps_is_only_a_possible_straggler(
+        base: ProfileResult) -> None:
+    """Three steps a rank make the interval the samples' range (confidence 0.5): two
+    balanced ranks sharing two cores put every step of one above the other's in about a
+    run in ten (the doctor's --fast read 1.4-1.7x on identical ranks). A gap under 2x is
+    info that says so; over five steps, or 2x in every step, it is a straggler."""
+    def pair(n: int, times: float) -> list[Finding]:
+        fast = _rank(base, [10.0] * n, [3.0] * n, per_step=True)  # own work 7 ms
+        slow = _rank(base, [7.0 * times] * n, [0.0] * n, per_step=True)  # `times`x
+        return _straggler([fast, slow])
+
+    (maybe,) = pair(3, 1.5)
+    assert maybe.severity == Severity.INFO and "may be a straggler" in maybe.summary
+    assert "3 profiled steps" in maybe.summary
+    (five,) = pair(5, 1.5)
+    assert five.severity == Severity.WARNING and "is a straggler" in five.summary
+    (wide,) = pair(3, 2.5)
+    assert wide.severity == Severity.WARNING
 
 
 def test_one_slow_step_is_no_straggler(base: ProfileResult) -> None:
