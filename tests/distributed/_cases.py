@@ -208,7 +208,8 @@ def monitor_ranks(rank: int, world: int, out: Path, strategy: str) -> dict[str, 
     x, y = batch(rank, world)
     stds: list[float] = []
     before = hooks(net)
-    with torchscope.monitor(model, opt, every=1, out=None) as mon:
+    # One folder for every rank, as a torchrun script's out= is: rank 0 writes the report.
+    with torchscope.monitor(model, opt, every=1, out=out / "run") as mon:
         handle = net[0].register_forward_hook(
             lambda _m, _a, o: stds.append(float(o.detach().std())))
         for step in range(3):
@@ -227,7 +228,8 @@ def monitor_ranks(rank: int, world: int, out: Path, strategy: str) -> dict[str, 
     single = alone.result.saved_bytes[0]
     return {"steps": run.steps, "samples": run.samples, "stds": list(run.act_std.series("0")),
             "ref_stds": stds, "saved": list(run.saved_bytes), "single": single,
-            "hooks": [before, hooks(net)]}
+            "hooks": [before, hooks(net)],
+            "paths": None if mon.paths is None else [str(p) for p in mon.paths]}
 
 
 def raises_on_rank1(rank: int, world: int, out: Path) -> dict[str, Any]:

@@ -3,6 +3,7 @@ one process on the concatenated batch."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -114,6 +115,11 @@ def test_the_monitor_on_ranks_reads_each_ranks_forward(tmp_path: Path, strategy:
         assert a["saved"] == [a["single"]] * 3
         assert a["hooks"][0] == a["hooks"][1]
     assert ranks[0]["stds"] != ranks[1]["stds"]  # each rank's own rows
+    # One report in the folder every rank was given: rank 0's, not a race between ranks.
+    assert ranks[1]["paths"] is None and ranks[0]["paths"] is not None
+    report = json.loads(Path(ranks[0]["paths"][1]).read_text())
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["report.html", "report.json"]
+    assert report["kind"] == "run" and report["sections"]["run"]["data"]["steps"] == 3
 
 
 def test_no_hook_left_on_any_rank_after_rank1_raises(tmp_path: Path) -> None:

@@ -30,6 +30,7 @@ from torch import nn
 from torchscope._util import output_problem
 from torchscope.capture import ActivationCapture, trace_nonfinite
 from torchscope.capture.analyze import leaf_modules
+from torchscope.distributed.world import world
 from torchscope.errors import TorchscopeError, describe
 from torchscope.grads import GradFlow, GradWatch
 from torchscope.hooks.compiled import compiled_parts, eager_stance
@@ -106,7 +107,8 @@ class Monitor(HookedContext):
 
     Attributes:
         result: the `RunRecord`, set when the block ends (also through an exception).
-        paths: (report.html, report.json) once written, else None.
+        paths: (report.html, report.json) once written, else None (as on every rank
+            but 0 under torchrun, where rank 0 writes it).
         latest: the newest sample's scalars (`torchscope/...` names), for loggers.
     """
 
@@ -213,12 +215,16 @@ class Monitor(HookedContext):
         self.latest: dict[str, float] = {}
         self.result: RunRecord | None = None
         self.paths: tuple[Path, Path] | None = None
+        self._writes = True  # this rank writes the report (`open`)
 
     # ------------------------------------------------------------------ lifecycle
     def open(self) -> None:
         """Open the watches, in the order their root hooks must run (see the module doc)."""
         model = self._model
         assert model is not None
+        # Under torchrun every rank runs this monitor, and one folder is every rank's `out`:
+        # rank 0 writes the report, read now (the group may be gone at close).
+        self._writes = world().rank == 0
         params = list(model.parameters())
         device = params[0].device if params else torch.device("cpu")
         self._cuda = device if device.type == "cuda" else None
@@ -306,7 +312,7 @@ class Monitor(HookedContext):
         if self._grads is None:
             return  # open() failed before anything ran
         self.result = dataclasses.replace(self._record(stopped=failed), param_groups=groups)
-        if self._out is not None:
+        if self._out is not None and self._writes:
             from torchscope.monitoring.report import write_run_report
 
             try:
@@ -731,7 +737,8 @@ def monitor(
         optimizer: its optimizer; its `step()` calls are the steps (None: inferred).
         every: sample one step in `every`.
         out: folder for report.html and report.json (created now, so a bad path fails
-            before training); None writes nothing (read `result`).
+            before training); None writes nothing (read `result`). Under torchrun rank 0
+            writes it, from its own record; every rank's `result` holds its own.
         scaler: the loop's `torch.amp.GradScaler`, if any (its scale is divided out of
             the norms; a float16 autocast run without one is a `run.fp16_unscaled` warning).
             Not given, the scaler whose `step(optimizer)` steps the optimizer is found at
