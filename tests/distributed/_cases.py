@@ -123,11 +123,19 @@ def ddp_unused(rank: int, world: int, out: Path) -> dict[str, Any]:
     x, y = batch(rank, world)
     flow = torchscope.gradient_flow(model, x, loss_fn="cross_entropy", target=y)
     found = [f for f in flow.findings() if f.code == "grads.ranks_diverge"]
+    actual = {n: None if p.grad is None else p.grad.norm().item()
+              for n, p in net.named_parameters()}
+    # DDP's reducer still waits for the unused gradient: the next forward raises, and what
+    # is wrong is the wrap, not the inputs.
+    try:
+        torchscope.gradient_flow(model, x, loss_fn="cross_entropy", target=y)
+        second = None
+    except torchscope.TorchscopeError as exc:
+        second = exc.fix
     return {"codes": [f.code for f in flow.findings()],
             "summary": found[0].summary if found else None,
             "severity": found[0].severity.label if found else None,
-            "actual": {n: None if p.grad is None else p.grad.norm().item()
-                       for n, p in net.named_parameters()}}
+            "actual": actual, "second": second}
 
 
 def fsdp_norms(rank: int, world: int, out: Path) -> dict[str, Any]:

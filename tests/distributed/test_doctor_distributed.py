@@ -189,6 +189,49 @@ def test_cli_a_tied_lm_on_two_ranks_matches_one_process(tmp_path: Path, strategy
         assert row["grad_norm"] == pytest.approx(float(reference), rel=1e-5)
 
 
+_UNUSED = """
+import torch
+from torch import nn
+
+class WithAux(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 3)
+        self.aux = nn.Linear(8, 3)  # built, never called: no gradient
+
+    def forward(self, x):
+        return self.head(torch.relu(self.body(x)))
+
+def build():
+    torch.manual_seed(0)
+    return WithAux(), torch.randn(8, 8)
+"""
+
+
+def test_cli_ddp_on_a_model_with_an_unused_parameter_runs_every_section(
+        tmp_path: Path) -> None:
+    """DDP without find_unused_parameters waits for the unused parameter's gradient and
+    raises at the next step: the memory and time sections failed, told to pass other
+    inputs, and the gradients section read a divergence between ranks. The doctor finds
+    the unused parameter first (one step before wrapping), wraps with
+    find_unused_parameters=True, says so, and names the parameter."""
+    (tmp_path / "aux.py").write_text(_UNUSED)
+    out = tmp_path / "rep"
+    res, _, left = _run([sys.executable, "-m", "torchscope", "doctor",
+                         f"{tmp_path / 'aux.py'}:build", "--nproc", "2", "--strategy", "ddp",
+                         "--fast", "--skip", "activations", "--out", str(out)])
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert left == []
+    doc = _check_report(out, "ddp")
+    assert [doc["sections"][k]["status"] for k in ("gradients", "memory", "profile")] == \
+        ["ok", "ok", "ok"]
+    assert doc["environment"]["find_unused_parameters"] is True
+    codes = {f["code"]: f for f in doc["findings"]}
+    assert "grads.ranks_diverge" not in codes
+    assert "aux" in codes["grads.unreached"]["summary"]
+
+
 def test_cli_rank_that_raises_is_one_line_exit_2_and_leaves_no_process(tmp_path: Path) -> None:
     target = tmp_path / "model.py"
     target.write_text(_FAILS_ON_RANK_1)

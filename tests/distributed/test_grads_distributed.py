@@ -60,6 +60,10 @@ def test_ddp_unused_parameter_raises_divergence(tmp_path: Path) -> None:
         assert "a.weight" in a["summary"]
     # torch agrees: DDP never all-reduced, the ranks hold different gradients.
     assert ranks[0]["actual"]["a.weight"] != ranks[1]["actual"]["a.weight"]
+    # The next step's forward raises in DDP's reducer: the fix names the wrap, not inputs.
+    for a in ranks:
+        assert a["second"] is not None and "find_unused_parameters=True" in a["second"]
+        assert "--input" not in a["second"]
 
 
 def test_fsdp2_global_norms_match_one_process(tmp_path: Path) -> None:

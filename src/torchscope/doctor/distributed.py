@@ -38,11 +38,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchscope.distributed.comm import TIMEOUT_ENV, DistributedError, RankLostError
+from torchscope._process import seeded
+from torchscope.distributed.comm import (
+    TIMEOUT_ENV,
+    DistributedError,
+    RankLostError,
+    all_reduce_sum,
+    comm_device,
+)
 from torchscope.distributed.ranked import gather, rank_list
 from torchscope.distributed.world import world
 from torchscope.doctor.ranks import RankRecords, RanksRecord, ranks_outcome
-from torchscope.doctor.runner import DoctorReport, run_doctor
+from torchscope.doctor.runner import DoctorReport, doctor_step, run_doctor
 from torchscope.doctor.section import DoctorOptions, Section
 from torchscope.doctor.sections import MemorySection, registered_sections
 from torchscope.errors import describe
@@ -63,6 +70,7 @@ __all__ = [
     "rank_inputs",
     "run_rank",
     "under_torchrun",
+    "unused_anywhere",
     "wrap_model",
 ]
 
@@ -175,15 +183,18 @@ def shard_units(model: nn.Module) -> list[nn.Module]:
     return chosen
 
 
-def wrap_model(model: nn.Module, strategy: str, device: torch.device) -> nn.Module:
-    """The model as the strategy trains it: `DistributedDataParallel(model)`, or the model
-    with `fully_shard` applied to each of `shard_units(model)` and then to the root (a
-    one-dimensional mesh over every rank)."""
+def wrap_model(model: nn.Module, strategy: str, device: torch.device, *,
+               find_unused: bool = False) -> nn.Module:
+    """The model as the strategy trains it: `DistributedDataParallel(model)` (with
+    `find_unused_parameters=find_unused`), or the model with `fully_shard` applied to each
+    of `shard_units(model)` and then to the root (a one-dimensional mesh over every
+    rank)."""
     if strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
         ids = [device.index] if device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=ids)
+        return DistributedDataParallel(model, device_ids=ids,
+                                       find_unused_parameters=find_unused)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -192,6 +203,26 @@ def wrap_model(model: nn.Module, strategy: str, device: torch.device) -> nn.Modu
         fully_shard(unit, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
+
+
+def unused_anywhere(model: nn.Module, inputs: ModelInputs, options: DoctorOptions) -> bool:
+    """Whether a parameter that requires grad gets no gradient in the doctor's step on some
+    rank. DDP must then look for them every step (`find_unused_parameters=True`): without
+    it its reducer waits for their gradients and raises at the next step ("Expected to
+    have finished reduction in the prior iteration"), so every section after the first
+    failed. One step of the model on this rank's rows, before it is wrapped, the model
+    given back as it was; one all_reduce of the count, on every rank. A step that raises
+    counts none here: the sections run it again, and each says how it failed."""
+    missing = 0
+    try:
+        step = doctor_step(model, inputs, options)
+        with seeded(options.seed), step.preserved(clear_grads=True):
+            step.forward_backward()
+            missing = sum(p.requires_grad and p.grad is None for p in model.parameters())
+    except Exception:  # the sections run the step again and report how it failed
+        missing = 0
+    return bool(all_reduce_sum(torch.tensor([float(missing)], device=comm_device()),
+                               what="the doctor's unused-parameter count").item())
 
 
 class _RankMemorySection(MemorySection):
@@ -251,8 +282,9 @@ def run_rank(job: DistributedJob) -> DoctorReport | None:
         inputs = rank_inputs(load_inputs(loaded, job.specs, job.inputs_fn), w.rank,
                              w.world_size).to(device)
         model = loaded.model.to(device)
-        wrapped = wrap_model(model, job.strategy, device)
         options = replace(job.options, device=str(device))
+        unused = job.strategy == "ddp" and unused_anywhere(model, inputs, options)
+        wrapped = wrap_model(model, job.strategy, device, find_unused=unused)
         t0 = time.perf_counter()
         report = run_doctor(wrapped, inputs, options=options, sections=_sections(options),
                             name=loaded.name)
@@ -268,6 +300,8 @@ def run_rank(job: DistributedJob) -> DoctorReport | None:
         record = RanksRecord(w.world_size, job.strategy, str(w.backend), joined.results)
         env = {**report.environment, "world_size": w.world_size, "strategy": job.strategy,
                "backend": str(w.backend)}
+        if job.strategy == "ddp":
+            env["find_unused_parameters"] = unused
         left_out = tuple(SectionOutcome(name=s.name, title=s.title, status="skipped",
                                         note=LEFT_OUT[s.name], capability=s.capability,
                                         renderer=s)

@@ -21,7 +21,7 @@ from torchscope.hooks.session import check_not_scripted
 from torchscope.report.document import Report, SectionOutcome, TargetInfo, machine_facts
 from torchscope.step import Step, StepInfo
 
-__all__ = ["DoctorEvent", "DoctorReport", "run_doctor"]
+__all__ = ["DoctorEvent", "DoctorReport", "doctor_step", "run_doctor"]
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,9 @@ def _run_one(section: Section[Any], step: Step, options: DoctorOptions) -> Secti
                           data=data, findings=findings, metrics=metrics, **base)
 
 
-def _doctor_step(model: nn.Module | Step, inputs: Any, options: DoctorOptions) -> Step:
+def doctor_step(model: nn.Module | Step, inputs: Any, options: DoctorOptions) -> Step:
+    """The training step every section of the doctor measures: `model` itself where it is a
+    `Step`, else the model on `inputs` with the options' loss and autocast, and plain SGD."""
     if isinstance(model, Step):
         given = ("loss_fn", options.loss_fn) if options.loss_fn != "auto" else \
             ("autocast", options.autocast) if options.autocast is not None else None
@@ -126,7 +128,7 @@ def run_doctor(
     options = options or DoctorOptions()
     # Every section would fail on it the same way: one error, before any work.
     check_not_scripted(model.model if isinstance(model, Step) else model)
-    step = _doctor_step(model, inputs, options)
+    step = doctor_step(model, inputs, options)
     chosen = list(sections) if sections is not None else registered_sections()
     created = datetime.now(timezone.utc).isoformat(timespec="seconds")
     t0 = time.perf_counter()

@@ -277,9 +277,16 @@ def call_model(model: nn.Module, inputs: ModelInputs) -> Any:
         raise  # raised on purpose by a torchscope hook: already says what to do
     except Exception as exc:
         label = _failing_module(model, exc.__traceback__)
+        # DDP's reducer raises in the next forward when a parameter got no gradient in the
+        # last backward: the inputs are not at fault.
+        unused = "Expected to have finished reduction in the prior iteration" in str(exc)
         raise ModelError(
             f"the model raised in {label}: {describe(exc)} "
             f"(inputs {inputs.describe()}).",
-            fix="pass inputs that fit the model with --input SHAPE or --inputs file.py:fn, or "
+            fix="a parameter that requires grad got no gradient in the previous step: wrap "
+            "the model with DistributedDataParallel(..., find_unused_parameters=True), or "
+            "make every trainable parameter take part in the loss (freeze the others)."
+            if unused else
+            "pass inputs that fit the model with --input SHAPE or --inputs file.py:fn, or "
             "rerun with --debug for the traceback.",
         ) from exc
