@@ -75,6 +75,12 @@ def test_doctor_out_that_is_a_file(tmp_path: Path) -> None:
         (["memory", "mlp", "--plot", "memory.txt"], ["must end in .png or .svg"]),
         (["grads", "mlp", "--plot", "flow.jpg"], ["must end in .png or .svg"]),
         (["doctor", "mlp", "--compile-modes", "default,bogus"], ["bogus", "reduce-overhead"]),
+        (["grads", "mlp", "--lr", "inf"], ["--lr inf"]),
+        (["profile", "mlp", "--lr", "inf"], ["--lr inf"]),
+        (["memory", "deep-mlp", "-b", "64KB", "-c", "all"], ["--budget 64KB", "--checkpoint all"]),
+        (["memory", "deep-mlp", "-b", "64KB", "-c", "sqrt"], ["--checkpoint sqrt"]),
+        (["compile", "mlp", "--warmup", "-1"], ["warmup=-1", "--warmup"]),
+        (["compile", "mlp", "--iters", "0"], ["iters=0", "--iters"]),
     ],
 )
 def test_bad_option_value(argv: list[str], needles: list[str]) -> None:
@@ -119,3 +125,19 @@ def test_a_torchscript_model_is_one_line_before_any_work(tmp_path: Path) -> None
                                 *(["--out", str(out)] if command == "doctor" else [])],
                                "TorchScript module", "pass the eager module")
     assert not out.exists()
+
+
+def test_the_heatmap_next_to_a_plot_is_checked_before_any_work(tmp_path: Path) -> None:
+    """With --steps 2 the grads command also writes FLOW-heatmap.png: a folder there failed
+    after the training steps, named the wrong path and left FLOW.png behind."""
+    (tmp_path / "flow-heatmap.png").mkdir()
+    _assert_one_line_error(["grads", "mlp", "--steps", "2", "--plot",
+                            str(tmp_path / "flow.png")], "flow-heatmap.png", "is a folder")
+    assert not (tmp_path / "flow.png").exists()
+
+
+def test_a_factory_that_exits_is_one_line(tmp_path: Path) -> None:
+    """A factory reaching a script's sys.exit() ended the CLI with that code and no word."""
+    (tmp_path / "script.py").write_text("import sys\n\n\ndef build():\n    sys.exit(3)\n")
+    _assert_one_line_error(["capture", f"{tmp_path / 'script.py'}:build", "--input", "4x8"],
+                           "called sys.exit(3)", "__main__")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Annotated
 
@@ -55,6 +56,10 @@ def grads(
     with guarded(debug):
         check_output(json_path, "--json")
         check_output(plot, "--plot", suffixes=(".png", ".svg"))
+        if plot and steps > 1:  # the heatmap written next to it
+            p = Path(plot)
+            check_output(str(p.with_name(f"{p.stem}-heatmap{p.suffix}")), "--plot's heatmap",
+                         suffixes=(".png", ".svg"))
 
         from torchscope.errors import TorchscopeError
         from torchscope.grads import watch_gradients
@@ -66,7 +71,7 @@ def grads(
         precision = autocast_name(autocast)
         if steps < 1:
             raise TorchscopeError(f"--steps {steps} runs nothing.", fix="pass --steps 1 or more.")
-        if not lr > 0:
+        if not (math.isfinite(lr) and lr > 0):
             raise TorchscopeError(f"--lr {lr} is not a positive learning rate.",
                                   fix="pass e.g. --lr 0.01.")
 

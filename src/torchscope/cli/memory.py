@@ -108,6 +108,11 @@ def memory(
             raise TorchscopeError(f"--repeats {repeats} must be at least 1.", fix="use 1+.")
         precision = autocast_name(autocast)
         limit = parse_bytes(budget) if budget is not None else None
+        if limit is not None and checkpoint in ("all", "sqrt"):
+            raise TorchscopeError(
+                f"--budget {budget} was given with --checkpoint {checkpoint}, a plan that "
+                "takes no budget.", fix="drop --checkpoint (--budget implies auto), or drop "
+                "--budget.")
         loaded, model_inputs = load(target, input, inputs)
         model = loaded.model
         if checkpoint != "none" or limit is not None:

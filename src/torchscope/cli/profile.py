@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Annotated
 
@@ -84,7 +85,7 @@ def profile(
         if trace_steps < 1:
             raise ProfilingError(f"--trace-steps {trace_steps} keeps no step in the trace.",
                                  fix="pass --trace-steps 1 or more.")
-        if not lr > 0:
+        if not (math.isfinite(lr) and lr > 0):
             raise ProfilingError(f"--lr {lr} is not a positive learning rate.",
                                  fix="pass e.g. --lr 0.01.")
         dev = device_of(device)

@@ -192,9 +192,12 @@ def _check(modes: Sequence[str], measure: str, iters: int, warmup: int, timeout_
         raise CompileError(f"measure={measure!r} is not something compile_report times.",
                            fix="pass measure='forward' (inference) or measure='step' "
                            "(forward, loss and backward of the training step).")
-    if iters < 1 or warmup < 0:
-        raise CompileError(f"iters={iters}, warmup={warmup}: need iters >= 1, warmup >= 0.",
-                           fix="pass --iters 20 or more.")
+    if iters < 1:
+        raise CompileError(f"iters={iters} times no call.", fix="pass iters=20 or more "
+                           "(--iters).")
+    if warmup < 0:
+        raise CompileError(f"warmup={warmup} is below zero.", fix="pass warmup=0 or more "
+                           "(--warmup).")
     if not timeout_s > 0:
         raise CompileError(f"timeout_s={timeout_s} leaves no time to compile.",
                            fix="pass --timeout 600 (seconds per mode) or another positive value.")

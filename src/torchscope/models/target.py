@@ -160,6 +160,10 @@ def _call(spec: str, what: str, fix: str) -> Any:
     try:
         with seeded(0):
             return fn()
+    except SystemExit as exc:  # a script's `sys.exit()` reached through its factory
+        raise ModelError(f"{what} {spec} called sys.exit({exc.code!r}).",
+                         fix=f"{fix} without exiting (keep a script's exit under "
+                         "`if __name__ == '__main__':`), or rerun with --debug.") from exc
     except Exception as exc:
         raise ModelError(f"{what} {spec} raised {type(exc).__name__}: {exc}.",
                          fix=f"{fix}, or rerun with --debug.") from exc
