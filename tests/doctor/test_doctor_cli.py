@@ -214,3 +214,26 @@ def test_doctor_leaves_model_untouched() -> None:
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert all(p.grad is None for p in model.parameters())
     assert [m.training for m in model.modules()] == flags
+
+
+def test_failed_sections_are_not_reported_as_nothing_wrong(tmp_path: Path) -> None:
+    """Every parameter frozen: the training step has no loss to differentiate, so the
+    sections that run it fail. The terminal said 'nothing looked wrong', and --fail-on error
+    exited 0."""
+    factory = tmp_path / "frozen.py"
+    factory.write_text(
+        "import torch\nfrom torch import nn\n\n\n"
+        "def build():\n"
+        "    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))\n"
+        "    model.requires_grad_(False)\n"
+        "    return model, torch.randn(4, 8)\n")
+    argv = ["doctor", f"{factory}:build", "--fast", "--skip", "compile,lint",
+            "--out", str(tmp_path / "r")]
+    res = runner.invoke(app, argv)
+    doc = json.loads((tmp_path / "r" / "report.json").read_text())
+    failed = [name for name, s in doc["sections"].items() if s["status"] == "failed"]
+    assert res.exit_code == 0 and failed, res.output
+    assert "nothing looked wrong" not in res.output
+    assert f"{len(failed)} section(s) failed" in res.output
+    res = runner.invoke(app, [*argv, "--fail-on", "error"])
+    assert res.exit_code == 1, res.output

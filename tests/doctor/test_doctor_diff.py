@@ -111,3 +111,23 @@ def test_diff_bad_input_exit_2_one_line(tmp_path: Path, content: str | None) -> 
     lines = [ln for ln in res.output.splitlines() if ln.strip()]
     assert len(lines) == 1 and "Traceback" not in res.output
     assert "unexpected" not in res.output, res.output
+
+
+def test_a_folder_without_a_report_and_reports_of_two_kinds_are_refused(
+        tmp_path: Path, real_report: dict) -> None:
+    """A folder without report.json was said not to exist; a doctor report against a run
+    report compared nothing (every metric new or gone) and said 'no regression'."""
+    good = _write(tmp_path / "good.json", real_report)
+    (tmp_path / "empty").mkdir()
+    res = runner.invoke(app, ["diff", good, str(tmp_path / "empty")])
+    assert res.exit_code == 2 and "is a folder without a report.json" in res.output, res.output
+    run = _write(tmp_path / "run.json", {**real_report, "kind": "run"})
+    res = runner.invoke(app, ["diff", good, run])
+    lines = [ln for ln in res.output.splitlines() if ln.strip()]
+    assert res.exit_code == 2 and len(lines) == 1, res.output
+    assert "a doctor report" in lines[0] and "a run report" in lines[0]
+    # Two reports of one kind with no metric in common say so, though rows are new/gone.
+    a = _write(tmp_path / "a.json", _doc(**{"a.b": (1.0, "lower")}))
+    b = _write(tmp_path / "b.json", _doc(**{"c.d": (1.0, "lower")}))
+    res = runner.invoke(app, ["diff", a, b])
+    assert res.exit_code == 0 and "share no metric" in res.output, res.output

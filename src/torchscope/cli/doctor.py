@@ -67,7 +67,8 @@ def doctor(
         "--compile-modes", help="torch.compile modes to measure, comma-separated.")] = "default",
     device: Annotated[str, typer.Option(help="cpu, cuda, cuda:N or auto.")] = "auto",
     fail_on: Annotated[str | None, typer.Option(
-        "--fail-on", help="Exit 1 when a finding is at least this severe: error or warning.")
+        "--fail-on", help="Exit 1 when a finding is at least this severe: error or warning "
+        "(or when a section failed).")
     ] = None,
     nproc: Annotated[int | None, typer.Option(
         "--nproc", help="Run on this many ranks on this machine (torch's elastic launcher), "
@@ -195,8 +196,15 @@ def _print_report(report: DoctorReport, out: str, floor: Severity | None, debug:
     if report.step is not None:
         console.print(report.step.describe(), highlight=False, soft_wrap=True)
     findings = report.section_findings()
+    failed = [o.name for o in report.outcomes if o.status == "failed"]
     if findings:
         console.print(findings_table(findings, title="Findings, most severe first"))
+        if failed:
+            console.print(f"{len(failed)} section(s) failed ({', '.join(failed)}): see the "
+                          "table above.")
+    elif failed:
+        console.print(f"No findings in the sections that ran; {len(failed)} section(s) "
+                      f"failed ({', '.join(failed)}): see the table above.")
     else:
         console.print("No findings: nothing looked wrong in the sections that ran.")
     ranks = next((o for o in report.outcomes if o.name == "ranks" and o.status == "ok"), None)
@@ -207,7 +215,8 @@ def _print_report(report: DoctorReport, out: str, floor: Severity | None, debug:
         for title, columns, rows in RanksSection().tables(ranks.record):
             console.print(ranks_table(columns, rows, title=title))
     console.print(f"wrote {Path(out) / 'report.html'} and {Path(out) / 'report.json'}")
-    if floor is not None and any(f.severity >= floor for f in report.findings()):
+    # A section that failed could not look: under --fail-on it fails the run too.
+    if floor is not None and (failed or any(f.severity >= floor for f in report.findings())):
         raise typer.Exit(1)
 
 
@@ -249,17 +258,24 @@ def diff(
     """Compare two doctor reports; exit 1 when a metric regressed beyond its threshold."""
     with guarded(debug):
         check_output(json_path, "--json")
+        from torchscope.errors import TorchscopeError
         from torchscope.report.diff import diff_documents, parse_thresholds
         from torchscope.report.doctor import diff_table
         from torchscope.report.document import load_document
 
         thresholds = parse_thresholds(threshold or [])
-        result = diff_documents(load_document(old), load_document(new), thresholds,
-                                old_name=old, new_name=new)
+        docs = load_document(old), load_document(new)
+        kinds = [d.get("kind", "doctor") for d in docs]
+        if kinds[0] != kinds[1]:
+            raise TorchscopeError(
+                f"{old} is a {kinds[0]} report and {new} a {kinds[1]} report: they measure "
+                "different things.", fix="compare two reports of one kind (two doctor "
+                "reports, or two run reports).")
+        result = diff_documents(*docs, thresholds, old_name=old, new_name=new)
         console.print(diff_table(result))
         if json_path:
             save_json(json_path, result)
-        if not result.changes:
+        if not any(c.status not in ("new", "gone") for c in result.changes):
             console.print("the two reports share no metric.")
         regressions = result.regressions
         if regressions:

@@ -257,7 +257,11 @@ def load_document(path: str | Path) -> dict[str, Any]:
             `metrics` object.
     """
     p = Path(path)
-    if p.is_dir() and (p / "report.json").is_file():
+    if p.is_dir():
+        if not (p / "report.json").is_file():
+            raise _bad(path, " is a folder without a report.json.",
+                       fix="pass the folder `torchscope doctor --out` wrote, or its "
+                       "report.json.")
         p = p / "report.json"
     if not p.is_file():
         raise _bad(path, " does not exist.")
