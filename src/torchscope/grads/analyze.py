@@ -894,10 +894,11 @@ def _dead_parts(flow: GradFlow, modules: list[str]) -> dict[str, list[str]]:
     them: the topmost such part -> its modules among them, in `modules`' order."""
     dead = set(modules)
     known = {r.module for r in flow.modules} | {p.module for p in flow.params}
+    # The parts that hold a measured module which is not dead: it and everything above it.
+    live = {a for x in known if x not in dead for a in (*_ancestors(x), x)}
     parts: dict[str, list[str]] = {}
     for m in modules:
-        tops = [a for a in _ancestors(m)[1:]  # not the root
-                if all(x in dead for x in known if _within(x, a))]
+        tops = [a for a in _ancestors(m)[1:] if a not in live]  # not the root
         if tops:
             parts.setdefault(tops[0], []).append(m)
     return {top: inside for top, inside in parts.items() if len(inside) > 1}
