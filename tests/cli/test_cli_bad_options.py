@@ -81,6 +81,7 @@ def test_doctor_out_that_is_a_file(tmp_path: Path) -> None:
         (["memory", "deep-mlp", "-b", "64KB", "-c", "sqrt"], ["--checkpoint sqrt"]),
         (["compile", "mlp", "--warmup", "-1"], ["warmup=-1", "--warmup"]),
         (["compile", "mlp", "--iters", "0"], ["iters=0", "--iters"]),
+        (["profile", "mlp", "--trace", "t.txt"], ["--trace 't.txt'", ".json.gz"]),
     ],
 )
 def test_bad_option_value(argv: list[str], needles: list[str]) -> None:

@@ -131,3 +131,14 @@ def test_a_folder_without_a_report_and_reports_of_two_kinds_are_refused(
     b = _write(tmp_path / "b.json", _doc(**{"c.d": (1.0, "lower")}))
     res = runner.invoke(app, ["diff", a, b])
     assert res.exit_code == 0 and "share no metric" in res.output, res.output
+
+
+def test_a_threshold_that_names_no_metric_is_refused(tmp_path: Path) -> None:
+    """`-t NAME=FRAC` with a NAME no metric starts with did nothing, without a word."""
+    a = _write(tmp_path / "a.json", _doc(**{"profile.step_ms": (1.0, "lower")}))
+    res = runner.invoke(app, ["diff", a, a, "-t", "profile.step=25%"])
+    assert res.exit_code == 0, res.output  # a prefix of a metric: fine
+    res = runner.invoke(app, ["diff", a, a, "-t", "profle.step_ms=25%"])
+    lines = [ln for ln in res.output.splitlines() if ln.strip()]
+    assert res.exit_code == 2 and len(lines) == 1, res.output
+    assert "profle.step_ms" in lines[0] and "profile.step_ms" in lines[0]

@@ -271,6 +271,17 @@ def diff(
                 f"{old} is a {kinds[0]} report and {new} a {kinds[1]} report: they measure "
                 "different things.", fix="compare two reports of one kind (two doctor "
                 "reports, or two run reports).")
+        # A NAME=FRAC that names no metric of either report would silently do nothing.
+        metrics = {m for d in docs for m in d.get("metrics", {})}
+        given = [p.rpartition("=")[0].strip() for item in threshold or []
+                 for p in item.split(",") if "=" in p]
+        unknown = [n for n in given if not any(m.startswith(n) for m in metrics)]
+        if unknown:
+            shown = ", ".join(sorted(metrics)[:4])
+            raise TorchscopeError(
+                f"--threshold {unknown[0]}=... names no metric of either report.",
+                fix=f"use a metric name or its prefix: {shown}, ... (the diff table lists "
+                "them all).")
         result = diff_documents(*docs, thresholds, old_name=old, new_name=new)
         console.print(diff_table(result))
         if json_path:

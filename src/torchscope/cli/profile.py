@@ -73,6 +73,11 @@ def profile(
         from torchscope.report.profiling import profile_text, summary_renderables
         from torchscope.step import LOSSES, Step
 
+        if trace and not trace.lower().endswith((".json", ".json.gz")):
+            # torch writes a Chrome trace as JSON (gzipped for .gz) whatever the name.
+            raise ProfilingError(f"--trace {trace!r} must end in .json or .json.gz.",
+                                 fix="write e.g. --trace trace.json.")
+
         loss_fn = choice("--loss", loss, LOSSES)
         precision = autocast_name(autocast)
         choice("--sort", sort, SORT_KEYS)
