@@ -130,10 +130,29 @@ def diff_documents(
         old, new: documents as `load_document` returns them.
         thresholds: as `parse_thresholds` returns them; default `DEFAULT_THRESHOLDS`.
         old_name, new_name: how to call the two reports in output.
+
+    Raises:
+        ThresholdError: the documents are of two kinds (a doctor report and a run report
+            measure different things), or a threshold beyond the defaults names no metric
+            of either (it would do nothing).
     """
+    kinds = [str(d.get("kind", "doctor")) for d in (old, new)]
+    if kinds[0] != kinds[1]:
+        raise ThresholdError(
+            f"{old_name} is a {kinds[0]} report and {new_name} a {kinds[1]} report: they "
+            "measure different things.", fix="compare two reports of one kind (two doctor "
+            "reports, or two run reports).")
     th = dict(thresholds) if thresholds is not None else dict(DEFAULT_THRESHOLDS)
     om: Mapping[str, Any] = old.get("metrics", {})
     nm: Mapping[str, Any] = new.get("metrics", {})
+    unknown = [k for k in th if k not in DEFAULT_THRESHOLDS
+               and not any(m.startswith(k) for m in (*om, *nm))]
+    if unknown:
+        shown = ", ".join(sorted({*om, *nm})[:4])
+        raise ThresholdError(
+            f"--threshold {unknown[0]}=... names no metric of either report.",
+            fix=f"use a metric name or its prefix: {shown}, ... (the diff table lists "
+            "them all).")
     changes = []
     for name in sorted(set(om) | set(nm)):
         meta = nm.get(name) or om.get(name) or {}
