@@ -19,7 +19,7 @@ from torchscope.distributed.world import World
 from torchscope.findings import Finding, Severity
 from torchscope.models import TinyCNN
 from torchscope.profiling import ProfileResult, profile_steps
-from torchscope.profiling.analyze import own_ms, ranked_profile_findings
+from torchscope.profiling.analyze import comm_findings, own_ms, ranked_profile_findings
 from torchscope.profiling.records import CommOp, CommTime, StepTiming
 
 
@@ -113,3 +113,13 @@ def test_one_slow_step_is_no_straggler(base: ProfileResult) -> None:
     # Without the waits per step, the means alone still name it (the old judgement).
     assert len(_straggler([_rank(base, [8.0, 8.0, 8.0], [2.0, 2.0, 2.0]),
                            _rank(base, [22.0, 8.0, 8.0], [2.0, 4.0, 4.0])])) == 1
+
+
+def test_exposed_communication_points_to_the_straggler_finding(base: ProfileResult) -> None:
+    # Rank 0 waits 9 of its 10 ms a step. The doctor has joined the ranks already, so the
+    # fix must not send its user to gather them again: it names the finding that does.
+    waiting = _rank(base, [10.0, 10.0, 10.0], [9.0, 9.0, 9.0])
+    (found,) = [f for f in comm_findings(waiting) if f.code == "profiling.comm_exposed"]
+    assert found.severity is Severity.WARNING
+    assert found.fix is not None and "profiling.straggler" in found.fix
+    assert "the doctor and watch_time join them" in found.fix

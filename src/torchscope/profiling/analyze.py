@@ -302,9 +302,13 @@ def comm_findings(result: ProfileResult, thresholds: ProfileThresholds | None = 
             f"the step waits {c.exposed_ms:.3g} ms of its {step_ms:.3g} ms mean "
             f"({100 * share:.0f}%) for communication ({c.comm_ms:.3g} ms per step{hidden}; {ops}).",
             evidence,
-            fix="gather every rank's profile (result.gather()) to see whether one rank is a "
-            "straggler; otherwise give each step more compute (a larger batch, gradient "
-            "accumulation under no_sync) or fewer, larger collectives (DDP bucket_cap_mb).")]
+            # The doctor and watch_time have already joined the ranks (and told any
+            # straggler); only a caller of profile_steps has a gather left to do.
+            fix="if one rank is slower the others wait for it: profiling.straggler names it "
+            "once every rank's profile is joined on rank 0 (the doctor and watch_time join "
+            "them; after profile_steps, call result.gather() on every rank). Otherwise give "
+            "each step more compute (a larger batch, gradient accumulation under no_sync) or "
+            "fewer, larger collectives (DDP bucket_cap_mb).")]
     return [Finding(
         "profiling.comm", Severity.INFO,
         f"communication takes {c.comm_ms:.3g} ms per step{hidden}; the step waits "
