@@ -69,8 +69,8 @@ def test_doctor_out_that_is_a_file(tmp_path: Path) -> None:
         (["profile", "mlp", "--by", "module", "--depth", "-1"], ["--depth -1"]),
         (["profile", "mlp", "--trace-steps", "0"], ["--trace-steps 0"]),
         (["profile", "mlp", "--lr", "-1"], ["--lr -1.0"]),
-        (["compile", "mlp", "--timeout", "0"], ["timeout_s=0.0"]),
-        (["compile", "mlp", "--timeout", "-1"], ["timeout_s=-1.0"]),
+        (["compile", "mlp", "--timeout", "0"], ["--timeout 0 "]),
+        (["compile", "mlp", "--timeout", "-1"], ["--timeout -1 "]),
         (["doctor", "mlp", "--steps", "0"], ["--steps 0"]),
         (["memory", "mlp", "--plot", "memory.txt"], ["must end in .png or .svg"]),
         (["grads", "mlp", "--plot", "flow.jpg"], ["must end in .png or .svg"]),
@@ -79,13 +79,39 @@ def test_doctor_out_that_is_a_file(tmp_path: Path) -> None:
         (["profile", "mlp", "--lr", "inf"], ["--lr inf"]),
         (["memory", "deep-mlp", "-b", "64KB", "-c", "all"], ["--budget 64KB", "--checkpoint all"]),
         (["memory", "deep-mlp", "-b", "64KB", "-c", "sqrt"], ["--checkpoint sqrt"]),
-        (["compile", "mlp", "--warmup", "-1"], ["warmup=-1", "--warmup"]),
-        (["compile", "mlp", "--iters", "0"], ["iters=0", "--iters"]),
+        (["compile", "mlp", "--warmup", "-1"], ["--warmup -1", "--warmup 0 or more"]),
+        (["compile", "mlp", "--iters", "0"], ["--iters 0", "--iters 1 or more"]),
         (["profile", "mlp", "--trace", "t.txt"], ["--trace 't.txt'", ".json.gz"]),
     ],
 )
 def test_bad_option_value(argv: list[str], needles: list[str]) -> None:
     _assert_one_line_error(argv, *needles)
+
+
+@pytest.mark.parametrize(
+    ("argv", "option", "least"),
+    [
+        (["profile", "mlp", "--steps", "0"], "--steps", 1),
+        (["profile", "mlp", "--wait", "-1"], "--wait", 0),
+        (["profile", "mlp", "--warmup", "-1"], "--warmup", 0),
+        (["grads", "mlp", "--steps", "0"], "--steps", 1),
+        (["capture", "mlp", "--depth", "-1"], "--depth", 0),
+        (["grads", "mlp", "--depth", "-2"], "--depth", 0),
+        (["memory", "mlp", "--depth", "-1"], "--depth", 0),
+        (["memory", "mlp", "--repeats", "0"], "--repeats", 1),
+        (["compile", "mlp", "--timeout", "nan"], "--timeout", None),
+    ],
+)
+def test_a_number_out_of_range_is_named_as_the_option(argv: list[str], option: str,
+                                                        least: int | None) -> None:
+    """The line names the option as typed, not the Python argument behind it: these said
+    `steps=0`, `depth=-1` (with a fix of `depth=None`, which no option can pass) or
+    `timeout_s=nan`, and mlp has no known input, so they must fail before loading it."""
+    value = argv[-1]
+    fix = f"pass {option} {least} or more" if least is not None else f"pass {option} 600"
+    _assert_one_line_error(argv, f"{option} {value} ", fix)
+    line = runner.invoke(app, argv).output
+    assert f"{option.lstrip('-')}=" not in line and "depth=None" not in line, line
 
 
 @pytest.mark.parametrize(

@@ -167,6 +167,20 @@ def choice(option: str, value: str, choices: Sequence[C]) -> C:
     fail(f"{option} {value!r} is not one of {', '.join(choices)}. Fix: pick one of those.")
 
 
+def at_least(option: str, value: float | None, least: int, effect: str) -> None:
+    """Fail before any work when a numeric option is below `least` (None passes: the option
+    was not given). The line names the option as typed, not the Python argument behind it.
+
+    Args:
+        option: the option, e.g. `--steps`.
+        value: what was given.
+        least: the smallest value that does something.
+        effect: what `value` would do, e.g. "profiles no step".
+    """
+    if value is not None and not value >= least:  # NaN included
+        fail(f"{option} {value:g} {effect}. Fix: pass {option} {least} or more.")
+
+
 def split_commas(*values: str | None) -> list[str]:
     """The items of comma-separated option values (`a,b` and `c` give a, b, c), blanks dropped."""
     return [p.strip() for v in values if v for p in v.split(",") if p.strip()]

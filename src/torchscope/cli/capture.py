@@ -13,6 +13,7 @@ from torchscope.cli._common import (
     JsonOpt,
     SelectOpt,
     TargetArg,
+    at_least,
     autocast_name,
     check_output,
     console,
@@ -45,6 +46,7 @@ def capture(
         from torchscope.step import Step
 
         precision = autocast_name(autocast)
+        at_least("--depth", depth, 0, "selects no module")
         loaded, model_inputs = load(target, input, inputs)
         step = Step(loaded.model, model_inputs).with_autocast(precision)
         cap = capture_activations(step, select=select, depth=depth)

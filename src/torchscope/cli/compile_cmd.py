@@ -14,11 +14,13 @@ from torchscope.cli._common import (
     JsonOpt,
     LossOpt,
     TargetArg,
+    at_least,
     autocast_name,
     check_output,
     choice,
     console,
     err_console,
+    fail,
     guarded,
     is_tty,
     load,
@@ -76,6 +78,11 @@ def compile_command(
         loss_fn = choice("--loss", loss, LOSSES)
         precision = autocast_name(autocast)
         dyn = _DYNAMIC[choice("--dynamic", dynamic.lower(), tuple(_DYNAMIC))]
+        at_least("--iters", iters, 1, "times no call")
+        at_least("--warmup", warmup, 0, "is below zero")
+        if not timeout > 0:  # NaN included
+            fail(f"--timeout {timeout:g} leaves no time to compile. Fix: pass --timeout 600 "
+                 "(seconds per mode) or another positive value.")
         mode_list = split_commas(modes)
         if not mode_list:
             raise CompileError(f"--modes {modes!r} lists nothing.", fix="pass e.g. --modes a,b.")

@@ -18,6 +18,7 @@ from torchscope.cli._common import (
     JsonOpt,
     LossOpt,
     TargetArg,
+    at_least,
     autocast_name,
     check_output,
     choice,
@@ -101,8 +102,7 @@ def doctor(
         precision = autocast_name(autocast)
         floor = None if fail_on is None else \
             Severity[choice("--fail-on", fail_on, ("error", "warning")).upper()]
-        if steps < 1:
-            fail(f"--steps {steps} profiles nothing. Fix: pass --steps 1 or more.")
+        at_least("--steps", steps, 1, "profiles nothing")
         modes = tuple(split_commas(compile_modes)) or ("default",)
         unknown_modes = [m for m in modes if m not in known_modes()]
         if unknown_modes:

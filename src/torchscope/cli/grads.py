@@ -18,6 +18,7 @@ from torchscope.cli._common import (
     LossOpt,
     SelectOpt,
     TargetArg,
+    at_least,
     autocast_name,
     check_output,
     choice,
@@ -69,8 +70,8 @@ def grads(
 
         loss_fn = choice("--loss", loss, LOSSES)
         precision = autocast_name(autocast)
-        if steps < 1:
-            raise TorchscopeError(f"--steps {steps} runs nothing.", fix="pass --steps 1 or more.")
+        at_least("--steps", steps, 1, "runs nothing")
+        at_least("--depth", depth, 0, "selects no module")
         if not (math.isfinite(lr) and lr > 0):
             raise TorchscopeError(f"--lr {lr} is not a positive learning rate.",
                                   fix="pass e.g. --lr 0.01.")

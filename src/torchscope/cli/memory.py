@@ -15,6 +15,7 @@ from torchscope.cli._common import (
     JsonOpt,
     SelectOpt,
     TargetArg,
+    at_least,
     autocast_name,
     check_output,
     console,
@@ -104,8 +105,8 @@ def memory(
         if optimizer not in _OPTIMIZERS:
             raise TorchscopeError(f"--optimizer {optimizer!r} is not supported.",
                                   fix=f"use one of {', '.join(_OPTIMIZERS)}.")
-        if repeats < 1:
-            raise TorchscopeError(f"--repeats {repeats} must be at least 1.", fix="use 1+.")
+        at_least("--repeats", repeats, 1, "measures nothing")
+        at_least("--depth", depth, 0, "selects no module")
         precision = autocast_name(autocast)
         limit = parse_bytes(budget) if budget is not None else None
         if limit is not None and checkpoint in ("all", "sqrt"):

@@ -16,6 +16,7 @@ from torchscope.cli._common import (
     JsonOpt,
     LossOpt,
     TargetArg,
+    at_least,
     autocast_name,
     check_output,
     choice,
@@ -82,14 +83,12 @@ def profile(
         precision = autocast_name(autocast)
         choice("--sort", sort, SORT_KEYS)
         choice("--by", by, ("op", "module"))
-        if limit < 1:
-            raise ProfilingError(f"--limit {limit} shows no row.", fix="pass --limit 1 or more.")
-        if depth is not None and depth < 0:
-            raise ProfilingError(f"--depth {depth} selects no module.",
-                                 fix="pass --depth 0 (the model itself) or more.")
-        if trace_steps < 1:
-            raise ProfilingError(f"--trace-steps {trace_steps} keeps no step in the trace.",
-                                 fix="pass --trace-steps 1 or more.")
+        at_least("--steps", steps, 1, "profiles no step")
+        at_least("--wait", wait, 0, "is below zero")
+        at_least("--warmup", warmup, 0, "is below zero")
+        at_least("--limit", limit, 1, "shows no row")
+        at_least("--depth", depth, 0, "selects no module")
+        at_least("--trace-steps", trace_steps, 1, "keeps no step in the trace")
         if not (math.isfinite(lr) and lr > 0):
             raise ProfilingError(f"--lr {lr} is not a positive learning rate.",
                                  fix="pass e.g. --lr 0.01.")
