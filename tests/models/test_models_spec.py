@@ -67,3 +67,25 @@ def test_load_target_is_reproducible_and_leaves_the_rng_alone(tmp_path: Path) ->
     for pa, pb in zip(a.model.parameters(), b.model.parameters(), strict=True):
         assert torch.equal(pa, pb)
     assert c.inputs is not None
+
+
+def test_an_input_larger_than_the_machine_is_refused_before_allocating() -> None:
+    # 4 TB of float32: Linux may grant it lazily and kill the process as it is filled, so
+    # the spec is measured against the RAM first. The message gives the size asked for.
+    spec = parse_spec("1000000x1000000")
+    with pytest.raises(InputSpecError, match=r"input 1000000x1000000 \(float32\) needs 3.6 TiB"):
+        spec.make()
+    # A bool is drawn as int64: 8 bytes for each of its 1-byte elements count.
+    with pytest.raises(InputSpecError, match=r"\(bool\) needs"):
+        parse_spec(f"bool:{2 ** 40}").make()
+
+
+def test_the_cli_says_an_input_is_too_large_in_one_line() -> None:
+    from typer.testing import CliRunner
+
+    from torchscope.cli import app
+
+    result = CliRunner().invoke(app, ["capture", "mlp", "--input", "100000000x100000"])
+    assert result.exit_code == 2
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and "needs 36.4 TiB" in lines[0] and "smaller" in lines[0], lines

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
+import os
 import re
 from dataclasses import dataclass
 
 import torch
 
+from torchscope._util import fmt_bytes
 from torchscope.errors import InputSpecError
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -37,7 +40,35 @@ class InputSpec:
     high: float | None = None
 
     def make(self, generator: torch.Generator | None = None) -> torch.Tensor:
-        """A random tensor of this spec: normal floats, uniform in [low, high) when given."""
+        """A random tensor of this spec: normal floats, uniform in [low, high) when given.
+
+        Raises:
+            InputSpecError: the tensor needs more memory than this machine has, or than it
+                could allocate.
+        """
+        numel = math.prod(self.shape)
+        nbytes = numel * self.dtype.itemsize
+        # What the draw holds at its peak: bools are drawn as int64, other floats than
+        # float32 are drawn in float32 and cast.
+        peak = numel * (8 if self.dtype == torch.bool else 0 if not self.dtype.is_floating_point
+                        or self.dtype == torch.float32 else 4) + nbytes
+        what = f"input {'x'.join(map(str, self.shape))} ({str(self.dtype).removeprefix('torch.')})"
+        fix = "pass a smaller shape, e.g. a smaller batch."
+        ram = _physical_memory()
+        # Linux overcommits: an allocation above the RAM can succeed and the process then be
+        # killed while it is filled, with no message at all.
+        if ram is not None and peak > ram:
+            raise InputSpecError(f"{what} needs {fmt_bytes(nbytes)}, more than this machine's "
+                                 f"{fmt_bytes(ram)} of memory.", fix=fix)
+        try:
+            return self._draw(generator)
+        except RuntimeError as exc:  # torch.OutOfMemoryError derives from it
+            if "alloc" not in str(exc).lower():
+                raise
+            raise InputSpecError(f"{what} needs {fmt_bytes(nbytes)}, which could not be "
+                                 "allocated.", fix=fix) from exc
+
+    def _draw(self, generator: torch.Generator | None) -> torch.Tensor:
         g = generator if generator is not None else torch.Generator().manual_seed(0)
         if self.dtype == torch.bool:
             return torch.randint(0, 2, self.shape, generator=g).bool()
@@ -50,6 +81,14 @@ class InputSpec:
         else:
             t = torch.randn(self.shape, generator=g)
         return t.to(self.dtype)
+
+
+def _physical_memory() -> int | None:
+    """This machine's RAM in bytes, or None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # Windows has no sysconf
+        return None
 
 
 def parse_spec(text: str) -> InputSpec:
