@@ -1056,3 +1056,36 @@ def test_an_optimizer_built_on_a_copy_of_the_model_steps_none_of_it() -> None:
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before, strict=True))
     assert watch.unoptimized == ("0.weight", "0.bias", "2.weight", "2.bias")
     assert [f.module for f in watch.findings() if f.code == "grads.not_optimized"] == ["0"]
+
+
+class _TiedLM(nn.Module):
+    """An embedding whose weight is also the LM head's, as GPT-2 ties them."""
+
+    def __init__(self, vocab: int = 50, dim: int = 16) -> None:
+        super().__init__()
+        self.emb, self.mid = nn.Embedding(vocab, dim), nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, vocab)
+        return self.head(torch.tanh(self.mid(self.emb(ids))))
+
+
+@pytest.mark.parametrize("passes", [1, 2])
+def test_inferred_steps_count_a_tied_weight_once(passes: int) -> None:
+    """Without optimizer= the steps are inferred and each step's backward passes merged;
+    the merged total counted the tied weight twice (4.46 against 4.43)."""
+    torch.manual_seed(0)
+    model, ids = _TiedLM(), torch.randint(0, 50, (4, 12))
+    totals: list[float] = []
+    references: list[float] = []
+    with watch_gradients(model, on_sample=lambda f: totals.append(f.total_norm)):
+        for _ in range(3):
+            model.zero_grad()
+            for _ in range(passes):  # gradient accumulation: one step of `passes` backwards
+                nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.flatten()).backward()
+            # torch's own total: parameters() yields the tied tensor once.
+            references.append(float(nn.utils.get_total_norm(
+                [p.grad for p in model.parameters() if p.grad is not None])))
+    assert len(totals) == 3
+    assert totals == pytest.approx(references, rel=1e-6)

@@ -165,13 +165,15 @@ def _merge(flows: list[GradFlow], index: int) -> GradFlow:
     modules.sort(key=lambda r: (r.order is None, r.order or 0))  # stable: forward order kept
     params = tuple(next((f.params[i] for f in reversed(flows) if f.params[i].norm is not None),
                         flows[-1].params[i]) for i in range(len(flows[-1].params)))
-    return GradFlow(index, tuple(modules), params,
-                    combine_norms(p.norm for p in params) or 0.0, flows[-1].scale,
-                    micro_batches=micro, backward_calls=sum(f.backward_calls for f in flows),
-                    ranks=flows[-1].ranks,  # the exchange after the last backward: final .grad
-                    fused_norms=sum(f.fused_norms for f in flows),
-                    eager_norms=sum(f.eager_norms for f in flows),
-                    idle_forwards=sum(f.idle_forwards for f in flows))
+    # What the last pass read of the model (its experts, frozen zeros, the exchange after
+    # the last backward: the final .grad) stands for the step; the rest adds up.
+    return replace(flows[-1], index=index, modules=tuple(modules), params=params,
+                   # Each tensor once, as clip_grad_norm_ counts tied weights.
+                   total_norm=combine_norms(p.norm for p in params if p.tied_to is None) or 0.0,
+                   micro_batches=micro, backward_calls=sum(f.backward_calls for f in flows),
+                   fused_norms=sum(f.fused_norms for f in flows),
+                   eager_norms=sum(f.eager_norms for f in flows),
+                   idle_forwards=sum(f.idle_forwards for f in flows))
 
 
 def _with_closure(args: tuple[Any, ...], kwargs: dict[str, Any], closure: Callable[[], Any]
