@@ -107,6 +107,39 @@ def test_nan_over_several_forwards_names_the_first_that_had_one() -> None:
     assert "activations.nonfinite_input" in codes and "activations.nonfinite" not in codes
 
 
+class _LogBetween(nn.Module):
+    """NaN made by a plain op in the model's own forward, between two of its layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.lin2, self.out = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (N, 4) -> (N, 2)
+        h = torch.relu(self.lin(x))
+        h = torch.log(h - 10.0)  # every value below 10: NaN, outside any module
+        return self.out(self.lin2(h))
+
+
+def test_nan_made_between_modules_is_not_put_down_to_the_input() -> None:
+    """The input is finite and no module made the NaN: it was said to be the input's."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 4)
+    assert torch.isfinite(x).all()
+    cap = capture_activations(_LogBetween(), x)
+    codes = [f.code for f in cap.findings()]
+    assert "activations.nonfinite_input" not in codes
+    (f,) = [f for f in cap.findings() if f.code == "activations.nonfinite_between"]
+    assert f.severity == Severity.ERROR and f.module == "lin2"
+    assert f.evidence["after"] == "lin" and f.evidence["carried_by"] == 2
+    assert "after lin and before lin2" in f.summary
+    assert all(r.model_inputs_finite is True for r in cap.records)
+    # The same model given a NaN input: that is the input's.
+    bad = capture_activations(_LogBetween(), torch.full((3, 4), float("nan")))
+    (g,) = [f for f in bad.findings() if f.code.startswith("activations.nonfinite")]
+    assert g.code == "activations.nonfinite_input" and g.evidence["input_checked"] is True
+    assert g.summary.startswith("the model's input already holds NaN/Inf")
+
+
 def test_any_selection_judges_its_innermost_modules_once() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Tanh(), nn.Linear(8, 8)))

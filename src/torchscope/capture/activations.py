@@ -261,6 +261,8 @@ class ActivationCapture(HookedContext, Analyzed):
         self._seen: dict[int, tuple[weakref.ReferenceType[torch.Tensor], int]] = {}
         # The forward's model inputs (see `_begin_forward`).
         self._inputs: dict[int, weakref.ReferenceType[torch.Tensor]] = {}
+        # Per forward, where its model inputs' finiteness is read (`_row_for_input`).
+        self._input_rows: dict[int, tuple[int, ...]] = {}
 
     # ------------------------------------------------------------------ session
     def open(self) -> None:
@@ -345,6 +347,10 @@ class ActivationCapture(HookedContext, Analyzed):
         # is gets its statistics read (`ActivationRecord.model_input`).
         self._inputs = {id(t): weakref.ref(t) for _, t in iter_tensors((args, kwargs))
                         if t.is_floating_point() and not t.is_nested}
+        # Whether NaN/Inf came in with the input or was made inside: read once per input,
+        # on the device, and shared with the first layer that takes it (no second read).
+        self._input_rows[self._step] = tuple(self._row_for_input(t) for t in (
+            ref() for ref in self._inputs.values()) if t is not None)
 
     def _end_forward(self, _m: nn.Module | None, _args: tuple[Any, ...], _out: Any) -> None:
         if _m is not None and torch._C._current_autograd_node() is not None:
@@ -377,6 +383,8 @@ class ActivationCapture(HookedContext, Analyzed):
             self._pending_calls -= sum(len(p[1]) for p in self._pending) - \
                 sum(len(p[1]) for p in kept)
             self._pending = kept
+        for step in [k for k in self._input_rows if k < oldest]:
+            del self._input_rows[step]
         if self._records and self._records[0].step < oldest:
             self._records = [r for r in self._records if r.step >= oldest]
         if self._tensors and min(k[0] for k in self._tensors) < oldest:
@@ -616,18 +624,20 @@ class ActivationCapture(HookedContext, Analyzed):
         counted = self._count_nonfinite
         for (step, calls, *_), (rows, deads, fins, sats, feats) in zip(
                 self._pending, self._host_values(), strict=True):
+
+            def finite(r: int, rows: list[Any] = rows, fins: list[Any] = fins) -> bool:
+                # An input is an earlier output, whose stats decide (counts, or -1 when
+                # uncounted, and min/max in every case), or has a `finiteness` value.
+                return math.isfinite(fins[-1 - r]) if r < 0 else \
+                    rows[r][NANS] <= 0 and math.isfinite(rows[r][MIN]) and \
+                    math.isfinite(rows[r][MAX])
+
+            given = self._input_rows.pop(step, None)
+            model_finite = None if given is None else all(finite(r) for r in given)
             for p in calls:
                 outs = [_leaf_stats(leaf, rows, deads, sats, feats, counted)
                         for leaf in p.leaves]
-                # An input is an earlier output, whose stats decide (counts, or -1 when
-                # uncounted, and min/max in every case), or has a `finiteness` value.
-                inputs_finite = all(
-                    math.isfinite(fins[-1 - r]) if r < 0 else
-                    rows[r][NANS] <= 0
-                    and math.isfinite(rows[r][MIN])
-                    and math.isfinite(rows[r][MAX])
-                    for r in p.input_rows
-                )
+                inputs_finite = all(finite(r) for r in p.input_rows)
                 if any(s.finite and s.is_close_to_constant() for s in outs) and \
                         p.module not in checked:
                     checked[p.module] = zero = self._zero_weights(p.module)
@@ -641,6 +651,7 @@ class ActivationCapture(HookedContext, Analyzed):
                         p.batch_stats,
                         p.frozen,
                         p.batch_ranks,
+                        model_finite,
                     )
                 )
         self._pending.clear()

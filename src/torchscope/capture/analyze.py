@@ -394,10 +394,31 @@ def _nonfinite(records: Sequence[ActivationRecord]) -> list[Finding]:
             fix=f"inspect {p.module_type}'s inputs: guard log/div/sqrt with an eps or clamp, and "
                 "check for fp16 overflow (run `torchscope capture` with --select on it)",
             module=p.module or "<root>")]
+    if trace.made_between:
+        # The input was finite and no recorded call made it: code between them did.
+        carrier, after = trace.passers[0], trace.entered_after
+        parent = carrier.module.rpartition(".")[0]
+        where = f"after {after.label} and before {carrier.label}" if after is not None \
+            else f"before {carrier.label}"
+        return [Finding(
+            "activations.nonfinite_between", Severity.ERROR,
+            f"NaN/Inf first appears {where}, in code no captured module covers (the "
+            f"model's input is finite): {carrier.label}, a {carrier.module_type}, takes it in "
+            f"and {len(trace.passers) - 1} later module(s) carry it on",
+            {"carried_by": len(trace.passers), "first_carrier": carrier.module,
+             "after": None if after is None else after.module, "step": first},
+            fix=f"look at the plain tensor code in {parent or 'the model'}'s forward between "
+                "those calls (log, sqrt, division, exp, a softmax over an all-masked row): "
+                "guard it with an eps or clamp; or capture with select= covering any module "
+                "left out there",
+            module=carrier.module)]
+    known = trace.inputs_finite is False
     return [Finding(
         "activations.nonfinite_input", Severity.ERROR,
-        f"the model's input already holds NaN/Inf; {len(trace.passers)} module(s) carry it",
-        {"carried_by": len(trace.passers), "step": first},
+        ("the model's input already holds NaN/Inf" if known else
+         "NaN/Inf reaches the captured modules from outside them (the model's input, or "
+         "code before them)") + f"; {len(trace.passers)} module(s) carry it",
+        {"carried_by": len(trace.passers), "step": first, "input_checked": known},
         fix="check the data pipeline: torch.isfinite(batch).all() before the forward")]
 
 

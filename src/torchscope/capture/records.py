@@ -123,6 +123,9 @@ class ActivationRecord:
         batch_ranks: for a SyncBatchNorm that normalised over its process group (training,
             more than one rank), the group's size: its statistics cover that many ranks'
             batches. 1 otherwise.
+        model_inputs_finite: whether the tensors the model was called with in this forward
+            were free of NaN and Inf (integer inputs always are); the same for every record
+            of the forward, None where the capture did not see the model's call.
     """
 
     module: str
@@ -137,6 +140,7 @@ class ActivationRecord:
     batch_stats: bool = False
     frozen: bool = False
     batch_ranks: int = 1
+    model_inputs_finite: bool | None = None
 
     @property
     def output(self) -> TensorStats | None:
@@ -152,6 +156,13 @@ class ActivationRecord:
     def key(self) -> str:
         """`module#call`, unique within a forward."""
         return f"{self.module}#{self.call}"
+
+    @property
+    def label(self) -> str:
+        """The call in words: `lin`, `lin (call 2)` for its second call in the forward,
+        `<root>` for the model itself."""
+        name = self.module or "<root>"
+        return name if self.call == 0 else f"{name} (call {self.call + 1})"
 
 
 @dataclass(frozen=True)

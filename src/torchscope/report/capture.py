@@ -63,6 +63,12 @@ def nonfinite_lines(trace: NonFiniteTrace) -> list[str]:
     if trace.producer is None:
         if trace.clean:
             return []
+        if trace.made_between:
+            after = trace.entered_after
+            return ["first NaN/Inf made outside the captured modules (the input is finite), "
+                    + (f"after {after.label} and " if after is not None else "")
+                    + f"before {trace.passers[0].label}; carried on by "
+                    f"{len(trace.passers)} module(s)."]
         return [f"non-finite values entered the model's input and passed through "
                 f"{len(trace.passers)} module(s)."]
     p = trace.producer

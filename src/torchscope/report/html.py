@@ -171,6 +171,9 @@ def activations_fragment(capture: ActivationCapture, plots: Mapping[str, str]) -
     if t.producer is not None:
         trace = (f'<p class="sev error">First NaN/Inf: {_e(t.producer.module or "<root>")} '
                  f"({_e(t.producer.module_type)}), carried on by {len(t.passers)} module(s).</p>")
+    elif t.made_between:
+        trace = (f'<p class="sev error">First NaN/Inf: made outside the captured modules, '
+                 f"before {_e(t.passers[0].label)} (the input is finite).</p>")
     elif not t.clean:
         trace = '<p class="sev error">The input already holds NaN/Inf.</p>'
     else:
