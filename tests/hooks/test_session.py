@@ -190,3 +190,21 @@ def test_when_reached_waits_for_a_backward_that_updates_the_model() -> None:
         s.when_reached(out, lambda: seen.append("frozen"))
         torch.autograd.grad(out.sum(), x)
         assert seen == ["trained", "frozen"]
+
+
+def test_parameters_keep_no_hook_dict_after_a_gradient_flow() -> None:
+    """torch makes a parameter's post-accumulate-grad hook dict on the first registration
+    and keeps it (with a C++ hook that calls into Python at every accumulation) after the
+    hook is removed: the model was not left as found."""
+    import torchscope
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    assert all(p._post_accumulate_grad_hooks is None for p in model.parameters())
+    torchscope.gradient_flow(model, torch.randn(3, 4), loss_fn="sum")
+    assert all(p._post_accumulate_grad_hooks is None for p in model.parameters())
+    # A dict the user's own hook holds is left alone, with the hook in it.
+    seen: list[int] = []
+    handle = model[0].weight.register_post_accumulate_grad_hook(lambda p: seen.append(1))
+    torchscope.gradient_flow(model, torch.randn(3, 4), loss_fn="sum")
+    assert len(seen) == 1 and len(model[0].weight._post_accumulate_grad_hooks) == 1
+    handle.remove()

@@ -107,6 +107,9 @@ class HookSession:
         self._guard_entered = False
         self._handles: list[_Removable] = []
         self._saved_flags: list[tuple[weakref.ReferenceType[nn.Module], bool]] = []
+        # Parameters whose post-accumulate-grad hook dict this session made (see
+        # `post_accumulate_grad_hook`).
+        self._made_dicts: list[weakref.ReferenceType[torch.Tensor]] = []
         self._closed = False
         self._stack: list[str] | None = None
 
@@ -127,6 +130,11 @@ class HookSession:
         try:
             while self._handles:
                 self._handles.pop().remove()
+            while self._made_dicts:
+                param = self._made_dicts.pop()()
+                if param is not None and not param._post_accumulate_grad_hooks:
+                    # torch types it as a dict, but None is what it holds before any hook.
+                    param._post_accumulate_grad_hooks = None  # type: ignore[assignment]
         finally:
             while self._saved_flags:
                 ref, flag = self._saved_flags.pop()
@@ -261,6 +269,10 @@ class HookSession:
     ) -> _Removable:
         """Register a post-accumulate-grad hook on a leaf tensor (a parameter), owned here."""
         self._check_open()
+        if param._post_accumulate_grad_hooks is None:
+            # torch makes the dict on the first registration and keeps it, with a C++ hook
+            # that calls into Python at every accumulation; `close` puts None back.
+            self._made_dicts.append(weakref.ref(param))
         return self.track(param.register_post_accumulate_grad_hook(fn))
 
     def backward_updates(self) -> bool:
