@@ -87,6 +87,7 @@ def test_hf_trainer_reports_the_pre_clip_norm_and_trains_unchanged(tmp_path: Pat
     assert audit_hooks(model, include_global=False).local_total == 0
     run = callback.result
     assert run is not None and run.steps == 20 and run.samples == 10
+    assert run.clip_setting == "max_grad_norm=1"  # the Trainer's own, for the fixes
     assert run.grad_param.steps == tuple(range(1, 20, 2))  # global_step 2, 4, ... 20
     assert run.last is not None and run.last.backward_calls == 2
     steps = [e for e in trainer.state.log_history if "grad_norm" in e]

@@ -102,6 +102,7 @@ def test_lightning_s_gradient_clipping_is_read_after_its_closure(tmp_path: Path)
     _fit(Net(), tmp_path, callback, steps=8, gradient_clip_val=0.01)
     run = callback.result
     assert run is not None and len(run.total_norms) == 4
+    assert run.clip_setting == "gradient_clip_val=0.01"  # the Trainer's own, for the fixes
     assert all(t > 0.5 for t in run.total_norms)  # before clipping
     assert len(run.applied_norms) == 4
     assert all(math.isclose(a or 0, 0.01, rel_tol=1e-4) for a in run.applied_norms)

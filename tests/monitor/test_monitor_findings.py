@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import statistics
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -370,6 +371,24 @@ def test_gradients_that_grow_under_clipping_are_not_told_to_clip() -> None:
     grew = [f for f in run.findings() if f.code == "grads.exploding" and "grew" in f.summary]
     assert grew and all("already clips" in f.fix for f in grew)
     assert [f.code for f in run.findings()].count("grads.clipped") == 1
+
+
+def test_a_framework_s_clipping_setting_is_known_though_no_step_reached_it() -> None:
+    """Under the HF Trainer (max_grad_norm=1.0 by default) or Lightning (gradient_clip_val)
+    the loop clips, but gradients growing below the threshold were never clipped, and the
+    fix told the user to add clipping. The callbacks now pass the setting on."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)], nn.Linear(8, 2))
+    run = _run(model, torch.optim.SGD(model.parameters(), lr=0.0), 40, 2,
+               after_step=lambda i: [m.weight.mul_(1.1) for m in model])
+    told = [f for f in _run_findings(run) if f.code == "run.grad_grew" and f.module is None]
+    assert [f.severity for f in told] == [Severity.WARNING]
+    assert "clip_grad_norm_" in (told[0].fix or "")  # a plain loop that does not clip
+    framed = replace(run, clip_setting="max_grad_norm=1")
+    (whole,) = [f for f in _run_findings(framed) if f.code == "run.grad_grew"
+                and f.module is None]
+    assert whole.fix is not None and "clips already (max_grad_norm=1)" in whole.fix
+    assert "clip_grad_norm_" not in whole.fix
 
 
 def test_dinov2_behind_a_1e5_layer_scale_is_no_gradient_growth_warning(

@@ -92,6 +92,11 @@ def _sharding() -> bool:
     return kind is None or bool(kind == DistributedType.FSDP)
 
 
+def _setting(name: str, value: Any) -> str:
+    """`name=value` where `value` is a positive number (the loop clips), else empty."""
+    return f"{name}={value:g}" if isinstance(value, int | float) and value > 0 else ""
+
+
 class TorchscopeTrainerCallback(TrainerCallback):
     """Watch a Hugging Face `Trainer` run with `torchscope.monitor`; see the module docstring.
 
@@ -180,7 +185,9 @@ class TorchscopeTrainerCallback(TrainerCallback):
             parallel=_data_parallel(args, model),
             # The Trainer calls the model through its torch.compile wrapper, which no
             # callback is given: the whole model runs eagerly while the hooks are on.
-            compiled_outside=bool(getattr(args, "torch_compile", False)), **self._options)
+            compiled_outside=bool(getattr(args, "torch_compile", False)),
+            clip_setting=_setting("max_grad_norm", getattr(args, "max_grad_norm", None)),
+            **self._options)
         self._monitor.__enter__()
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

@@ -63,6 +63,16 @@ def _stepping(optimizers: list[Any], module: nn.Module) -> Any:
     return optimizers[best]
 
 
+def _clip_setting(trainer: Any) -> str:
+    """`gradient_clip_val=V` (`, by value` for that algorithm) where the Trainer clips the
+    gradients it steps with, else empty (`RunRecord.clip_setting`)."""
+    value = getattr(trainer, "gradient_clip_val", None)
+    if not (isinstance(value, int | float) and value > 0):
+        return ""
+    by_value = str(getattr(trainer, "gradient_clip_algorithm", "") or "").endswith("value")
+    return f"gradient_clip_val={value:g}" + (", by value" if by_value else "")
+
+
 class TorchscopeCallback(pl.Callback):
     """Watch a Lightning fit with `torchscope.monitor`; see the module docstring.
 
@@ -135,7 +145,8 @@ class TorchscopeCallback(pl.Callback):
             watched, self._optimizer,
             scaler=getattr(trainer.precision_plugin, "scaler", None), manual=True,
             on_sample=self._on_sample, producer="torchscope.integrations.lightning",
-            parallel=parallel_wrapper(trainer.strategy.model), **self._options)
+            parallel=parallel_wrapper(trainer.strategy.model),
+            clip_setting=_clip_setting(trainer), **self._options)
         self._monitor.__enter__()
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:

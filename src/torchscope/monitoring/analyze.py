@@ -185,13 +185,17 @@ def _total_clause(fall: float) -> str:
         else ", while the total gradient norm did not grow"
 
 
-_CLIPS = "; the loop clips already, which bounds the update but not the cause"
-
-
-def _clips(record: RunRecord) -> bool:
-    """Whether the loop clipped the gradients of the last sample (`grads.clipped`)."""
+def _clip_clause(record: RunRecord) -> str:
+    """"; the loop clips already ..." where the framework says the loop clips (its setting,
+    even if no sampled step reached it) or the last sample was clipped (`grads.clipped`);
+    empty otherwise."""
+    if record.clip_setting:
+        return (f"; the loop clips already ({record.clip_setting}), which bounds the update "
+                "but not the cause; a lower setting bounds it more")
     factors = grad_history(record).clip_factors()
-    return bool(factors) and factors[-1] > 1
+    if factors and factors[-1] > 1:
+        return "; the loop clips already, which bounds the update but not the cause"
+    return ""
 
 
 def _gradient_trends(record: RunRecord, t: RunThresholds) -> list[Finding]:
@@ -222,7 +226,7 @@ def _gradient_trends(record: RunRecord, t: RunThresholds) -> list[Finding]:
     total = _ends(series.steps, record.total_norms, t.window, skip) \
         if len(record.total_norms) == len(series.steps) else None
     total_grew = total is None or total[3] > total[1]
-    clips = _clips(record)
+    clips = _clip_clause(record)
     out: list[Finding] = []
     for k, ratio in falls.items():
         s0, v0, s1, v1 = found[k]
@@ -257,7 +261,7 @@ def _gradient_trends(record: RunRecord, t: RunThresholds) -> list[Finding]:
         elif total_grew:
             severity, fix = Severity.WARNING, (
                 "this layer's gradient grows, and the model's total with it: "
-                + ("lower the learning rate, or normalise around it" + _CLIPS
+                + ("lower the learning rate, or normalise around it" + clips
                    if clips else "clip gradients (clip_grad_norm_), lower the "
                    "learning rate, or normalise around it"))
         else:
@@ -296,7 +300,7 @@ def _gradient_trends(record: RunRecord, t: RunThresholds) -> list[Finding]:
         if total_grew:
             severity, fix = Severity.WARNING, (
                 "the whole model's gradients grow: "
-                + ("lower the learning rate, or add warm-up" + _CLIPS if clips else
+                + ("lower the learning rate, or add warm-up" + clips if clips else
                    "lower the learning rate, add warm-up, or clip gradients (clip_grad_norm_)"))
         else:
             # Most layers sit behind a gain that starts small (DINOv2's and CaiT's layer

@@ -255,6 +255,9 @@ class RunRecord(Analyzed):
             `labels` and an `attention_mask` of one shape; (0, 0) elsewhere (an encoder-decoder,
             whose labels are the decoder's, included). A causal language model's loss
             shifts its labels and never reads position 0, which is left out.
+        clip_setting: the framework's setting by which the loop clips gradients
+            (`max_grad_norm=1.0` under the HF Trainer, `gradient_clip_val=0.5` under
+            Lightning), given by its callback; empty in a plain loop or without clipping.
     """
 
     model: str
@@ -308,6 +311,7 @@ class RunRecord(Analyzed):
     loss_on_probabilities: LossOnProbabilities | None = None
     same_inputs: tuple[int, int] = (0, 0)
     padded_labels: tuple[int, int] = (0, 0)
+    clip_setting: str = ""
 
     @property
     def median_step_ms(self) -> float | None:

@@ -95,7 +95,7 @@ _WAITING_FORWARDS = 8
 class Monitor(HookedContext):
     """Watches a training run and writes its run report; build it with `torchscope.monitor`.
 
-    The arguments are `torchscope.monitor`'s, and four that the framework callbacks use:
+    The arguments are `torchscope.monitor`'s, and six that the framework callbacks use:
     `manual=True` (steps end at `end_step()`), `start` (the first sampled step, see
     `watch_gradients`), `producer` (who drove it, for report.json's `options`) and
     `parallel` (the `DistributedDataParallel` wrapper `model` trains through when `model` is
@@ -103,7 +103,9 @@ class Monitor(HookedContext):
     read synchronised; see `GradWatch`), and `compiled_outside` (the loop calls `model`
     through a `torch.compile` wrapper kept out of sight, the HF Trainer's
     `torch_compile=True`: the whole model then runs eagerly while the monitor is open, as
-    compiled parts it is given do, and the report says so).
+    compiled parts it is given do, and the report says so), and `clip_setting` (the
+    framework's clipping setting, `RunRecord.clip_setting`: the advice then knows the loop
+    clips, even where no sampled step reached the threshold).
 
     Attributes:
         result: the `RunRecord`, set when the block ends (also through an exception).
@@ -135,6 +137,7 @@ class Monitor(HookedContext):
         producer: str = "torchscope.monitor",
         parallel: nn.Module | Literal["ddp"] | None = None,
         compiled_outside: bool = False,
+        clip_setting: str = "",
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TorchscopeError(f"the model is a {type(model).__name__}, not an nn.Module.",
@@ -211,6 +214,7 @@ class Monitor(HookedContext):
         self._device_type = "cpu"
         self._modes = ModeCounts()
         self._compiled_outside = compiled_outside
+        self._clip_setting = clip_setting
         self._eager = contextlib.ExitStack()  # the eager stance, for a wrapper out of sight
         self.latest: dict[str, float] = {}
         self.result: RunRecord | None = None
@@ -645,6 +649,7 @@ class Monitor(HookedContext):
             loss_on_probabilities=grads.loss_on_probabilities,
             same_inputs=(self._fp_pairs, 0 if self._fp_same is None else int(self._fp_same)),
             padded_labels=self._padded_labels(),
+            clip_setting=self._clip_setting,
             modes=self._modes,
             experts=tuple(ExpertUse(m, name, c[0], tuple(c[1:]))
                           for m, (name, c) in self._experts.items()),
