@@ -525,3 +525,25 @@ def test_a_backbone_frozen_by_requires_grad_alone_still_changes(case: str) -> No
     assert f.evidence["layers"] == 16 == sum(
         isinstance(m, nn.BatchNorm2d) for m in model.resnet.modules())
     assert "eval" in f.fix and "FrozenBatchNorm2d" in f.fix
+
+
+class _TwoHeads(nn.Module):
+    """Returns one head's output as it is and the other's doubled (a new tensor)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:  # (N, 4) -> 2 x (N, 2)
+        h = self.body(x)
+        return {"a": self.a(h), "b": 2 * self.b(h)}
+
+
+def test_the_calls_whose_output_the_model_returns_are_marked() -> None:
+    torch.manual_seed(0)
+    seq = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    cap = capture_activations(seq, torch.randn(3, 4))
+    assert [r.module for r in cap.records if r.model_output] == ["2"]
+    # Through a dict, and only a tensor returned as it is: b's output is doubled after it.
+    two = capture_activations(_TwoHeads(), torch.randn(3, 4))
+    assert [r.module for r in two.records if r.model_output] == ["a"]

@@ -391,6 +391,35 @@ def test_a_framework_s_clipping_setting_is_known_though_no_step_reached_it() -> 
     assert "clip_grad_norm_" not in whole.fix
 
 
+def test_a_regression_head_growing_to_its_targets_is_told_as_the_model_s_output() -> None:
+    """An MLP fitting targets of 300 ± 100: its head's output grows thousands of times as it
+    learns. That is worth a word (unscaled targets), but the fix said "activations that
+    drift this far change what every later layer sees" of the last layer. The head is
+    marked as the model's output, and its fix says what sets that scale."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                          nn.Linear(64, 1))
+    w = torch.randn(8, 1)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-2)
+    with torchscope.monitor(model, opt, every=20, out=None, memory=False) as mon:
+        for _ in range(200):
+            x = torch.randn(64, 8)
+            y = 300 + 100 * (x @ w)  # (64, 1)
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+    run = mon.result
+    assert run is not None and run.activations is not None
+    head = run.act_std.series("4")
+    assert head[-1] > 100 * head[0]  # it did grow that far
+    assert {r.module for r in run.activations.records if r.model_output} == {"4"}
+    (told,) = [f for f in run.findings() if f.code == "run.activation_drift"
+               and f.module == "4"]
+    assert told.fix is not None and "model's output" in told.fix
+    assert "standardise a regression's targets" in told.fix
+    assert "every later layer" not in told.fix
+
+
 def test_dinov2_behind_a_1e5_layer_scale_is_no_gradient_growth_warning(
         train_own_loss: Any) -> None:
     """transformers' DINOv2 trained from scratch with the paper's layer scale of 1e-5:

@@ -134,6 +134,8 @@ class _Pending(NamedTuple):
     frozen: bool = False
     # A SyncBatchNorm that normalised over its process group's batches: the group's size.
     batch_ranks: int = 1
+    # Its output is (one of) the model's own: set when the model's forward returns.
+    model_output: bool = False
 
 
 _Rows = tuple[list[int], torch.Tensor]
@@ -355,6 +357,8 @@ class ActivationCapture(HookedContext, Analyzed):
     def _end_forward(self, _m: nn.Module | None, _args: tuple[Any, ...], _out: Any) -> None:
         if _m is not None and torch._C._current_autograd_node() is not None:
             return  # the end of a recomputation (`_begin_forward`)
+        if _m is not None and self._cur:
+            self._mark_outputs(_out)
         if self._vecs or self._cur or self._fin:
             self._pending.append((self._step, self._cur, _stack_by_device(self._vecs),
                                   _stack_by_device(self._dead), _stack_by_device(self._fin),
@@ -363,6 +367,20 @@ class ActivationCapture(HookedContext, Analyzed):
             self._bound()
         self._cur, self._vecs, self._dead, self._fin, self._seen = [], [], [], [], {}
         self._sat, self._feat, self._inputs = [], [], {}
+
+    def _mark_outputs(self, out: Any) -> None:
+        """Mark the calls whose output the model returns as it is (a head's logits): their
+        scale is what the loss asks for, not what the layers before them pass on."""
+        rows = set()
+        for _, t in iter_tensors(out):
+            hit = self._seen.get(id(t))
+            if hit is not None and hit[0]() is t and hit[1] >= 0:
+                rows.add(hit[1])
+        if not rows:
+            return
+        for i, p in enumerate(self._cur):
+            if any(leaf[5] in rows for leaf in p.leaves):
+                self._cur[i] = p._replace(model_output=True)
 
     def _bound(self) -> None:
         """Drop forwards older than `keep_last` (pending ones without reading them), or warn
@@ -652,6 +670,7 @@ class ActivationCapture(HookedContext, Analyzed):
                         p.frozen,
                         p.batch_ranks,
                         model_finite,
+                        p.model_output,
                     )
                 )
         self._pending.clear()

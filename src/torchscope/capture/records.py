@@ -126,6 +126,9 @@ class ActivationRecord:
         model_inputs_finite: whether the tensors the model was called with in this forward
             were free of NaN and Inf (integer inputs always are); the same for every record
             of the forward, None where the capture did not see the model's call.
+        model_output: whether this call's output is (one of) the tensors the model's
+            forward returned, as it is (a classifier's or regressor's head): its scale is
+            what the loss asks of it.
     """
 
     module: str
@@ -141,6 +144,7 @@ class ActivationRecord:
     frozen: bool = False
     batch_ranks: int = 1
     model_inputs_finite: bool | None = None
+    model_output: bool = False
 
     @property
     def output(self) -> TensorStats | None:

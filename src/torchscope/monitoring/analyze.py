@@ -401,10 +401,13 @@ def _activation_drift(record: RunRecord, t: RunThresholds) -> list[Finding]:
     """Layers whose output std drifted `drift_info` times or more. When the median layer
     drifted that far, the whole model drifted together (a diverging run): one finding
     says so, and a layer is named only when it drifted `relative_ratio` times more than the
-    median, as for gradients."""
+    median, as for gradients. A layer whose output the model returns (its head) feeds no
+    later layer: its scale is what the loss asks of it, and its fix says so."""
     series = record.act_std
     if len(series.steps) < t.min_samples:
         return []
+    heads = set() if record.activations is None else \
+        {r.module for r in record.activations.records if r.model_output}
     found = {k: c for k in series.layers if (c := change(series, k, t.window))}
     if not found:
         return []
@@ -447,7 +450,11 @@ def _activation_drift(record: RunRecord, t: RunThresholds) -> list[Finding]:
             f"between step {s0} and step {s1}{suffix}",
             {"first_step": s0, "first_std": v0, "last_step": s1, "last_std": v1,
              "ratio": ratio, "median_change": median},
-            fix="activations that drift this far change what every later layer sees: check "
+            fix=("it is the model's output, whose scale is what the loss asks of it: targets "
+                 "far from unit scale (standardise a regression's targets, and undo it on "
+                 "the predictions), or logits growing as a classifier grows over-confident "
+                 "(label smoothing, weight decay)") if k in heads else
+                "activations that drift this far change what every later layer sees: check "
                 "the learning rate of the layers before it, or normalise (LayerNorm/BatchNorm)",
             module=k))
     if together:
