@@ -86,6 +86,25 @@ def test_usage_errors_exit_2_with_one_line(args: list[str], needle: str) -> None
     assert needle in err and "Traceback" not in err
 
 
+def test_folder_with_no_python_file_exits_2_with_one_line(tmp_path: Path) -> None:
+    # A mistyped or empty folder is no pass: "All checks passed (0 files)" would let CI
+    # go green having checked nothing.
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    other = tmp_path / "other"
+    (other / "sub").mkdir(parents=True)
+    (other / "notes.txt").write_text("for x in data:\n    m.compile()\n")
+    (other / "stub.pyi").write_text("x: int\n")
+    for folder in (empty, other):
+        code, out, err = _lint(str(folder), "--no-config")
+        assert (code, out) == (2, "")
+        assert len(err.strip().splitlines()) == 1, err
+        assert f"'{folder}' holds no Python file to lint" in err and "Fix:" in err
+        assert "Traceback" not in err
+    (other / "sub" / "train.py").write_text("x = 1\n")
+    assert _lint(str(other), "--no-config")[0] == 0
+
+
 def test_default_path_is_the_current_folder(tmp_path: Path,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "train.py").write_text("for b in data:\n    m.compile()\n")

@@ -254,6 +254,78 @@ def test_violation_converts_to_a_finding() -> None:
     assert finding.fix == v.fix and finding.summary == v.message
 
 
+NO_TORCH_IMPORT = """
+from mylib import build
+
+model, opt, loader, loss_fn = build()
+for x, y in loader:
+    loss = loss_fn(model(x), y)
+    loss.backward()
+    opt.step()
+"""
+ACCELERATE_ONLY = """
+from accelerate import Accelerator
+
+def train(model, loader, opt):
+    accelerator = Accelerator()
+    total = 0
+    for batch in loader:
+        loss = model(**batch).loss
+        total += loss
+        accelerator.backward(loss)
+        opt.step()
+        opt.zero_grad()
+    return total
+"""
+LIGHTNING_ONLY = """
+import lightning as L
+
+class M(L.LightningModule):
+    def fit_loop(self, loader, opt):
+        total = 0
+        for batch in loader:
+            loss = self.compute_loss(batch)
+            opt.zero_grad()
+            self.manual_backward(loss)
+            opt.step()
+            total += loss
+        return total
+"""
+
+
+@pytest.mark.parametrize(("src", "found"), [
+    (NO_TORCH_IMPORT, [(8, "TS012")]),
+    (ACCELERATE_ONLY, [(9, "TS011")]),
+    (LIGHTNING_ONLY, [(12, "TS011")]),
+], ids=["model-from-a-project-module", "accelerate", "lightning"])
+def test_training_code_that_does_not_import_torch_is_checked(
+        src: str, found: list[tuple[int, str]]) -> None:
+    # The model and optimizer come from elsewhere; the loop is still torch's.
+    assert _codes(src, select=["TS01"]) == found
+
+
+def test_python_that_is_not_torch_code_stays_silent() -> None:
+    # The same method names in a simulation: no torch, no framework, no backward.
+    src = """
+    import sympy
+
+    def simulate(expr, world, steps):
+        total, values = 0, []
+        for t in range(steps):
+            expr.eval()
+            value = expr(t)
+            total += value
+            values.append(value)
+            world.step()
+        return total, values
+
+    simulate(sympy.sympify("x**2"), World(), 10)
+    """
+    assert _codes(src, select=["TS01"]) == []
+    # Only the torch gate keeps it silent: as torch code, TS010 reads it.
+    assert _codes("import torch\n" + textwrap.dedent(src), select=["TS01"]) == [(9, "TS010")]
+
+
 def test_ts011_what_it_flags_keeps_every_iterations_graph_and_its_fix_does_not() -> None:
     """The trap, run: `total += loss` after backward holds a chain of one autograd node per
     iteration, through which every iteration's graph stays reachable; `loss.item()`, the

@@ -70,9 +70,38 @@ def walk_local(nodes: list[ast.stmt] | list[ast.AST]) -> Iterator[ast.AST]:
 LOOPS = (ast.For, ast.AsyncFor, ast.While)
 
 
-def uses_torch(imports: ImportMap) -> bool:
-    """Whether the file imports torch or anything from it."""
-    return any(q == "torch" or q.startswith("torch.") for q in imports.aliases.values())
+# Top-level packages whose users write torch training code without importing torch: a
+# Lightning module, an Accelerate or transformers loop, a timm model.
+_TORCH_PACKAGES = frozenset({
+    "torch", "torchvision", "torchaudio", "lightning", "lightning_fabric", "pytorch_lightning",
+    "accelerate", "transformers", "timm", "deepspeed", "peft",
+})
+
+
+# Methods that backpropagate a loss: a tensor's `backward(gradient=None)`, and the
+# frameworks' `accelerator.backward(loss)`, `fabric.backward(loss)`,
+# `engine.backward(loss)`, `self.manual_backward(loss)`.
+BACKWARD_METHODS = frozenset({"backward", "manual_backward"})
+
+
+def is_backward(call: ast.Call, imports: ImportMap) -> bool:
+    """A backward pass: `loss.backward()`, `scaler.scale(loss).backward()`,
+    `out.backward(grad)`, `accelerator.backward(loss)`, `self.manual_backward(loss)`, or
+    `torch.autograd.backward`. Each adds to `.grad` and none zeroes it (Accelerate's,
+    Fabric's and Lightning's leave that to the optimizer's `zero_grad()`, as torch does)."""
+    func = call.func
+    if isinstance(func, ast.Attribute) and func.attr in BACKWARD_METHODS:
+        return True
+    return imports.qualify(func) == "torch.autograd.backward"
+
+
+def uses_torch(imports: ImportMap, calls: Iterable[ast.Call]) -> bool:
+    """Whether the file is torch code: it imports torch or a package built on it, or it
+    backpropagates: a training script can get its model, optimizer and data from a module
+    of its own project and import nothing of torch's."""
+    if any(q.split(".")[0] in _TORCH_PACKAGES for q in imports.aliases.values()):
+        return True
+    return any(is_backward(c, imports) for c in calls)
 
 
 def loops_around(tree: Tree, nodes: Iterable[ast.AST]
@@ -106,6 +135,9 @@ class Loop:
     targets: frozenset[str] = frozenset()
     counted: bool = False
     """Whether it counts steps (`while`, `for ... in range(...)`) rather than walking items."""
+    counters: frozenset[str] = frozenset()
+    """Names that take a new value on each iteration and never one they had: a `range`
+    loop's target, `enumerate`'s index, a name the body increments (`step += 1`)."""
 
     @property
     def line(self) -> int:
@@ -270,6 +302,7 @@ def _analyze_loop(node: ast.AST) -> Loop:
             seeds |= target_names(gen.target)
         body = _comp_parts(node)
     targets = frozenset(seeds)
+    counters = _counters(node, body)
     binds = bindings(body)
     for names, value, always in binds:
         if always or (isinstance(node, ast.While) and _is_worklist_call(value)):
@@ -281,7 +314,25 @@ def _analyze_loop(node: ast.AST) -> Loop:
             if names - seeds and refs(value) & seeds:
                 seeds |= names
                 changed = True
-    return Loop(node, tuple(body), frozenset(seeds), targets, counted)
+    return Loop(node, tuple(body), frozenset(seeds), targets, counted, counters)
+
+
+def _counters(node: ast.AST, body: list[ast.AST]) -> frozenset[str]:
+    out: set[str] = set()
+    if isinstance(node, (ast.For, ast.AsyncFor)) and isinstance(node.iter, ast.Call):
+        called = dotted(node.iter.func)
+        if called == "range":
+            out |= target_names(node.target)
+        elif called == "enumerate" and isinstance(node.target, ast.Tuple) and \
+                node.target.elts and (d := dotted(node.target.elts[0])) is not None:
+            out.add(d)
+    for sub in walk_local(body):
+        # `step += 1`: a constant step, so each value comes once (`total += loss` is no count).
+        if isinstance(sub, ast.AugAssign) and isinstance(sub.op, ast.Add) and \
+                isinstance(sub.value, ast.Constant) and isinstance(sub.value.value, int) and \
+                sub.value.value > 0 and (d := dotted(sub.target)) is not None:
+            out.add(d)
+    return frozenset(out)
 
 
 class ImportMap:

@@ -19,6 +19,7 @@ from torchscope.lint._astutil import (
     FUNCS,
     SCOPES,
     ImportMap,
+    Loop,
     Tree,
     bindings,
     dotted,
@@ -406,19 +407,33 @@ class _Checker:
             return False, None
         return True, func.value
 
-    def _cache_guarded(self, call: ast.Call, stop: ast.AST) -> bool:
-        """`if compiled is None: compiled = torch.compile(m)`: compiles once, not per step."""
+    def _cache_guarded(self, call: ast.Call, stop: ast.AST, loop: Loop | None = None) -> bool:
+        """Whether an `if` between `call` and `stop` (the loop, or the function, that would
+        repeat it) lets it run once, not per step: it tests what the call's result is
+        assigned to (`if compiled is None: compiled = torch.compile(m)`), or a flag that the
+        branch holding the call sets (`if not compiled: ...; compiled = True`), or it asks
+        for one value of `loop`'s counter (`if step == warmup:`)."""
         parent = self.tree.parent(call)
-        if not isinstance(parent, (ast.Assign, ast.AnnAssign, ast.NamedExpr)):
-            return False
-        targets = parent.targets if isinstance(parent, ast.Assign) else [parent.target]
         assigned: set[str] = set()
-        for t in targets:
-            assigned |= refs(t.value if isinstance(t, ast.Subscript) else t)
-        for _child, node in self.tree.edges(call):
+        if isinstance(parent, (ast.Assign, ast.AnnAssign, ast.NamedExpr)):
+            targets = parent.targets if isinstance(parent, ast.Assign) else [parent.target]
+            for t in targets:
+                assigned |= refs(t.value if isinstance(t, ast.Subscript) else t)
+        for child, node in self.tree.edges(call):
             if node is stop:
                 break
-            if isinstance(node, ast.If) and refs(node.test) & assigned:
+            if not isinstance(node, ast.If):
+                continue
+            tested = refs(node.test)
+            if tested & assigned:
+                return True
+            branch = node.body if child in node.body else node.orelse \
+                if child in node.orelse else None
+            if branch is None:
+                continue  # the call is in the test itself: it runs whenever the test does
+            if _flags(tested, branch, stop, loop):
+                return True
+            if loop is not None and branch is node.body and _one_count(node.test, loop):
                 return True
         return False
 
@@ -474,7 +489,7 @@ class _Checker:
             at, names, through = queue.popleft()
             differ = names | extra if at is call else names
             for loop in self.tree.loops(at):
-                if differ & loop.varying or self._cache_guarded(at, loop.node):
+                if differ & loop.varying or self._cache_guarded(at, loop.node, loop):
                     continue
                 return _Repeat(loop.line, through)
             func = self.tree.scope(at)
@@ -710,6 +725,39 @@ class _Checker:
 
 
 # ---------------------------------------------------------------------- module helpers
+def _flags(tested: set[str], branch: list[ast.stmt], stop: ast.AST, loop: Loop | None
+           ) -> set[str]:
+    """The names of `tested` that `branch` alone, of `stop`'s body, sets, to a value that
+    `loop` does not change (`compiled = True`): once set, a test of them that kept the
+    branch from running keeps it from running again (a name reset elsewhere in the body,
+    or counted up, is no flag)."""
+    varying = loop.varying if loop is not None else frozenset()
+    inside = bindings([*branch])
+    out = {name for names, value, always in inside
+           if not always and not refs(value) & varying for name in names & tested - varying}
+    if out:  # the whole body is read only for a candidate
+        everywhere = bindings(list(getattr(stop, "body", [])))
+        out = {name for name in out if sum(name in n for n, _v, _a in everywhere)
+               == sum(name in n for n, _v, _a in inside)}
+    return out
+
+
+def _one_count(test: ast.AST, loop: Loop) -> bool:
+    """`test` holds for one iteration of `loop` at most: it compares one of the loop's
+    counters for equality with what the loop does not change (`step == warmup`), alone or
+    as a term of an `and`."""
+    if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And):
+        return any(_one_count(v, loop) for v in test.values)
+    if not isinstance(test, ast.Compare) or len(test.ops) != 1 or \
+            not isinstance(test.ops[0], ast.Eq):
+        return False
+    sides = (test.left, test.comparators[0])
+    for side, other in (sides, sides[::-1]):
+        if dotted(side) in loop.counters and not refs(other) & loop.varying:
+            return True
+    return False
+
+
 def _compile_message(head: str) -> str:
     return (f"{head}: each call builds a new compiled "
             "wrapper (`model = torch.compile(model)` nests one more per step) that goes "

@@ -101,8 +101,8 @@ def lint_paths(paths: Sequence[str | Path], *, select: Iterable[str] | None = No
         other files are still linted.
 
     Raises:
-        LintUsageError: no paths, a path that does not exist, an unknown rule code, or an
-            unusable config.
+        LintUsageError: no paths, a path that does not exist, paths that hold no Python
+            file to lint, an unknown rule code, or an unusable config.
     """
     if not paths:
         raise LintUsageError("no PATH given.", fix="pass files or folders, e.g. `src`.")
@@ -128,6 +128,14 @@ def lint_paths(paths: Sequence[str | Path], *, select: Iterable[str] | None = No
         violations.extend(found_v)
         if error is not None:
             errors.append(error)
+    if not files:
+        # Nothing checked is no pass: a mistyped or empty folder would let CI go green.
+        shown = ", ".join(repr(str(p)) for p in paths)
+        raise LintUsageError(
+            f"{shown} {'holds' if len(paths) == 1 else 'hold'} no Python file to lint "
+            "(.py, outside excluded and .gitignore'd paths).",
+            fix="pass the folder or the files that hold your code, or check the path for "
+                "a typo.")
     violations.sort(key=lambda v: (v.path, v.line, v.col, v.code))
     return LintResult(tuple(violations), tuple(errors), files, codes, cfg.notes,
                       str(cfg.root))

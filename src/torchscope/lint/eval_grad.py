@@ -65,7 +65,7 @@ def _receiver(call: ast.Call, method: str) -> str | None:
 def check_ts010(tree: Tree, imports: ImportMap, calls: list[ast.Call]
                 ) -> list[tuple[ast.Call, str]]:
     """Each model call after `.eval()` that runs with gradients on, with its message."""
-    if not uses_torch(imports):
+    if not uses_torch(imports, calls):
         return []
     by_scope: dict[ast.AST, list[ast.Call]] = {}
     for call in calls:

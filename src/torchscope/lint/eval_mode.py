@@ -4,8 +4,8 @@ The classic: an evaluation at the end of each epoch calls `model.eval()`, and no
 `model.train()` again, so every later epoch trains with dropout off and BatchNorm frozen on
 its running statistics. The rule is conservative:
 
-- a loop (any nesting, not a nested function) backpropagates: a tensor's `backward()` with
-  no positional argument, or `torch.autograd.backward`;
+- a loop (any nesting, not a nested function) backpropagates: `loss.backward()`,
+  `accelerator.backward(loss)`, `self.manual_backward(loss)` or `torch.autograd.backward`;
 - in that loop, `m.eval()` (or `m.train(False)`) is called on a model that the loop also
   calls with gradients on (outside `torch.no_grad()`: a distillation teacher called under
   it and kept in eval mode is not flagged), or a function of this file that calls `.eval()`
@@ -23,11 +23,12 @@ from torchscope.lint._astutil import (
     Tree,
     dotted,
     in_grad_mode,
+    is_backward,
     loops_around,
     uses_torch,
     walk_local,
 )
-from torchscope.lint.zero_grad import called_names, is_backward
+from torchscope.lint.zero_grad import called_names
 
 __all__ = ["check_ts013"]
 
@@ -58,7 +59,7 @@ def check_ts013(tree: Tree, imports: ImportMap, calls: list[ast.Call]
                 ) -> list[tuple[ast.Call, str]]:
     """Each call that leaves a trained model in eval mode inside its training loop, with
     its message."""
-    if not uses_torch(imports):
+    if not uses_torch(imports, calls):
         return []
     backwards = [c for c in calls if is_backward(c, imports)]
     if not backwards:

@@ -6,7 +6,8 @@ until the loop ends (the PyTorch FAQ's first out-of-memory cause). After `backwa
 graph's saved tensors are freed and what grows is the nodes. The rule is conservative:
 
 - inside a `for`/`while` body: `acc += L`, `acc = acc + L` (any arithmetic, `L` an
-  operand, not inside a call) or `acc.append(L)`, where `acc` is not rebound in the body
+  operand, not inside a call) or `acc.append(L)`, `acc` a name, an attribute or a slot of a
+  container (`metrics["loss"] += L`), where `acc` (or its container) is not rebound in the body
   and the function does not backpropagate `acc` itself (a sum of micro-batches' losses);
 - `L` is a name the same body backpropagates (`L.backward()`, `scaler.scale(L).backward()`,
   `accelerator.backward(L)`, `self.manual_backward(L)`), so it is a training step's loss
@@ -20,6 +21,7 @@ from __future__ import annotations
 import ast
 
 from torchscope.lint._astutil import (
+    BACKWARD_METHODS,
     ImportMap,
     Tree,
     all_loops,
@@ -34,8 +36,6 @@ from torchscope.lint._astutil import (
 
 __all__ = ["check_ts011"]
 
-# Backward entry points that take the loss as their first argument.
-_BACKWARD_OF = frozenset({"backward", "manual_backward"})
 # What leaves a tensor without history: methods (`.cpu()` and `.float()` keep it), and
 # functions that make a Python number of it.
 _DETACHING_METHODS = frozenset({"item", "detach", "tolist", "numpy"})
@@ -75,7 +75,7 @@ def _backpropagated(call: ast.Call) -> set[str]:
     receiver and the first argument: `out.backward(grad)` and `fabric.backward(loss)` read
     the same)."""
     func = call.func
-    if not isinstance(func, ast.Attribute) or func.attr not in _BACKWARD_OF:
+    if not isinstance(func, ast.Attribute) or func.attr not in BACKWARD_METHODS:
         return set()
     out: set[str] = set()
     receiver = func.value
@@ -107,39 +107,57 @@ def _feeds_backward(local: list[ast.AST], acc: str) -> bool:
         grown = len(derived) > before
     for node in local:
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
-                node.func.attr in _BACKWARD_OF and \
+                node.func.attr in BACKWARD_METHODS and \
                 (refs(node.func.value) | set().union(*map(refs, node.args))) & derived:
             return True
     return False
 
 
-def _accumulation(stmt: ast.stmt) -> tuple[str, ast.AST] | None:
-    """`(acc, value)` for `acc += value`, `acc = acc <op> value` or `acc.append(value)`."""
+def _held_in(node: ast.AST) -> str | None:
+    """The accumulator `node` names, as written: `total`, `self.total`, `metrics["loss"]`
+    (a slot of a container on a name); None for anything else."""
+    if isinstance(node, ast.Subscript):
+        return None if _held_in(node.value) is None else ast.unparse(node)
+    return dotted(node)
+
+
+def _container(node: ast.AST) -> str | None:
+    """The name that holds the accumulator: `metrics` for `metrics["loss"]`."""
+    while isinstance(node, ast.Subscript):
+        node = node.value
+    return dotted(node)
+
+
+def _accumulation(stmt: ast.stmt) -> tuple[str, str, ast.AST] | None:
+    """`(acc, its container, value)` for `acc += value`, `acc = acc <op> value` or
+    `acc.append(value)`; `acc` a name, an attribute or a slot (`metrics["loss"]`)."""
+    target: ast.AST | None = None
+    value: ast.AST | None = None
     if isinstance(stmt, ast.AugAssign):
-        acc = dotted(stmt.target)
-        return None if acc is None else (acc, stmt.value)
-    if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and \
+        target, value = stmt.target, stmt.value
+    elif isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and \
             isinstance(stmt.value, ast.BinOp):
-        acc = dotted(stmt.targets[0])
-        if acc is not None:
-            for side, other in ((stmt.value.left, stmt.value.right),
-                                (stmt.value.right, stmt.value.left)):
-                if dotted(side) == acc:
-                    return acc, other
-        return None
-    if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call):
+        target = stmt.targets[0]
+        acc = _held_in(target)
+        for side, other in ((stmt.value.left, stmt.value.right),
+                            (stmt.value.right, stmt.value.left)):
+            if acc is not None and _held_in(side) == acc:
+                value = other
+    elif isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call):
         call = stmt.value
         if isinstance(call.func, ast.Attribute) and call.func.attr == "append" and \
                 len(call.args) == 1 and not call.keywords:
-            acc = dotted(call.func.value)
-            return None if acc is None else (acc, call.args[0])
-    return None
+            target, value = call.func.value, call.args[0]
+    if target is None or value is None:
+        return None
+    acc, container = _held_in(target), _container(target)
+    return None if acc is None or container is None else (acc, container, value)
 
 
 def check_ts011(tree: Tree, imports: ImportMap, calls: list[ast.Call]
                 ) -> list[tuple[ast.stmt, str]]:
     """Each accumulation of a loss with its history inside a loop, with its message."""
-    if not uses_torch(imports):
+    if not uses_torch(imports, calls):
         return []
     found: list[tuple[ast.stmt, str]] = []
     seen: set[int] = set()
@@ -150,7 +168,7 @@ def check_ts011(tree: Tree, imports: ImportMap, calls: list[ast.Call]
         for node in body:
             if isinstance(node, ast.Assign):
                 for t in node.targets:
-                    if (d := dotted(t)) is not None:
+                    if (d := _held_in(t)) is not None:
                         bound.setdefault(d, []).append(node.value)
         # Rebound detached somewhere in the body: judged no further.
         losses = {n for n in losses if not any(_detached(v, n) for v in bound.get(n, []))}
@@ -166,13 +184,16 @@ def check_ts011(tree: Tree, imports: ImportMap, calls: list[ast.Call]
             acc_value = _accumulation(node)
             if acc_value is None or id(node) in seen:
                 continue
-            acc, value = acc_value
+            acc, container, value = acc_value
             loss = next((n for n in sorted(losses) if _carries(value, n)), None)
-            if loss is None or acc == loss or _feeds_backward(local, acc):
+            if loss is None or acc == loss or _feeds_backward(local, container):
                 continue
-            # Rebound to a fresh value in the body (not by itself): it spans one iteration.
-            if any(not (isinstance(v, ast.BinOp) and acc in {dotted(v.left), dotted(v.right)})
-                   for v in bound.get(acc, [])):
+            # Rebound to a fresh value in the body (not by itself), or its container is: it
+            # spans one iteration.
+            if any(not (isinstance(v, ast.BinOp) and acc in {_held_in(v.left),
+                                                             _held_in(v.right)})
+                   for v in bound.get(acc, [])) or \
+                    (container != acc and bound.get(container)):
                 continue
             if in_grad_mode(tree, imports, node, scope):
                 continue

@@ -82,7 +82,7 @@ def _bind_losses(node: ast.AST, imports: ImportMap, out: dict[str, str]) -> None
 def check_ts014(tree: Tree, imports: ImportMap, calls: list[ast.Call]
                 ) -> list[tuple[ast.Call, str]]:
     """Each loss call given softmax probabilities, with its message."""
-    if not uses_torch(imports) or not any(_is_softmax(c, imports) for c in calls):
+    if not uses_torch(imports, calls) or not any(_is_softmax(c, imports) for c in calls):
         return []
     modules = _loss_modules(tree, imports)
     found: list[tuple[ast.Call, str]] = []
@@ -121,7 +121,7 @@ def check_ts015(tree: Tree, imports: ImportMap, calls: list[ast.Call]
     """Each gradient clip in a function that scales the loss and steps through the same
     GradScaler without unscaling, with its message."""
     clips = [c for c in calls if imports.qualify(c.func) in _CLIPS]
-    if not uses_torch(imports) or not clips:
+    if not uses_torch(imports, calls) or not clips:
         return []
     found: list[tuple[ast.Call, str]] = []
     for func in {id(f): f for c in clips if isinstance(f := tree.scope(c), FUNCS)}.values():

@@ -96,7 +96,8 @@ RULES: dict[str, Rule] = {
             "that the same file calls from the loop with the same arguments. A loop over "
             "distinct modules (regional compilation: `for block in model.children(): "
             "block.compile()`) or over modes or backends compiles each once and is not "
-            "flagged.",
+            "flagged; nor is a compile that an `if` lets run once (`if step == warmup:`, "
+            "`if not compiled:` around a branch that sets `compiled = True`).",
             "Every iteration builds a new compiled wrapper (`model = torch.compile(model)` nests "
             "one more each step) that goes through dynamo's cache and guard checks again; any "
             "guard change recompiles until the recompile limit, after which the model silently "
@@ -200,8 +201,8 @@ RULES: dict[str, Rule] = {
             "TS011",
             "loss-history-kept",
             "A loss accumulated across a loop's iterations as a tensor: `total += loss`, "
-            "`total = total + loss` or `losses.append(loss)`, where the loop backpropagates "
-            "`loss`, without `.item()`/`.detach()`.",
+            "`total = total + loss`, `metrics[\"loss\"] += loss` or `losses.append(loss)`, "
+            "where the loop backpropagates `loss`, without `.item()`/`.detach()`.",
             "The accumulator holds each iteration's tensor with its autograd history, so every "
             "iteration's graph (its nodes; backward freed what they saved) stays reachable "
             "until the loop ends, and memory grows with each step (the PyTorch FAQ's first "
@@ -214,9 +215,10 @@ RULES: dict[str, Rule] = {
         Rule(
             "TS012",
             "gradients-never-zeroed",
-            "A loop whose own body calls a tensor's `backward()` and an optimizer's `step()` "
-            "while nothing in the loop (nor a function of the file it calls) zeroes the "
-            "gradients: no `zero_grad()`, no `p.grad = None`.",
+            "A loop whose own body backpropagates (`loss.backward()`, "
+            "`accelerator.backward(loss)`) and calls an optimizer's `step()` while nothing in "
+            "the loop (nor a function of the file it calls) zeroes the gradients: no "
+            "`zero_grad()`, no `p.grad = None`.",
             "`backward()` adds to `.grad`: without zeroing, each step updates with the sum of "
             "every gradient since the loop began, so the steps grow and point at the "
             "average of the old batches rather than the current one.",
@@ -273,7 +275,8 @@ RULES: dict[str, Rule] = {
             "TS016",
             "zero-grad-before-step",
             "`opt.zero_grad()` after a `backward()` and before `opt.step()` of that same "
-            "optimizer, in one block of statements.",
+            "optimizer (or `model.zero_grad()`, where the function steps one optimizer), in "
+            "one block of statements.",
             "`zero_grad()` clears (or zeroes) the gradients that `backward()` has just made: "
             "the step then updates with no gradient, and the model does not learn.",
             "Call `optimizer.zero_grad()` before the forward (or after `step()`), never "

@@ -7,11 +7,12 @@ from zero. A loop that backpropagates and steps an optimizer on every iteration 
 zeroing updates with the sum of every gradient since the loop began. The rule is
 conservative:
 
-- the loop's own body (not a nested loop's, not a nested function's) calls a tensor's
-  `backward()` (no positional argument: `loss.backward()`, `scaler.scale(loss).backward()`;
-  `accelerator.backward(loss)` and DeepSpeed's `engine.backward(loss)`, whose `step()`
-  zeroes, are not) or `torch.autograd.backward`, and an optimizer's `step()`: a receiver
-  whose name says optimizer (`optimizer`, `opt_g`, `self.optim`), or `scaler.step(opt)`;
+- the loop's own body (not a nested loop's, not a nested function's) backpropagates
+  (`loss.backward()`, `scaler.scale(loss).backward()`, `accelerator.backward(loss)`,
+  `self.manual_backward(loss)`, `torch.autograd.backward`: Accelerate's prepared optimizer
+  steps without zeroing, like torch's) and calls an optimizer's `step()`: a receiver whose
+  name says optimizer (`optimizer`, `opt_g`, `self.optim`), or `scaler.step(opt)`
+  (DeepSpeed's `engine.step()`, which does zero, is not an optimizer's by its name);
 - nothing in the loop's body, nested blocks and loops included, zeroes: a `zero_grad()`
   call on anything, `p.grad = None`, `p.grad.zero_()`; nor does a function of this file
   that the body calls (one call deep, by name).
@@ -22,9 +23,12 @@ gradients still pile up across its iterations.
 
 TS016 reads each block of statements in order: a statement that backpropagates, then
 `opt.zero_grad()` (a statement of its own, not under a condition of its own), then
-`opt.step()` on that same optimizer with no backward in between. A branch's block starts
-from the backward before the branch (`if (i + 1) % n == 0:` around the zeroing and the
-step). A `zero_grad()` of another optimizer (a GAN's other player) is not judged.
+`opt.step()` on that same optimizer with no backward in between. A model's `zero_grad()`
+(`model.zero_grad()`) there clears the gradients too, as TS012 counts it as zeroing; it is
+judged where the function steps one optimizer only, so that the model is the one stepped.
+A branch's block starts from the backward before the branch (`if (i + 1) % n == 0:` around
+the zeroing and the step). A `zero_grad()` of another optimizer (a GAN's other player), or
+of a model where the function steps two, is not judged.
 
 TS017 reads the same blocks: a backward, an optimizer's `step()`, then a clip
 (`clip_grad_norm_`/`clip_grad_value_`) before the next backward, with no step after the clip
@@ -42,13 +46,14 @@ from torchscope.lint._astutil import (
     ImportMap,
     Tree,
     dotted,
+    is_backward,
     loops_around,
     uses_torch,
     walk_local,
 )
 from torchscope.lint.loss_inputs import is_clip
 
-__all__ = ["called_names", "check_ts012", "check_ts016", "check_ts017", "is_backward"]
+__all__ = ["called_names", "check_ts012", "check_ts016", "check_ts017"]
 
 
 def _own(body: list[ast.stmt]) -> Iterator[ast.AST]:
@@ -63,17 +68,11 @@ def _own(body: list[ast.stmt]) -> Iterator[ast.AST]:
         stack.extend(reversed(list(ast.iter_child_nodes(node))))
 
 
-def is_backward(call: ast.Call, imports: ImportMap) -> bool:
-    """A tensor's `backward()` (no positional argument: not `accelerator.backward(loss)`)
-    or `torch.autograd.backward`."""
-    func = call.func
-    if isinstance(func, ast.Attribute) and func.attr == "backward" and not call.args:
-        return True
-    return imports.qualify(func) == "torch.autograd.backward"
-
-
 def _optimizer_named(node: ast.AST | None) -> bool:
-    name = dotted(node) if node is not None else None
+    return _optimizer_name(dotted(node) if node is not None else None)
+
+
+def _optimizer_name(name: str | None) -> bool:
     last = (name or "").rpartition(".")[2].lower()
     return "opt" in last and "sched" not in last
 
@@ -136,7 +135,7 @@ def check_ts012(tree: Tree, imports: ImportMap, calls: list[ast.Call]
                 ) -> list[tuple[ast.Call, str]]:
     """Each optimizer step of a loop that backpropagates and never zeroes, with its
     message."""
-    if not uses_torch(imports):
+    if not uses_torch(imports, calls):
         return []
     backwards = [c for c in calls if is_backward(c, imports)]
     if not backwards:
@@ -182,25 +181,46 @@ def _zero_grad_of(stmt: ast.stmt) -> tuple[ast.Call, str | None] | None:
     return None
 
 
+def _stepped(body: list[ast.stmt]) -> set[frozenset[str]]:
+    """The optimizers a function's (or the module's) own code steps, each as the names of
+    one step (`{"opt"}`, `{"scaler", "opt_d"}`)."""
+    return {frozenset(_optimizer_of(n)) for n in walk_local(body)
+            if isinstance(n, ast.Call) and _is_step(n)}
+
+
+def _clears_for(zeroed: str | None, step: ast.Call, scope: list[ast.stmt]) -> bool:
+    """Whether `zeroed.zero_grad()` clears the gradients `step` is about to use: it is that
+    optimizer's, or a model's (`model.zero_grad()`, which clears all of that model's) in a
+    function (`scope`, its body) that steps one optimizer, whose model it then is. With two
+    optimizers (a GAN), a model's may be the other player's."""
+    if zeroed is None:
+        return False
+    return zeroed in _optimizer_of(step) or (
+        not _optimizer_name(zeroed) and len(_stepped(scope)) == 1)
+
+
 def _scan(block: list[ast.stmt], backward: ast.Call | None, imports: ImportMap,
-          found: list[tuple[ast.Call, str]]) -> None:
+          found: list[tuple[ast.Call, str]], scope: list[ast.stmt]) -> None:
     """TS016 over one block, in order; `backward` is the one that ran before it (in the
-    enclosing block, with no step since). A branch's blocks start from the state before
-    the branch; a loop's or a function's from none."""
+    enclosing block, with no step since), `scope` the body of the function (or module)
+    that holds it. A branch's blocks start from the state before the branch; a loop's or a
+    function's from none."""
     zeroed: tuple[ast.Call, str | None] | None = None  # a zero_grad() after `backward`
     for stmt in block:
         if isinstance(stmt, (*LOOPS, *FUNCS, ast.ClassDef)):
+            inner_scope = scope if isinstance(stmt, LOOPS) else stmt.body
             for inner in _blocks_of(stmt):
-                _scan(inner, None, imports, found)
+                _scan(inner, None, imports, found, inner_scope)
             continue
         if isinstance(stmt, _BRANCHES) and zeroed is None:
             for inner in _blocks_of(stmt):
-                _scan(inner, backward, imports, found)
+                _scan(inner, backward, imports, found, scope)
         own = [n for n in _own([stmt]) if isinstance(n, ast.Call)]
         step = next((c for c in own if _is_step(c)), None)
         here = next((c for c in own if is_backward(c, imports)), None)
         if step is not None and zeroed is not None and backward is not None and \
-                here is None and zeroed[1] in _optimizer_of(step) and not _steps_a_closure(step):
+                here is None and _clears_for(zeroed[1], step, scope) and \
+                not _steps_a_closure(step):
             found.append((zeroed[0], (
                 f"`{ast.unparse(zeroed[0])}` clears the gradients that "
                 f"`{ast.unparse(backward)}` has just made, before `{ast.unparse(step)}` "
@@ -223,10 +243,10 @@ def check_ts016(tree: Tree, imports: ImportMap, calls: list[ast.Call]
                 ) -> list[tuple[ast.Call, str]]:
     """Each `opt.zero_grad()` that runs between a backward and `opt.step()`, with its
     message."""
-    if not uses_torch(imports) or not any(is_backward(c, imports) for c in calls):
+    if not uses_torch(imports, calls) or not any(is_backward(c, imports) for c in calls):
         return []
     found: list[tuple[ast.Call, str]] = []
-    _scan(tree.module.body, None, imports, found)
+    _scan(tree.module.body, None, imports, found, tree.module.body)
     return found
 
 
@@ -276,7 +296,7 @@ def check_ts017(tree: Tree, imports: ImportMap, calls: list[ast.Call]
                 ) -> list[tuple[ast.Call, str]]:
     """Each gradient clip that runs after the optimizer step it should bound, with its
     message."""
-    if not uses_torch(imports) or not any(is_clip(c, imports) for c in calls) or \
+    if not uses_torch(imports, calls) or not any(is_clip(c, imports) for c in calls) or \
             not any(is_backward(c, imports) for c in calls):
         return []
     found: list[tuple[ast.Call, str]] = []
