@@ -10,6 +10,7 @@ is ordinary at initialisation. docs/diagnosis.md gives every criterion and its s
 
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
 from collections.abc import Callable, Sequence
@@ -31,6 +32,7 @@ from torchscope.grads.records import (
     GradFlow,
     GradHistory,
     LayerGrads,
+    ModuleGradRecord,
     ParamGradRecord,
     combine_norms,
     ratio,
@@ -235,11 +237,16 @@ class DepthProfile:
             initialisation); without repeated blocks, every unit but the nearest.
         excluded: modules left out of the profile and why (embeddings, tied weights,
             a block's matrices behind a small layer scale).
+        follows: for body units in no repeated block whose place the records show
+            (`_branch_links`), the unit whose gradient feeds theirs: a body unit's name, or
+            None where it is fed from nearer the loss than the body (the head, or the loss
+            itself), so that it starts a branch of its own.
     """
 
     units: tuple[DepthUnit, ...]
     body: tuple[DepthUnit, ...]
     excluded: tuple[tuple[str, str], ...]
+    follows: tuple[tuple[str, str | None], ...] = ()
 
     @property
     def stacks(self) -> tuple[tuple[DepthUnit, ...], ...]:
@@ -251,11 +258,29 @@ class DepthProfile:
         decoder layer at once, through cross-attention, not from the decoder's last block,
         so the step between two stacks is no layer-by-layer decay (a transformers BART at
         initialisation: level within each stack, 90-250x lower in the encoder). Units in no
-        repeated block stay with the stack before them."""
+        repeated block stay with the stack before them, unless `follows` places them: one
+        fed from nearer the loss than the body starts a stack of its own (a parallel
+        branch: an RNN cell beside an RNN stack, both read by one head), and one fed by a
+        body unit continues that unit's stack, or forks it when the unit is not that
+        stack's last."""
         out: list[list[DepthUnit]] = []
         keys: list[str | None] = []
+        follows = dict(self.follows)
         for u in self.body:
             key = _stack_name(u.name)
+            if key is None and u.name in follows:
+                feed = follows[u.name]
+                at = next(((k, j) for k in range(len(out) - 1, -1, -1)
+                           for j, v in enumerate(out[k]) if v.name == feed), None)
+                if at is None:  # fed from the head or the loss: a branch of its own
+                    out.append([u])
+                    keys.append(None)
+                elif at[1] == len(out[at[0]]) - 1:
+                    out[at[0]].append(u)
+                else:  # fed by a unit inside a stack: a fork off it
+                    out.append([*out[at[0]][: at[1] + 1], u])
+                    keys.append(keys[at[0]])
+                continue
             if out and (key is None or key == keys[-1] or keys[-1] is None):
                 out[-1].append(u)
                 if keys[-1] is None:
@@ -364,7 +389,90 @@ def depth_profile(flow: GradFlow) -> DepthProfile:
             rms(o, sum(lg.output_numel for lg in lgs if lg.output_norm is not None))))
     # The head: the units nearer the loss than the first repeated block, at least one.
     first_block = next((i for i, u in enumerate(units) if _in_block(u.name)), 1)
-    return DepthProfile(tuple(units), tuple(units[max(first_block, 1):]), tuple(excluded))
+    body = tuple(units[max(first_block, 1):])
+    return DepthProfile(tuple(units), body, tuple(excluded),
+                        _branch_links(flow, tuple(units), body))
+
+
+# Two norms of one gradient tensor, read at two places (a module's grad_input and the next
+# one's grad_output), or of its parts and the whole (squares summed), agree to this relative
+# difference at most: norms are kept as float32 (a relative step of 6e-8) and summed in
+# one order or another.
+_SAME_GRAD = 1e-6
+
+
+def _same(a: float, b: float) -> bool:
+    return abs(a - b) <= _SAME_GRAD * max(abs(a), abs(b))
+
+
+def _branch_links(flow: GradFlow, units: tuple[DepthUnit, ...], body: tuple[DepthUnit, ...]
+                  ) -> tuple[tuple[str, str | None], ...]:
+    """Where each body unit in no repeated block is fed from, as far as the records show:
+    the unit whose call passes down the gradient that arrives at the unit's nearest call, or
+    None for one nearer the loss than the body (the head; `DepthProfile.follows`).
+
+    Backward order alone does not say it: autograd runs a branch built later in the forward
+    before an earlier one, so a Python-looped RNN cell beside an RNN stack, both read by one
+    head, comes between the head and the stack, and fitted as one series it looked like a
+    145x decay over 4 layers of a healthy model. The records name no edges, but a gradient
+    tensor has one norm wherever it is read. A call is fed by the nearer call that passed
+    down a gradient of its output's shape and norm (`_SAME_GRAD`), or, when its output's
+    gradient is one part of a nearer call's input gradient (a `torch.cat` or slices), by
+    that call where another call's output gradient is the rest: the norms' squares add up.
+    The walk goes from the unit's nearest call through leaf modules (an activation, a norm,
+    a pooling) until it meets a unit's module; a unit it cannot place is left out and keeps
+    its place by backward order."""
+    calls = [r for r in flow.modules if r.order is not None]
+    member = {m: u.name for u in units for m in u.modules}
+    names = {r.module for r in flow.modules}
+    inner = {n.rpartition(".")[0] for n in names if n}  # "" (the root) for a top-level one
+    # Containers pass their first child's input gradient on as their own: leave them out.
+    nodes = [r for r in calls if r.module in member or r.module not in inner]
+    outs = sorted((g.norm * g.norm, r.order or 0, r.key)
+                  for r in nodes for g in r.grad_output
+                  if g.norm is not None and math.isfinite(g.norm) and g.norm > 0)
+    squares = [o[0] for o in outs]
+
+    def feeder(x: ModuleGradRecord) -> ModuleGradRecord | None:
+        xo = x.order or 0
+        nearer = [r for r in nodes if (r.order or 0) < xo]
+        got = [g for g in x.grad_output
+               if g.norm is not None and math.isfinite(g.norm) and g.norm > 0]
+        direct = [r for r in nearer for g in r.grad_input for o in got
+                  if g.norm is not None and g.shape == o.shape and _same(g.norm, o.norm or 0.0)]
+        if direct:  # the nearest: a module's input gradient is also its container's
+            return max(direct, key=lambda r: r.order or 0)
+        for r in sorted(nearer, key=lambda r: -(r.order or 0)):
+            for g in r.grad_input:
+                if g.norm is None or not math.isfinite(g.norm):
+                    continue
+                for o in got:
+                    rest = g.norm * g.norm - (o.norm or 0.0) ** 2
+                    if rest <= _SAME_GRAD * g.norm * g.norm:
+                        continue
+                    i = bisect.bisect_left(squares, rest * (1 - 2 * _SAME_GRAD))
+                    while i < len(outs) and outs[i][0] <= rest * (1 + 2 * _SAME_GRAD):
+                        if outs[i][2] != x.key and outs[i][1] > (r.order or 0):
+                            return r
+                        i += 1
+        return None
+
+    out: list[tuple[str, str | None]] = []
+    inside = {u.name for u in body}
+    for u in body:
+        if _in_block(u.name):
+            continue
+        mine = [r for r in nodes if r.module in u.modules]
+        if not mine:
+            continue
+        cur: ModuleGradRecord | None = min(mine, key=lambda r: r.order or 0)
+        while cur is not None:
+            cur = feeder(cur)
+            at = None if cur is None else member.get(cur.module)
+            if cur is not None and at is not None and at != u.name:
+                out.append((u.name, at if at in inside else None))
+                break
+    return tuple(out)
 
 
 def _stack_name(unit: str) -> str | None:
