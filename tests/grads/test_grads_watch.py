@@ -1089,3 +1089,22 @@ def test_inferred_steps_count_a_tied_weight_once(passes: int) -> None:
                 [p.grad for p in model.parameters() if p.grad is not None])))
     assert len(totals) == 3
     assert totals == pytest.approx(references, rel=1e-6)
+
+
+def test_steps_numbered_from_a_resumed_global_step() -> None:
+    """number_from: a framework restores its global step after the watch opened (Lightning
+    restores it after on_fit_start); the steps count on from it, sampled as if the run had
+    never stopped, and it cannot be moved once a backward was counted."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(8, 4)
+    with watch_gradients(model, optimizer=opt, every=4) as watch:
+        watch.number_from(6)
+        for _ in range(6):  # steps 6 .. 11: 8 is the one due (8 % 4 == 0)
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+        with pytest.raises(TorchscopeError, match="before the first backward"):
+            watch.number_from(0)
+    assert watch.steps == 12 and watch.history.steps == (8,)

@@ -65,11 +65,11 @@ def _trainer(tmp: Path, callbacks: list[TrainerCallback], steps: int = 20,
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=100,
                                        n_positions=32))
-    args = TrainingArguments(
-        output_dir=str(tmp), max_steps=steps, per_device_train_batch_size=2,
-        gradient_accumulation_steps=2, max_grad_norm=1.0, learning_rate=1e-3,
-        logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, seed=0,
-        disable_tqdm=True, dataloader_num_workers=0, **options)
+    args = TrainingArguments(**{
+        "output_dir": str(tmp), "max_steps": steps, "per_device_train_batch_size": 2,
+        "gradient_accumulation_steps": 2, "max_grad_norm": 1.0, "learning_rate": 1e-3,
+        "logging_steps": 1, "report_to": "none", "save_strategy": "no", "use_cpu": True,
+        "seed": 0, "disable_tqdm": True, "dataloader_num_workers": 0, **options})
     return Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=callbacks), model
 
 
@@ -313,3 +313,23 @@ def test_a_models_own_loss_is_read_under_the_trainer(tmp_path: Path, squeeze: bo
     assert_broadcast_told(run, not squeeze, ((16, 1), (16, 16)))
     if not squeeze:
         assert run.loss_broadcast.output == "['logits']"
+
+
+def test_a_resumed_run_numbers_its_steps_on_from_the_checkpoint(tmp_path: Path) -> None:
+    """Resumed from checkpoint-4, the Trainer counts on from global_step 4; the callback
+    counted from 0 again, so its sampled steps fell where the Trainer logged nothing and its
+    step numbers named steps of the earlier run."""
+    transformers.logging.set_verbosity_error()
+    first, _ = _trainer(tmp_path, [], steps=8, save_strategy="steps", save_steps=4)
+    first.train()
+    callback = TorchscopeTrainerCallback(every=2, out=None)
+    resumed, _ = _trainer(tmp_path, [callback], steps=8)
+    with callback:
+        resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-4"))
+    run = callback.result
+    assert run is not None and run.first_step == 4 and run.steps == 4
+    assert run.grad_param.steps == (5, 7)  # after global_step 6 and 8, 0-based as ever
+    logged = [(e["step"], e["torchscope/step"], e["torchscope/grad_norm/total"],
+               e["grad_norm"]) for e in resumed.state.log_history if "torchscope/step" in e]
+    assert [(step, ours) for step, ours, _, _ in logged] == [(6, 5), (8, 7)]
+    assert all(math.isclose(ours, theirs, rel_tol=1e-6) for _, _, ours, theirs in logged)

@@ -77,7 +77,7 @@ class Reference(pl.Callback):
 
 
 def _fit(module: pl.LightningModule, tmp: Path, *callbacks: pl.Callback,
-         steps: int = 20, **options: Any) -> pl.Trainer:
+         steps: int = 20, ckpt_path: str | None = None, **options: Any) -> pl.Trainer:
     pl.seed_everything(0, verbose=False)
     g = torch.Generator().manual_seed(0)
     ds = torch.utils.data.TensorDataset(torch.randn(160, 8, generator=g),
@@ -89,7 +89,7 @@ def _fit(module: pl.LightningModule, tmp: Path, *callbacks: pl.Callback,
                          enable_model_summary=False, callbacks=list(callbacks), **options)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer.fit(module, loader)
+        trainer.fit(module, loader, ckpt_path=ckpt_path)
     return trainer
 
 
@@ -394,3 +394,15 @@ def test_labels_on_padding_are_told_through_a_wrapped_transformers_model(
     assert run.padded_labels == (18, 0 if masked else 18)
     assert ("run.padding_in_loss" in [f.code for f in run.findings()]) == (not masked)
     assert audit_hooks(module, include_global=False).local_total == 0
+
+
+def test_a_resumed_fit_numbers_its_steps_on_from_the_checkpoint(tmp_path: Path) -> None:
+    """Resumed at global_step 6, Lightning logs steps 6 on; the callback counted from 0
+    again and logged torchscope/step 0 beside Lightning's step 6."""
+    first = _fit(Net(), tmp_path / "a", steps=6)
+    first.save_checkpoint(tmp_path / "six.ckpt")
+    callback = TorchscopeCallback(every=2, out=None)
+    _fit(Net(), tmp_path / "b", callback, steps=10, ckpt_path=str(tmp_path / "six.ckpt"))
+    run = callback.result
+    assert run is not None and run.first_step == 6 and run.steps == 4
+    assert run.grad_param.steps == (6, 8)

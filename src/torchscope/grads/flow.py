@@ -197,12 +197,16 @@ class GradWatch(HookedContext, Analyzed):
     default process group out of sight; the gradients are then read synchronised, as for a
     wrapped model. And `on_backward`, called at the end of each backward pass of the step,
     after `on_step` for a step that this pass ended (an inferred step ends at the next
-    step's first backward).
+    step's first backward). And `first_step`, the index of the first step it sees (a
+    framework's global step where a run resumes from a checkpoint): steps are numbered on
+    from it, in the samples, `start` and everything that names a step.
 
     Attributes:
         every: sample one step in `every`.
         start: the first sampled step.
-        steps: steps counted so far (see `step_by`).
+        first_step: the index of the first step (0 unless a run resumed).
+        steps: the index of the step in progress: `first_step` plus the steps counted so
+            far (see `step_by`).
         samples: samples taken so far (unbounded count; the history keeps the newest).
         backwards: backward passes of the model seen so far (a pass that updates no
             parameter, such as `torch.autograd.grad`'s, is not one).
@@ -255,6 +259,7 @@ class GradWatch(HookedContext, Analyzed):
         updates: bool = True,
         parallel: nn.Module | Literal["ddp"] | None = None,
         on_backward: Callable[[], None] | None = None,
+        first_step: int = 0,
     ) -> None:
         for label, value in (("every", every), ("max_samples", max_samples)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -262,8 +267,10 @@ class GradWatch(HookedContext, Analyzed):
                     f"{label}={value!r} " + ("samples nothing." if label == "every" else
                                              "keeps no history."),
                     fix=f"pass {label}=1 or more.")
-        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
-            raise TorchscopeError(f"start={start!r} is not a step.", fix="pass start=0 or more.")
+        for label, value in (("start", start), ("first_step", first_step)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise TorchscopeError(f"{label}={value!r} is not a step.",
+                                      fix=f"pass {label}=0 or more.")
         if micro_batches is not None:
             if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or \
                     micro_batches < 1:
@@ -285,7 +292,8 @@ class GradWatch(HookedContext, Analyzed):
                 "gradients are final).")
         self.every = every
         self.start = start
-        self.steps = 0
+        self.first_step = first_step
+        self.steps = first_step
         self.samples = 0
         self.backwards = 0
         optimizer = inner_optimizer(optimizer)  # accelerate's wrapper: its inner one's hooks
@@ -401,7 +409,7 @@ class GradWatch(HookedContext, Analyzed):
                 s.forward_pre_hook(s.model, self._check_scaler, prepend=True)
         c.on_backward_end = self._on_backward_end
         c.on_output = self._read_own_loss
-        c.active = self._collecting(0)
+        c.active = self._collecting(self.steps)
         if self._updates:
             # Parameters that start at zero (LoRA's B) before the first sampled step, which
             # may come after their first updates (a callback sampling every 10th step).
@@ -431,7 +439,7 @@ class GradWatch(HookedContext, Analyzed):
                                   if flows else None)
                 elif c.active and c.backward_calls > 0 and self._due(self.steps) and (
                         self._step_by == "micro_batches" or
-                        (self._step_by == "optimizer" and not self.steps)):
+                        (self._step_by == "optimizer" and self.steps == self.first_step)):
                     self._sample(self.steps, c.finish_later(self.steps))
                 self._settle()
         finally:
@@ -522,6 +530,24 @@ class GradWatch(HookedContext, Analyzed):
     def collecting(self) -> bool:
         """Whether the hooks record the step in progress (it is due for a sample)."""
         return self._collector.active
+
+    def number_from(self, first_step: int) -> None:
+        """Number the steps from `first_step` (the global step a framework restored from a
+        checkpoint, once the watch was open), as if it had been given at the start.
+
+        Raises:
+            TorchscopeError: a step was counted already, or `first_step` is no step.
+        """
+        if isinstance(first_step, bool) or not isinstance(first_step, int) or first_step < 0:
+            raise TorchscopeError(f"first_step={first_step!r} is not a step.",
+                                  fix="pass first_step=0 or more.")
+        if self.steps != self.first_step or self.backwards:
+            raise TorchscopeError(
+                f"the steps are to be numbered from {first_step} after "
+                f"{self.steps - self.first_step} step(s) and {self.backwards} backward "
+                "pass(es) were counted.", fix="call number_from before the first backward.")
+        self.first_step = self.steps = first_step
+        self._collector.active = self._collecting(self.steps)
 
     # ------------------------------------------------------------------ stepping
     def _due(self, step: int) -> bool:

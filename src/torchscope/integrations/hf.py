@@ -177,7 +177,8 @@ class TorchscopeTrainerCallback(TrainerCallback):
                                   fix="use a transformers Trainer (>= 4.40).")
         inner = inner_optimizer(optimizer)  # accelerate's wrapper
         # Sample the steps the Trainer logs when logging_steps == every: its global_step
-        # after step i (0-based) is i + 1.
+        # after step i (0-based) is i + 1. A run resumed from a checkpoint starts at its
+        # global_step, and the steps are numbered on from there.
         self._monitor = Monitor(
             model, inner, scaler=getattr(optimizer, "scaler", None), manual=True,
             start=self._options["every"] - 1,
@@ -187,7 +188,7 @@ class TorchscopeTrainerCallback(TrainerCallback):
             # callback is given: the whole model runs eagerly while the hooks are on.
             compiled_outside=bool(getattr(args, "torch_compile", False)),
             clip_setting=_setting("max_grad_norm", getattr(args, "max_grad_norm", None)),
-            **self._options)
+            first_step=int(getattr(state, "global_step", 0) or 0), **self._options)
         self._monitor.__enter__()
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

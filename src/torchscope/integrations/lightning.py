@@ -149,6 +149,12 @@ class TorchscopeCallback(pl.Callback):
             clip_setting=_clip_setting(trainer), **self._options)
         self._monitor.__enter__()
 
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        """Number the steps on from the global step a resumed fit restored (after
+        `on_fit_start`), as Lightning's logs do."""
+        if self._monitor is not None:
+            self._monitor.number_from(int(trainer.global_step or 0))
+
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
         """Hand the monitor the loss training_step returned, before its backward: its graph
         is read once (`Monitor.check_loss`)."""

@@ -612,7 +612,8 @@ def _stopped(record: RunRecord) -> list[Finding]:
         return []
     return [Finding(
         "run.stopped", Severity.WARNING,
-        f"the run stopped in step {record.steps} (after {record.steps} completed steps): "
+        f"the run stopped in step {record.first_step + record.steps} (after "
+        f"{record.steps} completed steps): "
         f"{record.error or 'an exception'}; this report covers the steps before it",
         {"steps": record.steps, "samples": record.samples, "error": record.error},
         fix="")]

@@ -185,7 +185,7 @@ class RunRecord(Analyzed):
         device: where the model's parameters were.
         every: one step in `every` is sampled.
         step_by: what ended a step (`optimizer`, `micro_batches`, `inferred`, `manual`).
-        steps: steps completed.
+        steps: steps completed in this run.
         samples: steps sampled.
         status: `completed`, or `stopped` (an exception ended the run).
         error: the exception that stopped it, in one line; empty otherwise.
@@ -255,6 +255,9 @@ class RunRecord(Analyzed):
             `labels` and an `attention_mask` of one shape; (0, 0) elsewhere (an encoder-decoder,
             whose labels are the decoder's, included). A causal language model's loss
             shifts its labels and never reads position 0, which is left out.
+        first_step: the index of the run's first step: 0, or where a framework's run
+            resumed from a checkpoint, its global step then. Step indices (samples,
+            findings, buckets) count from it; `steps` counts this run's steps only.
         clip_setting: the framework's setting by which the loop clips gradients
             (`max_grad_norm=1.0` under the HF Trainer, `gradient_clip_val=0.5` under
             Lightning), given by its callback; empty in a plain loop or without clipping.
@@ -312,6 +315,7 @@ class RunRecord(Analyzed):
     same_inputs: tuple[int, int] = (0, 0)
     padded_labels: tuple[int, int] = (0, 0)
     clip_setting: str = ""
+    first_step: int = 0
 
     @property
     def median_step_ms(self) -> float | None:

@@ -119,7 +119,7 @@ class _Overview(_Section):
     def html(self, record: RunRecord, plots: Mapping[str, str]) -> str:
         o, b = record.onset, record.budget
         if record.status == "stopped":
-            state = f"stopped in step {record.steps}: {record.error}"
+            state = f"stopped in step {record.first_step + record.steps}: {record.error}"
         else:
             state = f"completed {record.steps} steps"
         if o.gradient_step is not None:

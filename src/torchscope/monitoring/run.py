@@ -95,7 +95,7 @@ _WAITING_FORWARDS = 8
 class Monitor(HookedContext):
     """Watches a training run and writes its run report; build it with `torchscope.monitor`.
 
-    The arguments are `torchscope.monitor`'s, and six that the framework callbacks use:
+    The arguments are `torchscope.monitor`'s, and seven that the framework callbacks use:
     `manual=True` (steps end at `end_step()`), `start` (the first sampled step, see
     `watch_gradients`), `producer` (who drove it, for report.json's `options`) and
     `parallel` (the `DistributedDataParallel` wrapper `model` trains through when `model` is
@@ -105,7 +105,9 @@ class Monitor(HookedContext):
     `torch_compile=True`: the whole model then runs eagerly while the monitor is open, as
     compiled parts it is given do, and the report says so), and `clip_setting` (the
     framework's clipping setting, `RunRecord.clip_setting`: the advice then knows the loop
-    clips, even where no sampled step reached the threshold).
+    clips, even where no sampled step reached the threshold), and `first_step` (the
+    framework's global step where the run resumed from a checkpoint: steps are numbered on
+    from it, as its logs number them).
 
     Attributes:
         result: the `RunRecord`, set when the block ends (also through an exception).
@@ -138,6 +140,7 @@ class Monitor(HookedContext):
         parallel: nn.Module | Literal["ddp"] | None = None,
         compiled_outside: bool = False,
         clip_setting: str = "",
+        first_step: int = 0,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TorchscopeError(f"the model is a {type(model).__name__}, not an nn.Module.",
@@ -215,6 +218,7 @@ class Monitor(HookedContext):
         self._modes = ModeCounts()
         self._compiled_outside = compiled_outside
         self._clip_setting = clip_setting
+        self._first_step = first_step
         self._eager = contextlib.ExitStack()  # the eager stance, for a wrapper out of sight
         self.latest: dict[str, float] = {}
         self.result: RunRecord | None = None
@@ -277,7 +281,8 @@ class Monitor(HookedContext):
             micro_batches=self._micro_batches, manual=self._manual, select=self._select,
             depth=self._depth, inputs_grad=False, max_samples=1,
             check_nonfinite=self._scaler is None, on_step=self._on_step,
-            parallel=self._parallel, on_backward=self._backward_end)
+            parallel=self._parallel, on_backward=self._backward_end,
+            first_step=self._first_step)
         self._grads.open()
         if self._profile_steps:
             self._time = TimeWatch(model, optimizer=self._optimizer, steps=self._profile_steps,
@@ -355,10 +360,19 @@ class Monitor(HookedContext):
         """
         self._open_watch().check_loss(loss)
 
+    def number_from(self, first_step: int) -> None:
+        """Number the steps from `first_step` (a framework's global step, restored from a
+        checkpoint after the monitor opened), before the first backward.
+
+        Raises:
+            TorchscopeError: the monitor is not open, or a step was counted already.
+        """
+        self._open_watch().number_from(first_step)
+
     @property
     def steps(self) -> int:
-        """Steps completed so far."""
-        return 0 if self._grads is None else self._grads.steps
+        """Steps completed so far (in this run: a resumed run's earlier steps not counted)."""
+        return 0 if self._grads is None else self._grads.steps - self._grads.first_step
 
     @property
     def grads(self) -> GradWatch | None:
@@ -616,7 +630,8 @@ class Monitor(HookedContext):
         return RunRecord(
             model=self._facts[0], parameters=self._facts[1], trainable=self._facts[2],
             inputs=self._inputs or "(no forward seen)", device=self._facts[3],
-            every=self.every, step_by=grads.step_by, steps=grads.steps,
+            every=self.every, step_by=grads.step_by, steps=grads.steps - grads.first_step,
+            first_step=grads.first_step,
             samples=grads.samples, status="stopped" if stopped else "completed",
             error=self._error, seconds=time.perf_counter() - self._t0,
             grad_param=self._series("grad_param").present(),
