@@ -333,3 +333,52 @@ def test_a_resumed_run_numbers_its_steps_on_from_the_checkpoint(tmp_path: Path) 
                e["grad_norm"]) for e in resumed.state.log_history if "torchscope/step" in e]
     assert [(step, ours) for step, ours, _, _ in logged] == [(6, 5), (8, 7)]
     assert all(math.isclose(ours, theirs, rel_tol=1e-6) for _, _, ours, theirs in logged)
+
+
+class Regressor(torch.nn.Module):
+    """One output per row; its own loss only where it is given labels."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
+                                       torch.nn.Linear(16, 1))
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None
+                ) -> dict[str, torch.Tensor]:
+        out = self.net(x)  # (N, 1)
+        return {"logits": out} if labels is None else \
+            {"loss": (out.squeeze(-1) - labels).square().mean(), "logits": out}
+
+
+def _broadcasting_loss(outputs: dict[str, torch.Tensor], labels: torch.Tensor,
+                       num_items_in_batch: Any = None) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(outputs["logits"], labels)  # (N, 1) vs (N,)
+
+
+@pytest.mark.parametrize("install", [False, True])
+def test_a_loss_the_trainer_computes_outside_the_model(tmp_path: Path, install: bool) -> None:
+    """With compute_loss_func the Trainer pops the labels and computes the loss itself: the
+    model returns none, so the broadcast went untold and the report read as clean. Installed,
+    the callback hands the Trainer's loss to the monitor; not installed, the report says
+    the loss was not seen."""
+    transformers.logging.set_verbosity_error()
+    callback = TorchscopeTrainerCallback(every=2, out=None)
+    torch.manual_seed(0)
+    args = TrainingArguments(
+        output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=16,
+        learning_rate=1e-3, report_to="none", save_strategy="no", use_cpu=True, seed=0,
+        disable_tqdm=True, dataloader_num_workers=0)
+    trainer = Trainer(model=Regressor(), args=args, train_dataset=Rows(),
+                      compute_loss_func=_broadcasting_loss, callbacks=[callback])
+    if install:
+        callback.install(trainer)
+    with callback:
+        trainer.train()
+    run = callback.result
+    assert run is not None and run.steps == 4
+    assert "compute_loss" not in vars(trainer)  # the Trainer's own method again
+    assert_broadcast_told(run, install, ((16, 1), (16, 16)))
+    unseen = [f for f in run.findings() if f.code == "run.loss_unseen"]
+    assert run.loss_seen is install and len(unseen) == (0 if install else 1)
+    if not install:
+        assert unseen[0].fix is not None and "callback.install(trainer)" in unseen[0].fix

@@ -504,6 +504,12 @@ class GradWatch(HookedContext, Analyzed):
         self._loss_read, self._collector.keep_outputs = True, False
 
     @property
+    def loss_seen(self) -> bool:
+        """Whether a loss of the loop was read (`check_loss`, or one the model returned):
+        without one, `loss_broadcast` and `loss_on_probabilities` were not checked."""
+        return self._loss_read
+
+    @property
     def passes_without_update(self) -> int:
         """Backward passes that added to no trainable parameter's gradient, left out."""
         return self._collector.passes_without_update

@@ -42,8 +42,11 @@ This module imports transformers; `import torchscope` never does. Install it wit
 
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
 from typing import Any, Literal
+
+import torch
 
 from torchscope.distributed.world import strategy_of
 from torchscope.errors import TorchscopeError
@@ -126,6 +129,7 @@ class TorchscopeTrainerCallback(TrainerCallback):
             "activations": activations, "memory": memory, "profile": profile,
             "history": history, "recent": recent, "name": name}
         self._monitor: Monitor | None = None
+        self._trainer: weakref.ReferenceType[Any] | None = None  # from `install`
         self._pending: dict[str, float] = {}
         self._ended = False  # the step in progress has ended (on_pre_optimizer_step ran)
         self.result: RunRecord | None = None
@@ -134,7 +138,10 @@ class TorchscopeTrainerCallback(TrainerCallback):
     # ------------------------------------------------------------------ wiring
     def install(self, trainer: Any) -> TorchscopeTrainerCallback:
         """Put this callback first in `trainer`'s callbacks (added if missing), so that the
-        reporting callbacks see its scalars in `logs`.
+        reporting callbacks see its scalars in `logs`; and, while training runs, hand each
+        step's loss from `trainer.compute_loss` to the monitor, so that a loss the Trainer
+        computes outside the model (`compute_loss_func`, `label_smoothing_factor`, a
+        `compute_loss` override) is checked too (`Monitor.check_loss`).
 
         Returns:
             The callback itself.
@@ -143,7 +150,36 @@ class TorchscopeTrainerCallback(TrainerCallback):
         if self in callbacks:
             callbacks.remove(self)
         callbacks.insert(0, self)
+        self._trainer = weakref.ref(trainer)
         return self
+
+    def _wrap_compute_loss(self) -> None:
+        """Put a wrapper over the installed trainer's `compute_loss` (an attribute of the
+        instance, taken off again by `_finish`) that hands its loss to the monitor."""
+        trainer = None if self._trainer is None else self._trainer()
+        if trainer is None or "compute_loss" in vars(trainer):
+            return  # not installed, or already wrapped (by us or by the user)
+        original = trainer.compute_loss
+
+        def compute_loss(*args: Any, **kwargs: Any) -> Any:
+            result = original(*args, **kwargs)
+            loss = result[0] if isinstance(result, tuple) else result
+            mon = self._monitor
+            # Evaluation calls it under no_grad: such a loss has no graph to read.
+            if mon is not None and isinstance(loss, torch.Tensor) and loss.grad_fn is not None:
+                mon.check_loss(loss)
+            return result
+
+        compute_loss.__torchscope__ = True  # type: ignore[attr-defined]
+        trainer.compute_loss = compute_loss
+
+    def _unwrap_compute_loss(self) -> None:
+        trainer = None if self._trainer is None else self._trainer()
+        if trainer is None:
+            return
+        wrapper = vars(trainer).get("compute_loss")
+        if wrapper is not None and getattr(wrapper, "__torchscope__", False):
+            del trainer.compute_loss  # the class's method again
 
     def __enter__(self) -> TorchscopeTrainerCallback:
         return self
@@ -159,6 +195,7 @@ class TorchscopeTrainerCallback(TrainerCallback):
 
     def _finish(self, exc: tuple[object, ...] | None) -> None:
         mon, self._monitor = self._monitor, None
+        self._unwrap_compute_loss()
         if mon is None:
             return
         if exc is None:
@@ -190,6 +227,7 @@ class TorchscopeTrainerCallback(TrainerCallback):
             clip_setting=_setting("max_grad_norm", getattr(args, "max_grad_norm", None)),
             first_step=int(getattr(state, "global_step", 0) or 0), **self._options)
         self._monitor.__enter__()
+        self._wrap_compute_loss()
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """A new optimizer step begins."""

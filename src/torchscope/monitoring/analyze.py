@@ -185,6 +185,25 @@ def _total_clause(fall: float) -> str:
         else ", while the total gradient norm did not grow"
 
 
+def _loss_unseen(record: RunRecord) -> list[Finding]:
+    """Info where no loss of the run was seen, so that its checks did not run: a clean
+    report is then no evidence about the loss."""
+    if record.loss_seen:
+        return []
+    if record.producer.endswith(".hf"):
+        fix = ("the Trainer computes this loss outside the model (compute_loss_func, "
+               "label_smoothing_factor, or a compute_loss override): callback.install(trainer) "
+               "hands each step's loss to the monitor")
+    else:
+        fix = ("hand each step's loss to the monitor before its backward: "
+               "mon.check_loss(loss)")
+    return [Finding(
+        "run.loss_unseen", Severity.INFO,
+        "no loss of this run was seen: whether it broadcasts the output against its target, "
+        "or applies a softmax the model already applied, was not checked",
+        {"steps": record.steps}, fix=fix)]
+
+
 def _clip_clause(record: RunRecord) -> str:
     """"; the loop clips already ..." where the framework says the loop clips (its setting,
     even if no sampled step reached it) or the last sample was clipped (`grads.clipped`);
@@ -633,6 +652,7 @@ def _capabilities(record: RunRecord, replaced: bool) -> list[Finding]:
     found += find_broken_update(record.broken_update)
     found += find_loss_broadcast(record.loss_broadcast)
     found += find_loss_on_probabilities(record.loss_on_probabilities)
+    found += _loss_unseen(record)
     history = grad_history(record)
     found += diagnose_history(history)
     found += find_no_step(record.step_by, record.steps, record.backwards, record.optimizer)

@@ -258,6 +258,10 @@ class RunRecord(Analyzed):
         first_step: the index of the run's first step: 0, or where a framework's run
             resumed from a checkpoint, its global step then. Step indices (samples,
             findings, buckets) count from it; `steps` counts this run's steps only.
+        loss_seen: whether a loss of the run was read (one the model returned, or one
+            handed to `check_loss`): without one, the loss's own checks did not run.
+        producer: who drove the monitor (`torchscope.monitor`, or a framework callback's
+            module), as report.json's options say.
         clip_setting: the framework's setting by which the loop clips gradients
             (`max_grad_norm=1.0` under the HF Trainer, `gradient_clip_val=0.5` under
             Lightning), given by its callback; empty in a plain loop or without clipping.
@@ -316,6 +320,8 @@ class RunRecord(Analyzed):
     padded_labels: tuple[int, int] = (0, 0)
     clip_setting: str = ""
     first_step: int = 0
+    loss_seen: bool = True
+    producer: str = "torchscope.monitor"
 
     @property
     def median_step_ms(self) -> float | None:

@@ -665,6 +665,8 @@ class Monitor(HookedContext):
             same_inputs=(self._fp_pairs, 0 if self._fp_same is None else int(self._fp_same)),
             padded_labels=self._padded_labels(),
             clip_setting=self._clip_setting,
+            loss_seen=grads.loss_seen or not grads.backwards,
+            producer=self._options["producer"],
             modes=self._modes,
             experts=tuple(ExpertUse(m, name, c[0], tuple(c[1:]))
                           for m, (name, c) in self._experts.items()),
