@@ -293,6 +293,14 @@ class Rows(torch.utils.data.Dataset):  # type: ignore[type-arg]
         return {"x": self.x[i], "labels": self.y[i]}
 
 
+def _rows_args(tmp: Path) -> TrainingArguments:
+    """Four steps of 16 `Rows` each."""
+    return TrainingArguments(
+        output_dir=str(tmp), max_steps=4, per_device_train_batch_size=16,
+        learning_rate=1e-3, report_to="none", save_strategy="no", use_cpu=True, seed=0,
+        disable_tqdm=True, dataloader_num_workers=0)
+
+
 @pytest.mark.parametrize("squeeze", [False, True])
 def test_a_models_own_loss_is_read_under_the_trainer(tmp_path: Path, squeeze: bool) -> None:
     # No callback sees the Trainer's loss: the model's own, returned with its output, is
@@ -300,10 +308,7 @@ def test_a_models_own_loss_is_read_under_the_trainer(tmp_path: Path, squeeze: bo
     transformers.logging.set_verbosity_error()
     callback = TorchscopeTrainerCallback(every=2, out=None)
     torch.manual_seed(0)
-    args = TrainingArguments(
-        output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=16,
-        learning_rate=1e-3, report_to="none", save_strategy="no", use_cpu=True, seed=0,
-        disable_tqdm=True, dataloader_num_workers=0)
+    args = _rows_args(tmp_path)
     trainer = Trainer(model=OwnLossRegressor(squeeze), args=args, train_dataset=Rows(),
                       callbacks=[callback])
     with callback:
@@ -364,10 +369,7 @@ def test_a_loss_the_trainer_computes_outside_the_model(tmp_path: Path, install: 
     transformers.logging.set_verbosity_error()
     callback = TorchscopeTrainerCallback(every=2, out=None)
     torch.manual_seed(0)
-    args = TrainingArguments(
-        output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=16,
-        learning_rate=1e-3, report_to="none", save_strategy="no", use_cpu=True, seed=0,
-        disable_tqdm=True, dataloader_num_workers=0)
+    args = _rows_args(tmp_path)
     trainer = Trainer(model=Regressor(), args=args, train_dataset=Rows(),
                       compute_loss_func=_broadcasting_loss, callbacks=[callback])
     if install:
