@@ -108,6 +108,8 @@ def test_lightning_s_gradient_clipping_is_read_after_its_closure(tmp_path: Path)
     assert all(math.isclose(a or 0, 0.01, rel_tol=1e-4) for a in run.applied_norms)
     (clipped,) = [f for f in run.findings() if f.code == "grads.clipped"]
     assert clipped.evidence["clipped"] == 4
+    # The fix names the setting a Trainer user has, not only clip_grad_norm_'s argument.
+    assert clipped.fix is not None and "gradient_clip_val" in clipped.fix
 
 
 def _module_norm(norms: dict[str, float], module: str) -> float:

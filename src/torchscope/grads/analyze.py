@@ -1935,10 +1935,10 @@ def find_clipping(history: GradHistory, thresholds: GradThresholds | None = None
                   "last_step": history.steps[clipped[-1]]},
         fix="where clipping acts on most steps, max_norm, not the gradient, sets each "
             "update's size, and the learning rate scales a normalised step: fine if meant "
-            f"(early in a large model's training); otherwise set max_norm near the usual "
-            f"total ({total:.3g}) so that it cuts only spikes (with clip_grad_value_, a "
-            "value only spikes reach), and lower the learning rate if the steps are then "
-            "too large",
+            f"(early in a large model's training); otherwise set max_norm (the HF Trainer's "
+            f"max_grad_norm, Lightning's gradient_clip_val) near the usual total "
+            f"({total:.3g}) so that it cuts only spikes (clipping by value: a value only "
+            "spikes reach), and lower the learning rate if the steps are then too large",
     )]
 
 
