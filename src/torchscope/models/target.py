@@ -291,6 +291,7 @@ def call_model(model: nn.Module, inputs: ModelInputs) -> Any:
             "the model with DistributedDataParallel(..., find_unused_parameters=True), or "
             "make every trainable parameter take part in the loss (freeze the others)."
             if unused else
-            "pass inputs that fit the model with --input SHAPE or --inputs file.py:fn, or "
-            "rerun with --debug for the traceback.",
+            "pass inputs that fit the model (on the command line: --input SHAPE or --inputs "
+            "file.py:fn); the model's own exception is this error's __cause__, and its "
+            "traceback what --debug shows.",
         ) from exc
