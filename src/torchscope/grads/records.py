@@ -137,7 +137,12 @@ class ModuleGradRecord:
         call: how many times the module ran before in the same forward (0 for the first).
         order: position in backward order among the step's calls (0 is nearest the loss);
             None when no gradient reached the call's outputs.
-        grad_output: gradient arriving from above, per output tensor.
+        grad_output: gradient arriving from above, per output tensor. It is read where
+            autograd sums every use of the output: a module that also uses a tensor it
+            returns (`return self.b(h), h`) has that inner use's gradient in it too.
+            torch's own full backward hooks leave it out by wrapping the outputs in an
+            identity node, which would put a node into the user's graph and fails on an
+            in-place op after the module; torchscope does not.
         grad_input: gradient passed down through this call, per tensor input (positional
             then keyword), as `register_full_backward_hook` defines it.
         owns_params: whether the module has parameters of its own (not only in children).
