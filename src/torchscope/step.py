@@ -240,6 +240,9 @@ _KEEPS = frozenset({
     "ViewBackward0", "UnsafeViewBackward0", "SqueezeBackward0", "SqueezeBackward1",
     "SqueezeBackward2", "UnsqueezeBackward0", "PermuteBackward0", "TransposeBackward0",
     "TBackward0", "ToCopyBackward0", "CloneBackward0", "AliasBackward0"})
+# Ops that pick some of the elements, leaving each as it was: probabilities stay
+# probabilities (a language model's shift, `logits[:, :-1]`, before or after its softmax).
+_PICKS = frozenset({"SliceBackward0", "SelectBackward0", "IndexBackward0"})
 
 
 def output_edges(output: Any) -> tuple[OutputEdge, ...]:
@@ -323,7 +326,8 @@ def _walk_loss(root: Any, loss_tensor: torch.Tensor, edges: tuple[OutputEdge, ..
                         if given is not None and math.prod(given) == math.prod(shape) else None
                     broadcast = LossBroadcast(path, shape, top[0], top[1], t_shape)
                 if probabilities is None:
-                    probabilities = _squashed_twice(path, shape, chain)
+                    probabilities = _squashed_twice(path, shape, chain) or _squashed_twice(
+                        path, shape, _picked_chain(node, nxt, parent))
                 continue  # never into the model
             if id(nxt) not in parent:
                 parent[id(nxt)] = (node, nr)
@@ -400,6 +404,20 @@ def _fills(small: tuple[int, ...], big: tuple[int, ...]) -> bool:
     return all(s in (b, 1) for s, b in zip(small, big, strict=True))
 
 
+def _picked_chain(node: Any, below: Any, parent: dict[int, tuple[Any, int]]) -> list[Any]:
+    """From the output's node `below` up through `node` toward the loss, while each node
+    leaves probabilities probabilities (`_KEEPS`, `_PICKS`) or squashes: what
+    `_squashed_twice` reads where a slice comes between the output and its softmax, which
+    `_chain_above` (ops that keep every element) stops at. The first other node ends it."""
+    chain = [below]
+    while node is not None:
+        chain.append(node)
+        if type(node).__name__ not in _KEEPS | _PICKS | _SQUASH.keys():
+            break
+        node = parent[id(node)][0]
+    return chain
+
+
 def _squashed_twice(path: str, shape: tuple[int, ...], chain: list[Any]
                     ) -> LossOnProbabilities | None:
     """A softmax or sigmoid on the chain from the output up, then, through ops that keep
@@ -420,7 +438,7 @@ def _squashed_twice(path: str, shape: tuple[int, ...], chain: list[Any]
                 classes = size[dim] if -len(size) <= dim < len(size) else None
             return LossOnProbabilities(path, shape, squash[1], _SQUASHED[name][0],
                                        in_model=squash[0] == 0, classes=classes)
-        elif squash is not None and name not in _KEEPS:
+        elif squash is not None and name not in _KEEPS and name not in _PICKS:
             squash = None  # log, clamp, ...: the loss no longer sees the probabilities
     return None
 

@@ -539,3 +539,26 @@ def test_a_monitor_that_is_not_open_refuses_the_loss() -> None:
     mon = torchscope.monitor(model, out=None)
     with pytest.raises(torchscope.TorchscopeError, match="this monitor is not open"):
         mon.check_loss(((model(x) - y) ** 2).mean())
+
+
+@pytest.mark.parametrize("where", ["slice first", "softmax first"])
+def test_a_language_model_s_shift_does_not_hide_a_softmax(where: str) -> None:
+    """`logits[:, :-1]` (predict the next token) picks some of the elements: the walk that
+    keeps every element stopped there, and a softmax before cross_entropy went untold."""
+    torch.manual_seed(0)
+    head = nn.Linear(8, 11)
+    logits = head(torch.randn(2, 6, 8))  # (B, T, vocab)
+    labels = torch.randint(0, 11, (2, 6))
+    probs = logits[:, :-1].softmax(-1) if where == "slice first" else \
+        logits.softmax(-1)[:, :-1]  # (B, T - 1, vocab)
+    told = loss_faults(functional.cross_entropy(probs.reshape(-1, 11),
+                                                labels[:, 1:].reshape(-1)),
+                       logits).probabilities
+    assert told is not None and (told.squash, told.loss, told.classes) == \
+        ("softmax", "cross_entropy", 11)
+    # The healthy shift, on logits or on log-probabilities, stays silent.
+    for loss in (functional.cross_entropy(logits[:, :-1].reshape(-1, 11),
+                                          labels[:, 1:].reshape(-1)),
+                 functional.nll_loss(logits[:, :-1].log_softmax(-1).reshape(-1, 11),
+                                     labels[:, 1:].reshape(-1))):
+        assert loss_faults(loss, logits).probabilities is None
