@@ -274,8 +274,8 @@ def loss_faults(loss_tensor: torch.Tensor, output: Any, target: Any = None) -> L
 
     Between the output and the mistake any op that keeps its n elements may come (a
     `squeeze`, a `view`, a cast, a scale); before a softmax's loss, also ops that pick some
-    of them (a language model's shift, `logits[:, :-1]`). Both are None where autograd keeps no input
-    metadata on its nodes (a torch without `Node._input_metadata`).
+    of them (a language model's shift, `logits[:, :-1]`). Both are None where autograd
+    keeps no input metadata on its nodes (a torch without `Node._input_metadata`).
 
     Args:
         loss_tensor: the scalar loss, before backward.
