@@ -142,3 +142,76 @@ def test_a_threshold_that_names_no_metric_is_refused(tmp_path: Path) -> None:
     lines = [ln for ln in res.output.splitlines() if ln.strip()]
     assert res.exit_code == 2 and len(lines) == 1, res.output
     assert "profle.step_ms" in lines[0] and "profile.step_ms" in lines[0]
+
+
+def test_a_user_prefix_beats_a_longer_default_under_it() -> None:
+    """`-t profile=1000%` was ignored for profile.step_ms: the default on the longer name
+    won as the longer prefix. The user's prefix covers every metric under it."""
+    th = parse_thresholds(["profile=1000%"])
+    assert "profile.step_ms" not in th and th["profile"] == 10.0
+    old = _doc(**{"profile.step_ms": (1.8, "lower")})
+    new = _doc(**{"profile.step_ms": (11.0, "lower")})
+    (change,) = diff_documents(old, new, th).changes
+    assert change.status == "unchanged" and change.threshold == 10.0
+    # A longer name the user gave too stays the more specific one.
+    both = parse_thresholds(["profile=1000%", "profile.step_ms=5%"])
+    assert both["profile.step_ms"] == 0.05
+
+
+def test_a_section_that_failed_in_the_new_report_is_a_regression() -> None:
+    """A backward that now raises fails the gradients section: its metrics were only
+    "gone", and diff said no regression (exit 0)."""
+    old = _doc(**{"gradients.vanishing_ratio": (3.0, "lower"),
+                  "compile.cold_s": (2.0, "lower")})
+    new = _doc()
+    old["sections"] = {"gradients": {"status": "ok"}, "compile": {"status": "ok"}}
+    new["sections"] = {"gradients": {"status": "failed"}, "compile": {"status": "skipped"}}
+    result = diff_documents(old, new)
+    status = {c.name: c.status for c in result.changes}
+    assert status == {"gradients.vanishing_ratio": "failed", "compile.cold_s": "gone"}
+    assert [c.name for c in result.regressions] == ["gradients.vanishing_ratio"]
+    assert result.notes == ("section compile is ok in old and skipped in new",
+                            "section gradients is ok in old and failed in new")
+
+
+def test_two_runs_of_other_setups_are_compared_with_a_note() -> None:
+    old, new = _doc(**{"a.b": (1.0, "lower")}), _doc(**{"a.b": (1.0, "lower")})
+    old["target"] = {"model_class": "MLP", "inputs": "(32x64)"}
+    new["target"] = {"model_class": "CNN", "inputs": "(32x64)"}
+    old["environment"], new["environment"] = {"cpu_threads": 2}, {"cpu_threads": 1}
+    notes = diff_documents(old, new).notes
+    assert notes == ("model differs: MLP in old, CNN in new",
+                     "CPU threads differs: 2 in old, 1 in new")
+
+
+def test_layers_cut_off_from_the_gradient_are_a_regression() -> None:
+    """A stray .detach() leaves the layers below it without gradient: the ratios leave
+    them out, so the vanishing ratio fell and the diff read "improved". The count of
+    layers without gradient regresses from 0."""
+    import torch
+    from torch import nn
+
+    from torchscope.doctor.sections import GradientsSection
+    from torchscope.grads import gradient_flow
+
+    class Detached(nn.Module):
+        def __init__(self, cut: bool) -> None:
+            super().__init__()
+            self.layers = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
+            self.cut = cut
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:  # (N, 8) -> (N, 8)
+            h = self.layers[1](self.layers[0](x))
+            return self.layers[3](self.layers[2](h.detach() if self.cut else h))
+
+    torch.manual_seed(0)
+    docs = []
+    for cut in (False, True):
+        flow = gradient_flow(Detached(cut), torch.randn(4, 8), loss_fn="sum")
+        metrics = GradientsSection().metrics(flow)
+        docs.append({"metrics": {k: {"value": m.value, "better": m.better, "unit": m.unit,
+                                     "label": m.label} for k, m in metrics.items()}})
+    assert docs[0]["metrics"]["gradients.layers_without_gradient"]["value"] == 0
+    assert docs[1]["metrics"]["gradients.layers_without_gradient"]["value"] == 2
+    regressed = [c.name for c in diff_documents(*docs).regressions]
+    assert "gradients.layers_without_gradient" in regressed

@@ -266,6 +266,8 @@ def diff(
         result = diff_documents(load_document(old), load_document(new), thresholds,
                                 old_name=old, new_name=new)
         console.print(diff_table(result))
+        for note in result.notes:
+            console.print(f"note: {note}", highlight=False, markup=False)
         if json_path:
             save_json(json_path, result)
         if not any(c.status not in ("new", "gone") for c in result.changes):

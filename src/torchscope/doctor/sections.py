@@ -161,14 +161,24 @@ class GradientsSection(Section[GradFlow]):
         return gradient_flow(step)
 
     def metrics(self, record: GradFlow) -> dict[str, Metric]:
+        # Layers whose trainable parameters got no gradient at all (a stray .detach(), a
+        # dead layer): the ratios below leave them out, so without this a model cut off
+        # from its lower layers would read as gradients that vanish less.
+        trainable: dict[str, bool] = {}
+        for p in record.params:
+            if p.requires_grad and p.tied_to is None:
+                trainable[p.module] = trainable.get(p.module, False) or bool(p.norm)
+        out = {"gradients.layers_without_gradient": Metric(
+            float(sum(not got for got in trainable.values())), "lower", "count",
+            "layers whose trainable parameters got no gradient")}
         # The norms `diagnose` compares: parameter-owning modules, nearest the loss first.
         norms = layer_norms(record)
         if len(norms) < 2:
-            return {}
+            return out
         near, n_near = norms[0]
         far, n_far = norms[-1]
-        out = {"gradients.vanishing_ratio": Metric(n_near / n_far, "lower", "ratio",
-                                                   f"{near} / {far} grad norm")}
+        out["gradients.vanishing_ratio"] = Metric(n_near / n_far, "lower", "ratio",
+                                                  f"{near} / {far} grad norm")
         for module, norm in norms[1:]:
             out[f"gradients.ratio:{module}"] = Metric(n_near / norm, "lower", "ratio",
                                                       f"{near} / {module} grad norm")

@@ -13,7 +13,7 @@ from torchscope.errors import TorchscopeError
 __all__ = ["DEFAULT_THRESHOLDS", "MetricChange", "ReportDiff", "ThresholdError", "diff_documents",
            "parse_thresholds"]
 
-ChangeStatus = Literal["regressed", "improved", "unchanged", "new", "gone", "n/a"]
+ChangeStatus = Literal["regressed", "failed", "improved", "unchanged", "new", "gone", "n/a"]
 
 # Relative change, in the worse direction, that counts as a regression; the longest matching
 # prefix of a metric's name applies. Counts of broken things tolerate no increase at all.
@@ -22,6 +22,7 @@ DEFAULT_THRESHOLDS: dict[str, float] = {
     "activations.nonfinite_modules": 0.0,
     "activations.dead_units": 0.0,
     "gradients": 0.5,
+    "gradients.layers_without_gradient": 0.0,
     "memory": 0.10,
     "profile.step_ms": 0.25,  # wall time on a shared machine is noisy
     "compile.speedup": 0.20,
@@ -43,7 +44,9 @@ class MetricChange:
         old, new: the values (None where a report lacks it).
         change: (new - old) / |old|; ±inf when old is 0 and new is not; None when unknown.
         threshold: the relative change in the worse direction that counts as a regression.
-        status: regressed, improved, unchanged, new (only in new), gone (only in old), or n/a.
+        status: regressed, improved, unchanged, new (only in new), gone (only in old), n/a,
+            or failed: in old, while its section failed in new (a backward that now
+            raises), which is a regression too.
     """
 
     name: str
@@ -59,16 +62,20 @@ class MetricChange:
 
 @dataclass(frozen=True)
 class ReportDiff:
-    """Every compared metric, in name order."""
+    """Every compared metric, in name order, and what differs between the two runs besides
+    (`notes`: another model, other inputs, another torch, other CPU threads, sections that
+    failed or were skipped in one of them)."""
 
     old: str
     new: str
     changes: tuple[MetricChange, ...]
+    notes: tuple[str, ...] = ()
 
     @property
     def regressions(self) -> tuple[MetricChange, ...]:
-        """Changes beyond their threshold in the worse direction."""
-        return tuple(c for c in self.changes if c.status == "regressed")
+        """Changes beyond their threshold in the worse direction, and metrics whose section
+        failed in the new report."""
+        return tuple(c for c in self.changes if c.status in ("regressed", "failed"))
 
 
 def parse_thresholds(items: Sequence[str]) -> dict[str, float]:
@@ -85,10 +92,18 @@ def parse_thresholds(items: Sequence[str]) -> dict[str, float]:
     bare = [p for p in parts if "=" not in p]
     # A bare number replaces every default; NAME=FRAC then refines, whatever the order.
     out = {"": _fraction(bare[-1], bare[-1])} if bare else dict(DEFAULT_THRESHOLDS)
+    given: set[str] = set()
     for part in parts:
         if "=" in part:
             key, _, value = part.rpartition("=")
-            out[key.strip()] = _fraction(value.strip(), part)
+            key = key.strip()
+            out[key] = _fraction(value.strip(), part)
+            given.add(key)
+    # `profile=50%` is for every profile metric: a default on a longer name under it
+    # (`profile.step_ms`) would otherwise win as the longer prefix and ignore the user.
+    for key in given:
+        for default in [k for k in out if k not in given and k != key and k.startswith(key)]:
+            del out[default]
     return out
 
 
@@ -153,6 +168,8 @@ def diff_documents(
             f"--threshold {unknown[0]}=... names no metric of either report.",
             fix=f"use a metric name or its prefix: {shown}, ... (the diff table lists "
             "them all).")
+    status_of = [{k: str(v.get("status", "ok")) for k, v in d.get("sections", {}).items()
+                  if isinstance(v, Mapping)} for d in (old, new)]
     changes = []
     for name in sorted(set(om) | set(nm)):
         meta = nm.get(name) or om.get(name) or {}
@@ -161,8 +178,11 @@ def diff_documents(
         limit = _threshold_for(name, th)
         change: float | None = None
         status: ChangeStatus
+        section = name.split(".", 1)[0]
         if name not in om:
             status = "new"
+        elif status_of[1].get(section) == "failed" and status_of[0].get(section) != "failed":
+            status = "failed"
         elif name not in nm:
             status = "gone"
         elif a is None or b is None:
@@ -179,4 +199,29 @@ def diff_documents(
                       "improved" if worse < -limit or (limit == 0 and worse < 0) else "unchanged")
         changes.append(MetricChange(name, str(meta.get("label", name)), str(meta.get("unit", "")),
                                     better, a, b, change, limit, status))
-    return ReportDiff(old_name, new_name, tuple(changes))
+    return ReportDiff(old_name, new_name, tuple(changes),
+                      _notes(old, new, status_of, old_name, new_name))
+
+
+# What a report records of its run that, differing, makes the metrics measure two things.
+_SETUP = (("target", "model_class", "model"), ("target", "inputs", "inputs"),
+          ("target", "device", "device"), ("environment", "torch", "torch"),
+          ("environment", "cpu_threads", "CPU threads"))
+
+
+def _notes(old: Mapping[str, Any], new: Mapping[str, Any],
+           status_of: list[dict[str, str]], old_name: str, new_name: str) -> tuple[str, ...]:
+    """What differs between the two runs besides their metrics: their setup, and sections
+    that failed or were skipped in one of them (their metrics are not compared)."""
+    out = []
+    for part, key, label in _SETUP:
+        a, b = (d.get(part, {}).get(key) if isinstance(d.get(part), Mapping) else None
+                for d in (old, new))
+        if a is not None and b is not None and a != b:
+            out.append(f"{label} differs: {a} in {old_name}, {b} in {new_name}")
+    for section in sorted(set(status_of[0]) | set(status_of[1])):
+        a, b = status_of[0].get(section), status_of[1].get(section)
+        if a != b and "ok" in (a, b):
+            out.append(f"section {section} is {a or 'absent'} in {old_name} and "
+                       f"{b or 'absent'} in {new_name}")
+    return tuple(out)

@@ -45,7 +45,7 @@ class LabClaimView(Protocol):
     def note(self) -> str: ...
 
 
-_STATUS_STYLE = {"ok": "green", "skipped": "dim", "failed": "red",
+_STATUS_STYLE = {"ok": "green", "skipped": "dim", "failed": "bold red",
                  "regressed": "bold red", "improved": "green", "unchanged": "dim", "new": "cyan",
                  "gone": "cyan", "n/a": "dim"}
 
