@@ -545,5 +545,59 @@ def test_the_calls_whose_output_the_model_returns_are_marked() -> None:
     cap = capture_activations(seq, torch.randn(3, 4))
     assert [r.module for r in cap.records if r.model_output] == ["2"]
     # Through a dict, and only a tensor returned as it is: b's output is doubled after it.
-    two = capture_activations(_TwoHeads(), torch.randn(3, 4))
+    # With gradients on (a training forward), the graph tells that a feeds nothing else.
+    model = _TwoHeads()
+    with watch_activations(model) as two:
+        model(torch.randn(3, 4))
     assert [r.module for r in two.records if r.model_output] == ["a"]
+    # Under no_grad nothing tells whether a feeds b: not marked.
+    assert not any(r.model_output for r in capture_activations(model, torch.randn(3, 4)).records)
+
+
+class _Batch:
+    """A batch passed as one object, as some loops do."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        self.x = x
+
+
+class _ObjectModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, batch: _Batch) -> torch.Tensor:  # batch.x: (N, 4) -> (N, 2)
+        return self.b(self.a(batch.x))
+
+
+def test_nan_in_an_input_held_by_an_object_is_the_input_s() -> None:
+    """The input's finiteness was read from tensors and containers only: an object's NaN
+    read as a finite input, and the NaN was put down to the model's own code."""
+    x = torch.randn(3, 4)
+    x[0, 0] = float("nan")
+    cap = capture_activations(_ObjectModel(), (_Batch(x),))
+    codes = [f.code for f in cap.findings() if f.code.startswith("activations.nonfinite")]
+    assert codes == ["activations.nonfinite_input"]
+    assert all(r.model_inputs_finite is False for r in cap.records)
+
+
+class _Embedder(nn.Module):
+    """Returns its logits and the embedding they are computed from, through plain code."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Linear(4, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # (N, 4)
+        feat = self.embed(x)  # (N, 8), returned and fed on
+        return self.head(torch.relu(feat)), feat
+
+
+def test_a_returned_tensor_that_feeds_the_others_is_not_the_model_s_output() -> None:
+    """An embedding returned beside the logits made from it was marked as an output, and a
+    drift of it got the fix for a head's scale."""
+    torch.manual_seed(0)
+    model = _Embedder()
+    with watch_activations(model) as cap:
+        model(torch.randn(5, 4))
+    assert [r.module for r in cap.records if r.model_output] == ["head"]

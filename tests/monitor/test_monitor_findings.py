@@ -979,3 +979,30 @@ def test_weights_carried_far_from_their_scale_are_one_warning(case: str) -> None
         assert ref < 0.1 and "weights shrank" in f.summary
         assert f.evidence["decay_per_step"] == pytest.approx(0.05)
         assert "1 - lr × weight_decay = 0.95 every step at its peak" in f.fix
+
+
+def test_nan_made_between_modules_in_a_run_is_not_the_input_s() -> None:
+    """The run said "the model's input already held NaN/Inf" where code in the model's own
+    forward made it, while the capture said otherwise of the same forward."""
+
+    class LogBetween(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin, self.out = nn.Linear(4, 4), nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:  # (N, 4) -> (N, 2)
+            return self.out(torch.log(torch.relu(self.lin(x)) - 10.0))  # NaN: log of < 0
+
+    torch.manual_seed(0)
+    model = LogBetween()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with torchscope.monitor(model, opt, every=1, out=None, memory=False) as mon:
+        for _ in range(2):
+            opt.zero_grad()
+            model(torch.randn(8, 4)).sum().backward()
+            opt.step()
+    run = mon.result
+    assert run is not None
+    (told,) = [f for f in run.findings() if f.code == "run.nonfinite"]
+    assert "no watched module covers, before out" in told.summary
+    assert "input already held" not in told.summary

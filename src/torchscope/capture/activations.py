@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import warnings
 import weakref
+from collections import deque
 from typing import Any, Literal, NamedTuple
 
 import torch
@@ -265,6 +266,9 @@ class ActivationCapture(HookedContext, Analyzed):
         self._inputs: dict[int, weakref.ReferenceType[torch.Tensor]] = {}
         # Per forward, where its model inputs' finiteness is read (`_row_for_input`).
         self._input_rows: dict[int, tuple[int, ...]] = {}
+        # Stats rows of this forward's outputs that a later call took in through a view
+        # (those taken as they are are in its `input_rows`).
+        self._taken: set[int] = set()
 
     # ------------------------------------------------------------------ session
     def open(self) -> None:
@@ -345,9 +349,12 @@ class ActivationCapture(HookedContext, Analyzed):
         self._step += 1
         self._calls = {}
         self._seen = {}
+        self._taken = set()
         # The model's own float inputs, by identity: a weighted layer that takes one as it
         # is gets its statistics read (`ActivationRecord.model_input`).
-        self._inputs = {id(t): weakref.ref(t) for _, t in iter_tensors((args, kwargs))
+        # Objects are entered too: a batch passed as one object (`batch.x`) holds the input.
+        self._inputs = {id(t): weakref.ref(t) for _, t in iter_tensors((args, kwargs),
+                                                                      objects=True)
                         if t.is_floating_point() and not t.is_nested}
         # Whether NaN/Inf came in with the input or was made inside: read once per input,
         # on the device, and shared with the first layer that takes it (no second read).
@@ -369,12 +376,16 @@ class ActivationCapture(HookedContext, Analyzed):
         self._sat, self._feat, self._inputs = [], [], {}
 
     def _mark_outputs(self, out: Any) -> None:
-        """Mark the calls whose output the model returns as it is (a head's logits): their
-        scale is what the loss asks for, not what the layers before them pass on."""
+        """Mark the calls whose output the model returns as it is (a head's logits) and no
+        recorded call takes in: their scale is what the loss asks for. A hidden state that
+        is returned too (`output_hidden_states=True`) feeds later layers: not marked."""
+        returned = [t for _, t in iter_tensors(out)]
+        taken = self._taken | {r for p in self._cur for r in p.input_rows}
         rows = set()
-        for _, t in iter_tensors(out):
+        for t in returned:
             hit = self._seen.get(id(t))
-            if hit is not None and hit[0]() is t and hit[1] >= 0:
+            if hit is not None and hit[0]() is t and hit[1] >= 0 and \
+                    hit[1] not in taken and not _feeds(t, returned):
                 rows.add(hit[1])
         if not rows:
             return
@@ -436,6 +447,12 @@ class ActivationCapture(HookedContext, Analyzed):
     def _row_for_input(self, t: torch.Tensor) -> int:
         """Where `t`'s finiteness is read: an earlier output's stats row when it is one
         (or an input already checked), else a new `finiteness` value (-1 - its index)."""
+        base = t._base
+        if base is not None:
+            # An earlier output taken in through a view (`hidden[:, 0]`, `h[:, :-1]`).
+            of_base = self._seen.get(id(base))
+            if of_base is not None and of_base[0]() is base and of_base[1] >= 0:
+                self._taken.add(of_base[1])
         hit = self._seen.get(id(t))
         if hit is not None and hit[0]() is t:
             return hit[1]
@@ -677,6 +694,35 @@ class ActivationCapture(HookedContext, Analyzed):
         self._pending_calls = 0
         if self._keep_last is not None:
             self._bound()
+
+
+# Autograd nodes walked back from the other outputs to tell whether one output feeds them.
+_FEEDS_WALK = 256
+
+
+def _feeds(t: torch.Tensor, returned: list[torch.Tensor]) -> bool:
+    """Whether `t` feeds another of the tensors the model returned (an embedding returned
+    beside the logits computed from it, through plain code such as `F.relu(feat)`): its
+    autograd node is among theirs, walked back at most `_FEEDS_WALK` nodes. True where it
+    cannot be told (no graph: a forward under no_grad, with other tensors returned) or the
+    walk ends undecided, so that only an output known to end the graph is marked."""
+    node = t.grad_fn
+    if node is None:
+        return any(o is not t for o in returned)
+    starts = [o.grad_fn for o in returned if o is not t and o.grad_fn is not None]
+    seen: set[int] = set()
+    queue = deque(starts)
+    while queue:
+        n = queue.popleft()
+        if n is node:
+            return True
+        if id(n) in seen:
+            continue
+        seen.add(id(n))
+        if len(seen) > _FEEDS_WALK:
+            return True
+        queue.extend(nxt for nxt, _ in n.next_functions if nxt is not None)
+    return False
 
 
 def _leaf_stats(leaf: _Leaf, rows: list[Any], deads: list[Any], sats: list[Any],

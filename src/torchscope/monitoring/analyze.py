@@ -596,6 +596,10 @@ def _nonfinite(record: RunRecord) -> list[Finding]:
             summary += (f" from finite inputs, likely from its own weights, which the update "
                         f"with step {o.gradient_step}'s gradients wrote: the cause is at or "
                         f"before step {o.gradient_step}")
+    elif o.forward_step is not None and o.between is not None:
+        summary = (f"NaN/Inf first appeared at step {o.forward_step} in code no watched module "
+                   f"covers, before {o.between} (the model's input was finite): plain tensor "
+                   "code in a parent's forward")
     elif o.forward_step is not None:
         summary = f"the model's input already held NaN/Inf at step {o.forward_step}"
     else:

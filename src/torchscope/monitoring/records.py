@@ -73,6 +73,9 @@ class NonFiniteOnset:
         module: the module that produced it there from finite inputs (None: the input
             already held NaN/Inf, or no forward did).
         module_type: that module's class name.
+        between: where no module produced it though the model's input was finite, the
+            first watched call that took it in: code between the watched modules made it
+            (`activations.nonfinite_between`). None otherwise.
     """
 
     gradient_step: int | None
@@ -80,6 +83,7 @@ class NonFiniteOnset:
     forward_step: int | None = None
     module: str | None = None
     module_type: str | None = None
+    between: str | None = None
 
 
 @dataclass(frozen=True)

@@ -204,7 +204,7 @@ class Monitor(HookedContext):
         # transformers model that is no encoder-decoder: the watched one, or the outermost
         # ones inside it (`labelled_modules`, `_padding_gate`).
         self._padded: torch.Tensor | None = None
-        self._forward_onset: tuple[int, str | None, str | None] | None = None
+        self._forward_onset: tuple[int, str | None, str | None, str | None] | None = None
         self._error = ""
         self._t0 = self._last = 0.0
         self._created = ""
@@ -586,9 +586,11 @@ class Monitor(HookedContext):
         if bad is None:
             return False
         if self._forward_onset is None:
-            producer = trace_nonfinite(fresh, step=bad).producer
+            trace = trace_nonfinite(fresh, step=bad)
+            producer = trace.producer
             self._forward_onset = (index, None if producer is None else producer.module,
-                                   None if producer is None else producer.module_type)
+                                   None if producer is None else producer.module_type,
+                                   trace.passers[0].label if trace.made_between else None)
         return True
 
     def _scalars(self, index: int, flow: GradFlow) -> dict[str, float]:
@@ -626,7 +628,7 @@ class Monitor(HookedContext):
         self._keep_applied()  # a manual step's comes after its end
         h = self._history
         rows = h.rows()
-        onset = self._forward_onset or (None, None, None)
+        onset = self._forward_onset or (None, None, None, None)
         return RunRecord(
             model=self._facts[0], parameters=self._facts[1], trainable=self._facts[2],
             inputs=self._inputs or "(no forward seen)", device=self._facts[3],
