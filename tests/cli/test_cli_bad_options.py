@@ -82,6 +82,9 @@ def test_doctor_out_that_is_a_file(tmp_path: Path) -> None:
         (["compile", "mlp", "--warmup", "-1"], ["--warmup -1", "--warmup 0 or more"]),
         (["compile", "mlp", "--iters", "0"], ["--iters 0", "--iters 1 or more"]),
         (["profile", "mlp", "--trace", "t.txt"], ["--trace 't.txt'", ".json.gz"]),
+        # Ignored without --by module, even a selection that matched nothing.
+        (["profile", "tiny-cnn", "--select", "nomatch*"], ["--select", "add --by module"]),
+        (["profile", "tiny-cnn", "--depth", "1"], ["--depth", "add --by module"]),
     ],
 )
 def test_bad_option_value(argv: list[str], needles: list[str]) -> None:

@@ -89,6 +89,11 @@ def profile(
         at_least("--limit", limit, 1, "shows no row")
         at_least("--depth", depth, 0, "selects no module")
         at_least("--trace-steps", trace_steps, 1, "keeps no step in the trace")
+        if by == "op" and (select is not None or depth is not None):
+            # They choose the modules timed one by one: by op nothing would read them.
+            raise ProfilingError(
+                f"{'--select' if select is not None else '--depth'} chooses modules to time "
+                "one by one, but --by op shows ops.", fix="add --by module.")
         if not (math.isfinite(lr) and lr > 0):
             raise ProfilingError(f"--lr {lr} is not a positive learning rate.",
                                  fix="pass e.g. --lr 0.01.")
