@@ -235,5 +235,8 @@ def test_failed_sections_are_not_reported_as_nothing_wrong(tmp_path: Path) -> No
     assert res.exit_code == 0 and failed, res.output
     assert "nothing looked wrong" not in res.output
     assert f"{len(failed)} section(s) failed" in res.output
+    # The HTML's summary counts said "0 error 0 warning" beside them.
+    html = (tmp_path / "r" / "report.html").read_text()
+    assert f"{len(failed)} sections failed" in html
     res = runner.invoke(app, [*argv, "--fail-on", "error"])
     assert res.exit_code == 1, res.output

@@ -534,6 +534,11 @@ def render_report(report: Report, title: str = "torchscope doctor") -> str:
     sections = [_section_html(o) for o in report.outcomes]
     counts = "".join(f'<span class="count {sev.label}">{report.count(sev)} {sev.label}</span>'
                      for sev in sorted(Severity, reverse=True))
+    failed = sum(o.status == "failed" for o in report.outcomes)
+    if failed:
+        # A section that failed could not look: its findings are missing, not clean.
+        counts += (f'<span class="count error">{failed} section{"s" if failed > 1 else ""} '
+                   "failed</span>")
     status_rows = [(f'<a href="#section-{_e(o.name)}">{_e(o.title)}</a>',
                     f'<span class="status {_e(o.status)}">{_e(o.status)}</span>',
                     f"{o.seconds:.1f}", _e(o.note) or "—") for o in report.outcomes]
