@@ -539,3 +539,28 @@ def test_module_ranges_whose_open_fails_removes_the_hooks_it_added(
         assert not module._forward_hooks and not module._forward_pre_hooks
     assert all("forward" not in m.__dict__ for m in (net, net.fc1, net.relu))
     assert net.fc2.forward is own_forward
+
+
+class _SliceWrite(nn.Module):
+    """An in-place write into a view of its output: autograd makes a CopySlices node."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (N, 64) -> (N, 64)
+        h = self.lin(x)
+        h[:, :32] = torch.tanh(h[:, :32])
+        return h
+
+
+def test_a_write_into_a_slice_is_timed_in_its_module() -> None:
+    """The CopySlices node takes a sequence number no forward op records: its backward
+    went to "outside modules" with a note that its forward was not profiled."""
+    model = nn.Sequential(_SliceWrite(), nn.Linear(64, 10))
+    x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+    result = profile_steps(model, x, loss_fn=nn.functional.cross_entropy, target=y,
+                           optimizer=torch.optim.SGD(model.parameters(), lr=0.01), steps=2,
+                           baseline_steps=0)
+    assert not any("had no forward op" in note for note in result.notes), result.notes
+    assert any("CopySlices" in o.name for o in result.ops)

@@ -35,6 +35,7 @@ for waiting on the other ranks.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -362,6 +363,9 @@ def attribute(events: Iterable[Any], labels: Mapping[str, tuple[str, str]]) -> A
             continue
         bwd_modules += d
         credit(where, d, 0.0)  # the nested nodes carry the device time
+    recorded: dict[int, list[int]] = {}  # per forward thread, its recorded numbers in order
+    for thread, number in sorted(seq_owner):
+        recorded.setdefault(thread, []).append(number)
     for ev in nodes:
         comm = _comm_us(ev)
         d = _dur(ev) - comm - replayed.get(ev.id, 0.0)
@@ -371,6 +375,13 @@ def attribute(events: Iterable[Any], labels: Mapping[str, tuple[str, str]]) -> A
         chain = None
         if seq is not None and seq >= 0 and fwd_thread is not None:
             chain = seq_owner.get((int(fwd_thread), int(seq)))
+            numbers = recorded.get(int(fwd_thread), [])
+            below = bisect.bisect_right(numbers, int(seq)) - 1
+            if chain is None and below >= 0 and int(seq) - numbers[below] == 1:
+                # An in-place write into a view (`h[:, :k] = ...`): its `copy_` records
+                # the number its CopyBackwards takes, and the CopySlices node over it takes
+                # the next, which no op records. It is that op's.
+                chain = seq_owner[(int(fwd_thread), numbers[below])]
         if chain is None:
             if ev.name.endswith(_ACCUMULATE):
                 bwd_accum += d
