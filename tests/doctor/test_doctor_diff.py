@@ -215,3 +215,40 @@ def test_layers_cut_off_from_the_gradient_are_a_regression() -> None:
     assert docs[1]["metrics"]["gradients.layers_without_gradient"]["value"] == 2
     regressed = [c.name for c in diff_documents(*docs).regressions]
     assert "gradients.layers_without_gradient" in regressed
+
+
+def test_a_timing_inside_its_noise_is_no_regression() -> None:
+    """Two doctor runs of one model on a busy machine read 1.8 and 11 ms a step, +518%,
+    and diff exited 1. With their intervals in both reports only the gap between them
+    counts."""
+    def timed(value: float, low: float, high: float) -> dict:
+        doc = _doc(**{"profile.step_ms": (value, "lower")})
+        doc["metrics"]["profile.step_ms"].update(low=low, high=high)
+        return doc
+
+    (noise,) = diff_documents(timed(1.8, 1.7, 12.0), timed(11.0, 1.6, 13.0)).changes
+    assert noise.status == "unchanged" and noise.change is not None and noise.change > 5
+    (slower,) = diff_documents(timed(10.0, 9.5, 10.5), timed(20.0, 19.0, 21.0)).changes
+    assert slower.status == "regressed"  # 19 is 81% above 10.5, beyond 25%
+    (faster,) = diff_documents(timed(20.0, 19.0, 21.0), timed(10.0, 9.5, 10.5)).changes
+    assert faster.status == "improved"
+    # Without an interval in both, the values alone decide, as before.
+    plain = _doc(**{"profile.step_ms": (11.0, "lower")})
+    (exact,) = diff_documents(timed(1.8, 1.7, 12.0), plain).changes
+    assert exact.status == "regressed"
+
+
+def test_the_doctor_s_step_time_carries_its_interval() -> None:
+    import torch
+    from torch import nn
+
+    from torchscope.doctor.sections import ProfileSection
+    from torchscope.profiling import profile_steps
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    result = profile_steps(model, torch.randn(4, 8), loss_fn="sum", steps=5, baseline_steps=0,
+                           optimizer=torch.optim.SGD(model.parameters(), lr=0.01))
+    metric = ProfileSection().metrics(result)["profile.step_ms"]
+    samples = result.timing.profiled_samples
+    assert metric.low is not None and metric.high is not None
+    assert min(samples) <= metric.low <= metric.value <= metric.high <= max(samples)

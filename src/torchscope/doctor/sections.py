@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from torchscope._timing import median_interval
 from torchscope.capture import ActivationCapture, TensorStats, capture_activations, trace_nonfinite
 from torchscope.compile import CompileReport, compile_report
 from torchscope.doctor.section import DoctorOptions, Section
@@ -277,8 +278,12 @@ class ProfileSection(Section[ProfileResult]):
                              baseline_steps=0 if options.fast else None)
 
     def metrics(self, record: ProfileResult) -> dict[str, Metric]:
-        return {"profile.step_ms": Metric(record.timing.profiled_ms, "lower", "ms",
-                                          "training step time")}
+        # The median of the profiled steps with its interval: diff tells no change inside it.
+        samples = record.timing.profiled_samples
+        spread = median_interval(samples) if len(samples) > 1 else None
+        return {"profile.step_ms": Metric(
+            record.timing.profiled_ms, "lower", "ms", "training step time",
+            None if spread is None else spread.low, None if spread is None else spread.high)}
 
     def to_json(self, record: ProfileResult) -> dict[str, Any]:
         ops = sorted(record.ops, key=lambda o: -o.self_cpu_ms)

@@ -25,6 +25,7 @@ DEFAULT_THRESHOLDS: dict[str, float] = {
     "gradients.layers_without_gradient": 0.0,
     "memory": 0.10,
     "profile.step_ms": 0.25,  # wall time on a shared machine is noisy
+    "run.step_ms": 0.25,
     "compile.speedup": 0.20,
     "compile.cold_s": 0.50,
 }
@@ -43,7 +44,9 @@ class MetricChange:
         better: `lower` or `higher`.
         old, new: the values (None where a report lacks it).
         change: (new - old) / |old|; ±inf when old is 0 and new is not; None when unknown.
-        threshold: the relative change in the worse direction that counts as a regression.
+        threshold: the relative change in the worse direction that counts as a regression;
+            for two timings with intervals (`low`, `high`), the change between the nearer
+            ends of the two intervals, so that a change inside the noise is none.
         status: regressed, improved, unchanged, new (only in new), gone (only in old), n/a,
             or failed: in old, while its section failed in new (a backward that now
             raises), which is a regression too.
@@ -124,6 +127,14 @@ def _threshold_for(name: str, thresholds: Mapping[str, float]) -> float:
     return thresholds.get(best, DEFAULT_THRESHOLDS[""])
 
 
+def _span(entry: Any) -> tuple[float, float] | None:
+    """A timing's interval (`low`, `high`), or None for an exact number."""
+    if not isinstance(entry, Mapping):
+        return None
+    low, high = _value({"value": entry.get("low")}), _value({"value": entry.get("high")})
+    return None if low is None or high is None else (low, high)
+
+
 def _value(entry: Any) -> float | None:
     v = entry.get("value") if isinstance(entry, Mapping) else None
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
@@ -195,6 +206,15 @@ def diff_documents(
             else:
                 change = (b - a) / abs(a)
             worse = change if better == "lower" else -change
+            span_a, span_b = _span(om.get(name)), _span(nm.get(name))
+            if span_a is not None and span_b is not None and a > 0:
+                # Timings: only the gap between the two intervals counts, a change inside
+                # the noise is none (two runs of one model read 1.8 and 11 ms a step on a
+                # busy machine).
+                rise = (span_b[0] - span_a[1]) / a  # > 0: new wholly above old
+                fall = (span_a[0] - span_b[1]) / a  # > 0: new wholly below old
+                gain, loss = (fall, rise) if better == "lower" else (rise, fall)
+                worse = loss if loss > 0 else -gain if gain > 0 else 0.0
             status = ("regressed" if worse > limit else
                       "improved" if worse < -limit or (limit == 0 and worse < 0) else "unchanged")
         changes.append(MetricChange(name, str(meta.get("label", name)), str(meta.get("unit", "")),

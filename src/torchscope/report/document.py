@@ -49,7 +49,7 @@ __all__ = [
 ]
 
 SCHEMA_ID = "torchscope.report"
-SCHEMA_VERSION = "1.10"
+SCHEMA_VERSION = "1.11"
 
 Status = Literal["ok", "skipped", "failed"]
 ReportKind = Literal["doctor", "run"]
@@ -90,12 +90,17 @@ class Metric:
         better: whether a `lower` or `higher` value is an improvement.
         unit: `ratio`, `bytes`, `ms`, `s`, `count` or `x` (a speedup factor); for display.
         label: what it measures, in a few words.
+        low, high: for a timing, the confidence interval of `value`, the median of its
+            samples (`torchscope._timing.median_interval`): `diff` tells no change inside
+            the noise. None for an exact number.
     """
 
     value: float | None
     better: Better
     unit: str
     label: str
+    low: float | None = None
+    high: float | None = None
 
 
 class SectionRenderer(Protocol):
@@ -219,7 +224,10 @@ def build_document(report: Report) -> dict[str, Any]:
          "evidence": to_jsonable(dict(f.evidence)), "fix": f.fix, "module": f.module}
         for sec, f in report.section_findings()]
     metrics = {k: {"value": to_jsonable(m.value), "better": m.better, "unit": m.unit,
-                   "label": m.label} for k, m in report.metrics.items()}
+                   "label": m.label,
+                   **({} if m.low is None or m.high is None else
+                      {"low": to_jsonable(m.low), "high": to_jsonable(m.high)})}
+               for k, m in report.metrics.items()}
     doc: dict[str, Any] = {
         "schema": SCHEMA_ID,
         "schema_version": SCHEMA_VERSION,
