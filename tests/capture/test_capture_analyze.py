@@ -601,3 +601,23 @@ def test_a_returned_tensor_that_feeds_the_others_is_not_the_model_s_output() -> 
     with watch_activations(model) as cap:
         model(torch.randn(5, 4))
     assert [r.module for r in cap.records if r.model_output] == ["head"]
+
+
+class _OwnLoss(nn.Module):
+    """Returns its own loss beside its logits, as transformers models given labels do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head = nn.Linear(4, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:  # (N, 4)
+        logits = self.head(torch.relu(self.body(x)))  # (N, 3)
+        return {"loss": logits.square().mean(), "logits": logits}
+
+
+def test_a_head_whose_logits_feed_the_model_s_own_loss_is_still_the_output() -> None:
+    torch.manual_seed(0)
+    model = _OwnLoss()
+    with watch_activations(model) as cap:
+        model(torch.randn(5, 4))
+    assert [r.module for r in cap.records if r.model_output] == ["head"]

@@ -706,10 +706,13 @@ def _feeds(t: torch.Tensor, returned: list[torch.Tensor]) -> bool:
     autograd node is among theirs, walked back at most `_FEEDS_WALK` nodes. True where it
     cannot be told (no graph: a forward under no_grad, with other tensors returned) or the
     walk ends undecided, so that only an output known to end the graph is marked."""
+    # A scalar returned beside it is the model's own loss, which reads the head as any
+    # loss does: no layer of the model.
+    others = [o for o in returned if o is not t and o.numel() > 1]
     node = t.grad_fn
     if node is None:
-        return any(o is not t for o in returned)
-    starts = [o.grad_fn for o in returned if o is not t and o.grad_fn is not None]
+        return bool(others)
+    starts = [o.grad_fn for o in others if o.grad_fn is not None]
     seen: set[int] = set()
     queue = deque(starts)
     while queue:
