@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import warnings
 import weakref
@@ -352,9 +353,10 @@ class ActivationCapture(HookedContext, Analyzed):
         self._taken = set()
         # The model's own float inputs, by identity: a weighted layer that takes one as it
         # is gets its statistics read (`ActivationRecord.model_input`).
-        # Objects are entered too: a batch passed as one object (`batch.x`) holds the input.
-        self._inputs = {id(t): weakref.ref(t) for _, t in iter_tensors((args, kwargs),
-                                                                      objects=True)
+        # A batch passed as one object (`batch.x`) holds the input: positional objects are
+        # entered. Keyword ones are not: a KV cache (`past_key_values=`) is state, not data.
+        found = itertools.chain(iter_tensors(args, objects=True), iter_tensors(kwargs))
+        self._inputs = {id(t): weakref.ref(t) for _, t in found
                         if t.is_floating_point() and not t.is_nested}
         # Whether NaN/Inf came in with the input or was made inside: read once per input,
         # on the device, and shared with the first layer that takes it (no second read).
