@@ -34,7 +34,9 @@ The Trainer has no event for an exception: use the callback as a context manager
 `trainer.train()` (or call `callback.close()`), so that hooks come off and a partial report
 is written if training raises. Reporting callbacks (TensorBoard, W&B, ...) that come before
 this one in the Trainer's list do not see its scalars in `logs`; `callback.install(trainer)`
-puts it first.
+puts it first, and hands the monitor each step's loss from `trainer.compute_loss`, so that a
+loss the Trainer computes outside the model (`compute_loss_func`, `label_smoothing_factor`, a
+`compute_loss` override) is checked too (without it, `run.loss_unseen` says it was not).
 
 This module imports transformers; `import torchscope` never does. Install it with
 `pip install torchscope[hf]`.
