@@ -621,3 +621,22 @@ def test_a_head_whose_logits_feed_the_model_s_own_loss_is_still_the_output() -> 
     with watch_activations(model) as cap:
         model(torch.randn(5, 4))
     assert [r.module for r in cap.records if r.model_output] == ["head"]
+
+
+def test_forwards_that_record_nothing_keep_nothing() -> None:
+    """Each forward notes where its input's finiteness is read until its records are built;
+    a forward that recorded no call (its selected module not called) must not leave that
+    note behind, or a long loop would grow it without bound."""
+    class Unused(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.lin, self.spare = nn.Embedding(10, 4), nn.Linear(4, 2), nn.ReLU()
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, 2)
+            return self.lin(self.emb(ids))
+
+    model = Unused()
+    with watch_activations(model, select="spare") as cap:
+        for _ in range(3):
+            model(torch.randint(0, 10, (2, 3)))  # integer input: no finiteness to read
+        assert cap._input_rows == {}

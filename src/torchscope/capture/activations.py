@@ -374,6 +374,8 @@ class ActivationCapture(HookedContext, Analyzed):
                                   _stack_by_device(self._sat), _stack_by_device(self._feat)))
             self._pending_calls += len(self._cur)
             self._bound()
+        elif _m is not None:  # the forward's own end, with nothing to read: no records
+            self._input_rows.pop(self._step, None)
         self._cur, self._vecs, self._dead, self._fin, self._seen = [], [], [], [], {}
         self._sat, self._feat, self._inputs = [], [], {}
 
