@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -225,27 +223,16 @@ def test_findings_name_top_op_and_ratio() -> None:
     assert codes["profiling.backward_ratio"].evidence["ratio"] == pytest.approx(ratio)
 
 
-class _SlowBackward(torch.autograd.Function):
-    """The identity, whose backward multiplies by a (64, 64) matrix 40 times (and by its
-    inverse as many): a backward that takes many times its forward, whatever the load."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
-        m = torch.eye(64) * 2.0
-        for _ in range(40):
-            g = (g @ m) @ (m / 4.0)  # (N, 64): times 2, times 1/2
-        return g
-
-
-def _with_phase_ms(result: ProfileResult, **ms: float) -> ProfileResult:
-    """`result` with its phases' CPU times set: the analyzer is a pure function of them,
-    and a measured ratio moves with the machine's load (3.2x for a 3.5x threshold)."""
+def _backward_heavy() -> ProfileResult:
+    """A real profile of two steps (no plain steps timed) whose phases read a backward 5x
+    its forward: set, not measured, since a measured ratio moves with the machine's load
+    (3.2x for a 3.5x threshold), and the analyzer is a pure function of them."""
     from dataclasses import replace
 
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU())
+    result = profile_steps(model, torch.randn(256, 64), loss_fn="sum", steps=2,
+                           baseline_steps=0)
+    ms = {"forward": 1.0, "backward": 5.0}
     return replace(result, phases=tuple(replace(p, cpu_ms=ms.get(p.name, p.cpu_ms))
                                         for p in result.phases))
 
@@ -261,14 +248,7 @@ def test_a_high_backward_ratio_is_a_warning_only_where_the_profiler_s_cost_was_m
     from torchscope._timing import Ratio
     from torchscope.profiling.analyze import profile_findings
 
-    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU())
-    x = torch.randn(256, 64)
-
-    def loss_fn(out: torch.Tensor, _target: Any = None) -> torch.Tensor:
-        return _SlowBackward.apply(out).sum()
-
-    result = _with_phase_ms(profile_steps(model, x, loss_fn=loss_fn, steps=2,
-                                          baseline_steps=0), forward=1.0, backward=5.0)
+    result = _backward_heavy()
     (found,) = [f for f in result.findings() if f.code == "profiling.backward_ratio"]
     assert found.evidence["ratio"] == 5.0 and found.severity == Severity.INFO
     assert found.evidence["trusted"] is False and "baseline_steps=0" in found.summary
@@ -302,14 +282,7 @@ def test_derived_phases_give_no_backward_ratio_warning() -> None:
     from torchscope._timing import Ratio
     from torchscope.profiling.analyze import profile_findings
 
-    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU())
-    x = torch.randn(256, 64)
-
-    def loss_fn(out: torch.Tensor, _target: Any = None) -> torch.Tensor:
-        return _SlowBackward.apply(out).sum()
-
-    result = _with_phase_ms(profile_steps(model, x, loss_fn=loss_fn, steps=2,
-                                          baseline_steps=0), forward=1.0, backward=5.0)
+    result = _backward_heavy()
     within = Ratio(1.01, 0.98, 1.04, 9, 9, 0.96)
     phases = tuple(replace(p, derived=True) for p in result.phases)
     derived = replace(result, phases=phases,

@@ -3,6 +3,7 @@ checked before any work, and the console."""
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from collections.abc import Iterator, Sequence
@@ -179,6 +180,13 @@ def at_least(option: str, value: float | None, least: int, effect: str) -> None:
     """
     if value is not None and not value >= least:  # NaN included
         fail(f"{option} {value:g} {effect}. Fix: pass {option} {least} or more.")
+
+
+def check_lr(lr: float) -> None:
+    """`--lr`, checked before any work: a finite positive learning rate (SGD takes 0 and
+    trains nothing, and inf turns every weight NaN)."""
+    if not (math.isfinite(lr) and lr > 0):
+        fail(f"--lr {lr} is not a positive learning rate. Fix: pass e.g. --lr 0.01.")
 
 
 def split_commas(*values: str | None) -> list[str]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Annotated
 
@@ -20,6 +19,7 @@ from torchscope.cli._common import (
     TargetArg,
     at_least,
     autocast_name,
+    check_lr,
     check_output,
     choice,
     console,
@@ -72,9 +72,7 @@ def grads(
         precision = autocast_name(autocast)
         at_least("--steps", steps, 1, "runs nothing")
         at_least("--depth", depth, 0, "selects no module")
-        if not (math.isfinite(lr) and lr > 0):
-            raise TorchscopeError(f"--lr {lr} is not a positive learning rate.",
-                                  fix="pass e.g. --lr 0.01.")
+        check_lr(lr)
 
         loaded, model_inputs = load(target, input, inputs)
         model = loaded.model.train()

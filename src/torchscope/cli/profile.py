@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Annotated
 
@@ -18,6 +17,7 @@ from torchscope.cli._common import (
     TargetArg,
     at_least,
     autocast_name,
+    check_lr,
     check_output,
     choice,
     console,
@@ -94,9 +94,7 @@ def profile(
             raise ProfilingError(
                 f"{'--select' if select is not None else '--depth'} chooses modules to time "
                 "one by one, but --by op shows ops.", fix="add --by module.")
-        if not (math.isfinite(lr) and lr > 0):
-            raise ProfilingError(f"--lr {lr} is not a positive learning rate.",
-                                 fix="pass e.g. --lr 0.01.")
+        check_lr(lr)
         dev = device_of(device)
         loaded, model_inputs = load(target, input, inputs)
         model = loaded.model.to(dev).train()

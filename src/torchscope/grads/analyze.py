@@ -239,8 +239,8 @@ class DepthProfile:
             a block's matrices behind a small layer scale).
         follows: for body units in no repeated block whose place the records show
             (`_branch_links`), the unit whose gradient feeds theirs: a body unit's name, or
-            None where it is fed from nearer the loss than the body (the head, or the loss
-            itself), so that it starts a branch of its own.
+            None where it is fed from a call nearer the loss than the body (the head), so
+            that it starts a branch of its own. A unit the records do not place is absent.
     """
 
     units: tuple[DepthUnit, ...]

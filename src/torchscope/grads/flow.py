@@ -176,6 +176,12 @@ def _merge(flows: list[GradFlow], index: int) -> GradFlow:
                    idle_forwards=sum(f.idle_forwards for f in flows))
 
 
+def _check_step(label: str, value: Any) -> None:
+    """`value` as a step index (an int, 0 or more), else one error that names `label`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise TorchscopeError(f"{label}={value!r} is not a step.", fix=f"pass {label}=0 or more.")
+
+
 def _with_closure(args: tuple[Any, ...], kwargs: dict[str, Any], closure: Callable[[], Any]
                   ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """An optimizer step pre-hook's result that passes `closure` in place of the step's
@@ -267,10 +273,8 @@ class GradWatch(HookedContext, Analyzed):
                     f"{label}={value!r} " + ("samples nothing." if label == "every" else
                                              "keeps no history."),
                     fix=f"pass {label}=1 or more.")
-        for label, value in (("start", start), ("first_step", first_step)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise TorchscopeError(f"{label}={value!r} is not a step.",
-                                      fix=f"pass {label}=0 or more.")
+        _check_step("start", start)
+        _check_step("first_step", first_step)
         if micro_batches is not None:
             if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or \
                     micro_batches < 1:
@@ -544,9 +548,7 @@ class GradWatch(HookedContext, Analyzed):
         Raises:
             TorchscopeError: a step was counted already, or `first_step` is no step.
         """
-        if isinstance(first_step, bool) or not isinstance(first_step, int) or first_step < 0:
-            raise TorchscopeError(f"first_step={first_step!r} is not a step.",
-                                  fix="pass first_step=0 or more.")
+        _check_step("first_step", first_step)
         if self.steps != self.first_step or self.backwards:
             raise TorchscopeError(
                 f"the steps are to be numbered from {first_step} after "
