@@ -15,8 +15,8 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "torchscope"
 # Lowest first. A module may import modules of its own layer's earlier entries, of lower
 # layers, and of its own top-level package. Capabilities are peers: none imports another.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("foundation", ("errors", "findings", "_util", "_process", "_timing", "_kernels", "models",
-                    "hooks", "step")),
+    ("foundation", ("errors", "findings", "catalogue", "_util", "_process", "_timing",
+                    "_kernels", "models", "hooks", "step")),
     ("distributed", ("distributed",)),
     ("capabilities", ("capture", "grads", "memory", "profiling", "compile", "lint")),
     ("report", ("report",)),

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from torchscope.findings import Analyzed, Finding, Severity
+from torchscope.findings import Analyzed, Finding, Severity, declared
 from torchscope.lint.rules import RULES
 
 
@@ -38,14 +38,11 @@ class LintViolation:
 
     def to_finding(self) -> Finding:
         """The same violation as a generic `Finding` (`code` = `lint.TS001`)."""
-        return Finding(
-            code=f"lint.{self.code}",
-            severity=self.severity,
-            summary=self.message,
-            evidence={"path": self.path, "line": self.line, "col": self.col,
-                      "rule": RULES[self.code].name},
-            fix=self.fix,
-        )
+        return declared(f"lint.{self.code}").finding(
+            self.severity, self.message,
+            {"path": self.path, "line": self.line, "col": self.col,
+             "rule": RULES[self.code].name},
+            fix=self.fix)
 
 
 @dataclass(frozen=True)

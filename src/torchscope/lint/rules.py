@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from torchscope.errors import TorchscopeError
-from torchscope.findings import Severity
+from torchscope.findings import Entry, Severity, Subject, declare
 
 
 class LintUsageError(TorchscopeError):
@@ -297,6 +297,17 @@ RULES: dict[str, Rule] = {
         ),
     )
 }
+
+# The rules join the catalogue of findings as `lint.TS001` and so on, so that
+# `torchscope explain`, the docs' page of findings and the report read them as they read every
+# other code. A violation where the checker is less sure carries a lower severity than its rule.
+declare(*(Entry(
+    code=f"lint.{r.code}", title=r.name, subject=Subject.LOOP,
+    levels=frozenset(s for s in Severity if s <= r.severity),
+    severity=f"{r.severity.label} where the pattern is certain; lower where the checker is "
+             "less sure that the place is the trap",
+    meaning=r.breaks, criterion=r.summary, fix=r.fix)
+    for r in RULES.values()))
 
 
 def resolve_codes(select: Iterable[str] | None, ignore: Iterable[str] = ()) -> frozenset[str]:

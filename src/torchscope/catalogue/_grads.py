@@ -1,0 +1,7 @@
+"""The catalogue's `grads.*` entries."""
+
+from __future__ import annotations
+
+from torchscope.findings import Entry
+
+ENTRIES: tuple[Entry, ...] = ()
