@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 from torchscope._util import fmt_times
 from torchscope.capture.analyze import ActivationThresholds, before_weighted
-from torchscope.findings import Finding, Severity, analyzer, rank
+from torchscope.catalogue import entry
+from torchscope.findings import Finding, Severity, analyzer, declared, rank
 from torchscope.grads import GradHistory
 from torchscope.grads.analyze import (
     diagnose,
@@ -42,6 +43,24 @@ from torchscope.hooks.compiled import ran_eagerly
 from torchscope.monitoring.records import LayerSeries, RunRecord
 
 __all__ = ["RunThresholds", "analyze_run", "change", "grad_history"]
+
+_ACTIVATION_DRIFT = entry("run.activation_drift")
+_COMPILED_EAGER = entry("run.compiled_eager")
+_DEAD_EXPERTS = entry("run.dead_experts")
+_DEAD_UNITS = entry("run.dead_units")
+_EVAL_MODE = entry("run.eval_mode")
+_FP16_UNSCALED = entry("run.fp16_unscaled")
+_GRAD_FELL = entry("run.grad_fell")
+_GRAD_GREW = entry("run.grad_grew")
+_GRAD_NORM_OVERFLOW = entry("run.grad_norm_overflow")
+_LOSS_UNSEEN = entry("run.loss_unseen")
+_NONFINITE = entry("run.nonfinite")
+_PADDING_IN_LOSS = entry("run.padding_in_loss")
+_SAME_BATCH = entry("run.same_batch")
+_SATURATED = entry("run.saturated")
+_SKIPPED_STEPS = entry("run.skipped_steps")
+_STOPPED = entry("run.stopped")
+_WEIGHT_SCALE = entry("run.weight_scale")
 
 
 @dataclass(frozen=True)
@@ -156,8 +175,7 @@ def _grew_together(found: list[Finding]) -> list[Finding]:
     ev = grew[0].evidence
     names = [str(f.module) for f in grew]
     total = _total_clause(float(ev.get("total_change") or 1))
-    one = Finding(
-        "run.grad_grew", Severity.INFO,
+    one = _GRAD_GREW.finding(Severity.INFO,
         f"{len(grew)} layers' gradients grew {fmt_times(min(sizes))}–{fmt_times(max(sizes))} "
         f"between step {ev['first_step']} and step {ev['last_step']}, {fmt_times(min(rel))}–"
         f"{fmt_times(max(rel))} more than the median layer's{total} "
@@ -197,8 +215,7 @@ def _loss_unseen(record: RunRecord) -> list[Finding]:
     else:
         fix = ("hand each step's loss to the monitor before its backward: "
                "mon.check_loss(loss)")
-    return [Finding(
-        "run.loss_unseen", Severity.INFO,
+    return [_LOSS_UNSEEN.finding(Severity.INFO,
         "no loss of this run was seen: whether it broadcasts the output against its target, "
         "or applies a softmax the model already applied, was not checked",
         {"steps": record.steps}, fix=fix)]
@@ -291,7 +308,7 @@ def _gradient_trends(record: RunRecord, t: RunThresholds) -> list[Finding]:
                    "whose gradient gains direction as the model fits (normalisation gains, "
                    "output layers); it needs action only if the total turns up or the loss "
                    "stalls")
-        out.append(Finding("run.grad_fell" if fell else "run.grad_grew", severity, summary,
+        out.append((_GRAD_FELL if fell else _GRAD_GREW).finding(severity, summary,
                            evidence, fix=fix, module=k))
     out = _grew_together(out)
     first = min(c[0] for c in found.values())
@@ -304,8 +321,7 @@ def _gradient_trends(record: RunRecord, t: RunThresholds) -> list[Finding]:
             f"while its weights {'grew' if weights[2] > 1 else 'shrank'} "
             f"{fmt_times(max(weights[2], 1 / weights[2]))} (run.weight_scale): no sign by "
             "itself that the loss falls")
-        out.append(Finding(
-            "run.grad_fell", Severity.INFO,
+        out.append(_GRAD_FELL.finding(Severity.INFO,
             f"the median layer's gradient fell {fmt_times(median)} between step {first} and "
             f"step {last}: the whole model's gradients shrank together, {why}",
             {"first_step": first, "last_step": last, "median_change": median,
@@ -330,7 +346,7 @@ def _gradient_trends(record: RunRecord, t: RunThresholds) -> list[Finding]:
             fix = ("layers behind a gain that starts small (a layer scale, a zero-initialised "
                    "norm) get more gradient as it grows; it needs action only if the total "
                    "turns up or the loss stalls")
-        out.append(Finding("run.grad_grew", severity, summary, evidence, fix=fix))
+        out.append(_GRAD_GREW.finding(severity, summary, evidence, fix=fix))
     return out
 
 
@@ -413,7 +429,7 @@ def _weight_scale(record: RunRecord, t: RunThresholds) -> list[Finding]:
         else:
             fix = ("the optimizer decays nothing: look for a penalty on the weights in the "
                    "loss, or a loop that rescales them")
-    return [Finding("run.weight_scale", Severity.WARNING, summary, evidence, fix=fix)]
+    return [_WEIGHT_SCALE.finding(Severity.WARNING, summary, evidence, fix=fix)]
 
 
 def _activation_drift(record: RunRecord, t: RunThresholds) -> list[Finding]:
@@ -462,8 +478,7 @@ def _activation_drift(record: RunRecord, t: RunThresholds) -> list[Finding]:
                 continue
             suffix = f", {fmt_times(further)} more than the median layer's"
         named[k] = ratio
-        out.append(Finding(
-            "run.activation_drift",
+        out.append(_ACTIVATION_DRIFT.finding(
             Severity.WARNING if size >= t.drift_warn else Severity.INFO,
             f"{_name(k)}'s output std {'grew' if ratio >= 1 else 'shrank'} {fmt_times(size)} "
             f"between step {s0} and step {s1}{suffix}",
@@ -480,8 +495,7 @@ def _activation_drift(record: RunRecord, t: RunThresholds) -> list[Finding]:
         size = median if median >= 1 else 1 / median
         first = min(c[0] for c in found.values())
         last = max(c[2] for c in found.values())
-        out.append(Finding(
-            "run.activation_drift",
+        out.append(_ACTIVATION_DRIFT.finding(
             Severity.WARNING if size >= t.drift_warn else Severity.INFO,
             f"the median layer's output std {'grew' if median >= 1 else 'shrank'} "
             f"{fmt_times(size)} between step {first} and step {last}: the whole model's "
@@ -520,8 +534,7 @@ def _dead_growth(record: RunRecord, t: RunThresholds) -> list[Finding]:
         channels = _channels(record, k)
         if v1 >= t.dead_warn and v1 - v0 >= t.dead_growth and (
                 channels is None or (v1 - v0) * channels >= 2 - 1e-9):
-            out.append(Finding(
-                "run.dead_units", Severity.WARNING,
+            out.append(_DEAD_UNITS.finding(Severity.WARNING,
                 f"{_name(k)}: dead units grew from {100 * v0:.0f}% at step {s0} to "
                 f"{100 * v1:.0f}% at step {s1}",
                 {"first_step": s0, "first_fraction": v0, "last_step": s1,
@@ -552,8 +565,7 @@ def _saturation_growth(record: RunRecord, t: RunThresholds) -> list[Finding]:
             continue
         s0, v0, s1, v1 = ends
         if v1 >= warn and v1 - v0 >= t.saturated_growth:
-            out.append(Finding(
-                "run.saturated", Severity.WARNING,
+            out.append(_SATURATED.finding(Severity.WARNING,
                 f"{_name(k)}: the values where its gradient is below 5% of its peak grew "
                 f"from {100 * v0:.0f}% at step {s0} to {100 * v1:.0f}% at step {s1}",
                 {"first_step": s0, "first_fraction": v0, "last_step": s1,
@@ -605,8 +617,7 @@ def _nonfinite(record: RunRecord) -> list[Finding]:
     else:
         summary = (f"the gradients first held NaN/Inf at step {o.gradient_step} (every step "
                    "checked); no sampled forward showed where")
-    return [Finding(
-        "run.nonfinite", Severity.ERROR, summary,
+    return [_NONFINITE.finding(Severity.ERROR, summary,
         {"gradient_step": o.gradient_step, "nonfinite_steps": o.nonfinite_steps,
          "forward_step": o.forward_step, "module_type": o.module_type},
         fix="the first step is the one to look at: rerun up to it with "
@@ -615,13 +626,45 @@ def _nonfinite(record: RunRecord) -> list[Finding]:
         module=o.module)]
 
 
+def _overflowed_only(record: RunRecord, step: int) -> bool:
+    """Whether step `step`'s non-finite norms are a float32 overflow of finite gradients:
+    the every-step check of the elements (`NonFiniteOnset.gradient_step`, an infinity norm
+    that cannot overflow) ran and found no non-finite element up to that step."""
+    o = record.onset
+    return o.nonfinite_steps is not None and (o.gradient_step is None or
+                                              o.gradient_step > step)
+
+
+def _norm_overflow(record: RunRecord) -> list[Finding]:
+    """`run.grad_norm_overflow` (warning): a sampled step whose total gradient norm read as
+    Inf in float32 while every gradient element was finite (a sum of squares overflows
+    once an element passes about 1.8e19): a true statement about enormous gradients, not
+    a NaN/Inf in them."""
+    steps = record.grad_param.steps
+    if len(record.total_norms) != len(steps):
+        return []
+    over = [s for s, n in zip(steps, record.total_norms, strict=True)
+            if not math.isfinite(n) and _overflowed_only(record, s)]
+    if not over:
+        return []
+    last = record.last
+    params = 0 if last is None or last.index not in over else sum(
+        1 for p in last.params if p.tied_to is None and not p.finite)
+    per = f" ({params} parameters' own norms overflow too)" if params else ""
+    return [_GRAD_NORM_OVERFLOW.finding(
+        Severity.WARNING,
+        f"gradient norm beyond float32's range at step {over[0]}{per}: every gradient "
+        "element was finite (checked every step), but their sum of squares passed 3.4e38"
+        + (f"; {len(over)} sampled steps read so" if len(over) > 1 else ""),
+        {"first_step": over[0], "steps": len(over), "parameters": params})]
+
+
 def _skipped(record: RunRecord, t: RunThresholds) -> list[Finding]:
     if not record.skipped:
         return []
     frac = record.skipped / max(record.steps, 1)
     first = ", ".join(str(s) for s in record.skipped_steps[:5])
-    return [Finding(
-        "run.skipped_steps", Severity.WARNING if frac >= t.skipped_warn else Severity.INFO,
+    return [_SKIPPED_STEPS.finding(Severity.WARNING if frac >= t.skipped_warn else Severity.INFO,
         f"the GradScaler skipped {record.skipped} of {record.steps} steps "
         f"({100 * frac:.1f}%; e.g. step {first}): their gradients held inf/NaN",
         {"skipped": record.skipped, "steps": record.steps, "fraction": frac},
@@ -633,8 +676,7 @@ def _skipped(record: RunRecord, t: RunThresholds) -> list[Finding]:
 def _stopped(record: RunRecord) -> list[Finding]:
     if record.status != "stopped":
         return []
-    return [Finding(
-        "run.stopped", Severity.WARNING,
+    return [_STOPPED.finding(Severity.WARNING,
         f"the run stopped in step {record.first_step + record.steps} (after "
         f"{record.steps} completed steps): "
         f"{record.error or 'an exception'}; this report covers the steps before it",
@@ -651,14 +693,19 @@ def _capabilities(record: RunRecord, replaced: bool) -> list[Finding]:
         # The step's size is judged against how far the run's gradients have fallen; the
         # run's first broken update, not the last step's, is the one to name.
         found += [f for f in diagnose(record.last)
-                  if f.code not in ("grads.update_ratio", "grads.nonfinite_update")]
+                  if f.code not in ("grads.update_ratio", "grads.nonfinite_update")
+                  and not (f.code == "grads.nonfinite" and
+                           _overflowed_only(record, record.last.index))]
         found += find_update_ratio(record.last, fallen=_total_fall(record))
     found += find_broken_update(record.broken_update)
     found += find_loss_broadcast(record.loss_broadcast)
     found += find_loss_on_probabilities(record.loss_on_probabilities)
     found += _loss_unseen(record)
     history = grad_history(record)
-    found += diagnose_history(history)
+    # A total norm that overflowed float32 over finite elements is `run.grad_norm_overflow`.
+    found += [f for f in diagnose_history(history) if not (
+        f.code == "grads.nonfinite" and isinstance(f.evidence.get("step"), int)
+        and _overflowed_only(record, int(f.evidence["step"] or 0)))]
     found += find_no_step(record.step_by, record.steps, record.backwards, record.optimizer)
     found += find_no_update(record.backwards, record.passes_without_update, record.steps)
     found += find_not_zeroed(record.unzeroed_steps, record.first_unzeroed, record.steps,
@@ -770,8 +817,7 @@ def _dead_experts(record: RunRecord, t: RunThresholds) -> list[Finding]:
         if use.samples < t.expert_samples or not dead:
             continue
         shown = ", ".join(map(str, dead[:8])) + (", ..." if len(dead) > 8 else "")
-        found.append(Finding(
-            "run.dead_experts", Severity.WARNING,
+        found.append(_DEAD_EXPERTS.finding(Severity.WARNING,
             f"{_name(use.module)}: {len(dead)} of {len(use.idle)} experts ({shown}) got no "
             f"token in any of the {use.samples} sampled steps: the router never picks them, "
             "and their weights never learn",
@@ -797,16 +843,14 @@ def _eval_mode(record: RunRecord) -> list[Finding]:
             "(no dropout; BatchNorm normalising with running statistics, which stop "
             "updating)")
     if m.train:
-        return [Finding(
-            "run.eval_mode", Severity.WARNING,
+        return [_EVAL_MODE.finding(Severity.WARNING,
             f"{m.eval} of {m.train + m.eval} steps, from step {m.first_eval}, trained with the "
             f"model in eval mode after steps in train mode: {what}",
             {"eval_steps": m.eval, "train_steps": m.train, "first_step": m.first_eval,
              "modules": m.sensitive},
             fix="call model.train() after evaluating, before the next training step: "
                 "model.eval() for an evaluation pass was not undone.")]
-    return [Finding(
-        "run.eval_mode", Severity.INFO,
+    return [_EVAL_MODE.finding(Severity.INFO,
         f"every step ({m.eval}) trained with the model in eval mode: {what}",
         {"eval_steps": m.eval, "train_steps": 0, "first_step": m.first_eval,
          "modules": m.sensitive},
@@ -824,8 +868,7 @@ def _same_batch(record: RunRecord, t: RunThresholds) -> list[Finding]:
     pairs, same = record.same_inputs
     if pairs < t.same_batch_pairs or same < pairs:
         return []
-    return [Finding(
-        "run.same_batch", Severity.INFO,
+    return [_SAME_BATCH.finding(Severity.INFO,
         f"the model got the same input at consecutive steps in each of the {pairs} pairs "
         f"compared (each sampled step and the next, over {record.steps} steps): the loop "
         "trains on one batch",
@@ -838,9 +881,16 @@ def _same_batch(record: RunRecord, t: RunThresholds) -> list[Finding]:
 def _padding_in_loss(record: RunRecord) -> list[Finding]:
     """`run.padding_in_loss` (warning): labels on padding on the sampled steps
     (`find_padding_in_loss`)."""
-    return find_padding_in_loss(record.padded_labels, code="run.padding_in_loss",
-                                where="on the sampled steps",
-                                evidence={"samples": record.samples})
+    return _through_entries(find_padding_in_loss(
+        record.padded_labels, code=_PADDING_IN_LOSS.code, where="on the sampled steps",
+        evidence={"samples": record.samples}))
+
+
+def _through_entries(found: list[Finding]) -> list[Finding]:
+    """`found` (made by a shared helper that takes its code as an argument) remade through
+    each code's catalogue entry, which checks its severity and gives it its subject."""
+    return [declared(f.code).finding(f.severity, f.summary, f.evidence, fix=f.fix,
+                                     module=f.module) for f in found]
 
 
 def _unscaled_float16(record: RunRecord) -> list[Finding]:
@@ -850,8 +900,7 @@ def _unscaled_float16(record: RunRecord) -> list[Finding]:
     steps = dict(m.autocast).get("torch.float16", 0)  # ModeCounts keeps str(dtype)
     if not steps or record.scaler:
         return []
-    return [Finding(
-        "run.fp16_unscaled", Severity.WARNING,
+    return [_FP16_UNSCALED.finding(Severity.WARNING,
         f"{steps} of {m.train + m.eval} steps ran their forward under float16 autocast with "
         "no GradScaler (none was given to the monitor or stepped the optimizer): float16 "
         "gradients below 6.0e-8 "
@@ -866,9 +915,10 @@ def _unscaled_float16(record: RunRecord) -> list[Finding]:
 
 
 def _compiled(record: RunRecord) -> list[Finding]:
-    return ran_eagerly("run.compiled_eager", record.compiled, "the monitor",
-                       also=", for the whole run: the step times, saved bytes and profile "
-                       "here are the eager model's")
+    return _through_entries(ran_eagerly(
+        _COMPILED_EAGER.code, record.compiled, "the monitor",
+        also=", for the whole run: the step times, saved bytes and profile here are the "
+             "eager model's"))
 
 
 @analyzer(RunRecord)
@@ -884,7 +934,7 @@ def analyze_run(record: RunRecord, thresholds: RunThresholds | None = None
     t = thresholds or RunThresholds()
     run = _nonfinite(record)
     found: Sequence[Finding] = [
-        *_stopped(record), *run, *_skipped(record, t), *_gradient_trends(record, t),
+        *_stopped(record), *run, *_norm_overflow(record), *_skipped(record, t), *_gradient_trends(record, t),
         *_activation_drift(record, t), *_dead_growth(record, t),
         *_saturation_growth(record, t), *_weight_scale(record, t), *_eval_mode(record),
         *_same_batch(record, t),
