@@ -26,10 +26,12 @@ if TYPE_CHECKING:
 __all__ = [
     "DebugOpt",
     "DepthOpt",
+    "DeviceOpt",
     "InputOpt",
     "InputsFnOpt",
     "JsonOpt",
     "LossOpt",
+    "ModesOpt",
     "OutputError",
     "SelectOpt",
     "TargetArg",
@@ -94,8 +96,8 @@ TargetArg = Annotated[
     str | None,
     typer.Argument(
         help="Built-in model (tiny-cnn, mlp, deep-mlp, resnet-mini), path/to/file.py:factory "
-        "or package.module:factory. Default: tiny-cnn.",
-        show_default=False,
+        "or package.module:factory.",
+        show_default="tiny-cnn",
     ),
 ]
 InputOpt = Annotated[
@@ -119,6 +121,13 @@ SelectOpt = Annotated[
                  help="Modules to hook: a glob over names (layer*.conv1) or a type (Conv2d)."),
 ]
 DepthOpt = Annotated[int | None, typer.Option(help="Only modules this deep or shallower.")]
+DeviceOpt = Annotated[str, typer.Option(
+    "--device", help="cpu, cuda, cuda:N or auto (CUDA when torch sees it, else the CPU).")]
+"""Every command that runs a model takes `--device`, with the default `auto`."""
+ModesOpt = Annotated[str, typer.Option(
+    "--modes", "-m", help="torch.compile modes to measure, comma-separated: default, "
+    "reduce-overhead, max-autotune, max-autotune-no-cudagraphs.")]
+"""`compile` and `doctor` name the compile modes alike."""
 LossOpt = Annotated[str, typer.Option(
     "--loss", help="The training step's loss: auto (the model's own loss, else cross-entropy "
     "for logits, else mean squared error; targets seeded), cross_entropy, mse or sum.")]
@@ -127,7 +136,7 @@ LossOpt = Annotated[str, typer.Option(
 AutocastOpt = Annotated[str | None, typer.Option(
     "--autocast", help="Run the step's forward and loss under torch.autocast in this "
     "precision, as your training does: bf16, or fp16 (with a GradScaler, as fp16 training "
-    "has). Default: the model's own precision.")]
+    "has).", show_default="the model's own precision")]
 
 
 def autocast_name(value: str | None) -> str | None:

@@ -13,10 +13,12 @@ import typer
 from torchscope.cli._common import (
     AutocastOpt,
     DebugOpt,
+    DeviceOpt,
     InputOpt,
     InputsFnOpt,
     JsonOpt,
     LossOpt,
+    ModesOpt,
     TargetArg,
     at_least,
     autocast_name,
@@ -64,9 +66,10 @@ def doctor(
     loss: LossOpt = "auto",
     autocast: AutocastOpt = None,
     steps: Annotated[int, typer.Option(help="Profiled training steps.")] = 5,
-    compile_modes: Annotated[str, typer.Option(
-        "--compile-modes", help="torch.compile modes to measure, comma-separated.")] = "default",
-    device: Annotated[str, typer.Option(help="cpu, cuda, cuda:N or auto.")] = "auto",
+    modes: ModesOpt = "default",
+    compile_modes: Annotated[str | None, typer.Option(
+        "--compile-modes", hidden=True, help="Deprecated spelling of --modes.")] = None,
+    device: DeviceOpt = "auto",
     fail_on: Annotated[str | None, typer.Option(
         "--fail-on", help="Exit 1 when a finding is at least this severe: error or warning "
         "(or when a section failed).")
@@ -77,10 +80,10 @@ def doctor(
     ] = None,
     strategy: Annotated[str | None, typer.Option(
         "--strategy", help="With --nproc or under torchrun: ddp (DistributedDataParallel) or "
-        "fsdp2 (fully_shard). Default ddp.")] = None,
+        "fsdp2 (fully_shard).", show_default="ddp")] = None,
     backend: Annotated[str | None, typer.Option(
         "--backend", help="With --nproc or under torchrun: gloo (CPU) or nccl (one GPU per "
-        "rank). Default nccl when torch sees a GPU, else gloo.")] = None,
+        "rank).", show_default="nccl when torch sees a GPU, else gloo")] = None,
     debug: DebugOpt = False,
 ) -> None:
     """Examine a model end to end and write report.html + report.json with ranked findings."""
@@ -103,17 +106,22 @@ def doctor(
         floor = None if fail_on is None else \
             Severity[choice("--fail-on", fail_on, ("error", "warning")).upper()]
         at_least("--steps", steps, 1, "profiles nothing")
-        modes = tuple(split_commas(compile_modes)) or ("default",)
-        unknown_modes = [m for m in modes if m not in known_modes()]
+        # --compile-modes: the doctor's old spelling, kept hidden so old scripts still run.
+        modes_option, given = ("--modes", modes) if compile_modes is None else \
+            ("--compile-modes", compile_modes)
+        mode_list = tuple(split_commas(given))
+        if not mode_list:
+            fail(f"{modes_option} {given!r} lists no mode. Fix: pass e.g. --modes default.")
+        unknown_modes = [m for m in mode_list if m not in known_modes()]
         if unknown_modes:
-            fail(f"--compile-modes names unknown mode(s) {', '.join(unknown_modes)}. Fix: "
+            fail(f"{modes_option} names unknown mode(s) {', '.join(unknown_modes)}. Fix: "
                  f"choose from {', '.join(known_modes())}.")
         ranked = _distributed(nproc, strategy, backend, device)
         if ranked is not None:
             from torchscope.doctor.distributed import DistributedJob, launch
 
             options = DoctorOptions(fast=fast, skip=frozenset(skipped), loss_fn=loss_fn,
-                                    steps=steps, compile_modes=modes, autocast=precision,
+                                    steps=steps, compile_modes=mode_list, autocast=precision,
                                     sources=source_files(target, inputs))
             job = DistributedJob(target, tuple(input or ()), inputs, ranked[0], ranked[1],
                                  options, out)
@@ -125,7 +133,7 @@ def doctor(
         loaded, model_inputs = load(target, input, inputs)
         model = loaded.model.to(dev)
         options = DoctorOptions(fast=fast, skip=frozenset(skipped), loss_fn=loss_fn, steps=steps,
-                                compile_modes=modes, device=dev, autocast=precision,
+                                compile_modes=mode_list, device=dev, autocast=precision,
                                 sources=source_files(target, inputs))
         report = _run_with_progress(model, model_inputs.to(dev), options, loaded.name)
         with writing("--out", out):
@@ -282,17 +290,18 @@ def diff(
 
 def lab(
     skip: Annotated[str | None, typer.Option(
-        "--skip", help="Milestones not to run, comma-separated: forward, backward, profile, "
+        "--skip", help="Parts not to run, comma-separated: forward, backward, profile, "
         "checkpoint, memory, compile.")] = None,
     fast: Annotated[bool, typer.Option(
         "--fast", help="Compile only in default mode, with fewer timed calls.")] = False,
-    device: Annotated[str, typer.Option(help="cpu, cuda, cuda:N or auto.")] = "cpu",
+    device: DeviceOpt = "auto",
     json_path: JsonOpt = None,
     strict: Annotated[bool, typer.Option("--strict", help="Exit 1 when a claim failed.")
                       ] = False,
     debug: DebugOpt = False,
 ) -> None:
-    """Reproduce the lesson's milestones on its models and check each claim."""
+    """Check, on this machine, the claims of the tutorial torchscope started from (hooks,
+    the profiler, checkpointing, torch.compile on a small CNN and MLP), part by part."""
     with guarded(debug):
         check_output(json_path, "--json")
         from torchscope.lab import run_lab

@@ -335,5 +335,5 @@ def resolve_codes(select: Iterable[str] | None, ignore: Iterable[str] = ()) -> f
             out.update(matched)
         return out
 
-    chosen = set(RULES) if select is None else expand(select, "--select/select entry")
+    chosen = set(RULES) if select is None else expand(select, "--rules/select entry")
     return frozenset(chosen - expand(ignore, "--ignore/ignore entry"))
