@@ -36,7 +36,7 @@ def _assert_one_line_error(argv: list[str], *needles: str) -> None:
         ["profile", "mlp", "--text", "{d}"],
         ["profile", "mlp", "--trace", "{d}"],
         ["compile", "mlp", "--json", "{d}"],
-        ["lint", "--no-config", "--output", "{d}", "{d}"],
+        ["lint", "--no-config", "--output-file", "{d}", "{d}"],
         ["diff", "{d}/a.json", "{d}/b.json", "--json", "{d}"],
         ["lab", "--skip", "forward,backward,profile,checkpoint,memory,compile", "--json", "{d}"],
     ],
@@ -74,7 +74,10 @@ def test_doctor_out_that_is_a_file(tmp_path: Path) -> None:
         (["doctor", "mlp", "--steps", "0"], ["--steps 0"]),
         (["memory", "mlp", "--plot", "memory.txt"], ["must end in .png or .svg"]),
         (["grads", "mlp", "--plot", "flow.jpg"], ["must end in .png or .svg"]),
-        (["doctor", "mlp", "--compile-modes", "default,bogus"], ["bogus", "reduce-overhead"]),
+        (["doctor", "mlp", "--modes", "default,bogus"], ["--modes", "bogus", "reduce-overhead"]),
+        # The doctor's old spelling still works, hidden from --help.
+        (["doctor", "mlp", "--compile-modes", "bogus"], ["--compile-modes", "bogus"]),
+        (["doctor", "mlp", "--modes", ","], ["--modes ','", "lists no mode"]),
         (["grads", "mlp", "--lr", "inf"], ["--lr inf"]),
         (["profile", "mlp", "--lr", "inf"], ["--lr inf"]),
         (["memory", "deep-mlp", "-b", "64KB", "-c", "all"], ["--budget 64KB", "--checkpoint all"]),
@@ -127,7 +130,9 @@ def test_a_number_out_of_range_is_named_as_the_option(argv: list[str], option: s
         (["profile", "--steps", "abc"], ["'--steps'", "torchscope profile --help"]),
         (["grads", "--lr"], ["'--lr' requires an argument"]),
         (["diff", "only-one.json"], ["Missing argument"]),
-        (["lint", "--no-config", "--select", "", "src"], ["--select lists no rule"]),
+        (["lint", "--no-config", "--rules", "", "src"], ["--rules lists no rule"]),
+        # --select chooses modules in every command; lint's rule codes are --rules.
+        (["lint", "--no-config", "--select", "TS001", "src"], ["No such option: --select"]),
         (["compile", "mlp", "--modes", ","], ["--modes ','"]),
     ],
 )

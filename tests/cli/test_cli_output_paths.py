@@ -59,7 +59,7 @@ def _one_line(argv: list[str], code: int = 2) -> str:
     (["doctor", "{t}", "--out", "/proc/x"], "--out", "/proc/x"),
     (["diff", "a.json", "b.json", "--json", "/proc/x/d.json"], "--json", "/proc/x/d.json"),
     (["lab", "--json", "/proc/x/lab.json"], "--json", "/proc/x/lab.json"),
-    (["lint", "--no-config", "--output", "/proc/x/lint.txt", "{d}"], "--output",
+    (["lint", "--no-config", "--output-file", "/proc/x/lint.txt", "{d}"], "--output-file",
      "/proc/x/lint.txt"),
 ])
 def test_a_path_on_a_pseudo_file_system_fails_first(target: str, tmp_path: Path,
@@ -100,7 +100,8 @@ def test_a_folder_without_write_permission_fails_first(target: str, tmp_path: Pa
     (["capture", "{t}", "--json", "/dev/full"], "--json"),
     (["profile", "{t}", "--steps", "1", "--wait", "0", "--text",
       "/dev/full"], "--text"),
-    (["lint", "--no-config", "--output", "/dev/full", "{d}"], "--output"),
+    (["lint", "--no-config", "--output-file", "/dev/full", "{d}"], "--output-file"),
+    (["lint", "--no-config", "--output", "/dev/full", "{d}"], "--output"),  # the old spelling
 ])
 def test_a_full_disk_found_late_is_one_line(target: str, tmp_path: Path, argv: list[str],
                                             option: str) -> None:

@@ -42,7 +42,7 @@ def test_select_and_ignore_on_the_command_line() -> None:
     path = str(FIXTURES / "ts002_positive.py")
     code, out, _ = _lint(path, "--format", "json", "--ignore", "TS002")
     assert (code, json.loads(out)["violations"]) == (0, [])
-    code, out, _ = _lint(path, "-f", "json", "--select", "TS001,TS002")
+    code, out, _ = _lint(path, "-f", "json", "--rules", "TS001,TS002")
     assert code == 1
     assert {v["code"] for v in json.loads(out)["violations"]} == {"TS002"}
 
@@ -56,7 +56,7 @@ def test_sarif_to_stdout_and_to_a_file(tmp_path: Path) -> None:
     assert [r["ruleId"] for r in log["runs"][0]["results"]] == ["TS003", "TS003"]
     assert _lint(path, "-f", "sarif", "--exit-zero")[0] == 0
     target = tmp_path / "lint.sarif"
-    code, out, err = _lint(path, "-f", "sarif", "-o", str(target))
+    code, out, err = _lint(path, "-f", "sarif", "--output-file", str(target))
     assert code == 1 and out == "" and "wrote" in err
     assert json.loads(target.read_text()) == log
 
@@ -72,7 +72,7 @@ def test_parse_error_exits_2_names_file_and_line_and_keeps_going(tmp_path: Path)
 
 @pytest.mark.parametrize(("args", "needle"), [
     (["--format", "xml"], "unknown --format 'xml'"),
-    (["--select", "TS9"], "matches no rule"),
+    (["--rules", "TS9"], "--rules/select entry 'TS9' matches no rule"),
     (["does/not/exist.py"], "does not exist"),
     (["--config", "missing.toml"], "cannot read missing.toml"),
     (["--config", "x.toml", "--no-config"], "contradict"),

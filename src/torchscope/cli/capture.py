@@ -8,6 +8,7 @@ from torchscope.cli._common import (
     AutocastOpt,
     DebugOpt,
     DepthOpt,
+    DeviceOpt,
     InputOpt,
     InputsFnOpt,
     JsonOpt,
@@ -17,6 +18,7 @@ from torchscope.cli._common import (
     autocast_name,
     check_output,
     console,
+    device_of,
     guarded,
     load,
     save_json,
@@ -35,6 +37,7 @@ def capture(
     select: SelectOpt = None,
     depth: DepthOpt = None,
     autocast: AutocastOpt = None,
+    device: DeviceOpt = "auto",
     json_path: JsonOpt = None,
     debug: DebugOpt = False,
 ) -> None:
@@ -47,8 +50,9 @@ def capture(
 
         precision = autocast_name(autocast)
         at_least("--depth", depth, 0, "selects no module")
+        dev = device_of(device)
         loaded, model_inputs = load(target, input, inputs)
-        step = Step(loaded.model, model_inputs).with_autocast(precision)
+        step = Step(loaded.model.to(dev), model_inputs.to(dev)).with_autocast(precision)
         cap = capture_activations(step, select=select, depth=depth)
         records = cap.records
         console.print(activation_table(records, title=f"Activations of {loaded.name}"))

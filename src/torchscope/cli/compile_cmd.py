@@ -9,16 +9,19 @@ import typer
 from torchscope.cli._common import (
     AutocastOpt,
     DebugOpt,
+    DeviceOpt,
     InputOpt,
     InputsFnOpt,
     JsonOpt,
     LossOpt,
+    ModesOpt,
     TargetArg,
     at_least,
     autocast_name,
     check_output,
     choice,
     console,
+    device_of,
     err_console,
     fail,
     guarded,
@@ -41,9 +44,7 @@ def compile_command(
     target: TargetArg = None,
     input: InputOpt = None,
     inputs: InputsFnOpt = None,
-    modes: Annotated[str, typer.Option(
-        "--modes", "-m", help="Comma-separated torch.compile modes.")
-    ] = "default,reduce-overhead,max-autotune",
+    modes: ModesOpt = "default,reduce-overhead,max-autotune",
     measure: Annotated[str, typer.Option(
         "--measure", help="forward (inference under no_grad, eval mode) or step (the "
         "training step's forward, loss and backward, train mode).")] = "forward",
@@ -57,6 +58,7 @@ def compile_command(
         "(e.g. 16,8) to show shape recompiles and their guards.")] = None,
     dynamic: Annotated[str, typer.Option(
         help="torch.compile(dynamic=...): auto (torch's default), on, off.")] = "auto",
+    device: DeviceOpt = "auto",
     json_path: JsonOpt = None,
     debug: DebugOpt = False,
 ) -> None:
@@ -91,7 +93,10 @@ def compile_command(
         except ValueError:
             raise CompileError(f"--batch-sizes {batch_sizes!r} is not a list of integers.",
                                fix="pass e.g. --batch-sizes 16,8.") from None
+        dev = device_of(device)
         loaded, model_inputs = load(target, input, inputs)
+        loaded.model.to(dev)
+        model_inputs = model_inputs.to(dev)
 
         def progress(line: str) -> None:
             if is_tty():

@@ -11,6 +11,7 @@ from torchscope.cli._common import (
     AutocastOpt,
     DebugOpt,
     DepthOpt,
+    DeviceOpt,
     InputOpt,
     InputsFnOpt,
     JsonOpt,
@@ -23,6 +24,7 @@ from torchscope.cli._common import (
     check_output,
     choice,
     console,
+    device_of,
     guarded,
     load,
     save_json,
@@ -47,6 +49,7 @@ def grads(
     lr: Annotated[float, typer.Option("--lr", help="SGD learning rate for --steps > 1.")] = 0.01,
     select: SelectOpt = None,
     depth: DepthOpt = None,
+    device: DeviceOpt = "auto",
     plot: Annotated[str | None, typer.Option(
         "--plot", help="Write the gradient-flow plot here (.png or .svg); with --steps > 1 "
         "also a layers × steps heatmap next to it.")] = None,
@@ -74,8 +77,10 @@ def grads(
         at_least("--depth", depth, 0, "selects no module")
         check_lr(lr)
 
+        dev = device_of(device)
         loaded, model_inputs = load(target, input, inputs)
-        model = loaded.model.train()
+        model = loaded.model.to(dev).train()
+        model_inputs = model_inputs.to(dev)
         opt = trainable_sgd(model, lr, loaded.name)
         step = Step(model, model_inputs, loss_fn=loss_fn, optimizer=opt).with_autocast(
             precision)

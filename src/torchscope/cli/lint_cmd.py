@@ -1,4 +1,4 @@
-"""`torchscope lint PATH...`: find the lesson's traps in source code, before it runs."""
+"""`torchscope lint PATH...`: find training-loop traps in source code, before it runs."""
 
 from __future__ import annotations
 
@@ -30,24 +30,26 @@ def register(app: typer.Typer) -> None:
 
 def lint(
     paths: Annotated[list[str] | None, typer.Argument(
-        help="Files or folders to lint (folders recursively; .gitignore is honoured). "
-             "Default: the current folder.", show_default=False)] = None,
+        help="Files or folders to lint (folders recursively; .gitignore is honoured).",
+        show_default="the current folder")] = None,
     *,
     fmt: Annotated[str, typer.Option(
         "--format", "-f", help="Output format: text, json or sarif (SARIF 2.1.0).")] = "text",
-    select: Annotated[list[str] | None, typer.Option(
-        "--select", help="Rules to enable, comma-separated codes or prefixes (TS001,TS00); "
-                         "replaces the config's select and ignore.")] = None,
+    rules: Annotated[list[str] | None, typer.Option(
+        "--rules", help="Rules to enable, comma-separated codes or prefixes (TS001,TS00); "
+                        "replaces the config's select and ignore.")] = None,
     ignore: Annotated[list[str] | None, typer.Option(
         "--ignore", help="Rules to disable, comma-separated codes or prefixes; added to the "
                          "config's ignore.")] = None,
     config: Annotated[str | None, typer.Option(
-        "--config", help="pyproject.toml whose tool.torchscope.lint table to use (default: "
-                         "the nearest one above the first PATH that has one).")] = None,
+        "--config", help="pyproject.toml whose tool.torchscope.lint table to use.",
+        show_default="the nearest one above the first PATH that has one")] = None,
     no_config: Annotated[bool, typer.Option(
         "--no-config", help="Ignore every pyproject.toml.")] = False,
+    output_file: Annotated[str | None, typer.Option(
+        "--output-file", help="Write the report to this file instead of stdout.")] = None,
     output: Annotated[str | None, typer.Option(
-        "--output", "-o", help="Write the report to this file instead of stdout.")] = None,
+        "--output", hidden=True, help="Deprecated spelling of --output-file.")] = None,
     no_fixes: Annotated[bool, typer.Option(
         "--no-fixes", help="Text format: do not print the fix under each finding.")] = False,
     exit_zero: Annotated[bool, typer.Option(
@@ -62,16 +64,19 @@ def lint(
     Silence one line with `# noqa: TS001` (or a bare `# noqa`).
     """
     with guarded(debug):
-        check_output(output, "--output")
+        # -o is --out (a folder) in every command; lint writes one file, so it has none.
+        option = "--output" if output is not None and output_file is None else "--output-file"
+        output = output_file if output_file is not None else output
+        check_output(output, option)
         from torchscope.lint import lint_paths
         from torchscope.report.lint import json_payload, sarif_log, text_lines
 
         if fmt not in _FORMATS:
             fail(f"unknown --format {fmt!r}; expected one of {', '.join(_FORMATS)}.")
-        selected = None if select is None else split_commas(*select)
+        selected = None if rules is None else split_commas(*rules)
         if selected is not None and not selected:
-            fail("--select lists no rule code; lint would check nothing. Fix: pass codes or "
-                 "prefixes such as --select TS001,TS00, or drop --select.")
+            fail("--rules lists no rule code; lint would check nothing. Fix: pass codes or "
+                 "prefixes such as --rules TS001,TS00, or drop --rules.")
         if config is not None and no_config:
             fail("--config and --no-config contradict each other; pass one.")
         result = lint_paths(
@@ -83,7 +88,7 @@ def lint(
         if fmt == "text":
             lines = text_lines(result, show_fixes=not no_fixes)
             if output:
-                with writing("--output", output):
+                with writing(option, output):
                     Path(output).write_text("\n".join(t.plain for t in lines) + "\n")
             else:
                 for line in lines:
@@ -92,7 +97,7 @@ def lint(
             payload = json_payload(result) if fmt == "json" else sarif_log(result)
             text = json.dumps(payload, indent=2) + "\n"
             if output:
-                with writing("--output", output):
+                with writing(option, output):
                     Path(output).write_text(text)
             else:
                 sys.stdout.write(text)

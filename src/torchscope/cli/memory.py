@@ -10,6 +10,7 @@ from torchscope.cli._common import (
     AutocastOpt,
     DebugOpt,
     DepthOpt,
+    DeviceOpt,
     InputOpt,
     InputsFnOpt,
     JsonOpt,
@@ -19,6 +20,7 @@ from torchscope.cli._common import (
     autocast_name,
     check_output,
     console,
+    device_of,
     guarded,
     load,
     save_json,
@@ -53,8 +55,9 @@ def memory(
         "--budget", "-b", help="Saved-activation budget for auto, e.g. 64KB or 2GB "
         "(1024-based). Implies --checkpoint auto.")] = None,
     blocks: Annotated[str | None, typer.Option(
-        "--blocks", help="Blocks to checkpoint: a container name (transformer.h), a glob or "
-        "a type name. Default: the longest nn.Sequential / nn.ModuleList.")] = None,
+        "--blocks", help="Blocks to checkpoint: a container name (transformer.h), globs or "
+        "type names, comma-separated.", show_default="the model's list of repeated blocks")
+    ] = None,
     loss: Annotated[str, typer.Option(
         "--loss", help="The step's loss: auto (the model's .loss, else cross-entropy on "
         "logits or mse, against seeded targets), cross_entropy, mse or sum (saves nothing: "
@@ -64,8 +67,10 @@ def memory(
         help="Count this optimizer's state too: none, sgd, momentum, adam, adamw.")] = "none",
     select: SelectOpt = None,
     depth: DepthOpt = None,
+    device: DeviceOpt = "auto",
     eval_mode: Annotated[bool, typer.Option(
-        "--eval", help="Analyse in eval mode (default: train mode, dropout active).")] = False,
+        "--eval", help="Analyse in eval mode; without it, train mode (dropout active).")
+    ] = False,
     repeats: Annotated[int, typer.Option(
         help="Timed steps per plan at least (more until the median is known; compared with "
         "steps without checkpointing).")] = 5,
@@ -85,7 +90,7 @@ def memory(
         import torch
 
         from torchscope.errors import TorchscopeError
-        from torchscope.memory import analyze_memory, live_tensors, parse_bytes, resolve_blocks
+        from torchscope.memory import analyze_memory, live_tensors, parse_bytes
         from torchscope.report.memory import (
             blocks_table,
             live_table,
@@ -114,10 +119,12 @@ def memory(
                 f"--budget {budget} was given with --checkpoint {checkpoint}, a plan that "
                 "takes no budget.", fix="drop --checkpoint (--budget implies auto), or drop "
                 "--budget.")
+        dev = device_of(device)
         loaded, model_inputs = load(target, input, inputs)
-        model = loaded.model
+        model = loaded.model.to(dev)
+        model_inputs = model_inputs.to(dev)
         if checkpoint != "none" or limit is not None:
-            resolve_blocks(model, blocks)  # nothing to checkpoint: one line, before any work
+            _check_blocks(model, blocks)  # nothing to checkpoint: one line, before any work
         model.train(not eval_mode)
         opt = _make_optimizer(optimizer, model)
         step = Step(model, model_inputs, loss_fn=loss, optimizer=opt).with_autocast(precision)
@@ -156,6 +163,26 @@ def memory(
         if json_path:
             save_json(json_path, {"target": loaded.name, "report": report, "findings": findings,
                                   "live": live_report, "torch": torch.__version__})
+
+
+def _check_blocks(model: nn.Module, blocks: str | None) -> None:
+    """`resolve_blocks`, with its advice in the CLI's terms (`--blocks a,b`, not Python's
+    `blocks=['a', 'b']`).
+
+    Raises:
+        SelectionError: nothing to checkpoint.
+    """
+    from torchscope.errors import SelectionError
+    from torchscope.memory import resolve_blocks
+    from torchscope.memory.checkpoint import NO_BLOCKS_FIX
+
+    try:
+        resolve_blocks(model, blocks)
+    except SelectionError as exc:
+        if exc.fix != NO_BLOCKS_FIX:
+            raise
+        raise SelectionError(exc.message, fix="name the blocks: --blocks layer1,layer2, or a "
+                             "glob such as --blocks 'layers.*'.") from exc
 
 
 def _make_optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer | None:

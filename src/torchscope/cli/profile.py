@@ -10,6 +10,7 @@ import typer
 from torchscope.cli._common import (
     AutocastOpt,
     DebugOpt,
+    DeviceOpt,
     InputOpt,
     InputsFnOpt,
     JsonOpt,
@@ -54,7 +55,7 @@ def profile(
         "--select", "-s", help="Time only these modules (glob or type name).")] = None,
     depth: Annotated[int | None, typer.Option(help="Time modules this deep or shallower.")
                      ] = None,
-    device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")] = "auto",
+    device: DeviceOpt = "auto",
     lr: Annotated[float, typer.Option(help="SGD learning rate of the profiled steps.")] = 0.01,
     trace: Annotated[str | None, typer.Option(
         help="Write a Chrome/Perfetto trace (.json or .json.gz).")] = None,
