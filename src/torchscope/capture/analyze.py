@@ -26,11 +26,29 @@ from torchscope._util import common_parent, fit_line, fmt_names, fmt_times, is_n
 from torchscope.capture.activations import ActivationCapture
 from torchscope.capture.nonfinite import trace_nonfinite
 from torchscope.capture.records import ActivationRecord, ActivationRecords, TensorStats
+from torchscope.catalogue import entry
 from torchscope.findings import Finding, Severity, analyzer, rank
 from torchscope.hooks.compiled import ran_eagerly, unseen_forward
 
 __all__ = ["ActivationThresholds", "analyze_activations", "before_weighted", "leaf_modules",
            "weighted_order"]
+
+# Every finding made here, from its catalogue entry (torchscope.catalogue._activations).
+_BATCH_STATS = entry("activations.batch_stats")
+_COMPILED_EAGER = entry("activations.compiled_eager")
+_CONSTANT = entry("activations.constant")
+_DEAD_UNITS = entry("activations.dead_units")
+_FROZEN_BATCH_NORM = entry("activations.frozen_batch_norm")
+_INPUT_SCALE = entry("activations.input_scale")
+_LARGE = entry("activations.large")
+_MOSTLY_ZERO = entry("activations.mostly_zero")
+_NEAR_OVERFLOW = entry("activations.near_overflow")
+_NONFINITE = entry("activations.nonfinite")
+_NONFINITE_BETWEEN = entry("activations.nonfinite_between")
+_NONFINITE_INPUT = entry("activations.nonfinite_input")
+_SATURATED = entry("activations.saturated")
+_SCALE_DRIFT = entry("activations.scale_drift")
+_UNSEEN_FORWARD = entry("activations.unseen_forward")
 
 
 @dataclass(frozen=True)
@@ -160,7 +178,7 @@ def analyze_activations(
     if not records:
         if isinstance(capture, ActivationCapture) and not capture.forwards:
             return [unseen_forward(
-                "activations.unseen_forward", "no forward of the watched modules ran "
+                _UNSEEN_FORWARD, "no forward of the watched modules ran "
                 "through the activation capture's hooks while it was open: nothing was "
                 "recorded, which is no sign of health", {"forwards": 0})]
         return []
@@ -175,7 +193,7 @@ def analyze_activations(
     out += _frozen_batch_norm(judged)
     out += _scale_drift(judged, weighted_order(judged, capture.weighted), th)
     if isinstance(capture, ActivationCapture):
-        out += ran_eagerly("activations.compiled_eager", capture.compiled,
+        out += ran_eagerly(_COMPILED_EAGER, capture.compiled,
                            "the activation capture")
     return rank(out)
 
@@ -219,8 +237,8 @@ def _saturated(judged: Sequence[ActivationRecord], weighted: Iterable[str],
             continue
         warn = frac >= th.saturated_warn or unit_frac >= th.dead_warn
         name = (r.module or "<root>") + s.path
-        out.append(Finding(
-            "activations.saturated", Severity.WARNING if warn else Severity.INFO,
+        out.append(_SATURATED.finding(
+            Severity.WARNING if warn else Severity.INFO,
             f"{name} ({r.module_type}): {100 * frac:.0f}% of its values sit where its "
             "gradient is below 5% of its peak"
             + (f"; {units} of {s.channels} units do in every sample and position"
@@ -267,13 +285,7 @@ def _input_scale(records: Sequence[ActivationRecord], th: ActivationThresholds
                        f"whose {what} {s.feature_max_index} (of {count}) has RMS {top:.3g} "
                        f"while the median {what}'s is {median:.3g}: its default "
                        "init expects every input feature at about unit scale")
-        out.append(Finding(
-            "activations.input_scale", Severity.WARNING, summary, evidence,
-            fix="normalise the input with the training set's statistics, (x - mean) / std "
-                "per feature or channel (for 0-255 pixels, divide by 255 first, then "
-                "torchvision's Normalize); large inputs make large pre-activations, "
-                "saturated units and large gradients in the first layer",
-            module=r.module))
+        out.append(_INPUT_SCALE.finding(Severity.WARNING, summary, evidence, module=r.module))
     return out
 
 
@@ -314,8 +326,8 @@ def _batch_stats(judged: Sequence[ActivationRecord], th: ActivationThresholds
     more = "a larger batch per device (or nn.SyncBatchNorm across devices); larger " \
         "inputs do not help, as it sees one position per sample" if positions == 1 else \
         "a larger batch per device (or nn.SyncBatchNorm across devices), or larger inputs"
-    return [Finding(
-        "activations.batch_stats", Severity.WARNING,
+    return [_BATCH_STATS.finding(
+        Severity.WARNING,
         f"{r.module} ({r.module_type}) normalises each channel over {values} values "
         f"(a batch of {batch} × {positions} positions"
         + (f" × {ranks} ranks" if ranks > 1 else "") + ")"
@@ -344,8 +356,8 @@ def _frozen_batch_norm(judged: Sequence[ActivationRecord]) -> list[Finding]:
     if not names:
         return []
     where = common_parent(names) if len(names) > 1 else names[0]
-    return [Finding(
-        "activations.frozen_batch_norm", Severity.WARNING,
+    return [_FROZEN_BATCH_NORM.finding(
+        Severity.WARNING,
         f"{len(names)} BatchNorm layer(s) with frozen weights"
         + (f" under {where}" if where and len(names) > 1 else "")
         + f" ran in training mode ({fmt_names(names)}): requires_grad=False stops their "
@@ -353,10 +365,6 @@ def _frozen_batch_norm(judged: Sequence[ActivationRecord]) -> list[Finding]:
         "outputs use each batch's own statistics: the frozen part of the model still "
         "changes",
         {"layers": len(names), "modules": ", ".join(names), "under": where},
-        fix="keep them in eval mode after every model.train() (override train() on the "
-            "frozen module, or call .eval() on it at each step's start), or replace them "
-            "with torchvision.ops.FrozenBatchNorm2d; leave them if adapting their "
-            "statistics to the new data is intended",
         module=where or names[0])]
 
 
@@ -385,8 +393,8 @@ def _nonfinite(records: Sequence[ActivationRecord]) -> list[Finding]:
         p = trace.producer
         nan = sum(s.nan_count or 0 for s in p.outputs)
         inf = sum(s.inf_count or 0 for s in p.outputs)
-        return [Finding(
-            "activations.nonfinite", Severity.ERROR,
+        return [_NONFINITE.finding(
+            Severity.ERROR,
             f"{p.module or '<root>'} ({p.module_type}) produces the first NaN/Inf of the forward "
             f"from finite inputs; {len(trace.passers)} later module(s) carry it on",
             {"nan": nan, "inf": inf, "call": p.call, "carried_by": len(trace.passers),
@@ -400,8 +408,8 @@ def _nonfinite(records: Sequence[ActivationRecord]) -> list[Finding]:
         parent = carrier.module.rpartition(".")[0]
         where = f"after {after.label} and before {carrier.label}" if after is not None \
             else f"before {carrier.label}"
-        return [Finding(
-            "activations.nonfinite_between", Severity.ERROR,
+        return [_NONFINITE_BETWEEN.finding(
+            Severity.ERROR,
             f"NaN/Inf first appears {where}, in code no captured module covers (the "
             f"model's input is finite): {carrier.label}, a {carrier.module_type}, takes it in "
             f"and {len(trace.passers) - 1} later module(s) carry it on",
@@ -413,13 +421,12 @@ def _nonfinite(records: Sequence[ActivationRecord]) -> list[Finding]:
                 "left out there",
             module=carrier.module)]
     known = trace.inputs_finite is False
-    return [Finding(
-        "activations.nonfinite_input", Severity.ERROR,
+    return [_NONFINITE_INPUT.finding(
+        Severity.ERROR,
         ("the model's input already holds NaN/Inf" if known else
          "NaN/Inf reaches the captured modules from outside them (the model's input, or "
          "code before them)") + f"; {len(trace.passers)} module(s) carry it",
-        {"carried_by": len(trace.passers), "step": first, "input_checked": known},
-        fix="check the data pipeline: torch.isfinite(batch).all() before the forward")]
+        {"carried_by": len(trace.passers), "step": first, "input_checked": known})]
 
 
 def _per_module(judged: Sequence[ActivationRecord], th: ActivationThresholds,
@@ -441,8 +448,7 @@ def _per_module(judged: Sequence[ActivationRecord], th: ActivationThresholds,
             few = seen_per_channel < th.dead_min_observations
             if frac and (frac >= th.dead_warn or not few):  # a few units on a few values: chance
                 likely = frac >= th.dead_warn and not few
-                out.append(Finding(
-                    "activations.dead_units",
+                out.append(_DEAD_UNITS.finding(
                     Severity.WARNING if likely else Severity.INFO,
                     f"{name} ({r.module_type}): {s.dead_units} of {s.channels} "
                     + ("units (the last dim; " if s.unit_dim == -1 else "channels (")
@@ -453,16 +459,12 @@ def _per_module(judged: Sequence[ActivationRecord], th: ActivationThresholds,
                     {"dead": s.dead_units, "channels": s.channels, "unit_dim": s.unit_dim,
                      "fraction": frac,
                      "zero_frac": s.zero_frac, "values_per_channel": seen_per_channel},
-                    fix="lower the learning rate or use LeakyReLU/GELU; check the init and the "
-                        "bias of the layer before it (Kaiming init keeps a deep ReLU stack's "
-                        "inputs from shrinking to its biases)",
                     module=r.module))
             elif s.dead_units is not None and s.zero_frac >= th.mostly_zero:
-                out.append(Finding(
-                    "activations.mostly_zero", Severity.WARNING,
+                out.append(_MOSTLY_ZERO.finding(
+                    Severity.WARNING,
                     f"{name} ({r.module_type}) outputs {100 * s.zero_frac:.0f}% zeros",
                     {"zero_frac": s.zero_frac},
-                    fix="check the scale of the layer before it and its bias init",
                     module=r.module))
             constant = s.finite and s.is_close_to_constant() and not all_dead
             if constant and r.module in zero_init:
@@ -474,11 +476,10 @@ def _per_module(judged: Sequence[ActivationRecord], th: ActivationThresholds,
             peak = max(abs(s.min), abs(s.max))
             limit = _low_precision_max(s.dtype)
             if limit is not None and peak >= th.low_precision_headroom * limit:
-                out.append(Finding(
-                    "activations.near_overflow", Severity.WARNING,
+                out.append(_NEAR_OVERFLOW.finding(
+                    Severity.WARNING,
                     f"{name} reaches {peak:.3g}, {100 * peak / limit:.0f}% of {s.dtype}'s max",
                     {"max_abs": peak, "dtype_max": limit},
-                    fix="keep this op in float32 (autocast excludes it) or rescale its input",
                     module=r.module))
             elif peak >= th.large_abs:
                 large.append((name, r, peak, s.std))
@@ -490,14 +491,12 @@ def _per_module(judged: Sequence[ActivationRecord], th: ActivationThresholds,
         # that carry them on are counted, not repeated.
         name, r, peak, std = large[0]
         top = max(p for _, _, p, _ in large)
-        out.append(Finding(
-            "activations.large", Severity.WARNING,
+        out.append(_LARGE.finding(
+            Severity.WARNING,
             f"{name} ({r.module_type}) outputs values up to {peak:.3g}"
             + (f"; {len(large) - 1} later module(s) too, up to {top:.3g}" if len(large) > 1
                else ""),
             {"max_abs": peak, "std": std, "later_modules": len(large) - 1, "largest": top},
-            fix="normalise the input or add a normalisation layer; large activations "
-                "overflow in fp16 and slow training",
             module=r.module))
     return out
 
@@ -517,8 +516,8 @@ def _constant(name: str, r: ActivationRecord, s: TensorStats) -> Finding:
     if probs and n and abs(s.min * n - 1) < 1e-4:
         evidence["softmax_over"] = n
         if n > 1:
-            return Finding(
-                "activations.constant", Severity.INFO,
+            return _CONSTANT.finding(
+                Severity.INFO,
                 f"{name} ({r.module_type}) outputs {s.min:.4g} = 1/{n} everywhere, uniform "
                 f"over its last dimension of {n}: a softmax whose scores are all equal (an "
                 "attention that weighs every position alike)",
@@ -527,8 +526,8 @@ def _constant(name: str, r: ActivationRecord, s: TensorStats) -> Finding:
                     "learn; if it stays uniform in training, check the scale of what the "
                     "scores are computed from.",
                 module=r.module)
-        return Finding(
-            "activations.constant", Severity.WARNING,
+        return _CONSTANT.finding(
+            Severity.WARNING,
             f"{name} ({r.module_type}) outputs 1 everywhere over a last dimension of 1: a "
             "softmax over one element is 1 whatever its scores, which get no gradient",
             evidence,
@@ -540,19 +539,17 @@ def _constant(name: str, r: ActivationRecord, s: TensorStats) -> Finding:
     if at_zero is not None and abs(s.min - at_zero) <= 1e-6:
         # What the activation gives for an input of 0: its input is 0, or has collapsed.
         evidence["at_zero_input"] = True
-        return Finding(
-            "activations.constant", Severity.WARNING,
+        return _CONSTANT.finding(
+            Severity.WARNING,
             f"{name} ({r.module_type}) outputs the same value {s.min:.4g} everywhere, its "
             "value at 0", evidence,
             fix="its input is zero everywhere, or vanishingly small: the activations "
                 "before it have collapsed (see activations.scale_drift) or a layer feeding "
                 "it outputs zeros",
             module=r.module)
-    return Finding(
-        "activations.constant", Severity.WARNING,
+    return _CONSTANT.finding(
+        Severity.WARNING,
         f"{name} ({r.module_type}) outputs the same value {s.min:.4g} everywhere", evidence,
-        fix="a constant output carries no information: check its input and weights "
-            "(zero init? saturated?)",
         module=r.module)
 
 
@@ -583,8 +580,8 @@ def _same_constants(constants: Sequence[tuple[ActivationRecord, Finding]]) -> li
             continue
         names = [r.module or "<root>" for r, _ in members]
         first = members[0][1]
-        out.append(Finding(
-            "activations.constant", Severity.WARNING,
+        out.append(_CONSTANT.finding(
+            Severity.WARNING,
             f"{len(members)} {module_type} modules ({fmt_names(names, 2)}) output the "
             f"same value {value:.4g} everywhere"
             + (", their value at 0" if first.evidence.get("at_zero_input") else ""),
@@ -604,8 +601,8 @@ def _zero_init_constants(zeroed: Sequence[tuple[str, ActivationRecord, float]]) 
         f"{len(zeroed)} modules ({fmt_names(names)}) output " \
         + (f"{value:.4g}" if len(values) == 1 else "a constant")
     own = "its own parameters are" if len(zeroed) == 1 else "their own parameters are"
-    return Finding(
-        "activations.constant", Severity.INFO,
+    return _CONSTANT.finding(
+        Severity.INFO,
         f"{what} everywhere: {own} all zero, a deliberate zero init (LoRA's B, a residual "
         "branch's last norm gain, a position-bias table)",
         {"value": value if len(values) == 1 else None, "modules": ", ".join(names),
@@ -658,8 +655,8 @@ def _scale_drift(judged: Sequence[ActivationRecord], weighted: Sequence[str],
                "normalizes, its output std is the RMS of its weight (γ), so these gains start "
                "near zero, not at 1; initialise them with nn.init.ones_(norm.weight) (zero "
                "only a residual branch's last norm)")
-    return [Finding(
-        "activations.scale_drift", Severity.WARNING if steady else Severity.INFO,
+    return [_SCALE_DRIFT.finding(
+        Severity.WARNING if steady else Severity.INFO,
         f"{'' if steady else 'possible drift: '}activation std "
         f"{'grows' if grows else 'shrinks'} {fmt_times(ratio if grows else 1 / ratio)} "
         f"from {first} to {last}" + ("" if len(names) == 2 else

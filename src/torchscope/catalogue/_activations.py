@@ -147,7 +147,8 @@ ENTRIES: tuple[Entry, ...] = (
                   "that takes it.",
         fix="normalise the input with the training set's statistics, (x - mean) / std per "
             "feature or channel (for 0-255 pixels, divide by 255 first, then torchvision's "
-            "Normalize).",
+            "Normalize); large inputs make large pre-activations, saturated units and large "
+            "gradients in the first layer.",
         example="fc1 (Linear) takes the model's input as it is, at mean 127 and std 73.6 "
                 "(from 0 to 255): its default init expects inputs of about unit scale",
         explains=("activations.saturated", "activations.large"),
@@ -188,8 +189,9 @@ ENTRIES: tuple[Entry, ...] = (
         criterion="A BatchNorm with running statistics, frozen weights, in training mode "
                   "(ActivationRecord.frozen); one finding for all of them.",
         fix="keep them in eval mode after every model.train() (override train() on the "
-            "frozen module), or replace them with torchvision.ops.FrozenBatchNorm2d; leave "
-            "them if adapting their statistics to the new data is intended.",
+            "frozen module, or call .eval() on it at each step's start), or replace them "
+            "with torchvision.ops.FrozenBatchNorm2d; leave them if adapting their "
+            "statistics to the new data is intended.",
         fixes={"lightning": "Lightning calls model.train() at every epoch: set the backbone "
                             "to eval in on_train_epoch_start, or override its train().",
                "hf": "the Trainer calls model.train() at every step: override the frozen "
