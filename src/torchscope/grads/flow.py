@@ -377,6 +377,9 @@ class GradWatch(HookedContext, Analyzed):
         # (`_awaiting`), else the update.
         self._update_step: int | None = None
         self._pending_updates: tuple[int, Callable[[], HostUpdates]] | None = None
+        # The newest sampled update read on the host, with its step (the monitor's update
+        # ratios over the run): read at the next sample, when its copy has arrived.
+        self.read_update: tuple[int, HostUpdates] | None = None
         self._awaiting: GradFlow | None = None
         self.broken_update: BrokenUpdate | None = None
         self.loss_broadcast: LossBroadcast | None = None
@@ -1001,6 +1004,7 @@ class GradWatch(HookedContext, Analyzed):
         """Keep the first sampled update that wrote NaN/Inf into finite weights
         (`broken_update`). A loop over the update norms on the host; the records are
         joined with them only where one is NaN/Inf."""
+        self.read_update = (flow.index, updates)
         if self.broken_update is not None or \
                 all(math.isfinite(v) for v in updates.norms.values()):
             return

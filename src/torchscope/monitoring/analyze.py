@@ -234,8 +234,33 @@ def _clip_clause(record: RunRecord) -> str:
     return ""
 
 
+def _update_ratios(record: RunRecord, layer: str, t: RunThresholds
+                   ) -> tuple[float, float, int] | None:
+    """(the layer's largest update ratio over the last `window` of the samples whose update
+    was read, the model's median update ratio over the same samples, those samples): a
+    fall that lasts is one whose every sample sits low. None where no update was read."""
+    u = record.update
+    if layer not in u.layers:
+        return None
+    rows = [(i, v) for i, v in enumerate(u.series(layer)) if math.isfinite(v)]
+    if len(rows) < 2:
+        return None
+    n = max(1, math.floor(len(rows) * t.window))
+    tail = rows[-n:]
+    medians = []
+    for i, _ in tail:
+        ups = [v for v in u.values[i] if math.isfinite(v) and v > 0]
+        if ups:
+            medians.append(statistics.median(ups))
+    if not medians:
+        return None
+    return max(v for _, v in tail), statistics.median(medians), len(tail)
+
+
 def _gradient_trends(record: RunRecord, t: RunThresholds) -> list[Finding]:
-    series = record.grad_param
+    # A layer's weight matrices: a bias's gradient is a sum over the batch and positions
+    # and can fall 90x while the weight's does not (MobileViT's attention output).
+    series = record.grad_weight if record.grad_weight.layers else record.grad_param
     skip = frozenset(record.skipped_steps)
     if len(series.steps) < t.min_samples:
         return []
@@ -289,11 +314,25 @@ def _gradient_trends(record: RunRecord, t: RunThresholds) -> list[Finding]:
             fix = ("a small init growing into its scale (a small-init embedding, a layer "
                    "behind BatchNorm or LayerNorm) needs no action; weight decay bounds such "
                    "growth where it goes on")
+        elif fell and (ups := _update_ratios(record, k, t)) is not None and \
+                ups[0] * t.relative_ratio > ups[1]:
+            # What the optimizer made of it: under AdamW a fallen gradient still moves the
+            # weights (Whisper's decoder q/k: 2x below the median, not "stops learning").
+            severity, fix = Severity.INFO, ""
+            summary += (f"; its weights' update ratio ‖Δw‖/‖w‖ ({ups[0]:.1e}) is "
+                        f"{_against(ups[0], ups[1])} the model's median ({ups[1]:.1e}): it "
+                        "still learns")
+            evidence.update(update_ratio=ups[0], median_update_ratio=ups[1])
         elif fell:
             severity, fix = Severity.WARNING, (
                 "the layer stops learning while the rest of the model does: look for "
                 "saturating activations or dying units around it, and check its learning rate "
                 "and weight decay")
+            if ups is not None and ups[0] > 0:
+                summary += (f"; its weights' update ratio ‖Δw‖/‖w‖ stayed at or below "
+                            f"{ups[0]:.1e}, {fmt_times(ups[1] / ups[0])} below the model's "
+                            f"median ({ups[1]:.1e}), over the last {ups[2]} samples")
+                evidence.update(update_ratio=ups[0], median_update_ratio=ups[1])
         elif total_grew:
             severity, fix = Severity.WARNING, (
                 "this layer's gradient grows, and the model's total with it: "
@@ -348,6 +387,15 @@ def _gradient_trends(record: RunRecord, t: RunThresholds) -> list[Finding]:
                    "turns up or the loss stalls")
         out.append(_GRAD_GREW.finding(severity, summary, evidence, fix=fix))
     return out
+
+
+def _against(value: float, median: float) -> str:
+    """"3.1× above", "2.0× below" or "at": `value` against `median`."""
+    if value >= median * 1.05:
+        return f"{fmt_times(value / median)} above"
+    if value <= median / 1.05:
+        return f"{fmt_times(median / value)} below"
+    return "at"
 
 
 def _weight_growth(record: RunRecord, t: RunThresholds
@@ -881,9 +929,9 @@ def _same_batch(record: RunRecord, t: RunThresholds) -> list[Finding]:
 def _padding_in_loss(record: RunRecord) -> list[Finding]:
     """`run.padding_in_loss` (warning): labels on padding on the sampled steps
     (`find_padding_in_loss`)."""
-    return _through_entries(find_padding_in_loss(
-        record.padded_labels, code=_PADDING_IN_LOSS.code, where="on the sampled steps",
-        evidence={"samples": record.samples}))
+    return find_padding_in_loss(
+        record.padded_labels, of=_PADDING_IN_LOSS, where="on the sampled steps",
+        evidence={"samples": record.samples})
 
 
 def _through_entries(found: list[Finding]) -> list[Finding]:
@@ -934,7 +982,8 @@ def analyze_run(record: RunRecord, thresholds: RunThresholds | None = None
     t = thresholds or RunThresholds()
     run = _nonfinite(record)
     found: Sequence[Finding] = [
-        *_stopped(record), *run, *_norm_overflow(record), *_skipped(record, t), *_gradient_trends(record, t),
+        *_stopped(record), *run, *_norm_overflow(record), *_skipped(record, t),
+        *_gradient_trends(record, t),
         *_activation_drift(record, t), *_dead_growth(record, t),
         *_saturation_growth(record, t), *_weight_scale(record, t), *_eval_mode(record),
         *_same_batch(record, t),

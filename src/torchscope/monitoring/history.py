@@ -17,8 +17,11 @@ from dataclasses import dataclass
 __all__ = ["METRICS", "SampleHistory", "SampleRow", "StepBuckets"]
 
 # Per-layer numbers of one sample, in this order in `SampleRow.values`.
+# `grad_weight` and `update` are over a layer's own weight matrices and kernels (2+
+# dimensions; all its parameters where it has none): the gradient norm, and the update
+# ratio ‖Δw‖/‖w‖ of the optimizer's step, filled in once the update is read (`fill`).
 METRICS: tuple[str, ...] = ("grad_param", "grad_output", "act_std", "act_zero", "act_dead",
-                             "weight", "act_sat")
+                             "weight", "act_sat", "grad_weight", "update")
 _WIDTH = len(METRICS)
 _BYTES_PER_VALUE = 8  # array('d')
 
@@ -93,6 +96,19 @@ class SampleHistory:
         self._recent.append(row)
         self.samples += 1
         return row
+
+    def fill(self, step: int, metric: str, per_layer: Mapping[str, float]) -> None:
+        """Set one metric of the kept row of `step` (a number read after its sample was
+        added: the update the step applied), for the layers that have a slot."""
+        k = METRICS.index(metric)
+        # The step's row is the newest, or the one before it: only those are looked at.
+        newest = [*self._spread[-2:], *list(self._recent)[-2:]]
+        for row in {id(r): r for r in newest if r.step == step}.values():
+            v = row.values
+            for layer, value in per_layer.items():
+                j = self._slot.get(layer)
+                if j is not None and (j + 1) * _WIDTH <= len(v):
+                    v[j * _WIDTH + k] = value
 
     def rows(self) -> list[SampleRow]:
         """The whole-run view and the newest samples together, oldest first."""

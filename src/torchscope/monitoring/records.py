@@ -234,6 +234,11 @@ class RunRecord(Analyzed):
             got no gradient over the sampled steps.
         act_sat: per-layer fraction of values in the saturated tails of bounded
             activations (tanh, sigmoid: `TensorStats.saturated_frac`), NaN elsewhere.
+        grad_weight: per-layer gradient norm of the layer's own weight matrices and
+            kernels (2+ dimensions; all its parameters where it has none): biases and norm
+            gains are sums over the batch, on another scale (`GradFlow.layer_grads`).
+        update: per-layer update ratio ‖Δw‖/‖w‖ of those weight matrices at each sampled
+            step (NaN where the update was not measured: no optimizer given).
         unoptimized: trainable parameters that got gradients that no optimizer stepped
             (`GradWatch.unoptimized`).
         param_groups: the optimizer's (learning rate, weight decay) per parameter group:
@@ -315,6 +320,9 @@ class RunRecord(Analyzed):
     weight: LayerSeries = field(default_factory=lambda: LayerSeries("weight", (), (), ()))
     experts: tuple[ExpertUse, ...] = ()
     act_sat: LayerSeries = field(default_factory=lambda: LayerSeries("act_sat", (), (), ()))
+    grad_weight: LayerSeries = field(
+        default_factory=lambda: LayerSeries("grad_weight", (), (), ()))
+    update: LayerSeries = field(default_factory=lambda: LayerSeries("update", (), (), ()))
     unoptimized: tuple[str, ...] = ()
     param_groups: tuple[tuple[float, float], ...] = ()
     broken_update: BrokenUpdate | None = None

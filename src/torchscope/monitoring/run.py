@@ -152,6 +152,10 @@ class Monitor(HookedContext):
         self._applied: dict[int, float] = {}
         # Per fused experts module: (the weight read per expert, [samples, idle per expert]).
         self._experts: dict[str, tuple[str, list[int]]] = {}
+        # The newest sample's step, and per layer its weight matrices' names and norm, until
+        # its update is read (`_fill_update`).
+        self._update_of: tuple[int, dict[str, tuple[tuple[str, ...], float | None]]] | None \
+            = None
         self._profile_steps = _positive("profile", profile, 0)
         self._out = None if out is None else _check_out(out)
         self._model: nn.Module | None = model
@@ -220,6 +224,7 @@ class Monitor(HookedContext):
         self._clip_setting = clip_setting
         self._first_step = first_step
         self._eager = contextlib.ExitStack()  # the eager stance, for a wrapper out of sight
+        self._resting: list[HookSession] = []  # sessions whose submodule hooks `_rest` lifts
         self.latest: dict[str, float] = {}
         self.result: RunRecord | None = None
         self.paths: tuple[Path, Path] | None = None
@@ -284,6 +289,10 @@ class Monitor(HookedContext):
             parallel=self._parallel, on_backward=self._backward_end,
             first_step=self._first_step)
         self._grads.open()
+        # The watches' hooks on submodules, taken off for the steps that are not sampled
+        # (`_rest`): only the model's own hooks and the parameters' stay on every step.
+        self._resting = [w.session for w in (self._acts, self._mem, self._grads)
+                         if w is not None]
         if self._profile_steps:
             self._time = TimeWatch(model, optimizer=self._optimizer, steps=self._profile_steps,
                                    wait=PROFILE_WAIT, warmup=1)
@@ -387,8 +396,10 @@ class Monitor(HookedContext):
             self._mode = module.training
             self._autocast = autocast_dtype(self._device_type)
             self._note_input(args, kwargs)
-        record = self._grads is not None and self._grads.collecting and \
-            torch.is_grad_enabled()
+        collecting = self._grads is not None and self._grads.collecting
+        if collecting:
+            self._wake()
+        record = collecting and torch.is_grad_enabled()
         if self._acts is not None:
             self._acts.active = record
         if self._mem is not None:
@@ -502,6 +513,26 @@ class Monitor(HookedContext):
         tw = self._time
         if tw is not None and tw.boundaries >= tw.window:
             self._close_profile(failed=False)
+        self._rest()
+
+    def _rest(self) -> None:
+        """Between two sampled steps, take the watches' hooks off the submodules (see
+        `HookSession.suspend`): an unsampled step then runs them as torch runs an unhooked
+        module, and pays only the model's own hooks and the parameters'. Not while a
+        profiled window is open, nor for steps inferred from backward passes, which end
+        one backward late; `_wake` puts them back at the next sampled step's forward."""
+        g = self._grads
+        if g is None or self._time is not None or g.step_by == "inferred":
+            return
+        if g.collecting:
+            self._wake()
+            return
+        for session in self._resting:
+            session.suspend()
+
+    def _wake(self) -> None:
+        for session in self._resting:
+            session.resume()
 
     def _note_groups(self, *, end: bool = False) -> None:
         """Each parameter group's largest learning rate seen at a sampled step (and at the
@@ -527,10 +558,17 @@ class Monitor(HookedContext):
         params, outs, weights = flow.param_norms(), flow.output_norms(), flow.weight_norms()
         per_layer: dict[str, list[float]] = {}
         order = self._order
+        self._fill_update()  # the previous sample's update, read by now
+        matrices = {g.module: g for g in flow.layer_grads()}  # weight matrices only
+        self._update_of = (index, {g.module: (g.params, g.weight_norm)
+                                   for g in matrices.values()})
         for layer in sorted({*params, *outs}, key=lambda k: order.get(k, len(order))):
             p, o, w = params.get(layer), outs.get(layer), weights.get(layer)
+            m = matrices.get(layer)
+            gw = None if m is None else m.grad_norm
             per_layer[layer] = [nan if p is None else p, nan if o is None else o, nan, nan, nan,
-                                nan if w is None else w, nan]  # `METRICS`' order
+                                nan if w is None else w, nan, nan if gw is None else gw,
+                                nan]  # `METRICS`' order
         nonfinite = False
         if self._acts is not None:
             nonfinite = self._read_activations(index, per_layer, flow.micro_batches)
@@ -547,6 +585,23 @@ class Monitor(HookedContext):
         self.latest = self._scalars(index, flow)
         if self._on_sample is not None:
             self._on_sample(index, self.latest)
+
+    def _fill_update(self) -> None:
+        """The update ratio ‖Δw‖/‖w‖ of each layer's weight matrices at the newest sampled
+        step whose update the gradient watch has read on the host (`GradWatch.read_update`,
+        read at the next sample or the end, when its copy has arrived), into its row."""
+        kept, g = self._update_of, self._grads
+        read = None if g is None else g.read_update
+        if kept is None or read is None or read[0] != kept[0]:
+            return
+        self._update_of = None
+        norms = read[1].norms
+        ratios: dict[str, float] = {}
+        for layer, (names, weight) in kept[1].items():
+            ups = [norms.get(n) for n in names]
+            if weight and names and None not in ups:
+                ratios[layer] = math.sqrt(sum(u * u for u in ups if u is not None)) / weight
+        self._history.fill(kept[0], "update", ratios)
 
     def _read_activations(self, index: int, per_layer: dict[str, list[float]],
                           micro_batches: int) -> bool:
@@ -626,6 +681,8 @@ class Monitor(HookedContext):
         grads = self._grads
         assert grads is not None
         self._keep_applied()  # a manual step's comes after its end
+        if grads.last is not None:  # reads the last sample's update
+            self._fill_update()
         h = self._history
         rows = h.rows()
         onset = self._forward_onset or (None, None, None, None)
@@ -646,6 +703,8 @@ class Monitor(HookedContext):
             act_dead=self._series("act_dead").present(),
             weight=self._series("weight").present(),
             act_sat=self._series("act_sat").present(),
+            grad_weight=self._series("grad_weight").present(),
+            update=self._series("update").present(),
             step_ms=self._times.buckets(), device_peak=self._peaks.buckets(),
             saved_bytes=tuple(r.saved_bytes for r in rows) if self._mem is not None else (),
             skipped=grads.skipped, skipped_steps=grads.skipped_steps,
