@@ -4,7 +4,10 @@ more than one folder tests. Every test runs on one CPU thread."""
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +21,56 @@ from torchscope.hooks.leakcheck import HookLeakTracker
 # Child processes (the CLI, the compile child, torchrun's ranks) get one thread too.
 torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The controller (or a run without workers) makes the folder where every process of the
+    run, xdist's workers and the CLI's and torchrun's children included, notes the finding
+    codes it emitted (torchscope.findings._emitted); the workers inherit it."""
+    if not hasattr(config, "workerinput") and "TORCHSCOPE_CODES_DIR" not in os.environ:
+        os.environ["TORCHSCOPE_CODES_DIR"] = tempfile.mkdtemp(prefix="torchscope-codes-")
+        config.stash[_CODES_DIR] = os.environ["TORCHSCOPE_CODES_DIR"]
+
+
+_CODES_DIR = pytest.StashKey[str]()
+
+
+def _full_run(config: pytest.Config) -> bool:
+    """The whole suite ran (no paths, -k or -m): only then must every code have been seen."""
+    return (config.args_source == pytest.Config.ArgsSource.TESTPATHS
+            and not config.option.keyword and not config.option.markexpr
+            and not config.option.deselect)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """A declared finding code that no test emitted fails a full, passing run: each entry of
+    the catalogue must be reachable, and tested (issue 44). An undeclared code fails where it
+    is emitted (`torchscope.findings.declared`)."""
+    folder = session.config.stash.get(_CODES_DIR, None)
+    if folder is None:
+        return
+    try:
+        if exitstatus != 0 or not _full_run(session.config):
+            return
+        import torchscope.catalogue
+        import torchscope.lint  # declares lint.TS0xx
+
+        seen: set[str] = set()
+        for log in Path(folder).glob("codes-*.log"):
+            seen.update(log.read_text(encoding="utf-8").split())
+        missing = sorted(e.code for e in torchscope.catalogue.entries() if e.code not in seen)
+        if missing:
+            reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+            if reporter is not None:
+                reporter.write_line(
+                    f"catalogue: {len(missing)} declared finding code(s) no test emitted: "
+                    f"{', '.join(missing)}. Emit each in a test, or remove its entry.",
+                    red=True)
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+        os.environ.pop("TORCHSCOPE_CODES_DIR", None)
 
 
 @pytest.fixture(autouse=True)

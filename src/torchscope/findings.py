@@ -15,6 +15,7 @@ analysis in the import graph.
 from __future__ import annotations
 
 import enum
+import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -22,7 +23,8 @@ from typing import Any, TypeVar
 from torchscope.errors import TorchscopeError
 
 __all__ = ["Analyzed", "Entry", "Finding", "Severity", "Subject", "analyzer", "declared",
-           "rank"]
+           "rank",
+           "ranked"]
 
 
 class Severity(enum.IntEnum):
@@ -160,15 +162,28 @@ class Entry:
                 f"{self.code} was emitted as {severity.label}; its catalogue entry allows "
                 f"{', '.join(s.label for s in sorted(self.levels))}.",
                 fix="emit one of the declared levels, or change the entry's policy.")
-        _EMITTED.add(self.code)
+        _emitted(self.code)
         return Finding(self.code, severity, summary, dict(evidence or {}),
                        self.fix_for(framework) if fix is None else fix, module, self.subject)
 
 
 _DECLARED: dict[str, Entry] = {}
-# Codes made into findings in this process: the test suite checks that every declared code
-# is emitted by some test (tests/conftest.py).
+# Codes made into findings in this process. The test suite checks that every declared code
+# is emitted by some test (tests/conftest.py); tests that run torchscope in child processes
+# (the CLI, torchrun's ranks) report theirs through files in $TORCHSCOPE_CODES_DIR, which
+# only the suite sets.
 _EMITTED: set[str] = set()
+
+
+def _emitted(code: str) -> None:
+    if code in _EMITTED:
+        return
+    _EMITTED.add(code)
+    folder = os.environ.get("TORCHSCOPE_CODES_DIR")
+    if folder:
+        with open(os.path.join(folder, f"codes-{os.getpid()}.log"), "a",
+                  encoding="utf-8") as fh:
+            fh.write(code + "\n")
 
 
 def declare(*entries: Entry) -> None:
@@ -207,9 +222,18 @@ def rank(findings: Iterable[Finding]) -> list[Finding]:
     A cause (an entry that `explains` a present code) ranks at the severity of the worst
     symptom it explains, and ahead of them; otherwise the order is stable.
     """
-    items = list(findings)
+    return ranked(findings, lambda f: f)
+
+
+_T = TypeVar("_T")
+
+
+def ranked(items: Iterable[_T], finding: Callable[[_T], Finding]) -> list[_T]:
+    """`items` in `rank`'s order of their findings (e.g. `(section, finding)` pairs)."""
+    items = list(items)
     present: dict[str, Severity] = {}
-    for f in items:
+    for item in items:
+        f = finding(item)
         present[f.code] = max(present.get(f.code, Severity.INFO), f.severity)
     explained: set[str] = set()
     effective: dict[str, Severity] = {}
@@ -219,7 +243,8 @@ def rank(findings: Iterable[Finding]) -> list[Finding]:
         explained.update(symptoms)
         effective[code] = max([level, *(present[c] for c in symptoms)])
 
-    def key(f: Finding) -> tuple[int, int, int]:
+    def key(item: _T) -> tuple[int, int, int]:
+        f = finding(item)
         sev = max(f.severity, effective.get(f.code, f.severity))
         return (_SUBJECT_ORDER[f.subject], -int(sev), int(f.code in explained))
 

@@ -43,7 +43,7 @@ def test_report_json_follows_the_schema_and_holds_the_series(profiled: Path) -> 
     out = profiled
     doc = json.loads((out / "report.json").read_text())
     jsonschema.Draft202012Validator(load_schema()).validate(doc)
-    assert doc["kind"] == "run" and doc["schema_version"] == SCHEMA_VERSION == "1.11"
+    assert doc["kind"] == "run" and doc["schema_version"] == SCHEMA_VERSION == "1.12"
     assert list(doc["sections"]) == ["run", "grad_history", "act_history", "mem_history",
                                      "profile", "last_step"]
     assert all(s["status"] == "ok" for s in doc["sections"].values())

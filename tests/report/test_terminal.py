@@ -90,7 +90,7 @@ def test_prose_shortens_dotted_names_and_folds_other_words() -> None:
                       "bert.encoder.layer.11.attention.output.dense (Linear) is the costliest "
                       "module", {"ops": "aten::_local_scalar_dense, aten::item"},
                       fix="look at bert.encoder.layer.11.attention.output.dense first.")
-    lines = _render(findings_table([("profile", finding)]), 80)
+    lines = _render(findings_table([("profile", finding)], verbose=True), 80)
     text = "\n".join(lines)
     assert max(map(len, lines)) <= 80
     assert not CUT.search(text)
@@ -146,3 +146,13 @@ def test_a_finding_line_ends_its_summary_with_one_period() -> None:
     lines = finding_lines([clause, sentence])
     assert all("MiB)." in line and "MiB).." not in line for line in lines)
     assert lines[0].endswith("Fix: apply the plan[/]") and lines[1].endswith("MiB).")
+
+
+def test_findings_show_their_evidence_only_when_verbose() -> None:
+    finding = Finding("profiling.top_module", Severity.INFO, "fc (Linear) is the costliest "
+                      "module", {"forward_ms": 1.25, "share": 0.61}, fix="nothing to do.")
+    quiet = "\n".join(_render(findings_table([("profile", finding)]), 150))
+    loud = "\n".join(_render(findings_table([("profile", finding)], verbose=True), 150))
+    assert "costliest" in quiet and "nothing to do" in quiet
+    assert "forward_ms" not in quiet and "share=" not in quiet
+    assert "forward_ms=1.25" in loud and "share=0.61" in loud

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from torchscope._util import __version__, to_jsonable
 from torchscope.errors import TorchscopeError
-from torchscope.findings import Analyzed, Finding, Severity, analyzer, rank
+from torchscope.findings import Analyzed, Finding, Severity, analyzer, rank, ranked
 from torchscope.step import StepInfo
 
 if TYPE_CHECKING:
@@ -49,7 +49,7 @@ __all__ = [
 ]
 
 SCHEMA_ID = "torchscope.report"
-SCHEMA_VERSION = "1.11"
+SCHEMA_VERSION = "1.12"
 
 Status = Literal["ok", "skipped", "failed"]
 ReportKind = Literal["doctor", "run"]
@@ -186,9 +186,11 @@ class Report(Analyzed):
         raise KeyError(name)
 
     def section_findings(self) -> list[tuple[str, Finding]]:
-        """(section, finding) pairs, most severe first, in run order within a severity."""
-        return sorted(((o.name, f) for o in self.outcomes for f in o.findings),
-                      key=lambda p: -int(p[1].severity))
+        """(section, finding) pairs in report order (`torchscope.findings.rank`): the user's
+        model, loop and data before caveats, a cause before its symptoms, the most severe
+        first; run order within that."""
+        return ranked(((o.name, f) for o in self.outcomes for f in o.findings),
+                      lambda p: p[1])
 
     @property
     def metrics(self) -> dict[str, Metric]:
@@ -212,6 +214,57 @@ def report_findings(report: Report, thresholds: Any = None) -> list[Finding]:
     return rank(f for o in report.outcomes for f in o.findings)
 
 
+# Verdict lines stay one terminal line's worth: a longer summary is cut at a word.
+_VERDICT_SUMMARY_CHARS = 160
+
+
+def _short(text: str) -> str:
+    text = text.rstrip(".")
+    if len(text) <= _VERDICT_SUMMARY_CHARS:
+        return text
+    return text[:_VERDICT_SUMMARY_CHARS].rsplit(" ", 1)[0] + " …"
+
+
+def _count(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def verdict(report: Report) -> str:
+    """The report's verdict: one line a user can act on, printed before anything else.
+
+    A failed section comes first (a report whose sections failed never reads healthy); then
+    the errors and warnings, named by the first in report order; otherwise "healthy", with
+    the sections that looked and how many notes (info findings and caveats) there are.
+    """
+    failed = [o for o in report.outcomes if o.status == "failed"]
+    pairs = report.section_findings()
+    errors = [f for _, f in pairs if f.severity is Severity.ERROR]
+    warnings = [f for _, f in pairs if f.severity is Severity.WARNING]
+    notes = len(pairs) - len(errors) - len(warnings)
+    if failed:
+        first = failed[0]
+        why = f": {_short(first.note)}" if first.note else ""
+        rest = [_count(len(errors), "error")] if errors else []
+        rest += [_count(len(warnings), "warning")] if warnings else []
+        tail = f"; besides, {' and '.join(rest)}" if rest else ""
+        return (f"failed: {_count(len(failed), 'section')} could not run "
+                f"({', '.join(o.name for o in failed)}); {first.title}{why}{tail}")
+    if errors or warnings:
+        top = (errors or warnings)[0]
+        head = [_count(len(errors), "error")] if errors else []
+        head += [_count(len(warnings), "warning")] if warnings else []
+        where = f" ({top.module})" if top.module and top.module not in top.summary else ""
+        return f"{' and '.join(head)}: {_short(top.summary)}{where}"
+    looked = [o.title.lower() for o in report.outcomes if o.status == "ok"]
+    span = "in this run" if report.kind == "run" else "on this step"
+    seen = ""
+    if looked:
+        seen = " in " + (looked[0] if len(looked) == 1 else
+                         f"{', '.join(looked[:-1])} or {looked[-1]}")
+    tail = f"; {_count(notes, 'note')}" if notes else ""
+    return f"healthy: nothing wrong{seen} {span}{tail}"
+
+
 def build_document(report: Report) -> dict[str, Any]:
     """The JSON-ready report.json content for `report`."""
     sections = {
@@ -220,7 +273,8 @@ def build_document(report: Report) -> dict[str, Any]:
                  "data": to_jsonable(o.data) if o.status == "ok" else None}
         for o in report.outcomes}
     findings = [
-        {"section": sec, "code": f.code, "severity": f.severity.label, "summary": f.summary,
+        {"section": sec, "code": f.code, "severity": f.severity.label,
+         "subject": f.subject.value, "summary": f.summary,
          "evidence": to_jsonable(dict(f.evidence)), "fix": f.fix, "module": f.module}
         for sec, f in report.section_findings()]
     metrics = {k: {"value": to_jsonable(m.value), "better": m.better, "unit": m.unit,
@@ -232,6 +286,7 @@ def build_document(report: Report) -> dict[str, Any]:
         "schema": SCHEMA_ID,
         "schema_version": SCHEMA_VERSION,
         "kind": report.kind,
+        "verdict": verdict(report),
         "torchscope_version": __version__,
         "created": report.created,
         "seconds": report.seconds,

@@ -1,5 +1,6 @@
-"""Findings in the terminal, one way for every command: lines for short lists, a table with
-the evidence for the doctor."""
+"""Findings in the terminal, one way for every command: lines for short lists, a table for
+the doctor; the evidence (`key=value`) only when asked (`--verbose`), as report.json and
+report.html always carry it."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from torchscope._util import fmt_num
-from torchscope.findings import Finding, Severity, rank
+from torchscope.findings import Finding, Severity, rank, ranked
 from torchscope.report.terminal import Prose
 
 __all__ = ["SEVERITY_STYLE", "evidence_text", "finding_lines", "findings_table"]
@@ -45,25 +46,27 @@ def finding_lines(findings: Sequence[Finding]) -> list[str]:
 
 
 def findings_table(findings: Sequence[Finding] | Sequence[tuple[str, Finding]],
-                   title: str = "Findings") -> Table:
-    """Findings most severe first: severity, (section,) summary with evidence, and the fix.
+                   title: str = "Findings", *, verbose: bool = False) -> Table:
+    """Findings in report order (`torchscope.findings.rank`): severity, (section,) summary
+    and the fix; with `verbose`, each summary's evidence below it.
 
     Args:
         findings: findings, or `(section, finding)` pairs (the doctor's), which add a
             section column.
         title: the table's title.
+        verbose: show each finding's evidence (`key=value`).
     """
-    pairs = [f if isinstance(f, tuple) else ("", f) for f in findings]
-    pairs.sort(key=lambda p: -int(p[1].severity))
+    pairs = ranked((f if isinstance(f, tuple) else ("", f) for f in findings), lambda p: p[1])
     sections = any(section for section, _ in pairs)
     table = Table(title=title, title_justify="left", show_lines=True)
     table.add_column("severity")
     if sections:
         table.add_column("section")
-    table.add_column("finding (evidence)", ratio=3)
+    table.add_column("finding (evidence)" if verbose else "finding", ratio=3)
     table.add_column("suggested fix", ratio=2)
     for section, f in pairs:
-        evidence = ("\n" + evidence_text(f.evidence), "dim") if f.evidence else ("", "")
+        shown = verbose and f.evidence
+        evidence = ("\n" + evidence_text(f.evidence), "dim") if shown else ("", "")
         row: list[Any] = [Text(f.severity.label, style=SEVERITY_STYLE[f.severity])]
         if sections:
             row.append(section)
