@@ -80,6 +80,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from torchscope import _process
+
 __all__ = [
     "DEAD",
     "INFS",
@@ -547,8 +549,7 @@ def _checked(path: Path, kind: Literal["native", "aoti"], program: str, dtype: t
     cmd = [sys.executable, "-m", "torchscope._kernels", "--check", kind, str(path), program,
            str(dtype), _device_arg(device)]
     try:
-        done = subprocess.run(cmd, env=_child_env(), capture_output=True, text=True,
-                              check=False, timeout=_CHECK_TIMEOUT_S, start_new_session=True)
+        done = _process.run(cmd, timeout=_CHECK_TIMEOUT_S, env=_child_env())
     except subprocess.TimeoutExpired:
         return f"checking the fused kernel in a child process ran past {_CHECK_TIMEOUT_S:.0f} s"
     rc = done.returncode
@@ -709,8 +710,7 @@ def _compile_native(out: Path, *, march: str = "native", namespace: str | None =
                    str(_NATIVE_SOURCE), "-o", tmp, "-Wl,--as-needed", *openmp,
                    "-L", str(lib), "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}"]
             try:
-                done = subprocess.run(nice + cmd, capture_output=True, text=True, check=False,
-                                      timeout=_BUILD_TIMEOUT_S, start_new_session=True)
+                done = _process.run(nice + cmd, timeout=_BUILD_TIMEOUT_S)
             except subprocess.TimeoutExpired:
                 return f"building the native kernel ran past {_BUILD_TIMEOUT_S:.0f} s"
             if done.returncode == 0:
@@ -787,10 +787,11 @@ def _build(path: Path, program: str, dtype: torch.dtype, device: torch.device) -
                _device_arg(device), str(path), str(lock)]
         try:
             # A new session: the build outlives this process if it exits first (the cache
-            # still fills), and a Ctrl-C meant for the user's loop does not reach it.
-            done = subprocess.run(cmd, env=_child_env(TORCHINDUCTOR_COMPILE_THREADS="1"),
-                                  capture_output=True, text=True, check=False,
-                                  timeout=_BUILD_TIMEOUT_S, start_new_session=True)
+            # still fills), and a Ctrl-C meant for the user's loop does not reach it. A
+            # signal to the command line stops it (`_process.stop_children`): SIGTERM first,
+            # on which it removes its temporary file and lock.
+            done = _process.run(cmd, timeout=_BUILD_TIMEOUT_S, grace=3.0,
+                                env=_child_env(TORCHINDUCTOR_COMPILE_THREADS="1"))
         except subprocess.TimeoutExpired:
             return f"building the kernel ran past {_BUILD_TIMEOUT_S:.0f} s"
         if done.returncode != 0 or not path.exists():
@@ -838,6 +839,9 @@ def _build_child(program: str, dtype_name: str, device_name: str, out: str, lock
     AOTInductor into `out` (written under a temporary name, then moved into place)."""
     with contextlib.suppress(OSError, AttributeError):
         os.nice(10)  # a background build: the user's training runs first
+    # Stopped with SIGTERM (a signal to the command line that started it): leave through
+    # the `finally`s below, which remove the temporary package and the lock.
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
     try:
         dtype = getattr(torch, dtype_name.removeprefix("torch."))
         device = torch.device(device_name)

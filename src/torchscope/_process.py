@@ -1,20 +1,48 @@
 """Process-wide state that torchscope touches, always scoped: what it changes it puts back.
 
-Three things: the environment (torch's lazy imports write to it: importing `torch._dynamo`,
-which the profiler's first trace does, sets `TORCHINDUCTOR_CACHE_DIR`), Kineto's log level
-while a profiler starts, and torch's random generators while a measurement draws from them.
-Every public function that profiles, compiles or seeds goes through these context managers,
-so that after it returns (or raises) the environment and the caller's random streams are
-as they were.
+The environment (torch's lazy imports write to it: importing `torch._dynamo`, which the
+profiler's first trace does, sets `TORCHINDUCTOR_CACHE_DIR`), Kineto's log level while a
+profiler starts, and torch's random generators while a measurement draws from them. Every
+public function that profiles, compiles or seeds goes through these context managers, so
+that after it returns (or raises) the environment and the caller's random streams are as
+they were.
+
+And the child processes torchscope starts (`spawn`, `run`, `stop`): each in a process group
+of its own, so that stopping one stops whatever it started (g++ under a compile included).
+`interruptible`, around the command line and each launched rank, turns SIGINT and SIGTERM
+into `Interrupted` and stops every child still running; the signal handlers it replaced
+are back when it exits.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+import signal
+import subprocess
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any
 
-__all__ = ["kept_environment", "quiet_kineto", "seeded"]
+__all__ = [
+    "Interrupted",
+    "interrupted",
+    "interruptible",
+    "kept_environment",
+    "kept_signals",
+    "note_signal",
+    "quiet_kineto",
+    "run",
+    "seeded",
+    "spawn",
+    "stop",
+    "stop_children",
+]
+
+#: The signals `interruptible` turns into `Interrupted`.
+SIGNALS: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM)
 
 _KINETO = "KINETO_LOG_LEVEL"
 
@@ -69,3 +97,197 @@ def seeded(seed: int | None) -> Iterator[None]:
         if seed is not None:
             torch.manual_seed(seed)
         yield
+
+
+# ---------------------------------------------------------------------- child processes
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM arrived while `interruptible` was open. A `KeyboardInterrupt`, so
+    that every clean-up written for Ctrl-C (hooks removed, child processes stopped,
+    temporary folders removed) runs for SIGTERM too.
+
+    Attributes:
+        signum: the signal's number (the process exits with 128 + it).
+    """
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = int(signum)
+
+    @property
+    def name(self) -> str:
+        """The signal's name, e.g. `SIGTERM`."""
+        try:
+            return signal.Signals(self.signum).name
+        except ValueError:
+            return f"signal {self.signum}"
+
+
+@dataclass
+class _Children:
+    """Every child process started through `spawn` that has not been waited for, and the
+    thread that started it; `closing` refuses new ones while `stop_children` runs."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    live: dict[int, tuple[subprocess.Popen[Any], threading.Thread]] = field(default_factory=dict)
+    closing: bool = False
+    signum: int | None = None  # the signal `interruptible` caught, if one came
+
+
+_CHILDREN = _Children()
+
+
+def spawn(cmd: Sequence[str], **kwargs: Any) -> subprocess.Popen[Any]:
+    """`subprocess.Popen(cmd, **kwargs)` in a new session (a process group of its own), kept
+    in a registry until `stop` or `run` is done with it, so that `stop_children` reaches it
+    and whatever it started. A new session also keeps a terminal's Ctrl-C, meant for the
+    user's loop, from reaching it: torchscope stops it itself.
+
+    Raises:
+        ChildProcessError: `stop_children` is stopping every child (a signal came).
+    """
+    with _CHILDREN.lock:
+        if _CHILDREN.closing:
+            raise ChildProcessError("torchscope is stopping its child processes (a signal "
+                                    "came), so it starts no new one")
+        proc: subprocess.Popen[Any] = subprocess.Popen(list(cmd), start_new_session=True,
+                                                       **kwargs)
+        _CHILDREN.live[proc.pid] = (proc, threading.current_thread())
+    return proc
+
+
+def _forget(proc: subprocess.Popen[Any]) -> None:
+    with _CHILDREN.lock:
+        _CHILDREN.live.pop(proc.pid, None)
+
+
+def stop(proc: subprocess.Popen[Any], grace: float | None = None) -> None:
+    """End `proc`'s whole process group and wait for `proc`.
+
+    Args:
+        proc: a child started by `spawn` (the leader of its own group).
+        grace: seconds between SIGTERM and SIGKILL, so that a child with files to remove
+            can remove them; None sends SIGKILL at once.
+    """
+    steps = ([(signal.SIGTERM, grace)] if grace is not None else []) + [(signal.SIGKILL, None)]
+    for sig, wait in steps:
+        # After the leader is gone the group lives on while any member does (g++ started
+        # by it): the group is signalled, not only the leader.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(wait)
+        except subprocess.TimeoutExpired:
+            continue
+        if sig == signal.SIGTERM:  # the leader left: what it started goes too
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        break
+    _forget(proc)
+
+
+def run(cmd: Sequence[str], *, timeout: float, grace: float | None = None,
+        env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """`subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)` through
+    `spawn`: on a timeout, an exception or a signal, the child's whole group is stopped
+    (`stop` with `grace`), not only the child.
+
+    Raises:
+        subprocess.TimeoutExpired: it ran past `timeout` (and was stopped).
+        ChildProcessError: see `spawn`.
+    """
+    proc = spawn(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except BaseException:
+        stop(proc, grace)
+        raise
+    _forget(proc)
+    return subprocess.CompletedProcess(list(cmd), proc.returncode, out, err)
+
+
+def stop_children(grace: float = 2.0, join_s: float = 5.0) -> None:
+    """Stop every child process `spawn` started and that is still running (each group:
+    SIGTERM, then SIGKILL after `grace` seconds), refusing new ones meanwhile, then give the
+    threads that started them up to `join_s` seconds to finish their own clean-up (a
+    background kernel build removes its temporary file and its lock)."""
+    with _CHILDREN.lock:
+        _CHILDREN.closing = True
+        live = list(_CHILDREN.live.values())
+    try:
+        for proc, _ in live:
+            stop(proc, grace)
+        me = threading.current_thread()
+        for _, thread in live:
+            if thread is not me and thread.is_alive():
+                thread.join(join_s)
+    finally:
+        with _CHILDREN.lock:
+            _CHILDREN.closing = False
+
+
+def _previous(handler: Any) -> Any:
+    # A handler installed from C (not by Python) reads as None and cannot be set again.
+    return signal.SIG_DFL if handler is None else handler
+
+
+@contextlib.contextmanager
+def kept_signals(signals: Sequence[int] = SIGNALS) -> Iterator[None]:
+    """The handlers of `signals` as they were on entry, again on exit (torch's elastic
+    launcher installs its own for SIGTERM, SIGINT, SIGHUP and SIGQUIT and leaves them
+    there). A no-op outside the main thread, where handlers cannot be set."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {s: signal.getsignal(s) for s in signals}
+    try:
+        yield
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, _previous(handler))
+
+
+def note_signal(signum: int) -> Interrupted:
+    """Record that `signum` came (a launcher caught it with a handler of its own), for
+    `interruptible` to stop the child processes on exit; returns the `Interrupted` to raise.
+    """
+    if _CHILDREN.signum is None:
+        _CHILDREN.signum = int(signum)
+    return Interrupted(signum)
+
+
+def interrupted() -> int | None:
+    """The signal `interruptible` caught (or `note_signal` noted), or None."""
+    return _CHILDREN.signum
+
+
+@contextlib.contextmanager
+def interruptible() -> Iterator[None]:
+    """While open, SIGINT and SIGTERM raise `Interrupted` in the main thread, so that every
+    `finally` and context manager on the way out runs (hooks removed, child processes
+    stopped, temporary folders removed). A second signal during that clean-up is not
+    raised again. On exit after a signal, every child process still running is stopped
+    (`stop_children`: background kernel builds included). The previous handlers are back on
+    exit, so a library caller's process is left as it was. A no-op outside the main thread.
+
+    The command line's entry point runs inside it; so does each rank the doctor launches
+    (the launcher ends a rank with SIGTERM).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, _frame: FrameType | None) -> None:
+        if _CHILDREN.signum is None:
+            raise note_signal(signum)
+
+    before = _CHILDREN.signum
+    _CHILDREN.signum = None
+    with kept_signals():
+        for s in SIGNALS:
+            signal.signal(s, handler)
+        try:
+            yield
+        finally:
+            if _CHILDREN.signum is not None:
+                stop_children()
+            _CHILDREN.signum = before

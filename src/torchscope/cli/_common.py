@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -163,10 +164,20 @@ def guarded(debug: bool) -> Iterator[None]:
         if debug:
             raise
         if isinstance(exc, KeyboardInterrupt):
-            fail("interrupted; every hook was removed.", code=130)
+            interrupted_exit(exc)
         if isinstance(exc, TorchscopeError):
             fail(_escape(exc.one_line()))
         fail(_escape(f"unexpected {describe(exc)}. Fix: rerun with --debug for the traceback."))
+
+
+def interrupted_exit(exc: KeyboardInterrupt) -> NoReturn:
+    """One line for SIGINT (Ctrl-C) or SIGTERM, and exit 128 + the signal's number."""
+    from torchscope._process import Interrupted
+
+    signum = exc.signum if isinstance(exc, Interrupted) else int(signal.SIGINT)
+    name = signal.Signals(signum).name
+    fail(f"interrupted by {name}; every hook was removed and every child process stopped.",
+         code=128 + signum)
 
 
 def choice(option: str, value: str, choices: Sequence[C]) -> C:

@@ -10,7 +10,7 @@ from rich.text import Text
 from typer.core import TyperGroup
 
 from torchscope.cli import capture, compile_cmd, doctor, grads, lint_cmd, memory, profile
-from torchscope.cli._common import err_console
+from torchscope.cli._common import err_console, interrupted_exit
 
 
 def _flags_without_value(params: list[Any]) -> list[Any]:
@@ -43,7 +43,12 @@ class _OneLineUsageErrors(TyperGroup):
             return super().main(*args, **kwargs)
         try:
             rv = super().main(*args, **{**kwargs, "standalone_mode": False})
-        except typer.Abort:
+        except typer.Abort as exc:
+            if isinstance(exc.__cause__, KeyboardInterrupt):  # a signal outside `guarded`
+                try:
+                    interrupted_exit(exc.__cause__)
+                except typer.Exit as done:
+                    sys.exit(done.exit_code)
             err_console.print("Aborted!", highlight=False, markup=False)
             sys.exit(1)
         except typer.TyperException as exc:
@@ -86,5 +91,10 @@ for _command_module in (capture, grads, memory, profile, compile_cmd, lint_cmd, 
 
 
 def main() -> None:
-    """Console-script entry point."""
-    app()
+    """Console-script entry point. SIGINT and SIGTERM end it with one line and exit code
+    128 + the signal, after every child process it started is stopped and every temporary
+    folder removed (`torchscope._process.interruptible`); the handlers are put back after."""
+    from torchscope._process import interruptible
+
+    with interruptible():
+        app()

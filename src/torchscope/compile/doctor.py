@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import importlib.machinery
 import os
 import pickle
@@ -20,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchscope._process import seeded
+from torchscope._process import seeded, spawn, stop
 from torchscope.compile._isolate import fresh_inductor_cache
 from torchscope.compile._measure import MeasureJob, run_job
 from torchscope.compile.breaks import BreakScan
@@ -38,6 +37,9 @@ _NO_CXX = ("inductor on CPU compiles C++ kernels and found no C++ compiler ({cxx
            "on PATH or does not run). Install one (apt install g++, or xcode-select --install) "
            "or point CXX at it.")
 _HERE = "measured in this process without a timeout: {}."
+# SIGTERM, then SIGKILL this much later: a compiler stopped by SIGTERM removes its own
+# temporary files (g++'s in TMPDIR); SIGKILL would leave them.
+_GRACE_S = 2.0
 _CHILD = ("import sys; from torchscope.compile._measure import child_main; "
           "sys.exit(child_main(sys.argv[1:]))")
 
@@ -116,15 +118,6 @@ def _read_log(log: Path) -> tuple[str, str]:
     return (steps[-1] if steps else "start-up"), " | ".join(other[-3:])
 
 
-def _kill(proc: subprocess.Popen[bytes]) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        if hasattr(os, "killpg"):
-            os.killpg(proc.pid, signal.SIGKILL)
-        else:  # pragma: no cover - Windows
-            proc.kill()
-    proc.wait()
-
-
 def _run_child(job: dict[str, Any], timeout_s: float) -> dict[str, Any]:
     """Measure one mode in a fresh interpreter with a fresh inductor cache dir; returns
     `run_job`'s payload, or the status `timeout`, `crashed` or `not_sent` (the child could
@@ -146,18 +139,20 @@ def _run_child(job: dict[str, Any], timeout_s: float) -> dict[str, Any]:
                "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(paths)}
         cmd = [sys.executable, "-c", _CHILD, str(job_path), str(result_path)]
         with open(log_path, "wb") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                    start_new_session=True)
+            # Its own process group: a timeout, an exception or a signal (SIGINT, SIGTERM)
+            # ends it and the compilers it started, before this folder is removed.
+            proc = spawn(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
             try:
                 rc = proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
-                _kill(proc)
+                stop(proc, _GRACE_S)
                 return {"status": "timeout",
                         "error": f"no result after {timeout_s:.0f} s (during: "
                                  f"{_read_log(log_path)[0]}); the child process was killed."}
             except BaseException:
-                _kill(proc)
+                stop(proc, _GRACE_S)
                 raise
+            stop(proc)  # whatever it left running in its group
         if result_path.exists():
             # Written by our own worker, in a directory only this call knows.
             return pickle.loads(result_path.read_bytes())  # type: ignore[no-any-return]

@@ -1,0 +1,200 @@
+"""SIGTERM and SIGINT at several points of a real `torchscope` run (a child process of the
+test): the command exits 128 + the signal with one line on stderr, no process it started
+(compile child, g++, torchrun rank, kernel build) is left running, and no temporary folder
+or kernel build file is left behind. The library leaves the signal handlers as it found
+them."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+import pytest
+
+from torchscope import _process
+
+pytestmark = pytest.mark.slow
+
+# A factory that says when the model build has begun, then takes its time (a big model).
+SLOW_BUILD = '''
+import os, time
+from pathlib import Path
+from torchscope.models.zoo import TinyCNN
+
+def build():
+    Path(os.environ["TS_SIGNAL_MARK_FILE"]).write_text("building")
+    time.sleep(120)
+    return TinyCNN()
+'''
+
+# A factory that starts the fused kernels' background build (g++ in a child), then waits.
+KERNEL_BUILD = '''
+import os, time
+from pathlib import Path
+from torchscope import _kernels
+from torchscope.models.zoo import TinyCNN
+
+def build():
+    _kernels.prepare("stats")
+    Path(os.environ["TS_SIGNAL_MARK_FILE"]).write_text("building kernels")
+    time.sleep(120)
+    return TinyCNN()
+'''
+
+
+class Run:
+    """`python -m torchscope ARGS` with its own TMPDIR, kernel cache and a marker in its
+    environment that every process it starts inherits."""
+
+    def __init__(self, tmp: Path, args: list[str]) -> None:
+        self.tmp = tmp / "tmp"
+        self.cache = tmp / "cache"
+        self.tmp.mkdir()
+        self.cache.mkdir()
+        self.mark = f"ts-signal-{uuid.uuid4().hex}"
+        self.mark_file = tmp / "mark"
+        env = {**os.environ, "TMPDIR": str(self.tmp), "TORCHSCOPE_CACHE_DIR": str(self.cache),
+               "TS_SIGNAL_MARK": self.mark, "TS_SIGNAL_MARK_FILE": str(self.mark_file),
+               "COLUMNS": "150"}
+        self.proc = subprocess.Popen([sys.executable, "-m", "torchscope", *args], env=env,
+                                     cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True)
+
+    def ours(self) -> list[psutil.Process]:
+        """Every live process carrying the marker (orphans re-parented to PID 1 included)."""
+        found = []
+        for p in psutil.process_iter():
+            try:
+                if p.status() == psutil.STATUS_ZOMBIE:
+                    continue
+                if p.environ().get("TS_SIGNAL_MARK") == self.mark:
+                    found.append(p)
+            except (psutil.Error, OSError):
+                continue
+        return found
+
+    def wait_for(self, what: str, ready: Callable[[], bool], timeout: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not ready():
+            if self.proc.poll() is not None:
+                out, err = self.proc.communicate()
+                pytest.fail(f"the command ended (exit {self.proc.returncode}) before {what}: "
+                            f"{out[-2000:]} {err[-2000:]}")
+            if time.monotonic() > deadline:
+                self.proc.kill()
+                pytest.fail(f"no {what} after {timeout:.0f} s")
+            time.sleep(0.2)
+
+    def children_named(self, *needles: str) -> bool:
+        for p in self.ours():
+            if p.pid == self.proc.pid:
+                continue
+            try:
+                line = " ".join(p.cmdline())
+            except psutil.Error:
+                continue
+            if any(n in line for n in needles):
+                return True
+        return False
+
+    def signal_and_check(self, sig: signal.Signals) -> str:
+        """Send `sig` to the command alone, then check the exit, the one line, and that
+        nothing is left behind; returns the line."""
+        self.proc.send_signal(sig)
+        try:
+            _, err = self.proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            pytest.fail(f"still running 120 s after {sig.name}")
+        lines = [ln for ln in err.splitlines() if ln.strip()]
+        assert self.proc.returncode == 128 + sig, (self.proc.returncode, err)
+        assert len(lines) == 1, err
+        assert f"interrupted by {sig.name}" in lines[0]
+        deadline = time.monotonic() + 10  # a group killed a moment ago may still be exiting
+        while (left := self.ours()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not left, [" ".join(p.cmdline()) for p in left]
+        # Inductor's own cache folder (torchinductor_USER) is there after any run that
+        # imports it, interrupted or not: a cache, not a temporary folder of the run.
+        assert [p.name for p in self.tmp.iterdir()
+                if not p.name.startswith("torchinductor_")] == []
+        leftovers = [p.name for p in self.cache.rglob("*")
+                     if p.name.endswith(".lock") or p.name.startswith("tmp")]
+        assert leftovers == []
+        return lines[0]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_during_the_model_build(tmp_path: Path, sig: signal.Signals) -> None:
+    factory = tmp_path / "slow_factory.py"
+    factory.write_text(SLOW_BUILD)
+    run = Run(tmp_path, ["grads", f"{factory}:build", "-i", "2x3x32x32"])
+    run.wait_for("model build", run.mark_file.exists)
+    run.signal_and_check(sig)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_during_a_compile_child(tmp_path: Path, sig: signal.Signals) -> None:
+    run = Run(tmp_path, ["compile", "tiny-cnn", "--iters", "1", "--warmup", "0"])
+    run.wait_for("compile child", lambda: run.children_named("child_main"))
+    # The child at work: a compiler under it where inductor has started one.
+    deadline = time.monotonic() + 60
+    while not run.children_named("cc1plus", "g++", "c++") and time.monotonic() < deadline \
+            and run.proc.poll() is None:
+        time.sleep(0.2)
+    run.signal_and_check(sig)
+
+
+def test_sigterm_during_the_kernel_build(tmp_path: Path) -> None:
+    factory = tmp_path / "kernel_factory.py"
+    factory.write_text(KERNEL_BUILD)
+    run = Run(tmp_path, ["grads", f"{factory}:build", "-i", "2x3x32x32"])
+    run.wait_for("kernel build", lambda: run.mark_file.exists()
+                 and run.children_named("cc1plus", "g++", "torchscope._kernels"))
+    run.signal_and_check(signal.SIGTERM)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_during_a_torchrun_doctor(tmp_path: Path, sig: signal.Signals) -> None:
+    factory = tmp_path / "slow_factory.py"
+    factory.write_text(SLOW_BUILD)
+    run = Run(tmp_path, ["doctor", f"{factory}:build", "-i", "4x3x32x32", "--nproc", "2",
+                         "--fast", "--out", str(tmp_path / "report")])
+    # Both ranks building the model (each writes the mark; one is enough to know they run).
+    run.wait_for("ranks", lambda: run.mark_file.exists()
+                 and sum("spawn" in " ".join(p.cmdline()) for p in run.ours()) >= 2)
+    run.signal_and_check(sig)
+    assert not (tmp_path / "report").exists()
+
+
+def test_interruptible_puts_the_handlers_back() -> None:
+    before = {s: signal.getsignal(s) for s in _process.SIGNALS}
+    with _process.interruptible():
+        assert all(signal.getsignal(s) not in (before[s],) for s in _process.SIGNALS)
+        with pytest.raises(_process.Interrupted) as caught:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler raises before this ends
+        assert caught.value.signum == signal.SIGTERM and caught.value.name == "SIGTERM"
+    assert {s: signal.getsignal(s) for s in _process.SIGNALS} == before
+    assert _process.interrupted() is None
+
+
+def test_stop_ends_the_whole_group(tmp_path: Path) -> None:
+    """A child's own child (as g++ under the compile child) goes with it."""
+    script = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', " \
+             "'import time; time.sleep(60)']); print('up', flush=True); time.sleep(60)"
+    proc = _process.spawn([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "up"
+    grandchildren = psutil.Process(proc.pid).children()
+    assert len(grandchildren) == 1
+    _process.stop(proc, grace=1.0)
+    assert proc.returncode == -signal.SIGTERM
+    psutil.wait_procs(grandchildren, timeout=5)
+    assert not any(g.is_running() and g.status() != psutil.STATUS_ZOMBIE for g in grandchildren)
