@@ -122,8 +122,9 @@ ENTRIES: tuple[Entry, ...] = (
                   "own trainable parameters reads exactly 0 when the gradient is read; the "
                   "modules of its layer (its parent, or the adapter's layer) that get or pass "
                   "none are named with it, not as grads.dead.",
-        fix="nothing at the first step; if later steps still show it, check that these "
-            "parameters are in the optimizer's groups with a non-zero learning rate.",
+        fix="nothing at the first step; if later steps still show it, the optimizer does "
+            "not move those parameters: check that they are in its parameter groups with a "
+            "non-zero learning rate.",
         example="2 module(s) start at zero (q_proj.lora_B.default, v_proj.lora_B.default): "
                 "all their parameters are 0, a deliberate zero init",
     ),
@@ -141,7 +142,7 @@ ENTRIES: tuple[Entry, ...] = (
         criterion="Any non-finite norm: a module's output or input gradient, a parameter's "
                   "gradient, or the total. Over a watched run, the first sampled step whose "
                   "total norm is NaN/Inf.",
-        fix="look for log(0), division by zero, sqrt of negatives or fp16 overflow (use a "
+        fix="look for log(0), division by zero, sqrt of negatives or fp16 overflow (use "
             "GradScaler or bf16); torch.autograd.detect_anomaly() names the op.",
         example="NaN/Inf gradient first appears at blocks.2.attn in backward order: it is "
                 "produced by its backward",
@@ -356,9 +357,10 @@ ENTRIES: tuple[Entry, ...] = (
                   "after the update compared with their copy from before it, over the "
                   "elements whose gradient is non-zero; the share left exactly as they were, "
                   "over every half-precision parameter together.",
-        fix="keep the weights in float32 and compute in half precision under torch.autocast, "
-            "or use an optimizer that keeps a float32 copy or rounds stochastically; a "
-            "larger learning rate only moves the threshold.",
+        fix="keep the weights in float32 and compute in half precision under "
+            "torch.autocast (mixed precision: the update lands on float32 weights), or use "
+            "an optimizer that keeps a float32 copy of the weights or rounds "
+            "stochastically; a larger learning rate only moves the threshold.",
         fixes={"lightning": "Trainer(precision=\"bf16-mixed\") (float32 weights), not "
                             "\"bf16-true\".",
                "hf": "load the model in float32 and set bf16=True in TrainingArguments, "
@@ -519,8 +521,9 @@ ENTRIES: tuple[Entry, ...] = (
                   "model: the other parameters with a gradient that no optimizer in the "
                   "process stepped while the watch was open (torch's global optimizer "
                   "step hook), and whose values the loop did not change in place itself.",
-        fix="build the optimizer from model.parameters() once the model is complete, or add "
-            "them with optimizer.add_param_group({'params': [...]}); freeze them with "
+        fix="build the optimizer from model.parameters() once the model is complete (a "
+            "layer added after the optimizer was built is not in it), or add them with "
+            "optimizer.add_param_group({'params': [...]}); freeze them with "
             "requires_grad_(False) if they are not meant to train.",
         fixes={"lightning": "build the optimizer in configure_optimizers from "
                             "self.parameters(), after every layer exists.",

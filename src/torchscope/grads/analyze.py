@@ -18,8 +18,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 from torchscope._util import common_parent, fit_line, fmt_names, fmt_times, is_norm_type
+from torchscope.catalogue import entry
 from torchscope.errors import TorchscopeError
-from torchscope.findings import Finding, Severity, analyzer, rank
+from torchscope.findings import Entry, Finding, Severity, analyzer, rank
 from torchscope.grads.flow import GradWatch
 from torchscope.grads.ranks import rank_findings
 from torchscope.grads.records import (
@@ -73,6 +74,31 @@ __all__ = [
     "layer_scaled",
     "unit_name",
 ]
+
+# Every finding made here, from its catalogue entry (torchscope.catalogue._grads).
+_CLEARED_BEFORE_STEP = entry("grads.cleared_before_step")
+_CLIPPED = entry("grads.clipped")
+_COMPILED_EAGER = entry("grads.compiled_eager")
+_DEAD = entry("grads.dead")
+_EXPLODING = entry("grads.exploding")
+_FROZEN = entry("grads.frozen")
+_FROZEN_ZERO = entry("grads.frozen_zero")
+_IDLE_FORWARD = entry("grads.idle_forward")
+_LOSS_BROADCAST = entry("grads.loss_broadcast")
+_LOSS_ON_PROBABILITIES = entry("grads.loss_on_probabilities")
+_NO_STEP = entry("grads.no_step")
+_NO_UPDATE = entry("grads.no_update")
+_NONFINITE = entry("grads.nonfinite")
+_NONFINITE_UPDATE = entry("grads.nonfinite_update")
+_NOT_OPTIMIZED = entry("grads.not_optimized")
+_NOT_ZEROED = entry("grads.not_zeroed")
+_PADDING_IN_LOSS = entry("grads.padding_in_loss")
+_STALE_WEIGHTS = entry("grads.stale_weights")
+_UNREACHED = entry("grads.unreached")
+_UNSEEN_FORWARD = entry("grads.unseen_forward")
+_UPDATE_RATIO = entry("grads.update_ratio")
+_VANISHING = entry("grads.vanishing")
+_ZERO_INIT = entry("grads.zero_init")
 
 Metric = Literal["grad_output", "params"]
 Measure = Literal["relative", "rms", "output_rms"]
@@ -646,8 +672,7 @@ def find_vanishing(flow: GradFlow, thresholds: GradThresholds | None = None) -> 
         if verdict is not None:
             severity, word = verdict
             far = stack[-1].name
-            found.append((decay, Finding(
-                code="grads.vanishing",
+            found.append((decay, _VANISHING.finding(
                 severity=severity,
                 summary=f"{word} vanishing gradients: the relative gradient ‖g‖/‖w‖ falls "
                 f"{fmt_times(rel.decay)} over {rel.positions} layers toward the input "
@@ -684,8 +709,7 @@ def _bottleneck(flow: GradFlow, prof: DepthProfile, t: GradThresholds) -> list[F
     if best is None:
         return []
     drop, high, low = best
-    return [Finding(
-        code="grads.vanishing",
+    return [_VANISHING.finding(
         severity=Severity.INFO,
         summary=f"possible gradient bottleneck: {low.name} gets {fmt_times(drop)} less relative "
         f"gradient than {high.name}, nearer the loss, without a steady trend in between",
@@ -735,8 +759,7 @@ def find_exploding(flow: GradFlow, thresholds: GradThresholds | None = None) -> 
             severity, word = total_sev, "likely"
         if severity == Severity.ERROR:
             word = "severe"
-        return [Finding(
-            code="grads.exploding",
+        return [_EXPLODING.finding(
             severity=severity,
             summary=f"{word} exploding gradients: the gradient arriving at each layer "
             f"grows {fmt_times(out_tr.change)} over {out_tr.positions} layers toward the "
@@ -757,8 +780,7 @@ def find_exploding(flow: GradFlow, thresholds: GradThresholds | None = None) -> 
     biggest = max(((m, n) for m, n in flow.param_norms().items()
                    if n is not None and math.isfinite(n)), key=lambda x: x[1],
                   default=(None, math.nan))
-    return [Finding(
-        code="grads.exploding",
+    return [_EXPLODING.finding(
         severity=total_sev,
         summary=f"total gradient norm {total:.3g} is above {t.exploding_norm:g}"
         + (f"; largest at {biggest[0]} ({biggest[1]:.3g})" if biggest[0] is not None else ""),
@@ -804,8 +826,7 @@ def _small_init_total(flow: GradFlow, t: GradThresholds) -> Finding | None:
             "all zero" if largest == 0 else
             f"{median / largest:.0f}× or more below the median weight matrix's") + \
             f" ({names})"
-    return Finding(
-        code="grads.exploding",
+    return _EXPLODING.finding(
         severity=Severity.INFO,
         summary=f"total gradient norm {total:.3g} is above {t.exploding_norm:g}, "
         f"{100 * share:.0f}% of it (squared) {what}: what follows normalises them, so "
@@ -896,8 +917,7 @@ def find_dead(flow: GradFlow, thresholds: GradThresholds | None = None) -> list[
                   and order.get(m, -1) > top]
         blockers = {m: v for m, v in blockers.items() if m not in faded}
     for m, type_name in blockers.items():
-        found.append(Finding(
-            code="grads.dead",
+        found.append(_DEAD.finding(
             severity=Severity.WARNING,
             summary=f"{m or '<root>'} ({type_name}) receives gradient but passes an all-zero "
             "gradient down",
@@ -915,8 +935,7 @@ def find_dead(flow: GradFlow, thresholds: GradThresholds | None = None) -> list[
         below = [m for m in modules if order.get(m, -1) > at >= 0]
         if len(below) > 1:
             modules = [m for m in modules if m not in below]
-            found.append(Finding(
-                code="grads.dead",
+            found.append(_DEAD.finding(
                 severity=Severity.WARNING,
                 summary=f"{below[0]} and the {len(below) - 1} module(s) below it receive an "
                 f"all-zero gradient (to {below[-1]}): {cause or '<root>'} passes none down",
@@ -957,8 +976,7 @@ def find_dead(flow: GradFlow, thresholds: GradThresholds | None = None) -> list[
     for part, inside in _dead_parts(flow, modules).items():
         modules = [m for m in modules if m not in inside]
         params = [n for m in inside if m not in alive_params for n in dead_params.get(m, [])]
-        found.append(Finding(
-            code="grads.dead",
+        found.append(_DEAD.finding(
             severity=Severity.WARNING,
             summary=f"{part}: the {len(inside)} module(s) in it get all-zero gradients "
             f"({fmt_names(inside)})",
@@ -975,8 +993,7 @@ def find_dead(flow: GradFlow, thresholds: GradThresholds | None = None) -> list[
         what = "an all-zero gradient" if m in dead_out and m not in alive_out else \
             "all-zero gradients for its own parameters" if own else \
             "all-zero parameter gradients"
-        found.append(Finding(
-            code="grads.dead",
+        found.append(_DEAD.finding(
             severity=Severity.WARNING,
             summary=f"{m or '<root>'} receives {what}",
             evidence={"kind": "zero", "zero_outputs": len(dead_out.get(m, [])),
@@ -1055,8 +1072,7 @@ def _scoreless_finding(flow: GradFlow, modules: list[str]) -> Finding:
     layers = list(dict.fromkeys(m.rpartition(".")[0] for m in modules))
     where = f"the attention {layers[0] or '<root>'}" if len(layers) == 1 else \
         f"{len(layers)} attention layers in {common_parent(layers) or '<root>'}"
-    return Finding(
-        code="grads.dead",
+    return _DEAD.finding(
         severity=Severity.WARNING,
         summary=f"the query and key projections of {where} receive an all-zero gradient "
         "while their value projections do not: no gradient reaches the attention scores",
@@ -1128,8 +1144,7 @@ def _zero_despite_gradient(flow: GradFlow, modules: list[str],
         fix = ("their inputs are all zero: the layer feeding them outputs zeros (dead ReLUs, "
                "a zero mask, a zero-initialised or constant layer); see its activation "
                "findings.")
-    return Finding(
-        code="grads.dead",
+    return _DEAD.finding(
         severity=Severity.WARNING,
         summary=summary,
         evidence={"kind": "vanished" if vanished else "zero_input", "modules": len(modules),
@@ -1197,8 +1212,7 @@ def _zero_init_finding(flow: GradFlow, zeroed: list[str], starved: list[str]) ->
     and for the other modules of their layers that get or pass down none because of them."""
     after = f", so {len(starved)} other module(s) of their layers get or pass down none in " \
         f"this step ({fmt_names(starved)})" if starved else ""
-    return Finding(
-        code="grads.zero_init",
+    return _ZERO_INIT.finding(
         severity=Severity.INFO,
         summary=f"{len(zeroed)} module(s) start at zero ({fmt_names(zeroed)}): all their "
         "parameters are 0, a deliberate zero init (LoRA's B, a residual branch's last norm "
@@ -1206,9 +1220,6 @@ def _zero_init_finding(flow: GradFlow, zeroed: list[str], starved: list[str]) ->
         evidence={"zero_init": len(zeroed), "modules": ", ".join(zeroed),
                   "starved": len(starved), "starved_modules": ", ".join(starved),
                   "step": flow.index},
-        fix="nothing at the first step; if later steps still show it, the optimizer does "
-        "not move those parameters: check that they are in its parameter groups with a "
-        "non-zero learning rate.",
         module=zeroed[0],
     )
 
@@ -1223,8 +1234,7 @@ def _zero_loss_gradient(flow: GradFlow, modules: list[str],
     if flow.step is not None:
         evidence["loss"] = flow.step.loss
         evidence["loss_value"] = flow.step.loss_value
-    return Finding(
-        code="grads.dead",
+    return _DEAD.finding(
         severity=Severity.WARNING,
         summary="every gradient is zero: the loss gives the model's output an all-zero "
         f"gradient, so none of its {len(modules)} layers learns",
@@ -1269,13 +1279,10 @@ def find_nonfinite(flow: GradFlow, thresholds: GradThresholds | None = None) -> 
         module = bad_params[0].module if bad_params else None
         summary = (f"NaN/Inf in the gradients of {len(bad_params)} parameter(s), first "
                    f"{bad_params[0].name}") if bad_params else "the total gradient norm is NaN/Inf"
-    return [Finding(
-        code="grads.nonfinite",
+    return [_NONFINITE.finding(
         severity=Severity.ERROR,
         summary=summary,
         evidence=evidence,
-        fix="look for log(0), division by zero, sqrt of negatives or fp16 overflow (use "
-        "GradScaler or bf16); torch.autograd.detect_anomaly() names the op.",
         module=module,
     )]
 
@@ -1315,8 +1322,7 @@ def find_broken_update(broken: BrokenUpdate | None) -> list[Finding]:
         fix = ("lower the learning rate; with half-precision weights, keep them in float32 "
                "under torch.autocast; look for NaN/Inf in the optimizer's state (a custom "
                "optimizer that divides by a running statistic needs an eps).")
-    return [Finding(
-        code="grads.nonfinite_update",
+    return [_NONFINITE_UPDATE.finding(
         severity=Severity.ERROR,
         summary=f"{opt}'s update at step {broken.step} wrote NaN/Inf into "
                 f"{len(broken.params)} of {broken.measured} parameters "
@@ -1370,12 +1376,11 @@ def find_loss_broadcast(b: LossBroadcast | None) -> list[Finding]:
                f"output{b.output}.view{b.target_shape}.") if b.target_shape is not None else \
             (f"give the target the output's shape {b.output_shape} before the loss "
              "(target.view_as(output)), or squeeze the output's size-1 dimension.")
-    return [Finding(code="grads.loss_broadcast", severity=severity, summary=summary,
-                    evidence=evidence, fix=fix)]
+    return [_LOSS_BROADCAST.finding(severity, summary, evidence, fix=fix)]
 
 
 def find_padding_in_loss(padded_labels: tuple[int, int] | None, *,
-                         code: str = "grads.padding_in_loss", where: str = "in this step",
+                         of: Entry | None = None, where: str = "in this step",
                          evidence: dict[str, int] | None = None) -> list[Finding]:
     """Labels on padding (warning): a transformers model's labels hold a token (not -100)
     at positions that its attention mask pads and its loss reads (`padded_label_counts`).
@@ -1389,22 +1394,20 @@ def find_padding_in_loss(padded_labels: tuple[int, int] | None, *,
 
     Args:
         padded_labels: `(padded, counted)`, or None where they were not read.
-        code: the finding's code.
+        of: the finding's entry: `grads.padding_in_loss`'s by default, `run.padding_in_loss`'s
+            for a run.
         where: which steps were counted, as the summary says it.
         evidence: more evidence (a run's sample count).
     """
     if padded_labels is None or not padded_labels[1]:
         return []
     padded, counted = padded_labels
-    return [Finding(
-        code, Severity.WARNING,
+    return [(of or _PADDING_IN_LOSS).finding(
+        Severity.WARNING,
         f"the loss trains on padding: {counted} of the {padded} label positions that the "
         f"attention mask pads and the loss reads ({where}) hold a token, not -100, so the "
         "model learns to predict the pad token there",
-        {"padded": padded, "counted": counted, **(evidence or {})},
-        fix="set the labels to -100 where attention_mask is 0 (labels[attention_mask == 0] "
-            "= -100), or build the batches with DataCollatorForLanguageModeling(tokenizer, "
-            "mlm=False), which does.")]
+        {"padded": padded, "counted": counted, **(evidence or {})})]
 
 
 def find_loss_on_probabilities(p: LossOnProbabilities | None) -> list[Finding]:
@@ -1446,8 +1449,7 @@ def find_loss_on_probabilities(p: LossOnProbabilities | None) -> list[Finding]:
         # torchscope chose the loss: the training code is wrong only if it does the same.
         severity = Severity.WARNING
         summary = f"if the training takes {p.loss} as this step does: {summary}"
-    return [Finding(
-        code="grads.loss_on_probabilities",
+    return [_LOSS_ON_PROBABILITIES.finding(
         severity=severity,
         summary=summary,
         evidence={"output": p.output, "output_shape": str(p.output_shape),
@@ -1475,8 +1477,7 @@ def find_unreached(flow: GradFlow, thresholds: GradThresholds | None = None) -> 
     if cut:
         where = common_parent(list(cut))
         count = sum(len(v) for v in cut.values())
-        found.append(Finding(
-            code="grads.unreached",
+        found.append(_UNREACHED.finding(
             severity=Severity.WARNING,
             summary=f"{count} trainable parameter(s) in {len(cut)} module(s) under "
             f"{where or '<root>'} received no gradient: they ran inside a reentrant "
@@ -1524,8 +1525,7 @@ def find_unreached(flow: GradFlow, thresholds: GradThresholds | None = None) -> 
             return f"{m or '<root>'} did not run in the step's forward: its {names}"
         return f"{m or '<root>'}: {names}"
 
-    found += [Finding(
-        code="grads.unreached",
+    found += [_UNREACHED.finding(
         severity=Severity.INFO,
         summary=summary_for(m),
         evidence={"params": len(missing[m]), "reason": flow.param(missing[m][0]).reason,
@@ -1533,8 +1533,7 @@ def find_unreached(flow: GradFlow, thresholds: GradThresholds | None = None) -> 
         fix=fix_for(m), module=m) for m in mods[:5]]
     rest = mods[5:]
     if rest:
-        found.append(Finding(
-            code="grads.unreached",
+        found.append(_UNREACHED.finding(
             severity=Severity.INFO,
             summary=f"{sum(len(missing[m]) for m in rest)} more trainable parameter(s) in "
             f"{len(rest)} more module(s) received no gradient, e.g. {rest[0] or '<root>'}",
@@ -1572,8 +1571,7 @@ def _unused_in_every_block(flow: GradFlow, missing: dict[str, list[str]]) -> lis
             continue
         names = [n for r in rests for i in sorted(indices, key=int)
                  for n in missing.pop(f"{family}.{i}.{r}")]
-        found.append(Finding(
-            code="grads.unreached",
+        found.append(_UNREACHED.finding(
             severity=Severity.INFO,
             summary=f"{', '.join(rests)} did not run in the step's forward in any of the "
             f"{len(indices)} blocks of {family}: their {len(names)} trainable parameter(s) "
@@ -1599,15 +1597,13 @@ def find_frozen(flow: GradFlow, thresholds: GradThresholds | None = None) -> lis
     mods = list(dict.fromkeys(p.module for p in frozen))
     where = common_parent(mods) if len(mods) > 1 else mods[0]
     total = len([p for p in flow.params if p.tied_to is None])
-    return [Finding(
-        code="grads.frozen",
+    return [_FROZEN.finding(
         severity=Severity.INFO,
         summary=f"{len(frozen)} of {total} parameters are frozen (requires_grad=False) in "
         f"{len(mods)} module(s)" + (f" under {where}" if where else "")
         + ": not trained, and not judged",
         evidence={"params": len(frozen), "modules": len(mods),
                   "elements": sum(p.numel for p in frozen), "step": flow.index},
-        fix="",
         module=where or None,
     )]
 
@@ -1626,16 +1622,12 @@ def find_frozen_zero(flow: GradFlow, thresholds: GradThresholds | None = None
     owner = {p.name: p.module for p in flow.params}
     one = len(names) == 1
     named = fmt_names(names)
-    return [Finding(
-        code="grads.frozen_zero",
+    return [_FROZEN_ZERO.finding(
         severity=Severity.WARNING,
         summary=f"{named} {'is' if one else 'are'} frozen (requires_grad=False) and all "
         f"zero: nothing will ever change {'it' if one else 'them'}, so what "
         f"{'it feeds gets' if one else 'they feed get'} nothing from {'it' if one else 'them'}",
         evidence={"params": ", ".join(names), "count": len(names), "step": flow.index},
-        fix="give it the values it is meant to hold (a fixed position embedding needs its "
-        "sin-cos table; a frozen weight, its pretrained values), or let it train "
-        "(requires_grad_(True)) if zero is only its starting point.",
         module=owner.get(names[0]),
     )]
 
@@ -1681,8 +1673,7 @@ def find_update_ratio(flow: GradFlow, thresholds: GradThresholds | None = None, 
         return []
     if median >= t.update_elevated:
         likely = median >= t.update_high
-        return [Finding(
-            code="grads.update_ratio",
+        return [_UPDATE_RATIO.finding(
             severity=Severity.WARNING if likely else Severity.INFO,
             summary=f"{'likely' if likely else 'possibly'} too large a step: the optimizer "
             f"moves the median layer by {median:.2g} of its norm (‖Δw‖/‖w‖; about 1e-3 is "
@@ -1693,8 +1684,7 @@ def find_update_ratio(flow: GradFlow, thresholds: GradThresholds | None = None, 
     if hi[0] == 0:  # no layer moved at all: nothing about the step's size to judge
         # Half-precision weights also stay put under a step below half their spacing.
         half = any(p.update_stale is not None for p in flow.params)
-        return [Finding(
-            code="grads.update_ratio",
+        return [_UPDATE_RATIO.finding(
             severity=Severity.INFO,
             summary=f"the optimizer step moved no layer's weights (‖Δw‖ = 0 in all "
             f"{len(ratios)}): a learning rate of 0, as on a warm-up's first step, a step "
@@ -1714,8 +1704,7 @@ def find_update_ratio(flow: GradFlow, thresholds: GradThresholds | None = None, 
     if median <= t.update_low and flow.clip_factor > 1:
         # The update is lr times the clipped gradient: the clipping sets its size.
         evidence["clip_factor"] = flow.clip_factor
-        return [Finding(
-            code="grads.update_ratio",
+        return [_UPDATE_RATIO.finding(
             severity=Severity.INFO,
             summary=f"possibly too small a step: the optimizer moves the median layer by "
             f"{median:.2g} of its norm (‖Δw‖/‖w‖; about 1e-3 is usual), with gradients the "
@@ -1728,8 +1717,7 @@ def find_update_ratio(flow: GradFlow, thresholds: GradThresholds | None = None, 
             module=lo[1])]
     if median <= t.update_low and fallen is not None and fallen >= t.possible:
         evidence["gradient_fall"] = fallen
-        return [Finding(
-            code="grads.update_ratio",
+        return [_UPDATE_RATIO.finding(
             severity=Severity.INFO,
             summary=f"a small step: the optimizer moves the median layer by {median:.2g} of "
             f"its norm (‖Δw‖/‖w‖; about 1e-3 is usual), while the total gradient norm has "
@@ -1740,8 +1728,7 @@ def find_update_ratio(flow: GradFlow, thresholds: GradThresholds | None = None, 
             "learning rate, or check the scheduler, only if the loss stalls above it",
             module=lo[1])]
     if median <= t.update_low:
-        return [Finding(
-            code="grads.update_ratio",
+        return [_UPDATE_RATIO.finding(
             severity=Severity.INFO,
             summary=f"possibly too small a step: the optimizer moves the median layer by "
             f"{median:.2g} of its norm (‖Δw‖/‖w‖; about 1e-3 is usual)",
@@ -1787,8 +1774,7 @@ def find_stale_weights(flow: GradFlow, thresholds: GradThresholds | None = None
     dtypes = sorted({p.dtype.removeprefix("torch.") for p, _ in held})
     spacing = {"bfloat16": "1/512 to 1/256 of it in bfloat16",
                "float16": "1/4096 to 1/2048 of it in float16"}
-    return [Finding(
-        code="grads.stale_weights",
+    return [_STALE_WEIGHTS.finding(
         severity=Severity.WARNING if share >= t.stale_warn else Severity.INFO,
         summary=f"stale weights: the optimizer step left {share:.0%} of the {moving:,} "
         f"{' and '.join(dtypes)} weights that had a gradient exactly as they were "
@@ -1798,10 +1784,6 @@ def find_stale_weights(flow: GradFlow, thresholds: GradThresholds | None = None
         evidence={"stale": share, "kept": kept, "moving": moving, "params": len(held),
                   "dtypes": ", ".join(dtypes), "worst": worst.name,
                   "worst_stale": w_kept / w_moving, "step": flow.index},
-        fix="keep the weights in float32 and compute in half precision under "
-        "torch.autocast (mixed precision: the update lands on float32 weights), or use an "
-        "optimizer that keeps a float32 copy of the weights or rounds "
-        "stochastically; a larger learning rate only moves the threshold",
         module=worst.module)]
 
 
@@ -1825,16 +1807,13 @@ def find_idle_forwards(flow: GradFlow, thresholds: GradThresholds | None = None
     n = flow.idle_forwards
     if not n:
         return []
-    return [Finding(
-        code="grads.idle_forward",
+    return [_IDLE_FORWARD.finding(
         severity=Severity.INFO,
         summary=f"{n} forward(s) of the model in step {flow.index} ran with gradients on, "
         "but no backward reached them: each built an autograd graph and kept its "
         "activations until its output was dropped",
         evidence={"idle_forwards": n, "micro_batches": flow.micro_batches,
                   "step": flow.index},
-        fix="run evaluation under `with torch.no_grad():` (or torch.inference_mode()); "
-        "a forward kept only for logging can detach its output.",
     )]
 
 
@@ -1847,7 +1826,7 @@ def find_unseen_forward(flow: GradFlow, thresholds: GradThresholds | None = None
     if flow.modules or not any(p.norm is not None for p in flow.params):
         return []
     return [unseen_forward(
-        "grads.unseen_forward",
+        _UNSEEN_FORWARD,
         f"the parameters got gradients in step {flow.index}, but no watched module's "
         "forward ran through torchscope's hooks: nothing per layer was measured",
         {"step": flow.index, "backward_calls": flow.backward_calls})]
@@ -1880,8 +1859,7 @@ def diagnose_history(
     totals = history.total_norms
     bad = next((i for i, v in enumerate(totals) if not math.isfinite(v)), None)
     if bad is not None:
-        found.append(Finding(
-            code="grads.nonfinite",
+        found.append(_NONFINITE.finding(
             severity=Severity.ERROR,
             summary=f"the total gradient norm became NaN/Inf at step {history.steps[bad]}",
             evidence={"step": history.steps[bad], "samples": len(history)},
@@ -1893,8 +1871,7 @@ def diagnose_history(
     if len(finite) >= 2:
         (s0, v0), (s1, v1) = finite[0], finite[-1]
         if v1 / v0 >= t.growth_ratio:
-            found.append(Finding(
-                code="grads.exploding",
+            found.append(_EXPLODING.finding(
                 severity=Severity.WARNING,
                 summary=f"the total gradient norm grew {fmt_times(v1 / v0)} from step {s0} to "
                 f"step {s1}",
@@ -1923,8 +1900,7 @@ def find_clipping(history: GradHistory, thresholds: GradThresholds | None = None
     factor, total = statistics.median(factors[i] for i in clipped), statistics.median(totals)
     if factor < t.clipped_by:
         return []
-    return [Finding(
-        code="grads.clipped",
+    return [_CLIPPED.finding(
         severity=Severity.INFO,
         summary=f"the loop clipped the gradients on {len(clipped)} of {len(history)} sampled "
         f"steps, by {fmt_times(factor)} (median: a total norm of {total:.3g} applied as "
@@ -1949,16 +1925,12 @@ def find_no_step(step_by: str, steps: int, backwards: int,
     `base_optimizer`, a wrapper's inner one) or updates the weights itself."""
     if step_by != "optimizer" or steps or backwards < 2:
         return []
-    return [Finding(
-        code="grads.no_step",
+    return [_NO_STEP.finding(
         severity=Severity.WARNING,
         summary=f"{backwards} backward passes ran but the optimizer given "
         f"({optimizer or 'optimizer='}) never stepped: a step is counted at its step(), so "
         "no step was counted or sampled (only the passes left at the end, as one)",
         evidence={"backwards": backwards, "optimizer": optimizer},
-        fix="pass the optimizer whose step() the loop calls (a wrapper's inner one: SAM's "
-        "base_optimizer), or manual=True and end_step() where each step's gradients are "
-        "final.",
     )]
 
 
@@ -1971,16 +1943,12 @@ def find_not_zeroed(unzeroed: int, first: int | None, steps: int,
     (`_zeroed_samples`), `grads.cleared_before_step` says so instead."""
     if not unzeroed or _zeroed_samples(history):
         return []
-    return [Finding(
-        code="grads.not_zeroed",
+    return [_NOT_ZEROED.finding(
         severity=Severity.WARNING,
         summary=f"the gradients were never zeroed between optimizer steps: {unzeroed} of "
         f"{steps} steps (from step {first}) updated with the sum of every earlier step's "
         "gradient too",
         evidence={"steps": unzeroed, "first_step": first, "of": steps},
-        fix="call optimizer.zero_grad() once per step (before backward, or after step()); "
-        "to accumulate over micro-batches, zero after each step(), not after each "
-        "backward.",
     )]
 
 
@@ -2002,14 +1970,11 @@ def find_cleared(cleared: int, first: int | None, steps: int,
                    f"{len(zeroed)} sampled step(s) (from step {zeroed[0]}), while the "
                    "backward's were not: the loop zeroed them between the backward and the "
                    "step")
-    return [Finding(
-        code="grads.cleared_before_step",
+    return [_CLEARED_BEFORE_STEP.finding(
         severity=Severity.WARNING,
         summary=summary,
         evidence={"steps": cleared, "first_step": first if cleared else zeroed[0],
                   "of": steps, "zeroed_samples": len(zeroed)},
-        fix="zero the gradients before the forward (optimizer.zero_grad() at the top of the "
-            "loop) or after optimizer.step(), never between loss.backward() and step().",
     )]
 
 
@@ -2020,17 +1985,12 @@ def find_not_optimized(names: Sequence[str], optimizer: str | None) -> list[Find
     if not names:
         return []
     shown = fmt_names(names, 4)
-    return [Finding(
-        code="grads.not_optimized",
+    return [_NOT_OPTIMIZED.finding(
         severity=Severity.WARNING,
         summary=f"{len(names)} parameter(s) get gradients that no optimizer steps ({shown}): "
                 f"they never train, and {optimizer or 'the optimizer'}.zero_grad() never "
                 "clears them, so their gradients add up over the steps",
         evidence={"parameters": len(names), "first": names[0]},
-        fix="build the optimizer from model.parameters() once the model is complete (a "
-            "layer added after the optimizer was built is not in it), or add them with "
-            "optimizer.add_param_group({'params': [...]}); freeze them with "
-            "requires_grad_(False) if they are not meant to train.",
         module=names[0].rpartition(".")[0] or None,
     )]
 
@@ -2051,15 +2011,11 @@ def find_no_update(backwards: int, without_update: int, steps: int) -> list[Find
     `torch.autograd.grad`."""
     if backwards or without_update < 2:
         return []
-    return [Finding(
-        code="grads.no_update",
+    return [_NO_UPDATE.finding(
         severity=Severity.WARNING,
         summary=f"{without_update} backward passes ran but none added to a gradient of "
         "the model's own parameters, so none is a training step's and nothing was sampled",
         evidence={"passes": without_update, "steps": steps},
-        fix="watch the module whose parameters the loop trains; with torch.func, "
-        "functional_call on copies of the parameters trains the copies, not the "
-        "module's parameters.",
     )]
 
 
@@ -2073,7 +2029,7 @@ def diagnose_watch(watch: GradWatch, thresholds: GradThresholds | None = None) -
     if broken is not None:
         # The first update that wrote NaN/Inf is the cause of the NaN/Inf gradients of the
         # steps after it, last's included: they computed with its weights.
-        found = [f for f in found if f.code != "grads.nonfinite_update"
+        found = [f for f in found if f.code != _NONFINITE_UPDATE.code
                  and not _after_update(f, broken)]
         found += find_broken_update(broken)
     found += find_loss_broadcast(watch.loss_broadcast)
@@ -2085,7 +2041,7 @@ def diagnose_watch(watch: GradWatch, thresholds: GradThresholds | None = None) -
     found += find_cleared(watch.cleared_steps, watch.first_cleared, watch.steps,
                           watch.history)
     found += find_not_optimized(watch.unoptimized, watch.optimizer_name)
-    found += ran_eagerly("grads.compiled_eager", watch.compiled, "the gradient watch")
+    found += ran_eagerly(_COMPILED_EAGER, watch.compiled, "the gradient watch")
     history = diagnose_history(watch.history, thresholds)
     if broken is not None:
         history = [f for f in history if not _after_update(f, broken)]
@@ -2095,4 +2051,4 @@ def diagnose_watch(watch: GradWatch, thresholds: GradThresholds | None = None) -
 def _after_update(finding: Finding, broken: BrokenUpdate) -> bool:
     """A `grads.nonfinite` of a step after the update that wrote NaN/Inf into weights."""
     step = finding.evidence.get("step")
-    return finding.code == "grads.nonfinite" and isinstance(step, int) and step > broken.step
+    return finding.code == _NONFINITE.code and isinstance(step, int) and step > broken.step
