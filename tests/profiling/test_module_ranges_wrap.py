@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.profiler import profile
 
+from torchscope.findings import Subject
 from torchscope.models import MLP, DeepMLP
 from torchscope.profiling.module_ranges import ModuleRanges, range_label
 
@@ -118,8 +119,9 @@ def test_a_compiled_model_is_timed_eagerly_and_left_compiled() -> None:
 
 def test_a_compiled_model_profiled_per_module_is_said_to_be_the_eager_one() -> None:
     """Per-module ranges need hooks, which fire only in eager code: profile_steps times a
-    compiled model eagerly, and says so as a warning (the op table is aten's, not the
-    compiled kernels'); by_module=False profiles the compiled code and says nothing."""
+    compiled model eagerly, and says so (the op table is aten's, not the compiled
+    kernels'): a caveat about what was measured, info, never a warning about the model;
+    by_module=False profiles the compiled code and says nothing."""
     import torchscope
 
     torch.manual_seed(0)
@@ -129,7 +131,8 @@ def test_a_compiled_model_profiled_per_module_is_said_to_be_the_eager_one() -> N
     eager = torchscope.profile_steps(compiled, x, loss_fn="sum", steps=2)
     assert eager.compiled == ("",)
     found = [f for f in eager.findings() if f.code == "profiling.compiled_eager"]
-    assert [f.severity.label for f in found] == ["warning"]
+    assert [f.severity.label for f in found] == ["info"]
+    assert found[0].subject is Subject.MEASUREMENT
     assert "by_module=False" in (found[0].fix or "")
     as_compiled = torchscope.profile_steps(compiled, x, loss_fn="sum", steps=2,
                                            by_module=False)

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from torchscope._timing import compare
-from torchscope.findings import Severity
+from torchscope.findings import Severity, Subject
 from torchscope.profiling import ProfileResult, profile_steps
 from torchscope.report.profiling import timing_line
 
@@ -129,9 +129,13 @@ def test_an_overhead_below_one_or_inside_the_noise_is_none() -> None:
     assert not noisy.timing.overhead_ratio.measurable
     assert "profiling.overhead" not in _codes(noisy)
     assert "no measurable profiler overhead" in timing_line(noisy)
-    # A clear 2× slowdown is a warning, with its interval.
+    # A clear 2× slowdown is told, with its interval: as a caveat about the measurement
+    # (info, ranked after every finding about the user's work), never as a warning ("make
+    # demo" led with "steps ran 7.36× (1.66–11.32) slower under the profiler").
     slow = _with_overhead(base, [20.0, 20.2, 19.9, 20.1, 20.0], [10.0, 10.1, 9.9, 10.0, 10.2])
-    assert _codes(slow)["profiling.overhead"] == Severity.WARNING
+    assert _codes(slow)["profiling.overhead"] == Severity.INFO
     finding = next(f for f in slow.findings() if f.code == "profiling.overhead")
+    assert finding.subject is Subject.MEASUREMENT
+    assert slow.findings()[-1].subject is Subject.MEASUREMENT
     assert "2.00× (1.95–2.04)" in finding.summary
     assert "2.00× (1.95–2.04) overhead" in timing_line(slow)

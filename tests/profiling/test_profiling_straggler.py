@@ -123,3 +123,15 @@ def test_exposed_communication_points_to_the_straggler_finding(base: ProfileResu
     assert found.severity is Severity.WARNING
     assert found.fix is not None and "profiling.straggler" in found.fix
     assert "the doctor and watch_time join them" in found.fix
+
+
+def test_communication_below_the_threshold_is_told_as_info(base: ProfileResult) -> None:
+    """A step that waits 1 of its 10 ms for its all-reduce (10%, under 30%): the time it
+    takes is told (info), no warning; at 90% it is the warning above."""
+    light = _rank(base, [10.0, 10.0, 10.0], [1.0, 1.0, 1.0])
+    (found,) = comm_findings(light)
+    assert found.code == "profiling.comm" and found.severity is Severity.INFO
+    assert found.evidence["exposed_share"] == pytest.approx(0.1)
+    assert "the step waits 1 ms of its 10 ms mean" in found.summary
+    heavy = _rank(base, [10.0, 10.0, 10.0], [9.0, 9.0, 9.0])
+    assert [f.code for f in comm_findings(heavy)] == ["profiling.comm_exposed"]

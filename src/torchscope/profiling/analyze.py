@@ -7,6 +7,7 @@ from __future__ import annotations
 import statistics
 
 from torchscope._timing import compare, fmt_ratio
+from torchscope.catalogue import entry
 from torchscope.distributed.ranked import Ranked, rank_list, ranked_analyzer
 from torchscope.findings import Finding, Severity, analyzer, rank
 from torchscope.hooks.compiled import ran_eagerly
@@ -23,6 +24,21 @@ __all__ = ["comm_findings", "mean_step_ms", "own_ms", "profile_findings", "ranke
 _SYNC_OPS = (READ_OP, "aten::item", "cudaDeviceSynchronize", *WAIT_OPS)
 _COMPUTE = ("mm", "addmm", "bmm", "matmul", "conv", "convolution", "linear", "baddbmm",
             "scaled_dot_product")
+
+_TOP_OP = entry("profiling.top_op")
+_HOST_SYNC = entry("profiling.host_sync")
+_HOST_READ = entry("profiling.host_read")
+_SCALER_SYNC = entry("profiling.scaler_sync")
+_INPUT_WAIT = entry("profiling.input_wait")
+_BACKWARD_RATIO = entry("profiling.backward_ratio")
+_OPTIMIZER_SHARE = entry("profiling.optimizer_share")
+_TOP_MODULE = entry("profiling.top_module")
+_OVERHEAD = entry("profiling.overhead")
+_NO_PHASES = entry("profiling.no_phases")
+_COMPILED_EAGER = entry("profiling.compiled_eager")
+_COMM = entry("profiling.comm")
+_COMM_EXPOSED = entry("profiling.comm_exposed")
+_STRAGGLER = entry("profiling.straggler")
 
 
 def _op_fix(name: str, mixed: bool) -> str:
@@ -82,8 +98,8 @@ def _host_syncs(result: ProfileResult) -> list[Finding]:
             "calls": stalls, "ops": ops, "device": result.device,
             "host_tensor_reads": reads - (hr.device if hr is not None and hr.linked
                                           else reads)}
-        return [Finding(
-            "profiling.host_sync", Severity.WARNING,
+        return [_HOST_SYNC.finding(
+            Severity.WARNING,
             f"the step synchronises host and device {stalls / result.steps:.3g} time(s) per "
             f"step ({ops}).", evidence,
             fix="drop .item()/.cpu()/print of tensors from the step, or do it every N steps.",
@@ -93,8 +109,8 @@ def _host_syncs(result: ProfileResult) -> list[Finding]:
     reads -= (hr.optimizer + hr.scaler) if hr is not None else 0
     if reads <= 0:
         return []
-    return [Finding(
-        "profiling.host_read", Severity.INFO,
+    return [_HOST_READ.finding(
+        Severity.INFO,
         f"the step reads tensor values to Python {reads / result.steps:.3g} time(s) per step "
         f"({ops}); on CPU that waits for nothing, on a GPU each read of a device tensor "
         "would synchronise host and device.", {"calls": reads, "ops": ops,
@@ -107,14 +123,12 @@ def _scaler_sync(reads: int, steps: int) -> list[Finding]:
     a non-fused optimizer, on an accelerator a sync that the loop's own code did not write."""
     if not reads:
         return []
-    return [Finding(
-        "profiling.scaler_sync", Severity.INFO,
+    return [_SCALER_SYNC.finding(
+        Severity.INFO,
         f"the GradScaler synchronises host and device {reads / max(steps, 1):.3g} time(s) "
         "per step: GradScaler.step reads its inf check (found_inf) to decide whether to "
         "step.", {"calls": reads},
-        fix="an optimizer built with fused=True (Adam, AdamW, SGD) takes the check on the "
-            "device, and GradScaler.step then reads nothing; one sync a step costs little "
-            "when steps are long.")]
+        fix=None)]
 
 
 def _input_wait(result: ProfileResult, th: ProfileThresholds) -> list[Finding]:
@@ -141,8 +155,8 @@ def _input_wait(result: ProfileResult, th: ProfileThresholds) -> list[Finding]:
         fix = ("load in worker processes, which prepare the next batches while the model "
                "computes: DataLoader(..., num_workers=N, persistent_workers=True), with "
                "pin_memory=True for a GPU.")
-    return [Finding(
-        "profiling.input_wait", Severity.WARNING if high else Severity.INFO,
+    return [_INPUT_WAIT.finding(
+        Severity.WARNING if high else Severity.INFO,
         f"the loop spends {100 * share:.0f}% of its steps getting the next batch "
         f"({wait.ms / result.steps:.3g} ms per step, {how}).",
         evidence, fix=fix if high else "")]
@@ -161,10 +175,12 @@ def profile_findings(result: ProfileResult,
 
     Codes: `profiling.top_op`, `profiling.host_sync` and `profiling.scaler_sync` (with an
     accelerator), `profiling.host_read` (on CPU), `profiling.input_wait` (a DataLoader in the
-    profiled steps), `profiling.backward_ratio`,
-    `profiling.optimizer_share`, `profiling.top_module`, `profiling.overhead`,
-    `profiling.no_phases`, `profiling.compiled_eager` (a compiled model timed per module
-    ran eagerly), and with collectives `profiling.comm` or `profiling.comm_exposed`.
+    profiled steps), `profiling.backward_ratio` and `profiling.optimizer_share` (only where
+    the profiled steps' phase times are trusted: their overhead over plain steps was
+    measured within a narrow interval), `profiling.top_module`, and with collectives
+    `profiling.comm` or `profiling.comm_exposed`; the measurement's caveats, info only:
+    `profiling.overhead`, `profiling.no_phases`, `profiling.compiled_eager` (a compiled
+    model timed per module ran eagerly). Each code's entry: `torchscope explain CODE`.
     """
     th = thresholds or ProfileThresholds()
     out: list[Finding] = []
@@ -184,8 +200,8 @@ def profile_findings(result: ProfileResult,
         frac = o.self_device_frac if on_device else o.self_cpu_frac
         ms = o.self_device_ms if on_device else o.self_cpu_ms
         where = "device" if on_device else "CPU"
-        out.append(Finding(
-            "profiling.top_op", Severity.INFO,
+        out.append(_TOP_OP.finding(
+            Severity.INFO,
             f"{o.name} takes {100 * frac:.0f}% of self {where} time "
             f"({o.calls} calls, {ms / result.steps:.3g} ms per step).",
             {"op": o.name, "calls": o.calls, "self_ms": ms, "share": frac},
@@ -198,53 +214,41 @@ def profile_findings(result: ProfileResult,
     # weighs in full: they are judged as facts only where the profiled steps were measured
     # as fast as plain ones, within a narrow interval (an interval of 0.3-4.2x includes 1
     # and tells nothing). A healthy MLP on a busy machine read 5-9x, and 79% optimizer.
+    # Otherwise a ratio or share of them is no finding at all: the phase table shows them.
     slowed = result.timing.overhead_ratio
     trusted = slowed is not None and not slowed.above and slowed.high <= _TRUSTED_OVERHEAD
-    untrusted = "" if trusted else \
-        " in profiled times, whose overhead was not measured (no plain steps timed: " \
-        "baseline_steps=0, the doctor's --fast)" if slowed is None else \
-        f" in profiled times, which ran {fmt_ratio(slowed)} slower than plain steps"
-    if fwd is not None and bwd is not None and fwd.cpu_ms > 0:
+    # The profiler costs a few µs per op, and a backward of many small ops (a packed RNN's:
+    # hundreds of slices and adds) carries more of it: a GRU whose backward is 2.3× its
+    # forward unprofiled read 3.5-4.1×. Phases derived from the model's root range and
+    # autograd's nodes (a loop that labels none) leave a loss computed outside the model
+    # out of the forward but not out of the backward: their ratio is not judged either.
+    if trusted and fwd is not None and bwd is not None and fwd.cpu_ms > 0 \
+            and not (fwd.derived or bwd.derived):
         ratio = bwd.cpu_ms / fwd.cpu_ms
         # Under DDP/FSDP2 backward also waits for gradient communication: judged without it.
         waited = result.comm.exposed_ms * result.steps if result.comm is not None else 0.0
         high = (bwd.cpu_ms - waited) / fwd.cpu_ms > th.backward_ratio_high
         comm_note = f" (of which up to {waited:.3g} ms waiting for communication)" \
             if waited > 0 else ""
-        # The profiler costs a few µs per op, and a backward of many small ops (a packed
-        # RNN's: hundreds of slices and adds) carries more of it: a GRU whose backward is
-        # 2.3× its forward unprofiled read 3.5-4.1×. Phases derived from the model's root
-        # range and autograd's nodes (a loop that labels none) leave a loss computed
-        # outside the model out of the forward but not out of the backward.
-        derived = fwd.derived or bwd.derived
-        doubt = "" if not high else \
-            " in phases derived from the model's call and autograd's nodes (the forward " \
-            "leaves out a loss computed outside the model, the backward does not)" \
-            if derived else "" if trusted else \
-            untrusted + " (the profiler's own cost falls mostly on many small ops)"
-        out.append(Finding(
-            "profiling.backward_ratio",
-            Severity.WARNING if high and trusted and not derived else Severity.INFO,
+        out.append(_BACKWARD_RATIO.finding(
+            Severity.WARNING if high else Severity.INFO,
             f"backward takes {ratio:.2f}× the forward time{comm_note}"
-            + (f" — more than the usual ~2×{doubt}." if high else "."),
+            + (" — more than the usual ~2×." if high else "."),
             {"backward_ms": bwd.cpu_ms, "forward_ms": fwd.cpu_ms, "ratio": ratio,
-             "comm_waited_ms": waited, "trusted": trusted and not derived},
-            fix=("look for activation checkpointing, backward hooks or retain_graph in the "
-                 "step; the module table shows where backward time goes.") if high else "",
-        ))
+             "comm_waited_ms": waited},
+            fix=None if high else ""))
     total = result.phase_total_ms
-    if opt is not None and total > 0 and opt.cpu_ms / total > th.optimizer_share_high:
-        out.append(Finding(
-            "profiling.optimizer_share", Severity.WARNING if trusted else Severity.INFO,
-            f"the optimizer takes {100 * opt.cpu_ms / total:.0f}% of the step{untrusted}.",
-            {"optimizer_ms": opt.cpu_ms, "step_ms": total, "trusted": trusted},
-            fix="use foreach=True or fused=True in the optimizer, or a larger batch per step.",
-        ))
+    if trusted and opt is not None and total > 0 \
+            and opt.cpu_ms / total > th.optimizer_share_high:
+        out.append(_OPTIMIZER_SHARE.finding(
+            Severity.WARNING,
+            f"the optimizer takes {100 * opt.cpu_ms / total:.0f}% of the step.",
+            {"optimizer_ms": opt.cpu_ms, "step_ms": total}))
     if result.modules:
         leaf = max(result.modules, key=lambda m: m.total_self_ms)
         mod_total = sum(m.total_self_ms for m in result.modules) or 1.0
-        out.append(Finding(
-            "profiling.top_module", Severity.INFO,
+        out.append(_TOP_MODULE.finding(
+            Severity.INFO,
             f"{leaf.module or '<root>'} ({leaf.module_type}) is the costliest module: "
             f"{leaf.forward_self_ms / result.steps:.3g} ms forward + "
             f"{leaf.backward_self_ms / result.steps:.3g} ms backward per step "
@@ -256,24 +260,21 @@ def profile_findings(result: ProfileResult,
     slow = result.timing.overhead_ratio
     # Only a slowdown beyond the noise: a median above the threshold inside it is no fact.
     if slow is not None and slow.above and slow.value > th.overhead_high:
-        out.append(Finding(
-            "profiling.overhead", Severity.WARNING,
+        out.append(_OVERHEAD.finding(
+            Severity.INFO,
             f"steps ran {fmt_ratio(slow)} slower under the profiler; absolute times are "
             "inflated, shares between ops hold better.",
             {"overhead": slow.value, "overhead_low": slow.low, "overhead_high": slow.high,
              "baseline_ms": result.timing.baseline_ms,
-             "profiled_ms": result.timing.profiled_ms},
-            fix="time fewer modules (select=/depth=) or turn by_module off for absolute times.",
-        ))
+             "profiled_ms": result.timing.profiled_ms}))
     if not result.phases:
-        out.append(Finding(
-            "profiling.no_phases", Severity.INFO,
-            "the step labelled no forward/backward/optimizer phase.",
+        out.append(_NO_PHASES.finding(
+            Severity.INFO, "the step labelled no forward/backward/optimizer phase.",
             fix="wrap the step's parts in torchscope.profiling.phase('forward') etc.",
         ))
     elif fwd is None and all(p.derived for p in result.phases):
-        out.append(Finding(
-            "profiling.no_phases", Severity.INFO,
+        out.append(_NO_PHASES.finding(
+            Severity.INFO,
             "the step labelled no phase, and its forward could not be read from the "
             "model's own ranges (no model given, or its root not timed); "
             + " and ".join(p.name for p in result.phases) + " come from torch's own ranges.",
@@ -281,12 +282,11 @@ def profile_findings(result: ProfileResult,
             "step's parts in torchscope.profiling.phase('forward') etc.",
         ))
     out.extend(comm_findings(result, th))
+    # A caveat about what was measured (the eager model's times), info like every other.
     out += ran_eagerly(
-        "profiling.compiled_eager", result.compiled, "the per-module profile",
+        _COMPILED_EAGER, result.compiled, "the per-module profile",
         also=": these op and module times are the eager model's, not the compiled one's",
-        severity=Severity.WARNING,
-        fix="to profile the compiled code itself (its kernels and phases, no per-module "
-            "times, which need hooks), pass by_module=False.")
+        fix=_COMPILED_EAGER.fix)
     return rank(out)
 
 
@@ -306,8 +306,8 @@ def comm_findings(result: ProfileResult, thresholds: ProfileThresholds | None = 
         "overlap": c.overlap, "step_ms": step_ms, "exposed_share": share, "ops": ops}
     hidden = "" if c.overlap is None else f", {100 * c.overlap:.0f}% of it hidden behind compute"
     if share > th.comm_exposed_high:
-        return [Finding(
-            "profiling.comm_exposed", Severity.WARNING,
+        return [_COMM_EXPOSED.finding(
+            Severity.WARNING,
             f"the step waits {c.exposed_ms:.3g} ms of its {step_ms:.3g} ms mean "
             f"({100 * share:.0f}%) for communication ({c.comm_ms:.3g} ms per step{hidden}; {ops}).",
             evidence,
@@ -318,8 +318,8 @@ def comm_findings(result: ProfileResult, thresholds: ProfileThresholds | None = 
             "them; after profile_steps, call result.gather() on every rank). Otherwise give "
             "each step more compute (a larger batch, gradient accumulation under no_sync) or "
             "fewer, larger collectives (DDP bucket_cap_mb).")]
-    return [Finding(
-        "profiling.comm", Severity.INFO,
+    return [_COMM.finding(
+        Severity.INFO,
         f"communication takes {c.comm_ms:.3g} ms per step{hidden}; the step waits "
         f"{c.exposed_ms:.3g} ms of its {step_ms:.3g} ms mean for it ({ops}).",
         evidence)]
@@ -406,8 +406,8 @@ def ranked_profile_findings(ranked: Ranked[ProfileResult],
     steps = len(a or ())
     doubt = "" if sure else \
         f" ({steps} profiled steps: too few to tell a small gap from noise; profile more)"
-    return [Finding(
-        "profiling.straggler", Severity.WARNING if sure else Severity.INFO,
+    return [_STRAGGLER.finding(
+        Severity.WARNING if sure else Severity.INFO,
         f"{rank_list([slow])} {'is' if sure else 'may be'} a straggler: its own work takes "
         f"{ratio:.2f}× the other ranks' ({own[slow]:.3g} ms vs {base:.3g} ms per "
         f"step){waited}{doubt}.",
@@ -415,6 +415,4 @@ def ranked_profile_findings(ranked: Ranked[ProfileResult],
          "step_ms": mean_step_ms(ranked.results[slow]),
          "ratio_low": None if interval is None else interval.low,
          "ratio_high": None if interval is None else interval.high},
-        fix="balance the ranks: the same batch size and sequence lengths on every rank "
-        "(DistributedSampler), no extra work on one rank inside the step (logging, "
-        "evaluation, checkpointing on rank 0), the same device and CPU threads per rank.")]
+        fix=None)]
