@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from torch.nn import functional
 
+from torchscope import _process
 from torchscope._process import seeded
 from torchscope.compile import compile_report
 from torchscope.errors import TorchscopeError
@@ -361,8 +362,9 @@ def _compile_loop() -> tuple[dict[str, Any] | None, str]:
         cmd = [sys.executable, "-c", _LOOP_CHILD, str(_LOOP_ITERATIONS),
                str(torch.get_num_threads())]
         try:
-            done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False,
-                                  timeout=_LOOP_TIMEOUT_S)
+            # In its own process group, stopped with the compilers it started on a timeout
+            # or a signal, before the folder is removed.
+            done = _process.run(cmd, timeout=_LOOP_TIMEOUT_S, grace=2.0, env=env)
         except subprocess.TimeoutExpired:
             return None, f"the child process ran past {_LOOP_TIMEOUT_S:.0f} s"
     lines = done.stdout.strip().splitlines()
