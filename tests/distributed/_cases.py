@@ -700,3 +700,33 @@ def fsdp1_refused(rank: int, world: int, out: Path) -> dict[str, Any]:
         except torchscope.TorchscopeError as exc:
             errors[name] = describe(exc)
     return {"errors": errors, "hooks": [before, hooks(model)]}
+
+
+def ddp_grad_changed_on_one_rank(rank: int, world: int, out: Path,
+                                 change: bool) -> dict[str, Any]:
+    """watch_gradients(every=1) on DDP while rank 1 doubles the head's gradient after the
+    all-reduce, at step 1 only (`change`); the replicas' weights then differ from step 2 on.
+    torch's own answer: the head's weights gathered from every rank after the loop."""
+    import torch.distributed as dist
+
+    net = mlp()
+    model = DDP(net)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = batch(rank, world)
+    flows = []
+    with torchscope.watch_gradients(model, optimizer=opt, every=1) as watch:
+        for step in range(3):
+            opt.zero_grad()
+            functional.cross_entropy(model(x), y).backward()
+            if change and rank == 1 and step == 1:
+                net[4].weight.grad.mul_(2)
+            opt.step()
+            flows.append(watch.last)
+    found = [[f for f in flow.findings() if f.code == "grads.ranks_diverge"]
+             for flow in flows if flow is not None]
+    head = net[4].weight.detach().clone()
+    every = [torch.empty_like(head) for _ in range(world)]
+    dist.all_gather(every, head)
+    return {"diverge": [[{"summary": f.summary, **f.evidence} for f in fs] for fs in found],
+            "steps": [flow.index for flow in flows if flow is not None],
+            "torch_differs": not all(torch.equal(every[0], w) for w in every[1:])}

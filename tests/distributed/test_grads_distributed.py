@@ -253,3 +253,24 @@ def test_fsdp1_is_refused_in_one_line_with_no_hook_left(tmp_path: Path) -> None:
             assert "FullyShardedDataParallel (FSDP1)" in error, (where, error)
             assert "Fix: shard with torch.distributed.fsdp.fully_shard" in error
         assert a["hooks"][0] == a["hooks"][1], a
+
+
+@pytest.mark.parametrize("change", [True, False])
+def test_ddp_a_gradient_changed_on_one_rank_after_the_all_reduce_is_a_divergence(
+        tmp_path: Path, change: bool) -> None:
+    """F3: rank 1 doubles head.weight.grad between backward and opt.step() at step 1. The
+    synchronised gradients agree (read as backward ends), but the replicas' weights differ
+    from then on: the next sampled step's exchange (whose weight norms it carries already)
+    says so on every rank, and names the head. The same loop without the change is silent."""
+    answers = run_ranks("ddp_grad_changed_on_one_rank", tmp_path, change=change)
+    for a in answers:
+        assert "raised" not in a, a
+        assert a["steps"] == [0, 1, 2]
+        assert a["torch_differs"] is change
+        if not change:
+            assert a["diverge"] == [[], [], []]
+            continue
+        assert a["diverge"][:2] == [[], []]  # the change is made after step 1's exchange
+        (f,) = a["diverge"][2]
+        assert f["seen_in"] == "weights" and f["names"] == "4.weight", f
+        assert "weights differ between the DDP replicas" in f["summary"]

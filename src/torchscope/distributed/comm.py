@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -107,18 +108,30 @@ def _run(start: Callable[[], Any], tensors: list[torch.Tensor], what: str,
 
 
 def _wait(work: Any, what: str, seconds: float | None) -> None:
+    """Wait for `work`; a failure says whether a peer went away (the collective failed at
+    once: gloo's connection closed) or did not come (the timeout ran out)."""
     limit = timeout_s(seconds)
+    t0 = time.monotonic()
     try:
         done = work.wait(timeout=timedelta(seconds=limit))
     except RuntimeError as exc:
+        waited = time.monotonic() - t0
+        if waited < 0.9 * limit:
+            raise RankLostError(
+                f"{what} failed on {world().describe()} after {waited:.1f} s "
+                f"({describe(exc)}): another rank raised or left.",
+                fix="look at the other ranks' errors; the first rank that failed is the "
+                "cause.") from exc
         raise RankLostError(
             f"{what} did not complete on {world().describe()} within {limit:g} s "
-            f"({describe(exc)}): another rank raised, hung or left.",
-            fix="look at the other ranks' errors; every rank must run the same torchscope "
-            "calls in the same order (raise timeout_s for slow steps).") from exc
+            f"({describe(exc)}): another rank hung, or is slower than the timeout.",
+            fix="look for code that runs on some ranks only; every rank must run the same "
+            f"torchscope calls in the same order (raise {TIMEOUT_ENV} for slow steps)."
+        ) from exc
     if done is False:
         raise RankLostError(f"{what} did not complete on {world().describe()} within "
-                               f"{limit:g} s.", fix="look at the other ranks' errors.")
+                            f"{limit:g} s: another rank hung, or is slower than the timeout.",
+                            fix="look at the other ranks' errors.")
 
 
 def all_reduce_sum(t: torch.Tensor, *, group: Any = None,

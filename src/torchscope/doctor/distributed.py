@@ -1,35 +1,40 @@
 """The doctor on several ranks: `torchscope doctor TARGET --nproc N --strategy ddp|fsdp2`.
 
-`launch` starts N ranks with torch's own elastic launcher (what `torchrun` runs), on this
-machine; `run_rank` is what each rank does, and what a rank started by a plain `torchrun ...
--m torchscope doctor` does too:
+`launch` starts N rank processes on this machine, which meet through a file store; `run_rank`
+is what each rank does, and what a rank started by a plain `torchrun ... -m torchscope doctor`
+does too:
 
-1. join the process group (from the launcher's environment), with a timeout on every
-   collective;
-2. build the TARGET, wrap it (`DistributedDataParallel`, or `fully_shard` on each repeated
-   block, else each child, that holds parameters and ties none, and on the root), and take
-   its own rows of the example batch (rows r, r + N, ..., as `DistributedSampler` hands
-   them out);
+1. join the process group, with a timeout on every collective;
+2. build the TARGET, check that every rank built the same model (one digest, all-gathered),
+   wrap it (`DistributedDataParallel`, or `fully_shard` on each repeated block, else each
+   child, that holds parameters and ties none, and on the root), and take its own rows of
+   the example batch (rows r, r + N, ..., as `DistributedSampler` hands them out);
 3. run the doctor's sections on that step (compile is left out: its modes run in child
-   processes outside the process group; the memory section plans no checkpointing);
+   processes outside the process group; the memory section plans no checkpointing); a
+   section that fails ends the run on that rank;
 4. send its records to rank 0 (one gather), which adds the "ranks" section and writes the
    report.
 
-A rank that raises writes its one-line error where the launcher finds it; the launcher stops
-every other rank (no orphans) and `launch` raises `DistributedError` naming the rank.
+A rank that fails writes what it raised (type, message, the module whose forward raised it,
+the part of the run, the time) to a file in the run folder and leaves; the launcher watches
+those files and the ranks' exits, stops the other ranks at once, and raises one
+`DistributedError` for the first real failure: "rank k raised X", "rank k died (signal or
+exit code)", "rank k hung", or "the model differs between ranks". No report is written then.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
+import hashlib
+import json
 import os
 import pickle
+import signal
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
-import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
@@ -40,19 +45,23 @@ from torch import nn
 
 from torchscope._process import seeded
 from torchscope.distributed.comm import (
+    DEFAULT_TIMEOUT_S,
     TIMEOUT_ENV,
     DistributedError,
     RankLostError,
+    all_gather_tensor,
     all_reduce_sum,
     comm_device,
+    gather_objects,
+    timeout_s,
 )
 from torchscope.distributed.ranked import gather, rank_list
 from torchscope.distributed.world import world
 from torchscope.doctor.ranks import RankRecords, RanksRecord, ranks_outcome
-from torchscope.doctor.runner import DoctorReport, doctor_step, run_doctor
+from torchscope.doctor.runner import DoctorEvent, DoctorReport, doctor_step, run_doctor
 from torchscope.doctor.section import DoctorOptions, Section
 from torchscope.doctor.sections import MemorySection, registered_sections
-from torchscope.errors import describe
+from torchscope.errors import TorchscopeError
 from torchscope.grads import GradFlow
 from torchscope.hooks.tree import iter_tensors
 from torchscope.memory import MemoryReport, analyze_memory, rank_bytes
@@ -65,8 +74,13 @@ from torchscope.report.html import write_report
 __all__ = [
     "BACKENDS",
     "DistributedJob",
+    "ModelMismatchError",
+    "RankExit",
     "check_request",
+    "check_same_model",
     "launch",
+    "raised_in",
+    "rank_failure",
     "rank_inputs",
     "run_rank",
     "under_torchrun",
@@ -94,6 +108,8 @@ class DistributedJob:
         options: the doctor's options (the device is set per rank).
         out: the folder rank 0 writes report.html and report.json to; None writes nothing.
         timeout_s: every collective's timeout, torch's own (DDP, FSDP2) and torchscope's.
+        init_method: where the ranks meet (`file://...`: `launch`'s); None: the launcher's
+            environment (`env://`, as torchrun sets it).
     """
 
     target: str | None
@@ -103,7 +119,8 @@ class DistributedJob:
     backend: str
     options: DoctorOptions
     out: str | None = None
-    timeout_s: float = 120.0
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    init_method: str | None = None
 
 
 def under_torchrun() -> bool:
@@ -250,54 +267,150 @@ def _record(report: DoctorReport, name: str, kind: type) -> Any:
     return o.record if o.status == "ok" and isinstance(o.record, kind) else None
 
 
+@dataclass
+class _RankState:
+    """Where a rank is, for the launcher's message when it fails: the model it runs (to name
+    the module a forward raised in) and the part of the run it is in."""
+
+    model: nn.Module | None = None
+    part: str = "start-up"
+    on_part: Any = None  # Callable[[str], None] | None: told each part as it starts
+
+    def enter(self, part: str) -> None:
+        self.part = part
+        if self.on_part is not None:
+            self.on_part(part)
+
+
+def model_signature(model: nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, dtype) of every parameter and buffer: what must be the same on every
+    rank for DDP's and FSDP2's collectives to line up."""
+    return [(n, tuple(t.shape), str(t.dtype))
+            for n, t in (*model.named_parameters(), *model.named_buffers())]
+
+
+def _digest(signature: list[tuple[str, tuple[int, ...], str]]) -> int:
+    return int.from_bytes(hashlib.sha256(repr(signature).encode()).digest()[:7], "big")
+
+
+def check_same_model(model: nn.Module) -> None:
+    """Raise on every rank when the model differs between ranks (names, shapes or dtypes of
+    its parameters and buffers), before any collective of DDP or FSDP2 could mismatch: FSDP2
+    would abort a rank in gloo ("Received data size doesn't match"), DDP would compare
+    shapes only. One all_gather of a 7-byte digest; the signatures travel only on a
+    mismatch.
+
+    Raises:
+        ModelMismatchError: the ranks' models differ (rank 0's message says where).
+    """
+    mine = model_signature(model)
+    digest = torch.tensor([_digest(mine)], dtype=torch.int64, device=comm_device())
+    digests = all_gather_tensor(digest, what="the model check").view(-1).tolist()
+    if len(set(digests)) == 1:
+        return
+    every = gather_objects(mine, what="the model signatures")
+    odd = [r for r, d in enumerate(digests) if d != digests[0]]
+    detail = ""
+    if every is not None:
+        ref, other = dict((n, (s, d)) for n, s, d in every[0]), \
+            dict((n, (s, d)) for n, s, d in every[odd[0]])
+        for name in [*ref, *(n for n in other if n not in ref)]:
+            if ref.get(name) != other.get(name):
+                def say(v: tuple[tuple[int, ...], str] | None) -> str:
+                    return "nothing" if v is None else f"{tuple(v[0])} {v[1]}"
+                detail = (f": {name} is {say(other.get(name))} on rank {odd[0]} and "
+                          f"{say(ref.get(name))} on rank 0")
+                break
+    raise ModelMismatchError(
+        f"the model differs between ranks ({rank_list(odd)} against rank 0){detail}; "
+        "DDP and FSDP2 need the same parameters and buffers on every rank.",
+        fix="build the model the same way on every rank (no rank-dependent sizes or "
+        "layers); seed it, or let DDP broadcast rank 0's weights.")
+
+
+class ModelMismatchError(DistributedError):
+    """The model differs between ranks: the collectives of DDP and FSDP2 cannot line up."""
+
+
 def run_rank(job: DistributedJob) -> DoctorReport | None:
     """Run the doctor on this rank and join every rank's records on rank 0 (see the module
     docstring). Joins the process group from the launcher's environment unless one exists.
+
+    A section that fails on a rank ends the run on that rank (its exception is raised
+    here): the other ranks would wait for collectives it never joins, and a report of the
+    ranks that went on would read as healthy.
 
     Returns:
         On rank 0 the report with its "ranks" section (written to `job.out` when set); None
         on every other rank.
 
     Raises:
-        DistributedError: the batch cannot be shared out, or a collective timed out.
+        DistributedError: the batch cannot be shared out, the model differs between ranks,
+            or a collective failed (another rank raised, hung or left).
         TorchscopeError: the TARGET or its inputs cannot be loaded, or the model raised.
     """
+    return _run_rank(job, _RankState())
+
+
+def _run_rank(job: DistributedJob, state: _RankState) -> DoctorReport | None:
     import torch.distributed as dist
 
     created = False
     if not dist.is_initialized():
-        dist.init_process_group(job.backend, timeout=timedelta(seconds=job.timeout_s))
-        created = True
-    try:
-        w = world()
-        if job.backend == "nccl":
-            device = torch.device("cuda", w.local_rank)
-            torch.cuda.set_device(device)
+        if job.init_method is not None:  # `launch`'s ranks meet through a file store
+            dist.init_process_group(job.backend, init_method=job.init_method,
+                                    rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]),
+                                    timeout=timedelta(seconds=job.timeout_s))
         else:
-            device = torch.device("cpu")
-            # Ranks share the machine's cores, as torchrun's OMP_NUM_THREADS=1 intends.
-            local = int(os.environ.get("LOCAL_WORLD_SIZE", w.world_size))
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(local, 1)))
-        loaded = load_target(job.target)
-        inputs = rank_inputs(load_inputs(loaded, job.specs, job.inputs_fn), w.rank,
-                             w.world_size).to(device)
-        model = loaded.model.to(device)
-        options = replace(job.options, device=str(device))
-        unused = job.strategy == "ddp" and unused_anywhere(model, inputs, options)
-        wrapped = wrap_model(model, job.strategy, device, find_unused=unused)
-        t0 = time.perf_counter()
-        report = run_doctor(wrapped, inputs, options=options, sections=_sections(options),
-                            name=loaded.name)
-        mine = RankRecords(
-            rank=w.rank, profile=_record(report, "profile", ProfileResult),
-            grads=_record(report, "gradients", GradFlow),
-            memory=_record(report, "memory", MemoryReport), bytes=rank_bytes(wrapped),
-            loss=None if report.step is None else report.step.loss_value,
-            findings=tuple(f for o in report.outcomes for f in o.findings))
-        joined = gather(mine)
-        if joined is None:
-            return None
-        record = RanksRecord(w.world_size, job.strategy, str(w.backend), joined.results)
+            dist.init_process_group(job.backend, timeout=timedelta(seconds=job.timeout_s))
+        created = True
+    w = world()
+    if job.backend == "nccl":
+        device = torch.device("cuda", w.local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        # Ranks share the machine's cores, as torchrun's OMP_NUM_THREADS=1 intends.
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", w.world_size))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(local, 1)))
+    state.enter("loading the target")
+    loaded = load_target(job.target)
+    batch = load_inputs(loaded, job.specs, job.inputs_fn)
+    inputs = rank_inputs(batch, w.rank, w.world_size).to(device)
+    model = state.model = loaded.model.to(device)
+    state.enter("the model check")
+    check_same_model(model)
+    options = replace(job.options, device=str(device))
+    state.enter("the unused-parameter check")
+    unused = job.strategy == "ddp" and unused_anywhere(model, inputs, options)
+    wrapped = wrap_model(model, job.strategy, device, find_unused=unused)
+
+    def on_event(event: DoctorEvent) -> None:
+        if event.phase == "start":
+            state.enter(f"the {event.section} section")
+        elif event.outcome is not None and event.outcome.status == "failed" and \
+                event.outcome.error is not None:
+            raise event.outcome.error  # this rank cannot go on in step with the others
+
+    t0 = time.perf_counter()
+    state.enter("the doctor's first forward")
+    report = run_doctor(wrapped, inputs, options=options, sections=_sections(options),
+                        name=loaded.name, on_event=on_event)
+    mine = RankRecords(
+        rank=w.rank, profile=_record(report, "profile", ProfileResult),
+        grads=_record(report, "gradients", GradFlow),
+        memory=_record(report, "memory", MemoryReport), bytes=rank_bytes(wrapped),
+        loss=None if report.step is None else report.step.loss_value,
+        findings=tuple(f for o in report.outcomes for f in o.findings),
+        rows=rows_of(inputs))
+    state.enter("the gather of every rank's records")
+    joined = gather(mine)
+    state.enter("writing the report")
+    full = None
+    if joined is not None:
+        record = RanksRecord(w.world_size, job.strategy, str(w.backend), joined.results,
+                             batch_rows=rows_of(batch))
         env = {**report.environment, "world_size": w.world_size, "strategy": job.strategy,
                "backend": str(w.backend)}
         if job.strategy == "ddp":
@@ -312,41 +425,101 @@ def run_rank(job: DistributedJob) -> DoctorReport | None:
                        target=replace(report.target, model_class=type(model).__name__))
         if job.out is not None:
             write_report(full, job.out)
-        return full
-    finally:
-        if created:
-            # Let gloo's worker threads finish releasing the last collectives (they need
-            # the GIL for that) before the group is torn down.
-            time.sleep(0.05)
-            dist.destroy_process_group()
+    # Torn down only after a run that went well: after a failure a peer may be gone, and
+    # the teardown could wait for it.
+    if created:
+        # Let gloo's worker threads finish releasing the last collectives (they need
+        # the GIL for that) before the group is torn down.
+        time.sleep(0.05)
+        dist.destroy_process_group()
+    return full
+
+
+def rows_of(inputs: ModelInputs) -> int | None:
+    """The rows of a batch: the first dimension of its first tensor (None without one)."""
+    tensors = [t for _, t in iter_tensors((inputs.args, dict(inputs.kwargs))) if t.dim() > 0]
+    return int(tensors[0].shape[0]) if tensors else None
+
+
+def raised_in(exc: BaseException, model: nn.Module | None) -> str | None:
+    """The module of `model` whose forward raised `exc` (the innermost one on its traceback,
+    or on the traceback of the exception it wraps), or None. `"<root>"` for the model."""
+    if model is None:
+        return None
+    names = {id(m): n or "<root>" for n, m in model.named_modules()}
+    seen: set[int] = set()
+    found: str | None = None
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen and found is None:
+        seen.add(id(e))
+        tb = e.__traceback__
+        while tb is not None:
+            frame = tb.tb_frame
+            me = frame.f_locals.get("self") if frame.f_code.co_name == "forward" else None
+            if me is not None and id(me) in names:
+                found = names[id(me)]  # keep going: the innermost wins
+            tb = tb.tb_next
+        e = e.__cause__ or e.__context__
+    return found
 
 
 _RESULT = "report.pkl"
+_FAILURES = "failures"
 
 
-def _rank_entry(job: DistributedJob, errors: str) -> None:
-    """What each launched rank runs: `run_rank`, its one-line error saved for the launcher
-    when it raises. Rank 0 saves its report (pickled) next to the errors folder.
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data))
+    tmp.replace(path)  # whole or absent
 
-    The report travels by file, not as the launcher's return value: torch can abort a
-    process at interpreter exit (a gloo worker thread releasing a finished collective while
-    Python shuts down), which the launcher would count as a failed rank even though every
-    rank had finished its work.
-    """
+
+def _first_line(exc: BaseException) -> tuple[str, str]:
+    """(type, message) of the exception a rank raised, in one line each: for a torchscope
+    error that wraps the user's (the model raised), the user's own."""
+    e = exc
+    if isinstance(e, TorchscopeError) and e.__cause__ is not None and \
+            not isinstance(e.__cause__, TorchscopeError):
+        e = e.__cause__
+    if isinstance(e, TorchscopeError):
+        return type(e).__name__, " ".join(e.message.split())
+    lines = str(e).strip().splitlines()
+    return type(e).__name__, (lines[0] if lines else "")
+
+
+def _rank_main(job_file: str, run: str) -> None:
+    """What each rank of `launch` runs (in `python -c`): the doctor on this rank. It says
+    what it is doing in `failures/rank<r>.part`; when it fails it writes what it raised,
+    where, and when to `failures/rank<r>.json`, then leaves at once (its peers may be gone).
+    Rank 0 saves its report (pickled) to `report.pkl`. Every rank leaves with `os._exit`,
+    skipping interpreter teardown, where torch can abort a process that did all its work
+    (a gloo worker thread releasing a finished collective while Python shuts down)."""
+    _die_with_parent(int(os.environ["TORCHSCOPE_LAUNCHER"]))
+    job: DistributedJob = pickle.loads(Path(job_file).read_bytes())
     os.environ[TIMEOUT_ENV] = str(job.timeout_s)
-    rank = int(os.environ.get("RANK", "0"))
+    rank = int(os.environ["RANK"])
+    failures = Path(run, _FAILURES)
+    state = _RankState(on_part=(failures / f"rank{rank}.part").write_text)
+    code = 0
     try:
-        report = run_rank(job)
-    except BaseException as exc:
-        Path(errors, f"rank{rank}.txt").write_text(
-            f"{'lost' if _lost_peer(exc) else 'raised'}\t{describe(exc)}")
-        Path(errors, f"rank{rank}.tb").write_text("".join(traceback.format_exception(exc)))
-        raise
-    if report is not None:
-        done = Path(errors).parent / _RESULT
-        tmp = done.with_suffix(".tmp")
-        tmp.write_bytes(pickle.dumps(_portable(report)))
-        tmp.replace(done)  # whole or absent
+        report = _run_rank(job, state)
+        if report is not None:
+            done = Path(run, _RESULT)
+            tmp = done.with_suffix(".tmp")
+            tmp.write_bytes(pickle.dumps(_portable(report)))
+            tmp.replace(done)  # whole or absent
+        (failures / f"rank{rank}.done").write_text("done")
+    except BaseException as exc:  # every failure is the launcher's to report
+        kind = "lost" if _lost_peer(exc) else \
+            "differs" if isinstance(exc, ModelMismatchError) else "raised"
+        name, message = _first_line(exc)
+        _write_json(failures / f"rank{rank}.json", {
+            "rank": rank, "kind": kind, "type": name, "message": message,
+            "module": raised_in(exc, state.model), "part": state.part, "time": time.time(),
+            "traceback": "".join(traceback.format_exception(exc))})
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _picklable(value: Any) -> bool:
@@ -383,90 +556,258 @@ def _with_traceback(error: BaseException | None) -> BaseException | None:
     return error
 
 
+# What a rank's error says when a peer, not this rank, went wrong: gloo's words for a
+# connection a dead peer closed, torchscope's and torch's timeouts.
+_PEER_LOST = ("closed by peer", "Connection reset by peer", "Broken pipe",
+              "Application timeout caused pair closure", "Timed out waiting",
+              "timed out after", "NCCL communicator was aborted")
+
+
 def _lost_peer(exc: BaseException) -> bool:
     """The rank failed because another one raised, hung or left (a torchscope collective
-    that timed out, or gloo's connection closed by a peer that had died): not the cause."""
-    text = str(exc)
-    return isinstance(exc, RankLostError) or "closed by peer" in text or \
-        "Connection reset by peer" in text
+    that timed out, gloo's connection closed by a peer that had died, torch's own
+    collective timeout): not the cause. The exception's causes are read too."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, RankLostError) or any(p in str(e) for p in _PEER_LOST):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
-def _failure(failures: dict[int, Any], errors: Path) -> DistributedError:
-    """One error for a failed launch: the first rank that raised (not one that only lost
-    its peers), with its own message."""
-    found: list[tuple[int, str, str]] = []
-    for f in sorted(errors.glob("rank*.txt")):
-        kind, _, text = f.read_text().partition("\t")
-        found.append((int(f.stem[4:]), kind, text))
-    root = [x for x in found if x[1] == "raised"] or found
-    if root:
-        ranks = [r for r, _, _ in root]
-        error = DistributedError(f"{rank_list(ranks[:1])} raised {root[0][2]}",
-                                 fix="rerun without --nproc to debug on one process, or with "
-                                 "--debug for that rank's traceback.")
-        tb = errors / f"rank{ranks[0]}.tb"
-        if tb.exists():
-            error.__cause__ = RankTracebackError(f"rank {ranks[0]}: {tb.read_text()}")
+# What a rank that died without a word wrote to its stderr, and what it means.
+_DEATH_NOTES = (
+    ("Received data size doesn't match", "the model differs between ranks (gloo received "
+     "data of another size than it expected: \"Received data size doesn't match\")"),
+    ("op.preamble.length <= op.nbytes", "the model differs between ranks (gloo received "
+     "more data than it expected)"),
+)
+
+
+@dataclass(frozen=True)
+class RankExit:
+    """How a rank process of `launch` ended, as the launcher saw it.
+
+    Attributes:
+        rank: its rank.
+        code: its exit status (negative: the signal that ended it), None while it runs.
+        at: when the launcher saw it end (`time.time()`), None while it runs.
+        killed: the launcher stopped it (a survivor of another rank's failure).
+    """
+
+    rank: int
+    code: int | None
+    at: float | None
+    killed: bool = False
+
+
+def _how(code: int) -> str:
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"from signal {-code} ({name})"
+    return f"with exit code {code}"
+
+
+def rank_failure(exits: list[RankExit], run: Path) -> DistributedError | None:
+    """The one error of a failed launch, or None when every rank did its work: the first
+    real failure by time, never a rank that only lost its peers.
+
+    - "rank k raised X": a rank's own exception (with the module whose forward raised it,
+      and the part of the run it was in);
+    - "the model differs between ranks": the model check (or gloo's size mismatch in the
+      log of a rank that died);
+    - "rank k died (signal or exit code)": a rank that ended without a word and before its
+      work was done (one that died after it, a teardown abort, is no failure);
+    - "rank k hung": another rank gave up waiting for it in a collective.
+    """
+    failures = run / _FAILURES
+    said = {}
+    for f in failures.glob("rank*.json"):
+        data = json.loads(f.read_text())
+        said[int(data["rank"])] = data
+    done = {int(f.stem[4:]) for f in failures.glob("rank*.done")}
+
+    def part(r: int) -> str:
+        f = failures / f"rank{r}.part"
+        return f.read_text() if f.exists() else "start-up"
+
+    real: list[tuple[float, str, int]] = []
+    for r, d in said.items():
+        if d["kind"] in ("raised", "differs"):
+            real.append((float(d["time"]), d["kind"], r))
+    for e in exits:
+        if e.code not in (None, 0) and not e.killed and e.rank not in said and \
+                e.rank not in done and e.at is not None:
+            real.append((e.at, "died", e.rank))
+    fix = "rerun without --nproc to debug on one process, or with --debug for that rank's " \
+        "traceback."
+    if real:
+        _, kind, r = min(real)
+        if kind == "differs":  # rank 0 says where the models differ
+            r = min(r for _, k, r in real if k == "differs")
+        if kind == "died":
+            code = next(e.code for e in exits if e.rank == r)
+            assert code is not None
+            log = run / f"rank{r}.log"
+            text = log.read_text(errors="replace") if log.exists() else ""
+            note = next((n for needle, n in _DEATH_NOTES if needle in text), None)
+            if note is not None:
+                return ModelMismatchError(
+                    f"rank {r} died {_how(code)} in {part(r)}: {note}.",
+                    fix="build the model the same way on every rank (no rank-dependent "
+                    "sizes or layers), and give every rank inputs of the same shapes.")
+            return DistributedError(
+                f"rank {r} died {_how(code)} in {part(r)}, without raising an error.",
+                fix="rerun with --debug; a negative exit code is the signal that killed it "
+                "(e.g. -9: out of memory), a positive one a call to exit() in the model's "
+                "code.")
+        d = said[r]
+        error: DistributedError
+        if kind == "differs":
+            error = ModelMismatchError(d["message"], fix="build the model the same way on "
+                                       "every rank (no rank-dependent sizes or layers).")
+        else:
+            where = f" in {d['module']}'s forward" if d.get("module") else ""
+            error = DistributedError(
+                f"rank {r} raised {d['type']}: {d['message']}{where} (during {d['part']}).",
+                fix=fix)
+        error.__cause__ = RankTracebackError(f"rank {r}: {d['traceback']}")
         return error
-    codes = ", ".join(f"rank {f.local_rank}: exit code {f.exitcode}"
-                      for f in sorted(failures.values(), key=lambda f: f.local_rank))
-    return DistributedError(f"a rank died without an error ({codes or 'no detail'}).",
-                            fix="rerun with --debug; a negative exit code is the signal "
-                            "that killed it (e.g. -9: out of memory).")
+    if said:  # only ranks that lost their peers: the others neither raised nor died
+        waited = sorted(said)
+        quiet = sorted(e.rank for e in exits if e.rank not in said and e.rank not in done)
+        if quiet:
+            first = said[waited[0]]
+            return DistributedError(
+                f"{rank_list(quiet)} hung: {rank_list(waited)} gave up waiting for "
+                f"{'it' if len(quiet) == 1 else 'them'} in a collective ({first['type']}: "
+                f"{first['message']}); {rank_list(quiet[:1])} was in {part(quiet[0])}.",
+                fix="look for code that runs on some ranks only (a rank-dependent branch, a "
+                "print or barrier on rank 0) or a step far slower on one rank; raise "
+                f"{TIMEOUT_ENV} for steps slower than the timeout.")
+        d = said[waited[0]]
+        return DistributedError(f"rank {waited[0]} raised {d['type']}: {d['message']} "
+                                f"(during {d['part']}).", fix=fix)
+    if any(e.code not in (None, 0) and e.rank not in done for e in exits):
+        codes = ", ".join(f"rank {e.rank} {_how(e.code)}" for e in exits
+                          if e.code not in (None, 0) and e.code is not None)
+        return DistributedError(f"ranks were stopped ({codes}).", fix="rerun with --debug.")
+    return None
 
 
-@contextlib.contextmanager
-def _quiet_launcher() -> Iterator[None]:
-    """The elastic launcher logs every start and failure (with tracebacks) to stderr; the
-    doctor reports a failure in one line instead. Its loggers' levels come back on exit."""
-    loggers = [logging.getLogger(n) for n in ("torch.distributed.elastic",
-                                              "torch.distributed.launcher",
-                                              "torch.multiprocessing")]
-    levels = [lg.level for lg in loggers]
-    try:
-        for lg in loggers:
-            lg.setLevel(logging.CRITICAL)
-        yield
-    finally:
-        for lg, level in zip(loggers, levels, strict=True):
-            lg.setLevel(level)
+def _rank_env(rank: int, nproc: int) -> dict[str, str]:
+    # The ranks import torchscope and the TARGET's modules as this process does.
+    path = [p for p in sys.path if p]
+    return {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
+            "GROUP_RANK": "0", "ROLE_RANK": str(rank), "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join(path), "PYTHONUNBUFFERED": "1",
+            "TORCHSCOPE_LAUNCHER": str(os.getpid())}
+
+
+def _die_with_parent(parent: int) -> None:
+    """Linux: this rank is killed when the launcher (`parent`) dies, even by SIGKILL, so
+    that no rank outlives it; elsewhere, nothing."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the launcher died before the line above
+        os._exit(1)
+
+
+def _stop(procs: list[subprocess.Popen[bytes]], grace: float = 3.0) -> set[int]:
+    """Stop every rank still running (SIGTERM, then SIGKILL after `grace` seconds), each
+    with its process group; the ranks it had to stop."""
+    stopped = {r for r, p in enumerate(procs) if p.poll() is None}
+    for r in stopped:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(procs[r].pid, signal.SIGTERM)
+    end = time.monotonic() + grace
+    for r in stopped:
+        try:
+            procs[r].wait(timeout=max(0.0, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(procs[r].pid, signal.SIGKILL)
+            procs[r].wait()
+    return stopped
 
 
 def launch(job: DistributedJob, nproc: int) -> DoctorReport:
-    """Run `run_rank` on `nproc` ranks on this machine with torch's elastic launcher and
-    return rank 0's report (also written to `job.out`).
+    """Run `run_rank` on `nproc` ranks on this machine and return rank 0's report (also
+    written to `job.out`).
 
-    Every rank's output goes to log files in a temporary folder; a rank that raises stops
-    the others (the launcher terminates them), so no process is left behind.
+    Each rank is a process of its own (its output in a log file of a temporary run
+    folder); the ranks meet through a file store in that folder. The launcher watches
+    their exits and the failure files they write: when one fails (raises, dies, or another
+    gives up waiting for it), the others are stopped at once, and `launch` raises one
+    error for the first real failure (see `rank_failure`). No process or folder is left
+    behind, whatever happens, an interrupt included.
 
     Raises:
         DistributedError: the request cannot run here (see `check_request`), or a rank
-            raised (the message names it and says what it raised).
+            failed (the message names it and says how).
     """
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
     check_request(nproc, job.strategy, job.backend)
+    if os.environ.get(TIMEOUT_ENV):
+        job = replace(job, timeout_s=timeout_s())
     with tempfile.TemporaryDirectory(prefix="torchscope-ranks-") as tmp:
-        errors = Path(tmp, "errors")
-        errors.mkdir()
-        config = LaunchConfig(
-            min_nodes=1, max_nodes=1, nproc_per_node=nproc,
-            run_id=f"torchscope-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
-            rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
-            start_method="spawn",
-            logs_specs=DefaultLogsSpecs(log_dir=str(Path(tmp, "logs")), redirects=Std.ALL))
-        failures: dict[int, Any] = {}
+        run = Path(tmp)
+        (run / _FAILURES).mkdir()
+        job_file = run / "job.pkl"
+        job_file.write_bytes(pickle.dumps(replace(job, init_method=f"file://{run / 'store'}")))
+        code = ("from torchscope.doctor.distributed import _rank_main; "
+                f"_rank_main({str(job_file)!r}, {str(run)!r})")
+        procs: list[subprocess.Popen[bytes]] = []
         try:
-            with _quiet_launcher():
-                elastic_launch(config, _rank_entry)(job, str(errors))
-        except ChildFailedError as exc:
-            failures = dict(exc.failures)
-        done = Path(tmp, _RESULT)
-        if any(errors.iterdir()) or not done.exists():
-            raise _failure(failures, errors)
-        # A rank may still have died at interpreter exit, after every rank finished: the
-        # report is whole, so it stands.
+            for r in range(nproc):
+                with open(run / f"rank{r}.log", "wb") as log:
+                    procs.append(subprocess.Popen(
+                        [sys.executable, "-c", code], env=_rank_env(r, nproc), stdout=log,
+                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                        start_new_session=True))
+            exits = _watch(procs, run)
+        finally:
+            stopped = _stop(procs)
+        exits = [replace(e, killed=e.killed or e.rank in stopped) for e in exits]
+        error = rank_failure(exits, run)
+        if error is not None:
+            raise error
+        done = run / _RESULT
+        if not done.exists():
+            raise DistributedError("rank 0 finished without a report.",
+                                   fix="rerun with --debug.")
         report: DoctorReport = pickle.loads(done.read_bytes())
     return report
+
+
+def _watch(procs: list[subprocess.Popen[bytes]], run: Path, poll: float = 0.05,
+           settle: float = 0.5) -> list[RankExit]:
+    """Wait for every rank; at the first sign of a failure (a rank's failure file, or a
+    rank that ended with a non-zero status before its work was done) give the others
+    `settle` seconds to say theirs, then stop them. How each rank ended."""
+    failures = run / _FAILURES
+    ended: dict[int, tuple[int, float]] = {}
+    failed_at: float | None = None
+    while True:
+        for r, p in enumerate(procs):
+            if r not in ended and (rc := p.poll()) is not None:
+                ended[r] = (rc, time.time())
+                if rc != 0 and not (failures / f"rank{r}.done").exists() and \
+                        failed_at is None:
+                    failed_at = time.monotonic()
+        if failed_at is None and any(failures.glob("rank*.json")):
+            failed_at = time.monotonic()
+        if len(ended) == len(procs):
+            break
+        if failed_at is not None and time.monotonic() - failed_at >= settle:
+            break
+        time.sleep(poll)
+    return [RankExit(r, *ended[r]) if r in ended else RankExit(r, None, None)
+            for r in range(len(procs))]

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from torchscope._util import fmt_bytes
+from torchscope.catalogue import entry
 from torchscope.distributed.ranked import Ranked, merge_findings
 from torchscope.distributed.world import World
 from torchscope.doctor.section import DoctorOptions, Section
@@ -33,9 +34,13 @@ from torchscope.report.ranks import Column, ranks_fragment
 if TYPE_CHECKING:
     from torchscope.step import Step
 
-__all__ = ["RankRecords", "RanksRecord", "RanksSection", "ranks_findings", "ranks_outcome"]
+__all__ = ["RankRecords", "RanksRecord", "RanksSection", "ranks_findings", "ranks_outcome",
+           "uneven_split"]
 
 _KINDS = ("all_reduce", "reduce_scatter", "all_gather")
+_SHARDING = entry("memory.sharding")
+_DDP_BUCKETS = entry("memory.ddp_buckets")
+_UNEVEN = entry("ranks.uneven_split")
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,7 @@ class RankRecords:
         bytes: the model state it holds, against DDP's (`torchscope.memory.rank_bytes`).
         loss: the loss of its first step, on its own rows.
         findings: every finding its sections made.
+        rows: the rows of the example batch it took (None: not known).
     """
 
     rank: int
@@ -59,6 +65,7 @@ class RankRecords:
     bytes: RankBytes
     loss: float | None
     findings: tuple[Finding, ...] = ()
+    rows: int | None = None
 
 
 @dataclass(frozen=True)
@@ -70,12 +77,14 @@ class RanksRecord(Analyzed):
         strategy: `ddp` or `fsdp2`.
         backend: the process group's backend.
         ranks: one entry per rank.
+        batch_rows: rows of the whole example batch the ranks shared (None: not known).
     """
 
     world_size: int
     strategy: str
     backend: str
     ranks: tuple[RankRecords, ...]
+    batch_rows: int | None = None
 
     def profiles(self) -> Ranked[ProfileResult] | None:
         """Every rank's profile, when every rank has one."""
@@ -89,16 +98,16 @@ class RanksRecord(Analyzed):
 def _state_finding(record: RanksRecord) -> Finding | None:
     b = record.ranks[0].bytes
     if record.strategy == "fsdp2" and b.total:
-        return Finding(
-            "memory.sharding", Severity.INFO,
+        return _SHARDING.finding(
+            Severity.INFO,
             f"FSDP2 holds {fmt_bytes(b.total)} of model state per rank (parameters, "
             f"gradients{', optimizer state' if b.optimizer_state else ''}) against "
             f"{fmt_bytes(b.replicated_total)} under DDP: {b.saving:.2f}× less",
             {"bytes": b.total, "ddp_bytes": b.replicated_total, "saving": b.saving,
              "world_size": record.world_size})
     if record.strategy == "ddp" and b.buckets:
-        return Finding(
-            "memory.ddp_buckets", Severity.INFO,
+        return _DDP_BUCKETS.finding(
+            Severity.INFO,
             f"DDP keeps {fmt_bytes(b.buckets)} of gradient buckets per rank, a second copy of "
             f"the gradients ({fmt_bytes(b.total)} of model state per rank in all)",
             {"bucket_bytes": b.buckets, "bytes": b.total},
@@ -107,18 +116,52 @@ def _state_finding(record: RanksRecord) -> Finding | None:
     return None
 
 
+def _fraction(den: int) -> str:
+    return f"1/{den}"
+
+
+def uneven_split(record: RanksRecord) -> Finding | None:
+    """A note where the ranks took different numbers of rows: DDP and FSDP2 average the
+    ranks' gradients of their own mean losses, so each row on rank r weighs
+    1 / (world size × rows of rank r), not 1 / rows as on one process."""
+    rows = [r.rows for r in record.ranks]
+    if any(n is None or n <= 0 for n in rows) or len(set(rows)) < 2:
+        return None
+    counts = [int(n) for n in rows if n is not None]
+    n = record.world_size
+    groups: dict[int, list[int]] = {}
+    for r, c in enumerate(counts):
+        groups.setdefault(c, []).append(r)
+
+    def names(ranks: list[int]) -> str:
+        said = [f"rank {r}'s" for r in ranks]
+        return said[0] if len(said) == 1 else ", ".join(said[:-1]) + f" and {said[-1]}"
+
+    weights = ", ".join(f"each of {names(ranks)} rows {_fraction(n * c)}"
+                        for c, ranks in sorted(groups.items(), reverse=True))
+    total = record.batch_rows or sum(counts)
+    return _UNEVEN.finding(
+        Severity.INFO,
+        f"the batch of {total} rows splits {'/'.join(str(c) for c in counts)} over {n} "
+        f"ranks: the ranks' gradients are averaged, so {weights} of the step, where one "
+        f"process weighs every row 1/{total}",
+        {"rows": "/".join(str(c) for c in counts), "batch_rows": total, "world_size": n,
+         **{f"rank{r}_row_weight": 1.0 / (n * c) for r, c in enumerate(counts)}})
+
+
 @analyzer(RanksRecord)
 def ranks_findings(record: RanksRecord, thresholds: Any = None) -> list[Finding]:
-    """Findings across ranks: the straggler, model state per rank, and what ranks other
-    than rank 0 found that rank 0 did not (rank 0's own findings are in its sections)."""
+    """Findings across ranks: the straggler, model state per rank, an uneven split of the
+    batch, and what ranks other than rank 0 found that rank 0 did not (rank 0's own
+    findings are in its sections)."""
     del thresholds
     out: list[Finding] = []
     profiles = record.profiles()
     if profiles is not None:
         out.extend(ranked_profile_findings(profiles))
-    state = _state_finding(record)
-    if state is not None:
-        out.append(state)
+    for extra in (_state_finding(record), uneven_split(record)):
+        if extra is not None:
+            out.append(extra)
     merged = merge_findings([r.findings for r in record.ranks])
     out.extend(f for f in merged
                if "0" not in str(f.evidence.get("ranks", "")).split(", ")
@@ -134,7 +177,7 @@ def _row(r: RankRecords) -> dict[str, Any]:
         local = g.ranks.local_totals()[g.ranks.ranks.index(r.rank)]
     ops = {o.kind: o.ms for o in comm.ops} if comm is not None else {}
     return {
-        "rank": r.rank, "loss": r.loss,
+        "rank": r.rank, "rows": r.rows, "loss": r.loss,
         # Means over the profiled steps, as the communication times are: step = own + waited.
         "step_ms": None if p is None else mean_step_ms(p),
         "own_ms": None if p is None else own_ms(p),

@@ -3,49 +3,101 @@ functions, part of `diagnose` (so `flow.findings()` says them on every rank)."""
 
 from __future__ import annotations
 
+import math
+
+from torchscope.catalogue import entry
 from torchscope.distributed.ranked import rank_list
 from torchscope.findings import Finding, Severity
-from torchscope.grads.records import GradFlow
+from torchscope.grads.records import GradFlow, RankGrads
 
-__all__ = ["SKEW_RATIO", "find_diverged", "find_rank_skew", "rank_findings"]
+__all__ = ["SKEW_RATIO", "WEIGHT_REL", "diverged_weights", "find_diverged", "find_rank_skew",
+           "rank_findings"]
 
 #: Largest / smallest per-rank local gradient norm (DDP, before the all-reduce) at or above
 #: which the ranks are said to see differently distributed data.
 SKEW_RATIO = 4.0
+#: Relative difference of one parameter's weight norm between DDP replicas above which they
+#: differ. Replicas that stepped on the same gradients are bitwise equal, and their norms
+#: are read by the same kernel; this only absorbs a last-bit difference of the reduction.
+WEIGHT_REL = 1e-9
+
+_RANKS_DIVERGE = entry("grads.ranks_diverge")
+_RANK_SKEW = entry("grads.rank_skew")
+
+
+def diverged_weights(ranks: RankGrads, rel: float = WEIGHT_REL) -> tuple[str, ...]:
+    """DDP: names of the parameters whose weights differ between the replicas. Each rank's
+    weight norms are in every exchange already (read at the step's end, before a watched
+    loop's update), so this costs nothing more; a gradient changed on one rank after the
+    all-reduce shows at the next sampled step, once the optimizer has stepped on it."""
+    if ranks.strategy != "ddp" or not ranks.weights:
+        return ()
+    out = []
+    for i, name in enumerate(ranks.names):
+        column = [row[i] for row in ranks.weights]
+        present = [v for v in column if v is not None]
+        if len(present) < 2:
+            continue
+        if not all(math.isfinite(v) for v in present):
+            if len({repr(v) for v in present}) > 1:
+                out.append(name)
+            continue
+        lo, hi = min(present), max(present)
+        if hi - lo > rel * max(abs(lo), abs(hi), 1e-30):
+            out.append(name)
+    return tuple(out)
+
+
+def _per_rank(ranks: RankGrads, column: tuple[tuple[float | None, ...], ...], i: int) -> str:
+    return ", ".join(f"rank {r}: {'none' if row[i] is None else f'{row[i]:.6g}'}"
+                     for r, row in zip(ranks.ranks, column, strict=True))
 
 
 def find_diverged(flow: GradFlow) -> list[Finding]:
-    """Synchronised gradients that differ between ranks: each rank's optimizer then moves
-    its own copy of the weights, and the replicas drift apart silently."""
+    """Synchronised gradients that differ between ranks, or (DDP) weights that differ
+    between the replicas: each rank's optimizer then moves its own copy of the weights, and
+    the replicas drift apart silently."""
     ranks = flow.ranks
     if ranks is None:
         return []
     names = ranks.diverged()
-    if not names:
+    weights = diverged_weights(ranks) if not names else ()
+    if not names and not weights:
         return []
-    i = ranks.names.index(names[0])
-    per_rank = ", ".join(f"rank {r}: {'none' if row[i] is None else f'{row[i]:.4g}'}"
-                         for r, row in zip(ranks.ranks, ranks.synced, strict=True))
-    if ranks.strategy == "ddp":
-        fix = ("make every parameter that requires grad take part in every step's loss on "
-               "every rank, or pass find_unused_parameters=True to DDP (an unused parameter "
-               "stops DDP's all-reduce for the whole step); set requires_grad before "
-               "wrapping in DDP (parameters unfrozen later are never synchronised); never "
-               "change .grad on one rank only.")
-    else:
-        fix = ("shard every module that holds parameters with fully_shard (including the "
-               "root): FSDP2 reduces only the gradients of parameters it manages.")
-    return [Finding(
-        code="grads.ranks_diverge",
-        severity=Severity.ERROR,
-        summary=f"the synchronised gradients differ between ranks for {len(names)} "
-        f"parameter(s), first {names[0]} ({per_rank}): each rank steps its own weights and "
-        "the replicas drift apart",
-        evidence={"params": len(names), "names": ", ".join(names[:10]),
-                  "strategy": ranks.strategy, "step": flow.index},
-        fix=fix,
-        module=next((p.module for p in flow.params if p.name == names[0]), None),
-    )]
+    first = (names or weights)[0]
+    i = ranks.names.index(first)
+    module = next((p.module for p in flow.params if p.name == first), None)
+    evidence: dict[str, float | int | str | bool | None] = {
+        "params": len(names or weights), "names": ", ".join((names or weights)[:10]),
+        "strategy": ranks.strategy, "step": flow.index}
+    if names:
+        if ranks.strategy == "ddp":
+            fix = ("make every parameter that requires grad take part in every step's loss "
+                   "on every rank, or pass find_unused_parameters=True to DDP (an unused "
+                   "parameter stops DDP's all-reduce for the whole step); set requires_grad "
+                   "before wrapping in DDP (parameters unfrozen later are never "
+                   "synchronised); never change .grad on one rank only.")
+        else:
+            fix = ("shard every module that holds parameters with fully_shard (including the "
+                   "root): FSDP2 reduces only the gradients of parameters it manages.")
+        return [_RANKS_DIVERGE.finding(
+            Severity.ERROR,
+            f"the synchronised gradients differ between ranks for {len(names)} "
+            f"parameter(s), first {first} ({_per_rank(ranks, ranks.synced, i)}): each rank "
+            "steps its own weights and the replicas drift apart",
+            {**evidence, "seen_in": "gradients"}, fix=fix, module=module)]
+    return [_RANKS_DIVERGE.finding(
+        Severity.ERROR,
+        f"the weights differ between the DDP replicas for {len(weights)} parameter(s), "
+        f"first {first} (weight norm {_per_rank(ranks, ranks.weights, i)}) though their "
+        "synchronised gradients agree: an earlier update differed between ranks, as when "
+        ".grad is changed on one rank after the all-reduce, and the replicas have drifted "
+        "apart",
+        {**evidence, "seen_in": "weights"},
+        fix="change gradients (scale, clip, zero) the same way on every rank, between "
+        "backward and optimizer.step(); and start every rank from the same weights "
+        "(DDP broadcasts rank 0's when it wraps the model, not later).",
+        module=module)]
 
 
 def find_rank_skew(flow: GradFlow) -> list[Finding]:
@@ -62,16 +114,13 @@ def find_rank_skew(flow: GradFlow) -> list[Finding]:
     hi_rank, hi = max(totals, key=lambda x: x[1])
     if hi / lo < SKEW_RATIO:
         return []
-    return [Finding(
-        code="grads.rank_skew",
-        severity=Severity.INFO,
-        summary=f"{rank_list([hi_rank])}'s local gradient is {hi / lo:.1f}× "
+    return [_RANK_SKEW.finding(
+        Severity.INFO,
+        f"{rank_list([hi_rank])}'s local gradient is {hi / lo:.1f}× "
         f"{rank_list([lo_rank])}'s before the all-reduce: the ranks see differently "
         "distributed data",
-        evidence={"high_rank": hi_rank, "high_norm": hi, "low_rank": lo_rank, "low_norm": lo,
-                  "ratio": hi / lo, "step": flow.index},
-        fix="shuffle with DistributedSampler(shuffle=True) and give every rank the same "
-        "batch size; per-rank norms this far apart make averaged gradients noisy.",
+        {"high_rank": hi_rank, "high_norm": hi, "low_rank": lo_rank, "low_norm": lo,
+         "ratio": hi / lo, "step": flow.index},
     )]
 
 
