@@ -106,7 +106,7 @@ def test_doctor_tells_a_models_own_loss_that_broadcasts_its_output(tmp_path: Pat
     assert res.exit_code == 0, res.output
     doc = json.loads((tmp_path / "r" / "report.json").read_text())
     _validate(doc)
-    assert doc["step"]["loss_broadcast"] == {
+    assert doc["sections"]["gradients"]["data"]["loss_broadcast"] == {
         "output": "['logits']", "output_shape": [32, 1], "shape": [32, 32],
         "op": "ExpandBackward0", "target_shape": None}
     (told,) = [f for f in doc["findings"] if f["code"] == "grads.loss_broadcast"]
@@ -130,7 +130,7 @@ def test_doctor_tells_labels_on_padding_in_its_inputs(tmp_path: Path, masked: bo
     doc = json.loads((tmp_path / "r" / "report.json").read_text())
     _validate(doc)
     # 4 + 7 + 11 padded positions, none at position 0 (right padding)
-    assert doc["step"]["padded_labels"] == [22, 0 if masked else 22]
+    assert doc["sections"]["gradients"]["data"]["padded_labels"] == [22, 0 if masked else 22]
     told = [f for f in doc["findings"] if f["code"] == "grads.padding_in_loss"]
     if masked:
         assert not told

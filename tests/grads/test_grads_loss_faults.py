@@ -20,7 +20,8 @@ from torch.nn import functional
 import torchscope
 from torchscope.errors import ModelError
 from torchscope.grads import gradient_flow, watch_gradients
-from torchscope.step import Step, loss_faults
+from torchscope.grads.loss import loss_faults
+from torchscope.step import Step
 
 N = 32
 
@@ -63,7 +64,7 @@ def test_a_broadcasting_loss_is_told_with_its_shapes(name: str) -> None:
     model, (x, y) = _regressor(), _data()
     loss_fn, op = BROADCASTING[name]
     flow = gradient_flow(model, x, loss_fn=loss_fn, target=y)
-    b = flow.step.loss_broadcast if flow.step is not None else None
+    b = flow.loss_broadcast
     assert b is not None
     assert (b.output, b.output_shape, b.shape, b.op, b.target_shape) == \
         ("", (N, 1), (N, N), op, (N,))
@@ -114,7 +115,7 @@ _LEARNED = nn.Parameter(torch.zeros(N))
 def test_losses_that_compare_shapes_rightly_or_pairs_on_purpose_are_silent(name: str) -> None:
     model, (x, y) = _regressor(), _data()
     flow = gradient_flow(model, x, loss_fn=SILENT[name], target=y)
-    assert flow.step is not None and flow.step.loss_broadcast is None
+    assert flow.loss_broadcast is None
     assert "grads.loss_broadcast" not in [f.code for f in flow.findings()]
 
 
@@ -126,10 +127,10 @@ def test_torchscope_own_mse_refuses_such_a_target() -> None:
             Step(model, x, loss_fn=loss_fn, target=y).forward_backward()
     # As many elements in the output's shape: auto is mean squared error, as before.
     step = Step(model, x, target=y[:, None])
-    step.forward_backward()
-    info = step.info(None)
-    assert info.loss == "auto → mean squared error vs given targets"
-    assert info.loss_broadcast is None
+    flow = gradient_flow(step)
+    assert flow.step is not None
+    assert flow.step.loss == "auto → mean squared error vs given targets"
+    assert flow.loss_broadcast is None
 
 
 def test_a_classifier_under_cross_entropy_is_silent() -> None:
@@ -139,7 +140,7 @@ def test_a_classifier_under_cross_entropy_is_silent() -> None:
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, N))
     x, _ = _data()
     flow = gradient_flow(model, x, target=torch.arange(N))
-    assert flow.step is not None and flow.step.loss_broadcast is None
+    assert flow.loss_broadcast is None
 
 
 def test_a_transformers_regression_head_under_its_own_and_a_users_loss() -> None:
@@ -154,12 +155,12 @@ def test_a_transformers_regression_head_under_its_own_and_a_users_loss() -> None
     # The model's own loss squeezes its (8, 1) logits against (8,) labels: silent.
     own = gradient_flow(model, {"input_ids": ids, "labels": labels})
     assert own.step is not None and own.step.loss.startswith("auto → the model's own loss")
-    assert own.step.loss_broadcast is None
+    assert own.loss_broadcast is None
     # A loss of the user's on the logits, against the same labels: told, on `.logits`.
     def loss_fn(out: object, target: torch.Tensor) -> torch.Tensor:
         return _quiet(functional.mse_loss)(out.logits, target)  # type: ignore[attr-defined]
     users = gradient_flow(model, {"input_ids": ids}, loss_fn=loss_fn, target=labels)
-    b = users.step.loss_broadcast if users.step is not None else None
+    b = users.loss_broadcast
     assert b is not None and (b.output_shape, b.shape, b.target_shape) == ((8, 1), (8, 8), (8,))
     assert b.output == "['logits']"
     assert "grads.loss_broadcast" in [f.code for f in users.findings()]
@@ -186,7 +187,7 @@ def test_an_output_broadcast_along_a_larger_targets_rows_is_a_warning(name: str)
     model, (x, _) = _regressor(), _data()
     loss_fn, needs_target = PER_ROW[name]
     flow = gradient_flow(model, x, loss_fn=loss_fn, target=_rows())
-    b = flow.step.loss_broadcast if flow.step is not None else None
+    b = flow.loss_broadcast
     assert b is not None and b.per_row == K
     assert (b.output_shape, b.shape, b.target_shape) == ((N, 1), (N, K), (N, K))
     (found,) = [f for f in flow.findings() if f.code == "grads.loss_broadcast"]
@@ -233,7 +234,7 @@ PER_ROW_SILENT: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] 
 def test_a_scalar_against_fixed_centres_or_its_own_column_is_silent(name: str) -> None:
     model, (x, _) = _regressor(), _data()
     flow = gradient_flow(model, x, loss_fn=PER_ROW_SILENT[name], target=_rows())
-    assert flow.step is not None and flow.step.loss_broadcast is None
+    assert flow.loss_broadcast is None
     assert "grads.loss_broadcast" not in [f.code for f in flow.findings()]
 
 
@@ -394,7 +395,7 @@ def test_probabilities_given_to_a_loss_that_wants_logits_are_told(name: str) -> 
     last, loss_fn, (squash, loss, in_model) = ON_PROBABILITIES[name]
     model, (x, _) = _classifier(last), _data()
     flow = gradient_flow(model, x, loss_fn=loss_fn, target=_labels())
-    p = flow.step.loss_on_probabilities if flow.step is not None else None
+    p = flow.loss_on_probabilities
     assert p is not None
     assert (p.output, p.output_shape, p.squash, p.loss, p.in_model, p.classes, p.assumed) == \
         ("", (N, C), squash, loss, in_model, C, False)
@@ -417,7 +418,7 @@ def test_a_sigmoid_into_bce_with_logits_is_told() -> None:
     model, (x, y) = _classifier(nn.Sigmoid(), classes=1), _data()
     labels = (y > 0).float()[:, None]  # (N, 1)
     flow = gradient_flow(model, x, loss_fn=nn.BCEWithLogitsLoss(), target=labels)
-    p = flow.step.loss_on_probabilities if flow.step is not None else None
+    p = flow.loss_on_probabilities
     assert p is not None and (p.squash, p.loss, p.in_model, p.classes) == \
         ("sigmoid", "binary_cross_entropy_with_logits", True, None)
     (found,) = [f for f in flow.findings() if f.code == "grads.loss_on_probabilities"]
@@ -433,8 +434,7 @@ def test_under_autocast_the_casts_between_are_passed() -> None:
     model, (x, _) = _classifier(nn.Softmax(dim=1)), _data()
     step = Step(model, x, loss_fn=nn.CrossEntropyLoss(), target=_labels(),
                 autocast=torch.bfloat16)
-    step.forward_backward()
-    p = step.info(None).loss_on_probabilities
+    p = gradient_flow(step).loss_on_probabilities
     assert p is not None and (p.squash, p.loss, p.in_model) == ("softmax", "cross_entropy", True)
 
 
@@ -456,15 +456,14 @@ def test_losses_that_take_probabilities_as_such_are_silent(name: str) -> None:
     last, loss_fn = SILENT_CLASSIFIERS[name]
     model, (x, _) = _classifier(last), _data()
     flow = gradient_flow(model, x, loss_fn=loss_fn, target=_labels())
-    assert flow.step is not None and flow.step.loss_on_probabilities is None
-    assert flow.step.loss_broadcast is None
+    assert flow.loss_on_probabilities is None and flow.loss_broadcast is None
     assert not [f for f in flow.findings() if f.code.startswith("grads.loss_")]
 
 
 def test_a_sigmoid_into_binary_cross_entropy_is_silent() -> None:
     model, (x, y) = _classifier(nn.Sigmoid(), classes=1), _data()
     flow = gradient_flow(model, x, loss_fn=nn.BCELoss(), target=(y > 0).float()[:, None])
-    assert flow.step is not None and flow.step.loss_on_probabilities is None
+    assert flow.loss_on_probabilities is None
 
 
 def test_torchscopes_own_cross_entropy_on_a_softmax_output_is_a_warning() -> None:
@@ -473,7 +472,7 @@ def test_torchscopes_own_cross_entropy_on_a_softmax_output_is_a_warning() -> Non
     model, (x, _) = _classifier(nn.Softmax(dim=1)), _data()
     flow = gradient_flow(model, x)
     assert flow.step is not None and flow.step.loss == "auto → cross-entropy vs seeded targets"
-    p = flow.step.loss_on_probabilities
+    p = flow.loss_on_probabilities
     assert p is not None and p.assumed and p.in_model
     (found,) = [f for f in flow.findings() if f.code == "grads.loss_on_probabilities"]
     assert found.severity.label == "warning"

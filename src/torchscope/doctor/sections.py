@@ -201,6 +201,11 @@ class GradientsSection(Section[GradFlow]):
                         "grad_input_norm": combine_norms(inputs[m]),
                         "param_grad_norm": params.get(m)}
                        for m in record.layers() if m in reached],
+            # What the step's loss did with the output and the labels (grads.loss_*,
+            # grads.padding_in_loss); report.json's build makes them JSON.
+            "loss_broadcast": record.loss_broadcast,
+            "loss_on_probabilities": record.loss_on_probabilities,
+            "padded_labels": record.padded_labels,
         }
 
     def plots(self, record: GradFlow) -> dict[str, Figure]:

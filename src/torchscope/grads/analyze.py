@@ -22,6 +22,7 @@ from torchscope.catalogue import entry
 from torchscope.errors import TorchscopeError
 from torchscope.findings import Entry, Finding, Severity, analyzer, rank
 from torchscope.grads.flow import GradWatch
+from torchscope.grads.loss import LossBroadcast, LossOnProbabilities
 from torchscope.grads.ranks import rank_findings
 from torchscope.grads.records import (
     NO_GRAD,
@@ -40,7 +41,6 @@ from torchscope.grads.records import (
     rms,
 )
 from torchscope.hooks.compiled import ran_eagerly, unseen_forward
-from torchscope.step import LossBroadcast, LossOnProbabilities
 
 __all__ = [
     "DepthProfile",
@@ -1338,7 +1338,7 @@ def find_broken_update(broken: BrokenUpdate | None) -> list[Finding]:
 
 def find_loss_broadcast(b: LossBroadcast | None) -> list[Finding]:
     """`grads.loss_broadcast` (error): the loss broadcast the model's output against a
-    target of as many elements laid out otherwise (`StepInfo.loss_broadcast` of a step
+    target of as many elements laid out otherwise (`GradFlow.loss_broadcast` of a step
     torchscope ran, `GradWatch.loss_broadcast` of the user's): `(N, 1)` predictions
     against `(N,)` targets are compared pairwise, every prediction with every target. Each
     prediction's gradient then pulls it toward the mean of all targets, and the model
@@ -1390,7 +1390,7 @@ def find_padding_in_loss(padded_labels: tuple[int, int] | None, *,
     DataCollatorForLanguageModeling (mlm=False) writes -100 there.
 
     One finding for a step torchscope ran (`grads.padding_in_loss`, from
-    `StepInfo.padded_labels`) and for a run's sampled steps (`run.padding_in_loss`).
+    `GradFlow.padded_labels`) and for a run's sampled steps (`run.padding_in_loss`).
 
     Args:
         padded_labels: `(padded, counted)`, or None where they were not read.
@@ -1407,12 +1407,13 @@ def find_padding_in_loss(padded_labels: tuple[int, int] | None, *,
         f"the loss trains on padding: {counted} of the {padded} label positions that the "
         f"attention mask pads and the loss reads ({where}) hold a token, not -100, so the "
         "model learns to predict the pad token there",
-        {"padded": padded, "counted": counted, **(evidence or {})})]
+        {"padded": padded, "counted": counted, **(evidence or {})},
+        fix=_PADDING_IN_LOSS.fix)]  # the same fix for a step and for a run
 
 
 def find_loss_on_probabilities(p: LossOnProbabilities | None) -> list[Finding]:
     """`grads.loss_on_probabilities` (error): the loss applied its own softmax or sigmoid
-    to an output that already went through one (`StepInfo.loss_on_probabilities`,
+    to an output that already went through one (`GradFlow.loss_on_probabilities`,
     `GradWatch.loss_on_probabilities`): probabilities taken as logits. The runtime side of
     the lint rule TS014, wherever the softmax is: a model's final `nn.Softmax` or
     `nn.Sigmoid` layer included, which no reading of the training code can see. A warning
@@ -1840,10 +1841,9 @@ def diagnose(flow: GradFlow, thresholds: GradThresholds | None = None) -> list[F
                find_frozen, find_frozen_zero, find_update_ratio, find_stale_weights,
                find_idle_forwards, find_unseen_forward):
         found += fn(flow, thresholds)
-    if flow.step is not None:
-        found += find_loss_broadcast(flow.step.loss_broadcast)
-        found += find_loss_on_probabilities(flow.step.loss_on_probabilities)
-        found += find_padding_in_loss(flow.step.padded_labels)
+    found += find_loss_broadcast(flow.loss_broadcast)
+    found += find_loss_on_probabilities(flow.loss_on_probabilities)
+    found += find_padding_in_loss(flow.padded_labels)
     found += find_broken_update(flow.broken_update)
     found += rank_findings(flow)  # DDP/FSDP2 only: ranks that diverge or see skewed data
     return rank(found)

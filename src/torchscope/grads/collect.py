@@ -77,6 +77,7 @@ from torchscope.distributed.world import (
     world,
 )
 from torchscope.errors import TorchscopeError
+from torchscope.grads.loss import OutputEdge, output_edges
 from torchscope.grads.records import (
     FROZEN,
     INPUT_NO_GRAD,
@@ -106,7 +107,7 @@ from torchscope.hooks.select import (
 )
 from torchscope.hooks.session import HookSession
 from torchscope.hooks.tree import iter_tensors, nested_values
-from torchscope.step import OutputEdge, StepInfo, output_edges
+from torchscope.step import StepInfo
 
 __all__ = ["GradCollector", "HostUpdates", "Updates", "updates_later", "with_updates"]
 

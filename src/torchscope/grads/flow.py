@@ -29,6 +29,13 @@ from torchscope.grads.collect import (
     updates_later,
     with_updates,
 )
+from torchscope.grads.loss import (
+    LossBroadcast,
+    LossOnProbabilities,
+    StepLossCheck,
+    loss_faults,
+    loss_faults_at,
+)
 from torchscope.grads.records import (
     BrokenUpdate,
     GradFlow,
@@ -40,13 +47,9 @@ from torchscope.hooks.lifecycle import HookedContext
 from torchscope.hooks.select import Selector
 from torchscope.hooks.session import HookSession
 from torchscope.step import (
-    LossBroadcast,
-    LossOnProbabilities,
     LossSpec,
     Step,
     inner_optimizer,
-    loss_faults,
-    loss_faults_at,
     own_loss,
 )
 
@@ -92,8 +95,10 @@ def gradient_flow(
             call that consume each input; nothing is put into the graph).
 
     Returns:
-        The step's `GradFlow`, with `flow.step` saying which loss ran and its value. The
-        parameters' `.grad` hold this step's gradients, exactly as a plain `loss.backward()`
+        The step's `GradFlow`, with `flow.step` saying which loss ran and its value, and
+        what its loss did with the output (`flow.loss_broadcast`,
+        `flow.loss_on_probabilities`) and with labels on padding (`flow.padded_labels`).
+        The parameters' `.grad` hold this step's gradients, exactly as a plain `loss.backward()`
         (per micro-batch) leaves them; every hook is already removed.
 
     Raises:
@@ -121,8 +126,13 @@ def gradient_flow(
             collector.session.set_training(train)
         if zero_grad:
             step.zero_grad()
-        loss = step.forward_backward()
-        return collector.finish(0, step=step.info(loss))
+        check = StepLossCheck(step)
+        with check:
+            loss = step.forward_backward(before_backward=check.before_backward)
+        flow = collector.finish(0, step=step.info(loss))
+    return replace(flow, loss_broadcast=check.faults.broadcast,
+                   loss_on_probabilities=check.faults.probabilities,
+                   padded_labels=check.padded_labels())
 
 
 StepBy = Literal["optimizer", "micro_batches", "inferred", "manual"]
@@ -473,7 +483,7 @@ class GradWatch(HookedContext, Analyzed):
         loss's graph once, back to the model's output, for a broadcast against the target
         and for probabilities given to a loss that wants logits (`loss_broadcast`,
         `loss_on_probabilities`; `grads.loss_broadcast`, `grads.loss_on_probabilities`,
-        `torchscope.step.loss_faults`). The first call arms it: the output of the model's
+        `torchscope.grads.loss.loss_faults`). The first call arms it: the output of the model's
         next forward is kept until the next call reads it, and is dropped then. A few
         autograd nodes are walked, once; no tensor is read. Where the loss's graph does not
         reach that output (another forward ran in between), the next call tries again, up

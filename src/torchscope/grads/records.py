@@ -13,6 +13,7 @@ from torchscope.errors import TorchscopeError
 from torchscope.findings import Analyzed
 
 if TYPE_CHECKING:
+    from torchscope.grads.loss import LossBroadcast, LossOnProbabilities
     from torchscope.step import StepInfo
 
 # Why a gradient is missing. Fixed phrases, so tests and renderers can match them.
@@ -497,6 +498,17 @@ class GradFlow(Analyzed, Gatherable):
         frozen_zero: frozen parameters (requires_grad=False; not biases, up to 2**20
             elements) whose every value was zero when the gradients were read: nothing can
             change them. Not read across ranks (empty under DDP and FSDP2).
+        loss_broadcast: where the step's loss broadcast the model's output against its
+            target into every pair of the two, or along a larger target's rows
+            (`loss_faults`, read by `gradient_flow` on the first micro-batch's graph); None
+            where it did not, or where it was not read (a watch keeps its own).
+        loss_on_probabilities: where the step's loss applied its own softmax or sigmoid to
+            an output that already went through one (`loss_faults`); None where it did not.
+        padded_labels: `(padded, counted)` where the model is a transformers model whose
+            loss reads `labels` against its `attention_mask` and the step gave it both, or
+            it runs one that it gives both (`StepLossCheck.padded_labels`, over every
+            micro-batch): the label positions the mask pads that the loss reads, and those
+            of them that hold a token, not -100. None where not so.
     """
 
     index: int
@@ -517,6 +529,9 @@ class GradFlow(Analyzed, Gatherable):
     experts: tuple[tuple[str, tuple[str, ...]], ...] = ()
     frozen_zero: tuple[str, ...] = ()
     optimizer_eps: float | None = None
+    loss_broadcast: LossBroadcast | None = None
+    loss_on_probabilities: LossOnProbabilities | None = None
+    padded_labels: tuple[int, int] | None = None
 
     @property
     def broken_update(self) -> BrokenUpdate | None:

@@ -14,9 +14,9 @@ from torchscope.monitoring.history import Bucket
 if TYPE_CHECKING:
     from torchscope.capture import ActivationCapture
     from torchscope.grads import BrokenUpdate, GradFlow
+    from torchscope.grads.loss import LossBroadcast, LossOnProbabilities
     from torchscope.memory import MemoryWatch
     from torchscope.profiling import ProfileResult
-    from torchscope.step import LossBroadcast, LossOnProbabilities
 
 __all__ = ["ExpertUse", "HistoryBudget", "LayerSeries", "ModeCounts", "NonFiniteOnset",
            "RunRecord", "RunStatus", "mode_sensitive"]

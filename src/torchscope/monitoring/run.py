@@ -33,6 +33,7 @@ from torchscope.capture.analyze import leaf_modules
 from torchscope.distributed.world import world
 from torchscope.errors import TorchscopeError, describe
 from torchscope.grads import GradFlow, GradWatch
+from torchscope.grads.loss import labelled_modules, padded_label_counts
 from torchscope.hooks.compiled import compiled_parts, eager_stance
 from torchscope.hooks.lifecycle import HookedContext
 from torchscope.hooks.select import Selector
@@ -51,12 +52,7 @@ from torchscope.monitoring.records import (
     mode_sensitive,
 )
 from torchscope.profiling import ProfilingError, TimeWatch
-from torchscope.step import (
-    autocast_dtype,
-    inner_optimizer,
-    labelled_modules,
-    padded_label_counts,
-)
+from torchscope.step import autocast_dtype, inner_optimizer
 
 __all__ = ["Monitor", "monitor"]
 
