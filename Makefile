@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck bench clean
+.PHONY: demo test lint typecheck bench docs clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -36,5 +36,12 @@ bench: $(STAMP)
 	$(BIN)/python -m pip install -q -e '.[dev,bench]'
 	for b in benchmarks/*.py; do $(BIN)/python $$b || exit 1; done
 
+# The documentation site, built strictly (a broken link, anchor or API reference fails) into
+# site/. The `docs` extra (mkdocs-material, mkdocstrings) goes into .venv when it is missing.
+docs: $(STAMP)
+	$(BIN)/python -c "import material, mkdocstrings_handlers.python" 2>/dev/null || \
+		$(BIN)/python -m pip install -q -e '.[dev,docs]'
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict --site-dir site
+
 clean:
-	rm -rf $(VENV) torchscope-report .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) torchscope-report site .pytest_cache .mypy_cache .ruff_cache

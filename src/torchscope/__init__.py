@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from torchscope._util import __version__ as __version__
 
-# Public name -> the module that defines it. README.md's "API" table lists the same names.
+# Public name -> the module that defines it. docs/api.md's table lists the same names.
 _API: dict[str, str] = {
     # One-shot function, then the context manager for your own loop, per capability.
     "capture_activations": "torchscope.capture",

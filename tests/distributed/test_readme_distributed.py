@@ -1,5 +1,5 @@
-"""The README's two distributed examples run as written on two real ranks and print what
-their comments say."""
+"""The two distributed examples of the docs (docs/guides/distributed.md) run as written on
+two real ranks and print what their comments say."""
 
 from __future__ import annotations
 
@@ -19,9 +19,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _examples() -> list[str]:
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("## Distributed"):text.index("## Safety")]
-    return re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    text = (ROOT / "docs" / "guides" / "distributed.md").read_text()
+    return re.findall(r"```python\n(.*?)```", text, flags=re.S)
 
 
 def _run(code: str, tmp: Path) -> list[str]:

@@ -180,7 +180,7 @@ def watch_recompiles(
     Raises:
         CompileError: `on_recompile` is a model (an `nn.Module`).
 
-    Example:
+    Examples:
         >>> with torchscope.compile.watch_recompiles() as w:
         ...     for bs in (32, 16, 8):
         ...         compiled(torch.randn(bs, 3, 32, 32))

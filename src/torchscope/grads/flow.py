@@ -106,7 +106,7 @@ def gradient_flow(
         TorchscopeError: the loss does not depend on anything that requires grad, or a
             `Step` was given together with inputs or step options.
 
-    Example:
+    Examples:
         >>> flow = torchscope.gradient_flow(model, x, loss_fn="cross_entropy", target=y,
         ...                                 select=["conv1", "conv2", "fc"])
         >>> [r.module for r in flow.modules]
