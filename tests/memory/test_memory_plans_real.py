@@ -254,9 +254,14 @@ def test_every_repeated_block_list_is_planned_over() -> None:
     _standing_plan(report)
     assert report.checkpointable == names
     assert report.chosen_plan is not None and report.chosen_plan.checkpointed == names
-    # The fix names the blocks, and applying it reproduces the plan's saved bytes.
+    # The fix names the blocks (where the plan lowers the measured peak: a plan that
+    # lowers nothing is not recommended), and applying it reproduces the plan's saved bytes.
+    from torchscope.memory.analysis import apply_hint, lowers_peak
+
+    hint = apply_hint(report.chosen_plan)
+    assert hint == f"torchscope.memory.apply(model, blocks={list(names)!r})"
     fix = next(f.fix for f in report.findings() if f.code == "memory.checkpoint_plan")
-    assert fix == f"torchscope.memory.apply(model, blocks={list(names)!r})"
+    assert fix == ("" if lowers_peak(report.plans, "all") is False else hint)  # type: ignore[arg-type]
     m = report.plans.measurement("all")  # type: ignore[union-attr]
     with apply(model, blocks=list(names)):
         assert saved_activations(model, x).total_bytes == m.saved_bytes  # type: ignore[union-attr]
@@ -277,10 +282,15 @@ def test_a_frozen_prefix_keeps_the_rest_groupable() -> None:
     assert sqrt.segments == ((0, 2), (2, 4)) and sqrt.checkpointed == ("1", "2", "3", "4")
     m = report.measurement("sqrt")
     assert m is not None and m.verification is not None and m.verification.bitwise_equal
-    # The fix counts segments among the Sequential's children, and installs the same plan.
+    # The fix counts segments among the Sequential's children, and installs the same plan
+    # (the finding gives it where the plan lowers the measured peak).
+    from torchscope.memory.analysis import apply_hint, lowers_peak
+
+    hint = apply_hint(sqrt)
+    assert hint == "torchscope.memory.apply(model, blocks=model, segments=[(1, 3), (3, 5)])"
     fix = next(f.fix for f in report.findings() if f.code == "memory.checkpoint_plan"
                and f.evidence["plan"] == "sqrt")
-    assert fix == "torchscope.memory.apply(model, blocks=model, segments=[(1, 3), (3, 5)])"
+    assert fix == ("" if lowers_peak(report, "sqrt") is False else hint)
     with apply(model, blocks=model, segments=[(1, 3), (3, 5)]) as handle:
         assert handle.checkpointed == ("1", "2", "3", "4")
         assert saved_activations(model, x, loss_fn="sum").total_bytes == m.saved_bytes

@@ -21,8 +21,9 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from torchscope.catalogue import entry
 from torchscope.errors import CompileError
-from torchscope.findings import Finding, Severity
+from torchscope.findings import Entry, Finding, Severity
 
 __all__ = [
     "CompileCounter",
@@ -83,7 +84,7 @@ def _compiled_method(module: nn.Module) -> bool:
                for v in vars(module).values())
 
 
-def ran_eagerly(code: str, parts: tuple[str, ...], what: str, *, also: str = "",
+def ran_eagerly(code: str | Entry, parts: tuple[str, ...], what: str, *, also: str = "",
                 severity: Severity = Severity.INFO, fix: str | None = None) -> list[Finding]:
     """The finding that the model's compiled `parts` ran eagerly while `what` (a watch, the
     monitor, a per-module profile) held its hooks: at eager speed and with eager numerics.
@@ -100,8 +101,9 @@ def ran_eagerly(code: str, parts: tuple[str, ...], what: str, *, also: str = "",
     if not parts:
         return []
     where = ", ".join(n or "<root>" for n in parts[:3]) + (", ..." if len(parts) > 3 else "")
-    return [Finding(
-        code, severity,
+    of = entry(code) if isinstance(code, str) else code
+    return [of.finding(
+        severity,
         f"the model's compiled parts ({where}) ran eagerly while {what} was open: "
         "torchscope's hooks fire only in eager code, so the steps it saw ran at eager speed "
         "and with eager numerics (eager gradients differ from compiled ones in the last "
@@ -111,7 +113,7 @@ def ran_eagerly(code: str, parts: tuple[str, ...], what: str, *, also: str = "",
             "only (its findings cover that stretch).")]
 
 
-def unseen_forward(code: str, summary: str, evidence: dict[str, int | None]) -> Finding:
+def unseen_forward(code: str | Entry, summary: str, evidence: dict[str, int | None]) -> Finding:
     """The warning that a watch's hooks saw no forward of the model while the model, as far
     as the watch can tell, did run: its parameters got gradients, or the watch was open and
     recorded nothing. A `torch.compile` wrapper built before the watch opened runs its
@@ -122,8 +124,9 @@ def unseen_forward(code: str, summary: str, evidence: dict[str, int | None]) -> 
         summary: what the watch saw, in one sentence.
         evidence: the finding's evidence.
     """
-    return Finding(
-        code, Severity.WARNING, summary, dict(evidence),
+    of = entry(code) if isinstance(code, str) else code
+    return of.finding(
+        Severity.WARNING, summary, dict(evidence),
         fix="give torchscope the module that the loop calls: a torch.compile wrapper made "
             "before the watch opened never runs hooks added later (pass the compiled module, "
             "which then runs eagerly while watched); check that `select` names modules that "

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from torchscope.catalogue import entry
 from torchscope.findings import Finding, Severity, analyzer
 from torchscope.lab.records import LabResult
 
 __all__ = ["lab_findings"]
+
+_CLAIM_FAILED = entry("lab.claim_failed")
+_CLAIM_UNCHECKED = entry("lab.claim_unchecked")
 
 
 @analyzer(LabResult)
@@ -24,8 +28,8 @@ def lab_findings(result: LabResult, thresholds: Any = None) -> list[Finding]:
         if c.held is True:
             continue
         failed = c.held is False
-        out.append(Finding(
-            "lab.claim_failed" if failed else "lab.claim_unchecked",
+        made = _CLAIM_FAILED if failed else _CLAIM_UNCHECKED
+        out.append(made.finding(
             Severity.WARNING if failed else Severity.INFO,
             f"{c.milestone}: {c.claim}" + (f" (measured {c.measured!r}, expected "
                                            f"{c.expected!r})" if failed else " (not checked)"),

@@ -11,6 +11,7 @@ from collections import Counter
 
 from torchscope._timing import fmt_ratio
 from torchscope._util import fmt_bytes, fmt_names
+from torchscope.catalogue import entry
 from torchscope.findings import Finding, Severity, analyzer
 from torchscope.hooks.compiled import ran_eagerly
 from torchscope.memory.records import (
@@ -24,6 +25,25 @@ from torchscope.memory.records import (
     PlanReport,
     SavedActivations,
 )
+
+_SAVED_BY_TYPE = entry("memory.saved_by_type")
+_LARGEST_SAVER = entry("memory.largest_saver")
+_ACTIVATIONS_DOMINATE = entry("memory.activations_dominate")
+_OPTIMIZER_STATE = entry("memory.optimizer_state")
+_ESTIMATE_VS_MEASURED = entry("memory.estimate_vs_measured")
+_COMPILED_EAGER = entry("memory.compiled_eager")
+_NO_PLAN = entry("memory.no_plan")
+_BLOCKS_EXCLUDED = entry("memory.blocks_excluded")
+_PLAN_NOTE = entry("memory.plan_note")
+_PLAN_KEEPS_MORE = entry("memory.plan_keeps_more")
+_CHECKPOINT_FAILED = entry("memory.checkpoint_failed")
+_CHECKPOINT_PLAN = entry("memory.checkpoint_plan")
+_NOT_BITWISE = entry("memory.not_bitwise")
+_BUFFERS_RECOMPUTED = entry("memory.buffers_recomputed")
+_EMPTY_CACHE = entry("memory.empty_cache")
+_LARGEST_LIVE = entry("memory.largest_live")
+_SAVED_GROWTH = entry("memory.saved_growth")
+_PEAK_GROWTH = entry("memory.peak_growth")
 
 _GROWTH = 1.5  # a later sample this many times the first one's bytes is worth a finding
 
@@ -47,14 +67,26 @@ def analyze_report(report: MemoryReport, thresholds: object = None) -> list[Find
     """Saved activations, the step's totals against its measurement, and the chosen plan.
 
     The fix for activation-dominated memory names only what works for this model: the
-    verified plan; for a model that checkpoints itself, what is left to do; the planner
-    when the model has blocks to checkpoint; else checkpointing by hand.
+    verified plan where it lowers the measured peak (its caveat too, where it updates
+    buffers twice); for a model that checkpoints itself, what is left to do; the planner
+    when the model has blocks to checkpoint; else checkpointing by hand. A plan whose
+    measured peak did not fall is never recommended. A plan the user did not ask for
+    (`report.proposed`, the doctor's) gives notes, never warnings.
     """
     plan = report.chosen_plan
     by_hand = _already_checkpointed(report.saved.checkpointed) if report.saved.checkpointed \
         else _CHECKPOINT_BY_HAND
-    if plan is not None and plan.status == "ok" and plan.segments:
-        fix = f"apply the verified plan ({report.chosen}): {apply_hint(plan)}"
+    lowers = None if report.plans is None or report.chosen is None else \
+        lowers_peak(report.plans, report.chosen)
+    if plan is not None and plan.status == "ok" and plan.segments and lowers is False:
+        fix = ("checkpointing lowers the measured peak by nothing on this step (the peak "
+               "comes after the saved activations are freed, in backward): a smaller batch "
+               "or sequence lowers it.")
+    elif plan is not None and plan.status == "ok" and plan.segments:
+        v = report.verification
+        caveat = "" if v is None or v.buffers_equal else \
+            ", though it updates buffers such as BatchNorm's running stats twice"
+        fix = f"apply the verified plan ({report.chosen}{caveat}): {apply_hint(plan)}"
     elif report.saved.checkpointed:
         fix = by_hand
     elif report.plans is None and not report.no_plan and report.checkpointable:
@@ -66,23 +98,31 @@ def analyze_report(report: MemoryReport, thresholds: object = None) -> list[Find
     if report.no_plan:
         # Blocks that all hold no trainable work have nothing to give; without a block
         # sequence, checkpointing by hand still can.
-        out.append(Finding("memory.no_plan", Severity.INFO,
-                           f"no checkpoint plan: {report.no_plan}",
-                           {"reason": report.no_plan},
-                           fix="" if report.checkpointable else by_hand))
+        out.append(_NO_PLAN.finding(Severity.INFO,
+                                    f"no checkpoint plan: {report.no_plan}",
+                                    {"reason": report.no_plan},
+                                    fix="" if report.checkpointable else by_hand))
     if report.plans is not None:
-        out += _plans(report.plans, report.chosen)
+        out += _plans(report.plans, report.chosen, asked=not report.proposed)
     return out
+
+
+def lowers_peak(plans: PlanReport, name: str) -> bool | None:
+    """Whether plan `name`, applied, measured a lower step peak than no checkpointing;
+    None where either peak was not measured."""
+    m, none = plans.measurement(name), plans.measurement("none")
+    if m is None or none is None or none.peak_bytes <= 0:
+        return None
+    return m.peak_bytes < none.peak_bytes
 
 
 @analyzer(SavedActivations)
 def analyze_saved(saved: SavedActivations, thresholds: object = None) -> list[Finding]:
     """Which module types hold the saved activations, and the largest single holder."""
     compiled = ran_eagerly(
-        "memory.compiled_eager", saved.compiled, "the saved-activation count",
+        _COMPILED_EAGER, saved.compiled, "the saved-activation count",
         also=": these are the bytes the eager model saves; the compiled graph keeps what "
              "its partitioner chose (often less, recomputing cheap ops in backward)",
-        severity=Severity.WARNING,
         fix="compare the compiled step's own peak (torch.cuda.max_memory_allocated around "
             "it, no torchscope hooks open) with the eager one; per-module saved bytes need "
             "hooks, which need eager code.")
@@ -98,8 +138,7 @@ def analyze_saved(saved: SavedActivations, thresholds: object = None) -> list[Fi
     # One module of that type holds all of it (a ReLU module reused by every layer): one
     # finding names it, rather than a second one repeating the same bytes.
     alone = (top.module_type or "(no module)") == kind and top.bytes == nbytes
-    out = [Finding(
-        "memory.saved_by_type", Severity.INFO,
+    out = [_SAVED_BY_TYPE.finding(Severity.INFO,
         f"{kind} outputs hold {share:.0%} of saved activations "
         f"({fmt_bytes(nbytes)} of {fmt_bytes(total)})"
         + (f", all of them {top.module or '<root>'}'s." if alone else "."),
@@ -107,8 +146,7 @@ def analyze_saved(saved: SavedActivations, thresholds: object = None) -> list[Fi
         module=top.module if alone else None,
     )]
     if len(saved.modules) > 2 and top.bytes / total >= 0.25 and not alone:
-        out.append(Finding(
-            "memory.largest_saver", Severity.INFO,
+        out.append(_LARGEST_SAVER.finding(Severity.INFO,
             f"{top.module or '<root>'} ({top.module_type}) alone keeps "
             f"{top.bytes / total:.0%} of saved activations ({fmt_bytes(top.bytes)}).",
             {"bytes": top.bytes, "share": top.bytes / total, "storages": top.storages},
@@ -134,8 +172,7 @@ def _totals(totals: MemoryTotals, measured: MeasuredMemory | None, fix: str) -> 
     out: list[Finding] = []
     state = totals.parameters + totals.gradients + (totals.optimizer_state or 0)
     if totals.saved_activations > state and totals.saved_activations > 0:
-        out.append(Finding(
-            "memory.activations_dominate", Severity.INFO,
+        out.append(_ACTIVATIONS_DOMINATE.finding(Severity.INFO,
             f"saved activations ({fmt_bytes(totals.saved_activations)}) exceed parameters, "
             f"gradients and optimizer state together ({fmt_bytes(state)}).",
             {"saved_activations": totals.saved_activations, "state": state},
@@ -144,8 +181,7 @@ def _totals(totals: MemoryTotals, measured: MeasuredMemory | None, fix: str) -> 
     if totals.optimizer_state and totals.parameters and (
             totals.optimizer_state >= 1.5 * totals.parameters):
         ratio = totals.optimizer_state / totals.parameters
-        out.append(Finding(
-            "memory.optimizer_state", Severity.INFO,
+        out.append(_OPTIMIZER_STATE.finding(Severity.INFO,
             f"optimizer state is {ratio:.1f}× the parameters "
             f"({fmt_bytes(totals.optimizer_state)}, {totals.optimizer_state_source}).",
             {"optimizer_state": totals.optimizer_state, "ratio": ratio},
@@ -157,8 +193,7 @@ def _totals(totals: MemoryTotals, measured: MeasuredMemory | None, fix: str) -> 
                  f"{fmt_bytes(meas - totals.step_estimate)} at the peak"
                  if meas > totals.step_estimate else
                  "; backward frees activations while it writes gradients")
-        out.append(Finding(
-            "memory.estimate_vs_measured", Severity.INFO,
+        out.append(_ESTIMATE_VS_MEASURED.finding(Severity.INFO,
             f"the step keeps {fmt_bytes(totals.step_estimate)} by count (saved activations, "
             f"outputs, gradients); its measured peak is {fmt_bytes(meas)} "
             f"({ratio:.2f}×){extra}.",
@@ -218,33 +253,37 @@ def _cost(m: PlanMeasurement | None) -> tuple[str, dict[str, float | int | str |
     r = m.slowdown
     evidence: dict[str, float | int | str | bool | None] = {
         "step_ms": m.step_ms, "slowdown": r.value, "slowdown_low": r.low,
-        "slowdown_high": r.high, "measurable": r.above, "repeats": m.repeats}
+        "slowdown_high": r.high, "measurable": r.above, "repeats": m.repeats,
+        "recompute_ms": m.recompute_ms if m.recompute_measurable else None,
+        "recompute_low_ms": m.recompute_low_ms, "recompute_high_ms": m.recompute_high_ms}
     if r.above:
         return f" at {r.value - 1:+.0%} step time ({r.low:.2f}–{r.high:.2f}×)", evidence
     return f" at {fmt_ratio(r, none='no measurable cost in step time', above=True)}", evidence
 
 
-def _plans(report: PlanReport, chosen: str | None) -> list[Finding]:
+def _plans(report: PlanReport, chosen: str | None, *, asked: bool = True) -> list[Finding]:
     """One finding per plan (or the chosen one): saving, cost, verification; plans that are
-    not offered (they keep more, or failed their verification) say why."""
+    not offered (they keep more, or failed their verification) say why. A plan whose
+    measured peak did not fall carries no fix: it is not recommended. Its caveats (a failed
+    verification, gradients not bitwise equal, buffers updated twice) are warnings where
+    checkpointing was `asked` for, notes where the plan is only an offer."""
+    caveat = Severity.WARNING if asked else Severity.INFO
     out: list[Finding] = []
     if report.excluded:
         names = [n for n, _ in report.excluded]
         shown = fmt_names(names, 4)
         reasons = "; ".join(sorted({r for _, r in report.excluded}))
-        out.append(Finding(
-            "memory.blocks_excluded", Severity.INFO,
+        out.append(_BLOCKS_EXCLUDED.finding(Severity.INFO,
             f"{len(names)} block(s) left out of checkpoint planning ({shown}): {reasons}.",
             {"blocks": len(names), "first": names[0]},
         ))
     for note in report.notes:
-        out.append(Finding("memory.plan_note", Severity.INFO, note, {}))
+        out.append(_PLAN_NOTE.finding(Severity.INFO, note, {}))
     # A plan that keeps more than none is said whichever plan was asked for: it explains
     # why the others were not offered.
     for plan in report.plans:
         if plan.status == "keeps_more":
-            out.append(Finding(
-                "memory.plan_keeps_more", Severity.INFO,
+            out.append(_PLAN_KEEPS_MORE.finding(Severity.INFO,
                 f"{plan.name}: checkpointing {describe_segments(plan)} is not offered: it "
                 f"{plan.failed}.",
                 {"plan": plan.name, "saved_bytes": plan.saved_bytes,
@@ -261,8 +300,7 @@ def _plans(report: PlanReport, chosen: str | None) -> list[Finding]:
         if plan.status == "keeps_more":
             continue
         if plan.status == "unverified":
-            out.append(Finding(
-                "memory.checkpoint_failed", Severity.WARNING,
+            out.append(_CHECKPOINT_FAILED.finding(caveat,
                 f"{name}: checkpointing {describe_segments(plan)} failed its verification, "
                 f"so it is not offered: {plan.failed}",
                 {"plan": name},
@@ -279,8 +317,7 @@ def _plans(report: PlanReport, chosen: str | None) -> list[Finding]:
         if not plan.segments:
             budget = ("" if plan.budget is None else
                       f", within the budget of {fmt_bytes(plan.budget)}")
-            out.append(Finding(
-                "memory.checkpoint_plan", Severity.INFO,
+            out.append(_CHECKPOINT_PLAN.finding(Severity.INFO,
                 f"{name}: no checkpointing needed: the step keeps {fmt_bytes(saved)} of "
                 f"saved activations{budget}." if saves else
                 f"{name}: no checkpointing plan keeps fewer saved activations than none "
@@ -300,22 +337,21 @@ def _plans(report: PlanReport, chosen: str | None) -> list[Finding]:
         # peak comes later in backward (the gradients being written), it does not fall.
         none = report.measurement("none")
         peak = ""
-        if m is not None and none is not None and none.peak_bytes > 0:
+        lowers = lowers_peak(report, name)
+        if m is not None and none is not None and lowers is not None:
             evidence.update(peak_bytes=m.peak_bytes, baseline_peak_bytes=none.peak_bytes)
             peak = f"; measured peak {fmt_bytes(none.peak_bytes)} → {fmt_bytes(m.peak_bytes)}"
-            if m.peak_bytes >= none.peak_bytes:
+            if not lowers:
                 peak += (": no lower, so on this step the saved activations do not set the "
-                         "peak and this plan lowers it by nothing")
-        out.append(Finding(
-            "memory.checkpoint_plan", Severity.INFO,
+                         "peak and this plan lowers it by nothing (not recommended)")
+        out.append(_CHECKPOINT_PLAN.finding(Severity.INFO,
             f"{name}: checkpointing {describe_segments(plan)} saves {fmt_bytes(saving)} "
             f"of saved activations ({saving / base:.0%}){cost}{verified}{peak}.",
             evidence,
-            fix=apply_hint(plan),
+            fix="" if lowers is False else apply_hint(plan),
         ))
         if v is not None and not v.bitwise_equal:
-            out.append(Finding(
-                "memory.not_bitwise", Severity.WARNING,
+            out.append(_NOT_BITWISE.finding(caveat,
                 f"{name}: gradients are within tolerance but not bitwise equal "
                 f"(max diff {v.max_abs_diff:.3g}).",
                 {"max_abs_diff": v.max_abs_diff},
@@ -323,8 +359,7 @@ def _plans(report: PlanReport, chosen: str | None) -> list[Finding]:
                 "torch.use_deterministic_algorithms(True) makes runs comparable bitwise.",
             ))
         if v is not None and not v.buffers_equal:
-            out.append(Finding(
-                "memory.buffers_recomputed", Severity.WARNING,
+            out.append(_BUFFERS_RECOMPUTED.finding(caveat,
                 f"{name}: buffers (e.g. BatchNorm running stats) end differently with "
                 "checkpointing: recomputation runs their forward, and its update, again.",
                 {"plan": name},
@@ -340,8 +375,7 @@ def analyze_live(live: LiveTensors, thresholds: object = None) -> list[Finding]:
     if live.reserved_before is not None and live.reserved_after is not None:
         released = live.reserved_before - live.reserved_after
         held = live.allocated_after or 0
-        out.append(Finding(
-            "memory.empty_cache", Severity.WARNING if held > released else Severity.INFO,
+        out.append(_EMPTY_CACHE.finding(Severity.WARNING if held > released else Severity.INFO,
             f"empty_cache() released {fmt_bytes(released)} of cached memory; "
             f"{fmt_bytes(held)} stays allocated by {live.count} live tensor storages.",
             {"released": released, "still_allocated": held, "live_storages": live.count},
@@ -350,8 +384,7 @@ def analyze_live(live: LiveTensors, thresholds: object = None) -> list[Finding]:
     if live.tensors:
         top = live.tensors[0]
         who = top.referrers[0] if top.referrers else "no Python referrer (held from C++)"
-        out.append(Finding(
-            "memory.largest_live", Severity.INFO,
+        out.append(_LARGEST_LIVE.finding(Severity.INFO,
             f"the largest live tensor {tuple(top.shape)} {top.dtype.replace('torch.', '')} "
             f"({fmt_bytes(top.nbytes)}) is held by {who}.",
             {"bytes": top.nbytes, "device": top.device},
@@ -366,8 +399,7 @@ def analyze_history(history: MemoryHistory, thresholds: object = None) -> list[F
     totals = history.total_bytes
     saved_grew = len(totals) >= 2 and totals[0] > 0 and totals[-1] >= _GROWTH * totals[0]
     if saved_grew:
-        out.append(Finding(
-            "memory.saved_growth", Severity.INFO,
+        out.append(_SAVED_GROWTH.finding(Severity.INFO,
             f"saved activations grew from {fmt_bytes(totals[0])} (forward "
             f"{history.forwards[0]}) to {fmt_bytes(totals[-1])} (forward "
             f"{history.forwards[-1]}): the inputs grew (batch or sequence length), or "
@@ -379,8 +411,7 @@ def analyze_history(history: MemoryHistory, thresholds: object = None) -> list[F
     if len(peaks) >= 2 and peaks[0][1] > 0 and peaks[-1][1] >= _GROWTH * peaks[0][1]:
         (f0, p0), (f1, p1) = peaks[0], peaks[-1]
         # Without more saved activations, a growing peak is memory kept across steps.
-        out.append(Finding(
-            "memory.peak_growth", Severity.INFO if saved_grew else Severity.WARNING,
+        out.append(_PEAK_GROWTH.finding(Severity.INFO if saved_grew else Severity.WARNING,
             f"the peak allocated per step grew from {fmt_bytes(p0)} (forward {f0}) to "
             f"{fmt_bytes(p1)} (forward {f1})"
             + ("." if saved_grew else

@@ -42,6 +42,7 @@ def analyze_memory(
     repeats: int = 5,
     seed: int = 0,
     name: str | None = None,
+    proposed: bool = False,
 ) -> MemoryReport:
     """What one training step keeps in memory, and what checkpointing would save.
 
@@ -76,6 +77,9 @@ def analyze_memory(
         repeats: at least this many timed steps per plan (see `plan_checkpointing`).
         seed: seed of the verification runs.
         name: a label for the report (default: the model's class name).
+        proposed: the plan is an offer the user did not ask for (the doctor's): a plan's
+            caveats (buffers updated twice, gradients not bitwise equal, a failed
+            verification) are then notes, not warnings.
 
     Raises:
         TorchscopeError: `checkpoint` is not one of the plans, or `repeats` is below 1.
@@ -109,7 +113,7 @@ def analyze_memory(
     totals = memory_totals(step.model, saved, step.optimizer)
     measured = _measure(step) if measure else None
     report = MemoryReport(name or type(step.model).__name__, saved, totals, measured,
-                          saved.step, checkpointable=checkpointable)
+                          saved.step, checkpointable=checkpointable, proposed=proposed)
     if checkpoint == "none":
         return report
     if found is None:

@@ -31,7 +31,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchscope._timing import compare, median_interval, repeat, repeat_interleaved, timed_ms
+from torchscope._timing import (
+    Ratio,
+    compare,
+    median_interval,
+    repeat,
+    repeat_interleaved,
+    timed_ms,
+)
 from torchscope._util import fmt_bytes
 from torchscope.errors import BudgetError, TorchscopeError, VerificationError
 from torchscope.hooks.session import HookSession
@@ -586,6 +593,17 @@ def _measure(step: Step, plan: CheckpointPlan, *, repeats: int, seed: int
                 slowdown, base_ms = compare(samples, base), median_interval(base).median
         peak = _measure_memory(step).peak_bytes
     step_ms = median_interval(samples).median
-    return PlanMeasurement(plan.name, saved, step_ms, step_ms - base_ms, peak,
+    cost, low, high = recompute_cost(slowdown, base_ms)
+    return PlanMeasurement(plan.name, saved, step_ms, cost, peak,
                            handle.verification if handle is not None else None, slowdown,
-                           len(samples))
+                           len(samples), low, high)
+
+
+def recompute_cost(slowdown: Ratio | None, base_ms: float) -> tuple[float, float, float]:
+    """A plan's extra step time and its interval, in ms: `(slowdown - 1) × base_ms` for the
+    median and each end of the slowdown's interval, never below 0 (recomputation adds work;
+    a step measured faster with it is noise). `(0, 0, 0)` without a slowdown (`none`)."""
+    if slowdown is None:
+        return 0.0, 0.0, 0.0
+    return tuple(max((r - 1.0) * base_ms, 0.0)  # type: ignore[return-value]
+                 for r in (slowdown.value, slowdown.low, slowdown.high))

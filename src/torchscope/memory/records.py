@@ -313,8 +313,12 @@ class PlanMeasurement:
         plan: the plan's name.
         saved_bytes: saved-activation bytes counted with the plan applied.
         step_ms: forward + backward time, the median of the repeats.
-        recompute_ms: `step_ms` minus the median step time without checkpointing measured
-            alongside it (0 for `none`); noise when `slowdown` is not measurable.
+        recompute_ms: the step time the plan adds: `step_ms` minus the median step time
+            without checkpointing measured alongside it, never below 0 (0 for `none`). A
+            figure only where `recompute_measurable`; otherwise inside the noise, and the
+            interval is all there is to say.
+        recompute_low_ms: the low end of its interval (from `slowdown`'s, never below 0).
+        recompute_high_ms: the high end.
         peak_bytes: measured peak (see `MeasuredMemory.peak_bytes`).
         verification: None for the `none` plan, which has nothing to verify.
         slowdown: step time with the plan over step time without checkpointing, with its
@@ -330,6 +334,14 @@ class PlanMeasurement:
     verification: Verification | None
     slowdown: Ratio | None = None
     repeats: int = 0
+    recompute_low_ms: float = 0.0
+    recompute_high_ms: float = 0.0
+
+    @property
+    def recompute_measurable(self) -> bool:
+        """Whether the plan makes the step measurably slower (its slowdown's interval lies
+        above 1): only then is `recompute_ms` a cost; otherwise it is no measurable cost."""
+        return self.slowdown is not None and self.slowdown.above
 
 
 @dataclass(frozen=True)
@@ -451,6 +463,8 @@ class MemoryReport(Analyzed, Gatherable):
             block with trainable work); empty otherwise.
         checkpointable: the blocks a plan may checkpoint (`blocks=` resolved; by default
             every outermost list of repeated blocks); empty when the model has none.
+        proposed: the plan was made unasked, as an offer (the doctor plans one for every
+            model, whose memory may be no concern): its caveats are notes, not warnings.
     """
 
     model: str
@@ -463,6 +477,7 @@ class MemoryReport(Analyzed, Gatherable):
     verification: Verification | None = None
     no_plan: str = ""
     checkpointable: tuple[str, ...] = ()
+    proposed: bool = False
 
     @property
     def chosen_plan(self) -> CheckpointPlan | None:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchscope.catalogue import entry
 from torchscope.errors import TorchscopeError
 from torchscope.findings import Finding
 from torchscope.hooks.compiled import unseen_forward
@@ -27,6 +28,8 @@ from torchscope.hooks.session import HookSession
 from torchscope.memory._common import storage_keys
 from torchscope.memory.records import MemoryHistory, MemorySample
 from torchscope.memory.saved import _freeze, _Recorder, known_kinds, row_owners
+
+_UNSEEN_FORWARD = entry("memory.unseen_forward")
 
 # Sampled forwards kept while no backward has reached them (two or three in a step that
 # runs the model on several inputs before one backward); older ones are dropped.
@@ -267,7 +270,7 @@ class MemoryWatch(HookedContext):
         """Findings of the last sample's saved activations and of the history's growth."""
         if not self.forwards:
             return [unseen_forward(
-                "memory.unseen_forward", "no forward of the model with gradients on ran "
+                _UNSEEN_FORWARD, "no forward of the model with gradients on ran "
                 "through the memory watch's hooks while it was open: nothing was sampled",
                 {"forwards": 0})]
         last = self._last.saved.findings(thresholds) if self._last is not None else []
