@@ -26,9 +26,14 @@ _AREAS = {
     "compile": "torch.compile",
     "run": "Training runs",
     "distributed": "Distributed",
+    "ranks": "Ranks",
     "lab": "Lab",
     "lint": "Lint rules",
 }
+
+
+_FRAMEWORKS = {"plain": "A plain loop", "lightning": "PyTorch Lightning",
+               "hf": "Hugging Face Trainer"}
 
 
 def _entries() -> list[Any]:
@@ -61,7 +66,7 @@ def _entry_markdown(entry: Any, known: set[str]) -> list[str]:
         lines += [f"**Literature:** {_one_line(entry.literature)}", ""]
     lines += [f"**Fix:** {_one_line(entry.fix) if entry.fix else 'nothing to fix.'}", ""]
     for framework, fix in sorted(entry.fixes.items()):
-        lines += [f"- *{framework}:* {_one_line(fix)}"]
+        lines += [f"- *{_FRAMEWORKS.get(framework, framework)}:* {_one_line(fix)}"]
     if entry.fixes:
         lines.append("")
     if entry.example:
