@@ -22,7 +22,7 @@ def entry_markdown(entry: Entry) -> str:
     fix (per framework where they differ), the symptoms it explains and an example."""
     parts = [f"# {entry.code}: {entry.title}", "",
              f"Subject: {entry.subject.value}. Severity: {_levels(entry)} "
-             f"({entry.severity}).", "", "## What it means", "", entry.meaning, "",
+             f"({entry.severity.rstrip('.')}).", "", "## What it means", "", entry.meaning, "",
              "## How torchscope decides", "", entry.criterion]
     if entry.literature:
         parts += ["", "## Literature", "", entry.literature]
