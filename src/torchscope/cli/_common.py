@@ -106,8 +106,8 @@ InputOpt = Annotated[
     typer.Option(
         "--input",
         "-i",
-        help="Input SPEC, e.g. 32x3x32x32 or int64[0,1000):4x128. "
-        "Repeat for several positional inputs.",
+        help="An input's shape (32x3x32x32), optionally with a dtype and a range "
+        "(int64[0,1000):4x128 for token ids). Repeat for several positional inputs.",
     ),
 ]
 InputsFnOpt = Annotated[
