@@ -238,7 +238,11 @@ def test_a_timing_inside_its_noise_is_no_regression() -> None:
     assert exact.status == "regressed"
 
 
-def test_the_doctor_s_step_time_carries_its_interval() -> None:
+def test_the_doctor_s_step_time_is_the_plain_step_with_its_interval() -> None:
+    """The step time diff compares is the step without the profiler (the baseline its
+    overhead is measured against), never the profiled one, and carries its interval."""
+    import statistics
+
     import torch
     from torch import nn
 
@@ -246,9 +250,38 @@ def test_the_doctor_s_step_time_carries_its_interval() -> None:
     from torchscope.profiling import profile_steps
 
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
-    result = profile_steps(model, torch.randn(4, 8), loss_fn="sum", steps=5, baseline_steps=0,
+    result = profile_steps(model, torch.randn(4, 8), loss_fn="sum", steps=3, baseline_steps=5,
                            optimizer=torch.optim.SGD(model.parameters(), lr=0.01))
-    metric = ProfileSection().metrics(result)["profile.step_ms"]
-    samples = result.timing.profiled_samples
+    metrics = ProfileSection().metrics(result)
+    assert "profile.step_ms" not in metrics  # the profiled step: it measures the profiler
+    metric = metrics["profile.bare_step_ms"]
+    samples = result.timing.baseline_samples
+    assert len(samples) == 5 and metric.value == statistics.median(samples)
+    assert metric.value == result.timing.baseline_ms
     assert metric.low is not None and metric.high is not None
     assert min(samples) <= metric.low <= metric.value <= metric.high <= max(samples)
+    # No plain step timed: the step time is not measured, not the profiled one.
+    bare = profile_steps(model, torch.randn(4, 8), loss_fn="sum", steps=2, baseline_steps=0)
+    unmeasured = ProfileSection().metrics(bare)["profile.bare_step_ms"]
+    assert unmeasured.value is None and unmeasured.low is None
+
+
+def test_a_fast_and_a_full_doctor_run_of_one_model_are_no_regression(tmp_path: Path) -> None:
+    """`diff` of a --fast against a full doctor run of mlp read +9,850 % (0.88 → 88 ms, the
+    step timed under the profiler: 3 profiled steps against 5 with more overhead), "1
+    regression", exit 1. The step time both compare is now the plain step, timed in
+    either run (compile is skipped in both: --fast skips it, and it adds no step time)."""
+    runs = {}
+    for name, flags in (("fast", ["--fast"]), ("full", ["--skip", "compile"])):
+        res = runner.invoke(app, ["doctor", "mlp", *flags, "--out", str(tmp_path / name)])
+        assert res.exit_code == 0, res.output
+        runs[name] = json.loads((tmp_path / name / "report.json").read_text())
+    for doc in runs.values():
+        step = doc["metrics"]["profile.bare_step_ms"]
+        assert step["value"] is not None and step["low"] <= step["value"] <= step["high"]
+        assert "profile.step_ms" not in doc["metrics"]
+    assert runs["fast"]["options"]["fast"] and not runs["full"]["options"]["fast"]
+    res = runner.invoke(app, ["diff", str(tmp_path / "fast" / "report.json"),
+                              str(tmp_path / "full" / "report.json")])
+    assert res.exit_code == 0, res.output
+    assert "no regression" in res.output and "profile.bare_step_ms" in res.output

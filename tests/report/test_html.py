@@ -4,6 +4,7 @@ gradient table (GPT-2's `lm_head.weight` is `transformer.wte.weight`)."""
 from __future__ import annotations
 
 import dataclasses
+import html
 import re
 
 import pytest
@@ -36,3 +37,52 @@ def test_gpt2_tied_weights_are_named_in_the_gradient_table(tiny_gpt2: torch.nn.M
     wte = re.search(r"<tr><td>transformer\.wte</td>.*?</tr>", html)
     assert head and "weight tied to transformer.wte.weight" in head.group(0)
     assert wte and "weight tied to lm_head.weight" in wte.group(0)
+
+
+def _contents(page: str) -> dict[str, list[tuple[str, str]]]:
+    """The contents' entries of each section: (target id, title) under its link."""
+    nav = re.search(r'<nav class="toc".*?</nav>', page, re.S)
+    assert nav is not None
+    out: dict[str, list[tuple[str, str]]] = {}
+    for sec, sub in re.findall(r'<li><a href="#section-([^"]+)">.*?</a>(?:<ol>(.*?)</ol>)?</li>',
+                               nav.group(0), re.S):
+        out[sec] = re.findall(r'<a href="#([^"]+)">(.*?)</a>', sub)
+    return out
+
+
+def test_the_contents_name_each_entry_of_a_section_once() -> None:
+    """A real doctor report of deep-mlp (plans and per-module times): the contents listed
+    "Top ops" and "Time per module" twice under Time, and "Checkpoint plans" twice under
+    Memory (a plot and the table under it share the title). Each title is listed once,
+    linking to its first place, and every id on the page stays unique."""
+    from collections import Counter
+
+    from torchscope.doctor import DoctorOptions, run_doctor
+    from torchscope.models.zoo import BUILTINS
+    from torchscope.report.html import render_report
+    from torchscope.report.profiling import timing_line
+
+    spec = BUILTINS["deep-mlp"]
+    report = run_doctor(spec.build(), spec.example_input(),
+                        options=DoctorOptions(skip=frozenset({"compile", "lint"}), steps=2),
+                        name="deep-mlp")
+    page = render_report(report)
+    contents = _contents(page)
+    assert {"profile", "memory"} <= set(contents)
+    for sec, entries in contents.items():
+        titles = [t for _, t in entries]
+        assert len(titles) == len(set(titles)), (sec, titles)
+    time_titles = [t for _, t in contents["profile"]]
+    assert {"Phases", "Top ops", "Time per module"} <= set(time_titles)
+    assert "Checkpoint plans" in [t for _, t in contents["memory"]]
+    # Each entry links to the first place its title heads: the plot before the table.
+    first = {t: a for a, t in contents["profile"]}
+    assert page.index(f'id="{first["Top ops"]}"') < page.index(">Top ops</h3>")
+    ids = re.findall(r'\bid="([^"]+)"', page)
+    assert [i for i, n in Counter(ids).items() if n > 1] == []
+    assert all(f'id="{a}"' in page for es in contents.values() for a, _ in es)
+    # The Time section leads with the plain step (the one diff compares), then the
+    # profiled one, and its note says what the profiler cost.
+    line = timing_line(report.outcome("profile").record)
+    assert " ms (" in line and "without profiler" in line and html.escape(line) in page
+    assert page.index("step without profiler (median)") < page.index("step profiled (median)")

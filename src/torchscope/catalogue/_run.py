@@ -56,6 +56,28 @@ ENTRIES: tuple[Entry, ...] = (
         explains=("grads.nonfinite", "grads.exploding"),
     ),
     Entry(
+        code="run.graph_cut",
+        title="Trainable layers cut off from the loss",
+        subject=Subject.MODEL,
+        levels=WARNING,
+        severity="a warning: the layers never learn, though they run and are trainable.",
+        meaning="Trainable modules ran in the forward but no gradient reached them, while "
+                "a module the forward calls after them got one: the loss sees their output "
+                "only through a tensor cut from the autograd graph, by a stray .detach(), "
+                ".data, a round trip through .item() or numpy, or a torch.no_grad() block.",
+        criterion="In the last sampled step, trainable parameters without a gradient whose "
+                  "module ran (the loss did not reach it, or it ran under no_grad), and a "
+                  "module later in the forward's call order with a gradient. The finding "
+                  "names the last cut module and the first one after it that learns.",
+        fix="find the .detach() or torch.no_grad() between the two modules in the forward "
+            "and remove it; if the layers are meant to stay fixed, freeze them "
+            "(requires_grad_(False))",
+        example="the graph is cut after blocks.1.0: 4 trainable parameter(s) in 2 "
+                "module(s) (blocks.0.0, blocks.1.0) ran in the forward but got no gradient "
+                "at step 27, while blocks.2.0, which the forward calls after them, got one",
+        explains=("grads.unreached",),
+    ),
+    Entry(
         code="run.grad_fell",
         title="A layer's gradient fell far more than the model's",
         subject=Subject.MODEL,
@@ -112,8 +134,11 @@ ENTRIES: tuple[Entry, ...] = (
                 "too large updates; weights that shrink 10x are pulled to zero by weight "
                 "decay or a penalty.",
         criterion="The median over layers of (last sample's weight norm / first sample's), "
-                  "with at least 4 samples and 3 layers: 10x or more either way.",
+                  "with at least 4 samples and 3 layers: 10x or more either way; dated at "
+                  "the first sample whose median ratio passed 10x.",
         fix="lower the learning rate and warm it up",
+        explains=("run.activation_drift", "run.grad_grew", "run.dead_units",
+                  "activations.large", "activations.scale_drift", "grads.update_ratio"),
         example="the median layer's weights grew 26× between step 0 and step 150",
     ),
     Entry(

@@ -259,7 +259,8 @@ def diff(
     new: Annotated[str, typer.Argument(help="The later report.json (or its folder).")],
     threshold: Annotated[list[str] | None, typer.Option(
         "--threshold", "-t", help="Allowed relative worsening: 0.1 for every metric, or "
-        "NAME=FRAC for metrics starting with NAME (profile.step_ms=25%). Repeatable.")] = None,
+        "NAME=FRAC for metrics starting with NAME (profile.bare_step_ms=25%). "
+        "Repeatable.")] = None,
     json_path: JsonOpt = None,
     debug: DebugOpt = False,
 ) -> None:

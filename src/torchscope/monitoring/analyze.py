@@ -12,6 +12,7 @@ memory watch's findings.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from collections.abc import Sequence
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from torchscope._util import fmt_times
 from torchscope.capture.analyze import ActivationThresholds, before_weighted
 from torchscope.catalogue import entry
+from torchscope.errors import TorchscopeError
 from torchscope.findings import Finding, Severity, analyzer, declared, rank
 from torchscope.grads import GradHistory
 from torchscope.grads.analyze import (
@@ -38,7 +40,7 @@ from torchscope.grads.analyze import (
     layer_scaled,
     unit_name,
 )
-from torchscope.grads.records import ParamGradRecord, rms
+from torchscope.grads.records import NOT_REACHED, RAN_NO_GRAD, ParamGradRecord, rms
 from torchscope.hooks.compiled import ran_eagerly
 from torchscope.monitoring.records import LayerSeries, RunRecord
 
@@ -53,6 +55,7 @@ _FP16_UNSCALED = entry("run.fp16_unscaled")
 _GRAD_FELL = entry("run.grad_fell")
 _GRAD_GREW = entry("run.grad_grew")
 _GRAD_NORM_OVERFLOW = entry("run.grad_norm_overflow")
+_GRAPH_CUT = entry("run.graph_cut")
 _LOSS_UNSEEN = entry("run.loss_unseen")
 _NONFINITE = entry("run.nonfinite")
 _PADDING_IN_LOSS = entry("run.padding_in_loss")
@@ -420,6 +423,24 @@ def _weight_growth(record: RunRecord, t: RunThresholds
             statistics.median(e[2] for e in ends), len(ends))
 
 
+def _weight_onset(record: RunRecord, t: RunThresholds, grew: bool) -> int:
+    """The first sampled step at which the median layer's weight norm, against its first
+    sample, had moved `change_ratio` times (up where `grew`, else down)."""
+    w = record.weight
+    firsts: list[float | None] = []
+    for k in w.layers:
+        first = next((v for v in w.series(k) if math.isfinite(v) and v > 0), None)
+        firsts.append(first)
+    for step, row in zip(w.steps, w.values, strict=True):
+        ratios = [v / f for v, f in zip(row, firsts, strict=True)
+                  if f is not None and math.isfinite(v) and v > 0]
+        if ratios:
+            m = statistics.median(ratios)
+            if (m >= t.change_ratio) if grew else (m <= 1 / t.change_ratio):
+                return step
+    return w.steps[-1]
+
+
 # Optimizers whose weight decay multiplies each weight by (1 - lr * weight_decay) a step
 # (decoupled in AdamW; SGD's L2 term does the same, before momentum).
 _DECAY_FACTOR = frozenset({"AdamW", "SGD"})
@@ -439,26 +460,39 @@ def _weight_scale(record: RunRecord, t: RunThresholds) -> list[Finding]:
     if 1 / t.change_ratio < factor < t.change_ratio:
         return []
     grew = factor >= 1
+    onset = _weight_onset(record, t, grew)
     evidence: dict[str, float | int | str | None] = {
-        "first_step": first, "last_step": last, "median_change": factor, "layers": layers}
+        "onset_step": onset, "first_step": first, "last_step": last,
+        "median_change": factor, "layers": layers}
     decays = [(lr, wd) for lr, wd in record.param_groups if wd > 0 and math.isfinite(lr)]
     if grew:
         summary = (f"the median layer's weights grew {fmt_times(factor)} between step "
-                   f"{first} and step {last}: the updates carry the whole model far from "
-                   "the scale it started at")
+                   f"{first} and step {last}, past {fmt_times(t.change_ratio)} from step "
+                   f"{onset}: the updates carry the whole model far from the scale it "
+                   "started at")
         lrs = sorted({lr for lr, _ in record.param_groups if math.isfinite(lr)})
+        opt = record.optimizer or ""
+        if "Adam" in opt or opt in ("Lion", "Adafactor", "RMSprop"):
+            how = (f"{opt} moves every weight by about the learning rate each step, "
+                   "whatever its gradient")
+        elif opt:
+            how = (f"{opt} moves each weight by the learning rate times its gradient (and "
+                   "momentum multiplies that), so a step too large for the weights' scale "
+                   "compounds")
+        else:
+            how = "each step moves the weights in proportion to the learning rate"
         fix = ("lower the learning rate" + (f" (its peak is {lrs[-1]:g}; " if lrs else " (")
-               + "an Adam-type optimizer moves every weight by about the learning rate each "
-               "step, whatever its gradient), and warm it up; behind normalization layers "
-               "such growth only slows learning, elsewhere it ends in overflow")
+               + how + "), and warm it up; behind normalization layers such growth only "
+               "slows learning, elsewhere it ends in overflow")
         if record.param_groups and not decays:
             # Nothing pulls back: a long run at a steady rate drifts this far too.
             fix += ("; no parameter group has weight decay, so nothing bounds the growth: "
                     "add some (AdamW's usual weight_decay is 0.01 to 0.1)")
     else:
         summary = (f"the median layer's weights shrank {fmt_times(1 / factor)} between step "
-                   f"{first} and step {last}: something pulls the whole model toward zero "
-                   "faster than its gradients hold it")
+                   f"{first} and step {last}, past {fmt_times(t.change_ratio)} from step "
+                   f"{onset}: something pulls the whole model toward zero faster than its "
+                   "gradients hold it")
         if decays and record.optimizer in _DECAY_FACTOR and \
                 0 < max(lr * wd for lr, wd in decays) < 1:
             lr, wd = max(decays, key=lambda d: d[0] * d[1])
@@ -571,9 +605,11 @@ def _dead_growth(record: RunRecord, t: RunThresholds) -> list[Finding]:
     """Dead channels that grew: the median fraction of the last `window` of the samples
     against that of the first, by `dead_growth` to `dead_warn` or more, and by two channels
     or more where the layer's channel count is known (one unit of a squeeze-excitation's
-    eight, zero on eight samples, flips by chance)."""
+    eight, zero on eight samples, flips by chance). One finding for every layer it
+    happened in (one cause: a learning rate too high, a bias pushed negative), in call
+    order, dated at the first sampled step at which a layer crossed `dead_warn`."""
     series = record.act_dead
-    out = []
+    grew: dict[str, tuple[int, float, int, float, int]] = {}
     for k in series.layers:
         ends = _ends(series.steps, series.series(k), t.window, frozenset(), positive=False)
         if ends is None:
@@ -582,15 +618,36 @@ def _dead_growth(record: RunRecord, t: RunThresholds) -> list[Finding]:
         channels = _channels(record, k)
         if v1 >= t.dead_warn and v1 - v0 >= t.dead_growth and (
                 channels is None or (v1 - v0) * channels >= 2 - 1e-9):
-            out.append(_DEAD_UNITS.finding(Severity.WARNING,
-                f"{_name(k)}: dead units grew from {100 * v0:.0f}% at step {s0} to "
-                f"{100 * v1:.0f}% at step {s1}",
-                {"first_step": s0, "first_fraction": v0, "last_step": s1,
-                 "last_fraction": v1, "channels": channels},
-                fix="units die during training: lower the learning rate, use LeakyReLU/GELU, "
-                    "or check the bias of the layer before it",
-                module=k))
-    return out
+            # Dated where it crossed the line it had to cross: 25%, and 10 points above
+            # where it started.
+            line = max(t.dead_warn, v0 + t.dead_growth)
+            onset = next((s for s, v in zip(series.steps, series.series(k), strict=True)
+                          if math.isfinite(v) and v >= line - 1e-9), s1)
+            grew[k] = (s0, v0, s1, v1, onset)
+    if not grew:
+        return []
+    names = _call_order(record, list(grew))
+    onset = min(g[4] for g in grew.values())
+    first = next(k for k in names if grew[k][4] == onset)
+    s0, v0, s1, v1, _ = grew[first]
+    each = "; ".join(f"{_name(k)}: {100 * grew[k][1]:.0f}% → {100 * grew[k][3]:.0f}% "
+                     f"(from step {grew[k][4]})" for k in names[:4])
+    more = f"; and {len(names) - 4} more" if len(names) > 4 else ""
+    if len(names) == 1:
+        summary = (f"{_name(first)}: dead units grew from {100 * v0:.0f}% at step {s0} to "
+                   f"{100 * v1:.0f}% at step {s1}, past {100 * t.dead_warn:.0f}% from step "
+                   f"{onset}")
+    else:
+        summary = (f"dead units grew in {len(names)} layers, first past "
+                   f"{100 * t.dead_warn:.0f}% at step {onset} ({each}{more})")
+    return [_DEAD_UNITS.finding(
+        Severity.WARNING, summary,
+        {"onset_step": onset, "first_step": s0, "first_fraction": v0, "last_step": s1,
+         "last_fraction": v1, "channels": _channels(record, first), "layers": len(names),
+         "modules": ", ".join(_name(k) for k in names)},
+        fix="units die during training: lower the learning rate, use LeakyReLU/GELU, or "
+            "check the bias of the layer before it",
+        module=first)]
 
 
 def _saturation_growth(record: RunRecord, t: RunThresholds) -> list[Finding]:
@@ -856,6 +913,55 @@ def _normalised_after(record: RunRecord, layer: str, t: RunThresholds,
     return None
 
 
+def _graph_cut(record: RunRecord) -> list[Finding]:
+    """`run.graph_cut` (warning): trainable modules that ran in the last sampled step's
+    forward but that no gradient reached (`NOT_REACHED`), or that ran under `no_grad`
+    (`RAN_NO_GRAD`), while a module the forward called after them got one: the loss
+    depends on what they computed only through a tensor cut from the graph (a stray
+    `.detach()`, `.data`, a round trip through `.item()`/numpy, or `torch.no_grad()`)."""
+    flow = record.last
+    if flow is None:
+        return []
+    cut: dict[str, int] = {}
+    grads: set[str] = set()
+    for p in flow.params:
+        if not p.requires_grad or p.tied_to is not None:
+            continue
+        if p.norm is None and p.reason in (NOT_REACHED, RAN_NO_GRAD):
+            cut[p.module] = cut.get(p.module, 0) + 1
+        elif p.norm is not None:
+            grads.add(p.module)
+    if not cut or not grads:
+        return []
+    order = _call_order(record, list(dict.fromkeys([*cut, *grads])))
+    position = {m: i for i, m in enumerate(order)}
+    last_cut = max(cut, key=lambda m: position[m])
+    after = [m for m in order if m in grads and position[m] > position[last_cut]]
+    if not after:
+        return []  # nothing downstream learns: not a cut between two parts
+    nxt = after[0]
+    no_grad = any(p.reason == RAN_NO_GRAD for p in flow.params
+                  if p.module in cut and p.requires_grad)
+    names = sorted(cut, key=lambda m: position[m])
+    shown = ", ".join(_name(m) for m in names[:6]) + (", ..." if len(names) > 6 else "")
+    how = "ran under torch.no_grad()" if no_grad else "ran in the forward"
+    return [_GRAPH_CUT.finding(
+        Severity.WARNING,
+        f"the graph is cut after {_name(last_cut)}: {sum(cut.values())} trainable "
+        f"parameter(s) in {len(cut)} module(s) ({shown}) {how} but got no gradient at step "
+        f"{flow.index}, while {_name(nxt)}, which the forward calls after them, got one: "
+        "the loss sees their output only through a tensor cut from the graph",
+        {"step": flow.index, "modules": len(cut), "params": sum(cut.values()),
+         "cut_after": last_cut, "next_with_gradient": nxt, "no_grad": no_grad},
+        fix=(f"find the torch.no_grad() block around {_name(last_cut)}" if no_grad else
+             f"find the .detach() (or .data, .item(), .numpy(), a new torch.tensor(...)) "
+             f"between {_name(last_cut)}'s output and {_name(nxt)}")
+            + " in the model's forward and remove it, so that the loss reaches these "
+              "layers; if they are meant to stay fixed, freeze them "
+              "(requires_grad_(False)) so that the optimizer and DDP skip them",
+        module=last_cut)]
+
+
 def _dead_experts(record: RunRecord, t: RunThresholds) -> list[Finding]:
     """Experts of a mixture of experts that no token reached in any sampled step: the
     router never picks them (it collapsed onto the others), and they never learn."""
@@ -981,13 +1087,79 @@ def analyze_run(record: RunRecord, thresholds: RunThresholds | None = None
     """
     t = thresholds or RunThresholds()
     run = _nonfinite(record)
+    return rank(_follow_causes(_fit_framework(record, _findings(record, t, run))))
+
+
+def _framework(record: RunRecord) -> str:
+    """`hf`, `lightning` or `plain`: who drove the monitor (`RunRecord.producer`)."""
+    for name in ("hf", "lightning"):
+        if record.producer.endswith("." + name):
+            return name
+    return "plain"
+
+
+# How to unfreeze a module's parameters, per framework.
+_UNFREEZE = {
+    "plain": "if {m} should learn, unfreeze it (for p in model.{m}.parameters(): "
+             "p.requires_grad_(True)) before building the optimizer, and pass its "
+             "parameters to the optimizer",
+    "lightning": "if {m} should learn, unfreeze it in the LightningModule's __init__ (or "
+                 "on_fit_start: self.{m}.requires_grad_(True)); configure_optimizers must "
+                 "then pass its parameters (self.parameters() does)",
+    "hf": "if {m} should learn, unfreeze it before building the Trainer "
+          "(model.{m}.requires_grad_(True)); the Trainer's optimizer takes only the "
+          "parameters that require grad when it is created",
+}
+
+
+def _fit_framework(record: RunRecord, found: list[Finding]) -> list[Finding]:
+    """Findings whose fix depends on the framework the run used, given its fix (a frozen
+    layer's: how to unfreeze it)."""
+    framework = _framework(record)
+    return [dataclasses.replace(f, fix=_UNFREEZE[framework].format(m=f.module))
+            if f.code == "grads.frozen" and f.module else f for f in found]
+
+
+def _follow_causes(found: list[Finding]) -> list[Finding]:
+    """Symptoms say which cause they follow: a finding whose code a present finding's
+    catalogue entry `explains` (`grads.not_zeroed` explains `run.weight_scale`) gets the
+    cause's code in its evidence (`follows`) and its summary; `rank` puts the cause
+    first."""
+    causes: dict[str, str] = {}
+    present = {f.code for f in found}
+    for f in found:
+        for symptom in _explains(f.code):
+            if symptom in present and symptom != f.code:
+                causes.setdefault(symptom, f.code)
+    if not causes:
+        return found
+
+    def follow(f: Finding, cause: str) -> Finding:
+        return dataclasses.replace(
+            f, summary=f"{f.summary} (it follows {cause}: {declared(cause).title.lower()})",
+            evidence={**f.evidence, "follows": cause})
+
+    return [follow(f, causes[f.code]) if f.code in causes and "follows" not in f.evidence
+            else f for f in found]
+
+
+def _explains(code: str) -> tuple[str, ...]:
+    """The symptoms `code`'s catalogue entry explains (none where it is not declared)."""
+    try:
+        return declared(code).explains
+    except TorchscopeError:
+        return ()
+
+
+def _findings(record: RunRecord, t: RunThresholds, run: list[Finding]) -> list[Finding]:
+    """Every finding about the run, unranked."""
     found: Sequence[Finding] = [
         *_stopped(record), *run, *_norm_overflow(record), *_skipped(record, t),
         *_gradient_trends(record, t),
         *_activation_drift(record, t), *_dead_growth(record, t),
         *_saturation_growth(record, t), *_weight_scale(record, t), *_eval_mode(record),
-        *_same_batch(record, t),
+        *_same_batch(record, t), *_graph_cut(record),
         *_padding_in_loss(record),
         *_unscaled_float16(record), *_compiled(record), *_dead_experts(record, t),
         *_capabilities(record, replaced=bool(run))]
-    return rank(found)
+    return list(found)

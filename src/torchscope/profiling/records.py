@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from torchscope._timing import Ratio
+from torchscope._timing import Interval, Ratio, median_interval
 from torchscope.distributed.ranked import Gatherable
 from torchscope.errors import TorchscopeError
 from torchscope.findings import Analyzed
@@ -184,6 +184,8 @@ class StepTiming:
         baseline_steps: how many unprofiled steps were timed.
         profiled_steps: how many profiled steps were timed.
         profiled_samples: each profiled step's wall time, in step order.
+        baseline_samples: each unprofiled step's wall time, in step order: the step the
+            user runs, without the profiler's cost (`baseline_interval`).
         overhead_ratio: profiled over unprofiled step time with its interval (see
             `torchscope._timing`); None without a baseline. A ratio whose interval includes 1
             is no measurable overhead, whatever its median.
@@ -196,6 +198,13 @@ class StepTiming:
     profiled_steps: int
     profiled_samples: tuple[float, ...] = ()
     overhead_ratio: Ratio | None = None
+    baseline_samples: tuple[float, ...] = ()
+
+    @property
+    def baseline_interval(self) -> Interval | None:
+        """The median of the unprofiled steps with its confidence interval
+        (`torchscope._timing.median_interval`); None when none was timed."""
+        return median_interval(self.baseline_samples) if self.baseline_samples else None
 
     @property
     def overhead(self) -> float | None:

@@ -144,6 +144,6 @@ def profile_steps(
     result = watch.result
     samples = result.timing.profiled_samples
     timing = replace(result.timing, baseline_ms=statistics.median(baseline) if baseline else None,
-                     baseline_steps=len(baseline),
+                     baseline_steps=len(baseline), baseline_samples=tuple(baseline),
                      overhead_ratio=compare(samples, baseline) if baseline and samples else None)
     return replace(result, timing=timing, step=info)

@@ -34,6 +34,7 @@ from torchscope.profiling import ProfileResult
 from torchscope.report.charts import DEEP_ROWS, block_groups, block_label
 from torchscope.report.document import SCHEMA_VERSION, Report, SectionOutcome, build_document
 from torchscope.report.findings import evidence_text
+from torchscope.report.profiling import timing_line
 
 __all__ = [
     "activations_fragment",
@@ -360,8 +361,12 @@ def phase_ms(result: ProfileResult, name: str) -> float | None:
 def profile_fragment(result: ProfileResult, plots: Mapping[str, str]) -> str:
     """Phase split per step, top ops and each module's own time per step (per block first
     on a deep model)."""
+    # The plain step first: the step the user runs, and the one `diff` compares.
+    plain = [] if result.timing.baseline_ms is None else \
+        [("step without profiler (median)", result.timing.baseline_ms)]
     phases = table(("phase", "ms per step"), [
-        ("step (median)", result.timing.profiled_ms), ("forward", phase_ms(result, "forward")),
+        *plain, ("step profiled (median)", result.timing.profiled_ms),
+        ("forward", phase_ms(result, "forward")),
         ("backward", phase_ms(result, "backward")),
         ("optimizer", phase_ms(result, "optimizer"))], numeric=(1,))
     ops = sorted(result.ops, key=lambda o: -o.self_cpu_ms)[:40]
@@ -386,7 +391,7 @@ def profile_fragment(result: ProfileResult, plots: Mapping[str, str]) -> str:
              for m in mods], numeric=(1, 2, 3),
             folded=None if groups is None else _fold_all(len(mods), "modules"))
     return (f'<p class="note">{result.steps} profiled training steps; op times are totals '
-            "over them.</p>" + _h3("Phases") + phases
+            f"over them. {_e(timing_line(result))}</p>" + _h3("Phases") + phases
             + _plots(plots, {"profile-ops": ("Top ops",
                                              "Self CPU time over the profiled steps."),
                              "profile-modules": ("Time per module",
@@ -482,16 +487,24 @@ _PART = re.compile(r'<h3>(?P<h3>.*?)</h3>|<figure class="plot" data-plot="(?P<pi
 
 def _anchored(name: str, body: str) -> tuple[str, list[tuple[str, str]]]:
     """`body` with an id on each sub-heading and figure (`<section>-…`, unique on the page),
-    and the (id, escaped title) of each, in order, for the contents."""
+    and the (id, escaped title) of each, in order, for the contents: a title once, at its
+    first place (a plot and the table under it share one, "Top ops")."""
     entries: list[tuple[str, str]] = []
+    headings = 0
+
+    def add(a: str, title: str) -> None:
+        if all(t != title for _, t in entries):
+            entries.append((a, title))
 
     def anchor(m: re.Match[str]) -> str:
+        nonlocal headings
         if m.group("h3") is not None:
-            a = f"{_slug(name)}-{len(entries)}"
-            entries.append((a, m.group("h3")))
+            a = f"{_slug(name)}-{headings}"
+            headings += 1
+            add(a, m.group("h3"))
             return f'<h3 id="{a}">{m.group("h3")}</h3>'
         a = _slug(f"{name}-plot-{m.group('pid')}")
-        entries.append((a, m.group("title")))
+        add(a, m.group("title"))
         return m.group(0).replace("<figure ", f'<figure id="{a}" ', 1)
 
     return _PART.sub(anchor, body), entries

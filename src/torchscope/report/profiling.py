@@ -163,8 +163,9 @@ def module_table(result: ProfileResult, limit: int | None = None) -> Table:
 
 
 def timing_line(result: ProfileResult) -> str:
-    """`step 5.83 ms without profiler, 8.34 ms profiled (1.43× (1.31–1.52) overhead; ...)`,
-    or `(no measurable profiler overhead (0.87–1.21×); ...)` when it is inside the noise."""
+    """`step 5.83 ms (5.61–6.02) without profiler, 8.34 ms profiled (1.43× (1.31–1.52)
+    overhead; ...)`, or `(no measurable profiler overhead (0.87–1.21×); ...)` when it is
+    inside the noise. The plain step's interval is the one `torchscope diff` compares."""
     t = result.timing
     if t.baseline_ms is None:
         return f"step {_ms(t.profiled_ms)} ms profiled (median of {t.profiled_steps})."
@@ -172,8 +173,12 @@ def timing_line(result: ProfileResult) -> str:
     overhead = ("overhead not compared" if r is None else
                 f"{fmt_ratio(r)} overhead" if r.above else
                 fmt_ratio(r, none="no measurable profiler overhead", above=True))
-    return (f"step {_ms(t.baseline_ms)} ms without profiler, {_ms(t.profiled_ms)} ms profiled "
-            f"({overhead}; medians of {t.baseline_steps} and {t.profiled_steps} steps).")
+    spread = t.baseline_interval
+    within = f" ({_ms(spread.low)}–{_ms(spread.high)})" \
+        if spread is not None and spread.n > 1 else ""
+    return (f"step {_ms(t.baseline_ms)} ms{within} without profiler, {_ms(t.profiled_ms)} ms "
+            f"profiled ({overhead}; medians of {t.baseline_steps} and {t.profiled_steps} "
+            "steps).")
 
 
 
