@@ -331,10 +331,17 @@ def norms(xs: list[torch.Tensor]) -> list[torch.Tensor] | None:
     parallel over all its elements: a model's gradients or weights, where
     `torch._foreach_norm` on the CPU runs one `vector_norm` per tensor, several times
     slower per byte. None as for `copy_norms`."""
+    out = norm_vector(xs)
+    return None if out is None else list(out.unbind())
+
+
+def norm_vector(xs: list[torch.Tensor]) -> torch.Tensor | None:
+    """`norms` as one (n,) float64 tensor (no list of 0-d views: for a reduction of all
+    of them, such as a finiteness check at every step). None as for `copy_norms`."""
     if not _native_list(xs):
         return None
     out: torch.Tensor = _native_op("norms")(xs)  # (n,) float64
-    return list(out.unbind())
+    return out
 
 
 def _native_op(name: str) -> Any:

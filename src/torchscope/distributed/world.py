@@ -81,6 +81,8 @@ def world() -> World:
 
 def is_dtensor(t: Any) -> bool:
     """True for a `torch.distributed.tensor.DTensor` (FSDP2's parameters and gradients)."""
+    if type(t) is torch.Tensor or type(t) is nn.Parameter:
+        return False  # the common case, at every step: no import
     if not torch.distributed.is_available():
         return False
     from torch.distributed.tensor import DTensor

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from torchscope import _kernels
 from torchscope.distributed.ranked import Ranked
 from torchscope.distributed.world import local_tensor, strategy_of, world
 from torchscope.errors import TorchscopeError
@@ -935,10 +936,19 @@ class GradWatch(HookedContext, Analyzed):
         for p in self._params:
             g = p.grad
             if g is not None and not g.is_sparse:
-                g = local_tensor(g)  # FSDP2: this rank's shard
+                if type(g) is not torch.Tensor:
+                    g = local_tensor(g)  # FSDP2: this rank's shard
                 by_device.setdefault(g.device, []).append(g)
         bad: torch.Tensor | None = None
         for grads in by_device.values():
+            # On the CPU, one native call over the list: L2 norms summed in float64, which
+            # no float32 element can overflow (`_foreach_norm` there runs one norm per
+            # tensor: the largest cost of a step that is not sampled).
+            vector = _kernels.norm_vector(grads)  # (n,) float64, or None
+            if vector is not None:
+                here = ~torch.isfinite(vector).all()  # () bool
+                bad = here if bad is None else bad | here.to(bad.device, non_blocking=True)
+                continue
             norms = list(torch._foreach_norm(grads, math.inf))  # one 0-d max per gradient
             if len({n.dtype for n in norms}) > 1:
                 norms = [n.float() for n in norms]
@@ -1152,6 +1162,8 @@ def _versions(g: torch.Tensor) -> tuple[int, int | None]:
     None. Autograd moves a plain gradient's counter once per accumulation, and in-place
     ops on it move it too. A DTensor's own counter moves for the loop's in-place ops
     (`zero_`, `mul_`) only: FSDP2 accumulates into the shard, whose counter moves then."""
+    if type(g) is torch.Tensor:
+        return g._version, None
     local = local_tensor(g)
     return g._version, (local._version if local is not g else None)
 

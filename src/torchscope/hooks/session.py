@@ -112,6 +112,9 @@ class HookSession:
         self._made_dicts: list[weakref.ReferenceType[torch.Tensor]] = []
         self._closed = False
         self._stack: list[str] | None = None
+        # Forward hooks taken off the submodules by `suspend`: (hook dict, key order, the
+        # hooks taken out by key), put back by `resume`.
+        self._suspended: list[tuple[dict[int, Any], list[int], dict[int, Any]]] = []
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> HookSession:
@@ -128,6 +131,7 @@ class HookSession:
                 replace it.
         """
         try:
+            self._suspended.clear()  # their handles are removed below: nothing to put back
             while self._handles:
                 self._handles.pop().remove()
             while self._made_dicts:
@@ -274,6 +278,59 @@ class HookSession:
             # that calls into Python at every accumulation; `close` puts None back.
             self._made_dicts.append(weakref.ref(param))
         return self.track(param.register_post_accumulate_grad_hook(fn))
+
+    # ------------------------------------------------------------------ suspension
+    @property
+    def suspended(self) -> bool:
+        """Whether `suspend` has taken hooks off the submodules that `resume` has not put
+        back."""
+        return bool(self._suspended)
+
+    def suspend(self) -> None:
+        """Take this session's forward and forward-pre hooks off every submodule of the
+        model (not the model's own), keeping them here: a module without hooks runs
+        torch's fast path, a hooked one pays a Python call per hook and torch's slow path
+        at every call. For the steps a watch does not sample. `resume` puts them back, in
+        their places among any other hooks. Safe to call twice."""
+        if self._suspended or self._closed:
+            return
+        root = self.model
+        dicts: dict[int, dict[int, Any]] = {}
+        for module in root.modules():
+            if module is not root:
+                for d in (module._forward_pre_hooks, module._forward_hooks):
+                    dicts[id(d)] = d
+        taken: dict[int, tuple[dict[int, Any], list[int], dict[int, Any]]] = {}
+        for h in self._handles:
+            ref = getattr(h, "hooks_dict_ref", None)
+            found = ref() if ref is not None else None
+            key = getattr(h, "id", None)
+            if found is None or id(found) not in dicts or not isinstance(key, int) or \
+                    key not in found:
+                continue
+            d = dicts[id(found)]
+            entry = taken.get(id(d))
+            if entry is None:
+                entry = taken[id(d)] = (d, list(d), {})
+            entry[2][key] = d.pop(key)
+        self._suspended = list(taken.values())
+
+    def resume(self) -> None:
+        """Put back the hooks `suspend` took off, each where it was among the module's
+        hooks (hooks added meanwhile come after them), but those whose handle this session
+        no longer holds (released meanwhile)."""
+        if not self._suspended:
+            return
+        held = {getattr(h, "id", None) for h in self._handles}
+        for d, order, hooks in self._suspended:
+            for key, fn in hooks.items():
+                if key in held:
+                    d[key] = fn
+            newer = [k for k in d if k not in hooks and k not in order]
+            for key in [*order, *newer]:
+                if key in d:
+                    d.move_to_end(key)  # type: ignore[attr-defined]  # an OrderedDict
+        self._suspended = []
 
     def backward_updates(self) -> bool:
         """Whether the backward pass running now accumulates a gradient into a trainable

@@ -527,7 +527,8 @@ class Monitor(HookedContext):
             session.suspend()
 
     def _wake(self) -> None:
-        for session in self._resting:
+        # Last suspended first: each puts its hooks back among those already there.
+        for session in reversed(self._resting):
             session.resume()
 
     def _note_groups(self, *, end: bool = False) -> None:

@@ -1,0 +1,95 @@
+"""Steps the monitor does not sample run the submodules without torchscope's hooks (torch's
+fast path; the cost is measured in benchmarks/monitor_overhead.py), the sampled ones with
+all of them, in their places among the user's hooks; training stays bitwise the same."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+import torchscope
+from torchscope.hooks import audit_hooks
+
+
+def _net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.Tanh(),
+                         nn.Linear(16, 2))
+
+
+def _submodule_hooks(model: nn.Module) -> int:
+    """Forward hooks on the submodules, but the first layer's pre-hooks: the monitor keeps
+    one there at every step (the autocast state a framework enters inside the model)."""
+    return sum(len(m._forward_hooks) + (len(m._forward_pre_hooks) if m is not model[0] else 0)
+               for m in model.modules() if m is not model)
+
+
+def test_unsampled_steps_run_the_submodules_unhooked_and_sampled_ones_fully() -> None:
+    model, plain = _net(), _net()
+    seen: list[int] = []
+
+    def user_hook(_m: nn.Module, _a: Any, _o: Any) -> None:
+        seen.append(1)
+
+    mine = model[0].register_forward_hook(user_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(4, 8, generator=g), torch.randn(4, 2, generator=g))
+               for _ in range(12)]
+    hooked: list[int] = []  # submodule hooks during each step's forward
+    orders: dict[int, list[int]] = {}  # model[0]'s forward hooks' keys, sampled steps
+    reference: dict[int, float] = {}  # model[2]'s weight-gradient norm, by torch
+    with torchscope.monitor(model, opt, every=5, out=None) as mon:
+        for step, (x, y) in enumerate(batches):
+            opt.zero_grad()
+            out = model(x)
+            hooked.append(_submodule_hooks(model))
+            if step % 5 == 0:
+                orders[step] = [*model[0]._forward_hooks, *model[2]._forward_pre_hooks]
+            nn.functional.mse_loss(out, y).backward()
+            reference[step] = torch.linalg.vector_norm(
+                torch.cat([model[2].weight.grad.flatten(), model[2].bias.grad.flatten()])
+            ).item()
+            opt.step()
+    for x, y in batches:
+        plain_opt.zero_grad()
+        nn.functional.mse_loss(plain(x), y).backward()
+        plain_opt.step()
+    for a, b in zip(model.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(a, b)
+    # Sampled steps (0, 5, 10) carry the watches' hooks; the others only the user's own.
+    assert [step for step, n in enumerate(hooked) if n > 1] == [0, 5, 10]
+    assert all(n == 1 for step, n in enumerate(hooked) if step % 5)
+    assert len(seen) == 12  # the user's hook fired at every step
+    # The user's hook stays first among model[0]'s hooks, as it was registered.
+    assert all(keys[0] == mine.id and len(keys) > 2 for keys in orders.values())
+    assert orders[0] == orders[5] == orders[10]  # every hook back in its place
+    run = mon.result
+    assert run is not None and run.grad_param.steps == (0, 5, 10)
+    for step, value in zip(run.grad_param.steps, run.grad_param.series("2"), strict=True):
+        assert math.isclose(value, reference[step], rel_tol=1e-6)
+    mine.remove()
+    assert audit_hooks(model, include_global=False).local_total == 0
+
+
+def test_a_monitor_closed_between_samples_leaves_the_users_hooks_alone() -> None:
+    """Closed while its hooks are off the submodules: nothing of it comes back, the
+    user's hooks stay."""
+    model = _net()
+    kept = model[2].register_forward_pre_hook(lambda _m, _a: None)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 8)
+    with torchscope.monitor(model, opt, every=10, out=None):
+        for _ in range(3):  # step 0 sampled, then resting
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+        assert _submodule_hooks(model) == 1  # the user's
+    assert list(model[2]._forward_pre_hooks) == [kept.id]
+    assert _submodule_hooks(model) == 1 and not model[0]._forward_pre_hooks
+    kept.remove()
+    assert audit_hooks(model, include_global=False).local_total == 0
