@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -179,6 +180,70 @@ def test_install_puts_the_callback_before_the_reporters(tmp_path: Path) -> None:
     with callback:
         trainer.train()
     assert all("torchscope/grad_norm/total" in logs for logs in earlier.seen if "loss" in logs)
+
+
+def _tensorboard_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar in the TensorBoard event files under `log_dir`: (step, value) by tag."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out: dict[str, list[tuple[int, float]]] = {}
+    for events in sorted(log_dir.rglob("events.out.tfevents.*")):
+        acc = EventAccumulator(str(events))
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            out.setdefault(tag, []).extend((e.step, e.value) for e in acc.Scalars(tag))
+    return out
+
+
+@pytest.mark.parametrize("how", ["callbacks", "add_callback", "install"])
+def test_report_to_tensorboard_gets_the_scalars_however_the_callback_is_given(
+        tmp_path: Path, how: str) -> None:
+    """`report_to="tensorboard"`: the Trainer puts its TensorBoard callback before the
+    user's, so a callback given as `callbacks=[callback]` added its scalars to `logs` after
+    TensorBoard had written them (0 torchscope tags, against 19 with `install`). It now
+    installs itself on the Trainer that calls it: every scalar of every sample is in the
+    event files, at the Trainer's step, with the value the run reports."""
+    pytest.importorskip("tensorboard")
+    transformers.logging.set_verbosity_error()
+    callback = TorchscopeTrainerCallback(every=2, out=None)
+    trainer, _ = _trainer(tmp_path / "a", [callback] if how == "callbacks" else [], steps=6,
+                          report_to="tensorboard", logging_steps=2)
+    if how == "add_callback":
+        trainer.add_callback(callback)
+    elif how == "install":
+        callback.install(trainer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no "cannot log" line: it can
+        warnings.filterwarnings("ignore", category=UserWarning, module="(?!torchscope)")
+        with callback:
+            trainer.train()
+    run = callback.result
+    assert run is not None and run.samples == 3
+    scalars = _tensorboard_scalars(tmp_path / "a")  # output_dir/runs/...
+    ours = {tag: v for tag, v in scalars.items() if "torchscope/" in tag}
+    names = [e for e in trainer.state.log_history if "torchscope/step" in e]
+    expected = {k for e in names for k in e if k.startswith("torchscope/")}
+    assert len(expected) > 10  # the total, the step, a norm per layer
+    assert {tag.removeprefix("train/") for tag in ours} == expected
+    total = dict(ours["train/torchscope/grad_norm/total"])
+    assert sorted(total) == [2, 4, 6]  # the Trainer's global step of each log
+    for step, value in zip(run.grad_param.steps, run.total_norms, strict=True):
+        assert math.isclose(total[step + 1], value, rel_tol=1e-6)
+
+
+def test_a_callback_no_trainer_calls_says_it_cannot_reach_the_loggers(tmp_path: Path
+                                                                      ) -> None:
+    """Events called by other code than a Trainer: the callback cannot put itself before
+    `report_to`'s loggers, and says so in one line at on_train_begin, with the fix."""
+    transformers.logging.set_verbosity_error()
+    trainer, model = _trainer(tmp_path / "a", [], steps=2, report_to="tensorboard")
+    callback = TorchscopeTrainerCallback(every=1, out=None)
+    with pytest.warns(UserWarning) as seen:
+        callback.on_train_begin(trainer.args, trainer.state, trainer.control, model=model)
+    callback.close()
+    (line,) = [str(w.message) for w in seen if "torchscope" in str(w.message)]
+    assert "\n" not in line and "tensorboard" in line and "callback.install(trainer)" in line
+    assert audit_hooks(model, include_global=False).local_total == 0
 
 
 def test_a_train_that_raises_leaves_no_hook_and_a_partial_report(tmp_path: Path) -> None:
@@ -363,9 +428,9 @@ def _broadcasting_loss(outputs: dict[str, torch.Tensor], labels: torch.Tensor,
 @pytest.mark.parametrize("install", [False, True])
 def test_a_loss_the_trainer_computes_outside_the_model(tmp_path: Path, install: bool) -> None:
     """With compute_loss_func the Trainer pops the labels and computes the loss itself: the
-    model returns none, so the broadcast went untold and the report read as clean. Installed,
-    the callback hands the Trainer's loss to the monitor; not installed, the report says
-    the loss was not seen."""
+    model returns none, so the broadcast went untold and the report read as clean. The
+    callback hands the Trainer's loss to the monitor, installed by hand or given in
+    `callbacks=[...]` (it installs itself on the Trainer calling it)."""
     transformers.logging.set_verbosity_error()
     callback = TorchscopeTrainerCallback(every=2, out=None)
     torch.manual_seed(0)
@@ -379,8 +444,24 @@ def test_a_loss_the_trainer_computes_outside_the_model(tmp_path: Path, install: 
     run = callback.result
     assert run is not None and run.steps == 4
     assert "compute_loss" not in vars(trainer)  # the Trainer's own method again
-    assert_broadcast_told(run, install, ((16, 1), (16, 16)))
-    unseen = [f for f in run.findings() if f.code == "run.loss_unseen"]
-    assert run.loss_seen is install and len(unseen) == (0 if install else 1)
-    if not install:
-        assert unseen[0].fix is not None and "callback.install(trainer)" in unseen[0].fix
+    assert_broadcast_told(run, True, ((16, 1), (16, 16)))
+    assert run.loss_seen and "run.loss_unseen" not in [f.code for f in run.findings()]
+
+
+def test_a_loss_no_callback_event_of_a_trainer_handed_over_is_said_unseen(tmp_path: Path
+                                                                          ) -> None:
+    """The monitor opened by events no Trainer called (so not installed): the Trainer's
+    own loss never reaches it, and the report says so, with the fix."""
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    trainer = Trainer(model=Regressor(), args=_rows_args(tmp_path), train_dataset=Rows(),
+                      compute_loss_func=_broadcasting_loss)
+    callback = TorchscopeTrainerCallback(every=2, out=None)
+    callback.on_train_begin(trainer.args, trainer.state, trainer.control,
+                            model=trainer.model)
+    trainer.train()  # no event of it reaches the callback: no step ends, no loss is seen
+    callback.close()
+    run = callback.result
+    assert run is not None and not run.loss_seen
+    (unseen,) = [f for f in run.findings() if f.code == "run.loss_unseen"]
+    assert unseen.fix is not None and "callback.install(trainer)" in unseen.fix

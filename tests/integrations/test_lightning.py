@@ -83,10 +83,11 @@ def _fit(module: pl.LightningModule, tmp: Path, *callbacks: pl.Callback,
     ds = torch.utils.data.TensorDataset(torch.randn(160, 8, generator=g),
                                         torch.randn(160, 2, generator=g))
     loader = torch.utils.data.DataLoader(ds, batch_size=4, shuffle=True)
+    options = {"log_every_n_steps": 1, **options}
     trainer = pl.Trainer(max_steps=steps, accumulate_grad_batches=2, accelerator="cpu",
-                         devices=1, logger=CSVLogger(tmp), log_every_n_steps=1,
-                         enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=list(callbacks), **options)
+                         devices=1, logger=CSVLogger(tmp), enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=list(callbacks), **options)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(module, loader, ckpt_path=ckpt_path)
@@ -133,7 +134,8 @@ def test_lightning_fit_is_watched_exactly_and_left_unchanged(tmp_path: Path) -> 
     run = callback.result
     assert run is not None and run.status == "completed"
     assert run.steps == trainer.global_step == 20 and run.step_by == "manual"
-    assert run.grad_param.steps == (0, 3, 6, 9, 12, 15, 18)
+    # The steps after which the step count is a multiple of 3, as Lightning logs.
+    assert run.grad_param.steps == (2, 5, 8, 11, 14, 17)
     assert run.last is not None and run.last.backward_calls == 2  # accumulate_grad_batches
     assert run.last.micro_batches == 2
     for layer in ("fc1", "fc2"):
@@ -141,7 +143,7 @@ def test_lightning_fit_is_watched_exactly_and_left_unchanged(tmp_path: Path) -> 
                                strict=True):
             assert math.isclose(value, _module_norm(reference.norms[step], layer),
                                 rel_tol=1e-6)
-    # Scalars went through log_dict to the trainer's logger (CSV here), at sampled steps.
+    # Scalars went straight to the trainer's logger (CSV here), at the sampled steps.
     rows = list(csv.DictReader((Path(trainer.logger.log_dir) / "metrics.csv").open()))
     logged = {int(float(r["torchscope/step"])): float(r["torchscope/grad_norm/total"])
               for r in rows if r.get("torchscope/step")}
@@ -392,7 +394,7 @@ def test_labels_on_padding_are_told_through_a_wrapped_transformers_model(
         trainer.fit(module, loader)
     run = callback.result
     assert run is not None and run.samples == 2
-    # Sampled steps 0 and 2 see the first batch (rows 13 and 10: 3 + 6 pads) twice.
+    # Sampled steps 1 and 3 see the second batch (rows 16 and 7: 0 + 9 pads) twice.
     assert run.padded_labels == (18, 0 if masked else 18)
     assert ("run.padding_in_loss" in [f.code for f in run.findings()]) == (not masked)
     assert audit_hooks(module, include_global=False).local_total == 0
@@ -407,4 +409,42 @@ def test_a_resumed_fit_numbers_its_steps_on_from_the_checkpoint(tmp_path: Path) 
     _fit(Net(), tmp_path / "b", callback, steps=10, ckpt_path=str(tmp_path / "six.ckpt"))
     run = callback.result
     assert run is not None and run.first_step == 6 and run.steps == 4
-    assert run.grad_param.steps == (6, 8)
+    assert run.grad_param.steps == (7, 9)  # the steps after which 8 and 10 were done
+
+
+class LoggingNet(Net):
+    """Net that logs its loss, as training steps do."""
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], i: int) -> torch.Tensor:
+        loss = super().training_step(batch, i)
+        self.log("loss", loss)
+        return loss
+
+
+def _csv_rows(trainer: pl.Trainer) -> list[dict[str, str]]:
+    return list(csv.DictReader((Path(trainer.logger.log_dir) / "metrics.csv").open()))
+
+
+@pytest.mark.parametrize(("every", "log_every"), [(10, 50), (10, 10), (4, 6), (1, 3)])
+def test_every_sample_reaches_the_logger_at_its_own_step(tmp_path: Path, every: int,
+                                                         log_every: int) -> None:
+    """Lightning logs the steps after which the step count is a multiple of
+    `log_every_n_steps`; a value given to `log_dict` in between waits for the next one.
+    The CSV row of step 9 held the step-0 sample, and with the default
+    `log_every_n_steps=50` 4 samples of 20 reached the logger. Every sample is now in the
+    CSV at its own step, with the value the run reports."""
+    callback = TorchscopeCallback(every=every, out=None)
+    trainer = _fit(LoggingNet(), tmp_path, callback, steps=40,
+                   log_every_n_steps=log_every)
+    run = callback.result
+    assert run is not None and run.samples == 40 // every
+    assert run.grad_param.steps == tuple(range(every - 1, 40, every))
+    logged = [(int(r["step"]), float(r["torchscope/step"]),
+               float(r["torchscope/grad_norm/total"]))
+              for r in _csv_rows(trainer) if r.get("torchscope/grad_norm/total")]
+    assert [step for step, _, _ in logged] == list(run.grad_param.steps)  # none lags
+    for (step, ours, total), want in zip(logged, run.total_norms, strict=True):
+        assert ours == step and math.isclose(total, want, rel_tol=1e-6)
+    # Lightning's own metrics keep their steps.
+    losses = [int(r["step"]) for r in _csv_rows(trainer) if r.get("loss")]
+    assert losses == list(range(log_every - 1, 40, log_every))

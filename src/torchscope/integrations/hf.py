@@ -32,11 +32,16 @@ state says which it does, not the arguments.
 
 The Trainer has no event for an exception: use the callback as a context manager around
 `trainer.train()` (or call `callback.close()`), so that hooks come off and a partial report
-is written if training raises. Reporting callbacks (TensorBoard, W&B, ...) that come before
-this one in the Trainer's list do not see its scalars in `logs`; `callback.install(trainer)`
-puts it first, and hands the monitor each step's loss from `trainer.compute_loss`, so that a
-loss the Trainer computes outside the model (`compute_loss_func`, `label_smoothing_factor`, a
-`compute_loss` override) is checked too (without it, `run.loss_unseen` says it was not).
+is written if training raises. Reporting callbacks (TensorBoard, W&B, ...: `report_to`) come
+before the user's in the Trainer's list, and a callback after them adds to `logs` after they
+have written them. The callback therefore installs itself (`install`) on the Trainer whose
+event calls it (at `on_init_end` for `callbacks=[callback]`, else at `on_train_begin`):
+it goes first, so that `report_to`'s loggers get its scalars, and it hands the monitor each
+step's loss from `trainer.compute_loss`, so that a loss the Trainer computes outside the
+model (`compute_loss_func`, `label_smoothing_factor`, a `compute_loss` override) is checked
+too (without it, `run.loss_unseen` says it was not). Where no Trainer can be found calling
+it (events called by other code), it says so once at `on_train_begin`:
+`callback.install(trainer)` then does it.
 
 This module imports transformers; `import torchscope` never does. Install it with
 `pip install torchscope[hf]`.
@@ -44,8 +49,11 @@ This module imports transformers; `import torchscope` never does. Install it wit
 
 from __future__ import annotations
 
+import sys
+import warnings
 import weakref
 from pathlib import Path
+from types import FrameType
 from typing import Any, Literal
 
 import torch
@@ -57,7 +65,7 @@ from torchscope.monitoring import Monitor, RunRecord
 from torchscope.step import inner_optimizer
 
 try:
-    from transformers import TrainerCallback
+    from transformers import Trainer, TrainerCallback
 except ImportError as exc:
     raise ImportError("torchscope.integrations.hf needs transformers: pip install "
                       "torchscope[hf]") from exc
@@ -95,6 +103,35 @@ def _sharding() -> bool:
     shared = getattr(AcceleratorState, "_shared_state", None)
     kind = shared.get("distributed_type") if isinstance(shared, dict) else None
     return kind is None or bool(kind == DistributedType.FSDP)
+
+
+# Frames between a callback's event method and the Trainer method that fired it
+# (`CallbackHandler.on_*`, `call_event`), with room for a subclass's own layers.
+_EVENT_DEPTH = 8
+
+
+def _calling_trainer(callback: Any) -> Any:
+    """The `Trainer` whose event is calling `callback` now: the `self` of a calling frame
+    that is a Trainer holding `callback` among its callbacks; None where none is (the
+    event was called by other code)."""
+    frame: FrameType | None = sys._getframe(2)  # the caller of the event method
+    for _ in range(_EVENT_DEPTH):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        handler = getattr(owner, "callback_handler", None)
+        if isinstance(owner, Trainer) and \
+                any(c is callback for c in getattr(handler, "callbacks", ())):
+            return owner
+        frame = frame.f_back
+    return None
+
+
+def _reporters(args: Any) -> list[str]:
+    """The loggers `report_to` names (none for "none")."""
+    names = getattr(args, "report_to", None) or []
+    names = [names] if isinstance(names, str) else list(names)
+    return [str(n) for n in names if str(n) not in ("none", "")]
 
 
 def _setting(name: str, value: Any) -> str:
@@ -207,10 +244,31 @@ class TorchscopeTrainerCallback(TrainerCallback):
         self.result, self.paths = mon.result, mon.paths
 
     # ------------------------------------------------------------------ events
+    def _install_on_caller(self) -> None:
+        """`install` on the Trainer whose event calls this one, unless installed."""
+        if self._trainer is not None and self._trainer() is not None:
+            return
+        trainer = _calling_trainer(self)
+        if trainer is not None:
+            self.install(trainer)
+
+    def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Install on the Trainer made with this callback (`callbacks=[callback]`): first
+        in its list, before `report_to`'s loggers (see the module docstring)."""
+        self._install_on_caller()
+
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None,
                        optimizer: Any = None, **kwargs: Any) -> None:
         """Open the monitor on the model (hooks go on here)."""
         self._finish(None)  # a train() that raised without `with` left its monitor open
+        self._install_on_caller()  # added after the Trainer was made (`add_callback`)
+        reporters = _reporters(args)
+        if (self._trainer is None or self._trainer() is None) and reporters:
+            warnings.warn(
+                f"torchscope: no Trainer was found calling this callback, so report_to's "
+                f"loggers ({', '.join(reporters)}) write each log before it adds its "
+                "scalars and get none of them; call callback.install(trainer) before "
+                "trainer.train().", UserWarning, stacklevel=2)
         if model is None:
             raise TorchscopeError("the Trainer passed no model to on_train_begin.",
                                   fix="use a transformers Trainer (>= 4.40).")

@@ -14,8 +14,15 @@ under 16-bit AMP and before gradient clipping, whether the optimizer steps with 
 (read on the device by post-accumulate-grad hooks during backward, the GradScaler's scale
 divided out). Under the DDP strategy they are the synchronised gradients, the same on
 every rank (each rank's own, before the all-reduce, are kept too, as for a plain loop).
-Scalars go through `pl_module.log_dict`, so every configured logger (TensorBoard, CSV,
-W&B, ...) receives them; the report is written at `on_fit_end`, or at
+The sampled steps are those after which the count of optimizer steps is a multiple of
+`every` (0-based steps `every - 1`, `2 * every - 1`, ...), as for Lightning's own logging,
+which logs after steps `log_every_n_steps - 1`, `2 * log_every_n_steps - 1`, ... Each
+sample's scalars go straight to every configured logger (`trainer.loggers`: TensorBoard,
+CSV, W&B, ...) at the step number Lightning gives the step it was taken at, so that none
+waits for Lightning's next logging step (a later step's row holding an earlier sample, as
+through `log_dict`) and none is dropped (`every=10` under the default
+`log_every_n_steps=50`).
+The report is written at `on_fit_end`, or at
 `on_exception` as a partial report that says where the run stopped. Every hook is removed
 then. Training is bitwise the same as without the callback.
 
@@ -73,6 +80,25 @@ def _clip_setting(trainer: Any) -> str:
     return f"gradient_clip_val={value:g}" + (", by value" if by_value else "")
 
 
+def _log_now(trainer: Any, scalars: dict[str, float]) -> None:
+    """Give `scalars` to each of the Trainer's loggers now, at the step number Lightning
+    gives the step in progress. Not through `log_dict`: a value given to it waits in
+    Lightning's results for the next step it logs (every `log_every_n_steps`), so a later
+    row held it, samples between two logging steps were lost, and one logged on a logging
+    step was logged again at the next. Nothing where the Trainer logs no steps
+    (`log_every_n_steps=0`) or has no logger (`logger=False`)."""
+    if not trainer.loggers or not getattr(trainer, "log_every_n_steps", 1):
+        return
+    # Lightning's step number for the loggers: batches that stepped an optimizer in this
+    # fit (restored on resume), once per batch whatever the number of optimizers.
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    step = getattr(loop, "_batches_that_stepped", None)
+    if not isinstance(step, int):
+        step = int(trainer.global_step)
+    for logger in trainer.loggers:
+        logger.log_metrics(scalars, step=step)
+
+
 class TorchscopeCallback(pl.Callback):
     """Watch a Lightning fit with `torchscope.monitor`; see the module docstring.
 
@@ -90,7 +116,7 @@ class TorchscopeCallback(pl.Callback):
         history: samples kept spread over the run (see `torchscope.monitor`).
         recent: newest samples kept in full.
         name: the run's name in the report.
-        log: log each sample's scalars through `pl_module.log_dict`.
+        log: give each sample's scalars to the Trainer's loggers.
 
     Attributes:
         result: the `RunRecord` once fit has ended (or raised).
@@ -144,6 +170,9 @@ class TorchscopeCallback(pl.Callback):
         self._monitor = Monitor(
             watched, self._optimizer,
             scaler=getattr(trainer.precision_plugin, "scaler", None), manual=True,
+            # The steps after which the step count is a multiple of `every` (0-based
+            # `every - 1`, ...), as Lightning's logging steps fall.
+            start=self._options["every"] - 1,
             on_sample=self._on_sample, producer="torchscope.integrations.lightning",
             parallel=parallel_wrapper(trainer.strategy.model),
             clip_setting=_clip_setting(trainer), **self._options)
@@ -169,10 +198,7 @@ class TorchscopeCallback(pl.Callback):
         mon.end_step()
         scalars, self._pending = self._pending, None
         if scalars and self._log:
-            # Lightning's default `logger`: every configured logger gets them, and a
-            # Trainer without one (`logger=False`) gets no warning per scalar.
-            pl_module.log_dict(dict(scalars), on_step=True, on_epoch=False, prog_bar=False,
-                               batch_size=1)
+            _log_now(trainer, dict(scalars))
 
     def _on_sample(self, _step: int, scalars: Mapping[str, float]) -> None:
         self._pending = scalars
