@@ -28,13 +28,13 @@ def _env() -> dict[str, str]:
         [str(SRC), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
 
 
-def _run(argv: list[str], timeout: float = 170.0) -> tuple[subprocess.CompletedProcess[str],
-                                                           float, list[int]]:
+def _run(argv: list[str], timeout: float = 170.0, **env: str
+         ) -> tuple[subprocess.CompletedProcess[str], float, list[int]]:
     """Run a command in its own session; also return the pids still in that session after
-    it exited (orphans)."""
+    it exited (orphans). `env` adds environment variables."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen(argv, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(argv, env={**_env(), **env}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
     finally:
@@ -50,9 +50,19 @@ def _run(argv: list[str], timeout: float = 170.0) -> tuple[subprocess.CompletedP
                 fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
             except OSError:
                 continue
-            if int(fields[3]) == proc.pid and fields[0] != "Z":  # session id, not a zombie
+            # Its session, or a rank the doctor's launcher started in a session of its own.
+            if fields[0] != "Z" and (int(fields[3]) == proc.pid or
+                                     _launched_by(entry, proc.pid)):
                 left.append(int(entry.name))
     return subprocess.CompletedProcess(argv, proc.returncode, out, err), seconds, left
+
+
+def _launched_by(entry: Path, pid: int) -> bool:
+    """A rank process of the launcher `pid` (its environment names it), even re-parented."""
+    try:
+        return f"TORCHSCOPE_LAUNCHER={pid}".encode() in (entry / "environ").read_bytes()
+    except OSError:
+        return False
 
 
 def _check_report(out: Path, strategy: str) -> dict:
@@ -229,20 +239,98 @@ def test_cli_ddp_on_a_model_with_an_unused_parameter_runs_every_section(
     assert doc["environment"]["find_unused_parameters"] is True
     codes = {f["code"]: f for f in doc["findings"]}
     assert "grads.ranks_diverge" not in codes
+    assert "ranks.uneven_split" not in codes  # 8 rows on 2 ranks
     assert "aux" in codes["grads.unreached"]["summary"]
 
 
-def test_cli_rank_that_raises_is_one_line_exit_2_and_leaves_no_process(tmp_path: Path) -> None:
+# Rank 1 fails in its FAIL_AT-th forward (counting the doctor's unused-parameter check and
+# its first plain forward): it raises in the head, or leaves with os._exit(3), or hangs. It
+# notes when, so that the test can tell how long the others took to stop.
+_FAILING = """
+import os
+import time
+
+import torch
+from torch import nn
+
+FAIL_AT = int(os.environ["FAIL_AT"])
+HOW = os.environ["HOW"]
+
+
+class Head(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 4)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if torch.distributed.get_rank() == 1 and self.calls == FAIL_AT:
+            with open(os.environ["FAILED_AT"], "w") as f:
+                f.write(str(time.time()))
+            if HOW == "raise":
+                raise ValueError(f"bad batch in forward {FAIL_AT}")
+            if HOW == "exit":
+                os._exit(3)
+            time.sleep(600)
+        return self.fc(x)
+
+
+class Net(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, width), nn.ReLU(), nn.Linear(width, 16))
+        self.head = Head()
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+def build():
+    torch.manual_seed(0)
+    width = 16 if HOW != "differ" or torch.distributed.get_rank() == 0 else 12
+    return Net(width), torch.randn(8, 8)
+"""
+
+
+@pytest.mark.parametrize(("strategy", "how", "at", "needle"), [
+    ("ddp", "raise", 3, "rank 1 raised ValueError: bad batch in forward 3 in head's forward "
+                        "(during the activations section)."),
+    ("fsdp2", "raise", 4, "rank 1 raised ValueError: bad batch in forward 4 in head's forward "
+                          "(during the"),
+    ("fsdp2", "exit", 3, "rank 1 died with exit code 3 in the"),
+    ("fsdp2", "differ", 0, "the model differs between ranks (rank 1 against rank 0): "
+                           "body.0.weight is (12, 8) torch.float32 on rank 1 and (16, 8)"),
+    ("ddp", "hang", 3, "rank 1 hung: rank 0 gave up waiting for it in a collective"),
+])
+def test_cli_a_failing_rank_ends_the_run_and_is_named(tmp_path: Path, strategy: str, how: str,
+                                                      at: int, needle: str) -> None:
+    """F1, F2, F4: whichever way rank 1 fails, the doctor stops every rank soon after (not
+    after the 120 s timeout), exits 2 with one line naming rank 1 and how it failed ("Fix:"
+    once), writes no report, and leaves no process or temporary folder behind."""
     target = tmp_path / "model.py"
-    target.write_text(_FAILS_ON_RANK_1)
+    target.write_text(_FAILING)
+    temp, failed_at = tmp_path / "temp", tmp_path / "failed_at"
+    temp.mkdir()
     res, _, left = _run([sys.executable, "-m", "torchscope", "doctor", f"{target}:build",
-                         "--nproc", "2", "--fast", "--out", str(tmp_path / "rep")])
+                         "--nproc", "2", "--strategy", strategy, "--fast", "--out",
+                         str(tmp_path / "rep")],
+                        FAIL_AT=str(at), HOW=how, FAILED_AT=str(failed_at), TMPDIR=str(temp),
+                        TORCHSCOPE_TIMEOUT_S="8" if how == "hang" else "120")
+    ended = time.time()
     assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1, res.stderr
-    assert lines[0].startswith("error: rank 1 raised") and "bad batch on rank 1" in lines[0]
+    assert len(lines) == 1 and lines[0].startswith("error: "), res.stderr
+    assert needle in lines[0], lines[0]
+    assert lines[0].count("Fix:") == 1
     assert "Traceback" not in res.stdout + res.stderr
+    assert not (tmp_path / "rep").exists()  # no report, let alone one that reads "ok"
     assert left == []
+    # The run folder is gone (torch's own compiler cache, torchinductor_*, may stay).
+    assert [f.name for f in temp.iterdir() if not f.name.startswith("torchinductor")] == []
+    if how != "differ":
+        # Far below the 120 s timeout a victim's collective would wait (the hang: 8 s).
+        assert ended - float(failed_at.read_text()) < 60
 
 
 _FAILS_ON_RANK_1 = (
@@ -300,29 +388,63 @@ def test_cli_debug_shows_where_a_rank_failed(tmp_path: Path) -> None:
     res, _, left = _run([sys.executable, "-m", "torchscope", "doctor", f"{target}:build",
                          "--nproc", "2", "--fast", "--debug", "--skip", "activations,memory",
                          "--out", str(tmp_path / "rep2")])
-    assert res.returncode == 0 and left == [], res.stderr[-3000:]
-    assert "section gradients failed:" in res.stderr
+    # A section that fails on a rank ends the run: the ranks would part ways after it.
+    assert res.returncode != 0 and left == [], res.stderr[-3000:]
+    assert "RankTracebackError: rank" in res.stderr
     line = 1 + _BACKWARD_FAILS.splitlines().index(
         '        raise ValueError("no gradient through here")')
     assert f'File "{target}", line {line}, in backward' in res.stderr, res.stderr[-3000:]
 
 
-def test_a_rank_that_raised_is_named_not_one_that_lost_its_peers(tmp_path: Path) -> None:
+def _said(run: Path, rank: int, kind: str, at: float, message: str) -> None:
+    (run / "failures" / f"rank{rank}.json").write_text(json.dumps({
+        "rank": rank, "kind": kind, "type": "RuntimeError", "message": message,
+        "module": None, "part": "the gradients section", "time": at, "fix": "",
+        "traceback": "Traceback ..."}))
+
+
+def test_the_first_real_failure_is_named_not_a_rank_that_lost_its_peers(
+        tmp_path: Path) -> None:
     from torchscope.distributed import RankLostError
-    from torchscope.doctor.distributed import _failure, _lost_peer
+    from torchscope.doctor.distributed import RankExit, _lost_peer, rank_failure
 
     gloo = RuntimeError("Gloo connectFullMesh failed with [pair.cc:553] Connection closed by "
                         "peer [127.0.0.1]:53419")
     assert _lost_peer(gloo) and _lost_peer(RankLostError("all_gather did not complete"))
     assert not _lost_peer(ValueError("bad batch"))
-    errors = tmp_path / "errors"
-    errors.mkdir()
-    # Rank 0 only lost its peers; rank 3 raised the cause.
-    (errors / "rank0.txt").write_text(f"lost\tRuntimeError: {gloo}")
-    (errors / "rank3.txt").write_text("raised\tDistributedError: the example batch has 2 "
-                                      "row(s), fewer than the 4 ranks that share it.")
-    err = _failure({}, errors)
-    assert str(err).startswith("rank 3 raised DistributedError: the example batch has 2")
+    wrapped = ValueError("the section failed")
+    wrapped.__cause__ = gloo
+    assert _lost_peer(wrapped)
+    run = tmp_path / "run"
+    (run / "failures").mkdir(parents=True)
+    killed = [RankExit(r, None, None, killed=True) for r in range(4)]
+    # Rank 0 only lost its peers (first in time); ranks 3 and 2 raised, rank 3 first.
+    _said(run, 0, "lost", 10.0, f"{gloo}")
+    _said(run, 2, "raised", 12.0, "later")
+    _said(run, 3, "raised", 11.0, "the cause")
+    err = rank_failure(killed, run)
+    assert err is not None and str(err).startswith("rank 3 raised RuntimeError: the cause")
+    # A rank that died without a word before that is the first failure; gloo's words in its
+    # log say the model differs.
+    died = [*killed[:1], RankExit(1, -6, 9.0), *killed[2:]]
+    assert str(rank_failure(died, run)).startswith(
+        "rank 1 died from signal 6 (SIGABRT) in start-up, without raising an error.")
+    (run / "rank1.log").write_text("terminate called after throwing an instance of "
+                                   "'gloo::EnforceNotMet'\n  what():  [enforce fail at "
+                                   "pair.cc:446] Received data size doesn't match")
+    assert "the model differs between ranks" in str(rank_failure(died, run))
+    # Rank 1 died after its work was done (torch's teardown abort): no failure at all.
+    for f in (run / "failures").glob("*.json"):
+        f.unlink()
+    (run / "failures" / "rank1.done").write_text("done")
+    assert rank_failure([RankExit(0, 0, 8.0), RankExit(1, -6, 9.0)], run) is None
+    # Only rank 0 gave up waiting: rank 1, which neither raised nor died, hung.
+    (run / "failures" / "rank1.done").unlink()
+    (run / "failures" / "rank1.part").write_text("the memory section")
+    _said(run, 0, "lost", 10.0, "Timed out waiting 8000ms for recv operation to complete")
+    err = rank_failure([RankExit(0, 1, 10.5), RankExit(1, None, None, killed=True)], run)
+    assert str(err).startswith("rank 1 hung: rank 0 gave up waiting for it in a collective")
+    assert "rank 1 was in the memory section" in str(err)
 
 
 def test_cli_more_ranks_than_rows_names_the_batch(tmp_path: Path) -> None:
@@ -331,7 +453,28 @@ def test_cli_more_ranks_than_rows_names_the_batch(tmp_path: Path) -> None:
     assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "fewer than the 3 ranks" in lines[0], res.stderr
+    assert lines[0].count("Fix:") == 1
     assert left == []
+
+
+def test_cli_an_uneven_split_is_a_note_with_each_rank_s_row_weight(tmp_path: Path) -> None:
+    """F5: 7 rows on 3 ranks split 3/2/2; the ranks' gradients are averaged, so each of
+    rank 0's rows weighs 1/9 of the step and the others' 1/6. An even split says nothing."""
+    out = tmp_path / "rep"
+    res, _, left = _run([sys.executable, "-m", "torchscope", "doctor", "mlp", "--input", "7x128",
+                         "--nproc", "3", "--fast", "--skip", "activations,memory,profile",
+                         "--out", str(out)])
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert left == []
+    doc = json.loads((out / "report.json").read_text())
+    assert [r["rows"] for r in doc["sections"]["ranks"]["data"]["ranks"]] == [3, 2, 2]
+    (note,) = [f for f in doc["findings"] if f["code"] == "ranks.uneven_split"]
+    assert note["severity"] == "info"
+    ev = note["evidence"]
+    assert ev["rows"] == "3/2/2" and ev["batch_rows"] == 7
+    assert [ev[f"rank{r}_row_weight"] for r in range(3)] == pytest.approx([1 / 9, 1 / 6, 1 / 6])
+    assert "each of rank 0's rows 1/9" in note["summary"]
+    assert "each of rank 1's and rank 2's rows 1/6" in note["summary"]
 
 
 def test_plain_torchrun_runs_the_doctor_as_ranks(tmp_path: Path) -> None:

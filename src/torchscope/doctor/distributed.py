@@ -515,6 +515,7 @@ def _rank_main(job_file: str, run: str) -> None:
         _write_json(failures / f"rank{rank}.json", {
             "rank": rank, "kind": kind, "type": name, "message": message,
             "module": raised_in(exc, state.model), "part": state.part, "time": time.time(),
+            "fix": exc.fix if isinstance(exc, TorchscopeError) else "",
             "traceback": "".join(traceback.format_exception(exc))})
         code = 1
     sys.stdout.flush()
@@ -669,13 +670,13 @@ def rank_failure(exits: list[RankExit], run: Path) -> DistributedError | None:
         d = said[r]
         error: DistributedError
         if kind == "differs":
-            error = ModelMismatchError(d["message"], fix="build the model the same way on "
-                                       "every rank (no rank-dependent sizes or layers).")
+            error = ModelMismatchError(d["message"], fix=d.get("fix") or "build the model "
+                                       "the same way on every rank.")
         else:
             where = f" in {d['module']}'s forward" if d.get("module") else ""
             error = DistributedError(
                 f"rank {r} raised {d['type']}: {d['message']}{where} (during {d['part']}).",
-                fix=fix)
+                fix=d.get("fix") or fix)
         error.__cause__ = RankTracebackError(f"rank {r}: {d['traceback']}")
         return error
     if said:  # only ranks that lost their peers: the others neither raised nor died
