@@ -211,6 +211,29 @@ def test_dead_units_scale_drift_and_near_overflow() -> None:
     assert f.module == "0" and f.evidence["dtype_max"] == torch.finfo(torch.bfloat16).max
 
 
+def test_a_relu_output_of_mostly_zeros_without_dead_units_is_mostly_zero() -> None:
+    """Every unit fires on one sample of 64 and is zero on the others: no dead unit, but
+    98% zeros (torch's own count), a warning; random inputs to the same layer are
+    silent."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    with torch.no_grad():
+        model[0].weight.copy_(torch.eye(8))
+        model[0].bias.zero_()
+    x = torch.full((64, 8), -1.0)  # (64, 8)
+    x[torch.arange(8), torch.arange(8)] = 1.0  # unit c fires on sample c only
+    with torch.no_grad():
+        zeros = float((model[1](model[0](x)) == 0).float().mean())
+    found = capture_activations(model, x).findings()
+    (f,) = [f for f in found if f.code == "activations.mostly_zero"]
+    assert f.module == "1" and f.severity == Severity.WARNING
+    assert f.evidence["zero_frac"] == pytest.approx(zeros) and zeros >= 0.95
+    assert "activations.dead_units" not in [f.code for f in found]
+    assert f.fix == "check the scale of the layer before it and its bias init."
+    torch.manual_seed(0)
+    healthy = capture_activations(model, torch.randn(64, 8)).findings()
+    assert "activations.mostly_zero" not in [f.code for f in healthy]
+
+
 class _LoRA(nn.Module):
     """A frozen Linear plus a low-rank update whose B starts at zero, as LoRA does."""
 
