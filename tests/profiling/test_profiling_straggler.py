@@ -135,3 +135,16 @@ def test_communication_below_the_threshold_is_told_as_info(base: ProfileResult) 
     assert "the step waits 1 ms of its 10 ms mean" in found.summary
     heavy = _rank(base, [10.0, 10.0, 10.0], [9.0, 9.0, 9.0])
     assert [f.code for f in comm_findings(heavy)] == ["profiling.comm_exposed"]
+
+
+def test_the_straggler_ranks_before_the_wait_it_causes(base: ProfileResult) -> None:
+    """Rank 0 waits 9 of its 10 ms a step for rank 1 (profiling.comm_exposed); rank 1 is
+    the straggler. The cause comes first in a report: its entry explains the wait."""
+    from torchscope.findings import rank
+
+    fast = _rank(base, [50.0, 10.0, 10.0], [49.0, 9.0, 9.0], per_step=True)
+    slow = _rank(base, [50.0, 10.0, 10.0], [40.0, 0.0, 0.0], per_step=True)
+    waited = comm_findings(fast)
+    assert [f.code for f in waited] == ["profiling.comm_exposed"]
+    ranked = rank([*waited, *_straggler([fast, slow])])
+    assert [f.code for f in ranked] == ["profiling.straggler", "profiling.comm_exposed"]

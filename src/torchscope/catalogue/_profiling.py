@@ -280,5 +280,7 @@ ENTRIES: tuple[Entry, ...] = (
         example="rank 1 is a straggler: its own work takes 2.10× the other ranks' (8.4 ms "
                 "vs 4.0 ms per step); the others wait for it in communication (up to 4.3 ms "
                 "per step).",
+        # The others' exposed communication is their wait for it.
+        explains=("profiling.comm_exposed",),
     ),
 )
