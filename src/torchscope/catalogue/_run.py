@@ -78,6 +78,31 @@ ENTRIES: tuple[Entry, ...] = (
         explains=("grads.unreached",),
     ),
     Entry(
+        code="run.accumulation_undivided",
+        title="Gradient accumulation without dividing the loss",
+        subject=Subject.LOOP,
+        levels=INFO_WARNING,
+        severity="a warning where the gradient at the model's output shows each "
+                 "micro-batch's loss undivided; info where the run accumulates but its "
+                 "output is no softmax cross-entropy's scores, so the data cannot tell.",
+        meaning="With k micro-batches per step, a mean loss must be divided by k before each "
+                "backward; otherwise the gradient, and the logged loss, are k times the "
+                "mean's, and the learning rate acts k times larger. A recurring fault "
+                "(transformers #35438, #37766; LlamaFactory #7443).",
+        criterion="For a softmax cross-entropy at the model's output, ∂loss/∂z = s (softmax(z)"
+                  " - onehot): s is read at sampled steps as the ratio of the gradient to "
+                  "softmax(z) off the target (one number, spread within 1%), times the "
+                  "counted rows. A warning where that factor is 1 (within 5%) while the "
+                  "step accumulates k >= 2 backward passes; a factor of 1/k is a divided "
+                  "loss. Plain loops only: Lightning and the HF Trainer divide themselves.",
+        fix="divide each micro-batch's loss by the number of micro-batches before its "
+            "backward",
+        literature="transformers PR #34191 and the Hugging Face blog post on gradient "
+                   "accumulation (2024)",
+        example="each of the 4 micro-batches' losses is its own mean, not divided by 4: the "
+                "update uses 4× the mean gradient (∂loss/∂scores × counted rows reads 1.000)",
+    ),
+    Entry(
         code="run.grad_fell",
         title="A layer's gradient fell far more than the model's",
         subject=Subject.MODEL,

@@ -56,6 +56,7 @@ _GRAD_FELL = entry("run.grad_fell")
 _GRAD_GREW = entry("run.grad_grew")
 _GRAD_NORM_OVERFLOW = entry("run.grad_norm_overflow")
 _GRAPH_CUT = entry("run.graph_cut")
+_ACCUMULATION = entry("run.accumulation_undivided")
 _LOSS_UNSEEN = entry("run.loss_unseen")
 _NONFINITE = entry("run.nonfinite")
 _PADDING_IN_LOSS = entry("run.padding_in_loss")
@@ -626,9 +627,11 @@ def _dead_growth(record: RunRecord, t: RunThresholds) -> list[Finding]:
             grew[k] = (s0, v0, s1, v1, onset)
     if not grew:
         return []
+    # Named at the first of them in the forward (what dies there starves the layers
+    # after it), dated at the first that crossed.
     names = _call_order(record, list(grew))
     onset = min(g[4] for g in grew.values())
-    first = next(k for k in names if grew[k][4] == onset)
+    first = names[0]
     s0, v0, s1, v1, _ = grew[first]
     each = "; ".join(f"{_name(k)}: {100 * grew[k][1]:.0f}% → {100 * grew[k][3]:.0f}% "
                      f"(from step {grew[k][4]})" for k in names[:4])
@@ -962,6 +965,51 @@ def _graph_cut(record: RunRecord) -> list[Finding]:
         module=last_cut)]
 
 
+# How near 1 a softmax cross-entropy's spread must read (`RunRecord.output_scales`), and
+# how near its factor must be to 1 or 1/k.
+_SPREAD = 0.99
+_FACTOR_TOLERANCE = 0.05
+
+
+def _accumulation(record: RunRecord) -> list[Finding]:
+    """`run.accumulation_undivided`: steps that accumulate k backward passes whose loss
+    is each micro-batch's own mean, not divided by k, so the update uses k times the mean
+    gradient. Read from the gradient at the model's output where it is the scores of a
+    softmax cross-entropy (`RunRecord.output_scales`); info where the data cannot tell.
+    A plain loop's fault only: Lightning and the HF Trainer divide by their accumulation
+    steps themselves."""
+    last = record.last
+    micro = 1 if last is None else last.backward_calls
+    if micro < 2 or record.scaler or _framework(record) != "plain":
+        return []
+    factors = [f for f, spread in record.output_scales
+               if math.isfinite(f) and math.isfinite(spread) and spread >= _SPREAD]
+    evidence: dict[str, float | int | str | None] = {
+        "micro_batches": micro, "step": last.index if last else None,
+        "measured": len(factors)}
+    if not factors:
+        return [_ACCUMULATION.finding(
+            Severity.INFO,
+            f"each step accumulates {micro} backward passes; whether each micro-batch's loss "
+            f"is divided by {micro} could not be read: the model's output is not the scores "
+            "of a softmax cross-entropy, whose gradient tells the factor",
+            evidence, fix="make sure each micro-batch's loss is divided by the number of "
+                          f"micro-batches ({micro}) before its backward")]
+    factor = statistics.median(factors)
+    evidence["factor"] = factor
+    if abs(factor - 1) > _FACTOR_TOLERANCE or abs(factor * micro - 1) <= _FACTOR_TOLERANCE:
+        return []
+    return [_ACCUMULATION.finding(
+        Severity.WARNING,
+        f"each of the {micro} micro-batches' losses is its own mean, not divided by "
+        f"{micro}: the update uses {micro}× the mean gradient (∂loss/∂scores × counted rows "
+        f"reads {factor:.3f} at the model's output over {len(factors)} sampled "
+        f"forward(s); a loss divided by {micro} reads {1 / micro:.3f})",
+        evidence, fix=f"divide each micro-batch's loss by {micro} before its backward "
+                      f"((loss / {micro}).backward()), or lower the learning rate {micro}× "
+                      "if the sum is meant")]
+
+
 def _dead_experts(record: RunRecord, t: RunThresholds) -> list[Finding]:
     """Experts of a mixture of experts that no token reached in any sampled step: the
     router never picks them (it collapsed onto the others), and they never learn."""
@@ -1158,7 +1206,7 @@ def _findings(record: RunRecord, t: RunThresholds, run: list[Finding]) -> list[F
         *_gradient_trends(record, t),
         *_activation_drift(record, t), *_dead_growth(record, t),
         *_saturation_growth(record, t), *_weight_scale(record, t), *_eval_mode(record),
-        *_same_batch(record, t), *_graph_cut(record),
+        *_same_batch(record, t), *_graph_cut(record), *_accumulation(record),
         *_padding_in_loss(record),
         *_unscaled_float16(record), *_compiled(record), *_dead_experts(record, t),
         *_capabilities(record, replaced=bool(run))]

@@ -264,6 +264,11 @@ class RunRecord(Analyzed):
             `labels` and an `attention_mask` of one shape; (0, 0) elsewhere (an encoder-decoder,
             whose labels are the decoder's, included). A causal language model's loss
             shifts its labels and never reads position 0, which is left out.
+        output_scales: per sampled training forward whose output (a tensor of scores,
+            the last dim the classes) got a gradient, the newest 32: (s × rows, spread),
+            where a mean softmax cross-entropy times a factor gives ∂loss/∂z = s (softmax(z)
+            - onehot) over its counted rows; spread is 1 for such a loss, and s × rows is
+            then the factor (1 for a plain mean, 1/k for a mean divided by k micro-batches).
         first_step: the index of the run's first step: 0, or where a framework's run
             resumed from a checkpoint, its global step then. Step indices (samples,
             findings, buckets) count from it; `steps` counts this run's steps only.
@@ -274,6 +279,9 @@ class RunRecord(Analyzed):
         clip_setting: the framework's setting by which the loop clips gradients
             (`max_grad_norm=1.0` under the HF Trainer, `gradient_clip_val=0.5` under
             Lightning), given by its callback; empty in a plain loop or without clipping.
+        resumed_at: the steps at which the run was resumed into the report it continues
+            (`out`'s report of the run before: its samples before the step are the series'
+            first ones), oldest first; empty for a run that continues none.
     """
 
     model: str
@@ -330,10 +338,12 @@ class RunRecord(Analyzed):
     loss_on_probabilities: LossOnProbabilities | None = None
     same_inputs: tuple[int, int] = (0, 0)
     padded_labels: tuple[int, int] = (0, 0)
+    output_scales: tuple[tuple[float, float], ...] = ()
     clip_setting: str = ""
     first_step: int = 0
     loss_seen: bool = True
     producer: str = "torchscope.monitor"
+    resumed_at: tuple[int, ...] = ()
 
     @property
     def median_step_ms(self) -> float | None:

@@ -11,6 +11,7 @@ and writes the run report.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -148,6 +149,9 @@ class Monitor(HookedContext):
         self._applied: dict[int, float] = {}
         # Per fused experts module: (the weight read per expert, [samples, idle per expert]).
         self._experts: dict[str, tuple[str, list[int]]] = {}
+        # Per sampled forward whose output got a gradient: `_softmax_ce_scale`'s (2,) on
+        # the device, the newest few (read when the run ends).
+        self._scales: collections.deque[torch.Tensor] = collections.deque(maxlen=32)
         # The newest sample's step, and per layer its weight matrices' names and norm, until
         # its update is read (`_fill_update`).
         self._update_of: tuple[int, dict[str, tuple[tuple[str, ...], float | None]]] | None \
@@ -219,6 +223,11 @@ class Monitor(HookedContext):
         self._compiled_outside = compiled_outside
         self._clip_setting = clip_setting
         self._first_step = first_step
+        # Steps at which the run was resumed into the report it continues (`_go_on_from`);
+        # whether it continues `out`'s report, or why that report is not this run's.
+        self._resumed_at: tuple[int, ...] = ()
+        self._continues = False
+        self._not_continued = ""
         self._eager = contextlib.ExitStack()  # the eager stance, for a wrapper out of sight
         self._resting: list[HookSession] = []  # sessions whose submodule hooks `_rest` lifts
         self.latest: dict[str, float] = {}
@@ -271,6 +280,7 @@ class Monitor(HookedContext):
             self._session.forward_pre_hook(first, self._inner_autocast)
         if self._acts is not None:
             self._session.forward_hook(self._session.model, self._forward_end)
+        self._session.forward_hook(self._session.model, self._note_output_scale)
         # Appended: on the root it runs after the GradWatch's prepended hook, which decides
         # whether the step in progress is sampled.
         for labelled, first_label in labelled_modules(model):
@@ -295,6 +305,8 @@ class Monitor(HookedContext):
             self._time.open()
         self._created = datetime.now(timezone.utc).isoformat(timespec="seconds")
         self._t0 = self._last = time.perf_counter()
+        if self._first_step:
+            self._go_on_from(self._first_step)
 
     def __exit__(self, *exc: object) -> None:
         if isinstance(exc[1], BaseException):
@@ -329,6 +341,16 @@ class Monitor(HookedContext):
         if self._out is not None and self._writes:
             from torchscope.monitoring.report import write_run_report
 
+            earlier = self._out / "report.json"
+            if earlier.is_file() and not self._continues:
+                # Never silently: the report there is another run's (or this run's first
+                # part, resumed without saying where: `first_step=`).
+                warnings.warn(
+                    f"torchscope: {earlier} held the report of an earlier run"
+                    f"{' (' + self._not_continued + ')' if self._not_continued else ''}, "
+                    "which this run's report replaces; pass another out=, or first_step= "
+                    "(the step resumed at) to continue that run's report.",
+                    UserWarning, stacklevel=2)
             try:
                 self.paths = write_run_report(
                     self.result, self._out, name=self._name, created=self._created,
@@ -373,6 +395,37 @@ class Monitor(HookedContext):
             TorchscopeError: the monitor is not open, or a step was counted already.
         """
         self._open_watch().number_from(first_step)
+        if first_step:
+            self._go_on_from(first_step)
+
+    def _go_on_from(self, first_step: int) -> None:
+        """A run resumed at `first_step`: where `out` holds the report of this run before
+        (the same model), its samples and step times before `first_step` begin this run's
+        history, so that the report goes on as one series, with the resume marked
+        (`RunRecord.resumed_at`). Samples of that run at or after `first_step` (it went on
+        past the checkpoint) are the steps this run does again: dropped."""
+        self._resumed_at = (first_step,)
+        if self._out is None or not self._writes or self._continues:
+            return
+        from torchscope.monitoring.report import earlier_run
+
+        before, why = earlier_run(self._out, model=self._facts[0],
+                                  parameters=self._facts[1], before=first_step)
+        self._not_continued = why
+        if before is None:
+            return
+        self._continues = True
+        self._resumed_at = (*before.resumed_at, first_step)
+        order = self._order
+        for step, per_layer, total, applied, saved in before.rows:
+            layers = sorted(per_layer, key=lambda k: order.get(k, len(order)))  # input first
+            self._history.add(step, {k: per_layer[k] for k in layers}, total_norm=total,
+                              saved_bytes=saved)
+            if applied is not None:
+                self._applied[step] = applied
+        for b in before.step_ms:  # a bucket's mean for each of its steps
+            for i in range(b.count):
+                self._times.add(b.first_step + i, b.mean)
 
     @property
     def steps(self) -> int:
@@ -469,6 +522,25 @@ class Monitor(HookedContext):
             old = self._waiting.pop(0)
             session.release(old)
             old.clear()
+
+    def _note_output_scale(self, _module: nn.Module, _args: tuple[Any, ...],
+                           output: Any) -> None:
+        """At a sampled step's training forward whose output is a tensor of scores (the
+        last dim the classes): a hook on it reads, in its backward, the scale of the
+        gradient that reaches it (`_softmax_ce_scale`, on the device; read when the run
+        ends), to tell a loss divided by the micro-batches from one that is not."""
+        g = self._grads
+        if g is None or not g.collecting or not torch.is_grad_enabled() or \
+                torch._C._current_autograd_node() is not None or \
+                type(output) is not torch.Tensor or not output.requires_grad or \
+                output.dim() < 2 or not output.is_floating_point() or output.shape[-1] < 2:
+            return
+        z = output.detach()
+
+        def read(grad: torch.Tensor) -> None:
+            self._scales.append(_softmax_ce_scale(z, grad))
+
+        output.register_hook(read)
 
     def _backward_end(self) -> None:
         if self._grads is not None and self._grads.step_by == "inferred":
@@ -722,13 +794,37 @@ class Monitor(HookedContext):
             loss_on_probabilities=grads.loss_on_probabilities,
             same_inputs=(self._fp_pairs, 0 if self._fp_same is None else int(self._fp_same)),
             padded_labels=self._padded_labels(),
+            output_scales=tuple((float(a), float(b)) for a, b in
+                                torch.stack(list(self._scales)).tolist())
+            if self._scales else (),
             clip_setting=self._clip_setting,
             loss_seen=grads.loss_seen or not grads.backwards,
             producer=self._options["producer"],
+            resumed_at=self._resumed_at,
             modes=self._modes,
             experts=tuple(ExpertUse(m, name, c[0], tuple(c[1:]))
                           for m, (name, c) in self._experts.items()),
         )
+
+
+def _softmax_ce_scale(z: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """(s × rows, spread) on the device, for the gradient `grad` of a loss at scores `z`
+    (..., C). A mean softmax cross-entropy over its `rows` counted rows (those with a
+    gradient), times a factor, has ∂loss/∂z = s (softmax(z) - onehot) with s = factor /
+    rows: every entry but the target's is s × softmax(z), so their ratio to softmax(z) is
+    one number. `spread` (the smallest of those ratios over the largest) is 1 where the
+    loss is such a cross-entropy; s × rows is then the factor (1 for a plain mean, 1/k for
+    a mean divided by k micro-batches)."""
+    with torch.no_grad():
+        c = z.shape[-1]
+        p = torch.softmax(z.float(), dim=-1).reshape(-1, c)  # (rows, C)
+        g = grad.float().reshape(-1, c)  # (rows, C)
+        rows = (g.abs().amax(dim=-1) > 0).sum()  # () counted rows
+        ratio = g / p.clamp_min(torch.finfo(torch.float32).tiny)  # (rows, C)
+        positive = (ratio > 0) & (p > 1e-6)  # non-target entries, read precisely
+        hi = ratio.masked_fill(~positive, -math.inf).amax()
+        lo = ratio.masked_fill(~positive, math.inf).amin()
+        return torch.stack([hi * rows, lo / hi])  # (2,)
 
 
 def _fingerprint(args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -788,6 +884,7 @@ def monitor(
     recent: int = 128,
     name: str | None = None,
     on_sample: Callable[[int, Mapping[str, float]], None] | None = None,
+    first_step: int = 0,
 ) -> Monitor:
     """Watch your own training loop and write a run report when it ends.
 
@@ -835,6 +932,11 @@ def monitor(
         recent: newest samples kept in full.
         name: the run's name in the report (default: the model's class).
         on_sample: called with `(step, scalars)` after each sample (e.g. a logger).
+        first_step: the step a resumed run starts at (the global step of its checkpoint):
+            steps are numbered on from it, and where `out` holds the report of the run
+            before (the same model), the new report goes on from its samples before
+            `first_step`, as one series with the resume marked. Otherwise a report
+            already in `out` is replaced, with a warning.
 
     Returns:
         A `Monitor` for a `with` block; `monitor.result` (a `RunRecord`) and
@@ -854,4 +956,4 @@ def monitor(
     return Monitor(model, optimizer, every=every, out=out, scaler=scaler,
                    micro_batches=micro_batches, select=select, depth=depth,
                    activations=activations, memory=memory, profile=profile, history=history,
-                   recent=recent, name=name, on_sample=on_sample)
+                   recent=recent, name=name, on_sample=on_sample, first_step=first_step)
