@@ -405,6 +405,32 @@ def test_a_resumed_run_numbers_its_steps_on_from_the_checkpoint(tmp_path: Path) 
     assert all(math.isclose(ours, theirs, rel_tol=1e-6) for _, _, ours, theirs in logged)
 
 
+def test_a_run_resumed_into_the_same_folder_continues_its_report(tmp_path: Path) -> None:
+    """Resumed from checkpoint-4 with the same `out`: the report of the run before is not
+    overwritten; the new one goes on from its samples before step 4, with the resume
+    marked."""
+    transformers.logging.set_verbosity_error()
+    out = tmp_path / "run"
+    before = TorchscopeTrainerCallback(every=2, out=out)
+    first, _ = _trainer(tmp_path, [before], steps=8, save_strategy="steps", save_steps=4)
+    with before:
+        first.train()
+    callback = TorchscopeTrainerCallback(every=2, out=out)
+    resumed, _ = _trainer(tmp_path, [callback], steps=8)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with callback:
+            resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-4"))
+    assert not [w for w in seen if str(w.message).startswith("torchscope")]
+    a, run = before.result, callback.result
+    assert a is not None and a.grad_param.steps == (1, 3, 5, 7)
+    assert run is not None and run.first_step == 4 and run.resumed_at == (4,)
+    assert run.grad_param.steps == (1, 3, 5, 7)  # 1 and 3 from the run before
+    assert run.total_norms[:2] == a.total_norms[:2]
+    data = json.loads((out / "report.json").read_text())["sections"]["run"]["data"]
+    assert data["resumed_at"] == [4] and data["steps"] == 4
+
+
 class Regressor(torch.nn.Module):
     """One output per row; its own loss only where it is given labels."""
 

@@ -448,3 +448,25 @@ def test_every_sample_reaches_the_logger_at_its_own_step(tmp_path: Path, every: 
     # Lightning's own metrics keep their steps.
     losses = [int(r["step"]) for r in _csv_rows(trainer) if r.get("loss")]
     assert losses == list(range(log_every - 1, 40, log_every))
+
+
+def test_a_fit_resumed_into_the_same_folder_continues_its_report(tmp_path: Path) -> None:
+    """Resumed from a step-6 checkpoint with the same `out`: the report of the fit before
+    is not overwritten; the new one goes on from its samples, with the resume marked."""
+    out = tmp_path / "run"
+    first = TorchscopeCallback(every=2, out=out)
+    trainer = _fit(Net(), tmp_path / "a", first, steps=6)
+    trainer.save_checkpoint(tmp_path / "six.ckpt")
+    callback = TorchscopeCallback(every=2, out=out)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        _fit(Net(), tmp_path / "b", callback, steps=10, ckpt_path=str(tmp_path / "six.ckpt"))
+    assert not [w for w in seen if str(w.message).startswith("torchscope")]
+    a, run = first.result, callback.result
+    assert a is not None and a.grad_param.steps == (1, 3, 5)
+    assert run is not None and run.first_step == 6 and run.resumed_at == (6,)
+    assert run.grad_param.steps == (1, 3, 5, 7, 9)
+    assert run.total_norms[:3] == a.total_norms
+    data = json.loads((out / "report.json").read_text())["sections"]["run"]["data"]
+    assert data["resumed_at"] == [6]
+    assert "at step 6 from a checkpoint" in (out / "report.html").read_text()

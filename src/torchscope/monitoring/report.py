@@ -9,8 +9,10 @@ carries the run's findings that concern it (`analyze.section_of`).
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +21,7 @@ from torchscope.capture.analyze import ActivationThresholds
 from torchscope.doctor.sections import GradientsSection, ProfileSection
 from torchscope.findings import Finding
 from torchscope.monitoring.analyze import section_of
-from torchscope.monitoring.history import Bucket
+from torchscope.monitoring.history import METRICS, Bucket
 from torchscope.monitoring.records import LayerSeries, RunRecord
 from torchscope.report.document import Metric, Report, SectionOutcome, TargetInfo, machine_facts
 from torchscope.report.html import write_report
@@ -38,7 +40,7 @@ from torchscope.step import StepInfo
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-__all__ = ["RunReport", "run_report", "write_run_report"]
+__all__ = ["EarlierRun", "RunReport", "earlier_run", "run_report", "write_run_report"]
 
 
 class RunReport(Report):
@@ -93,6 +95,14 @@ class _Overview(_Section):
                           "module_type": o.module_type},
             "history": {"capacity": b.capacity, "recent": b.recent, "stride": b.stride,
                         "rows": b.rows, "bytes": b.bytes, "bucket_width": b.bucket_width},
+            "resumed_at": list(record.resumed_at),
+            # Every per-layer series by its history metric, for a resumed run to go on from
+            # (`earlier_run`): the other sections show some of them.
+            "series": {"metrics": {m: _series_json(getattr(record, m)) for m in METRICS
+                                   if isinstance(getattr(record, m, None), LayerSeries)},
+                       "total_norms": list(record.total_norms),
+                       "applied_norms": list(record.applied_norms),
+                       "saved_bytes": list(record.saved_bytes)},
         }
 
     def metrics(self, record: RunRecord) -> dict[str, Metric]:
@@ -122,6 +132,16 @@ class _Overview(_Section):
             state = f"stopped in step {record.first_step + record.steps}: {record.error}"
         else:
             state = f"completed {record.steps} steps"
+        resumed: list[tuple[str, Any]] = []
+        if record.first_step:
+            earlier = [s for s in record.grad_param.steps if s < record.first_step]
+            kept = f"; the series go on from this folder's report of the run before " \
+                f"({len(earlier)} samples, steps {earlier[0]}–{earlier[-1]})" if earlier \
+                else "; no report of the steps before it was in this folder"
+            state += f" from step {record.first_step}"
+            resumed.append(("resumed", f"at step {record.first_step} from a checkpoint"
+                            + (f" (earlier resumes: {', '.join(map(str, record.resumed_at[:-1]))})"
+                               if len(record.resumed_at) > 1 else "") + kept))
         if o.gradient_step is not None:
             nonfinite = f"first at step {o.gradient_step} ({o.nonfinite_steps} steps)"
         elif o.nonfinite_steps is not None:
@@ -130,6 +150,7 @@ class _Overview(_Section):
             nonfinite = "not checked every step (a GradScaler skips those steps)"
         facts: list[tuple[str, Any]] = [
             ("status", state),
+            *resumed,
             ("steps (" + record.step_by.replace("_", " ") + ")", record.steps),
             ("samples", f"{record.samples:,} (one step in {record.every})"),
             ("median step time", None if record.median_step_ms is None
@@ -264,6 +285,82 @@ class _Memory(_Section):
 
 def _findings(record: RunRecord, findings: list[Finding], name: str) -> tuple[Finding, ...]:
     return tuple(f for f in findings if section_of(f) == name)
+
+
+@dataclass(frozen=True)
+class EarlierRun:
+    """What a folder's run report holds of the run before a resume, for the resumed run to
+    go on from (`earlier_run`).
+
+    Attributes:
+        rows: per sample before the resume step, oldest first: (step, per layer its
+            `METRICS` values, NaN where missing; total norm; applied norm or None; saved
+            bytes or None).
+        step_ms: the step-time buckets of the steps before the resume step.
+        resumed_at: the steps at which that run had itself been resumed.
+        steps: the sampled steps that report held (all of them, for the note).
+    """
+
+    rows: tuple[tuple[int, dict[str, list[float]], float, float | None, int | None], ...]
+    step_ms: tuple[Bucket, ...]
+    resumed_at: tuple[int, ...]
+    steps: tuple[int, ...]
+
+
+def _number(v: Any) -> float:
+    return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else math.nan
+
+
+def earlier_run(out: Path, *, model: str, parameters: int, before: int
+                ) -> tuple[EarlierRun | None, str]:
+    """Read `out/report.json` for a run resumed at step `before`: the run report of the same
+    model (class and parameter count) that it continues, with its samples before `before`.
+
+    Returns:
+        (the earlier run, or None where there is none to go on from; why not, in a few
+        words, where a report is there but is not this run's: empty otherwise).
+    """
+    path = out / "report.json"
+    if not path.is_file():
+        return None, ""
+    try:
+        doc = json.loads(path.read_text())
+        target, data = doc["target"], doc["sections"]["run"]["data"]
+        series = data.get("series")
+        if doc.get("kind") != "run" or not isinstance(series, dict):
+            return None, "it is no run report of this version"
+        if target.get("model_class") != model or target.get("parameters") != parameters:
+            return None, (f"it is the report of another model ({target.get('model_class')}, "
+                          f"{target.get('parameters')} parameters)")
+        metrics = series["metrics"]
+        grad = metrics["grad_param"]
+        steps = [int(k) for k in grad["steps"]]
+        totals, applied = series["total_norms"], series["applied_norms"]
+        saved = series["saved_bytes"]
+        rows = []
+        for i, step in enumerate(steps):
+            if step >= before:
+                continue
+            per_layer: dict[str, list[float]] = {}
+            for j, metric in enumerate(METRICS):
+                m = metrics.get(metric)
+                if not m or i >= len(m["values"]):
+                    continue
+                for layer, v in zip(m["layers"], m["values"][i], strict=True):
+                    per_layer.setdefault(layer, [math.nan] * len(METRICS))[j] = _number(v)
+            a = applied[i] if i < len(applied) else None
+            b = saved[i] if i < len(saved) else None
+            rows.append((step, per_layer, _number(totals[i]),
+                         None if a is None else _number(a), None if b is None else int(b)))
+        buckets = tuple(Bucket(int(b["first_step"]), int(b["steps"]),
+                               _number(b["mean"]) * int(b["steps"]), _number(b["min"]),
+                               _number(b["max"]))
+                        for b in data["step_ms"]
+                        if int(b["first_step"]) + int(b["steps"]) <= before)
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
+        return None, f"it could not be read ({type(exc).__name__}: {exc})"
+    return EarlierRun(tuple(rows), buckets,
+                      tuple(int(s) for s in data.get("resumed_at", ())), tuple(steps)), ""
 
 
 def run_report(record: RunRecord, *, name: str | None = None, created: str = "",
