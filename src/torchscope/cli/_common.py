@@ -116,6 +116,9 @@ InputsFnOpt = Annotated[
 ]
 JsonOpt = Annotated[str | None, typer.Option("--json", help="Write the records to this file.")]
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show the full traceback on errors.")]
+QuietOpt = Annotated[bool, typer.Option(
+    "--quiet", "-q", help="No progress display (it is drawn on a terminal only, and gone "
+    "once the results print).")]
 SelectOpt = Annotated[
     str | None,
     typer.Option("--select", "-s",

@@ -15,6 +15,7 @@ from torchscope.cli._common import (
     JsonOpt,
     LossOpt,
     ModesOpt,
+    QuietOpt,
     TargetArg,
     at_least,
     autocast_name,
@@ -22,14 +23,13 @@ from torchscope.cli._common import (
     choice,
     console,
     device_of,
-    err_console,
     fail,
     guarded,
-    is_tty,
     load,
     save_json,
     split_commas,
 )
+from torchscope.cli._progress import progress
 from torchscope.errors import CompileError
 
 _DYNAMIC = {"auto": None, "on": True, "true": True, "off": False, "false": False}
@@ -60,6 +60,7 @@ def compile_command(
         help="torch.compile(dynamic=...): auto (torch's default), on, off.")] = "auto",
     device: DeviceOpt = "auto",
     json_path: JsonOpt = None,
+    quiet: QuietOpt = False,
     debug: DebugOpt = False,
 ) -> None:
     """Measure torch.compile per mode: compile cost, speedup, break-even calls, graph breaks,
@@ -98,15 +99,18 @@ def compile_command(
         loaded.model.to(dev)
         model_inputs = model_inputs.to(dev)
 
-        def progress(line: str) -> None:
-            if is_tty():
-                err_console.print(f"[dim]{line}[/]", highlight=False)
-
         step = Step(loaded.model, model_inputs, loss_fn=loss_fn).with_autocast(precision)
-        report = compile_report(
-            step, measure=what, modes=mode_list,
-            iters=iters, warmup=warmup, timeout_s=timeout, batch_sizes=sizes, dynamic=dyn,
-            name=loaded.name, factory=loaded.name, progress=progress)
+        with progress("compile", quiet=quiet) as steps:
+
+            def say(line: str) -> None:  # "MODE: measuring in a child process (timeout N s)"
+                steps.note(line.partition(": ")[2] or line,
+                           limit_s=timeout if "child process" in line else None)
+
+            report = compile_report(
+                step, measure=what, modes=mode_list,
+                iters=iters, warmup=warmup, timeout_s=timeout, batch_sizes=sizes,
+                dynamic=dyn, name=loaded.name, factory=loaded.name, progress=say,
+                on_mode=lambda mode, k, n: steps(f"mode {mode}", k, n))
         if report.step is not None:
             console.print(report.step.describe(), highlight=False, markup=False)
         console.print(compile_table(report))

@@ -19,6 +19,7 @@ from torchscope.cli._common import (
     JsonOpt,
     LossOpt,
     ModesOpt,
+    QuietOpt,
     TargetArg,
     at_least,
     autocast_name,
@@ -28,12 +29,12 @@ from torchscope.cli._common import (
     device_of,
     fail,
     guarded,
-    is_tty,
     load,
     save_json,
     split_commas,
     writing,
 )
+from torchscope.cli._progress import progress
 
 if TYPE_CHECKING:
     from torch import nn
@@ -84,6 +85,7 @@ def doctor(
     backend: Annotated[str | None, typer.Option(
         "--backend", help="With --nproc or under torchrun: gloo (CPU) or nccl (one GPU per "
         "rank).", show_default="nccl when torch sees a GPU, else gloo")] = None,
+    quiet: QuietOpt = False,
     debug: DebugOpt = False,
 ) -> None:
     """Examine a model end to end and write report.html + report.json with ranked findings."""
@@ -126,7 +128,10 @@ def doctor(
             job = DistributedJob(target, tuple(input or ()), inputs, ranked[0], ranked[1],
                                  options, out)
             if nproc is not None:
-                _print_report(launch(job, nproc), out, floor, debug)
+                with progress("doctor", quiet=quiet) as shown:  # the sections run on the ranks
+                    shown(f"{nproc} ranks ({ranked[0]}, {ranked[1]})", 1)
+                    report = launch(job, nproc)
+                _print_report(report, out, floor, debug)
                 return
             _as_torchrun_rank(job, out, floor, debug)
         dev = device_of(device)
@@ -135,7 +140,7 @@ def doctor(
         options = DoctorOptions(fast=fast, skip=frozenset(skipped), loss_fn=loss_fn, steps=steps,
                                 compile_modes=mode_list, device=dev, autocast=precision,
                                 sources=source_files(target, inputs))
-        report = _run_with_progress(model, model_inputs.to(dev), options, loaded.name)
+        report = _run_with_progress(model, model_inputs.to(dev), options, loaded.name, quiet)
         with writing("--out", out):
             write_report(report, out)
         _print_report(report, out, floor, debug)
@@ -229,27 +234,26 @@ def _print_report(report: DoctorReport, out: str, floor: Severity | None, debug:
 
 
 def _run_with_progress(model: nn.Module, inputs: ModelInputs, options: DoctorOptions,
-                       name: str) -> DoctorReport:
-    """Run the doctor, one line per finished section; on a terminal also a progress bar."""
-    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
+                       name: str, quiet: bool = False) -> DoctorReport:
+    """Run the doctor, one line per finished section (none with `quiet`); on a terminal also
+    the progress display: the section, k of N, its time and, for compile, its limit."""
     from torchscope.doctor import DoctorEvent, run_doctor
+    from torchscope.doctor.sections import COMPILE_TIMEOUT_S
 
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-                  TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
-                  console=console, transient=True, disable=not is_tty()) as progress:
-        task = progress.add_task("starting", total=None)
+    with progress("doctor", quiet=quiet) as steps:
 
         def show(ev: DoctorEvent) -> None:
             o = ev.outcome
             if o is None:
-                progress.update(task, total=ev.total,
-                                description=f"doctor: {ev.title} ({ev.section})")
+                # Each compile mode runs in a child process with its own time limit.
+                limit = COMPILE_TIMEOUT_S * len(options.compile_modes) \
+                    if ev.section == "compile" and not options.fast else None
+                steps(f"{ev.title} ({ev.section})", ev.index + 1, ev.total, limit_s=limit)
                 return
-            progress.advance(task)
-            console.print(f"[{ev.index + 1}/{ev.total}] {o.title}: {o.status} "
-                          f"({o.seconds:.1f} s){' - ' + o.note if o.note else ''}",
-                          highlight=False, markup=False, soft_wrap=True)
+            if not quiet:
+                console.print(f"[{ev.index + 1}/{ev.total}] {o.title}: {o.status} "
+                              f"({o.seconds:.1f} s){' - ' + o.note if o.note else ''}",
+                              highlight=False, markup=False, soft_wrap=True)
 
         return run_doctor(model, inputs, options=options, name=name, on_event=show)
 
@@ -299,22 +303,22 @@ def lab(
     json_path: JsonOpt = None,
     strict: Annotated[bool, typer.Option("--strict", help="Exit 1 when a claim failed.")
                       ] = False,
+    quiet: QuietOpt = False,
     debug: DebugOpt = False,
 ) -> None:
     """Check, on this machine, the claims of the tutorial torchscope started from (hooks,
     the profiler, checkpointing, torch.compile on a small CNN and MLP), part by part."""
     with guarded(debug):
         check_output(json_path, "--json")
-        from torchscope.lab import run_lab
+        from torchscope.lab import MILESTONES, run_lab
         from torchscope.report.doctor import lab_tables
 
         dev = device_of(device)
-
-        def say(name: str) -> None:
-            if is_tty():
-                console.print(f"[dim]running {name}...[/]")
-
-        result = run_lab(skip=split_commas(skip), fast=fast, device=dev, on_milestone=say)
+        skipped = split_commas(skip)
+        parts = [m for m in MILESTONES if m not in skipped]
+        with progress("lab", quiet=quiet) as steps:
+            result = run_lab(skip=skipped, fast=fast, device=dev, on_milestone=lambda name:
+                             steps(name, parts.index(name) + 1, len(parts)))
         for table in lab_tables(result.milestones, result.claims):
             console.print(table)
         console.print(f"{result.held} held, {result.failed} failed, {result.unchecked} not "

@@ -16,6 +16,7 @@ from torchscope.cli._common import (
     InputsFnOpt,
     JsonOpt,
     LossOpt,
+    QuietOpt,
     SelectOpt,
     TargetArg,
     at_least,
@@ -31,6 +32,7 @@ from torchscope.cli._common import (
     trainable_sgd,
     writing,
 )
+from torchscope.cli._progress import progress
 
 
 def register(app: typer.Typer) -> None:
@@ -54,6 +56,7 @@ def grads(
         "--plot", help="Write the gradient-flow plot here (.png or .svg); with --steps > 1 "
         "also a layers × steps heatmap next to it.")] = None,
     json_path: JsonOpt = None,
+    quiet: QuietOpt = False,
     debug: DebugOpt = False,
 ) -> None:
     """Gradient flow: the norm of the gradient reaching and leaving every layer."""
@@ -85,9 +88,11 @@ def grads(
         step = Step(model, model_inputs, loss_fn=loss_fn, optimizer=opt).with_autocast(
             precision)
         with watch_gradients(model, every=1, optimizer=opt, scaler=step.scaler, select=select,
-                             depth=depth) as watch:
+                             depth=depth) as watch, progress("grads", quiet=quiet) as shown:
+            shown("step", 1, steps)
             first = step.run()
-            for _ in range(steps - 1):
+            for k in range(2, steps + 1):
+                shown("step", k, steps)
                 step.run()
         info = step.info(first)
         flow = watch.last

@@ -14,6 +14,7 @@ from torchscope.cli._common import (
     InputOpt,
     InputsFnOpt,
     JsonOpt,
+    QuietOpt,
     SelectOpt,
     TargetArg,
     at_least,
@@ -26,6 +27,7 @@ from torchscope.cli._common import (
     save_json,
     writing,
 )
+from torchscope.cli._progress import progress
 
 if TYPE_CHECKING:
     import torch
@@ -80,6 +82,7 @@ def memory(
     plot: Annotated[str | None, typer.Option(
         "--plot", help="Save a PNG/SVG: saved bytes per module, plans' memory vs recompute.")
     ] = None,
+    quiet: QuietOpt = False,
     debug: DebugOpt = False,
 ) -> None:
     """Memory of one training step: saved activations per module, totals, measured peak, and
@@ -128,9 +131,11 @@ def memory(
         model.train(not eval_mode)
         opt = _make_optimizer(optimizer, model)
         step = Step(model, model_inputs, loss_fn=loss, optimizer=opt).with_autocast(precision)
-        report = analyze_memory(step, checkpoint=cast("CheckpointChoice", checkpoint),
-                                budget=limit, blocks=blocks, repeats=repeats,
-                                select=select, depth=depth, name=loaded.name)
+        with progress("memory", quiet=quiet) as shown:  # a spinner and the time spent
+            shown("saved activations, the measured step and any checkpoint plan", 1)
+            report = analyze_memory(step, checkpoint=cast("CheckpointChoice", checkpoint),
+                                    budget=limit, blocks=blocks, repeats=repeats,
+                                    select=select, depth=depth, name=loaded.name)
         mode = "eval" if eval_mode else "train"
         console.print(saved_table(report.saved,
                                   title=f"Saved activations of {loaded.name} ({mode} mode, "

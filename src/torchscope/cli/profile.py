@@ -15,6 +15,7 @@ from torchscope.cli._common import (
     InputsFnOpt,
     JsonOpt,
     LossOpt,
+    QuietOpt,
     TargetArg,
     at_least,
     autocast_name,
@@ -29,6 +30,7 @@ from torchscope.cli._common import (
     trainable_sgd,
     writing,
 )
+from torchscope.cli._progress import progress
 
 
 def register(app: typer.Typer) -> None:
@@ -63,6 +65,7 @@ def profile(
     text: Annotated[str | None, typer.Option(help="Also write the tables as text here.")
                     ] = None,
     json_path: JsonOpt = None,
+    quiet: QuietOpt = False,
     debug: DebugOpt = False,
 ) -> None:
     """Profile training steps: top ops, phase split and time per module (SGD; the loss is
@@ -102,12 +105,13 @@ def profile(
         model_inputs = model_inputs.to(dev)
         step = Step(model, model_inputs, loss_fn=loss_fn,
                     optimizer=trainable_sgd(model, lr, loaded.name)).with_autocast(precision)
-        with writing("--trace", trace):  # written by the profiler, at the end of its run
+        # The trace is written by the profiler, at the end of its run.
+        with writing("--trace", trace), progress("profile", quiet=quiet) as shown:
             result = profile_steps(
                 step, steps=steps, wait=wait, warmup=warmup,
                 by_module=by == "module" or json_path is not None or text is not None,
                 select=select, depth=depth, group_by_input_shape=group_by_shape,
-                trace=trace, trace_steps=trace_steps,
+                trace=trace, trace_steps=trace_steps, on_step=shown,
             )
         findings = result.findings()
         for part in summary_renderables(result, findings, sort=sort, by=by, limit=limit):

@@ -219,6 +219,7 @@ def compile_report(
     name: str | None = None,
     factory: str | None = None,
     progress: Callable[[str], None] | None = None,
+    on_mode: Callable[[str, int, int], None] | None = None,
 ) -> CompileReport:
     """Measure what each `torch.compile` mode costs and gains on a model and its inputs.
 
@@ -257,6 +258,8 @@ def compile_report(
         factory: a TARGET (`file.py:factory`) the child can rebuild the model from when
             the model cannot be pickled.
         progress: called with a short line before each step.
+        on_mode: called with `(mode, k, n)` as mode k (1-based) of n begins (a progress
+            display; each mode may take up to `timeout_s`).
 
     Returns:
         A `CompileReport`; `report.findings()` says whether compile pays off.
@@ -312,7 +315,9 @@ def compile_report(
     results: list[ModeResult] = []
     scan: BreakScan | None = None
     info: StepInfo | None = None
-    for mode in modes:
+    for k, mode in enumerate(modes, 1):
+        if on_mode is not None:
+            on_mode(mode, k, len(modes))
         job = replace(base, mode=mode, explain=scan is None)
         t0 = time.perf_counter()
         if in_process:

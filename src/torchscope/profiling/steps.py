@@ -44,6 +44,7 @@ def profile_steps(
     trace: str | Path | None = None,
     trace_steps: int | None = 3,
     cuda: bool | None = None,
+    on_step: Callable[[str, int, int], None] | None = None,
 ) -> ProfileResult:
     """Profile training steps with `torch.profiler` and summarise ops, phases and modules.
 
@@ -85,6 +86,8 @@ def profile_steps(
             job one per rank, in one folder (see `watch_time`).
         trace_steps: keep only the last N profiled steps in the trace (None: all).
         cuda: record CUDA activity; default: when CUDA is available.
+        on_step: called with `(part, k, n)` as step k (1-based) of n of a part of the run
+            begins: the warm-up step, the unprofiled steps, each profiled step (progress).
 
     Returns:
         A `ProfileResult`; `result.findings()` reads it. On a DDP or FSDP2 model, call it on
@@ -119,6 +122,7 @@ def profile_steps(
     else:
         raise ProfilingError(f"step is a {type(step).__name__}, expected a model, a Step or "
                              "a step function.", fix="pass a model, a Step or a function.")
+    say = on_step or (lambda _part, _k, _n: None)
     watch = TimeWatch(net, steps=steps, wait=wait, warmup=warmup, by_module=by_module,
                       select=select, depth=depth, group_by_input_shape=group_by_input_shape,
                       record_shapes=record_shapes, trace=trace, trace_steps=trace_steps,
@@ -126,10 +130,12 @@ def profile_steps(
     with seeded(None):
         # Warm-up: first-call costs (allocator, kernel selection, lazy init) out of every
         # figure; its loss, on the unchanged model, is the step's loss.
+        say("warm-up step", 1, 1)
         first = run()
         info = the_step.info(first) if the_step is not None else None
         timed = timed_ms(run, watch.sync)
         baseline: tuple[float, ...] = ()
+        say("unprofiled steps (the overhead's baseline)", 1, 1)
         if baseline_steps is None:
             least = max(steps, MIN_SAMPLES)
             baseline = repeat(timed, min_repeats=least, max_repeats=4 * least,
@@ -137,7 +143,8 @@ def profile_steps(
         elif baseline_steps > 0:
             baseline = tuple(timed() for _ in range(int(baseline_steps)))
         with watch:
-            for _ in range(watch.window):
+            for k in range(1, watch.window + 1):
+                say("step under the profiler", k, watch.window)
                 run()
                 watch.step()
     assert watch.result is not None
