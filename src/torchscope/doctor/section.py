@@ -32,8 +32,8 @@ class DoctorOptions:
     """What the user asked the doctor for.
 
     Attributes:
-        fast: trade depth for time: compile is skipped, profiling runs fewer steps without
-            baseline steps, and memory plans no checkpointing.
+        fast: trade depth for time: compile is skipped, profiling runs fewer steps (3, and
+            3 plain ones for the step time), and memory plans no checkpointing.
         skip: section names not to run.
         loss_fn: the loss of the doctor's training step (`auto`, `cross_entropy`, `mse` or
             `sum`, as `torchscope.step` defines them); leave it `auto` when giving a `Step`.
