@@ -487,8 +487,10 @@ def _weight_scale(record: RunRecord, t: RunThresholds) -> list[Finding]:
                "slows learning, elsewhere it ends in overflow")
         if record.param_groups and not decays:
             # Nothing pulls back: a long run at a steady rate drifts this far too.
+            usual = "SGD's usual weight_decay is 1e-4 to 5e-4" if opt == "SGD" else \
+                "AdamW's usual weight_decay is 0.01 to 0.1"
             fix += ("; no parameter group has weight decay, so nothing bounds the growth: "
-                    "add some (AdamW's usual weight_decay is 0.01 to 0.1)")
+                    f"add some ({usual})")
     else:
         summary = (f"the median layer's weights shrank {fmt_times(1 / factor)} between step "
                    f"{first} and step {last}, past {fmt_times(t.change_ratio)} from step "
@@ -934,6 +936,9 @@ def _graph_cut(record: RunRecord) -> list[Finding]:
             cut[p.module] = cut.get(p.module, 0) + 1
         elif p.norm is not None:
             grads.add(p.module)
+    # A module whose other parameters got gradients is not cut off: one unused parameter
+    # (DINOv2's mask_token, read only with bool_masked_pos) is `grads.unreached`'s.
+    cut = {m: n for m, n in cut.items() if m not in grads}
     if not cut or not grads:
         return []
     order = _call_order(record, list(dict.fromkeys([*cut, *grads])))

@@ -1,0 +1,267 @@
+"""Run-level verdicts judged as an expert would: NaN/Inf means an element, a layer stops
+learning only when its update does, one cause is one finding ranked before its symptoms,
+and the faults users make (a cut graph, an undivided accumulation, a frozen layer) are
+named with a fix that fits the run."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import torchscope
+from torchscope.findings import Finding, Severity
+from torchscope.monitoring import RunRecord
+
+from ._models import Gated
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int, every: int, *,
+           micro: int = 1, divide: bool = True, classes: int = 0,
+           before: object = None) -> tuple[RunRecord, list[bool]]:
+    """Train under the monitor; returns the record and, per step, whether torch saw a
+    non-finite gradient element."""
+    g = torch.Generator().manual_seed(0)
+    finite: list[bool] = []
+    with torchscope.monitor(model, opt, every=every, out=None, memory=False) as mon:
+        for i in range(steps):
+            if callable(before):
+                before(i)
+            opt.zero_grad()
+            for _ in range(micro):
+                x = torch.randn(16, 8, generator=g)
+                out = model(x)
+                loss = nn.functional.cross_entropy(
+                    out, torch.randint(0, classes, (16,), generator=g)) if classes \
+                    else nn.functional.mse_loss(out, torch.randn(out.shape, generator=g))
+                (loss / micro if divide else loss).backward()
+            finite.append(all(bool(torch.isfinite(p.grad).all())
+                              for p in model.parameters() if p.grad is not None))
+            opt.step()
+    assert mon.result is not None
+    return mon.result, finite
+
+
+def _codes(found: list[Finding], level: Severity = Severity.WARNING) -> list[str]:
+    return [f.code for f in found if f.severity >= level]
+
+
+def test_a_float32_norm_overflow_over_finite_elements_is_no_nan() -> None:
+    """A 30-layer ReLU MLP at std 1: every gradient element is finite (torch says so), but
+    their float32 sum of squares is not. That is its own true statement, not NaN/Inf."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(30):
+        lin = nn.Linear(8, 8)
+        nn.init.normal_(lin.weight, std=1.5)
+        layers += [lin, nn.ReLU()]
+    model = nn.Sequential(*layers, nn.Linear(8, 2))
+    run, finite = _train(model, torch.optim.SGD(model.parameters(), lr=0.0), 4, 1)
+    assert all(finite)
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert not math.isfinite(float(torch.linalg.vector_norm(torch.cat([g.flatten()
+                                                                        for g in grads]))))
+    assert run.onset.gradient_step is None and run.onset.nonfinite_steps == 0
+    found = run.findings()
+    codes = [f.code for f in found]
+    assert "grads.nonfinite" not in codes and "run.nonfinite" not in codes
+    (over,) = [f for f in found if f.code == "run.grad_norm_overflow"]
+    assert over.severity == Severity.WARNING and over.evidence["first_step"] == 0
+    assert "beyond float32's range at step 0" in over.summary
+
+
+class _Blowup(nn.Module):
+    """A linear layer whose output is multiplied by 1e30 from step `at` on: the gradient
+    elements overflow to inf at that step, not before."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 2)
+        self.scale = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.fc(x) * self.scale * self.scale
+        return out
+
+
+@pytest.mark.parametrize("every", [1, 3])
+def test_the_nonfinite_onset_is_the_first_step_with_a_nonfinite_element(every: int) -> None:
+    torch.manual_seed(0)
+    model = _Blowup()
+
+    def before(i: int) -> None:
+        model.scale = 1e20 if i >= 5 else 1.0  # (1e20)^2 leaves float32 in the output
+
+    run, finite = _train(model, torch.optim.SGD(model.parameters(), lr=0.0), 9, every,
+                         before=before)
+    assert run.onset.gradient_step == finite.index(False) == 5
+
+
+def test_a_falling_gradient_under_adamw_whose_update_keeps_pace_is_no_warning() -> None:
+    """fc1's gradient falls with a gate that weight decay drives to zero: under SGD its
+    update falls with it (the layer stops learning: a warning), under AdamW its update ratio
+    stays near the model's median (info, with the measurement)."""
+    for opt_name in ("SGD", "AdamW"):
+        torch.manual_seed(0)
+        model = Gated()
+        rest = [p for p in model.parameters() if p is not model.gate]
+        groups = [{"params": rest}, {"params": [model.gate], "weight_decay": 0.5}]
+        opt = torch.optim.SGD(groups, lr=0.1) if opt_name == "SGD" else \
+            torch.optim.AdamW(groups, lr=1e-3, weight_decay=0.0)
+        if opt_name == "AdamW":
+            opt.param_groups[1]["lr"] = 0.5  # the gate decays fast
+            opt.param_groups[1]["weight_decay"] = 1.0
+        run, _ = _train(model, opt, 150, 5)
+        assert run.update.layers and "fc1" in run.update.layers
+        fell = [f for f in run.findings() if f.code == "run.grad_fell" and f.module == "fc1"]
+        if opt_name == "SGD":
+            assert [f.severity for f in fell] == [Severity.WARNING]
+            ratio = float(fell[0].evidence["update_ratio"] or 0)
+            assert ratio * 10 <= float(fell[0].evidence["median_update_ratio"] or 0)
+        else:
+            assert all(f.severity == Severity.INFO for f in fell)
+            for f in fell:
+                assert "still learns" in f.summary
+
+
+def test_the_update_ratio_series_is_torch_s_own_step() -> None:
+    """The run's update ratio of a layer at a sampled step is ‖w_after - w_before‖ / ‖w‖
+    of its weight matrix, as torch computes it around the optimizer's step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(0)
+    expected: dict[int, float] = {}
+    with torchscope.monitor(model, opt, every=2, out=None, memory=False) as mon:
+        for i in range(8):
+            opt.zero_grad()
+            x = torch.randn(4, 8, generator=g)
+            nn.functional.mse_loss(model(x), torch.zeros(4, 2)).backward()
+            before = model[0].weight.detach().clone()
+            opt.step()
+            expected[i] = float(torch.linalg.vector_norm(model[0].weight.detach() - before)
+                                / torch.linalg.vector_norm(before))
+    run = mon.result
+    assert run is not None
+    got = dict(zip(run.update.steps, run.update.series("0"), strict=True))
+    assert sorted(got) == [0, 2, 4, 6]
+    for step, value in got.items():
+        assert math.isclose(value, expected[step], rel_tol=1e-5), (step, value)
+
+
+class _Cut(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.b = nn.Linear(16, 16)
+        self.c = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.b(torch.relu(self.a(x)))).detach()  # the stray detach
+        out: torch.Tensor = self.c(h)
+        return out
+
+
+def test_a_stray_detach_is_a_warning_naming_where_the_graph_is_cut() -> None:
+    torch.manual_seed(0)
+    model = _Cut()
+    run, _ = _train(model, torch.optim.AdamW(model.parameters(), lr=1e-3), 8, 2, classes=4)
+    assert model.a.weight.grad is None and model.c.weight.grad is not None  # torch agrees
+    (cut,) = [f for f in run.findings() if f.code == "run.graph_cut"]
+    assert cut.severity == Severity.WARNING and cut.module == "b"
+    assert cut.evidence["next_with_gradient"] == "c" and cut.evidence["modules"] == 2
+    assert ".detach()" in cut.fix and "between b's output and c" in cut.fix
+
+
+@pytest.mark.parametrize(("divide", "warned"), [(False, True), (True, False)])
+def test_accumulation_without_dividing_the_loss_is_found(divide: bool, warned: bool) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    run, _ = _train(model, torch.optim.SGD(model.parameters(), lr=0.01), 6, 2, micro=4,
+                    divide=divide, classes=4)
+    found = [f for f in run.findings() if f.code == "run.accumulation_undivided"]
+    assert bool(found) == warned
+    factors = [f for f, spread in run.output_scales if spread >= 0.99]
+    assert factors and all(math.isclose(f, 1.0 if not divide else 0.25, rel_tol=1e-3)
+                           for f in factors)
+    if warned:
+        assert found[0].severity == Severity.WARNING
+        assert found[0].evidence["micro_batches"] == 4
+        assert "(loss / 4).backward()" in found[0].fix
+
+
+def test_accumulation_the_data_cannot_judge_says_so() -> None:
+    """A regression's output is no softmax cross-entropy's scores: an info note."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    run, _ = _train(model, torch.optim.SGD(model.parameters(), lr=0.01), 4, 2, micro=2,
+                    divide=False)
+    (note,) = [f for f in run.findings() if f.code == "run.accumulation_undivided"]
+    assert note.severity == Severity.INFO and "could not be read" in note.summary
+
+
+def test_training_is_bitwise_the_same_with_the_output_scale_hook() -> None:
+    weights = []
+    for watched in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        g = torch.Generator().manual_seed(0)
+        mon = torchscope.monitor(model, opt, every=1, out=None) if watched else None
+        if mon is not None:
+            mon.__enter__()
+        for _ in range(5):
+            opt.zero_grad()
+            for _ in range(2):
+                x = torch.randn(8, 8, generator=g)
+                nn.functional.cross_entropy(model(x), torch.randint(0, 4, (8,), generator=g)
+                                            ).backward()
+            opt.step()
+        if mon is not None:
+            mon.__exit__(None, None, None)
+        weights.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*weights, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_weight_growth_under_sgd_gets_no_adam_advice() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(),
+                          nn.Linear(32, 2))
+    run, _ = _train(model, torch.optim.SGD(model.parameters(), lr=5.0), 20, 1)
+    (scale,) = [f for f in run.findings() if f.code == "run.weight_scale"]
+    assert "Adam" not in scale.fix and "SGD moves each weight" in scale.fix
+    onset = scale.evidence["onset_step"]
+    assert isinstance(onset, int) and 0 < onset < 20
+    assert f"from step {onset}" in scale.summary
+
+
+def test_a_frozen_layer_s_fix_says_how_to_unfreeze_it() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    model[0].requires_grad_(False)
+    run, _ = _train(model, torch.optim.SGD(model[2].parameters(), lr=0.01), 4, 2)
+    (frozen,) = [f for f in run.findings() if f.code == "grads.frozen"]
+    assert "requires_grad_(True)" in frozen.fix and "model.0" in frozen.fix
+
+
+def test_symptoms_follow_their_cause_and_rank_after_it() -> None:
+    """A loop that never zeroes its gradients: `grads.not_zeroed` first, and the growth it
+    causes says it follows it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    g = torch.Generator().manual_seed(0)
+    with torchscope.monitor(model, opt, every=2, out=None, memory=False) as mon:
+        for _ in range(40):
+            x = torch.randn(16, 8, generator=g)
+            nn.functional.mse_loss(model(x), torch.zeros(16, 2)).backward()
+            opt.step()
+    assert mon.result is not None
+    loud = [f for f in mon.result.findings() if f.severity >= Severity.WARNING]
+    assert loud[0].code == "grads.not_zeroed"
+    followers = [f for f in loud[1:] if f.evidence.get("follows") == "grads.not_zeroed"]
+    assert followers
+    assert all("it follows grads.not_zeroed" in f.summary for f in followers)
