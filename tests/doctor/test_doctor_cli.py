@@ -24,7 +24,7 @@ def _validate(doc: dict) -> None:
 
 def test_demo_equivalent_run_writes_valid_report(tmp_path: Path) -> None:
     # What `make demo` runs, with --fast: the default target is tiny-cnn.
-    res = runner.invoke(app, ["doctor", "--fast", "--out", str(tmp_path)])
+    res = runner.invoke(app, ["doctor", "--fast", "--out", str(tmp_path), "--verbose"])
     assert res.exit_code == 0, res.output
     html = (tmp_path / "report.html").read_text()
     doc = json.loads((tmp_path / "report.json").read_text())
@@ -51,7 +51,13 @@ def test_demo_equivalent_run_writes_valid_report(tmp_path: Path) -> None:
     assert mods["relu"]["outputs"][0]["dead_units"] is not None
     assert "wrote" in res.output and "report.html" in res.output
     assert "Activations" in res.output
-    # The step every section measured, stated once in each of terminal, JSON and page.
+    # After the sections' progress lines, the verdict comes first, as report.json has it.
+    lines = [line for line in res.output.splitlines() if line.strip()]
+    first = next(i for i, line in enumerate(lines) if not line.startswith("["))
+    assert lines[first].startswith("verdict: "), res.output
+    assert f"verdict: {doc['verdict']}" in " ".join(res.output.split())
+    # The step every section measured, stated once in each of terminal (--verbose), JSON
+    # and page.
     step = doc["step"]["text"]
     assert step.startswith("loss: auto → cross-entropy vs seeded targets = ")
     assert step.endswith(" · optimizer: SGD")
@@ -77,10 +83,18 @@ def test_doctor_prints_ranked_findings_with_evidence_and_fix(tmp_path: Path) -> 
     dead = [f for f in doc["findings"] if f["code"] == "activations.dead_units"]
     assert dead and dead[0]["evidence"]["dead"] == 6 and dead[0]["evidence"]["channels"] == 8
     assert dead[0]["severity"] == "warning" and dead[0]["fix"]
-    sev = [f["severity"] for f in doc["findings"]]
+    # Report order: the user's model, loop and data before caveats, then the most severe.
     order = {"error": 0, "warning": 1, "info": 2}
-    assert sev == sorted(sev, key=order.__getitem__)
-    assert "6 of 8 channels" in res.output
+    group = {"model": 0, "loop": 0, "data": 0, "environment": 1, "measurement": 2}
+    keys = [(group[f["subject"]], order[f["severity"]]) for f in doc["findings"]]
+    assert keys == sorted(keys)
+    assert "6 of 8 channels" in res.output and dead[0]["fix"][:30] in " ".join(
+        res.output.split())
+    # The evidence stays in the JSON and the page unless --verbose asks for it.
+    assert "dead=6" not in res.output
+    warnings = sum(f["severity"] == "warning" for f in doc["findings"])
+    assert doc["verdict"].startswith(f"{warnings} warning") and "6 of 8 channels" in \
+        doc["verdict"] and f"verdict: {warnings} warning" in res.output
 
 
 def test_doctor_tells_a_models_own_loss_that_broadcasts_its_output(tmp_path: Path) -> None:
@@ -234,7 +248,8 @@ def test_failed_sections_are_not_reported_as_nothing_wrong(tmp_path: Path) -> No
     failed = [name for name, s in doc["sections"].items() if s["status"] == "failed"]
     assert res.exit_code == 0 and failed, res.output
     assert "nothing looked wrong" not in res.output
-    assert f"{len(failed)} section(s) failed" in res.output
+    assert doc["verdict"].startswith(f"failed: {len(failed)} section")
+    assert f"verdict: failed: {len(failed)} section" in res.output
     # The HTML's summary counts said "0 error 0 warning" beside them.
     html = (tmp_path / "r" / "report.html").read_text()
     assert f"{len(failed)} sections failed" in html

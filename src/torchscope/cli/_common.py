@@ -119,6 +119,9 @@ DebugOpt = Annotated[bool, typer.Option("--debug", help="Show the full traceback
 QuietOpt = Annotated[bool, typer.Option(
     "--quiet", "-q", help="No progress display (it is drawn on a terminal only, and gone "
     "once the results print).")]
+VerboseOpt = Annotated[bool, typer.Option(
+    "--verbose", "-v", help="Also print each finding's evidence, the sections table and the "
+    "step (report.json and report.html always have them).")]
 SelectOpt = Annotated[
     str | None,
     typer.Option("--select", "-s",

@@ -9,7 +9,16 @@ import typer
 from rich.text import Text
 from typer.core import TyperGroup
 
-from torchscope.cli import capture, compile_cmd, doctor, grads, lint_cmd, memory, profile
+from torchscope.cli import (
+    capture,
+    compile_cmd,
+    doctor,
+    explain,
+    grads,
+    lint_cmd,
+    memory,
+    profile,
+)
 from torchscope.cli._common import err_console, interrupted_exit
 
 
@@ -86,7 +95,8 @@ def _root() -> None:
     """See inside any PyTorch model's training step."""
 
 
-for _command_module in (capture, grads, memory, profile, compile_cmd, lint_cmd, doctor):
+for _command_module in (capture, grads, memory, profile, compile_cmd, lint_cmd, doctor,
+                        explain):
     _command_module.register(app)
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
+from rich.markup import escape
 
 from torchscope.cli._common import (
     AutocastOpt,
@@ -21,6 +22,7 @@ from torchscope.cli._common import (
     ModesOpt,
     QuietOpt,
     TargetArg,
+    VerboseOpt,
     at_least,
     autocast_name,
     check_output,
@@ -85,6 +87,7 @@ def doctor(
     backend: Annotated[str | None, typer.Option(
         "--backend", help="With --nproc or under torchrun: gloo (CPU) or nccl (one GPU per "
         "rank).", show_default="nccl when torch sees a GPU, else gloo")] = None,
+    verbose: VerboseOpt = False,
     quiet: QuietOpt = False,
     debug: DebugOpt = False,
 ) -> None:
@@ -131,9 +134,9 @@ def doctor(
                 with progress("doctor", quiet=quiet) as shown:  # the sections run on the ranks
                     shown(f"{nproc} ranks ({ranked[0]}, {ranked[1]})", 1)
                     report = launch(job, nproc)
-                _print_report(report, out, floor, debug)
+                _print_report(report, out, floor, debug, verbose)
                 return
-            _as_torchrun_rank(job, out, floor, debug)
+            _as_torchrun_rank(job, out, floor, debug, verbose)
         dev = device_of(device)
         loaded, model_inputs = load(target, input, inputs)
         model = loaded.model.to(dev)
@@ -143,11 +146,11 @@ def doctor(
         report = _run_with_progress(model, model_inputs.to(dev), options, loaded.name, quiet)
         with writing("--out", out):
             write_report(report, out)
-        _print_report(report, out, floor, debug)
+        _print_report(report, out, floor, debug, verbose)
 
 
 def _as_torchrun_rank(job: DistributedJob, out: str, floor: Severity | None,
-                      debug: bool) -> None:
+                      debug: bool, verbose: bool = False) -> None:
     """This process is one rank of a torchrun launch: run it; rank 0 prints the report.
 
     The rank then leaves with `os._exit`, skipping interpreter teardown: torch can abort a
@@ -160,7 +163,7 @@ def _as_torchrun_rank(job: DistributedJob, out: str, floor: Severity | None,
     report = run_rank(job)
     if report is not None:
         try:
-            _print_report(report, out, floor, debug)
+            _print_report(report, out, floor, debug, verbose)
         except typer.Exit as exc:
             code = int(exc.exit_code or 0)
     sys.stdout.flush()
@@ -194,9 +197,14 @@ def _distributed(nproc: int | None, strategy: str | None, backend: str | None,
     return strategy or "ddp", chosen
 
 
-def _print_report(report: DoctorReport, out: str, floor: Severity | None, debug: bool) -> None:
-    """The doctor's terminal output: sections, step, findings, per-rank rows; exit code."""
+def _print_report(report: DoctorReport, out: str, floor: Severity | None, debug: bool,
+                  verbose: bool = False) -> None:
+    """The doctor's terminal output: the verdict first, then each finding's summary and fix,
+    and where the report went; `verbose` adds the evidence, the sections table (shown anyway
+    when a section failed), the step and the per-rank rows. Exit code 1 under `--fail-on`."""
+    from torchscope.findings import Severity
     from torchscope.report.doctor import sections_table
+    from torchscope.report.document import verdict
     from torchscope.report.findings import findings_table
 
     for o in report.outcomes:
@@ -205,28 +213,27 @@ def _print_report(report: DoctorReport, out: str, floor: Severity | None, debug:
             where = getattr(o.error, "rank_traceback", None) or \
                 "".join(traceback.format_exception(o.error))
             sys.stderr.write(f"section {o.name} failed:\n{where}")
-    console.print(sections_table(report))
-    if report.step is not None:
-        console.print(report.step.describe(), highlight=False, soft_wrap=True)
-    findings = report.section_findings()
     failed = [o.name for o in report.outcomes if o.status == "failed"]
+    # The verdict first: the one line to act on; report.json and the page lead with it too.
+    style = "bold red" if failed or report.count(Severity.ERROR) else \
+        "yellow" if report.count(Severity.WARNING) else "bold green"
+    console.print(f"[{style}]verdict:[/] {escape(verdict(report))}")
+    findings = report.section_findings()
     if findings:
-        console.print(findings_table(findings, title="Findings, most severe first"))
-        if failed:
-            console.print(f"{len(failed)} section(s) failed ({', '.join(failed)}): see the "
-                          "table above.")
-    elif failed:
-        console.print(f"No findings in the sections that ran; {len(failed)} section(s) "
-                      f"failed ({', '.join(failed)}): see the table above.")
-    else:
-        console.print("No findings: nothing looked wrong in the sections that ran.")
-    ranks = next((o for o in report.outcomes if o.name == "ranks" and o.status == "ok"), None)
-    if ranks is not None:
-        from torchscope.doctor.ranks import RanksSection
-        from torchscope.report.ranks import ranks_table
+        console.print(findings_table(findings, title="Findings", verbose=verbose))
+    if verbose or failed:
+        console.print(sections_table(report))
+    if verbose and report.step is not None:
+        console.print(report.step.describe(), highlight=False, soft_wrap=True)
+    if verbose:
+        ranks = next((o for o in report.outcomes if o.name == "ranks" and o.status == "ok"),
+                     None)
+        if ranks is not None:
+            from torchscope.doctor.ranks import RanksSection
+            from torchscope.report.ranks import ranks_table
 
-        for title, columns, rows in RanksSection().tables(ranks.record):
-            console.print(ranks_table(columns, rows, title=title))
+            for title, columns, rows in RanksSection().tables(ranks.record):
+                console.print(ranks_table(columns, rows, title=title))
     console.print(f"wrote {Path(out) / 'report.html'} and {Path(out) / 'report.json'}")
     # A section that failed could not look: under --fail-on it fails the run too.
     if floor is not None and (failed or any(f.severity >= floor for f in report.findings())):
