@@ -187,3 +187,14 @@ def reduction_path(request: pytest.FixtureRequest) -> Iterator[str]:
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test skipped without a CUDA device is also marked `cuda`, so that `pytest -m
+    cuda` (benchmarks/gpu_check.py) runs exactly those."""
+    for item in items:
+        for mark in item.iter_markers("skipif"):
+            reason = str(mark.kwargs.get("reason", ""))
+            if reason.startswith("needs") and ("CUDA" in reason or "GPU" in reason):
+                item.add_marker(pytest.mark.cuda)
+                break
