@@ -123,6 +123,8 @@ def test_doctor_tells_a_models_own_loss_that_broadcasts_its_output(tmp_path: Pat
     assert doc["sections"]["gradients"]["data"]["loss_broadcast"] == {
         "output": "['logits']", "output_shape": [32, 1], "shape": [32, 32],
         "op": "ExpandBackward0", "target_shape": None}
+    # Readers of report.json 1.9-1.11 still find it under `step`.
+    assert doc["step"]["loss_broadcast"] == doc["sections"]["gradients"]["data"]["loss_broadcast"]
     (told,) = [f for f in doc["findings"] if f["code"] == "grads.loss_broadcast"]
     assert told["section"] == "gradients" and told["severity"] == "error"
 

@@ -214,6 +214,8 @@ def report_findings(report: Report, thresholds: Any = None) -> list[Finding]:
     return rank(f for o in report.outcomes for f in o.findings)
 
 
+# The loss diagnosis report.json 1.9–1.11 kept under `step` (now in the gradients data).
+_STEP_COMPAT = ("loss_broadcast", "loss_on_probabilities", "padded_labels")
 # Verdict lines stay one terminal line's worth: a longer summary is cut at a word.
 _VERDICT_SUMMARY_CHARS = 160
 
@@ -296,6 +298,10 @@ def build_document(report: Report) -> dict[str, Any]:
     }
     if report.step is not None:
         doc["step"] = {**to_jsonable(report.step), "text": report.step.describe()}
+        # Readers of 1.9–1.11 found the loss diagnosis under `step`; it is the gradients
+        # section's now, and stays under `step` too within major version 1.
+        grads = sections.get("gradients", {}).get("data") or {}
+        doc["step"].update({k: grads[k] for k in _STEP_COMPAT if k in grads})
     doc.update({"sections": sections, "findings": findings, "metrics": metrics})
     return doc
 
