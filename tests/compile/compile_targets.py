@@ -40,3 +40,20 @@ class PrintNet(nn.Module):
 
 def prints() -> tuple[nn.Module, torch.Tensor]:
     return PrintNet(), torch.randn(2, 4)
+
+
+class DisabledNet(nn.Module):
+    """A forward Dynamo never compiles (torch.compiler.disable): no graph at all."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    @torch.compiler.disable
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.fc(x).relu()  # (B, 4)
+        return out
+
+
+def disabled() -> tuple[nn.Module, torch.Tensor]:
+    return DisabledNet(), torch.randn(2, 4)

@@ -106,3 +106,20 @@ def test_lab_leaves_the_callers_rng_state_alone() -> None:
     result = run_lab(skip=("backward", "profile", "checkpoint", "memory", "compile"))
     assert result.claims
     assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_claims_that_failed_or_were_not_checked_are_findings_held_ones_are_not() -> None:
+    from torchscope.findings import Severity, Subject
+    from torchscope.lab.records import LabClaim, LabResult
+
+    result = LabResult((), (
+        LabClaim("checkpoint", "checkpointing stores less", 8192, 4096, True),
+        LabClaim("checkpoint", "each activation is 8 KB", 8192, 4096, False, "saved bytes"),
+        LabClaim("memory", "empty_cache() releases the cache", True, None, None,
+                 "needs a CUDA device")))
+    found = result.findings()
+    assert [(f.code, f.severity, f.subject) for f in found] == [
+        ("lab.claim_failed", Severity.WARNING, Subject.ENVIRONMENT),
+        ("lab.claim_unchecked", Severity.INFO, Subject.ENVIRONMENT)]
+    assert "measured 4096, expected 8192" in found[0].summary
+    assert found[1].fix == "needs a CUDA device"

@@ -125,22 +125,25 @@ def test_no_recompute_time_is_negative_anywhere(bn_report: MemoryReport) -> None
     from torchscope.report.html import memory_fragment
     from torchscope.report.plots_memory import plot_plans
 
-    assert bn_report.plans is not None and bn_report.chosen is not None
-    for m in bn_report.plans.measurements:  # as measured
-        assert 0 <= m.recompute_low_ms <= m.recompute_high_ms
-        assert m.recompute_ms >= 0
-    faster = replace(bn_report, plans=_timed(bn_report.plans, bn_report.chosen, *_FASTER))
-    m = faster.plans.measurement(faster.chosen)  # type: ignore[union-attr]
-    assert m is not None and m.slowdown is not None and m.slowdown.high < 1
-    assert (m.recompute_ms, m.recompute_low_ms, m.recompute_high_ms) == (0.0, 0.0, 0.0)
+    name = bn_report.chosen
+    assert bn_report.plans is not None and name is not None
+    for measured in bn_report.plans.measurements:  # as measured
+        assert 0 <= measured.recompute_low_ms <= measured.recompute_high_ms
+        assert measured.recompute_ms >= 0
+    faster = replace(bn_report, plans=_timed(bn_report.plans, name, *_FASTER))
+    assert faster.plans is not None
+    fast = faster.plans.measurement(name)
+    assert fast is not None and fast.slowdown is not None and fast.slowdown.high < 1
+    assert (fast.recompute_ms, fast.recompute_low_ms, fast.recompute_high_ms) == (0, 0, 0)
     assert "no measurable cost (0.90–0.95× the step time)" in memory_fragment(faster, {})
-    report = replace(bn_report, plans=_timed(bn_report.plans, bn_report.chosen, *_NOISY))
-    m = report.plans.measurement(report.chosen)  # type: ignore[union-attr]
+    report = replace(bn_report, plans=_timed(bn_report.plans, name, *_NOISY))
+    assert report.plans is not None
+    m = report.plans.measurement(name)
     assert m is not None and m.slowdown is not None and m.slowdown.value > 1
     assert not m.recompute_measurable and m.recompute_ms > 0
     assert m.recompute_low_ms == 0.0 and m.recompute_high_ms > m.recompute_ms
     # report.json: no figure for a cost inside the noise, and its interval.
-    [row] = [p for p in MemorySection().to_json(report)["plans"] if p["name"] == report.chosen]
+    [row] = [p for p in MemorySection().to_json(report)["plans"] if p["name"] == name]
     assert row["recompute_ms"] is None
     assert row["recompute_low_ms"] == 0.0 and row["recompute_high_ms"] == m.recompute_high_ms
     # The finding, the HTML table and the chart say the same.
@@ -148,7 +151,48 @@ def test_no_recompute_time_is_negative_anywhere(bn_report: MemoryReport) -> None
     assert "no measurable cost" in plan.summary and plan.evidence["recompute_ms"] is None
     html = memory_fragment(report, {})
     assert f"no measurable cost (0–{m.recompute_high_ms:.3g} ms)" in html
-    legend = [t.get_text() for t in label_texts(plot_plans(report.plans))]  # type: ignore[arg-type]
-    chosen = [t for t in legend if t.startswith(report.chosen)]
+    legend = [t.get_text() for t in label_texts(plot_plans(report.plans))]
+    chosen = [t for t in legend if t.startswith(name)]
     assert chosen and "no measurable cost" in chosen[0]
     assert not any(" -" in t or "−" in t for t in legend)
+
+
+def test_a_plan_s_other_caveat_follows_the_same_policy(bn_report: MemoryReport) -> None:
+    """Gradients within tolerance but not bitwise equal (nondeterministic kernels on a GPU):
+    a note on an offered plan, a warning on one the user asked for."""
+    assert bn_report.plans is not None and bn_report.chosen is not None
+    m = bn_report.plans.measurement(bn_report.chosen)
+    assert m is not None and m.verification is not None
+    loose = replace(m, verification=replace(m.verification, bitwise_equal=False,
+                                            max_abs_diff=2.4e-7))
+    plans = replace(bn_report.plans, measurements=tuple(
+        loose if x is m else x for x in bn_report.plans.measurements))
+    offered = replace(bn_report, plans=plans)
+    for report, severity in ((offered, Severity.INFO),
+                             (replace(offered, proposed=False), Severity.WARNING)):
+        found = [f for f in report.findings() if f.code == "memory.not_bitwise"]
+        assert [f.severity for f in found] == [severity]
+        assert "2.4e-07" in found[0].summary
+
+
+def test_optimizer_state_and_live_tensors_are_notes_on_the_loop() -> None:
+    from torchscope.findings import Subject
+    from torchscope.memory import live_tensors
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.Adam(model.parameters())
+    report = analyze_memory(model, torch.randn(4, 16), optimizer=opt, measure=False)
+    [state] = [f for f in report.findings() if f.code == "memory.optimizer_state"]
+    assert (state.severity, state.subject) == (Severity.INFO, Subject.LOOP)
+    assert "2.0× the parameters" in state.summary  # Adam's two moments
+    held = torch.zeros(1 << 20)  # the largest tensor alive here  # noqa: F841
+    live = live_tensors(5, device="cpu")
+    [largest] = [f for f in live.findings() if f.code == "memory.largest_live"]
+    assert "(1048576,) float32 (4.0 MiB)" in largest.summary
+    # On CUDA, empty_cache() cannot free what live tensors hold: a warning when they hold
+    # more than it released (the allocator's figures, as live_tensors reads them there).
+    cuda = replace(live, reserved_before=64 << 20, reserved_after=60 << 20,
+                   allocated_before=32 << 20, allocated_after=32 << 20)
+    [cache] = [f for f in cuda.findings() if f.code == "memory.empty_cache"]
+    assert cache.severity == Severity.WARNING and "released 4.0 MiB" in cache.summary

@@ -62,6 +62,7 @@ class MeasureJob:
     autocast: torch.dtype | None = None
     accumulate: int = 1
     seed: int = 0
+    budget_s: float = 10.0
 
     def step(self, model: nn.Module, inputs: ModelInputs) -> Step:
         """The caller's step on `model` (a private copy, or a `torch.compile` wrapper of one)."""
@@ -220,14 +221,9 @@ def measure_mode(model: nn.Module, inputs: ModelInputs, job: MeasureJob,
             for _ in range(job.warmup):
                 call(eager_step)
                 call(compiled_step, True)
-            eager_s: list[float] = []
-            compiled_s: list[float] = []
-            pair = ((eager_step, False), (compiled_step, True))
-            for i in range(job.iters):
-                # Alternate who goes first so neither always runs on a cache the other warmed.
-                for s, is_c in pair if i % 2 == 0 else pair[::-1]:
-                    dt, _, _ = timed(s, is_c)
-                    (compiled_s if is_c else eager_s).append(dt)
+            eager_s, compiled_s, timing_s = _time_pairs(
+                lambda: timed(eager_step, False)[0], lambda: timed(compiled_step, True)[0],
+                job.iters, job.budget_s)
 
             shape_calls = []
             for bs in job.batch_sizes:
@@ -262,10 +258,53 @@ def measure_mode(model: nn.Module, inputs: ModelInputs, job: MeasureJob,
         recompile_limit=recompile_limit(),
         limit_hit=watcher.limit_hit,
         shape_calls=tuple(shape_calls),
-        iters=job.iters,
+        iters=len(eager_s),
         speedup_ratio=ratio,
+        timing_s=timing_s,
+        timing_budget_s=job.budget_s,
     )
     return result, info
+
+
+#: Timed pairs at most, however much budget is left: 40 times the calls asked for, never
+#: fewer than `_MIN_CAP` nor more than `_MAX_CAP` (the order-statistic interval of a median
+#: costs quadratic time in its samples: 0.1 s at 500, 2 s at 1,000).
+_MAX_ROUNDS = 40
+_MIN_CAP = 400
+_MAX_CAP = 500
+
+
+def max_pairs(iters: int) -> int:
+    """Timed pairs of calls at most, for `iters` asked for."""
+    return max(min(_MAX_ROUNDS * iters, _MAX_CAP), _MIN_CAP, iters)
+
+
+def _time_pairs(eager: Callable[[], float], compiled: Callable[[], float], iters: int,
+                budget_s: float) -> tuple[list[float], list[float], float]:
+    """Eager and compiled calls timed in alternating pairs: `iters` pairs, then more until
+    the speedup's interval excludes 1 (a verdict) or `budget_s` seconds of timing are spent
+    (at most `max_pairs(iters)`). The interval is looked at after `iters` pairs and then
+    each time the pairs have grown by a quarter. Returns both samples (seconds) and the
+    seconds spent timing."""
+    eager_s: list[float] = []
+    compiled_s: list[float] = []
+    pair = ((eager, eager_s), (compiled, compiled_s))
+    start = time.perf_counter()
+    i, look, cap = 0, iters, max_pairs(iters)
+    while True:
+        # Alternate who goes first so neither always runs on a cache the other warmed.
+        for fn, into in pair if i % 2 == 0 else pair[::-1]:
+            into.append(fn())
+        i += 1
+        if i < iters:
+            continue
+        if time.perf_counter() - start >= budget_s or i >= cap:
+            break
+        if i >= look:
+            if compare(eager_s, compiled_s).measurable:
+                break
+            look = max(i + 1, i * 5 // 4)
+    return eager_s, compiled_s, time.perf_counter() - start
 
 
 def run_job(model: nn.Module, inputs: ModelInputs, job: MeasureJob,

@@ -3,10 +3,25 @@
 from __future__ import annotations
 
 from torchscope._timing import fmt_ratio
+from torchscope.catalogue import entry
 from torchscope.compile.records import CompileReport, GraphBreak, ModeResult, Recompile
-from torchscope.findings import Finding, Severity, analyzer, rank
+from torchscope.findings import Entry, Finding, Severity, analyzer, rank
 
 __all__ = ["compile_findings", "is_ddp_bucket_break"]
+
+_NO_COMPILER = entry("compile.no_compiler")
+_FAILED: dict[str, Entry] = {status: entry(f"compile.{status}")
+                             for status in ("error", "crashed", "timeout")}
+_NOTHING_COMPILED = entry("compile.nothing_compiled")
+_NO_MEASURABLE_SPEEDUP = entry("compile.no_measurable_speedup")
+_PAYS_OFF = entry("compile.pays_off")
+_NEVER_PAYS_OFF = entry("compile.never_pays_off")
+_NO_GAIN = entry("compile.no_gain")
+_BEST_MODE = entry("compile.best_mode")
+_NUMERICS = entry("compile.numerics")
+_RECOMPILES = entry("compile.recompiles")
+_GRAPH_BREAK = entry("compile.graph_break")
+_DDP_BUCKETS = entry("compile.ddp_buckets")
 
 #: Largest output drift (relative to the largest |eager output|) taken as rounding noise.
 REL_TOLERANCE = 1e-3
@@ -32,69 +47,75 @@ def _calls(n: int) -> str:
     return f"{n:,} call" + ("" if n == 1 else "s")
 
 
-def _mode_findings(m: ModeResult) -> list[Finding]:
+def _timing(m: ModeResult) -> str:
+    """`120 calls each in 10.0 s (the timing budget)`: how long the speedup was timed."""
+    spent = "" if m.timing_s is None else f" in {m.timing_s:.1f} s"
+    budget = "" if m.timing_budget_s is None else \
+        f" (timing budget {m.timing_budget_s:.0f} s beyond the first calls)"
+    return f"{_calls(m.iters)} each{spent}{budget}"
+
+
+def _mode_findings(m: ModeResult, *, verdict: bool = True) -> list[Finding]:
+    """What one mode's result says; `verdict` False leaves out its speedup verdict (a
+    report-level finding says it for every mode, or nothing was compiled)."""
     label = f"mode {m.mode!r}"
     if m.status == "no_compiler":
-        return [Finding("compile.no_compiler", Severity.ERROR,
-                        f"{label} could not compile: inductor on CPU found no C++ compiler.",
-                        {"mode": m.mode, "error": m.error},
-                        fix="install g++ (or clang++) or set CXX to a working C++ compiler.")]
+        return [_NO_COMPILER.finding(
+            Severity.ERROR, f"{label} could not compile: inductor on CPU found no C++ compiler.",
+            {"mode": m.mode, "error": m.error})]
     if m.status != "ok":
-        fix = {"timeout": "raise the timeout, or skip this mode (max-autotune compiles for "
-                          "long on CPU).",
-               "crashed": "rerun that mode alone with TORCH_LOGS=+dynamo to see the crash; "
-                          "report it to PyTorch with the model.",
-               }.get(m.status, "rerun with --debug, or fix the error shown.")
-        return [Finding(f"compile.{m.status}", Severity.ERROR,
-                        f"{label} failed ({m.status}): {m.error}",
-                        {"mode": m.mode, "status": m.status, "error": m.error}, fix=fix)]
+        made = _FAILED.get(m.status, _FAILED["error"])
+        return [made.finding(Severity.ERROR, f"{label} failed ({m.status}): {m.error}",
+                             {"mode": m.mode, "status": m.status, "error": m.error})]
     out: list[Finding] = []
     evidence: dict[str, float | int | str | bool | None] = {
                 "mode": m.mode, "speedup": m.speedup, "eager_ms": m.eager_ms,
                 "compiled_ms": m.compiled_ms, "cold_compile_s": m.cold_compile_s,
                 "warm_compile_s": m.warm_compile_s, "break_even_calls": m.break_even_calls,
-                "break_even_calls_warm": m.break_even_calls_warm}
+                "break_even_calls_warm": m.break_even_calls_warm, "calls": m.iters,
+                "timing_s": m.timing_s, "timing_budget_s": m.timing_budget_s}
     speed = m.speedup_ratio
     if speed is not None:
         evidence.update(speedup_low=speed.low, speedup_high=speed.high,
                         measurable=speed.measurable)
-    if speed is not None and not speed.measurable and m.speedup is not None:
-        # Inside the noise: neither "pays off after N calls" nor "slower" is a fact.
-        out.append(Finding(
-            "compile.no_measurable_speedup", Severity.WARNING,
-            f"{label} gives no measurable speedup: compiled calls take {m.compiled_ms:.3g} ms "
-            f"vs {m.eager_ms:.3g} ms eager ({fmt_ratio(speed)}), so the "
-            f"{m.cold_compile_s:.1f} s compile is not shown to pay back.",
-            evidence,
-            fix="keep this model eager, or time more calls (iters=) on a quieter machine; "
-                "compile pays off for larger work per call."))
-    elif m.break_even_calls is not None and m.speedup is not None:
+    if not verdict or m.speedup is None:
+        pass
+    elif m.undecided:
+        assert speed is not None
+        # Inside the noise after the budget: neither "pays off" nor "slower" is a fact, and
+        # nothing about the model: a caveat of this measurement.
+        out.append(_NO_MEASURABLE_SPEEDUP.finding(
+            Severity.INFO,
+            f"{label}: no speedup could be measured here: compiled calls take "
+            f"{m.compiled_ms:.3g} ms vs {m.eager_ms:.3g} ms eager, and the interval "
+            f"({speed.low:.2f}–{speed.high:.2f}×) still includes 1 (no difference) after "
+            f"{_timing(m)}.",
+            evidence))
+    elif m.faster and m.break_even_calls is not None:
         warm = (f" ({_calls(m.break_even_calls_warm)} with a warm cache)"
                 if m.break_even_calls_warm is not None else "")
-        out.append(Finding(
-            "compile.pays_off", Severity.INFO,
+        out.append(_PAYS_OFF.finding(
+            Severity.INFO,
             f"{label} pays off after {_calls(m.break_even_calls)}{warm}: "
             f"{fmt_ratio(speed) if speed is not None else f'{m.speedup:.2f}×'} faster "
             f"({m.eager_ms:.3g} → {m.compiled_ms:.3g} ms per call) for a "
             f"{m.cold_compile_s:.1f} s cold compile.",
-            evidence,
-            fix="compile once before the loop; the first call pays the compile."))
-    elif m.speedup is not None:
-        out.append(Finding(
-            "compile.never_pays_off", Severity.WARNING,
+            evidence))
+    elif not m.faster:
+        # A warning only where the interval says slower; a median alone is a note.
+        out.append(_NEVER_PAYS_OFF.finding(
+            Severity.WARNING if speed is not None and speed.below else Severity.INFO,
             f"{label} never pays off: compiled calls take {m.compiled_ms:.3g} ms vs "
             f"{m.eager_ms:.3g} ms eager "
             f"({fmt_ratio(speed) if speed is not None else f'{m.speedup:.2f}×'}), after a "
             f"{m.cold_compile_s:.1f} s compile.",
-            evidence,
-            fix="keep this model eager, or compile a larger piece of work (bigger batch, "
-                "the whole training step)."))
+            evidence))
     for what, a, r in (("outputs", m.max_abs_diff, m.max_rel_diff),
                        ("gradients", m.grad_max_abs_diff, m.grad_max_rel_diff)):
         if r is None or r <= REL_TOLERANCE:
             continue
-        out.append(Finding(
-            "compile.numerics", Severity.WARNING,
+        out.append(_NUMERICS.finding(
+            Severity.WARNING,
             f"{label} changes the {what}: max abs diff {a:.3g}, {r:.2%} of the largest "
             "eager value.",
             {"mode": m.mode, "what": what, "max_abs_diff": a, "max_rel_diff": r},
@@ -124,7 +145,7 @@ def _recompile_findings(m: ModeResult, label: str) -> list[Finding]:
                if shape else
                "make the guarded Python value constant across calls (do not mutate lists, "
                "counters or globals that forward or a hook reads).")
-        out.append(Finding("compile.recompiles", severity, summary,
+        out.append(_RECOMPILES.finding(severity, summary,
                            {"function": fn, "file": file, "line": line,
                             "recompiles": len(recs), "limit": limit, "guard": last.guard,
                             "source": last.source, "limit_hit": m.limit_hit},
@@ -147,8 +168,8 @@ def is_ddp_bucket_break(b: GraphBreak) -> bool:
 
 def _ddp_bucket_finding(breaks: list[GraphBreak]) -> Finding:
     n = len(breaks)
-    return Finding(
-        "compile.ddp_buckets", Severity.INFO,
+    return _DDP_BUCKETS.finding(
+        Severity.INFO,
         f"DDPOptimizer cut the compiled graph at DDP's gradient buckets ({n} graph "
         f"break{'' if n == 1 else 's'} it reports): expected, so that each bucket's "
         "all-reduce overlaps the rest of backward; not a graph break to fix.",
@@ -160,8 +181,8 @@ def _ddp_bucket_finding(breaks: list[GraphBreak]) -> Finding:
 
 def _break_finding(b: GraphBreak) -> Finding:
     inside = f" inside {b.hook}" if b.hook else ""
-    return Finding(
-        "compile.graph_break", Severity.WARNING,
+    return _GRAPH_BREAK.finding(
+        Severity.WARNING,
         f"graph break at {b.where} in {b.function or '?'}{inside}: {b.kind} ({b.reason}).",
         {"kind": b.kind, "reason": b.reason, "file": b.file, "line": b.line,
          "function": b.function, "hook": b.hook},
@@ -177,26 +198,41 @@ def compile_findings(report: CompileReport, thresholds: object = None) -> list[F
     none yet.
 
     A speedup is judged with its interval (`ModeResult.speedup_ratio`): inside the timing
-    noise it is `compile.no_measurable_speedup`, never "pays off" nor "slower".
+    noise, after the timing budget, it is `compile.no_measurable_speedup` (a measurement
+    note), never "pays off" nor "slower"; "slower" is a warning only where the interval lies
+    below 1. Each fact is said once: where several modes are all decidedly slower,
+    `compile.no_gain` says it for them all; where Dynamo compiled nothing
+    (`compile.nothing_compiled`), no mode's timing is a verdict on compiling.
 
     Codes: `compile.pays_off`, `compile.never_pays_off`, `compile.no_measurable_speedup`,
     `compile.numerics`, `compile.recompiles`, `compile.graph_break`, `compile.ddp_buckets`
     (DDPOptimizer's intentional breaks, expected), `compile.best_mode`, `compile.no_gain`,
-    and `compile.<status>` for a mode that failed.
+    `compile.nothing_compiled`, and `compile.<status>` for a mode that failed.
     """
+    ok = [m for m in report.modes if m.ok]
+    nothing = report.graph_count == 0 and bool(ok)
+    # Every mode decidedly slower, with more than one measured: one finding for them all.
+    all_slower = len(ok) > 1 and all(m.slower and m.speedup_ratio is not None for m in ok)
     out: list[Finding] = []
     for m in report.modes:
-        out.extend(_mode_findings(m))
+        out.extend(_mode_findings(m, verdict=not (nothing or all_slower)))
+    if nothing:
+        out.append(_NOTHING_COMPILED.finding(
+            Severity.WARNING,
+            "torch.compile compiled nothing: Dynamo made 0 graphs of the forward, so every "
+            "mode ran eager code and its timings compare eager with eager.",
+            {"graph_count": 0, "modes": ", ".join(m.mode for m in ok)}))
     expected = [b for b in report.graph_breaks if is_ddp_bucket_break(b)]
     if expected:
         out.append(_ddp_bucket_finding(expected))
     out.extend(_break_finding(b) for b in report.graph_breaks if not is_ddp_bucket_break(b))
     best = report.best
-    ok = [m for m in report.modes if m.ok]
-    if best is not None and len(ok) > 1:
+    if nothing:
+        pass
+    elif best is not None and len(ok) > 1:
         tied = report.as_fast_as_best
-        out.append(Finding(
-            "compile.best_mode", Severity.INFO,
+        out.append(_BEST_MODE.finding(
+            Severity.INFO,
             f"best mode: {best.mode!r}, {best.speedup:.2f}× eager"
             + (f", paid back after {_calls(best.break_even_calls)}"
                if best.break_even_calls is not None else "")
@@ -207,10 +243,10 @@ def compile_findings(report: CompileReport, thresholds: object = None) -> list[F
              "as_fast": ", ".join(m.mode for m in tied)},
             fix=f"torch.compile(model, mode={best.mode!r})" if best.mode != "default"
             else "torch.compile(model)"))
-    elif ok and best is None:
-        out.append(Finding(
-            "compile.no_gain", Severity.WARNING,
-            f"no measured mode beats eager on {report.inputs} ({report.device}).",
-            {"modes": ", ".join(m.mode for m in ok)},
-            fix="keep the model eager; compile pays off for larger work per call."))
+    elif all_slower:
+        out.append(_NO_GAIN.finding(
+            Severity.WARNING,
+            f"no measured mode beats eager on {report.inputs} ({report.device}): "
+            + ", ".join(f"{m.mode} {fmt_ratio(m.speedup_ratio)}" for m in ok) + ".",
+            {"modes": ", ".join(m.mode for m in ok)}))
     return rank(out)

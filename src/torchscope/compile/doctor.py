@@ -211,6 +211,7 @@ def compile_report(
     modes: Sequence[str] = DEFAULT_MODES,
     iters: int = 30,
     warmup: int = 3,
+    timing_budget_s: float = 10.0,
     timeout_s: float = 600.0,
     batch_sizes: Sequence[int] = (),
     dynamic: bool | None = None,
@@ -246,7 +247,10 @@ def compile_report(
         measure: `forward`: inference under `torch.no_grad()` in eval mode; `step`: the
             training step's forward, loss and backward in train mode.
         modes: `torch.compile` modes; `default` means no `mode=`.
-        iters: timed calls of each of eager and compiled.
+        iters: timed calls of each of eager and compiled, at least.
+        timing_budget_s: seconds of timing a mode may spend beyond `iters` pairs of calls
+            while its speedup's interval still includes 1 (no verdict yet); what is still
+            undecided after it is reported as not measurable here.
         warmup: untimed calls of each before timing.
         timeout_s: per-mode limit for the child process.
         batch_sizes: after timing, call the compiled model once per batch size (inputs cut
@@ -269,6 +273,10 @@ def compile_report(
     """
     say = progress or (lambda _s: None)
     _check(modes, measure, iters, warmup, timeout_s, batch_sizes)
+    if not timing_budget_s >= 0:
+        raise CompileError(f"timing_budget_s={timing_budget_s} is below zero.",
+                           fix="pass timing_budget_s=10 (seconds per mode) or 0 for "
+                               "exactly `iters` calls.")
     step = Step.of(model, inputs, loss_fn=loss_fn, target=target)
     notes: list[str] = []
     net = unwrap_compiled(step.model)
@@ -288,7 +296,8 @@ def compile_report(
     base = MeasureJob(mode="default", measure=measure, iters=iters, warmup=warmup,
                       dynamic=dynamic, explain=True, batch_sizes=tuple(batch_sizes),
                       options=dict(options or {}), loss_fn=step.loss_fn, target=step.target,
-                      autocast=step.autocast, accumulate=step.accumulate, seed=step.seed)
+                      autocast=step.autocast, accumulate=step.accumulate, seed=step.seed,
+                      budget_s=timing_budget_s)
     label = name or type(net).__name__
 
     if device.type == "cpu" and cpp_compiler() is None:

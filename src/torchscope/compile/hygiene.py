@@ -16,6 +16,7 @@ from torch import nn
 from torch._dynamo.eval_frame import OptimizedModule
 from torch.utils.hooks import RemovableHandle
 
+from torchscope.catalogue import entry
 from torchscope.compile.breaks import hook_at, iter_module_hooks
 from torchscope.compile.records import Recompile
 from torchscope.compile.watch import RecompileWatcher, recompile_limit
@@ -35,6 +36,10 @@ __all__ = [
     "late_hooks",
     "track_compiled",
 ]
+
+_HOOKS_UNTRACKED = entry("compile.hooks_untracked")
+_LATE_HOOK = entry("compile.late_hook")
+_HOOK_RECOMPILES = entry("compile.hook_recompiles")
 
 _CACHE_ATTR = "_torchscope_compiled"
 # Tracked torch.compile wrapper -> RemovableHandle.next_id at its first call (None before
@@ -198,8 +203,8 @@ def audit_compiled_hooks(
         prefix = f"{wname}." if wname else ""
         late = late_hooks(wrapper)
         if late is None:
-            out.append(Finding(
-                "compile.hooks_untracked", Severity.INFO,
+            out.append(_HOOKS_UNTRACKED.finding(
+                Severity.INFO,
                 f"{wname or 'the model'} was compiled without torchscope seeing its first "
                 "call, so hooks added after it cannot be told apart.",
                 {"module": wname},
@@ -211,8 +216,8 @@ def audit_compiled_hooks(
             effect = (": the next call recompiles to include it." if guarded else
                       " and will never fire: Dynamo does not guard on module hooks "
                       "(torch._dynamo.config.skip_nnmodule_hook_guards).")
-            out.append(Finding(
-                "compile.late_hook", Severity.ERROR if not guarded else Severity.WARNING,
+            out.append(_LATE_HOOK.finding(
+                Severity.ERROR if not guarded else Severity.WARNING,
                 f"{h.kind} hook {h.hook} on {where} was registered after the first compiled "
                 f"call{effect}",
                 {"module": where, "kind": h.kind, "hook": h.hook, "handle_id": h.handle_id},
@@ -229,8 +234,8 @@ def audit_compiled_hooks(
                 counts.setdefault(hit, []).append(r)
         for (mod, kind, hook), recs in counts.items():
             where = prefix + mod
-            out.append(Finding(
-                "compile.hook_recompiles", Severity.ERROR,
+            out.append(_HOOK_RECOMPILES.finding(
+                Severity.ERROR,
                 f"{kind} hook {hook} on {where} forces a recompile on every call "
                 f"({len(recs)} seen, limit {limit}): its Python state is part of the graph's "
                 f"guards (`{recs[-1].guard}`). After {limit} recompiles torch gives up and "

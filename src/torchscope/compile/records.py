@@ -137,12 +137,15 @@ class ModeResult:
         recompile_limit: torch's recompile limit per frame at the time.
         limit_hit: whether a frame hit that limit (torch then runs it eagerly).
         shape_calls: the extra calls with other batch sizes.
-        iters: timed calls of each kind.
+        iters: timed calls of each kind (the calls asked for, or more: see `timing_s`).
         isolated: measured in a child process (False: in this process).
         wall_s: wall time of the whole measurement, process start included.
         speedup_ratio: the speedup with its interval (eager over compiled call times; see
             `torchscope._timing`); a speedup whose interval includes 1 is no measurable
             speedup, whatever its median.
+        timing_s: seconds spent timing the steady-state calls (`iters` pairs, more while
+            the interval included 1 and the budget allowed).
+        timing_budget_s: the timing budget those extra calls were given.
     """
 
     mode: str
@@ -168,6 +171,22 @@ class ModeResult:
     isolated: bool = True
     wall_s: float | None = None
     speedup_ratio: Ratio | None = None
+    timing_s: float | None = None
+    timing_budget_s: float | None = None
+
+    @property
+    def slower(self) -> bool:
+        """True when compiled calls are slower than eager beyond the timing noise (by the
+        median alone when no interval was measured)."""
+        if self.speedup_ratio is not None:
+            return self.speedup_ratio.below
+        return self.speedup is not None and self.speedup < 1.0
+
+    @property
+    def undecided(self) -> bool:
+        """True when the speedup was timed but its interval includes 1: neither faster nor
+        slower is a fact on this machine."""
+        return self.ok and self.speedup_ratio is not None and not self.speedup_ratio.measurable
 
     @property
     def ok(self) -> bool:

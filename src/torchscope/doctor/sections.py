@@ -20,6 +20,7 @@ from torchscope.grads.records import combine_norms
 from torchscope.lint import LintResult, lint_paths
 from torchscope.memory import MemoryReport, analyze_memory
 from torchscope.profiling import ProfileResult, profile_steps
+from torchscope.report.compile import speed_verdict
 from torchscope.report.document import Metric
 from torchscope.report.html import (
     activations_fragment,
@@ -234,7 +235,8 @@ class MemorySection(Section[MemoryReport]):
         # The least-recompute plan within what √L segments keep, verified bitwise. A model
         # without blocks, or a plan that fails its verification, costs nothing else: the
         # record says so (`no_plan`, a plan's `failed`) and its findings explain it.
-        return analyze_memory(step, checkpoint="auto")
+        # Offered, not asked for: its caveats are notes (`MemoryReport.proposed`).
+        return analyze_memory(step, checkpoint="auto", proposed=True)
 
     def metrics(self, record: MemoryReport) -> dict[str, Metric]:
         return {"memory.saved_bytes": Metric(float(record.saved.total_bytes), "lower", "bytes",
@@ -254,8 +256,10 @@ class MemorySection(Section[MemoryReport]):
             "modules": [{"module": m.module, "type": m.module_type, "saved_bytes": m.bytes,
                          "tensors": m.storages} for m in record.saved.modules],
             "plans": [{"name": p.name, "blocks": list(p.checkpointed),
-                       "saved_bytes": p.saved_bytes, "recompute_ms": ms, "verified": ok}
-                      for p, ms, ok in ([] if plans is None else plan_rows(plans))],
+                       "saved_bytes": p.saved_bytes, "recompute_ms": cost[0],
+                       "recompute_low_ms": cost[1], "recompute_high_ms": cost[2],
+                       "verified": ok}
+                      for p, cost, ok in ([] if plans is None else plan_rows(plans))],
         }
 
     def plots(self, record: MemoryReport) -> dict[str, Figure]:
@@ -356,10 +360,13 @@ class CompileSection(Section[CompileReport]):
         return out
 
     def to_json(self, record: CompileReport) -> dict[str, Any]:
-        return {"modes": [
+        return {"graph_count": record.graph_count, "modes": [
             {"mode": m.mode, "error": mode_error(m),
              "cold_s": m.cold_compile_s, "warm_s": m.warm_compile_s, "eager_ms": m.eager_ms,
              "compiled_ms": m.compiled_ms, "speedup": m.speedup,
+             "speedup_low": None if m.speedup_ratio is None else m.speedup_ratio.low,
+             "speedup_high": None if m.speedup_ratio is None else m.speedup_ratio.high,
+             "verdict": speed_verdict(m, record),
              "break_even_calls": m.break_even_calls,
              # From one `torch._dynamo.explain` of the forward, the same for every mode.
              "graph_breaks": len(record.graph_breaks), "recompiles": len(m.recompiles),
@@ -368,7 +375,7 @@ class CompileSection(Section[CompileReport]):
 
     def plots(self, record: CompileReport) -> dict[str, Figure]:
         rows = [m for m in record.modes if m.speedup is not None]
-        return {"compile-speedup": compile_speedup_plot(rows)} if rows else {}
+        return {"compile-speedup": compile_speedup_plot(rows, record)} if rows else {}
 
     def html(self, record: CompileReport, plots: Mapping[str, str]) -> str:
         return compile_fragment(record, plots)

@@ -81,6 +81,7 @@ class Series:
         colors: one colour per row.
         marker: the point marker.
         notes: a short text drawn right of each row's value ("3/8 dead"), "" for none.
+        note_colors: one colour per note (default: the warning colour).
     """
 
     label: str
@@ -92,6 +93,7 @@ class Series:
     colors: Sequence[str] | None = None
     marker: str = "o"
     notes: Sequence[str] | None = None
+    note_colors: Sequence[str] | None = None
 
 
 class EmptyPlot(Figure):
@@ -229,10 +231,11 @@ def _draw(ax: Axes, ys: list[int], s: Series) -> None:
         err = [float(e) for e in s.err] if s.err is not None else None
         ax.errorbar(vals, ys, xerr=err, fmt=s.marker, color=s.color, markersize=3.5,
                     elinewidth=1, capsize=2, label=s.label, zorder=3, linestyle="none")
-    for y, v, note in zip(ys, vals, s.notes or (), strict=False):
+    note_colors = list(s.note_colors or [WARN] * len(vals))
+    for y, v, note, color in zip(ys, vals, s.notes or (), note_colors, strict=False):
         if note and math.isfinite(v):
             ax.annotate(note, (v, y), xytext=(3, 0), textcoords="offset points", va="center",
-                        fontsize=FONT - 1, color=WARN)
+                        fontsize=FONT - 1, color=color)
 
 
 def module_chart(names: Sequence[str], series: Sequence[Series], *, title: str,

@@ -16,6 +16,8 @@ __all__ = [
     "graph_break_table",
     "recompile_table",
     "shape_call_lines",
+    "speed_label",
+    "speed_verdict",
 ]
 
 _STATUS_STYLE = {"ok": "green", "error": "red", "crashed": "red", "timeout": "yellow",
@@ -24,6 +26,35 @@ _STATUS_STYLE = {"ok": "green", "error": "red", "crashed": "red", "timeout": "ye
 
 def _fmt(x: float | None, spec: str) -> str:
     return "—" if x is None else format(x, spec)
+
+
+def speed_verdict(m: ModeResult, report: CompileReport | None = None) -> str | None:
+    """What a mode's timing says, as its findings say it: `faster` or `slower` (the
+    speedup's interval lies above or below 1), `undecided` (it includes 1: not measurable
+    here), `nothing compiled` (Dynamo made no graph: eager against eager); None for a mode
+    that was not timed. Without an interval, the median decides."""
+    if not m.ok or m.speedup is None:
+        return None
+    if report is not None and report.graph_count == 0:
+        return "nothing compiled"
+    if m.undecided:
+        return "undecided"
+    return "faster" if m.faster else "slower" if m.slower else "undecided"
+
+
+def speed_label(m: ModeResult, report: CompileReport | None = None) -> str:
+    """The verdict in words with its numbers: `1.84× faster (1.61–2.10)`, `no measurable
+    speedup (0.66–6.95×)`, `0.77× slower (0.71–0.83)`, `nothing compiled`; `—` untimed."""
+    verdict = speed_verdict(m, report)
+    r = m.speedup_ratio
+    if verdict is None or m.speedup is None:
+        return "—"
+    if verdict == "nothing compiled":
+        return "nothing compiled"
+    if verdict == "undecided":
+        return "no measurable speedup" + ("" if r is None else f" ({r.low:.2f}–{r.high:.2f}×)")
+    interval = "" if r is None else f" ({r.low:.2f}–{r.high:.2f})"
+    return f"{m.speedup:.2f}× {verdict}{interval}"
 
 
 def _speedup(m: ModeResult) -> str:

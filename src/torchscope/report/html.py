@@ -33,7 +33,9 @@ from torchscope.memory import CheckpointPlan, MemoryReport, PlanReport
 from torchscope.profiling import ProfileResult
 from torchscope.report.charts import DEEP_ROWS, block_groups, block_label
 from torchscope.report.document import SCHEMA_VERSION, Report, SectionOutcome, build_document
+from torchscope.report.compile import speed_label
 from torchscope.report.findings import evidence_text
+from torchscope.report.memory import fmt_recompute, recompute_cost
 from torchscope.report.profiling import timing_line
 
 __all__ = [
@@ -288,16 +290,17 @@ def gradients_fragment(flow: GradFlow, plots: Mapping[str, str]) -> str:
             folded=None if groups is None else _fold_all(len(rows), "module calls"))
 
 
-def plan_rows(plans: PlanReport) -> list[tuple[CheckpointPlan, float, bool | None]]:
-    """(plan, recompute ms, gradients bitwise identical) per checkpoint plan: measured when
-    the plan was applied, else predicted with the verdict None (False: it failed its
-    verification)."""
-    out: list[tuple[CheckpointPlan, float, bool | None]] = []
+def plan_rows(plans: PlanReport) -> list[tuple[CheckpointPlan, tuple[float | None, float | None,
+                                                                    float | None], bool | None]]:
+    """(plan, recompute (ms, low, high) as `report.memory.recompute_cost` gives it, gradients
+    bitwise identical) per checkpoint plan: measured when the plan was applied, else
+    predicted with the verdict None (False: it failed its verification)."""
+    out: list[tuple[CheckpointPlan, tuple[float | None, float | None, float | None],
+                    bool | None]] = []
     for p in plans.plans:
         m = plans.measurement(p.name)
         ok = None if m is None or m.verification is None else m.verification.ok
-        out.append((p, p.recompute_ms if m is None else m.recompute_ms,
-                    False if p.status == "unverified" else ok))
+        out.append((p, recompute_cost(p, m), False if p.status == "unverified" else ok))
     return out
 
 
@@ -335,9 +338,10 @@ def memory_fragment(report: MemoryReport, plots: Mapping[str, str]) -> str:
     if report.plans is not None and report.plans.plans:
         rows = plan_rows(report.plans)
         plans = _h3("Checkpoint plans") + table(
-            ("plan", "blocks", "saved", "recompute ms", "gradients identical"),
-            [(p.name, ", ".join(p.checkpointed) or "—", fmt_bytes(p.saved_bytes), ms, ok)
-             for p, ms, ok in rows],
+            ("plan", "blocks", "saved", "recompute", "gradients identical"),
+            [(p.name, ", ".join(p.checkpointed) or "—", fmt_bytes(p.saved_bytes),
+              fmt_recompute(p, report.plans.measurement(p.name)), ok)
+             for p, _, ok in rows],
             numeric=(2, 3), bad_rows=[i for i, (_, _, ok) in enumerate(rows) if ok is False])
     return _h3("Totals") + totals + _plots(plots, {
         "memory-saved": ("Saved activations", "Bytes autograd saved for backward, per module, "
@@ -412,13 +416,17 @@ def compile_fragment(report: CompileReport, plots: Mapping[str, str]) -> str:
         return "never" if v is None else f"{v:,}"
 
     rows = [(m.mode, m.cold_compile_s, m.warm_compile_s, m.eager_ms, m.compiled_ms,
-             None if m.speedup is None else f"{m.speedup:.2f}×",
+             speed_label(m, report),
              even(m.break_even_calls) if m.ok else "—", len(report.graph_breaks),
              len(m.recompiles), m.max_abs_diff, mode_error(m))
             for m in report.modes]
-    return _plots(plots, {"compile-speedup": ("Speedup", "Speedup over eager; below the "
-                                                         "dashed line compiled code is "
-                                                         "slower.")}) + _h3("Modes") + table(
+    nothing = ('<p class="note">Dynamo compiled nothing (0 graphs of the forward): every '
+               "mode ran eager code, so no timing here is a verdict on compiling.</p>"
+               if report.graph_count == 0 else "")
+    return nothing + _plots(plots, {"compile-speedup": (
+        "Speedup", "Median speedup over eager with its interval; grey where the interval "
+                   "includes 1 (no verdict); left of the dashed line compiled code is "
+                   "slower.")}) + _h3("Modes") + table(
         ("mode", "cold compile s", "warm compile s", "eager ms", "compiled ms", "speedup",
          "break-even calls", "graph breaks", "recompiles", "max abs diff", "error"),
         rows, numeric=(1, 2, 3, 4, 5, 6, 7, 8, 9),

@@ -8,6 +8,7 @@ from torchscope._timing import fmt_ratio
 from torchscope._util import fmt_bytes, fmt_pct, fmt_shape
 from torchscope.memory.analysis import describe_segments
 from torchscope.memory.records import (
+    CheckpointPlan,
     LiveTensors,
     MeasuredMemory,
     MemoryTotals,
@@ -20,8 +21,10 @@ from torchscope.report.terminal import ModuleName
 
 __all__ = [
     "blocks_table",
+    "fmt_recompute",
     "live_table",
     "plans_table",
+    "recompute_cost",
     "saved_table",
     "step_time",
     "totals_table",
@@ -126,6 +129,36 @@ def step_time(m: PlanMeasurement | None) -> str:
     if r.above:
         return f"{r.value - 1:+.0%} ({r.low:.2f}–{r.high:.2f}×)"
     return fmt_ratio(r, none="no measurable cost", above=True)
+
+
+def recompute_cost(plan: CheckpointPlan, m: PlanMeasurement | None
+                   ) -> tuple[float | None, float | None, float | None]:
+    """A plan's recompute time in ms as report.json gives it: `(ms, low, high)`.
+
+    Measured: the step time the plan adds with its interval, never below 0; `ms` is None
+    where the plan is no measurable cost (its interval includes no difference). Not
+    measured: the prediction (the forward time of the checkpointed blocks), no interval.
+    """
+    if m is None:
+        return plan.recompute_ms, None, None
+    ms = m.recompute_ms if m.recompute_measurable or m.slowdown is None else None
+    return ms, m.recompute_low_ms, m.recompute_high_ms
+
+
+def fmt_recompute(plan: CheckpointPlan, m: PlanMeasurement | None) -> str:
+    """`4.28 ms (2.10–6.40)`, `no measurable cost (0–10.0 ms)` (or, measured faster with
+    the plan, `no measurable cost (0.91–0.95× the step time)`), or `3.100 ms (predicted)`."""
+    ms, low, high = recompute_cost(plan, m)
+    if low is None or high is None:
+        return f"{ms:.3f} ms (predicted)"
+    if ms is None:
+        r = m.slowdown if m is not None else None
+        if high <= 0 and r is not None:  # measured faster with it: noise, and no cost
+            return f"no measurable cost ({r.low:.2f}–{r.high:.2f}× the step time)"
+        return f"no measurable cost ({low:.3g}–{high:.3g} ms)"
+    if m is not None and m.slowdown is None:
+        return f"{ms:.3g} ms"
+    return f"{ms:.3g} ms ({low:.3g}–{high:.3g})"
 
 
 def plans_table(report: PlanReport, chosen: str | None = None,

@@ -14,12 +14,13 @@ from collections.abc import Sequence
 from matplotlib.figure import Figure
 
 from torchscope.capture import ActivationRecord, TensorStats
-from torchscope.compile import ModeResult
+from torchscope.compile import CompileReport, ModeResult
 from torchscope.profiling import OpRecord, ProfileResult
 from torchscope.report.charts import (
     ACCENT,
     ACCENT2,
     DEEP_ROWS,
+    GREY,
     WARN,
     EmptyPlot,
     Series,
@@ -27,6 +28,7 @@ from torchscope.report.charts import (
     block_label,
     module_chart,
 )
+from torchscope.report.compile import speed_label, speed_verdict
 
 __all__ = [
     "activation_stats_plot",
@@ -145,12 +147,25 @@ def profile_modules_plot(result: ProfileResult) -> Figure:
         group=False)
 
 
-def compile_speedup_plot(modes: Sequence[ModeResult]) -> Figure:
-    """Speedup of each torch.compile mode over eager; the line at 1× is break-even per call."""
+def compile_speedup_plot(modes: Sequence[ModeResult],
+                         report: CompileReport | None = None) -> Figure:
+    """Speedup of each torch.compile mode over eager, as its findings judge it: the median
+    with its interval as a bar across it, coloured and labelled by the verdict (faster,
+    slower, no measurable speedup, nothing compiled); the line at 1× is break-even per
+    call."""
     if not modes:
         return EmptyPlot("No torch.compile mode was measured, so there is no speedup chart.")
+    verdicts = [speed_verdict(m, report) for m in modes]
+    colors = [ACCENT if v == "faster" else WARN if v == "slower" else GREY for v in verdicts]
     vals = [m.speedup if m.speedup is not None else NAN for m in modes]
-    return module_chart([m.mode for m in modes], [Series("speedup", vals, colors=[
-        ACCENT if v >= 1 else WARN for v in vals])],
-        title="torch.compile speedup per mode (dashed: 1×)", xlabel="speedup over eager (×)",
-        group=False, ref=1.0)
+    low = [m.speedup_ratio.low if m.speedup_ratio is not None else v
+           for m, v in zip(modes, vals, strict=True)]
+    high = [m.speedup_ratio.high if m.speedup_ratio is not None else v
+            for m, v in zip(modes, vals, strict=True)]
+    return module_chart([m.mode for m in modes], [
+        Series("interval", high, kind="range", start=low, colors=colors),
+        Series("median", vals, kind="point", color="#333333",
+               notes=[speed_label(m, report) for m in modes], note_colors=colors)],
+        title="torch.compile speedup per mode: median and interval (dashed: 1×, no "
+              "difference; grey: not a verdict)", xlabel="speedup over eager (×)",
+        group=False, log=True, ref=1.0)

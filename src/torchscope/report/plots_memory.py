@@ -4,6 +4,7 @@ against its recompute time (matplotlib `Figure`s, no pyplot: the user's backend 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -18,6 +19,7 @@ from torchscope.report.charts import (
     label_width,
     wrap,
 )
+from torchscope.report.memory import fmt_recompute
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -48,30 +50,55 @@ def _draw_saved(ax: Axes, saved: SavedActivations, limit: int) -> None:
               group=False, xlabel="saved for backward (KiB)")
 
 
-def _plan_points(report: PlanReport) -> list[tuple[list[str], float, float, float]]:
-    """(plan names, recompute ms, saved KiB, predicted peak KiB) per distinct point: plans
-    that land on the same spot share one point and one label."""
-    points: dict[tuple[float, float], tuple[list[str], float]] = {}
+@dataclass(frozen=True)
+class _PlanPoint:
+    """One point of the plans chart: the plans that land on it, recompute (ms) with its
+    interval, saved and predicted peak (KiB), the words of its recompute as the tables
+    say them, and whether the recompute is a measured cost (False: no measurable cost)."""
+
+    names: list[str]
+    x: float
+    low: float
+    high: float
+    y: float
+    peak: float
+    words: str
+    measurable: bool
+
+
+def _plan_points(report: PlanReport) -> list[_PlanPoint]:
+    """One point per distinct spot: plans that land on the same one share it and its label.
+    A measured recompute is never below 0; one inside the noise keeps its interval."""
+    points: dict[tuple[float, float], _PlanPoint] = {}
     for p in report.plans:
         m = report.measurement(p.name)
-        x = m.recompute_ms if m is not None else p.recompute_ms
+        x, low, high = (p.recompute_ms, None, None) if m is None else \
+            (m.recompute_ms, m.recompute_low_ms, m.recompute_high_ms)
         y = (m.saved_bytes if m is not None else p.saved_bytes) / _KIB
-        names, _ = points.setdefault((round(x, 6), round(y, 3)),
-                                     ([], p.peak_activation_bytes / _KIB))
-        names.append(p.name)
-    return [(names, x, y, peak) for (x, y), (names, peak) in points.items()]
+        measurable = m is None or m.slowdown is None or m.recompute_measurable
+        point = points.setdefault((round(x, 6), round(y, 3)), _PlanPoint(
+            [], x, x if low is None else low, x if high is None else high, y,
+            p.peak_activation_bytes / _KIB, fmt_recompute(p, m), measurable))
+        point.names.append(p.name)
+    return list(points.values())
 
 
 def _draw_plans(ax: Axes, report: PlanReport) -> None:
     # Plans are told apart by colour and named in the legend, never by text at the point:
     # two plans often land close together (sqrt and auto), and their labels would overlap.
-    for names, x, y, peak in _plan_points(report):
-        label = " = ".join(names)
-        ax.scatter([x], [y], s=50, zorder=3,
-                   label=f"{label}: {fmt_bytes(y * _KIB)}, {x:.3g} ms")
-        ax.scatter([x], [peak], marker="x", color="gray", zorder=2)
+    # A recompute inside the noise is a hollow point with its interval as a bar.
+    for pt in _plan_points(report):
+        label = " = ".join(pt.names)
+        bar = [[pt.x - pt.low], [pt.high - pt.x]]
+        drawn = ax.errorbar([pt.x], [pt.y], xerr=bar, fmt="o", markersize=7, capsize=3,
+                            zorder=3, label=f"{label}: {fmt_bytes(pt.y * _KIB)}, {pt.words}")
+        if not pt.measurable:
+            drawn.lines[0].set_markerfacecolor("none")
+        ax.scatter([pt.x], [pt.peak], marker="x", color="gray", zorder=2)
     kind = "measured" if report.measurements else "predicted"
-    ax.set_xlabel(f"recompute time, {kind} (ms)", fontsize=FONT)
+    ax.set_xlabel(f"recompute time, {kind} (ms; bar: interval, hollow: no measurable cost)",
+                  fontsize=FONT)
+    ax.set_xlim(left=0)
     ax.set_ylabel("saved activations (KiB); x = predicted peak", fontsize=FONT)
     ax.tick_params(labelsize=FONT)
     ax.grid(alpha=0.3)
