@@ -265,3 +265,47 @@ def test_symptoms_follow_their_cause_and_rank_after_it() -> None:
     followers = [f for f in loud[1:] if f.evidence.get("follows") == "grads.not_zeroed"]
     assert followers
     assert all("it follows grads.not_zeroed" in f.summary for f in followers)
+
+
+def test_a_loss_spike_between_two_samples_is_found_at_its_step() -> None:
+    """every=10: the spike at step 17 falls between the samples at 10 and 20; the flight
+    recorder holds it, with the loss torch computed there."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(0)
+    losses = []
+    with torchscope.monitor(model, opt, every=10, out=None, memory=False) as mon:
+        for i in range(30):
+            opt.zero_grad()
+            x = torch.randn(32, 8, generator=g) * (100 if i == 17 else 1)
+            loss = nn.functional.cross_entropy(model(x), torch.randint(0, 4, (32,),
+                                                                       generator=g))
+            mon.check_loss(loss)
+            losses.append(float(loss))
+            loss.backward()
+            opt.step()
+    assert mon.result is not None
+    assert 17 not in mon.result.grad_param.steps
+    (spike,) = [f for f in mon.result.findings() if f.code == "run.loss_spike"]
+    assert spike.evidence["step"] == 17 and spike.evidence["kind"] == "loss"
+    assert math.isclose(float(spike.evidence["value"] or 0), losses[17], rel_tol=1e-6)
+    assert float(spike.evidence["median"] or 0) < losses[17] / 2
+    assert spike.evidence["first_step"] == 17 and spike.module in ("0", "2")
+
+
+def test_a_healthy_run_s_loss_has_no_spike() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    with torchscope.monitor(model, opt, every=5, out=None, memory=False) as mon:
+        for _ in range(60):
+            opt.zero_grad()
+            x = torch.randn(8, 8, generator=g)
+            loss = nn.functional.cross_entropy(model(x), torch.randint(0, 4, (8,),
+                                                                       generator=g))
+            mon.check_loss(loss)
+            loss.backward()
+            opt.step()
+    assert mon.result is not None and not mon.result.spikes

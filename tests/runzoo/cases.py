@@ -217,6 +217,7 @@ def plain(build: Callable[[], nn.Module], data: Callable[[], Iterator[Any]],
                 for _ in range(micro):
                     batch = first if repeat else next(batches)
                     value = loss(model, batch)
+                    mon.check_loss(value)  # the loss, for its checks and the recorder
                     (value / micro if divide else value).backward()
                 opt.step()
                 if sched is not None:
@@ -468,6 +469,26 @@ def _dying_bias(step: int, model: nn.Module) -> None:
             model[0].bias.sub_(0.3)
 
 
+class _BadBatchAt:
+    """The loss of a batch whose inputs are 300x too large at step `step` (a corrupt
+    sample): a loss spike between two samples."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.now = step, -1
+
+    def fault(self, i: int, _model: nn.Module) -> None:
+        self.now = i
+
+    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        x, y = batch
+        if self.now == self.step:
+            x = x * 300
+        return nn.functional.cross_entropy(model(x), y)
+
+
+_SPIKE = _BadBatchAt(17)
+
+
 def _frozen_mlp() -> nn.Module:
     m = mlp()
     for p in m[2].parameters():  # frozen by mistake (a leftover of fine-tuning code)
@@ -499,7 +520,8 @@ FAULTED: tuple[Run, ...] = (
                                           warmup=False, every=1),
         (Expect("run.weight_scale", None, 4),),
         allowed=frozenset({"run.activation_drift", "activations.large", "grads.dead",
-                           "activations.constant", "activations.scale_drift"})),
+                           "activations.constant", "activations.scale_drift",
+                           "run.loss_spike"})),
     Run("mlp-eval-left-on", plain(lambda: mlp(dropout=0.2), _vector_batches,
                                   fault=_eval_from(10)),
         (Expect("run.eval_mode", None, 10),)),
@@ -534,6 +556,13 @@ FAULTED: tuple[Run, ...] = (
                                  fault=_dying_bias, every=2),
         (Expect("run.dead_units", "1", 12),),
         allowed=frozenset({"activations.dead_units", "grads.dead", "run.grad_fell"})),
+    Run("mlp-loss-spike-between-samples", plain(mlp, _vector_batches, _sgd, warmup=False,
+                                                fault=_SPIKE.fault, loss=_SPIKE.loss,
+                                                every=10),
+        (Expect("run.loss_spike", "6", 17),),
+        # what a 300x batch's update leaves: units pushed dead, a large step
+        allowed=frozenset({"run.dead_units", "grads.update_ratio", "activations.dead_units",
+                           "grads.dead"})),
     Run("mlp-accumulation-undivided", plain(mlp, _vector_batches, _sgd, warmup=False,
                                             micro=4, divide=False),
         (Expect("run.accumulation_undivided", None),)),

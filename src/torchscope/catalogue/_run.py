@@ -31,7 +31,7 @@ ENTRIES: tuple[Entry, ...] = (
         explains=("grads.nonfinite", "activations.nonfinite", "run.grad_grew",
                   "run.activation_drift", "run.weight_scale", "run.grad_norm_overflow",
                   "grads.exploding", "activations.large", "activations.near_overflow",
-                  "activations.scale_drift", "run.loss_spike"),
+                  "activations.scale_drift"),
     ),
     Entry(
         code="run.grad_norm_overflow",
@@ -103,6 +103,34 @@ ENTRIES: tuple[Entry, ...] = (
                 "update uses 4× the mean gradient (∂loss/∂scores × counted rows reads 1.000)",
     ),
     Entry(
+        code="run.loss_spike",
+        title="A loss spike",
+        subject=Subject.MODEL,
+        levels=WARNING,
+        severity="a warning: a step's loss jumped 2x or more above the recent median (and 8 "
+                 "median absolute deviations), or its largest gradient 10x.",
+        meaning="A loss that jumps far above where it was, often days into a run, is the "
+                "usual start of a divergence; between two samples it would go unseen. The "
+                "layer whose gradient rose first in the steps before it says where the "
+                "instability starts: in transformers, an attention's query/key (attention-"
+                "logit growth) or the output layer (output-logit divergence).",
+        criterion="A flight recorder holds every step's loss (where the model returns it or "
+                  "it is handed to check_loss; else the largest per-parameter gradient "
+                  "magnitude) and per-parameter gradient magnitudes for the last "
+                  "max(16, every + 1) steps on the device, read at each sample. Against "
+                  "the median of the 20 steps before it (at least 5), a loss at 2x and 8 "
+                  "median absolute deviations above it is a spike, its rise starting at the "
+                  "first step at 1.5x; a gradient magnitude at 10x, rising from 3x. The layer "
+                  "that moved first is the one whose gradient passed 3x its own earlier "
+                  "median first. A rise over more than 5 steps is a growth, not a spike; one "
+                  "spike per 20 steps (momentum carries one a few steps).",
+        fix="lower the learning rate or lengthen the warm-up, and clip gradients",
+        literature="Wortsman et al. 2023, Small-scale proxies for large-scale Transformer "
+                   "training instabilities (arXiv 2309.14322)",
+        example="the loss spiked over steps 4–7: 3.9e+05 at step 7, 2e+04× the recent "
+                "median (19.8); the first gradient to rise was blocks.3.attn.q_proj.weight's",
+    ),
+    Entry(
         code="run.grad_fell",
         title="A layer's gradient fell far more than the model's",
         subject=Subject.MODEL,
@@ -163,7 +191,8 @@ ENTRIES: tuple[Entry, ...] = (
                   "the first sample whose median ratio passed 10x.",
         fix="lower the learning rate and warm it up",
         explains=("run.activation_drift", "run.grad_grew", "run.dead_units",
-                  "activations.large", "activations.scale_drift", "grads.update_ratio"),
+                  "activations.large", "activations.scale_drift", "grads.update_ratio",
+                  "run.loss_spike"),
         example="the median layer's weights grew 26× between step 0 and step 150",
     ),
     Entry(

@@ -391,6 +391,10 @@ class GradWatch(HookedContext, Analyzed):
         # The newest sampled update read on the host, with its step (the monitor's update
         # ratios over the run): read at the next sample, when its copy has arrived.
         self.read_update: tuple[int, HostUpdates] | None = None
+        # Called at every step's check with (step, per-gradient magnitudes (n,) on the
+        # device, in the order of the trainable parameters that have one): the monitor's
+        # flight recorder. One device only.
+        self.on_check: Callable[[int, torch.Tensor], None] | None = None
         self._awaiting: GradFlow | None = None
         self.broken_update: BrokenUpdate | None = None
         self.loss_broadcast: LossBroadcast | None = None
@@ -946,13 +950,18 @@ class GradWatch(HookedContext, Analyzed):
             # tensor: the largest cost of a step that is not sampled).
             vector = _kernels.norm_vector(grads)  # (n,) float64, or None
             if vector is not None:
+                if self.on_check is not None and len(by_device) == 1:
+                    self.on_check(self.steps, vector)
                 here = ~torch.isfinite(vector).all()  # () bool
                 bad = here if bad is None else bad | here.to(bad.device, non_blocking=True)
                 continue
             norms = list(torch._foreach_norm(grads, math.inf))  # one 0-d max per gradient
             if len({n.dtype for n in norms}) > 1:
                 norms = [n.float() for n in norms]
-            here = ~torch.isfinite(torch.stack(norms)).all()  # () bool
+            stacked = torch.stack(norms)  # (n,)
+            if self.on_check is not None and len(by_device) == 1:
+                self.on_check(self.steps, stacked)
+            here = ~torch.isfinite(stacked).all()  # () bool
             bad = here if bad is None else bad | here.to(bad.device, non_blocking=True)
         if bad is None:
             return

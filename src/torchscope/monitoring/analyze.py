@@ -57,6 +57,7 @@ _GRAD_GREW = entry("run.grad_grew")
 _GRAD_NORM_OVERFLOW = entry("run.grad_norm_overflow")
 _GRAPH_CUT = entry("run.graph_cut")
 _ACCUMULATION = entry("run.accumulation_undivided")
+_LOSS_SPIKE = entry("run.loss_spike")
 _LOSS_UNSEEN = entry("run.loss_unseen")
 _NONFINITE = entry("run.nonfinite")
 _PADDING_IN_LOSS = entry("run.padding_in_loss")
@@ -1015,6 +1016,57 @@ def _accumulation(record: RunRecord) -> list[Finding]:
                       "if the sum is meant")]
 
 
+# Parameter names of an attention's query/key projections (transformers, timm, torch).
+_QK = ("q_proj", "k_proj", "query", "key", "c_attn", "qkv", "in_proj", "Wqkv", ".q.", ".k.")
+
+
+def _spikes(record: RunRecord) -> list[Finding]:
+    """`run.loss_spike` (warning): a step whose loss (or, where no loss was seen, largest
+    per-parameter gradient magnitude) passed 10x the recent median, from the flight
+    recorder, which holds every step between two samples; with the layer whose gradient
+    rose first in the steps before it and, where that layer says which, the transformer
+    instability it points at (Wortsman et al. 2023)."""
+    heads = set() if record.activations is None else \
+        {r.module for r in record.activations.records if r.model_output}
+    out = []
+    for sp in record.spikes:
+        what = "the loss" if sp.kind == "loss" else \
+            "the largest gradient magnitude (no loss was seen)"
+        rise = f"over steps {sp.start}–{sp.step}" if sp.start < sp.step else \
+            f"at step {sp.step}"
+        summary = (f"{what} spiked {rise}: {sp.value:.3g} at step {sp.step}, "
+                   f"{fmt_times(sp.value / sp.median)} the recent median ({sp.median:.3g})")
+        module = None
+        cause = ""
+        if sp.first_param is not None:
+            module = sp.first_param.rpartition(".")[0]
+            summary += (f"; the first gradient to rise was {sp.first_param}'s, at step "
+                        f"{sp.first_step}"
+                        + (f" ({fmt_times(sp.first_ratio)} its own earlier level at the "
+                           "spike)" if sp.first_ratio else ""))
+            if any(k in sp.first_param for k in _QK):
+                cause = ("; an attention's query/key projection moving first is the "
+                         "signature of attention-logit growth (Wortsman et al. 2023): "
+                         "normalise queries and keys (qk-layernorm), or lower the "
+                         "learning rate")
+            elif module in heads or module.split(".")[-1] in ("lm_head", "classifier",
+                                                               "head"):
+                cause = ("; the output layer moving first is the signature of output-logit "
+                         "divergence (Wortsman et al. 2023): add a z-loss (1e-4 · log²Z) "
+                         "or lower the learning rate")
+        clip = _clip_clause(record)
+        fix = ("look at the steps from the rise on: lower the learning rate or lengthen the "
+               "warm-up" + (clip if clip else ", and clip gradients (clip_grad_norm_)")
+               + "; a spike on one batch only can be a bad sample: check that batch")
+        out.append(_LOSS_SPIKE.finding(
+            Severity.WARNING, summary + cause,
+            {"onset_step": sp.start, "step": sp.step, "value": sp.value,
+             "median": sp.median, "kind": sp.kind, "first_param": sp.first_param,
+             "first_step": sp.first_step, "first_ratio": sp.first_ratio},
+            fix=fix, module=module))
+    return out
+
+
 def _dead_experts(record: RunRecord, t: RunThresholds) -> list[Finding]:
     """Experts of a mixture of experts that no token reached in any sampled step: the
     router never picks them (it collapsed onto the others), and they never learn."""
@@ -1212,6 +1264,7 @@ def _findings(record: RunRecord, t: RunThresholds, run: list[Finding]) -> list[F
         *_activation_drift(record, t), *_dead_growth(record, t),
         *_saturation_growth(record, t), *_weight_scale(record, t), *_eval_mode(record),
         *_same_batch(record, t), *_graph_cut(record), *_accumulation(record),
+        *_spikes(record),
         *_padding_in_loss(record),
         *_unscaled_float16(record), *_compiled(record), *_dead_experts(record, t),
         *_capabilities(record, replaced=bool(run))]

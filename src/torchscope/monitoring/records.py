@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from torchscope.profiling import ProfileResult
 
 __all__ = ["ExpertUse", "HistoryBudget", "LayerSeries", "ModeCounts", "NonFiniteOnset",
-           "RunRecord", "RunStatus", "mode_sensitive"]
+           "RunRecord", "RunStatus", "Spike", "mode_sensitive"]
 
 RunStatus = Literal["completed", "stopped"]
 
@@ -84,6 +84,34 @@ class NonFiniteOnset:
     module: str | None = None
     module_type: str | None = None
     between: str | None = None
+
+
+@dataclass(frozen=True)
+class Spike:
+    """A step whose loss (or, where no loss was seen, largest per-parameter gradient
+    magnitude) jumped far above the recent median, from the monitor's flight recorder.
+
+    Attributes:
+        step: the first step at `SPIKE_RATIO` times the median or more.
+        start: the first step of the rise to it (at 3x the median or more).
+        value: the loss (or gradient magnitude) at `step`.
+        median: the median of the steps before the rise.
+        kind: `loss` or `gradient`: what was measured.
+        first_param: the parameter whose gradient magnitude rose 3x its own earlier
+            median first in the steps up to the spike (None where none did, or too few
+            steps were held).
+        first_step: the step it did so.
+        first_ratio: its magnitude at the spike over its own earlier median.
+    """
+
+    step: int
+    start: int
+    value: float
+    median: float
+    kind: str
+    first_param: str | None = None
+    first_step: int | None = None
+    first_ratio: float | None = None
 
 
 @dataclass(frozen=True)
@@ -269,6 +297,8 @@ class RunRecord(Analyzed):
             where a mean softmax cross-entropy times a factor gives ∂loss/∂z = s (softmax(z)
             - onehot) over its counted rows; spread is 1 for such a loss, and s × rows is
             then the factor (1 for a plain mean, 1/k for a mean divided by k micro-batches).
+        spikes: loss (or gradient) spikes the flight recorder found between and at the
+            samples, at most five, with the layer that moved first before each.
         first_step: the index of the run's first step: 0, or where a framework's run
             resumed from a checkpoint, its global step then. Step indices (samples,
             findings, buckets) count from it; `steps` counts this run's steps only.
@@ -339,6 +369,7 @@ class RunRecord(Analyzed):
     same_inputs: tuple[int, int] = (0, 0)
     padded_labels: tuple[int, int] = (0, 0)
     output_scales: tuple[tuple[float, float], ...] = ()
+    spikes: tuple[Spike, ...] = ()
     clip_setting: str = ""
     first_step: int = 0
     loss_seen: bool = True

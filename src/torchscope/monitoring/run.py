@@ -42,6 +42,7 @@ from torchscope.hooks.session import HookSession
 from torchscope.hooks.tree import iter_tensors
 from torchscope.memory import MemorySample, MemoryWatch
 from torchscope.models.target import ModelInputs
+from torchscope.monitoring.flight import FlightRecorder
 from torchscope.monitoring.history import METRICS, SampleHistory, StepBuckets
 from torchscope.monitoring.records import (
     ExpertUse,
@@ -53,7 +54,7 @@ from torchscope.monitoring.records import (
     mode_sensitive,
 )
 from torchscope.profiling import ProfilingError, TimeWatch
-from torchscope.step import autocast_dtype, inner_optimizer
+from torchscope.step import autocast_dtype, inner_optimizer, own_loss
 
 __all__ = ["Monitor", "monitor"]
 
@@ -152,6 +153,7 @@ class Monitor(HookedContext):
         # Per sampled forward whose output got a gradient: `_softmax_ce_scale`'s (2,) on
         # the device, the newest few (read when the run ends).
         self._scales: collections.deque[torch.Tensor] = collections.deque(maxlen=32)
+        self._flight: FlightRecorder | None = None  # set when open
         # The newest sample's step, and per layer its weight matrices' names and norm, until
         # its update is read (`_fill_update`).
         self._update_of: tuple[int, dict[str, tuple[tuple[str, ...], float | None]]] | None \
@@ -295,6 +297,12 @@ class Monitor(HookedContext):
             parallel=self._parallel, on_backward=self._backward_end,
             first_step=self._first_step)
         self._grads.open()
+        # The flight recorder: every step's loss and gradient magnitudes, in a ring that
+        # holds at least the steps between two samples.
+        self._flight = FlightRecorder(min(max(16, self.every + 1), 1024),
+                                      [n for n, p in model.named_parameters()
+                                       if p.requires_grad])
+        self._grads.on_check = self._flight.on_grads
         # The watches' hooks on submodules, taken off for the steps that are not sampled
         # (`_rest`): only the model's own hooks and the parameters' stay on every step.
         self._resting = [w.session for w in (self._acts, self._mem, self._grads)
@@ -385,7 +393,10 @@ class Monitor(HookedContext):
         Raises:
             TorchscopeError: the monitor is not open.
         """
-        self._open_watch().check_loss(loss)
+        watch = self._open_watch()
+        watch.check_loss(loss)
+        if self._flight is not None:
+            self._flight.on_loss(watch.steps, loss)
 
     def number_from(self, first_step: int) -> None:
         """Number the steps from `first_step` (a framework's global step, restored from a
@@ -530,6 +541,10 @@ class Monitor(HookedContext):
         gradient that reaches it (`_softmax_ce_scale`, on the device; read when the run
         ends), to tell a loss divided by the micro-batches from one that is not."""
         g = self._grads
+        if g is not None and self._flight is not None and torch.is_grad_enabled():
+            loss = own_loss(output)  # a model that returns its own loss
+            if loss is not None:
+                self._flight.on_loss(g.steps, loss)
         if g is None or not g.collecting or not torch.is_grad_enabled() or \
                 torch._C._current_autograd_node() is not None or \
                 type(output) is not torch.Tensor or not output.requires_grad or \
@@ -628,6 +643,8 @@ class Monitor(HookedContext):
         per_layer: dict[str, list[float]] = {}
         order = self._order
         self._fill_update()  # the previous sample's update, read by now
+        if self._flight is not None:
+            self._flight.read()
         matrices = {g.module: g for g in flow.layer_grads()}  # weight matrices only
         self._update_of = (index, {g.module: (g.params, g.weight_norm)
                                    for g in matrices.values()})
@@ -752,6 +769,8 @@ class Monitor(HookedContext):
         self._keep_applied()  # a manual step's comes after its end
         if grads.last is not None:  # reads the last sample's update
             self._fill_update()
+        if self._flight is not None:
+            self._flight.read()
         h = self._history
         rows = h.rows()
         onset = self._forward_onset or (None, None, None, None)
@@ -801,6 +820,7 @@ class Monitor(HookedContext):
             loss_seen=grads.loss_seen or not grads.backwards,
             producer=self._options["producer"],
             resumed_at=self._resumed_at,
+            spikes=() if self._flight is None else tuple(self._flight.spikes),
             modes=self._modes,
             experts=tuple(ExpertUse(m, name, c[0], tuple(c[1:]))
                           for m, (name, c) in self._experts.items()),
