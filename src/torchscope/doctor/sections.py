@@ -352,8 +352,11 @@ class CompileSection(Section[CompileReport]):
         out: dict[str, Metric] = {}
         for m in record.modes:
             if m.speedup is not None:
-                out[f"compile.speedup:{m.mode}"] = Metric(m.speedup, "higher", "x",
-                                                          f"compile speedup ({m.mode})")
+                # With its interval: diff tells no change inside the timing noise.
+                r = m.speedup_ratio
+                out[f"compile.speedup:{m.mode}"] = Metric(
+                    m.speedup, "higher", "x", f"compile speedup ({m.mode})",
+                    None if r is None else r.low, None if r is None else r.high)
             if m.cold_compile_s is not None:
                 out[f"compile.cold_s:{m.mode}"] = Metric(m.cold_compile_s, "lower", "s",
                                                          f"cold compile time ({m.mode})")
