@@ -38,7 +38,7 @@ faults after each step's frees otherwise swing single rounds by several percent)
 
 Run: PYTHONPATH=src python benchmarks/watch_overhead.py [--repeats 9] [--threads 2]
      [--batch 16] [--size 64] [--models resnet-mini,resnet-deep,resnet-narrow,llama-tiny]
-     [--device cuda]
+     [--device cuda] [--kernel-wait SECONDS]
      [--cold-build]
 """
 
@@ -163,7 +163,8 @@ def _model_names(ap: argparse.ArgumentParser, args: argparse.Namespace) -> list[
     return names
 
 
-def _kernel_lines(cold_build: bool, device: torch.device) -> list[str]:
+def _kernel_lines(cold_build: bool, device: torch.device, kernel_wait: float | None = None
+                  ) -> list[str]:
     lines = []
     if cold_build:
         with tempfile.TemporaryDirectory(prefix="torchscope-bench-") as tmp:
@@ -182,7 +183,7 @@ def _kernel_lines(cold_build: bool, device: torch.device) -> list[str]:
                 lines.append(f"cold build of `{program}` by AOTInductor (float32, {device}): "
                              + (f"{took:.1f} s in a child process" if error is None else error))
     for program in _kernels.PROGRAMS:
-        _kernels.prepare(program, torch.float32, device, wait=None)
+        _kernels.prepare(program, torch.float32, device, wait=kernel_wait)
     kernels = _kernels.kernel_status()
     for k in kernels:
         how = (f"built here in {k.build_s:.1f} s, " if k.build_s is not None else
@@ -338,19 +339,32 @@ def _forward_rows(name: str, build: Callable[[], nn.Module], args: argparse.Name
         runs["forward: torchlens.record (modules)"] = record
         notes.append(f"TorchLens {getattr(torchlens, '__version__', '?')}: times include "
                      "wrapping torch's functions on each call (unwrapped after each)")
+    if device.type == "cuda":  # the forward's queued kernels inside each timing
+        runs = {k: _synced(fn) for k, fn in runs.items()}
     return interleaved_paired(runs, repeats=max(args.repeats // 2, 1), warmup=1), notes
+
+
+def _synced(fn: Callable[[], object]) -> Callable[[], None]:
+    def run() -> None:
+        fn()
+        torch.cuda.synchronize()
+
+    return run
 
 
 def main() -> None:
     ap = _parser(__doc__, ",".join(MODELS))
     ap.add_argument("--cold-build", action="store_true",
                     help="also time a cold build of each kernel into a temporary cache")
+    ap.add_argument("--kernel-wait", type=float, default=None,
+                    help="seconds to wait for the fused kernels to be built (default: as long "
+                    "as it takes); the fused rows run eager where one is not ready by then")
     args = ap.parse_args()
     names = _model_names(ap, args)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
 
-    notes = [heap_line(args), *_kernel_lines(args.cold_build, device)]
+    notes = [heap_line(args), *_kernel_lines(args.cold_build, device, args.kernel_wait)]
     table: list[tuple[str, str, _Timed, tuple[float, ...]]] = []
     for name in names:
         for rows, more in (_training_rows(name, MODELS[name], args, device),

@@ -186,16 +186,18 @@ def stop(proc: subprocess.Popen[Any], grace: float | None = None) -> None:
 
 
 def run(cmd: Sequence[str], *, timeout: float, grace: float | None = None,
-        env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """`subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)` through
-    `spawn`: on a timeout, an exception or a signal, the child's whole group is stopped
-    (`stop` with `grace`), not only the child.
+        env: dict[str, str] | None = None, cwd: str | os.PathLike[str] | None = None
+        ) -> subprocess.CompletedProcess[str]:
+    """`subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
+    cwd=cwd)` through `spawn`: on a timeout, an exception or a signal, the child's whole
+    group is stopped (`stop` with `grace`), not only the child.
 
     Raises:
         subprocess.TimeoutExpired: it ran past `timeout` (and was stopped).
         ChildProcessError: see `spawn`.
     """
-    proc = spawn(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = spawn(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                 cwd=cwd)
     try:
         out, err = proc.communicate(timeout=timeout)
     except BaseException:
