@@ -335,9 +335,21 @@ def norms(xs: list[torch.Tensor]) -> list[torch.Tensor] | None:
     return None if out is None else list(out.unbind())
 
 
-def norm_vector(xs: list[torch.Tensor]) -> torch.Tensor | None:
+def norm_vector(xs: list[torch.Tensor], *, known_fit: bool = False) -> torch.Tensor | None:
     """`norms` as one (n,) float64 tensor (no list of 0-d views: for a reduction of all
-    of them, such as a finiteness check at every step). None as for `copy_norms`."""
+    of them, such as a finiteness check at every step). None as for `copy_norms`.
+
+    `known_fit`: the caller got a result for the same tensors' predecessors (the same
+    parameters' gradients at an earlier step); only what a tensor's own attributes tell
+    is checked again (float32, CPU, contiguous), with the dispatch state."""
+    if known_fit:
+        if not _Switch.enabled or _Native.ops is None or not xs or \
+                _unfit_now(xs[0]) is not None or \
+                not all(x.dtype == torch.float32 and x.is_cpu and x.is_contiguous()
+                        and type(x) is torch.Tensor for x in xs):
+            return None
+        fast: torch.Tensor = _native_op("norms")(xs)  # (n,) float64
+        return fast
     if not _native_list(xs):
         return None
     out: torch.Tensor = _native_op("norms")(xs)  # (n,) float64

@@ -93,3 +93,31 @@ def test_a_monitor_closed_between_samples_leaves_the_users_hooks_alone() -> None
     assert _submodule_hooks(model) == 1 and not model[0]._forward_pre_hooks
     kept.remove()
     assert audit_hooks(model, include_global=False).local_total == 0
+
+
+def test_the_every_step_check_finds_the_first_nonfinite_element_on_unsampled_steps() -> None:
+    """The check at every step (one native norms call over a CPU model's gradients, where
+    the library is loaded): a finite gradient of 6e31 per element is no NaN/Inf (a float32
+    sum of its squares would overflow), a NaN element at unsampled step 7 is found there."""
+    from torchscope import _kernels
+
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(4, 8)
+    with torchscope.monitor(model, opt, every=5, out=None, activations=False,
+                            memory=False) as mon:
+        for step in range(10):
+            opt.zero_grad()
+            model(x).sum().backward()
+            if step in (2, 3):
+                model[2].weight.grad.fill_(6e31)  # finite, beyond float32's squares
+            if step == 7:
+                model[0].bias.grad[3] = float("nan")
+            opt.step()
+        grads = [p.grad for p in model.parameters()]
+    assert mon.grads is not None
+    # Steps 7, 8 and 9: the NaN's update made the weights NaN.
+    assert mon.grads.first_nonfinite_step == 7 and mon.grads.nonfinite_steps == 3
+    loaded = _kernels.norm_vector(grads)  # the native path ran when this is not None
+    if loaded is not None:
+        assert not bool(torch.isfinite(loaded).all())  # the NaN is in it

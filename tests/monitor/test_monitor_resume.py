@@ -105,10 +105,9 @@ def test_a_report_the_run_does_not_continue_is_replaced_with_a_warning(
     # A new run from step 0, or a resume of another model, into the same folder.
     model = nn.Sequential(nn.Linear(8, 4), nn.ReLU(), nn.Linear(4, 2)) if other else _net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.warns(UserWarning) as seen:
-        with torchscope.monitor(model, opt, every=2, out=out,
-                                first_step=4 if other else 0) as mon:
-            _train(model, opt, range(4, 8) if other else range(4))
+    mon = torchscope.monitor(model, opt, every=2, out=out, first_step=4 if other else 0)
+    with pytest.warns(UserWarning) as seen, mon:
+        _train(model, opt, range(4, 8) if other else range(4))
     (line,) = _ours(list(seen))
     assert "replaces" in line and "first_step=" in line
     assert ("another model" in line) == other

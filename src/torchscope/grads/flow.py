@@ -377,6 +377,7 @@ class GradWatch(HookedContext, Analyzed):
         self._evidence: list[_Evidence | None] = []
         self._check_nonfinite = check_nonfinite
         self._nonfinite: tuple[torch.Tensor, torch.Tensor] | None = None  # (first step, count)
+        self._native_fit = 0  # gradients the native norms took at the last check (`_check_step`)
         self._scaler_states: Any = None
         self._stepped = False  # the optimizer stepped since the scaler's last update()
         self._closure_pending = False
@@ -948,7 +949,9 @@ class GradWatch(HookedContext, Analyzed):
             # On the CPU, one native call over the list: L2 norms summed in float64, which
             # no float32 element can overflow (`_foreach_norm` there runs one norm per
             # tensor: the largest cost of a step that is not sampled).
-            vector = _kernels.norm_vector(grads)  # (n,) float64, or None
+            fit = self._native_fit == len(grads)  # these parameters' gradients passed
+            vector = _kernels.norm_vector(grads, known_fit=fit)  # (n,) float64, or None
+            self._native_fit = len(grads) if vector is not None else 0
             if vector is not None:
                 if self.on_check is not None and len(by_device) == 1:
                     self.on_check(self.steps, vector)
