@@ -91,7 +91,8 @@ def ran_eagerly(code: str | Entry, parts: tuple[str, ...], what: str, *, also: s
     Empty when nothing was compiled.
 
     Args:
-        code: the finding's code (`grads.compiled_eager`, ...).
+        code: the finding's catalogue entry, or its declared code (`grads.compiled_eager`,
+            ...).
         parts: qualified names of the compiled modules (`CompiledCheck.compiled`).
         what: what held the hooks, as the sentence names it ("the gradient watch").
         also: a clause to add (what else was eager).
@@ -120,7 +121,8 @@ def unseen_forward(code: str | Entry, summary: str, evidence: dict[str, int | No
     graph without the hooks added later, and an empty record reads as a healthy one.
 
     Args:
-        code: the finding's code (`grads.unseen_forward`, ...).
+        code: the finding's catalogue entry, or its declared code (`grads.unseen_forward`,
+            ...).
         summary: what the watch saw, in one sentence.
         evidence: the finding's evidence.
     """
