@@ -32,8 +32,8 @@ from torchscope.lint import LintResult
 from torchscope.memory import CheckpointPlan, MemoryReport, PlanReport
 from torchscope.profiling import ProfileResult
 from torchscope.report.charts import DEEP_ROWS, block_groups, block_label
-from torchscope.report.document import SCHEMA_VERSION, Report, SectionOutcome, build_document
 from torchscope.report.compile import speed_label
+from torchscope.report.document import SCHEMA_VERSION, Report, SectionOutcome, build_document
 from torchscope.report.findings import evidence_text
 from torchscope.report.memory import fmt_recompute, recompute_cost
 from torchscope.report.profiling import timing_line
