@@ -1,25 +1,38 @@
-"""What torchscope's communication costs per sampled step on 2 ranks (gloo, CPU).
+"""What torchscope's gradient watch costs per sampled step on 2 ranks (gloo, CPU).
 
-Spawns 2 ranks that meet through a FileStore. On each, side by side and interleaved step by
-step, a bare training step of a DDP (or FSDP2) model against the same step of a twin model
-under `watch_gradients(every=1)`, whose every sampled step reads the synchronised gradients
-and exchanges every rank's norms in one all_gather. Then it times `flow.gather()` alone: the
-one gather that joins every rank's `GradFlow` on rank 0 (at the end of a watch block).
+Spawns 2 ranks that meet through a FileStore. On each, interleaved round by round (each
+round's order rotated), a bare training step of a DDP (or FSDP2) model against the same
+step of a twin model under `watch_gradients(every=1)`, whose every sampled step reads the
+synchronised gradients and exchanges every rank's norms in one all_gather (started at the
+step, waited for when the step's records are built, a step later); and the same pair on
+this rank's model alone (no wrapper, no exchange), which tells the watch's own cost from
+the ranks' share. Both ranks run the same rounds in the same order, so their collectives
+line up. Then it times `flow.gather()` alone: the one gather that joins every rank's
+`GradFlow` on rank 0 (at the end of a watch block).
 
-Rank 0 prints the median step of each, the overhead per sampled step (ms and ratio), and the
-gather's median. Timings are noisy on a shared machine; the README's figures come from a
-quiet one.
+Rank 0 prints the median step of each, its ratio to the bare DDP step in the same round
+(the median of those paired ratios, with its 95 % interval), the watch's cost per sampled
+step with and without ranks, and the gather's median. Timings are noisy on a shared machine; the
+README's figures come from a quiet one.
 
-    python benchmarks/gather_overhead.py [--steps 20] [--strategy ddp|fsdp2] [--model tiny-cnn]
+    python benchmarks/gather_overhead.py [--steps 30] [--strategy ddp|fsdp2]
+        [--model llama|tiny-cnn|...]
+
+`llama` is a small `transformers` Llama (6 layers of width 128, 4 heads, 16 tokens of a
+128-word vocabulary per row, 4 rows per rank); any other name is a built-in model with its
+example inputs.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import os
 import statistics
+import sys
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -28,7 +41,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from torchscope.grads import gradient_flow, watch_gradients
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _timing import interleaved_paired
+
+from torchscope.grads import watch_gradients
 from torchscope.models import load_target
 
 
@@ -44,38 +61,69 @@ def _wrap(model: nn.Module, strategy: str) -> nn.Module:
     return model
 
 
+def _llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256,
+                                        num_hidden_layers=6, num_attention_heads=4,
+                                        num_key_value_heads=2, max_position_embeddings=32))
+
+
+def _task(name: str, rank: int, world: int
+          ) -> tuple[nn.Module, Callable[[nn.Module], torch.Tensor], torch.Tensor]:
+    """The model, its loss on this rank's rows, and those rows."""
+    g = torch.Generator().manual_seed(rank)
+    if name == "llama":
+        ids = torch.randint(0, 128, (4, 16), generator=g)  # (rows, tokens)
+
+        def lm_loss(m: nn.Module) -> torch.Tensor:
+            logits = m(input_ids=ids).logits  # (rows, tokens, vocab)
+            return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 128),
+                                               ids[:, 1:].reshape(-1))
+
+        return _llama(), lm_loss, ids
+    loaded = load_target(name)
+    assert loaded.inputs is not None
+    x = loaded.inputs.args[0][rank::world]
+    out = loaded.model(loaded.inputs.args[0][:1])
+    y = torch.randint(0, out.shape[-1], (x.shape[0],), generator=g)
+
+    def ce_loss(m: nn.Module) -> torch.Tensor:
+        return nn.functional.cross_entropy(m(x), y)
+
+    return loaded.model, ce_loss, x
+
+
 def _rank(rank: int, world: int, store: str, args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=120))
+                            world_size=world, timeout=timedelta(seconds=300))
     try:
-        loaded = load_target(args.model)
-        assert loaded.inputs is not None
-        x = loaded.inputs.args[0][rank::world]
-        g = torch.Generator().manual_seed(rank)
-        out = loaded.model(loaded.inputs.args[0][:1])
-        y = torch.randint(0, out.shape[-1], (x.shape[0],), generator=g)
-        bare = _wrap(copy.deepcopy(loaded.model), args.strategy)
-        watched = _wrap(copy.deepcopy(loaded.model), args.strategy)
-        opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3)
-                for k, m in (("bare", bare), ("watched", watched))}
+        model, loss_of, rows = _task(args.model, rank, world)
+        bare = _wrap(copy.deepcopy(model), args.strategy)
+        watched = _wrap(copy.deepcopy(model), args.strategy)
+        # The same model on this rank alone (no wrapper, no collective): what the watch
+        # costs without any exchange between ranks.
+        alone, alone_watched = copy.deepcopy(model), copy.deepcopy(model)
+        models = {"bare": bare, "watched": watched, "alone": alone,
+                  "alone_watched": alone_watched}
+        opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in models.items()}
 
-        def step(model: nn.Module, opt: torch.optim.Optimizer) -> float:
-            t0 = time.perf_counter()
-            opt.zero_grad(set_to_none=True)
-            nn.functional.cross_entropy(model(x), y).backward()
-            opt.step()
-            return time.perf_counter() - t0
+        def step(name: str) -> Callable[[], None]:
+            def run() -> None:
+                opts[name].zero_grad(set_to_none=True)
+                loss_of(models[name]).backward()
+                opts[name].step()
+            return run
 
-        times: dict[str, list[float]] = {"bare": [], "watched": []}
-        with watch_gradients(watched, every=1, optimizer=opts["watched"]) as watch:
-            for i in range(args.steps + 2):  # two warm-up steps each
-                for name, model in (("bare", bare), ("watched", watched)):
-                    dt = step(model, opts[name])
-                    if i >= 2:
-                        times[name].append(dt)
-        assert watch.samples == args.steps + 2
-        flow = gradient_flow(watched, x, loss_fn="cross_entropy", target=y)
+        with watch_gradients(watched, every=1, optimizer=opts["watched"]) as watch, \
+                watch_gradients(alone_watched, every=1, optimizer=opts["alone_watched"]):
+            timed = interleaved_paired({name: step(name) for name in models},
+                                       repeats=args.steps, warmup=3)
+        assert watch.samples == args.steps + 3
+        flow = watch.last
+        assert flow is not None
         gathers = []
         for _ in range(args.steps):
             dist.barrier()
@@ -83,24 +131,38 @@ def _rank(rank: int, world: int, store: str, args: argparse.Namespace) -> None:
             flow.gather()
             gathers.append(time.perf_counter() - t0)
         if rank == 0:
-            b, w = statistics.median(times["bare"]), statistics.median(times["watched"])
+            ms = {k: v[0][0] * 1e3 for k, v in timed.items()}
             print(f"{args.model}, {args.strategy} on {world} ranks (gloo, 1 thread each), "
-                  f"{x.shape[0]} rows per rank, {args.steps} interleaved steps")
-            print(f"  bare step                    {b * 1e3:8.2f} ms")
-            print(f"  watch_gradients(every=1)     {w * 1e3:8.2f} ms   {w / b:6.3f}x")
-            print(f"  overhead per sampled step    {(w - b) * 1e3:8.2f} ms (hooks, norms, "
-                  "the synchronised read and one all_gather)")
-            print(f"  flow.gather() to rank 0      {statistics.median(gathers) * 1e3:8.2f} ms "
-                  "(once, at the end of a watch block)")
+                  f"{rows.shape[0]} rows per rank, {args.steps} interleaved rounds; ratios "
+                  "are medians of each round's step over the bare one's, with 95% intervals")
+            for name, label in (("bare", f"bare {args.strategy} step"),
+                                ("watched", "  under watch_gradients(every=1)"),
+                                ("alone", "bare step, this rank alone"),
+                                ("alone_watched", "  under watch_gradients(every=1)")):
+                r = timed[name][1]
+                print(f"  {label:34s} {ms[name]:8.2f} ms   {r.median:.3f}x "
+                      f"({r.low:.3f}-{r.high:.3f}x of the bare {args.strategy} step)")
+            extra = (ms["watched"] - ms["bare"]) - (ms["alone_watched"] - ms["alone"])
+            print(f"  watch per sampled step, {args.strategy}  "
+                  f"{ms['watched'] - ms['bare']:8.2f} ms; alone "
+                  f"{ms['alone_watched'] - ms['alone']:.2f} ms; the ranks' share "
+                  f"{extra:.2f} ms (the synchronised read and the exchange)")
+            print(f"  flow.gather() to rank 0            {statistics.median(gathers) * 1e3:8.2f}"
+                  " ms (once, at the end of a watch block)")
     finally:
         dist.destroy_process_group()
+    # Skip interpreter teardown, where torch can abort a rank that did all its work (a gloo
+    # worker thread releasing a finished collective while Python shuts down).
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=20, help="timed steps per mode")
+    ap.add_argument("--steps", type=int, default=30, help="interleaved rounds")
     ap.add_argument("--strategy", choices=("ddp", "fsdp2"), default="ddp")
-    ap.add_argument("--model", default="tiny-cnn", help="a built-in model with example inputs")
+    ap.add_argument("--model", default="llama",
+                    help="llama (a small transformers Llama) or a built-in model")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_rank, args=(2, str(Path(tmp, "store")), args), nprocs=2)

@@ -27,7 +27,9 @@ ENTRIES: tuple[Entry, ...] = (
                   "values differ between ranks by more than 1e-6 (relative), or that has a "
                   "gradient on some ranks only, is diverged. Under DDP each rank's weight "
                   "norms, in the same exchange and read before a watched loop's update, "
-                  "must agree within 1e-9 (relative: replicas are bitwise equal): a "
+                  "must agree within 1e-6 (relative; the replicas are bitwise equal, but "
+                  "two ranks may read norms with kernels that differ at float32's "
+                  "rounding): a "
                   "gradient changed on one rank after the all-reduce shows at the next "
                   "sampled step, once the optimizer has stepped on it.",
         fix="make every parameter that requires grad take part in every step's loss on "

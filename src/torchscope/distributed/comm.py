@@ -29,6 +29,7 @@ __all__ = [
     "TIMEOUT_ENV",
     "DistributedError",
     "all_gather_tensor",
+    "all_gather_tensor_later",
     "all_reduce_sum",
     "comm_device",
     "gather_objects",
@@ -84,12 +85,19 @@ def comm_device(group: Any = None) -> torch.device:
     return torch.device("cpu")
 
 
-# The tensors of torchscope's last collective, kept referenced from Python until the next
-# one. Gloo's worker thread drops its hold on a finished collective's tensors after the
-# caller has been told it is done; if Python had already dropped them by then, that thread
+# The tensors of torchscope's last collectives, kept referenced from Python for a while.
+# Gloo's worker thread drops its hold on a finished collective's tensors after the caller
+# has been told it is done; if Python had already dropped them by then, that thread
 # must take the GIL to free them, and it deadlocks against `destroy_process_group` (which
 # joins that thread while holding the GIL). Kept here, Python frees them, on its own thread.
 _KEEP: list[torch.Tensor] = []
+
+
+def _hold(tensors: list[torch.Tensor]) -> None:
+    """Keep `tensors` referenced, with those of the last few collectives before them (a
+    collective waited for a step late finishes after others that started after it)."""
+    _KEEP.extend(tensors)
+    del _KEEP[:-8]
 
 
 #: The profiler range every torchscope collective is issued in: a profile of the user's
@@ -104,7 +112,7 @@ def _run(start: Callable[[], Any], tensors: list[torch.Tensor], what: str,
     with record_function(RANGE):
         work = start()
     _wait(work, what, seconds)
-    _KEEP[:] = tensors
+    _hold(tensors)
 
 
 def _wait(work: Any, what: str, seconds: float | None) -> None:
@@ -158,6 +166,20 @@ def all_gather_tensor(t: torch.Tensor, *, group: Any = None,
         DistributedError: a rank did not join within the timeout (`timeout` seconds, default
             `timeout_s()`).
     """
+    return all_gather_tensor_later(t, group=group, timeout=timeout, what=what)()
+
+
+def all_gather_tensor_later(t: torch.Tensor, *, group: Any = None,
+                            timeout: float | None = None, what: str = "all_gather"
+                            ) -> Callable[[], torch.Tensor]:
+    """`all_gather_tensor`, started now and waited for when the returned function is called
+    (once; later calls give the same tensor). Every rank must start it in the same order as
+    its other collectives; the wait may come later, e.g. a step later, when the ranks have
+    long finished it: the loop does not stop at a collective of torchscope's own.
+
+    Raises (from the returned function):
+        DistributedError: a rank did not join within the timeout, counted from the wait.
+    """
     import torch.distributed as dist
 
     n = dist.get_world_size(group)
@@ -166,8 +188,18 @@ def all_gather_tensor(t: torch.Tensor, *, group: Any = None,
     flat = t.contiguous().view(-1)
     # torch 2.13 renamed all_gather_into_tensor (kept, deprecated) to all_gather_single.
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    _run(lambda: gather(out, flat, group=group, async_op=True), [out, flat], what, timeout)
-    return out.view(n, *t.shape)
+    with record_function(RANGE):
+        work = gather(out, flat, group=group, async_op=True)
+    waited: list[torch.Tensor] = []
+
+    def wait() -> torch.Tensor:
+        if not waited:
+            _wait(work, what, timeout)
+            _hold([out, flat])
+            waited.append(out.view(n, *t.shape))
+        return waited[0]
+
+    return wait
 
 
 def gather_objects(obj: Any, *, dst: int = 0, timeout: float | None = None,

@@ -68,7 +68,11 @@ import torch
 from torch import nn
 
 from torchscope import _kernels
-from torchscope.distributed.comm import all_gather_tensor, comm_device
+from torchscope.distributed.comm import (
+    all_gather_tensor,
+    all_gather_tensor_later,
+    comm_device,
+)
 from torchscope.distributed.world import (
     fsdp1_module,
     is_dtensor,
@@ -696,8 +700,9 @@ class _RankAware:
                inv: float, read: tuple[list[torch.Tensor | None],
                                        list[torch.Tensor | None]] | None = None,
                applied: dict[int, torch.Tensor] | None = None
-               ) -> tuple[RankGrads, float | None]:
-        """Exchange every rank's numbers (one all_gather) and return them; `local` holds
+               ) -> Callable[[], tuple[RankGrads, float | None]]:
+        """Exchange every rank's numbers (one all_gather, started now) and return a function
+        that waits for it and joins them; `local` holds
         this rank's 0-d local gradient norms (None: no gradient), `weights` its 0-d local
         weight norms (of its shard, under FSDP2), and `read` the synchronised gradients'
         norms and sums as `read_synced` took them at the end of backward (None: read now).
@@ -729,39 +734,51 @@ class _RankAware:
             parts.extend(got[i].to(device, torch.float64) if i in got else zero
                          for i in range(n))
             parts.append(one if applied is not None else zero)
-        rows = all_gather_tensor(torch.stack(parts), group=self.group,
-                                 what="the gradient-norm exchange").cpu().tolist()  # (ranks, 6n)
+        # Started now, waited for when the step's records are built (a step later in a
+        # watched loop, where the ranks have long finished it).
+        rows_later = all_gather_tensor_later(torch.stack(parts), group=self.group,
+                                             what="the gradient-norm exchange")
+        rank = dist.get_rank()
 
-        def block(k: int, scale: float) -> tuple[tuple[float | None, ...], ...]:
-            # A weight norm is there whenever the parameter is: flag it with the gradient's.
-            flag = 4 + (k if k < 2 else 1 if k == 2 else 0)
-            return tuple(tuple(row[k * n + i] * scale if row[flag * n + i] else None
-                               for i in range(n)) for row in rows)
+        def join() -> tuple[RankGrads, float | None]:
+            rows = rows_later().cpu().tolist()  # (ranks, 6n)
 
-        row_of = self._row_of()
-        shard_rows = tuple(tuple(row_of[r] for r in s if r in row_of) for s in self.shards)
-        total: float | None = None
-        if sharded and applied is not None and all(row[7 * n] for row in rows):
-            me = rows[row_of[dist.get_rank()]]
+            def block(k: int, scale: float) -> tuple[tuple[float | None, ...], ...]:
+                # A weight norm is there whenever the parameter is: flag it with the
+                # gradient's.
+                flag = 4 + (k if k < 2 else 1 if k == 2 else 0)
+                return tuple(tuple(row[k * n + i] * scale if row[flag * n + i] else None
+                                   for i in range(n)) for row in rows)
 
-            def joined(at: int, flags: int | None = None) -> float:
-                # A sharded parameter's squared norm sums over its shard group only (HSDP's
-                # replicas hold the same shards); one held whole is this rank's.
-                return math.sqrt(sum(
-                    sum(rows[r][at + i] ** 2 for r in shard if flags is None or
-                        rows[r][flags + i]) if shard else me[at + i] ** 2
-                    for i, shard in enumerate(shard_rows)))
+            row_of = self._row_of()
+            shard_rows = tuple(tuple(row_of[r] for r in s if r in row_of)
+                               for s in self.shards)
+            total: float | None = None
+            if sharded and applied is not None and all(row[7 * n] for row in rows):
+                me = rows[row_of[rank]]
 
-            used, backward = joined(6 * n), joined(0, 4 * n)
-            # Unchanged gradients read the same (the same kernel on the same shards); an
-            # unscale_ alone divides them by the scale. Either is no change by the loop.
-            if all(abs(used - b) > 1e-6 * max(used, b) for b in (backward, backward * inv)):
-                total = used
-        return RankGrads(
-            strategy=self.strategy, rank=dist.get_rank(), ranks=self.ranks, names=tuple(names),
-            local=block(0, inv), synced=block(1, inv), fingerprints=block(2, inv),
-            weights=tuple(tuple(row[3 * n + i] for i in range(n)) for row in rows),
-            shard_rows=shard_rows), total
+                def joined(at: int, flags: int | None = None) -> float:
+                    # A sharded parameter's squared norm sums over its shard group only
+                    # (HSDP's replicas hold the same shards); one held whole is this rank's.
+                    return math.sqrt(sum(
+                        sum(rows[r][at + i] ** 2 for r in shard if flags is None or
+                            rows[r][flags + i]) if shard else me[at + i] ** 2
+                        for i, shard in enumerate(shard_rows)))
+
+                used, backward = joined(6 * n), joined(0, 4 * n)
+                # Unchanged gradients read the same (the same kernel on the same shards);
+                # an unscale_ alone divides them by the scale. Neither is a change by the
+                # loop.
+                if all(abs(used - b) > 1e-6 * max(used, b)
+                       for b in (backward, backward * inv)):
+                    total = used
+            return RankGrads(
+                strategy=self.strategy, rank=rank, ranks=self.ranks, names=tuple(names),
+                local=block(0, inv), synced=block(1, inv), fingerprints=block(2, inv),
+                weights=tuple(tuple(row[3 * n + i] for i in range(n)) for row in rows),
+                shard_rows=shard_rows), total
+
+        return join
 
     def _row_of(self) -> dict[int, int]:
         """Global rank -> its row in an exchange over `group`."""
@@ -1647,7 +1664,9 @@ class GradCollector(HookedContext):
         collector starts a new step, and the returned function builds the `GradFlow`,
         waiting for that copy only then. Call it a step later and the copy has long
         arrived: the training loop never waits for the device on torchscope's account.
-        (Under DDP or FSDP2 the ranks' exchange is a collective, read at once.)
+        (The ranks' exchange is a collective, started at once on every rank: under DDP
+        waited for when the records are built, so that a loop does not stop at it; under
+        FSDP2 at once, for the update's own exchange that follows.)
 
         Args:
             index: the step's index, as `GradFlow.index`.
@@ -1697,9 +1716,13 @@ class GradCollector(HookedContext):
         applied: float | None = None
         scale_at: int | None = None
         scale: float | None = None
-        if self._rank_aware is not None:  # a collective: every rank reads it now
+        exchange = None
+        if self._rank_aware is not None:  # a collective: every rank starts it now
             scale = self._scale()
-            ranks, applied = self._exchange(1.0 / scale if scale else 1.0, weights)
+            exchange = self._exchange(1.0 / scale if scale else 1.0, weights)
+            if self._rank_aware.strategy != "ddp":  # FSDP2: joined at once
+                ranks, applied = exchange()
+                exchange = None
         else:
             scale_t = self._scale_tensor()
             if scale_t is not None:  # read with the norms, not by its own `.item()`
@@ -1722,7 +1745,9 @@ class GradCollector(HookedContext):
 
         def build() -> GradFlow:
             host = values()
-            nonlocal scale
+            nonlocal scale, ranks, applied
+            if exchange is not None:  # DDP: waited for only now, a step later in a loop
+                ranks, applied = exchange()
             if scale_at is not None:
                 scale = host[scale_at]
             inv = 1.0 / scale if scale else 1.0
@@ -1806,17 +1831,18 @@ class GradCollector(HookedContext):
         self._micro = len(kept) - 1
 
     def _exchange(self, inv: float, weights: dict[int, int]
-                  ) -> tuple[RankGrads | None, float | None]:
-        """Every rank's per-parameter norms of this step (DDP, FSDP2), and under FSDP2 the
-        total norm the update used when the loop changed the gradients (`note_applied`);
-        (None, None) on one process.
+                  ) -> Callable[[], tuple[RankGrads | None, float | None]]:
+        """Start the exchange of every rank's per-parameter norms of this step (DDP, FSDP2);
+        the function returned waits for it and gives them, and under FSDP2 the total norm
+        the update used when the loop changed the gradients (`note_applied`); (None, None)
+        on one process.
 
         Args:
             inv: one over the GradScaler's scale.
             weights: parameter index -> index in `_vals` of its (local) weight norm.
         """
         if self._rank_aware is None:
-            return None, None
+            return lambda: (None, None)
         local = [self._vals[self._param_vals[i]] if i in self._param_vals else None
                  for i in range(len(self._params))]
         w = [self._vals[weights[i]] if i in weights else None for i in range(len(self._params))]
