@@ -145,6 +145,11 @@ def recompute_cost(plan: CheckpointPlan, m: PlanMeasurement | None
     return ms, m.recompute_low_ms, m.recompute_high_ms
 
 
+def _ms(x: float) -> str:
+    """`4.28`, `501`, `1,816`: three significant digits, whole milliseconds from 1,000."""
+    return f"{x:,.0f}" if x >= 1000 else f"{x:.3g}"
+
+
 def fmt_recompute(plan: CheckpointPlan, m: PlanMeasurement | None) -> str:
     """`4.28 ms (2.10–6.40)`, `no measurable cost (0–10.0 ms)` (or, measured faster with
     the plan, `no measurable cost (0.91–0.95× the step time)`), or `3.100 ms (predicted)`."""
@@ -155,10 +160,10 @@ def fmt_recompute(plan: CheckpointPlan, m: PlanMeasurement | None) -> str:
         r = m.slowdown if m is not None else None
         if high <= 0 and r is not None:  # measured faster with it: noise, and no cost
             return f"no measurable cost ({r.low:.2f}–{r.high:.2f}× the step time)"
-        return f"no measurable cost ({low:.3g}–{high:.3g} ms)"
+        return f"no measurable cost (0–{_ms(high)} ms)"
     if m is not None and m.slowdown is None:
-        return f"{ms:.3g} ms"
-    return f"{ms:.3g} ms ({low:.3g}–{high:.3g})"
+        return f"{_ms(ms)} ms"
+    return f"{_ms(ms)} ms ({_ms(low)}–{_ms(high)})"
 
 
 def plans_table(report: PlanReport, chosen: str | None = None,
