@@ -309,3 +309,29 @@ def test_a_healthy_run_s_loss_has_no_spike() -> None:
             loss.backward()
             opt.step()
     assert mon.result is not None and not mon.result.spikes
+
+
+def test_mobilevit_s_falling_bias_and_norm_gradients_are_no_stopped_layer() -> None:
+    """transformers' MobileViT under AdamW: gradients of biases and norm gains fall 80x to
+    5e4x while the weight matrices' do not (once four 'stops learning' warnings, read from
+    a bias's 40.7 -> 0.46). Judged by weight matrices and their update, no layer stops."""
+    from tests.runzoo.cases import _image_batches, mobilevit, plain
+
+    record = plain(mobilevit, lambda: _image_batches(64, key="pixel_values"), steps=24)()
+    assert record.grad_weight.layers and record.update.layers
+    fell = [f for f in record.findings() if f.code == "run.grad_fell"]
+    assert not [f for f in fell if f.severity >= Severity.WARNING], [f.summary for f in fell]
+
+
+def test_whisper_s_query_and_key_falling_under_adamw_still_learn() -> None:
+    """Whisper's decoder query/key gradients fall far under AdamW while their update ratio
+    stays near the model's median: no 'stops learning' warning."""
+    from tests.runzoo.cases import _speech_batches, plain, whisper
+
+    record = plain(whisper, _speech_batches, steps=24)()
+    fell = [f for f in record.findings() if f.code == "run.grad_fell"]
+    assert not [f for f in fell if f.severity >= Severity.WARNING], [f.summary for f in fell]
+    for f in fell:
+        if "update_ratio" in f.evidence:
+            assert float(f.evidence["update_ratio"] or 0) * 10 > \
+                float(f.evidence["median_update_ratio"] or 0)

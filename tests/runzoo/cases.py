@@ -283,6 +283,37 @@ def convnext() -> nn.Module:
         hidden_sizes=[16, 32, 64, 128], depths=[1, 1, 2, 1], num_labels=10))
 
 
+def mobilevit() -> nn.Module:
+    """MobileViT (its attention output's bias gradient falls 90x while the weight's does
+    not: once a false 'stops learning' warning)."""
+    from transformers import MobileViTConfig, MobileViTForImageClassification
+
+    return MobileViTForImageClassification(MobileViTConfig(
+        image_size=64, hidden_sizes=[32, 48, 64], neck_hidden_sizes=[8, 8, 16, 16, 24, 32,
+                                                                    128],
+        num_attention_heads=2, num_labels=10))
+
+
+def whisper() -> nn.Module:
+    """Whisper (its decoder's query and key gradients fall 90x under AdamW while their
+    update ratio stays within 2x of the median: once a false 'stops learning')."""
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+
+    return WhisperForConditionalGeneration(WhisperConfig(
+        vocab_size=128, num_mel_bins=16, d_model=128, encoder_layers=3, decoder_layers=3,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=256,
+        decoder_ffn_dim=256, max_source_positions=16, max_target_positions=32,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1))
+
+
+def _speech_batches() -> Iterator[dict[str, torch.Tensor]]:
+    g = _gen()
+    tokens = _token_batches()
+    while True:
+        ids = next(tokens)["labels"][:, :12]
+        yield {"input_features": torch.randn(4, 16, 32, generator=g), "labels": ids}
+
+
 def cnn() -> nn.Module:
     return nn.Sequential(
         nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),
@@ -507,6 +538,7 @@ HEALTHY: tuple[Run, ...] = (
                                warmup=False)),
     Run("convnext-adamw", plain(convnext, lambda: _image_batches(key="pixel_values"))),
     Run("cnn-sgd", plain(cnn, _image_batches, _sgd, warmup=False)),
+    Run("whisper-adamw", plain(whisper, _speech_batches)),
     Run("mlp-sgd", plain(mlp, _vector_batches, _sgd, warmup=False)),
     Run("mlp-dropout-adamw", plain(lambda: mlp(dropout=0.1), _vector_batches)),
     Run("gpt2-lightning", lightning_gpt2),

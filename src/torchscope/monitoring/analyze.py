@@ -239,6 +239,14 @@ def _clip_clause(record: RunRecord) -> str:
     return ""
 
 
+def _with_matrices(record: RunRecord) -> set[str]:
+    """Modules that own a trainable weight matrix or kernel (2+ dimensions), from the last
+    sample; every module where no sample was kept."""
+    if record.last is None:
+        return set(record.grad_param.layers)
+    return {p.module for p in record.last.params if p.requires_grad and len(p.shape) >= 2}
+
+
 def _update_ratios(record: RunRecord, layer: str, t: RunThresholds
                    ) -> tuple[float, float, int] | None:
     """(the layer's largest update ratio over the last `window` of the samples whose update
@@ -293,6 +301,7 @@ def _gradient_trends(record: RunRecord, t: RunThresholds) -> list[Finding]:
         if len(record.total_norms) == len(series.steps) else None
     total_grew = total is None or total[3] > total[1]
     clips = _clip_clause(record)
+    matrices = _with_matrices(record)
     out: list[Finding] = []
     for k, ratio in falls.items():
         s0, v0, s1, v1 = found[k]
@@ -319,6 +328,12 @@ def _gradient_trends(record: RunRecord, t: RunThresholds) -> list[Finding]:
             fix = ("a small init growing into its scale (a small-init embedding, a layer "
                    "behind BatchNorm or LayerNorm) needs no action; weight decay bounds such "
                    "growth where it goes on")
+        elif fell and k not in matrices:
+            # Only biases and norm gains: sums over the batch, whose fall says nothing of
+            # the layer's learning next to the weight matrices' median.
+            severity, fix = Severity.INFO, ""
+            summary += ("; it has no weight matrix (only biases or norm gains, judged "
+                        "apart: their gradients are sums over the batch)")
         elif fell and (ups := _update_ratios(record, k, t)) is not None and \
                 ups[0] * t.relative_ratio > ups[1]:
             # What the optimizer made of it: under AdamW a fallen gradient still moves the
