@@ -84,6 +84,17 @@ def test_slower_is_a_warning_only_outside_the_noise_and_once_for_all_modes() -> 
     assert _by_code(_report(_mode(_EAGER, _FASTER))) == {"compile.pays_off": [Severity.INFO]}
 
 
+def test_slower_is_a_note_where_the_doctor_only_offers_compiling() -> None:
+    from dataclasses import replace
+
+    slower = _mode(_EAGER, _SLOWER)
+    one, both = _report(slower), _report(slower, _mode(_EAGER, _SLOWER, "max-autotune"))
+    assert _by_code(replace(one, proposed=True)) == {"compile.never_pays_off": [Severity.INFO]}
+    assert _by_code(replace(both, proposed=True)) == {"compile.no_gain": [Severity.INFO]}
+    nothing = replace(_report(_mode(_EAGER, _FASTER), graphs=0), proposed=True)
+    assert _by_code(nothing) == {"compile.nothing_compiled": [Severity.INFO]}
+
+
 def test_the_chart_and_table_show_the_findings_numbers_and_verdicts() -> None:
     from matplotlib.collections import LineCollection
     from matplotlib.text import Annotation

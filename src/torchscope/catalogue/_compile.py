@@ -69,9 +69,9 @@ ENTRIES: tuple[Entry, ...] = (
         code="compile.nothing_compiled",
         title="torch.compile compiled nothing",
         subject=Subject.MODEL,
-        levels=WARNING,
-        severity="warning: torch.compile on this model runs eager code, whatever it "
-                 "measured.",
+        levels=INFO_WARNING,
+        severity="warning where compiling was asked for: torch.compile on this model runs "
+                 "eager code, whatever it measured; info where the doctor only offers it.",
         meaning="Dynamo traced one call of the forward and produced no graph: the whole "
                 "forward runs as ordinary Python, so every mode's 'compiled' calls are eager "
                 "ones, and their timings compare eager with eager. A forward under "
@@ -123,7 +123,9 @@ ENTRIES: tuple[Entry, ...] = (
         subject=Subject.ENVIRONMENT,
         levels=INFO_WARNING,
         severity="warning when the speedup's interval lies wholly below 1 (decidedly "
-                 "slower); info when no interval was measured and only the median is slower.",
+                 "slower) and compiling was asked for (compile_report, torchscope compile); "
+                 "info where the doctor only offers it, or no interval was measured and only "
+                 "the median is slower.",
         meaning="Compiled calls take longer than eager ones, so the compile is never paid "
                 "back. Small work per call (launch and guard overhead dominate) and "
                 "graph breaks are the usual causes.",
@@ -137,8 +139,9 @@ ENTRIES: tuple[Entry, ...] = (
         code="compile.no_gain",
         title="No compile mode beats eager",
         subject=Subject.ENVIRONMENT,
-        levels=WARNING,
-        severity="warning: every mode measured is decidedly slower than eager.",
+        levels=INFO_WARNING,
+        severity="warning: every mode measured is decidedly slower than eager, and compiling "
+                 "was asked for; info where the doctor only offers it.",
         meaning="Several modes were measured and every one is slower than eager beyond the "
                 "noise: torch.compile does not pay off for this model at these inputs on "
                 "this machine. One finding for all the modes, in place of one per mode.",

@@ -55,9 +55,11 @@ def _timing(m: ModeResult) -> str:
     return f"{_calls(m.iters)} each{spent}{budget}"
 
 
-def _mode_findings(m: ModeResult, *, verdict: bool = True) -> list[Finding]:
+def _mode_findings(m: ModeResult, *, verdict: bool = True, slower: Severity = Severity.WARNING
+                   ) -> list[Finding]:
     """What one mode's result says; `verdict` False leaves out its speedup verdict (a
-    report-level finding says it for every mode, or nothing was compiled)."""
+    report-level finding says it for every mode, or nothing was compiled). `slower` is the
+    severity of a mode decidedly slower than eager."""
     label = f"mode {m.mode!r}"
     if m.status == "no_compiler":
         return [_NO_COMPILER.finding(
@@ -104,7 +106,7 @@ def _mode_findings(m: ModeResult, *, verdict: bool = True) -> list[Finding]:
     elif not m.faster:
         # A warning only where the interval says slower; a median alone is a note.
         out.append(_NEVER_PAYS_OFF.finding(
-            Severity.WARNING if speed is not None and speed.below else Severity.INFO,
+            slower if speed is not None and speed.below else Severity.INFO,
             f"{label} never pays off: compiled calls take {m.compiled_ms:.3g} ms vs "
             f"{m.eager_ms:.3g} ms eager "
             f"({fmt_ratio(speed) if speed is not None else f'{m.speedup:.2f}×'}), after a "
@@ -201,7 +203,8 @@ def compile_findings(report: CompileReport, thresholds: object = None) -> list[F
     noise, after the timing budget, it is `compile.no_measurable_speedup` (a measurement
     note), never "pays off" nor "slower"; "slower" is a warning only where the interval lies
     below 1. Each fact is said once: where several modes are all decidedly slower,
-    `compile.no_gain` says it for them all; where Dynamo compiled nothing
+    `compile.no_gain` says it for them all. Slower is a note where compiling was only
+    offered (`report.proposed`, the doctor's). Where Dynamo compiled nothing
     (`compile.nothing_compiled`), no mode's timing is a verdict on compiling.
 
     Codes: `compile.pays_off`, `compile.never_pays_off`, `compile.no_measurable_speedup`,
@@ -213,12 +216,14 @@ def compile_findings(report: CompileReport, thresholds: object = None) -> list[F
     nothing = report.graph_count == 0 and bool(ok)
     # Every mode decidedly slower, with more than one measured: one finding for them all.
     all_slower = len(ok) > 1 and all(m.slower and m.speedup_ratio is not None for m in ok)
+    # Slower is a warning where compiling was asked for; the doctor's offer gives a note.
+    slower = Severity.INFO if report.proposed else Severity.WARNING
     out: list[Finding] = []
     for m in report.modes:
-        out.extend(_mode_findings(m, verdict=not (nothing or all_slower)))
+        out.extend(_mode_findings(m, verdict=not (nothing or all_slower), slower=slower))
     if nothing:
         out.append(_NOTHING_COMPILED.finding(
-            Severity.WARNING,
+            slower,
             "torch.compile compiled nothing: Dynamo made 0 graphs of the forward, so every "
             "mode ran eager code and its timings compare eager with eager.",
             {"graph_count": 0, "modes": ", ".join(m.mode for m in ok)}))
@@ -245,7 +250,7 @@ def compile_findings(report: CompileReport, thresholds: object = None) -> list[F
             else "torch.compile(model)"))
     elif all_slower:
         out.append(_NO_GAIN.finding(
-            Severity.WARNING,
+            slower,
             f"no measured mode beats eager on {report.inputs} ({report.device}): "
             + ", ".join(f"{m.mode} {fmt_ratio(m.speedup_ratio)}" for m in ok) + ".",
             {"modes": ", ".join(m.mode for m in ok)}))

@@ -221,6 +221,7 @@ def compile_report(
     factory: str | None = None,
     progress: Callable[[str], None] | None = None,
     on_mode: Callable[[str, int, int], None] | None = None,
+    proposed: bool = False,
 ) -> CompileReport:
     """Measure what each `torch.compile` mode costs and gains on a model and its inputs.
 
@@ -264,6 +265,8 @@ def compile_report(
         progress: called with a short line before each step.
         on_mode: called with `(mode, k, n)` as mode k (1-based) of n begins (a progress
             display; each mode may take up to `timeout_s`).
+        proposed: compiling is an offer the user did not ask for (the doctor's): a mode
+            that is slower than eager is then a note, not a warning.
 
     Returns:
         A `CompileReport`; `report.findings()` says whether compile pays off.
@@ -362,4 +365,5 @@ def compile_report(
         torch_version=torch.__version__,
         notes=tuple(notes),
         step=info,
+        proposed=proposed,
     )

@@ -228,6 +228,9 @@ class CompileReport(Analyzed):
         notes: plain sentences about how the figures were obtained (fallbacks).
         step: the training step measured (`measure="step"`), with the loss of the eager
             copy's first step; None for `measure="forward"` or when no mode ran it.
+        proposed: measured unasked, as an offer (the doctor measures compile for every
+            model, whether its user compiles or not): that compiling is slower is then a
+            note, not a warning.
     """
 
     model: str
@@ -241,6 +244,7 @@ class CompileReport(Analyzed):
     torch_version: str
     notes: tuple[str, ...] = ()
     step: StepInfo | None = None
+    proposed: bool = False
 
     def mode(self, name: str) -> ModeResult:
         """The result of mode `name`.

@@ -345,8 +345,9 @@ class CompileSection(Section[CompileReport]):
 
     def run(self, step: Step, options: DoctorOptions) -> CompileReport:
         # measure="forward": inference of the step's model on its inputs (under its autocast).
+        # An offer, not asked for: slower than eager is a note (`CompileReport.proposed`).
         return compile_report(step, modes=options.compile_modes, iters=options.compile_iters,
-                              timeout_s=COMPILE_TIMEOUT_S)
+                              timeout_s=COMPILE_TIMEOUT_S, proposed=True)
 
     def metrics(self, record: CompileReport) -> dict[str, Metric]:
         out: dict[str, Metric] = {}
