@@ -86,3 +86,23 @@ def test_the_contents_name_each_entry_of_a_section_once() -> None:
     line = timing_line(report.outcome("profile").record)
     assert " ms (" in line and "without profiler" in line and html.escape(line) in page
     assert page.index("step without profiler (median)") < page.index("step profiled (median)")
+    _verdict_first_and_codes_explained(report, page)
+
+
+def _verdict_first_and_codes_explained(report: object, page: str) -> None:
+    """The page leads with the verdict report.json has, and every code in the findings
+    links to its catalogue entry on the same page (the page explains itself offline)."""
+    from torchscope.findings import declared
+    from torchscope.report.document import build_document
+
+    doc = build_document(report)  # type: ignore[arg-type]
+    assert f"<p data-verdict>{html.escape(doc['verdict'])}</p>" in page
+    assert page.index('id="verdict"') < page.index('id="summary"') < page.index('id="findings"')
+    codes = {f["code"] for f in doc["findings"]}
+    assert codes, "deep-mlp's report has findings to explain"
+    for code in codes:
+        assert f'<a href="#code-{code}"><code>{code}</code></a>' in page
+        entry = re.search(rf'<div class="code-entry" id="code-{re.escape(code)}">(.*?)</div>',
+                          page, re.S)
+        assert entry is not None, code
+        assert html.escape(declared(code).meaning) in entry.group(1)

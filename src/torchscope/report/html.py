@@ -25,7 +25,7 @@ from torchscope._util import fmt_bytes, fmt_num, fmt_pct, fmt_shape, write_json
 from torchscope.capture import ActivationCapture, ActivationRecord, trace_nonfinite
 from torchscope.capture.analyze import leaf_modules
 from torchscope.compile import CompileReport, ModeResult
-from torchscope.findings import Finding, Severity
+from torchscope.findings import Finding, Severity, declared
 from torchscope.grads import GradFlow, layer_norms
 from torchscope.grads.records import combine_norms
 from torchscope.lint import LintResult
@@ -33,7 +33,13 @@ from torchscope.memory import CheckpointPlan, MemoryReport, PlanReport
 from torchscope.profiling import ProfileResult
 from torchscope.report.charts import DEEP_ROWS, block_groups, block_label
 from torchscope.report.compile import speed_label
-from torchscope.report.document import SCHEMA_VERSION, Report, SectionOutcome, build_document
+from torchscope.report.document import (
+    SCHEMA_VERSION,
+    Report,
+    SectionOutcome,
+    build_document,
+    verdict,
+)
 from torchscope.report.findings import evidence_text
 from torchscope.report.memory import fmt_recompute, recompute_cost
 from torchscope.report.profiling import timing_line
@@ -451,15 +457,41 @@ def lint_fragment(result: LintResult) -> str:
 
 
 # ---------------------------------------------------------------------------- page
+def _code_id(code: str) -> str:
+    """The page anchor of a code's entry in "What the codes mean"."""
+    return "code-" + re.sub(r"[^A-Za-z0-9_.-]", "-", code)
+
+
 def _finding_rows(findings: Sequence[tuple[str, Finding]]) -> str:
     if not findings:
         return '<p class="note">No findings: nothing looked wrong in the sections that ran.</p>'
-    rows = [(f'<span class="sev {f.severity.label}">{f.severity.label}</span>', _e(sec),
+    rows = [(f'<span class="sev {f.severity.label}">{f.severity.label}</span>'
+             f'<div class="subject">{_e(f.subject.value)}</div>', _e(sec),
              f"{_e(f.summary)}<div class=\"evidence\">{_e(evidence_text(f.evidence))}</div>",
-             f'<span class="fix">{_e(f.fix) or "—"}</span>', f"<code>{_e(f.code)}</code>")
+             f'<span class="fix">{_e(f.fix) or "—"}</span>',
+             f'<a href="#{_code_id(f.code)}"><code>{_e(f.code)}</code></a>')
             for sec, f in findings]
     return table(("severity", "section", "finding and evidence", "suggested fix", "code"), rows,
                  raw=(0, 1, 2, 3, 4))
+
+
+def _codes_html(findings: Sequence[tuple[str, Finding]]) -> str:
+    """The catalogue's entry of every code on the page (what `torchscope explain` prints),
+    so that the page explains itself offline."""
+    codes = sorted({f.code for _, f in findings})
+    items = []
+    for code in codes:
+        e = declared(code)
+        fixes = "".join(f"<p><b>{_e(k)}:</b> {_e(v)}</p>" for k, v in e.fixes.items())
+        lit = f"<p><b>Literature:</b> {_e(e.literature)}</p>" if e.literature else ""
+        items.append(
+            f'<div class="code-entry" id="{_code_id(code)}"><h3><code>{_e(code)}</code> '
+            f"{_e(e.title)}</h3><p class=\"note\">subject: {_e(e.subject.value)} · "
+            f"severity: {_e(e.severity)}</p><p>{_e(e.meaning)}</p>"
+            f"<p><b>How torchscope decides:</b> {_e(e.criterion)}</p>{lit}"
+            f"<p><b>Fix:</b> {_e(e.fix) or 'nothing to fix: this finding informs.'}</p>"
+            f"{fixes}</div>")
+    return "".join(items)
 
 
 def _svgs(outcome: SectionOutcome) -> tuple[dict[str, str], list[str]]:
@@ -537,13 +569,15 @@ def _section_html(outcome: SectionOutcome) -> tuple[str, list[tuple[str, str]]]:
 
 def _contents(report: Report, entries: Sequence[list[tuple[str, str]]]) -> str:
     """The table of contents: summary, findings, then each section with its parts."""
-    items = ['<li><a href="#summary">Summary</a></li>',
+    items = ['<li><a href="#verdict">Verdict</a></li>', '<li><a href="#summary">Summary</a></li>',
              f'<li><a href="#findings">Findings</a> <small>{len(report.findings())}</small>'
              "</li>"]
     for o, parts in zip(report.outcomes, entries, strict=True):
         sub = "".join(f'<li><a href="#{a}">{t}</a></li>' for a, t in parts)
         items.append(f'<li><a href="#section-{_e(o.name)}"><span class="dot {_e(o.status)}">'
                      f"</span>{_e(o.title)}</a>{f'<ol>{sub}</ol>' if sub else ''}</li>")
+    if report.findings():
+        items.append('<li><a href="#codes">What the codes mean</a></li>')
     return f'<nav class="toc" aria-label="Contents"><h2>Contents</h2><ol>{"".join(items)}</ol>' \
            "</nav>"
 
@@ -568,6 +602,13 @@ def render_report(report: Report, title: str = "torchscope doctor") -> str:
         "fast" if report.options.get("fast") else "full"
     step = "" if report.step is None else \
         f'<p class="step" data-step>{_e(report.step.describe())}</p>'
+    state = "failed" if failed or report.count(Severity.ERROR) else \
+        "warning" if report.count(Severity.WARNING) else "healthy"
+    pairs = report.section_findings()
+    codes = "" if not pairs else f"""<section id="codes" class="doctor-codes">
+<h2>What the codes mean</h2>
+{_codes_html(pairs)}
+</section>"""
     return f"""<!DOCTYPE html>
 <html lang="en">
 <head>
@@ -589,16 +630,23 @@ def render_report(report: Report, title: str = "torchscope doctor") -> str:
 {step}
 </header>
 <main>
+<section id="verdict" class="verdict {state}">
+<h2>Verdict</h2>
+<p data-verdict>{_e(verdict(report))}</p>
+</section>
 <section id="summary" class="doctor-summary">
 <h2>Summary</h2>
 <div class="counts">{counts}</div>
 {table(("section", "status", "seconds", "note"), status_rows, numeric=(2,), raw=(0, 1, 3))}
 </section>
 <section id="findings" class="doctor-findings">
-<h2>Findings, most severe first</h2>
-{_finding_rows(report.section_findings())}
+<h2>Findings</h2>
+<p class="note">The model's, the loop's and the data's first, a cause before its symptoms,
+the most severe first; caveats about this machine and the measurement last.</p>
+{_finding_rows(pairs)}
 </section>
 {"".join(body for body, _ in sections)}
+{codes}
 </main>
 <footer>report.json schema {SCHEMA_VERSION} · created {_e(report.created)} · {env}</footer>
 </div>
