@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchscope._process import seeded
+from torchscope._process import seeded, spawn, stop
 from torchscope.distributed.comm import (
     DEFAULT_TIMEOUT_S,
     TIMEOUT_ENV,
@@ -723,20 +723,11 @@ def _die_with_parent(parent: int) -> None:
 
 
 def _stop(procs: list[subprocess.Popen[bytes]], grace: float = 3.0) -> set[int]:
-    """Stop every rank still running (SIGTERM, then SIGKILL after `grace` seconds), each
-    with its process group; the ranks it had to stop."""
+    """Stop every rank still running, each with its process group (SIGTERM, then SIGKILL
+    after `grace` seconds), and forget those that ended; the ranks it had to stop."""
     stopped = {r for r, p in enumerate(procs) if p.poll() is None}
-    for r in stopped:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(procs[r].pid, signal.SIGTERM)
-    end = time.monotonic() + grace
-    for r in stopped:
-        try:
-            procs[r].wait(timeout=max(0.0, end - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(procs[r].pid, signal.SIGKILL)
-            procs[r].wait()
+    for r, proc in enumerate(procs):
+        stop(proc, grace if r in stopped else None)
     return stopped
 
 
@@ -769,10 +760,11 @@ def launch(job: DistributedJob, nproc: int) -> DoctorReport:
         try:
             for r in range(nproc):
                 with open(run / f"rank{r}.log", "wb") as log:
-                    procs.append(subprocess.Popen(
+                    # A session of its own (`_process.spawn`): registered, so that a signal
+                    # to this process stops it too.
+                    procs.append(spawn(
                         [sys.executable, "-c", code], env=_rank_env(r, nproc), stdout=log,
-                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                        start_new_session=True))
+                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
             exits = _watch(procs, run)
         finally:
             stopped = _stop(procs)
