@@ -282,7 +282,7 @@ def test_a_loss_spike_between_two_samples_is_found_at_its_step() -> None:
             loss = nn.functional.cross_entropy(model(x), torch.randint(0, 4, (32,),
                                                                        generator=g))
             mon.check_loss(loss)
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
             loss.backward()
             opt.step()
     assert mon.result is not None
@@ -335,3 +335,27 @@ def test_whisper_s_query_and_key_falling_under_adamw_still_learn() -> None:
         if "update_ratio" in f.evidence:
             assert float(f.evidence["update_ratio"] or 0) * 10 > \
                 float(f.evidence["median_update_ratio"] or 0)
+
+
+def test_an_lr_of_10_sampled_every_step_is_a_few_findings_cause_first() -> None:
+    """SGD at lr=10 on a 6-layer ReLU MLP, every step sampled (once 66 warnings and errors):
+    the weights' growth is named first, as the cause of the NaN that follows at torch's own
+    first non-finite step; the drift of many layers is one finding naming them."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    width = 8
+    for _ in range(6):
+        layers += [nn.Linear(width, 64), nn.ReLU()]
+        width = 64
+    model = nn.Sequential(*layers, nn.Linear(64, 4))
+    run, finite = _train(model, torch.optim.SGD(model.parameters(), lr=10.0), 40, 1,
+                         classes=4)
+    assert run.onset.gradient_step == finite.index(False)
+    loud = [f for f in run.findings() if f.severity >= Severity.WARNING]
+    assert len(loud) <= 8, [f.summary for f in loud]
+    assert loud[0].code == "run.weight_scale"
+    (nan,) = [f for f in loud if f.code == "run.nonfinite"]
+    assert nan.evidence["follows"] == "run.weight_scale"
+    assert int(loud[0].evidence["onset_step"] or 0) <= finite.index(False)
+    per_layer = [f for f in loud if f.code == "run.activation_drift" and f.module]
+    assert len(per_layer) <= 1

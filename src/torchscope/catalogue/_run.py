@@ -28,10 +28,7 @@ ENTRIES: tuple[Entry, ...] = (
             "torch.autograd.detect_anomaly(), guard log/div/sqrt with an eps, and check for "
             "fp16 overflow (bf16 or a GradScaler) and a learning rate that is too high",
         example="NaN/Inf first produced by blocks.3.attn (Attention) at step 7",
-        explains=("grads.nonfinite", "activations.nonfinite", "run.grad_grew",
-                  "run.activation_drift", "run.weight_scale", "run.grad_norm_overflow",
-                  "grads.exploding", "activations.large", "activations.near_overflow",
-                  "activations.scale_drift"),
+        explains=("grads.nonfinite", "activations.nonfinite", "grads.nonfinite_update"),
     ),
     Entry(
         code="run.grad_norm_overflow",
@@ -192,7 +189,8 @@ ENTRIES: tuple[Entry, ...] = (
         fix="lower the learning rate and warm it up",
         explains=("run.activation_drift", "run.grad_grew", "run.dead_units",
                   "activations.large", "activations.scale_drift", "grads.update_ratio",
-                  "run.loss_spike"),
+                  "run.loss_spike", "run.nonfinite", "run.grad_norm_overflow",
+                  "grads.exploding", "grads.nonfinite", "activations.near_overflow"),
         example="the median layer's weights grew 26× between step 0 and step 150",
     ),
     Entry(
@@ -227,6 +225,7 @@ ENTRIES: tuple[Entry, ...] = (
                   "the first sample at 25% or more.",
         fix="units die during training: lower the learning rate, use LeakyReLU/GELU, or "
             "check the bias of the layer before it",
+        explains=("activations.dead_units", "grads.dead"),
         example="dead units grew in 15 layers from step 20 (net.3: 0% at step 0, 62% at "
                 "step 20; ...)",
     ),

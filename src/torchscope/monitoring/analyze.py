@@ -1207,7 +1207,38 @@ def analyze_run(record: RunRecord, thresholds: RunThresholds | None = None
     """
     t = thresholds or RunThresholds()
     run = _nonfinite(record)
-    return rank(_follow_causes(_fit_framework(record, _findings(record, t, run))))
+    return rank(_follow_causes(_one_per_cause(
+        _fit_framework(record, _findings(record, t, run)))))
+
+
+# Warnings of one code at this many modules or more are one finding listing them.
+_GROUPED = 4
+
+
+def _one_per_cause(found: list[Finding]) -> list[Finding]:
+    """One cause across many modules is one finding: warnings and errors of one code and
+    severity at `_GROUPED` modules or more (a learning rate that kills the units of every
+    layer: `grads.dead` at each, `activations.dead_units` at each) become the first of
+    them, naming the others (`modules` in its evidence)."""
+    groups: dict[tuple[str, Severity], list[Finding]] = {}
+    for f in found:
+        if f.severity >= Severity.WARNING and f.module is not None and \
+                "modules" not in f.evidence:
+            groups.setdefault((f.code, f.severity), []).append(f)
+    merged: dict[int, Finding] = {}
+    dropped: set[int] = set()
+    for same in groups.values():
+        if len(same) < _GROUPED:
+            continue
+        head, rest = same[0], same[1:]
+        names = [_name(f.module) for f in same]
+        shown = ", ".join(names[1:6]) + (f" and {len(names) - 6} more" if len(names) > 6
+                                         else "")
+        merged[id(head)] = dataclasses.replace(
+            head, summary=f"{head.summary}; the same at {len(rest)} more modules ({shown})",
+            evidence={**head.evidence, "modules": ", ".join(names), "count": len(names)})
+        dropped.update(id(f) for f in rest)
+    return [merged.get(id(f), f) for f in found if id(f) not in dropped]
 
 
 def _framework(record: RunRecord) -> str:
