@@ -1,6 +1,6 @@
-"""`torchscope doctor` on ranks: launched with torch's elastic launcher (`--nproc`) and under
-a plain torchrun; one-line errors (exit 2) for requests this machine cannot run and for a
-rank that raises, with no process left behind."""
+"""`torchscope doctor` on ranks: launched by the doctor (`--nproc`) and under a plain
+torchrun; one-line errors (exit 2) for requests this machine cannot run and for a rank that
+raises, dies, hangs or builds another model, with no process or folder left behind."""
 
 from __future__ import annotations
 

@@ -78,8 +78,9 @@ def doctor(
         "(or when a section failed).")
     ] = None,
     nproc: Annotated[int | None, typer.Option(
-        "--nproc", help="Run on this many ranks on this machine (torch's elastic launcher), "
-        "each on its own rows of the batch, joined into one report with a row per rank.")
+        "--nproc", help="Run on this many ranks on this machine, each on its own rows of "
+        "the batch, joined into one report with a row per rank; a rank that fails ends the "
+        "run, named in one line.")
     ] = None,
     strategy: Annotated[str | None, typer.Option(
         "--strategy", help="With --nproc or under torchrun: ddp (DistributedDataParallel) or "
