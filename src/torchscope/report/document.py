@@ -300,7 +300,9 @@ def build_document(report: Report) -> dict[str, Any]:
         doc["step"] = {**to_jsonable(report.step), "text": report.step.describe()}
         # Readers of 1.9–1.11 found the loss diagnosis under `step`; it is the gradients
         # section's now, and stays under `step` too within major version 1.
-        grads = sections.get("gradients", {}).get("data") or {}
+        ran = next((o for o in report.outcomes if o.name == "gradients" and o.status == "ok"),
+                   None)
+        grads: dict[str, Any] = to_jsonable(ran.data) if ran is not None and ran.data else {}
         doc["step"].update({k: grads[k] for k in _STEP_COMPAT if k in grads})
     doc.update({"sections": sections, "findings": findings, "metrics": metrics})
     return doc
