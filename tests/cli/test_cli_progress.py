@@ -77,6 +77,19 @@ def test_profile_shows_the_steps_under_the_profiler(tmp_path: Path) -> None:
     assert "profile: step under the profiler (1/4)" in shown
 
 
+def test_doctor_shows_its_sections_and_quiet_drops_the_section_lines(tmp_path: Path) -> None:
+    args = ["doctor", "mlp", "--fast", "--skip", "activations,memory,profile", "--out",
+            str(tmp_path / "report")]
+    code, shown, err = _on_terminal(args, tmp_path)
+    assert code == 0, err
+    assert "doctor: Gradient flow (gradients) (2/6)" in shown
+    assert "[2/6] Gradient flow: ok" in shown  # the line each finished section leaves
+    code, shown, err = _on_terminal([*args, "--quiet"], tmp_path)
+    assert code == 0, err
+    assert "doctor:" not in shown and "[2/6]" not in shown
+    assert "report.json" in shown  # the results still print
+
+
 @pytest.mark.slow
 def test_compile_shows_the_mode_and_its_time_limit(tmp_path: Path) -> None:
     code, shown, err = _on_terminal(["compile", "tiny-cnn", "--modes", "default", "--iters",
