@@ -396,6 +396,25 @@ def test_cli_debug_shows_where_a_rank_failed(tmp_path: Path) -> None:
     assert f'File "{target}", line {line}, in backward' in res.stderr, res.stderr[-3000:]
 
 
+def test_plain_torchrun_names_the_rank_that_raised_on_the_others(tmp_path: Path) -> None:
+    """Under a plain torchrun no launcher of torchscope's reads the ranks' failures: rank 1
+    posts what it raised in the group's store, and rank 0, whose collectives fail as rank 1
+    leaves, names it instead of its own lost connection."""
+    target = tmp_path / "model.py"
+    target.write_text(_FAILING)
+    res, _, left = _run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                         "--nproc_per_node=2", "-m", "torchscope", "doctor", f"{target}:build",
+                         "--fast", "--out", str(tmp_path / "rep")],
+                        FAIL_AT="3", HOW="raise", FAILED_AT=str(tmp_path / "failed_at"))
+    assert res.returncode != 0
+    assert "error: rank 1 raised ValueError: bad batch in forward 3 in head's forward " \
+        "(during the activations section); rank 0 stopped with it." in res.stderr, \
+        res.stderr[-3000:]
+    assert "Connection reset" not in res.stderr
+    assert not (tmp_path / "rep").exists()
+    assert left == []
+
+
 def _said(run: Path, rank: int, kind: str, at: float, message: str) -> None:
     (run / "failures" / f"rank{rank}.json").write_text(json.dumps({
         "rank": rank, "kind": kind, "type": "RuntimeError", "message": message,

@@ -4,16 +4,19 @@ torchscope communicates only between steps (once per sampled step, and when a re
 gathered), never inside a hook, and always on every rank in the same order, as any
 collective must be. Each collective is started asynchronously and waited on with a
 timeout, so a rank that raised, hung or left turns into a `DistributedError` on the others
-instead of a hang. Tensors travel on the device the group's backend needs: CPU for gloo, the
-current CUDA device for NCCL.
+instead of a hang. A rank that fails where torchscope sees it (a doctor's rank) posts what
+it raised in the process group's store (`post_failure`), and a collective that fails on
+another rank because it left names it. Tensors travel on the device the group's backend
+needs: CPU for gloo, the current CUDA device for NCCL.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -33,6 +36,8 @@ __all__ = [
     "all_reduce_sum",
     "comm_device",
     "gather_objects",
+    "post_failure",
+    "posted_failures",
     "timeout_s",
 ]
 
@@ -100,6 +105,64 @@ def _hold(tensors: list[torch.Tensor]) -> None:
     del _KEEP[:-8]
 
 
+# Where a rank posts what it raised, in the process group's store, for the others to name it.
+_FAILURE_KEY = "torchscope/failure/"
+
+
+@contextlib.contextmanager
+def _quick_store(seconds: float = 2.0) -> Iterator[Any]:
+    """The default group's store with a short timeout (restored on exit), or None: a store
+    whose host has died must not hold a failing rank for the store's 5 minutes."""
+    import torch.distributed as dist
+
+    store = None
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):
+            from torch.distributed.distributed_c10d import _get_default_store
+
+            store = _get_default_store()
+    if store is None:
+        yield None
+        return
+    before = getattr(store, "timeout", None)  # torch's stubs do not declare it
+    if before is None:
+        yield store
+        return
+    try:
+        store.set_timeout(timedelta(seconds=seconds))
+        yield store
+    finally:
+        with contextlib.suppress(Exception):
+            store.set_timeout(before)
+
+
+def post_failure(text: str) -> None:
+    """Tell the other ranks what this rank raised (`Type: message`), through the process
+    group's store, so that a collective of theirs that fails because this rank left names
+    it (`posted_failures`). Best effort: nothing happens without a reachable store."""
+    import torch.distributed as dist
+
+    with _quick_store() as store, contextlib.suppress(Exception):
+        if store is not None:
+            store.set(f"{_FAILURE_KEY}{dist.get_rank()}", text)
+
+
+def posted_failures() -> dict[int, str]:
+    """What the other ranks posted with `post_failure`, by rank (empty when none did, or
+    without a reachable store)."""
+    import torch.distributed as dist
+
+    out: dict[int, str] = {}
+    with _quick_store() as store, contextlib.suppress(Exception):
+        if store is not None:
+            me = dist.get_rank()
+            for r in range(dist.get_world_size()):
+                key = f"{_FAILURE_KEY}{r}"
+                if r != me and store.check([key]):
+                    out[r] = bytes(store.get(key)).decode(errors="replace")
+    return out
+
+
 #: The profiler range every torchscope collective is issued in: a profile of the user's
 #: step tells torchscope's own communication from the step's (`torchscope.profiling.comm`).
 RANGE = "torchscope::collective"
@@ -124,6 +187,13 @@ def _wait(work: Any, what: str, seconds: float | None) -> None:
         done = work.wait(timeout=timedelta(seconds=limit))
     except RuntimeError as exc:
         waited = time.monotonic() - t0
+        posted = posted_failures()
+        if posted:
+            r = min(posted)
+            raise RankLostError(
+                f"rank {r} raised {posted[r]}; {what} failed on {world().describe()} after "
+                f"{waited:.1f} s as that rank left.",
+                fix=f"fix what rank {r} raised; this rank only lost it.") from exc
         if waited < 0.9 * limit:
             raise RankLostError(
                 f"{what} failed on {world().describe()} after {waited:.1f} s "

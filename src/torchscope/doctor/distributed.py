@@ -53,6 +53,8 @@ from torchscope.distributed.comm import (
     all_reduce_sum,
     comm_device,
     gather_objects,
+    post_failure,
+    posted_failures,
     timeout_s,
 )
 from torchscope.distributed.ranked import gather, rank_list
@@ -349,7 +351,26 @@ def run_rank(job: DistributedJob) -> DoctorReport | None:
             or a collective failed (another rank raised, hung or left).
         TorchscopeError: the TARGET or its inputs cannot be loaded, or the model raised.
     """
-    return _run_rank(job, _RankState())
+    state = _RankState()
+    try:
+        return _run_rank(job, state)
+    except BaseException as exc:
+        # Under a plain torchrun no launcher of torchscope's reads the ranks' failures:
+        # the rank that failed posts its own, and one that only lost it names it.
+        if not _lost_peer(exc):
+            name, message = _first_line(exc)
+            where = raised_in(exc, state.model)
+            post_failure(f"{name}: {message}" + (f" in {where}'s forward" if where else "") +
+                         f" (during {state.part})")
+            raise
+        posted = posted_failures()
+        if not posted:
+            raise
+        r = min(posted)
+        raise DistributedError(
+            f"rank {r} raised {posted[r]}; rank {world().rank} stopped with it.",
+            fix=f"fix what rank {r} raised (rerun without torchrun to debug on one "
+            "process); this rank only lost it.") from exc
 
 
 def _run_rank(job: DistributedJob, state: _RankState) -> DoctorReport | None:
