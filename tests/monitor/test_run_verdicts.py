@@ -359,3 +359,10 @@ def test_an_lr_of_10_sampled_every_step_is_a_few_findings_cause_first() -> None:
     assert int(loud[0].evidence["onset_step"] or 0) <= finite.index(False)
     per_layer = [f for f in loud if f.code == "run.activation_drift" and f.module]
     assert len(per_layer) <= 1
+    assert "its peak is 10, with SGD" in nan.fix and "float16" not in nan.fix
+    # Trends are dated where they crossed their line, not at the run's first sample.
+    for f in loud:
+        if f.code in ("run.activation_drift", "run.grad_grew"):
+            onset = f.evidence["onset_step"]
+            assert isinstance(onset, int) and 0 < onset <= int(f.evidence["last_step"] or 0)
+            assert f"from step {onset}" in f.summary

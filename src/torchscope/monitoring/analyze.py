@@ -310,12 +310,15 @@ def _gradient_trends(record: RunRecord, t: RunThresholds) -> list[Finding]:
         relative = ratio / median if fell else median / ratio
         if size < t.change_ratio or relative < t.relative_ratio:
             continue
+        onset = _onset(series, k, v0, t.change_ratio, not fell,
+                       skip | _zero_weight_steps(record, k))
         evidence: dict[str, float | int] = {
-            "first_step": s0, "first_norm": v0, "last_step": s1, "last_norm": v1,
-            "ratio": size, "relative_to_median": relative, "median_change": median}
+            "onset_step": onset, "first_step": s0, "first_norm": v0, "last_step": s1,
+            "last_norm": v1, "ratio": size, "relative_to_median": relative,
+            "median_change": median}
         summary = (f"{_name(k)}'s gradient {'fell' if fell else 'grew'} {fmt_times(size)} "
-                   f"between step {s0} and step {s1}, {fmt_times(relative)} more than the median "
-                   "layer's")
+                   f"between step {s0} and step {s1} (past {fmt_times(t.change_ratio)} from "
+                   f"step {onset}), {fmt_times(relative)} more than the median layer's")
         grown = _normalised_after(record, k, t, skip) if fell else None
         if grown is not None:
             # RWKV's embedding starts at std 1e-4 before a LayerNorm and grows 55x in 35
@@ -387,10 +390,11 @@ def _gradient_trends(record: RunRecord, t: RunThresholds) -> list[Finding]:
              "layers": len(falls)},
             fix=""))
     elif 1 / median >= t.change_ratio:
-        evidence = {"first_step": first, "last_step": last, "median_change": median,
-                    "layers": len(falls)}
+        onset = _median_onset(series, t.change_ratio, True)
+        evidence = {"onset_step": onset, "first_step": first, "last_step": last,
+                    "median_change": median, "layers": len(falls)}
         summary = f"the median layer's gradient grew {fmt_times(1 / median)} between step " \
-            f"{first} and step {last}"
+            f"{first} and step {last} (past {fmt_times(t.change_ratio)} from step {onset})"
         if total_grew:
             severity, fix = Severity.WARNING, (
                 "the whole model's gradients grow: "
@@ -443,19 +447,38 @@ def _weight_growth(record: RunRecord, t: RunThresholds
 def _weight_onset(record: RunRecord, t: RunThresholds, grew: bool) -> int:
     """The first sampled step at which the median layer's weight norm, against its first
     sample, had moved `change_ratio` times (up where `grew`, else down)."""
-    w = record.weight
+    return _median_onset(record.weight, t.change_ratio, grew)
+
+
+def _median_onset(series: LayerSeries, factor: float, grew: bool) -> int:
+    """The first sampled step at which the median layer's value, against its own first
+    finite positive one, had moved `factor` times (up where `grew`, else down); the last
+    step where it never did."""
     firsts: list[float | None] = []
-    for k in w.layers:
-        first = next((v for v in w.series(k) if math.isfinite(v) and v > 0), None)
+    for k in series.layers:
+        first = next((v for v in series.series(k) if math.isfinite(v) and v > 0), None)
         firsts.append(first)
-    for step, row in zip(w.steps, w.values, strict=True):
+    for step, row in zip(series.steps, series.values, strict=True):
         ratios = [v / f for v, f in zip(row, firsts, strict=True)
                   if f is not None and math.isfinite(v) and v > 0]
         if ratios:
             m = statistics.median(ratios)
-            if (m >= t.change_ratio) if grew else (m <= 1 / t.change_ratio):
+            if (m >= factor) if grew else (m <= 1 / factor):
                 return step
-    return w.steps[-1]
+    return series.steps[-1]
+
+
+def _onset(series: LayerSeries, layer: str, start: float, factor: float, grew: bool,
+           skip: frozenset[int] = frozenset()) -> int:
+    """The first sampled step at which `layer`'s value had moved `factor` times from
+    `start` (its first window's median; up where `grew`, else down): a trend is dated where
+    it crossed its line, not at the run's first sample."""
+    for s, v in zip(series.steps, series.series(layer), strict=True):
+        if s in skip or not math.isfinite(v) or v <= 0:
+            continue
+        if (v >= start * factor) if grew else (v <= start / factor):
+            return s
+    return series.steps[-1]
 
 
 # Optimizers whose weight decay multiplies each weight by (1 - lr * weight_decay) a step
@@ -579,12 +602,15 @@ def _activation_drift(record: RunRecord, t: RunThresholds) -> list[Finding]:
                 continue
             suffix = f", {fmt_times(further)} more than the median layer's"
         named[k] = ratio
+        line = t.drift_warn if size >= t.drift_warn else t.drift_info
+        onset = _onset(series, k, v0, line, ratio >= 1)
         out.append(_ACTIVATION_DRIFT.finding(
             Severity.WARNING if size >= t.drift_warn else Severity.INFO,
             f"{_name(k)}'s output std {'grew' if ratio >= 1 else 'shrank'} {fmt_times(size)} "
-            f"between step {s0} and step {s1}{suffix}",
-            {"first_step": s0, "first_std": v0, "last_step": s1, "last_std": v1,
-             "ratio": ratio, "median_change": median},
+            f"between step {s0} and step {s1} (past {fmt_times(line)} from step {onset})"
+            f"{suffix}",
+            {"onset_step": onset, "first_step": s0, "first_std": v0, "last_step": s1,
+             "last_std": v1, "ratio": ratio, "median_change": median},
             fix=("it is the model's output, whose scale is what the loss asks of it: targets "
                  "far from unit scale (standardise a regression's targets, and undo it on "
                  "the predictions), or logits growing as a classifier grows over-confident "
@@ -596,13 +622,16 @@ def _activation_drift(record: RunRecord, t: RunThresholds) -> list[Finding]:
         size = median if median >= 1 else 1 / median
         first = min(c[0] for c in found.values())
         last = max(c[2] for c in found.values())
+        line = t.drift_warn if size >= t.drift_warn else t.drift_info
+        onset = _median_onset(series, line, median >= 1)
         out.append(_ACTIVATION_DRIFT.finding(
             Severity.WARNING if size >= t.drift_warn else Severity.INFO,
             f"the median layer's output std {'grew' if median >= 1 else 'shrank'} "
-            f"{fmt_times(size)} between step {first} and step {last}: the whole model's "
-            f"activations drifted together ({len(ratios)} layers)",
-            {"first_step": first, "last_step": last, "median_change": median,
-             "layers": len(ratios)},
+            f"{fmt_times(size)} between step {first} and step {last} (past "
+            f"{fmt_times(line)} from step {onset}): the whole model's activations drifted "
+            f"together ({len(ratios)} layers)",
+            {"onset_step": onset, "first_step": first, "last_step": last,
+             "median_change": median, "layers": len(ratios)},
             fix="the whole model's scale moves: lower the learning rate or add warm-up, and "
                 "check weight decay and normalisation"))
     return out
@@ -746,10 +775,25 @@ def _nonfinite(record: RunRecord) -> list[Finding]:
     return [_NONFINITE.finding(Severity.ERROR, summary,
         {"gradient_step": o.gradient_step, "nonfinite_steps": o.nonfinite_steps,
          "forward_step": o.forward_step, "module_type": o.module_type},
-        fix="the first step is the one to look at: rerun up to it with "
-            "torch.autograd.detect_anomaly(), guard log/div/sqrt with an eps, and check for "
-            "fp16 overflow (bf16 or a GradScaler) and a learning rate that is too high",
-        module=o.module)]
+        fix=_nonfinite_fix(record), module=o.module)]
+
+
+def _nonfinite_fix(record: RunRecord) -> str:
+    """The NaN/Inf fix for what the run uses: float16 autocast (with or without a
+    GradScaler), clipping, and its optimizer."""
+    fix = ("the first step is the one to look at: rerun up to it with "
+           "torch.autograd.detect_anomaly(), and guard log/div/sqrt with an eps")
+    if record.modes.main_autocast == "torch.float16":
+        fix += ("; the forward runs under float16 autocast, whose range ends at 65504: "
+                + ("the GradScaler skips such steps, so look for a layer whose activations "
+                   "grow" if record.scaler else
+                   "scale the loss with a GradScaler, or autocast to bfloat16"))
+    lrs = sorted({lr for lr, _ in record.param_groups if math.isfinite(lr)})
+    fix += ("; check the learning rate" + (f" (its peak is {lrs[-1]:g}" if lrs else "")
+            + (f", with {record.optimizer})" if lrs and record.optimizer else
+               ")" if lrs else ""))
+    clip = _clip_clause(record)
+    return fix + (clip if clip else ", and clip gradients (clip_grad_norm_)")
 
 
 def _overflowed_only(record: RunRecord, step: int) -> bool:
