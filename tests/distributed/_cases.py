@@ -730,3 +730,19 @@ def ddp_grad_changed_on_one_rank(rank: int, world: int, out: Path,
     return {"diverge": [[{"summary": f.summary, **f.evidence} for f in fs] for fs in found],
             "steps": [flow.index for flow in flows if flow is not None],
             "torch_differs": not all(torch.equal(every[0], w) for w in every[1:])}
+
+
+def ddp_skew(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """gradient_flow on DDP twice: on each rank's own rows, then with rank 1's inputs 50
+    times larger (its local gradient far larger than rank 0's before the all-reduce)."""
+    model = DDP(mlp())
+    x, y = batch(rank, world)
+    answers = {}
+    for name, scale in (("even", 1.0), ("skewed", 50.0 if rank == 1 else 1.0)):
+        flow = torchscope.gradient_flow(model, x * scale, loss_fn="cross_entropy", target=y)
+        assert flow.ranks is not None
+        local = flow.ranks.local_totals()
+        answers[name] = {"findings": {f.code: {"summary": f.summary, **f.evidence}
+                                      for f in flow.findings() if f.code == "grads.rank_skew"},
+                         "local": list(local)}
+    return answers

@@ -274,3 +274,20 @@ def test_ddp_a_gradient_changed_on_one_rank_after_the_all_reduce_is_a_divergence
         (f,) = a["diverge"][2]
         assert f["seen_in"] == "weights" and f["names"] == "4.weight", f
         assert "weights differ between the DDP replicas" in f["summary"]
+
+
+def test_ddp_rank_skew_names_the_rank_with_the_larger_local_gradient(tmp_path: Path) -> None:
+    """Rank 1's inputs 50× larger: its local gradient (before the all-reduce) is more than
+    SKEW_RATIO times rank 0's, which grads.rank_skew says on every rank; the same rows
+    unscaled say nothing."""
+    from torchscope.grads.ranks import SKEW_RATIO
+
+    answers = run_ranks("ddp_skew", tmp_path)
+    for a in answers:
+        assert "raised" not in a, a
+        assert a["even"]["findings"] == {}
+        lo, hi = a["skewed"]["local"]
+        assert hi / lo >= SKEW_RATIO
+        f = a["skewed"]["findings"]["grads.rank_skew"]
+        assert f["high_rank"] == 1 and f["low_rank"] == 0
+        assert _close(f["ratio"], hi / lo)
