@@ -366,3 +366,33 @@ def test_an_lr_of_10_sampled_every_step_is_a_few_findings_cause_first() -> None:
             onset = f.evidence["onset_step"]
             assert isinstance(onset, int) and 0 < onset <= int(f.evidence["last_step"] or 0)
             assert f"from step {onset}" in f.summary
+
+
+@pytest.mark.parametrize("producer", ["torchscope.monitor", "torchscope.integrations.lightning",
+                                      "torchscope.integrations.hf"])
+def test_fixes_fit_the_framework_that_drove_the_run(producer: str) -> None:
+    """The same run's record, as each framework's callback would have produced it: the
+    eval-mode and frozen-layer fixes say what to do there."""
+    import dataclasses
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 2))
+    model[0].requires_grad_(False)
+
+    def before(i: int) -> None:
+        model.train(i < 4)  # an evaluation at step 4 whose model.eval() is never undone
+
+    run, _ = _train(model, torch.optim.SGD(model[3].parameters(), lr=0.01), 10, 2,
+                    before=before)
+    record = dataclasses.replace(run, producer=producer)
+    found = {f.code: f for f in record.findings()}
+    eval_fix, frozen_fix = found["run.eval_mode"].fix, found["grads.frozen"].fix
+    if producer.endswith("lightning"):
+        assert "Lightning calls model.train()" in eval_fix
+        assert "LightningModule" in frozen_fix and "configure_optimizers" in frozen_fix
+    elif producer.endswith("hf"):
+        assert "the Trainer calls model.train()" in eval_fix
+        assert "before building the Trainer" in frozen_fix
+    else:
+        assert "call model.train() after evaluating" in eval_fix
+        assert "model.0.parameters()" in frozen_fix

@@ -1311,8 +1311,22 @@ def _fit_framework(record: RunRecord, found: list[Finding]) -> list[Finding]:
     """Findings whose fix depends on the framework the run used, given its fix (a frozen
     layer's: how to unfreeze it)."""
     framework = _framework(record)
-    return [dataclasses.replace(f, fix=_UNFREEZE[framework].format(m=f.module))
-            if f.code == "grads.frozen" and f.module else f for f in found]
+
+    def fitted(f: Finding) -> Finding:
+        if f.code == "grads.frozen" and f.module:
+            return dataclasses.replace(f, fix=_UNFREEZE[framework].format(m=f.module))
+        if f.code in _FRAMEWORK_FIXED and f.severity >= Severity.WARNING:
+            fix = declared(f.code).fixes.get(framework)
+            if fix:
+                return dataclasses.replace(f, fix=fix)
+        return f
+
+    return [fitted(f) for f in found]
+
+
+# Codes whose catalogue entry's per-framework fix replaces the plain loop's under a
+# framework (the loop that needs fixing is the framework's).
+_FRAMEWORK_FIXED = frozenset({"run.eval_mode", "run.fp16_unscaled"})
 
 
 def _follow_causes(found: list[Finding]) -> list[Finding]:
