@@ -298,6 +298,8 @@ def build():
                         "(during the activations section)."),
     ("fsdp2", "raise", 4, "rank 1 raised ValueError: bad batch in forward 4 in head's forward "
                           "(during the"),
+    ("ddp", "exit", 3, "rank 1 died with exit code 3 in the activations section, without "
+                       "raising an error."),
     ("fsdp2", "exit", 3, "rank 1 died with exit code 3 in the"),
     ("fsdp2", "differ", 0, "the model differs between ranks (rank 1 against rank 0): "
                            "body.0.weight is (12, 8) torch.float32 on rank 1 and (16, 8)"),
@@ -476,13 +478,16 @@ def test_cli_more_ranks_than_rows_names_the_batch(tmp_path: Path) -> None:
     assert left == []
 
 
-def test_cli_an_uneven_split_is_a_note_with_each_rank_s_row_weight(tmp_path: Path) -> None:
-    """F5: 7 rows on 3 ranks split 3/2/2; the ranks' gradients are averaged, so each of
-    rank 0's rows weighs 1/9 of the step and the others' 1/6. An even split says nothing."""
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_cli_an_uneven_split_is_a_note_with_each_rank_s_row_weight(tmp_path: Path,
+                                                                    strategy: str) -> None:
+    """F5: 7 rows on 3 ranks split 3/2/2; the ranks' gradients are averaged (DDP's
+    all-reduce, FSDP2's reduce-scatter), so each of rank 0's rows weighs 1/9 of the step and
+    the others' 1/6. An even split says nothing (the unused-parameter test)."""
     out = tmp_path / "rep"
     res, _, left = _run([sys.executable, "-m", "torchscope", "doctor", "mlp", "--input", "7x128",
-                         "--nproc", "3", "--fast", "--skip", "activations,memory,profile",
-                         "--out", str(out)])
+                         "--nproc", "3", "--strategy", strategy, "--fast", "--skip",
+                         "activations,memory,profile", "--out", str(out)])
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert left == []
     doc = json.loads((out / "report.json").read_text())
