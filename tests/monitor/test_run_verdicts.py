@@ -396,3 +396,58 @@ def test_fixes_fit_the_framework_that_drove_the_run(producer: str) -> None:
     else:
         assert "call model.train() after evaluating" in eval_fix
         assert "model.0.parameters()" in frozen_fix
+
+
+@pytest.mark.parametrize("divide", [False, True])
+def test_an_undivided_accumulation_of_a_transformers_model_s_own_loss(divide: bool) -> None:
+    """GPT-2 returning its own (shifted, token-mean) loss, two micro-batches a step: read
+    from its logits' gradient."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2,
+                                       n_head=2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    with torchscope.monitor(model, opt, every=2, out=None, memory=False) as mon:
+        for _ in range(4):
+            opt.zero_grad()
+            for _ in range(2):
+                ids = torch.randint(0, 64, (2, 12), generator=g)
+                loss = model(input_ids=ids, labels=ids).loss
+                (loss / 2 if divide else loss).backward()
+            opt.step()
+    assert mon.result is not None
+    factors = [f for f, spread in mon.result.output_scales if spread >= 0.99]
+    assert factors and all(math.isclose(f, 0.5 if divide else 1.0, rel_tol=1e-3)
+                           for f in factors)
+    found = [f for f in mon.result.findings() if f.code == "run.accumulation_undivided"]
+    assert [f.severity for f in found] == ([] if divide else [Severity.WARNING])
+
+
+def test_a_spike_led_by_query_key_or_by_the_output_layer_is_named_as_such() -> None:
+    """The analyzer on a record whose flight recorder held a spike: the parameter whose
+    gradient rose first says which instability it is (Wortsman et al. 2023)."""
+    import dataclasses
+
+    from torchscope.monitoring.records import Spike
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    run, _ = _train(model, torch.optim.SGD(model.parameters(), lr=0.01), 4, 2, classes=4)
+    heads = {r.module for r in run.activations.records if r.model_output} \
+        if run.activations is not None else set()
+    assert heads == {"2"}
+    cases = {"blocks.3.attn.q_proj.weight": "attention-logit growth",
+             "2.weight": "output-logit divergence", "1.weight": None}
+    for param, named in cases.items():
+        spike = Spike(step=40, start=38, value=9.0, median=3.0, kind="loss",
+                      first_param=param, first_step=37, first_ratio=50.0)
+        (f,) = [f for f in dataclasses.replace(run, spikes=(spike,)).findings()
+                if f.code == "run.loss_spike"]
+        assert f.module == param.rpartition(".")[0]
+        assert "over steps 38–40" in f.summary and f.evidence["first_step"] == 37
+        if named is None:
+            assert "Wortsman" not in f.summary
+        else:
+            assert named in f.summary and "Wortsman et al. 2023" in f.summary

@@ -545,6 +545,8 @@ class Monitor(HookedContext):
             loss = own_loss(output)  # a model that returns its own loss
             if loss is not None:
                 self._flight.on_loss(g.steps, loss)
+        if type(output) is not torch.Tensor:  # a transformers output: its logits
+            output = getattr(output, "logits", None)
         if g is None or not g.collecting or not torch.is_grad_enabled() or \
                 torch._C._current_autograd_node() is not None or \
                 type(output) is not torch.Tensor or not output.requires_grad or \
