@@ -63,3 +63,10 @@ def test_dead_units_in_many_layers_are_one_finding_dated_at_their_onset(
         assert int(f.evidence["layers"] or 0) >= 1
         onset = f.evidence["onset_step"]
         assert isinstance(onset, int) and f.evidence["first_step"] <= onset
+
+
+def test_a_layer_frozen_by_mistake_is_told_how_to_unfreeze(zoo_diagnoses: list[Diagnosis]
+                                                           ) -> None:
+    (d,) = [d for d in zoo_diagnoses if d.run.name == "mlp-frozen-layer"]
+    (frozen,) = [f for f in d.findings if f.code == "grads.frozen"]
+    assert "requires_grad_(True)" in frozen.fix and "model.2" in frozen.fix
