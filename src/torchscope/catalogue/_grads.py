@@ -487,7 +487,9 @@ ENTRIES: tuple[Entry, ...] = (
                      "training_step or inner-loop override must keep model.zero_grad()."},
         example="the gradients were never zeroed between optimizer steps: 9 of 10 steps "
                 "(from step 1) updated with the sum of every earlier step's gradient too",
-        explains=("grads.exploding", "grads.update_ratio", "grads.clipped", "run.grad_grew"),
+        explains=("grads.exploding", "grads.update_ratio", "grads.clipped", "run.grad_grew",
+                  "run.weight_scale", "run.activation_drift", "run.dead_units",
+                  "run.loss_spike"),
     ),
     Entry(
         code="grads.cleared_before_step",
