@@ -520,6 +520,18 @@ class _BadBatchAt:
 _SPIKE = _BadBatchAt(17)
 
 
+def _qk_lr(lr: float) -> Callable[[nn.Module], torch.optim.Optimizer]:
+    """AdamW at 1e-3, but at `lr` for the attention's query and key projections (a
+    per-group learning rate gone wrong): their scale grows until the attention saturates."""
+
+    def build(m: nn.Module) -> torch.optim.Optimizer:
+        qk = [p for n, p in m.named_parameters() if "q_proj" in n or "k_proj" in n]
+        rest = [p for n, p in m.named_parameters() if "q_proj" not in n and "k_proj" not in n]
+        return torch.optim.AdamW([{"params": rest, "lr": 1e-3}, {"params": qk, "lr": lr}])
+
+    return build
+
+
 def _frozen_mlp() -> nn.Module:
     m = mlp()
     for p in m[2].parameters():  # frozen by mistake (a leftover of fine-tuning code)
@@ -595,6 +607,10 @@ FAULTED: tuple[Run, ...] = (
         # what a 300x batch's update leaves: units pushed dead, a large step
         allowed=frozenset({"run.dead_units", "grads.update_ratio", "activations.dead_units",
                            "grads.dead"})),
+    Run("llama-attention-logit-growth", plain(llama, _token_batches, _qk_lr(3.0),
+                                              warmup=False, every=10, steps=40),
+        (Expect("run.activation_drift", "model.layers.0.self_attn.q_proj", 10),),
+        allowed=frozenset({"run.grad_grew"})),
     Run("mlp-accumulation-undivided", plain(mlp, _vector_batches, _sgd, warmup=False,
                                             micro=4, divide=False),
         (Expect("run.accumulation_undivided", None),)),

@@ -604,20 +604,36 @@ def _activation_drift(record: RunRecord, t: RunThresholds) -> list[Finding]:
         named[k] = ratio
         line = t.drift_warn if size >= t.drift_warn else t.drift_info
         onset = _onset(series, k, v0, line, ratio >= 1)
+        qk = ratio >= 1 and _is_query_key(k)
+        if qk:
+            # The attention logits are the product of queries and keys: they grow with the
+            # square of this (Wortsman et al. 2023's attention-logit growth).
+            suffix += (": an attention's queries or keys growing is attention-logit growth "
+                       "(Wortsman et al. 2023), the logits growing as their product until "
+                       "the attention's softmax saturates to one-hot")
+            fix = ("normalise queries and keys (qk-layernorm: a LayerNorm on q and k before "
+                   "their product, as ViT-22B and OLMo do), or lower the learning rate of the "
+                   "attention's query/key projections")
+        elif k in heads:
+            fix = ("it is the model's output, whose scale is what the loss asks of it: targets "
+                   "far from unit scale (standardise a regression's targets, and undo it on "
+                   "the predictions), or logits growing as a classifier grows over-confident "
+                   "(label smoothing, weight decay; for a language model's logits drifting "
+                   "up, output-logit divergence in Wortsman et al. 2023, a z-loss of "
+                   "1e-4 · log²Z)")
+        else:
+            fix = ("activations that drift this far change what every later layer sees: "
+                   "check the learning rate of the layers before it, or normalise "
+                   "(LayerNorm/BatchNorm)")
         out.append(_ACTIVATION_DRIFT.finding(
             Severity.WARNING if size >= t.drift_warn else Severity.INFO,
             f"{_name(k)}'s output std {'grew' if ratio >= 1 else 'shrank'} {fmt_times(size)} "
             f"between step {s0} and step {s1} (past {fmt_times(line)} from step {onset})"
             f"{suffix}",
             {"onset_step": onset, "first_step": s0, "first_std": v0, "last_step": s1,
-             "last_std": v1, "ratio": ratio, "median_change": median},
-            fix=("it is the model's output, whose scale is what the loss asks of it: targets "
-                 "far from unit scale (standardise a regression's targets, and undo it on "
-                 "the predictions), or logits growing as a classifier grows over-confident "
-                 "(label smoothing, weight decay)") if k in heads else
-                "activations that drift this far change what every later layer sees: check "
-                "the learning rate of the layers before it, or normalise (LayerNorm/BatchNorm)",
-            module=k))
+             "last_std": v1, "ratio": ratio, "median_change": median,
+             "attention_logit_growth": qk},
+            fix=fix, module=k))
     if together:
         size = median if median >= 1 else 1 / median
         first = min(c[0] for c in found.values())
@@ -1076,7 +1092,14 @@ def _accumulation(record: RunRecord) -> list[Finding]:
 
 
 # Parameter names of an attention's query/key projections (transformers, timm, torch).
-_QK = ("q_proj", "k_proj", "query", "key", "c_attn", "qkv", "in_proj", "Wqkv", ".q.", ".k.")
+_QK = ("q_proj", "k_proj", "query", "key", "c_attn", "qkv", "in_proj", "Wqkv", ".q.", ".k.",
+       "q_lin", "k_lin")
+
+
+def _is_query_key(name: str) -> bool:
+    """Whether a module or parameter name is an attention's query or key projection (or a
+    fused q/k/v one)."""
+    return any(k in name + "." for k in _QK)
 
 
 def _spikes(record: RunRecord) -> list[Finding]:
@@ -1103,7 +1126,7 @@ def _spikes(record: RunRecord) -> list[Finding]:
                         f"{sp.first_step}"
                         + (f" ({fmt_times(sp.first_ratio)} its own earlier level at the "
                            "spike)" if sp.first_ratio else ""))
-            if any(k in sp.first_param for k in _QK):
+            if _is_query_key(sp.first_param):
                 cause = ("; an attention's query/key projection moving first is the "
                          "signature of attention-logit growth (Wortsman et al. 2023): "
                          "normalise queries and keys (qk-layernorm), or lower the "
