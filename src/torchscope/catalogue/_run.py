@@ -204,7 +204,12 @@ ENTRIES: tuple[Entry, ...] = (
                 "diverging run.",
         criterion="Median of the first and last tenth of the samples of each layer's output "
                   "std; when the median layer drifted 10x, one finding for the model and a "
-                  "layer only where it went 10x further.",
+                  "layer only where it went 10x further; dated at the first sample past the "
+                  "line. An attention's query or key projection growing is named as "
+                  "attention-logit growth.",
+        literature="Wortsman et al. 2023, Small-scale proxies for large-scale Transformer "
+                   "training instabilities (arXiv 2309.14322); Dehghani et al. 2023, Scaling "
+                   "Vision Transformers to 22 Billion Parameters (arXiv 2302.05442)",
         fix="activations that drift this far change what every later layer sees: check the "
             "learning rate of the layers before it, or normalise (LayerNorm/BatchNorm)",
         example="the median layer's output std grew 310× between step 0 and step 30",
