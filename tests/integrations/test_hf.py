@@ -231,6 +231,21 @@ def test_report_to_tensorboard_gets_the_scalars_however_the_callback_is_given(
         assert math.isclose(total[step + 1], value, rel_tol=1e-6)
 
 
+def test_a_callback_given_to_a_second_trainer_moves_to_it(tmp_path: Path) -> None:
+    """One callback, two Trainers made with it in turn: each puts it first in its list."""
+    transformers.logging.set_verbosity_error()
+    callback = TorchscopeTrainerCallback(every=1, out=None)
+    first, _ = _trainer(tmp_path / "a", [callback], steps=2, report_to="tensorboard")
+    second, _ = _trainer(tmp_path / "b", [callback], steps=2, report_to="tensorboard")
+    assert first.callback_handler.callbacks[0] is callback
+    assert second.callback_handler.callbacks[0] is callback
+    with callback:
+        second.train()
+    assert callback.result is not None and callback.result.steps == 2
+    assert any("train/torchscope/grad_norm/total" in tags
+               for tags in _tensorboard_scalars(tmp_path / "b"))
+
+
 def test_a_callback_no_trainer_calls_says_it_cannot_reach_the_loggers(tmp_path: Path
                                                                       ) -> None:
     """Events called by other code than a Trainer: the callback cannot put itself before

@@ -245,11 +245,10 @@ class TorchscopeTrainerCallback(TrainerCallback):
 
     # ------------------------------------------------------------------ events
     def _install_on_caller(self) -> None:
-        """`install` on the Trainer whose event calls this one, unless installed."""
-        if self._trainer is not None and self._trainer() is not None:
-            return
+        """`install` on the Trainer whose event calls this one, unless installed on it (a
+        callback given to a second Trainer moves to it)."""
         trainer = _calling_trainer(self)
-        if trainer is not None:
+        if trainer is not None and (self._trainer is None or self._trainer() is not trainer):
             self.install(trainer)
 
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
