@@ -451,3 +451,28 @@ def test_a_spike_led_by_query_key_or_by_the_output_layer_is_named_as_such() -> N
             assert "Wortsman" not in f.summary
         else:
             assert named in f.summary and "Wortsman et al. 2023" in f.summary
+
+
+def test_an_early_loss_spike_before_a_nan_is_its_own_finding() -> None:
+    """The issue's case: the loss climbs over steps 4-7 and the gradients go NaN at step 8.
+    The spike is found at its own steps, before the NaN."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(0)
+    scale = {4: 30.0, 5: 300.0, 6: 3e3, 7: 3e4, 8: math.inf}
+    with torchscope.monitor(model, opt, every=5, out=None, memory=False) as mon:
+        for i in range(12):
+            opt.zero_grad()
+            x = torch.randn(16, 8, generator=g) * scale.get(i, 1.0)
+            loss = nn.functional.cross_entropy(model(x), torch.randint(0, 4, (16,),
+                                                                       generator=g))
+            mon.check_loss(loss)
+            loss.backward()
+            opt.step()
+    assert mon.result is not None
+    found = mon.result.findings()
+    (spike,) = [f for f in found if f.code == "run.loss_spike"]
+    (nan,) = [f for f in found if f.code == "run.nonfinite"]
+    assert nan.evidence["gradient_step"] == 8
+    assert int(spike.evidence["step"] or 0) < 8 and int(spike.evidence["onset_step"] or 0) == 4

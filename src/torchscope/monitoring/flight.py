@@ -35,7 +35,8 @@ LOSS_BACK = 1.5
 RISE_RATIO = 3.0  # a parameter "moved" when its magnitude passed this many times its own
 MAX_RISE = 5  # steps a rise may take to be a spike (a steady growth is no spike)
 RECENT = 20  # steps whose median is the reference
-MIN_RECENT = 5  # ...at least this many
+MIN_RECENT = 5  # ...at least this many (a loss: `MIN_RECENT_LOSS`, so that a spike at step
+MIN_RECENT_LOSS = 3  # 4 is judged; a loss does not double by chance in its first steps)
 MAX_SPIKES = 5
 
 
@@ -126,7 +127,8 @@ class FlightRecorder:
         if not math.isfinite(value):
             return  # NaN/Inf is the run's onset finding, not a spike
         recent = list(self._recent)
-        median = statistics.median(recent) if len(recent) >= MIN_RECENT else None
+        least = MIN_RECENT_LOSS if self._kind == "loss" else MIN_RECENT
+        median = statistics.median(recent) if len(recent) >= least else None
         if median is None or not median > 0:
             self._recent.append(value)
             return
