@@ -566,3 +566,41 @@ def test_nccl_ddp_on_two_gpus(tmp_path: Path) -> None:
     assert doc["sections"]["ranks"]["data"]["backend"] == "nccl"
     rows = doc["sections"]["ranks"]["data"]["ranks"]
     assert rows[0]["grad_norm"] == pytest.approx(rows[1]["grad_norm"], rel=1e-6)
+
+
+def test_raised_in_names_the_innermost_module_whose_forward_raised() -> None:
+    from torchscope.doctor.distributed import raised_in
+    from torchscope.errors import ModelError
+
+    class Bad(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise ValueError("bad")
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.ReLU(), Bad()))
+    with pytest.raises(ValueError) as caught:
+        model(torch.zeros(1, 2))
+    assert raised_in(caught.value, model) == "1.1"
+    wrapped = ModelError("the model raised")  # as the doctor's sections wrap it
+    wrapped.__cause__ = caught.value
+    assert raised_in(wrapped, model) == "1.1"
+    assert raised_in(ValueError("elsewhere"), model) is None
+
+
+def test_uneven_split_weighs_each_rank_s_rows() -> None:
+    from torchscope.doctor.ranks import RankRecords, RanksRecord, uneven_split
+    from torchscope.memory import RankBytes
+
+    def record(rows: list[int]) -> RanksRecord:
+        return RanksRecord(len(rows), "ddp", "gloo", tuple(
+            RankRecords(r, None, None, None, RankBytes("ddp", 0, 0, 0, 0, 0, 0, 0, 0), None,
+                        rows=n)
+            for r, n in enumerate(rows)), batch_rows=sum(rows))
+
+    assert uneven_split(record([4, 4])) is None
+    note = uneven_split(record([3, 2, 2]))
+    assert note is not None and note.code == "ranks.uneven_split"
+    assert note.evidence["rank0_row_weight"] == pytest.approx(1 / 9)
+    assert note.evidence["rank2_row_weight"] == pytest.approx(1 / 6)
+    # Each rank's weights add up to 1/N, and all of them to 1, as the averaged gradient's.
+    assert sum(float(note.evidence[f"rank{r}_row_weight"] or 0) * n
+               for r, n in enumerate([3, 2, 2])) == pytest.approx(1.0)
