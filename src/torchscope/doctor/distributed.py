@@ -313,21 +313,18 @@ def check_same_model(model: nn.Module) -> None:
     every = gather_objects(mine, what="the model signatures")
     odd = [r for r, d in enumerate(digests) if d != digests[0]]
     detail = ""
-    if every is not None:
-        ref, other = dict((n, (s, d)) for n, s, d in every[0]), \
-            dict((n, (s, d)) for n, s, d in every[odd[0]])
-        for name in [*ref, *(n for n in other if n not in ref)]:
-            if ref.get(name) != other.get(name):
-                def say(v: tuple[tuple[int, ...], str] | None) -> str:
-                    return "nothing" if v is None else f"{tuple(v[0])} {v[1]}"
-                detail = (f": {name} is {say(other.get(name))} on rank {odd[0]} and "
-                          f"{say(ref.get(name))} on rank 0")
-                break
+    if every is not None:  # rank 0 says where
+        ref = {n: f"{tuple(s)} {d}" for n, s, d in every[0]}
+        other = {n: f"{tuple(s)} {d}" for n, s, d in every[odd[0]]}
+        name = next((n for n in [*ref, *other] if ref.get(n) != other.get(n)), None)
+        if name is not None:
+            detail = (f": {name} is {other.get(name, 'nothing')} on rank {odd[0]} and "
+                      f"{ref.get(name, 'nothing')} on rank 0")
     raise ModelMismatchError(
         f"the model differs between ranks ({rank_list(odd)} against rank 0){detail}; "
         "DDP and FSDP2 need the same parameters and buffers on every rank.",
-        fix="build the model the same way on every rank (no rank-dependent sizes or "
-        "layers); seed it, or let DDP broadcast rank 0's weights.")
+        fix="build the model the same way on every rank (no rank-dependent sizes, layers "
+        "or dtypes).")
 
 
 class ModelMismatchError(DistributedError):
