@@ -372,9 +372,14 @@ def _native_list(xs: list[torch.Tensor]) -> bool:
         if xs[0].dtype == torch.float32 and xs[0].device.type == "cpu":
             _request("norm", torch.empty(0))  # loads (or builds) the library meanwhile
         return False
+    # `_unfit_tensor`'s checks inline, cheapest first: this runs over a model's parameters
+    # three or four times per sampled step (a call per tensor cost 25 us of 54 on 57).
+    wrapped, functional = torch._C._functorch.is_functorch_wrapped_tensor, \
+        torch._is_functional_tensor
     return _unfit_now(xs[0]) is None and \
-        all(x.dtype == torch.float32 and x.device.type == "cpu" and x.is_contiguous()
-            and x.numel() <= _MAX_NUMEL and _unfit_tensor(x) is None for x in xs)
+        all(type(x) is torch.Tensor and x.dtype == torch.float32 and x.is_cpu
+            and x.layout == torch.strided and x.is_contiguous() and x.numel() <= _MAX_NUMEL
+            and not x.is_neg() and not wrapped(x) and not functional(x) for x in xs)
 
 
 def why_eager(program: Program, x: torch.Tensor) -> str | None:

@@ -687,12 +687,30 @@ class _RankAware:
         DTensor shard), on the device."""
         synced: list[torch.Tensor | None] = []
         sums: list[torch.Tensor | None] = []
-        for p in params:
+        # CPU gradients' norms by one `_foreach_norm` per (half or not) group: on the CPU it
+        # runs `vector_norm` on each, so the numbers are `_norm`'s to the bit, without a
+        # Python call per parameter. Other devices keep `_norm` (a fused foreach kernel
+        # rounds otherwise).
+        cpu: dict[bool, list[int]] = {}
+        for i, p in enumerate(params):
             g = p.grad
-            whole = g is not None and not is_dtensor(g) and g.layout == torch.strided
-            synced.append(_norm(g.detach()) if whole and g is not None else None)
-            sums.append(g.detach().sum(dtype=torch.float64) if whole and g is not None
-                        else None)
+            if g is None or is_dtensor(g) or g.layout != torch.strided:
+                synced.append(None)
+                sums.append(None)
+                continue
+            g = g.detach()
+            if g.is_cpu:
+                cpu.setdefault(g.dtype in _HALF, []).append(i)
+                synced.append(None)  # filled below
+            else:
+                synced.append(_norm(g))
+            sums.append(g.sum(dtype=torch.float64))
+        with torch.no_grad():  # a create_graph backward leaves .grad requiring grad
+            for half, idx in cpu.items():
+                grads = [params[i].grad.detach() for i in idx]  # type: ignore[union-attr]
+                for i, n in zip(idx, torch._foreach_norm(
+                        grads, 2, dtype=torch.float32 if half else None), strict=True):
+                    synced[i] = n  # ()
         return synced, sums
 
     def finish(self, names: list[str], params: list[nn.Parameter],

@@ -51,6 +51,8 @@ def combine_norms(norms: Iterable[float | None]) -> float | None:
     Returns None when every entry is None.
     """
     vals = [n for n in norms if n is not None]
+    if len(vals) == 1:  # most modules' one call, most calls' one output: fsum([x]) is x
+        return math.sqrt(vals[0] * vals[0])
     if not vals:
         return None
     return math.sqrt(math.fsum(n * n for n in vals))
