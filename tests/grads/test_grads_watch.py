@@ -703,6 +703,29 @@ def test_check_nonfinite_finds_the_first_bad_step_between_samples() -> None:
     assert unchecked.first_nonfinite_step is None and unchecked.nonfinite_steps is None
 
 
+def test_check_nonfinite_counts_exactly_over_many_steps_read_midway() -> None:
+    # The checks wait on the device in batches: read midway, and across several batches,
+    # the first bad step and the count are those of a check of each step on its own.
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(4, 4)
+    bad = {70, 130, 131, 199}
+    with watch_gradients(model, every=1000, optimizer=opt, check_nonfinite=True) as watch:
+        for i in range(200):
+            opt.zero_grad()
+            (model(x).sum() * (math.inf if i in bad else 1.0)).backward()
+            kept = [p.detach().clone() for p in model.parameters()]
+            opt.step()
+            with torch.no_grad():  # an Inf update's NaN weights would make every step bad
+                for p, w in zip(model.parameters(), kept, strict=True):
+                    p.copy_(w)
+            if i == 69:
+                assert watch.first_nonfinite_step is None and watch.nonfinite_steps == 0
+            if i == 100:
+                assert watch.first_nonfinite_step == 70 and watch.nonfinite_steps == 1
+    assert watch.first_nonfinite_step == 70 and watch.nonfinite_steps == len(bad)
+
+
 def test_micro_batches_with_optimizer_is_refused() -> None:
     with pytest.raises(TorchscopeError, match="micro_batches"):
         watch_gradients(_mlp(), optimizer=torch.optim.SGD(_mlp().parameters(), lr=1),

@@ -146,6 +146,10 @@ _EVIDENCE = 32
 # Lightning's own step wrappers call that).
 _SCALER_FRAMES = 6
 _SKIPPED_KEPT = 1000  # indices of GradScaler-skipped steps kept (the newest; all are counted)
+# Every-step NaN/Inf checks whose results wait on the device, one number each, before one
+# reduction reads them all into the first bad step and the count (`_reduce_checks`).
+_CHECK_RING = 64
+_NO_STEP = 2**62  # larger than any step index: "no bad step" in the ring's reduction
 # Losses handed to `check_loss` whose graph may miss the kept output (each from another
 # forward than the latest) before the watch stops looking: a step that runs another forward
 # with gradients between its own forward and the check (a validation batch outside
@@ -378,6 +382,10 @@ class GradWatch(HookedContext, Analyzed):
         self._check_nonfinite = check_nonfinite
         self._nonfinite: tuple[torch.Tensor, torch.Tensor] | None = None  # (first step, count)
         self._native_fit = 0  # gradients the native norms took at the last check (`_check_step`)
+        # Checks not reduced yet: per check, the largest gradient magnitude (NaN/Inf iff an
+        # element is) in a ring on the device (with a view of each slot), and its step.
+        self._checks: tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None = None
+        self._check_steps: list[int] = []
         self._scaler_states: Any = None
         self._stepped = False  # the optimizer stepped since the scaler's last update()
         self._closure_pending = False
@@ -867,25 +875,35 @@ class GradWatch(HookedContext, Analyzed):
         shard's."""
         replaced = zeroed = accumulated = False
         now: list[_Evidence | None] = []
-        for i, p in enumerate(self._evidence_params):
+        old = self._evidence
+        if len(old) < len(self._evidence_params):  # the first look
+            old = [*old, *[None] * (len(self._evidence_params) - len(old))]
+        # Runs twice a step over up to `_EVIDENCE` parameters: a plain gradient's counter
+        # read inline, and its weak reference kept while it is the same tensor.
+        for p, before in zip(self._evidence_params, old, strict=False):
             g = p.grad
-            before = self._evidence[i] if i < len(self._evidence) else None
-            if g is not None:
-                loop, shard = _versions(g)
-            if before is not None:
-                ref, version, shard_version = before
-                if g is None or g is not ref():
-                    replaced = True
-                elif shard_version is not None:  # DTensor
-                    if loop > version:
-                        zeroed = True
-                    elif shard is not None and shard > shard_version:
-                        accumulated = True
-                elif loop > version + 1:
+            if g is None:
+                replaced = replaced or before is not None
+                now.append(None)
+                continue
+            loop, shard = (g._version, None) if type(g) is torch.Tensor else _versions(g)
+            if before is None:
+                now.append((weakref.ref(g), loop, shard))
+                continue
+            ref, version, shard_version = before
+            if g is not ref():
+                replaced = True
+                ref = weakref.ref(g)
+            elif shard_version is not None:  # DTensor
+                if loop > version:
                     zeroed = True
-                elif loop == version + 1:
+                elif shard is not None and shard > shard_version:
                     accumulated = True
-            now.append(None if g is None else (weakref.ref(g), loop, shard))
+            elif loop > version + 1:
+                zeroed = True
+            elif loop == version + 1:
+                accumulated = True
+            now.append((ref, loop, shard))
         self._evidence = now
         return replaced, zeroed, accumulated
 
@@ -908,6 +926,7 @@ class GradWatch(HookedContext, Analyzed):
             s.forward_pre_hook(s.model, self._check_scaler, prepend=True)
         self._check_nonfinite = False
         self._nonfinite = None
+        self._check_steps.clear()
 
     def _check_scaler(self, *_args: Any) -> None:
         """Count a step the GradScaler skipped: its `update()` ran with no optimizer step
@@ -922,6 +941,7 @@ class GradWatch(HookedContext, Analyzed):
         self.skipped += 1
         if self._step_by == "manual":
             index = self.steps - 1  # end_step() came before the scaler's decision
+            self._reduce_checks()
             if self._nonfinite is not None:  # that step's check saw the inf/NaN: not a fault
                 first, count = self._nonfinite
                 first.masked_fill_(first == index, -1)
@@ -934,46 +954,84 @@ class GradWatch(HookedContext, Analyzed):
 
     def _check_step(self) -> None:
         """Note on the device whether any gradient element of this step is NaN/Inf (no host
-        sync): one fused infinity norm (largest magnitude) per gradient, which is non-finite
-        iff an element is and, unlike a float32 sum of squares, never overflows (a
-        30-layer ReLU MLP's finite 6e31 elements read as Inf in an L2 norm)."""
-        by_device: dict[torch.device, list[torch.Tensor]] = {}
-        for p in self._params:
-            g = p.grad
-            if g is not None and not g.is_sparse:
-                if type(g) is not torch.Tensor:
-                    g = local_tensor(g)  # FSDP2: this rank's shard
-                by_device.setdefault(g.device, []).append(g)
-        bad: torch.Tensor | None = None
-        for grads in by_device.values():
-            # On the CPU, one native call over the list: L2 norms summed in float64, which
-            # no float32 element can overflow (`_foreach_norm` there runs one norm per
-            # tensor: the largest cost of a step that is not sampled).
-            fit = self._native_fit == len(grads)  # these parameters' gradients passed
-            vector = _kernels.norm_vector(grads, known_fit=fit)  # (n,) float64, or None
-            self._native_fit = len(grads) if vector is not None else 0
-            if vector is not None:
-                if self.on_check is not None and len(by_device) == 1:
-                    self.on_check(self.steps, vector)
-                here = ~torch.isfinite(vector).all()  # () bool
-                bad = here if bad is None else bad | here.to(bad.device, non_blocking=True)
-                continue
-            norms = list(torch._foreach_norm(grads, math.inf))  # one 0-d max per gradient
-            if len({n.dtype for n in norms}) > 1:
-                norms = [n.float() for n in norms]
-            stacked = torch.stack(norms)  # (n,)
-            if self.on_check is not None and len(by_device) == 1:
-                self.on_check(self.steps, stacked)
-            here = ~torch.isfinite(stacked).all()  # () bool
-            bad = here if bad is None else bad | here.to(bad.device, non_blocking=True)
-        if bad is None:
+        sync): one fused norm per gradient, which is non-finite iff an element is (on the
+        CPU L2 norms summed in float64, which no float32 element can overflow: a 30-layer
+        ReLU MLP's finite 6e31 elements read as Inf in a float32 L2 norm; elsewhere the
+        infinity norm), and their largest into a ring that `_reduce_checks` reads every
+        `_CHECK_RING` checks: two ops on the device a step."""
+        grads = [g for p in self._params if (g := p.grad) is not None and not g.is_sparse]
+        if not grads:
             return
+        if self._native_fit == len(grads):
+            # The same parameters' gradients as the last check took: one native call over
+            # the list, only their own attributes checked again (all plain float32 on the
+            # CPU, so one device). `_foreach_norm` on the CPU runs one norm per tensor.
+            vector = _kernels.norm_vector(grads, known_fit=True)  # (n,) float64, or None
+            if vector is not None:
+                if self.on_check is not None:
+                    self.on_check(self.steps, vector)
+                self._note_check([vector])
+                return
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for grad in grads:
+            g = grad if type(grad) is torch.Tensor else local_tensor(grad)  # FSDP2: the shard
+            by_device.setdefault(g.device, []).append(g)
+        vectors: list[torch.Tensor] = []
+        self._native_fit = 0
+        for group in by_device.values():
+            vector = _kernels.norm_vector(group)  # (n,) float64, or None
+            if vector is not None and len(by_device) == 1:
+                self._native_fit = len(group)
+            if vector is None:
+                norms = list(torch._foreach_norm(group, math.inf))  # one 0-d max per gradient
+                if len({n.dtype for n in norms}) > 1:
+                    norms = [n.float() for n in norms]
+                vector = torch.stack(norms)  # (n,)
+            if self.on_check is not None and len(by_device) == 1:
+                self.on_check(self.steps, vector)
+            vectors.append(vector)
+        self._note_check(vectors)
+
+    def _note_check(self, vectors: list[torch.Tensor]) -> None:
+        """Write the largest of this check's gradient magnitudes (one (n,) vector per
+        device) into the next slot of the ring, reducing it first where it is full."""
+        if len(self._check_steps) == _CHECK_RING:
+            self._reduce_checks()
+        device = vectors[0].device
+        if self._checks is None or self._checks[0].device != device:
+            self._reduce_checks()
+            # float64 holds a CPU L2 norm of finite float32 elements (up to 1e43); MPS has none.
+            dtype = torch.float32 if device.type == "mps" else torch.float64
+            ring = torch.full((_CHECK_RING,), math.nan, dtype=dtype, device=device)
+            self._checks = (ring, ring.unbind(0))
+        ring, slots = self._checks
+        slot = slots[len(self._check_steps)]  # () view into the ring
+        self._check_steps.append(self.steps)
+        if len(vectors) == 1 and vectors[0].dtype == ring.dtype:
+            torch.amax(vectors[0], 0, out=slot)  # NaN and Inf propagate
+            return
+        largest = torch.stack([v.amax().to(device, ring.dtype, non_blocking=True)
+                               for v in vectors])  # (devices,)
+        slot.copy_(largest.amax())
+
+    def _reduce_checks(self) -> None:
+        """Fold the ring's pending checks into the first NaN/Inf step and the count of
+        checks that saw one, on the device (no host sync)."""
+        if not self._check_steps:
+            return
+        assert self._checks is not None
+        ring = self._checks[0]
+        n = len(self._check_steps)
+        bad = ~torch.isfinite(ring[:n])  # (n,) bool
+        steps = torch.tensor(self._check_steps, dtype=torch.int64).to(ring.device)  # (n,)
+        self._check_steps.clear()
         if self._nonfinite is None:
-            self._nonfinite = (torch.full((), -1, dtype=torch.int64, device=bad.device),
-                               torch.zeros((), dtype=torch.int64, device=bad.device))
+            self._nonfinite = (torch.full((), -1, dtype=torch.int64, device=ring.device),
+                               torch.zeros((), dtype=torch.int64, device=ring.device))
         first, count = self._nonfinite
-        first.masked_fill_(bad & (first < 0), self.steps)
-        count.add_(bad)
+        count.add_(bad.sum().to(count.device))
+        found = torch.where(bad, steps, _NO_STEP).amin().to(first.device)  # () earliest bad
+        first.copy_(torch.where((first < 0) & (found < _NO_STEP), found, first))
 
     def _sample(self, index: int, build: Callable[[], GradFlow]) -> Callable[[], GradFlow]:
         """Count step `index` as sampled. Its records are built when read, or when the next
@@ -1098,12 +1156,14 @@ class GradWatch(HookedContext, Analyzed):
         """With `check_nonfinite=True`: steps whose gradients held NaN/Inf, every step
         checked (a GradScaler's skipped steps excluded); None otherwise. Reading it copies
         one number from the device."""
+        self._reduce_checks()
         return None if self._nonfinite is None else int(self._nonfinite[1])
 
     @property
     def first_nonfinite_step(self) -> int | None:
         """With `check_nonfinite=True`: the first step whose gradients held NaN/Inf, every
         step checked, or None. Reading it copies one number from the device."""
+        self._reduce_checks()
         if self._nonfinite is None:
             return None
         first = int(self._nonfinite[0])

@@ -55,6 +55,9 @@ class FlightRecorder:
         self.names = names
         self._grads: torch.Tensor | None = None  # (capacity, n) float32 on the device
         self._loss: torch.Tensor | None = None  # (capacity,) float32 on the device
+        # Views of their rows, made once: a step's write is one copy, no indexing.
+        self._grad_rows: tuple[torch.Tensor, ...] = ()
+        self._loss_rows: tuple[torch.Tensor, ...] = ()
         self._grad_step = [-1] * capacity  # the step each row holds
         self._loss_step = [-1] * capacity
         self._read = -1  # the newest step read
@@ -73,9 +76,9 @@ class FlightRecorder:
         if self._grads is None:
             self._grads = torch.full((self.capacity, len(self.names)), math.nan,
                                      dtype=torch.float32, device=magnitudes.device)
+            self._grad_rows = self._grads.unbind(0)
         row = step % self.capacity
-        with torch.no_grad():
-            self._grads[row].copy_(magnitudes, non_blocking=True)
+        self._grad_rows[row].copy_(magnitudes.detach(), non_blocking=True)  # (n,)
         self._grad_step[row] = step
 
     def on_loss(self, step: int, loss: torch.Tensor) -> None:
@@ -85,9 +88,11 @@ class FlightRecorder:
         if self._loss is None:
             self._loss = torch.full((self.capacity,), math.nan, dtype=torch.float32,
                                     device=loss.device)
+            self._loss_rows = self._loss.unbind(0)
         row = step % self.capacity
-        with torch.no_grad():
-            self._loss[row].copy_(loss.detach().reshape(()), non_blocking=True)
+        loss = loss.detach()  # the copy joins no graph
+        self._loss_rows[row].copy_(loss if loss.dim() == 0 else loss.reshape(()),
+                                   non_blocking=True)
         self._loss_step[row] = step
 
     def read(self) -> None:
