@@ -439,6 +439,10 @@ class GradWatch(HookedContext, Analyzed):
                 self._scaler_states = getattr(self._scaler, "_per_optimizer_states", None)
                 s.forward_pre_hook(s.model, self._check_scaler, prepend=True)
         c.on_backward_end = self._on_backward_end
+        # DDP's write of the averaged gradients moves their versions after the backward's
+        # end: taken as the evidence, it is no change by the loop (`_note_applied` would read
+        # every gradient again at each sampled step: 0.5 ms on a small Llama).
+        c.on_synced = self._grad_evidence
         c.on_output = self._read_own_loss
         c.active = self._collecting(self.steps)
         if self._updates:
@@ -474,7 +478,7 @@ class GradWatch(HookedContext, Analyzed):
                     self._sample(self.steps, c.finish_later(self.steps))
                 self._settle()
         finally:
-            c.on_backward_end = None
+            c.on_backward_end = c.on_synced = None
             self._partials = []
             if failed:  # keep what finished steps measured, but raise nothing over the error
                 with contextlib.suppress(Exception):
@@ -678,9 +682,14 @@ class GradWatch(HookedContext, Analyzed):
         """Where step `index`'s gradients are those the update will use: count the step if
         the loop cleared them since the last backward (every evidence parameter's `.grad`
         set to None: the update uses none), else read what it applies (`_note_applied`)."""
-        had = [p for p, before in zip(self._evidence_params, self._evidence, strict=False)
-               if before is not None]
-        if had and all(p.grad is None for p in had):
+        had = False  # an evidence parameter had a gradient at the last backward's end
+        for p, before in zip(self._evidence_params, self._evidence, strict=False):
+            if before is not None:
+                if p.grad is not None:  # not all cleared: usually the first one says so
+                    had = False
+                    break
+                had = True
+        if had:
             self.cleared_steps += 1
             if self.first_cleared is None:
                 self.first_cleared = self._optimizer_steps - 1  # this step, counted from 0

@@ -222,6 +222,10 @@ class Monitor(HookedContext):
         self._autocast: str | None = None  # and its autocast dtype, None without
         self._device_type = "cpu"
         self._modes = ModeCounts()
+        # Training steps since the last mode change, all of one autocast state, not yet in
+        # `_modes` (`_fold_modes`): a step adds one to a count, not a new record.
+        self._run_steps = 0
+        self._run_autocast: str | None = None
         self._compiled_outside = compiled_outside
         self._clip_setting = clip_setting
         self._first_step = first_step
@@ -258,6 +262,7 @@ class Monitor(HookedContext):
             self._eager.enter_context(eager_stance("the monitor"))
             self._compiled = ("",)
         self._modes = ModeCounts(sensitive=mode_sensitive(model))
+        self._run_steps = 0
         self._facts = (type(model).__name__, sum(p.numel() for p in params),
                        sum(p.numel() for p in params if p.requires_grad), str(device))
         if self._want_activations:
@@ -580,7 +585,13 @@ class Monitor(HookedContext):
     def _on_step(self, index: int, flow: GradFlow | None) -> None:
         self._keep_applied()
         if self._mode is not None:  # the mode of the step's last forward with gradients on
-            self._modes = self._modes.with_step(self._mode, index, self._autocast)
+            if self._mode and self._run_steps and self._run_autocast == self._autocast:
+                self._run_steps += 1
+            elif self._mode:
+                self._fold_modes()
+                self._run_steps, self._run_autocast = 1, self._autocast
+            else:
+                self._modes = self._fold_modes().with_step(False, index, self._autocast)
             self._mode = None
         now = time.perf_counter()
         self._times.add(index, (now - self._last) * 1e3)
@@ -599,6 +610,17 @@ class Monitor(HookedContext):
         if tw is not None and tw.boundaries >= tw.window:
             self._close_profile(failed=False)
         self._rest()
+
+    def _fold_modes(self) -> ModeCounts:
+        """`_modes` with the training steps counted since the last fold."""
+        if self._run_steps:
+            m, counts = self._modes, dict(self._modes.autocast)
+            if self._run_autocast is not None:
+                counts[self._run_autocast] = counts.get(self._run_autocast, 0) + self._run_steps
+            self._modes = dataclasses.replace(m, train=m.train + self._run_steps,
+                                              autocast=tuple(counts.items()))
+            self._run_steps = 0
+        return self._modes
 
     def _rest(self) -> None:
         """Between two sampled steps, take the watches' hooks off the submodules (see
@@ -823,7 +845,7 @@ class Monitor(HookedContext):
             producer=self._options["producer"],
             resumed_at=self._resumed_at,
             spikes=() if self._flight is None else tuple(self._flight.spikes),
-            modes=self._modes,
+            modes=self._fold_modes(),
             experts=tuple(ExpertUse(m, name, c[0], tuple(c[1:]))
                           for m, (name, c) in self._experts.items()),
         )
