@@ -882,6 +882,8 @@ class GradCollector(HookedContext):
         # Backward passes that added to no trainable parameter (`_undo_pass`), ever.
         self.passes_without_update = 0
         self.on_backward_end: Callable[[], None] | None = None
+        # Called once DDP has written the averaged gradients into `.grad` (`_read_synced`).
+        self.on_synced: Callable[[], object] | None = None
         self._params: list[tuple[str, str, nn.Parameter]] = []
         # Every parameter name in module order: (name, module, index in `_params`, tied to).
         self._names: list[tuple[str, str, int, str | None]] = []
@@ -1258,6 +1260,8 @@ class GradCollector(HookedContext):
     def _read_synced(self) -> None:
         assert self._rank_aware is not None
         self._synced = self._rank_aware.read_synced([p for _, _, p in self._params])
+        if self.on_synced is not None:
+            self.on_synced()
 
     def _measure_params(self) -> None:
         """The norms of every parameter gradient accumulated in this backward: one call per
