@@ -726,6 +726,25 @@ def test_check_nonfinite_counts_exactly_over_many_steps_read_midway() -> None:
     assert watch.first_nonfinite_step == 70 and watch.nonfinite_steps == len(bad)
 
 
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+def test_check_nonfinite_takes_gradients_that_require_grad() -> None:
+    # backward(create_graph=True) leaves `.grad` requiring grad: the check still runs.
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(4, 4)
+    with watch_gradients(model, every=1000, optimizer=opt, check_nonfinite=True) as watch:
+        for i in range(5):
+            opt.zero_grad()
+            (model(x).sum() * (math.inf if i == 3 else 1.0)).backward(create_graph=True)
+            assert any(p.grad is not None and p.grad.requires_grad for p in model.parameters())
+            kept = [p.detach().clone() for p in model.parameters()]
+            opt.step()
+            with torch.no_grad():  # an Inf update's NaN weights would make every step bad
+                for p, w in zip(model.parameters(), kept, strict=True):
+                    p.copy_(w)
+    assert watch.first_nonfinite_step == 3 and watch.nonfinite_steps == 1
+
+
 def test_micro_batches_with_optimizer_is_refused() -> None:
     with pytest.raises(TorchscopeError, match="micro_batches"):
         watch_gradients(_mlp(), optimizer=torch.optim.SGD(_mlp().parameters(), lr=1),

@@ -1016,10 +1016,12 @@ class GradWatch(HookedContext, Analyzed):
         ring, slots = self._checks
         slot = slots[len(self._check_steps)]  # () view into the ring
         self._check_steps.append(self.steps)
+        # detach: after backward(create_graph=True) the gradients, and their norms by
+        # `_foreach_norm`, require grad, which an `out=` refuses.
         if len(vectors) == 1 and vectors[0].dtype == ring.dtype:
-            torch.amax(vectors[0], 0, out=slot)  # NaN and Inf propagate
+            torch.amax(vectors[0].detach(), 0, out=slot)  # NaN and Inf propagate
             return
-        largest = torch.stack([v.amax().to(device, ring.dtype, non_blocking=True)
+        largest = torch.stack([v.detach().amax().to(device, ring.dtype, non_blocking=True)
                                for v in vectors])  # (devices,)
         slot.copy_(largest.amax())
 
