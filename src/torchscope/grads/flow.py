@@ -1018,8 +1018,12 @@ class GradWatch(HookedContext, Analyzed):
         self._check_steps.append(self.steps)
         # detach: after backward(create_graph=True) the gradients, and their norms by
         # `_foreach_norm`, require grad, which an `out=` refuses.
-        if len(vectors) == 1 and vectors[0].dtype == ring.dtype:
-            torch.amax(vectors[0].detach(), 0, out=slot)  # NaN and Inf propagate
+        if len(vectors) == 1:
+            vector = vectors[0].detach()
+            if vector.dtype == ring.dtype:
+                torch.amax(vector, 0, out=slot)  # NaN and Inf propagate
+            else:  # `_foreach_norm`'s, in the gradients' dtype
+                slot.copy_(vector.amax(), non_blocking=True)
             return
         largest = torch.stack([v.detach().amax().to(device, ring.dtype, non_blocking=True)
                                for v in vectors])  # (devices,)
