@@ -9,7 +9,7 @@ they were.
 
 And the child processes torchscope starts (`spawn`, `run`, `stop`): each in a process group
 of its own, so that stopping one stops whatever it started (g++ under a compile included).
-`interruptible`, around the command line and each launched rank, turns SIGINT and SIGTERM
+`interruptible`, around the command line, turns SIGINT and SIGTERM
 into `Interrupted` and stops every child still running; the signal handlers it replaced
 are back when it exits.
 """
@@ -271,8 +271,8 @@ def interruptible() -> Iterator[None]:
     (`stop_children`: background kernel builds included). The previous handlers are back on
     exit, so a library caller's process is left as it was. A no-op outside the main thread.
 
-    The command line's entry point runs inside it; so does each rank the doctor launches
-    (the launcher ends a rank with SIGTERM).
+    The command line's entry point runs inside it. The doctor's launched ranks do not: the
+    launcher ends a rank with SIGTERM, and stops the rank's process group with it.
     """
     if threading.current_thread() is not threading.main_thread():
         yield

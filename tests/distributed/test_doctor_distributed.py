@@ -497,8 +497,8 @@ def test_cli_an_uneven_split_is_a_note_with_each_rank_s_row_weight(tmp_path: Pat
     ev = note["evidence"]
     assert ev["rows"] == "3/2/2" and ev["batch_rows"] == 7
     assert [ev[f"rank{r}_row_weight"] for r in range(3)] == pytest.approx([1 / 9, 1 / 6, 1 / 6])
-    assert "each of rank 0's rows 1/9" in note["summary"]
-    assert "each of rank 1's and rank 2's rows 1/6" in note["summary"]
+    assert "each of rank 0's rows weighs 1/9" in note["summary"]
+    assert "each of rank 1's and rank 2's rows weighs 1/6" in note["summary"]
 
 
 def test_plain_torchrun_runs_the_doctor_as_ranks(tmp_path: Path) -> None:

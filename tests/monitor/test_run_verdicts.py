@@ -476,3 +476,20 @@ def test_an_early_loss_spike_before_a_nan_is_its_own_finding() -> None:
     (nan,) = [f for f in found if f.code == "run.nonfinite"]
     assert nan.evidence["gradient_step"] == 8
     assert int(spike.evidence["step"] or 0) < 8 and int(spike.evidence["onset_step"] or 0) == 4
+
+
+def test_the_scores_scale_is_read_in_chunks_with_the_same_numbers(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A language model's scores are rows × a vocabulary: the gradient's scale at them is
+    read a few rows at a time (bounded memory), and gives the numbers of one pass."""
+    from torchscope.monitoring import run as run_module
+
+    z = torch.randn(3, 50, 11, requires_grad=True)  # (B, T, C)
+    y = torch.randint(0, 11, (3, 50))
+    loss = torch.nn.functional.cross_entropy(z.reshape(-1, 11), y.reshape(-1)) / 4
+    (g,) = torch.autograd.grad(loss, z)
+    whole = run_module._softmax_ce_scale(z.detach(), g)
+    monkeypatch.setattr(run_module, "_SCALE_CHUNK", 11 * 7)  # 7 rows at a time
+    chunked = run_module._softmax_ce_scale(z.detach(), g)
+    assert torch.equal(whole, chunked)
+    assert whole[0].item() == pytest.approx(0.25) and whole[1].item() == pytest.approx(1.0)

@@ -181,7 +181,7 @@ def interrupted_exit(exc: KeyboardInterrupt) -> NoReturn:
     from torchscope._process import Interrupted
 
     signum = exc.signum if isinstance(exc, Interrupted) else int(signal.SIGINT)
-    name = signal.Signals(signum).name
+    name = exc.name if isinstance(exc, Interrupted) else "SIGINT"
     fail(f"interrupted by {name}; every hook was removed and every child process stopped.",
          code=128 + signum)
 

@@ -113,6 +113,8 @@ def doctor(
             Severity[choice("--fail-on", fail_on, ("error", "warning")).upper()]
         at_least("--steps", steps, 1, "profiles nothing")
         # --compile-modes: the doctor's old spelling, kept hidden so old scripts still run.
+        if compile_modes is not None and modes != "default":
+            fail("--modes and --compile-modes name the same thing. Fix: pass --modes alone.")
         modes_option, given = ("--modes", modes) if compile_modes is None else \
             ("--compile-modes", compile_modes)
         mode_list = tuple(split_commas(given))
@@ -203,9 +205,8 @@ def _print_report(report: DoctorReport, out: str, floor: Severity | None, debug:
     """The doctor's terminal output: the verdict first, then each finding's summary and fix,
     and where the report went; `verbose` adds the evidence, the sections table (shown anyway
     when a section failed), the step and the per-rank rows. Exit code 1 under `--fail-on`."""
-    from torchscope.findings import Severity
     from torchscope.report.doctor import sections_table
-    from torchscope.report.document import verdict
+    from torchscope.report.document import verdict, verdict_level
     from torchscope.report.findings import findings_table
 
     for o in report.outcomes:
@@ -216,8 +217,8 @@ def _print_report(report: DoctorReport, out: str, floor: Severity | None, debug:
             sys.stderr.write(f"section {o.name} failed:\n{where}")
     failed = [o.name for o in report.outcomes if o.status == "failed"]
     # The verdict first: the one line to act on; report.json and the page lead with it too.
-    style = "bold red" if failed or report.count(Severity.ERROR) else \
-        "yellow" if report.count(Severity.WARNING) else "bold green"
+    style = {"failed": "bold red", "warning": "yellow",
+             "healthy": "bold green"}[verdict_level(report)]
     console.print(f"[{style}]verdict:[/] {escape(verdict(report))}")
     findings = report.section_findings()
     if findings:

@@ -260,6 +260,9 @@ def all_gather_tensor_later(t: torch.Tensor, *, group: Any = None,
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     with record_function(RANGE):
         work = gather(out, flat, group=group, async_op=True)
+    # Held from the start too: a watch closed by an exception never waits, and gloo's
+    # worker thread must not be the one to free the tensors (see `_hold`).
+    _hold([out, flat])
     waited: list[torch.Tensor] = []
 
     def wait() -> torch.Tensor:

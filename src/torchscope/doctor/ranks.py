@@ -116,10 +116,6 @@ def _state_finding(record: RanksRecord) -> Finding | None:
     return None
 
 
-def _fraction(den: int) -> str:
-    return f"1/{den}"
-
-
 def uneven_split(record: RanksRecord) -> Finding | None:
     """A note where the ranks took different numbers of rows: DDP and FSDP2 average the
     ranks' gradients of their own mean losses, so each row on rank r weighs
@@ -137,7 +133,7 @@ def uneven_split(record: RanksRecord) -> Finding | None:
         said = [f"rank {r}'s" for r in ranks]
         return said[0] if len(said) == 1 else ", ".join(said[:-1]) + f" and {said[-1]}"
 
-    weights = ", ".join(f"each of {names(ranks)} rows {_fraction(n * c)}"
+    weights = ", ".join(f"each of {names(ranks)} rows weighs 1/{n * c}"
                         for c, ranks in sorted(groups.items(), reverse=True))
     total = record.batch_rows or sum(counts)
     return _UNEVEN.finding(

@@ -115,6 +115,9 @@ class HookSession:
         # Forward hooks taken off the submodules by `suspend`: (hook dict, key order, the
         # hooks taken out by key), put back by `resume`.
         self._suspended: list[tuple[dict[int, Any], list[int], dict[int, Any]]] = []
+        # Set by `suspend` even where it took nothing (hooks only on the model itself), so
+        # that a watch suspended at every unsampled step does not walk the model each time.
+        self._asleep = False
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> HookSession:
@@ -292,8 +295,9 @@ class HookSession:
         torch's fast path, a hooked one pays a Python call per hook and torch's slow path
         at every call. For the steps a watch does not sample. `resume` puts them back, in
         their places among any other hooks. Safe to call twice."""
-        if self._suspended or self._closed:
+        if self._asleep or self._closed:
             return
+        self._asleep = True
         root = self.model
         dicts: dict[int, dict[int, Any]] = {}
         for module in root.modules():
@@ -319,6 +323,7 @@ class HookSession:
         """Put back the hooks `suspend` took off, each where it was among the module's
         hooks (hooks added meanwhile come after them), but those whose handle this session
         no longer holds (released meanwhile)."""
+        self._asleep = False
         if not self._suspended:
             return
         held = {getattr(h, "id", None) for h in self._handles}

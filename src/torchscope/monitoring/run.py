@@ -420,8 +420,10 @@ class Monitor(HookedContext):
         history, so that the report goes on as one series, with the resume marked
         (`RunRecord.resumed_at`). Samples of that run at or after `first_step` (it went on
         past the checkpoint) are the steps this run does again: dropped."""
+        if self._continues:  # numbered again (first_step=, then number_from): kept as begun
+            return
         self._resumed_at = (first_step,)
-        if self._out is None or not self._writes or self._continues:
+        if self._out is None or not self._writes:
             return
         from torchscope.monitoring.report import earlier_run
 
@@ -851,6 +853,10 @@ class Monitor(HookedContext):
         )
 
 
+# Entries of scores `_softmax_ce_scale` copies at a time (about 16 MiB a float32 copy).
+_SCALE_CHUNK = 1 << 22
+
+
 def _softmax_ce_scale(z: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """(s × rows, spread) on the device, for the gradient `grad` of a loss at scores `z`
     (..., C). A mean softmax cross-entropy over its `rows` counted rows (those with a
@@ -861,13 +867,23 @@ def _softmax_ce_scale(z: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     a mean divided by k micro-batches)."""
     with torch.no_grad():
         c = z.shape[-1]
-        p = torch.softmax(z.float(), dim=-1).reshape(-1, c)  # (rows, C)
-        g = grad.float().reshape(-1, c)  # (rows, C)
-        rows = (g.abs().amax(dim=-1) > 0).sum()  # () counted rows
-        ratio = g / p.clamp_min(torch.finfo(torch.float32).tiny)  # (rows, C)
-        positive = (ratio > 0) & (p > 1e-6)  # non-target entries, read precisely
-        hi = ratio.masked_fill(~positive, -math.inf).amax()
-        lo = ratio.masked_fill(~positive, math.inf).amin()
+        zs, gs = z.reshape(-1, c), grad.reshape(-1, c)  # (rows, C) each
+        # A language model's scores are rows × a vocabulary: a few float32 copies of them
+        # all at once would be gigabytes. Row by row the numbers are the same (softmax is
+        # per row, and max, min and count combine over chunks), so at most about 4M
+        # entries are copied at a time.
+        chunk = max(1, _SCALE_CHUNK // c)
+        rows = torch.zeros((), dtype=torch.int64, device=z.device)  # () counted rows
+        hi = torch.full((), -math.inf, device=z.device)
+        lo = torch.full((), math.inf, device=z.device)
+        for start in range(0, zs.shape[0], chunk):
+            p = torch.softmax(zs[start:start + chunk].float(), dim=-1)  # (chunk, C)
+            g = gs[start:start + chunk].float()  # (chunk, C)
+            rows += (g.abs().amax(dim=-1) > 0).sum()
+            ratio = g / p.clamp_min(torch.finfo(torch.float32).tiny)  # (chunk, C)
+            positive = (ratio > 0) & (p > 1e-6)  # non-target entries, read precisely
+            hi = torch.maximum(hi, ratio.masked_fill(~positive, -math.inf).amax())
+            lo = torch.minimum(lo, ratio.masked_fill(~positive, math.inf).amin())
         return torch.stack([hi * rows, lo / hi])  # (2,)
 
 

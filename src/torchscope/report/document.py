@@ -231,6 +231,14 @@ def _count(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
 
 
+def verdict_level(report: Report) -> Literal["failed", "warning", "healthy"]:
+    """How the verdict reads at a glance (its colour): `failed` where a section failed or
+    there is an error, `warning` where there is a warning, else `healthy`."""
+    if any(o.status == "failed" for o in report.outcomes) or report.count(Severity.ERROR):
+        return "failed"
+    return "warning" if report.count(Severity.WARNING) else "healthy"
+
+
 def verdict(report: Report) -> str:
     """The report's verdict: one line a user can act on, printed before anything else.
 

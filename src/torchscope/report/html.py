@@ -39,6 +39,7 @@ from torchscope.report.document import (
     SectionOutcome,
     build_document,
     verdict,
+    verdict_level,
 )
 from torchscope.report.findings import evidence_text
 from torchscope.report.memory import fmt_recompute, recompute_cost
@@ -602,8 +603,7 @@ def render_report(report: Report, title: str = "torchscope doctor") -> str:
         "fast" if report.options.get("fast") else "full"
     step = "" if report.step is None else \
         f'<p class="step" data-step>{_e(report.step.describe())}</p>'
-    state = "failed" if failed or report.count(Severity.ERROR) else \
-        "warning" if report.count(Severity.WARNING) else "healthy"
+    state = verdict_level(report)
     pairs = report.section_findings()
     codes = "" if not pairs else f"""<section id="codes" class="doctor-codes">
 <h2>What the codes mean</h2>
