@@ -99,8 +99,7 @@ ENTRIES: tuple[Entry, ...] = (
         fix="rerun on an idle machine, or time more calls (--iters, timing_budget_s=).",
         example="mode 'default': no speedup could be measured here: compiled calls take 57.2 "
                 "ms vs 69.8 ms eager, and the interval (0.36–5.76×) still includes 1 (no "
-                "difference) after 46 calls each in 10.7 s (timing budget 10 s beyond the "
-                "first calls).",
+                "difference) after 46 calls each in 10.7 s (timing budget 10 s in all).",
     ),
     Entry(
         code="compile.pays_off",

@@ -51,7 +51,7 @@ def _timing(m: ModeResult) -> str:
     """`120 calls each in 10.0 s (the timing budget)`: how long the speedup was timed."""
     spent = "" if m.timing_s is None else f" in {m.timing_s:.1f} s"
     budget = "" if m.timing_budget_s is None else \
-        f" (timing budget {m.timing_budget_s:.0f} s beyond the first calls)"
+        f" (timing budget {m.timing_budget_s:.0f} s in all)"
     return f"{_calls(m.iters)} each{spent}{budget}"
 
 

@@ -249,9 +249,9 @@ def compile_report(
             training step's forward, loss and backward in train mode.
         modes: `torch.compile` modes; `default` means no `mode=`.
         iters: timed calls of each of eager and compiled, at least.
-        timing_budget_s: seconds of timing a mode may spend beyond `iters` pairs of calls
-            while its speedup's interval still includes 1 (no verdict yet); what is still
-            undecided after it is reported as not measurable here.
+        timing_budget_s: seconds of timing a mode may spend in all (its `iters` pairs of
+            calls always run) while its speedup's interval still includes 1 (no verdict
+            yet); what is still undecided after it is reported as not measurable here.
         warmup: untimed calls of each before timing.
         timeout_s: per-mode limit for the child process.
         batch_sizes: after timing, call the compiled model once per batch size (inputs cut
