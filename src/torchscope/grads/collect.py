@@ -978,6 +978,32 @@ class GradCollector(HookedContext):
         self._param_due: dict[int, torch.Tensor] = {}  # accumulated, not measured yet
         # param index -> 0-d weight norm taken with this step's snapshot (`finish` reuses it)
         self._weight_vals: dict[int, torch.Tensor] = {}
+        for slot in self._held:
+            slot.held = None
+        self._held = []
+        for slot in self._partial:
+            slot.acc, slot.got = None, 0
+        self._partial = []
+        # DDP: the synchronised gradients' norms and sums, read when the last backward's
+        # all-reduce had landed (`_read_synced`); None: read them when the step ends.
+        self._synced: tuple[list[torch.Tensor | None], list[torch.Tensor | None]] | None = None
+        # FSDP2: this rank's shard norms of the gradients the update uses (`note_applied`).
+        self._applied: dict[int, torch.Tensor] | None = None
+        # Selected modules that ran with gradients disabled inside a root forward with them
+        # (`_note_no_grad`): name -> whether inside a reentrant checkpoint's forward.
+        self._no_grad_calls: dict[str, bool] = {}
+        self._simple: list[_SimpleCall] = []  # read on the graph when the root returns
+        self._reset_counters()
+
+    def _measured(self) -> bool:
+        """Whether the current step holds any measurement (`_reset`'s containers)."""
+        return bool(self._vals or self._calls or self._held or self._partial or self._simple
+                    or self._param_vals or self._param_due or self._weight_vals
+                    or self._no_grad_calls or self._synced is not None
+                    or self._applied is not None)
+
+    def _reset_counters(self) -> None:
+        """The step's counters and marks (all of a step that measured nothing)."""
         self._fused_norms = 0
         self._eager_norms = 0
         self._order = 0
@@ -996,24 +1022,9 @@ class GradCollector(HookedContext):
         self._hold: bool | None = None
         self._bw_updates = False  # a parameter accumulated a gradient in this pass
         self._side: set[int] = set()  # micro-batches reached by an undone pass
-        for slot in self._held:
-            slot.held = None
-        self._held = []
-        for slot in self._partial:
-            slot.acc, slot.got = None, 0
-        self._partial = []
         self._rewritten: list[tuple[_Slot, int | None, torch.Tensor | None, str | None]] = []
-        # DDP: the synchronised gradients' norms and sums, read when the last backward's
-        # all-reduce had landed (`_read_synced`); None: read them when the step ends.
-        self._synced: tuple[list[torch.Tensor | None], list[torch.Tensor | None]] | None = None
-        # FSDP2: this rank's shard norms of the gradients the update uses (`note_applied`).
-        self._applied: dict[int, torch.Tensor] | None = None
         self._in_root = False  # inside the root module's forward
         self._root_grad = False  # ...which runs with gradients enabled
-        # Selected modules that ran with gradients disabled inside a root forward with them
-        # (`_note_no_grad`): name -> whether inside a reentrant checkpoint's forward.
-        self._no_grad_calls: dict[str, bool] = {}
-        self._simple: list[_SimpleCall] = []  # read on the graph when the root returns
         # The previous gradient: a weak reference to it, its data pointer, version and
         # element count, and the index of its norm.
         self._last: tuple[weakref.ReferenceType[torch.Tensor], int, int, int, int] | None \
@@ -1189,9 +1200,10 @@ class GradCollector(HookedContext):
         # A reentrant checkpoint's nested backward ends inside its node: the pass it is
         # part of goes on (an input's parts may lie on both sides of it).
         outermost = torch._C._current_autograd_node() is None
-        if outermost:
+        if outermost and self._partial:
             self._flush_parts()
-        self._measure_params()
+        if self._param_due:
+            self._measure_params()
         self._last = None
         if outermost:
             updates, self._bw_updates = self._bw_updates, False
@@ -1676,8 +1688,12 @@ class GradCollector(HookedContext):
 
     def discard(self) -> None:
         """Drop whatever the current step measured, and its hooks."""
-        self._session.release(self._step_handles)
-        self._reset()
+        if self._step_handles:
+            self._session.release(self._step_handles)
+        if self._measured():
+            self._reset()
+        else:
+            self._reset_counters()  # a step that measured nothing (not sampled)
 
     def finish(self, index: int, *, step: StepInfo | None = None) -> GradFlow:
         """Turn the current step's measurements into a `GradFlow` and start a new step.
