@@ -52,6 +52,7 @@ from __future__ import annotations
 import sys
 import warnings
 import weakref
+from collections.abc import Mapping
 from pathlib import Path
 from types import FrameType
 from typing import Any, Literal
@@ -169,7 +170,7 @@ class TorchscopeTrainerCallback(TrainerCallback):
             "history": history, "recent": recent, "name": name}
         self._monitor: Monitor | None = None
         self._trainer: weakref.ReferenceType[Any] | None = None  # from `install`
-        self._pending: dict[str, float] = {}
+        self._pending: Mapping[str, float] = {}
         self._ended = False  # the step in progress has ended (on_pre_optimizer_step ran)
         self.result: RunRecord | None = None
         self.paths: tuple[Path, Path] | None = None
@@ -308,7 +309,7 @@ class TorchscopeTrainerCallback(TrainerCallback):
             self._monitor.end_step()
 
     def _on_sample(self, step: int, scalars: Any) -> None:
-        self._pending = dict(scalars)
+        self._pending = scalars  # a lazy mapping: built when a log takes it
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None,
                **kwargs: Any) -> None:

@@ -179,6 +179,13 @@ class StepBuckets:
         last[3] = min(last[3], value)
         last[4] = max(last[4], value)
 
+    def last_mean(self) -> float | None:
+        """The newest bucket's mean (None before the first value), without building them."""
+        if not self._buckets:
+            return None
+        last = self._buckets[-1]
+        return last[2] / last[1]
+
     def buckets(self) -> tuple[Bucket, ...]:
         """The buckets, oldest first."""
         return tuple(Bucket(int(b[0]), int(b[1]), b[2], b[3], b[4]) for b in self._buckets)

@@ -292,8 +292,10 @@ class RunRecord(Analyzed):
             `labels` and an `attention_mask` of one shape; (0, 0) elsewhere (an encoder-decoder,
             whose labels are the decoder's, included). A causal language model's loss
             shifts its labels and never reads position 0, which is left out.
-        output_scales: per sampled training forward whose output (a tensor of scores,
-            the last dim the classes) got a gradient, the newest 32: (s × rows, spread),
+        output_scales: per read sampled training forward whose output (a tensor of
+            scores, the last dim the classes) got a gradient (the first 8 such forwards,
+            then one in 16: the factor is the loop's code's), the newest 32: (s × rows,
+            spread),
             where a mean softmax cross-entropy times a factor gives ∂loss/∂z = s (softmax(z)
             - onehot) over its counted rows; spread is 1 for such a loss, and s × rows is
             then the factor (1 for a plain mean, 1/k for a mean divided by k micro-batches).
