@@ -377,3 +377,49 @@ def test_a_kernel_that_crashes_when_loaded_is_never_loaded_here(
     # The next process reads the verdict: no child, the same reason.
     assert _kernels._checked(path, "native", "stats", torch.float32,
                              torch.device("cpu")) == error
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+def test_every_path_refuses_the_same_tensors() -> None:
+    """One set of checks decides where a kernel may read a tensor: `run` is eager exactly
+    where `why_eager` names a reason, and the native list ops (`norms`, `norm_vector`, with
+    `known_fit` too for what a step may change) refuse the same tensors."""
+    _native_ready()
+    x = torch.randn(6, 4)
+
+    class Sub(torch.Tensor):
+        pass
+
+    refused = {
+        "a subclass": (x.as_subclass(Sub), "subclass"),
+        "a parameter in a list": (torch.nn.Parameter(x.clone()), "subclass"),
+        "a negative view": (torch._neg_view(x), "strided"),
+        "sparse CSR": (x.to_sparse_csr(), "strided"),
+        "one element": (x[:1, :1], "elements"),
+    }
+    for name, (t, words) in refused.items():
+        if name != "a parameter in a list":  # `run` reads a parameter's detached tensor
+            assert _kernels.run("norm", t) is None, name
+            assert words in (_kernels.why_eager("norm", t) or ""), name
+        if name != "one element":  # the list ops take tensors of any size
+            assert _kernels.norms([x, t]) is None, name
+            assert _kernels.norm_vector([x, t]) is None, name
+    assert _kernels.norms([x[:1, :1]]) is not None
+    for t in (x, torch.nn.Parameter(x.clone()).detach(), x.t()):  # a transpose: dense
+        assert _kernels.run("norm", t) is not None and _kernels.why_eager("norm", t) is None
+    # What may change between two steps' gradients of the same parameters, known_fit checks.
+    assert _kernels.norm_vector([x, x], known_fit=True) is not None
+    for t in (x.double(), x.t(), x.as_subclass(Sub)):
+        assert _kernels.norm_vector([x, t], known_fit=True) is None
+        assert _kernels.norm_vector([x, t]) is None
+    # Inside a functorch transform: wrapped tensors, for `run` and the list ops alike.
+    seen: list[tuple[bool, str | None, bool]] = []
+
+    def probe(t: torch.Tensor) -> torch.Tensor:
+        seen.append((_kernels.run("norm", t) is None, _kernels.why_eager("norm", t),
+                     _kernels.norms([t]) is None))
+        return t
+
+    torch.func.vmap(probe)(x)
+    [(eager, why, listed_eager)] = seen
+    assert eager and listed_eager and "functorch" in (why or "")
