@@ -21,6 +21,7 @@ import os
 import signal
 import subprocess
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from types import FrameType
@@ -38,6 +39,7 @@ __all__ = [
     "seeded",
     "spawn",
     "stop",
+    "stop_all",
     "stop_children",
 ]
 
@@ -125,12 +127,16 @@ class Interrupted(KeyboardInterrupt):
 @dataclass
 class _Children:
     """Every child process started through `spawn` that has not been waited for, and the
-    thread that started it; `closing` refuses new ones while `stop_children` runs."""
+    thread that started it; `closing` refuses new ones while `stop_children` runs.
+    `spawning` is set while the main thread starts a child and registers it: a signal
+    that comes then is kept in `deferred` and raised once the child is registered."""
 
     lock: threading.Lock = field(default_factory=threading.Lock)
     live: dict[int, tuple[subprocess.Popen[Any], threading.Thread]] = field(default_factory=dict)
     closing: bool = False
     signum: int | None = None  # the signal `interruptible` caught, if one came
+    spawning: bool = False
+    deferred: int | None = None
 
 
 _CHILDREN = _Children()
@@ -142,16 +148,34 @@ def spawn(cmd: Sequence[str], **kwargs: Any) -> subprocess.Popen[Any]:
     and whatever it started. A new session also keeps a terminal's Ctrl-C, meant for the
     user's loop, from reaching it: torchscope stops it itself.
 
+    A signal that `interruptible` turns into `Interrupted` and that comes while the child
+    starts is raised once the child is registered: raised inside `Popen`, or between it and
+    the registry, it would leave a child that nothing stops.
+
     Raises:
         ChildProcessError: `stop_children` is stopping every child (a signal came).
+        Interrupted: a signal came while the child started (the child is registered).
     """
-    with _CHILDREN.lock:
-        if _CHILDREN.closing:
-            raise ChildProcessError("torchscope is stopping its child processes (a signal "
-                                    "came), so it starts no new one")
-        proc: subprocess.Popen[Any] = subprocess.Popen(list(cmd), start_new_session=True,
-                                                       **kwargs)
-        _CHILDREN.live[proc.pid] = (proc, threading.current_thread())
+    main = threading.current_thread() is threading.main_thread()
+    try:
+        with _CHILDREN.lock:
+            if _CHILDREN.closing:
+                raise ChildProcessError("torchscope is stopping its child processes (a "
+                                        "signal came), so it starts no new one")
+            # Only the main thread runs signal handlers: only its spawns need deferring.
+            _CHILDREN.spawning = main
+            try:
+                proc: subprocess.Popen[Any] = subprocess.Popen(
+                    list(cmd), start_new_session=True, **kwargs)
+                _CHILDREN.live[proc.pid] = (proc, threading.current_thread())
+            finally:
+                if main:
+                    _CHILDREN.spawning = False
+    finally:  # also when Popen failed: the signal still came
+        if main and _CHILDREN.deferred is not None:
+            signum, _CHILDREN.deferred = _CHILDREN.deferred, None
+            if _CHILDREN.signum is None:
+                raise note_signal(signum)
     return proc
 
 
@@ -161,28 +185,47 @@ def _forget(proc: subprocess.Popen[Any]) -> None:
 
 
 def stop(proc: subprocess.Popen[Any], grace: float | None = None) -> None:
-    """End `proc`'s whole process group and wait for `proc`.
+    """End `proc`'s whole process group and wait for `proc` (`stop_all` of one).
 
     Args:
         proc: a child started by `spawn` (the leader of its own group).
         grace: seconds between SIGTERM and SIGKILL, so that a child with files to remove
             can remove them; None sends SIGKILL at once.
     """
-    steps = ([(signal.SIGTERM, grace)] if grace is not None else []) + [(signal.SIGKILL, None)]
-    for sig, wait in steps:
-        # After the leader is gone the group lives on while any member does (g++ started
-        # by it): the group is signalled, not only the leader.
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, sig)
-        try:
-            proc.wait(wait)
-        except subprocess.TimeoutExpired:
-            continue
-        if sig == signal.SIGTERM:  # the leader left: what it started goes too
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
-        break
-    _forget(proc)
+    stop_all([proc], grace)
+
+
+def _signal_group(proc: subprocess.Popen[Any], sig: int) -> None:
+    # After the leader is gone the group lives on while any member does (g++ started by
+    # it): the group is signalled, not only the leader.
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)
+
+
+def stop_all(procs: Sequence[subprocess.Popen[Any]], grace: float | None = None) -> None:
+    """End the whole process group of every one of `procs` and wait for each: SIGTERM to
+    every group first, then `grace` seconds for all of them together (one deadline, not
+    one each), then SIGKILL to every group, which also ends whatever a leader that left
+    had started.
+
+    Args:
+        procs: children started by `spawn` (each the leader of its own group).
+        grace: seconds between SIGTERM and SIGKILL, so that a child with files to remove
+            can remove them; None sends SIGKILL at once.
+    """
+    procs = list(procs)
+    if grace is not None:
+        for proc in procs:
+            _signal_group(proc, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for proc in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        _signal_group(proc, signal.SIGKILL)
+    for proc in procs:
+        proc.wait()
+        _forget(proc)
 
 
 def run(cmd: Sequence[str], *, timeout: float, grace: float | None = None,
@@ -208,20 +251,21 @@ def run(cmd: Sequence[str], *, timeout: float, grace: float | None = None,
 
 
 def stop_children(grace: float = 2.0, join_s: float = 5.0) -> None:
-    """Stop every child process `spawn` started and that is still running (each group:
-    SIGTERM, then SIGKILL after `grace` seconds), refusing new ones meanwhile, then give the
-    threads that started them up to `join_s` seconds to finish their own clean-up (a
-    background kernel build removes its temporary file and its lock)."""
+    """Stop every child process `spawn` started and that is still running (`stop_all`:
+    SIGTERM to every group, SIGKILL to those left after `grace` seconds), refusing new ones
+    meanwhile, then give the threads that started them `join_s` seconds in all to finish
+    their own clean-up (a background kernel build removes its temporary file and its
+    lock)."""
     with _CHILDREN.lock:
         _CHILDREN.closing = True
         live = list(_CHILDREN.live.values())
     try:
-        for proc, _ in live:
-            stop(proc, grace)
+        stop_all([proc for proc, _ in live], grace)
         me = threading.current_thread()
-        for _, thread in live:
+        deadline = time.monotonic() + join_s
+        for thread in {id(t): t for _, t in live}.values():
             if thread is not me and thread.is_alive():
-                thread.join(join_s)
+                thread.join(max(0.0, deadline - time.monotonic()))
     finally:
         with _CHILDREN.lock:
             _CHILDREN.closing = False
@@ -279,11 +323,17 @@ def interruptible() -> Iterator[None]:
         return
 
     def handler(signum: int, _frame: FrameType | None) -> None:
-        if _CHILDREN.signum is None:
-            raise note_signal(signum)
+        if _CHILDREN.signum is not None:
+            return
+        if _CHILDREN.spawning:  # `spawn` raises it once the child is registered
+            if _CHILDREN.deferred is None:
+                _CHILDREN.deferred = signum
+            return
+        raise note_signal(signum)
 
     before = _CHILDREN.signum
     _CHILDREN.signum = None
+    _CHILDREN.deferred = None
     with kept_signals():
         for s in SIGNALS:
             signal.signal(s, handler)
@@ -293,3 +343,4 @@ def interruptible() -> Iterator[None]:
             if _CHILDREN.signum is not None:
                 stop_children()
             _CHILDREN.signum = before
+            _CHILDREN.deferred = None
