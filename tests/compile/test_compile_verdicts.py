@@ -108,18 +108,46 @@ def test_the_chart_and_table_show_the_findings_numbers_and_verdicts() -> None:
     notes = [t.get_text() for t in fig.findobj(Annotation)]
     r, q = noisy.speedup_ratio, faster.speedup_ratio
     assert r is not None and q is not None
+    # The labels are `fmt_ratio`'s, as the findings write them (before they had their own
+    # format: `2.00× faster (1.94–2.06)`; now `2.00× (1.94–2.06) faster`, the findings' order).
     assert notes == [f"no measurable speedup ({r.low:.2f}–{r.high:.2f}×)",
-                     f"{faster.speedup:.2f}× faster ({q.low:.2f}–{q.high:.2f})"]
+                     f"{q.value:.2f}× ({q.low:.2f}–{q.high:.2f}) faster"]
     # Each mode's interval is drawn, low to high, as the findings give it.
     [bars] = [c for c in fig.findobj(LineCollection) if len(c.get_segments()) == 2]
     spans = sorted((round(s[0][0], 6), round(s[1][0], 6)) for s in bars.get_segments())
     assert spans == sorted([(round(r.low, 6), round(r.high, 6)),
                             (round(q.low, 6), round(q.high, 6))])
     pays = next(f for f in report.findings() if f.code == "compile.pays_off")
-    assert f"({q.low:.2f}–{q.high:.2f})" in pays.summary
+    assert notes[1] in pays.summary
     html = compile_fragment(report, {})
     assert f"no measurable speedup ({r.low:.2f}–{r.high:.2f}×)" in html
     assert f"{noisy.speedup:.2f}×" not in html
+
+
+def test_speed_labels_write_the_ratio_as_the_findings_do() -> None:
+    """`speed_label` is `fmt_ratio` with the verdict: the same figures and interval as the
+    findings; a ratio of under 3 samples says it has no spread (before this label showed
+    its [min, max] as an interval); without a ratio, the median alone."""
+    from dataclasses import replace
+
+    from torchscope._timing import fmt_ratio
+    from torchscope.report.compile import speed_label
+
+    slower = _mode(_EAGER, _SLOWER)
+    s = slower.speedup_ratio
+    assert s is not None
+    assert speed_label(slower) == f"{s.value:.2f}× ({s.low:.2f}–{s.high:.2f}) slower"
+    assert speed_label(slower) == f"{fmt_ratio(s)} slower"
+    [never] = _report(slower).findings()
+    assert fmt_ratio(s) in never.summary
+    two = _mode(_EAGER[:2], _FASTER[:2])
+    assert two.undecided
+    assert speed_label(two) == "no measurable speedup (2 sample(s): no spread)"
+    bare = replace(slower, speedup_ratio=None)
+    assert speed_label(bare) == f"{slower.speedup:.2f}× slower"
+    assert speed_label(replace(bare, speedup=1.0)) == "no measurable speedup"
+    assert speed_label(replace(slower, status="timeout")) == "—"
+    assert speed_label(slower, _report(slower, graphs=0)) == "nothing compiled"
 
 
 def test_nothing_compiled_is_said_and_no_timing_is_a_verdict() -> None:

@@ -43,18 +43,21 @@ def speed_verdict(m: ModeResult, report: CompileReport | None = None) -> str | N
 
 
 def speed_label(m: ModeResult, report: CompileReport | None = None) -> str:
-    """The verdict in words with its numbers: `1.84× faster (1.61–2.10)`, `no measurable
-    speedup (0.66–6.95×)`, `0.77× slower (0.71–0.83)`, `nothing compiled`; `—` untimed."""
+    """The verdict in words with its numbers, as the findings write them (`fmt_ratio`):
+    `1.84× (1.61–2.10) faster`, `no measurable speedup (0.66–6.95×)`, `0.77× (0.71–0.83)
+    slower`, `nothing compiled`; `—` untimed. Without an interval, the median alone."""
     verdict = speed_verdict(m, report)
     r = m.speedup_ratio
     if verdict is None or m.speedup is None:
         return "—"
     if verdict == "nothing compiled":
         return "nothing compiled"
+    if r is None:
+        return "no measurable speedup" if verdict == "undecided" else \
+            f"{m.speedup:.2f}× {verdict}"
     if verdict == "undecided":
-        return "no measurable speedup" + ("" if r is None else f" ({r.low:.2f}–{r.high:.2f}×)")
-    interval = "" if r is None else f" ({r.low:.2f}–{r.high:.2f})"
-    return f"{m.speedup:.2f}× {verdict}{interval}"
+        return fmt_ratio(r, none="no measurable speedup")
+    return f"{fmt_ratio(r)} {verdict}"
 
 
 def _speedup(m: ModeResult) -> str:
