@@ -45,7 +45,7 @@ def main() -> None:
             report = compile_report(
                 builtin.build(), builtin.example_input(), measure=measure, modes=modes,
                 iters=args.iters, warmup=3, timeout_s=args.timeout, name=name,
-                progress=lambda line: console.print(f"[dim]{line}[/]"))
+                progress=lambda line, _limit_s: console.print(f"[dim]{line}[/]"))
             reports.append(report)
             if report.step is not None:
                 console.print(report.step.describe(), highlight=False, markup=False)

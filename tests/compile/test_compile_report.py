@@ -29,6 +29,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("compile")]
 HERE = Path(__file__).parent
 
 
+# What compile_report's `progress` was called with in `tiny_run`: (line, limit_s).
+_SAID: list[tuple[str, float | None]] = []
+
+
 @pytest.fixture(scope="module")
 def tiny_run() -> tuple[CompileReport, tuple[object, ...], tuple[object, ...]]:
     """tiny-cnn, inference, default mode, then batch 32 -> 16 -> 8 with dynamic=False; with
@@ -37,7 +41,9 @@ def tiny_run() -> tuple[CompileReport, tuple[object, ...], tuple[object, ...]]:
     model, x = TinyCNN(), torch.randn(32, 3, 32, 32)
     before = _process()
     report = compile_report(model, x, modes=("default",), iters=5, warmup=1,
-                            batch_sizes=(16, 8), dynamic=False, name="tiny-cnn")
+                            batch_sizes=(16, 8), dynamic=False, name="tiny-cnn",
+                            timeout_s=500.0,
+                            progress=lambda line, limit_s: _SAID.append((line, limit_s)))
     return report, before, _process()
 
 
@@ -56,6 +62,8 @@ def test_child_run_leaves_this_process_as_found(
 ) -> None:
     report, (env, rng, stance, compile_fn), after = tiny_run
     assert report.mode("default").isolated
+    # The child's time limit is handed to the progress display as a number, with its line.
+    assert _SAID == [("default: measuring in a child process (timeout 500 s)", 500.0)]
     assert after[0] == env
     assert isinstance(rng, torch.Tensor) and torch.equal(after[1], rng)  # type: ignore[arg-type]
     assert after[2] == stance and after[3] is compile_fn

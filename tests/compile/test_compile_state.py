@@ -185,11 +185,16 @@ def _measured_here(net: nn.Module, x: torch.Tensor) -> CompileReport:
     """compile_report of `net` on `x`, one mode, which must have run in this process and
     left it as it was; the report."""
     before = _process()
-    report = compile_report(net, x, modes=("default",), iters=2, warmup=0)
+    said: list[tuple[str, float | None]] = []
+    report = compile_report(net, x, modes=("default",), iters=2, warmup=0,
+                            progress=lambda line, limit_s: said.append((line, limit_s)))
     _assert_same(before)
     m = report.mode("default")
     assert m.status == "ok", m.error
     assert not m.isolated
+    # Sent to a child first, which could not load it: measured here, where no limit holds.
+    assert said[-1] == ("default: measuring in this process", None)
+    assert said[:-1] in ([], [("default: measuring in a child process (timeout 600 s)", 600.0)])
     return report
 
 

@@ -102,9 +102,9 @@ def compile_command(
         step = Step(loaded.model, model_inputs, loss_fn=loss_fn).with_autocast(precision)
         with progress("compile", quiet=quiet) as steps:
 
-            def say(line: str) -> None:  # "MODE: measuring in a child process (timeout N s)"
-                steps.note(line.partition(": ")[2] or line,
-                           limit_s=timeout if "child process" in line else None)
+            def say(line: str, limit_s: float | None) -> None:
+                # "MODE: measuring in a child process (timeout N s)": the mode is in the label.
+                steps.note(line.partition(": ")[2] or line, limit_s=limit_s)
 
             report = compile_report(
                 step, measure=what, modes=mode_list,

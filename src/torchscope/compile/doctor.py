@@ -219,7 +219,7 @@ def compile_report(
     isolate: bool = True,
     name: str | None = None,
     factory: str | None = None,
-    progress: Callable[[str], None] | None = None,
+    progress: Callable[[str, float | None], None] | None = None,
     on_mode: Callable[[str, int, int], None] | None = None,
     proposed: bool = False,
 ) -> CompileReport:
@@ -262,7 +262,9 @@ def compile_report(
         name: the model's name in the report.
         factory: a TARGET (`file.py:factory`) the child can rebuild the model from when
             the model cannot be pickled.
-        progress: called with a short line before each step.
+        progress: called before each step with a short line (`MODE: measuring in a child
+            process`) and the step's time limit in seconds (`timeout_s` for a child, None
+            where nothing limits it).
         on_mode: called with `(mode, k, n)` as mode k (1-based) of n begins (a progress
             display; each mode may take up to `timeout_s`).
         proposed: compiling is an offer the user did not ask for (the doctor's): a mode
@@ -274,7 +276,7 @@ def compile_report(
     Raises:
         CompileError: an unknown mode or bad settings, or a model already compiled.
     """
-    say = progress or (lambda _s: None)
+    say = progress or (lambda _line, _limit_s: None)
     _check(modes, measure, iters, warmup, timeout_s, batch_sizes)
     if not timing_budget_s >= 0:
         raise CompileError(f"timing_budget_s={timing_budget_s} is below zero.",
@@ -333,16 +335,17 @@ def compile_report(
         job = replace(base, mode=mode, explain=scan is None)
         t0 = time.perf_counter()
         if in_process:
-            say(f"{mode}: measuring in this process")
+            say(f"{mode}: measuring in this process", None)
             payload = _run_here(net, mi, job)
         else:
-            say(f"{mode}: measuring in a child process (timeout {timeout_s:.0f} s)")
+            say(f"{mode}: measuring in a child process (timeout {timeout_s:.0f} s)", timeout_s)
             payload = _run_child({"model": None if send_factory else net,
                                   "factory": factory, "inputs": mi, "job": job,
                                   "threads": torch.get_num_threads()}, timeout_s)
             if payload["status"] == "not_sent":
                 in_process = True
                 notes.append(_HERE.format(payload["error"]))
+                say(f"{mode}: measuring in this process", None)  # no time limit now
                 payload = _run_here(net, mi, job)
         wall = time.perf_counter() - t0
         scan = scan or payload.get("scan")
