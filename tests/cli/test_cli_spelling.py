@@ -122,6 +122,13 @@ def test_no_blocks_to_checkpoint_is_said_in_cli_terms(tmp_path: Path) -> None:
     line = " ".join(result.output.split())
     assert "--blocks layer1,layer2" in line
     assert "blocks=[" not in line
+    assert "Linear has no nn.Sequential or nn.ModuleList of 2+ blocks" in line
+    # Blocks named that match nothing: the selection's own error and fix, not this advice.
+    result = runner.invoke(app, ["memory", f"{path}:build", "--input", "4x8",
+                                 "--checkpoint", "all", "--blocks", "nothing*"])
+    assert result.exit_code == 2, result.output
+    line = " ".join(result.output.split())
+    assert "'nothing*' matched no module" in line and "--blocks layer1" not in line
 
 
 def test_device_is_used_by_a_command_that_did_not_take_it_before(tmp_path: Path) -> None:

@@ -171,23 +171,21 @@ def memory(
 
 
 def _check_blocks(model: nn.Module, blocks: str | None) -> None:
-    """`resolve_blocks`, with its advice in the CLI's terms (`--blocks a,b`, not Python's
-    `blocks=['a', 'b']`).
+    """`resolve_blocks`, with the advice for a model without blocks of its own in the CLI's
+    terms (`--blocks a,b`, not Python's `blocks=['a', 'b']`): asked of `default_blocks`
+    before `resolve_blocks` would raise it, so no error is told apart by its words.
 
     Raises:
         SelectionError: nothing to checkpoint.
     """
     from torchscope.errors import SelectionError
     from torchscope.memory import resolve_blocks
-    from torchscope.memory.checkpoint import NO_BLOCKS_FIX
+    from torchscope.memory.checkpoint import default_blocks, no_blocks_message
 
-    try:
-        resolve_blocks(model, blocks)
-    except SelectionError as exc:
-        if exc.fix != NO_BLOCKS_FIX:
-            raise
-        raise SelectionError(exc.message, fix="name the blocks: --blocks layer1,layer2, or a "
-                             "glob such as --blocks 'layers.*'.") from exc
+    if blocks is None and default_blocks(model) is None:
+        raise SelectionError(no_blocks_message(model), fix="name the blocks: --blocks "
+                             "layer1,layer2, or a glob such as --blocks 'layers.*'.")
+    resolve_blocks(model, blocks)
 
 
 def _make_optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer | None:
