@@ -155,6 +155,19 @@ def test_no_recompute_time_is_negative_anywhere(bn_report: MemoryReport) -> None
     chosen = [t for t in legend if t.startswith(name)]
     assert chosen and "no measurable cost" in chosen[0]
     assert not any(" -" in t or "−" in t for t in legend)
+    # Each point's cost is the tables' (`recompute_cost`): hollow where it has no figure.
+    from torchscope.report.memory import recompute_cost
+    from torchscope.report.plots_memory import _plan_points
+
+    hollow = []
+    for pt in _plan_points(report.plans):
+        for plan in (p for p in report.plans.plans if p.name in pt.names):
+            ms, low, high = recompute_cost(plan, report.plans.measurement(plan.name))
+            assert pt.measurable == (ms is not None), plan.name
+            assert low is None or (pt.low, pt.high) == (low, high), plan.name
+        if not pt.measurable:
+            hollow += pt.names
+    assert name in hollow
 
 
 def test_a_plan_s_other_caveat_follows_the_same_policy(bn_report: MemoryReport) -> None:

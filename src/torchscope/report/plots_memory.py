@@ -19,7 +19,7 @@ from torchscope.report.charts import (
     label_width,
     wrap,
 )
-from torchscope.report.memory import fmt_recompute
+from torchscope.report.memory import fmt_recompute, recompute_cost
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -68,14 +68,15 @@ class _PlanPoint:
 
 def _plan_points(report: PlanReport) -> list[_PlanPoint]:
     """One point per distinct spot: plans that land on the same one share it and its label.
-    A measured recompute is never below 0; one inside the noise keeps its interval."""
+    The recompute is `recompute_cost`'s, as the tables and report.json give it; one inside
+    the noise (no figure there) sits at its measured median, with its interval."""
     points: dict[tuple[float, float], _PlanPoint] = {}
     for p in report.plans:
         m = report.measurement(p.name)
-        x, low, high = (p.recompute_ms, None, None) if m is None else \
-            (m.recompute_ms, m.recompute_low_ms, m.recompute_high_ms)
+        ms, low, high = recompute_cost(p, m)  # ms None: no measurable cost, a hollow point
+        measurable = ms is not None
+        x = p.recompute_ms if m is None else m.recompute_ms  # the median, measurable or not
         y = (m.saved_bytes if m is not None else p.saved_bytes) / _KIB
-        measurable = m is None or m.slowdown is None or m.recompute_measurable
         point = points.setdefault((round(x, 6), round(y, 3)), _PlanPoint(
             [], x, x if low is None else low, x if high is None else high, y,
             p.peak_activation_bytes / _KIB, fmt_recompute(p, m), measurable))
