@@ -56,7 +56,7 @@ def _wait_for(path: Path, limit: float = 60.0) -> None:
 
 def _gone(pid: int) -> bool:
     try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        return bool(psutil.Process(pid).status() == psutil.STATUS_ZOMBIE)
     except psutil.NoSuchProcess:
         return True
 

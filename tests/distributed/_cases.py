@@ -706,7 +706,9 @@ def ddp_grad_changed_on_one_rank(rank: int, world: int, out: Path,
                                  change: bool) -> dict[str, Any]:
     """watch_gradients(every=1) on DDP while rank 1 doubles the head's gradient after the
     all-reduce, at step 1 only (`change`); the replicas' weights then differ from step 2 on.
-    torch's own answer: the head's weights gathered from every rank after the loop."""
+    During the block each sample holds this rank's numbers only (the ranks' are joined once,
+    at the end); the last sample's, joined, is read after it. torch's own answer: the
+    head's weights gathered from every rank after the loop."""
     import torch.distributed as dist
 
     net = mlp()
@@ -722,13 +724,15 @@ def ddp_grad_changed_on_one_rank(rank: int, world: int, out: Path,
                 net[4].weight.grad.mul_(2)
             opt.step()
             flows.append(watch.last)
-    found = [[f for f in flow.findings() if f.code == "grads.ranks_diverge"]
-             for flow in flows if flow is not None]
+    last = watch.last
+    assert last is not None and last.ranks is not None
+    found = [f for f in last.findings() if f.code == "grads.ranks_diverge"]
     head = net[4].weight.detach().clone()
     every = [torch.empty_like(head) for _ in range(world)]
     dist.all_gather(every, head)
-    return {"diverge": [[{"summary": f.summary, **f.evidence} for f in fs] for fs in found],
-            "steps": [flow.index for flow in flows if flow is not None],
+    return {"diverge": [{"summary": f.summary, **f.evidence} for f in found],
+            "held": [flow.ranks is None for flow in flows if flow is not None],
+            "steps": [flow.index for flow in flows if flow is not None], "last": last.index,
             "torch_differs": not all(torch.equal(every[0], w) for w in every[1:])}
 
 
@@ -746,3 +750,88 @@ def ddp_skew(rank: int, world: int, out: Path) -> dict[str, Any]:
                                       for f in flow.findings() if f.code == "grads.rank_skew"},
                          "local": list(local)}
     return answers
+
+
+# A model whose second forward (the doctor's first one, after its unused-parameter check)
+# fails differently on each rank: rank 1 is interrupted at once, rank 2 raises its own error
+# a second later, rank 0 takes three seconds and then finds its peers gone.
+_RUN_RANK_FAILS = '''
+import time
+
+import torch
+from torch import nn
+
+
+class Head(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        rank = torch.distributed.get_rank()
+        if self.calls == 2 and rank == 1:
+            raise KeyboardInterrupt
+        if self.calls == 2 and rank == 2:
+            time.sleep(1.0)
+            raise ValueError("bad batch on rank 2")
+        if self.calls == 2 and rank == 0:
+            time.sleep(3.0)
+        return self.fc(x)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(8, 8)
+        self.head = Head()
+
+    def forward(self, x):
+        return self.head(torch.relu(self.body(x)))
+
+
+def build():
+    torch.manual_seed(0)
+    return Net(), torch.randn(6, 8)
+'''
+
+
+def run_rank_fails(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """`run_rank` in a process group of its own (as under a plain torchrun), on a model that
+    fails differently on each rank (see `_RUN_RANK_FAILS`). What each rank raised, and
+    whether the group is still initialised after it. First, on the worker's group: the
+    failure store's client is a clone with a short timeout, the shared store's unchanged."""
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    from torchscope.distributed.comm import _quick_store
+    from torchscope.doctor import DoctorOptions
+    from torchscope.doctor.distributed import DistributedJob, run_rank
+
+    shared = _get_default_store()
+    before = shared.timeout
+    with _quick_store() as quick:
+        during = (shared.timeout, quick.timeout, quick is shared)
+    store = {"before": before.total_seconds(), "during": during[0].total_seconds(),
+             "quick": during[1].total_seconds(), "same": during[2]}
+    dist.destroy_process_group()  # run_rank joins a group of its own
+
+    target = out / f"fails{rank}.py"
+    target.write_text(_RUN_RANK_FAILS)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    job = DistributedJob(f"{target}:build", (), None, "ddp", "gloo",
+                         DoctorOptions(fast=True, skip=frozenset(
+                             {"gradients", "memory", "profile", "compile", "lint"})),
+                         timeout_s=30.0, init_method=f"file://{out / 'store-run-rank'}")
+    raised: BaseException | None = None
+    try:
+        run_rank(job)
+    except BaseException as exc:  # KeyboardInterrupt on rank 1 included
+        raised = exc
+    return {"store": store, "type": type(raised).__name__,
+            "message": None if raised is None else (str(raised).splitlines() or [""])[0],
+            "cause": type(getattr(raised, "__cause__", None)).__name__,
+            "initialized": dist.is_initialized()}

@@ -25,7 +25,8 @@ def main() -> None:
     except Exception as exc:
         answer = {"raised": f"{type(exc).__name__}: {exc}"}
     Path(out, f"rank{rank}.json").write_text(json.dumps(answer))
-    dist.destroy_process_group()
+    if dist.is_initialized():  # a case may have left it, or joined a group of its own
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -417,6 +417,58 @@ def test_plain_torchrun_names_the_rank_that_raised_on_the_others(tmp_path: Path)
     assert left == []
 
 
+def test_run_rank_leaves_its_group_and_blames_a_rank_s_own_failure(tmp_path: Path) -> None:
+    """`run_rank` as a plain torchrun runs it, on 3 real ranks (see `_cases.run_rank_fails`):
+    rank 1 is interrupted first, rank 2 raises its own error a second later, rank 0 then
+    loses them. Rank 0 names rank 2, whose failure is its own, not rank 1, the lowest rank
+    that posted one; every rank leaves its process group, and raises what it raised. The
+    store a failing rank posts through is a clone: the shared one keeps its timeout."""
+    from ._launch import run_ranks
+
+    ranks = run_ranks("run_rank_fails", tmp_path, nproc=3, timeout=150.0)
+    for a in ranks:
+        assert a["store"] == {"before": 60.0, "during": 60.0, "quick": 2.0, "same": False}
+        assert a["initialized"] is False, a
+    assert ranks[1]["type"] == "KeyboardInterrupt"
+    assert (ranks[2]["type"], ranks[2]["cause"]) == ("ModelError", "ValueError"), ranks[2]
+    assert ranks[0]["type"] == "DistributedError", ranks[0]
+    assert ranks[0]["message"].startswith(
+        "rank 2 raised ValueError: bad batch on rank 2 in head's forward (during the "
+        "doctor's first forward); rank 0 stopped with it."), ranks[0]
+
+
+def test_a_failed_rank_is_said_one_way_and_its_own_failure_is_blamed_first() -> None:
+    """One function says how a rank failed, for the launcher, a torchrun rank and a
+    collective that lost it; the failure blamed is a rank's own before a victim's
+    (interrupted), then the first posted, then the lowest rank."""
+    from torchscope.distributed.comm import PostedFailure, failure_line, first_failure
+
+    assert failure_line(1, "raised", error="ValueError: bad batch in forward 3",
+                        module="head", part="the activations section") == \
+        "rank 1 raised ValueError: bad batch in forward 3 in head's forward (during the " \
+        "activations section)"
+    assert failure_line(0, "raised", error="RuntimeError: x", part="start-up") == \
+        "rank 0 raised RuntimeError: x (during start-up)"
+    assert failure_line(1, "died", code=3, part="the activations section") == \
+        "rank 1 died with exit code 3 in the activations section"
+    assert failure_line(2, "died", code=-6, part="start-up") == \
+        "rank 2 died from signal 6 (SIGABRT) in start-up"
+    assert failure_line([1], "hung") == "rank 1 hung"
+    assert failure_line([1, 3], "hung") == "ranks 1, 3 hung"
+    with pytest.raises(ValueError):
+        failure_line(1, "left")
+    own_late = PostedFailure(3, "ValueError: mine", time=20.0)
+    victim_early = PostedFailure(1, "Interrupted: SIGTERM", time=10.0, victim=True)
+    own_early = PostedFailure(2, "ValueError: first", time=15.0)
+    assert first_failure([victim_early, own_late]) is own_late
+    assert first_failure([victim_early, own_late, own_early]) is own_early
+    assert first_failure([PostedFailure(4, "E: a", time=5.0),
+                          PostedFailure(2, "E: b", time=5.0)]).rank == 2  # type: ignore[union-attr]
+    assert first_failure([victim_early]) is victim_early  # nothing better was posted
+    assert first_failure([]) is None
+    assert own_early.line() == "rank 2 raised ValueError: first"
+
+
 def _said(run: Path, rank: int, kind: str, at: float, message: str) -> None:
     (run / "failures" / f"rank{rank}.json").write_text(json.dumps({
         "rank": rank, "kind": kind, "type": "RuntimeError", "message": message,

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -114,3 +115,33 @@ def test_rank_trace_paths_share_one_folder() -> None:
 ])
 def test_collective_names(name: str, kind: str | None) -> None:
     assert comm_kind(name) == kind
+
+
+def test_the_failure_store_is_a_clone_and_the_shared_store_keeps_its_timeout() -> None:
+    """A failing rank posts through a client of its own with a 2 s timeout (a store whose
+    host died must not hold it for 5 minutes); the group's store, which the user's code
+    and torch's threads share, keeps its timeout throughout. Same keys: what the clone
+    sets, the shared store reads."""
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    from torchscope.distributed.comm import _quick_store
+
+    # torch's stubs declare no `timeout` on stores: Any.
+    tcp: Any = TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=300))
+    dist.init_process_group("gloo", store=tcp, rank=0, world_size=1,
+                            timeout=timedelta(seconds=45))
+    try:
+        shared: Any = _get_default_store()
+        before = shared.timeout
+        with _quick_store() as quick:
+            assert quick is not None and quick is not shared
+            assert quick.timeout == timedelta(seconds=2)
+            assert shared.timeout == before and tcp.timeout == timedelta(seconds=300)
+            quick.set("torchscope/probe", "seen")
+            assert shared.get("torchscope/probe") == b"seen"
+        assert shared.timeout == before
+    finally:
+        dist.destroy_process_group()
+    with _quick_store() as none:  # no group: nothing to post through
+        assert none is None

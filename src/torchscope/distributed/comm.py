@@ -13,10 +13,14 @@ needs: CPU for gloo, the current CUDA device for NCCL.
 from __future__ import annotations
 
 import contextlib
+import json
+import math
 import os
 import pickle
+import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -31,13 +35,18 @@ __all__ = [
     "RANGE",
     "TIMEOUT_ENV",
     "DistributedError",
+    "PostedFailure",
     "all_gather_tensor",
     "all_gather_tensor_later",
     "all_reduce_sum",
     "comm_device",
+    "exit_status",
+    "failure_line",
+    "first_failure",
     "gather_objects",
     "post_failure",
     "posted_failures",
+    "rank_list",
     "timeout_s",
 ]
 
@@ -109,57 +118,133 @@ def _hold(tensors: list[torch.Tensor]) -> None:
 _FAILURE_KEY = "torchscope/failure/"
 
 
+def rank_list(ranks: Sequence[int]) -> str:
+    """`rank 1`, `ranks 0, 2`."""
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)
+
+
+def failure_line(ranks: int | Sequence[int], how: str, *, error: str = "",
+                 module: str | None = None, part: str | None = None,
+                 code: int | None = None) -> str:
+    """How a failed rank is said, the same in every torchscope message (the launcher's,
+    a torchrun rank's, a collective's that lost it):
+
+    - `raised`: "rank 1 raised ValueError: bad batch in head's forward (during the
+      activations section)" (`error` is "Type: message", `module` the module whose forward
+      raised);
+    - `died`: "rank 1 died with exit code 3 in the activations section" (`code`: the exit
+      status, negative for the signal that ended it);
+    - `hung`: "rank 1 hung", "ranks 1, 2 hung".
+    """
+    who = rank_list([ranks] if isinstance(ranks, int) else list(ranks))
+    if how == "hung":
+        return f"{who} hung"
+    if how == "died":
+        if code is None:
+            raise ValueError("a rank that died has an exit code")
+        return f"{who} died {exit_status(code)}" + (f" in {part}" if part else "")
+    if how != "raised":
+        raise ValueError(f"a rank fails by raising, dying or hanging, not {how!r}")
+    return (f"{who} raised {error}" + (f" in {module}'s forward" if module else "") +
+            (f" (during {part})" if part else ""))
+
+
+def exit_status(code: int) -> str:
+    """How a process ended, as messages say it: `with exit code 3`, or `from signal 6
+    (SIGABRT)` for a negative status."""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"from signal {-code} ({name})"
+    return f"with exit code {code}"
+
+
+@dataclass(frozen=True)
+class PostedFailure:
+    """What a rank posted with `post_failure`.
+
+    Attributes:
+        rank: the rank that posted it.
+        error: `Type: message`.
+        module: the module whose forward raised it, or None.
+        part: the part of the run it was in, or None.
+        time: when it was posted (`time.time()`).
+        victim: it was a consequence (the rank was interrupted, or lost another rank), not
+            a failure of its own.
+    """
+
+    rank: int
+    error: str
+    module: str | None = None
+    part: str | None = None
+    time: float = math.inf
+    victim: bool = False
+
+    def line(self) -> str:
+        """`failure_line` of this failure: "rank k raised X ..."."""
+        return failure_line(self.rank, "raised", error=self.error, module=self.module,
+                            part=self.part)
+
+
+def first_failure(posted: Iterable[PostedFailure]) -> PostedFailure | None:
+    """The failure to blame: a rank's own before a victim's (interrupted, or lost another
+    rank), then the first posted, then the lowest rank; None when none was posted."""
+    return min(posted, key=lambda f: (f.victim, f.time, f.rank), default=None)
+
+
 @contextlib.contextmanager
 def _quick_store(seconds: float = 2.0) -> Iterator[Any]:
-    """The default group's store with a short timeout (restored on exit), or None: a store
-    whose host has died must not hold a failing rank for the store's 5 minutes."""
+    """A client of its own to the default group's store with a short timeout, or None: a
+    store whose host has died must not hold a failing rank for the store's 5 minutes. The
+    shared store (the user's code and torch's own threads use it too) keeps its timeout:
+    the client is a clone (`Store.clone`, a connection of its own to the same keys)."""
     import torch.distributed as dist
 
-    store = None
+    store: Any = None
     if dist.is_initialized():
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):  # a store without clone (one of Python's own)
             from torch.distributed.distributed_c10d import _get_default_store
 
-            store = _get_default_store()
-    if store is None:
-        yield None
-        return
-    before = getattr(store, "timeout", None)  # torch's stubs do not declare it
-    if before is None:
-        yield store
-        return
-    try:
-        store.set_timeout(timedelta(seconds=seconds))
-        yield store
-    finally:
-        with contextlib.suppress(Exception):
-            store.set_timeout(before)
+            shared: Any = _get_default_store()  # torch's stubs do not declare clone
+            store = shared.clone()
+            store.set_timeout(timedelta(seconds=seconds))
+    yield store
 
 
-def post_failure(text: str) -> None:
-    """Tell the other ranks what this rank raised (`Type: message`), through the process
-    group's store, so that a collective of theirs that fails because this rank left names
-    it (`posted_failures`). Best effort: nothing happens without a reachable store."""
+def post_failure(error: str, *, module: str | None = None, part: str | None = None,
+                 victim: bool = False) -> None:
+    """Tell the other ranks what this rank raised (`error`: `Type: message`, with the module
+    whose forward raised it and the part of the run), through the process group's store,
+    so that a collective of theirs that fails because this rank left names it
+    (`posted_failures`). `victim`: the rank only stopped because of another one. Best
+    effort: nothing happens without a reachable store."""
     import torch.distributed as dist
 
     with _quick_store() as store, contextlib.suppress(Exception):
         if store is not None:
-            store.set(f"{_FAILURE_KEY}{dist.get_rank()}", text)
+            store.set(f"{_FAILURE_KEY}{dist.get_rank()}", json.dumps({
+                "error": error, "module": module, "part": part, "time": time.time(),
+                "victim": victim}))
 
 
-def posted_failures() -> dict[int, str]:
+def posted_failures() -> dict[int, PostedFailure]:
     """What the other ranks posted with `post_failure`, by rank (empty when none did, or
     without a reachable store)."""
     import torch.distributed as dist
 
-    out: dict[int, str] = {}
+    out: dict[int, PostedFailure] = {}
     with _quick_store() as store, contextlib.suppress(Exception):
         if store is not None:
             me = dist.get_rank()
             for r in range(dist.get_world_size()):
                 key = f"{_FAILURE_KEY}{r}"
                 if r != me and store.check([key]):
-                    out[r] = bytes(store.get(key)).decode(errors="replace")
+                    d = json.loads(bytes(store.get(key)).decode(errors="replace"))
+                    out[r] = PostedFailure(r, str(d["error"]), d.get("module"), d.get("part"),
+                                           float(d.get("time", math.inf)),
+                                           bool(d.get("victim", False)))
     return out
 
 
@@ -187,13 +272,12 @@ def _wait(work: Any, what: str, seconds: float | None) -> None:
         done = work.wait(timeout=timedelta(seconds=limit))
     except RuntimeError as exc:
         waited = time.monotonic() - t0
-        posted = posted_failures()
-        if posted:
-            r = min(posted)
+        first = first_failure(posted_failures().values())
+        if first is not None:
             raise RankLostError(
-                f"rank {r} raised {posted[r]}; {what} failed on {world().describe()} after "
+                f"{first.line()}; {what} failed on {world().describe()} after "
                 f"{waited:.1f} s as that rank left.",
-                fix=f"fix what rank {r} raised; this rank only lost it.") from exc
+                fix=f"fix what rank {first.rank} raised; this rank only lost it.") from exc
         if waited < 0.9 * limit:
             raise RankLostError(
                 f"{what} failed on {world().describe()} after {waited:.1f} s "

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Generic, TypeVar
 
-from torchscope.distributed.comm import gather_objects
+from torchscope.distributed.comm import gather_objects, rank_list
 from torchscope.distributed.world import World, world
 from torchscope.findings import Analyzed, Finding, rank
 
@@ -42,11 +42,6 @@ def ranked_analyzer(record_type: type) -> Callable[[_F], _F]:
         return fn
 
     return register
-
-
-def rank_list(ranks: Sequence[int]) -> str:
-    """`rank 1`, `ranks 0, 2`."""
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)
 
 
 def merge_findings(per_rank: Sequence[Sequence[Finding]]) -> list[Finding]:

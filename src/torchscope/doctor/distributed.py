@@ -33,6 +33,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass, replace
@@ -43,7 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchscope._process import seeded, spawn, stop
+from torchscope._process import seeded, spawn, stop_all
 from torchscope.distributed.comm import (
     DEFAULT_TIMEOUT_S,
     TIMEOUT_ENV,
@@ -52,12 +53,16 @@ from torchscope.distributed.comm import (
     all_gather_tensor,
     all_reduce_sum,
     comm_device,
+    exit_status,
+    failure_line,
+    first_failure,
     gather_objects,
     post_failure,
     posted_failures,
+    rank_list,
     timeout_s,
 )
-from torchscope.distributed.ranked import gather, rank_list
+from torchscope.distributed.ranked import gather
 from torchscope.distributed.world import world
 from torchscope.doctor.ranks import RankRecords, RanksRecord, ranks_outcome
 from torchscope.doctor.runner import DoctorEvent, DoctorReport, doctor_step, run_doctor
@@ -348,26 +353,55 @@ def run_rank(job: DistributedJob) -> DoctorReport | None:
             or a collective failed (another rank raised, hung or left).
         TorchscopeError: the TARGET or its inputs cannot be loaded, or the model raised.
     """
+    import torch.distributed as dist
+
     state = _RankState()
+    joins = not dist.is_initialized()  # the group is this call's to leave
     try:
         return _run_rank(job, state)
     except BaseException as exc:
         # Under a plain torchrun no launcher of torchscope's reads the ranks' failures:
         # the rank that failed posts its own, and one that only lost it names it.
         if not _lost_peer(exc):
+            # A rank interrupted (torchrun's SIGTERM to the survivors of another's failure)
+            # posts too, as a victim: blamed only when no rank posted a failure of its own.
+            interrupted = isinstance(exc, KeyboardInterrupt)
             name, message = _first_line(exc)
-            where = raised_in(exc, state.model)
-            post_failure(f"{name}: {message}" + (f" in {where}'s forward" if where else "") +
-                         f" (during {state.part})")
+            if interrupted:
+                message = getattr(exc, "name", "") or message  # `Interrupted: SIGTERM`
+            post_failure(f"{name}: {message}", module=raised_in(exc, state.model),
+                         part=state.part, victim=interrupted)
             raise
-        posted = posted_failures()
-        if not posted:
+        first = first_failure(posted_failures().values())
+        if first is None:
             raise
-        r = min(posted)
         raise DistributedError(
-            f"rank {r} raised {posted[r]}; rank {world().rank} stopped with it.",
-            fix=f"fix what rank {r} raised (rerun without torchrun to debug on one "
+            f"{first.line()}; rank {world().rank} stopped with it.",
+            fix=f"fix what rank {first.rank} raised (rerun without torchrun to debug on one "
             "process); this rank only lost it.") from exc
+    finally:
+        if joins:  # after a success `_run_rank` has left it already
+            _leave_group()
+
+
+def _leave_group(wait_s: float = 5.0) -> None:
+    """Destroy the default process group after a failure, without waiting on a peer: gloo's
+    teardown waits for any collective still pending (one a peer never joined) until the
+    group's timeout, so it runs on a thread of its own for at most `wait_s` seconds (the
+    group is out of torch's registry at once; the thread finishes the rest). Its own
+    errors are dropped: the rank's failure is the one to raise."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+
+    def destroy() -> None:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+    leaving = threading.Thread(target=destroy, name="torchscope-leave-group", daemon=True)
+    leaving.start()
+    leaving.join(wait_s)
 
 
 def _run_rank(job: DistributedJob, state: _RankState) -> DoctorReport | None:
@@ -622,16 +656,6 @@ class RankExit:
     killed: bool = False
 
 
-def _how(code: int) -> str:
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return f"from signal {-code} ({name})"
-    return f"with exit code {code}"
-
-
 def rank_failure(exits: list[RankExit], run: Path) -> DistributedError | None:
     """The one error of a failed launch, or None when every rank did its work: the first
     real failure by time, never a rank that only lost its peers.
@@ -675,13 +699,14 @@ def rank_failure(exits: list[RankExit], run: Path) -> DistributedError | None:
             log = run / f"rank{r}.log"
             text = log.read_text(errors="replace") if log.exists() else ""
             note = next((n for needle, n in _DEATH_NOTES if needle in text), None)
+            died = failure_line(r, "died", code=code, part=part(r))
             if note is not None:
                 return ModelMismatchError(
-                    f"rank {r} died {_how(code)} in {part(r)}: {note}.",
+                    f"{died}: {note}.",
                     fix="build the model the same way on every rank (no rank-dependent "
                     "sizes or layers), and give every rank inputs of the same shapes.")
             return DistributedError(
-                f"rank {r} died {_how(code)} in {part(r)}, without raising an error.",
+                f"{died}, without raising an error.",
                 fix="rerun with --debug; a negative exit code is the signal that killed it "
                 "(e.g. -9: out of memory), a positive one a call to exit() in the model's "
                 "code.")
@@ -691,9 +716,9 @@ def rank_failure(exits: list[RankExit], run: Path) -> DistributedError | None:
             error = ModelMismatchError(d["message"], fix=d.get("fix") or "build the model "
                                        "the same way on every rank.")
         else:
-            where = f" in {d['module']}'s forward" if d.get("module") else ""
             error = DistributedError(
-                f"rank {r} raised {d['type']}: {d['message']}{where} (during {d['part']}).",
+                failure_line(r, "raised", error=f"{d['type']}: {d['message']}",
+                             module=d.get("module"), part=d["part"]) + ".",
                 fix=d.get("fix") or fix)
         error.__cause__ = RankTracebackError(f"rank {r}: {d['traceback']}")
         return error
@@ -703,17 +728,18 @@ def rank_failure(exits: list[RankExit], run: Path) -> DistributedError | None:
         if quiet:
             first = said[waited[0]]
             return DistributedError(
-                f"{rank_list(quiet)} hung: {rank_list(waited)} gave up waiting for "
+                f"{failure_line(quiet, 'hung')}: {rank_list(waited)} gave up waiting for "
                 f"{'it' if len(quiet) == 1 else 'them'} in a collective ({first['type']}: "
                 f"{first['message']}); {rank_list(quiet[:1])} was in {part(quiet[0])}.",
                 fix="look for code that runs on some ranks only (a rank-dependent branch, a "
                 "print or barrier on rank 0) or a step far slower on one rank; raise "
                 f"{TIMEOUT_ENV} for steps slower than the timeout.")
         d = said[waited[0]]
-        return DistributedError(f"rank {waited[0]} raised {d['type']}: {d['message']} "
-                                f"(during {d['part']}).", fix=fix)
+        return DistributedError(failure_line(waited[0], "raised",
+                                             error=f"{d['type']}: {d['message']}",
+                                             part=d["part"]) + ".", fix=fix)
     if any(e.code not in (None, 0) and e.rank not in done for e in exits):
-        codes = ", ".join(f"rank {e.rank} {_how(e.code)}" for e in exits
+        codes = ", ".join(f"rank {e.rank} {exit_status(e.code)}" for e in exits
                           if e.code not in (None, 0) and e.code is not None)
         return DistributedError(f"ranks were stopped ({codes}).", fix="rerun with --debug.")
     return None
@@ -741,11 +767,11 @@ def _die_with_parent(parent: int) -> None:
 
 
 def _stop(procs: list[subprocess.Popen[bytes]], grace: float = 3.0) -> set[int]:
-    """Stop every rank still running, each with its process group (SIGTERM, then SIGKILL
-    after `grace` seconds), and forget those that ended; the ranks it had to stop."""
+    """Stop every rank still running, each with its process group (SIGTERM to all, then
+    SIGKILL to those left after `grace` seconds in all), and forget those that ended; the
+    ranks it had to stop."""
     stopped = {r for r, p in enumerate(procs) if p.poll() is None}
-    for r, proc in enumerate(procs):
-        stop(proc, grace if r in stopped else None)
+    stop_all(procs, grace if stopped else None)
     return stopped
 
 
