@@ -17,6 +17,24 @@ def _rounds(names: list[str], repeats: int) -> list[list[str]]:
     return [names[r % len(names):] + names[:r % len(names)] for r in range(repeats)]
 
 
+def interleaved_samples(
+    runs: Mapping[str, Callable[[], object]], *, repeats: int = 15, warmup: int = 3
+) -> dict[str, list[tuple[float, float]]]:
+    """Per function: its (wall, process CPU) seconds in each round, timed round-robin (each
+    round's order rotated by one) after `warmup` untimed calls of each; the samples that
+    `interleaved_paired` sums up, for a figure of its own per round."""
+    for fn in runs.values():
+        for _ in range(warmup):
+            fn()
+    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in runs}
+    for order in _rounds(list(runs), repeats):
+        for name in order:
+            t0, c0 = time.perf_counter(), time.process_time()
+            runs[name]()
+            samples[name].append((time.perf_counter() - t0, time.process_time() - c0))
+    return samples
+
+
 def interleaved_paired(
     runs: Mapping[str, Callable[[], object]], *, repeats: int = 15, warmup: int = 3
 ) -> dict[str, tuple[tuple[float, float, float], Interval]]:
@@ -33,16 +51,14 @@ def interleaved_paired(
     longer than one call, so it moves both calls of a round together; the ratio within
     each round cancels it, where a ratio of two medians taken over all rounds keeps it.
     """
-    for fn in runs.values():
-        for _ in range(warmup):
-            fn()
-    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in runs}
-    for order in _rounds(list(runs), repeats):
-        for name in order:
-            t0, c0 = time.perf_counter(), time.process_time()
-            runs[name]()
-            samples[name].append((time.perf_counter() - t0, time.process_time() - c0))
-    base = samples[next(iter(runs))]
+    return paired(interleaved_samples(runs, repeats=repeats, warmup=warmup))
+
+
+def paired(samples: Mapping[str, list[tuple[float, float]]]
+           ) -> dict[str, tuple[tuple[float, float, float], Interval]]:
+    """`interleaved_paired` of samples already taken (`interleaved_samples`); the first
+    function is the baseline."""
+    base = samples[next(iter(samples))]
     return {name: ((statistics.median(w for w, _ in s), statistics.median(c for _, c in s),
                     min(w for w, _ in s)),
                    median_interval([w / b for (w, _), (b, _) in zip(s, base, strict=True)]))

@@ -12,8 +12,9 @@ line up. Then it times `flow.gather()` alone: the one gather that joins every ra
 
 Rank 0 prints the median step of each, its ratio to the bare DDP step in the same round
 (the median of those paired ratios, with its 95 % interval), the watch's cost per sampled
-step with and without ranks, and the gather's median. Timings are noisy on a shared machine; the
-README's figures come from a quiet one.
+step with and without ranks and the ranks' share of it (the median of each round's
+differences, with its 95 % interval), and the gather's median. Timings are noisy on a
+shared machine; the README's figures come from a quiet one.
 
     python benchmarks/gather_overhead.py [--steps 30] [--strategy ddp|fsdp2]
         [--model llama|tiny-cnn|...]
@@ -43,8 +44,9 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _timing import interleaved_paired
+from _timing import interleaved_samples, paired
 
+from torchscope._timing import Interval, median_interval
 from torchscope.grads import watch_gradients
 from torchscope.models import load_target
 
@@ -119,8 +121,9 @@ def _rank(rank: int, world: int, store: str, args: argparse.Namespace) -> None:
 
         with watch_gradients(watched, every=1, optimizer=opts["watched"]) as watch, \
                 watch_gradients(alone_watched, every=1, optimizer=opts["alone_watched"]):
-            timed = interleaved_paired({name: step(name) for name in models},
-                                       repeats=args.steps, warmup=3)
+            samples = interleaved_samples({name: step(name) for name in models},
+                                          repeats=args.steps, warmup=3)
+        timed = paired(samples)
         assert watch.samples == args.steps + 3
         flow = watch.last
         assert flow is not None
@@ -142,11 +145,22 @@ def _rank(rank: int, world: int, store: str, args: argparse.Namespace) -> None:
                 r = timed[name][1]
                 print(f"  {label:34s} {ms[name]:8.2f} ms   {r.median:.3f}x "
                       f"({r.low:.3f}-{r.high:.3f}x of the bare {args.strategy} step)")
-            extra = (ms["watched"] - ms["bare"]) - (ms["alone_watched"] - ms["alone"])
-            print(f"  watch per sampled step, {args.strategy}  "
-                  f"{ms['watched'] - ms['bare']:8.2f} ms; alone "
-                  f"{ms['alone_watched'] - ms['alone']:.2f} ms; the ranks' share "
-                  f"{extra:.2f} ms (the synchronised read and the exchange)")
+            rounds = [dict(zip(samples, walls, strict=True)) for walls in
+                      zip(*([w for w, _ in s] for s in samples.values()), strict=True)]
+
+            def cost(of: Callable[[dict[str, float]], float]) -> Interval:
+                """`of` each round's wall seconds (by variant) in ms: median, 95% interval."""
+                return median_interval([of(r) * 1e3 for r in rounds])
+
+            def fmt(c: Interval) -> str:
+                return f"{c.median:.2f} ms [{c.low:.2f}, {c.high:.2f}]"
+
+            ranked_ms = cost(lambda r: r["watched"] - r["bare"])
+            alone_ms = cost(lambda r: r["alone_watched"] - r["alone"])
+            share_ms = cost(lambda r: r["watched"] - r["bare"] - (r["alone_watched"] - r["alone"]))
+            print(f"  watch per sampled step (the median of each round's difference, with its "
+                  f"95% interval), {args.strategy} {fmt(ranked_ms)}; alone {fmt(alone_ms)}; the "
+                  f"ranks' share {fmt(share_ms)} (the synchronised read and the exchange)")
             print(f"  flow.gather() to rank 0            {statistics.median(gathers) * 1e3:8.2f}"
                   " ms (once, at the end of a watch block)")
     finally:
