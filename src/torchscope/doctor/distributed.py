@@ -684,7 +684,9 @@ def rank_failure(exits: list[RankExit], run: Path) -> DistributedError | None:
         if d["kind"] in ("raised", "differs"):
             real.append((float(d["time"]), d["kind"], r))
     for e in exits:
-        if e.code not in (None, 0) and not e.killed and e.rank not in said and \
+        # Exit code 0 included: a rank that left with os._exit(0) before its work was
+        # done died all the same (it read as "rank k hung").
+        if e.code is not None and not e.killed and e.rank not in said and \
                 e.rank not in done and e.at is not None:
             real.append((e.at, "died", e.rank))
     fix = "rerun without --nproc to debug on one process, or with --debug for that rank's " \
@@ -827,7 +829,7 @@ def launch(job: DistributedJob, nproc: int) -> DoctorReport:
 def _watch(procs: list[subprocess.Popen[bytes]], run: Path, poll: float = 0.05,
            settle: float = 0.5) -> list[RankExit]:
     """Wait for every rank; at the first sign of a failure (a rank's failure file, or a
-    rank that ended with a non-zero status before its work was done) give the others
+    rank that ended, whatever its status, before its work was done) give the others
     `settle` seconds to say theirs, then stop them. How each rank ended."""
     failures = run / _FAILURES
     ended: dict[int, tuple[int, float]] = {}
@@ -836,8 +838,7 @@ def _watch(procs: list[subprocess.Popen[bytes]], run: Path, poll: float = 0.05,
         for r, p in enumerate(procs):
             if r not in ended and (rc := p.poll()) is not None:
                 ended[r] = (rc, time.time())
-                if rc != 0 and not (failures / f"rank{r}.done").exists() and \
-                        failed_at is None:
+                if not (failures / f"rank{r}.done").exists() and failed_at is None:
                     failed_at = time.monotonic()
         if failed_at is None and any(failures.glob("rank*.json")):
             failed_at = time.monotonic()
