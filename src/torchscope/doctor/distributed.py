@@ -710,8 +710,8 @@ def rank_failure(exits: list[RankExit], run: Path) -> DistributedError | None:
             return DistributedError(
                 f"{died}, without raising an error.",
                 fix="rerun with --debug; a negative exit code is the signal that killed it "
-                "(e.g. -9: out of memory), a positive one a call to exit() in the model's "
-                "code.")
+                "(e.g. -9: out of memory), another one a call to exit() or os._exit() in "
+                "the model's code.")
         d = said[r]
         error: DistributedError
         if kind == "differs":
