@@ -20,8 +20,20 @@ SEGMENT_LABEL: ContextVar[tuple[str, str, str] | None] = ContextVar(
 attributes those inputs to the first block rather than to the container."""
 
 
-def storage_key(t: torch.Tensor) -> StorageKey | None:
-    """Identity of `t`'s storage (device, data pointer); None for tensors without one.
+_DEVICE_NAMES: dict[torch.device, str] = {}
+
+
+def device_name(device: torch.device) -> str:
+    """`str(device)`, cached: formatting a device costs more than the rest of a storage key
+    (a pack hook computes one per saved tensor)."""
+    name = _DEVICE_NAMES.get(device)
+    if name is None:
+        name = _DEVICE_NAMES[device] = str(device)
+    return name
+
+
+def storage_of(t: torch.Tensor) -> tuple[torch.UntypedStorage, StorageKey] | None:
+    """`t`'s storage and its `storage_key`; None for tensors without one.
 
     Metadata only: no device sync, so it may run inside hooks.
     """
@@ -36,7 +48,16 @@ def storage_key(t: torch.Tensor) -> StorageKey | None:
         return None
     if ptr == 0 and storage.nbytes() > 0:
         return None  # a meta or fake tensor: no memory behind it
-    return (str(t.device), ptr)
+    return storage, (device_name(t.device), ptr)
+
+
+def storage_key(t: torch.Tensor) -> StorageKey | None:
+    """Identity of `t`'s storage (device, data pointer); None for tensors without one.
+
+    Metadata only: no device sync, so it may run inside hooks.
+    """
+    found = storage_of(t)
+    return None if found is None else found[1]
 
 
 def storage_nbytes(t: torch.Tensor) -> int:
@@ -51,7 +72,7 @@ def storage_keys(obj: Any) -> dict[StorageKey, int]:
     """Storage key -> bytes of every tensor inside `obj` (a tensor, or a structure of them)."""
     out: dict[StorageKey, int] = {}
     for _, t in iter_tensors(obj):
-        key = storage_key(t)
-        if key is not None:
-            out.setdefault(key, storage_nbytes(t))
+        found = storage_of(t)
+        if found is not None and found[1] not in out:
+            out[found[1]] = int(found[0].nbytes())
     return out

@@ -11,20 +11,23 @@ checkpoint's frame, once per checkpoint call), whichever module called `checkpoi
 `SavedActivations.checkpointed` names what was checkpointed.
 
 Storages freed before backward (a branch whose result was dropped) are not kept for
-backward and are not counted; storage liveness is tracked with `StorageWeakRef`, which also
-keeps a reused address from being mistaken for the same storage.
+backward and are not counted; storage liveness is tracked with a weak reference to the
+storage, which also keeps a reused address from being mistaken for the same storage.
+
+The pack hook runs for every saved tensor of a sampled forward, so it does only what must
+be read then (the storage, its first view's metadata, the module running): the records
+are built once, when the forward's accounting is frozen.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from torchscope.hooks.checkpoints import checkpoint_saving, checkpointed_module
 from torchscope.hooks.parallel import unwrap_parallel
@@ -34,9 +37,10 @@ from torchscope.hooks.tree import iter_tensors
 from torchscope.memory._common import (
     SEGMENT_LABEL,
     StorageKey,
-    storage_key,
+    device_name,
     storage_keys,
     storage_nbytes,
+    storage_of,
 )
 from torchscope.memory.records import (
     OUTSIDE,
@@ -47,15 +51,63 @@ from torchscope.memory.records import (
 )
 from torchscope.step import LossSpec, Step, StepInfo
 
+_EXPIRED = torch.UntypedStorage._expired
 
-@dataclass
+
 class _Entry:
-    """A storage while the forward runs: its first save, and the counts that grow after."""
+    """A storage while the forward runs: its first save, and the counts that grow after.
 
-    first: SavedStorage  # saves and savers are filled in by `_freeze`
-    ref: StorageWeakRef | None
-    saves: int = 0
-    savers: list[str] = field(default_factory=list)
+    It holds the storage weakly (`torch.multiprocessing`'s `StorageWeakRef`, without that
+    class's per-instance look-up of the legacy `torch.Storage`): `cdata` is the storage's
+    address, which no other storage can take while the reference lives; 0 for a tensor
+    without storage.
+    """
+
+    __slots__ = ("cdata", "device", "dtype", "kind", "module", "module_type", "nbytes",
+                 "savers", "saves", "shape")
+
+    def __init__(self, storage: torch.UntypedStorage | None, t: torch.Tensor, module: str,
+                 module_type: str, device: str, nbytes: int, kind: StorageKind) -> None:
+        # (typed as a storage by torch's stubs: it is the address, an int)
+        self.cdata: int = 0 if storage is None else storage._weak_ref()  # type: ignore[assignment]
+        self.module = module
+        self.module_type = module_type
+        self.shape = t.shape  # of the first saved view (a torch.Size: made a tuple when frozen)
+        self.dtype = t.dtype
+        self.device = device
+        self.nbytes = nbytes
+        self.kind: StorageKind = kind
+        self.saves = 1
+        self.savers = [module]
+
+    def record(self) -> SavedStorage:
+        return SavedStorage(self.module, self.module_type, tuple(self.shape),
+                            _dtype_name(self.dtype), self.device, self.nbytes, self.saves,
+                            self.kind, tuple(self.savers))
+
+    def __del__(self, _free: Any = torch.UntypedStorage._free_weak_ref) -> None:
+        # Bound at definition: `torch` may be torn down before this at interpreter exit.
+        if self.cdata:
+            _free(self.cdata)
+
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    """`str(dtype)`, cached."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype)
+    return name
+
+
+def _is_parameter(t: torch.Tensor) -> bool:
+    """`isinstance(t, nn.Parameter)`, without the metaclass's Python check for the plain
+    tensors that most saved tensors are (it accepts a tensor flagged `_is_param` too)."""
+    if type(t) is torch.Tensor:
+        return bool(getattr(t, "_is_param", False))
+    return isinstance(t, nn.Parameter)
 
 
 @dataclass(frozen=True)
@@ -98,12 +150,28 @@ def row_owners(model: nn.Module, select: Selector = None, depth: int | None = No
     return owners
 
 
-def known_kinds(model: nn.Module, inputs: Any) -> dict[StorageKey, StorageKind]:
+def known_kinds(model: nn.Module, inputs: Any,
+                modules: Sequence[nn.Module] | None = None) -> dict[StorageKey, StorageKind]:
     """The storages of the model's parameters and buffers and of `inputs`, with their kind
-    (a parameter that is also a buffer or an input counts as a parameter)."""
+    (a parameter that is also a buffer or an input counts as a parameter).
+
+    `modules`: `list(model.modules())`, where the caller keeps it (a watch, per sampled
+    forward): the same tensors are read from each module without walking the tree again.
+    """
     kinds: dict[StorageKey, StorageKind] = dict.fromkeys(storage_keys(inputs), "input")
-    kinds.update(dict.fromkeys(storage_keys(list(model.buffers())), "buffer"))
-    kinds.update(dict.fromkeys(storage_keys(list(model.parameters())), "parameter"))
+    if modules is None:
+        buffers, params = model.buffers(), model.parameters()
+    else:
+        buffers = (b for m in modules for b in m._buffers.values() if b is not None)
+        params = (p for m in modules for p in m._parameters.values() if p is not None)
+    for b in buffers:
+        found = storage_of(b)
+        if found is not None:
+            kinds[found[1]] = "buffer"
+    for p in params:
+        found = storage_of(p)
+        if found is not None:
+            kinds[found[1]] = "parameter"
     return kinds
 
 
@@ -137,12 +205,23 @@ class _Recorder:
     def pack(self, t: torch.Tensor) -> tuple[torch.Tensor, int]:
         # Called for every tensor an autograd node saves; reads metadata only (no sync).
         self.saves += 1
-        module, module_type = self._where()
+        stack = self._stack
         label = SEGMENT_LABEL.get()
-        if label is None or not self._stack or label[0] != self._stack[-1]:
-            # Not one of torchscope's own checkpoint segments: a checkpoint in the model's
-            # code keeps the inputs of what it checkpoints, for that module, not for the
-            # module whose forward called `checkpoint`.
+        if stack and label is not None and label[0] == stack[-1]:
+            # One of torchscope's own checkpoint segments: its first block's.
+            module, module_type = label[1], label[2]
+            if self._owners is not None:
+                module, module_type = self._row(module, module_type)
+        else:
+            if stack:
+                module = stack[-1]
+                module_type = self._types.get(module, "")
+                if self._owners is not None:
+                    module, module_type = self._row(module, module_type)
+            else:
+                module, module_type = OUTSIDE, ""
+            # A checkpoint in the model's code keeps the inputs of what it checkpoints, for
+            # that module, not for the module whose forward called `checkpoint`.
             held, fn = checkpoint_saving()
             if held:
                 target = checkpointed_module(fn)
@@ -152,45 +231,45 @@ class _Recorder:
                 self.checkpointed.setdefault(
                     name if name is not None else
                     getattr(fn, "__qualname__", type(fn).__name__), None)
-        key = storage_key(t)
-        ref: StorageWeakRef | None = None
-        if key is None:
+        found = storage_of(t)
+        entry: _Entry | None
+        if found is None:
             self._anon += 1
-            key = ("nostorage", -self._anon)
-        else:
-            ref = StorageWeakRef(t.untyped_storage())
-        entry = self.live.get(key)
-        if entry is not None and entry.ref is not None and ref is not None and (
-                entry.ref.expired() or entry.ref.cdata != ref.cdata):
-            # Its address now belongs to another storage: that one was freed before
-            # backward, or its memory was (FSDP2 resizes an unsharded weight's to 0).
+            key: StorageKey = ("nostorage", -self._anon)
+            storage = None
             entry = None
+        else:
+            storage, key = found
+            entry = self.live.get(key)
+            # Its address may now belong to another storage: that one was freed before
+            # backward, or its memory was (FSDP2 resizes an unsharded weight's to 0). The
+            # entry's weak reference keeps the old storage's address from being reused by
+            # a new one, so the same address means the same storage, alive (`t` holds it).
+            if entry is not None and entry.cdata != storage._cdata:
+                entry = None
         if entry is None:
             # A parameter not among the model's at the forward's start is one still: FSDP2
             # swaps in the unsharded weights (`nn.Parameter`s) inside each layer's forward.
-            kind = self._kinds.get(key) or (
-                "parameter" if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)
-                else "activation")
-            entry = _Entry(SavedStorage(module, module_type, tuple(t.shape), str(t.dtype),
-                                        str(t.device), storage_nbytes(t), 0, kind, ()), ref)
-            self.live[key] = entry
-        entry.saves += 1
-        if module not in entry.savers:
-            entry.savers.append(module)
+            kind = self._kinds.get(key)
+            if kind is None:
+                base = t._base
+                kind = "parameter" if _is_parameter(t) or (
+                    base is not None and _is_parameter(base)) else "activation"
+            if storage is None:
+                self.live[key] = _Entry(None, t, module, module_type, device_name(t.device),
+                                        storage_nbytes(t), kind)
+            else:
+                self.live[key] = _Entry(storage, t, module, module_type, key[0],
+                                        int(storage.nbytes()), kind)
+        else:
+            entry.saves += 1
+            if module not in entry.savers:
+                entry.savers.append(module)
         # A detached alias (same storage, same version counter): when a node saves its own
         # output, keeping `t` itself would hold that output's grad_fn from inside the graph,
         # a cycle through C++ that Python's gc cannot break. Autograd skips its in-place
         # check for hooked tensors, so the version is kept to make that check in `_unpack`.
         return t.detach(), t._version
-
-    def _where(self) -> tuple[str, str]:
-        if not self._stack:
-            return OUTSIDE, ""
-        top = self._stack[-1]
-        label = SEGMENT_LABEL.get()
-        if label is not None and label[0] == top:
-            return self._row(label[1], label[2])
-        return self._row(top, self._types.get(top, ""))
 
     def _row(self, name: str, module_type: str) -> tuple[str, str]:
         """The row (with `select=`/`depth=`) and type that `name`'s saves count under."""
@@ -201,7 +280,7 @@ class _Recorder:
 
     def alive(self) -> list[tuple[StorageKey, _Entry]]:
         """The storages still alive now, in save order."""
-        return [(k, e) for k, e in self.live.items() if e.ref is None or not e.ref.expired()]
+        return [(k, e) for k, e in self.live.items() if not e.cdata or not _EXPIRED(e.cdata)]
 
 
 def _unpack(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
@@ -215,28 +294,49 @@ def _unpack(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
     return t
 
 
+_COUNTED = frozenset(("activation", "input"))  # the kinds a module's row counts
+
+
+def _row_bytes(alive: Sequence[tuple[StorageKey, _Entry]]) -> dict[str, int]:
+    """Bytes per row, in first-save order: `_freeze`'s `modules` rows without the records."""
+    rows: dict[str, int] = {}
+    for _, e in alive:
+        if e.kind in _COUNTED:
+            rows[e.module] = rows.get(e.module, 0) + e.nbytes
+    return rows
+
+
 def _freeze(
     alive: Sequence[tuple[StorageKey, _Entry]], out_keys: dict[StorageKey, int], saves: int,
     step: StepInfo | None = None, checkpointed: Sequence[str] = (),
     compiled: tuple[str, ...] = (),
 ) -> SavedActivations:
-    storages = tuple(replace(e.first, saves=e.saves, savers=tuple(e.savers)) for _, e in alive)
+    storages = tuple([e.record() for _, e in alive])
     rows: dict[str, list[SavedStorage]] = {}
+    input_bytes = state_bytes = 0
     for s in storages:
-        if s.kind in ("activation", "input"):
-            rows.setdefault(s.module, []).append(s)
-    modules = tuple(
-        ModuleSaved(name, group[0].module_type, sum(s.nbytes for s in group), len(group),
-                    sum(s.saves for s in group), tuple(sorted({s.dtype for s in group})))
+        if s.kind in _COUNTED:
+            group = rows.get(s.module)
+            if group is None:
+                rows[s.module] = [s]
+            else:
+                group.append(s)
+            if s.kind == "input":
+                input_bytes += s.nbytes
+        else:  # a parameter or a buffer
+            state_bytes += s.nbytes
+    modules = tuple([
+        ModuleSaved(name, group[0].module_type, sum([s.nbytes for s in group]), len(group),
+                    sum([s.saves for s in group]), tuple(sorted({s.dtype for s in group})))
         for name, group in rows.items()
-    )
-    saved_keys = {k for k, _ in alive}
+    ])
+    saved_keys = {k for k, _ in alive} if out_keys else set()
     return SavedActivations(
         storages=storages,
         modules=modules,
         total_bytes=sum(m.bytes for m in modules),
-        input_bytes=sum(s.nbytes for s in storages if s.kind == "input"),
-        state_bytes=sum(s.nbytes for s in storages if s.kind in ("parameter", "buffer")),
+        input_bytes=input_bytes,
+        state_bytes=state_bytes,
         output_bytes=sum(n for k, n in out_keys.items() if k not in saved_keys),
         saves=saves,
         step=step,

@@ -5,14 +5,20 @@ a sampled forward and a forward hook (`always_call`) leaves it when that forward
 accounting is `saved_activations`'s own (the same pack hook, storage-deduplicated, attributed
 by the module stack), but of the user's forward, not of a step torchscope runs. The loss is
 computed after the forward, outside the hooks: what it saves is not seen.
+
+A sampled forward's rows are counted when it ends; its full records (`MemorySample`, every
+storage) are built from what was alive then only when read (`MemoryWatch.last`), so a
+sampler that reads only the totals never builds them.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 import weakref
 from collections import deque
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,8 +32,8 @@ from torchscope.hooks.lifecycle import HookedContext
 from torchscope.hooks.select import Selector
 from torchscope.hooks.session import HookSession
 from torchscope.memory._common import storage_keys
-from torchscope.memory.records import MemoryHistory, MemorySample
-from torchscope.memory.saved import _freeze, _Recorder, known_kinds, row_owners
+from torchscope.memory.records import MemoryHistory, MemorySample, SavedActivations
+from torchscope.memory.saved import _freeze, _Recorder, _row_bytes, known_kinds, row_owners
 
 _UNSEEN_FORWARD = entry("memory.unseen_forward")
 
@@ -54,8 +60,19 @@ class _Pending:
     that no step uses, and is no sample."""
 
     row: list[Any]  # [forward, {row: bytes}, total bytes, CUDA peak]
-    sample: MemorySample
+    freeze: Callable[[], SavedActivations] | None  # builds its records (once, when read)
     handles: list[Any]  # pre-hooks on the output's autograd nodes
+    saved: SavedActivations | None = None
+    built: MemorySample | None = None
+
+    def sample(self) -> MemorySample:
+        """Its `MemorySample`, built when first read (and again once its peak is read)."""
+        if self.built is None or self.built.peak_bytes != self.row[3]:
+            if self.saved is None:
+                assert self.freeze is not None
+                self.saved, self.freeze = self.freeze(), None  # releases the storages' refs
+            self.built = MemorySample(self.row[0], self.saved, self.row[3])
+        return self.built
 
 
 class MemoryWatch(HookedContext):
@@ -92,13 +109,14 @@ class MemoryWatch(HookedContext):
         self._stack: list[str] = []
         self._types: dict[str, str] = {}
         self._names: dict[int, str] = {}
+        self._modules: list[nn.Module] = []  # the root's, in `modules()` order
         self._owners: dict[str, str] | None = None
         self._active: _Active | None = None
         # The newest sampled forward whose CUDA peak is still to be read, and its device.
         self._peak: tuple[_Pending, torch.device] | None = None
         self._pending: list[_Pending] = []  # ended, not yet reached by a backward
         self._backwards = 0  # sampled forwards that a backward reached
-        self._last: MemorySample | None = None
+        self._last: _Pending | None = None  # the newest sample
         # Newest `max_samples` samples: [forward, {row: bytes}, total bytes, CUDA peak]
         self._rows: deque[list[Any]] = deque(maxlen=max_samples)
 
@@ -114,6 +132,7 @@ class MemoryWatch(HookedContext):
         self._owners = row_owners(root, self._select, self._depth)
         self._types = {name: type(m).__name__ for name, m in root.named_modules()}
         self._names = {id(m): name for name, m in root.named_modules()}
+        self._modules = list(root.modules())
         self._stack = session.enable_module_stack()
         # (HookSession.forward_pre_hook is typed for hooks without kwargs.)
         session.track(root.register_forward_pre_hook(self._pre, with_kwargs=True))
@@ -169,9 +188,10 @@ class MemoryWatch(HookedContext):
         self.forwards += 1
         if index % self.every or not self.active:
             return
-        kinds = known_kinds(module, (args, kwargs))
+        kinds = known_kinds(module, (args, kwargs), self._modules)
         recorder = _Recorder(self._stack, self._types, self._owners, kinds, self._names)
-        device = next((p.device for p in module.parameters() if p.device.type == "cuda"), None)
+        device = next((p.device for m in self._modules for p in m._parameters.values()
+                       if p is not None and p.is_cuda), None)
         if device is not None:
             torch.cuda.reset_peak_memory_stats(device)  # host-side counter: no sync
         hooks = recorder.hooks()
@@ -186,12 +206,13 @@ class MemoryWatch(HookedContext):
         if sys.exc_info()[1] is not active.exc:
             return  # always_call hooks run while the forward's exception is handled
         rec = active.recorder
-        saved = _freeze(rec.alive(), storage_keys(output), rec.saves,
-                        checkpointed=list(rec.checkpointed),
-                        compiled=self._session.compiled if self._session else ())
-        rows = {m.module: m.bytes for m in saved.modules}
-        entry = _Pending([active.forward, rows, saved.total_bytes, None],
-                         MemorySample(active.forward, saved), [])
+        # What is alive now is what the sample counts; its records are built when read.
+        alive = rec.alive()
+        rows = _row_bytes(alive)
+        freeze = functools.partial(
+            _freeze, alive, storage_keys(output), rec.saves, checkpointed=list(rec.checkpointed),
+            compiled=self._session.compiled if self._session else ())
+        entry = _Pending([active.forward, rows, sum(rows.values()), None], freeze, [])
         if active.device is not None:
             self._peak = (entry, active.device)
         handles = self.session.when_reached(output, lambda: self._reached(entry))
@@ -228,8 +249,8 @@ class MemoryWatch(HookedContext):
             self._rows.popleft()
             at -= 1
         self._rows.insert(at, entry.row)
-        if self._last is None or self._last.forward <= forward:
-            self._last = entry.sample
+        if self._last is None or self._last.row[0] <= forward:
+            self._last = entry
         self.samples += 1
 
     def _stop(self) -> None:
@@ -242,17 +263,19 @@ class MemoryWatch(HookedContext):
         # Set only by `_post`, for the newest sampled forward, committed or not yet.
         assert self._peak is not None
         (entry, device), self._peak = self._peak, None
-        peak = int(torch.cuda.max_memory_allocated(device))
-        old, entry.sample = entry.sample, replace(entry.sample, peak_bytes=peak)
-        entry.row[3] = peak
-        if self._last is old:
-            self._last = entry.sample
+        entry.row[3] = int(torch.cuda.max_memory_allocated(device))
 
     # ------------------------------------------------------------------ results
     @property
     def last(self) -> MemorySample | None:
         """The most recent sample in full (every saved storage), or None."""
-        return self._last
+        return None if self._last is None else self._last.sample()
+
+    @property
+    def last_total_bytes(self) -> int | None:
+        """`last.saved.total_bytes`, without building the sample's records; None before
+        the first sample."""
+        return None if self._last is None else int(self._last.row[2])
 
     @property
     def history(self) -> MemoryHistory:
@@ -273,8 +296,9 @@ class MemoryWatch(HookedContext):
                 _UNSEEN_FORWARD, "no forward of the model with gradients on ran "
                 "through the memory watch's hooks while it was open: nothing was sampled",
                 {"forwards": 0})]
-        last = self._last.saved.findings(thresholds) if self._last is not None else []
-        return last + self.history.findings(thresholds)
+        last = self.last
+        found = last.saved.findings(thresholds) if last is not None else []
+        return found + self.history.findings(thresholds)
 
 
 def watch_memory(model: nn.Module, *, every: int = 1, select: Selector = None,
