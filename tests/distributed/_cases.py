@@ -750,7 +750,7 @@ def ddp_skew(rank: int, world: int, out: Path) -> dict[str, Any]:
 
 # A model whose second forward (the doctor's first one, after its unused-parameter check)
 # fails differently on each rank: rank 1 is interrupted at once, rank 2 raises its own error
-# a second later, rank 0 takes three seconds and then finds its peers gone.
+# a second later, rank 0 takes four seconds and then finds its peers gone.
 _RUN_RANK_FAILS = '''
 import time
 
@@ -773,7 +773,7 @@ class Head(nn.Module):
             time.sleep(1.0)
             raise ValueError("bad batch on rank 2")
         if self.calls == 2 and rank == 0:
-            time.sleep(3.0)
+            time.sleep(4.0)
         return self.fc(x)
 
 
