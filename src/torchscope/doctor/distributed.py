@@ -369,7 +369,8 @@ def run_rank(job: DistributedJob) -> DoctorReport | None:
             name, message = _first_line(exc)
             if interrupted:
                 message = getattr(exc, "name", "") or message  # `Interrupted: SIGTERM`
-            post_failure(f"{name}: {message}", module=raised_in(exc, state.model),
+            post_failure(f"{name}: {message}" if message else name,
+                         module=raised_in(exc, state.model),
                          part=state.part, victim=interrupted)
             raise
         first = first_failure(posted_failures().values())
