@@ -706,7 +706,9 @@ def ddp_grad_changed_on_one_rank(rank: int, world: int, out: Path,
                                  change: bool) -> dict[str, Any]:
     """watch_gradients(every=1) on DDP while rank 1 doubles the head's gradient after the
     all-reduce, at step 1 only (`change`); the replicas' weights then differ from step 2 on.
-    torch's own answer: the head's weights gathered from every rank after the loop."""
+    During the block each sample holds this rank's numbers only (the ranks' are joined once,
+    at the end); the last sample's, joined, is read after it. torch's own answer: the
+    head's weights gathered from every rank after the loop."""
     import torch.distributed as dist
 
     net = mlp()
@@ -722,13 +724,15 @@ def ddp_grad_changed_on_one_rank(rank: int, world: int, out: Path,
                 net[4].weight.grad.mul_(2)
             opt.step()
             flows.append(watch.last)
-    found = [[f for f in flow.findings() if f.code == "grads.ranks_diverge"]
-             for flow in flows if flow is not None]
+    last = watch.last
+    assert last is not None and last.ranks is not None
+    found = [f for f in last.findings() if f.code == "grads.ranks_diverge"]
     head = net[4].weight.detach().clone()
     every = [torch.empty_like(head) for _ in range(world)]
     dist.all_gather(every, head)
-    return {"diverge": [[{"summary": f.summary, **f.evidence} for f in fs] for fs in found],
-            "steps": [flow.index for flow in flows if flow is not None],
+    return {"diverge": [{"summary": f.summary, **f.evidence} for f in found],
+            "held": [flow.ranks is None for flow in flows if flow is not None],
+            "steps": [flow.index for flow in flows if flow is not None], "last": last.index,
             "torch_differs": not all(torch.equal(every[0], w) for w in every[1:])}
 
 

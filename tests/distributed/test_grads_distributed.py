@@ -260,18 +260,19 @@ def test_ddp_a_gradient_changed_on_one_rank_after_the_all_reduce_is_a_divergence
         tmp_path: Path, change: bool) -> None:
     """F3: rank 1 doubles head.weight.grad between backward and opt.step() at step 1. The
     synchronised gradients agree (read as backward ends), but the replicas' weights differ
-    from then on: the next sampled step's exchange (whose weight norms it carries already)
-    says so on every rank, and names the head. The same loop without the change is silent."""
+    from then on: the last sample's weight norms, joined from every rank in the one exchange
+    at the watch's end, say so on every rank, and name the head. The same loop without the
+    change is silent."""
     answers = run_ranks("ddp_grad_changed_on_one_rank", tmp_path, change=change)
     for a in answers:
         assert "raised" not in a, a
-        assert a["steps"] == [0, 1, 2]
+        assert a["steps"] == [0, 1, 2] and a["last"] == 2
+        assert a["held"] == [True, True, True]  # no exchange during the block
         assert a["torch_differs"] is change
         if not change:
-            assert a["diverge"] == [[], [], []]
+            assert a["diverge"] == []
             continue
-        assert a["diverge"][:2] == [[], []]  # the change is made after step 1's exchange
-        (f,) = a["diverge"][2]
+        (f,) = a["diverge"]
         assert f["seen_in"] == "weights" and f["names"] == "4.weight", f
         assert "weights differ between the DDP replicas" in f["summary"]
 

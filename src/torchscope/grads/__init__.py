@@ -27,6 +27,7 @@ On a DDP or FSDP2 model `flow.ranks` (`RankGrads`) holds every rank's per-parame
 under DDP before and after the all-reduce, under FSDP2 the shard norms whose squares sum to
 the global norm that `flow.params` report; `flow.findings()` adds ranks whose synchronised
 gradients differ (`grads.ranks_diverge`) and skewed local gradients (`grads.rank_skew`).
+A DDP watch joins them for its last sample when its block ends.
 """
 
 from torchscope.grads.analyze import GradThresholds, depth_profile, diagnose, layer_norms

@@ -52,7 +52,8 @@ the synchronised gradients are read at the very end of backward, in an autograd 
 queued after DDP's own (the one that writes the averaged gradients into `.grad`), so that
 a loop that clips before `opt.step()` does not have its clipped gradients reported.
 `finish()` exchanges every rank's numbers in one all_gather: the only communication, once
-per sampled step.
+per sampled step; or, with `hold_ranks` under DDP (a watch's), keeps them for one all_gather
+at the watch's end (`HeldRanks`), the step's records taking this rank's own meanwhile.
 """
 
 from __future__ import annotations
@@ -248,31 +249,42 @@ def _host_floats(vals: list[torch.Tensor]) -> list[float]:
 def _host_floats_later(vals: list[torch.Tensor]) -> Callable[[], list[float]]:
     """`_host_floats`, with the copies started now and waited for only when the returned
     function is called: each group is stacked at once (its values as they are now, in
-    stream order) and, on CUDA, copied without blocking into pinned memory behind an event.
+    stream order) and copied as `_host_later` copies.
     """
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, v in enumerate(vals):
         groups.setdefault((v.device, v.dtype), []).append(i)
-    copies: list[tuple[list[int], torch.Tensor, Any]] = []
-    for idx in groups.values():
-        stacked = torch.stack([vals[i] for i in idx])  # (n,) on the values' device
-        if stacked.is_cuda:
-            host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
-            host.copy_(stacked, non_blocking=True)  # on the values' device's current stream
-            done = torch.cuda.Event()
-            done.record(torch.cuda.current_stream(stacked.device))
-            copies.append((idx, host, done))
-        else:
-            copies.append((idx, stacked.cpu(), None))  # CPU: no copy; others: a blocking one
+    copies = [(idx, _host_later(torch.stack([vals[i] for i in idx])))  # (n,) each
+              for idx in groups.values()]
 
     def read() -> list[float]:
         out = [math.nan] * len(vals)
-        for idx, host, done in copies:
-            if done is not None:
-                done.synchronize()
-            for i, x in zip(idx, host.tolist(), strict=True):
+        for idx, values in copies:
+            for i, x in zip(idx, values(), strict=True):
                 out[i] = float(x)
         return out
+
+    return read
+
+
+def _host_later(t: torch.Tensor) -> Callable[[], list[float]]:
+    """The elements of `t` (1-D, as they are now in stream order) as host floats, when the
+    returned function is called: on CUDA copied without blocking into pinned memory behind
+    an event (the call waits for that copy only), on the CPU read as they are."""
+    done = None
+    if t.is_cuda:
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)  # on t's device's current stream
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(t.device))
+    else:
+        host = t.cpu()  # CPU: no copy; others: a blocking one
+
+    def read() -> list[float]:
+        if done is not None:
+            done.synchronize()
+        values: list[float] = host.tolist()
+        return values
 
     return read
 
@@ -645,6 +657,19 @@ def _split_experts(modules: dict[str, nn.Module]) -> Iterator[tuple[str, tuple[s
             yield name, members
 
 
+class HeldRanks(NamedTuple):
+    """A DDP step's ranks' numbers, kept for a join at the end (`_RankAware.hold`).
+
+    Attributes:
+        own: this rank's numbers alone, as a one-row `RankGrads` (no collective).
+        join: every rank's, from one all_gather: a collective, so every rank calls it at
+            the same point (a watch's end).
+    """
+
+    own: Callable[[], RankGrads]
+    join: Callable[[], RankGrads]
+
+
 class _RankAware:
     """The rank-aware part of a collector on a DDP or FSDP2 model (see the module docstring).
 
@@ -731,13 +756,47 @@ class _RankAware:
         unless every rank took it and it differs from the total of the backward's
         gradients (`local`), as they were or unscaled. Its columns are in every FSDP2
         exchange, so that each rank gathers the same size whatever it took."""
+        vector = self._vector(params, local, weights, read, applied)
+        # Started now, waited for when the step's records are built (a step later in a
+        # watched loop, where the ranks have long finished it).
+        rows_later = all_gather_tensor_later(vector, group=self.group,
+                                             what="the gradient-norm exchange")
+        return lambda: self._join(rows_later().cpu().tolist(), names, inv,
+                                  applied is not None, self.ranks)
+
+    def hold(self, names: list[str], params: list[nn.Parameter],
+             local: list[torch.Tensor | None], weights: list[torch.Tensor | None],
+             inv: float, read: tuple[list[torch.Tensor | None],
+                                     list[torch.Tensor | None]] | None = None
+             ) -> HeldRanks:
+        """`finish` under DDP without the exchange: this rank's numbers are kept (on their
+        way to the host) for a join at the end (`HeldRanks.join`, a collective every rank
+        calls at the same point), and `HeldRanks.own` gives them as a one-row `RankGrads`
+        for the step's records meanwhile (the synchronised norms and the weights are every
+        rank's under DDP)."""
         import torch.distributed as dist
 
+        assert self.strategy == "ddp"
+        vector = self._vector(params, local, weights, read, None)
+        host = _host_later(vector)
+        rank = dist.get_rank()
+        return HeldRanks(
+            own=lambda: self._join([host()], names, inv, False, (rank,))[0],
+            join=lambda: self._join(
+                all_gather_tensor(vector, group=self.group,
+                                  what="the gradient-norm exchange").cpu().tolist(),
+                names, inv, False, self.ranks)[0])
+
+    def _vector(self, params: list[nn.Parameter], local: list[torch.Tensor | None],
+                weights: list[torch.Tensor | None],
+                read: tuple[list[torch.Tensor | None], list[torch.Tensor | None]] | None,
+                applied: dict[int, torch.Tensor] | None) -> torch.Tensor:
+        """This rank's row of the exchange, on the group's device: (6n,) float64 (local
+        norms, synced norms, synced element sums, local weight norms, then 0/1 presence
+        flags of the local and the synced gradient: a NaN norm is a measurement); FSDP2
+        adds n + 1: the applied shard norms and their 0/1 flag."""
         device = comm_device(self.group)
         n = len(params)
-        # (6n,) float64: local norms, synced norms, synced element sums, local weight norms,
-        # then 0/1 presence flags of the local and the synced gradient (a NaN norm is a
-        # measurement). FSDP2 adds n + 1: the applied shard norms and their 0/1 flag.
         synced, sums = read if read is not None else self.read_synced(params)
         zero = torch.zeros((), dtype=torch.float64, device=device)
 
@@ -756,56 +815,56 @@ class _RankAware:
 
         parts = [column(c) for c in (local, synced, sums, weights)]
         parts.extend(flags(c) for c in (local, synced))
-        sharded = self.strategy == "fsdp2"
-        if sharded:
+        if self.strategy == "fsdp2":
             got = applied or {}
             parts.append(column([got.get(i) for i in range(n)]))
             parts.append(flags([applied]))
-        # Started now, waited for when the step's records are built (a step later in a
-        # watched loop, where the ranks have long finished it).
-        rows_later = all_gather_tensor_later(torch.cat(parts), group=self.group,
-                                             what="the gradient-norm exchange")
+        return torch.cat(parts)
+
+    def _join(self, rows: list[list[float]], names: list[str], inv: float, took: bool,
+              ranks: tuple[int, ...]) -> tuple[RankGrads, float | None]:
+        """`RankGrads` from the exchange's `rows` (one per rank of `ranks`, `_vector`'s
+        layout) and, under FSDP2 where every rank `took` the applied norms, the total norm
+        the update used (see `finish`)."""
+        import torch.distributed as dist
+
+        n = len(names)
         rank = dist.get_rank()
+        sharded = self.strategy == "fsdp2"
 
-        def join() -> tuple[RankGrads, float | None]:
-            rows = rows_later().cpu().tolist()  # (ranks, 6n)
+        def block(k: int, scale: float) -> tuple[tuple[float | None, ...], ...]:
+            # A weight norm is there whenever the parameter is: flag it with the
+            # gradient's.
+            flag = 4 + (k if k < 2 else 1 if k == 2 else 0)
+            return tuple(tuple(row[k * n + i] * scale if row[flag * n + i] else None
+                               for i in range(n)) for row in rows)
 
-            def block(k: int, scale: float) -> tuple[tuple[float | None, ...], ...]:
-                # A weight norm is there whenever the parameter is: flag it with the
-                # gradient's.
-                flag = 4 + (k if k < 2 else 1 if k == 2 else 0)
-                return tuple(tuple(row[k * n + i] * scale if row[flag * n + i] else None
-                                   for i in range(n)) for row in rows)
+        row_of = {r: i for i, r in enumerate(ranks)}
+        shard_rows = tuple(tuple(row_of[r] for r in s if r in row_of) for s in self.shards)
+        total: float | None = None
+        if sharded and took and all(row[7 * n] for row in rows):
+            me = rows[row_of[rank]]
 
-            row_of = self._row_of()
-            shard_rows = tuple(tuple(row_of[r] for r in s if r in row_of)
-                               for s in self.shards)
-            total: float | None = None
-            if sharded and applied is not None and all(row[7 * n] for row in rows):
-                me = rows[row_of[rank]]
+            def joined(at: int, flags: int | None = None) -> float:
+                # A sharded parameter's squared norm sums over its shard group only
+                # (HSDP's replicas hold the same shards); one held whole is this rank's.
+                return math.sqrt(sum(
+                    sum(rows[r][at + i] ** 2 for r in shard if flags is None or
+                        rows[r][flags + i]) if shard else me[at + i] ** 2
+                    for i, shard in enumerate(shard_rows)))
 
-                def joined(at: int, flags: int | None = None) -> float:
-                    # A sharded parameter's squared norm sums over its shard group only
-                    # (HSDP's replicas hold the same shards); one held whole is this rank's.
-                    return math.sqrt(sum(
-                        sum(rows[r][at + i] ** 2 for r in shard if flags is None or
-                            rows[r][flags + i]) if shard else me[at + i] ** 2
-                        for i, shard in enumerate(shard_rows)))
-
-                used, backward = joined(6 * n), joined(0, 4 * n)
-                # Unchanged gradients read the same (the same kernel on the same shards);
-                # an unscale_ alone divides them by the scale. Neither is a change by the
-                # loop.
-                if all(abs(used - b) > 1e-6 * max(used, b)
-                       for b in (backward, backward * inv)):
-                    total = used
-            return RankGrads(
-                strategy=self.strategy, rank=rank, ranks=self.ranks, names=tuple(names),
-                local=block(0, inv), synced=block(1, inv), fingerprints=block(2, inv),
-                weights=tuple(tuple(row[3 * n + i] for i in range(n)) for row in rows),
-                shard_rows=shard_rows), total
-
-        return join
+            used, backward = joined(6 * n), joined(0, 4 * n)
+            # Unchanged gradients read the same (the same kernel on the same shards);
+            # an unscale_ alone divides them by the scale. Neither is a change by the
+            # loop.
+            if all(abs(used - b) > 1e-6 * max(used, b)
+                   for b in (backward, backward * inv)):
+                total = used
+        return RankGrads(
+            strategy=self.strategy, rank=rank, ranks=ranks, names=tuple(names),
+            local=block(0, inv), synced=block(1, inv), fingerprints=block(2, inv),
+            weights=tuple(tuple(row[3 * n + i] for i in range(n)) for row in rows),
+            shard_rows=shard_rows), total
 
     def _row_of(self) -> dict[int, int]:
         """Global rank -> its row in an exchange over `group`."""
@@ -931,6 +990,10 @@ class GradCollector(HookedContext):
         # Called with the output of the model's next forward with gradients, then dropped
         # (`GradWatch`: a model that returns its own loss has it read at once).
         self.on_output: Callable[[Any], None] | None = None
+        # DDP: keep each finished step's ranks' numbers for one exchange at the end (a
+        # watch's), not one per step; `held` is the newest step's (index, HeldRanks).
+        self.hold_ranks = False
+        self.held: tuple[int, HeldRanks] | None = None
         self._reset()
 
     # ------------------------------------------------------------------ lifecycle
@@ -1764,7 +1827,16 @@ class GradCollector(HookedContext):
         scale_at: int | None = None
         scale: float | None = None
         exchange = None
-        if self._rank_aware is not None:  # a collective: every rank starts it now
+        own: Callable[[], RankGrads] | None = None
+        if self._rank_aware is not None and self.hold_ranks and \
+                self._rank_aware.strategy == "ddp":
+            # Kept for one exchange at the watch's end (`held`): no collective per step.
+            scale = self._scale()
+            held = self._exchange_args(1.0 / scale if scale else 1.0, weights)
+            kept = self._rank_aware.hold(*held)
+            self.held = (index, kept)
+            own = kept.own
+        elif self._rank_aware is not None:  # a collective: every rank starts it now
             scale = self._scale()
             exchange = self._exchange(1.0 / scale if scale else 1.0, weights)
             if self._rank_aware.strategy != "ddp":  # FSDP2: joined at once
@@ -1795,6 +1867,7 @@ class GradCollector(HookedContext):
             nonlocal scale, ranks, applied
             if exchange is not None:  # DDP: waited for only now, a step later in a loop
                 ranks, applied = exchange()
+            numbers = ranks if own is None else own()  # held: this rank's row alone
             if scale_at is not None:
                 scale = host[scale_at]
             inv = 1.0 / scale if scale else 1.0
@@ -1820,7 +1893,7 @@ class GradCollector(HookedContext):
             params = []
             for pname, mname, i, tied_to in names:
                 shape, dtype, requires_grad = shapes[i]
-                n = norm_of(param_vals.get(i)) if ranks is None else ranks.norm(i)
+                n = norm_of(param_vals.get(i)) if numbers is None else numbers.norm(i)
                 if not requires_grad:
                     reason: str | None = FROZEN
                 elif n is None:
@@ -1831,7 +1904,7 @@ class GradCollector(HookedContext):
                         else RAN_IN_REENTRANT_CHECKPOINT if no_grad[owner] else RAN_NO_GRAD
                 else:
                     reason = None
-                w = (ranks.weight_norm(i) if ranks is not None else host[weights[i]]) \
+                w = (numbers.weight_norm(i) if numbers is not None else host[weights[i]]) \
                     if i in weights else None
                 at = experts.get(i)
                 per_expert = None if at is None else \
@@ -1890,13 +1963,22 @@ class GradCollector(HookedContext):
         """
         if self._rank_aware is None:
             return lambda: (None, None)
+        return self._rank_aware.finish(*self._exchange_args(inv, weights), self._applied)
+
+    def _exchange_args(self, inv: float, weights: dict[int, int]) -> tuple[
+            list[str], list[nn.Parameter], list[torch.Tensor | None],
+            list[torch.Tensor | None], float,
+            tuple[list[torch.Tensor | None], list[torch.Tensor | None]] | None]:
+        """This step's numbers for the ranks' exchange (`_RankAware.finish`'s and `hold`'s
+        first six arguments): names, parameters, local gradient norms, weight norms, `inv`
+        and the synchronised gradients' reads (taken now: the step's are dropped)."""
+        n = len(self._params)
         local = [self._vals[self._param_vals[i]] if i in self._param_vals else None
-                 for i in range(len(self._params))]
-        w = [self._vals[weights[i]] if i in weights else None for i in range(len(self._params))]
+                 for i in range(n)]
+        w = [self._vals[weights[i]] if i in weights else None for i in range(n)]
         read, self._synced = self._synced, None
-        return self._rank_aware.finish([n for n, _, _ in self._params],
-                                       [p for _, _, p in self._params], local, w, inv, read,
-                                       self._applied)
+        return ([name for name, _, _ in self._params], [p for _, _, p in self._params], local,
+                w, inv, read)
 
     def note_applied(self) -> None:
         """Under FSDP2, at a sampled step whose update is about to use the gradients: take

@@ -326,6 +326,9 @@ class GradWatch(HookedContext, Analyzed):
         self._micro_batches = micro_batches or 1
         self._collector = GradCollector(model, select=select, depth=depth, inputs=inputs_grad,
                                         scaler=scaler, parallel=parallel)
+        # Under DDP the ranks' numbers are joined once, at the end (`close`): a sampled
+        # step starts no collective of torchscope's.
+        self._collector.hold_ranks = True
         self._on_sample = on_sample
         self._on_step = on_step
         self._on_backward = on_backward
@@ -493,6 +496,10 @@ class GradWatch(HookedContext, Analyzed):
             self._evidence = []
             c.close(failed=failed)
         if not failed and self._last is not None and world().distributed:
+            held, c.held = c.held, None
+            if held is not None and held[0] == self._last.index:
+                # DDP: every rank's numbers of the last sample, in one exchange for the run.
+                self._last = replace(self._last, ranks=held[1].join())
             self.gathered = self._last.gather()  # after the hooks are off; rank 0 gets it
 
     def check_loss(self, loss: torch.Tensor) -> None:
@@ -1038,7 +1045,11 @@ class GradWatch(HookedContext, Analyzed):
         ring = self._checks[0]
         n = len(self._check_steps)
         bad = ~torch.isfinite(ring[:n])  # (n,) bool
-        steps = torch.tensor(self._check_steps, dtype=torch.int64).to(ring.device)  # (n,)
+        # From pinned memory without blocking on CUDA: a pageable copy would wait for the
+        # device (a sync every `_CHECK_RING` steps); torch's pinned allocator keeps the
+        # buffer until the copy has run.
+        steps = torch.tensor(self._check_steps, dtype=torch.int64,
+                             pin_memory=ring.is_cuda).to(ring.device, non_blocking=True)  # (n,)
         self._check_steps.clear()
         if self._nonfinite is None:
             self._nonfinite = (torch.full((), -1, dtype=torch.int64, device=ring.device),
@@ -1300,10 +1311,13 @@ def watch_gradients(
     the copy has arrived. `on_sample` and `on_step` want each step's records when it ends,
     so with either of them that step waits for its norms.
 
-    On a DDP or FSDP2 model (inside torchrun), each sampled step also records every rank's
+    On a DDP or FSDP2 model (inside torchrun), the last sample also holds every rank's
     per-parameter norms (`flow.ranks`; DDP: before and after the all-reduce; FSDP2: the
-    global norms from the shards) through one exchange at the optimizer step, and the end of
-    the block joins every rank's last sample on rank 0 (`watch.gathered`). Under FSDP2 the
+    global norms from the shards), and the end of the block joins every rank's last sample
+    on rank 0 (`watch.gathered`). Under FSDP2 each sampled step exchanges them at its
+    optimizer step (its global norms need every shard); under DDP they are kept on each rank
+    and joined once, when the block ends, so a sample read during the block has `ranks`
+    None (its norms, the synchronised ones, are every rank's). Under FSDP2 the
     update ratios of sharded parameters are the whole parameters' too, joined from the
     shards' updates by a second exchange just after the update.
 
