@@ -7,6 +7,7 @@ import gc
 import pytest
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 import torchscope.memory as ckpt
 from torchscope.memory import memory_totals, saved_activations
@@ -50,6 +51,77 @@ def test_deep_mlp_saves_nine_storages_of_8192_bytes() -> None:
     # Linear 1..7 save their weight (model state, not activations); Linear 0 does not,
     # because its input needs no gradient.
     assert saved.state_bytes == 7 * 64 * 64 * 4
+
+
+class _Dropping(nn.Module):
+    """Saves, and drops before backward, a branch of the same size as what it keeps: the
+    allocator may hand a dropped storage's address to a later one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        for _ in range(6):
+            dropped = torch.sigmoid(h * 2)  # saved by sigmoid, freed with its graph here
+            del dropped
+            h = torch.tanh(h)  # saved (its output), kept
+        return h
+
+
+def _alive_saved_bytes(model: nn.Module, x: torch.Tensor) -> tuple[int, int]:
+    """(bytes, storages) of what autograd saved that is alive before backward, parameters
+    excluded, by torch's own StorageWeakRef."""
+    params = {p.untyped_storage()._cdata for p in model.parameters()}
+    refs: list[tuple[StorageWeakRef, int]] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        s = t.untyped_storage()
+        if s._cdata not in params:
+            refs.append((StorageWeakRef(s), s.nbytes()))
+        return t.detach()
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(x)
+    alive = {r.cdata: n for r, n in refs if not r.expired()}
+    del out
+    return sum(alive.values()), len(alive)
+
+
+def test_storages_freed_before_backward_are_not_counted_and_a_reused_address_is_new() -> None:
+    torch.manual_seed(0)
+    model, x = _Dropping(), torch.randn(64, 64)  # 16 KiB each: glibc reuses them at once
+    saved = saved_activations(model, x, loss_fn="sum")
+    want_bytes, want_storages = _alive_saved_bytes(model, x)
+    assert saved.total_bytes == want_bytes == 7 * 64 * 64 * 4  # x and six tanh outputs
+    assert len([s for s in saved.storages if s.kind != "parameter"]) == want_storages == 7
+    assert saved.saves == 1 + 6 * 2  # addmm's input (x needs no grad: not the weight); each
+    # sigmoid's and tanh's output
+
+
+def test_a_parameter_made_inside_the_forward_is_state_a_flagged_tensor_too() -> None:
+    """FSDP2 swaps in unsharded weights (new `nn.Parameter`s) inside the forward; torch
+    also counts a plain tensor flagged `_is_param` as a Parameter."""
+
+    class Swapping(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(4, 4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            fresh = nn.Parameter(self.weight.detach().clone())  # not among the model's
+            flagged = self.weight.detach().clone().requires_grad_()
+            flagged._is_param = True  # type: ignore[attr-defined]
+            assert isinstance(flagged, nn.Parameter)
+            return x @ fresh + x @ flagged.t()
+
+    x = torch.randn(3, 4, requires_grad=True)
+    saved = saved_activations(Swapping(), x, loss_fn="sum")
+    kinds = sorted((s.kind, s.shape) for s in saved.storages)
+    # mm saves both operands: x (an input) twice, one storage, and each weight once
+    assert kinds == [("input", (3, 4)), ("parameter", (4, 4)), ("parameter", (4, 4))]
+    assert saved.state_bytes == 2 * 16 * 4 and saved.total_bytes == 3 * 4 * 4
 
 
 def test_accounting_leaves_model_and_rng_untouched() -> None:

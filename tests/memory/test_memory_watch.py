@@ -4,6 +4,7 @@ bitwise identical to a loop without it, every hook removed, a bounded history.""
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -65,6 +66,28 @@ def test_a_sample_counts_what_saved_activations_counts() -> None:
     assert watch.history.total_bytes == (want.total_bytes,)
     assert watch.history.series("relu") == (want.modules[1].bytes,)
     assert "memory.saved_by_type" in [f.code for f in watch.findings()]
+
+
+def test_a_sample_read_later_is_what_was_alive_at_its_forwards_end() -> None:
+    """A sample's records are built when first read, from what its forward left alive;
+    `last_total_bytes` is their total without building them."""
+    torch.manual_seed(0)
+    model = DeepMLP()
+    xs = [torch.randn(n, 64) for n in (8, 4, 6, 2, 5)]
+    with watch_memory(model, every=2) as watch:
+        assert watch.last_total_bytes is None and watch.last is None
+        for i, x in enumerate(xs):
+            model(x).sum().backward()
+            if i == 2:
+                at_2 = watch.last  # built now, while forward 2's storages are freed
+    want = saved_activations(model, xs[4], loss_fn="sum")
+    last = watch.last  # built after forwards that were not sampled, and the graph's end
+    assert last is not None and last is watch.last and last.forward == 4
+    assert last.saved.storages == want.storages and last.saved.modules == want.modules
+    assert watch.last_total_bytes == last.saved.total_bytes == want.total_bytes
+    assert watch.history.total_bytes[-1] == want.total_bytes
+    assert at_2 is not None and at_2.forward == 2
+    assert at_2.saved == replace(saved_activations(model, xs[2], loss_fn="sum"), step=None)
 
 
 def test_select_and_depth_rows_match_the_one_shot(tiny_gpt2: nn.Module) -> None:
