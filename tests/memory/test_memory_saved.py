@@ -62,7 +62,7 @@ class _Dropping(nn.Module):
         self.lin = nn.Linear(64, 64)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.lin(x)
+        h: torch.Tensor = self.lin(x)
         for _ in range(6):
             dropped = torch.sigmoid(h * 2)  # saved by sigmoid, freed with its graph here
             del dropped
@@ -112,7 +112,7 @@ def test_a_parameter_made_inside_the_forward_is_state_a_flagged_tensor_too() -> 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             fresh = nn.Parameter(self.weight.detach().clone())  # not among the model's
             flagged = self.weight.detach().clone().requires_grad_()
-            flagged._is_param = True  # type: ignore[attr-defined]
+            flagged._is_param = True
             assert isinstance(flagged, nn.Parameter)
             return x @ fresh + x @ flagged.t()
 
