@@ -120,8 +120,8 @@ def test_collective_names(name: str, kind: str | None) -> None:
 def test_the_failure_store_is_a_clone_and_the_shared_store_keeps_its_timeout() -> None:
     """A failing rank posts through a client of its own with a 2 s timeout (a store whose
     host died must not hold it for 5 minutes); the group's store, which the user's code
-    and torch's threads share, keeps its timeout throughout. Same keys: what the clone
-    sets, the shared store reads."""
+    and torch's threads share, keeps its timeout throughout. The client is a connection
+    of its own to the same TCP store."""
     from torch.distributed import TCPStore  # type: ignore[attr-defined]
     from torch.distributed.distributed_c10d import _get_default_store
 
@@ -139,9 +139,55 @@ def test_the_failure_store_is_a_clone_and_the_shared_store_keeps_its_timeout() -
             assert quick.timeout == timedelta(seconds=2)
             assert shared.timeout == before and tcp.timeout == timedelta(seconds=300)
             quick.set("torchscope/probe", "seen")
-            assert shared.get("torchscope/probe") == b"seen"
+            assert tcp.get("torchscope/probe") == b"seen"
         assert shared.timeout == before
     finally:
         dist.destroy_process_group()
     with _quick_store() as none:  # no group: nothing to post through
         assert none is None
+
+
+_STORE_HOST = """
+import sys, time
+from datetime import timedelta
+from torch.distributed import TCPStore
+store = TCPStore("127.0.0.1", 0, 2, True, timeout=timedelta(seconds=600),
+                 wait_for_workers=False)
+print(store.port, flush=True)
+sys.stdin.read()  # until the test closes it
+"""
+
+
+def test_a_failure_posted_to_a_store_whose_host_died_returns_soon() -> None:
+    """The store's host (torchrun's agent, or rank 0) is gone: posting and reading failures
+    give up after the client's own short timeout, not the shared store's 600 s (a clone
+    would connect with those, retrying the dead host all along). Nothing is posted or
+    read, and nothing raises."""
+    import subprocess
+    import sys
+    import threading
+
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+    from torchscope.distributed.comm import post_failure, posted_failures
+
+    host = subprocess.Popen([sys.executable, "-c", _STORE_HOST], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert host.stdout is not None
+        port = int(host.stdout.readline())
+        client: Any = TCPStore("127.0.0.1", port, 2, False, timeout=timedelta(seconds=600))
+        dist.init_process_group("gloo", store=client, rank=0, world_size=1)
+    finally:
+        host.communicate("", timeout=60)  # the host leaves
+    try:
+        answers: list[object] = []
+        worker = threading.Thread(target=lambda: answers.extend(
+            [post_failure("ValueError: bad batch"), posted_failures()]), daemon=True)
+        worker.start()
+        worker.join(120)  # a hang guard, far below the store's 600 s, not a timing
+        assert not worker.is_alive(), "posting to a dead store's host waited on it"
+        assert answers == [None, {}]
+        assert client.timeout == timedelta(seconds=600)
+    finally:
+        dist.destroy_process_group()

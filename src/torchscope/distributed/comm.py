@@ -198,19 +198,38 @@ def first_failure(posted: Iterable[PostedFailure]) -> PostedFailure | None:
 def _quick_store(seconds: float = 2.0) -> Iterator[Any]:
     """A client of its own to the default group's store with a short timeout, or None: a
     store whose host has died must not hold a failing rank for the store's 5 minutes. The
-    shared store (the user's code and torch's own threads use it too) keeps its timeout:
-    the client is a clone (`Store.clone`, a connection of its own to the same keys)."""
+    shared store (the user's code and torch's own threads use it too) keeps its timeout.
+
+    For a TCP store, a new connection made with the short timeout (a clone would connect
+    with the shared store's timeout, and retry a dead host that long); its keys are the
+    bare ones, so `_failure_key` names the elastic restart. Any other store (a file, a
+    hash in memory) has no host to lose: a clone (`Store.clone`) with the short timeout.
+    """
     import torch.distributed as dist
 
     store: Any = None
     if dist.is_initialized():
-        with contextlib.suppress(Exception):  # a store without clone (one of Python's own)
+        # A store without either (one written in Python), or a host already gone: none.
+        with contextlib.suppress(Exception):
             from torch.distributed.distributed_c10d import _get_default_store
 
-            shared: Any = _get_default_store()  # torch's stubs do not declare clone
-            store = shared.clone()
-            store.set_timeout(timedelta(seconds=seconds))
+            limit = timedelta(seconds=seconds)
+            shared: Any = _get_default_store()  # Any: torch's stubs lack clone, timeout
+            base = getattr(shared, "_underlying_non_prefix_store", shared)
+            if isinstance(base, dist.TCPStore):  # type: ignore[attr-defined]
+                store = dist.TCPStore(  # type: ignore[attr-defined]
+                    base.host, base.port, is_master=False, timeout=limit,
+                    wait_for_workers=False, use_libuv=bool(getattr(base, "libuvBackend", True)))
+            else:
+                store = shared.clone()
+                store.set_timeout(limit)
     yield store
+
+
+def _failure_key(rank: int) -> str:
+    # torchrun's own keys carry the restart (`/worker/attempt_N/`): a failure posted before
+    # an elastic restart must not name a rank of the next attempt.
+    return f"{_FAILURE_KEY}{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{rank}"
 
 
 def post_failure(error: str, *, module: str | None = None, part: str | None = None,
@@ -224,7 +243,7 @@ def post_failure(error: str, *, module: str | None = None, part: str | None = No
 
     with _quick_store() as store, contextlib.suppress(Exception):
         if store is not None:
-            store.set(f"{_FAILURE_KEY}{dist.get_rank()}", json.dumps({
+            store.set(_failure_key(dist.get_rank()), json.dumps({
                 "error": error, "module": module, "part": part, "time": time.time(),
                 "victim": victim}))
 
@@ -239,7 +258,7 @@ def posted_failures() -> dict[int, PostedFailure]:
         if store is not None:
             me = dist.get_rank()
             for r in range(dist.get_world_size()):
-                key = f"{_FAILURE_KEY}{r}"
+                key = _failure_key(r)
                 if r != me and store.check([key]):
                     d = json.loads(bytes(store.get(key)).decode(errors="replace"))
                     out[r] = PostedFailure(r, str(d["error"]), d.get("module"), d.get("part"),
