@@ -7,6 +7,7 @@ from contextvars import ContextVar
 from typing import Any
 
 import torch
+from torch.nn import Parameter
 
 from torchscope.hooks.tree import iter_tensors
 
@@ -37,9 +38,10 @@ def storage_of(t: torch.Tensor) -> tuple[torch.UntypedStorage, StorageKey] | Non
 
     Metadata only: no device sync, so it may run inside hooks.
     """
-    fake = sys.modules.get("torch._subclasses.fake_tensor")
-    if fake is not None and isinstance(t, fake.FakeTensor):
-        return None  # torch.compile's shape-only tensors: no memory behind them
+    if type(t) is not torch.Tensor and type(t) is not Parameter:  # (plain ones are not)
+        fake = sys.modules.get("torch._subclasses.fake_tensor")
+        if fake is not None and isinstance(t, fake.FakeTensor):
+            return None  # torch.compile's shape-only tensors: no memory behind them
     try:
         storage = t.untyped_storage()
         # Functional tensors (also left alive by torch.compile) refuse data_ptr().
@@ -48,7 +50,9 @@ def storage_of(t: torch.Tensor) -> tuple[torch.UntypedStorage, StorageKey] | Non
         return None
     if ptr == 0 and storage.nbytes() > 0:
         return None  # a meta or fake tensor: no memory behind it
-    return storage, (device_name(t.device), ptr)
+    device = t.device
+    name = _DEVICE_NAMES.get(device)
+    return storage, (device_name(device) if name is None else name, ptr)
 
 
 def storage_key(t: torch.Tensor) -> StorageKey | None:

@@ -267,9 +267,11 @@ class _Recorder:
                 entry.savers.append(module)
         # A detached alias (same storage, same version counter): when a node saves its own
         # output, keeping `t` itself would hold that output's grad_fn from inside the graph,
-        # a cycle through C++ that Python's gc cannot break. Autograd skips its in-place
-        # check for hooked tensors, so the version is kept to make that check in `_unpack`.
-        return t.detach(), t._version
+        # a cycle through C++ that Python's gc cannot break. A leaf (a parameter, an input,
+        # a mask: no grad_fn) makes no cycle, and is kept as autograd itself keeps it.
+        # Autograd skips its in-place check for hooked tensors, so the version is kept to
+        # make that check in `_unpack`.
+        return (t if t.is_leaf else t.detach()), t._version
 
     def _row(self, name: str, module_type: str) -> tuple[str, str]:
         """The row (with `select=`/`depth=`) and type that `name`'s saves count under."""
