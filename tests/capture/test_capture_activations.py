@@ -528,3 +528,89 @@ def test_attention_and_stacked_experts_are_recorded_and_judged_by_default() -> N
     assert [r.module for r in cap.records] == ["0", "1.drop", "1"]
     assert cap.get("1").owns_params
     assert leaf_modules(cap.records) == {"0", "1.drop"}
+
+
+class _Mixed(nn.Module):
+    """Every kind of value a hook queues: ReLU dead units, Tanh saturation, a model input's
+    feature scale, an integer input (no finiteness value) and a float one (one)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.fc, self.relu = nn.Embedding(10, 6), nn.Linear(6, 6), nn.ReLU()
+        self.tanh, self.head = nn.Tanh(), nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:  # (4, 6), (4,)
+        h = self.relu(self.fc(x))  # the model input's statistics and feature scale
+        return self.head(self.tanh(h * 3) + self.emb(ids))  # (4, 3)
+
+
+def test_records_are_those_their_dataclasses_build(reduction_path: str) -> None:
+    """The flush builds records without their frozen dataclasses' `__init__` (a third of
+    the time): each must hold exactly the dataclass's fields, compare equal to one built
+    through `__init__` and survive a pickle."""
+    import pickle
+
+    torch.manual_seed(0)
+    model = _Mixed()
+    with torch.no_grad():
+        model.fc.bias.fill_(-1.0)  # some dead units
+    with watch_activations(model, select="*") as cap:
+        model(torch.randn(4, 6), torch.randint(0, 10, (4,)))
+    records = cap.records
+    stats = [s for r in records for s in (*r.outputs, r.model_input) if s is not None]
+    assert any(s.dead_units is not None for s in stats)
+    assert any(s.saturated_frac is not None for s in stats)
+    assert any(s.feature_rms_max is not None for s in stats)
+    for obj in (*records, *stats):
+        assert list(vars(obj)) == [f.name for f in dataclasses.fields(obj)]
+        assert dataclasses.replace(obj) == obj  # through __init__
+    assert pickle.loads(pickle.dumps(records)) == records
+
+
+def test_forwards_read_late_are_those_read_at_once(reduction_path: str) -> None:
+    """A capture read once after many forwards (its later forwards' values joined on the
+    device as they end) gives the records of one read after every forward."""
+    torch.manual_seed(0)
+    model = _Mixed()
+    batches = [(torch.randn(4, 6) * (i + 1), torch.randint(0, 10, (4,))) for i in range(7)]
+    with watch_activations(model, select="*") as each:
+        per_forward = []
+        for x, ids in batches:
+            model(x, ids)
+            per_forward.extend(each.last())
+    with watch_activations(model, select="*") as late:
+        for x, ids in batches:
+            model(x, ids)
+        assert len(late._pending) == len(batches)
+        assert [len(f.values) for f in late._pending][4:] == [1, 1, 1]  # joined
+    assert late.records == tuple(per_forward) == each.records
+
+
+def test_an_unrecorded_forward_keeps_the_recorded_one_s_input_finiteness() -> None:
+    """A forward the sampler leaves out (`active=False`) between a recorded one and the
+    read must not drop what that one noted about the model's own input."""
+    model = nn.Sequential(nn.Linear(3, 3), nn.ReLU())
+    with watch_activations(model) as cap:
+        model(torch.randn(2, 3))
+        cap.active = False
+        model(torch.full((2, 3), float("nan")))
+    (first, _) = cap.records
+    assert first.model_inputs_finite is True and first.step == 0
+
+
+def test_values_on_several_devices_come_back_in_queue_order() -> None:
+    """The host copy joins each device's values once for every pending forward (a CUDA
+    model's calls see CPU tensors too; a model split over GPUs has outputs on each): each
+    forward gets its own values back in the order its hooks queued them. The layout on
+    device names, where this machine may have no GPU."""
+    from torchscope.capture.activations import _assemble, _layout
+
+    gpu0, gpu1, cpu = torch.device("cuda:0"), torch.device("cuda:1"), torch.device("cpu")
+    # Forward 0 all on gpu0 (one run); forward 1 mixed, value by value.
+    runs = [[(gpu0, 3)], [(gpu0, 2), (cpu, 1), (gpu1, 2), (gpu0, 1)]]
+    queued = [[0.0, 1.0, 2.0], [10.0, 11.0, 12.0, 13.0, 14.0, 15.0]]
+    # What each device's join holds: its values, forward after forward.
+    host = {gpu0: [0.0, 1.0, 2.0, 10.0, 11.0, 15.0], cpu: [12.0], gpu1: [13.0, 14.0]}
+    layout, sizes = _layout(runs)
+    assert sizes == {d: len(v) for d, v in host.items()}
+    assert [_assemble(p, len(q), host) for p, q in zip(layout, queued, strict=True)] == queued

@@ -7,21 +7,28 @@ import math
 import warnings
 import weakref
 from collections import deque
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from torchscope import _kernels
-from torchscope._kernels import INFS, MAX, MEAN, MIN, NANS, NORM, STD, ZEROS
+from torchscope._kernels import DEAD, INFS, MAX, MEAN, MIN, N_MOMENTS, NANS, NORM, STD, ZEROS
 from torchscope.capture.records import (
     ActivationRecord,
     ActivationRecords,
     ReductionPaths,
     TensorStats,
 )
-from torchscope.capture.stats import feature_scale, finiteness, saturation, tensor_stats
+from torchscope.capture.stats import (
+    feature_scale,
+    finiteness,
+    reduce_stats,
+    saturation,
+    stats_vector,
+    tensor_stats,
+)
 from torchscope.capture.units import Candidate, unit_candidates, unit_dim
 from torchscope.distributed.ranked import Ranked
 from torchscope.errors import BudgetError, TorchscopeError
@@ -33,6 +40,7 @@ from torchscope.hooks.tree import iter_tensors, nested_shape, nested_values
 from torchscope.step import Step
 
 Store = Literal["stats", "tensors"]
+_T = TypeVar("_T")
 OnBudget = Literal["error", "skip"]
 
 # Records kept without `keep_last=` before a one-time warning that the capture keeps growing:
@@ -110,10 +118,10 @@ def _feature_dim(m: nn.Module) -> int | None:
 _Leaf = tuple[str, tuple[int, ...], torch.dtype, torch.device, int, int, int, int, int, bool,
               int, int]
 """One tensor of a recorded call, until the host values arrive: (path, shape, dtype, device,
-numel, row in the stats matrix, index of its dead-unit count or -1, the dimension of its
-units, index of its saturation counts or -1, reduced by the fused kernel, index of its
-feature scale or -1 (a model input's), the dim of those features); dtype and device are
-made strings when the records are built, not in the hook."""
+numel, offset of its stats vector among its forward's values, offset of its dead-unit count
+or -1, the dimension of its units, offset of its saturation counts or -1, reduced by the
+fused kernel, offset of its feature scale or -1 (a model input's), the dim of those
+features); dtype and device are made strings when the records are built, not in the hook."""
 
 
 class _Pending(NamedTuple):
@@ -125,8 +133,9 @@ class _Pending(NamedTuple):
     call: int
     order: int
     leaves: tuple[_Leaf, ...]
-    # Per tensor input, where its finiteness is: an earlier output's stats row (i >= 0), or
-    # `finiteness` value -1 - i.
+    # Per floating-point tensor input, where its finiteness is: an earlier output's stats
+    # vector (offset i >= 0), or a `finiteness` value (offset -1 - i). Integer and boolean
+    # inputs are always finite and have none.
     input_rows: tuple[int, ...]
     # A weighted layer's first input where that is the model's own input.
     model_input: _Leaf | None = None
@@ -140,20 +149,68 @@ class _Pending(NamedTuple):
     model_output: bool = False
 
 
-_Rows = tuple[list[int], torch.Tensor]
-"""Values of one forward that live on one device: their indices, and the values stacked (stats
-vectors into a (rows, N_MOMENTS) matrix, dead-unit counts into a vector, saturation counts
-into a (rows, 2) matrix, feature scales into a (rows, 3) one) on that device
-until `records` is read."""
+class _Forward(NamedTuple):
+    """A forward's recorded calls and the device values they wait for: 0-d and 1-d float64
+    tensors that, laid end to end in the order the hooks queued them, are `width` values
+    (the offsets in `_Leaf` and `_Pending.input_rows` point into them). Joined into one
+    tensor per forward only once several forwards wait (`_RAW_FORWARDS`): the host copy
+    joins them anyway, one `hstack` per device for every forward pending."""
+
+    step: int
+    calls: list[_Pending]
+    values: list[torch.Tensor]
+    width: int
 
 
-def _stack_by_device(vecs: list[torch.Tensor]) -> list[_Rows]:
-    # A CUDA model still sees CPU tensors (a PackedSequence's batch_sizes, lengths): one
-    # stack per device, since torch.stack refuses to mix them.
-    rows: dict[torch.device, list[int]] = {}
-    for i, v in enumerate(vecs):
-        rows.setdefault(v.device, []).append(i)
-    return [(idx, torch.stack([vecs[i] for i in idx])) for idx in rows.values()]
+# Forwards kept as their hooks left them (a tensor per value) until `records` is read; a
+# later one is joined when it ends, so that a capture never read (a long loop without
+# `keep_last`) holds a few tensors per forward, not one per value (on a GPU, each holds a
+# block of the caching allocator).
+_RAW_FORWARDS = 4
+
+
+def _devices(values: list[torch.Tensor]) -> set[torch.device]:
+    # A CUDA model still sees CPU tensors (a PackedSequence's batch_sizes, lengths), and a
+    # model split over GPUs has outputs on each: values are joined per device.
+    return {v.device for v in values}
+
+
+_Piece = tuple[torch.device, int, int, int]
+"""Where a run of a forward's values lies: (device, start among the values joined on that
+device, start among the forward's values, length)."""
+
+
+def _layout(runs: list[list[tuple[torch.device, int]]]
+            ) -> tuple[list[list[_Piece]], dict[torch.device, int]]:
+    """Each forward's values as pieces of the per-device joins, from its runs (device,
+    length) in the order its hooks queued them, every forward's after the previous one's
+    on each device (one run, and so one piece, for a forward all on one device); and how
+    many values each device's join holds."""
+    ends: dict[torch.device, int] = {}
+    out: list[list[_Piece]] = []
+    for forward in runs:
+        pieces: list[_Piece] = []
+        dest = 0
+        for device, n in forward:
+            start = ends.get(device, 0)
+            ends[device] = start + n
+            pieces.append((device, start, dest, n))
+            dest += n
+        out.append(pieces)
+    return out, ends
+
+
+def _assemble(pieces: list[_Piece], width: int, host: dict[torch.device, list[float]]
+              ) -> list[float]:
+    """A forward's `width` values on the host, in queue order, from its `pieces` of the
+    per-device host lists `host`."""
+    if len(pieces) == 1:
+        device, start, _, n = pieces[0]
+        return host[device][start:start + n]
+    values = [0.0] * width
+    for device, start, dest, n in pieces:
+        values[dest:dest + n] = host[device][start:start + n]
+    return values
 
 
 class ActivationCapture(HookedContext, Analyzed):
@@ -246,22 +303,21 @@ class ActivationCapture(HookedContext, Analyzed):
         self._stored_bytes = 0
         self._warned_budget = False
         self._step = -1
-        # Per forward: pending calls, the device stats vectors, dead-unit counts, input
-        # finiteness values, saturation counts and model-input feature scales they wrote,
-        # flushed together.
-        self._pending: list[tuple[int, list[_Pending], list[_Rows], list[_Rows],
-                                  list[_Rows], list[_Rows], list[_Rows]]] = []
+        # Forwards whose values are not on the host yet, flushed together.
+        self._pending: list[_Forward] = []
+        # The forward in progress: its calls, and the device values they queued (stats
+        # vectors, dead-unit counts, input finiteness values, saturation counts and
+        # model-input feature scales), `_width` values laid end to end.
         self._cur: list[_Pending] = []
-        self._vecs: list[torch.Tensor] = []
-        self._dead: list[torch.Tensor] = []
-        self._fin: list[torch.Tensor] = []
-        self._sat: list[torch.Tensor] = []
-        self._feat: list[torch.Tensor] = []
+        self._vals: list[torch.Tensor] = []
+        self._width = 0
         self._fused = 0
         self._eager = 0
         self._eager_why: dict[tuple[torch.dtype, torch.device], str] = {}
         self._calls: dict[str, int] = {}
-        # Identity of tensors already reduced this forward -> row in `_vecs`.
+        self._names_of: dict[Any, str] = {}  # see `_leaf_stats`
+        # Identity of tensors already reduced this forward -> offset of their stats vector
+        # (>= 0) or finiteness value (-1 - offset) among `_vals`.
         self._seen: dict[int, tuple[weakref.ReferenceType[torch.Tensor], int]] = {}
         # The forward's model inputs (see `_begin_forward`).
         self._inputs: dict[int, weakref.ReferenceType[torch.Tensor]] = {}
@@ -288,7 +344,7 @@ class ActivationCapture(HookedContext, Analyzed):
                                 isinstance(module, _NONNEGATIVE), bounds,
                                 _own_units(module) + unit_candidates(model, name, children)
                                 if relu_family or bounds is not None else (),
-                                _feature_dim(module)),
+                                _feature_dim(module), isinstance(module, _BatchNorm)),
             )
 
     def close(self, *, failed: bool = False) -> None:
@@ -342,7 +398,7 @@ class ActivationCapture(HookedContext, Analyzed):
                        ) -> None:
         if torch._C._current_autograd_node() is not None:
             return  # a checkpoint's recomputation, inside backward: not a forward of its own
-        if self._cur or self._vecs or self._fin:
+        if self._cur or self._vals:
             self._end_forward(None, (), None)  # a forward that raised left pending calls
         self._recording = self.active
         if not self._recording:
@@ -360,42 +416,56 @@ class ActivationCapture(HookedContext, Analyzed):
                         if t.is_floating_point() and not t.is_nested}
         # Whether NaN/Inf came in with the input or was made inside: read once per input,
         # on the device, and shared with the first layer that takes it (no second read).
-        self._input_rows[self._step] = tuple(self._row_for_input(t) for t in (
-            ref() for ref in self._inputs.values()) if t is not None)
+        rows = [self._row_for_input(t) for t in (ref() for ref in self._inputs.values())
+                if t is not None]
+        self._input_rows[self._step] = tuple([r for r in rows if r is not None])
 
     def _end_forward(self, _m: nn.Module | None, _args: tuple[Any, ...], _out: Any) -> None:
+        if not self._recording:
+            return  # nothing was recorded since the last forward's end (`_begin_forward`)
         if _m is not None and torch._C._current_autograd_node() is not None:
             return  # the end of a recomputation (`_begin_forward`)
         if _m is not None and self._cur:
             self._mark_outputs(_out)
-        if self._vecs or self._cur or self._fin:
-            self._pending.append((self._step, self._cur, _stack_by_device(self._vecs),
-                                  _stack_by_device(self._dead), _stack_by_device(self._fin),
-                                  _stack_by_device(self._sat), _stack_by_device(self._feat)))
+        if self._vals or self._cur:
+            self._pending.append(_Forward(self._step, self._cur, self._vals, self._width))
+            if len(self._pending) > _RAW_FORWARDS:
+                self._join(-1)
             self._pending_calls += len(self._cur)
             self._bound()
         elif _m is not None:  # the forward's own end, with nothing to read: no records
             self._input_rows.pop(self._step, None)
-        self._cur, self._vecs, self._dead, self._fin, self._seen = [], [], [], [], {}
-        self._sat, self._feat, self._inputs = [], [], {}
+        self._cur, self._vals, self._width, self._seen, self._inputs = [], [], 0, {}, {}
+
+    def _join(self, i: int) -> None:
+        """Join pending forward `i`'s values into one tensor (where they are on one device)."""
+        f = self._pending[i]
+        if len(f.values) > 1 and len(_devices(f.values)) == 1:
+            self._pending[i] = f._replace(values=[torch.hstack(f.values)])  # (width,)
 
     def _mark_outputs(self, out: Any) -> None:
         """Mark the calls whose output the model returns as it is (a head's logits) and no
         recorded call takes in: their scale is what the loss asks for. A hidden state that
         is returned too (`output_hidden_states=True`) feeds later layers: not marked."""
-        returned = [t for _, t in iter_tensors(out)]
-        taken = self._taken | {r for p in self._cur for r in p.input_rows}
-        rows = set()
+        returned = [out] if type(out) is torch.Tensor else [t for _, t in iter_tensors(out)]
+        seen = self._seen
+        hits = []
         for t in returned:
-            hit = self._seen.get(id(t))
-            if hit is not None and hit[0]() is t and hit[1] >= 0 and \
-                    hit[1] not in taken and not _feeds(t, returned):
-                rows.add(hit[1])
+            hit = seen.get(id(t))
+            if hit is not None and hit[0]() is t and hit[1] >= 0:
+                hits.append((t, hit[1]))
+        if not hits:
+            return
+        taken = self._taken.union(*[p.input_rows for p in self._cur])
+        rows = {row for t, row in hits if row not in taken and not _feeds(t, returned)}
         if not rows:
             return
-        for i, p in enumerate(self._cur):
-            if any(leaf[5] in rows for leaf in p.leaves):
-                self._cur[i] = p._replace(model_output=True)
+        cur = self._cur
+        for i, p in enumerate(cur):
+            for leaf in p.leaves:
+                if leaf[5] in rows:
+                    cur[i] = p._replace(model_output=True)
+                    break
 
     def _bound(self) -> None:
         """Drop forwards older than `keep_last` (pending ones without reading them), or warn
@@ -418,23 +488,30 @@ class ActivationCapture(HookedContext, Analyzed):
             self._pending = kept
         for step in [k for k in self._input_rows if k < oldest]:
             del self._input_rows[step]
-        if self._records and self._records[0].step < oldest:
-            self._records = [r for r in self._records if r.step >= oldest]
+        recs = self._records
+        if recs and recs[0].step < oldest:
+            # In forward order: the old ones are a prefix.
+            n = 1
+            while n < len(recs) and recs[n].step < oldest:
+                n += 1
+            del recs[:n]
         if self._tensors and min(k[0] for k in self._tensors) < oldest:
             for key in [k for k in self._tensors if k[0] < oldest]:
                 t = self._tensors.pop(key)
                 self._stored_bytes -= t.numel() * t.element_size()
 
-    def _add_row(self, t: torch.Tensor, stats: torch.Tensor) -> int:
-        """Append `t`'s stats vector; an input that is `t` later reuses its row."""
-        self._vecs.append(stats)
-        self._seen[id(t)] = (weakref.ref(t), len(self._vecs) - 1)
-        return len(self._vecs) - 1
+    def _put(self, value: torch.Tensor, width: int) -> int:
+        """Queue `value` (0-d or 1-d, `width` float64 values) for the host copy; returns its
+        offset among the forward's values."""
+        at = self._width
+        self._vals.append(value)
+        self._width = at + width
+        return at
 
     def _model_input(self, t: torch.Tensor, dim: int) -> _Leaf | None:
         """A model input that a weighted layer takes as it is, or through a view (an MLP's
-        `x.flatten(1)`): its statistics (one row, which its finiteness then reads too) and
-        the scale of its features along `dim`, as a leaf of `_Pending`."""
+        `x.flatten(1)`): its statistics (one stats vector, which its finiteness then reads
+        too) and the scale of its features along `dim`, as a leaf of `_Pending`."""
         base = t._base if t._base is not None else t
         ref = self._inputs.get(id(base))
         if ref is None or ref() is not base:
@@ -443,67 +520,106 @@ class ActivationCapture(HookedContext, Analyzed):
         if hit is not None and hit[0]() is t and hit[1] >= 0:
             return None  # read for an earlier layer already
         vec, _, fused = tensor_stats(t, count_nonfinite=self._count_nonfinite)
-        row = self._add_row(t, vec)
-        self._feat.append(feature_scale(t, dim=dim))
-        return ("", tuple(t.shape), t.dtype, t.device, t.numel(), row, -1, 1, -1, fused,
-                len(self._feat) - 1, dim)
+        at = self._put(vec, N_MOMENTS)
+        self._seen[id(t)] = (weakref.ref(t), at)
+        feat = self._put(feature_scale(t, dim=dim), 3)
+        return ("", tuple(t.shape), t.dtype, t.device, t.numel(), at, -1, 1, -1, fused,
+                feat, dim)
 
-    def _row_for_input(self, t: torch.Tensor) -> int:
-        """Where `t`'s finiteness is read: an earlier output's stats row when it is one
-        (or an input already checked), else a new `finiteness` value (-1 - its index)."""
+    def _row_for_input(self, t: torch.Tensor) -> int | None:
+        """Where `t`'s finiteness is read: an earlier output's stats vector when it is one
+        (or an input already checked), else a new `finiteness` value (-1 - its offset);
+        None for an integer or boolean tensor, which is always finite."""
         base = t._base
+        seen = self._seen
         if base is not None:
             # An earlier output taken in through a view (`hidden[:, 0]`, `h[:, :-1]`).
-            of_base = self._seen.get(id(base))
+            of_base = seen.get(id(base))
             if of_base is not None and of_base[0]() is base and of_base[1] >= 0:
                 self._taken.add(of_base[1])
-        hit = self._seen.get(id(t))
+        hit = seen.get(id(t))
         if hit is not None and hit[0]() is t:
             return hit[1]
-        self._fin.append(finiteness(nested_values(t) if t.is_nested else t))
-        row = -len(self._fin)
-        self._seen[id(t)] = (weakref.ref(t), row)
+        if not (t.is_floating_point() or t.is_complex()):
+            return None  # `finiteness` would be a 0 for it
+        row = -1 - self._put(finiteness(nested_values(t) if t.is_nested else t), 1)
+        seen[id(t)] = (weakref.ref(t), row)
         return row
 
     def _make_hook(self, name: str, type_name: str, relu_family: bool, nonnegative: bool,
                    bounds: tuple[float, float] | None, units: tuple[Candidate, ...],
-                   feature_dim: int | None) -> Any:
+                   feature_dim: int | None, batch_norm: bool) -> Any:
+        # What the module and the capture's settings decide, once: the hook runs at every
+        # call of a recorded forward.
+        want_dead = self._dead_units and relu_family
+        counted = self._count_nonfinite
+        keep = self._store == "tensors"
+        row_for_input = self._row_for_input
+        put = self._put
+        autograd_node = torch._C._current_autograd_node
+
         def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
             # Inside backward, a forward is a checkpoint's recomputation of values the
             # forward already recorded (a reentrant checkpoint's first forward ran under
             # no_grad, and was recorded then).
-            if not self._recording or torch._C._current_autograd_node() is not None:
+            if not self._recording or autograd_node() is not None:
                 return
-            call = self._calls.get(name, 0)
-            self._calls[name] = call + 1
+            calls = self._calls
+            call = calls.get(name, 0)
+            calls[name] = call + 1
+            seen = self._seen
             # One tensor in, one out is most calls: no walk over nested containers then.
-            ins = args if len(args) == 1 and type(args[0]) is torch.Tensor else \
-                [t for _, t in iter_tensors(args)]
+            one = len(args) == 1 and type(args[0]) is torch.Tensor
+            ins = args if one else [t for _, t in iter_tensors(args)]
+            # Before the inputs' finiteness, which then reads the model input's stats.
             model_input = self._model_input(ins[0], feature_dim) \
                 if feature_dim is not None and ins and self._inputs else None
-            input_rows = tuple(self._row_for_input(t) for t in ins)
+            if one:
+                x = args[0]
+                # Most often the output of the call before, as it is.
+                hit = seen.get(id(x)) if x._base is None else None
+                if hit is not None and hit[0]() is x:
+                    input_rows: tuple[int, ...] = (hit[1],)
+                else:
+                    row = row_for_input(x)
+                    input_rows = () if row is None else (row,)
+            else:
+                input_rows = tuple([r for r in map(row_for_input, ins) if r is not None])
             leaves: list[_Leaf] = []
             outs = (("", output),) if type(output) is torch.Tensor else iter_tensors(output)
             for path, t in outs:
                 # A nested tensor (nn.TransformerEncoder's fast path): its elements, and its
                 # shape with -1 for a ragged dim.
-                values, shape = (nested_values(t), nested_shape(t)) if t.is_nested \
-                    else (t, None)
+                if t.is_nested:
+                    values, shape = nested_values(t), nested_shape(t)
+                else:
+                    values, shape = t, t.shape
                 # (N, C, ...) after a convolution, (N, ..., C) after a linear layer.
                 udim = unit_dim(values.shape, units) if units and values.dim() > 2 else 1
-                vec, dead_count, fused = tensor_stats(
-                    values, count_nonfinite=self._count_nonfinite,
-                    dead_units=self._dead_units and relu_family, nonnegative=nonnegative,
-                    unit_dim=udim)
-                row = self._add_row(t, vec)
+                dead_count = None
+                if want_dead:
+                    vec, dead_count, fused = stats_vector(
+                        values, count_nonfinite=counted, dead_units=True,
+                        nonnegative=nonnegative, unit_dim=udim)
+                else:  # `stats_vector` without dead units, inline
+                    ran = _kernels.run("stats", values)
+                    fused = ran is not None
+                    vec = reduce_stats(values, count_nonfinite=counted) if ran is None else ran
+                vals = self._vals
+                at = self._width
+                vals.append(vec)
+                self._width = at + N_MOMENTS
+                seen[id(t)] = (weakref.ref(t), at)
                 dead = -1
-                if dead_count is not None:
-                    self._dead.append(dead_count)
-                    dead = len(self._dead) - 1
+                if want_dead:
+                    if dead_count is not None:
+                        dead = put(dead_count, 1)
+                    elif vec.shape[0] > N_MOMENTS:  # counted in the kernel's pass
+                        dead = at + DEAD
+                        self._width += 1
                 sat = -1
                 if bounds is not None and values.is_floating_point():
-                    self._sat.append(saturation(values, *bounds, dim=udim))
-                    sat = len(self._sat) - 1
+                    sat = put(saturation(values, *bounds, dim=udim), 2)
                 if fused:
                     self._fused += 1
                 else:
@@ -511,23 +627,28 @@ class ActivationCapture(HookedContext, Analyzed):
                     key = (t.dtype, t.device)
                     if key not in self._eager_why:
                         self._eager_why[key] = _kernels.why_eager("stats", values) or "eager"
-                leaves.append((path, tuple(values.shape) if shape is None else shape, t.dtype,
-                               t.device, values.numel(), row, dead, udim, sat, fused, -1, 0))
-                if self._store == "tensors":
+                leaves.append((path, tuple(shape), t.dtype, t.device, values.numel(), at, dead,
+                               udim, sat, fused, -1, 0))
+                if keep:
                     self._keep(name, call, path, t)
-            # A BatchNorm normalises with the batch's statistics in training mode, and
-            # always without running statistics (`track_running_stats=False`).
-            batch_stats = isinstance(module, _BatchNorm) and (
-                module.training or module.running_mean is None)
-            # In training mode its running statistics move with every batch, whether or not
-            # its own weight trains: a backbone frozen by requires_grad alone still changes.
-            frozen = batch_stats and module.training and module.running_mean is not None \
-                and isinstance(module.weight, nn.Parameter) and not module.weight.requires_grad
-            self._cur.append(
-                _Pending(name, type_name, call, len(self._cur), tuple(leaves), input_rows,
-                         model_input, batch_stats, frozen,
-                         _synced_ranks(module) if batch_stats else 1)
-            )
+            batch_stats = frozen = False
+            ranks = 1
+            if batch_norm:
+                # A BatchNorm normalises with the batch's statistics in training mode, and
+                # always without running statistics (`track_running_stats=False`).
+                batch_stats = module.training or module.running_mean is None
+                # In training mode its running statistics move with every batch, whether or
+                # not its own weight trains: a backbone frozen by requires_grad alone still
+                # changes.
+                frozen = batch_stats and module.training and \
+                    module.running_mean is not None and \
+                    isinstance(module.weight, nn.Parameter) and not module.weight.requires_grad
+                ranks = _synced_ranks(module) if batch_stats else 1
+            cur = self._cur
+            # The named tuple's own `__new__` is a Python call: one frame fewer per call.
+            cur.append(_tuple_new(_Pending, (
+                name, type_name, call, len(cur), tuple(leaves), input_rows, model_input,
+                batch_stats, frozen, ranks, False)))
 
         return hook
 
@@ -617,35 +738,33 @@ class ActivationCapture(HookedContext, Analyzed):
         """
         return self.result().gather(timeout=timeout)
 
-    def _host_values(self) -> list[list[list[Any]]]:
-        """Each pending forward's stats rows, dead-unit counts, input finiteness values
-        and saturation counts on the host, in that forward's numbering.
+    def _host_values(self) -> list[list[float]]:
+        """Each pending forward's values on the host, laid end to end as its hooks queued
+        them (the offsets of `_Leaf` index this list).
 
-        One host copy per device for everything pending: flatten and cat there, then
-        `.cpu()` once.
+        One host copy per device for everything pending: `hstack` there (every value is
+        0-d or 1-d), then `.cpu()` and `.tolist()` once.
         """
-        mats = [m for _, _, *kinds in self._pending for groups in kinds for _, m in groups]
-        by_device: dict[torch.device, list[int]] = {}
-        for j, m in enumerate(mats):
-            by_device.setdefault(m.device, []).append(j)
-        host: dict[int, list[Any]] = {}
-        for js in by_device.values():
-            flat = torch.cat([mats[j].reshape(-1) for j in js]).cpu()  # one copy per device
-            for j, part in zip(js, flat.split([mats[j].numel() for j in js]), strict=True):
-                host[j] = part.reshape(mats[j].shape).tolist()
-        out: list[list[list[Any]]] = []
-        j = 0
-        for _, _, *kinds in self._pending:
-            per_kind: list[list[Any]] = []
-            for groups in kinds:
-                values: list[Any] = [None] * sum(len(i) for i, _ in groups)
-                for indices, _ in groups:
-                    for i, value in zip(indices, host[j], strict=True):
-                        values[i] = value
-                    j += 1
-                per_kind.append(values)
-            out.append(per_kind)
-        return out
+        runs: list[list[tuple[torch.device, int]]] = []
+        parts: dict[torch.device, list[torch.Tensor]] = {}
+        for f in self._pending:
+            devices = _devices(f.values)
+            if len(devices) == 1:
+                (device,) = devices
+                runs.append([(device, f.width)])
+                parts.setdefault(device, []).extend(f.values)
+            else:
+                runs.append([(v.device, v.numel()) for v in f.values])
+                for v in f.values:
+                    parts.setdefault(v.device, []).append(v)
+        host = {device: torch.hstack(vs).cpu().tolist() for device, vs in parts.items()}
+        layout, sizes = _layout(runs)
+        # Each value's width, as the hooks counted it, must be its size: else every offset
+        # after it would read another value.
+        assert all(len(host[d]) == n for d, n in sizes.items()), \
+            "activation values queued with a width other than their size"
+        return [_assemble(pieces, f.width, host)
+                for f, pieces in zip(self._pending, layout, strict=True)]
 
     def _zero_weights(self, name: str) -> bool:
         """Whether module `name` has parameters of its own, every one exactly zero. Read
@@ -661,39 +780,45 @@ class ActivationCapture(HookedContext, Analyzed):
             return
         checked: dict[str, bool] = {}
         counted = self._count_nonfinite
-        for (step, calls, *_), (rows, deads, fins, sats, feats) in zip(
-                self._pending, self._host_values(), strict=True):
+        holders = self._holders
+        records = self._records
+        names = self._names_of
+        for f, host in zip(self._pending, self._host_values(), strict=True):
 
-            def finite(r: int, rows: list[Any] = rows, fins: list[Any] = fins) -> bool:
+            def finite(r: int, host: list[float] = host) -> bool:
                 # An input is an earlier output, whose stats decide (counts, or -1 when
                 # uncounted, and min/max in every case), or has a `finiteness` value.
-                return math.isfinite(fins[-1 - r]) if r < 0 else \
-                    rows[r][NANS] <= 0 and math.isfinite(rows[r][MIN]) and \
-                    math.isfinite(rows[r][MAX])
+                return math.isfinite(host[-1 - r]) if r < 0 else \
+                    host[r + NANS] <= 0 and math.isfinite(host[r + MIN]) and \
+                    math.isfinite(host[r + MAX])
 
+            step = f.step
             given = self._input_rows.pop(step, None)
             model_finite = None if given is None else all(finite(r) for r in given)
-            for p in calls:
-                outs = [_leaf_stats(leaf, rows, deads, sats, feats, counted)
-                        for leaf in p.leaves]
+            for p in f.calls:
+                outs = tuple([_leaf_stats(leaf, host, counted, names) for leaf in p.leaves])
                 inputs_finite = all(finite(r) for r in p.input_rows)
-                if any(s.finite and s.is_close_to_constant() for s in outs) and \
-                        p.module not in checked:
+                if p.module not in checked and \
+                        any(s.finite and s.is_close_to_constant() for s in outs):
                     checked[p.module] = zero = self._zero_weights(p.module)
                     (self._zero_init.add if zero else self._zero_init.discard)(p.module)
-                self._records.append(
-                    ActivationRecord(
-                        p.module, p.module_type, step, p.call, p.order, tuple(outs), inputs_finite,
-                        p.module in self._holders,
-                        None if p.model_input is None
-                        else _leaf_stats(p.model_input, rows, deads, sats, feats, counted),
-                        p.batch_stats,
-                        p.frozen,
-                        p.batch_ranks,
-                        model_finite,
-                        p.model_output,
-                    )
-                )
+                records.append(_frozen(ActivationRecord, {
+                    "module": p.module,
+                    "module_type": p.module_type,
+                    "step": step,
+                    "call": p.call,
+                    "order": p.order,
+                    "outputs": outs,
+                    "inputs_finite": inputs_finite,
+                    "owns_params": p.module in holders,
+                    "model_input": None if p.model_input is None
+                    else _leaf_stats(p.model_input, host, counted, names),
+                    "batch_stats": p.batch_stats,
+                    "frozen": p.frozen,
+                    "batch_ranks": p.batch_ranks,
+                    "model_inputs_finite": model_finite,
+                    "model_output": p.model_output,
+                }))
         self._pending.clear()
         self._pending_calls = 0
         if self._keep_last is not None:
@@ -732,41 +857,62 @@ def _feeds(t: torch.Tensor, returned: list[torch.Tensor]) -> bool:
     return False
 
 
-def _leaf_stats(leaf: _Leaf, rows: list[Any], deads: list[Any], sats: list[Any],
-                feats: list[Any], counted: bool) -> TensorStats:
-    """One leaf of a flushed call as `TensorStats`, from its forward's host values."""
-    path, shape, dtype, device, numel, row, di, udim, si, fused, fi, fdim = leaf
-    v = rows[row]
-    dead = di >= 0
-    units = dead or (si >= 0 and len(shape) >= 2)
-    sat_count, sat_units = sats[si] if si >= 0 else (None, None)
-    top, median, at = feats[fi] if fi >= 0 else (-1.0, -1.0, -1.0)
-    featured = at >= 0  # measured, on 2 or more dims
-    return TensorStats(
-        path,
-        shape,
-        str(dtype),
-        str(device),
-        numel,
-        mean=v[MEAN],
-        std=v[STD],
-        min=v[MIN],
-        max=v[MAX],
-        norm=v[NORM],
-        zero_frac=v[ZEROS],
-        nan_count=int(v[NANS]) if counted and v[NANS] >= 0 else None,
-        inf_count=int(v[INFS]) if counted and v[INFS] >= 0 else None,
-        dead_units=int(deads[di]) if dead else None,
-        channels=shape[udim] if units else None,
-        unit_dim=(udim if udim == 1 else -1) if units else None,
-        fused=fused,
-        saturated_frac=None if sat_count is None else sat_count / numel if numel else 0.0,
-        saturated_units=None if sat_units is None or sat_units < 0 else int(sat_units),
-        feature_dim=fdim if featured else None,
-        feature_rms_max=math.sqrt(top) if featured else None,
-        feature_rms_median=math.sqrt(median) if featured else None,
-        feature_max_index=int(at) if featured else None,
-    )
+# `TensorStats` and `ActivationRecord` are frozen dataclasses, whose `__init__` sets each
+# field through `object.__setattr__`: 2 to 3 us a record, at every output of every recorded
+# call. A flush builds them from a dict of every field instead (`_frozen`): the same object
+# (tests/capture compare them with ones built by `__init__`), a third of the time.
+_new = object.__new__
+_set_attr = object.__setattr__
+_tuple_new = tuple.__new__
+
+
+def _frozen(cls: type[_T], fields: dict[str, Any]) -> _T:
+    """An instance of dataclass `cls` whose fields are `fields` (every one of them)."""
+    obj = _new(cls)
+    _set_attr(obj, "__dict__", fields)
+    return obj
+
+
+def _leaf_stats(leaf: _Leaf, host: list[float], counted: bool, names: dict[Any, str]
+                ) -> TensorStats:
+    """One leaf of a flushed call as `TensorStats`, from its forward's host values; `names`
+    keeps `str()` of each dtype and device seen (a device's takes 0.5 us)."""
+    path, shape, dtype, device, numel, at, di, udim, si, fused, fi, fdim = leaf
+    units = di >= 0 or (si >= 0 and len(shape) >= 2)
+    dtype_name = names.get(dtype)
+    if dtype_name is None:
+        dtype_name = names[dtype] = str(dtype)
+    device_name = names.get(device)
+    if device_name is None:
+        device_name = names[device] = str(device)
+    nans, infs = host[at + NANS], host[at + INFS]
+    sat_units = host[si + 1] if si >= 0 else -1.0
+    featured = fi >= 0 and host[fi + 2] >= 0  # measured, on 2 or more dims
+    return _frozen(TensorStats, {
+        "path": path,
+        "shape": shape,
+        "dtype": dtype_name,
+        "device": device_name,
+        "numel": numel,
+        "mean": host[at + MEAN],
+        "std": host[at + STD],
+        "min": host[at + MIN],
+        "max": host[at + MAX],
+        "norm": host[at + NORM],
+        "zero_frac": host[at + ZEROS],
+        "nan_count": int(nans) if counted and nans >= 0 else None,
+        "inf_count": int(infs) if counted and infs >= 0 else None,
+        "dead_units": int(host[di]) if di >= 0 else None,
+        "channels": shape[udim] if units else None,
+        "fused": fused,
+        "unit_dim": (udim if udim == 1 else -1) if units else None,
+        "saturated_frac": None if si < 0 else host[si] / numel if numel else 0.0,
+        "saturated_units": int(sat_units) if sat_units >= 0 else None,
+        "feature_dim": fdim if featured else None,
+        "feature_rms_max": math.sqrt(host[fi]) if featured else None,
+        "feature_rms_median": math.sqrt(host[fi + 1]) if featured else None,
+        "feature_max_index": int(host[fi + 2]) if featured else None,
+    })
 
 
 def capture_activations(

@@ -15,6 +15,7 @@ architectures in tests/zoo).
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Iterable, Sequence
@@ -114,21 +115,30 @@ def leaf_modules(records: Iterable[ActivationRecord]) -> frozenset[str]:
     module with parameters that returns what its last child returned (`_passes_on`) is
     judged at that child, once.
     """
-    names: set[str] = set()
-    inner: set[str] = set()
-    holders: set[str] = set()
     records = list(records)
-    by_order = {(r.step, r.order): r for r in records}
+    holders: set[str] = set()
+    by_order: dict[tuple[int, int], ActivationRecord] | None = None
     for r in records:
-        names.add(r.module)
-        if r.owns_params and not _passes_on(r, by_order.get((r.step, r.order - 1))):
-            holders.add(r.module)
+        if r.owns_params:
+            if by_order is None:
+                by_order = {(q.step, q.order): q for q in records}
+            if not _passes_on(r, by_order.get((r.step, r.order - 1))):
+                holders.add(r.module)
+    leaves = _innermost(frozenset([r.module for r in records]))
+    return leaves | holders if holders else leaves
+
+
+@functools.lru_cache(maxsize=64)
+def _innermost(names: frozenset[str]) -> frozenset[str]:
+    """The `names` with no other of `names` inside them (the root "" holds every named
+    one). Cached: a run monitor asks at every sampled step, for the same modules."""
+    inner: set[str] = set()
     for name in names:
         if name:
-            inner.add("")  # the root holds every named module
+            inner.add("")
             parts = name.split(".")
             inner.update(".".join(parts[:i]) for i in range(1, len(parts)))
-    return frozenset((names - inner) | holders)
+    return names - inner
 
 
 def _passes_on(r: ActivationRecord, before: ActivationRecord | None) -> bool:

@@ -32,6 +32,7 @@ __all__ = [
     "finiteness",
     "reduce_stats",
     "saturation",
+    "stats_vector",
     "tensor_stats",
 ]
 
@@ -56,14 +57,27 @@ def tensor_stats(
         nonnegative: `x` holds no negative values (see `dead_unit_count`).
         unit_dim: the dimension that holds the units (`torchscope.capture.units`).
     """
+    stats, dead, fused = stats_vector(x, count_nonfinite=count_nonfinite,
+                                      dead_units=dead_units, nonnegative=nonnegative,
+                                      unit_dim=unit_dim)
+    if dead is None and stats.shape[0] > N_MOMENTS:  # the count is in the vector
+        return stats[:N_MOMENTS], stats[DEAD], fused
+    return stats, dead, fused
+
+
+def stats_vector(
+    x: torch.Tensor, *, count_nonfinite: bool = True, dead_units: bool = False,
+    nonnegative: bool = False, unit_dim: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+    """`tensor_stats` as the fused kernel leaves it: where the kernel counted the dead
+    units in its pass, the count is slot `DEAD` of the vector (N_MOMENTS + 1 long) and no
+    separate tensor (None) is returned; two views fewer for a caller that copies the
+    vector to the host whole (the activation capture's hooks)."""
     want_dead = dead_units and x.dim() >= 2 and x.numel() > 0
     fused = _kernels.run("stats", x, dead_units=want_dead and unit_dim == 1)
-    if fused is None:
-        stats = reduce_stats(x, count_nonfinite=count_nonfinite)
-    elif fused.shape[0] > N_MOMENTS:  # the kernel counted dead units in the same pass
-        return fused[:N_MOMENTS], fused[DEAD], True
-    else:
-        stats = fused
+    if fused is not None and (not want_dead or fused.shape[0] > N_MOMENTS):
+        return fused, None, True
+    stats = reduce_stats(x, count_nonfinite=count_nonfinite) if fused is None else fused
     dead = dead_unit_count(x, nonnegative=nonnegative, dim=unit_dim) if want_dead else None
     return stats, dead, fused is not None
 
