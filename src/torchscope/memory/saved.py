@@ -21,7 +21,7 @@ are built once, when the forward's accounting is frozen.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
@@ -51,7 +51,9 @@ from torchscope.memory.records import (
 )
 from torchscope.step import LossSpec, Step, StepInfo
 
-_EXPIRED = torch.UntypedStorage._expired
+# A storage's weak reference (its address, from `_weak_ref()`): is it dead; release it.
+_EXPIRED: Callable[[int], bool] = torch.UntypedStorage._expired  # type: ignore[assignment]
+_FREE: Callable[[int], None] = torch.UntypedStorage._free_weak_ref
 
 
 class _Entry:
@@ -60,7 +62,7 @@ class _Entry:
     It holds the storage weakly (`torch.multiprocessing`'s `StorageWeakRef`, without that
     class's per-instance look-up of the legacy `torch.Storage`): `cdata` is the storage's
     address, which no other storage can take while the reference lives; 0 for a tensor
-    without storage.
+    without storage, or once released. The recorder releases it (`_Recorder.settle`).
     """
 
     __slots__ = ("cdata", "device", "dtype", "kind", "module", "module_type", "nbytes",
@@ -84,11 +86,6 @@ class _Entry:
         return SavedStorage(self.module, self.module_type, tuple(self.shape),
                             _dtype_name(self.dtype), self.device, self.nbytes, self.saves,
                             self.kind, tuple(self.savers))
-
-    def __del__(self, _free: Any = torch.UntypedStorage._free_weak_ref) -> None:
-        # Bound at definition: `torch` may be torn down before this at interpreter exit.
-        if self.cdata:
-            _free(self.cdata)
 
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
@@ -246,6 +243,8 @@ class _Recorder:
             # entry's weak reference keeps the old storage's address from being reused by
             # a new one, so the same address means the same storage, alive (`t` holds it).
             if entry is not None and entry.cdata != storage._cdata:
+                _FREE(entry.cdata)
+                entry.cdata = 0
                 entry = None
         if entry is None:
             # A parameter not among the model's at the forward's start is one still: FSDP2
@@ -280,9 +279,30 @@ class _Recorder:
         row = self._owners.get(name, name)
         return row, (module_type if row == name else self._types.get(row, ""))
 
-    def alive(self) -> list[tuple[StorageKey, _Entry]]:
-        """The storages still alive now, in save order."""
-        return [(k, e) for k, e in self.live.items() if not e.cdata or not _EXPIRED(e.cdata)]
+    def settle(self) -> list[tuple[StorageKey, _Entry]]:
+        """The storages still alive now, in save order; the recorder is done.
+
+        Every weak reference is released here (a storage that backward frees is then
+        deleted at once), so nothing may be saved through this recorder after.
+        """
+        alive = []
+        for k, e in self.live.items():
+            cdata, e.cdata = e.cdata, 0
+            if cdata:
+                dead = _EXPIRED(cdata)
+                _FREE(cdata)
+                if dead:
+                    continue
+            alive.append((k, e))
+        return alive
+
+    def __del__(self, _free: Any = _FREE) -> None:
+        # A recorder never settled (its forward raised) releases its references here.
+        # (`_free` is bound at definition: `torch` may be torn down first at exit.)
+        for e in self.live.values():
+            if e.cdata:
+                _free(e.cdata)
+                e.cdata = 0
 
 
 def _unpack(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
@@ -388,7 +408,7 @@ def _account(
             # Everything autograd saved for micro-batch 0 is alive now.
             if micro == 0:
                 saving.close()
-                seen.append((recorder.alive(), storage_keys(output), recorder.saves))
+                seen.append((recorder.settle(), storage_keys(output), recorder.saves))
 
         loss = step.forward_backward(before_backward=before_backward)
     alive, out_keys, saves = seen[0]

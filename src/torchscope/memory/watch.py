@@ -207,7 +207,7 @@ class MemoryWatch(HookedContext):
             return  # always_call hooks run while the forward's exception is handled
         rec = active.recorder
         # What is alive now is what the sample counts; its records are built when read.
-        alive = rec.alive()
+        alive = rec.settle()
         rows = _row_bytes(alive)
         freeze = functools.partial(
             _freeze, alive, storage_keys(output), rec.saves, checkpointed=list(rec.checkpointed),
