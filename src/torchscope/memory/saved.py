@@ -82,11 +82,6 @@ class _Entry:
         self.saves = 1
         self.savers = [module]
 
-    def record(self) -> SavedStorage:
-        return SavedStorage(self.module, self.module_type, tuple(self.shape),
-                            _dtype_name(self.dtype), self.device, self.nbytes, self.saves,
-                            self.kind, tuple(self.savers))
-
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
 
@@ -333,7 +328,12 @@ def _freeze(
     step: StepInfo | None = None, checkpointed: Sequence[str] = (),
     compiled: tuple[str, ...] = (),
 ) -> SavedActivations:
-    storages = tuple([e.record() for _, e in alive])
+    dtypes = _DTYPE_NAMES
+    storages = tuple([
+        SavedStorage(e.module, e.module_type, tuple(e.shape),
+                     dtypes.get(e.dtype) or _dtype_name(e.dtype), e.device, e.nbytes, e.saves,
+                     e.kind, tuple(e.savers))
+        for _, e in alive])
     rows: dict[str, list[SavedStorage]] = {}
     input_bytes = state_bytes = 0
     for s in storages:
