@@ -5,12 +5,18 @@ from __future__ import annotations
 import dataclasses
 import gc
 import weakref
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
-from torchscope.capture import capture_activations, trace_nonfinite, watch_activations
+from torchscope.capture import (
+    ActivationRecord,
+    capture_activations,
+    trace_nonfinite,
+    watch_activations,
+)
 from torchscope.errors import BudgetError, ModelError, SelectionError, TorchscopeError
 from torchscope.findings import Severity
 from torchscope.hooks import audit_hooks
@@ -561,7 +567,8 @@ def test_records_are_those_their_dataclasses_build(reduction_path: str) -> None:
     assert any(s.dead_units is not None for s in stats)
     assert any(s.saturated_frac is not None for s in stats)
     assert any(s.feature_rms_max is not None for s in stats)
-    for obj in (*records, *stats):
+    objs: list[Any] = [*records, *stats]
+    for obj in objs:
         assert list(vars(obj)) == [f.name for f in dataclasses.fields(obj)]
         assert dataclasses.replace(obj) == obj  # through __init__
     assert pickle.loads(pickle.dumps(records)) == records
@@ -574,7 +581,7 @@ def test_forwards_read_late_are_those_read_at_once(reduction_path: str) -> None:
     model = _Mixed()
     batches = [(torch.randn(4, 6) * (i + 1), torch.randint(0, 10, (4,))) for i in range(7)]
     with watch_activations(model, select="*") as each:
-        per_forward = []
+        per_forward: list[ActivationRecord] = []
         for x, ids in batches:
             model(x, ids)
             per_forward.extend(each.last())
@@ -614,3 +621,27 @@ def test_values_on_several_devices_come_back_in_queue_order() -> None:
     layout, sizes = _layout(runs)
     assert sizes == {d: len(v) for d, v in host.items()}
     assert [_assemble(p, len(q), host) for p, q in zip(layout, queued, strict=True)] == queued
+
+
+def test_unnamed_walk_gives_the_same_tensors_in_the_same_order() -> None:
+    """The capture walks a forward's inputs and outputs without building their paths
+    (`iter_tensors(named=False)`): the same tensors, in the same order, as the named walk."""
+    from torchscope.hooks.tree import iter_tensors
+
+    @dataclasses.dataclass
+    class Out:
+        hidden: torch.Tensor
+        extra: tuple[torch.Tensor, ...]
+
+    class Holder:
+        def __init__(self) -> None:
+            self.cache = [torch.zeros(1), {"k": torch.ones(2)}]
+
+    a, b, c, d = (torch.full((i + 1,), float(i)) for i in range(4))
+    obj = {"x": a, "y": [None, (b, Out(c, (d, a)))], "z": Holder(), "n": 3}
+    for objects in (False, True):
+        named = list(iter_tensors(obj, objects=objects))
+        bare = list(iter_tensors(obj, objects=objects, named=False))
+        assert len(bare) == len(named) == 5 + 2 * objects
+        assert all(x is y for (_, x), (_, y) in zip(bare, named, strict=True))
+        assert {p for p, _ in bare} == {""} and len({p for p, _ in named}) == len(named)

@@ -412,7 +412,8 @@ class ActivationCapture(HookedContext, Analyzed):
         # is gets its statistics read (`ActivationRecord.model_input`).
         # A batch passed as one object (`batch.x`) holds the input: positional objects are
         # entered. Keyword ones are not: a KV cache (`past_key_values=`) is state, not data.
-        found = itertools.chain(iter_tensors(args, objects=True), iter_tensors(kwargs))
+        found = itertools.chain(iter_tensors(args, objects=True, named=False),
+                                iter_tensors(kwargs, named=False))
         self._inputs = {id(t): weakref.ref(t) for _, t in found
                         if t.is_floating_point() and not t.is_nested}
         # Whether NaN/Inf came in with the input or was made inside: read once per input,
@@ -449,7 +450,8 @@ class ActivationCapture(HookedContext, Analyzed):
         """Mark the calls whose output the model returns as it is (a head's logits) and no
         recorded call takes in: their scale is what the loss asks for. A hidden state that
         is returned too (`output_hidden_states=True`) feeds later layers: not marked."""
-        returned = [out] if type(out) is torch.Tensor else [t for _, t in iter_tensors(out)]
+        returned = [out] if type(out) is torch.Tensor else \
+            [t for _, t in iter_tensors(out, named=False)]
         seen = self._seen
         hits = []
         for t in returned:
@@ -572,7 +574,7 @@ class ActivationCapture(HookedContext, Analyzed):
             seen = self._seen
             # One tensor in, one out is most calls: no walk over nested containers then.
             one = len(args) == 1 and type(args[0]) is torch.Tensor
-            ins = args if one else [t for _, t in iter_tensors(args)]
+            ins = args if one else [t for _, t in iter_tensors(args, named=False)]
             # Before the inputs' finiteness, which then reads the model input's stats.
             model_input = self._model_input(ins[0], feature_dim) \
                 if feature_dim is not None and ins and self._inputs else None

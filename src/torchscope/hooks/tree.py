@@ -22,7 +22,8 @@ _NOT_ENTERED = (nn.Module, type, types.ModuleType, types.FunctionType, types.Met
 
 
 def iter_tensors(obj: Any, path: str = "", _depth: int = 0, *,
-                 objects: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+                 objects: bool = False, named: bool = True
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(path, tensor)` for every tensor inside `obj`, depth first, in order.
 
     Args:
@@ -32,15 +33,17 @@ def iter_tensors(obj: Any, path: str = "", _depth: int = 0, *,
         objects: also enter the attributes (`vars()`) of other objects, such as a KV cache
             a model returns; modules, classes and functions are not entered, and each
             object is entered once.
+        named: build the paths; with False every path is `path` as given (for a caller
+            that wants only the tensors: a forward's inputs and outputs, at every call).
 
     Yields:
         `(path, tensor)`; paths read like the access: `""` for a bare tensor, `"[0]"`,
         `"['logits']"`, `".hidden"`.
     """
-    yield from _walk(obj, path, _depth, set() if objects else None)
+    yield from _walk(obj, path, _depth, set() if objects else None, named)
 
 
-def _walk(obj: Any, path: str, depth: int, entered: set[int] | None
+def _walk(obj: Any, path: str, depth: int, entered: set[int] | None, named: bool
           ) -> Iterator[tuple[str, torch.Tensor]]:
     if depth > 32:  # a cycle or a pathological structure: stop rather than recurse forever
         return
@@ -48,20 +51,24 @@ def _walk(obj: Any, path: str, depth: int, entered: set[int] | None
         yield path, obj
     elif isinstance(obj, Mapping):
         for key, value in obj.items():
-            yield from _walk(value, f"{path}[{key!r}]", depth + 1, entered)
+            yield from _walk(value, f"{path}[{key!r}]" if named else path, depth + 1,
+                             entered, named)
     elif isinstance(obj, (tuple, list)):
         for i, value in enumerate(obj):
-            yield from _walk(value, f"{path}[{i}]", depth + 1, entered)
+            yield from _walk(value, f"{path}[{i}]" if named else path, depth + 1, entered,
+                             named)
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for field in dataclasses.fields(obj):
-            yield from _walk(getattr(obj, field.name), f"{path}.{field.name}", depth + 1,
-                             entered)
+            yield from _walk(getattr(obj, field.name),
+                             f"{path}.{field.name}" if named else path, depth + 1, entered,
+                             named)
     elif entered is not None and not isinstance(obj, _NOT_ENTERED) and id(obj) not in entered:
         attrs = getattr(obj, "__dict__", None)
         if isinstance(attrs, dict):
             entered.add(id(obj))
             for name, value in list(attrs.items()):
-                yield from _walk(value, f"{path}.{name}", depth + 1, entered)
+                yield from _walk(value, f"{path}.{name}" if named else path, depth + 1,
+                                 entered, named)
 
 
 def nested_values(t: torch.Tensor) -> torch.Tensor:
