@@ -70,7 +70,7 @@ class _Pending:
         if self.built is None or self.built.peak_bytes != self.row[3]:
             if self.saved is None:
                 assert self.freeze is not None
-                self.saved, self.freeze = self.freeze(), None  # releases the storages' refs
+                self.saved, self.freeze = self.freeze(), None  # drops the entries
             self.built = MemorySample(self.row[0], self.saved, self.row[3])
         return self.built
 
@@ -109,7 +109,9 @@ class MemoryWatch(HookedContext):
         self._stack: list[str] = []
         self._types: dict[str, str] = {}
         self._names: dict[int, str] = {}
-        self._modules: list[nn.Module] = []  # the root's, in `modules()` order
+        # The root's modules in `modules()` order, fixed at open as the names, types and
+        # module stack are: each sampled forward reads their parameters and buffers.
+        self._modules: list[nn.Module] = []
         self._owners: dict[str, str] | None = None
         self._active: _Active | None = None
         # The newest sampled forward whose CUDA peak is still to be read, and its device.
