@@ -75,7 +75,7 @@ def storage_nbytes(t: torch.Tensor) -> int:
 def storage_keys(obj: Any) -> dict[StorageKey, int]:
     """Storage key -> bytes of every tensor inside `obj` (a tensor, or a structure of them)."""
     out: dict[StorageKey, int] = {}
-    for _, t in iter_tensors(obj):
+    for _, t in iter_tensors(obj, named=False):  # (paths unused)
         found = storage_of(t)
         if found is not None and found[1] not in out:
             out[found[1]] = int(found[0].nbytes())
