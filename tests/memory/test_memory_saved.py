@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
+import pickle
 
 import pytest
 import torch
@@ -11,7 +13,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 import torchscope.memory as ckpt
 from torchscope.memory import memory_totals, saved_activations
-from torchscope.memory.records import OUTSIDE
+from torchscope.memory.records import OUTSIDE, SavedStorage
 from torchscope.models import DeepMLP, TinyCNN
 
 
@@ -122,6 +124,21 @@ def test_a_parameter_made_inside_the_forward_is_state_a_flagged_tensor_too() -> 
     # mm saves both operands: x (an input) twice, one storage, and each weight once
     assert kinds == [("input", (3, 4)), ("parameter", (4, 4)), ("parameter", (4, 4))]
     assert saved.state_bytes == 2 * 16 * 4 and saved.total_bytes == 3 * 4 * 4
+
+
+def test_storage_records_are_those_their_constructor_builds(tiny_gpt2: nn.Module) -> None:
+    """`_freeze` builds `SavedStorage` from a dict of its fields, not through `__init__`."""
+    ids = torch.randint(0, 100, (2, 16))
+    saved = saved_activations(tiny_gpt2, ids, loss_fn="sum")
+    names = [f.name for f in dataclasses.fields(SavedStorage)]
+    assert saved.storages
+    for s in saved.storages:
+        assert list(vars(s)) == names  # every field, in order, and nothing else
+        again = SavedStorage(*(getattr(s, n) for n in names))
+        assert s == again and hash(s) == hash(again) and repr(s) == repr(again)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            s.nbytes = 0  # type: ignore[misc]
+    assert pickle.loads(pickle.dumps(saved)) == saved  # as ranks send it
 
 
 def test_accounting_leaves_model_and_rng_untouched() -> None:
