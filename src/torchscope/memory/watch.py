@@ -192,8 +192,10 @@ class MemoryWatch(HookedContext):
             return
         kinds = known_kinds(module, (args, kwargs), self._modules)
         recorder = _Recorder(self._stack, self._types, self._owners, kinds, self._names)
+        # (No tensor is on CUDA before CUDA is initialized: a CPU run skips the scan.)
         device = next((p.device for m in self._modules for p in m._parameters.values()
-                       if p is not None and p.is_cuda), None)
+                       if p is not None and p.is_cuda), None) \
+            if torch.cuda.is_initialized() else None
         if device is not None:
             torch.cuda.reset_peak_memory_stats(device)  # host-side counter: no sync
         hooks = recorder.hooks()
