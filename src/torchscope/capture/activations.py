@@ -127,7 +127,8 @@ features); dtype and device are made strings when the records are built, not in 
 
 class _Pending(NamedTuple):
     """A call recorded during a forward whose device stats are not on the host yet (a named
-    tuple: built once per hooked call, where a frozen dataclass costs several times more)."""
+    tuple: built once per hooked call, where a frozen dataclass costs several times more).
+    The hook builds it with `tuple.__new__`, every field in this order."""
 
     module: str
     module_type: str

@@ -1,8 +1,8 @@
 """Device-side reduction of tensor statistics: no `.item()`, no host sync.
 
 Each tensor becomes one small float64 vector on its own device (the layout of
-`torchscope._kernels`: MEAN, STD, MIN, MAX, NORM, ZEROS, NANS, INFS); the capture stacks
-those and copies them to the host once per forward.
+`torchscope._kernels`: MEAN, STD, MIN, MAX, NORM, ZEROS, NANS, INFS); the capture joins
+those and copies them to the host once per read of its records.
 
 Two paths compute that vector. `tensor_stats` takes the fused kernel whenever it is ready
 (`torchscope._kernels`: every statistic in one pass over the tensor, built once per machine
@@ -70,9 +70,10 @@ def stats_vector(
     nonnegative: bool = False, unit_dim: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
     """`tensor_stats` as the fused kernel leaves it: where the kernel counted the dead
-    units in its pass, the count is slot `DEAD` of the vector (N_MOMENTS + 1 long) and no
-    separate tensor (None) is returned; two views fewer for a caller that copies the
-    vector to the host whole (the activation capture's hooks)."""
+    units in its pass, the vector is N_MOMENTS + 1 long with the count in slot `DEAD`, and
+    the count returned is None (as it is where dead units were not asked for or cannot be
+    counted); two views fewer for a caller that copies the vector to the host whole (the
+    activation capture's hooks)."""
     want_dead = dead_units and x.dim() >= 2 and x.numel() > 0
     fused = _kernels.run("stats", x, dead_units=want_dead and unit_dim == 1)
     if fused is not None and (not want_dead or fused.shape[0] > N_MOMENTS):
