@@ -40,7 +40,7 @@ from torchscope.hooks.lifecycle import HookedContext
 from torchscope.hooks.select import Selector
 from torchscope.hooks.session import HookSession
 from torchscope.hooks.tree import iter_tensors
-from torchscope.memory import MemorySample, MemoryWatch
+from torchscope.memory import MemoryWatch
 from torchscope.models.target import ModelInputs
 from torchscope.monitoring.flight import FlightRecorder
 from torchscope.monitoring.history import METRICS, SampleHistory, StepBuckets
@@ -194,9 +194,10 @@ class Monitor(HookedContext):
         self._waiting: list[list[Any]] = []  # their pre-hooks' handles, newest last
         self._mem_seen = 0
         # What the activation capture and the memory watch held at the end of the last
-        # backward: (forwards recorded, memory samples, the last one). An inferred step
-        # ends one backward late, when the next step's forward has been recorded too.
-        self._at_backward: tuple[int, int, MemorySample | None] | None = None
+        # backward: (forwards recorded, memory samples, the last one's saved bytes). An
+        # inferred step ends one backward late, when the next step's forward has been
+        # recorded too.
+        self._at_backward: tuple[int, int, int | None] | None = None
         self._inputs = ""
         # Whether the model's input repeats from step to step (`_note_input`): the
         # fingerprint of a sampled step's first training forward, (step, what it holds,
@@ -576,7 +577,7 @@ class Monitor(HookedContext):
             mem = self._mem
             self._at_backward = (0 if self._acts is None else self._acts.forwards,
                                  0 if mem is None else mem.samples,
-                                 None if mem is None else mem.last)
+                                 None if mem is None else mem.last_total_bytes)
 
     def _keep_applied(self) -> None:
         """Keep the total norms the updates of sampled steps used where the loop clipped
@@ -692,11 +693,12 @@ class Monitor(HookedContext):
         saved = None
         if self._mem is not None:
             # An inferred step's: as the step's last backward left them.
-            samples, last = (self._mem.samples, self._mem.last) if self._at_backward is None \
-                else self._at_backward[1:]
+            # The total alone: the sample's records are built only when read.
+            samples, saved_now = (self._mem.samples, self._mem.last_total_bytes) \
+                if self._at_backward is None else self._at_backward[1:]
             if samples > self._mem_seen:
                 self._mem_seen = samples
-                saved = None if last is None else last.saved.total_bytes
+                saved = saved_now
         self._history.add(index, per_layer, total_norm=flow.total_norm, saved_bytes=saved,
                           nonfinite=nonfinite)
         self.latest = self._scalars(index, flow)
