@@ -16,7 +16,7 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 __version__ = "0.1.0"
 
@@ -29,6 +29,7 @@ __all__ = [
     "fmt_pct",
     "fmt_shape",
     "fmt_times",
+    "frozen_record",
     "is_norm_type",
     "module_block",
     "output_problem",
@@ -38,6 +39,22 @@ __all__ = [
 ]
 
 ELLIPSIS = "…"
+
+_T = TypeVar("_T")
+_new = object.__new__
+_set_attr = object.__setattr__
+
+
+def frozen_record(cls: type[_T], fields: dict[str, Any]) -> _T:
+    """An instance of dataclass `cls` (frozen, without `__slots__` or `__post_init__`)
+    whose fields are `fields`, every one of them in declaration order: the object its
+    `__init__` would make, built in a third to a half of the time. A frozen dataclass's
+    `__init__` sets each field through `object.__setattr__` (1 to 3 µs a record); hooks'
+    records, built by the thousand per sampled step, are made this way. Their tests compare
+    each with one made by `__init__`."""
+    obj = _new(cls)
+    _set_attr(obj, "__dict__", fields)
+    return obj
 
 
 def fmt_num(x: float | None, digits: int = 4) -> str:

@@ -8,7 +8,7 @@ import math
 import warnings
 import weakref
 from collections import deque
-from typing import Any, Literal, NamedTuple, TypeVar
+from typing import Any, Literal, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -16,6 +16,7 @@ from torch import nn
 
 from torchscope import _kernels
 from torchscope._kernels import DEAD, INFS, MAX, MEAN, MIN, N_MOMENTS, NANS, NORM, STD, ZEROS
+from torchscope._util import frozen_record
 from torchscope.capture.records import (
     ActivationRecord,
     ActivationRecords,
@@ -41,7 +42,6 @@ from torchscope.hooks.tree import iter_tensors, nested_shape, nested_values
 from torchscope.step import Step
 
 Store = Literal["stats", "tensors"]
-_T = TypeVar("_T")
 OnBudget = Literal["error", "skip"]
 
 # Records kept without `keep_last=` before a one-time warning that the capture keeps growing:
@@ -834,7 +834,7 @@ class ActivationCapture(HookedContext, Analyzed):
                 if constant and p.module not in checked:
                     checked[p.module] = zero = self._zero_weights(p.module)
                     (self._zero_init.add if zero else self._zero_init.discard)(p.module)
-                records.append(_frozen(ActivationRecord, {
+                records.append(frozen_record(ActivationRecord, {
                     "module": p.module,
                     "module_type": p.module_type,
                     "step": step,
@@ -891,20 +891,7 @@ def _feeds(t: torch.Tensor, returned: list[torch.Tensor]) -> bool:
     return False
 
 
-# `TensorStats` and `ActivationRecord` are frozen dataclasses, whose `__init__` sets each
-# field through `object.__setattr__`: 2 to 3 us a record, at every output of every recorded
-# call. A flush builds them from a dict of every field instead (`_frozen`): the same object
-# (tests/capture compare them with ones built by `__init__`), a third of the time.
-_new = object.__new__
-_set_attr = object.__setattr__
 _tuple_new = tuple.__new__
-
-
-def _frozen(cls: type[_T], fields: dict[str, Any]) -> _T:
-    """An instance of dataclass `cls` whose fields are `fields` (every one of them)."""
-    obj = _new(cls)
-    _set_attr(obj, "__dict__", fields)
-    return obj
 
 
 def _leaf_stats(leaf: _Leaf, host: list[float], counted: bool, names: dict[Any, str]
@@ -922,7 +909,7 @@ def _leaf_stats(leaf: _Leaf, host: list[float], counted: bool, names: dict[Any, 
     nans, infs = host[at + NANS], host[at + INFS]
     sat_units = host[si + 1] if si >= 0 else -1.0
     featured = fi >= 0 and host[fi + 2] >= 0  # measured, on 2 or more dims
-    return _frozen(TensorStats, {
+    return frozen_record(TensorStats, {
         "path": path,
         "shape": shape,
         "dtype": dtype_name,

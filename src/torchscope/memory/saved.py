@@ -24,11 +24,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from torch import nn
 
+from torchscope._util import frozen_record
 from torchscope.hooks.checkpoints import checkpoint_saving, checkpointed_module
 from torchscope.hooks.parallel import unwrap_parallel
 from torchscope.hooks.select import Selector, select_modules
@@ -50,8 +51,6 @@ from torchscope.memory.records import (
     StorageKind,
 )
 from torchscope.step import LossSpec, Step, StepInfo
-
-_T = TypeVar("_T")
 
 # A storage's weak reference (its address, from `_weak_ref()`): is it dead; release it.
 _EXPIRED: Callable[[int], bool] = torch.UntypedStorage._expired  # type: ignore[assignment]
@@ -313,19 +312,6 @@ def _unpack(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
     return t
 
 
-# `SavedStorage` is a frozen dataclass, whose `__init__` sets each field through
-# `object.__setattr__`: about 1 us a storage, for every storage of every sample. `_freeze`
-# builds it from a dict of every field instead: the same object (tests/memory compare it
-# with one built by `__init__`), in half the time.
-_new = object.__new__
-_set_attr = object.__setattr__
-
-
-def _frozen(cls: type[_T], fields: dict[str, Any]) -> _T:
-    """An instance of dataclass `cls` whose fields are `fields` (every one of them)."""
-    obj = _new(cls)
-    _set_attr(obj, "__dict__", fields)
-    return obj
 
 
 _COUNTED = frozenset(("activation", "input"))  # the kinds a module's row counts
@@ -347,7 +333,7 @@ def _freeze(
 ) -> SavedActivations:
     dtypes = _DTYPE_NAMES
     storages = tuple([
-        _frozen(SavedStorage, {
+        frozen_record(SavedStorage, {
             "module": e.module, "module_type": e.module_type, "shape": tuple(e.shape),
             "dtype": dtypes.get(e.dtype) or _dtype_name(e.dtype), "device": e.device,
             "nbytes": e.nbytes, "saves": e.saves, "kind": e.kind, "savers": tuple(e.savers)})
