@@ -27,25 +27,11 @@ sampled) at most 1.01x.
     PYTHONPATH=src python benchmarks/monitor_overhead.py [--rounds 15] [--block 50]
         [--layers 2] [--hidden 64] [--batch 8] [--seq 64] [--threads 1] [--no-lightning]
 
-Measured 2026-12-07 on the 2-core CPU machine under a load of about 2, 15 rounds of 50
-steps (CPU ratios, median [95 % interval]; wall ratios within 0.01 of them):
-  bde1009 (the NaN/Inf check's results in a ring on the device, reduced every 64 steps):
-      plain loop every=10 1.084x [1.067-1.112], every=1000 1.026x [0.999-1.043];
-      Lightning every=10 1.105x [1.083-1.134], every=1000 1.034x [1.013-1.072]
-      (bare steps 13.3 / 14.1 ms CPU)
-  1aaace0, run just before it: plain loop 1.114x [1.096-1.126] / 1.049x [1.026-1.063];
-      Lightning 1.140x [1.106-1.166] / 1.048x [1.020-1.080]
-Earlier, under a load of about 11 (wall ratios mostly noise there), 2 x 64, batch 8 x 64:
-  this version (f3cc6a9), 15 rounds of 40 steps: plain loop every=10 1.118x [1.081-1.137],
-      every=1000 1.044x [0.997-1.066]; Lightning every=10 1.124x [1.068-1.185],
-      every=1000 1.067x [1.023-1.148] (bare steps 14.5 / 15.1 ms CPU)
-  before it (9a6a9f2: hooks on every module at every step, the NaN/Inf check by
-      `_foreach_norm`), 11 rounds of 40 steps: plain loop every=10 1.161x [1.090-1.197],
-      every=1000 1.065x [1.050-1.104]; Lightning every=10 1.145x [1.047-1.221],
-      every=1000 1.113x [1.079-1.151]
-Goals not met: a sampled step costs about 1.5x a bare one (every=1: gradients alone
-1.27x, with activations 1.36x, with memory 1.45x, all three 1.53x), so every=10 stays
-near 1.05x from sampling alone.
+Latest figures (2026-12-07, 2-core CPU, load about 1, fa866aa, CPU ratios, median [95 %
+interval]): plain loop every=10 1.081x [1.041-1.136] and 1.077x [1.039-1.097] in two runs,
+every=1000 1.024x [1.007-1.041] and 1.023x [1.009-1.052]; Lightning every=10 1.074x and
+1.085x, every=1000 1.039x and 1.029x (bare steps 12.0-13.4 ms). Goals not met; where the
+cost goes, and earlier figures: docs/benchmarks.md.
 """
 
 from __future__ import annotations
