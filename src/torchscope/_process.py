@@ -40,6 +40,7 @@ __all__ = [
     "spawn",
     "stop",
     "stop_all",
+    "stop_and_exit",
     "stop_children",
 ]
 
@@ -248,6 +249,19 @@ def run(cmd: Sequence[str], *, timeout: float, grace: float | None = None,
         raise
     _forget(proc)
     return subprocess.CompletedProcess(list(cmd), proc.returncode, out, err)
+
+
+def stop_and_exit(signum: int, _frame: FrameType | None) -> None:
+    """A SIGTERM handler for a worker process that its parent stops with SIGTERM, then
+    SIGKILL after a grace period (the doctor's ranks): every child process it started is
+    stopped (`stop_children`, within about 2 s; a background kernel build runs in a session
+    of its own and would outlive it), then it leaves at once with 128 + the signal
+    (`os._exit`). A signal that comes while the main thread is starting a child (it holds
+    the registry) is left to the parent's SIGKILL."""
+    if _CHILDREN.spawning:
+        return
+    stop_children(grace=1.0, join_s=1.0)
+    os._exit(128 + signum)
 
 
 def stop_children(grace: float = 2.0, join_s: float = 5.0) -> None:

@@ -174,6 +174,20 @@ def test_signal_during_a_torchrun_doctor(tmp_path: Path, sig: signal.Signals) ->
     assert not (tmp_path / "report").exists()
 
 
+def test_sigterm_during_a_rank_s_kernel_build(tmp_path: Path) -> None:
+    """The ranks of `--nproc` start the fused kernels' build (a child in a session of its
+    own, out of the rank's process group): a SIGTERM to the command stops it too."""
+    factory = tmp_path / "kernel_factory.py"
+    factory.write_text(KERNEL_BUILD)
+    run = Run(tmp_path, ["doctor", f"{factory}:build", "-i", "4x3x32x32", "--nproc", "2",
+                         "--fast", "--out", str(tmp_path / "report")])
+    run.wait_for("ranks building kernels", lambda: run.mark_file.exists()
+                 and sum(_is_rank(p) for p in run.ours()) >= 2
+                 and run.children_named("cc1plus", "g++", "torchscope._kernels"))
+    run.signal_and_check(signal.SIGTERM)
+    assert not (tmp_path / "report").exists()
+
+
 def _is_rank(p: psutil.Process) -> bool:
     try:
         line = " ".join(p.cmdline())

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchscope._process import seeded, spawn, stop_all
+from torchscope._process import seeded, spawn, stop_all, stop_and_exit
 from torchscope.distributed.comm import (
     DEFAULT_TIMEOUT_S,
     TIMEOUT_ENV,
@@ -547,6 +547,9 @@ def _rank_main(job_file: str, run: str) -> None:
     skipping interpreter teardown, where torch can abort a process that did all its work
     (a gloo worker thread releasing a finished collective while Python shuts down)."""
     _die_with_parent(int(os.environ["TORCHSCOPE_LAUNCHER"]))
+    # The launcher stops a rank with SIGTERM: its own children go with it (a kernel build
+    # started here runs in a session of its own, out of the rank's process group).
+    signal.signal(signal.SIGTERM, stop_and_exit)
     job: DistributedJob = pickle.loads(Path(job_file).read_bytes())
     os.environ[TIMEOUT_ENV] = str(job.timeout_s)
     rank = int(os.environ["RANK"])
