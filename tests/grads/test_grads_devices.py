@@ -97,3 +97,50 @@ def test_cuda_weight_norms_and_update_ratio() -> None:
                                                 rel=1e-6)
         # Adam's first step moves every element by about the learning rate.
         assert rec.update_norm == pytest.approx(1e-3 * math.sqrt(after.numel()), rel=0.05)
+
+
+def test_the_weight_copy_is_taken_only_where_it_leaves_room() -> None:
+    """`copy_fits`: a sampled step copies the weights (its update ratio) only where the copy
+    takes at most half of what the device has free, the allocator's unused blocks counted.
+    On the CPU every sampled step is copied and measured."""
+    from torchscope.grads.collect import copy_fits
+
+    mib = 1 << 20
+    assert copy_fits(100 * mib, free=200 * mib, cached=0)
+    assert not copy_fits(100 * mib, free=150 * mib, cached=0)
+    assert copy_fits(100 * mib, free=150 * mib, cached=50 * mib)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with watch_gradients(model, optimizer=opt, every=1) as watch:
+        for _ in range(2):
+            opt.zero_grad()
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+    assert watch._collector.snapshot_skipped == 0
+    last = watch.last
+    assert last is not None and all(p.update_ratio is not None for p in last.params)
+
+
+@needs_cuda
+def test_a_weight_copy_that_would_not_fit_on_the_device_is_not_taken() -> None:
+    """With the device nearly full, a sampled step takes no copy of the weights: its update
+    goes unmeasured (update ratios None), the step runs, and the gradients are read."""
+    torch.cuda.empty_cache()
+    model = nn.Linear(4096, 4096).cuda()  # 64 MiB of weights
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(8, 4096, device="cuda")
+    free, _ = torch.cuda.mem_get_info()
+    filler = torch.empty(max(free - (96 << 20), 0), dtype=torch.uint8, device="cuda")
+    torch.cuda.empty_cache()
+    try:
+        with watch_gradients(model, optimizer=opt, every=1) as watch:
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+        assert watch._collector.snapshot_skipped == 1
+        last = watch.last
+        assert last is not None and last.total_norm > 0
+        assert all(p.update_ratio is None for p in last.params)
+    finally:
+        del filler
+        torch.cuda.empty_cache()

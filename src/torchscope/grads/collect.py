@@ -289,6 +289,34 @@ def _host_later(t: torch.Tensor) -> Callable[[], list[float]]:
     return read
 
 
+# A sampled step's copy of the weights (`snapshot_weights`) is taken only where it needs at
+# most this share of what the device has free (the driver's free memory and the blocks
+# torch's allocator holds unused): the optimizer's own step needs room too.
+_SNAPSHOT_SHARE = 0.5
+
+
+def copy_fits(need: int, free: int, cached: int) -> bool:
+    """Whether a copy of `need` bytes leaves the device room: at most `_SNAPSHOT_SHARE` of
+    its `free` bytes plus the `cached` bytes torch's allocator holds unused."""
+    return need <= _SNAPSHOT_SHARE * (free + cached)
+
+
+def _tight_devices(weights: list[torch.Tensor]) -> list[torch.device]:
+    """The CUDA devices where a copy of `weights` would not fit (`copy_fits`): host-side
+    counters only, no sync. The CPU's memory is not checked."""
+    need: dict[torch.device, int] = {}
+    for w in weights:
+        if w.is_cuda:
+            need[w.device] = need.get(w.device, 0) + w.numel() * w.element_size()
+    tight = []
+    for device, n in need.items():
+        free, _ = torch.cuda.mem_get_info(device)
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        if not copy_fits(n, free, cached):
+            tight.append(device)
+    return tight
+
+
 def _stale(grad: torch.Tensor, after: torch.Tensor, before: torch.Tensor
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Of a half-precision parameter's elements with a nonzero gradient, how many an update
@@ -994,6 +1022,8 @@ class GradCollector(HookedContext):
         # watch's), not one per step; `held` is the newest step's (index, HeldRanks).
         self.hold_ranks = False
         self.held: tuple[int, HeldRanks] | None = None
+        # Sampled steps whose weights were not copied: the copy would not fit on the device.
+        self.snapshot_skipped = 0
         self._reset()
 
     # ------------------------------------------------------------------ lifecycle
@@ -1690,6 +1720,9 @@ class GradCollector(HookedContext):
         """Copy every trainable parameter, just before an optimizer update (sampled steps
         only: it costs one more copy of the trainable parameters until `measure_updates`).
         The copies' norms are the step's weight norms (`finish` reuses them): one read.
+        On a CUDA device where the copy would take more than half of the memory free
+        (`copy_fits`), nothing is copied and the step's update is not measured
+        (`snapshot_skipped` counts them; not under FSDP2, whose ranks must all copy).
 
         Under FSDP2 each rank copies its shard of a sharded parameter (`measure_updates`
         joins the shards' updates).
@@ -1704,6 +1737,14 @@ class GradCollector(HookedContext):
         self._before = []
         self._weight_vals = {}
         if not kept:
+            return
+        # Not under FSDP2, whose ranks then join their updates in a collective: every rank
+        # must take its copy (a shard: a fraction of the weights).
+        sharded = self._rank_aware is not None and self._rank_aware.strategy == "fsdp2"
+        if not sharded and _tight_devices([p for _, _, p in kept]):
+            # No copy where it could run the device out of memory in the user's step: this
+            # step's update goes unmeasured (`snapshot_skipped`), the rest of it is read.
+            self.snapshot_skipped += 1
             return
         with torch.no_grad():  # to_local() records no graph
             weights = [local_tensor(p).detach() for _, _, p in kept]

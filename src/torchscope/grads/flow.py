@@ -1356,7 +1356,9 @@ def watch_gradients(
             parameter (`watch.last.params[i].update_ratio`). It copies the trainable
             parameters just before a sampled step's update and frees the copy right after
             it: one more parameter-sized buffer for the duration of `optimizer.step()`, on
-            sampled steps only.
+            sampled steps only. On a CUDA device where that copy would take more than half
+            of the free memory, the step's update is not measured instead (its update
+            ratios read None), so that watching never runs the device out of memory.
 
     Returns:
         A `GradWatch` for a `with` block; its hooks come off at the block's end.
