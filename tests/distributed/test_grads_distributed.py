@@ -18,11 +18,14 @@ def _close(a: float, b: float, rel: float = REL) -> bool:
     return abs(a - b) <= rel * max(abs(a), abs(b))
 
 
-@pytest.mark.parametrize("ddp", [{}, {"gradient_as_bucket_view": True, "static_graph": True}],
-                         ids=["default", "bucket-views"])
+@pytest.mark.parametrize("ddp", [{}, {"find_unused_parameters": True}, {"static_graph": True},
+                                 {"gradient_as_bucket_view": True, "static_graph": True}],
+                         ids=["default", "unused-found", "static-graph", "bucket-views"])
 def test_ddp_local_and_synchronised_norms(tmp_path: Path, ddp: dict[str, bool]) -> None:
-    """With `gradient_as_bucket_view`, `.grad` is DDP's bucket itself, all-reduced in place:
-    the local norm must still be read before that."""
+    """Each local norm is read in its hook, before DDP's: with `gradient_as_bucket_view`
+    `.grad` is DDP's bucket itself, all-reduced in place, and under a static graph it holds
+    another number by the end of backward (measured), so the local norms cannot wait for
+    it. The synchronised norms are torch's, whatever DDP's options."""
     ranks = run_ranks("ddp_grads", tmp_path, **ddp)
     for r, a in enumerate(ranks):
         # Hooks went on the wrapped module: the names of one process, no "module." prefix.
