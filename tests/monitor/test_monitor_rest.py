@@ -121,3 +121,33 @@ def test_the_every_step_check_finds_the_first_nonfinite_element_on_unsampled_ste
     loaded = _kernels.norm_vector(grads)  # the native path ran when this is not None
     if loaded is not None:
         assert not bool(torch.isfinite(loaded).all())  # the NaN is in it
+
+
+def test_memory_is_measured_where_the_input_changes_and_one_sampled_step_in_eight() -> None:
+    """What a forward saves is set by the input's shapes: after the first three sampled
+    steps the memory watch measures where they change and one sampled step in eight, and
+    its hooks are off the submodules at the others. What it measures is what
+    `saved_activations` finds for the same input."""
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(1)
+    rows = [4 if step < 14 else 6 for step in range(24)]  # the batch grows at step 14
+    hooks: list[int] = []  # submodule hooks during each step's forward
+    with torchscope.monitor(model, opt, every=1, out=None) as mon:
+        for n in rows:
+            opt.zero_grad()
+            out = model(torch.randn(n, 8, generator=g))
+            hooks.append(_submodule_hooks(model))
+            out.square().mean().backward()
+            opt.step()
+    run = mon.result
+    assert run is not None and run.samples == 24
+    measured = [step for step, b in enumerate(run.saved_bytes) if b is not None]
+    assert measured == [0, 1, 2, 10, 14, 22]
+    for step in measured:
+        want = torchscope.memory.saved_activations(
+            _net(), torch.randn(rows[step], 8), loss_fn="sum").total_bytes
+        assert run.saved_bytes[step] == want
+    assert len({hooks[s] for s in measured}) == 1
+    assert all(hooks[s] < hooks[0] for s in range(24) if s not in measured)
+    assert audit_hooks(model, include_global=False).local_total == 0

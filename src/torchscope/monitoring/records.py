@@ -235,7 +235,8 @@ class RunRecord(Analyzed):
         device_peak: the device's peak allocated memory during each step, in buckets
             (empty where the device does not report it: CPU).
         saved_bytes: per sample, activations the sampled forward saved for backward (None
-            when memory is not watched).
+            where memory was not measured: not watched, or a sampled step between two
+            measured ones; see `monitor`'s `memory`).
         skipped: steps the GradScaler skipped.
         skipped_steps: the newest of them.
         onset: where NaN/Inf first showed.
