@@ -133,11 +133,13 @@ def test_memory_is_measured_where_the_input_changes_and_one_sampled_step_in_eigh
     g = torch.Generator().manual_seed(1)
     rows = [4 if step < 14 else 6 for step in range(24)]  # the batch grows at step 14
     hooks: list[int] = []  # submodule hooks during each step's forward
+    orders: list[list[int]] = []  # model[0]'s forward hooks' and model[2]'s pre-hooks' keys
     with torchscope.monitor(model, opt, every=1, out=None) as mon:
         for n in rows:
             opt.zero_grad()
             out = model(torch.randn(n, 8, generator=g))
             hooks.append(_submodule_hooks(model))
+            orders.append([*model[0]._forward_hooks, *model[2]._forward_pre_hooks])
             out.square().mean().backward()
             opt.step()
     run = mon.result
@@ -150,4 +152,9 @@ def test_memory_is_measured_where_the_input_changes_and_one_sampled_step_in_eigh
         assert run.saved_bytes[step] == want
     assert len({hooks[s] for s in measured}) == 1
     assert all(hooks[s] < hooks[0] for s in range(24) if s not in measured)
+    # Every hook in its place: the same order at each measured step, and the same order
+    # without the memory watch's at the others.
+    assert all(orders[s] == orders[0] for s in measured)
+    assert all(orders[s] == [k for k in orders[0] if k in orders[s]] and orders[s]
+               for s in range(24))
     assert audit_hooks(model, include_global=False).local_total == 0

@@ -330,7 +330,9 @@ class Monitor(HookedContext):
         self._grads.on_check = self._flight.on_grads
         # The watches' hooks on submodules, taken off for the steps that are not sampled
         # (`_rest`): only the model's own hooks and the parameters' stay on every step.
-        self._resting = [w.session for w in (self._acts, self._mem, self._grads)
+        # The memory watch's first: taken off while the others' are on, it keeps its
+        # place among all of theirs, and can come and go alone (`_wake`).
+        self._resting = [w.session for w in (self._mem, self._acts, self._grads)
                          if w is not None]
         if self._profile_steps:
             self._time = TimeWatch(model, optimizer=self._optimizer, steps=self._profile_steps,
@@ -690,18 +692,21 @@ class Monitor(HookedContext):
 
     def _wake(self, *, memory: bool = True) -> None:
         """Put the watches' hooks back on the submodules, the memory watch's only with
-        `memory`. A session restores its hooks' places among the others' as `suspend`
-        found them, so the sessions go back in the reverse order of taking them off, and
-        changing which are on takes them all off first."""
+        `memory`. A session restores its hooks' places among the hooks that were there
+        when `suspend` took them off: the sessions go back in the reverse order, and the
+        memory watch's, taken off first, alone where only it changes."""
         if self._woken == memory:
             return
-        if self._woken is not None:
-            for session in self._resting:
-                session.suspend()
         mem = None if self._mem is None else self._mem.session
-        for session in reversed(self._resting):
-            if memory or session is not mem:
-                session.resume()
+        if self._woken is None:
+            for session in reversed(self._resting):
+                if memory or session is not mem:
+                    session.resume()
+        elif mem is not None:
+            if memory:
+                mem.resume()
+            else:
+                mem.suspend()
         self._woken = memory
 
     def _note_groups(self, *, end: bool = False) -> None:
