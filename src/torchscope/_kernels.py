@@ -34,8 +34,10 @@ How the compiled kernels stay out of the user's way:
   `$XDG_CACHE_HOME/torchscope`, else `~/.cache/torchscope`), keyed by program, dtype,
   device kind, torch version and CPU/GPU capability; loading one takes milliseconds. The
   first request starts the build in the background and returns None meanwhile, so the
-  caller runs its eager path: no step ever waits for a compile. A build left running when
-  the process exits still finishes and fills the cache.
+  caller runs its eager path: no step ever waits for a compile. A build ends with the
+  process that started it, however that ends (a signal, SIGKILL, a crash, a normal exit;
+  on Linux): it leaves no process, lock or partial file, and the next process builds
+  again.
 - **Checked in a child before it is loaded.** A compiled kernel runs native code inside
   the user's process, where a crash would end the training run (seen: every AOTInductor
   package segfaulted on load, in torch's own loader, with torch 2.11 and GCC 13 on a CUDA
@@ -575,8 +577,7 @@ def _checked(path: Path, kind: Literal["native", "aoti"], program: str, dtype: t
         return None
     with contextlib.suppress(OSError):
         return failed.read_text() or "the fused kernel failed its check"
-    cmd = [sys.executable, "-m", "torchscope._kernels", "--check", kind, str(path), program,
-           str(dtype), _device_arg(device)]
+    cmd = _child_cmd("--check", kind, str(path), program, str(dtype), _device_arg(device))
     try:
         done = _process.run(cmd, timeout=_CHECK_TIMEOUT_S, env=_child_env())
     except subprocess.TimeoutExpired:
@@ -711,9 +712,34 @@ def _native_namespace() -> str:
 
 def _compile_native(out: Path, *, march: str = "native", namespace: str | None = None
                     ) -> str | None:
-    """Compile the native library into `out` (through a temporary name); None on success,
-    else the compiler's last line. `march` and `namespace` are for tests: a build for
-    another CPU level, loaded beside this process's own under another operator namespace."""
+    """Compile the native library into `out` in a child process (`_native_child`), which
+    ends with this one and then removes its temporary file and `out`'s lock; None on
+    success, else why not. `march` and `namespace` are for tests: a build for another CPU
+    level, loaded beside this process's own under another operator namespace."""
+    cmd = _child_cmd("--native", str(out), str(_lock_path(out)), march, namespace or "")
+    try:
+        done = _process.run(cmd, timeout=_BUILD_TIMEOUT_S + 60.0, grace=3.0, env=_child_env())
+    except subprocess.TimeoutExpired:
+        return f"building the native kernel ran past {_BUILD_TIMEOUT_S:.0f} s"
+    if done.returncode == 0 and out.exists():
+        return None
+    tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+    return tail if done.returncode == 1 else \
+        f"building the native kernel failed (exit {done.returncode}): {tail}"
+
+
+def _native_child(out: str, march: str, namespace: str) -> int:
+    """The child process of `_compile_native`: compile, say why not on stderr (exit 1)."""
+    error = _compile_native_here(Path(out), march=march, namespace=namespace or None)
+    if error is not None:
+        print(error, file=sys.stderr)
+        return 1
+    return 0
+
+
+def _compile_native_here(out: Path, *, march: str, namespace: str | None) -> str | None:
+    """Compile the native library into `out` (through a temporary name), in this process's
+    child g++; None on success, else the compiler's last line."""
     torch_dir = Path(torch.__file__).resolve().parent
     lib = torch_dir / "lib"
     cxx = next((c for c in (os.environ.get("CXX", ""), "g++", "clang++", "c++")
@@ -791,6 +817,18 @@ def _package_path(program: str, dtype: torch.dtype, device: torch.device) -> Pat
     return cache_dir() / name
 
 
+def _lock_path(path: Path) -> Path:
+    return path.with_name(path.name + ".lock")
+
+
+def _child_cmd(mode: str, *args: str) -> list[str]:
+    """A child process of this module (`_main`): `mode`, this process's pid (the child ends
+    with this process, `_process.child_of`), then `args`. Linux signals the child when the
+    *thread* that started it ends: each is started by `_process.run`, whose thread waits
+    for it (the kernel's background thread, `_prepare`)."""
+    return [sys.executable, "-m", "torchscope._kernels", mode, str(os.getpid()), *args]
+
+
 def _child_env(**extra: str) -> dict[str, str]:
     """The environment of a child process of this module: this one's, with torchscope's
     own source on the path."""
@@ -811,14 +849,14 @@ def _build(path: Path, program: str, dtype: torch.dtype, device: torch.device) -
     process's build); None on success, else why not."""
 
     def child(_path: Path) -> str | None:
-        lock = path.with_name(path.name + ".lock")
-        cmd = [sys.executable, "-m", "torchscope._kernels", program, str(dtype),
-               _device_arg(device), str(path), str(lock)]
+        cmd = _child_cmd("--build", str(path), str(_lock_path(path)), program, str(dtype),
+                         _device_arg(device))
         try:
-            # A new session: the build outlives this process if it exits first (the cache
-            # still fills), and a Ctrl-C meant for the user's loop does not reach it. A
-            # signal to the command line stops it (`_process.stop_children`): SIGTERM first,
-            # on which it removes its temporary file and lock.
+            # A new session: a Ctrl-C meant for the user's loop does not reach it. A signal
+            # to the command line stops it (`_process.stop_children`): SIGTERM first, on
+            # which it removes its temporary file and lock. It also ends when this process
+            # does, however (`_process.child_of`): a process that ends before the build is
+            # done leaves nothing, and the next one builds again.
             done = _process.run(cmd, timeout=_BUILD_TIMEOUT_S, grace=3.0,
                                 env=_child_env(TORCHINDUCTOR_COMPILE_THREADS="1"))
         except subprocess.TimeoutExpired:
@@ -835,14 +873,16 @@ def _with_build_lock(path: Path, build: Callable[[Path], str | None]) -> str | N
     """Run `build(path)` holding `path`'s lock file, or wait for the process that holds it;
     None on success, else why not. `build` is done with the lock when it returns."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    lock = path.with_name(path.name + ".lock")
+    lock = _lock_path(path)
     deadline = time.monotonic() + _BUILD_TIMEOUT_S
     while True:
         try:
             fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
             os.close(fd)
             if path.exists():  # another process finished it before its lock went away
-                lock.unlink()
+                # A lock may go from under us: a build's child and its parent both remove it.
+                with contextlib.suppress(FileNotFoundError):
+                    lock.unlink()
                 return None
             break
         except FileExistsError:
@@ -863,35 +903,30 @@ def _with_build_lock(path: Path, build: Callable[[Path], str | None]) -> str | N
             lock.unlink()
 
 
-def _build_child(program: str, dtype_name: str, device_name: str, out: str, lock: str) -> None:
-    """The child process: export `program` with a dynamic length and compile it with
-    AOTInductor into `out` (written under a temporary name, then moved into place)."""
+def _build_child(out: str, program: str, dtype_name: str, device_name: str) -> None:
+    """The child process of `_build`: export `program` with a dynamic length and compile it
+    with AOTInductor into `out` (written under a temporary name, then moved into place).
+    Stopped (SIGTERM, or its parent's death: `_process.child_of`), it leaves through the
+    `finally` below, which removes the temporary package (`_main` removes the lock)."""
     with contextlib.suppress(OSError, AttributeError):
         os.nice(10)  # a background build: the user's training runs first
-    # Stopped with SIGTERM (a signal to the command line that started it): leave through
-    # the `finally`s below, which remove the temporary package and the lock.
-    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
+    dtype = getattr(torch, dtype_name.removeprefix("torch."))
+    device = torch.device(device_name)
+    # Inductor sizes its loops by the example: a large one makes it split the reduction
+    # across threads (their number read at run time, as torch.set_num_threads sets it).
+    example = torch.randn(1 << 22, device=device).to(dtype)  # (4M,)
+    n = torch.export.Dim("n", min=2, max=_MAX_NUMEL)
+    exported = torch.export.export(_MODULES[program](), (example,),
+                                   dynamic_shapes=({0: n},), strict=False)
+    fd, tmp = tempfile.mkstemp(suffix=".pt2", dir=os.path.dirname(out))
+    os.close(fd)
     try:
-        dtype = getattr(torch, dtype_name.removeprefix("torch."))
-        device = torch.device(device_name)
-        # Inductor sizes its loops by the example: a large one makes it split the reduction
-        # across threads (their number read at run time, as torch.set_num_threads sets it).
-        example = torch.randn(1 << 22, device=device).to(dtype)  # (4M,)
-        n = torch.export.Dim("n", min=2, max=_MAX_NUMEL)
-        exported = torch.export.export(_MODULES[program](), (example,),
-                                       dynamic_shapes=({0: n},), strict=False)
-        fd, tmp = tempfile.mkstemp(suffix=".pt2", dir=os.path.dirname(out))
-        os.close(fd)
-        try:
-            torch._inductor.aoti_compile_and_package(
-                exported, package_path=tmp, inductor_configs={"cpp.dynamic_threads": True})
-            os.replace(tmp, out)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
+        torch._inductor.aoti_compile_and_package(
+            exported, package_path=tmp, inductor_configs={"cpp.dynamic_threads": True})
+        os.replace(tmp, out)
     finally:
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(lock)
+            os.unlink(tmp)
 
 
 # ---------------------------------------------------------------------------- control
@@ -975,10 +1010,24 @@ def _check_child(kind: str, path: str, program: str, dtype_name: str, device_nam
     return 0
 
 
-def _main(argv: list[str]) -> Any:
-    if argv[:1] == ["--check"]:
-        sys.exit(_check_child(*argv[1:]))
-    _build_child(*argv)
+def _main(argv: list[str]) -> None:
+    """A child process of this module (`_child_cmd`): MODE PARENT_PID ARGS..."""
+    mode, parent, *args = argv
+    if mode == "--check":  # it writes nothing: SIGTERM's default action is the right end
+        _process.die_with_parent(int(parent))
+        sys.exit(_check_child(*args))
+    # A build (OUT LOCK ARGS...): it ends with the process that started it, and removes
+    # what it was writing (its own `finally`s) and the lock the parent took for it, however
+    # it ends (the parent may be gone before the child could ask to be told of it).
+    out, lock, *rest = args
+    try:
+        with _process.child_of(int(parent)):
+            if mode == "--native":
+                sys.exit(_native_child(out, *rest))
+            _build_child(out, *rest)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(lock)
 
 
 if __name__ == "__main__":

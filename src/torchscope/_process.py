@@ -8,7 +8,8 @@ that after it returns (or raises) the environment and the caller's random stream
 they were.
 
 And the child processes torchscope starts (`spawn`, `run`, `stop`): each in a process group
-of its own, so that stopping one stops whatever it started (g++ under a compile included).
+of its own, so that stopping one stops whatever it started (g++ under a compile included);
+`child_of`, in such a child, ends it with the process that started it, however that ends.
 `interruptible`, around the command line, turns SIGINT and SIGTERM
 into `Interrupted` and stops every child still running; the signal handlers it replaced
 are back when it exits.
@@ -20,6 +21,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -29,6 +31,8 @@ from typing import Any
 
 __all__ = [
     "Interrupted",
+    "child_of",
+    "die_with_parent",
     "interrupted",
     "interruptible",
     "kept_environment",
@@ -130,7 +134,7 @@ class _Children:
     """Every child process started through `spawn` that has not been waited for, and the
     thread that started it; `closing` refuses new ones while `stop_children` runs.
     `spawning` is set while the main thread starts a child and registers it: a signal
-    that comes then is kept in `deferred` and raised once the child is registered."""
+    that comes then is kept in `deferred` and raised again once the child is registered."""
 
     lock: threading.Lock = field(default_factory=threading.Lock)
     live: dict[int, tuple[subprocess.Popen[Any], threading.Thread]] = field(default_factory=dict)
@@ -149,9 +153,9 @@ def spawn(cmd: Sequence[str], **kwargs: Any) -> subprocess.Popen[Any]:
     and whatever it started. A new session also keeps a terminal's Ctrl-C, meant for the
     user's loop, from reaching it: torchscope stops it itself.
 
-    A signal that `interruptible` turns into `Interrupted` and that comes while the child
-    starts is raised once the child is registered: raised inside `Popen`, or between it and
-    the registry, it would leave a child that nothing stops.
+    A signal that comes while the main thread starts the child, to `interruptible`'s
+    handler or `stop_and_exit`, is handled once the child is registered: raised inside
+    `Popen`, or between it and the registry, it would leave a child that nothing stops.
 
     Raises:
         ChildProcessError: `stop_children` is stopping every child (a signal came).
@@ -175,8 +179,9 @@ def spawn(cmd: Sequence[str], **kwargs: Any) -> subprocess.Popen[Any]:
     finally:  # also when Popen failed: the signal still came
         if main and _CHILDREN.deferred is not None:
             signum, _CHILDREN.deferred = _CHILDREN.deferred, None
-            if _CHILDREN.signum is None:
-                raise note_signal(signum)
+            # Its handler again (`interruptible`'s raises, `stop_and_exit` stops the
+            # children, this one included, and exits), now that the child is registered.
+            signal.raise_signal(signum)
     return proc
 
 
@@ -251,14 +256,65 @@ def run(cmd: Sequence[str], *, timeout: float, grace: float | None = None,
     return subprocess.CompletedProcess(list(cmd), proc.returncode, out, err)
 
 
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def die_with_parent(parent: int, sig: int = signal.SIGTERM) -> None:
+    """For a child process, as the first thing it does: `sig` comes to it when `parent` (the
+    process that started it, whose pid it was given) dies, whatever ends it: SIGKILL, a
+    crash, `os._exit` or a normal exit. If `parent` died before this call (this process is
+    another's child by now), `sig` is raised here at once. Install the handler of `sig`
+    first: it runs for both.
+
+    Linux only (`prctl(PR_SET_PDEATHSIG)`); elsewhere only a parent already gone is seen.
+    Linux sends `sig` when the *thread* that started this process ends: start it from the
+    main thread, or from a thread that waits for it (as `run` does), never from a thread
+    that may end first.
+    """
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(Exception):  # no libc to call: no guarantee, as elsewhere
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig))
+    if os.getppid() != parent:
+        signal.raise_signal(sig)
+
+
+@contextlib.contextmanager
+def child_of(parent: int) -> Iterator[None]:
+    """The body of a child process that `spawn` started (the leader of a process group of
+    its own) and that must not outlive `parent`, the process that started it: inside,
+    SIGTERM and SIGINT raise `Interrupted` (`interruptible`: a `finally` on the way out
+    removes what the child was writing), and so does `parent`'s death however it comes
+    (`die_with_parent`; Linux only). After such a signal every other process of the group
+    (a compiler the child ran) gets SIGTERM, and the child exits with 128 + the signal.
+
+    Raises:
+        SystemExit: 128 + the signal, after one.
+    """
+    try:
+        with interruptible():
+            die_with_parent(parent)
+            yield
+    except Interrupted as exc:
+        if os.getpgrp() == os.getpid():  # never signal a group this process does not lead
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(os.getpid(), signal.SIGTERM)
+        raise SystemExit(128 + exc.signum) from None
+
+
 def stop_and_exit(signum: int, _frame: FrameType | None) -> None:
     """A SIGTERM handler for a worker process that its parent stops with SIGTERM, then
     SIGKILL after a grace period (the doctor's ranks): every child process it started is
     stopped (`stop_children`, within about 2 s; a background kernel build runs in a session
     of its own and would outlive it), then it leaves at once with 128 + the signal
     (`os._exit`). A signal that comes while the main thread is starting a child (it holds
-    the registry) is left to the parent's SIGKILL."""
+    the registry) is handled by `spawn` once that child is registered (it was dropped, and
+    the child outlived the parent's SIGKILL)."""
     if _CHILDREN.spawning:
+        if _CHILDREN.deferred is None:
+            _CHILDREN.deferred = signum
         return
     stop_children(grace=1.0, join_s=1.0)
     os._exit(128 + signum)

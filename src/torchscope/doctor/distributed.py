@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchscope._process import seeded, spawn, stop_all, stop_and_exit
+from torchscope._process import die_with_parent, seeded, spawn, stop_all, stop_and_exit
 from torchscope.distributed.comm import (
     DEFAULT_TIMEOUT_S,
     TIMEOUT_ENV,
@@ -763,13 +763,9 @@ def _rank_env(rank: int, nproc: int) -> dict[str, str]:
 
 def _die_with_parent(parent: int) -> None:
     """Linux: this rank is killed when the launcher (`parent`) dies, even by SIGKILL, so
-    that no rank outlives it; elsewhere, nothing."""
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent:  # the launcher died before the line above
-        os._exit(1)
+    that no rank outlives it (`_process.die_with_parent`); elsewhere, only a launcher
+    already gone is seen."""
+    die_with_parent(parent, signal.SIGKILL)
 
 
 def _stop(procs: list[subprocess.Popen[bytes]], grace: float = 3.0) -> set[int]:
