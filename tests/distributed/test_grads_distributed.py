@@ -280,6 +280,24 @@ def test_ddp_a_gradient_changed_on_one_rank_after_the_all_reduce_is_a_divergence
         assert "weights differ between the DDP replicas" in f["summary"]
 
 
+def test_ddp_replicas_that_differ_only_in_sign_are_a_divergence(tmp_path: Path) -> None:
+    """F3 where the weight norms cannot tell: a zero-initialised head stepped by -u on one
+    rank and +u on the other (its gradient negated there after the all-reduce, at the
+    block's one step). The step's own weight norms (before the update) and the heads' norms
+    and plain sums after it agree; the weights as the watch ended, joined at its end, name
+    the head on every rank. The same step unchanged is silent."""
+    answers = run_ranks("ddp_head_negated_on_one_rank", tmp_path)
+    for a in answers:
+        assert "raised" not in a, a
+        same, changed = a["False"], a["True"]
+        assert same["diverge"] == [] and not same["torch_differs"]
+        assert changed["torch_differs"] and changed["norms_equal"] and changed["sums_equal"]
+        assert len({tuple(r) for r in changed["weights_before"]}) == 1  # zeros on both
+        (f,) = changed["diverge"]
+        assert f["seen_in"] == "weights" and f["names"] == "4.weight", f
+        assert "at the watch's end" in f["summary"] and "weighted sum" in f["summary"]
+
+
 def test_ddp_rank_skew_names_the_rank_with_the_larger_local_gradient(tmp_path: Path) -> None:
     """Rank 1's inputs 50× larger: its local gradient (before the all-reduce) is more than
     SKEW_RATIO times rank 0's, which grads.rank_skew says on every rank; the same rows

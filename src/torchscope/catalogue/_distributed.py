@@ -31,7 +31,11 @@ ENTRIES: tuple[Entry, ...] = (
                   "two ranks may read norms with kernels that differ at float32's "
                   "rounding): a "
                   "gradient changed on one rank after the all-reduce shows at the next "
-                  "sampled step, once the optimizer has stepped on it.",
+                  "sampled step, once the optimizer has stepped on it. A watch that joins "
+                  "the ranks at its end (DDP) also compares each parameter's norm and "
+                  "position-weighted sum as the watch ended, after the last update: a change "
+                  "at the last step shows, and so does one that keeps the norm (a "
+                  "zero-initialised weight stepped by -u on one rank and +u on another).",
         fix="make every parameter that requires grad take part in every step's loss on "
             "every rank (or pass find_unused_parameters=True to DDP); set requires_grad "
             "before wrapping; change .grad (scale, clip, zero) the same way on every rank.",

@@ -698,6 +698,37 @@ class HeldRanks(NamedTuple):
     join: Callable[[], RankGrads]
 
 
+def _end_fingerprint(params: list[nn.Parameter], device: torch.device) -> torch.Tensor:
+    """Each parameter's norm, then each one's position-weighted sum (`_weighted_sum`), as a
+    (2n,) float64 tensor on `device`; NaN for one that is not a plain strided tensor. Plain
+    torch reductions on every rank, so that equal weights give equal numbers whichever
+    kernels a rank has."""
+    nan = torch.full((), math.nan, dtype=torch.float64, device=device)
+    norms: list[torch.Tensor] = []
+    sums: list[torch.Tensor] = []
+    with torch.no_grad():
+        for p in params:
+            if type(p.data) is not torch.Tensor or p.layout != torch.strided:
+                norms.append(nan)
+                sums.append(nan)
+                continue
+            w = p.detach()
+            norms.append(torch.linalg.vector_norm(w, dtype=torch.float64).to(device))  # ()
+            sums.append(_weighted_sum(w).to(device))  # ()
+        return torch.cat([torch.stack(norms), torch.stack(sums)])
+
+
+def _weighted_sum(w: torch.Tensor) -> torch.Tensor:
+    """sum_i (i + 1) * (the sum of row i), over the rows of `w`'s last dim (a 1-d tensor's
+    elements are its rows), in float64: 0-d. A plain sum cancels where the rows do: a
+    softmax classifier's gradient sums to 0 over its classes, so two replicas of a head
+    stepped by -u and +u would agree on it."""
+    rows = w.reshape(-1, w.shape[-1]).sum(dim=1, dtype=torch.float64) if w.dim() >= 2 \
+        else w.reshape(-1).double()  # (rows,)
+    return torch.dot(rows, torch.arange(1, rows.numel() + 1, dtype=torch.float64,
+                                        device=rows.device))
+
+
 class _RankAware:
     """The rank-aware part of a collector on a DDP or FSDP2 model (see the module docstring).
 
@@ -808,12 +839,25 @@ class _RankAware:
         vector = self._vector(params, local, weights, read, None)
         host = _host_later(vector)
         rank = dist.get_rank()
-        return HeldRanks(
-            own=lambda: self._join([host()], names, inv, False, (rank,))[0],
-            join=lambda: self._join(
-                all_gather_tensor(vector, group=self.group,
-                                  what="the gradient-norm exchange").cpu().tolist(),
-                names, inv, False, self.ranks)[0])
+        n = len(params)
+
+        def join() -> RankGrads:
+            # The weights as they are now, after the last update, join the same exchange:
+            # a change on one rank at the last step, or one that keeps the norm (a
+            # zero-initialised weight stepped by -u on one rank and +u on the other), shows.
+            end = _end_fingerprint(params, vector.device)  # (2n,) float64
+            rows = all_gather_tensor(torch.cat([vector, end]), group=self.group,
+                                     what="the gradient-norm exchange").cpu().tolist()
+            joined = self._join([r[:-2 * n] for r in rows], names, inv, False, self.ranks)[0]
+
+            def block(at: int) -> tuple[tuple[float | None, ...], ...]:
+                return tuple(tuple(None if math.isnan(v) else v
+                                   for v in r[len(r) - 2 * n + at:][:n]) for r in rows)
+
+            return replace(joined, end_norms=block(0), end_sums=block(n))
+
+        return HeldRanks(own=lambda: self._join([host()], names, inv, False, (rank,))[0],
+                         join=join)
 
     def _vector(self, params: list[nn.Parameter], local: list[torch.Tensor | None],
                 weights: list[torch.Tensor | None],

@@ -27,27 +27,43 @@ _RANKS_DIVERGE = entry("grads.ranks_diverge")
 _RANK_SKEW = entry("grads.rank_skew")
 
 
+def _differ(column: list[float | None], rel: float, scale: float = 0.0) -> bool:
+    """Whether the present values differ by more than `rel` of the largest of them (or of
+    `scale`, for a sum whose terms may cancel); NaN/Inf differ where their spelling does."""
+    present = [v for v in column if v is not None]
+    if len(present) < 2:
+        return False
+    if not all(math.isfinite(v) for v in present):
+        return len({repr(v) for v in present}) > 1
+    lo, hi = min(present), max(present)
+    return hi - lo > rel * max(abs(lo), abs(hi), scale, 1e-30)
+
+
 def diverged_weights(ranks: RankGrads, rel: float = WEIGHT_REL) -> tuple[str, ...]:
     """DDP: names of the parameters whose weights differ between the replicas. Each rank's
     weight norms are in every exchange already (read at the step's end, before a watched
     loop's update), so this costs nothing more; a gradient changed on one rank after the
-    all-reduce shows at the next sampled step, once the optimizer has stepped on it."""
+    all-reduce shows at the next sampled step, once the optimizer has stepped on it. Where
+    the ranks were joined at the watch's end, each parameter's norm and weighted sum as it
+    was then (`RankGrads.end_norms`, `end_sums`) show a change at the last step too, and
+    one that keeps the norm."""
     if ranks.strategy != "ddp" or not ranks.weights:
         return ()
     out = []
     for i, name in enumerate(ranks.names):
-        column = [row[i] for row in ranks.weights]
-        present = [v for v in column if v is not None]
-        if len(present) < 2:
-            continue
-        if not all(math.isfinite(v) for v in present):
-            if len({repr(v) for v in present}) > 1:
-                out.append(name)
-            continue
-        lo, hi = min(present), max(present)
-        if hi - lo > rel * max(abs(lo), abs(hi), 1e-30):
+        if _differ([row[i] for row in ranks.weights], rel) or \
+                _end_differ(ranks, i, rel):
             out.append(name)
     return tuple(out)
+
+
+def _end_differ(ranks: RankGrads, i: int, rel: float) -> bool:
+    if not ranks.end_norms:
+        return False
+    norms = [row[i] for row in ranks.end_norms]
+    # A sum's terms may cancel: its rounding is judged against the norm's scale.
+    scale = max((abs(v) for v in norms if v is not None and math.isfinite(v)), default=0.0)
+    return _differ(norms, rel) or _differ([row[i] for row in ranks.end_sums], rel, scale)
 
 
 def _per_rank(ranks: RankGrads, column: tuple[tuple[float | None, ...], ...], i: int) -> str:
@@ -88,10 +104,15 @@ def find_diverged(flow: GradFlow) -> list[Finding]:
             f"parameter(s), first {first} ({_per_rank(ranks, ranks.synced, i)}): each rank "
             "steps its own weights and the replicas drift apart",
             {**evidence, "seen_in": "gradients"}, fix=fix, module=module)]
+    if _differ([row[i] for row in ranks.weights], WEIGHT_REL):
+        seen = f"weight norm {_per_rank(ranks, ranks.weights, i)}"
+    else:  # only as the watch ended: after the last update, or in the weighted sums
+        seen = (f"at the watch's end, weight norm {_per_rank(ranks, ranks.end_norms, i)}; "
+                f"weighted sum {_per_rank(ranks, ranks.end_sums, i)}")
     return [_RANKS_DIVERGE.finding(
         Severity.ERROR,
         f"the weights differ between the DDP replicas for {len(weights)} parameter(s), "
-        f"first {first} (weight norm {_per_rank(ranks, ranks.weights, i)}) though their "
+        f"first {first} ({seen}) though their "
         "synchronised gradients agree: an earlier update differed between ranks, as when "
         ".grad is changed on one rank after the all-reduce, and the replicas have drifted "
         "apart",

@@ -356,6 +356,12 @@ class RankGrads:
             DTensor parameters); empty for parameters held whole.
         weights: `[row][param]` norm of the parameter the rank holds (its shard under
             FSDP2), for relative gradients `‖g‖/‖w‖` of the whole parameter.
+        end_norms: DDP, where the ranks were joined at the watch's end: `[row][param]` the
+            parameter's norm as the rank held it then, after the last update (float64
+            sums); None for one that is not a plain tensor. Empty elsewhere.
+        end_sums: the same parameters' position-weighted sums (float64, the sum of each
+            row of the last dim times its position from 1): with `end_norms`, two numbers
+            that replicas that stayed equal agree on.
     """
 
     strategy: str
@@ -367,6 +373,8 @@ class RankGrads:
     fingerprints: tuple[tuple[float | None, ...], ...]
     shard_rows: tuple[tuple[int, ...], ...]
     weights: tuple[tuple[float | None, ...], ...] = ()
+    end_norms: tuple[tuple[float | None, ...], ...] = ()
+    end_sums: tuple[tuple[float | None, ...], ...] = ()
 
     @property
     def row(self) -> int:
