@@ -18,11 +18,15 @@ def _rounds(names: list[str], repeats: int) -> list[list[str]]:
 
 
 def interleaved_samples(
-    runs: Mapping[str, Callable[[], object]], *, repeats: int = 15, warmup: int = 3
+    runs: Mapping[str, Callable[[], object]], *, repeats: int = 15, warmup: int = 3,
+    self_timed: bool = False,
 ) -> dict[str, list[tuple[float, float]]]:
     """Per function: its (wall, process CPU) seconds in each round, timed round-robin (each
     round's order rotated by one) after `warmup` untimed calls of each; the samples that
-    `interleaved_paired` sums up, for a figure of its own per round."""
+    `interleaved_paired` sums up, for a figure of its own per round.
+
+    `self_timed`: each function returns its own (wall, CPU) seconds, for work whose timed
+    part lies inside it (a Lightning fit timed from `on_train_start` to `on_train_end`)."""
     for fn in runs.values():
         for _ in range(warmup):
             fn()
@@ -30,9 +34,24 @@ def interleaved_samples(
     for order in _rounds(list(runs), repeats):
         for name in order:
             t0, c0 = time.perf_counter(), time.process_time()
-            runs[name]()
-            samples[name].append((time.perf_counter() - t0, time.process_time() - c0))
+            got = runs[name]()
+            if self_timed:
+                assert isinstance(got, tuple)
+                wall, cpu = got
+                samples[name].append((float(wall), float(cpu)))
+            else:
+                samples[name].append((time.perf_counter() - t0, time.process_time() - c0))
     return samples
+
+
+def ratios(samples: Mapping[str, list[tuple[float, float]]]
+           ) -> dict[str, tuple[Interval, Interval]]:
+    """Per function: its per-round ratio to the first function (the baseline), by wall and
+    by process CPU time, each as its median with a 95 % interval."""
+    base = samples[next(iter(samples))]
+    return {name: (median_interval([w / b for (w, _), (b, _) in zip(s, base, strict=True)]),
+                   median_interval([c / b for (_, c), (_, b) in zip(s, base, strict=True)]))
+            for name, s in samples.items()}
 
 
 def interleaved_paired(
@@ -58,10 +77,9 @@ def paired(samples: Mapping[str, list[tuple[float, float]]]
            ) -> dict[str, tuple[tuple[float, float, float], Interval]]:
     """`interleaved_paired` of samples already taken (`interleaved_samples`); the first
     function is the baseline."""
-    base = samples[next(iter(samples))]
+    walls = ratios(samples)
     return {name: ((statistics.median(w for w, _ in s), statistics.median(c for _, c in s),
-                    min(w for w, _ in s)),
-                   median_interval([w / b for (w, _), (b, _) in zip(s, base, strict=True)]))
+                    min(w for w, _ in s)), walls[name][0])
             for name, s in samples.items()}
 
 

@@ -19,7 +19,7 @@ real loop is:
 
 Printed per variant: the median wall and CPU time per step, and the paired ratios to the
 bare variant of its group in the same round: the median of the per-round ratios with its
-95 % order-statistic interval (`torchscope._timing.median_interval`), by wall time and by
+95 % order-statistic interval (`_timing.ratios`), by wall time and by
 the process's CPU time (less hit by other jobs on a shared machine: with one thread, the
 step's own work). Goals (issue 45): every=10 at most 1.03x in both; every=1000 (steps not
 sampled) at most 1.01x.
@@ -40,15 +40,20 @@ import argparse
 import contextlib
 import copy
 import statistics
+import sys
 import time
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _timing import interleaved_samples, ratios
+
 import torchscope
-from torchscope._timing import Interval, median_interval
 
 
 def _gpt2(layers: int, hidden: int, seq: int) -> torch.nn.Module:
@@ -131,43 +136,13 @@ def _lightning(base: torch.nn.Module, ids: torch.Tensor, block: int, every: int 
     return run
 
 
-def _paired(samples: dict[str, list[tuple[float, float]]], base: str
-            ) -> dict[str, tuple[Interval, Interval]]:
-    """Per variant: the per-round ratio to `base`, by wall and by CPU, as median intervals."""
-    b = samples[base]
-    return {name: (median_interval([w / bw for (w, _), (bw, _) in zip(s, b, strict=True)]),
-                   median_interval([c / bc for (_, c), (_, bc) in zip(s, b, strict=True)]))
-            for name, s in samples.items()}
-
-
-def _rounds(runs: dict[str, Callable[[], tuple[float, float]]], rounds: int
-            ) -> dict[str, list[tuple[float, float]]]:
-    names = list(runs)
-    for name in names:  # warm up every path (and sample once)
-        runs[name]()
-    out: dict[str, list[tuple[float, float]]] = {n: [] for n in names}
-    for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            out[name].append(runs[name]())
-    return out
-
-
-def _timed(fn: Callable[[], None]) -> Callable[[], tuple[float, float]]:
-    def run() -> tuple[float, float]:
-        t0, c0 = time.perf_counter(), time.process_time()
-        fn()
-        return time.perf_counter() - t0, time.process_time() - c0
-
-    return run
-
-
 def _print(title: str, samples: dict[str, list[tuple[float, float]]], block: int) -> None:
     print(title)
-    ratios = _paired(samples, "bare")
+    paired = ratios(samples)  # the first variant, "bare", is the baseline
     for name, s in samples.items():
         wall = statistics.median(w for w, _ in s) / block * 1e3
         cpu = statistics.median(c for _, c in s) / block * 1e3
-        rw, rc = ratios[name]
+        rw, rc = paired[name]
         print(f"  {name:11s} {wall:7.2f} ms/step wall {cpu:7.2f} ms CPU   "
               f"wall {rw.median:.3f}x [{rw.low:.3f}-{rw.high:.3f}]   "
               f"CPU {rc.median:.3f}x [{rc.low:.3f}-{rc.high:.3f}]")
@@ -191,13 +166,14 @@ def main() -> None:
           f"AdamW, CPU, {args.threads} thread(s), {args.rounds} interleaved rounds of "
           f"{args.block} steps")
     variants = {"bare": None, "every=10": 10, "every=1000": 1000}
-    runs: dict[str, Callable[[], tuple[float, float]]] = {}
+    runs: dict[str, Callable[[], None]] = {}
     with contextlib.ExitStack() as stack:
         for name, every in variants.items():
             fn, watch = _plain(base, ids, args.block, every)
             stack.enter_context(watch)
-            runs[name] = _timed(fn)
-        _print("plain loop", _rounds(runs, args.rounds), args.block)
+            runs[name] = fn
+        _print("plain loop", interleaved_samples(runs, repeats=args.rounds, warmup=1),
+               args.block)
     if args.no_lightning:
         return
     made = {name: _lightning(base, ids, args.block, every) for name, every in variants.items()}
@@ -205,7 +181,8 @@ def main() -> None:
         print("Lightning: not installed")
         return
     lightning = {name: fn for name, fn in made.items() if fn is not None}
-    _print("Lightning", _rounds(lightning, args.rounds), args.block)
+    _print("Lightning", interleaved_samples(lightning, repeats=args.rounds, warmup=1,
+                                            self_timed=True), args.block)
 
 
 if __name__ == "__main__":
