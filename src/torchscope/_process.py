@@ -297,7 +297,8 @@ def child_of(parent: int) -> Iterator[None]:
             die_with_parent(parent)
             yield
     except Interrupted as exc:
-        if os.getpgrp() == os.getpid():  # never signal a group this process does not lead
+        # Never signal a group this process does not lead (nor where there are none).
+        if hasattr(os, "killpg") and os.getpgrp() == os.getpid():
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(os.getpid(), signal.SIGTERM)

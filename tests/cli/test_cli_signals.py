@@ -220,3 +220,51 @@ def test_stop_ends_the_whole_group(tmp_path: Path) -> None:
     assert proc.returncode == -signal.SIGTERM
     psutil.wait_procs(grandchildren, timeout=5)
     assert not any(g.is_running() and g.status() != psutil.STATUS_ZOMBIE for g in grandchildren)
+
+
+def test_a_rank_killed_during_its_kernel_build_leaves_no_build(tmp_path: Path) -> None:
+    """SIGKILL to one rank of `--nproc 2` while the ranks build the kernels (as a launcher
+    does after its grace period): that rank's build, in a session of its own, never heard
+    of it and ran on, leaving its lock and temporary file. It now ends with its rank; the
+    doctor names the dead rank and stops the other, and nothing is left."""
+    factory = tmp_path / "kernel_factory.py"
+    factory.write_text(KERNEL_BUILD)
+    run = Run(tmp_path, ["doctor", f"{factory}:build", "-i", "4x3x32x32", "--nproc", "2",
+                         "--fast", "--out", str(tmp_path / "report")])
+
+    def building_rank() -> psutil.Process | None:
+        for p in run.ours():
+            if not _is_rank(p):
+                continue
+            try:
+                under = [" ".join(c.cmdline()) for c in p.children(recursive=True)]
+            except psutil.Error:
+                continue
+            if any("g++" in line or "cc1plus" in line for line in under):
+                return p
+        return None
+
+    found: list[psutil.Process] = []
+
+    def building() -> bool:
+        rank = building_rank()
+        found.extend([rank] if rank is not None else [])
+        return run.mark_file.exists() and rank is not None
+
+    run.wait_for("a rank running g++", building)
+    found[-1].kill()
+    try:
+        _, err = run.proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        run.proc.kill()
+        pytest.fail("the doctor still ran 120 s after a rank was killed")
+    assert run.proc.returncode == 2, err
+    assert "died" in err and "SIGKILL" in err, err
+    deadline = time.monotonic() + 30  # a build stopped a moment ago may still be exiting
+    while (left := run.ours()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, [" ".join(p.cmdline()) for p in left]
+    leftovers = [p.name for p in run.cache.rglob("*")
+                 if p.name.endswith(".lock") or p.name.startswith("tmp")]
+    assert leftovers == []
+    assert not (tmp_path / "report").exists()
