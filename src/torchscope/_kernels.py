@@ -332,13 +332,19 @@ def norm_vector(xs: list[torch.Tensor], *, known_fit: bool = False) -> torch.Ten
     of them, such as a finiteness check at every step). None as for `copy_norms`.
 
     `known_fit`: the caller got a result for the same tensors' predecessors (the same
-    parameters' gradients at an earlier step); only what a tensor's own attributes tell
-    is checked again (float32, CPU, contiguous), with the dispatch state."""
+    parameters' gradients at an earlier step); only the dispatch state and the tensors'
+    types are checked here (a set of types, built in C), and what their attributes tell
+    (float32, CPU, contiguous, which may change from step to step) by the kernel itself, in
+    C++: a Python check of each tensor's cost about as much as the kernel's read of a tiny
+    model's gradients inside a step."""
     if known_fit:
         if not _Switch.enabled or _Native.ops is None or not xs or _unfit_now(xs[0]) or \
-                not _native_takes(xs):
+                set(map(type, xs)) != {_TENSOR}:
             return None
-        fast: torch.Tensor = _native_op("norms")(xs)  # (n,) float64
+        try:
+            fast: torch.Tensor = _native_op("norms")(xs)  # (n,) float64
+        except RuntimeError:  # a tensor its check refuses (a sparse or strided gradient)
+            return None
         return fast
     if not _native_list(xs):
         return None
@@ -410,9 +416,9 @@ def _unfit_tensor(t: torch.Tensor, least: int = 0) -> str | None:
 
 def _native_takes(xs: list[torch.Tensor]) -> bool:
     """Whether the native list ops take every tensor of `xs` by its type, dtype, device and
-    layout (plain float32 on the CPU, contiguous): what may differ between one step's
-    gradient of a parameter and the next (`norm_vector(known_fit=True)` checks only this
-    and `_unfit_now`). One generator over the list: a call per tensor would cost more."""
+    layout (plain float32 on the CPU, contiguous), as the kernel's own check does in C++
+    (`norm_vector(known_fit=True)` leaves it to that one). One generator over the list: a
+    call per tensor would cost more."""
     return all(type(x) is _TENSOR and x.dtype == _FLOAT32 and x.is_cpu and x.is_contiguous()
                for x in xs)
 

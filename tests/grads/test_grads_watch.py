@@ -726,6 +726,36 @@ def test_check_nonfinite_counts_exactly_over_many_steps_read_midway() -> None:
     assert watch.first_nonfinite_step == 70 and watch.nonfinite_steps == len(bad)
 
 
+def test_check_nonfinite_with_a_sparse_gradient_in_place_of_a_dense_one(
+        reduction_path: str) -> None:
+    """Steps that alternate between four dense gradients and three dense plus a sparse one
+    (an `nn.Embedding(sparse=True)`): the second kind reaches the check with as many
+    gradients as the first, the native kernel refuses the sparse one, and the check falls
+    back. The bad step is found as a check of each step alone finds it."""
+    torch.manual_seed(0)
+    a, b = nn.Linear(4, 4), nn.Linear(4, 2)
+    c, e = nn.Linear(4, 4, bias=False), nn.Embedding(10, 4, sparse=True)
+    model = nn.ModuleDict({"a": a, "b": b, "c": c, "e": e})
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x, ids = torch.randn(4, 4), torch.tensor([1, 2, 3, 4])
+    with watch_gradients(model, every=1000, optimizer=opt, check_nonfinite=True) as watch:
+        for i in range(12):
+            opt.zero_grad()
+            out = b(a(x)) if i % 2 == 0 else b(c(e(ids)))
+            (out.sum() * (math.inf if i == 7 else 1.0)).backward()
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            assert len(grads) == 4 and any(g.is_sparse for g in grads) == (i % 2 == 1)
+            kept = [p.detach().clone() for p in model.parameters()]
+            opt.step()
+            with torch.no_grad():  # an Inf update's NaN weights would make every step bad
+                for p, w in zip(model.parameters(), kept, strict=True):
+                    p.copy_(w)
+    assert watch.first_nonfinite_step == 7 and watch.nonfinite_steps == 1
+    # The fused path checked every step natively: a step with the sparse gradient met the
+    # call for four, was refused, and its three dense ones were checked (the last step).
+    assert watch._native_fit == (3 if reduction_path == "fused" else 0)
+
+
 @pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
 def test_check_nonfinite_takes_gradients_that_require_grad() -> None:
     # backward(create_graph=True) leaves `.grad` requiring grad: the check still runs.

@@ -1426,7 +1426,8 @@ class GradCollector(HookedContext):
 
     def _make_param_hook(self, index: int) -> Callable[[torch.Tensor], None]:
         def hook(p: torch.Tensor) -> None:
-            self._queue_end()
+            if not self._bw_queued:  # inline: every parameter runs this at every backward
+                self._queue_end()
             self._bw_updates = True
             if self.active and p.grad is not None:
                 if self._rank_aware is not None:

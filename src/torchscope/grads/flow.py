@@ -895,21 +895,27 @@ class GradWatch(HookedContext, Analyzed):
         if len(old) < len(self._evidence_params):  # the first look
             old = [*old, *[None] * (len(self._evidence_params) - len(old))]
         # Runs twice a step over up to `_EVIDENCE` parameters: a plain gradient's counter
-        # read inline, and its weak reference kept while it is the same tensor.
+        # read inline, and its weak reference kept while it is the same tensor (names
+        # bound to locals: this loop is most of what a step that is not sampled costs).
+        plain, ref_of, add = torch.Tensor, weakref.ref, now.append
         for p, before in zip(self._evidence_params, old, strict=False):
             g = p.grad
             if g is None:
-                replaced = replaced or before is not None
-                now.append(None)
+                if before is not None:
+                    replaced = True
+                add(None)
                 continue
-            loop, shard = (g._version, None) if type(g) is torch.Tensor else _versions(g)
+            if type(g) is plain:
+                loop, shard = g._version, None
+            else:
+                loop, shard = _versions(g)
             if before is None:
-                now.append((weakref.ref(g), loop, shard))
+                add((ref_of(g), loop, shard))
                 continue
             ref, version, shard_version = before
             if g is not ref():
                 replaced = True
-                ref = weakref.ref(g)
+                ref = ref_of(g)
             elif shard_version is not None:  # DTensor
                 if loop > version:
                     zeroed = True
@@ -919,7 +925,7 @@ class GradWatch(HookedContext, Analyzed):
                 zeroed = True
             elif loop == version + 1:
                 accumulated = True
-            now.append((ref, loop, shard))
+            add((ref, loop, shard))
         self._evidence = now
         return replaced, zeroed, accumulated
 
@@ -975,19 +981,21 @@ class GradWatch(HookedContext, Analyzed):
         ReLU MLP's finite 6e31 elements read as Inf in a float32 L2 norm; elsewhere the
         infinity norm), and their largest into a ring that `_reduce_checks` reads every
         `_CHECK_RING` checks: two ops on the device a step."""
-        grads = [g for p in self._params if (g := p.grad) is not None and not g.is_sparse]
-        if not grads:
-            return
-        if self._native_fit == len(grads):
+        grads = [g for p in self._params if (g := p.grad) is not None]
+        if self._native_fit and self._native_fit == len(grads):
             # The same parameters' gradients as the last check took: one native call over
-            # the list, only their own attributes checked again (all plain float32 on the
-            # CPU, so one device). `_foreach_norm` on the CPU runs one norm per tensor.
+            # the list, which checks their own attributes itself (all plain float32 on the
+            # CPU, so one device; a sparse one it refuses). `_foreach_norm` on the CPU runs
+            # one norm per tensor.
             vector = _kernels.norm_vector(grads, known_fit=True)  # (n,) float64, or None
             if vector is not None:
                 if self.on_check is not None:
                     self.on_check(self.steps, vector)
                 self._note_check([vector])
                 return
+        grads = [g for g in grads if not g.is_sparse]
+        if not grads:
+            return
         by_device: dict[torch.device, list[torch.Tensor]] = {}
         for grad in grads:
             g = grad if type(grad) is torch.Tensor else local_tensor(grad)  # FSDP2: the shard
