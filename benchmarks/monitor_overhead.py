@@ -26,6 +26,12 @@ sampled) at most 1.01x.
 
     PYTHONPATH=src python benchmarks/monitor_overhead.py [--rounds 15] [--block 50]
         [--layers 2] [--hidden 64] [--batch 8] [--seq 64] [--threads 1] [--no-lightning]
+        [--chunk 1]
+
+With `--block 1 --chunk 10` the plain loop's variants alternate step by step (each round's
+order rotated), and each sample sums ten rounds: one sampled step of every=10 and nine
+that are not. A block of steps keeps one model's memory warm and a slow spell of the
+machine moves whole blocks, so its intervals are wide; single steps pair more closely.
 
 Latest figures (2026-12-07, 2-core CPU, load about 1, fa866aa, CPU ratios, median [95 %
 interval]): plain loop every=10 1.081x [1.041-1.136] and 1.077x [1.039-1.097] in two runs,
@@ -136,6 +142,13 @@ def _lightning(base: torch.nn.Module, ids: torch.Tensor, block: int, every: int 
     return run
 
 
+def _chunked(samples: dict[str, list[tuple[float, float]]], k: int
+             ) -> dict[str, list[tuple[float, float]]]:
+    """Each variant's samples summed over consecutive runs of `k` rounds."""
+    return {name: [(sum(w for w, _ in s[i:i + k]), sum(c for _, c in s[i:i + k]))
+                   for i in range(0, len(s) - k + 1, k)] for name, s in samples.items()}
+
+
 def _print(title: str, samples: dict[str, list[tuple[float, float]]], block: int) -> None:
     print(title)
     paired = ratios(samples)  # the first variant, "bare", is the baseline
@@ -158,13 +171,19 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-lightning", action="store_true")
+    ap.add_argument("--chunk", type=int, default=1,
+                    help="rounds summed into one sample of the plain loop: with --block 1, "
+                         "the variants alternate step by step, and --chunk 10 sums ten of "
+                         "those rounds (one sampled step of every=10 in each)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     base = _gpt2(args.layers, args.hidden, args.seq)
     ids = torch.randint(0, 512, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
     print(f"GPT-2 {args.layers} layers x {args.hidden}, batch {args.batch}x{args.seq} tokens, "
           f"AdamW, CPU, {args.threads} thread(s), {args.rounds} interleaved rounds of "
-          f"{args.block} steps")
+          f"{args.block} step(s)" + (f" (plain loop: {args.rounds * args.chunk} rounds, "
+                                      f"summed {args.chunk} at a time)"
+                                      if args.chunk > 1 else ""))
     variants = {"bare": None, "every=10": 10, "every=1000": 1000}
     runs: dict[str, Callable[[], None]] = {}
     with contextlib.ExitStack() as stack:
@@ -172,9 +191,10 @@ def main() -> None:
             fn, watch = _plain(base, ids, args.block, every)
             stack.enter_context(watch)
             runs[name] = fn
-        _print("plain loop", interleaved_samples(runs, repeats=args.rounds, warmup=1),
-               args.block)
-    if args.no_lightning:
+        samples = interleaved_samples(runs, repeats=args.rounds * args.chunk, warmup=1)
+        # (rounds * chunk) single samples -> `rounds` summed ones
+        _print("plain loop", _chunked(samples, args.chunk), args.block * args.chunk)
+    if args.no_lightning or args.block == 1:  # a Trainer per block: no single steps
         return
     made = {name: _lightning(base, ids, args.block, every) for name, every in variants.items()}
     if any(fn is None for fn in made.values()):
