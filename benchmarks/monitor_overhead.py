@@ -33,11 +33,13 @@ order rotated), and each sample sums ten rounds: one sampled step of every=10 an
 that are not. A block of steps keeps one model's memory warm and a slow spell of the
 machine moves whole blocks, so its intervals are wide; single steps pair more closely.
 
-Latest figures (2026-12-07, 2-core CPU, load about 1, fa866aa, CPU ratios, median [95 %
-interval]): plain loop every=10 1.081x [1.041-1.136] and 1.077x [1.039-1.097] in two runs,
-every=1000 1.024x [1.007-1.041] and 1.023x [1.009-1.052]; Lightning every=10 1.074x and
-1.085x, every=1000 1.039x and 1.029x (bare steps 12.0-13.4 ms). Goals not met; where the
-cost goes, and earlier figures: docs/benchmarks.md.
+Latest figures (2026-12-07, 2-core CPU, load about 1, CPU ratios, median [95 % interval]),
+with `--block 1 --chunk 10`: 2 x 64, every=10 1.062x [1.060-1.067] and 1.066x
+[1.063-1.069], every=1000 1.026x [1.024-1.028] and 1.027x [1.025-1.029]; 4 x 128, every=10
+1.029x [1.025-1.033] and 1.030x [1.025-1.035], every=1000 1.011x [1.008-1.015] and 1.010x
+[1.004-1.017]. In blocks, Lightning: 2 x 64 every=10 1.075x and 1.088x, every=1000 1.037x and
+1.018x; 4 x 128 every=10 1.045x, every=1000 1.010x. The goals are met at 4 x 128 (medians on
+them), not at 2 x 64; where the cost goes: docs/benchmarks.md.
 """
 
 from __future__ import annotations
