@@ -733,46 +733,43 @@ def ddp_grad_changed_on_one_rank(rank: int, world: int, out: Path,
     return {"diverge": [{"summary": f.summary, **f.evidence} for f in found],
             "held": [flow.ranks is None for flow in flows if flow is not None],
             "steps": [flow.index for flow in flows if flow is not None], "last": last.index,
-            "torch_differs": not all(torch.equal(every[0], w) for w in every[1:])}
+            "torch_differs": not all(torch.equal(every[0], w) for w in every[1:]),
+            "negated": _head_negated_on_one_rank(rank, world, change)}
 
 
-def ddp_head_negated_on_one_rank(rank: int, world: int, out: Path) -> dict[str, Any]:
+def _head_negated_on_one_rank(rank: int, world: int, change: bool) -> dict[str, Any]:
     """watch_gradients over one DDP step of an MLP whose head starts at zero (as a LoRA B
-    matrix does), twice: as it is, then with rank 1 negating the head's gradient after the
-    all-reduce. SGD then leaves -u on rank 0 and +u on rank 1: equal norms, and equal
-    element sums too (a softmax head's gradient sums to 0 over its classes). The sampled
-    step read the weights before the update, zeros on both. torch's own answer: the heads
-    gathered from every rank after the step."""
+    matrix does), rank 1 negating the head's gradient after the all-reduce (`change`). SGD
+    then leaves -u on rank 0 and +u on rank 1: equal norms, and equal element sums too (a
+    softmax head's gradient sums to 0 over its classes). The sampled step read the weights
+    before the update, zeros on both. torch's own answer: the heads gathered from every
+    rank after the step."""
     import torch.distributed as dist
 
-    answers: dict[str, Any] = {}
-    for change in (False, True):
-        net = mlp()
-        with torch.no_grad():
-            net[4].weight.zero_()
-            net[4].bias.zero_()
-        model = DDP(net)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        x, y = batch(rank, world)
-        with torchscope.watch_gradients(model, optimizer=opt, every=1) as watch:
-            opt.zero_grad()
-            functional.cross_entropy(model(x), y).backward()
-            if change and rank == 1:
-                net[4].weight.grad.neg_()
-            opt.step()
-        last = watch.last
-        assert last is not None and last.ranks is not None
-        head = net[4].weight.detach().clone()
-        every = [torch.empty_like(head) for _ in range(world)]
-        dist.all_gather(every, head)
-        answers[str(change)] = {
-            "diverge": [{"summary": f.summary, **f.evidence} for f in last.findings()
+    net = mlp()
+    with torch.no_grad():
+        net[4].weight.zero_()
+        net[4].bias.zero_()
+    model = DDP(net)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = batch(rank, world)
+    with torchscope.watch_gradients(model, optimizer=opt, every=1) as watch:
+        opt.zero_grad()
+        functional.cross_entropy(model(x), y).backward()
+        if change and rank == 1:
+            net[4].weight.grad.neg_()
+        opt.step()
+    last = watch.last
+    assert last is not None and last.ranks is not None
+    head = net[4].weight.detach().clone()
+    every = [torch.empty_like(head) for _ in range(world)]
+    dist.all_gather(every, head)
+    return {"diverge": [{"summary": f.summary, **f.evidence} for f in last.findings()
                         if f.code == "grads.ranks_diverge"],
             "torch_differs": not all(torch.equal(every[0], w) for w in every[1:]),
             "norms_equal": len({torch.linalg.vector_norm(w).item() for w in every}) == 1,
             "sums_equal": all(abs(w.sum().item()) < 1e-6 for w in every),
             "weights_before": [list(r) for r in last.ranks.weights]}
-    return answers
 
 
 def ddp_skew(rank: int, world: int, out: Path) -> dict[str, Any]:

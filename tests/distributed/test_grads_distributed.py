@@ -265,35 +265,29 @@ def test_ddp_a_gradient_changed_on_one_rank_after_the_all_reduce_is_a_divergence
     synchronised gradients agree (read as backward ends), but the replicas' weights differ
     from then on: the last sample's weight norms, joined from every rank in the one exchange
     at the watch's end, say so on every rank, and name the head. The same loop without the
-    change is silent."""
+    change is silent. Then a change that keeps the weight norms (below)."""
     answers = run_ranks("ddp_grad_changed_on_one_rank", tmp_path, change=change)
     for a in answers:
         assert "raised" not in a, a
         assert a["steps"] == [0, 1, 2] and a["last"] == 2
         assert a["held"] == [True, True, True]  # no exchange during the block
         assert a["torch_differs"] is change
+        # Where the weight norms cannot tell (in the same launch): a zero-initialised head
+        # stepped by -u on one rank and +u on the other, its gradient negated there after
+        # the all-reduce at the block's one step. The step's own weight norms (before the
+        # update) and the heads' norms and plain sums after it agree; the weights as the
+        # watch ended, joined at its end, name the head on every rank.
+        b = a["negated"]
+        assert b["torch_differs"] is change
         if not change:
-            assert a["diverge"] == []
+            assert a["diverge"] == [] and b["diverge"] == []
             continue
         (f,) = a["diverge"]
         assert f["seen_in"] == "weights" and f["names"] == "4.weight", f
         assert "weights differ between the DDP replicas" in f["summary"]
-
-
-def test_ddp_replicas_that_differ_only_in_sign_are_a_divergence(tmp_path: Path) -> None:
-    """F3 where the weight norms cannot tell: a zero-initialised head stepped by -u on one
-    rank and +u on the other (its gradient negated there after the all-reduce, at the
-    block's one step). The step's own weight norms (before the update) and the heads' norms
-    and plain sums after it agree; the weights as the watch ended, joined at its end, name
-    the head on every rank. The same step unchanged is silent."""
-    answers = run_ranks("ddp_head_negated_on_one_rank", tmp_path)
-    for a in answers:
-        assert "raised" not in a, a
-        same, changed = a["False"], a["True"]
-        assert same["diverge"] == [] and not same["torch_differs"]
-        assert changed["torch_differs"] and changed["norms_equal"] and changed["sums_equal"]
-        assert len({tuple(r) for r in changed["weights_before"]}) == 1  # zeros on both
-        (f,) = changed["diverge"]
+        assert b["norms_equal"] and b["sums_equal"]
+        assert len({tuple(r) for r in b["weights_before"]}) == 1  # zeros on both
+        (f,) = b["diverge"]
         assert f["seen_in"] == "weights" and f["names"] == "4.weight", f
         assert "at the watch's end" in f["summary"] and "weighted sum" in f["summary"]
 
