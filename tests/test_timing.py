@@ -70,6 +70,9 @@ def test_fmt_ratio_never_states_noise_as_a_figure() -> None:
     assert fmt_ratio(faster) == "0.55× (0.50–0.60)"
     assert fmt_ratio(faster, none="no measurable overhead", above=True) == \
         "no measurable overhead (0.50–0.60×)"
+    # A measurable interval never reads as one that holds 1: a bound near it gets a digit.
+    assert fmt_ratio(Ratio(1.03, 1.002, 1.04, 9, 9, 0.9)) == "1.030× (1.002–1.040)"
+    assert fmt_ratio(Ratio(0.97, 0.95, 0.996, 9, 9, 0.9)) == "0.970× (0.950–0.996)"
 
 
 def test_compare_accepts_intervals() -> None:
