@@ -703,6 +703,16 @@ def test_check_nonfinite_finds_the_first_bad_step_between_samples() -> None:
     assert unchecked.first_nonfinite_step is None and unchecked.nonfinite_steps is None
 
 
+def _step_keeping_weights(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    """`opt.step()`, then every weight put back: an Inf update's NaN weights would make
+    every later step bad, where these tests want only the steps they spoil."""
+    kept = [p.detach().clone() for p in model.parameters()]
+    opt.step()
+    with torch.no_grad():
+        for p, w in zip(model.parameters(), kept, strict=True):
+            p.copy_(w)
+
+
 def test_check_nonfinite_counts_exactly_over_many_steps_read_midway() -> None:
     # The checks wait on the device in batches: read midway, and across several batches,
     # the first bad step and the count are those of a check of each step on its own.
@@ -714,11 +724,7 @@ def test_check_nonfinite_counts_exactly_over_many_steps_read_midway() -> None:
         for i in range(200):
             opt.zero_grad()
             (model(x).sum() * (math.inf if i in bad else 1.0)).backward()
-            kept = [p.detach().clone() for p in model.parameters()]
-            opt.step()
-            with torch.no_grad():  # an Inf update's NaN weights would make every step bad
-                for p, w in zip(model.parameters(), kept, strict=True):
-                    p.copy_(w)
+            _step_keeping_weights(model, opt)
             if i == 69:
                 assert watch.first_nonfinite_step is None and watch.nonfinite_steps == 0
             if i == 100:
@@ -745,11 +751,7 @@ def test_check_nonfinite_with_a_sparse_gradient_in_place_of_a_dense_one(
             (out.sum() * (math.inf if i == 7 else 1.0)).backward()
             grads = [p.grad for p in model.parameters() if p.grad is not None]
             assert len(grads) == 4 and any(g.is_sparse for g in grads) == (i % 2 == 1)
-            kept = [p.detach().clone() for p in model.parameters()]
-            opt.step()
-            with torch.no_grad():  # an Inf update's NaN weights would make every step bad
-                for p, w in zip(model.parameters(), kept, strict=True):
-                    p.copy_(w)
+            _step_keeping_weights(model, opt)
     assert watch.first_nonfinite_step == 7 and watch.nonfinite_steps == 1
     # The fused path checked every step natively: a step with the sparse gradient met the
     # call for four, was refused, and its three dense ones were checked (the last step).
@@ -767,11 +769,7 @@ def test_check_nonfinite_takes_gradients_that_require_grad() -> None:
             opt.zero_grad()
             (model(x).sum() * (math.inf if i == 3 else 1.0)).backward(create_graph=True)
             assert any(p.grad is not None and p.grad.requires_grad for p in model.parameters())
-            kept = [p.detach().clone() for p in model.parameters()]
-            opt.step()
-            with torch.no_grad():  # an Inf update's NaN weights would make every step bad
-                for p, w in zip(model.parameters(), kept, strict=True):
-                    p.copy_(w)
+            _step_keeping_weights(model, opt)
     assert watch.first_nonfinite_step == 3 and watch.nonfinite_steps == 1
 
 
