@@ -80,7 +80,7 @@ def _clip_setting(trainer: Any) -> str:
     return f"gradient_clip_val={value:g}" + (", by value" if by_value else "")
 
 
-def _log_now(trainer: Any, scalars: dict[str, float]) -> None:
+def _log_now(trainer: Any, scalars: Mapping[str, float]) -> None:
     """Give `scalars` to each of the Trainer's loggers now, at the step number Lightning
     gives the step in progress. Not through `log_dict`: a value given to it waits in
     Lightning's results for the next step it logs (every `log_every_n_steps`), so a later
@@ -95,8 +95,11 @@ def _log_now(trainer: Any, scalars: dict[str, float]) -> None:
     step = getattr(loop, "_batches_that_stepped", None)
     if not isinstance(step, int):
         step = int(trainer.global_step)
+    values = dict(scalars)  # the monitor builds its scalars when they are read: only here
+    if not values:
+        return
     for logger in trainer.loggers:
-        logger.log_metrics(scalars, step=step)
+        logger.log_metrics(values, step=step)
 
 
 class TorchscopeCallback(pl.Callback):
@@ -197,8 +200,8 @@ class TorchscopeCallback(pl.Callback):
             return  # not fitting, or another optimizer (a GAN's other player's)
         mon.end_step()
         scalars, self._pending = self._pending, None
-        if scalars and self._log:
-            _log_now(trainer, dict(scalars))
+        if scalars is not None and self._log:
+            _log_now(trainer, scalars)
 
     def _on_sample(self, _step: int, scalars: Mapping[str, float]) -> None:
         self._pending = scalars
