@@ -62,8 +62,10 @@ KEEP_FORWARDS = 8  # forwards of a sampled step the activation capture keeps (mi
 PROFILE_WAIT = 5  # steps before the profiled window: past the first, slow steps
 # The memory watch's cadence (`Monitor._memory_due`): what a forward saves for backward
 # follows from the graph and the input's shapes, so after the first few sampled steps it
-# is measured where those change, and at one sampled step in `_MEMORY_EVERY` (a sampled
-# step's saved-tensor hooks cost about 1.4 ms of a 13 ms tiny GPT-2 step on the CPU).
+# is measured where those change, and at the samples whose index is a multiple of
+# `_MEMORY_EVERY` (a power of 2: the history's whole-run view, which keeps every
+# stride-th sample as it thins, keeps those). A sampled step's saved-tensor hooks cost
+# about 1.4 ms of a 13 ms tiny GPT-2 step on the CPU.
 _MEMORY_FIRST = 3
 _MEMORY_EVERY = 8
 
@@ -117,7 +119,6 @@ class Monitor(HookedContext):
         result: the `RunRecord`, set when the block ends (also through an exception).
         paths: (report.html, report.json) once written, else None (as on every rank
             but 0 under torchrun, where rank 0 writes it).
-        latest: the newest sample's scalars (`torchscope/...` names), for loggers.
     """
 
     def __init__(
@@ -200,8 +201,8 @@ class Monitor(HookedContext):
         self._waiting: list[list[Any]] = []  # their pre-hooks' handles, newest last
         self._mem_seen = 0
         # The memory watch's cadence (`_memory_due`): the step it was last decided for and
-        # the decision, what the last measured step's input looked like, how many steps it
-        # measured and how many sampled steps passed since its last.
+        # the decision, what the last measured step's input looked like, and how many
+        # steps it measured.
         self._mem_step = -1
         # The watches' hooks on the submodules: all on (True, as opened), all but the
         # memory watch's (False), or none (None, between samples; see `_rest`).
@@ -209,7 +210,6 @@ class Monitor(HookedContext):
         self._mem_on = False
         self._mem_key: tuple[Any, ...] | None = None
         self._mem_measured = 0
-        self._mem_since = 0
         # What the activation capture and the memory watch held at the end of the last
         # backward: (forwards recorded, memory samples, the last one's saved bytes). An
         # inferred step ends one backward late, when the next step's forward has been
@@ -256,7 +256,7 @@ class Monitor(HookedContext):
         self._not_continued = ""
         self._eager = contextlib.ExitStack()  # the eager stance, for a wrapper out of sight
         self._resting: list[HookSession] = []  # sessions whose submodule hooks `_rest` lifts
-        self.latest: Mapping[str, float] = {}
+        self._latest: Mapping[str, float] = {}  # built when read (`_Scalars`)
         self.result: RunRecord | None = None
         self.paths: tuple[Path, Path] | None = None
         self._writes = True  # this rank writes the report (`open`)
@@ -502,8 +502,8 @@ class Monitor(HookedContext):
         first training forward). What autograd saves is set by the graph and the input's
         shapes, not by the values: the watch measures the first `_MEMORY_FIRST` sampled
         steps, any whose input shapes, mode or autocast differ from the last one measured,
-        and one in `_MEMORY_EVERY` otherwise. Steps inferred from backward passes, known
-        only one backward late, are all measured."""
+        and the samples whose index is a multiple of `_MEMORY_EVERY`. Steps inferred from
+        backward passes, known only one backward late, are all measured."""
         g = self._grads
         assert g is not None
         if g.step_by == "inferred":
@@ -511,14 +511,13 @@ class Monitor(HookedContext):
         if g.steps == self._mem_step:
             return self._mem_on
         self._mem_step = g.steps
-        self._mem_since += 1
         key = (module.training, self._autocast,
-               tuple((tuple(t.shape), t.dtype) for _, t in iter_tensors((args, kwargs))
-                     if type(t) is torch.Tensor))
+               tuple((tuple(t.shape), t.dtype) for _, t in
+                     iter_tensors((args, kwargs), named=False) if type(t) is torch.Tensor))
         self._mem_on = self._mem_measured < _MEMORY_FIRST or key != self._mem_key or \
-            self._mem_since >= _MEMORY_EVERY
+            self._history.samples % _MEMORY_EVERY == 0  # the index this sample will get
         if self._mem_on:
-            self._mem_key, self._mem_measured, self._mem_since = key, self._mem_measured + 1, 0
+            self._mem_key, self._mem_measured = key, self._mem_measured + 1
         return self._mem_on
 
     def _note_input(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -694,7 +693,9 @@ class Monitor(HookedContext):
         """Put the watches' hooks back on the submodules, the memory watch's only with
         `memory`. A session restores its hooks' places among the hooks that were there
         when `suspend` took them off: the sessions go back in the reverse order, and the
-        memory watch's, taken off first, alone where only it changes."""
+        memory watch's, taken off first, alone where only it changes. Not inside a
+        profiled window, whose steps keep the hooks they started with (an unmeasured
+        step's memory watch is inactive)."""
         if self._woken == memory:
             return
         mem = None if self._mem is None else self._mem.session
@@ -702,11 +703,12 @@ class Monitor(HookedContext):
             for session in reversed(self._resting):
                 if memory or session is not mem:
                     session.resume()
-        elif mem is not None:
-            if memory:
-                mem.resume()
-            else:
-                mem.suspend()
+        elif mem is None or self._time is not None:
+            return
+        elif memory:
+            mem.resume()
+        else:
+            mem.suspend()
         self._woken = memory
 
     def _note_groups(self, *, end: bool = False) -> None:
@@ -760,9 +762,10 @@ class Monitor(HookedContext):
                 saved = saved_now
         self._history.add(index, per_layer, total_norm=flow.total_norm, saved_bytes=saved,
                           nonfinite=nonfinite)
-        self.latest = self._scalars(index, flow)
+        self._latest = _Scalars(index, flow.total_norm, params, self._times.last_mean(),
+                                0 if self._grads is None else self._grads.skipped)
         if self._on_sample is not None:
-            self._on_sample(index, self.latest)
+            self._on_sample(index, self._latest)
 
     def _fill_update(self) -> None:
         """The update ratio ‖Δw‖/‖w‖ of each layer's weight matrices at the newest sampled
@@ -826,9 +829,10 @@ class Monitor(HookedContext):
                                    trace.passers[0].label if trace.made_between else None)
         return True
 
-    def _scalars(self, index: int, flow: GradFlow) -> _Scalars:
-        return _Scalars(index, flow, self._times.last_mean(),
-                        0 if self._grads is None else self._grads.skipped)
+    @property
+    def latest(self) -> dict[str, float]:
+        """The newest sample's scalars (`torchscope/...` names), for loggers."""
+        return dict(self._latest)
 
     def _close_profile(self, *, failed: bool) -> None:
         tw, self._time = self._time, None
@@ -929,17 +933,16 @@ class _Scalars(Mapping[str, float]):
     """A sample's scalars for loggers (`torchscope/...` names), built on first read: a
     monitor whose sample nobody logs does not pay for them."""
 
-    def __init__(self, index: int, flow: GradFlow, step_ms: float | None, skipped: int
-                 ) -> None:
-        self._args = (index, flow, step_ms, skipped)
+    def __init__(self, index: int, total: float, params: Mapping[str, float | None],
+                 step_ms: float | None, skipped: int) -> None:
+        self._args = (index, total, params, step_ms, skipped)
         self._built: dict[str, float] | None = None
 
     def _values(self) -> dict[str, float]:
         if self._built is None:
-            index, flow, step_ms, skipped = self._args
-            out = {"torchscope/grad_norm/total": flow.total_norm,
-                   "torchscope/step": float(index)}
-            for layer, norm in flow.param_norms().items():
+            index, total, params, step_ms, skipped = self._args
+            out = {"torchscope/grad_norm/total": total, "torchscope/step": float(index)}
+            for layer, norm in params.items():
                 if norm is not None:
                     out[f"torchscope/grad_norm/{layer or '<root>'}"] = norm
             if step_ms is not None:
@@ -1090,8 +1093,9 @@ def monitor(
         depth: limit the selection depth.
         activations: sample activation statistics.
         memory: sample what the forward saves for backward: at the first three sampled
-            steps, those whose input shapes (or mode, or autocast) changed, and one sampled
-            step in eight, since it follows from the shapes.
+            steps, those whose input shapes (or mode, or autocast) changed, and every
+            eighth sample, since it follows from the shapes (with steps inferred from
+            backward passes, at every sampled step).
         profile: profile this many steps with `torch.profiler` (after 5 steps and one
             warm-up step); the report then has the profile section of `torchscope doctor`.
         history: samples (and step buckets) spread over the whole run.
