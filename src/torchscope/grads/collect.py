@@ -848,13 +848,14 @@ class _RankAware:
             end = _end_fingerprint(params, vector.device)  # (2n,) float64
             rows = all_gather_tensor(torch.cat([vector, end]), group=self.group,
                                      what="the gradient-norm exchange").cpu().tolist()
-            joined = self._join([r[:-2 * n] for r in rows], names, inv, False, self.ranks)[0]
+            at = vector.numel()  # each row: this step's numbers, then the end's norms, sums
+            joined = self._join([r[:at] for r in rows], names, inv, False, self.ranks)[0]
 
-            def block(at: int) -> tuple[tuple[float | None, ...], ...]:
-                return tuple(tuple(None if math.isnan(v) else v
-                                   for v in r[len(r) - 2 * n + at:][:n]) for r in rows)
+            def block(lo: int) -> tuple[tuple[float | None, ...], ...]:
+                return tuple(tuple(None if math.isnan(v) else v for v in r[lo:lo + n])
+                             for r in rows)
 
-            return replace(joined, end_norms=block(0), end_sums=block(n))
+            return replace(joined, end_norms=block(at), end_sums=block(at + n))
 
         return HeldRanks(own=lambda: self._join([host()], names, inv, False, (rank,))[0],
                          join=join)

@@ -494,9 +494,9 @@ class GradWatch(HookedContext, Analyzed):
             self._stepped_params = []
             self._others = []
             self._evidence = []
+            held, c.held = c.held, None  # DDP: it holds the parameters too
             c.close(failed=failed)
         if not failed and self._last is not None and world().distributed:
-            held, c.held = c.held, None
             if held is not None and held[0] == self._last.index:
                 # DDP: every rank's numbers of the last sample, in one exchange for the run.
                 self._last = replace(self._last, ranks=held[1].join())

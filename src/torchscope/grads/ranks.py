@@ -8,7 +8,7 @@ import math
 from torchscope.catalogue import entry
 from torchscope.distributed.ranked import rank_list
 from torchscope.findings import Finding, Severity
-from torchscope.grads.records import GradFlow, RankGrads
+from torchscope.grads.records import GradFlow, RankGrads, disagree
 
 __all__ = ["SKEW_RATIO", "WEIGHT_REL", "diverged_weights", "find_diverged", "find_rank_skew",
            "rank_findings"]
@@ -27,18 +27,6 @@ _RANKS_DIVERGE = entry("grads.ranks_diverge")
 _RANK_SKEW = entry("grads.rank_skew")
 
 
-def _differ(column: list[float | None], rel: float, scale: float = 0.0) -> bool:
-    """Whether the present values differ by more than `rel` of the largest of them (or of
-    `scale`, for a sum whose terms may cancel); NaN/Inf differ where their spelling does."""
-    present = [v for v in column if v is not None]
-    if len(present) < 2:
-        return False
-    if not all(math.isfinite(v) for v in present):
-        return len({repr(v) for v in present}) > 1
-    lo, hi = min(present), max(present)
-    return hi - lo > rel * max(abs(lo), abs(hi), scale, 1e-30)
-
-
 def diverged_weights(ranks: RankGrads, rel: float = WEIGHT_REL) -> tuple[str, ...]:
     """DDP: names of the parameters whose weights differ between the replicas. Each rank's
     weight norms are in every exchange already (read at the step's end, before a watched
@@ -51,7 +39,7 @@ def diverged_weights(ranks: RankGrads, rel: float = WEIGHT_REL) -> tuple[str, ..
         return ()
     out = []
     for i, name in enumerate(ranks.names):
-        if _differ([row[i] for row in ranks.weights], rel) or \
+        if disagree([row[i] for row in ranks.weights], rel, partial=False) or \
                 _end_differ(ranks, i, rel):
             out.append(name)
     return tuple(out)
@@ -63,7 +51,8 @@ def _end_differ(ranks: RankGrads, i: int, rel: float) -> bool:
     norms = [row[i] for row in ranks.end_norms]
     # A sum's terms may cancel: its rounding is judged against the norm's scale.
     scale = max((abs(v) for v in norms if v is not None and math.isfinite(v)), default=0.0)
-    return _differ(norms, rel) or _differ([row[i] for row in ranks.end_sums], rel, scale)
+    return disagree(norms, rel, partial=False) or \
+        disagree([row[i] for row in ranks.end_sums], rel, partial=False, scale=scale)
 
 
 def _per_rank(ranks: RankGrads, column: tuple[tuple[float | None, ...], ...], i: int) -> str:
@@ -104,7 +93,7 @@ def find_diverged(flow: GradFlow) -> list[Finding]:
             f"parameter(s), first {first} ({_per_rank(ranks, ranks.synced, i)}): each rank "
             "steps its own weights and the replicas drift apart",
             {**evidence, "seen_in": "gradients"}, fix=fix, module=module)]
-    if _differ([row[i] for row in ranks.weights], WEIGHT_REL):
+    if disagree([row[i] for row in ranks.weights], WEIGHT_REL, partial=False):
         seen = f"weight norm {_per_rank(ranks, ranks.weights, i)}"
     else:  # only as the watch ended: after the last update, or in the weighted sums
         seen = (f"at the watch's end, weight norm {_per_rank(ranks, ranks.end_norms, i)}; "

@@ -4,7 +4,7 @@ formatted text."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -413,22 +413,27 @@ class RankGrads:
                 continue
             for column in (tuple(row[i] for row in self.synced),
                            tuple(row[i] for row in self.fingerprints)):
-                if _disagree(column, rel):
+                if disagree(column, rel):
                     out.append(name)
                     break
         return tuple(out)
 
 
-def _disagree(values: tuple[float | None, ...], rel: float) -> bool:
+def disagree(values: Sequence[float | None], rel: float, *, partial: bool = True,
+             scale: float = 0.0) -> bool:
+    """Whether the ranks' `values` of one number differ: by more than `rel` of the largest
+    of them (or of `scale`, for a sum whose terms may cancel), in which NaN/Inf they hold,
+    or (with `partial`) in being present on some ranks only. Fewer than two present values
+    never differ among themselves."""
     present = [v for v in values if v is not None]
-    if not present:
-        return False
-    if len(present) != len(values):
+    if partial and present and len(present) != len(values):
         return True
+    if len(present) < 2:
+        return False
     if not all(math.isfinite(v) for v in present):
         return len({repr(v) for v in present}) > 1  # NaN/Inf on some ranks, or different ones
     lo, hi = min(present), max(present)
-    return hi - lo > rel * max(abs(lo), abs(hi), 1e-30)
+    return hi - lo > rel * max(abs(lo), abs(hi), scale, 1e-30)
 
 
 @dataclass(frozen=True)
