@@ -1023,17 +1023,28 @@ def _main(argv: list[str]) -> None:
         _process.die_with_parent(int(parent))
         sys.exit(_check_child(*args))
     # A build (OUT LOCK ARGS...): it ends with the process that started it, and removes
-    # what it was writing (its own `finally`s) and the lock the parent took for it, however
-    # it ends (the parent may be gone before the child could ask to be told of it).
+    # what it was writing (its own `finally`s). The lock the parent took for it is the
+    # parent's to remove, unless the child leaves on a signal or the parent is gone (it
+    # may be gone before the child could ask to be told of it): removed here otherwise, a
+    # next process could take it before the parent's own removal, which would take that
+    # process's lock away.
     out, lock, *rest = args
+    stopped = False
     try:
         with _process.child_of(int(parent)):
             if mode == "--native":
-                sys.exit(_native_child(out, *rest))
-            _build_child(out, *rest)
+                code = _native_child(out, *rest)
+            else:
+                _build_child(out, *rest)
+                code = 0
+    except SystemExit:  # `child_of`'s: a signal, or the parent's death
+        stopped = True
+        raise
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(lock)
+        if stopped or os.getppid() != int(parent):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(lock)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -136,7 +136,9 @@ class _Children:
     `spawning` is set while the main thread starts a child and registers it: a signal
     that comes then is kept in `deferred` and raised again once the child is registered."""
 
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    # Reentrant: `stop_and_exit` takes it inside a signal handler, which may interrupt the
+    # main thread while it holds it.
+    lock: threading.RLock = field(default_factory=threading.RLock)
     live: dict[int, tuple[subprocess.Popen[Any], threading.Thread]] = field(default_factory=dict)
     closing: bool = False
     signum: int | None = None  # the signal `interruptible` caught, if one came
@@ -230,7 +232,10 @@ def stop_all(procs: Sequence[subprocess.Popen[Any]], grace: float | None = None)
     for proc in procs:
         _signal_group(proc, signal.SIGKILL)
     for proc in procs:
-        proc.wait()
+        # Bounded: a signal handler may run this while the main thread, interrupted inside
+        # an unbounded `wait` of the same child, holds its wait lock (a bounded one polls).
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(5.0)
         _forget(proc)
 
 

@@ -260,10 +260,14 @@ def posted_failures() -> dict[int, PostedFailure]:
             for r in range(dist.get_world_size()):
                 key = _failure_key(r)
                 if r != me and store.check([key]):
-                    d = json.loads(bytes(store.get(key)).decode(errors="replace"))
-                    out[r] = PostedFailure(r, str(d["error"]), d.get("module"), d.get("part"),
-                                           float(d.get("time", math.inf)),
-                                           bool(d.get("victim", False)))
+                    raw = bytes(store.get(key)).decode(errors="replace")
+                    try:  # one unreadable entry costs only its own rank's
+                        d = json.loads(raw)
+                        out[r] = PostedFailure(r, str(d["error"]), d.get("module"),
+                                               d.get("part"), float(d.get("time", math.inf)),
+                                               bool(d.get("victim", False)))
+                    except (ValueError, KeyError, TypeError, AttributeError):
+                        continue
     return out
 
 

@@ -546,7 +546,8 @@ def _rank_main(job_file: str, run: str) -> None:
     Rank 0 saves its report (pickled) to `report.pkl`. Every rank leaves with `os._exit`,
     skipping interpreter teardown, where torch can abort a process that did all its work
     (a gloo worker thread releasing a finished collective while Python shuts down)."""
-    _die_with_parent(int(os.environ["TORCHSCOPE_LAUNCHER"]))
+    # Linux: killed when the launcher dies, even by SIGKILL, so that no rank outlives it.
+    die_with_parent(int(os.environ["TORCHSCOPE_LAUNCHER"]), signal.SIGKILL)
     # The launcher stops a rank with SIGTERM: its own children go with it (a kernel build
     # started here runs in a session of its own, out of the rank's process group).
     signal.signal(signal.SIGTERM, stop_and_exit)
@@ -759,13 +760,6 @@ def _rank_env(rank: int, nproc: int) -> dict[str, str]:
             "GROUP_RANK": "0", "ROLE_RANK": str(rank), "OMP_NUM_THREADS": "1",
             "PYTHONPATH": os.pathsep.join(path), "PYTHONUNBUFFERED": "1",
             "TORCHSCOPE_LAUNCHER": str(os.getpid())}
-
-
-def _die_with_parent(parent: int) -> None:
-    """Linux: this rank is killed when the launcher (`parent`) dies, even by SIGKILL, so
-    that no rank outlives it (`_process.die_with_parent`); elsewhere, only a launcher
-    already gone is seen."""
-    die_with_parent(parent, signal.SIGKILL)
 
 
 def _stop(procs: list[subprocess.Popen[bytes]], grace: float = 3.0) -> set[int]:
