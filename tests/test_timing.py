@@ -73,6 +73,7 @@ def test_fmt_ratio_never_states_noise_as_a_figure() -> None:
     # A measurable interval never reads as one that holds 1: a bound near it gets a digit.
     assert fmt_ratio(Ratio(1.03, 1.002, 1.04, 9, 9, 0.9)) == "1.030× (1.002–1.040)"
     assert fmt_ratio(Ratio(0.97, 0.95, 0.996, 9, 9, 0.9)) == "0.970× (0.950–0.996)"
+    assert fmt_ratio(Ratio(1.02, 1.0003, 1.04, 9, 9, 0.9)) == "1.0200× (1.0003–1.0400)"
 
 
 def test_compare_accepts_intervals() -> None:

@@ -171,9 +171,11 @@ def fmt_ratio(r: Ratio | None, *, none: str = "no measurable difference",
     if r is None:
         return "—"
     if r.above or (r.measurable and not above):
-        # A measurable interval excludes 1: a bound within 0.005 of it gets a third digit,
-        # so that it never reads `(1.00–1.04)`.
-        d = 3 if min(abs(r.low - 1), abs(r.high - 1)) < 0.005 else 2
+        # A measurable interval excludes 1: a bound that would print as 1 gets more digits
+        # (up to 5), so that it never reads `(1.00–1.04)`.
+        d = 2
+        while d < 5 and any(f"{b:.{d}f}" == f"{1:.{d}f}" for b in (r.low, r.high)):
+            d += 1
         return f"{r.value:.{d}f}× ({r.low:.{d}f}–{r.high:.{d}f})"
     if min(r.n_a, r.n_b) < MIN_SAMPLES:
         return f"{none} ({min(r.n_a, r.n_b)} sample(s): no spread)"

@@ -755,9 +755,11 @@ class ActivationCapture(HookedContext, Analyzed):
         try:
             # Every value on one device, as with most models: one join, and no look at
             # each value's device (30 of them cost 20 us after a training step).
-            flat = torch.hstack(values).cpu().tolist() if values else []
+            joined = torch.hstack(values) if values else None
         except RuntimeError:  # `torch.cat` refuses values on several devices
             return self._host_values_by_device()
+        # The copy outside the `try`: a device error it reveals is that error, not a cue.
+        flat: list[float] = [] if joined is None else joined.cpu().tolist()
         assert len(flat) == sum(f.width for f in pending), \
             "activation values queued with a width other than their size"
         out: list[list[float]] = []
