@@ -129,3 +129,58 @@ def test_a_signal_while_a_child_starts_still_stops_that_child(tmp_path: Path) ->
     for p in left:  # do not leave it running if the test fails
         p.kill()
     assert left == []
+
+
+# A child (`child_of`, with a folder to remove on a signal) whose body swallows the signal's
+# `Interrupted` as library code may: `swallow` catches it and works on for a minute;
+# `convert` turns it into another exception, as a class body in an import does.
+_SWALLOWING = """
+import subprocess, sys, time
+from pathlib import Path
+from torchscope import _process
+
+how, folder, parent = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
+(folder / "work").write_text("partial")
+with _process.child_of(parent, cleanup=lambda: __import__("shutil").rmtree(folder)):
+    grandchild = subprocess.Popen(["sleep", "120"])
+    (folder / "grandchild").write_text(str(grandchild.pid))
+    try:
+        time.sleep(60)
+    except KeyboardInterrupt:
+        if how == "convert":
+            raise RuntimeError("Error calling __set_name__") from None
+    time.sleep(60)
+print("ran on", flush=True)
+"""
+
+
+def test_a_child_whose_body_swallows_the_signal_still_ends_and_cleans_up(
+        tmp_path: Path) -> None:
+    """Before, an `Interrupted` turned into another exception (an import's class body does
+    this) or caught by library code let the compile child run on, or end without its
+    clean-up: its job folder stayed behind."""
+    for how in ("swallow", "convert"):
+        folder = tmp_path / how
+        folder.mkdir()
+        child = _process.spawn([sys.executable, "-c", _SWALLOWING, how, str(folder),
+                                str(os.getpid())],
+                               env={**os.environ, "PYTHONPATH": str(SRC)},
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            _wait_for(folder / "grandchild")
+            grandchild = int((folder / "grandchild").read_text())
+            started = time.monotonic()
+            child.send_signal(signal.SIGTERM)
+            out, err = child.communicate(timeout=30)
+            took = time.monotonic() - started
+        finally:
+            _process.stop(child)
+        assert child.returncode == 128 + signal.SIGTERM, (how, child.returncode, err[-2000:])
+        assert "ran on" not in out
+        # swallowed: the child leaves on its own `_LEAVE_S` after the signal, not after 60 s
+        assert took < _process._LEAVE_S + 10, (how, took)
+        assert not folder.exists()
+        deadline = time.monotonic() + 10
+        while not _gone(grandchild) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _gone(grandchild), how

@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -131,15 +133,17 @@ class Interrupted(KeyboardInterrupt):
 
 @dataclass
 class _Children:
-    """Every child process started through `spawn` that has not been waited for, and the
-    thread that started it; `closing` refuses new ones while `stop_children` runs.
+    """Every child process started through `spawn` that has not been waited for, the
+    thread that started it and the folder it works in (when `spawn` was given one);
+    `closing` refuses new ones while `stop_children` runs.
     `spawning` is set while the main thread starts a child and registers it: a signal
     that comes then is kept in `deferred` and raised again once the child is registered."""
 
     # Reentrant: `stop_and_exit` takes it inside a signal handler, which may interrupt the
     # main thread while it holds it.
     lock: threading.RLock = field(default_factory=threading.RLock)
-    live: dict[int, tuple[subprocess.Popen[Any], threading.Thread]] = field(default_factory=dict)
+    live: dict[int, tuple[subprocess.Popen[Any], threading.Thread, Path | None]] = field(
+        default_factory=dict)
     closing: bool = False
     signum: int | None = None  # the signal `interruptible` caught, if one came
     spawning: bool = False
@@ -149,7 +153,8 @@ class _Children:
 _CHILDREN = _Children()
 
 
-def spawn(cmd: Sequence[str], **kwargs: Any) -> subprocess.Popen[Any]:
+def spawn(cmd: Sequence[str], *, folder: Path | None = None, **kwargs: Any
+          ) -> subprocess.Popen[Any]:
     """`subprocess.Popen(cmd, **kwargs)` in a new session (a process group of its own), kept
     in a registry until `stop` or `run` is done with it, so that `stop_children` reaches it
     and whatever it started. A new session also keeps a terminal's Ctrl-C, meant for the
@@ -158,6 +163,10 @@ def spawn(cmd: Sequence[str], **kwargs: Any) -> subprocess.Popen[Any]:
     A signal that comes while the main thread starts the child, to `interruptible`'s
     handler or `stop_and_exit`, is handled once the child is registered: raised inside
     `Popen`, or between it and the registry, it would leave a child that nothing stops.
+
+    `folder`: a temporary folder that the child works in and that no one needs once a
+    signal stopped it: `stop_children` removes it after stopping the child (a worker that
+    leaves at once on SIGTERM, `stop_and_exit`, runs no `finally` that would).
 
     Raises:
         ChildProcessError: `stop_children` is stopping every child (a signal came).
@@ -174,7 +183,7 @@ def spawn(cmd: Sequence[str], **kwargs: Any) -> subprocess.Popen[Any]:
             try:
                 proc: subprocess.Popen[Any] = subprocess.Popen(
                     list(cmd), start_new_session=True, **kwargs)
-                _CHILDREN.live[proc.pid] = (proc, threading.current_thread())
+                _CHILDREN.live[proc.pid] = (proc, threading.current_thread(), folder)
             finally:
                 if main:
                     _CHILDREN.spawning = False
@@ -285,8 +294,13 @@ def die_with_parent(parent: int, sig: int = signal.SIGTERM) -> None:
         signal.raise_signal(sig)
 
 
+# How long a child given a `cleanup` may take to leave after a signal when the code it was
+# running swallowed the `Interrupted` (caught it, or turned it into another exception).
+_LEAVE_S = 5.0
+
+
 @contextlib.contextmanager
-def child_of(parent: int) -> Iterator[None]:
+def child_of(parent: int, cleanup: Callable[[], None] | None = None) -> Iterator[None]:
     """The body of a child process that `spawn` started (the leader of a process group of
     its own) and that must not outlive `parent`, the process that started it: inside,
     SIGTERM and SIGINT raise `Interrupted` (`interruptible`: a `finally` on the way out
@@ -294,20 +308,85 @@ def child_of(parent: int) -> Iterator[None]:
     (`die_with_parent`; Linux only). After such a signal every other process of the group
     (a compiler the child ran) gets SIGTERM, and the child exits with 128 + the signal.
 
+    A signal is not lost where the body's code swallows its `Interrupted` (an import
+    turns an exception raised in a class body into another; a library catches it): a body
+    that then ends, normally or not, still ends the child as above.
+
+    Args:
+        parent: the pid of the process that started this one.
+        cleanup: what to remove when a signal stops the child (a folder whose content no
+            one wants once the child is stopped). It runs at once, from the signal's
+            handler, before the unwinding: a parent that leaves at once (a doctor rank)
+            kills the group a second later. With it, the group is stopped there too, and
+            the child leaves at most `_LEAVE_S` seconds later even where the body ran on.
+
     Raises:
         SystemExit: 128 + the signal, after one.
     """
+    caught: int | None = None
     try:
         with interruptible():
+            if cleanup is not None:
+                _stop_at_once_on_signal(cleanup)
             die_with_parent(parent)
-            yield
+            try:
+                yield
+            finally:
+                caught = interrupted()
     except Interrupted as exc:
-        # Never signal a group this process does not lead (nor where there are none).
-        if hasattr(os, "killpg") and os.getpgrp() == os.getpid():
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(os.getpid(), signal.SIGTERM)
-        raise SystemExit(128 + exc.signum) from None
+        caught = exc.signum
+    except BaseException:
+        if caught is None:
+            raise
+    if caught is None:
+        return
+    _stop_own_group()
+    if cleanup is not None:
+        with contextlib.suppress(Exception):  # the exit code says the signal, whatever this meets
+            cleanup()  # again: what the unwinding wrote
+    raise SystemExit(128 + caught) from None
+
+
+def _stop_own_group() -> None:
+    """SIGTERM to every other process of this process's group (never to a group this
+    process does not lead, nor where there are none); from the main thread, which ignores
+    SIGTERM from then on."""
+    if hasattr(os, "killpg") and os.getpgrp() == os.getpid():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(os.getpid(), signal.SIGTERM)
+
+
+def _stop_at_once_on_signal(cleanup: Callable[[], None]) -> None:
+    """Inside `interruptible` (main thread), wrap its handlers: the first signal also
+    stops the rest of the group and runs `cleanup` right away, and starts a thread that
+    runs `cleanup` again and leaves with 128 + the signal `_LEAVE_S` seconds later, should
+    the main thread still be at work then. The signal then goes on to `interruptible`'s
+    handler, which raises `Interrupted`."""
+    inner = {s: signal.getsignal(s) for s in SIGNALS}
+    fired: list[int] = []
+
+    def leave(signum: int) -> None:
+        time.sleep(_LEAVE_S)
+        with contextlib.suppress(Exception):
+            cleanup()
+        os._exit(128 + signum)
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        if not fired:
+            fired.append(signum)
+            # SIGTERM is ignored from here on: a copy sent to itself would run this handler
+            # again at once, nested, and raise before the clean-up below.
+            _stop_own_group()
+            with contextlib.suppress(Exception):
+                cleanup()
+            threading.Thread(target=leave, args=(signum,), daemon=True).start()
+        previous = inner[signal.Signals(signum)]
+        if callable(previous):
+            previous(signum, frame)
+
+    for s in SIGNALS:
+        signal.signal(s, handler)
 
 
 def stop_and_exit(signum: int, _frame: FrameType | None) -> None:
@@ -331,15 +410,18 @@ def stop_children(grace: float = 2.0, join_s: float = 5.0) -> None:
     SIGTERM to every group, SIGKILL to those left after `grace` seconds), refusing new ones
     meanwhile, then give the threads that started them `join_s` seconds in all to finish
     their own clean-up (a background kernel build removes its temporary file and its
-    lock)."""
+    lock), and remove the folders they were given (`spawn`)."""
     with _CHILDREN.lock:
         _CHILDREN.closing = True
         live = list(_CHILDREN.live.values())
     try:
-        stop_all([proc for proc, _ in live], grace)
+        stop_all([proc for proc, _, _ in live], grace)
+        for _, _, folder in live:  # every process of each group is gone: nothing writes
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
         me = threading.current_thread()
         deadline = time.monotonic() + join_s
-        for thread in {id(t): t for _, t in live}.values():
+        for thread in {id(t): t for _, t, _ in live}.values():
             if thread is not me and thread.is_alive():
                 thread.join(max(0.0, deadline - time.monotonic()))
     finally:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import torch
 from torch import nn
@@ -57,3 +58,21 @@ class DisabledNet(nn.Module):
 
 def disabled() -> tuple[nn.Module, torch.Tensor]:
     return DisabledNet(), torch.randn(2, 4)
+
+
+class SlowNet(nn.Module):
+    """Half a second per forward, eager or compiled: a measurement still running when the
+    test stops its parent."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.5)
+        out: torch.Tensor = self.fc(x)  # (B, 4)
+        return out
+
+
+def slow() -> tuple[nn.Module, torch.Tensor]:
+    return SlowNet(), torch.randn(2, 4)

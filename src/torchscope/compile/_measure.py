@@ -12,6 +12,7 @@ import contextlib
 import copy
 import math
 import pickle
+import shutil
 import statistics
 import sys
 import time
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchscope import _process
 from torchscope._timing import compare
 from torchscope.compile._isolate import private_code
 from torchscope.compile.breaks import find_graph_breaks
@@ -339,10 +341,22 @@ def child_main(argv: list[str]) -> int:
     exception becomes a status: only a hard crash or a hang leaves no result (the parent
     reports those).
 
+    It ends with its parent, whose pid is `argv[2]` (`_process.child_of`). Stopped by a
+    signal or by that death, it removes the job's folder at once (the one holding
+    `argv[0]`, made for this child alone, with inductor's cache): a parent that is gone, or
+    that leaves at once on its own SIGTERM (a doctor rank, `_process.stop_and_exit`),
+    cannot remove it.
+
     Returns:
         The exit code: 0 whenever a result was written.
     """
-    job_path, result_path = argv
+    job_path, result_path, parent = argv
+    folder = Path(job_path).parent
+    with _process.child_of(int(parent), cleanup=lambda: shutil.rmtree(folder, ignore_errors=True)):
+        return _measure_job(job_path, result_path)
+
+
+def _measure_job(job_path: str, result_path: str) -> int:
     try:
         job = torch.load(job_path, weights_only=False)
         torch.set_num_threads(int(job["threads"]))

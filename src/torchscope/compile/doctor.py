@@ -122,7 +122,11 @@ def _run_child(job: dict[str, Any], timeout_s: float) -> dict[str, Any]:
     """Measure one mode in a fresh interpreter with a fresh inductor cache dir; returns
     `run_job`'s payload, or the status `timeout`, `crashed` or `not_sent` (the child could
     not get the model: its `error` says why)."""
-    with tempfile.TemporaryDirectory(prefix="torchscope-compile-") as tmp:
+    # The child removes this folder when a signal or this process's death stops it
+    # (`child_main`), and so does `stop_children` after a signal to this process: it may be
+    # gone by the time this process leaves the block.
+    with tempfile.TemporaryDirectory(prefix="torchscope-compile-",
+                                     ignore_cleanup_errors=True) as tmp:
         tmpdir = Path(tmp)
         job_path, result_path, log_path = tmpdir / "job.pt", tmpdir / "result.pkl", tmpdir / "log"
         try:
@@ -137,18 +141,21 @@ def _run_child(job: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmpdir / "inductor"),
                "TRITON_CACHE_DIR": str(tmpdir / "inductor" / "triton"),
                "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(paths)}
-        cmd = [sys.executable, "-c", _CHILD, str(job_path), str(result_path)]
+        cmd = [sys.executable, "-c", _CHILD, str(job_path), str(result_path), str(os.getpid())]
         with open(log_path, "wb") as log:
             # Its own process group: a timeout, an exception or a signal (SIGINT, SIGTERM)
-            # ends it and the compilers it started, before this folder is removed.
-            proc = spawn(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+            # ends it and the compilers it started, before this folder is removed. This
+            # thread waits for it: Linux tells the child when the thread that started it
+            # ends (`_process.die_with_parent`).
+            proc = spawn(cmd, folder=tmpdir, stdout=log, stderr=subprocess.STDOUT, env=env)
             try:
                 rc = proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
+                during = _read_log(log_path)[0]  # before the stopped child removes the log
                 stop(proc, _GRACE_S)
                 return {"status": "timeout",
-                        "error": f"no result after {timeout_s:.0f} s (during: "
-                                 f"{_read_log(log_path)[0]}); the child process was killed."}
+                        "error": f"no result after {timeout_s:.0f} s (during: {during}); "
+                                 "the child process was killed."}
             except BaseException:
                 stop(proc, _GRACE_S)
                 raise

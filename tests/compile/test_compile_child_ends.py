@@ -1,0 +1,119 @@
+"""The child process that measures a torch.compile mode ends with the process that started
+it, and takes its job folder (`torchscope-compile-*`, with inductor's cache and the
+compiled kernels) with it: when that process is killed (SIGKILL, as a torchrun launcher
+does after its grace period), and when it is a doctor rank that leaves at once on SIGTERM
+(`_process.stop_and_exit`, which stops its children and never runs its own `finally`s).
+Before, the child ran on re-parented to PID 1, and the folder stayed behind in both cases.
+Real processes and signals; what is left is found by a marker in the environment that every
+process the test starts inherits."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not sys.platform.startswith("linux"),
+                       reason="a child learns its parent's death on Linux only "
+                              "(PR_SET_PDEATHSIG)"),
+]
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+
+# Measures one mode of a model whose forward takes half a second, in a child process
+# (a measurement that runs for minutes); `rank`: SIGTERM is handled as a doctor rank handles
+# it.
+_STARTER = """
+import signal, sys
+from torchscope import _process
+from torchscope.compile import compile_report
+from torchscope.models import load_target
+
+if sys.argv[1] == "rank":
+    signal.signal(signal.SIGTERM, _process.stop_and_exit)
+loaded = load_target(sys.argv[2])
+compile_report(loaded.model, loaded.inputs, modes=("default",), iters=200,
+               factory=sys.argv[2], timeout_s=600)
+print("done", flush=True)
+"""
+
+
+def _marked(mark: str) -> list[psutil.Process]:
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE and p.environ().get("TS_COMPILE_MARK") == mark:
+                found.append(p)
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
+def _cmdlines(procs: list[psutil.Process]) -> list[str]:
+    lines = []
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            lines.append(" ".join(p.cmdline()))
+    return lines
+
+
+def _job_folders(tmp: Path) -> list[Path]:
+    return sorted(tmp.glob("torchscope-compile-*"))
+
+
+@pytest.mark.parametrize("how", ["sigkill", "rank-sigterm"])
+def test_the_compile_child_ends_with_its_parent_and_removes_its_folder(
+        tmp_path: Path, how: str) -> None:
+    mark = f"ts-compile-{uuid.uuid4().hex}"
+    env = {**os.environ, "PYTHONPATH": str(SRC), "TMPDIR": str(tmp_path),
+           "TS_COMPILE_MARK": mark}
+    starter = subprocess.Popen(
+        [sys.executable, "-c", _STARTER, "rank" if how == "rank-sigterm" else "plain",
+         f"{Path(__file__).parent / 'compile_targets.py'}:slow"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        # Wait until the child is at work: its log says it compiles (or times) the model.
+        deadline = time.monotonic() + 180
+        while True:
+            logs = [f / "log" for f in _job_folders(tmp_path)]
+            if any("[torchscope]" in log.read_text(errors="replace")
+                   for log in logs if log.exists()):
+                break
+            if starter.poll() is not None:
+                out, err = starter.communicate()
+                pytest.fail(f"the run ended (exit {starter.returncode}) before its compile "
+                            f"child worked: {out[-1000:]} {err[-2000:]}")
+            if time.monotonic() > deadline:
+                pytest.fail("no compile child at work after 180 s")
+            time.sleep(0.2)
+        assert any("child_main" in line for line in _cmdlines(_marked(mark)))
+        if how == "sigkill":
+            starter.kill()
+        else:
+            starter.send_signal(signal.SIGTERM)
+        starter.wait(timeout=60)
+        if how == "rank-sigterm":
+            assert starter.returncode == 128 + signal.SIGTERM
+        deadline = time.monotonic() + 30  # the child's own clean-up, then its exit
+        while ((left := _marked(mark)) or _job_folders(tmp_path)) \
+                and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _cmdlines(left) == []
+        assert _job_folders(tmp_path) == []
+    finally:
+        for p in _marked(mark):  # never leave them running when the test fails
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        if starter.poll() is None:
+            starter.kill()
+        starter.communicate()
