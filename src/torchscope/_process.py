@@ -349,12 +349,17 @@ def child_of(parent: int, cleanup: Callable[[], None] | None = None) -> Iterator
 
 def _stop_own_group() -> None:
     """SIGTERM to every other process of this process's group (never to a group this
-    process does not lead, nor where there are none); from the main thread, which ignores
-    SIGTERM from then on."""
+    process does not lead, nor where there are none); from the main thread."""
     if hasattr(os, "killpg") and os.getpgrp() == os.getpid():
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(os.getpid(), signal.SIGTERM)
+        # Ignored only for the moment of the kill, so that Linux drops this process's own
+        # copy: a compiler started later inherits an ignored SIGTERM, installs no handler
+        # for it and is left to the group's SIGKILL, with its temporary files (g++'s .s).
+        before = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(os.getpid(), signal.SIGTERM)
+        finally:
+            signal.signal(signal.SIGTERM, _previous(before))
 
 
 def _stop_at_once_on_signal(cleanup: Callable[[], None]) -> None:
@@ -375,7 +380,7 @@ def _stop_at_once_on_signal(cleanup: Callable[[], None]) -> None:
     def handler(signum: int, frame: FrameType | None) -> None:
         if not fired:
             fired.append(signum)
-            # SIGTERM is ignored from here on: a copy sent to itself would run this handler
+            # Its own copy of the SIGTERM is dropped: delivered, it would run this handler
             # again at once, nested, and raise before the clean-up below.
             _stop_own_group()
             with contextlib.suppress(Exception):
