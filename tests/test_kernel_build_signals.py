@@ -8,7 +8,6 @@ starts inherits (orphans re-parented to PID 1 included)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
@@ -17,13 +16,15 @@ import time
 import uuid
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 
 from torchscope import _kernels
 
+from ._processes import cmdlines, kill_all, marked
+
 SRC = Path(__file__).resolve().parents[1] / "src"
+_MARK = "TS_BUILD_MARK"
 
 # Starts the kernel build for `dtype` (float32: the native library, g++ run by a child;
 # float64: AOTInductor in a child), says so, and waits to be killed.
@@ -39,38 +40,10 @@ time.sleep(120)
 """
 
 
-def _marked(mark: str) -> list[psutil.Process]:
-    """Every live process whose environment carries `mark`."""
-    found = []
-    for p in psutil.process_iter():
-        try:
-            if p.status() != psutil.STATUS_ZOMBIE and p.environ().get("TS_BUILD_MARK") == mark:
-                found.append(p)
-        except (psutil.Error, OSError):
-            continue
-    return found
-
-
-def _cmdlines(procs: list[psutil.Process]) -> list[str]:
-    lines = []
-    for p in procs:
-        try:
-            lines.append(" ".join(p.cmdline()))
-        except psutil.Error:
-            continue
-    return lines
-
-
 def _left_in(cache: Path) -> list[str]:
     """What a stopped build may not leave: its lock, its temporary file, or a package it
     went on to finish."""
     return sorted(p.name for p in cache.rglob("*") if p.is_file())
-
-
-def _kill_all(procs: list[psutil.Process]) -> None:
-    for p in procs:  # never leave them running when the test fails
-        with contextlib.suppress(psutil.Error):
-            p.kill()
 
 
 @pytest.mark.slow
@@ -92,13 +65,13 @@ def test_a_kernel_build_ends_with_the_process_that_started_it(tmp_path: Path,
     tmp.mkdir()
     mark = f"ts-build-{uuid.uuid4().hex}"
     env = {**os.environ, "PYTHONPATH": str(SRC), "TORCHSCOPE_CACHE_DIR": str(cache),
-           "TMPDIR": str(tmp), "TS_BUILD_MARK": mark}
+           "TMPDIR": str(tmp), _MARK: mark}
     starter = subprocess.Popen([sys.executable, "-c", _STARTER, dtype, str(ready)], env=env,
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
         while not (ready.exists() and any(
-                ("g++" in line or "cc1plus" in line) for line in _cmdlines(_marked(mark)))):
+                ("g++" in line or "cc1plus" in line) for line in cmdlines(marked(_MARK, mark)))):
             if starter.poll() is not None:
                 pytest.fail(f"the process ended before its build ran g++: {starter.stderr}")
             if time.monotonic() > deadline:
@@ -107,12 +80,12 @@ def test_a_kernel_build_ends_with_the_process_that_started_it(tmp_path: Path,
         starter.kill()
         starter.wait()
         deadline = time.monotonic() + 60  # the build's own clean-up, then its exit
-        while (left := _marked(mark)) and time.monotonic() < deadline:
+        while (left := marked(_MARK, mark)) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert _cmdlines(left) == []
+        assert cmdlines(left) == []
         assert _left_in(cache) == []
     finally:
-        _kill_all(_marked(mark))
+        kill_all(marked(_MARK, mark))
         if starter.poll() is None:
             starter.kill()
         starter.communicate()
@@ -152,7 +125,7 @@ def test_a_signal_while_a_worker_starts_a_child_stops_both(tmp_path: Path,
     worker ran on, and when its launcher then killed it, the child (in a session of its
     own) ran on alone. Now the signal is handled once the child is registered."""
     mark = f"ts-build-{uuid.uuid4().hex}"
-    env = {**os.environ, "PYTHONPATH": str(SRC), "TS_BUILD_MARK": mark}
+    env = {**os.environ, "PYTHONPATH": str(SRC), _MARK: mark}
     worker = subprocess.Popen([sys.executable, "-c", _WORKER, where], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -162,13 +135,13 @@ def test_a_signal_while_a_worker_starts_a_child_stops_both(tmp_path: Path,
             worker.kill()  # as its launcher would
             out, err = worker.communicate()
         deadline = time.monotonic() + 10  # a group killed a moment ago may still be exiting
-        while (left := _marked(mark)) and time.monotonic() < deadline:
+        while (left := marked(_MARK, mark)) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert _cmdlines(left) == []
+        assert cmdlines(left) == []
         assert worker.returncode == 128 + signal.SIGTERM, (worker.returncode, out, err)
         assert "spawn returned" not in out and "not stopped" not in out
     finally:
-        _kill_all(_marked(mark))
+        kill_all(marked(_MARK, mark))
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"),

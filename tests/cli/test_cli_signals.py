@@ -20,6 +20,8 @@ import pytest
 
 from torchscope import _process
 
+from .._processes import marked
+
 pytestmark = pytest.mark.slow
 
 # A factory that says when the model build has begun, then takes its time (a big model).
@@ -69,16 +71,7 @@ class Run:
 
     def ours(self) -> list[psutil.Process]:
         """Every live process carrying the marker (orphans re-parented to PID 1 included)."""
-        found = []
-        for p in psutil.process_iter():
-            try:
-                if p.status() == psutil.STATUS_ZOMBIE:
-                    continue
-                if p.environ().get("TS_SIGNAL_MARK") == self.mark:
-                    found.append(p)
-            except (psutil.Error, OSError):
-                continue
-        return found
+        return marked("TS_SIGNAL_MARK", self.mark)
 
     def wait_for(self, what: str, ready: Callable[[], bool], timeout: float = 180.0) -> None:
         deadline = time.monotonic() + timeout

@@ -9,7 +9,6 @@ process the test starts inherits."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
@@ -18,8 +17,9 @@ import time
 import uuid
 from pathlib import Path
 
-import psutil
 import pytest
+
+from .._processes import cmdlines, kill_all, marked
 
 pytestmark = [
     pytest.mark.slow,
@@ -29,6 +29,7 @@ pytestmark = [
 ]
 
 SRC = Path(__file__).resolve().parents[2] / "src"
+_MARK = "TS_COMPILE_MARK"
 
 # Measures one mode of a model whose forward takes half a second, in a child process
 # (a measurement that runs for minutes); `rank`: SIGTERM is handled as a doctor rank handles
@@ -48,25 +49,6 @@ print("done", flush=True)
 """
 
 
-def _marked(mark: str) -> list[psutil.Process]:
-    found = []
-    for p in psutil.process_iter():
-        try:
-            if p.status() != psutil.STATUS_ZOMBIE and p.environ().get("TS_COMPILE_MARK") == mark:
-                found.append(p)
-        except (psutil.Error, OSError):
-            continue
-    return found
-
-
-def _cmdlines(procs: list[psutil.Process]) -> list[str]:
-    lines = []
-    for p in procs:
-        with contextlib.suppress(psutil.Error):
-            lines.append(" ".join(p.cmdline()))
-    return lines
-
-
 def _job_folders(tmp: Path) -> list[Path]:
     return sorted(tmp.glob("torchscope-compile-*"))
 
@@ -76,7 +58,7 @@ def test_the_compile_child_ends_with_its_parent_and_removes_its_folder(
         tmp_path: Path, how: str) -> None:
     mark = f"ts-compile-{uuid.uuid4().hex}"
     env = {**os.environ, "PYTHONPATH": str(SRC), "TMPDIR": str(tmp_path),
-           "TS_COMPILE_MARK": mark}
+           _MARK: mark}
     starter = subprocess.Popen(
         [sys.executable, "-c", _STARTER, "rank" if how == "rank-sigterm" else "plain",
          f"{Path(__file__).parent / 'compile_targets.py'}:slow"],
@@ -96,7 +78,7 @@ def test_the_compile_child_ends_with_its_parent_and_removes_its_folder(
             if time.monotonic() > deadline:
                 pytest.fail("no compile child at work after 180 s")
             time.sleep(0.2)
-        assert any("child_main" in line for line in _cmdlines(_marked(mark)))
+        assert any("child_main" in line for line in cmdlines(marked(_MARK, mark)))
         if how == "sigkill":
             starter.kill()
         else:
@@ -105,15 +87,13 @@ def test_the_compile_child_ends_with_its_parent_and_removes_its_folder(
         if how == "rank-sigterm":
             assert starter.returncode == 128 + signal.SIGTERM
         deadline = time.monotonic() + 30  # the child's own clean-up, then its exit
-        while ((left := _marked(mark)) or _job_folders(tmp_path)) \
+        while ((left := marked(_MARK, mark)) or _job_folders(tmp_path)) \
                 and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert _cmdlines(left) == []
+        assert cmdlines(left) == []
         assert _job_folders(tmp_path) == []
     finally:
-        for p in _marked(mark):  # never leave them running when the test fails
-            with contextlib.suppress(psutil.Error):
-                p.kill()
+        kill_all(marked(_MARK, mark))  # never leave them running when the test fails
         if starter.poll() is None:
             starter.kill()
         starter.communicate()
