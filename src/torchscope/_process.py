@@ -249,18 +249,18 @@ def stop_all(procs: Sequence[subprocess.Popen[Any]], grace: float | None = None)
 
 
 def run(cmd: Sequence[str], *, timeout: float, grace: float | None = None,
-        env: dict[str, str] | None = None, cwd: str | os.PathLike[str] | None = None
-        ) -> subprocess.CompletedProcess[str]:
+        env: dict[str, str] | None = None, cwd: str | os.PathLike[str] | None = None,
+        folder: Path | None = None) -> subprocess.CompletedProcess[str]:
     """`subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
-    cwd=cwd)` through `spawn`: on a timeout, an exception or a signal, the child's whole
-    group is stopped (`stop` with `grace`), not only the child.
+    cwd=cwd)` through `spawn` (with its `folder`): on a timeout, an exception or a signal,
+    the child's whole group is stopped (`stop` with `grace`), not only the child.
 
     Raises:
         subprocess.TimeoutExpired: it ran past `timeout` (and was stopped).
         ChildProcessError: see `spawn`.
     """
-    proc = spawn(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                 cwd=cwd)
+    proc = spawn(cmd, folder=folder, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                 env=env, cwd=cwd)
     try:
         out, err = proc.communicate(timeout=timeout)
     except BaseException:

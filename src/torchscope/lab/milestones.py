@@ -14,12 +14,14 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
 import warnings
 from collections.abc import Callable, Collection
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -328,13 +330,20 @@ def _memory(device: torch.device) -> _Part:
 _LOOP_ITERATIONS = 3
 _LOOP_TIMEOUT_S = 600.0
 _LOOP_CHILD = ("import sys; from torchscope.lab.milestones import _loop_child; "
-               "_loop_child(int(sys.argv[1]), int(sys.argv[2]))")
+               "_loop_child(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])")
 
 
-def _loop_child(iterations: int, threads: int) -> None:
+def _loop_child(iterations: int, threads: int, parent: int, folder: str) -> None:
     """The child process of `_compile_loop`: the lesson's trap, `torch.compile` called inside
     the training loop, on tiny-cnn. Prints one JSON line: how many distinct wrappers the calls
-    returned, how many graphs Dynamo compiled, and each iteration's wall time."""
+    returned, how many graphs Dynamo compiled, and each iteration's wall time. It ends with
+    `parent`, and removes `folder` (its inductor cache) when a signal or that death stops it
+    (`_process.child_of`)."""
+    with _process.child_of(parent, cleanup=lambda: shutil.rmtree(folder, ignore_errors=True)):
+        _loop(iterations, threads)
+
+
+def _loop(iterations: int, threads: int) -> None:
     from torch._dynamo.utils import counters
 
     torch.set_num_threads(threads)
@@ -357,14 +366,17 @@ def _compile_loop() -> tuple[dict[str, Any] | None, str]:
     """The compile-in-the-loop trap, run in a child process with its own inductor cache (so
     that the lab's own process never compiles: the caller's Dynamo caches, recompile counts
     and compiler state stay exactly as they were): its JSON result, or None and why."""
-    with tempfile.TemporaryDirectory(prefix="torchscope-lab-") as tmp:
+    # The child removes the folder when a signal or this process's death stops it.
+    with tempfile.TemporaryDirectory(prefix="torchscope-lab-",
+                                     ignore_cleanup_errors=True) as tmp:
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": tmp}
         cmd = [sys.executable, "-c", _LOOP_CHILD, str(_LOOP_ITERATIONS),
-               str(torch.get_num_threads())]
+               str(torch.get_num_threads()), str(os.getpid()), tmp]
         try:
             # In its own process group, stopped with the compilers it started on a timeout
             # or a signal, before the folder is removed.
-            done = _process.run(cmd, timeout=_LOOP_TIMEOUT_S, grace=2.0, env=env)
+            done = _process.run(cmd, timeout=_LOOP_TIMEOUT_S, grace=2.0, env=env,
+                                folder=Path(tmp))
         except subprocess.TimeoutExpired:
             return None, f"the child process ran past {_LOOP_TIMEOUT_S:.0f} s"
     lines = done.stdout.strip().splitlines()
