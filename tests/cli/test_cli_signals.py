@@ -17,6 +17,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import typer
 
 from torchscope import _process
 
@@ -199,6 +200,27 @@ def test_interruptible_puts_the_handlers_back() -> None:
         assert caught.value.signum == signal.SIGTERM and caught.value.name == "SIGTERM"
     assert {s: signal.getsignal(s) for s in _process.SIGNALS} == before
     assert _process.interrupted() is None
+
+
+@pytest.mark.parametrize("how", ["convert", "swallow"])
+def test_a_signal_the_command_did_not_end_on_still_sets_its_exit(
+        how: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """The code a signal interrupts may turn its `Interrupted` into another exception (an
+    import does, inside a class body) or catch it and finish: the command still leaves
+    with 128 + the signal and the one line, not with "unexpected RuntimeError" (exit 2) or
+    a result it did not finish."""
+    from torchscope.cli._common import guarded
+
+    with _process.interruptible(), pytest.raises(typer.Exit) as ended, guarded(False):
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler raises before this ends
+        except KeyboardInterrupt:
+            if how == "convert":
+                raise RuntimeError("Error calling __set_name__") from None
+    assert ended.value.exit_code == 128 + signal.SIGTERM
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "interrupted by SIGTERM" in lines[0], lines
 
 
 def test_stop_ends_the_whole_group(tmp_path: Path) -> None:

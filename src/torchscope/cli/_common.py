@@ -161,7 +161,14 @@ def fail(message: str, *, code: int = 2) -> NoReturn:
 
 @contextmanager
 def guarded(debug: bool) -> Iterator[None]:
-    """Turn every failure into one line and exit code 2; `--debug` re-raises for a traceback."""
+    """Turn every failure into one line and exit code 2; `--debug` re-raises for a traceback.
+
+    A SIGINT or SIGTERM that came is the exit's reason (128 + the signal), also where the
+    code it interrupted turned its `Interrupted` into another exception (an import does,
+    inside a class body) or swallowed it and finished: its results are not trusted.
+    """
+    from torchscope._process import Interrupted, interrupted
+
     try:
         yield
     except typer.Exit:
@@ -171,9 +178,13 @@ def guarded(debug: bool) -> Iterator[None]:
             raise
         if isinstance(exc, KeyboardInterrupt):
             interrupted_exit(exc)
+        if (signum := interrupted()) is not None:
+            interrupted_exit(Interrupted(signum))
         if isinstance(exc, TorchscopeError):
             fail(_escape(exc.one_line()))
         fail(_escape(f"unexpected {describe(exc)}. Fix: rerun with --debug for the traceback."))
+    if (signum := interrupted()) is not None:
+        interrupted_exit(Interrupted(signum))
 
 
 def interrupted_exit(exc: KeyboardInterrupt) -> NoReturn:
