@@ -364,15 +364,22 @@ def _stop_own_group() -> None:
 
 def _stop_at_once_on_signal(cleanup: Callable[[], None]) -> None:
     """Inside `interruptible` (main thread), wrap its handlers: the first signal also
-    stops the rest of the group and runs `cleanup` right away, and starts a thread that
-    runs `cleanup` again and leaves with 128 + the signal `_LEAVE_S` seconds later, should
-    the main thread still be at work then. The signal then goes on to `interruptible`'s
-    handler, which raises `Interrupted`."""
+    stops the rest of the group and runs `cleanup` right away, and starts a thread that,
+    should the main thread still be at work `_LEAVE_S` seconds later, stops the group
+    again, runs `cleanup` again and leaves with 128 + the signal. The signal then goes on
+    to `interruptible`'s handler, which raises `Interrupted`."""
     inner = {s: signal.getsignal(s) for s in SIGNALS}
     fired: list[int] = []
 
     def leave(signum: int) -> None:
         time.sleep(_LEAVE_S)
+        if hasattr(os, "killpg") and os.getpgrp() == os.getpid():
+            # The body ran on: what it started since the signal is stopped too, and given
+            # a moment to remove its files. Its own copy goes to the handler below, which
+            # lets it pass (or, where the handlers are gone, ends this process at once).
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(os.getpid(), signal.SIGTERM)
+            time.sleep(0.5)
         with contextlib.suppress(Exception):
             cleanup()
         os._exit(128 + signum)
