@@ -4,8 +4,9 @@ compiled kernels) with it: when that process is killed (SIGKILL, as a torchrun l
 does after its grace period), and when it is a doctor rank that leaves at once on SIGTERM
 (`_process.stop_and_exit`, which stops its children and never runs its own `finally`s).
 Before, the child ran on re-parented to PID 1, and the folder stayed behind in both cases.
-Real processes and signals; what is left is found by a marker in the environment that every
-process the test starts inherits."""
+So does the lab's compile-in-the-loop child, with its folder (`torchscope-lab-*`), when the
+lab is killed. Real processes and signals; what is left is found by a marker in the
+environment that every process the test starts inherits."""
 
 from __future__ import annotations
 
@@ -49,28 +50,44 @@ print("done", flush=True)
 """
 
 
+# The lab's compile-in-the-loop trap, whose child compiles tiny-cnn three times in a fresh
+# inductor folder.
+_LAB_STARTER = """
+from torchscope.lab.milestones import _compile_loop
+
+_compile_loop()
+print("done", flush=True)
+"""
+
+
 def _job_folders(tmp: Path) -> list[Path]:
-    return sorted(tmp.glob("torchscope-compile-*"))
+    return sorted([*tmp.glob("torchscope-compile-*"), *tmp.glob("torchscope-lab-*")])
 
 
-@pytest.mark.parametrize("how", ["sigkill", "rank-sigterm"])
+def _at_work(tmp: Path, who: str) -> bool:
+    """Whether the child is at work: the compile child's log says it compiles (or times)
+    the model; the lab's child has written to its inductor folder."""
+    if who == "lab":
+        return any(any(f.rglob("*")) for f in tmp.glob("torchscope-lab-*"))
+    logs = [f / "log" for f in tmp.glob("torchscope-compile-*")]
+    return any("[torchscope]" in log.read_text(errors="replace") for log in logs if log.exists())
+
+
+@pytest.mark.parametrize(("who", "how"), [("compile", "sigkill"), ("compile", "rank-sigterm"),
+                                          ("lab", "sigkill")])
 def test_the_compile_child_ends_with_its_parent_and_removes_its_folder(
-        tmp_path: Path, how: str) -> None:
+        tmp_path: Path, who: str, how: str) -> None:
     mark = f"ts-compile-{uuid.uuid4().hex}"
     env = {**os.environ, "PYTHONPATH": str(SRC), "TMPDIR": str(tmp_path),
            _MARK: mark}
-    starter = subprocess.Popen(
+    cmd = [sys.executable, "-c", _LAB_STARTER] if who == "lab" else \
         [sys.executable, "-c", _STARTER, "rank" if how == "rank-sigterm" else "plain",
-         f"{Path(__file__).parent / 'compile_targets.py'}:slow"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+         f"{Path(__file__).parent / 'compile_targets.py'}:slow"]
+    starter = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
     try:
-        # Wait until the child is at work: its log says it compiles (or times) the model.
         deadline = time.monotonic() + 180
-        while True:
-            logs = [f / "log" for f in _job_folders(tmp_path)]
-            if any("[torchscope]" in log.read_text(errors="replace")
-                   for log in logs if log.exists()):
-                break
+        while not _at_work(tmp_path, who):
             if starter.poll() is not None:
                 out, err = starter.communicate()
                 pytest.fail(f"the run ended (exit {starter.returncode}) before its compile "
@@ -78,7 +95,8 @@ def test_the_compile_child_ends_with_its_parent_and_removes_its_folder(
             if time.monotonic() > deadline:
                 pytest.fail("no compile child at work after 180 s")
             time.sleep(0.2)
-        assert any("child_main" in line for line in cmdlines(marked(_MARK, mark)))
+        child = "_loop_child" if who == "lab" else "child_main"
+        assert any(child in line for line in cmdlines(marked(_MARK, mark)))
         if how == "sigkill":
             starter.kill()
         else:
