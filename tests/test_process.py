@@ -175,6 +175,14 @@ def test_a_child_whose_body_swallows_the_signal_still_ends_and_cleans_up(
             child.send_signal(signal.SIGTERM)
             out, err = child.communicate(timeout=30)
             took = time.monotonic() - started
+            # Looked at before `stop` below, whose SIGKILL to the group would end them too.
+            deadline = time.monotonic() + 10
+            late = [int((tmp_path / f"{how}-late").read_text())] if how == "swallow" else []
+            while not all(_gone(p) for p in (grandchild, *late)) and \
+                    time.monotonic() < deadline:
+                time.sleep(0.05)
+            # swallow: the child's last stop reaches what it started after the signal
+            assert all(_gone(p) for p in (grandchild, *late)), how
         finally:
             _process.stop(child)
         assert child.returncode == 128 + signal.SIGTERM, (how, child.returncode, err[-2000:])
@@ -182,12 +190,3 @@ def test_a_child_whose_body_swallows_the_signal_still_ends_and_cleans_up(
         # swallowed: the child leaves on its own `_LEAVE_S` after the signal, not after 60 s
         assert took < _process._LEAVE_S + 10, (how, took)
         assert not folder.exists()
-        deadline = time.monotonic() + 10
-        while not _gone(grandchild) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert _gone(grandchild), how
-        if how == "swallow":  # the child's last stop reaches what it started after the signal
-            late = int((tmp_path / f"{how}-late").read_text())
-            while not _gone(late) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert _gone(late)
