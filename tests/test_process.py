@@ -135,13 +135,13 @@ def test_a_signal_while_a_child_starts_still_stops_that_child(tmp_path: Path) ->
 # `Interrupted` as library code may: `swallow` catches it and works on for a minute;
 # `convert` turns it into another exception, as a class body in an import does.
 _SWALLOWING = """
-import subprocess, sys, time
+import shutil, subprocess, sys, time
 from pathlib import Path
 from torchscope import _process
 
 how, folder, parent = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
 (folder / "work").write_text("partial")
-with _process.child_of(parent, cleanup=lambda: __import__("shutil").rmtree(folder)):
+with _process.child_of(parent, cleanup=lambda: shutil.rmtree(folder)):
     grandchild = subprocess.Popen(["sleep", "120"])
     (folder / "grandchild").write_text(str(grandchild.pid))
     try:
