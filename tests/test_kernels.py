@@ -239,6 +239,24 @@ def test_native_list_ops_against_float64() -> None:
             else:
                 assert abs(got.item() - want.item()) <= 1e-6 * want.item(), (i, got, want)
     assert diffs[2].item() == 0.0
+    # `norms_into`: the same norms bitwise, written into a row of a ring, and their largest
+    # (NaN where one is, else Inf where one is) into a slot of another.
+    rows = torch.zeros(3, len(xs), dtype=torch.float64)
+    slots = torch.zeros(3, dtype=torch.float64)
+    vector = torch.stack(alone)  # (n,)
+    assert _kernels.norms_into(xs, rows[1], slots[1])
+    assert torch.equal(rows[1].view(torch.int64), vector.view(torch.int64))
+    assert not rows[0].any() and not rows[2].any()
+    if vector.isnan().any():
+        assert slots[1].isnan()
+    else:
+        assert slots[1] == vector.max()
+    finite = [x for x, n in zip(xs, alone, strict=True) if n.isfinite()]
+    assert _kernels.norms_into(finite, rows[2, :len(finite)], slots[2])
+    assert slots[2] == max(n for n in alone if n.isfinite()) and slots[0] == 0
+    overflow = [torch.full((4,), 3e38)]  # finite elements, a norm past float32's range
+    assert _kernels.norms_into(overflow, rows[0, :1], slots[0])
+    assert math.isfinite(slots[0].item()) and slots[0].item() > 3e38
     # What they do not take, they leave to foreach ops: None.
     assert _kernels.copy_norms([torch.randn(4, dtype=torch.float64)]) is None
     assert _kernels.copy_norms([torch.randn(4, 4).t()]) is None  # not contiguous
@@ -382,8 +400,8 @@ def test_a_kernel_that_crashes_when_loaded_is_never_loaded_here(
 @pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
 def test_every_path_refuses_the_same_tensors() -> None:
     """One set of checks decides where a kernel may read a tensor: `run` is eager exactly
-    where `why_eager` names a reason, and the native list ops (`norms`, `norm_vector`, with
-    `known_fit` too for what a step may change) refuse the same tensors."""
+    where `why_eager` names a reason, and the native list ops (`norms`, `norm_vector`, and
+    `norms_into` for what a step may change) refuse the same tensors."""
     _native_ready()
     x = torch.randn(6, 4)
 
@@ -407,12 +425,18 @@ def test_every_path_refuses_the_same_tensors() -> None:
     assert _kernels.norms([x[:1, :1]]) is not None
     for t in (x, torch.nn.Parameter(x.clone()).detach(), x.t()):  # a transpose: dense
         assert _kernels.run("norm", t) is not None and _kernels.why_eager("norm", t) is None
-    # What may change between two steps' gradients of the same parameters, known_fit checks.
-    assert _kernels.norm_vector([x, x], known_fit=True) is not None
-    # (known_fit leaves dtype, layout and contiguity to the kernel's own check in C++.)
+    # What may change between two steps' gradients of the same parameters, `norms_into`
+    # checks (dtype, layout and contiguity in the kernel's own check, in C++), writing
+    # nothing where it refuses.
+    out, largest = torch.full((2,), -1.0, dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+    assert _kernels.norms_into([x, x], out, largest)
+    assert torch.equal(out, _kernels.norm_vector([x, x])) and largest == out[0]
+    out.fill_(-1.0)
     for t in (x.double(), x.t(), x.as_subclass(Sub), x.to_sparse()):
-        assert _kernels.norm_vector([x, t], known_fit=True) is None
+        assert not _kernels.norms_into([x, t], out, largest)
         assert _kernels.norm_vector([x, t]) is None
+    assert not _kernels.norms_into([x, x], out[:1], largest)  # a row of the wrong length
+    assert (out == -1.0).all()
     # Inside a functorch transform: wrapped tensors, for `run` and the list ops alike.
     seen: list[tuple[bool, str | None, bool]] = []
 

@@ -327,29 +327,34 @@ def norms(xs: list[torch.Tensor]) -> list[torch.Tensor] | None:
     return None if out is None else list(out.unbind())
 
 
-def norm_vector(xs: list[torch.Tensor], *, known_fit: bool = False) -> torch.Tensor | None:
+def norm_vector(xs: list[torch.Tensor]) -> torch.Tensor | None:
     """`norms` as one (n,) float64 tensor (no list of 0-d views: for a reduction of all
-    of them, such as a finiteness check at every step). None as for `copy_norms`.
-
-    `known_fit`: the caller got a result for the same tensors' predecessors (the same
-    parameters' gradients at an earlier step); only the dispatch state and the tensors'
-    types are checked here (a set of types, built in C), and what their attributes tell
-    (float32, CPU, contiguous, which may change from step to step) by the kernel itself, in
-    C++: a Python check of each tensor's cost about as much as the kernel's read of a tiny
-    model's gradients inside a step."""
-    if known_fit:
-        if not _Switch.enabled or _Native.ops is None or not xs or _unfit_now(xs[0]) or \
-                set(map(type, xs)) != {_TENSOR}:
-            return None
-        try:
-            fast: torch.Tensor = _native_op("norms")(xs)  # (n,) float64
-        except RuntimeError:  # a tensor its check refuses (a sparse or strided gradient)
-            return None
-        return fast
+    of them). None as for `copy_norms`."""
     if not _native_list(xs):
         return None
     out: torch.Tensor = _native_op("norms")(xs)  # (n,) float64
     return out
+
+
+def norms_into(xs: list[torch.Tensor], out: torch.Tensor, largest: torch.Tensor) -> bool:
+    """`norm_vector(xs)` written into `out` (a contiguous float64 (n,) CPU tensor the caller
+    keeps), and its largest element into `largest` (float64, one element; NaN where a norm
+    is NaN), by one native call that allocates nothing: a training step's NaN/Inf check.
+    False, with nothing written, where the native op cannot take `xs` now.
+
+    For a caller whose last call took the same parameters' gradients: only the dispatch
+    state and the tensors' types are checked here (a set of types, built in C), and what
+    their attributes tell (float32, CPU, contiguous, which may change from step to step) by
+    the kernel itself, in C++. A Python check of each tensor costs about as much as the
+    kernel's read of a tiny model's gradients inside a step."""
+    if not _Switch.enabled or _Native.ops is None or not xs or _unfit_now(xs[0]) or \
+            set(map(type, xs)) != {_TENSOR}:
+        return False
+    try:
+        _native_op("norms_into")(xs, out, largest)
+    except RuntimeError:  # a tensor its check refuses (a sparse or strided gradient)
+        return False
+    return True
 
 
 def _native_op(name: str) -> Any:
@@ -417,7 +422,7 @@ def _unfit_tensor(t: torch.Tensor, least: int = 0) -> str | None:
 def _native_takes(xs: list[torch.Tensor]) -> bool:
     """Whether the native list ops take every tensor of `xs` by its type, dtype, device and
     layout (plain float32 on the CPU, contiguous), as the kernel's own check does in C++
-    (`norm_vector(known_fit=True)` leaves it to that one). One generator over the list: a
+    (`norms_into` leaves it to that one). One generator over the list: a
     call per tensor would cost more."""
     return all(type(x) is _TENSOR and x.dtype == _FLOAT32 and x.is_cpu and x.is_contiguous()
                for x in xs)
@@ -709,7 +714,7 @@ def _native_ops(path: Path) -> dict[str, Any]:
     torch.ops.load_library(str(path))
     namespace = getattr(torch.ops, _native_namespace())
     return {name: getattr(namespace, name).default
-            for name in ("stats", "norm", "copy_norms", "diff_norms", "norms")}
+            for name in ("stats", "norm", "copy_norms", "diff_norms", "norms", "norms_into")}
 
 
 def _native_namespace() -> str:

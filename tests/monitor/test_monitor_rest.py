@@ -123,6 +123,33 @@ def test_the_every_step_check_finds_the_first_nonfinite_element_on_unsampled_ste
         assert not bool(torch.isfinite(loaded).all())  # the NaN is in it
 
 
+def test_the_flight_recorder_holds_every_steps_gradient_norms_as_torch_computes_them() -> None:
+    """The every-step check writes each gradient's norm into the flight recorder's row of
+    its step (on the CPU, the native call writes the row itself): every step's row, the
+    unsampled ones included, equals torch's float64 norm of each gradient, as the loop
+    saw it just before the update."""
+    model = _net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x = torch.randn(4, 8)
+    want: dict[int, torch.Tensor] = {}
+    with torchscope.monitor(model, opt, every=5, out=None, activations=False,
+                            memory=False) as mon:
+        for step in range(12):
+            opt.zero_grad()
+            model(x).pow(2).sum().backward()
+            want[step] = torch.stack([torch.linalg.vector_norm(p.grad.double())
+                                      for p in model.parameters()])  # (n,)
+            opt.step()
+        flight = mon._flight
+        assert flight is not None and flight._grads is not None
+        rows = {flight._grad_step[r]: flight._grads[r].clone() for r in range(flight.capacity)
+                if flight._grad_step[r] >= 0}
+    assert sorted(rows) == list(range(12))
+    for step, norms in want.items():
+        assert rows[step].dtype == torch.float64
+        torch.testing.assert_close(rows[step], norms, rtol=1e-6, atol=0)
+
+
 def test_memory_is_measured_where_the_input_changes_and_one_sampled_step_in_eight() -> None:
     """What a forward saves is set by the input's shapes: after the first three sampled
     steps the memory watch measures where they change and at the samples whose index is a

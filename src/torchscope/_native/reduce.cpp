@@ -8,12 +8,16 @@
 //       everywhere.
 //   norm(x) -> float64 (): the L2 norm.
 // x is a contiguous float32 CPU tensor of any shape with at least 2 elements.
-// And two over a list of tensors (a model's parameters; any sizes, empty ones too), in
+// And these over a list of tensors (a model's parameters; any sizes, empty ones too), in
 // one parallel pass that splits the list's elements evenly among threads:
 //   copy_norms(xs) -> (copies, float64 (n,)): a copy of each and its norm, one read.
 //   diff_norms(a, b) -> float64 (n,): the norm of each a[i] - b[i] (float32 differences, as
 //       a subtraction would round them), without writing the differences.
 //   norms(xs) -> float64 (n,): the norm of each (a model's gradients or weights).
+//   norms_into(xs, out, largest): the same norms written into out (a float64 (n,) row the
+//       caller keeps, such as a ring's), and their largest into largest (float64, one
+//       element; NaN where a norm is): a training step's NaN/Inf check in one call that
+//       allocates nothing.
 //
 // Why it is fast and still exact where it must be: the data is read in spans of at most
 // 1024 elements. A span's sums run in float32 vector lanes (32 elements per lane at most,
@@ -366,19 +370,25 @@ std::vector<Piece> pieces_of(at::TensorList xs) {
   return out;
 }
 
-// Runs span_fn(piece) -> sum of squares for every piece in parallel; the per-tensor norms.
+// Runs span_fn(piece) -> sum of squares for every piece in parallel; the per-tensor norms
+// into o[0..n).
 template <typename F>
-at::Tensor norms_of_pieces(int64_t n, const std::vector<Piece>& pieces, F span_fn) {
+void norms_of_pieces_into(int64_t n, const std::vector<Piece>& pieces, F span_fn, double* o) {
   std::vector<double> part(pieces.size(), 0.0);
   const int64_t np = static_cast<int64_t>(pieces.size());
   // Threads only when there is enough work to repay waking them.
   at::parallel_for(0, np, np < 4 ? std::max<int64_t>(np, 1) : 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) part[i] = span_fn(pieces[i]);
   });
-  at::Tensor out = at::zeros({n}, at::TensorOptions().dtype(at::kDouble));
-  double* o = out.data_ptr<double>();
+  std::fill(o, o + n, 0.0);
   for (int64_t i = 0; i < np; ++i) o[pieces[i].tensor] += part[i];
   for (int64_t t = 0; t < n; ++t) o[t] = std::sqrt(o[t]);
+}
+
+template <typename F>
+at::Tensor norms_of_pieces(int64_t n, const std::vector<Piece>& pieces, F span_fn) {
+  at::Tensor out = at::empty({n}, at::TensorOptions().dtype(at::kDouble));
+  norms_of_pieces_into(n, pieces, span_fn, out.data_ptr<double>());
   return out;
 }
 
@@ -417,13 +427,37 @@ at::Tensor diff_norms(at::TensorList a, at::TensorList b) {
   });
 }
 
+double norm_piece(at::TensorList xs, const Piece& c) {
+  const float* p = xs[c.tensor].const_data_ptr<float>();
+  double s = 0;
+  for (int64_t o = c.lo; o < c.hi; o += kSpan) s += norm_span(p + o, std::min(kSpan, c.hi - o));
+  return s;
+}
+
 at::Tensor norms(at::TensorList xs) {
-  return norms_of_pieces(static_cast<int64_t>(xs.size()), pieces_of(xs), [&](const Piece& c) {
-    const float* p = xs[c.tensor].const_data_ptr<float>();
-    double s = 0;
-    for (int64_t o = c.lo; o < c.hi; o += kSpan) s += norm_span(p + o, std::min(kSpan, c.hi - o));
-    return s;
-  });
+  return norms_of_pieces(static_cast<int64_t>(xs.size()), pieces_of(xs),
+                         [&](const Piece& c) { return norm_piece(xs, c); });
+}
+
+void norms_into(at::TensorList xs, const at::Tensor& out, const at::Tensor& largest) {
+  const int64_t n = static_cast<int64_t>(xs.size());
+  TORCH_CHECK(out.scalar_type() == at::kDouble && out.device().is_cpu() && out.is_contiguous() &&
+                  out.numel() == n,
+              "norms_into writes into a contiguous float64 CPU tensor of one element per tensor");
+  TORCH_CHECK(largest.scalar_type() == at::kDouble && largest.device().is_cpu() &&
+                  largest.numel() == 1,
+              "norms_into writes the largest norm into one float64 CPU element");
+  double* o = out.data_ptr<double>();
+  norms_of_pieces_into(n, pieces_of(xs), [&](const Piece& c) { return norm_piece(xs, c); }, o);
+  double most = -std::numeric_limits<double>::infinity();  // an empty list's largest
+  for (int64_t t = 0; t < n; ++t) {
+    if (std::isnan(o[t])) {
+      most = o[t];
+      break;
+    }
+    most = std::max(most, o[t]);
+  }
+  *largest.data_ptr<double>() = most;
 }
 
 at::Tensor norm(const at::Tensor& x) {
@@ -452,6 +486,7 @@ TORCH_LIBRARY(TORCHSCOPE_NAMESPACE, m) {
   m.def("copy_norms(Tensor[] xs) -> (Tensor[], Tensor)");
   m.def("diff_norms(Tensor[] a, Tensor[] b) -> Tensor");
   m.def("norms(Tensor[] xs) -> Tensor");
+  m.def("norms_into(Tensor[] xs, Tensor(a!) out, Tensor(b!) largest) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(TORCHSCOPE_NAMESPACE, CPU, m) {
@@ -460,4 +495,5 @@ TORCH_LIBRARY_IMPL(TORCHSCOPE_NAMESPACE, CPU, m) {
   m.impl("copy_norms", &copy_norms);
   m.impl("diff_norms", &diff_norms);
   m.impl("norms", &norms);
+  m.impl("norms_into", &norms_into);
 }

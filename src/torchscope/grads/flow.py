@@ -140,7 +140,7 @@ StepBy = Literal["optimizer", "micro_batches", "inferred", "manual"]
 
 # Parameters whose `.grad` tells a fresh step from accumulation (inferred steps), and a
 # zero_grad() between two backward passes of one sampled step.
-_EVIDENCE = 32
+_EVIDENCE = 8
 # How far above the optimizer's step hook a GradScaler's `step` is looked for: torch's step
 # wrapper, then `GradScaler._maybe_opt_step`, then `GradScaler.step` (accelerate's and
 # Lightning's own step wrappers call that).
@@ -404,9 +404,14 @@ class GradWatch(HookedContext, Analyzed):
         # ratios over the run): read at the next sample, when its copy has arrived.
         self.read_update: tuple[int, HostUpdates] | None = None
         # Called at every step's check with (step, per-gradient magnitudes (n,) on the
-        # device, in the order of the trainable parameters that have one): the monitor's
-        # flight recorder. One device only.
+        # device, in the order of the trainable parameters that have one; to be copied, not
+        # kept): the monitor's flight recorder. One device only.
         self.on_check: Callable[[int, torch.Tensor], None] | None = None
+        # Where the check may write step k's n magnitudes itself (`check_row(k, n)`: a
+        # contiguous float64 (n,) CPU row the monitor keeps, or None), in place of
+        # `on_check`: the native check writes them there, no copy follows.
+        self.check_row: Callable[[int, int], torch.Tensor | None] | None = None
+        self._check_out: torch.Tensor | None = None  # the native check's row without one
         self._awaiting: GradFlow | None = None
         self.broken_update: BrokenUpdate | None = None
         self.loss_broadcast: LossBroadcast | None = None
@@ -980,19 +985,10 @@ class GradWatch(HookedContext, Analyzed):
         CPU L2 norms summed in float64, which no float32 element can overflow: a 30-layer
         ReLU MLP's finite 6e31 elements read as Inf in a float32 L2 norm; elsewhere the
         infinity norm), and their largest into a ring that `_reduce_checks` reads every
-        `_CHECK_RING` checks: two ops on the device a step."""
+        `_CHECK_RING` checks: two ops on the device a step, one native call on the CPU."""
         grads = [g for p in self._params if (g := p.grad) is not None]
-        if self._native_fit and self._native_fit == len(grads):
-            # The same parameters' gradients as the last check took: one native call over
-            # the list, which checks their own attributes itself (all plain float32 on the
-            # CPU, so one device; a sparse one it refuses). `_foreach_norm` on the CPU runs
-            # one norm per tensor.
-            vector = _kernels.norm_vector(grads, known_fit=True)  # (n,) float64, or None
-            if vector is not None:
-                if self.on_check is not None:
-                    self.on_check(self.steps, vector)
-                self._note_check([vector])
-                return
+        if self._native_fit and self._native_fit == len(grads) and self._check_native(grads):
+            return
         grads = [g for g in grads if not g.is_sparse]
         if not grads:
             return
@@ -1016,20 +1012,47 @@ class GradWatch(HookedContext, Analyzed):
             vectors.append(vector)
         self._note_check(vectors)
 
-    def _note_check(self, vectors: list[torch.Tensor]) -> None:
-        """Write the largest of this check's gradient magnitudes (one (n,) vector per
-        device) into the next slot of the ring, reducing it first where it is full."""
+    def _check_native(self, grads: list[torch.Tensor]) -> bool:
+        """`_check_step` by one native call where it takes the same parameters' gradients
+        as the last check did (all plain float32 on the CPU, which it checks itself, in
+        C++): their norms into the monitor's flight-recorder row, or the watch's own, and
+        the largest into the ring's next slot. False, nothing noted, where it cannot."""
+        n = len(grads)
+        row = None if self.check_row is None else self.check_row(self.steps, n)
+        out = row
+        if out is None:
+            out = self._check_out
+            if out is None or out.numel() != n:
+                out = self._check_out = torch.empty(n, dtype=torch.float64)  # (n,)
+        slot = self._next_slot(grads[0].device)
+        if not _kernels.norms_into(grads, out, slot):
+            if row is not None:
+                row.fill_(math.nan)  # no magnitudes this step, unless the slow path writes them
+            return False
+        self._check_steps.append(self.steps)
+        if row is None and self.on_check is not None:
+            self.on_check(self.steps, out)
+        return True
+
+    def _next_slot(self, device: torch.device) -> torch.Tensor:
+        """The ring's next free slot on `device` (a () view), reducing the ring first where
+        it is full or on another device. The caller notes the step once it has written it."""
         if len(self._check_steps) == _CHECK_RING:
             self._reduce_checks()
-        device = vectors[0].device
         if self._checks is None or self._checks[0].device != device:
             self._reduce_checks()
             # float64 holds a CPU L2 norm of finite float32 elements (up to 1e43); MPS has none.
             dtype = torch.float32 if device.type == "mps" else torch.float64
             ring = torch.full((_CHECK_RING,), math.nan, dtype=dtype, device=device)
             self._checks = (ring, ring.unbind(0))
-        ring, slots = self._checks
-        slot = slots[len(self._check_steps)]  # () view into the ring
+        return self._checks[1][len(self._check_steps)]
+
+    def _note_check(self, vectors: list[torch.Tensor]) -> None:
+        """Write the largest of this check's gradient magnitudes (one (n,) vector per
+        device) into the next slot of the ring, reducing it first where it is full."""
+        slot = self._next_slot(vectors[0].device)
+        assert self._checks is not None
+        ring = self._checks[0]
         self._check_steps.append(self.steps)
         # detach: after backward(create_graph=True) the gradients, and their norms by
         # `_foreach_norm`, require grad, which an `out=` refuses.
@@ -1040,7 +1063,7 @@ class GradWatch(HookedContext, Analyzed):
             else:  # `_foreach_norm`'s, in the gradients' dtype
                 slot.copy_(vector.amax(), non_blocking=True)
             return
-        largest = torch.stack([v.detach().amax().to(device, ring.dtype, non_blocking=True)
+        largest = torch.stack([v.detach().amax().to(ring.device, ring.dtype, non_blocking=True)
                                for v in vectors])  # (devices,)
         slot.copy_(largest.amax())
 

@@ -3,11 +3,11 @@ a small ring on the device, read at each sample, so that a spike between two sam
 the report with its lead-up.
 
 Each step writes one row (the magnitudes the every-step NaN/Inf check computes anyway, one
-per gradient) and, where the loss is seen, one number: two copies on the device, no host
-sync. At a sampled step (already a sync) the ring is copied to the host once, its new
-steps are scanned for a spike against the recent median, and the layer that moved first
-in the steps before it is kept (`Spike`). Only a bounded series of per-step scalars stays
-on the host.
+per gradient; on the CPU the check writes them into the row itself) and, where the loss is
+seen, one number: at most two copies on the device, no host sync. At a sampled step
+(already a sync) the ring is copied to the host once, its new steps are scanned for a
+spike against the recent median, and the layer that moved first in the steps before it is
+kept (`Spike`). Only a bounded series of per-step scalars stays on the host.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ RECENT = 20  # steps whose median is the reference
 MIN_RECENT = 5  # ...at least this many (a loss: `MIN_RECENT_LOSS`, so that a spike at step
 MIN_RECENT_LOSS = 3  # 4 is judged; a loss does not double by chance in its first steps)
 MAX_SPIKES = 5
+_CPU = torch.device("cpu")
 
 
 class FlightRecorder:
@@ -53,7 +54,7 @@ class FlightRecorder:
     def __init__(self, capacity: int, names: list[str]) -> None:
         self.capacity = capacity
         self.names = names
-        self._grads: torch.Tensor | None = None  # (capacity, n) float32 on the device
+        self._grads: torch.Tensor | None = None  # (capacity, n) float64 on the device
         self._loss: torch.Tensor | None = None  # (capacity,) float32 on the device
         # Views of their rows, made once: a step's write is one copy, no indexing.
         self._grad_rows: tuple[torch.Tensor, ...] = ()
@@ -71,15 +72,25 @@ class FlightRecorder:
         """Step `step`'s per-gradient magnitudes, (n,) on the device (`GradWatch.on_check`).
         Steps where fewer parameters had a gradient are left out (the columns would not
         line up)."""
-        if magnitudes.numel() != len(self.names):
-            return
+        row = self.row_for(step, magnitudes.numel(), magnitudes.device)
+        if row is not None:
+            row.copy_(magnitudes.detach(), non_blocking=True)  # (n,)
+
+    def row_for(self, step: int, n: int, device: torch.device = _CPU) -> torch.Tensor | None:
+        """The row that holds step `step`'s n magnitudes, a contiguous float64 (n,) view
+        on `device` for the caller to fill, now noted as that step's
+        (`GradWatch.check_row`); None where n is not the number of parameters."""
+        if n != len(self.names):
+            return None
         if self._grads is None:
-            self._grads = torch.full((self.capacity, len(self.names)), math.nan,
-                                     dtype=torch.float32, device=magnitudes.device)
+            # float64: the NaN/Inf check's norms as they are (a finite one may pass float32's
+            # range).
+            self._grads = torch.full((self.capacity, n), math.nan, dtype=torch.float64,
+                                     device=device)
             self._grad_rows = self._grads.unbind(0)
-        row = step % self.capacity
-        self._grad_rows[row].copy_(magnitudes.detach(), non_blocking=True)  # (n,)
-        self._grad_step[row] = step
+        at = step % self.capacity
+        self._grad_step[at] = step
+        return self._grad_rows[at]
 
     def on_loss(self, step: int, loss: torch.Tensor) -> None:
         """The loss of step `step` (a scalar; the last micro-batch's where there are more)."""

@@ -328,6 +328,7 @@ class Monitor(HookedContext):
                                       [n for n, p in model.named_parameters()
                                        if p.requires_grad])
         self._grads.on_check = self._flight.on_grads
+        self._grads.check_row = self._flight.row_for
         # The watches' hooks on submodules, taken off for the steps that are not sampled
         # (`_rest`): only the model's own hooks and the parameters' stay on every step.
         # The memory watch's first: taken off while the others' are on, it keeps its
