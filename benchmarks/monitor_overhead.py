@@ -36,14 +36,14 @@ order rotated), and each sample sums ten rounds: one sampled step of every=10 an
 that are not. A block of steps keeps one model's memory warm and a slow spell of the
 machine moves whole blocks, so its intervals are wide; single steps pair more closely.
 
-Latest figures (2026-12-07, 2-core CPU, load about 1, CPU ratios, median [95 % interval]),
-with `--block 1 --chunk 10`: 2 x 64, every=10 1.062x [1.060-1.067] and 1.066x
-[1.063-1.069], every=1000 1.026x [1.024-1.028] and 1.027x [1.025-1.029]; 4 x 128, every=10
-1.029x [1.025-1.033] and 1.030x [1.025-1.035], every=1000 1.011x [1.008-1.015] and 1.010x
-[1.004-1.017]. Lightning, in blocks of 50 steps after each fit's first 25 (2026-12-08, 20
-rounds): 4 x 128 every=10 1.033x [1.014-1.053], every=1000 1.001x [0.981-1.027]; 2 x 64
-every=10 1.086x [1.051-1.105], every=1000 1.028x [1.015-1.047]. The goals are met at 4 x 128
-(medians on them), not at 2 x 64; where the cost goes: docs/benchmarks.md.
+Latest figures (2026-12-08, 2-core CPU, load about 1, CPU ratios, median [95 % interval]),
+with `--block 1 --chunk 10` (100 rounds at 2 x 64, 60 at 4 x 128): 2 x 64, every=10 1.060x
+[1.058-1.063], every=1000 1.023x [1.021-1.025]; 4 x 128, every=10 1.030x [1.027-1.034],
+every=1000 1.012x [1.008-1.016]. Lightning, in blocks of 50 steps after each fit's first 25
+(20 rounds): 4 x 128 every=10 1.026x [1.017-1.045], every=1000 1.007x [0.993-1.015]; 2 x 64
+every=10 1.065x [1.046-1.081], every=1000 1.008x [0.989-1.024]. At 4 x 128 the medians meet
+both goals in Lightning (its intervals are wide) and sit on them in the plain loop; at
+2 x 64 only Lightning's steps not sampled do. Where the cost goes: docs/benchmarks.md.
 """
 
 from __future__ import annotations
