@@ -139,7 +139,9 @@ def gradient_flow(
 StepBy = Literal["optimizer", "micro_batches", "inferred", "manual"]
 
 # Parameters whose `.grad` tells a fresh step from accumulation (inferred steps), and a
-# zero_grad() between two backward passes of one sampled step.
+# zero_grad() between two backward passes of one sampled step. Spread over the optimizer's
+# parameters and read twice at every step, in Python: a loop zeroes all of an optimizer's
+# gradients at once, so a few tell it as well as all.
 _EVIDENCE = 8
 # How far above the optimizer's step hook a GradScaler's `step` is looked for: torch's step
 # wrapper, then `GradScaler._maybe_opt_step`, then `GradScaler.step` (accelerate's and
